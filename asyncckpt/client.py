@@ -1,0 +1,279 @@
+"""The rank client: `save()` returns at once; a background thread stages into the ring.
+
+The training thread only flattens the state dict and checks it (so an unsupported value
+fails in `save()` itself, before anything is sent); the copying happens on a stager
+thread that overlaps the next forward/backward, and the writer does the rest. A second
+thread receives slot credits and results. Saves are staged in the order they are
+made. If the writer goes away, every pending handle fails with WriterUnavailableError
+at once and later saves raise it immediately: nothing waits forever on a dead writer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import protocol, ring
+from .config import Knobs
+from .errors import CheckpointError, SaveFailedError, WriterUnavailableError
+from .handle import SaveHandle
+from .stager import stage
+from .tree import flatten
+
+log = logging.getLogger("asyncckpt.client")
+_ERRORS: dict[str, type[CheckpointError]] = {}
+
+
+def _error_class(name: str) -> type[CheckpointError]:
+    if not _ERRORS:
+        from . import errors
+        _ERRORS.update({n: c for n, c in vars(errors).items()
+                        if isinstance(c, type) and issubclass(c, CheckpointError)})
+    cls = _ERRORS.get(name, SaveFailedError)
+    return cls if issubclass(cls, SaveFailedError) else SaveFailedError
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _PendingSave:
+    def __init__(self, save_id: int, step: int, state: Any, handle: SaveHandle) -> None:
+        self.id = save_id
+        self.step = step
+        self.tree, self.entries = flatten(state)
+        self.handle = handle
+
+
+class Client:
+    """A rank's connection to the writer, with its own shared-memory ring.
+
+    Use one client per rank process; it is thread-safe for `save()`.
+    """
+
+    def __init__(self, address: str | None = None, *, rank: int | None = None,
+                 world_size: int | None = None, **knobs: Any) -> None:
+        """Create this rank's ring and connect to the writer.
+
+        Args:
+            address: the writer's address (WriterProcess.address); default
+                ASYNCCKPT_ADDRESS.
+            rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE,
+                else 0 / 1.
+            knobs: slot_size, ring_size, connect_timeout overrides (see Knobs).
+        Raises:
+            WriterUnavailableError: no address, no writer there, or authentication failed.
+        """
+        self.knobs = Knobs.from_env(**knobs)
+        address = address or os.environ.get(protocol.ADDRESS_ENV)
+        if not address:
+            raise WriterUnavailableError(
+                f"no writer address: pass one or set {protocol.ADDRESS_ENV} "
+                "(start a writer with asyncckpt.start_writer() or `asyncckpt writer`)")
+        self.address = address
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        ring.sweep_stale()
+        self._ring = ring.Ring.create(self.knobs.slot_size, self.knobs.ring_slots)
+        try:
+            self._conn = protocol.dial(address, protocol.read_authkey(address),
+                                       self.knobs.connect_timeout)
+            protocol.send(self._conn, "hello", rank=self.rank, world_size=self.world_size,
+                          pid=os.getpid(), ring=self._ring.name,
+                          slot_size=self._ring.slot_size, slots=self._ring.slots)
+            if not self._conn.poll(self.knobs.connect_timeout):
+                raise WriterUnavailableError(f"writer at {address} did not welcome us")
+            welcome = protocol.recv(self._conn)
+        except (OSError, EOFError, ValueError) as e:
+            self._ring.close()
+            raise WriterUnavailableError(f"writer at {address} closed the connection during "
+                                         f"the handshake: {e}", rank=self.rank) from None
+        except BaseException:
+            self._ring.close()
+            raise
+        finally:
+            self._ring.unlink()
+        self.codec = welcome.get("codec")
+        self._free = collections.deque(range(self._ring.slots))
+        self._cond = threading.Condition()
+        self._pending: dict[int, _PendingSave] = {}
+        self._ids = itertools.count(1)
+        self._broken: WriterUnavailableError | None = None
+        self._queue: queue.Queue[_PendingSave | None] = queue.Queue()
+        self._closed = False
+        self._receiver = threading.Thread(target=self._receive, daemon=True,
+                                          name=f"asyncckpt-recv-{self.rank}")
+        self._stager = threading.Thread(target=self._stage_loop, daemon=True,
+                                        name=f"asyncckpt-stage-{self.rank}")
+        self._receiver.start()
+        self._stager.start()
+
+    def save(self, step: int, state_dict: Any) -> SaveHandle:
+        """Queue `state_dict` as this rank's part of `step` and return at once.
+
+        The tensors must not be modified until `handle.staged()` is true (wait with
+        `handle.wait_staged()`); they are copied into the ring in the background.
+        The step is committed once every rank of the world has saved it.
+
+        Returns:
+            A SaveHandle; `handle.wait()` returns the checkpoint path or raises.
+        Raises:
+            UnsupportedStateError: a value that cannot be saved (named by its key path).
+            WriterUnavailableError: the writer is gone.
+            ValueError: a negative or non-int step.
+        """
+        started = time.perf_counter()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int; got {step!r}")
+        if self._closed:
+            raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
+        if self._broken is not None:
+            raise self._broken
+        handle = SaveHandle(step)
+        pending = _PendingSave(next(self._ids), step, state_dict, handle)
+        with self._cond:
+            self._pending[pending.id] = pending
+        self._queue.put(pending)
+        handle.stats["blocked_seconds"] = time.perf_counter() - started
+        return handle
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._stager.join(timeout)
+        for pending in list(self._pending.values()):
+            pending.handle._done.wait(timeout)
+        protocol.hang_up(self._conn)
+        self._receiver.join(timeout)
+        try:
+            self._ring.close()
+        except BufferError:
+            pass  # a view is still referenced; the mapping goes with the process
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- stager thread ---------------------------------------------------------------
+
+    def _stage_loop(self) -> None:
+        while (pending := self._queue.get()) is not None:
+            if self._broken is not None:
+                pending.handle._set_failed(self._broken)
+                continue
+            try:
+                self._stage_one(pending)
+            except (OSError, ValueError):
+                self._on_broken("writer connection lost while staging")
+            except _Cancelled:
+                pass
+
+    def _stage_one(self, pending: _PendingSave) -> None:
+        started = time.perf_counter()
+        handle = pending.handle
+        protocol.send(self._conn, "begin", save=pending.id, step=pending.step,
+                      world_size=self.world_size, tree=pending.tree,
+                      tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in pending.entries])
+
+        def acquire() -> int:
+            with self._cond:
+                while not self._free:
+                    if handle.done() or self._broken is not None:
+                        raise _Cancelled
+                    self._cond.wait()
+                return self._free.popleft()
+
+        def emit(slot: int, length: int) -> None:
+            protocol.send(self._conn, "chunk", save=pending.id, slot=slot, length=length)
+
+        try:
+            nbytes = stage((e.tensor for e in pending.entries), self._ring, acquire, emit)
+        except _Cancelled:
+            protocol.send(self._conn, "end", save=pending.id)
+            raise
+        except (OSError, ValueError):
+            raise
+        except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
+            error = SaveFailedError(f"staging failed: {type(e).__name__}: {e}",
+                                    step=pending.step, rank=self.rank)
+            protocol.send(self._conn, "abort", save=pending.id, reason=str(error))
+            handle._set_failed(error)
+            return
+        protocol.send(self._conn, "end", save=pending.id)
+        seconds = time.perf_counter() - started
+        handle.stats.update(staged_bytes=nbytes, staging_seconds=seconds)
+        handle._set_staged()
+
+    # -- receiver thread -------------------------------------------------------------
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                m = protocol.recv(self._conn)
+                op = m["op"]
+                if op == "free":
+                    with self._cond:
+                        self._free.append(int(m["slot"]))
+                        self._cond.notify()
+                elif op in ("committed", "failed"):
+                    with self._cond:
+                        pending = self._pending.pop(int(m["save"]), None)
+                        if pending is not None and op == "committed":
+                            pending.handle._set_committed(Path(m["path"]), m.get("stats", {}))
+                        elif pending is not None:
+                            cls = _error_class(m.get("error", ""))
+                            pending.handle._set_failed(cls(m.get("message", "save failed")))
+                        self._cond.notify_all()
+        except (EOFError, OSError, ValueError, KeyError):
+            self._on_broken("the writer closed the connection" if not self._closed
+                            else "the client was closed")
+
+    def _on_broken(self, why: str) -> None:
+        with self._cond:
+            if self._broken is None:
+                self._broken = WriterUnavailableError(f"{why} ({self.address})", rank=self.rank)
+            failed = list(self._pending.values())
+            self._pending.clear()
+            self._cond.notify_all()
+        for pending in failed:
+            pending.handle._set_failed(self._broken)
+
+
+def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """This process's (rank, world size): arguments, torch.distributed, env, then (0, 1)."""
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    return rank, world_size
+
+
+_default: Client | None = None
+_default_lock = threading.Lock()
+
+
+def default_client() -> Client:
+    """The process-wide client built from the environment (ASYNCCKPT_ADDRESS, RANK, ...)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed or _default._broken is not None:
+            _default = Client()
+            atexit.register(_default.close)
+        return _default

@@ -1,0 +1,163 @@
+"""Commit protocol: a checkpoint becomes visible in one rename.
+
+Everything is written under `step-N.tmp-<id>/` and fsynced, the manifest last (its own
+tmp file, fsync, rename), then the directory is fsynced and renamed to `step-N/`, the
+root fsynced, and only then is `latest` replaced (tmp file, fsync, rename). A crash at
+any point leaves either the previous checkpoint or the new one, never a mix: a
+directory without the manifest is never a checkpoint, and tmp directories are swept
+when a writer next takes the root. `latest` is derived from what is on disk, never
+from memory, so it cannot name a step that is not there.
+
+Object stores have no atomic directory rename; they would need a commit marker written
+last instead (docs/FORMAT.md). For several nodes the same sequence runs once, by the
+leader, after every node's part has arrived.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from .errors import DiskFullError, SaveFailedError, WriterLockedError
+from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, is_tmp_dir, parse_step_dir,
+                     step_dir_name)
+from .manifest import Manifest
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_tmp_dir(root: Path, step: int) -> Path:
+    path = root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
+    path.mkdir()
+    return path
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a tmp file, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
+    fsync_path(path.parent)
+
+
+def publish(root: Path, tmp_dir: Path, manifest: Manifest) -> Path:
+    """Write the manifest into `tmp_dir` and make it the committed `step-N/`.
+
+    Every data file in `tmp_dir` must already be fsynced.
+
+    Raises:
+        SaveFailedError: the step is already committed, or an I/O error (DiskFullError
+            when the disk is full); the tmp directory is then left for the caller to
+            discard and nothing becomes visible.
+    """
+    final = root / step_dir_name(manifest.step)
+    try:
+        if final.exists():
+            raise SaveFailedError(f"{final} already exists; a committed step is never replaced",
+                                  step=manifest.step)
+        write_atomic(tmp_dir / MANIFEST_NAME, manifest.to_bytes())
+        os.rename(tmp_dir, final)
+        fsync_path(root)
+        update_latest(root)
+    except OSError as e:
+        raise io_error(e, step=manifest.step, file=str(e.filename or final)) from e
+    return final
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps under `root` that have a manifest, oldest first (manifests not validated)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        step = parse_step_dir(name)
+        if step is not None and (root / name / MANIFEST_NAME).is_file():
+            steps.append(step)
+    return sorted(steps)
+
+
+def read_latest(root: Path) -> int | None:
+    """The step `latest` names, or None if it is absent or unreadable."""
+    try:
+        text = (root / LATEST_NAME).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return parse_step_dir(text)
+
+
+def update_latest(root: Path) -> None:
+    """Point `latest` at the newest committed step on disk (or remove it if none)."""
+    steps = committed_steps(root)
+    if not steps:
+        (root / LATEST_NAME).unlink(missing_ok=True)
+    elif read_latest(root) != steps[-1]:
+        write_atomic(root / LATEST_NAME, f"{step_dir_name(steps[-1])}\n".encode())
+
+
+def remove_stale_tmp(root: Path) -> list[str]:
+    """Delete abandoned `step-*.tmp-*` directories; returns their names.
+
+    Only safe while holding the root lock: a live writer's tmp dirs look the same.
+    """
+    removed = []
+    for name in sorted(os.listdir(root)):
+        if is_tmp_dir(name):
+            shutil.rmtree(root / name, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def discard(tmp_dir: Path) -> None:
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+class RootLock:
+    """An exclusive flock on `ROOT/.asyncckpt.lock`, released by the kernel on exit."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / LOCK_NAME
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip()
+            os.close(self._fd)
+            raise WriterLockedError(f"another writer holds {self.path} (pid {holder or '?'})",
+                                    file=str(root)) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def io_error(e: OSError, **where: object) -> SaveFailedError:
+    """Turn an OSError into the SaveFailedError the caller sees."""
+    cls = DiskFullError if e.errno in (errno.ENOSPC, errno.EDQUOT) else SaveFailedError
+    what = "disk full" if cls is DiskFullError else "I/O error"
+    return cls(f"{what}: {e.strerror or e}", **where)  # type: ignore[arg-type]

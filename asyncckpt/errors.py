@@ -1,0 +1,83 @@
+"""Typed errors.
+
+Every error a caller can see is a `CheckpointError`. The message names what is known of
+where it happened -- step, rank, file, frame, tensor key -- and the cause, so that a log
+line alone is enough to act on. The fields are also kept as attributes for programs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CheckpointError(Exception):
+    """Base class of every asyncckpt error.
+
+    Attributes:
+        step, rank, file: where it happened, when known (else None).
+        cause: the underlying reason, as text.
+    """
+
+    def __init__(
+        self,
+        cause: str,
+        *,
+        step: int | None = None,
+        rank: int | None = None,
+        file: str | None = None,
+        **detail: Any,
+    ) -> None:
+        self.cause = cause
+        self.step = step
+        self.rank = rank
+        self.file = file
+        self.detail = detail
+        where = []
+        if step is not None:
+            where.append(f"step {step}")
+        if rank is not None:
+            where.append(f"rank {rank}")
+        if file is not None:
+            where.append(str(file))
+        super().__init__(f"{', '.join(where)}: {cause}" if where else cause)
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """A value in the state dict cannot be saved (dtype, layout, object type, key type).
+
+    Raised by `save()` before anything is sent to the writer.
+    """
+
+
+class SaveFailedError(CheckpointError):
+    """The writer could not complete a save (I/O error, a rank failed, a conflict).
+
+    Nothing of that step was committed; earlier checkpoints are untouched.
+    """
+
+
+class DiskFullError(SaveFailedError):
+    """The writer ran out of space (ENOSPC or EDQUOT) while writing a checkpoint."""
+
+
+class WriterUnavailableError(CheckpointError):
+    """The writer cannot be reached: not started, gone, refused authentication."""
+
+
+class WriterLockedError(CheckpointError):
+    """Another writer already holds the checkpoint root."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint exists where one was asked for."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint failed verification: bad checksum, size, structure or path.
+
+    Raised before any corrupt byte is returned to the caller.
+    """
+
+
+class StateMismatchError(CheckpointError):
+    """`load(..., into=...)` found a target whose key, shape or dtype disagrees."""

@@ -1,0 +1,128 @@
+"""The bytes of a rank's data file: a safetensors stream, cut into frames.
+
+A rank's data is laid out exactly as one safetensors file (8-byte little-endian header
+length, JSON header padded with spaces to 8 bytes, then every tensor's bytes back to
+back in save order). Keeping that layout, rather than a format of our own, means a
+raw-codec data file *is* a safetensors file and a zstd one decompresses (`zstd -d`) to
+one: any tool that reads safetensors reads our checkpoints, no asyncckpt needed. The
+stream is cut into frames of at most one ring slot; each frame is encoded on its own, so
+the writer streams and the reader can check and decode any frame independently.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from typing import Iterable, NamedTuple
+
+from .errors import CorruptCheckpointError
+
+FORMAT_NAME = "asyncckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LATEST_NAME = "latest"
+LOCK_NAME = ".asyncckpt.lock"
+
+# safetensors dtype names and element sizes. Kept free of torch so that the writer
+# process never imports it (torch alone is ~140 MiB of private memory).
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
+    "F16": 2, "BF16": 2, "F32": 4, "F64": 8,
+    "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
+}
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TMP_DIR = re.compile(r"^step-(\d{8,})\.tmp-[0-9a-f]+$")
+_DATA_FILE = re.compile(r"^rank-(\d{5,})\.safetensors(\.zst)?$")
+
+
+class TensorSpec(NamedTuple):
+    """A tensor in a rank's stream: `begin`..`end` are absolute stream offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed directory name, else None."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_tmp_dir(name: str) -> bool:
+    return _TMP_DIR.match(name) is not None
+
+
+def tmp_step_of(name: str) -> int | None:
+    m = _TMP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def data_file_name(rank: int, codec: str) -> str:
+    return f"rank-{rank:05d}.safetensors" + ("" if codec == "raw" else ".zst")
+
+
+def is_data_file_name(name: str) -> bool:
+    """True for names the writer creates; the reader opens nothing else."""
+    return _DATA_FILE.match(name) is not None
+
+
+def element_size(dtype_name: str) -> int:
+    return DTYPE_SIZES[dtype_name]
+
+
+def layout(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[TensorSpec]]:
+    """Lay out a safetensors stream: its header bytes and each tensor's byte range.
+
+    Args:
+        tensors: (name, dtype name, shape) in stream order.
+    Returns:
+        (the 8-byte length prefix plus the padded JSON header, the specs with absolute
+        offsets in the stream).
+    """
+    items = list(tensors)
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": FORMAT_NAME}}
+    offset = 0
+    for name, dtype, shape in items:
+        size = element_size(dtype)
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % 8)
+    prefix = struct.pack("<Q", len(text)) + text
+    base = len(prefix)
+    specs = []
+    for name, dtype, shape in items:
+        begin, end = header[name]["data_offsets"]  # type: ignore[index]
+        specs.append(TensorSpec(name, dtype, tuple(shape), base + begin, base + end))
+    return prefix, specs
+
+
+def parse_header(prefix: bytes) -> dict[str, object]:
+    """Parse the safetensors header that opens a stream (the bytes of its first frame).
+
+    Raises:
+        CorruptCheckpointError: not a well-formed safetensors header.
+    """
+    if len(prefix) < 8:
+        raise CorruptCheckpointError("safetensors header truncated")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length + 8 > len(prefix):
+        raise CorruptCheckpointError(f"safetensors header declares {length} bytes, has {len(prefix) - 8}")
+    try:
+        header = json.loads(prefix[8:8 + length])
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError("safetensors header is not a JSON object")
+    return header

@@ -1,0 +1,115 @@
+"""Starting the writer from Python: a child process, not a thread.
+
+`start_writer` runs `python -m asyncckpt writer` as a subprocess (no fork of a process
+that may hold CUDA or gloo state), waits until it listens, and returns its address.
+The child watches its parent: if the trainer dies, the writer finishes the commits in
+flight and exits, so nothing outlives the job and no committed checkpoint is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import WriterLockedError, WriterUnavailableError
+from .protocol import ADDRESS_ENV
+
+READY_PREFIX = "ASYNCCKPT_READY "
+
+
+class WriterProcess:
+    """A writer started by `start_writer`.
+
+    Attributes:
+        address: what clients pass to `connect()` (also exported as ASYNCCKPT_ADDRESS
+            to this process's environment, so child ranks inherit it).
+        root: the checkpoint root it owns.
+        pid: its process id.
+    """
+
+    def __init__(self, proc: subprocess.Popen, address: str, root: Path) -> None:
+        self._proc = proc
+        self.address = address
+        self.root = root
+        self.pid = proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM the writer (it finishes in-flight commits), wait, return its exit code.
+
+        Kills it if it has not exited after `timeout` seconds.
+        """
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if os.environ.get(ADDRESS_ENV) == self.address:
+            del os.environ[ADDRESS_ENV]
+        return self._proc.returncode
+
+    def __enter__(self) -> "WriterProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"WriterProcess(pid={self.pid}, root={str(self.root)!r}, address={self.address!r})"
+
+
+def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
+                 log_file: str | os.PathLike[str] | None = None, timeout: float = 60.0,
+                 **knobs: Any) -> WriterProcess:
+    """Start a writer process that owns `root` and return once it accepts ranks.
+
+    Args:
+        root: the checkpoint root directory (created if missing).
+        codec: "zstd" (default) or "raw".
+        log_file: where the writer logs (default: inherit stderr).
+        knobs: other writer knobs (zstd_level, shutdown_timeout, ...); see Knobs.
+    Returns:
+        A WriterProcess; its address is also exported as ASYNCCKPT_ADDRESS.
+    Raises:
+        WriterLockedError: another writer holds `root`.
+        WriterUnavailableError: the writer did not start within `timeout` seconds.
+    """
+    root = Path(root).resolve()
+    cmd = [sys.executable, "-m", "asyncckpt", "writer", "--root", str(root),
+           "--parent-pid", str(os.getpid()), "--ready-line"]
+    if codec is not None:
+        cmd += ["--codec", codec]
+    for name, value in knobs.items():
+        cmd += ["--knob", f"{name}={value}"]
+    stderr = open(log_file, "ab") if log_file else None
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                                text=True, start_new_session=True)
+    finally:
+        if stderr:
+            stderr.close()
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        line = proc.stdout.readline() if sel.select(timeout) else ""
+    if not line.startswith(READY_PREFIX):
+        code = proc.poll()
+        if code is None:
+            proc.kill()
+            proc.wait()
+        elif code == 3:
+            raise WriterLockedError(f"another writer holds {root}", file=str(root))
+        raise WriterUnavailableError(f"writer for {root} did not start (exit code {proc.poll()}); "
+                                     "see its log", file=str(root))
+    address = line[len(READY_PREFIX):].strip()
+    os.environ[ADDRESS_ENV] = address
+    return WriterProcess(proc, address, root)

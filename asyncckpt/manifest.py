@@ -1,0 +1,252 @@
+"""The manifest: the one file that makes a checkpoint a checkpoint.
+
+It is written last, after every data file is durable, and it is the only thing the
+reader trusts: every tensor's place, every frame's offsets and checksums, the object
+tree. It carries its own xxh3 so a torn or edited manifest is caught before anything it
+says is used. The checksum covers the exact bytes of the body, not a re-serialisation,
+so any language can check it without canonical JSON:
+
+    {"xxh3":"<16 hex digits>","manifest":<body>}\\n
+
+Parsing validates every field against the rules the reader relies on (contiguous
+frames and tensors, sizes that agree, file names the writer could have made), so a
+hostile manifest produces a `CorruptCheckpointError`, never a wild read or allocation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ._version import __version__
+from .config import Knobs
+from .errors import CorruptCheckpointError
+from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TensorSpec,
+                     data_file_name, element_size)
+
+_PREFIX = b'{"xxh3":"'
+_MIDDLE = b'","manifest":'
+_SUFFIX = b"}\n"
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_MAX_INT = 1 << 62
+CODEC_NAMES = ("raw", "zstd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One independently encoded piece of a rank's stream."""
+
+    raw_offset: int
+    raw_length: int
+    stored_offset: int
+    stored_length: int
+    codec: str
+    xxh3_raw: int
+    xxh3_stored: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"raw": [self.raw_offset, self.raw_length],
+                "stored": [self.stored_offset, self.stored_length],
+                "codec": self.codec,
+                "xxh3_raw": f"{self.xxh3_raw:016x}",
+                "xxh3_stored": f"{self.xxh3_stored:016x}"}
+
+
+@dataclasses.dataclass
+class RankPart:
+    """What one rank saved: its data file, frames, tensors and object tree."""
+
+    rank: int
+    file: str
+    codec: str
+    raw_size: int
+    stored_size: int
+    tensors: list[TensorSpec]
+    frames: list[Frame]
+    tree: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "file": self.file, "codec": self.codec,
+                "raw_size": self.raw_size, "stored_size": self.stored_size,
+                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                             "range": [t.begin, t.end]} for t in self.tensors],
+                "frames": [f.to_json() for f in self.frames],
+                "tree": self.tree}
+
+
+@dataclasses.dataclass
+class Manifest:
+    step: int
+    world_size: int
+    ranks: list[RankPart]
+    created: float = dataclasses.field(default_factory=time.time)
+    writer_version: str = __version__
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def raw_size(self) -> int:
+        return sum(p.raw_size for p in self.ranks)
+
+    @property
+    def stored_size(self) -> int:
+        return sum(p.stored_size for p in self.ranks)
+
+    def to_bytes(self) -> bytes:
+        body = json.dumps({
+            "format": FORMAT_NAME, "format_version": self.format_version,
+            "writer_version": self.writer_version, "step": self.step,
+            "world_size": self.world_size, "created": self.created,
+            "ranks": [p.to_json() for p in self.ranks],
+        }, separators=(",", ":"), allow_nan=False).encode()
+        digest = f"{xxhash.xxh3_64_intdigest(body):016x}".encode()
+        return _PREFIX + digest + _MIDDLE + body + _SUFFIX
+
+
+def parse_manifest(data: bytes, *, max_frame_bytes: int) -> Manifest:
+    """Check and parse manifest bytes.
+
+    Raises:
+        CorruptCheckpointError: bad checksum, bad JSON, or any field breaking its rule.
+    """
+    head = len(_PREFIX) + 16 + len(_MIDDLE)
+    if (len(data) < head + len(_SUFFIX) or not data.startswith(_PREFIX)
+            or data[len(_PREFIX) + 16:head] != _MIDDLE or not data.endswith(_SUFFIX)):
+        raise CorruptCheckpointError("manifest does not have the checksummed envelope")
+    digest = data[len(_PREFIX):len(_PREFIX) + 16].decode("ascii", "replace")
+    body = data[head:-len(_SUFFIX)]
+    actual = f"{xxhash.xxh3_64_intdigest(body):016x}"
+    if digest != actual:
+        raise CorruptCheckpointError(f"manifest xxh3 mismatch (recorded {digest}, actual {actual})")
+    try:
+        doc = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"manifest is not valid JSON: {e}") from None
+    try:
+        return _manifest_from_json(doc, max_frame_bytes)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"manifest field invalid: {type(e).__name__}: {e}") from None
+
+
+def read_manifest(directory: Path, knobs: Knobs | None = None) -> Manifest:
+    """Read, size-check, checksum and validate `directory`'s manifest.
+
+    Raises:
+        CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
+    """
+    knobs = knobs or Knobs.from_env()
+    where = str(directory / MANIFEST_NAME)
+    try:
+        fd = os.open(directory / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot open manifest: {e.strerror}", file=where) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > knobs.max_manifest_bytes:
+            raise CorruptCheckpointError(f"manifest is not a regular file of at most "
+                                         f"{knobs.max_manifest_bytes} bytes", file=where)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(knobs.max_manifest_bytes + 1)
+    finally:
+        os.close(fd)
+    try:
+        return parse_manifest(data, max_frame_bytes=knobs.max_frame_bytes)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(e.cause, file=where) from None
+
+
+def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int) -> Manifest:
+    _check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME, "not an asyncckpt manifest")
+    version = _int(doc["format_version"], "format_version")
+    _check(version == FORMAT_VERSION,
+           f"format_version {version} is not {FORMAT_VERSION}; a newer asyncckpt wrote it")
+    world = _int(doc["world_size"], "world_size")
+    _check(1 <= world <= 1 << 20, f"world_size {world} out of range")
+    ranks_json = doc["ranks"]
+    _check(isinstance(ranks_json, list) and len(ranks_json) == world,
+           f"manifest lists {len(ranks_json)} ranks, world_size is {world}")
+    created = doc["created"]
+    _check(isinstance(created, (int, float)) and math.isfinite(created), "created is not a time")
+    _check(isinstance(doc["writer_version"], str), "writer_version is not a string")
+    ranks = [_rank_from_json(r, i, max_frame_bytes) for i, r in enumerate(ranks_json)]
+    return Manifest(step=_int(doc["step"], "step"), world_size=world, ranks=ranks,
+                    created=float(created), writer_version=doc["writer_version"],
+                    format_version=version)
+
+
+def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> RankPart:
+    rank = _int(doc["rank"], "rank")
+    _check(rank == index, f"rank entry {index} says rank {rank}")
+    codec = doc["codec"]
+    _check(codec in CODEC_NAMES, f"rank {rank}: unknown codec {codec!r}")
+    file = doc["file"]
+    _check(file == data_file_name(rank, codec), f"rank {rank}: unexpected file name {file!r}")
+    raw_size, stored_size = _int(doc["raw_size"], "raw_size"), _int(doc["stored_size"], "stored_size")
+
+    frames, raw_pos, stored_pos = [], 0, 0
+    for f in doc["frames"]:
+        (ro, rl), (so, sl) = f["raw"], f["stored"]
+        frame = Frame(_int(ro, "raw offset"), _int(rl, "raw length"), _int(so, "stored offset"),
+                      _int(sl, "stored length"), f["codec"], _hex(f["xxh3_raw"]),
+                      _hex(f["xxh3_stored"]))
+        where = f"rank {rank} frame {len(frames)}"
+        _check(frame.codec in CODEC_NAMES, f"{where}: unknown codec {frame.codec!r}")
+        _check(frame.raw_offset == raw_pos and frame.stored_offset == stored_pos,
+               f"{where}: offsets not contiguous")
+        _check(0 < frame.raw_length <= max_frame_bytes,
+               f"{where}: raw length {frame.raw_length} outside 1..{max_frame_bytes}")
+        _check(frame.stored_length > 0, f"{where}: empty stored frame")
+        _check(frame.codec != "raw" or frame.stored_length == frame.raw_length,
+               f"{where}: raw frame with different stored length")
+        raw_pos += frame.raw_length
+        stored_pos += frame.stored_length
+        frames.append(frame)
+    _check(raw_pos == raw_size and stored_pos == stored_size,
+           f"rank {rank}: frames cover {raw_pos}/{stored_pos} bytes, sizes say {raw_size}/{stored_size}")
+
+    tensors, names = [], set()
+    for t in doc["tensors"]:
+        name, dtype, shape = t["name"], t["dtype"], t["shape"]
+        _check(isinstance(name, str) and name not in names, f"rank {rank}: bad or repeated tensor name")
+        _check(dtype in DTYPE_SIZES, f"rank {rank}: tensor {name!r} has unknown dtype {dtype!r}")
+        _check(isinstance(shape, list) and len(shape) <= 64, f"tensor {name!r}: bad shape")
+        nbytes = element_size(dtype)
+        for dim in shape:
+            nbytes *= _int(dim, "dimension")
+        begin, end = (_int(x, "tensor range") for x in t["range"])
+        _check(end - begin == nbytes, f"tensor {name!r}: range {begin}..{end} holds {end - begin} "
+               f"bytes, shape and dtype need {nbytes}")
+        _check(not tensors or begin == tensors[-1].end, f"tensor {name!r}: ranges not contiguous")
+        names.add(name)
+        tensors.append(TensorSpec(name, dtype, tuple(shape), begin, end))
+    _check(not tensors or tensors[-1].end == raw_size,
+           f"rank {rank}: tensors end at {tensors[-1].end if tensors else 0}, stream at {raw_size}")
+    return RankPart(rank, file, codec, raw_size, stored_size, tensors, frames, doc["tree"])
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise CorruptCheckpointError(f"manifest: {message}")
+
+
+def _int(value: Any, what: str) -> int:
+    _check(type(value) is int and 0 <= value < _MAX_INT, f"{what} {value!r:.40} is not a valid size")
+    return value
+
+
+def _hex(value: Any) -> int:
+    _check(isinstance(value, str) and _HEX16.match(value) is not None,
+           f"checksum {value!r:.40} is not 16 hex digits")
+    return int(value, 16)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")

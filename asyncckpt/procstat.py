@@ -1,0 +1,46 @@
+"""Memory readings from /proc, for the writer's own accounting, the demo and benchmarks.
+
+RssAnon is the private memory of a process (heap, stacks); the ring is shared memory
+and shows in RssShmem, so the writer's bounded-memory promise is stated in RssAnon.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+def read_status(pid: int | str = "self") -> dict[str, int]:
+    """The kB fields of /proc/PID/status (VmRSS, VmHWM, RssAnon, RssShmem, ...), in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            parts = value.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[key] = int(parts[0]) * 1024
+    return out
+
+
+class PeakSampler:
+    """Samples a process's RssAnon every `interval` seconds in a daemon thread."""
+
+    def __init__(self, pid: int | str = "self", interval: float = 0.02) -> None:
+        self.pid = pid
+        self.interval = interval
+        self.peak_rss_anon = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="asyncckpt-rss", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak_rss_anon = max(self.peak_rss_anon, read_status(self.pid)["RssAnon"])
+            except (OSError, KeyError):
+                return
+            self._stop.wait(self.interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_rss_anon

@@ -1,0 +1,189 @@
+"""Control channel between rank clients and the writer.
+
+A Unix socket in a 0700 directory, with the `multiprocessing.connection` HMAC challenge
+on an authkey that lives in a 0600 file beside the socket (or in ASYNCCKPT_AUTHKEY):
+two locks, so a mistake in one (a world-readable /tmp, a leaked socket path) does not
+let another user hand us data or read ours. Messages are small JSON objects -- never
+pickle -- because tensor bytes travel through the shared-memory ring, not the socket.
+
+Messages (field "op"):
+
+    rank -> writer   hello(rank, world_size, pid, ring, slot_size, slots)
+                     begin(save, step, world_size, tensors, tree)
+                     chunk(save, slot, length)   end(save)   abort(save, reason)
+    writer -> rank   welcome(pid, version, codec)   free(slot)
+                     committed(save, step, path, stats)
+                     failed(save, step, error, message)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import struct
+from multiprocessing.connection import (Connection, answer_challenge,
+                                        deliver_challenge)
+from pathlib import Path
+from typing import Any
+
+from .errors import WriterUnavailableError
+
+Message = dict[str, Any]
+MAX_MESSAGE = 256 << 20
+ADDRESS_ENV = "ASYNCCKPT_ADDRESS"
+AUTHKEY_ENV = "ASYNCCKPT_AUTHKEY"
+
+
+def runtime_dir() -> Path:
+    """A private (0700, ours) directory for sockets and keys; created if missing.
+
+    Raises:
+        WriterUnavailableError: the directory exists but belongs to someone else or is
+            open to others.
+    """
+    base = os.environ.get("ASYNCCKPT_RUNTIME_DIR")
+    if base:
+        path = Path(base)
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "asyncckpt"
+    else:
+        path = Path(f"/tmp/asyncckpt-{os.getuid()}")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or not path.is_dir() or path.is_symlink():
+        raise WriterUnavailableError(f"{path} must be a directory owned by uid {os.getuid()} "
+                                     f"with mode 0700 (found uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
+    return path
+
+
+def key_path(address: str) -> Path:
+    return Path(address).with_suffix(".key")
+
+
+def create_endpoint(address: str | None = None) -> tuple[socket.socket, str, bytes]:
+    """Bind a listening socket and write its authkey file (0600).
+
+    Returns:
+        (the listening socket, its address, the authkey).
+    """
+    if address is None:
+        address = str(runtime_dir() / f"writer-{os.getpid()}-{secrets.token_hex(4)}.sock")
+    authkey = secrets.token_bytes(32)
+    fd = os.open(key_path(address), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(authkey.hex())
+    os.chmod(key_path(address), 0o600)
+    if os.path.exists(address):
+        os.unlink(address)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(old_umask)
+    sock.listen(64)
+    return sock, address, authkey
+
+
+def remove_endpoint(address: str) -> None:
+    for path in (Path(address), key_path(address)):
+        path.unlink(missing_ok=True)
+
+
+def read_authkey(address: str) -> bytes:
+    """The authkey of the writer at `address`: ASYNCCKPT_AUTHKEY, else its key file.
+
+    Raises:
+        WriterUnavailableError: no key can be read (no writer there, or not ours).
+    """
+    if os.environ.get(AUTHKEY_ENV):
+        return bytes.fromhex(os.environ[AUTHKEY_ENV])
+    try:
+        return bytes.fromhex(key_path(address).read_text().strip())
+    except (OSError, ValueError) as e:
+        raise WriterUnavailableError(f"cannot read the writer's authkey {key_path(address)}: {e}",
+                                     file=address) from None
+
+
+def accept(sock: socket.socket, authkey: bytes, timeout: float) -> Connection:
+    """Authenticate one accepted socket (mutual HMAC challenge) within `timeout`.
+
+    Raises:
+        multiprocessing.AuthenticationError, OSError, EOFError: refused or broken.
+    """
+    conn = Connection(_blocking_fd(sock, timeout))
+    try:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        _set_recv_timeout(conn.fileno(), 0)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def dial(address: str, authkey: bytes, timeout: float) -> Connection:
+    """Connect to the writer and authenticate within `timeout` seconds.
+
+    Raises:
+        WriterUnavailableError: nothing listening there, a wrong key, or no answer.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        conn = Connection(_blocking_fd(sock, timeout))
+    except OSError as e:
+        sock.close()
+        raise WriterUnavailableError(f"no writer at {address}: {e.strerror or e}") from None
+    try:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+        _set_recv_timeout(conn.fileno(), 0)
+    except Exception as e:
+        conn.close()
+        raise WriterUnavailableError(f"writer at {address} refused us: {type(e).__name__}: {e}") from None
+    return conn
+
+
+def send(conn: Connection, op: str, **fields: Any) -> None:
+    conn.send_bytes(json.dumps({"op": op, **fields}, separators=(",", ":")).encode())
+
+
+def recv(conn: Connection) -> Message:
+    """Receive one message. Raises EOFError/OSError when the peer is gone."""
+    message = json.loads(conn.recv_bytes(MAX_MESSAGE))
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise ValueError(f"malformed message {message!r:.80}")
+    return message
+
+
+def hang_up(conn: Connection) -> None:
+    """Shut the socket down (waking a thread blocked in recv) and close it."""
+    try:
+        s = socket.socket(fileno=conn.fileno())
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        finally:
+            s.detach()
+    except OSError:
+        pass
+    conn.close()
+
+
+def _blocking_fd(sock: socket.socket, timeout: float) -> int:
+    sock.settimeout(None)
+    _set_recv_timeout(sock.fileno(), timeout)
+    return sock.detach()
+
+
+def _set_recv_timeout(fd: int, seconds: float) -> None:
+    s = socket.socket(fileno=fd)
+    try:
+        whole = int(seconds)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                     struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+    finally:
+        s.detach()

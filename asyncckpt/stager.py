@@ -1,0 +1,77 @@
+"""Staging: copying a rank's tensor bytes into ring slots, in stream order.
+
+The rank's stream is every tensor's bytes back to back; slots are filled to the brim
+across tensor boundaries (small tensors share a frame, large ones span many), so any
+tensor of any size passes through any ring size with one copy, and the writer sees
+frames of one size. Contiguous tensors are copied straight from their storage;
+non-contiguous ones go through a bounded (at most one slot) contiguous block, never a
+whole-tensor copy. The copy is `Tensor.copy_`, which releases the GIL and, from a CUDA
+tensor, is the device-to-host transfer itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from .ring import Ring
+
+
+def byte_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    """Contiguous uint8 tensors whose concatenation is `t`'s bytes in row-major order."""
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        yield t.reshape(-1).view(torch.uint8)
+        return
+    for block in _blocks(t, max_bytes):
+        yield block.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _blocks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    """Views of `t`, in row-major order, each at most `max_bytes` (or one element)."""
+    if t.dim() == 0 or t.numel() * t.element_size() <= max_bytes:
+        yield t
+        return
+    row_bytes = t[0].numel() * t.element_size()
+    if row_bytes <= max_bytes:
+        rows = max(1, max_bytes // row_bytes)
+        for i in range(0, t.shape[0], rows):
+            yield t[i:i + rows]
+    else:
+        for i in range(t.shape[0]):
+            yield from _blocks(t[i], max_bytes)
+
+
+def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int],
+          emit: Callable[[int, int], None]) -> int:
+    """Copy every tensor's bytes into ring slots and hand each full slot to `emit`.
+
+    Args:
+        acquire: blocks until a slot is free and returns it (raises to cancel).
+        emit: called with (slot, length) once a slot is filled; the slot then belongs to
+            the writer until it frees it.
+    Returns:
+        The number of bytes staged.
+    """
+    slot, fill, total = -1, 0, 0
+    dest = None
+    for tensor in tensors:
+        for piece in byte_pieces(tensor, ring.slot_size):
+            pos, size = 0, piece.numel()
+            while pos < size:
+                if slot < 0:
+                    slot, fill = acquire(), 0
+                    dest = ring.slot_tensor(slot)
+                n = min(size - pos, ring.slot_size - fill)
+                dest[fill:fill + n].copy_(piece[pos:pos + n])  # type: ignore[index]
+                fill, pos, total = fill + n, pos + n, total + n
+                if fill == ring.slot_size:
+                    dest = None
+                    emit(slot, fill)
+                    slot = -1
+    if slot >= 0:
+        dest = None
+        emit(slot, fill)
+    return total

@@ -1,0 +1,176 @@
+"""Flattening a state dict into tensors plus a JSON tree, and back.
+
+A state dict is a tree of dicts, lists and tuples whose leaves are tensors or small
+JSON-able objects. We keep the tree as JSON with explicit node types rather than as
+dotted key strings, because dotted keys lose information: `{'a': {'b.c': x}}` and
+`{'a.b': {'c': y}}` collide, and optimizer state keyed by int would come back keyed by
+str (which `load_state_dict` silently ignores). Tensors leave the tree as references to
+names in the safetensors data; names are dotted paths for readability, made unique.
+Nothing is ever pickled.
+
+Tree nodes (see docs/FORMAT.md): a str, int, bool, null or finite float stands for
+itself; `{"float": "nan"|"inf"|"-inf"}`; `{"dict": [[key, node], ...]}` with str or int
+keys; `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor": name}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsupportedStateError
+from .dtypes import DTYPE_NAMES
+
+JSON = Any
+
+
+@dataclasses.dataclass
+class TensorEntry:
+    """One tensor leaf: where it sits in the tree, and the source to copy from."""
+
+    name: str
+    path: tuple[str | int, ...]
+    tensor: torch.Tensor
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.tensor.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
+    """Split `state` into a JSON tree and its tensor leaves, in a stable order.
+
+    Raises:
+        UnsupportedStateError: a key, object or tensor that cannot be saved; the message
+            names its path.
+    """
+    entries: list[TensorEntry] = []
+    names: set[str] = {"__metadata__"}  # reserved by safetensors
+    active: set[int] = set()
+
+    def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
+        if isinstance(node, torch.Tensor):
+            check_tensor(node, path)
+            name = _unique_name(path, names)
+            entries.append(TensorEntry(name, path, node.detach()))
+            return {"tensor": name}
+        if node is None or isinstance(node, (bool, int, str)):
+            return node
+        if isinstance(node, float):
+            return node if math.isfinite(node) else {"float": repr(node)}
+        if not isinstance(node, (dict, list, tuple)):
+            raise UnsupportedStateError(
+                f"{_show(path)}: cannot save a {type(node).__name__}; only tensors, "
+                "dict/list/tuple, str, int, float, bool and None are saved (never pickle)")
+        if id(node) in active:
+            raise UnsupportedStateError(f"{_show(path)}: the state contains a cycle")
+        active.add(id(node))
+        try:
+            if isinstance(node, dict):
+                items = []
+                for key, value in node.items():
+                    if isinstance(key, bool) or not isinstance(key, (str, int)):
+                        raise UnsupportedStateError(
+                            f"{_show(path)}: dict key {key!r} is a {type(key).__name__}; "
+                            "keys must be str or int")
+                    items.append([key, visit(value, path + (key,))])
+                return {"dict": items}
+            kind = "list" if isinstance(node, list) else "tuple"
+            return {kind: [visit(v, path + (i,)) for i, v in enumerate(node)]}
+        finally:
+            active.discard(id(node))
+
+    return visit(state, ()), entries
+
+
+def check_tensor(t: torch.Tensor, path: tuple[str | int, ...]) -> None:
+    """Raise UnsupportedStateError unless `t` is a dense tensor of a nameable dtype."""
+    problem = None
+    if type(t).__name__ == "DTensor":
+        problem = "DTensor (sharded) state is not supported yet; pass t.to_local()"
+    elif t.layout != torch.strided:
+        problem = f"layout {t.layout} is not supported; save a dense tensor"
+    elif t.is_meta:
+        problem = "a meta tensor has no data to save"
+    elif t.is_quantized:
+        problem = "quantized tensors are not supported; save int_repr() and the scales"
+    elif t.dtype not in DTYPE_NAMES:
+        problem = (f"dtype {t.dtype} has no safetensors name; supported: "
+                   f"{', '.join(str(d).removeprefix('torch.') for d in DTYPE_NAMES)}")
+    if problem:
+        raise UnsupportedStateError(f"{_show(path)}: {problem}")
+
+
+def unflatten(tree: JSON, resolve: Callable[[str], Any]) -> Any:
+    """Rebuild the saved structure; `resolve(name)` supplies each tensor.
+
+    Raises:
+        CorruptCheckpointError: the tree is not well formed.
+    """
+    def visit(node: JSON) -> Any:
+        if node is None or isinstance(node, (bool, int, str, float)):
+            return node
+        if isinstance(node, dict) and len(node) == 1:
+            (kind, body), = node.items()
+            if kind == "tensor" and isinstance(body, str):
+                return resolve(body)
+            if kind == "float" and body in ("nan", "inf", "-inf"):
+                return float(body)
+            if kind == "list" and isinstance(body, list):
+                return [visit(v) for v in body]
+            if kind == "tuple" and isinstance(body, list):
+                return tuple(visit(v) for v in body)
+            if kind == "dict" and isinstance(body, list):
+                out = {}
+                for item in body:
+                    if (not isinstance(item, list) or len(item) != 2 or isinstance(item[0], bool)
+                            or not isinstance(item[0], (str, int))):
+                        raise CorruptCheckpointError(f"malformed dict item in tree: {item!r:.80}")
+                    out[item[0]] = visit(item[1])
+                return out
+        raise CorruptCheckpointError(f"malformed tree node: {node!r:.80}")
+
+    try:
+        return visit(tree)
+    except RecursionError:
+        raise CorruptCheckpointError("tree nested too deeply") from None
+
+
+def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
+    """Map each tensor name in `tree` to its path of keys and indices."""
+    out: dict[str, tuple[str | int, ...]] = {}
+
+    def visit(node: JSON, path: tuple[str | int, ...]) -> None:
+        if isinstance(node, dict) and len(node) == 1:
+            (kind, body), = node.items()
+            if kind == "tensor":
+                out[body] = path
+            elif kind in ("list", "tuple"):
+                for i, v in enumerate(body):
+                    visit(v, path + (i,))
+            elif kind == "dict":
+                for key, v in body:
+                    visit(v, path + (key,))
+
+    visit(tree, ())
+    return out
+
+
+def _unique_name(path: tuple[str | int, ...], taken: set[str]) -> str:
+    base = ".".join(str(p) for p in path) or "tensor"
+    name, n = base, 1
+    while name in taken:
+        name, n = f"{base}~{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def _show(path: tuple[str | int, ...]) -> str:
+    return "state" + "".join(f"[{p!r}]" for p in path)
