@@ -102,14 +102,15 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         sel.register(proc.stdout, selectors.EVENT_READ)
         line = proc.stdout.readline() if sel.select(timeout) else ""
     if not line.startswith(READY_PREFIX):
-        code = proc.poll()
-        if code is None:
+        try:
+            code = proc.wait(5 if line == "" else 0.1)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-        elif code == 3:
+            code = proc.wait()
+        if code == 3:
             raise WriterLockedError(f"another writer holds {root}", file=str(root))
-        raise WriterUnavailableError(f"writer for {root} did not start (exit code {proc.poll()}); "
-                                     "see its log", file=str(root))
+        raise WriterUnavailableError(f"writer did not start (exit code {code}); see its log",
+                                     file=str(root))
     address = line[len(READY_PREFIX):].strip()
     os.environ[ADDRESS_ENV] = address
     return WriterProcess(proc, address, root)

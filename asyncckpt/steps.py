@@ -11,6 +11,7 @@ across nodes it would become "every node's part" with the same shape.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -51,6 +52,7 @@ class Steps:
         self._commit_lock = threading.Lock()
         self._open: dict[int, Step] = {}
         self._failed: dict[int, tuple[CheckpointError, set[int]]] = {}
+        self._live: collections.Counter[int] = collections.Counter()
         self._closing = False
         self._idle = threading.Condition(self._lock)
         self._on_commit = on_commit
@@ -110,7 +112,10 @@ class Steps:
             current = self._open.pop(step, None)
             if current is None:
                 return
-            pending = set(range(current.world_size)) - set(current.waiting)
+            # connected ranks that have not begun it yet will be told when they do; a
+            # rank not connected now is a new process when it comes, free to retry
+            pending = {r for r in range(current.world_size)
+                       if r not in current.waiting and self._live[r] > 0}
             if pending:
                 if len(self._failed) >= _MAX_FAILED_RECORDS:
                     self._failed.pop(next(iter(self._failed)))
@@ -121,15 +126,37 @@ class Steps:
         for notify in current.waiting.values():
             notify(error, None, {})
 
+    def rank_joined(self, rank: int) -> None:
+        with self._lock:
+            self._live[rank] += 1
+
     def rank_gone(self, rank: int) -> None:
         """A rank's connection closed: fail the open steps it had not ended."""
         with self._lock:
+            self._live[rank] -= 1
             doomed = [s for s in self._open.values() if rank < s.world_size and rank not in s.parts]
             for record in self._failed.values():
                 record[1].discard(rank)
         for s in doomed:
             self.fail(s.step, SaveFailedError("rank disconnected before ending its save",
                                               step=s.step, rank=rank))
+
+    def fail_absent(self, timeout: float) -> None:
+        """Fail steps open for over `timeout` s that wait on a rank with no connection
+        (one that died before it began the step, or never started)."""
+        now = time.monotonic()
+        with self._lock:
+            doomed = []
+            for s in self._open.values():
+                absent = [r for r in range(s.world_size)
+                          if r not in s.waiting and self._live[r] <= 0]
+                if absent and now - s.started > timeout:
+                    doomed.append((s.step, absent))
+        for step, absent in doomed:
+            names = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8 else "")
+            self.fail(step, SaveFailedError(
+                f"rank{'s' if len(absent) > 1 else ''} {names} not connected {timeout:g} s after "
+                "the step began (dead or never started)", step=step))
 
     def close(self, timeout: float) -> None:
         """Refuse new steps; wait up to `timeout` s for open ones, then fail the rest."""

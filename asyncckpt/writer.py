@@ -61,6 +61,7 @@ class WriterServer:
 
     def serve_forever(self) -> None:
         """Accept ranks until stop() is called."""
+        threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
         log.info("writer %s serving %s at %s (codec %s)", __version__, self.root,
                  self.address, self.knobs.codec)
         while not self._stopped.is_set():
@@ -90,6 +91,10 @@ class WriterServer:
         self.rss.stop()
         self._lock.release()
         log.info("writer stopped")
+
+    def _watch_absent(self) -> None:
+        while not self._stopped.wait(0.5):
+            self.steps.fail_absent(self.knobs.absent_rank_timeout)
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
@@ -169,8 +174,9 @@ class Session:
         slot_size, slots = int(m["slot_size"]), int(m["slots"])
         if not 0 < slot_size <= self.server.knobs.max_frame_bytes or not 0 < slots <= 1 << 16:
             raise ValueError(f"ring of {slots} x {slot_size} bytes refused")
-        self.rank = int(m["rank"])
         self.ring = ring.Ring.attach(str(m["ring"]), slot_size, slots)
+        self.rank = int(m["rank"])
+        self.server.steps.rank_joined(self.rank)
         self.send("welcome", pid=os.getpid(), version=__version__,
                   codec=self.server.knobs.codec)
         log.info("rank %d connected (pid %s, ring %d x %d MiB)", self.rank, m.get("pid"),

@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Both create the virtualenv first. torch is installed only when the venv lacks it, as
+# the CPU build (TORCH_SPEC; set TORCH_INDEX to a CPU wheel index where the default
+# index would serve a CUDA build, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu).
+
+PYTHON      ?= python3
+VENV        ?= .venv
+BIN         := $(VENV)/bin
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo bench-memory clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+	  $(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+# Writer private memory while a 4 GiB state streams through a 256 MiB ring.
+bench-memory: setup
+	$(BIN)/python -m benchmarks.writer_memory --state-gib 4 --ring-mib 256
+
+clean:
+	rm -rf $(VENV) checkpoints .pytest_cache .hypothesis

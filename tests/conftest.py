@@ -1,0 +1,86 @@
+"""Shared fixtures: a writer per test, small rings that force chunking, and a check that
+no shared-memory segment outlives a test."""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+import asyncckpt
+
+SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
+
+
+def shm_segments() -> list[str]:
+    return sorted(glob.glob("/dev/shm/asyncckpt-*"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_shared_memory() -> Iterator[None]:
+    yield
+    assert shm_segments() == [], "a test left asyncckpt shared memory behind"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture(params=["zstd", "raw"])
+def codec(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def writer(root: Path, tmp_path: Path, codec: str) -> Iterator[asyncckpt.WriterProcess]:
+    w = asyncckpt.start_writer(root, codec=codec, log_file=tmp_path / "writer.log")
+    yield w
+    w.stop(timeout=30)
+
+
+@pytest.fixture
+def client(writer: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Client]:
+    c = asyncckpt.connect(writer.address, rank=0, world_size=1, **SMALL_RING)
+    yield c
+    c.close(timeout=30)
+
+
+def sample_state(seed: int = 0) -> dict:
+    """A small training-like state: model, optimizer keyed by int, objects."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"embed.weight": torch.randn(300, 64, generator=g).bfloat16(),
+                  "layers.0.w": torch.randn(64, 64, generator=g),
+                  "layers.0.b": torch.zeros(64)},
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 64, generator=g)},
+                            1: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, generator=g)}},
+                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1]}]},
+        "step": 3,
+        "rng": {"seed": 1234, "note": None, "loss": float("nan"), "best": float("-inf")},
+    }
+
+
+def assert_same(a: object, b: object, path: str = "state") -> None:
+    """Exact equality of nested states: types, keys (with their types) and tensor bits."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a.contiguous().view(-1).view(torch.uint8) if a.numel() else a,
+                           b.contiguous().view(-1).view(torch.uint8) if b.numel() else b), f"{path}: bytes differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, f"{path}: nan expected"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
