@@ -52,6 +52,7 @@ CRASHING_RANK = 1
 SEED = 1234
 IN_DIM, HIDDEN, CLASSES, BATCH = 256, 768, 16, 32
 MB = 1e6
+PHASE_TIMEOUT = 600.0  # seconds; a hung rank must not hang the demo
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,7 +280,7 @@ class Demo:
         self.writer = None
 
     def fail(self, message: str) -> None:
-        print(f"\nFAILED: {message}", flush=True)
+        print(f"\nFAILED: {message} (rank logs and writer log kept in {self.logs})", flush=True)
         log = self.logs / "writer.log"
         if log.exists():
             print("writer log (tail):\n  " + "\n  ".join(log.read_text().splitlines()[-15:]))
@@ -306,7 +307,8 @@ class Demo:
               f"of saving step {args.crash_step}")
         t_phase = time.perf_counter()
         procs = launch({**base, "phase": 1, "store": str(logs / "store1")})
-        while all(p.exitcode is None for p in procs):
+        deadline = time.monotonic() + PHASE_TIMEOUT
+        while all(p.exitcode is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.002)
         for p in procs:               # what torchrun does when a rank dies: kill the rest
             if p.exitcode is None:
@@ -338,8 +340,13 @@ class Demo:
               f"step {args.steps}")
         t_phase = time.perf_counter()
         procs = launch({**base, "phase": 2, "store": str(logs / "store2")})
+        deadline = time.monotonic() + PHASE_TIMEOUT
         for p in procs:
-            p.join()
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
         if any(p.exitcode != 0 for p in procs):
             self.fail(f"phase 2 ranks exited with codes {[p.exitcode for p in procs]}")
         resumed = [read_log(logs, 2, r, "resumed")[0] for r in range(WORLD_SIZE)]
@@ -407,8 +414,9 @@ class Demo:
                 for r in read_log(self.logs, phase, rank):
                     if r["kind"] in ("save", "stall", "durable"):
                         saves.setdefault((phase, r["step"]), {}).setdefault(rank, {})[r["kind"]] = r
-        print(f"\nsaves (both ranks; blocked = time in save() + waiting for staging before the "
-              f"next optimizer step, worst rank; staging runs in the background):")
+        print("\nsaves of both ranks (blocked: in save() + waiting for staging before the next "
+              "optimizer step;\n  staging: background copy into shared memory; durable: from save() "
+              "to committed and fsynced; worst rank):")
         print(f"  {'step':>4} {'phase':>5} {'blocked':>8} {'staging':>8} {'staged':>8} "
               f"{'raw -> stored':>15} {'ratio':>5} {'durable':>7} {'MB/s':>5}  result")
         peak = 0

@@ -1,0 +1,1 @@
+"""Benchmarks: `make bench-memory` (and, with the benchmark issue, `make bench`)."""
