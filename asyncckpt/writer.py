@@ -58,6 +58,8 @@ class WriterServer:
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()
         self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._closed = False
 
     def serve_forever(self) -> None:
         """Accept ranks until stop() is called."""
@@ -73,9 +75,16 @@ class WriterServer:
                              name="asyncckpt-handshake").start()
 
     def stop(self) -> None:
-        """Stop accepting, let in-flight steps commit (up to shutdown_timeout), then close."""
-        if self._stopped.is_set():
-            return
+        """Stop accepting, let in-flight steps commit (up to shutdown_timeout), then close.
+
+        Safe to call from several threads: every call returns once the writer is closed.
+        """
+        with self._stop_lock:
+            if not self._closed:
+                self._close()
+                self._closed = True
+
+    def _close(self) -> None:
         self._stopped.set()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)

@@ -176,6 +176,9 @@ def train(rank: int, cfg: dict, log: RankLog) -> None:
         log.write(kind="step", step=step, loss=loss.item().hex(), digest=weights_digest(model))
 
         if step % cfg["save_every"] == 0 or step == cfg["steps"]:
+            crash = cfg["phase"] == 1 and step == cfg["crash_step"] and rank == CRASHING_RANK
+            if crash:  # let the other ranks' saves begin first: the crash is ours alone
+                wait_for_data_files(cfg["dir"], step, [r for r in range(WORLD_SIZE) if r != rank])
             digest = state_digest(model, optimizer) if cfg["phase"] == 1 else None
             t0 = time.perf_counter()
             handle = client.save(step, {
@@ -189,8 +192,8 @@ def train(rank: int, cfg: dict, log: RankLog) -> None:
             threading.Thread(target=_watch, args=(handle, t0, log), daemon=True).start()
             handles.append(handle)
             to_stage = handle
-            if cfg["phase"] == 1 and step == cfg["crash_step"] and rank == CRASHING_RANK:
-                crash_mid_save(cfg["dir"], handle, log)
+            if crash:
+                crash_mid_save(cfg["dir"], rank, handle, log)
 
     for handle in handles:                   # the end of the job: wait until durable
         handle.wait(timeout=300)
@@ -198,17 +201,23 @@ def train(rank: int, cfg: dict, log: RankLog) -> None:
     dist.destroy_process_group()
 
 
-def crash_mid_save(root: str, handle, log: RankLog) -> None:
-    """SIGKILL this rank while its save is under way.
+def wait_for_data_files(root: str, step: int, ranks: list[int], timeout: float = 30) -> None:
+    """Wait until the writer has opened these ranks' data files for `step`: their saves
+    of the step have begun. (Only the demo peeks into the writer's tmp directory.)"""
+    patterns = [os.path.join(root, f"step-{step:08d}.tmp-*", f"rank-{r:05d}.safetensors*")
+                for r in ranks]
+    deadline = time.monotonic() + timeout
+    while not all(glob.glob(p) for p in patterns) and time.monotonic() < deadline:
+        time.sleep(0.0002)
 
-    We wait until the writer has opened every rank's data file for the step (so the save
-    has begun everywhere, and the kill lands in the middle of it rather than before it),
-    then die at once, as an OOM kill or a hardware fault would take the process.
+
+def crash_mid_save(root: str, rank: int, handle, log: RankLog) -> None:
+    """SIGKILL this rank in the middle of its save, as an OOM kill or a fault would.
+
+    The save's staging has just started (the writer has opened our data file), and
+    copying the state into the ring takes several milliseconds more: die now.
     """
-    pattern = os.path.join(root, f"step-{handle.step:08d}.tmp-*", "rank-*")
-    deadline = time.monotonic() + 30
-    while len(glob.glob(pattern)) < WORLD_SIZE and time.monotonic() < deadline:
-        time.sleep(0.0005)
+    wait_for_data_files(root, handle.step, [rank])
     log.write(kind="crash", step=handle.step, staged=handle.staged())
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -1,0 +1,57 @@
+"""Control channel: private runtime dir, keys, JSON messages."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from asyncckpt import protocol
+from asyncckpt.errors import WriterUnavailableError
+
+
+def test_runtime_dir_must_be_private(tmp_path, monkeypatch):
+    private = tmp_path / "rt"
+    monkeypatch.setenv("ASYNCCKPT_RUNTIME_DIR", str(private))
+    assert protocol.runtime_dir() == private and (private.stat().st_mode & 0o777) == 0o700
+    private.chmod(0o755)
+    with pytest.raises(WriterUnavailableError, match="mode 0700"):
+        protocol.runtime_dir()
+
+
+def test_handshake_and_messages(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCCKPT_RUNTIME_DIR", str(tmp_path / "rt"))
+    sock, address, key = protocol.create_endpoint()
+    assert (os.stat(protocol.key_path(address)).st_mode & 0o777) == 0o600
+    assert protocol.read_authkey(address) == key
+    served = {}
+
+    def serve() -> None:
+        conn = protocol.accept(sock.accept()[0], key, timeout=5)
+        served["msg"] = protocol.recv(conn)
+        protocol.send(conn, "welcome", n=[1, 2])
+        conn.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    conn = protocol.dial(address, key, timeout=5)
+    protocol.send(conn, "hello", rank=3)
+    assert protocol.recv(conn) == {"op": "welcome", "n": [1, 2]}
+    thread.join()
+    assert served["msg"] == {"op": "hello", "rank": 3}
+    conn.close()
+
+    def refuse() -> None:
+        with pytest.raises(Exception):
+            protocol.accept(sock.accept()[0], key, timeout=5)
+
+    thread = threading.Thread(target=refuse)
+    thread.start()
+    with pytest.raises(WriterUnavailableError, match="refused"):
+        protocol.dial(address, b"wrong key", timeout=5)
+    thread.join()
+    sock.close()
+    protocol.remove_endpoint(address)
+    with pytest.raises(WriterUnavailableError, match="no writer"):
+        protocol.dial(address, key, timeout=1)

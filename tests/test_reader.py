@@ -1,0 +1,413 @@
+"""reader.py through a real writer: which step loads, loading in place, and corruption.
+
+One writer per codec saves two steps once per module (`saved`); tests that damage a
+checkpoint work on their own copy of it (`copy_steps`), so they never disturb each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import xxhash
+
+import asyncckpt
+from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from asyncckpt.format import MANIFEST_NAME, data_file_name
+from asyncckpt.manifest import Manifest, read_manifest
+from asyncckpt.reader import resolve_checkpoint
+from conftest import SMALL_RING, assert_same
+
+SLOT = SMALL_RING["slot_size"]
+
+
+# -- shared helpers (test_verify_cli imports these) -------------------------------------------
+
+def reader_state(seed: int) -> dict[str, Any]:
+    """A state whose first tensor spans several 64 KiB frames, then small ones that share."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(300, 128, generator=g),          # 153600 B: frames 1, 2 inside
+                  "emb": torch.randn(50, 64, generator=g).bfloat16(),
+                  "b": torch.zeros(128), "empty": torch.empty(0, 3), "scale": torch.tensor(0.5)},
+        "optim": {"state": {0: {"step": torch.tensor(seed), "exp_avg": torch.randn(128, generator=g)}},
+                  "param_groups": [{"lr": 1e-3 * seed, "betas": (0.9, 0.999), "params": [0]}]},
+        "step": seed * 100, "note": None, "loss": float("nan"), "mask": torch.rand(17, generator=g) > 0.5,
+    }
+
+
+@dataclasses.dataclass
+class Saved:
+    root: Path
+    codec: str
+    states: dict[int, dict[str, Any]]
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    @property
+    def data_name(self) -> str:
+        return data_file_name(0, self.codec)
+
+
+@pytest.fixture(scope="module", params=["zstd", "raw"])
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Saved]:
+    """Steps 1 and 2 of `reader_state`, committed by a real writer with 64 KiB slots."""
+    codec = request.param
+    base = tmp_path_factory.mktemp(f"saved-{codec}")
+    writer = asyncckpt.start_writer(base / "ckpt", codec=codec, log_file=base / "writer.log")
+    try:
+        client = asyncckpt.connect(writer.address, rank=0, world_size=1, **SMALL_RING)
+        states = {step: reader_state(step) for step in (1, 2)}
+        for step, state in states.items():
+            client.save(step, state).wait(60)
+        client.close(timeout=30)
+    finally:
+        writer.stop(timeout=30)
+    yield Saved(writer.root, codec, states)
+
+
+def copy_steps(saved: Saved, dest: Path, steps: tuple[int, ...] = (1, 2)) -> Path:
+    """A private root holding copies of `steps` (and a `latest` naming the newest)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        shutil.copytree(saved.step_dir(step), dest / saved.step_dir(step).name)
+    if steps:
+        (dest / "latest").write_text(f"step-{max(steps):08d}\n")
+    return dest
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def frame_inside(manifest: Manifest, tensor: str) -> int:
+    """Index of the first frame lying wholly inside `tensor`'s bytes."""
+    part = manifest.ranks[0]
+    spec = next(t for t in part.tensors if t.name == tensor)
+    for i, f in enumerate(part.frames):
+        if f.raw_offset >= spec.begin and f.raw_offset + f.raw_length <= spec.end:
+            return i
+    raise AssertionError(f"no frame inside {tensor}")
+
+
+def resign_manifest(directory: Path, edit) -> None:
+    """Apply `edit` to the manifest body and write it back with a correct checksum."""
+    data = (directory / MANIFEST_NAME).read_bytes()
+    doc = json.loads(data)["manifest"]
+    edit(doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    (directory / MANIFEST_NAME).write_bytes(
+        b'{"xxh3":"' + f"{xxhash.xxh3_64_intdigest(body):016x}".encode() + b'","manifest":' + body + b"}\n")
+
+
+def zeros_like_state(state: Any) -> Any:
+    """The same structure with every tensor replaced by a same-shaped one full of 7s."""
+    if isinstance(state, torch.Tensor):
+        return torch.full_like(state, 7) if state.dtype != torch.bool else torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: zeros_like_state(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(zeros_like_state(v) for v in state)
+    return state
+
+
+def snapshot(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(v) for v in state)
+    return state
+
+
+@pytest.fixture
+def own(saved: Saved, tmp_path: Path) -> Path:
+    """A private copy of both steps, free to damage."""
+    return copy_steps(saved, tmp_path / "root")
+
+
+# -- which checkpoint loads --------------------------------------------------------------------
+
+def test_load_root_picks_newest_committed_step(saved):
+    assert (saved.root / "latest").read_text() == "step-00000002\n"
+    assert resolve_checkpoint(saved.root) == saved.step_dir(2)
+    assert_same(saved.states[2], asyncckpt.load(saved.root))
+    assert_same(saved.states[2], asyncckpt.load(str(saved.root)))
+
+
+def test_load_a_given_step(saved):
+    loaded = asyncckpt.load(saved.root, step=1)
+    assert_same(saved.states[1], loaded)
+    assert list(loaded["optim"]["state"]) == [0]
+
+
+def test_load_a_checkpoint_directory(saved):
+    assert_same(saved.states[1], asyncckpt.load(saved.step_dir(1)))
+    assert_same(saved.states[2], asyncckpt.load(saved.step_dir(2), rank=0))
+
+
+def test_loaded_tensors_are_fresh_writable_cpu_tensors(saved):
+    a, b = asyncckpt.load(saved.root), asyncckpt.load(saved.root)
+    w = a["model"]["w"]
+    assert w.device.type == "cpu" and w.is_contiguous() and w.data_ptr() != b["model"]["w"].data_ptr()
+    w.add_(1)  # writable, and owns its memory
+    assert torch.equal(b["model"]["w"], saved.states[2]["model"]["w"])
+
+
+def test_empty_root_and_missing_paths_are_not_found(saved, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "step-00000005.tmp-abcd").mkdir()  # in progress: not a checkpoint
+    (tmp_path / "empty" / "step-00000006").mkdir()           # no manifest: not a checkpoint
+    for path, step in [(tmp_path / "empty", None), (tmp_path / "nowhere", None),
+                       (saved.root, 3), (saved.root / "step-00000003", None), (tmp_path / "empty", 6)]:
+        with pytest.raises(CheckpointNotFoundError) as info:
+            asyncckpt.load(path, step=step)
+        assert isinstance(info.value, FileNotFoundError)
+        assert str(path) in str(info.value)
+
+
+def test_rank_out_of_range(saved):
+    for rank in (1, 5, -1):
+        with pytest.raises(CheckpointNotFoundError, match=r"ranks 0\.\.0") as info:
+            asyncckpt.load(saved.root, rank=rank)
+        assert info.value.rank == rank and info.value.step == 2
+
+
+def test_deleted_manifest_is_not_a_checkpoint(saved, own):
+    (own / "step-00000002" / MANIFEST_NAME).unlink()
+    assert resolve_checkpoint(own) == own / "step-00000001"
+    assert_same(saved.states[1], asyncckpt.load(own))  # falls back to the older step
+    with pytest.raises(CheckpointNotFoundError):
+        asyncckpt.load(own, step=2)
+    with pytest.raises(CheckpointNotFoundError):
+        asyncckpt.load(own / "step-00000002")
+    (own / "step-00000001" / MANIFEST_NAME).unlink()
+    with pytest.raises(CheckpointNotFoundError):
+        asyncckpt.load(own)
+
+
+def test_manifest_left_as_tmp_file_is_not_a_checkpoint(saved, own):
+    """A crash between writing the manifest's tmp file and renaming it."""
+    d = own / "step-00000002"
+    os.rename(d / MANIFEST_NAME, d / ".manifest.json.tmp-0123abcd")
+    assert_same(saved.states[1], asyncckpt.load(own))
+
+
+# -- loading in place ---------------------------------------------------------------------------
+
+def test_load_into_fills_targets_in_place(saved):
+    target = zeros_like_state(saved.states[2])
+    target["model"]["w"] = torch.full((128, 300), 7.0).t()   # non-contiguous target
+    assert not target["model"]["w"].is_contiguous()
+    ptrs = {("model", k): v.data_ptr() for k, v in target["model"].items()}
+    w_obj, exp_avg = target["model"]["w"], target["optim"]["state"][0]["exp_avg"]
+    out = asyncckpt.load(saved.root, into=target)
+    assert_same(saved.states[2], out)                       # values, and the objects too
+    assert out["model"]["w"] is w_obj and out["optim"]["state"][0]["exp_avg"] is exp_avg
+    assert {("model", k): v.data_ptr() for k, v in target["model"].items()} == ptrs
+    assert torch.equal(target["model"]["w"], saved.states[2]["model"]["w"])
+    assert out["optim"]["param_groups"][0]["lr"] == 2e-3 and out["step"] == 200
+
+
+def test_load_into_partial_target_loads_the_rest_fresh(saved):
+    target = {"model": {"w": torch.zeros(300, 128)}}
+    out = asyncckpt.load(saved.root, step=1, into=target)
+    assert out["model"]["w"] is target["model"]["w"]
+    assert torch.equal(target["model"]["w"], saved.states[1]["model"]["w"])
+    assert_same(saved.states[1], out)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_mismatch_raises_before_any_target_is_modified(saved, bad):
+    target = zeros_like_state(saved.states[2])
+    if bad == "shape":
+        target["optim"]["state"][0]["exp_avg"] = torch.full((129,), 7.0)
+        expect = r"state\['optim'\]\['state'\]\[0\]\['exp_avg'\]: target torch.float32 \(129,\), saved torch.float32 \(128,\)"
+    else:
+        target["model"]["emb"] = torch.full((50, 64), 7.0)   # saved as bfloat16
+        expect = r"state\['model'\]\['emb'\]: target torch.float32 \(50, 64\), saved torch.bfloat16 \(50, 64\)"
+    before = snapshot(target)
+    with pytest.raises(StateMismatchError, match=expect) as info:
+        asyncckpt.load(saved.root, into=target)
+    assert info.value.step == 2 and info.value.rank == 0
+    assert_same(before, target)  # the tensor read first (model.w) was not touched either
+
+
+def test_strict_missing_key(saved):
+    target = zeros_like_state(saved.states[2])
+    target["model"]["extra"] = torch.full((3,), 7.0)
+    target["optim"]["state"][1] = {"exp_avg": torch.full((2,), 7.0)}
+    before = snapshot(target)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(saved.root, into=target)
+    assert "state['model']['extra'] is not in the checkpoint" in str(info.value)
+    assert "state['optim']['state'][1]['exp_avg'] is not in the checkpoint" in str(info.value)
+    assert_same(before, target)
+    out = asyncckpt.load(saved.root, into=target, strict=False)
+    assert torch.equal(target["model"]["extra"], torch.full((3,), 7.0))  # left alone
+    assert torch.equal(target["model"]["w"], saved.states[2]["model"]["w"])
+    assert "extra" not in out["model"] and 1 not in out["optim"]["state"]
+
+
+def test_int_and_str_keys_are_different_targets(saved):
+    target = {"optim": {"state": {"0": {"exp_avg": torch.zeros(128)}}}}  # str "0", saved int 0
+    with pytest.raises(StateMismatchError, match=r"\['0'\]"):
+        asyncckpt.load(saved.root, into=target)
+
+
+# -- corruption -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["tensor-frame", "last-frame"])
+def test_flipped_byte_is_caught_naming_file_and_frame(saved, own, where):
+    d = own / "step-00000002"
+    manifest = read_manifest(d)
+    part = manifest.ranks[0]
+    index = frame_inside(manifest, "model.w") if where == "tensor-frame" else len(part.frames) - 1
+    frame = part.frames[index]
+    flip_byte(d / saved.data_name, frame.stored_offset + frame.stored_length // 2)
+    with pytest.raises(CorruptCheckpointError) as info:
+        asyncckpt.load(own)
+    message = str(info.value)
+    assert saved.data_name in message and f"frame {index}" in message and "xxh3" in message, message
+    assert (info.value.step, info.value.rank, info.value.file) == (2, 0, saved.data_name)
+    assert message.startswith(f"step 2, rank 0, {saved.data_name}: ")
+    if where == "tensor-frame":
+        assert "'model.w'" in message
+    assert_same(saved.states[1], asyncckpt.load(own, step=1))  # the other step is untouched
+
+
+def test_every_frame_holding_tensor_bytes_is_checked(saved, tmp_path):
+    """A flipped byte in any frame that carries tensor bytes, at either end, fails the load."""
+    manifest = read_manifest(saved.step_dir(1))
+    first = manifest.ranks[0].tensors[0].begin
+    checked = 0
+    for index, frame in enumerate(manifest.ranks[0].frames):
+        if frame.raw_offset + frame.raw_length <= first:
+            continue  # header only: see test_flipped_header_byte_never_returns_wrong_values
+        for offset in (frame.stored_offset, frame.stored_offset + frame.stored_length - 1):
+            own = copy_steps(saved, tmp_path / f"r{index}-{offset}", steps=(1,))
+            flip_byte(own / "step-00000001" / saved.data_name, offset)
+            with pytest.raises(CorruptCheckpointError, match=f"frame {index}"):
+                asyncckpt.load(own)
+            checked += 1
+    assert checked >= 6  # three tensor frames with 64 KiB slots
+
+
+def test_flipped_header_byte_never_returns_wrong_values(saved, own):
+    """load() reads only tensor bytes, so damage confined to the safetensors header frame
+    may go unnoticed by it (verify reports it); what it must never do is return wrong values."""
+    d = own / "step-00000002"
+    frame = read_manifest(d).ranks[0].frames[0]
+    assert frame.raw_length <= read_manifest(d).ranks[0].tensors[0].begin  # header-only frame
+    flip_byte(d / saved.data_name, frame.stored_offset + frame.stored_length // 2)
+    try:
+        loaded = asyncckpt.load(own)
+    except CorruptCheckpointError as e:
+        assert "frame 0" in str(e)
+    else:
+        assert_same(saved.states[2], loaded)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "append", "empty"])
+def test_wrong_size_data_file(saved, own, damage):
+    path = own / "step-00000002" / saved.data_name
+    data = path.read_bytes()
+    path.write_bytes({"truncate": data[:-1], "append": data + b"\0", "empty": b""}[damage])
+    with pytest.raises(CorruptCheckpointError, match=r"data file has \d+ bytes, manifest says "
+                       f"{len(data)}") as info:
+        asyncckpt.load(own)
+    assert info.value.file == saved.data_name
+
+
+def test_deleted_data_file(saved, own):
+    (own / "step-00000002" / saved.data_name).unlink()
+    with pytest.raises(CorruptCheckpointError, match="cannot open data file") as info:
+        asyncckpt.load(own)
+    assert saved.data_name in str(info.value)
+
+
+def test_data_file_symlink_is_refused(saved, own, tmp_path):
+    path = own / "step-00000002" / saved.data_name
+    os.rename(path, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", path)
+    with pytest.raises(CorruptCheckpointError, match="cannot open data file"):
+        asyncckpt.load(own)
+
+
+def test_data_file_from_another_step_is_caught(saved, own):
+    shutil.copyfile(own / "step-00000001" / saved.data_name, own / "step-00000002" / saved.data_name)
+    with pytest.raises(CorruptCheckpointError):
+        asyncckpt.load(own)
+
+
+def test_corrupt_newest_manifest_is_an_error_not_a_silent_fallback(saved, own):
+    path = own / "step-00000002" / MANIFEST_NAME
+    flip_byte(path, len(path.read_bytes()) // 2)
+    with pytest.raises(CorruptCheckpointError, match="xxh3 mismatch") as info:
+        asyncckpt.load(own)
+    assert info.value.file == str(path)
+    assert_same(saved.states[1], asyncckpt.load(own, step=1))
+
+
+def test_tree_and_tensor_table_must_agree(saved, own):
+    d = own / "step-00000002"
+    resign_manifest(d, lambda doc: doc["ranks"][0]["tree"]["dict"].pop(0))  # drop "model"
+    with pytest.raises(CorruptCheckpointError, match="tree and tensor table disagree"):
+        asyncckpt.load(d)
+
+
+def test_wrong_frame_checksum_in_manifest(saved, own):
+    d = own / "step-00000002"
+    index = frame_inside(read_manifest(d), "model.w")
+
+    def edit(doc):
+        frame = doc["ranks"][0]["frames"][index]
+        frame["xxh3_raw"] = f"{int(frame['xxh3_raw'], 16) ^ 1:016x}"
+    resign_manifest(d, edit)
+    with pytest.raises(CorruptCheckpointError, match=f"frame {index}.*xxh3 of raw bytes mismatch"):
+        asyncckpt.load(d)
+
+
+def test_load_into_with_corruption_raises(saved, own):
+    d = own / "step-00000002"
+    frame = read_manifest(d).ranks[0].frames[frame_inside(read_manifest(d), "model.w")]
+    flip_byte(d / saved.data_name, frame.stored_offset + 10)
+    with pytest.raises(CorruptCheckpointError):
+        asyncckpt.load(d, into=zeros_like_state(saved.states[2]))
+
+
+# -- bugs -------------------------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="BUG: commit.committed_steps catches only FileNotFoundError, "
+                   "so load() of a regular file raises NotADirectoryError, not CheckpointNotFoundError")
+def test_load_of_a_regular_file_is_not_found(tmp_path):
+    (tmp_path / "file").write_text("hello")
+    with pytest.raises(CheckpointNotFoundError):
+        asyncckpt.load(tmp_path / "file")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: format._STEP_DIR uses `$`, so a directory named "
+                   "'step-00000009\\n' counts as committed step 9; load(root) then opens "
+                   "step-00000009/ (absent) instead of the newest real checkpoint")
+def test_step_dir_with_trailing_newline_is_not_a_checkpoint(saved, own):
+    shutil.copytree(own / "step-00000001", own / "step-00000009\n")
+    assert_same(saved.states[2], asyncckpt.load(own))
+
+
+@pytest.mark.xfail(strict=True, reason="BUG (integrity gap): neither load() nor verify compares the "
+                   "manifest's step with its directory name; a copied/renamed step dir loads as "
+                   "the step its name says")
+def test_manifest_step_must_match_directory(saved, own):
+    os.rename(own / "step-00000001", own / "step-00000005")
+    with pytest.raises(CorruptCheckpointError, match="step"):
+        asyncckpt.load(own, step=5)
