@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import commit
 from ._version import __version__
-from .config import Knobs
+from .config import Knobs, parse_knob
 from .errors import CheckpointNotFoundError, WriterLockedError
 from .format import is_tmp_dir, step_dir_name, tmp_step_of
 from .manifest import read_manifest
@@ -64,7 +64,7 @@ def _writer(args: argparse.Namespace) -> int:
                         format="%(asctime)s asyncckpt-writer[%(process)d] %(levelname)s %(message)s")
     overrides = dict(kv.split("=", 1) for kv in args.knob)
     try:
-        knobs = Knobs.from_env(**{k: _knob_value(k, v) for k, v in overrides.items()},
+        knobs = Knobs.from_env(**{k: parse_knob(k, v) for k, v in overrides.items()},
                                codec=args.codec)
         server = WriterServer(args.root, knobs, args.address)
     except WriterLockedError as e:
@@ -89,15 +89,6 @@ def _writer(args: argparse.Namespace) -> int:
     server.serve_forever()
     server.stop()
     return 0
-
-
-def _knob_value(name: str, value: str) -> object:
-    field = Knobs.__dataclass_fields__.get(name)
-    if field is None:
-        return value  # Knobs.from_env names the unknown knob
-    kind = type(field.default)
-    from .config import parse_size
-    return parse_size(value) if kind is int else kind(value)
 
 
 def _watch_parent(pid: int, shutdown) -> None:

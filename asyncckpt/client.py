@@ -23,7 +23,9 @@ from typing import Any
 
 from . import protocol, ring
 from .config import Knobs
-from .errors import CheckpointError, SaveFailedError, WriterUnavailableError
+from .errors import (CheckpointError, SaveFailedError, UnsupportedStateError,
+                     WriterUnavailableError)
+from .format import MAX_STEP
 from .handle import SaveHandle
 from .stager import stage
 from .tree import flatten
@@ -46,11 +48,21 @@ class _Cancelled(Exception):
 
 
 class _PendingSave:
-    def __init__(self, save_id: int, step: int, state: Any, handle: SaveHandle) -> None:
+    """A save between `save()` and its result; the begin message is encoded up front so
+    that anything JSON cannot carry fails in `save()` itself."""
+
+    def __init__(self, save_id: int, step: int, world_size: int, state: Any,
+                 handle: SaveHandle) -> None:
         self.id = save_id
         self.step = step
-        self.tree, self.entries = flatten(state)
         self.handle = handle
+        tree, self.entries = flatten(state)
+        try:
+            self.begin = protocol.encode(
+                "begin", save=save_id, step=step, world_size=world_size, tree=tree,
+                tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries])
+        except (ValueError, RecursionError) as e:
+            raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
 
 
 class Client:
@@ -130,14 +142,14 @@ class Client:
             ValueError: a negative or non-int step.
         """
         started = time.perf_counter()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int; got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be an int in 0..{MAX_STEP}; got {step!r}")
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         if self._broken is not None:
             raise self._broken
         handle = SaveHandle(step)
-        pending = _PendingSave(next(self._ids), step, state_dict, handle)
+        pending = _PendingSave(next(self._ids), step, self.world_size, state_dict, handle)
         with self._cond:
             self._pending[pending.id] = pending
         self._queue.put(pending)
@@ -175,17 +187,19 @@ class Client:
                 continue
             try:
                 self._stage_one(pending)
-            except (OSError, ValueError):
+            except (OSError, EOFError):
                 self._on_broken("writer connection lost while staging")
             except _Cancelled:
                 pass
+            except Exception as e:  # never let one save stop the stager for the next ones
+                log.exception("staging step %d failed", pending.step)
+                pending.handle._set_failed(SaveFailedError(
+                    f"staging failed: {type(e).__name__}: {e}", step=pending.step, rank=self.rank))
 
     def _stage_one(self, pending: _PendingSave) -> None:
         started = time.perf_counter()
         handle = pending.handle
-        protocol.send(self._conn, "begin", save=pending.id, step=pending.step,
-                      world_size=self.world_size, tree=pending.tree,
-                      tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in pending.entries])
+        self._conn.send_bytes(pending.begin)
 
         def acquire() -> int:
             with self._cond:
@@ -203,7 +217,7 @@ class Client:
         except _Cancelled:
             protocol.send(self._conn, "end", save=pending.id)
             raise
-        except (OSError, ValueError):
+        except OSError:
             raise
         except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
             error = SaveFailedError(f"staging failed: {type(e).__name__}: {e}",

@@ -89,7 +89,7 @@ def committed_steps(root: Path) -> list[int]:
     """Steps under `root` that have a manifest, oldest first (manifests not validated)."""
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     steps = []
     for name in names:

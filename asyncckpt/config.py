@@ -73,7 +73,11 @@ class Knobs:
         for name, field in fields.items():
             raw = os.environ.get(f"ASYNCCKPT_{name.upper()}")
             if raw is not None:
-                values[name] = _parse(name, type(field.default), raw)
+                try:
+                    values[name] = parse_knob(name, raw)
+                except ValueError:
+                    raise ValueError(f"ASYNCCKPT_{name.upper()}={raw!r} is not a valid "
+                                     f"{type(field.default).__name__}") from None
         unknown = set(overrides) - set(fields)
         if unknown:
             raise ValueError(f"unknown knob(s) {sorted(unknown)}; known: {sorted(fields)}")
@@ -81,15 +85,22 @@ class Knobs:
         return cls(**values)
 
 
-def _parse(name: str, kind: type, raw: str) -> Any:
+def parse_knob(name: str, text: str) -> Any:
+    """Parse a knob's value from text (sizes accept "4MiB"; timeouts are seconds).
+
+    Raises:
+        ValueError: unknown knob, or text that is not a value of its type.
+    """
+    field = Knobs.__dataclass_fields__.get(name)
+    if field is None:
+        raise ValueError(f"unknown knob {name!r}; known: {sorted(Knobs.__dataclass_fields__)}")
+    kind = type(field.default)
     try:
         if kind is int:
-            return parse_size(raw)
-        if kind is float:
-            return float(raw)
-        return raw
+            return parse_size(text) if name.endswith(("_size", "_bytes")) else int(text)
+        return kind(text)
     except ValueError:
-        raise ValueError(f"ASYNCCKPT_{name.upper()}={raw!r} is not a valid {kind.__name__}")
+        raise ValueError(f"{name}={text!r} is not a valid {kind.__name__}") from None
 
 
 def parse_size(text: str) -> int:

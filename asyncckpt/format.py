@@ -32,9 +32,11 @@ DTYPE_SIZES: dict[str, int] = {
     "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
 }
 
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_TMP_DIR = re.compile(r"^step-(\d{8,})\.tmp-[0-9a-f]+$")
-_DATA_FILE = re.compile(r"^rank-(\d{5,})\.safetensors(\.zst)?$")
+MAX_STEP = (1 << 62) - 1  # the manifest's integer bound
+
+_STEP_DIR = re.compile(r"step-([0-9]{8,})")
+_TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
+_DATA_FILE = re.compile(r"rank-([0-9]{5,})\.safetensors(\.zst)?")
 
 
 class TensorSpec(NamedTuple):
@@ -53,16 +55,16 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     """The step of a committed directory name, else None."""
-    m = _STEP_DIR.match(name)
+    m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
 def is_tmp_dir(name: str) -> bool:
-    return _TMP_DIR.match(name) is not None
+    return _TMP_DIR.fullmatch(name) is not None
 
 
 def tmp_step_of(name: str) -> int | None:
-    m = _TMP_DIR.match(name)
+    m = _TMP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -72,7 +74,7 @@ def data_file_name(rank: int, codec: str) -> str:
 
 def is_data_file_name(name: str) -> bool:
     """True for names the writer creates; the reader opens nothing else."""
-    return _DATA_FILE.match(name) is not None
+    return _DATA_FILE.fullmatch(name) is not None
 
 
 def element_size(dtype_name: str) -> int:

@@ -31,7 +31,7 @@ from ._version import __version__
 from .config import Knobs
 from .errors import CorruptCheckpointError
 from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TensorSpec,
-                     data_file_name, element_size)
+                     data_file_name, element_size, parse_step_dir)
 
 _PREFIX = b'{"xxh3":"'
 _MIDDLE = b'","manifest":'
@@ -145,7 +145,7 @@ def read_manifest(directory: Path, knobs: Knobs | None = None) -> Manifest:
     knobs = knobs or Knobs.from_env()
     where = str(directory / MANIFEST_NAME)
     try:
-        fd = os.open(directory / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(directory / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise CorruptCheckpointError(f"cannot open manifest: {e.strerror}", file=where) from None
     try:
@@ -158,9 +158,14 @@ def read_manifest(directory: Path, knobs: Knobs | None = None) -> Manifest:
     finally:
         os.close(fd)
     try:
-        return parse_manifest(data, max_frame_bytes=knobs.max_frame_bytes)
+        manifest = parse_manifest(data, max_frame_bytes=knobs.max_frame_bytes)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(e.cause, file=where) from None
+    named = parse_step_dir(directory.name)
+    if named is not None and named != manifest.step:
+        raise CorruptCheckpointError(f"manifest is for step {manifest.step}, the directory "
+                                     f"for step {named}", file=where)
+    return manifest
 
 
 def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int) -> Manifest:

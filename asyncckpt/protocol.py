@@ -148,8 +148,13 @@ def dial(address: str, authkey: bytes, timeout: float) -> Connection:
     return conn
 
 
+def encode(op: str, **fields: Any) -> bytes:
+    """One message as bytes. Raises ValueError/RecursionError for what JSON cannot hold."""
+    return json.dumps({"op": op, **fields}, separators=(",", ":"), allow_nan=False).encode()
+
+
 def send(conn: Connection, op: str, **fields: Any) -> None:
-    conn.send_bytes(json.dumps({"op": op, **fields}, separators=(",", ":")).encode())
+    conn.send_bytes(encode(op, **fields))
 
 
 def recv(conn: Connection) -> Message:

@@ -26,7 +26,7 @@ from .codec import Codec, make_codec
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError,
                      StateMismatchError)
 from .dtypes import DTYPES
-from .format import MANIFEST_NAME, TensorSpec, step_dir_name
+from .format import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
 from .manifest import Frame, Manifest, RankPart, read_manifest
 from .tree import tensor_paths, unflatten
 
@@ -41,6 +41,10 @@ def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) ->
     """
     path = Path(path)
     if (path / MANIFEST_NAME).is_file():
+        named = parse_step_dir(path.name)
+        if step is not None and named is not None and named != step:
+            raise CheckpointNotFoundError(f"{path} is step {named}, not {step}", step=step,
+                                          file=str(path))
         return path
     if step is not None:
         candidate = path / step_dir_name(step)
@@ -65,7 +69,7 @@ class RankReader:
         self._codec: Codec = make_codec(self.part.codec)
         self._scratch: tuple[int, bytearray] | None = None
         try:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             raise self._corrupt(f"cannot open data file: {e.strerror}") from None
         st = os.fstat(self._fd)
@@ -124,6 +128,13 @@ class RankReader:
             out = out[hi - lo:]
             begin += hi - lo
             index += 1
+
+    def read_header(self) -> bytes:
+        """The verified bytes before the first tensor: the safetensors header."""
+        end = self.part.tensors[0].begin if self.part.tensors else self.part.raw_size
+        buf = bytearray(end)
+        self.read_range(0, end, memoryview(buf))
+        return bytes(buf)
 
     def read_tensor(self, spec: TensorSpec, into: torch.Tensor | None = None) -> torch.Tensor:
         """A verified tensor; decoded straight into `into` when it is CPU, contiguous and
@@ -199,6 +210,7 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
     targets = _match_targets(into, paths, specs, strict, manifest.step, rank) if into is not None else {}
     loaded: dict[str, torch.Tensor] = {}
     with RankReader(directory, manifest, rank) as reader:
+        reader.read_header()  # unused here, but no byte of the file goes unchecked
         for spec in part.tensors:
             loaded[spec.name] = reader.read_tensor(spec, targets.get(spec.name))
     return unflatten(part.tree, loaded.__getitem__)

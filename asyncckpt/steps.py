@@ -21,6 +21,7 @@ from typing import Callable
 
 from . import commit
 from .errors import CheckpointError, SaveFailedError
+from .format import MAX_STEP
 from .manifest import Manifest, RankPart
 
 log = logging.getLogger("asyncckpt.writer")
@@ -74,6 +75,8 @@ class Steps:
                     if not pending:
                         del self._failed[step]
                     raise error
+            if not 0 <= step <= MAX_STEP:
+                raise SaveFailedError(f"step {step} is outside 0..{MAX_STEP}", rank=rank)
             if not 0 <= rank < world_size:
                 raise SaveFailedError(f"rank {rank} is outside world size {world_size}",
                                       step=step, rank=rank)

@@ -25,6 +25,8 @@ from .errors import CorruptCheckpointError, UnsupportedStateError
 from .dtypes import DTYPE_NAMES
 
 JSON = Any
+MAX_DEPTH = 100
+MAX_INT_BITS = 14000  # Python refuses to print ints beyond ~4300 digits
 
 
 @dataclasses.dataclass
@@ -61,7 +63,11 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             name = _unique_name(path, names)
             entries.append(TensorEntry(name, path, node.detach()))
             return {"tensor": name}
-        if node is None or isinstance(node, (bool, int, str)):
+        if node is None or isinstance(node, (bool, str)):
+            return node
+        if isinstance(node, int):
+            if node.bit_length() > MAX_INT_BITS:
+                raise UnsupportedStateError(f"{_show(path)}: int of {node.bit_length()} bits is too large")
             return node
         if isinstance(node, float):
             return node if math.isfinite(node) else {"float": repr(node)}
@@ -71,6 +77,8 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
                 "dict/list/tuple, str, int, float, bool and None are saved (never pickle)")
         if id(node) in active:
             raise UnsupportedStateError(f"{_show(path)}: the state contains a cycle")
+        if len(path) >= MAX_DEPTH:
+            raise UnsupportedStateError(f"{_show(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
         active.add(id(node))
         try:
             if isinstance(node, dict):
@@ -80,6 +88,10 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
                         raise UnsupportedStateError(
                             f"{_show(path)}: dict key {key!r} is a {type(key).__name__}; "
                             "keys must be str or int")
+                    if isinstance(key, str) and not _is_utf8(key):
+                        raise UnsupportedStateError(f"{_show(path)}: dict key {key!r} is not valid Unicode")
+                    if isinstance(key, int) and key.bit_length() > MAX_INT_BITS:
+                        raise UnsupportedStateError(f"{_show(path)}: int key is too large")
                     items.append([key, visit(value, path + (key,))])
                 return {"dict": items}
             kind = "list" if isinstance(node, list) else "tuple"
@@ -170,6 +182,14 @@ def _unique_name(path: tuple[str | int, ...], taken: set[str]) -> str:
         name, n = f"{base}~{n}", n + 1
     taken.add(name)
     return name
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _show(path: tuple[str | int, ...]) -> str:

@@ -52,7 +52,7 @@ def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | 
         CheckpointNotFoundError: `path` is neither a checkpoint nor a root holding one.
     """
     path = Path(path)
-    if (path / MANIFEST_NAME).exists():
+    if (path / MANIFEST_NAME).is_file():
         return [path], None
     steps = commit.committed_steps(path)
     if not steps:

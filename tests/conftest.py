@@ -17,7 +17,14 @@ SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 
 
 def shm_segments() -> list[str]:
-    return sorted(glob.glob("/dev/shm/asyncckpt-*"))
+    """asyncckpt segments created by this process or by processes that are gone: the
+    ones this test run could have leaked (another run's live segments are not ours)."""
+    mine = []
+    for path in sorted(glob.glob("/dev/shm/asyncckpt-*")):
+        pid = int(path.split("-")[1])
+        if pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
+            mine.append(path)
+    return mine
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +77,9 @@ def assert_same(a: object, b: object, path: str = "state") -> None:
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8) if a.numel() else a,
-                           b.contiguous().view(-1).view(torch.uint8) if b.numel() else b), f"{path}: bytes differ"
+        if a.numel():
+            assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                               b.contiguous().view(-1).view(torch.uint8)), f"{path}: bytes differ"
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
         for k in a:

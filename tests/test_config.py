@@ -141,9 +141,6 @@ def test_writer_cli_rejects_bad_knobs_with_exit_2(tmp_path):
 
 # -- bugs -------------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="BUG: config._parse reads int knobs with parse_size, which "
-                   "refuses negatives, so the legal zstd_level range -7..-1 cannot be set from "
-                   "ASYNCCKPT_ZSTD_LEVEL (nor `asyncckpt writer --knob zstd_level=-1`)")
 def test_negative_zstd_level_from_env(env):
     env.setenv("ASYNCCKPT_ZSTD_LEVEL", "-3")
     assert Knobs.from_env().zstd_level == -3
