@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench-memory clean
+.PHONY: setup test demo bench bench-full bench-memory clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,15 @@ test: setup
 
 demo: setup
 	$(BIN)/python examples/demo.py
+
+# Side-by-side benchmark against torch.save, safetensors and DCP, with the machine's limits.
+bench: setup
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python -m benchmarks --quick
+
+bench-full: setup
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python -m benchmarks --full
 
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup
