@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import shutil
@@ -26,6 +27,8 @@ from .errors import DiskFullError, SaveFailedError, WriterLockedError
 from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, is_tmp_dir, parse_step_dir,
                      step_dir_name)
 from .manifest import Manifest
+
+log = logging.getLogger("asyncckpt.writer")
 
 
 def fsync_path(path: Path) -> None:
@@ -78,11 +81,34 @@ def publish(root: Path, tmp_dir: Path, manifest: Manifest) -> Path:
                                   step=manifest.step)
         write_atomic(tmp_dir / MANIFEST_NAME, manifest.to_bytes())
         os.rename(tmp_dir, final)
-        fsync_path(root)
-        update_latest(root)
+        try:
+            fsync_path(root)
+        except OSError:
+            os.rename(final, tmp_dir)  # not durable: take it back rather than claim it
+            raise
     except OSError as e:
         raise io_error(e, step=manifest.step, file=str(e.filename or final)) from e
+    try:
+        update_latest(root)
+    except OSError as e:  # the step is committed; `latest` is redone at the next commit or start
+        log.warning("step %d committed but %s not updated: %s", manifest.step, LATEST_NAME, e)
     return final
+
+
+def prune(root: Path, keep_last: int) -> list[int]:
+    """Delete all but the newest `keep_last` committed steps; returns the deleted steps.
+
+    Derived from the disk, oldest first. Each victim is first renamed to a tmp name, so a
+    crash mid-delete leaves an abandoned tmp directory, never a half-deleted checkpoint.
+    """
+    steps = committed_steps(root)
+    doomed = steps[:-keep_last] if keep_last > 0 else []
+    for step in doomed:
+        victim = root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
+        os.rename(root / step_dir_name(step), victim)
+        fsync_path(root)
+        shutil.rmtree(victim, ignore_errors=True)
+    return doomed
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -69,7 +69,9 @@ def create_endpoint(address: str | None = None) -> tuple[socket.socket, str, byt
         (the listening socket, its address, the authkey).
     """
     if address is None:
-        address = str(runtime_dir() / f"writer-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        directory = runtime_dir()
+        _sweep_dead_endpoints(directory)
+        address = str(directory / f"writer-{os.getpid()}-{secrets.token_hex(4)}.sock")
     authkey = secrets.token_bytes(32)
     fd = os.open(key_path(address), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -85,6 +87,14 @@ def create_endpoint(address: str | None = None) -> tuple[socket.socket, str, byt
         os.umask(old_umask)
     sock.listen(64)
     return sock, address, authkey
+
+
+def _sweep_dead_endpoints(directory: Path) -> None:
+    """Remove socket and key files left by writers that were killed (pid in the name)."""
+    for path in directory.glob("writer-*-*.*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            path.unlink(missing_ok=True)
 
 
 def remove_endpoint(address: str) -> None:

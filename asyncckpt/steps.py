@@ -47,8 +47,10 @@ class Steps:
     """The open steps of one writer. Thread-safe; every method may be called from any
     session thread."""
 
-    def __init__(self, root: Path, on_commit: Callable[[Manifest, float], None] | None = None) -> None:
+    def __init__(self, root: Path, keep_last: int = 0,
+                 on_commit: Callable[[Manifest, float], None] | None = None) -> None:
         self.root = root
+        self.keep_last = keep_last
         self._lock = threading.Lock()
         self._commit_lock = threading.Lock()
         self._open: dict[int, Step] = {}
@@ -173,12 +175,24 @@ class Steps:
             self.fail(step, SaveFailedError("the writer shut down before all ranks ended",
                                             step=step))
 
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        try:
+            deleted = commit.prune(self.root, self.keep_last)
+        except OSError as e:  # retention is best effort; the new step is already durable
+            log.warning("retention failed: %s", e)
+            return
+        if deleted:
+            log.info("retention (keep_last=%d) deleted steps %s", self.keep_last, deleted)
+
     def _commit(self, current: Step) -> None:
         manifest = Manifest(step=current.step, world_size=current.world_size,
                             ranks=[current.parts[r] for r in range(current.world_size)])
         try:
             with self._commit_lock:
                 path = commit.publish(self.root, current.tmp_dir, manifest)
+                self._prune()
         except CheckpointError as error:
             commit.discard(current.tmp_dir)
             log.warning("step %d failed at commit: %s", current.step, error)

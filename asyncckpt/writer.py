@@ -53,7 +53,7 @@ class WriterServer:
             log.info("removed orphaned shared memory %s", name)
         commit.update_latest(self.root)
         self._sock, self.address, self._authkey = protocol.create_endpoint(address)
-        self.steps = Steps(self.root, on_commit=self._log_commit)
+        self.steps = Steps(self.root, self.knobs.keep_last, on_commit=self._log_commit)
         self.rss = PeakSampler()
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()

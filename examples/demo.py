@@ -146,7 +146,11 @@ def train(rank: int, cfg: dict, log: RankLog) -> None:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     torch.manual_seed(SEED + 1 + rank)       # a dropout stream of its own per rank
-    client = asyncckpt.connect(rank=rank, world_size=WORLD_SIZE)  # from ASYNCCKPT_ADDRESS
+    # The address comes from ASYNCCKPT_ADDRESS, which start_writer() exported. The ring is
+    # smaller than the state on purpose: the state streams through it, and staging lasts
+    # long enough for the demo's crash to land in the middle of it.
+    client = asyncckpt.connect(rank=rank, world_size=WORLD_SIZE, slot_size=cfg["slot"],
+                               ring_size=cfg["ring"])
 
     start = 0
     if cfg["phase"] == 2:
@@ -173,11 +177,14 @@ def train(rank: int, cfg: dict, log: RankLog) -> None:
             log.write(kind="stall", step=to_stage.step, seconds=time.perf_counter() - t0)
             to_stage = None
         optimizer.step()
-        log.write(kind="step", step=step, loss=loss.item().hex(), digest=weights_digest(model))
+        log.write(kind="step", step=step, loss=loss.item().hex(), digest=weights_digest(model),
+                  t=time.monotonic())
 
         if step % cfg["save_every"] == 0 or step == cfg["steps"]:
             crash = cfg["phase"] == 1 and step == cfg["crash_step"] and rank == CRASHING_RANK
-            if crash:  # let the other ranks' saves begin first: the crash is ours alone
+            if crash:
+                # Let the other rank's save of this step begin first, so that the crash
+                # tears a step that is under way on every rank.
                 wait_for_data_files(cfg["dir"], step, [r for r in range(WORLD_SIZE) if r != rank])
             digest = state_digest(model, optimizer) if cfg["phase"] == 1 else None
             t0 = time.perf_counter()
@@ -307,9 +314,11 @@ class Demo:
         print(f"asyncckpt {asyncckpt.__version__} demo: {WORLD_SIZE} ranks (DDP over gloo, CPU), "
               f"MLP {n_params / 1e6:.1f} M fp32 params + AdamW, {args.steps} steps, "
               f"save every {args.save_every}")
-        print(f"writer: pid {writer.pid}, root {root}/, codec {args.codec}")
+        print(f"writer: pid {writer.pid}, root {root}/, codec {args.codec}; ring per rank: "
+              f"{args.ring_mib} MiB ({args.ring_mib // args.slot_mib} slots of {args.slot_mib} MiB)")
         base = {"dir": str(root), "logs": str(logs), "steps": args.steps,
-                "save_every": args.save_every, "crash_step": args.crash_step}
+                "save_every": args.save_every, "crash_step": args.crash_step,
+                "slot": args.slot_mib << 20, "ring": args.ring_mib << 20}
 
         # -- phase 1: train; rank 1 dies in the middle of a save; kill the survivors -----
         print(f"\nphase 1: train from scratch; rank {CRASHING_RANK} gets SIGKILL in the middle "
@@ -371,7 +380,8 @@ class Demo:
         leftover = glob.glob("/dev/shm/asyncckpt-*")
         print(f"\nwriter stopped (exit code {code}); asyncckpt shared memory left in /dev/shm: "
               f"{', '.join(leftover) or 'none'}; demo took {time.perf_counter() - began:.1f} s")
-        shutil.rmtree(logs, ignore_errors=True)
+        if not os.environ.get("DEMO_KEEP_LOGS"):
+            shutil.rmtree(logs, ignore_errors=True)
         problems = [what for what, bad in (("the resume was not exact", not exact),
                                            ("asyncckpt verify failed", not verified),
                                            ("the writer did not stop cleanly", code != 0),
@@ -399,8 +409,10 @@ class Demo:
         print(f"  state restored at step {resume_from} (weights, AdamW moments, RNG) "
               f"{'is bit-identical to' if restored_ok else 'DIFFERS from'} what phase 1 saved")
         if overlap:
-            print(f"  steps {overlap[0]}..{overlap[-1]} ran before the crash and again after the "
-                  f"resume: {'losses and weights bit-identical on every rank' if not mismatches else f'{len(mismatches)} (rank, step) mismatches, first {mismatches[0]}'}")
+            verdict = ("losses and weights bit-identical" if not mismatches else
+                       f"{len(mismatches)} (rank, step) mismatches, the first {mismatches[0]}")
+            print(f"  steps {overlap[0]}..{overlap[-1]}, run before the crash and again after it: "
+                  f"{verdict}")
         losses = {r["step"]: float.fromhex(r["loss"]) for phase in (1, 2)
                   for r in read_log(logs, phase, 0, "step")}
         print("  loss (rank 0): " + ", ".join(f"step {s} {losses[s]:.4f}" for s in
@@ -423,15 +435,20 @@ class Demo:
                 for r in read_log(self.logs, phase, rank):
                     if r["kind"] in ("save", "stall", "durable"):
                         saves.setdefault((phase, r["step"]), {}).setdefault(rank, {})[r["kind"]] = r
-        print("\nsaves of both ranks (blocked: in save() + waiting for staging before the next "
-              "optimizer step;\n  staging: background copy into shared memory; durable: from save() "
-              "to committed and fsynced; worst rank):")
-        print(f"  {'step':>4} {'phase':>5} {'blocked':>8} {'staging':>8} {'staged':>8} "
-              f"{'raw -> stored':>15} {'ratio':>5} {'durable':>7} {'MB/s':>5}  result")
-        peak = 0
+        print("\nsaves (blocked = save() + wait for staging before the next optimizer step; "
+              "staging = background\ncopy into the ring; durable = save() to committed and fsynced; "
+              "each the worst of the 2 ranks):")
+        print(f"  {'step':>4} {'phase':>5} {'blocked':>8} {'(save+wait)':>11} {'staging':>7} "
+              f"{'staged':>7} {'raw -> stored MB':>16} {'ratio':>5} {'durable':>7} {'MB/s':>4}  result")
+        peak, total_blocked = 0, {}
         for (phase, step), by_rank in sorted(saves.items()):
-            blocked = max(r.get("save", {}).get("call_seconds", 0)
-                          + r.get("stall", {}).get("seconds", 0) for r in by_rank.values())
+            parts = {rank: (r.get("save", {}).get("call_seconds", 0),
+                            r.get("stall", {}).get("seconds", 0)) for rank, r in by_rank.items()}
+            for rank, (call, wait) in parts.items():
+                total_blocked[phase, rank] = total_blocked.get((phase, rank), 0) + call + wait
+            call, wait = max(parts.values(), key=sum)
+            row = (f"  {step:>4} {phase:>5} {(call + wait) * 1e3:>5.1f} ms "
+                   f"{f'({call * 1e3:.1f}+{wait * 1e3:.1f})':>11} ")
             done = [r["durable"] for r in by_rank.values() if "durable" in r]
             ok = [d for d in done if d["error"] is None]
             if len(ok) == WORLD_SIZE:
@@ -441,24 +458,34 @@ class Demo:
                 raw, stored = st["raw_bytes"] / MB, st["stored_bytes"] / MB
                 durable = max(d["seconds"] for d in ok)
                 peak = max([peak] + [d["stats"].get("writer_peak_rss_anon", 0) for d in ok])
-                print(f"  {step:>4} {phase:>5} {blocked * 1e3:>5.1f} ms {staging * 1e3:>5.0f} ms "
-                      f"{staged:>5.1f} MB {raw:>5.1f} -> {stored:>4.1f} MB {stored / raw:>5.3f} "
-                      f"{durable:>5.2f} s {raw / durable:>5.0f}  committed")
+                print(row + f"{staging * 1e3:>4.0f} ms {staged:>4.1f} MB {raw:>7.1f} -> {stored:>4.1f} "
+                      f"{stored / raw:>5.3f} {durable:>5.2f} s {raw / durable:>4.0f}  committed")
                 continue
+            errors = [(rank, r["durable"]["error"]) for rank, r in sorted(by_rank.items())
+                      if r.get("durable", {}).get("error")]
             if phase == 1 and step in committed_in_phase1:
-                result = "committed (its ranks died before hearing so)"
+                result = "committed (its ranks were dead by then)"
             elif phase == 1:
                 result = "torn by the crash: discarded"
             else:
-                result = next((d["error"] for d in done if d["error"]), "not durable")
-            print(f"  {step:>4} {phase:>5} {blocked * 1e3:>5.1f} ms {'-':>8} {'-':>8} {'-':>15} "
-                  f"{'-':>5} {'-':>7} {'-':>5}  {result}")
+                result = "FAILED"
+            print(row + f"{'-':>7} {'-':>7} {'-':>16} {'-':>5} {'-':>7} {'-':>4}  {result}")
+            for rank, error in errors[:1]:
+                print(f"{'':>16}rank {rank}'s handle.wait() raised {error}")
         try:
             now = rss_anon(self.writer.pid)
         except OSError:
             now = 0
-        print(f"writer private memory (RssAnon): peak {peak / 2**20:.1f} MiB, now {now / 2**20:.1f} "
-              f"MiB; the rings are shared memory, and neither grows with the state")
+        trained = {}
+        for phase in (1, 2):
+            for rank in range(WORLD_SIZE):
+                times = [r["t"] for r in read_log(self.logs, phase, rank, "step")]
+                if len(times) > 1:
+                    trained[phase, rank] = times[-1] - times[0]
+        share = max(total_blocked.get(k, 0) / v for k, v in trained.items())
+        print(f"training time lost to checkpointing: at most {share:.1%} on any rank; writer private "
+              f"memory (RssAnon):\npeak {peak / 2**20:.1f} MiB, now {now / 2**20:.1f} MiB (the rings "
+              f"are shared memory; neither grows with the state)")
 
 
 def rss_anon(pid: int) -> int:
@@ -477,6 +504,8 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--crash-step", type=int, default=250,
                         help="rank 1 is killed in the middle of saving this step")
+    parser.add_argument("--ring-mib", type=int, default=8, help="shared-memory ring per rank")
+    parser.add_argument("--slot-mib", type=int, default=2, help="ring slot (= frame) size")
     args = parser.parse_args()
     if not (0 < args.save_every < args.crash_step < args.steps
             and args.crash_step % args.save_every == 0):

@@ -61,3 +61,12 @@ def test_write_atomic_leaves_no_tmp_file(tmp_path):
     commit.write_atomic(tmp_path / "f", b"x" * 100)
     commit.write_atomic(tmp_path / "f", b"y")
     assert [p.name for p in tmp_path.iterdir()] == ["f"] and (tmp_path / "f").read_bytes() == b"y"
+
+
+def test_prune_keeps_the_newest_and_leaves_no_half_deleted_step(tmp_path):
+    for step in (10, 20, 30, 40):
+        commit.publish(tmp_path, commit.make_tmp_dir(tmp_path, step), empty_manifest(step))
+    assert commit.prune(tmp_path, keep_last=2) == [10, 20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000030", "step-00000040"]
+    assert commit.prune(tmp_path, keep_last=0) == []
+    assert commit.committed_steps(tmp_path) == [30, 40]

@@ -55,3 +55,17 @@ def test_handshake_and_messages(tmp_path, monkeypatch):
     protocol.remove_endpoint(address)
     with pytest.raises(WriterUnavailableError, match="no writer"):
         protocol.dial(address, key, timeout=1)
+
+
+def test_endpoints_of_dead_writers_are_swept(tmp_path, monkeypatch):
+    rt = tmp_path / "rt"
+    monkeypatch.setenv("ASYNCCKPT_RUNTIME_DIR", str(rt))
+    protocol.runtime_dir()
+    dead = [rt / "writer-999999999-abcd.sock", rt / "writer-999999999-abcd.key"]
+    live = rt / f"writer-{os.getpid()}-beef.key"
+    for path in dead + [live]:
+        path.write_text("x")
+    sock, address, _ = protocol.create_endpoint()
+    assert not any(p.exists() for p in dead) and live.exists()
+    sock.close()
+    protocol.remove_endpoint(address)

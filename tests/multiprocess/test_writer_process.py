@@ -136,3 +136,17 @@ def test_cli_writer_foreground(tmp_path):
         proc.kill()
     assert asyncckpt.load(root)["t"].tolist() == [0, 1, 2, 3, 4]
     assert not os.path.exists(address)
+
+
+def test_writer_retention_keeps_last_n(tmp_path):
+    root = tmp_path / "keep"
+    writer = asyncckpt.start_writer(root, log_file=tmp_path / "w.log", keep_last=2)
+    try:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+            for step in range(1, 6):
+                client.save(step, {"s": torch.tensor(step)}).wait(30)
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+            "step-00000004", "step-00000005"]
+        assert asyncckpt.load(root)["s"].item() == 5
+    finally:
+        writer.stop()
