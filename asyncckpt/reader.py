@@ -26,7 +26,7 @@ from .codec import Codec, make_codec
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError,
                      StateMismatchError)
 from .dtypes import DTYPES
-from .format import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
+from .format import MANIFEST_NAME, TensorSpec, layout, parse_step_dir, step_dir_name
 from .manifest import Frame, Manifest, RankPart, read_manifest
 from .tree import tensor_paths, unflatten
 
@@ -129,12 +129,21 @@ class RankReader:
             begin += hi - lo
             index += 1
 
-    def read_header(self) -> bytes:
-        """The verified bytes before the first tensor: the safetensors header."""
+    def check_header(self) -> None:
+        """Read the stream's safetensors header (verified) and check it is exactly the
+        one the manifest's tensor table implies, so dtypes, shapes and offsets agree.
+
+        Raises:
+            CorruptCheckpointError: it differs.
+        """
+        expected, _ = layout((t.name, t.dtype, t.shape) for t in self.part.tensors)
         end = self.part.tensors[0].begin if self.part.tensors else self.part.raw_size
+        if end != len(expected):
+            raise self._corrupt(f"tensors start at byte {end}, the header ends at {len(expected)}")
         buf = bytearray(end)
         self.read_range(0, end, memoryview(buf))
-        return bytes(buf)
+        if buf != expected:
+            raise self._corrupt("safetensors header differs from the manifest's tensor table")
 
     def read_tensor(self, spec: TensorSpec, into: torch.Tensor | None = None) -> torch.Tensor:
         """A verified tensor; decoded straight into `into` when it is CPU, contiguous and
@@ -201,19 +210,47 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
     if not 0 <= rank < manifest.world_size:
         raise CheckpointNotFoundError(f"checkpoint has ranks 0..{manifest.world_size - 1}",
                                       step=manifest.step, rank=rank, file=str(directory))
+    check_files(directory, manifest)
     part = manifest.ranks[rank]
     specs = {s.name: s for s in part.tensors}
-    paths = tensor_paths(part.tree)
-    if set(paths) != set(specs):
-        raise CorruptCheckpointError("tree and tensor table disagree", step=manifest.step,
-                                     rank=rank, file=MANIFEST_NAME)
+    paths = check_tree(part, manifest.step)
     targets = _match_targets(into, paths, specs, strict, manifest.step, rank) if into is not None else {}
     loaded: dict[str, torch.Tensor] = {}
     with RankReader(directory, manifest, rank) as reader:
-        reader.read_header()  # unused here, but no byte of the file goes unchecked
+        reader.check_header()
         for spec in part.tensors:
             loaded[spec.name] = reader.read_tensor(spec, targets.get(spec.name))
     return unflatten(part.tree, loaded.__getitem__)
+
+
+def check_files(directory: Path, manifest: Manifest) -> None:
+    """The directory must hold exactly the manifest and the data files it names.
+
+    Raises:
+        CorruptCheckpointError: a file is missing or one is there that should not be.
+    """
+    expected = {MANIFEST_NAME} | {p.file for p in manifest.ranks}
+    present = set(os.listdir(directory))
+    for name, problem in [(n, "missing") for n in sorted(expected - present)] + \
+                         [(n, "unexpected") for n in sorted(present - expected)]:
+        raise CorruptCheckpointError(f"{problem} file {name!r}", step=manifest.step,
+                                     file=str(directory))
+
+
+def check_tree(part: RankPart, step: int) -> dict[str, tuple]:
+    """The tree must be well formed and reference each listed tensor exactly once.
+
+    Returns:
+        Each tensor name's path in the tree.
+    Raises:
+        CorruptCheckpointError: it does not.
+    """
+    paths = tensor_paths(part.tree)
+    if set(paths) != {t.name for t in part.tensors}:
+        raise CorruptCheckpointError("object tree and tensor table disagree", step=step,
+                                     rank=part.rank, file=MANIFEST_NAME)
+    unflatten(part.tree, lambda name: None)
+    return paths
 
 
 def _match_targets(into: Any, paths: dict[str, tuple], specs: dict[str, TensorSpec],

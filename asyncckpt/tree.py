@@ -156,13 +156,19 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any]) -> Any:
 
 
 def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
-    """Map each tensor name in `tree` to its path of keys and indices."""
+    """Map each tensor name in `tree` to its path of keys and indices.
+
+    Raises:
+        CorruptCheckpointError: a tensor is referenced twice.
+    """
     out: dict[str, tuple[str | int, ...]] = {}
 
     def visit(node: JSON, path: tuple[str | int, ...]) -> None:
         if isinstance(node, dict) and len(node) == 1:
             (kind, body), = node.items()
             if kind == "tensor":
+                if body in out:
+                    raise CorruptCheckpointError(f"tree references tensor {body!r:.80} twice")
                 out[body] = path
             elif kind in ("list", "tuple"):
                 for i, v in enumerate(body):
@@ -171,7 +177,10 @@ def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
                 for key, v in body:
                     visit(v, path + (key,))
 
-    visit(tree, ())
+    try:
+        visit(tree, ())
+    except (RecursionError, TypeError, ValueError):
+        raise CorruptCheckpointError("malformed tree") from None
     return out
 
 

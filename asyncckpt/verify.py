@@ -18,10 +18,9 @@ from typing import Callable
 
 from . import commit
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .format import LATEST_NAME, MANIFEST_NAME, layout, step_dir_name
-from .manifest import read_manifest
-from .reader import RankReader
-from .tree import tensor_paths, unflatten
+from .format import LATEST_NAME, MANIFEST_NAME, step_dir_name
+from .manifest import Manifest, read_manifest
+from .reader import RankReader, check_tree
 
 Progress = Callable[[int], None]
 
@@ -72,7 +71,8 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None) -> Repo
         return report
     report.step = manifest.step
     expected = {MANIFEST_NAME} | {p.file for p in manifest.ranks}
-    for name in sorted(set(os.listdir(directory)) - expected):
+    present = set(os.listdir(directory))
+    for name in sorted(present - expected):
         report.problem(f"unexpected file {name!r} in the checkpoint directory")
     for rank in range(manifest.world_size):
         try:
@@ -83,27 +83,13 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None) -> Repo
     return report
 
 
-def _verify_rank(directory: Path, manifest, rank: int, report: Report,
+def _verify_rank(directory: Path, manifest: Manifest, rank: int, report: Report,
                  progress: Progress | None) -> None:
-    part = manifest.ranks[rank]
-    names = {t.name for t in part.tensors}
-    paths = tensor_paths(part.tree)
-    if set(paths) != names or len(paths) != len(names):
-        raise CorruptCheckpointError("object tree and tensor table disagree", step=manifest.step,
-                                     rank=rank, file=MANIFEST_NAME)
-    unflatten(part.tree, lambda name: None)
-    header, _ = layout((t.name, t.dtype, t.shape) for t in part.tensors)
-    first = part.tensors[0].begin if part.tensors else part.raw_size
+    check_tree(manifest.ranks[rank], manifest.step)
     with RankReader(directory, manifest, rank) as reader:
-        if first != len(header):
-            raise reader._corrupt(f"tensors start at byte {first}, the header ends at {len(header)}")
-        for index, frame in enumerate(part.frames):
-            buf = bytearray(frame.raw_length)
-            reader.read_frame_into(index, memoryview(buf))
-            if frame.raw_offset < len(header):
-                end = min(len(header), frame.raw_offset + frame.raw_length)
-                if bytes(buf[:end - frame.raw_offset]) != header[frame.raw_offset:end]:
-                    raise reader._corrupt("safetensors header differs from the manifest")
+        reader.check_header()
+        for index, frame in enumerate(reader.part.frames):
+            reader.read_frame_into(index, memoryview(bytearray(frame.raw_length)))
             report.frames += 1
             report.raw_bytes += frame.raw_length
             report.stored_bytes += frame.stored_length
