@@ -23,6 +23,7 @@ import secrets
 import shutil
 from pathlib import Path
 
+from . import faults
 from .errors import DiskFullError, SaveFailedError, WriterLockedError
 from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, is_tmp_dir, parse_step_dir,
                      step_dir_name)
@@ -53,13 +54,16 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
+            faults.io("write", tmp)
             view = view[os.write(fd, view):]
+        faults.io("fsync", tmp)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
+    faults.io("rename", path)
     os.rename(tmp, path)
     fsync_path(path.parent)
 
@@ -80,7 +84,10 @@ def publish(root: Path, tmp_dir: Path, manifest: Manifest) -> Path:
             raise SaveFailedError(f"{final} already exists; a committed step is never replaced",
                                   step=manifest.step)
         write_atomic(tmp_dir / MANIFEST_NAME, manifest.to_bytes())
+        faults.point("manifest_written")
+        faults.io("rename", final)
         os.rename(tmp_dir, final)
+        faults.point("step_renamed")
         try:
             fsync_path(root)
         except OSError:
@@ -107,6 +114,7 @@ def prune(root: Path, keep_last: int) -> list[int]:
         victim = root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
         os.rename(root / step_dir_name(step), victim)
         fsync_path(root)
+        faults.point("pruning")
         shutil.rmtree(victim, ignore_errors=True)
     return doomed
 

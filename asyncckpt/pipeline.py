@@ -15,6 +15,7 @@ from pathlib import Path
 
 import xxhash
 
+from . import faults
 from .codec import Codec, make_codec
 from .format import TensorSpec, data_file_name
 from .manifest import Frame, RankPart
@@ -61,7 +62,9 @@ class RankFileWriter:
         middle = time.perf_counter()
         view = memoryview(stored)
         while view:
+            faults.io("write", self.path)
             view = view[os.write(self._fd, view):]
+        faults.point("frame_written")
         self.encode_seconds += middle - start
         self.write_seconds += time.perf_counter() - middle
         self._frames.append(Frame(self._raw_size, len(raw), self._stored_size, len(stored),
@@ -80,7 +83,9 @@ class RankFileWriter:
             raise ValueError(f"rank {self.rank} ended after {self._raw_size} of "
                              f"{self.expected_size} bytes")
         start = time.perf_counter()
+        faults.io("fsync", self.path)
         os.fsync(self._fd)
+        faults.point("data_fsynced")
         self.write_seconds += time.perf_counter() - start
         self.close()
         return RankPart(self.rank, self.path.name, self._codec.name, self._raw_size,

@@ -97,13 +97,18 @@ class WriterServer:
         for s in sessions:
             s.close()
         protocol.remove_endpoint(self.address)
+        ring.sweep_stale()
         self.rss.stop()
         self._lock.release()
         log.info("writer stopped")
 
     def _watch_absent(self) -> None:
+        ticks = 0
         while not self._stopped.wait(0.5):
             self.steps.fail_absent(self.knobs.absent_rank_timeout)
+            ticks += 1
+            if ticks % 10 == 0:  # rings of ranks killed before we attached them
+                ring.sweep_stale()
 
     def _handshake(self, sock: socket.socket) -> None:
         try:

@@ -1,0 +1,56 @@
+"""Fault injection seam: crash points and I/O errors inside the writer process.
+
+The writer is a separate process, so tests cannot monkeypatch it. Two environment
+variables, read once when the writer starts, arm faults instead (the seam torchsnapshot
+uses its storage plugin for):
+
+    ASYNCCKPT_CRASH_AT=<point>[:<n>]       SIGKILL ourselves the n-th time (default 1st)
+                                           <point> is reached
+    ASYNCCKPT_FAIL_IO=<op>:<ERRNO>[:<n>]   the n-th <op> (write, fsync, rename) raises
+                                           OSError(ERRNO), e.g. fsync:EIO or rename:EROFS
+
+Points: frame_written, data_fsynced, manifest_written (before the rename),
+step_renamed (before `latest`), pruning (a victim renamed, not yet deleted). Unset, as
+in production, each hook costs a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+CRASH_POINTS = ("frame_written", "data_fsynced", "manifest_written", "step_renamed", "pruning")
+IO_OPS = ("write", "fsync", "rename")
+
+
+def _parse(variable: str) -> tuple[str, str, int] | None:
+    spec = os.environ.get(variable)
+    if not spec:
+        return None
+    parts = spec.split(":")
+    count = int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return parts[0], (parts[1] if len(parts) > 1 and not parts[1].isdigit() else ""), count
+
+
+_crash = _parse("ASYNCCKPT_CRASH_AT")
+_fail = _parse("ASYNCCKPT_FAIL_IO")
+_seen: dict[str, int] = {}
+
+
+def point(name: str) -> None:
+    """A crash point: the process dies here if ASYNCCKPT_CRASH_AT names it."""
+    if _crash and _crash[0] == name:
+        _seen[name] = _seen.get(name, 0) + 1
+        if _seen[name] >= _crash[2]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def io(op: str, path: object = None) -> None:
+    """Called before each write/fsync/rename; raises if ASYNCCKPT_FAIL_IO arms `op`."""
+    if _fail and _fail[0] == op:
+        key = "io:" + op
+        _seen[key] = _seen.get(key, 0) + 1
+        if _seen[key] == _fail[2]:
+            code = getattr(errno, _fail[1] or "EIO")
+            raise OSError(code, f"{os.strerror(code)} (injected)", str(path) if path else None)

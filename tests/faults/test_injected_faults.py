@@ -1,0 +1,82 @@
+"""Crash points and I/O errors injected into the writer process (asyncckpt.faults)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt import commit
+from conftest import assert_same, shm_segments
+
+
+def start(root, tmp_path, monkeypatch, **env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    writer = asyncckpt.start_writer(root, codec="zstd", log_file=tmp_path / "w.log", keep_last=2)
+    for name in env:
+        monkeypatch.delenv(name)
+    return writer
+
+
+def save(writer, step, seed):
+    state = {"w": torch.randn(300_000, generator=torch.Generator().manual_seed(seed)), "step": step}
+    with asyncckpt.connect(writer.address, rank=0, world_size=1,
+                           slot_size=256 << 10, ring_size=1 << 20) as client:
+        handle = client.save(step, state)
+        try:
+            handle.wait(60)
+        except asyncckpt.CheckpointError as e:
+            return state, e
+    return state, None
+
+
+@pytest.mark.parametrize("where", ["frame_written:3", "data_fsynced", "manifest_written",
+                                   "step_renamed", "pruning"])
+def test_writer_killed_at_each_crash_point(root, tmp_path, monkeypatch, where):
+    writer = start(root, tmp_path, monkeypatch)
+    kept = [save(writer, step, step)[0] for step in (1, 2)]
+    writer.stop()
+    writer = start(root, tmp_path, monkeypatch, ASYNCCKPT_CRASH_AT=where)
+    new_state, error = save(writer, 3, 3)
+    assert isinstance(error, asyncckpt.WriterUnavailableError)
+    assert writer._proc.wait(10) == -9
+    committed = commit.committed_steps(root)
+    if where in ("step_renamed", "pruning"):   # the rename is the commit point
+        assert committed[-1] == 3
+        assert_same(new_state, asyncckpt.load(root))
+    else:
+        assert committed == [1, 2]
+        assert_same(kept[1], asyncckpt.load(root))
+    for step in committed:  # whatever survived is whole
+        assert asyncckpt.load(root, step=step)["step"] == step
+    writer = start(root, tmp_path, monkeypatch)  # a new writer sweeps and repairs
+    try:
+        assert not any(".tmp-" in p.name for p in root.iterdir())
+        assert commit.read_latest(root) == commit.committed_steps(root)[-1]
+        assert save(writer, 4, 4)[1] is None
+    finally:
+        writer.stop()
+    assert shm_segments() == []
+
+
+@pytest.mark.parametrize("fault,message", [("fsync:EIO", "Input/output error"),
+                                           ("write:EIO:2", "Input/output error"),
+                                           ("rename:EROFS:2", "Read-only file system")])
+def test_io_error_fails_that_save_only(root, tmp_path, monkeypatch, fault, message):
+    writer = start(root, tmp_path, monkeypatch)
+    first, _ = save(writer, 1, 1)
+    writer.stop()
+    writer = start(root, tmp_path, monkeypatch, ASYNCCKPT_FAIL_IO=fault)
+    try:
+        _, error = save(writer, 2, 2)
+        assert isinstance(error, asyncckpt.SaveFailedError) and message in str(error)
+        assert "step 2" in str(error)
+        assert commit.committed_steps(root) == [1]
+        assert not any(".tmp-" in p.name for p in root.iterdir())
+        assert_same(first, asyncckpt.load(root))
+        later, error = save(writer, 3, 3)  # the fault fired once; the writer serves on
+        assert error is None
+        assert_same(later, asyncckpt.load(root))
+    finally:
+        writer.stop()
