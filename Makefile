@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench bench-full bench-memory clean
+.PHONY: setup test demo bench bench-full bench-memory torture clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,10 @@ bench: setup
 bench-full: setup
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python -m benchmarks --full
+
+# kill -9 a random process of a saving job 300 times; check every checkpoint after each.
+torture: setup
+	$(BIN)/python tests/faults/torture.py --kills 300 --ranks 3
 
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup

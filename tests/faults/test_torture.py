@@ -1,0 +1,14 @@
+"""The short crash-torture run (`make torture` runs 300 kills)."""
+
+from __future__ import annotations
+
+from torture import run
+
+
+def test_twenty_kills_lose_nothing(tmp_path):
+    result = run(kills=20, ranks=2, seed=1, root=tmp_path / "ckpt", verbose=False)
+    print("torture:", result)
+    assert result["kills_survived"] == 20
+    assert result["writer_kills"] >= 1
+    assert result["checkpoints_verified"] >= 20
+    assert result["writer_exit"] == 0

@@ -1,0 +1,166 @@
+"""Crash torture: kill -9 a random process of a saving job, again and again.
+
+    python tests/faults/torture.py --kills 300 --ranks 3
+
+A writer (keep_last=3) and N ranks save a step after another. At a random moment one
+of them is SIGKILLed -- the writer or a rank -- and, as a job launcher would, the rest
+of the ranks are killed too and everything that died is restarted. Some writer restarts
+are armed with a crash point (asyncckpt.faults), so that deaths also land exactly
+between the manifest write and the rename, after the rename, and in retention. After
+every kill: every committed checkpoint verifies and loads bit-exact; `latest` names a
+committed step; a restarted writer has swept all tmp directories; at the end no
+asyncckpt segment is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+import asyncckpt  # noqa: E402
+from asyncckpt import commit, faults  # noqa: E402
+from asyncckpt.verify import verify_checkpoint  # noqa: E402
+from torture_rank import expected_state  # noqa: E402
+
+
+class Job:
+    def __init__(self, root: Path, ranks: int, rng: random.Random) -> None:
+        self.root, self.world, self.rng = root, ranks, rng
+        self.address = str(Path(tempfile.mkdtemp(prefix="torture-")) / "w.sock")
+        self.log = open(root.parent / "writer.log", "ab")
+        self.writer: subprocess.Popen | None = None
+        self.ranks: list[subprocess.Popen] = []
+
+    def start_writer(self, crash_at: str | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_CRASH_AT"}
+        if crash_at:
+            env["ASYNCCKPT_CRASH_AT"] = crash_at
+        self.writer = subprocess.Popen(
+            [sys.executable, "-m", "asyncckpt", "writer", "--root", str(self.root),
+             "--address", self.address, "--knob", "keep_last=3",
+             "--knob", "absent_rank_timeout=5", "--ready-line"],
+            stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
+        assert self.writer.stdout is not None
+        if not self.writer.stdout.readline().startswith("ASYNCCKPT_READY"):
+            raise RuntimeError("writer did not start")
+
+    def start_ranks(self) -> None:
+        steps = commit.committed_steps(self.root)
+        start = (steps[-1] if steps else 0) + 1
+        self.ranks = [subprocess.Popen([sys.executable, str(HERE / "torture_rank.py"),
+                                        self.address, str(r), str(self.world), str(start)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      for r in range(self.world)]
+
+    def kill_ranks(self) -> None:
+        for p in self.ranks:
+            if p.poll() is None:
+                p.kill()
+        for p in self.ranks:
+            p.wait()
+
+    def stop(self) -> int:
+        self.kill_ranks()
+        assert self.writer is not None
+        if self.writer.poll() is None:
+            self.writer.send_signal(signal.SIGTERM)
+        return self.writer.wait(60)
+
+
+def check(root: Path, world: int) -> int:
+    """Verify and load every committed checkpoint; returns how many were checked."""
+    checked = 0
+    for step in commit.committed_steps(root):
+        directory = root / f"step-{step:08d}"
+        report = verify_checkpoint(directory)
+        if not report.ok:
+            if not directory.exists():
+                continue  # pruned by retention while we looked
+            raise AssertionError(f"committed step {step} does not verify: {report.problems}")
+        for rank in range(world):
+            loaded = asyncckpt.load(directory, rank=rank)
+            want = expected_state(rank, step)
+            assert loaded["meta"] == want["meta"], (step, rank)
+            assert loaded["w"].view(torch.int16).equal(want["w"].view(torch.int16)), (step, rank)
+            assert loaded["opt"][0]["exp_avg"].equal(want["opt"][0]["exp_avg"]), (step, rank)
+        checked += 1
+    latest = commit.read_latest(root)
+    assert latest is None or latest in commit.committed_steps(root), f"latest names {latest}"
+    return checked
+
+
+def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> dict:
+    rng = random.Random(seed)
+    job = Job(root, ranks, rng)
+    job.start_writer()
+    survived = checked = writer_kills = armed_deaths = 0
+    started = time.monotonic()
+    try:
+        while survived < kills:
+            job.start_ranks()
+            time.sleep(rng.uniform(1.0, 4.0))
+            assert job.writer is not None
+            if job.writer.poll() is not None:
+                armed_deaths += 1       # an armed crash point fired by itself
+                victim = "writer (crash point)"
+            elif rng.random() < 0.3:
+                job.writer.kill()
+                victim = "writer"
+            else:
+                rank = rng.randrange(ranks)
+                job.ranks[rank].kill()
+                victim = f"rank {rank}"
+            job.kill_ranks()
+            if victim.startswith("writer"):
+                job.writer.wait()
+                writer_kills += 1
+                crash_at = rng.choice(faults.CRASH_POINTS) if rng.random() < 0.3 else None
+                job.start_writer(crash_at)
+                tmp = [p.name for p in root.iterdir() if ".tmp-" in p.name]
+                assert not tmp, f"writer start left tmp dirs {tmp}"
+                assert commit.read_latest(root) == (commit.committed_steps(root) or [None])[-1]
+            else:
+                time.sleep(0.2)  # let the writer fail the step the dead rank was in
+            checked += check(root, ranks)
+            survived += 1
+            if verbose:
+                print(f"kill {survived:4d}/{kills}: {victim:22s} committed "
+                      f"{commit.committed_steps(root)}", flush=True)
+    finally:
+        code = job.stop()
+    leaked = glob.glob("/dev/shm/asyncckpt-*")
+    leaked = [p for p in leaked if not os.path.exists(f"/proc/{p.split('-')[1]}")]
+    assert not leaked, f"shared memory left behind: {leaked}"
+    result = {"kills_survived": survived, "writer_kills": writer_kills,
+              "crash_point_deaths": armed_deaths, "checkpoints_verified": checked,
+              "last_step": (commit.committed_steps(root) or [0])[-1],
+              "writer_exit": code, "seconds": round(time.monotonic() - started, 1)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=300)
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-torture-") as tmp:
+        result = run(args.kills, args.ranks, args.seed, Path(tmp) / "ckpt")
+    print("torture:", " ".join(f"{k}={v}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()

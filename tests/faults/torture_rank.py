@@ -1,0 +1,51 @@
+"""A rank of the torture run: saves steps start, start+1, ... until killed.
+
+    python torture_rank.py ADDRESS RANK WORLD START
+
+Its state for a step is `expected_state(rank, step)`, so the checker can rebuild any
+committed step bit for bit. A failed step (a peer died, the step already exists) is
+skipped, as a training loop would; a lost writer ends the process with code 3.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import asyncckpt
+
+
+def expected_state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(step * 64 + rank)
+    return {"w": torch.randn(400_000, generator=g).bfloat16(),
+            "opt": {0: {"exp_avg": torch.randn(100_000, generator=g)}},
+            "meta": {"rank": rank, "step": step}}
+
+
+def main() -> int:
+    address, rank, world, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client = asyncckpt.connect(address, rank=rank, world_size=world,
+                                       slot_size=256 << 10, ring_size=1 << 20)
+            break
+        except asyncckpt.WriterUnavailableError:
+            if time.monotonic() > deadline:
+                return 3
+            time.sleep(0.1)
+    while True:
+        handle = client.save(step, expected_state(rank, step))
+        try:
+            handle.wait(120)
+        except asyncckpt.WriterUnavailableError:
+            return 3
+        except asyncckpt.SaveFailedError:
+            pass
+        step += 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
