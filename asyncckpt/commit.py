@@ -119,18 +119,18 @@ def prune(root: Path, keep_last: int) -> list[int]:
     return doomed
 
 
-def committed_steps(root: Path) -> list[int]:
-    """Steps under `root` that have a manifest, oldest first (manifests not validated)."""
+def step_dirs(root: Path) -> list[int]:
+    """Steps of the `step-N` directories under `root`, with or without a manifest."""
     try:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    steps = []
-    for name in names:
-        step = parse_step_dir(name)
-        if step is not None and (root / name / MANIFEST_NAME).is_file():
-            steps.append(step)
-    return sorted(steps)
+    return sorted(step for step in map(parse_step_dir, names) if step is not None)
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps under `root` that have a manifest, oldest first (manifests not validated)."""
+    return [s for s in step_dirs(root) if (root / step_dir_name(s) / MANIFEST_NAME).is_file()]
 
 
 def read_latest(root: Path) -> int | None:

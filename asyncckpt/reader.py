@@ -38,9 +38,12 @@ def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) ->
 
     Raises:
         CheckpointNotFoundError: nothing committed there.
+        CorruptCheckpointError: the step directory asked for exists but has no manifest
+            (the writer never makes one: its manifest was deleted).
     """
     path = Path(path)
-    if (path / MANIFEST_NAME).is_file():
+    if parse_step_dir(path.name) is not None and path.is_dir():
+        _require_manifest(path)
         named = parse_step_dir(path.name)
         if step is not None and named is not None and named != step:
             raise CheckpointNotFoundError(f"{path} is step {named}, not {step}", step=step,
@@ -48,7 +51,8 @@ def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) ->
         return path
     if step is not None:
         candidate = path / step_dir_name(step)
-        if (candidate / MANIFEST_NAME).is_file():
+        if candidate.is_dir():
+            _require_manifest(candidate)
             return candidate
         raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {path}",
                                       step=step, file=str(path))
@@ -56,6 +60,13 @@ def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) ->
     if not steps:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
     return path / step_dir_name(steps[-1])
+
+
+def _require_manifest(directory: Path) -> None:
+    if not os.path.lexists(directory / MANIFEST_NAME):
+        raise CorruptCheckpointError(f"{directory.name} has no {MANIFEST_NAME}: not a checkpoint "
+                                     "(its manifest was deleted, or it was never committed)",
+                                     file=str(directory))
 
 
 class RankReader:

@@ -23,10 +23,15 @@ def byte_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
     if t.numel() == 0:
         return
     if t.is_contiguous():
-        yield t.reshape(-1).view(torch.uint8)
+        yield _flat_bytes(t)
         return
     for block in _blocks(t, max_bytes):
-        yield block.contiguous().reshape(-1).view(torch.uint8)
+        yield _flat_bytes(block.contiguous())
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    # not reshape(-1): a contiguous tensor with size-1 dims may keep a stride != 1 there
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def _blocks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from . import commit
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .format import LATEST_NAME, MANIFEST_NAME, step_dir_name
+from .format import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
 from .manifest import Manifest, read_manifest
 from .reader import RankReader, check_tree
 
@@ -51,9 +51,9 @@ def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | 
         CheckpointNotFoundError: `path` is neither a checkpoint nor a root holding one.
     """
     path = Path(path)
-    if (path / MANIFEST_NAME).is_file():
+    if (path / MANIFEST_NAME).is_file() or parse_step_dir(path.name) is not None:
         return [path], None
-    steps = commit.committed_steps(path)
+    steps = commit.step_dirs(path)  # a step-N without a manifest is reported, not skipped
     if not steps:
         raise CheckpointNotFoundError(f"{path} is not a checkpoint (no {MANIFEST_NAME}) "
                                       "and holds no committed checkpoint", file=str(path))

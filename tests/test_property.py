@@ -129,7 +129,7 @@ def canon(state: Any) -> Any:
     """`state` with each tensor as (dtype, shape, its bytes in row-major order), so that
     assert_same compares bits for every dtype (torch.equal lacks float8 kernels)."""
     if isinstance(state, torch.Tensor):
-        flat = state.contiguous().reshape(-1)
+        flat = state.contiguous().as_strided((state.numel(),), (1,))
         return ("tensor", str(state.dtype), tuple(state.shape),
                 flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
     if isinstance(state, dict):

@@ -204,11 +204,15 @@ def test_empty_root_and_missing_paths_are_not_found(saved, tmp_path):
     (tmp_path / "empty" / "step-00000005.tmp-abcd").mkdir()  # in progress: not a checkpoint
     (tmp_path / "empty" / "step-00000006").mkdir()           # no manifest: not a checkpoint
     for path, step in [(tmp_path / "empty", None), (tmp_path / "nowhere", None),
-                       (saved.root, 3), (saved.root / "step-00000003", None), (tmp_path / "empty", 6)]:
+                       (saved.root, 3), (saved.root / "step-00000003", None)]:
         with pytest.raises(CheckpointNotFoundError) as info:
             asyncckpt.load(path, step=step)
         assert isinstance(info.value, FileNotFoundError)
         assert str(path) in str(info.value)
+    # asked for by name, a step directory without its manifest is a damaged checkpoint
+    for path, step in [(tmp_path / "empty", 6), (tmp_path / "empty" / "step-00000006", None)]:
+        with pytest.raises(CorruptCheckpointError, match="has no manifest.json"):
+            asyncckpt.load(path, step=step)
 
 
 def test_rank_out_of_range(saved):
@@ -222,9 +226,9 @@ def test_deleted_manifest_is_not_a_checkpoint(saved, own):
     (own / "step-00000002" / MANIFEST_NAME).unlink()
     assert resolve_checkpoint(own) == own / "step-00000001"
     assert_same(saved.states[1], asyncckpt.load(own))  # falls back to the older step
-    with pytest.raises(CheckpointNotFoundError):
+    with pytest.raises(CorruptCheckpointError, match="has no manifest"):  # asked for by name
         asyncckpt.load(own, step=2)
-    with pytest.raises(CheckpointNotFoundError):
+    with pytest.raises(CorruptCheckpointError, match="has no manifest"):
         asyncckpt.load(own / "step-00000002")
     (own / "step-00000001" / MANIFEST_NAME).unlink()
     with pytest.raises(CheckpointNotFoundError):

@@ -48,3 +48,9 @@ def test_stage_packs_slots_across_tensor_boundaries():
     finally:
         r.unlink()
         r.close()
+
+
+def test_contiguous_tensor_with_odd_strides_on_size_one_dims():
+    t = torch.tensor([[-1213]], dtype=torch.int16).as_strided((1, 1), (2, 2))
+    assert t.is_contiguous()
+    assert b"".join(p.numpy().tobytes() for p in byte_pieces(t, 64)) == (-1213).to_bytes(2, "little", signed=True)

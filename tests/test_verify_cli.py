@@ -220,7 +220,9 @@ def test_verify_latest_left_behind_by_a_deleted_manifest(saved, own, capsys):
     rc, out, _ = run(capsys, "verify", str(own))
     got = lines(out)
     assert rc == 1 and got[0].startswith("OK") and "step-00000001" in got[0]
-    assert len(got) == 2 and got[1].startswith("CORRUPT") and "'step-00000002'" in got[1]
+    assert len(got) == 3
+    assert got[1].startswith("CORRUPT") and "step-00000002" in got[1] and "manifest" in got[1]
+    assert got[2].startswith("CORRUPT") and "'step-00000002'" in got[2]  # latest
 
 
 @pytest.mark.parametrize("what", ["empty-dir", "missing", "tmp-only"])
