@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench bench-full bench-memory torture clean
+.PHONY: setup test demo bench bench-full bench-memory torture corruption clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,10 @@ bench-full: setup
 # kill -9 a random process of a saving job 300 times; check every checkpoint after each.
 torture: setup
 	$(BIN)/python tests/faults/torture.py --kills 300 --ranks 3
+
+# 1,000 random damages to committed checkpoints; verify and load must catch every one.
+corruption: setup
+	$(BIN)/python tests/faults/corruption.py --cases 1000
 
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup
