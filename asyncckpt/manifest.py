@@ -209,8 +209,9 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> Ra
         _check(0 < frame.raw_length <= max_frame_bytes,
                f"{where}: raw length {frame.raw_length} outside 1..{max_frame_bytes}")
         _check(frame.stored_length > 0, f"{where}: empty stored frame")
-        _check(frame.codec != "raw" or frame.stored_length == frame.raw_length,
-               f"{where}: raw frame with different stored length")
+        _check(frame.codec != "raw" or (frame.stored_length == frame.raw_length
+                                        and frame.xxh3_stored == frame.xxh3_raw),
+               f"{where}: raw frame whose stored length or checksum differ from the raw ones")
         raw_pos += frame.raw_length
         stored_pos += frame.stored_length
         frames.append(frame)

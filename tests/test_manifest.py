@@ -34,7 +34,8 @@ def make_part(rank: int, codec: str, frame_size: int = 64) -> RankPart:
     for i, begin in enumerate(range(0, raw_size, frame_size)):
         length = min(frame_size, raw_size - begin)
         stored_len = length if codec == "raw" else max(1, length // 2)
-        frames.append(Frame(begin, length, stored, stored_len, codec, 0x1234 + i, 0xABCD00 + i))
+        stored_hash = 0x1234 + i if codec == "raw" else 0xABCD00 + i  # raw frames: one hash
+        frames.append(Frame(begin, length, stored, stored_len, codec, 0x1234 + i, stored_hash))
         stored += stored_len
     tree = {"dict": [["model", {"dict": [["w", {"tensor": "model.w"}], ["b", {"tensor": "model.b"}]]}],
                      ["step", {"tensor": "step"}], ["lr", 0.001]]}
@@ -253,11 +254,11 @@ def test_field_rule_violation_is_corrupt(doc, case):
 def test_raw_frame_with_different_stored_length(doc):
     if doc["ranks"][0]["codec"] != "raw":
         frames(doc)[0]["codec"] = "raw"  # a raw frame inside a zstd part
-        with pytest.raises(CorruptCheckpointError, match="raw frame with different stored length"):
+        with pytest.raises(CorruptCheckpointError, match="raw frame whose stored length or checksum differ"):
             parse(resign(doc))
         return
     shift_stored(doc, 1, 3)
-    with pytest.raises(CorruptCheckpointError, match="raw frame with different stored length"):
+    with pytest.raises(CorruptCheckpointError, match="raw frame whose stored length or checksum differ"):
         parse(resign(doc))
 
 
