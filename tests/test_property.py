@@ -207,7 +207,8 @@ def test_manifest_round_trip(specs, frame, codec, step):
     for i, begin in enumerate(range(0, raw_size, frame)):
         length = min(frame, raw_size - begin)
         stored_len = length if codec == "raw" else 1 + length // 3
-        frames.append(Frame(begin, length, stored, stored_len, codec, i * 7919, 2**64 - 1 - i))
+        stored_hash = i * 7919 if codec == "raw" else 2**64 - 1 - i  # raw frames: one hash
+        frames.append(Frame(begin, length, stored, stored_len, codec, i * 7919, stored_hash))
         stored += stored_len
     tree = {"list": [{"tensor": t.name} for t in tensors_]}
     part = RankPart(0, "rank-00000.safetensors" + (".zst" if codec == "zstd" else ""), codec,
