@@ -19,7 +19,9 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import torch
 
 from . import protocol, ring
 from .config import Knobs
@@ -47,6 +49,31 @@ class _Cancelled(Exception):
     pass
 
 
+class _Torn(Exception):
+    pass
+
+
+def _unmodified(pending: "_PendingSave") -> Iterator[torch.Tensor]:
+    """The save's tensors, each checked not to have been modified in place (its version
+    counter) between `save()` and the end of its own copy: a torn tensor fails the save
+    rather than landing in a checkpoint. Changes after a tensor's copy are harmless."""
+    for entry, version in zip(pending.entries, pending.versions):
+        yield entry.tensor
+        if _version(entry.tensor) != version:  # resumed only once its bytes are all copied
+            raise _Torn(f"state{''.join(f'[{p!r}]' for p in entry.path)} was modified in place "
+                        "while it was being staged; wait for handle.staged() before changing "
+                        "the state (e.g. call handle.wait_staged() before optimizer.step())")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """In-place writes bump it (optimizer steps too); writes through `.data`, numpy or
+    another process do not, and inference-mode tensors have none: those go undetected."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 class _PendingSave:
     """A save between `save()` and its result; the begin message is encoded up front so
     that anything JSON cannot carry fails in `save()` itself."""
@@ -57,6 +84,7 @@ class _PendingSave:
         self.step = step
         self.handle = handle
         tree, self.entries = flatten(state)
+        self.versions = [_version(e.tensor) for e in self.entries]
         try:
             self.begin = protocol.encode(
                 "begin", save=save_id, step=step, world_size=world_size, tree=tree,
@@ -131,7 +159,10 @@ class Client:
         """Queue `state_dict` as this rank's part of `step` and return at once.
 
         The tensors must not be modified until `handle.staged()` is true (wait with
-        `handle.wait_staged()`); they are copied into the ring in the background.
+        `handle.wait_staged()`); they are copied into the ring in the background. An
+        in-place change to a tensor before its copy finished is detected (its version
+        counter) and fails the save; changes that bypass autograd's counter (`.data`,
+        numpy views) cannot be seen.
         The step is committed once every rank of the world has saved it.
 
         Returns:
@@ -213,15 +244,15 @@ class Client:
             protocol.send(self._conn, "chunk", save=pending.id, slot=slot, length=length)
 
         try:
-            nbytes = stage((e.tensor for e in pending.entries), self._ring, acquire, emit)
+            nbytes = stage(_unmodified(pending), self._ring, acquire, emit)
         except _Cancelled:
             protocol.send(self._conn, "end", save=pending.id)
             raise
         except OSError:
             raise
         except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
-            error = SaveFailedError(f"staging failed: {type(e).__name__}: {e}",
-                                    step=pending.step, rank=self.rank)
+            cause = str(e) if isinstance(e, _Torn) else f"staging failed: {type(e).__name__}: {e}"
+            error = SaveFailedError(cause, step=pending.step, rank=self.rank)
             protocol.send(self._conn, "abort", save=pending.id, reason=str(error))
             handle._set_failed(error)
             return

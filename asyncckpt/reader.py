@@ -23,7 +23,7 @@ import xxhash
 from . import commit
 from .client import resolve_rank
 from .codec import Codec, make_codec
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError,
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      StateMismatchError)
 from .dtypes import DTYPES
 from .format import MANIFEST_NAME, TensorSpec, layout, parse_step_dir, step_dir_name
@@ -162,7 +162,11 @@ class RankReader:
         dtype = DTYPES[spec.dtype]
         direct = (into is not None and into.device.type == "cpu" and into.is_contiguous()
                   and into.dtype == dtype and tuple(into.shape) == spec.shape)
-        target = into if direct else torch.empty(spec.shape, dtype=dtype)
+        try:
+            target = into if direct else torch.empty(spec.shape, dtype=dtype)
+        except (RuntimeError, MemoryError) as e:  # the manifest bounds it; the host may not
+            raise CheckpointError(f"cannot allocate {spec.end - spec.begin} bytes for tensor "
+                                  f"{spec.name!r}: {e}", step=self.step, rank=self.rank) from None
         assert target is not None
         if spec.end > spec.begin:
             self.read_range(spec.begin, spec.end, tensor_bytes(target), spec.name)

@@ -26,3 +26,22 @@ def test_every_supported_dtype_round_trips(client, root, dtype):
     client.save(1, {"t": t, "scalar": t.reshape(-1)[3].clone()}).wait(60)
     loaded = asyncckpt.load(root)
     assert_same({"t": t, "scalar": t.reshape(-1)[3].clone()}, loaded)
+
+
+@pytest.mark.parametrize("codec", ["zstd"], indirect=True)
+def test_tensor_modified_while_staging_fails_the_save(writer, root):
+    with asyncckpt.connect(writer.address, rank=0, world_size=1,
+                           slot_size=64 << 10, ring_size=128 << 10) as client:
+        client.save(1, {"w": torch.zeros(10)}).wait(30)
+        big = torch.zeros(4 << 20)  # 16 MiB through a 128 KiB ring: staging takes a while
+        handle = client.save(2, {"first": big, "w": torch.zeros(10)})
+        big.add_(1)  # the optimizer step the fence should have held back
+        with pytest.raises(asyncckpt.SaveFailedError, match=r"state\['first'\] was modified in place"):
+            handle.wait(30)
+        assert not (root / "step-00000002").exists()
+        early = torch.zeros(10)
+        handle = client.save(3, {"early": early, "late": torch.zeros(4 << 20)})
+        handle.wait_staged(30)
+        early.add_(1)  # after staging: harmless
+        handle.wait(30)
+    assert asyncckpt.load(root)["early"].sum() == 0

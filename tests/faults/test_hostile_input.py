@@ -1,0 +1,132 @@
+"""Hostile checkpoints: only asyncckpt's own errors come out, nothing huge is allocated."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncckpt
+from asyncckpt.errors import CheckpointError
+from asyncckpt.format import MANIFEST_NAME
+from asyncckpt.verify import verify_checkpoint
+
+PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')
+
+
+def read_body(d: Path) -> dict:
+    return json.loads((d / MANIFEST_NAME).read_bytes()[PREFIX:-2])
+
+
+def write_signed(d: Path, body: object) -> None:
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    (d / MANIFEST_NAME).write_bytes(b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(raw)
+                                    + raw + b"}\n")
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hostile") / "ckpt"
+    writer = asyncckpt.start_writer(root, codec="zstd")
+    try:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1, slot_size=4096,
+                               ring_size=16384) as client:
+            client.save(1, {"w": torch.randn(3000), "opt": {0: {"m": torch.ones(7)}},
+                            "meta": [1, "x", None]}).wait(30)
+    finally:
+        writer.stop()
+    return root / "step-00000001"
+
+
+def test_huge_declared_tensor_is_refused_before_allocation(committed, tmp_path):
+    d = tmp_path / "step-00000001"
+    shutil.copytree(committed, d)
+    body = read_body(d)
+    part = body["ranks"][0]
+    frame_bytes = 256 << 20
+    header_len = part["tensors"][0]["range"][0]
+    count = 4096  # a 1 TiB tensor over 4096 frames of 256 MiB, each stored in 1 byte
+    part["tensors"] = [{"name": "w", "dtype": "U8", "shape": [count * frame_bytes],
+                        "range": [header_len, header_len + count * frame_bytes]}]
+    part["frames"] = part["frames"][:1] + [
+        {"raw": [header_len + i * frame_bytes, frame_bytes], "stored": [part["frames"][0]["stored"][1] + i, 1],
+         "codec": "zstd", "xxh3_raw": "0" * 16, "xxh3_stored": "0" * 16} for i in range(count)]
+    part["frames"][0]["raw"][1] = header_len
+    part["raw_size"] = header_len + count * frame_bytes
+    part["stored_size"] = part["frames"][0]["stored"][1] + count
+    part["tree"] = {"dict": [["w", {"tensor": "w"}]]}
+    write_signed(d, body)
+    data = next(d.glob("rank-*"))
+    data.write_bytes(data.read_bytes()[:part["frames"][0]["stored"][1]] + b"\0" * count)
+    started = time.monotonic()
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="header"):
+        asyncckpt.load(d)
+    assert time.monotonic() - started < 5
+    assert not verify_checkpoint(d).ok
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
+                       | st.text(max_size=8),
+                       lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+                       max_leaves=12)
+
+
+def _paths(node, path=()):
+    yield path
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, path + (i,))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_manifests_raise_only_library_errors(committed, tmp_path_factory, data):
+    d = tmp_path_factory.mktemp("fuzz") / "step-00000001"
+    shutil.copytree(committed, d)
+    body = read_body(d)
+    for _ in range(data.draw(st.integers(1, 3))):
+        paths = [p for p in _paths(body) if p]
+        path = data.draw(st.sampled_from(paths))
+        parent = body
+        for key in path[:-1]:
+            parent = parent[key]
+        if data.draw(st.booleans()):
+            parent[path[-1]] = data.draw(JSONISH)
+        elif isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent.pop(path[-1])
+    write_signed(d, body)
+    try:
+        asyncckpt.load(d)
+    except CheckpointError:
+        pass
+    report = verify_checkpoint(d)
+    if report.ok:  # an edit the format does not protect by design (e.g. a JSON object)
+        assert asyncckpt.load(d) is not None
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(0, 10_000), junk=st.binary(min_size=1, max_size=64))
+def test_fuzzed_data_files_raise_only_library_errors(committed, tmp_path_factory, cut, junk):
+    d = tmp_path_factory.mktemp("fuzzdata") / "step-00000001"
+    shutil.copytree(committed, d)
+    data = next(d.glob("rank-*"))
+    raw = data.read_bytes()
+    cut %= len(raw)
+    data.write_bytes(raw[:cut] + junk + raw[cut + len(junk):])
+    if data.read_bytes() == raw:
+        return
+    with pytest.raises(asyncckpt.CorruptCheckpointError):
+        asyncckpt.load(d)
+    assert not verify_checkpoint(d).ok
