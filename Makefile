@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench bench-full bench-memory torture corruption clean
+.PHONY: setup test demo bench bench-full bench-memory torture corruption soak clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,10 @@ torture: setup
 # 1,000 random damages to committed checkpoints; verify and load must catch every one.
 corruption: setup
 	$(BIN)/python tests/faults/corruption.py --cases 1000
+
+# 4 ranks x 500 consecutive saves with keep_last=3: no growth in memory, fds or shm.
+soak: setup
+	$(BIN)/python tests/faults/soak.py --ranks 4 --saves 500
 
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup
