@@ -83,6 +83,10 @@ def test_unauthenticated_clients_are_refused(writer, root, monkeypatch):
     with pytest.raises(asyncckpt.WriterUnavailableError, match="refused"):
         asyncckpt.connect(writer.address, rank=0, world_size=1)
     monkeypatch.delenv("ASYNCCKPT_AUTHKEY")
+    os.rename(key_file, key_file + ".away")  # no key at all
+    with pytest.raises(asyncckpt.WriterUnavailableError, match="authkey"):
+        asyncckpt.connect(writer.address, rank=0, world_size=1)
+    os.rename(key_file + ".away", key_file)
     with socket.socket(socket.AF_UNIX) as raw:  # speaks no protocol at all
         raw.connect(writer.address)
         raw.sendall(b"\x00\x00\x00\x10garbage-garbage!")
