@@ -79,7 +79,7 @@ class _PendingSave:
     that anything JSON cannot carry fails in `save()` itself."""
 
     def __init__(self, save_id: int, step: int, world_size: int, state: Any,
-                 handle: SaveHandle) -> None:
+                 handle: SaveHandle, retention: tuple[int, int] | None) -> None:
         self.id = save_id
         self.step = step
         self.handle = handle
@@ -88,6 +88,7 @@ class _PendingSave:
         try:
             self.begin = protocol.encode(
                 "begin", save=save_id, step=step, world_size=world_size, tree=tree,
+                retention=retention,
                 tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries])
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
@@ -155,7 +156,8 @@ class Client:
         self._receiver.start()
         self._stager.start()
 
-    def save(self, step: int, state_dict: Any) -> SaveHandle:
+    def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
+             keep_every: int = 0) -> SaveHandle:
         """Queue `state_dict` as this rank's part of `step` and return at once.
 
         The tensors must not be modified until `handle.staged()` is true (wait with
@@ -163,7 +165,9 @@ class Client:
         in-place change to a tensor before its copy finished is detected (its version
         counter) and fails the save; changes that bypass autograd's counter (`.data`,
         numpy views) cannot be seen.
-        The step is committed once every rank of the world has saved it.
+        The step is committed once every rank of the world has saved it. With
+        `keep_last`, the writer then deletes all but the newest `keep_last` committed
+        steps (except multiples of `keep_every`), judged from the disk.
 
         Returns:
             A SaveHandle; `handle.wait()` returns the checkpoint path or raises.
@@ -180,7 +184,9 @@ class Client:
         if self._broken is not None:
             raise self._broken
         handle = SaveHandle(step)
-        pending = _PendingSave(next(self._ids), step, self.world_size, state_dict, handle)
+        retention = None if keep_last is None else (keep_last, keep_every)
+        pending = _PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
+                               retention)
         with self._cond:
             self._pending[pending.id] = pending
         self._queue.put(pending)

@@ -102,14 +102,16 @@ def publish(root: Path, tmp_dir: Path, manifest: Manifest) -> Path:
     return final
 
 
-def prune(root: Path, keep_last: int) -> list[int]:
-    """Delete all but the newest `keep_last` committed steps; returns the deleted steps.
+def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[int]:
+    """Delete committed steps beyond the newest `keep_last`, except multiples of
+    `keep_every`; returns the deleted steps. keep_last=0 keeps everything.
 
     Derived from the disk, oldest first. Each victim is first renamed to a tmp name, so a
     crash mid-delete leaves an abandoned tmp directory, never a half-deleted checkpoint.
     """
     steps = committed_steps(root)
-    doomed = steps[:-keep_last] if keep_last > 0 else []
+    doomed = [s for s in (steps[:-keep_last] if keep_last > 0 else [])
+              if not (keep_every > 0 and s % keep_every == 0)]
     for step in doomed:
         victim = root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
         os.rename(root / step_dir_name(step), victim)

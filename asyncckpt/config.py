@@ -29,6 +29,7 @@ class Knobs:
         shutdown_timeout: seconds a stopping writer waits for in-flight steps to commit.
         keep_last: the writer keeps this many newest committed steps and deletes older
             ones after each commit (0: keep all). Derived from the disk.
+        keep_every: with keep_last, steps that are multiples of this are kept too.
         absent_rank_timeout: a step fails when one of its ranks has had no connection
             to the writer for this long after the step began (it died before saving).
         max_manifest_bytes: the reader refuses larger manifests (hostile-input bound).
@@ -43,6 +44,7 @@ class Knobs:
     shutdown_timeout: float = 120.0
     absent_rank_timeout: float = 60.0
     keep_last: int = 0
+    keep_every: int = 0
     max_manifest_bytes: int = 512 * MiB
     max_frame_bytes: int = 256 * MiB
 
@@ -58,6 +60,7 @@ class Knobs:
         _require(-7 <= self.zstd_level <= 22, "zstd_level", "between -7 and 22",
                  self.zstd_level)
         _require(self.keep_last >= 0, "keep_last", "0 (keep all) or more", self.keep_last)
+        _require(self.keep_every >= 0, "keep_every", "0 (none) or more", self.keep_every)
         for name in ("connect_timeout", "shutdown_timeout", "absent_rank_timeout"):
             _require(getattr(self, name) > 0, name, "positive", getattr(self, name))
 

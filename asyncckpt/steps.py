@@ -41,16 +41,17 @@ class Step:
     waiting: dict[int, Notify] = field(default_factory=dict)   # rank -> how to tell it
     parts: dict[int, RankPart] = field(default_factory=dict)
     stats: dict[int, dict] = field(default_factory=dict)
+    retention: tuple[int, int] | None = None
 
 
 class Steps:
     """The open steps of one writer. Thread-safe; every method may be called from any
     session thread."""
 
-    def __init__(self, root: Path, keep_last: int = 0,
+    def __init__(self, root: Path, retention: tuple[int, int] = (0, 0),
                  on_commit: Callable[[Manifest, float], None] | None = None) -> None:
         self.root = root
-        self.keep_last = keep_last
+        self.retention = retention  # (keep_last, keep_every) unless a save names its own
         self._lock = threading.Lock()
         self._commit_lock = threading.Lock()
         self._open: dict[int, Step] = {}
@@ -60,8 +61,12 @@ class Steps:
         self._idle = threading.Condition(self._lock)
         self._on_commit = on_commit
 
-    def begin(self, step: int, rank: int, world_size: int, codec: str, notify: Notify) -> Step:
+    def begin(self, step: int, rank: int, world_size: int, codec: str, notify: Notify,
+              retention: tuple[int, int] | None = None) -> Step:
         """Register `rank`'s part of `step`, opening the step on its first rank.
+
+        `retention` (keep_last, keep_every), if given, replaces the writer's own policy
+        for the deletions that follow this step's commit.
 
         Raises:
             SaveFailedError: the writer is closing, the step failed earlier or is already
@@ -96,6 +101,8 @@ class Steps:
             elif rank in current.waiting:
                 raise SaveFailedError("this rank is already saving this step", step=step, rank=rank)
             current.waiting[rank] = notify
+            if retention is not None:
+                current.retention = retention
             return current
 
     def end(self, step: int, part: RankPart, stats: dict) -> None:
@@ -175,16 +182,16 @@ class Steps:
             self.fail(step, SaveFailedError("the writer shut down before all ranks ended",
                                             step=step))
 
-    def _prune(self) -> None:
-        if self.keep_last <= 0:
-            return
+    def _prune(self, current: Step) -> None:
+        keep_last, keep_every = current.retention or self.retention
         try:
-            deleted = commit.prune(self.root, self.keep_last)
+            deleted = commit.prune(self.root, keep_last, keep_every)
         except OSError as e:  # retention is best effort; the new step is already durable
             log.warning("retention failed: %s", e)
             return
         if deleted:
-            log.info("retention (keep_last=%d) deleted steps %s", self.keep_last, deleted)
+            log.info("retention (keep_last=%d, keep_every=%d) deleted steps %s",
+                     keep_last, keep_every, deleted)
 
     def _commit(self, current: Step) -> None:
         manifest = Manifest(step=current.step, world_size=current.world_size,
@@ -192,7 +199,7 @@ class Steps:
         try:
             with self._commit_lock:
                 path = commit.publish(self.root, current.tmp_dir, manifest)
-                self._prune()
+                self._prune(current)
         except CheckpointError as error:
             commit.discard(current.tmp_dir)
             log.warning("step %d failed at commit: %s", current.step, error)

@@ -53,7 +53,8 @@ class WriterServer:
             log.info("removed orphaned shared memory %s", name)
         commit.update_latest(self.root)
         self._sock, self.address, self._authkey = protocol.create_endpoint(address)
-        self.steps = Steps(self.root, self.knobs.keep_last, on_commit=self._log_commit)
+        self.steps = Steps(self.root, (self.knobs.keep_last, self.knobs.keep_every),
+                           on_commit=self._log_commit)
         self.rss = PeakSampler()
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()
@@ -216,8 +217,10 @@ class Session:
             if unknown:
                 raise SaveFailedError(f"unknown dtypes {unknown}", step=step, rank=self.rank)
             header, specs = layout(tensors)
-            current = self.server.steps.begin(step, self.rank, int(m["world_size"]),
-                                              knobs.codec, notify)
+            retention = m.get("retention")
+            current = self.server.steps.begin(
+                step, self.rank, int(m["world_size"]), knobs.codec, notify,
+                (int(retention[0]), int(retention[1])) if retention else None)
         except CheckpointError as error:
             notify(error, None, {})
             return
