@@ -20,11 +20,13 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from .launch import WriterProcess, start_writer
 
 if TYPE_CHECKING:
+    from .checkpointer import Checkpointer, CheckpointerOptions
     from .client import Client
     from .handle import SaveHandle
     from .reader import load
 
-_LAZY = {"Client": "client", "SaveHandle": "handle", "load": "reader"}
+_LAZY = {"Client": "client", "SaveHandle": "handle", "load": "reader",
+         "Checkpointer": "checkpointer", "CheckpointerOptions": "checkpointer"}
 
 
 def __getattr__(name: str) -> Any:
@@ -52,6 +54,7 @@ def save(step: int, state_dict: Any) -> "SaveHandle":
 
 __all__ = [
     "__version__", "save", "load", "connect", "start_writer", "Client", "SaveHandle",
+    "Checkpointer", "CheckpointerOptions",
     "WriterProcess", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DiskFullError", "SaveFailedError", "StateMismatchError", "UnsupportedStateError",
     "WriterLockedError", "WriterUnavailableError",

@@ -1,0 +1,222 @@
+"""Checkpointer: the manager a training loop talks to.
+
+It decides when to save (`save_interval`), what to save (`contents`: model, optimizer,
+extra), what to keep (`keep_last` / `keep_every`, applied by the writer after each
+commit, judged from the disk, so a crash between commit and deletion only delays a
+deletion), what to do when a save is asked for while the last one is still in flight
+(`on_busy`), and how to restore. The optional fence hooks `optimizer.step()`: a save
+returns at once, its staging overlaps the next forward/backward, and the loop waits
+only if staging has not finished when the optimizer is about to change the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from . import commit
+from .client import Client
+from .handle import SaveHandle
+from .reader import load
+
+CONTENTS = ("model", "optimizer", "extra")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointerOptions:
+    """How a Checkpointer saves and keeps checkpoints.
+
+    Attributes:
+        save_interval: `should_save(step)` is true every this many steps.
+        keep_last: keep the newest this many committed steps (None: keep all).
+        keep_every: also keep steps that are multiples of this (0: none).
+        contents: which of "model", "optimizer", "extra" go into a checkpoint.
+        on_busy: a save asked for while earlier ones are still in flight: "block" waits
+            for them to commit, "skip" warns and skips, "queue" lets up to
+            `max_in_flight` saves be in flight at once (then blocks).
+        max_in_flight: the bound for "queue".
+    """
+
+    save_interval: int = 1000
+    keep_last: int | None = None
+    keep_every: int = 0
+    contents: tuple[str, ...] = CONTENTS
+    on_busy: Literal["block", "skip", "queue"] = "block"
+    max_in_flight: int = 2
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}; got {getattr(self, name)!r}")
+        require(self.save_interval >= 1, "save_interval", "at least 1")
+        require(self.keep_last is None or self.keep_last >= 1, "keep_last", "None or at least 1")
+        require(self.keep_every >= 0, "keep_every", "0 or more")
+        require(set(self.contents) <= set(CONTENTS) and bool(self.contents), "contents",
+                f"a non-empty subset of {CONTENTS}")
+        require(self.on_busy in ("block", "skip", "queue"), "on_busy", '"block", "skip" or "queue"')
+        require(self.max_in_flight >= 1, "max_in_flight", "at least 1")
+
+
+class Checkpointer:
+    """Saves a model/optimizer/extra state every `save_interval` steps through a writer.
+
+    Example:
+        ckpt = Checkpointer("ckpts/run1", model=model, optimizer=opt,   # fence installed:
+                            options=CheckpointerOptions(save_interval=100, keep_last=3))
+        start = ckpt.restore() or 0              # resume from the newest checkpoint, if any
+        for step in range(start + 1, steps + 1):
+            train_step()
+            if ckpt.should_save(step):
+                ckpt.save(step, extra={"data": loader_state})
+        ckpt.close()
+    """
+
+    def __init__(self, root: str | Path, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 options: CheckpointerOptions | None = None, client: Client | None = None,
+                 fence: bool = True) -> None:
+        """
+        Args:
+            root: the checkpoint root the writer owns (read here for restore and listing).
+            model, optimizer: saved and restored by their state dicts.
+            client: the rank's writer connection (default: `asyncckpt.connect()` from the
+                environment, created on the first save).
+            fence: install the optimizer fence (see `install_fence`) when an optimizer
+                is given. Without it, wait for `handle.staged()` yourself before
+                `optimizer.step()`, or saves fail as torn.
+        """
+        self.root = Path(root)
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options or CheckpointerOptions()
+        self._client = client
+        self._own_client = client is None
+        self._in_flight: list[SaveHandle] = []
+        self._fence: Any = None
+        self.fence_blocked_seconds = 0.0
+        self.extra: Any = None
+        if fence and optimizer is not None:
+            self.install_fence()
+
+    # -- saving ---------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        return step % self.options.save_interval == 0
+
+    def save(self, step: int, *, extra: Any = None, force: bool = False) -> SaveHandle | None:
+        """Save `step` (if `should_save(step)` or `force`) and return its handle at once.
+
+        Returns None when the step is not due, or when a save is still in flight and
+        on_busy is "skip".
+        Raises:
+            UnsupportedStateError, WriterUnavailableError: as `Client.save`.
+            SaveFailedError: with on_busy="block", an earlier save's failure.
+        """
+        if not (force or self.should_save(step)):
+            return None
+        self._in_flight = [h for h in self._in_flight if not h.done()]
+        if self._in_flight:
+            if self.options.on_busy == "skip":
+                warnings.warn(f"asyncckpt: skipping the save of step {step}: step "
+                              f"{self._in_flight[-1].step} is still being written", stacklevel=2)
+                return None
+            limit = 1 if self.options.on_busy == "block" else self.options.max_in_flight
+            while len(self._in_flight) >= limit:
+                self._in_flight.pop(0).wait()
+        state: dict[str, Any] = {"step": step}
+        if "model" in self.options.contents and self.model is not None:
+            state["model"] = self.model.state_dict()
+        if "optimizer" in self.options.contents and self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        if "extra" in self.options.contents and extra is not None:
+            state["extra"] = extra
+        handle = self.client.save(step, state, keep_last=self.options.keep_last or 0,
+                                  keep_every=self.options.keep_every)
+        self._in_flight.append(handle)
+        return handle
+
+    def install_fence(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Make `optimizer.step()` wait until every save in flight is staged.
+
+        Without the fence, call `handle.wait_staged()` yourself before the optimizer
+        changes the weights. The time spent waiting adds up in `fence_blocked_seconds`.
+        """
+        optimizer = optimizer or self.optimizer
+        if optimizer is None:
+            raise ValueError("install_fence needs an optimizer")
+
+        def hook(*_: Any) -> None:
+            pending = [h for h in self._in_flight if not h.staged()]
+            if pending:
+                started = time.perf_counter()
+                for handle in pending:
+                    handle.wait_staged()
+                self.fence_blocked_seconds += time.perf_counter() - started
+
+        self._fence = optimizer.register_step_pre_hook(hook)
+
+    def wait_until_finished(self) -> None:
+        """Block until every save in flight is committed; raise the first failure."""
+        handles, self._in_flight = self._in_flight, []
+        for handle in handles:
+            handle.wait()
+
+    def close(self) -> None:
+        """Wait for saves in flight, remove the fence, close the client if we made it."""
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._fence is not None:
+                self._fence.remove()
+                self._fence = None
+            if self._own_client and self._client is not None:
+                self._client.close()
+                self._client = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client()
+        return self._client
+
+    # -- reading --------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Committed steps on disk, oldest first."""
+        return commit.committed_steps(self.root)
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def restore(self, step: int | None = None, *, rank: int | None = None) -> int | None:
+        """Load `step` (default: the newest) into the model and optimizer.
+
+        The model's tensors are filled in place (shapes and dtypes checked first); the
+        optimizer gets `load_state_dict`. The loaded `extra` is kept in `self.extra`.
+        Returns:
+            The restored step, or None when nothing is committed and `step` is None.
+        Raises:
+            CheckpointNotFoundError: `step` is not committed.
+            CorruptCheckpointError, StateMismatchError: as `load`.
+        """
+        if step is None and self.latest_step() is None:
+            return None
+        wants_model = self.model is not None and "model" in self.options.contents
+        into = {"model": self.model.state_dict()} if wants_model else None  # type: ignore[union-attr]
+        state = load(self.root, step=step, rank=rank, into=into)
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.extra = state.get("extra")
+        return int(state["step"])
