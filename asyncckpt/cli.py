@@ -1,4 +1,4 @@
-"""The `asyncckpt` command: writer, verify, ls.
+"""The `asyncckpt` command: writer, verify, ls, inspect, gc.
 
 Exit codes are part of the interface: verify exits 0 when everything checked is good,
 1 when anything is corrupt, 2 for usage errors or a path that is not a checkpoint;
@@ -50,12 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("root")
     ls.add_argument("--json", action="store_true")
 
+    ins = sub.add_parser("inspect", help="tensors, shapes, dtypes, bytes and ratio per dtype")
+    ins.add_argument("path", help="a checkpoint directory, or a root (its newest step)")
+    ins.add_argument("--json", action="store_true")
+
+    gc = sub.add_parser("gc", help="delete old checkpoints and abandoned tmp directories")
+    gc.add_argument("root")
+    gc.add_argument("--keep-last", type=int, required=True)
+    gc.add_argument("--keep-every", type=int, default=0)
+    gc.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
-    if args.command == "writer":
-        return _writer(args)
-    if args.command == "verify":
-        return _verify(args)
-    return _ls(args)
+    commands = {"writer": _writer, "verify": _verify, "ls": _ls, "inspect": _inspect, "gc": _gc}
+    return commands[args.command](args)
 
 
 def _writer(args: argparse.Namespace) -> int:
@@ -176,6 +183,93 @@ def _ls(args: argparse.Namespace) -> int:
         age = _age(r["age_seconds"]) if "age_seconds" in r else "-"
         mark = " <- latest" if r["latest"] else ""
         print(f"{r['step']:>10}  {r['state']:11} {size:>10} {ratio:>6} {age:>8}  {r['path']}{mark}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .errors import CheckpointError
+    from .reader import resolve_checkpoint
+    try:
+        directory = resolve_checkpoint(args.path)
+        m = read_manifest(directory)
+    except CheckpointError as e:
+        print(f"asyncckpt inspect: {e}", file=sys.stderr)
+        return 2
+    tensors, by_dtype = [], {}
+    for part in m.ranks:
+        stored = _stored_per_tensor(part)
+        for t in part.tensors:
+            tensors.append({"rank": part.rank, "name": t.name, "dtype": t.dtype,
+                            "shape": list(t.shape), "bytes": t.end - t.begin,
+                            "stored_bytes": round(stored[t.name])})
+            row = by_dtype.setdefault(t.dtype, {"tensors": 0, "bytes": 0, "stored_bytes": 0})
+            row["tensors"] += 1
+            row["bytes"] += t.end - t.begin
+            row["stored_bytes"] += round(stored[t.name])
+    for row in by_dtype.values():
+        row["ratio"] = round(row["stored_bytes"] / max(row["bytes"], 1), 4)
+    summary = {"path": str(directory), "step": m.step, "world_size": m.world_size,
+               "codecs": sorted({p.codec for p in m.ranks}), "raw_bytes": m.raw_size,
+               "stored_bytes": m.stored_size, "ratio": round(m.stored_size / max(m.raw_size, 1), 4),
+               "writer_version": m.writer_version, "by_dtype": by_dtype, "tensors": tensors}
+    if args.json:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{directory}: step {m.step}, {m.world_size} rank(s), codec {'/'.join(summary['codecs'])}, "
+          f"{m.raw_size / 2**20:.1f} MiB -> {m.stored_size / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})")
+    print(f"\n{'DTYPE':12} {'TENSORS':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}")
+    for dtype, row in sorted(by_dtype.items()):
+        print(f"{dtype:12} {row['tensors']:>8} {row['bytes'] / 2**20:>10.2f} "
+              f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}")
+    print(f"\n{'RANK':>4} {'TENSOR':40} {'DTYPE':8} {'SHAPE':>18} {'BYTES':>12}")
+    for t in tensors:
+        print(f"{t['rank']:>4} {t['name'][:40]:40} {t['dtype']:8} {str(tuple(t['shape'])):>18} {t['bytes']:>12}")
+    return 0
+
+
+def _stored_per_tensor(part) -> dict[str, float]:
+    """Each tensor's share of the stored bytes of the frames it overlaps."""
+    out = {t.name: 0.0 for t in part.tensors}
+    frames = iter(part.frames)
+    frame = next(frames, None)
+    for t in part.tensors:
+        pos = t.begin
+        while frame is not None and pos < t.end:
+            f_end = frame.raw_offset + frame.raw_length
+            overlap = min(t.end, f_end) - pos
+            out[t.name] += frame.stored_length * overlap / frame.raw_length
+            pos += overlap
+            if pos >= f_end:
+                frame = next(frames, None)
+    return out
+
+
+def _gc(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    if not root.is_dir() or args.keep_last < 1:
+        print(f"asyncckpt gc: need an existing root and --keep-last >= 1", file=sys.stderr)
+        return 2
+    try:
+        lock = commit.RootLock(root)
+    except WriterLockedError as e:
+        print(f"asyncckpt gc: {e}; a running writer applies retention itself "
+              "(writer knob keep_last, or Checkpointer options)", file=sys.stderr)
+        return 3
+    try:
+        removed_tmp = commit.remove_stale_tmp(root)
+        deleted = commit.prune(root, args.keep_last, args.keep_every)
+        commit.update_latest(root)
+    finally:
+        lock.release()
+    result = {"deleted_steps": deleted, "removed_tmp": removed_tmp,
+              "kept_steps": commit.committed_steps(root)}
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"deleted steps {deleted or 'none'}; removed {len(removed_tmp)} abandoned tmp "
+              f"director{'y' if len(removed_tmp) == 1 else 'ies'}; kept {result['kept_steps']}")
     return 0
 
 

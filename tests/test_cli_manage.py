@@ -1,0 +1,50 @@
+"""`asyncckpt inspect` and `asyncckpt gc`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt import commit
+from asyncckpt.cli import main
+
+
+@pytest.mark.parametrize("codec", ["zstd"], indirect=True)
+def test_inspect_reports_tensors_and_ratio_per_dtype(client, root, capsys):
+    state = {"w": torch.zeros(1_000_000, dtype=torch.bfloat16), "r": torch.randn(20_000),
+             "opt": {0: {"m": torch.zeros(10)}}}
+    client.save(5, state).wait(30)
+    assert main(["inspect", str(root), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step"] == 5 and out["codecs"] == ["zstd"]
+    names = {t["name"]: t for t in out["tensors"]}
+    assert names["w"]["shape"] == [1_000_000] and names["w"]["bytes"] == 2_000_000
+    assert names["opt.0.m"]["dtype"] == "F32"
+    assert out["by_dtype"]["BF16"]["ratio"] < 0.05      # zeros compress to nothing
+    assert 0.85 < out["by_dtype"]["F32"]["ratio"] < 1.01  # random floats barely compress
+    stored = sum(t["stored_bytes"] for t in out["tensors"])
+    assert stored <= out["stored_bytes"]
+    assert main(["inspect", str(root)]) == 0
+    assert "BF16" in capsys.readouterr().out
+    assert main(["inspect", str(root / "nothing")]) == 2
+
+
+def test_gc_keeps_last_and_every_and_refuses_a_live_writer(tmp_path, capsys):
+    root = tmp_path / "gc"
+    writer = asyncckpt.start_writer(root, log_file=tmp_path / "w.log")
+    with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+        for step in range(1, 8):
+            client.save(step * 10, {"s": torch.tensor(step)}).wait(30)
+    assert main(["gc", str(root), "--keep-last", "2"]) == 3  # the writer holds the root
+    writer.stop()
+    (root / "step-00000099.tmp-ab").mkdir()
+    capsys.readouterr()
+    assert main(["gc", str(root), "--keep-last", "2", "--keep-every", "30", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["deleted_steps"] == [10, 20, 40, 50] and out["removed_tmp"] == ["step-00000099.tmp-ab"]
+    assert commit.committed_steps(root) == out["kept_steps"] == [30, 60, 70]
+    assert not (root / "step-00000099.tmp-ab").exists()
+    assert commit.read_latest(root) == 70
