@@ -24,7 +24,7 @@ def test_inspect_reports_tensors_and_ratio_per_dtype(client, root, capsys):
     assert names["w"]["shape"] == [1_000_000] and names["w"]["bytes"] == 2_000_000
     assert names["opt.0.m"]["dtype"] == "F32"
     assert out["by_dtype"]["BF16"]["ratio"] < 0.05      # zeros compress to nothing
-    assert 0.85 < out["by_dtype"]["F32"]["ratio"] < 1.01  # random floats barely compress
+    assert 0.5 < out["by_dtype"]["F32"]["ratio"] < 1.01  # random floats compress little
     stored = sum(t["stored_bytes"] for t in out["tensors"])
     assert stored <= out["stored_bytes"]
     assert main(["inspect", str(root)]) == 0
