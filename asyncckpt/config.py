@@ -24,6 +24,8 @@ class Knobs:
         slot_size: bytes per ring slot, which is also the raw size of one frame on disk.
         ring_size: bytes of one rank's shared-memory ring (a multiple of slot_size).
         codec: "zstd" (level `zstd_level`, one frame per slot) or "raw".
+        flush_bytes: the writer fdatasyncs each data file and drops it from the page
+            cache every this many bytes (0: only the final fsync).
         zstd_level: zstd compression level; 1 is the measured sweet spot for floats.
         connect_timeout: seconds a client waits for the writer to accept and authenticate.
         shutdown_timeout: seconds a stopping writer waits for in-flight steps to commit.
@@ -40,6 +42,7 @@ class Knobs:
     ring_size: int = 64 * MiB
     codec: str = "zstd"
     zstd_level: int = 1
+    flush_bytes: int = 64 * MiB
     connect_timeout: float = 30.0
     shutdown_timeout: float = 120.0
     absent_rank_timeout: float = 60.0
@@ -57,6 +60,7 @@ class Knobs:
                  "ring_size", f"a positive multiple of slot_size ({self.slot_size})",
                  self.ring_size)
         _require(self.codec in CODECS, "codec", f"one of {CODECS}", self.codec)
+        _require(self.flush_bytes >= 0, "flush_bytes", "0 or more", self.flush_bytes)
         _require(-7 <= self.zstd_level <= 22, "zstd_level", "between -7 and 22",
                  self.zstd_level)
         _require(self.keep_last >= 0, "keep_last", "0 (keep all) or more", self.keep_last)

@@ -25,7 +25,7 @@ class RankFileWriter:
     """Appends the frames of one rank's stream to its data file in a tmp directory."""
 
     def __init__(self, directory: Path, rank: int, codec: str, level: int,
-                 header: bytes, tensors: list[TensorSpec]) -> None:
+                 header: bytes, tensors: list[TensorSpec], flush_bytes: int = 0) -> None:
         self.rank = rank
         self.path = directory / data_file_name(rank, codec)
         self.expected_size = tensors[-1].end if tensors else len(header)
@@ -34,6 +34,8 @@ class RankFileWriter:
         self._frames: list[Frame] = []
         self._raw_size = 0
         self._stored_size = 0
+        self._flush_bytes = flush_bytes
+        self._flushed = 0
         self.encode_seconds = 0.0
         self.write_seconds = 0.0
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -71,6 +73,20 @@ class RankFileWriter:
                                   self._codec.name, raw_hash, stored_hash))
         self._raw_size += len(raw)
         self._stored_size += len(stored)
+        if self._flush_bytes and self._stored_size - self._flushed >= self._flush_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Make what is written durable now and drop it from the page cache: the disk
+        works while frames still arrive, the final fsync has little left to do, and dirty
+        pages (which count against the job's memory limit) stay bounded."""
+        start = time.perf_counter()
+        faults.io("fsync", self.path)
+        os.fdatasync(self._fd)
+        os.posix_fadvise(self._fd, self._flushed, self._stored_size - self._flushed,
+                         os.POSIX_FADV_DONTNEED)
+        self._flushed = self._stored_size
+        self.write_seconds += time.perf_counter() - start
 
     def finish(self, tree: object) -> RankPart:
         """fsync and close the file; return this rank's manifest part.

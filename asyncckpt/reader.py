@@ -88,6 +88,7 @@ class RankReader:
             self.close()
             raise self._corrupt(f"data file has {st.st_size} bytes, manifest says "
                                 f"{self.part.stored_size}")
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # read ahead while we hash
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -107,6 +108,10 @@ class RankReader:
             CorruptCheckpointError: short read, checksum mismatch, or undecodable frame.
         """
         frame = self.part.frames[index]
+        if index + 1 < len(self.part.frames):  # the disk fetches the next frame while we check this one
+            following = self.part.frames[index + 1]
+            os.posix_fadvise(self._fd, following.stored_offset, following.stored_length,
+                             os.POSIX_FADV_WILLNEED)
         if frame.codec == "raw":
             self._pread_into(frame, index, out, tensor)
             self._check(frame, index, "raw", xxhash.xxh3_64_intdigest(out), tensor)

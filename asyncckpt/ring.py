@@ -16,6 +16,7 @@ close() with live tensor views crashes the process.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -41,6 +42,9 @@ class Ring:
         self.slots = slots
         self._mmap = mapping
         self._tensor: "torch.Tensor | None" = None
+        anchor = ctypes.c_char.from_buffer(mapping)
+        self.address = ctypes.addressof(anchor)  # valid while mapped; for memmove staging
+        del anchor  # a live export would keep close() from unmapping
 
     @classmethod
     def create(cls, slot_size: int, slots: int) -> "Ring":

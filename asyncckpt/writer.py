@@ -226,7 +226,7 @@ class Session:
             return
         try:
             save.file = RankFileWriter(current.tmp_dir, self.rank, knobs.codec, knobs.zstd_level,
-                                       header, specs)
+                                       header, specs, knobs.flush_bytes)
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
 
