@@ -1,4 +1,4 @@
-"""The `asyncckpt` command: writer, verify, ls, inspect, gc.
+"""The `asyncckpt` command: writer, verify, ls, inspect, gc, export.
 
 Exit codes are part of the interface: verify exits 0 when everything checked is good,
 1 when anything is corrupt, 2 for usage errors or a path that is not a checkpoint;
@@ -60,8 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     gc.add_argument("--keep-every", type=int, default=0)
     gc.add_argument("--json", action="store_true")
 
+    ex = sub.add_parser("export", help="write a Hugging Face model directory (safetensors shards)")
+    ex.add_argument("path", help="a checkpoint directory, or a root (its newest step)")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--contents", default="model", help='top-level key to export ("" for all)')
+    ex.add_argument("--rank", type=int, default=0)
+    ex.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    ex.add_argument("--max-shard-size", default="5GiB")
+    ex.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
-    commands = {"writer": _writer, "verify": _verify, "ls": _ls, "inspect": _inspect, "gc": _gc}
+    commands = {"writer": _writer, "verify": _verify, "ls": _ls, "inspect": _inspect, "gc": _gc,
+                "export": _export}
     return commands[args.command](args)
 
 
@@ -270,6 +280,37 @@ def _gc(args: argparse.Namespace) -> int:
     else:
         print(f"deleted steps {deleted or 'none'}; removed {len(removed_tmp)} abandoned tmp "
               f"director{'y' if len(removed_tmp) == 1 else 'ies'}; kept {result['kept_steps']}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from .config import parse_size
+    from .errors import CheckpointError, CorruptCheckpointError
+    from .export import export_hf
+    bar = _ProgressBar() if sys.stderr.isatty() and not args.json else None
+    if bar:
+        bar.start("export", _stored_size(Path(args.path)))
+    try:
+        index = export_hf(args.path, args.out, rank=args.rank, contents=args.contents or None,
+                          dtype=getattr(torch, args.dtype) if args.dtype else None,
+                          max_shard_size=parse_size(args.max_shard_size),
+                          progress=bar.advance if bar else None)
+    except (CheckpointError, ValueError) as e:
+        print(f"asyncckpt export: {e}", file=sys.stderr)
+        return 1 if isinstance(e, CorruptCheckpointError) else 2
+    finally:
+        if bar:
+            bar.finish()
+    shards = sorted(set(index["weight_map"].values()))
+    if args.json:
+        json.dump({"out": args.out, "shards": shards, **index["metadata"],
+                   "tensors": len(index["weight_map"])}, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"wrote {len(index['weight_map'])} tensors, {index['metadata']['total_size'] / 2**20:.1f} "
+              f"MiB, in {len(shards)} shard(s) to {args.out}")
     return 0
 
 
