@@ -1,0 +1,299 @@
+"""Measuring instruments shared by the method and limit runs.
+
+Memory. The training process's peak extra RSS is read from the kernel, not sampled:
+writing 5 to /proc/self/clear_refs resets VmHWM to the current RSS once the state is
+built, and VmHWM at the end is the exact high-water mark, so no short-lived staging
+copy can slip between samples. Helper processes (the asyncckpt writer, DCP's
+checkpoint daemon) are found as descendants of this process and sampled every 10 ms,
+split into private (RssAnon) and shared (RssShmem) memory, because a ring shows up
+in both processes' RSS but is paid for once; their VmHWM is read before they stop.
+Children that existed before the baseline are not this method's helpers, and a child
+between fork and exec is skipped: it shares the trainer's pages copy-on-write
+and would otherwise show the whole trainer as a "helper".
+/dev/shm use is the size of the /dev/shm files (unlinked ones included, as asyncckpt
+rings and torch.multiprocessing buffers are) mapped by this process or its helpers,
+read from /proc/PID/maps every 30 ms: the tmpfs's own used-blocks count (also
+recorded) includes whatever else runs on the machine.
+
+Throughput. The "training" loop is a single-thread matmul loop on the main thread;
+its rate while a save runs in the background, over its idle rate measured just before,
+is the share of training throughput a method leaves the job. It competes for the
+GIL (thread-based savers) and for the two cores (every saver).
+
+Cold reads. Before a load is timed, every file of the checkpoint is dropped from the
+page cache with posix_fadvise(DONTNEED) (they are fsynced, hence clean), so loads
+read from the disk as after a restart, and no method gets another's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SHM = "/dev/shm"
+
+
+def read_status(pid: int | str = "self") -> dict[str, int]:
+    """The kB fields of /proc/PID/status, in bytes (empty if the process is gone)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                parts = value.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def descendants(pid: int | str = "self") -> list[int]:
+    """Every living descendant process of `pid` (children of all its threads, recursively)."""
+    found: list[int] = []
+    todo = [str(pid)]
+    while todo:
+        current = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{current}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += [str(k) for k in kids]
+    return found
+
+
+def cmdline(pid: int | str = "self") -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def shm_used() -> int:
+    st = os.statvfs(SHM)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def shm_mapped(pid: int | str = "self") -> dict[str, int]:
+    """Bytes of each /dev/shm file (by device:inode) that `pid` has mapped."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if SHM + "/" not in line:
+                    continue
+                fields = line.split()
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                key = f"{fields[3]}:{fields[4]}"
+                out[key] = out.get(key, 0) + hi - lo
+    except OSError:
+        pass
+    return out
+
+
+class MemoryProbe:
+    """Peak memory of this process, its helpers and /dev/shm, against a baseline."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.helper_anon = 0       # peak over samples of the helpers' summed RssAnon
+        self.helper_shmem = 0      # ... and RssShmem
+        self.helper_hwm: dict[int, int] = {}
+        self.self_anon = 0
+        self.shm_peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.baseline_rss = 0
+        self.baseline_anon = 0
+        self.baseline_shm = 0
+        self._cmdline = b""
+        self._before: set[int] = set()
+        self._shm_before: set[str] = set()
+        self._count = 0
+        self.shm_ours = 0
+
+    def start(self) -> None:
+        """Take the baseline now (state built, nothing of the method set up) and sample."""
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        status = read_status()
+        self.baseline_rss = status.get("VmRSS", 0)
+        self.baseline_anon = status.get("RssAnon", 0)
+        self.baseline_shm = self.shm_peak = shm_used()
+        self._cmdline = cmdline()
+        self._before = set(descendants())
+        self._shm_before = set(shm_mapped())
+        self._thread = threading.Thread(target=self._run, name="bench-memory", daemon=True)
+        self._thread.start()
+
+    def sample(self, final: bool = False) -> None:
+        status = read_status()
+        self.self_anon = max(self.self_anon, status.get("RssAnon", 0))
+        anon = shmem = 0
+        helpers = [pid for pid in descendants()
+                   # forked, not yet exec'd: its pages are still ours (copy-on-write)
+                   if pid not in self._before and cmdline(pid) != self._cmdline]
+        for pid in helpers:
+            s = read_status(pid)
+            anon += s.get("RssAnon", 0)
+            shmem += s.get("RssShmem", 0)
+            if "VmHWM" in s:
+                self.helper_hwm[pid] = max(self.helper_hwm.get(pid, 0), s["VmHWM"])
+        self.helper_anon = max(self.helper_anon, anon)
+        self.helper_shmem = max(self.helper_shmem, shmem)
+        self.shm_peak = max(self.shm_peak, shm_used())
+        self._count += 1
+        if self._count % 3 == 1 or final:  # /proc/PID/maps is the costly read: every 30 ms
+            files: dict[str, int] = {}
+            for pid in ("self", *helpers):
+                for key, size in shm_mapped(pid).items():
+                    files[key] = max(files.get(key, 0), size)
+            ours = sum(size for key, size in files.items() if key not in self._shm_before)
+            self.shm_ours = max(self.shm_ours, ours)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def stop(self) -> dict[str, int]:
+        """Stop sampling (call while helpers still live); return the peaks in bytes."""
+        self.sample(final=True)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        status = read_status()
+        return {
+            "train_extra_rss": max(0, status.get("VmHWM", 0) - self.baseline_rss),
+            "train_extra_anon_sampled": max(0, self.self_anon - self.baseline_anon),
+            "helper_private": self.helper_anon,
+            "helper_shared": self.helper_shmem,
+            "helper_hwm": max(self.helper_hwm.values(), default=0),
+            "shm_extra": self.shm_ours,
+            "shm_fs_extra": max(0, self.shm_peak - self.baseline_shm),
+        }
+
+
+class ComputeLoop:
+    """A stand-in for the training loop: single-thread 256x256 matmuls on the main thread."""
+
+    def __init__(self, size: int = 256) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.a = torch.randn(size, size, generator=g)
+        self.b = torch.randn(size, size, generator=g)
+        self.c = torch.empty(size, size)
+
+    def _burst(self, n: int = 8) -> None:
+        for _ in range(n):
+            torch.mm(self.a, self.b, out=self.c)
+
+    def idle_rate(self, seconds: float) -> float:
+        """Bursts per second with nothing else running."""
+        self._burst()
+        start, bursts = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            self._burst()
+            bursts += 1
+        return bursts / (time.perf_counter() - start)
+
+    def run_until(self, done: Callable[[], bool]) -> tuple[float, float]:
+        """Run bursts until `done()`; return (bursts per second, seconds run)."""
+        start, bursts = time.perf_counter(), 0
+        while not done():
+            self._burst()
+            bursts += 1
+        seconds = time.perf_counter() - start
+        return (bursts / seconds if seconds > 0 else 0.0), seconds
+
+
+class CpuUse:
+    """CPU seconds the whole machine spent busy versus what our children used, so a report
+    can say when something else was running (this is a shared 2-core machine)."""
+
+    def __init__(self) -> None:
+        self._busy = _busy_seconds()
+        self._ours = _children_cpu()
+        self._wall = time.perf_counter()
+
+    def others(self) -> dict[str, float]:
+        wall = time.perf_counter() - self._wall
+        busy = _busy_seconds() - self._busy
+        ours = _children_cpu() - self._ours
+        cores = os.cpu_count() or 1
+        return {"wall": wall, "busy_cpu_seconds": busy, "our_cpu_seconds": ours,
+                "other_share": max(0.0, busy - ours) / (wall * cores) if wall > 0 else 0.0}
+
+
+def _busy_seconds() -> float:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process and its reaped children (the workers and their helpers)."""
+    import resource
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def files_under(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def bytes_on_disk(path: Path) -> int:
+    """Sum of file sizes under `path` (data, metadata and manifests alike)."""
+    return sum(p.stat().st_size for p in files_under(path))
+
+
+def drop_cache(path: Path) -> None:
+    """Evict every (clean) file under `path` from the page cache."""
+    for p in files_under(path):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def touch_pages(tensors: list[torch.Tensor]) -> None:
+    """Fault in every page of (possibly mmap-backed) tensors by reading one byte per page."""
+    for t in tensors:
+        if t.numel():
+            flat = t.reshape(-1).view(torch.uint8)
+            flat[::4096].sum()

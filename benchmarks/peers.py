@@ -1,0 +1,280 @@
+"""The methods compared: what a user would otherwise pick, and asyncckpt.
+
+Each method is driven the way its documentation says to use it, on its defaults, and
+reports two moments of every save: when the training loop may continue (it may modify
+the tensors again) and when the checkpoint is durable (fsynced and, where the method
+has the notion, committed). Synchronous methods reach both at once. For asyncckpt the
+first moment is `save()` plus `handle.wait_staged()`, because the loop may not run the
+next optimizer step before; that is the counterpart of the return of DCP `async_save`,
+whose default stager copies the whole state before returning.
+
+Only torch.save and safetensors need an explicit fsync (they do not sync); DCP's
+FileSystemWriter fsyncs its files itself (sync_files=True by default) and asyncckpt
+commits with fsyncs. safetensors holds tensors only, so it saves the state's tensors
+under dotted names and drops the few non-tensor optimizer fields.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import measure, workloads
+
+MiB = 1 << 20
+
+
+class Pending:
+    """A save after the caller was released: poll `done()`, block in `wait()`."""
+
+    def __init__(self, done: Callable[[], bool], wait: Callable[[], Any]) -> None:
+        self.done = done
+        self.wait = wait
+
+    @classmethod
+    def finished(cls) -> "Pending":
+        return cls(lambda: True, lambda: None)
+
+    @classmethod
+    def of_future(cls, future: Future) -> "Pending":
+        return cls(future.done, future.result)
+
+
+class Method:
+    """One way of saving; subclasses fill in setup/start/load."""
+
+    name = ""
+    label = ""
+    synchronous = False
+    loader = ""  # what load() uses, for the report ("" = no load measured)
+    modules: tuple[str, ...] = ()  # imported before the memory baseline
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.root = Path()
+        self.facts: dict[str, Any] = {}
+
+    def setup(self, root: Path, state: dict[str, Any]) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        """Begin saving `state` as `step`; return once the caller may modify it again."""
+        raise NotImplementedError
+
+    def output(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def load(self, step: int, like: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def rep_stats(self) -> dict[str, Any]:
+        """Method-specific figures of the last save (asyncckpt's pipeline stages)."""
+        return {}
+
+    def discard(self, step: int) -> None:
+        path = self.output(step)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        pass
+
+
+class TorchSave(Method):
+    name, label, synchronous, loader = "torch.save", "torch.save + fsync", True, "torch.load"
+
+    def output(self, step: int) -> Path:
+        return self.root / f"step-{step}.pt"
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        path = self.output(step)
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        measure.fsync_dir(self.root)
+        return Pending.finished()
+
+    def load(self, step: int, like: dict[str, Any]) -> Any:
+        return torch.load(self.output(step), weights_only=True)
+
+
+class SafetensorsSave(Method):
+    name, label, synchronous = "safetensors", "safetensors save_file + fsync", True
+    modules = ("safetensors.torch",)
+    loader = "safetensors.torch.load_file"
+
+    def output(self, step: int) -> Path:
+        return self.root / f"step-{step}.safetensors"
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        from safetensors.torch import save_file
+        path = self.output(step)
+        save_file(workloads.flat_tensors(state), str(path))
+        measure.fsync_file(path)
+        measure.fsync_dir(self.root)
+        return Pending.finished()
+
+    def load(self, step: int, like: dict[str, Any]) -> Any:
+        from safetensors.torch import load_file
+        loaded = load_file(str(self.output(step)))
+        # load_file maps the file lazily: fault every page in so the bytes are in memory
+        measure.touch_pages(list(loaded.values()))
+        return loaded
+
+
+class _Dcp(Method):
+    loader = "dcp.load"
+    modules = ("torch.distributed.checkpoint",)
+
+    def setup(self, root: Path, state: dict[str, Any]) -> None:
+        super().setup(root, state)
+        init_gloo()
+
+    def load(self, step: int, like: dict[str, Any]) -> Any:
+        import torch.distributed.checkpoint as dcp
+        target = workloads.empty_like_state(like)
+        dcp.load(target, checkpoint_id=str(self.output(step)))
+        return target
+
+
+class DcpSave(_Dcp):
+    name, label, synchronous = "dcp.save", "torch.distributed.checkpoint.save", True
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(state, checkpoint_id=str(self.output(step)))
+        return Pending.finished()
+
+
+class DcpAsyncThread(_Dcp):
+    name, label = "dcp.async-thread", "DCP async_save, thread, default stager"
+    loader = ""
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        import torch.distributed.checkpoint as dcp
+        future = dcp.async_save(state, checkpoint_id=str(self.output(step)))
+        return Pending.of_future(future)  # type: ignore[arg-type]
+
+
+class DcpAsyncStager(_Dcp):
+    """async_save with a DefaultStager that stages in a background thread and is reused
+    across saves (its staging buffers are allocated once); the caller still waits for
+    `staging_completion` before it may touch the tensors."""
+
+    name, label = "dcp.async-stager", "DCP async_save, thread, reused background stager"
+    loader = ""
+
+    def setup(self, root: Path, state: dict[str, Any]) -> None:
+        super().setup(root, state)
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        # pinned memory and non-blocking copies need an accelerator; there is none here
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                   use_async_staging=True, use_non_blocking_copy=False))
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        import torch.distributed.checkpoint as dcp
+        response = dcp.async_save(state, checkpoint_id=str(self.output(step)),
+                                  async_stager=self.stager)
+        response.staging_completion.result()  # type: ignore[union-attr]
+        return Pending.of_future(response.upload_completion)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+class DcpAsyncProcess(_Dcp):
+    name, label = "dcp.async-process", "DCP async_save, process (1-rank gloo)"
+    loader = ""
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        future = dcp.async_save(state, checkpoint_id=str(self.output(step)),
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        return Pending.of_future(future)  # type: ignore[arg-type]
+
+
+class AsyncCkpt(Method):
+    loader = "asyncckpt.load (xxh3-verified)"
+    modules = ("asyncckpt.client", "asyncckpt.reader")
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self.codec = str(options["codec"])
+        self.ring_bytes = int(options.get("ring_bytes") or 0)  # 0: the state's size
+        self.name = f"asyncckpt-{self.codec}" + (f"-ring{self.ring_bytes // MiB}M" if self.ring_bytes else "")
+        ring = f"{self.ring_bytes // MiB} MiB ring" if self.ring_bytes else "ring = state"
+        self.label = f"asyncckpt, codec {self.codec}, {ring}"
+        self._handle: Any = None
+
+    def setup(self, root: Path, state: dict[str, Any]) -> None:
+        super().setup(root, state)
+        import asyncckpt
+        slot = 4 * MiB
+        ring = self.ring_bytes or -(-workloads.state_bytes(state) // slot) * slot
+        self.writer = asyncckpt.start_writer(root, codec=self.codec,
+                                             log_file=root.parent / f"{self.name}.writer.log")
+        self.client = asyncckpt.connect(self.writer.address, rank=0, world_size=1,
+                                        slot_size=slot, ring_size=ring)
+        self.facts.update(ring_bytes=ring, slot_bytes=slot, writer_pid=self.writer.pid)
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        handle = self.client.save(step, state)
+        handle.wait_staged()
+        self._handle = handle
+        return Pending(handle.done, handle.wait)
+
+    def output(self, step: int) -> Path:
+        from asyncckpt.format import step_dir_name
+        return self.root / step_dir_name(step)
+
+    def rep_stats(self) -> dict[str, Any]:
+        return dict(self._handle.stats) if self._handle is not None else {}
+
+    def load(self, step: int, like: dict[str, Any]) -> Any:
+        import asyncckpt
+        return asyncckpt.load(self.root, step=step)
+
+    def close(self) -> None:
+        self.client.close()
+        self.writer.stop()
+
+
+METHODS: dict[str, tuple[type[Method], dict[str, Any]]] = {
+    "torch.save": (TorchSave, {}),
+    "safetensors": (SafetensorsSave, {}),
+    "dcp.save": (DcpSave, {}),
+    "dcp.async-thread": (DcpAsyncThread, {}),
+    "dcp.async-stager": (DcpAsyncStager, {}),
+    "dcp.async-process": (DcpAsyncProcess, {}),
+    "asyncckpt-raw": (AsyncCkpt, {"codec": "raw"}),
+    "asyncckpt-zstd": (AsyncCkpt, {"codec": "zstd"}),
+    "asyncckpt-zstd-ring64M": (AsyncCkpt, {"codec": "zstd", "ring_bytes": 64 * MiB}),
+}
+
+
+def make(name: str) -> Method:
+    cls, options = METHODS[name]
+    return cls(options)
+
+
+def init_gloo() -> None:
+    """A 1-rank gloo group on loopback, as DCP's async process mode requires."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
