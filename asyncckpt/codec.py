@@ -26,11 +26,12 @@ class Codec(Protocol):
         """Return the stored bytes of one frame (may be `raw` itself)."""
         ...
 
-    def decode_into(self, stored: Buffer, out: memoryview) -> None:
-        """Decode one frame into `out`, which has exactly the frame's raw length.
+    def decode_into(self, stored: Buffer, out: memoryview | list[memoryview]) -> None:
+        """Decode one frame into `out`: one view, or consecutive views (pieces of the
+        frame's raw bytes, e.g. the tensors it spans), of exactly the raw length in all.
 
         Raises:
-            CorruptCheckpointError: the frame does not decode to exactly len(out) bytes.
+            CorruptCheckpointError: the frame does not decode to exactly that many bytes.
         """
         ...
 
@@ -41,10 +42,15 @@ class RawCodec:
     def encode(self, raw: Buffer) -> Buffer:
         return raw
 
-    def decode_into(self, stored: Buffer, out: memoryview) -> None:
-        if len(stored) != len(out):
-            raise CorruptCheckpointError(f"raw frame has {len(stored)} bytes, expected {len(out)}")
-        out[:] = stored
+    def decode_into(self, stored: Buffer, out: memoryview | list[memoryview]) -> None:
+        outs = _pieces(out)
+        expected = sum(len(o) for o in outs)
+        if len(stored) != expected:
+            raise CorruptCheckpointError(f"raw frame has {len(stored)} bytes, expected {expected}")
+        view, pos = memoryview(stored), 0
+        for o in outs:
+            o[:] = view[pos:pos + len(o)]
+            pos += len(o)
 
 
 class ZstdCodec:
@@ -58,26 +64,36 @@ class ZstdCodec:
     def encode(self, raw: Buffer) -> Buffer:
         return self._compressor.compress(raw)
 
-    def decode_into(self, stored: Buffer, out: memoryview) -> None:
+    def decode_into(self, stored: Buffer, out: memoryview | list[memoryview]) -> None:
+        outs = _pieces(out)
+        expected = sum(len(o) for o in outs)
         try:
             declared = zstandard.frame_content_size(stored)
         except zstandard.ZstdError as e:
             raise CorruptCheckpointError(f"not a zstd frame: {e}") from None
-        if declared != len(out):
-            raise CorruptCheckpointError(f"zstd frame declares {declared} bytes, expected {len(out)}")
+        if declared != expected:
+            raise CorruptCheckpointError(f"zstd frame declares {declared} bytes, expected {expected}")
+        filled = 0
         try:
             reader = self._decompressor.stream_reader(stored, read_across_frames=False)
-            filled = 0
-            while filled < len(out):
-                n = reader.readinto(out[filled:])
-                if n == 0:
-                    break
-                filled += n
+            for o in outs:
+                done = 0
+                while done < len(o):
+                    n = reader.readinto(o[done:])
+                    if n == 0:
+                        raise CorruptCheckpointError(f"zstd frame decoded to the wrong size "
+                                                     f"({filled + done} bytes)")
+                    done += n
+                filled += done
             extra = reader.read(1)
         except zstandard.ZstdError as e:
             raise CorruptCheckpointError(f"zstd frame does not decode: {e}") from None
-        if filled != len(out) or extra:
-            raise CorruptCheckpointError(f"zstd frame decoded to the wrong size ({filled} bytes)")
+        if extra:
+            raise CorruptCheckpointError("zstd frame decodes to more bytes than it declares")
+
+
+def _pieces(out: memoryview | list[memoryview]) -> list[memoryview]:
+    return out if isinstance(out, list) else [out]
 
 
 def make_codec(name: str, level: int = 1) -> Codec:

@@ -15,7 +15,7 @@ import ctypes
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import xxhash
@@ -78,7 +78,7 @@ class RankReader:
         self.rank = rank
         self.path = directory / self.part.file
         self._codec: Codec = make_codec(self.part.codec)
-        self._scratch: tuple[int, bytearray] | None = None
+        self._scratch: dict[str, bytearray] = {}
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
@@ -101,93 +101,167 @@ class RankReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_frame_into(self, index: int, out: memoryview, tensor: str | None = None) -> None:
-        """Read, verify and decode frame `index` into `out` (exactly its raw length).
+    def read_frame_into(self, index: int, out: memoryview | list[memoryview],
+                        tensor: str | None = None) -> None:
+        """Read, verify and decode frame `index` into `out`: one view, or consecutive
+        views that together hold exactly its raw bytes (the tensors it spans).
 
         Raises:
             CorruptCheckpointError: short read, checksum mismatch, or undecodable frame.
         """
         frame = self.part.frames[index]
+        outs = out if isinstance(out, list) else [out]
         if index + 1 < len(self.part.frames):  # the disk fetches the next frame while we check this one
             following = self.part.frames[index + 1]
             os.posix_fadvise(self._fd, following.stored_offset, following.stored_length,
                              os.POSIX_FADV_WILLNEED)
-        if frame.codec == "raw":
-            self._pread_into(frame, index, out, tensor)
-            self._check(frame, index, "raw", xxhash.xxh3_64_intdigest(out), tensor)
+        if frame.codec == "raw" and len(outs) <= _MAX_IOV:
+            self._preadv(frame, index, outs, tensor)  # straight into place, no copy
+            self._check(frame, index, "raw", _xxh3(outs), tensor)
             return
-        stored = bytearray(frame.stored_length)
-        self._pread_into(frame, index, memoryview(stored), tensor)
+        stored = self._buffer("stored", frame.stored_length)
+        self._preadv(frame, index, [stored], tensor)
         self._check(frame, index, "stored", xxhash.xxh3_64_intdigest(stored), tensor)
         try:
-            self._codec.decode_into(stored, out)
+            self._codec.decode_into(stored, outs)
         except CorruptCheckpointError as e:
             raise self._corrupt(f"frame {index}: {e.cause}", tensor) from None
-        self._check(frame, index, "raw", xxhash.xxh3_64_intdigest(out), tensor)
+        self._check(frame, index, "raw", _xxh3(outs), tensor)
+
+    def check_frames(self, on_frame: Callable[[Frame], None] | None = None) -> None:
+        """Read and verify every frame (into scratch), calling `on_frame` after each."""
+        for index, frame in enumerate(self.part.frames):
+            self.read_frame_into(index, self._buffer("gap", frame.raw_length))
+            if on_frame:
+                on_frame(frame)
+
+    def read_ranges(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> None:
+        """Fill each (begin, end, out, tensor name) with raw stream bytes begin..end.
+
+        Ranges must be sorted and disjoint. Every frame touched is read and verified
+        once, scattered straight into the outputs it spans; bytes of a frame that no
+        range wants land in a reused scratch buffer.
+        """
+        ranges = [r for r in ranges if r[1] > r[0]]
+        frames, r = self.part.frames, 0
+        index = _frame_at(frames, ranges[0][0]) if ranges else 0
+        while r < len(ranges):
+            frame = frames[index]
+            f_begin, f_end = frame.raw_offset, frame.raw_offset + frame.raw_length
+            gap = self._buffer("gap", frame.raw_length)
+            pieces, pos, name = [], f_begin, None
+            while r < len(ranges) and ranges[r][0] < f_end:
+                begin, end, out, tensor = ranges[r]
+                lo, hi = max(begin, pos), min(end, f_end)
+                if lo > pos:
+                    pieces.append(gap[pos - f_begin:lo - f_begin])
+                pieces.append(out[lo - begin:hi - begin])
+                pos, name = hi, name or tensor
+                if end > f_end:
+                    break  # continues in the next frame
+                r += 1
+            if pos < f_end:
+                pieces.append(gap[pos - f_begin:])
+            self.read_frame_into(index, pieces, name)
+            if r < len(ranges):
+                index = _frame_at(frames, max(ranges[r][0], f_end))
 
     def read_range(self, begin: int, end: int, out: memoryview, tensor: str | None = None) -> None:
         """Fill `out` with raw stream bytes `begin`..`end`, verifying every frame touched."""
-        frames = self.part.frames
-        index = _frame_at(frames, begin)
-        while begin < end:
-            frame = frames[index]
-            f_begin, f_end = frame.raw_offset, frame.raw_offset + frame.raw_length
-            lo, hi = begin - f_begin, min(end, f_end) - f_begin
-            if lo == 0 and hi == frame.raw_length:
-                self.read_frame_into(index, out[:hi], tensor)
-            else:
-                if self._scratch is None or self._scratch[0] != index:
-                    buf = bytearray(frame.raw_length)
-                    self.read_frame_into(index, memoryview(buf), tensor)
-                    self._scratch = (index, buf)
-                out[:hi - lo] = memoryview(self._scratch[1])[lo:hi]
-            out = out[hi - lo:]
-            begin += hi - lo
-            index += 1
+        self.read_ranges([(begin, end, out, tensor)])
 
-    def check_header(self) -> None:
-        """Read the stream's safetensors header (verified) and check it is exactly the
-        one the manifest's tensor table implies, so dtypes, shapes and offsets agree.
+    def expected_header(self) -> bytes:
+        """The safetensors header the manifest's tensor table implies."""
+        header, _ = layout((t.name, t.dtype, t.shape) for t in self.part.tensors)
+        end = self.part.tensors[0].begin if self.part.tensors else self.part.raw_size
+        if end != len(header):
+            raise self._corrupt(f"tensors start at byte {end}, the header ends at {len(header)}")
+        return header
+
+    def check_header(self, header: bytes | bytearray | None = None) -> None:
+        """Check the stream's safetensors header (read and verified here unless given)
+        is exactly the one the manifest implies, so dtypes, shapes and offsets agree.
 
         Raises:
             CorruptCheckpointError: it differs.
         """
-        expected, _ = layout((t.name, t.dtype, t.shape) for t in self.part.tensors)
-        end = self.part.tensors[0].begin if self.part.tensors else self.part.raw_size
-        if end != len(expected):
-            raise self._corrupt(f"tensors start at byte {end}, the header ends at {len(expected)}")
-        buf = bytearray(end)
-        self.read_range(0, end, memoryview(buf))
-        if buf != expected:
+        expected = self.expected_header()
+        if header is None:
+            header = bytearray(len(expected))
+            self.read_range(0, len(expected), memoryview(header))
+        if header != expected:
             raise self._corrupt("safetensors header differs from the manifest's tensor table")
 
     def read_tensor(self, spec: TensorSpec, into: torch.Tensor | None = None) -> torch.Tensor:
-        """A verified tensor; decoded straight into `into` when it is CPU, contiguous and
-        of the same dtype and shape (else via a fresh tensor)."""
-        dtype = DTYPES[spec.dtype]
-        direct = (into is not None and into.device.type == "cpu" and into.is_contiguous()
-                  and into.dtype == dtype and tuple(into.shape) == spec.shape)
+        """A verified tensor (see `read_tensors`)."""
+        return self.read_tensors([spec], [into])[0]
+
+    def read_tensors(self, specs: list[TensorSpec], into: list[torch.Tensor | None],
+                     header: bytearray | None = None) -> list[torch.Tensor]:
+        """Verified tensors, in one pass over the frames they span (and over the header
+        first, into `header`, when given).
+
+        A target in `into` that is on the CPU, contiguous and of the saved dtype and
+        shape is filled in place; other targets (CUDA, non-contiguous) are filled from a
+        temporary copy, at most `_TEMP_BYTES` of them at a time.
+        """
+        out: list[torch.Tensor] = []
+        ranges: list[tuple[int, int, memoryview, str | None]] = []
+        if header is not None:
+            ranges.append((0, len(header), memoryview(header), None))
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        temp_bytes = 0
+        for spec, target in zip(specs, into):
+            dtype = DTYPES[spec.dtype]
+            direct = (target is not None and target.device.type == "cpu" and target.is_contiguous()
+                      and target.dtype == dtype and tuple(target.shape) == spec.shape)
+            dest = target if direct else self._allocate(spec, dtype)
+            assert dest is not None
+            if spec.end > spec.begin:
+                ranges.append((spec.begin, spec.end, tensor_bytes(dest), spec.name))
+            if target is not None and not direct:
+                copies.append((target, dest))
+                temp_bytes += spec.end - spec.begin
+            out.append(target if target is not None else dest)
+            if temp_bytes > _TEMP_BYTES:
+                self._fill(ranges, copies)
+                ranges, copies, temp_bytes = [], [], 0
+        self._fill(ranges, copies)
+        return out
+
+    def _fill(self, ranges: list, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.read_ranges(ranges)
+        with torch.no_grad():
+            for target, temp in copies:
+                target.copy_(temp)
+
+    def _allocate(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
         try:
-            target = into if direct else torch.empty(spec.shape, dtype=dtype)
+            return torch.empty(spec.shape, dtype=dtype)
         except (RuntimeError, MemoryError) as e:  # the manifest bounds it; the host may not
             raise CheckpointError(f"cannot allocate {spec.end - spec.begin} bytes for tensor "
                                   f"{spec.name!r}: {e}", step=self.step, rank=self.rank) from None
-        assert target is not None
-        if spec.end > spec.begin:
-            self.read_range(spec.begin, spec.end, tensor_bytes(target), spec.name)
-        if into is not None and not direct:
-            with torch.no_grad():
-                into.copy_(target)
-            return into
-        return target
 
-    def _pread_into(self, frame: Frame, index: int, out: memoryview, tensor: str | None) -> None:
-        offset, view = frame.stored_offset, out[:frame.stored_length]
-        while view:
-            n = os.preadv(self._fd, [view], offset)
+    def _buffer(self, kind: str, size: int) -> memoryview:
+        """A reused scratch buffer of at least `size` bytes (one per kind)."""
+        buf = self._scratch.get(kind)
+        if buf is None or len(buf) < size:
+            buf = self._scratch[kind] = bytearray(size)
+        return memoryview(buf)[:size]
+
+    def _preadv(self, frame: Frame, index: int, outs: list[memoryview], tensor: str | None) -> None:
+        offset = frame.stored_offset
+        outs = [o for o in outs if len(o)]
+        while outs:
+            n = os.preadv(self._fd, outs, offset)
             if n == 0:
                 raise self._corrupt(f"frame {index}: file ends early", tensor)
-            view, offset = view[n:], offset + n
+            offset += n
+            while outs and n >= len(outs[0]):
+                n -= len(outs[0])
+                outs.pop(0)
+            if n:
+                outs[0] = outs[0][n:]
 
     def _check(self, frame: Frame, index: int, which: str, actual: int, tensor: str | None) -> None:
         expected = frame.xxh3_raw if which == "raw" else frame.xxh3_stored
@@ -235,11 +309,12 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
     specs = {s.name: s for s in part.tensors}
     paths = check_tree(part, manifest.step)
     targets = _match_targets(into, paths, specs, strict, manifest.step, rank) if into is not None else {}
-    loaded: dict[str, torch.Tensor] = {}
     with RankReader(directory, manifest, rank) as reader:
-        reader.check_header()
-        for spec in part.tensors:
-            loaded[spec.name] = reader.read_tensor(spec, targets.get(spec.name))
+        header = bytearray(len(reader.expected_header()))
+        tensors = reader.read_tensors(part.tensors, [targets.get(s.name) for s in part.tensors],
+                                      header)
+        reader.check_header(header)
+    loaded = {spec.name: t for spec, t in zip(part.tensors, tensors)}
     return unflatten(part.tree, loaded.__getitem__)
 
 
@@ -306,6 +381,19 @@ def _tensor_leaves(node: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tenso
 
 def _show(path: tuple) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+_MAX_IOV = 512  # frames spanning more tensors than this are read via scratch
+_TEMP_BYTES = 256 << 20  # temporaries for CUDA / non-contiguous `into` targets, at once
+
+
+def _xxh3(pieces: list[memoryview]) -> int:
+    if len(pieces) == 1:
+        return xxhash.xxh3_64_intdigest(pieces[0])
+    h = xxhash.xxh3_64()
+    for piece in pieces:
+        h.update(piece)
+    return h.intdigest()
 
 
 def _frame_at(frames: list[Frame], offset: int) -> int:

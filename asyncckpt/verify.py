@@ -19,7 +19,7 @@ from typing import Callable
 from . import commit
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
-from .manifest import Manifest, read_manifest
+from .manifest import Frame, Manifest, read_manifest
 from .reader import RankReader, check_tree
 
 Progress = Callable[[int], None]
@@ -86,15 +86,16 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None) -> Repo
 def _verify_rank(directory: Path, manifest: Manifest, rank: int, report: Report,
                  progress: Progress | None) -> None:
     check_tree(manifest.ranks[rank], manifest.step)
+    def count(frame: Frame) -> None:
+        report.frames += 1
+        report.raw_bytes += frame.raw_length
+        report.stored_bytes += frame.stored_length
+        if progress:
+            progress(frame.stored_length)
+
     with RankReader(directory, manifest, rank) as reader:
         reader.check_header()
-        for index, frame in enumerate(reader.part.frames):
-            reader.read_frame_into(index, memoryview(bytearray(frame.raw_length)))
-            report.frames += 1
-            report.raw_bytes += frame.raw_length
-            report.stored_bytes += frame.stored_length
-            if progress:
-                progress(frame.stored_length)
+        reader.check_frames(count)
 
 
 def verify_root_pointer(root: Path) -> Report | None:
