@@ -25,8 +25,8 @@ from pathlib import Path
 
 from . import faults
 from .errors import DiskFullError, SaveFailedError, WriterLockedError
-from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, is_tmp_dir, parse_step_dir,
-                     step_dir_name)
+from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, is_atomic_tmp_file, is_tmp_dir,
+                     parse_step_dir, step_dir_name)
 from .manifest import Manifest
 
 log = logging.getLogger("asyncckpt.writer")
@@ -154,7 +154,8 @@ def update_latest(root: Path) -> None:
 
 
 def remove_stale_tmp(root: Path) -> list[str]:
-    """Delete abandoned `step-*.tmp-*` directories; returns their names.
+    """Delete abandoned `step-*.tmp-*` directories and `.latest.tmp-*` files; returns
+    their names.
 
     Only safe while holding the root lock: a live writer's tmp dirs look the same.
     """
@@ -162,6 +163,9 @@ def remove_stale_tmp(root: Path) -> list[str]:
     for name in sorted(os.listdir(root)):
         if is_tmp_dir(name):
             shutil.rmtree(root / name, ignore_errors=True)
+            removed.append(name)
+        elif is_atomic_tmp_file(name):
+            (root / name).unlink(missing_ok=True)
             removed.append(name)
     return removed
 

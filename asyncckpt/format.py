@@ -36,6 +36,7 @@ MAX_STEP = (1 << 62) - 1  # the manifest's integer bound
 
 _STEP_DIR = re.compile(r"step-([0-9]{8,})")
 _TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
+_ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
 _DATA_FILE = re.compile(r"rank-([0-9]{5,})\.safetensors(\.zst)?")
 
 
@@ -57,6 +58,11 @@ def parse_step_dir(name: str) -> int | None:
     """The step of a committed directory name, else None."""
     m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def is_atomic_tmp_file(name: str) -> bool:
+    """A `.NAME.tmp-<hex>` file that an interrupted atomic write (of `latest`) left."""
+    return _ATOMIC_TMP.fullmatch(name) is not None
 
 
 def is_tmp_dir(name: str) -> bool:

@@ -45,7 +45,8 @@ def test_remove_stale_tmp_only_touches_tmp_dirs(tmp_path):
     stale = commit.make_tmp_dir(tmp_path, 2)
     (stale / "rank-00000.safetensors").write_bytes(b"partial")
     (tmp_path / "notes.txt").write_text("keep me")
-    assert commit.remove_stale_tmp(tmp_path) == [stale.name]
+    (tmp_path / ".latest.tmp-0badf00d").write_text("step-00000002\n")  # killed mid-write
+    assert commit.remove_stale_tmp(tmp_path) == [".latest.tmp-0badf00d", stale.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes.txt", "step-00000001"]
 
 
