@@ -33,7 +33,7 @@ bench: setup
 	$(BIN)/python -m benchmarks --quick
 
 bench-full: setup
-	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/pip install -q -e ".[bench,realweights]"
 	$(BIN)/python -m benchmarks --full
 
 # kill -9 a random process of a saving job 300 times; check every checkpoint after each.
