@@ -162,7 +162,7 @@ class Steps:
             for s in self._open.values():
                 absent = [r for r in range(s.world_size)
                           if r not in s.waiting and self._live[r] <= 0]
-                if absent and now - s.started > timeout:
+                if absent and now - s.started >= timeout:
                     doomed.append((s.step, absent))
         for step, absent in doomed:
             names = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8 else "")
@@ -171,8 +171,15 @@ class Steps:
                 "the step began (dead or never started)", step=step))
 
     def close(self, timeout: float) -> None:
-        """Refuse new steps; wait up to `timeout` s for open ones, then fail the rest."""
+        """Refuse new steps; wait up to `timeout` s for open ones, then fail the rest.
+
+        Call after the listener is closed: a step waiting on a rank that is not
+        connected can then never complete, so it fails at once.
+        """
         deadline = time.monotonic() + timeout
+        with self._lock:
+            self._closing = True
+        self.fail_absent(0)
         with self._lock:
             self._closing = True
             while self._open and time.monotonic() < deadline:

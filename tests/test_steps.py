@@ -103,3 +103,13 @@ def test_close_fails_what_does_not_finish(steps):
     assert "shut down" in str(inbox.got[0][0])
     with pytest.raises(SaveFailedError, match="shutting down"):
         steps.begin(7, 0, 1, "raw", inbox.notify(0))
+
+
+def test_close_fails_steps_waiting_on_unconnected_ranks_at_once(steps):
+    inbox = Inbox()
+    steps.rank_joined(0)
+    steps.begin(8, 0, 2, "raw", inbox.notify(0))  # rank 1 never connected
+    started = time.monotonic()
+    steps.close(timeout=60)
+    assert time.monotonic() - started < 5
+    assert "rank 1 not connected" in str(inbox.got[0][0])
