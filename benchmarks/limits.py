@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from asyncckpt.commit import fsync_path
+
 from . import measure
 
 MiB = 1 << 20
@@ -63,7 +65,7 @@ def write_fsync_seconds(directory: Path, nbytes: int, reps: int) -> tuple[list[f
             os.fsync(fd)
         finally:
             os.close(fd)
-        measure.fsync_dir(directory)
+        fsync_path(directory)
         writes.append(time.perf_counter() - start)
         measure.drop_cache(path)
         start = time.perf_counter()

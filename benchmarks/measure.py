@@ -35,22 +35,17 @@ from typing import Callable
 
 import torch
 
+from asyncckpt import procstat
+
 SHM = "/dev/shm"
 
 
 def read_status(pid: int | str = "self") -> dict[str, int]:
-    """The kB fields of /proc/PID/status, in bytes (empty if the process is gone)."""
-    out: dict[str, int] = {}
+    """/proc/PID/status in bytes (asyncckpt.procstat), empty if the process is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                parts = value.split()
-                if len(parts) == 2 and parts[1] == "kB":
-                    out[key] = int(parts[0]) * 1024
+        return procstat.read_status(pid)
     except OSError:
-        pass
-    return out
+        return {}
 
 
 def descendants(pid: int | str = "self") -> list[int]:
@@ -252,22 +247,6 @@ def _children_cpu() -> float:
     import resource
     return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def files_under(path: Path) -> list[Path]:

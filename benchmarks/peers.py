@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from asyncckpt.commit import fsync_path
+
 from . import measure, workloads
 
 MiB = 1 << 20
@@ -101,7 +103,7 @@ class TorchSave(Method):
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        measure.fsync_dir(self.root)
+        fsync_path(self.root)
         return Pending.finished()
 
     def load(self, step: int, like: dict[str, Any]) -> Any:
@@ -120,8 +122,8 @@ class SafetensorsSave(Method):
         from safetensors.torch import save_file
         path = self.output(step)
         save_file(workloads.flat_tensors(state), str(path))
-        measure.fsync_file(path)
-        measure.fsync_dir(self.root)
+        fsync_path(path)
+        fsync_path(self.root)
         return Pending.finished()
 
     def load(self, step: int, like: dict[str, Any]) -> Any:
