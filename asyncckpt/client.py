@@ -23,26 +23,21 @@ from typing import Any, Iterator
 
 import torch
 
-from . import protocol, ring
+from . import errors, protocol, ring
 from .config import Knobs
-from .errors import (CheckpointError, SaveFailedError, UnsupportedStateError,
-                     WriterUnavailableError)
+from .errors import SaveFailedError, UnsupportedStateError, WriterUnavailableError
 from .format import MAX_STEP
 from .handle import SaveHandle
 from .stager import stage
 from .tree import flatten
 
 log = logging.getLogger("asyncckpt.client")
-_ERRORS: dict[str, type[CheckpointError]] = {}
 
 
-def _error_class(name: str) -> type[CheckpointError]:
-    if not _ERRORS:
-        from . import errors
-        _ERRORS.update({n: c for n, c in vars(errors).items()
-                        if isinstance(c, type) and issubclass(c, CheckpointError)})
-    cls = _ERRORS.get(name, SaveFailedError)
-    return cls if issubclass(cls, SaveFailedError) else SaveFailedError
+def _error_class(name: str) -> type[SaveFailedError]:
+    """The SaveFailedError subclass the writer named (DiskFullError, ...)."""
+    cls = getattr(errors, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, SaveFailedError) else SaveFailedError
 
 
 class _Cancelled(Exception):

@@ -88,7 +88,6 @@ class RankReader:
             self.close()
             raise self._corrupt(f"data file has {st.st_size} bytes, manifest says "
                                 f"{self.part.stored_size}")
-        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # read ahead while we hash
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -111,10 +110,6 @@ class RankReader:
         """
         frame = self.part.frames[index]
         outs = out if isinstance(out, list) else [out]
-        if index + 1 < len(self.part.frames):  # the disk fetches the next frame while we check this one
-            following = self.part.frames[index + 1]
-            os.posix_fadvise(self._fd, following.stored_offset, following.stored_length,
-                             os.POSIX_FADV_WILLNEED)
         if frame.codec == "raw" and len(outs) <= _MAX_IOV:
             self._preadv(frame, index, outs, tensor)  # straight into place, no copy
             self._check(frame, index, "raw", _xxh3(outs), tensor)
