@@ -79,6 +79,7 @@ class RankReader:
         self.path = directory / self.part.file
         self._codec: Codec = make_codec(self.part.codec)
         self._scratch: dict[str, bytearray] = {}
+        self._header: bytes | None = None
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
@@ -166,12 +167,14 @@ class RankReader:
         self.read_ranges([(begin, end, out, tensor)])
 
     def expected_header(self) -> bytes:
-        """The safetensors header the manifest's tensor table implies."""
-        header, _ = layout((t.name, t.dtype, t.shape) for t in self.part.tensors)
-        end = self.part.tensors[0].begin if self.part.tensors else self.part.raw_size
-        if end != len(header):
-            raise self._corrupt(f"tensors start at byte {end}, the header ends at {len(header)}")
-        return header
+        """The safetensors header the manifest's tensor table implies (computed once)."""
+        if self._header is None:
+            header, _ = layout((t.name, t.dtype, t.shape) for t in self.part.tensors)
+            end = self.part.tensors[0].begin if self.part.tensors else self.part.raw_size
+            if end != len(header):
+                raise self._corrupt(f"tensors start at byte {end}, the header ends at {len(header)}")
+            self._header = header
+        return self._header
 
     def check_header(self, header: bytes | bytearray | None = None) -> None:
         """Check the stream's safetensors header (read and verified here unless given)

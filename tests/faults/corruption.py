@@ -75,22 +75,21 @@ def _data(d: Path, rng: random.Random) -> tuple[Path, int]:
     return next(d.glob(f"rank-{rank:05d}.*")), rank
 
 
-def flip_data(d: Path, rng: random.Random) -> tuple[str, int | None]:
-    path, rank = _data(d, rng)
+def _flip_bit(path: Path, rng: random.Random) -> int:
     data = bytearray(path.read_bytes())
     at = rng.randrange(len(data))
     data[at] ^= 1 << rng.randrange(8)
     path.write_bytes(data)
-    return f"bit flip in {path.name} at {at}", rank
+    return at
+
+
+def flip_data(d: Path, rng: random.Random) -> tuple[str, int | None]:
+    path, rank = _data(d, rng)
+    return f"bit flip in {path.name} at {_flip_bit(path, rng)}", rank
 
 
 def flip_manifest(d: Path, rng: random.Random) -> tuple[str, int | None]:
-    path = d / MANIFEST_NAME
-    data = bytearray(path.read_bytes())
-    at = rng.randrange(len(data))
-    data[at] ^= 1 << rng.randrange(8)
-    path.write_bytes(data)
-    return f"bit flip in manifest at {at}", None
+    return f"bit flip in manifest at {_flip_bit(d / MANIFEST_NAME, rng)}", None
 
 
 def truncate(d: Path, rng: random.Random) -> tuple[str, int | None]:
