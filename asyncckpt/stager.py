@@ -6,8 +6,9 @@ tensor of any size passes through any ring size with one copy, and the writer se
 frames of one size. Contiguous tensors are copied straight from their storage;
 non-contiguous ones go through a bounded (at most one slot) contiguous block, never a
 whole-tensor copy. From host memory the copy is one `memmove` per piece (GIL
-released, single-threaded: measured 5 GB/s here where `Tensor.copy_`, whose OpenMP
-threads fight the writer for the cores, gave 0.5 GB/s); from a CUDA tensor it is
+released, single-threaded); `Tensor.copy_` fans out to OpenMP threads that stall when the
+writer holds the other core (`python -m benchmarks.micro`: 5.9 vs 4.9 GB/s with one busy
+core; with both cores loaded copy_ fell to 0.5 GB/s). From a CUDA tensor the copy is
 `Tensor.copy_`, the device-to-host transfer itself.
 """
 
