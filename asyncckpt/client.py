@@ -282,9 +282,15 @@ class Client:
                             cls = _error_class(m.get("error", ""))
                             pending.handle._set_failed(cls(m.get("message", "save failed")))
                         self._cond.notify_all()
-        except (EOFError, OSError, ValueError, KeyError):
-            self._on_broken("the writer closed the connection" if not self._closed
-                            else "the client was closed")
+        except Exception as e:  # whatever ends this thread must fail the pending handles,
+            # or their wait() would hang: a lost writer, a closed client, a bad message
+            if self._closed:
+                self._on_broken("the client was closed")
+            elif isinstance(e, (EOFError, OSError)):
+                self._on_broken("the writer closed the connection")
+            else:
+                log.warning("bad message from the writer: %s: %s", type(e).__name__, e)
+                self._on_broken(f"bad message from the writer ({type(e).__name__})")
 
     def _on_broken(self, why: str) -> None:
         with self._cond:

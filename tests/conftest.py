@@ -3,6 +3,7 @@ no shared-memory segment outlives a test."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from pathlib import Path
@@ -43,18 +44,36 @@ def codec(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@contextlib.contextmanager
+def running_writer(base: Path, codec: str = "zstd") -> Iterator[asyncckpt.WriterProcess]:
+    """A writer on `base/ckpt`, logging to `base/writer.log`, stopped afterwards."""
+    w = asyncckpt.start_writer(base / "ckpt", codec=codec, log_file=base / "writer.log")
+    try:
+        yield w
+    finally:
+        w.stop(timeout=30)
+
+
+@contextlib.contextmanager
+def small_ring_client(writer: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Client]:
+    """Rank 0 of 1 with 64 KiB slots, so that even small states cross frame boundaries."""
+    c = asyncckpt.connect(writer.address, rank=0, world_size=1, **SMALL_RING)
+    try:
+        yield c
+    finally:
+        c.close(timeout=30)
+
+
 @pytest.fixture
-def writer(root: Path, tmp_path: Path, codec: str) -> Iterator[asyncckpt.WriterProcess]:
-    w = asyncckpt.start_writer(root, codec=codec, log_file=tmp_path / "writer.log")
-    yield w
-    w.stop(timeout=30)
+def writer(tmp_path: Path, codec: str) -> Iterator[asyncckpt.WriterProcess]:
+    with running_writer(tmp_path, codec) as w:
+        yield w
 
 
 @pytest.fixture
 def client(writer: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Client]:
-    c = asyncckpt.connect(writer.address, rank=0, world_size=1, **SMALL_RING)
-    yield c
-    c.close(timeout=30)
+    with small_ring_client(writer) as c:
+        yield c
 
 
 def sample_state(seed: int = 0) -> dict:

@@ -15,7 +15,7 @@ import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from asyncckpt.manifest import read_manifest
 from asyncckpt.tree import flatten, tensor_paths, unflatten
-from conftest import SMALL_RING, assert_same
+from conftest import SMALL_RING, assert_same, running_writer, small_ring_client
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support:UserWarning",
                                         "ignore:torch.quantize_per_tensor:UserWarning")
@@ -35,17 +35,14 @@ def json_round_trip(state: object) -> object:
 @pytest.fixture(scope="module")
 def mwriter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[asyncckpt.WriterProcess]:
     """One writer for the module's save() tests (starting one costs ~0.3 s)."""
-    base = tmp_path_factory.mktemp("tree")
-    w = asyncckpt.start_writer(base / "ckpt", codec="zstd", log_file=base / "writer.log")
-    yield w
-    w.stop(timeout=30)
+    with running_writer(tmp_path_factory.mktemp("tree")) as w:
+        yield w
 
 
 @pytest.fixture
 def mclient(mwriter: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Client]:
-    c = asyncckpt.connect(mwriter.address, rank=0, world_size=1, **SMALL_RING)
-    yield c
-    c.close(timeout=5)
+    with small_ring_client(mwriter) as c:
+        yield c
 
 
 def step_entries(root: Path, step: int) -> list[str]:
