@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer, CheckpointerOptions
     from .client import Client
     from .handle import SaveHandle
-    from .reader import load
+    from .loader import load
 
-_LAZY = {"Client": "client", "SaveHandle": "handle", "load": "reader",
+_LAZY = {"Client": "client", "SaveHandle": "handle", "load": "loader",
          "Checkpointer": "checkpointer", "CheckpointerOptions": "checkpointer"}
 
 

@@ -22,7 +22,7 @@ import torch
 from . import commit
 from .client import Client
 from .handle import SaveHandle
-from .reader import load
+from .loader import load
 
 CONTENTS = ("model", "optimizer", "extra")
 

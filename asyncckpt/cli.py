@@ -258,7 +258,7 @@ def _stored_per_tensor(part) -> dict[str, float]:
 def _gc(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if not root.is_dir() or args.keep_last < 1:
-        print(f"asyncckpt gc: need an existing root and --keep-last >= 1", file=sys.stderr)
+        print("asyncckpt gc: need an existing root and --keep-last >= 1", file=sys.stderr)
         return 2
     try:
         lock = commit.RootLock(root)

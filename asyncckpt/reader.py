@@ -15,19 +15,17 @@ import ctypes
 import os
 import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import xxhash
 
 from . import commit
-from .client import resolve_rank
 from .codec import Codec, make_codec
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                     StateMismatchError)
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .dtypes import DTYPES
 from .format import MANIFEST_NAME, TensorSpec, layout, parse_step_dir, step_dir_name
-from .manifest import Frame, Manifest, RankPart, read_manifest
+from .manifest import Frame, Manifest, RankPart
 from .tree import tensor_paths, unflatten
 
 
@@ -274,48 +272,6 @@ class RankReader:
                                       file=self.part.file)
 
 
-def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | None = None,
-         into: Any = None, strict: bool = True) -> Any:
-    """Load what one rank saved, every byte verified.
-
-    Args:
-        path: a checkpoint directory, or a root (then its newest committed step, or `step`).
-        rank: whose part to load (default: this process's rank, else 0).
-        into: an existing state dict whose tensors are filled in place (shapes and dtypes
-            must match the saved ones; CUDA and non-contiguous targets are filled via a
-            temporary copy of one tensor at a time).
-        strict: with `into`, every target tensor must be present in the checkpoint.
-    Returns:
-        The saved structure (dicts with their str/int keys, lists, tuples, objects);
-        with `into`, its tensors are the target tensors, now filled.
-    Raises:
-        CheckpointNotFoundError: nothing committed at `path`/`step`.
-        CorruptCheckpointError: any verification failure; no corrupt value is returned.
-            With `into`, tensors already filled keep their new (verified) values and the
-            one being read may be partly written: reload or discard the targets.
-        StateMismatchError: `into` disagrees with the checkpoint (checked before reading).
-    """
-    directory = resolve_checkpoint(path, step)
-    manifest = read_manifest(directory)
-    if rank is None:
-        rank = resolve_rank()[0] if manifest.world_size > 1 else 0
-    if not 0 <= rank < manifest.world_size:
-        raise CheckpointNotFoundError(f"checkpoint has ranks 0..{manifest.world_size - 1}",
-                                      step=manifest.step, rank=rank, file=str(directory))
-    check_files(directory, manifest)
-    part = manifest.ranks[rank]
-    specs = {s.name: s for s in part.tensors}
-    paths = check_tree(part, manifest.step)
-    targets = _match_targets(into, paths, specs, strict, manifest.step, rank) if into is not None else {}
-    with RankReader(directory, manifest, rank) as reader:
-        header = bytearray(len(reader.expected_header()))
-        tensors = reader.read_tensors(part.tensors, [targets.get(s.name) for s in part.tensors],
-                                      header)
-        reader.check_header(header)
-    loaded = {spec.name: t for spec, t in zip(part.tensors, tensors)}
-    return unflatten(part.tree, loaded.__getitem__)
-
-
 def check_files(directory: Path, manifest: Manifest) -> None:
     """The directory must hold exactly the manifest and the data files it names.
 
@@ -344,41 +300,6 @@ def check_tree(part: RankPart, step: int) -> dict[str, tuple]:
                                      rank=part.rank, file=MANIFEST_NAME)
     unflatten(part.tree, lambda name: None)
     return paths
-
-
-def _match_targets(into: Any, paths: dict[str, tuple], specs: dict[str, TensorSpec],
-                   strict: bool, step: int, rank: int) -> dict[str, torch.Tensor]:
-    by_path = {p: n for n, p in paths.items()}
-    targets, problems = {}, []
-    for target_path, tensor in _tensor_leaves(into):
-        name = by_path.get(target_path)
-        if name is None:
-            if strict:
-                problems.append(f"{_show(target_path)} is not in the checkpoint")
-            continue
-        spec = specs[name]
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != DTYPES[spec.dtype]:
-            problems.append(f"{_show(target_path)}: target {tensor.dtype} {tuple(tensor.shape)}, "
-                            f"saved {DTYPES[spec.dtype]} {spec.shape}")
-        targets[name] = tensor
-    if problems:
-        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise StateMismatchError(shown, step=step, rank=rank)
-    return targets
-
-
-def _tensor_leaves(node: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
-    if isinstance(node, torch.Tensor):
-        return [(path, node)]
-    if isinstance(node, dict):
-        return [leaf for k, v in node.items() for leaf in _tensor_leaves(v, path + (k,))]
-    if isinstance(node, (list, tuple)):
-        return [leaf for i, v in enumerate(node) for leaf in _tensor_leaves(v, path + (i,))]
-    return []
-
-
-def _show(path: tuple) -> str:
-    return "state" + "".join(f"[{p!r}]" for p in path)
 
 
 _MAX_IOV = 512  # frames spanning more tensors than this are read via scratch

@@ -10,7 +10,10 @@ Nothing is ever pickled.
 
 Tree nodes (see docs/FORMAT.md): a str, int, bool, null or finite float stands for
 itself; `{"float": "nan"|"inf"|"-inf"}`; `{"dict": [[key, node], ...]}` with str or int
-keys; `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor": name}`.
+keys; `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor": name}`; and for a DTensor
+`{"dtensor": {"name", "dtype", "shape", "offsets", "placements"}}` (see `dtensor.py`):
+the global tensor `name`, of which this rank wrote the box at `offsets` under the same
+name, or nothing (`offsets` null: a replica another rank writes, or an empty shard).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import dtensor
 from .errors import CorruptCheckpointError, UnsupportedStateError
 from .dtypes import DTYPE_NAMES
 
@@ -58,6 +62,13 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
     active: set[int] = set()
 
     def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
+        if dtensor.is_dtensor(node):
+            name = _unique_name(path, names)
+            local, body = dtensor.describe(node, name, _show(path))
+            if local is not None:
+                check_tensor(local, path)
+                entries.append(TensorEntry(name, path, local.detach()))
+            return {"dtensor": body}
         if isinstance(node, torch.Tensor):
             check_tensor(node, path)
             name = _unique_name(path, names)
@@ -105,9 +116,7 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
 def check_tensor(t: torch.Tensor, path: tuple[str | int, ...]) -> None:
     """Raise UnsupportedStateError unless `t` is a dense tensor of a nameable dtype."""
     problem = None
-    if type(t).__name__ == "DTensor":
-        problem = "DTensor (sharded) state is not supported yet; pass t.to_local()"
-    elif t.layout != torch.strided:
+    if t.layout != torch.strided:
         problem = f"layout {t.layout} is not supported; save a dense tensor"
     elif t.is_meta:
         problem = "a meta tensor has no data to save"
@@ -120,8 +129,10 @@ def check_tensor(t: torch.Tensor, path: tuple[str | int, ...]) -> None:
         raise UnsupportedStateError(f"{_show(path)}: {problem}")
 
 
-def unflatten(tree: JSON, resolve: Callable[[str], Any]) -> Any:
-    """Rebuild the saved structure; `resolve(name)` supplies each tensor.
+def unflatten(tree: JSON, resolve: Callable[[str], Any],
+              resolve_global: Callable[[str], Any] | None = None) -> Any:
+    """Rebuild the saved structure; `resolve(name)` supplies each tensor and
+    `resolve_global(name)` each global (DTensor) one (default: `resolve`).
 
     Raises:
         CorruptCheckpointError: the tree is not well formed.
@@ -133,6 +144,8 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any]) -> Any:
             (kind, body), = node.items()
             if kind == "tensor" and isinstance(body, str):
                 return resolve(body)
+            if kind == "dtensor" and isinstance(body, dict) and isinstance(body.get("name"), str):
+                return (resolve_global or resolve)(body["name"])
             if kind == "float" and body in ("nan", "inf", "-inf"):
                 return float(body)
             if kind == "list" and isinstance(body, list):
@@ -156,20 +169,41 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any]) -> Any:
 
 
 def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
-    """Map each tensor name in `tree` to its path of keys and indices.
+    """Map each name in the rank's tensor table (plain tensors, and DTensor boxes this
+    rank wrote) to its path of keys and indices.
 
     Raises:
         CorruptCheckpointError: a tensor is referenced twice.
     """
     out: dict[str, tuple[str | int, ...]] = {}
+    for path, kind, body in walk(tree):
+        name = body if kind == "tensor" else body.get("name") if body.get("offsets") is not None else None
+        if name is None:
+            continue
+        if name in out:
+            raise CorruptCheckpointError(f"tree references tensor {name!r:.80} twice")
+        out[name] = path
+    return out
+
+
+def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
+    """Every tensor leaf of `tree` as (path, "tensor" or "dtensor", node body).
+
+    Raises:
+        CorruptCheckpointError: a leaf is malformed (a dtensor body not an object with a
+            str name).
+    """
+    out: list[tuple[tuple[str | int, ...], str, Any]] = []
 
     def visit(node: JSON, path: tuple[str | int, ...]) -> None:
         if isinstance(node, dict) and len(node) == 1:
             (kind, body), = node.items()
             if kind == "tensor":
-                if body in out:
-                    raise CorruptCheckpointError(f"tree references tensor {body!r:.80} twice")
-                out[body] = path
+                out.append((path, kind, body))
+            elif kind == "dtensor":
+                if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+                    raise CorruptCheckpointError(f"malformed dtensor node: {body!r:.80}")
+                out.append((path, kind, body))
             elif kind in ("list", "tuple"):
                 for i, v in enumerate(body):
                     visit(v, path + (i,))

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Callable
 
 from . import commit
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .format import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
 from .manifest import Frame, Manifest, read_manifest
 from .reader import RankReader, check_tree
+from .sharded import global_tensors
 
 Progress = Callable[[int], None]
 
@@ -74,6 +75,10 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None) -> Repo
     present = set(os.listdir(directory))
     for name in sorted(present - expected):
         report.problem(f"unexpected file {name!r} in the checkpoint directory")
+    try:
+        global_tensors(manifest)
+    except CheckpointError as e:
+        report.problem(str(e))
     for rank in range(manifest.world_size):
         try:
             _verify_rank(directory, manifest, rank, report, progress)
@@ -86,6 +91,7 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None) -> Repo
 def _verify_rank(directory: Path, manifest: Manifest, rank: int, report: Report,
                  progress: Progress | None) -> None:
     check_tree(manifest.ranks[rank], manifest.step)
+
     def count(frame: Frame) -> None:
         report.frames += 1
         report.raw_bytes += frame.raw_length

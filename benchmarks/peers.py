@@ -208,7 +208,7 @@ class DcpAsyncProcess(_Dcp):
 
 class AsyncCkpt(Method):
     loader = "asyncckpt.load (xxh3-verified)"
-    modules = ("asyncckpt.client", "asyncckpt.reader")
+    modules = ("asyncckpt.client", "asyncckpt.loader")
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)

@@ -1,0 +1,206 @@
+"""Global (sharded) tensors on load: which saved boxes make each one, and reading any
+box of it -- the resharding.
+
+Every rank's tree names the global tensors it took part in; the boxes the ranks wrote
+must tile the global shape exactly (checked before anything is read: no gap, no overlap,
+same dtype and shape on every rank). A target box is filled by intersecting it with the
+saved boxes; each intersection is a set of contiguous runs in the saved rank's stream
+(one run when both layouts split the same leading dimension, one per row when a
+`Shard(0)` save is loaded as `Shard(1)`). Runs are read straight into the destination
+when it is contiguous host memory, otherwise into a bounded temporary that is then
+copied; all runs of a rank's file go through one `read_ranges` pass, so frames shared by
+small tensors are read and verified once per batch, not once per tensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .dtypes import DTYPES
+from .errors import CorruptCheckpointError
+from .format import DTYPE_SIZES, TensorSpec
+from .manifest import Manifest
+from .reader import RankReader, tensor_bytes
+from .tree import walk
+
+Path = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    """One saved piece of a global tensor: rank `rank`'s table entry `spec`, at `offsets`."""
+
+    rank: int
+    spec: TensorSpec
+    offsets: tuple[int, ...]
+
+
+@dataclass
+class GlobalTensor:
+    name: str
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    placements: list[str] = field(default_factory=list)
+    boxes: list[Box] = field(default_factory=list)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def global_tensors(manifest: Manifest) -> dict[str, GlobalTensor]:
+    """The manifest's global tensors by name, their boxes checked to tile each exactly.
+
+    Raises:
+        CorruptCheckpointError: ranks disagree on a tensor, a box is out of bounds, does
+            not match its table entry, or the boxes overlap or leave a gap.
+    """
+    out: dict[str, GlobalTensor] = {}
+    for part in manifest.ranks:
+        specs = {s.name: s for s in part.tensors}
+        for path, kind, body in walk(part.tree):
+            if kind != "dtensor":
+                continue
+            name = body["name"]
+
+            def bad(problem: str) -> CorruptCheckpointError:
+                return CorruptCheckpointError(f"global tensor {name!r:.80}: {problem}",
+                                              step=manifest.step, rank=part.rank)
+            dtype, shape, offsets = body.get("dtype"), body.get("shape"), body.get("offsets")
+            if dtype not in DTYPE_SIZES or not _dims(shape):
+                raise bad("bad dtype or shape")
+            g = out.setdefault(name, GlobalTensor(name, path, dtype, tuple(shape),
+                                                  list(body.get("placements") or [])))
+            if (g.path, g.dtype, g.shape) != (path, dtype, tuple(shape)):
+                raise bad(f"ranks disagree on its path, dtype or shape ({g.dtype} {g.shape} at "
+                          f"{g.path} vs {dtype} {tuple(shape)} at {path})")
+            if offsets is None:
+                continue
+            spec = specs.get(name)
+            if (spec is None or not _dims(offsets) or len(offsets) != len(shape)
+                    or spec.dtype != dtype or len(spec.shape) != len(shape)
+                    or any(o + n > s for o, n, s in zip(offsets, spec.shape, shape))):
+                raise bad(f"box at {offsets} does not fit the global shape {tuple(shape)} "
+                          "or its table entry")
+            g.boxes.append(Box(part.rank, spec, tuple(offsets)))
+    for g in out.values():
+        _check_tiling(g, manifest.step)
+    return out
+
+
+def _dims(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) <= 64
+            and all(type(v) is int and 0 <= v < 1 << 62 for v in value))
+
+
+def _check_tiling(g: GlobalTensor, step: int) -> None:
+    volume = sum(math.prod(b.spec.shape) for b in g.boxes)
+    if volume != math.prod(g.shape):
+        raise CorruptCheckpointError(f"global tensor {g.name!r:.80}: saved boxes hold {volume} "
+                                     f"elements, its shape {g.shape} needs {math.prod(g.shape)}",
+                                     step=step)
+    boxes = sorted(g.boxes, key=lambda b: b.offsets)
+    for i, a in enumerate(boxes):  # sweep along dim 0: only boxes starting before a ends
+        for b in boxes[i + 1:]:
+            if g.shape and b.offsets[0] >= a.offsets[0] + a.spec.shape[0]:
+                break
+            if _intersect(a.offsets, a.spec.shape, b.offsets, b.spec.shape) is not None:
+                raise CorruptCheckpointError(f"global tensor {g.name!r:.80}: boxes of ranks "
+                                             f"{a.rank} and {b.rank} overlap", step=step)
+
+
+def _intersect(a_off: tuple[int, ...], a_shape: tuple[int, ...], b_off: tuple[int, ...],
+               b_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offsets, shape) of the intersection of two boxes, or None if empty."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
+    hi = tuple(min(a + m, b + n) for a, m, b, n in zip(a_off, a_shape, b_off, b_shape))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def runs(shape: tuple[int, ...], start: tuple[int, ...], size: tuple[int, ...],
+         itemsize: int) -> list[tuple[int, int]]:
+    """Byte ranges, in order, of the sub-box `start`/`size` of a row-major `shape` array."""
+    if any(n == 0 for n in size):
+        return []
+    strides = [itemsize * math.prod(shape[i + 1:]) for i in range(len(shape))]
+    k = len(shape) - 1  # the last dimension the sub-box does not span in full
+    while k >= 0 and start[k] == 0 and size[k] == shape[k]:
+        k -= 1
+    if k < 0:
+        return [(0, itemsize * math.prod(shape))]
+    length = size[k] * strides[k]
+    base = start[k] * strides[k]
+    out = []
+    for index in itertools.product(*(range(s, s + n) for s, n in zip(start[:k], size[:k]))):
+        begin = base + sum(i * st for i, st in zip(index, strides))
+        out.append((begin, begin + length))
+    return out
+
+
+class ReadPlan:
+    """Box reads batched per saved rank, flushed when temporaries reach `temp_bytes`."""
+
+    def __init__(self, open_reader: Callable[[int], RankReader], temp_bytes: int = 256 << 20) -> None:
+        self._open = open_reader
+        self._temp_limit = temp_bytes
+        self._ranges: dict[int, list[tuple[int, int, memoryview, str | None]]] = {}
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._keep: list[torch.Tensor] = []
+        self._temp = 0
+
+    def add(self, g: GlobalTensor, offsets: tuple[int, ...], out: torch.Tensor) -> None:
+        """Fill `out` (a tensor of `g`'s dtype shaped like the box at `offsets`) from the
+        saved boxes that intersect it, when the plan is flushed."""
+        for box in g.boxes:
+            hit = _intersect(offsets, tuple(out.shape), box.offsets, box.spec.shape)
+            if hit is None:
+                continue
+            lo, size = hit
+            dest = out[tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, offsets, size))]
+            start = tuple(a - b for a, b in zip(lo, box.offsets))
+            self._add_piece(box, start, size, dest)
+
+    def _add_piece(self, box: Box, start: tuple[int, ...], size: tuple[int, ...],
+                   dest: torch.Tensor) -> None:
+        itemsize = DTYPE_SIZES[box.spec.dtype]
+        row_bytes = itemsize * math.prod(size[1:])
+        rows = max(1, self._temp_limit // max(1, row_bytes)) if size else 1
+        for first in range(0, size[0], rows) if size else [0]:
+            sub_size = (min(rows, size[0] - first),) + size[1:] if size else ()
+            sub_start = (start[0] + first,) + start[1:] if size else ()
+            piece = dest[first:first + sub_size[0]] if size else dest
+            direct = piece.device.type == "cpu" and piece.is_contiguous()
+            target = piece if direct else torch.empty(sub_size, dtype=piece.dtype)
+            if not direct:
+                self._copies.append((piece, target))
+                self._temp += target.numel() * itemsize
+            self._keep.append(target)
+            view, pos = tensor_bytes(target), 0
+            ranges = self._ranges.setdefault(box.rank, [])
+            for begin, end in runs(box.spec.shape, sub_start, sub_size, itemsize):
+                ranges.append((box.spec.begin + begin, box.spec.begin + end,
+                               view[pos:pos + end - begin], box.spec.name))
+                pos += end - begin
+            if self._temp >= self._temp_limit:
+                self.flush()
+
+    def flush(self) -> None:
+        """Read every pending range (verified) and copy temporaries into place."""
+        for rank, ranges in sorted(self._ranges.items()):
+            ranges.sort(key=lambda r: r[0])
+            self._open(rank).read_ranges(ranges)
+        with torch.no_grad():
+            for dest, temp in self._copies:
+                dest.copy_(temp)
+        self._ranges.clear()
+        self._copies.clear()
+        self._keep.clear()
+        self._temp = 0
