@@ -199,19 +199,23 @@ def _ls(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
     from .reader import resolve_checkpoint
+    from .sharded import global_tensors
     try:
         directory = resolve_checkpoint(args.path)
         m = read_manifest(directory)
+        globals_ = global_tensors(m)
     except CheckpointError as e:
         print(f"asyncckpt inspect: {e}", file=sys.stderr)
         return 2
+    offsets = {(b.rank, g.name): list(b.offsets) for g in globals_.values() for b in g.boxes}
     tensors, by_dtype = [], {}
     for part in m.ranks:
         stored = _stored_per_tensor(part)
         for t in part.tensors:
             tensors.append({"rank": part.rank, "name": t.name, "dtype": t.dtype,
                             "shape": list(t.shape), "bytes": t.end - t.begin,
-                            "stored_bytes": round(stored[t.name])})
+                            "stored_bytes": round(stored[t.name]),
+                            "offsets": offsets.get((part.rank, t.name))})
             row = by_dtype.setdefault(t.dtype, {"tensors": 0, "bytes": 0, "stored_bytes": 0})
             row["tensors"] += 1
             row["bytes"] += t.end - t.begin
@@ -221,7 +225,10 @@ def _inspect(args: argparse.Namespace) -> int:
     summary = {"path": str(directory), "step": m.step, "world_size": m.world_size,
                "codecs": sorted({p.codec for p in m.ranks}), "raw_bytes": m.raw_size,
                "stored_bytes": m.stored_size, "ratio": round(m.stored_size / max(m.raw_size, 1), 4),
-               "writer_version": m.writer_version, "by_dtype": by_dtype, "tensors": tensors}
+               "writer_version": m.writer_version, "by_dtype": by_dtype, "tensors": tensors,
+               "sharded": [{"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
+                            "placements": g.placements, "boxes": len(g.boxes)}
+                           for g in globals_.values()]}
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
         print()
@@ -232,9 +239,16 @@ def _inspect(args: argparse.Namespace) -> int:
     for dtype, row in sorted(by_dtype.items()):
         print(f"{dtype:12} {row['tensors']:>8} {row['bytes'] / 2**20:>10.2f} "
               f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}")
-    print(f"\n{'RANK':>4} {'TENSOR':40} {'DTYPE':8} {'SHAPE':>18} {'BYTES':>12}")
+    if summary["sharded"]:
+        print(f"\n{'SHARDED TENSOR':40} {'DTYPE':8} {'GLOBAL SHAPE':>18} {'BOXES':>6}  PLACEMENTS")
+        for g in summary["sharded"]:
+            print(f"{g['name'][:40]:40} {g['dtype']:8} {str(tuple(g['shape'])):>18} {g['boxes']:>6}  "
+                  f"{','.join(g['placements'])}")
+    print(f"\n{'RANK':>4} {'TENSOR':40} {'DTYPE':8} {'SHAPE':>18} {'BYTES':>12}  AT")
     for t in tensors:
-        print(f"{t['rank']:>4} {t['name'][:40]:40} {t['dtype']:8} {str(tuple(t['shape'])):>18} {t['bytes']:>12}")
+        at = str(tuple(t["offsets"])) if t["offsets"] is not None else ""
+        print(f"{t['rank']:>4} {t['name'][:40]:40} {t['dtype']:8} {str(tuple(t['shape'])):>18} "
+              f"{t['bytes']:>12}  {at}")
     return 0
 
 

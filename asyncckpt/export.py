@@ -3,9 +3,10 @@
 `from_pretrained` wants `model-0000i-of-0000N.safetensors` shards and
 `model.safetensors.index.json`. Shards are planned from the manifest alone (names,
 dtypes, shapes are all known before a byte is read), so each shard's header is written
-first and then each tensor is read -- verified -- converted, appended and dropped. Peak
-memory is the largest tensor (twice, during a dtype conversion), never the model: the
-opposite of merging every shard in RAM.
+first and then each tensor is read -- verified -- converted, appended and dropped. A
+sharded (DTensor) tensor is assembled from every rank's boxes into one full tensor.
+Peak memory is the largest tensor (twice, during a dtype conversion), never the model:
+the opposite of merging every shard in RAM.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from .dtypes import DTYPE_NAMES, DTYPES
 from .errors import CheckpointError
 from .format import element_size, layout
 from .manifest import read_manifest
-from .reader import RankReader, check_files, check_tree, resolve_checkpoint, tensor_bytes
+from .reader import RankReader, Readers, check_files, check_tree, resolve_checkpoint, tensor_bytes
+from .sharded import GlobalTensor, ReadPlan, global_tensors
+from .tree import walk
 
 
 @dataclass
@@ -31,6 +34,7 @@ class _Item:
     saved_name: str
     dtype: str
     shape: tuple[int, ...]
+    sharded: GlobalTensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -48,7 +52,8 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
     Hugging Face safetensors model directory.
 
     Args:
-        path, step, rank: which checkpoint and whose part (as `load`).
+        path, step, rank: which checkpoint and whose tree (as `load`); sharded tensors
+            are assembled from all ranks.
         dtype: convert floating-point tensors to this dtype (e.g. torch.bfloat16).
         max_shard_size: bytes per shard file at most (a larger tensor gets its own).
     Returns:
@@ -61,18 +66,23 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
     manifest = read_manifest(directory)
     check_files(directory, manifest)
     part = manifest.ranks[rank]
-    paths = check_tree(part, manifest.step)
+    check_tree(part, manifest.step)
+    globals_ = global_tensors(manifest)
+    specs = {s.name: s for s in part.tensors}
     items = []
-    for spec in part.tensors:
-        key = paths[spec.name]
+    for key, kind, body in walk(part.tree):
+        name = body if kind == "tensor" else body["name"]
         if contents is not None:
             if not key or key[0] != contents:
                 continue
             key = key[1:]
-        target = spec.dtype
-        if dtype is not None and DTYPES[spec.dtype].is_floating_point:
+        sharded = globals_[name] if kind == "dtensor" else None
+        saved_dtype, shape = (sharded.dtype, sharded.shape) if sharded else (specs[name].dtype,
+                                                                              specs[name].shape)
+        target = saved_dtype
+        if dtype is not None and DTYPES[saved_dtype].is_floating_point:
             target = DTYPE_NAMES[dtype]
-        items.append(_Item(".".join(map(str, key)), spec.name, target, spec.shape))
+        items.append(_Item(".".join(map(str, key)), name, target, shape, sharded))
     if not items:
         raise CheckpointError(f"no tensors under {contents!r}", step=manifest.step, rank=rank)
     names = [i.export_name for i in items]
@@ -86,17 +96,17 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
         shards[-1].append(item)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = {s.name: s for s in part.tensors}
     weight_map = {}
-    with RankReader(directory, manifest, rank) as reader:
-        reader.check_header()
+    with Readers(directory, manifest) as readers:
+        reader = readers(rank)
         for n, shard in enumerate(shards, 1):
             name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
             header, _ = layout((i.export_name, i.dtype, i.shape) for i in shard)
             with open(out / name, "wb") as f:
                 f.write(header)
                 for item in shard:
-                    tensor = reader.read_tensor(specs[item.saved_name])
+                    tensor = (_assemble(item.sharded, readers) if item.sharded
+                              else reader.read_tensor(specs[item.saved_name]))
                     tensor = tensor.to(DTYPES[item.dtype]).contiguous()
                     if tensor.numel():
                         f.write(tensor_bytes(tensor))
@@ -109,3 +119,11 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
     index = {"metadata": {"total_size": sum(i.nbytes for i in items)}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return index
+
+
+def _assemble(g: GlobalTensor, open_reader: Callable[[int], RankReader]) -> torch.Tensor:
+    full = torch.empty(g.shape, dtype=g.torch_dtype)
+    plan = ReadPlan(open_reader)
+    plan.add(g, (0,) * len(g.shape), full)
+    plan.flush()
+    return full

@@ -21,7 +21,7 @@ from .dtypes import DTYPES
 from .errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from .format import TensorSpec
 from .manifest import Manifest, read_manifest
-from .reader import RankReader, check_files, check_tree, resolve_checkpoint
+from .reader import Readers, check_files, check_tree, resolve_checkpoint
 from .sharded import Box, GlobalTensor, ReadPlan, global_tensors
 from .tree import unflatten, walk
 
@@ -76,24 +76,13 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
                                       boxes=[Box(rank, spec, (0,) * len(spec.shape))])
     specs = [s for s in specs if s.name not in used]
 
-    readers: dict[int, RankReader] = {}
-
-    def open_reader(r: int) -> RankReader:
-        if r not in readers:
-            readers[r] = RankReader(directory, manifest, r)
-            readers[r].check_header()
-        return readers[r]
-
-    try:
-        tensors = open_reader(rank).read_tensors(specs, [targets.get(s.name) for s in specs])
+    with Readers(directory, manifest) as readers:
+        tensors = readers(rank).read_tensors(specs, [targets.get(s.name) for s in specs])
         loaded = {s.name: t for s, t in zip(specs, tensors)}
-        plan = ReadPlan(open_reader)
+        plan = ReadPlan(readers)
         for name, g in used.items():
             loaded[name] = _plan_global(plan, g, targets.get(name), manifest.step, rank)
         plan.flush()
-    finally:
-        for reader in readers.values():
-            reader.close()
     return unflatten(part.tree, loaded.__getitem__)
 
 

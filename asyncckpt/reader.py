@@ -272,6 +272,33 @@ class RankReader:
                                       file=self.part.file)
 
 
+class Readers:
+    """The RankReaders of one checkpoint, each opened (and its header checked) on first
+    use and all closed together: `readers(rank)`."""
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self._directory, self._manifest = directory, manifest
+        self._open: dict[int, RankReader] = {}
+
+    def __call__(self, rank: int) -> RankReader:
+        if rank not in self._open:
+            reader = RankReader(self._directory, self._manifest, rank)
+            self._open[rank] = reader
+            reader.check_header()
+        return self._open[rank]
+
+    def close(self) -> None:
+        for reader in self._open.values():
+            reader.close()
+        self._open.clear()
+
+    def __enter__(self) -> "Readers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def check_files(directory: Path, manifest: Manifest) -> None:
     """The directory must hold exactly the manifest and the data files it names.
 

@@ -265,3 +265,16 @@ def test_runs_select_exactly_the_sub_box(data):
     want = full[tuple(slice(s, s + n) for s, n in zip(start, size))].contiguous().reshape(-1)
     assert torch.equal(got, want.view(torch.uint8))
     assert all(end <= begin for (_, end), (begin, _) in zip(ranges, ranges[1:]))
+
+
+def test_inspect_lists_global_tensors_and_boxes(writer, capsys):
+    path = save_world(writer, {"w": torch.randn(6, 4)}, (2,), (Shard(0),))
+    from asyncckpt.cli import main
+    assert main(["inspect", str(path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["sharded"] == [{"name": "model.w", "dtype": "F32", "shape": [6, 4],
+                                   "placements": ["S(0)"], "boxes": 2}]
+    boxes = {t["rank"]: t["offsets"] for t in summary["tensors"] if t["name"] == "model.w"}
+    assert boxes == {0: [0, 0], 1: [3, 0]}
+    assert main(["inspect", str(path)]) == 0
+    assert "S(0)" in capsys.readouterr().out
