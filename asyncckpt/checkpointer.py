@@ -7,6 +7,11 @@ deletion), what to do when a save is asked for while the last one is still in fl
 (`on_busy`), and how to restore. The optional fence hooks `optimizer.step()`: a save
 returns at once, its staging overlaps the next forward/backward, and the loop waits
 only if staging has not finished when the optimizer is about to change the weights.
+
+A model whose parameters are DTensors (FSDP2, tensor parallel) is saved and restored
+through torch.distributed.checkpoint's `get_*_state_dict` / `set_*_state_dict`, whose
+optimizer state is keyed by parameter name and sharded like the parameters: each rank
+saves only its shards, and a restore at another world size reshards.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from . import commit
 from .client import Client
+from .dtensor import is_dtensor
 from .handle import SaveHandle
 from .loader import load
 
@@ -128,11 +134,7 @@ class Checkpointer:
             limit = 1 if self.options.on_busy == "block" else self.options.max_in_flight
             while len(self._in_flight) >= limit:
                 self._in_flight.pop(0).wait()
-        state: dict[str, Any] = {"step": step}
-        if "model" in self.options.contents and self.model is not None:
-            state["model"] = self.model.state_dict()
-        if "optimizer" in self.options.contents and self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+        state: dict[str, Any] = {"step": step, **self._state_dicts()}
         if "extra" in self.options.contents and extra is not None:
             state["extra"] = extra
         handle = self.client.save(step, state, keep_last=self.options.keep_last or 0,
@@ -213,10 +215,38 @@ class Checkpointer:
         """
         if step is None and self.latest_step() is None:
             return None
-        wants_model = self.model is not None and "model" in self.options.contents
-        into = {"model": self.model.state_dict()} if wants_model else None  # type: ignore[union-attr]
-        state = load(self.root, step=step, rank=rank, into=into)
-        if self.optimizer is not None and "optimizer" in state:
+        into = self._state_dicts()
+        if not self._sharded():
+            into.pop("optimizer", None)  # plain optimizers take load_state_dict as saved
+        state = load(self.root, step=step, rank=rank, into=into or None)
+        if self._sharded():
+            from torch.distributed.checkpoint import state_dict as dsd
+            if "model" in state and self.model is not None:
+                dsd.set_model_state_dict(self.model, state["model"])
+            if "optimizer" in state and self.optimizer is not None:
+                dsd.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        elif self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.extra = state.get("extra")
         return int(state["step"])
+
+    def _sharded(self) -> bool:
+        return self.model is not None and any(is_dtensor(p) for p in self.model.parameters())
+
+    def _state_dicts(self) -> dict[str, Any]:
+        """The model/optimizer state dicts `contents` asks for (DTensor-aware)."""
+        out: dict[str, Any] = {}
+        want_model = "model" in self.options.contents and self.model is not None
+        want_optim = "optimizer" in self.options.contents and self.optimizer is not None
+        if self._sharded():
+            from torch.distributed.checkpoint import state_dict as dsd
+            if want_model:
+                out["model"] = dsd.get_model_state_dict(self.model)
+            if want_optim:
+                out["optimizer"] = dsd.get_optimizer_state_dict(self.model, self.optimizer)
+            return out
+        if want_model:
+            out["model"] = self.model.state_dict()  # type: ignore[union-attr]
+        if want_optim:
+            out["optimizer"] = self.optimizer.state_dict()  # type: ignore[union-attr]
+        return out

@@ -44,3 +44,18 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_fsdp2_save_loads_at_world_size(saved, world):
     out, root = saved
     run_world(world, "load", out, {"CKPT_ROOT": str(root)})
+
+
+def test_train_fsdp_example_is_killed_and_resumes_exactly(tmp_path):
+    example = Path(__file__).parents[2] / "examples" / "train_fsdp.py"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "--max-restarts", "1", str(example),
+         "--dir", str(tmp_path / "ckpt"), "--steps", "40", "--kill-at", "25"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "attempt 0: fresh start" in out and "attempt 1: resumed from step 20" in out
+    assert "45 logged losses over attempts [0, 1]: 45 identical" in out
+    assert "RESUME EXACT" in out
