@@ -28,7 +28,7 @@ from .config import Knobs
 from .errors import SaveFailedError, UnsupportedStateError, WriterUnavailableError
 from .format import MAX_STEP
 from .handle import SaveHandle
-from .stager import stage
+from .stager import DeviceCopies, ready_event, stage
 from .tree import flatten
 
 log = logging.getLogger("asyncckpt.client")
@@ -80,6 +80,7 @@ class _PendingSave:
         self.handle = handle
         tree, self.entries = flatten(state)
         self.versions = [_version(e.tensor) for e in self.entries]
+        self.ready = ready_event(e.tensor for e in self.entries)
         try:
             self.begin = protocol.encode(
                 "begin", save=save_id, step=step, world_size=world_size, tree=tree,
@@ -137,6 +138,7 @@ class Client:
         finally:
             self._ring.unlink()
         self.codec = welcome.get("codec")
+        self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
         self._cond = threading.Condition()
         self._pending: dict[int, _PendingSave] = {}
@@ -199,6 +201,7 @@ class Client:
             pending.handle._done.wait(timeout)
         protocol.hang_up(self._conn)
         self._receiver.join(timeout)
+        self._device.close()
         try:
             self._ring.close()
         except BufferError:
@@ -245,7 +248,8 @@ class Client:
             protocol.send(self._conn, "chunk", save=pending.id, slot=slot, length=length)
 
         try:
-            nbytes = stage(_unmodified(pending), self._ring, acquire, emit)
+            nbytes = stage(_unmodified(pending), self._ring, acquire, emit, self._release,
+                           self._device, pending.ready)
         except _Cancelled:
             protocol.send(self._conn, "end", save=pending.id)
             raise
@@ -262,6 +266,11 @@ class Client:
         handle.stats.update(staged_bytes=nbytes, staging_seconds=seconds)
         handle._set_staged()
 
+    def _release(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
     # -- receiver thread -------------------------------------------------------------
 
     def _receive(self) -> None:
@@ -270,9 +279,7 @@ class Client:
                 m = protocol.recv(self._conn)
                 op = m["op"]
                 if op == "free":
-                    with self._cond:
-                        self._free.append(int(m["slot"]))
-                        self._cond.notify()
+                    self._release(int(m["slot"]))
                 elif op in ("committed", "failed"):
                     with self._cond:
                         pending = self._pending.pop(int(m["save"]), None)

@@ -54,3 +54,25 @@ def test_contiguous_tensor_with_odd_strides_on_size_one_dims():
     t = torch.tensor([[-1213]], dtype=torch.int16).as_strided((1, 1), (2, 2))
     assert t.is_contiguous()
     assert b"".join(p.numpy().tobytes() for p in byte_pieces(t, 64)) == (-1213).to_bytes(2, "little", signed=True)
+
+
+def test_slots_held_when_staging_stops_are_given_back():
+    r = ring.Ring.create(1024, 4)
+    try:
+        free, emitted, released = [0, 1, 2, 3], [], []
+
+        def tensors():
+            yield torch.zeros(700, dtype=torch.int32)  # fills slots 0, 1 and part of 2
+            raise RuntimeError("torn")
+
+        try:
+            stage(tensors(), r, acquire=lambda: free.pop(0), emit=lambda s, n: emitted.append(s),
+                  release=released.append)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the error must propagate")
+        assert emitted == [0, 1] and released == [2] and free == [3]
+    finally:
+        r.unlink()
+        r.close()
