@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench bench-full bench-memory torture corruption soak clean
+.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-memory torture corruption soak clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,15 @@ bench-full: setup
 	$(BIN)/pip install -q -e ".[bench,realweights]"
 	$(BIN)/python -m benchmarks --full
 
+# Blocked time per save in a training loop, with and without the optimizer fence.
+bench-fence: setup
+	$(BIN)/python -m benchmarks.fence --params-mib 256 --saves 5
+
+# FSDP2 on 2 CPU ranks: Checkpointer with fence, SIGKILL at step 35, restart, exact resume.
+fsdp-demo: setup
+	cd $(CURDIR) && OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 --max-restarts 1 \
+	  examples/train_fsdp.py --dir fsdp-ckpt
+
 # kill -9 a random process of a saving job 300 times; check every checkpoint after each.
 torture: setup
 	$(BIN)/python tests/faults/torture.py --kills 300 --ranks 3
@@ -53,4 +62,4 @@ bench-memory: setup
 	$(BIN)/python -m benchmarks.writer_memory --state-gib 4 --ring-mib 256
 
 clean:
-	rm -rf $(VENV) checkpoints .pytest_cache .hypothesis
+	rm -rf $(VENV) checkpoints fsdp-ckpt fsdp-ckpt.* .pytest_cache .hypothesis
