@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-memory torture corruption soak clean
+.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-gpu bench-memory torture corruption soak clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ bench-full: setup
 # Blocked time per save in a training loop, with and without the optimizer fence.
 bench-fence: setup
 	$(BIN)/python -m benchmarks.fence --params-mib 256 --saves 5
+
+# On a CUDA machine: the CUDA staging tests, then D2H throughput and blocked time vs DCP.
+bench-gpu: setup
+	$(BIN)/python -m pytest -q -rs tests/test_cuda_staging.py
+	$(BIN)/python -m benchmarks.gpu --gib 2 --reps 3
 
 # FSDP2 on 2 CPU ranks: Checkpointer with fence, SIGKILL at step 35, restart, exact resume.
 fsdp-demo: setup

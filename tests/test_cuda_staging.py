@@ -1,6 +1,6 @@
 """CUDA staging: device-to-host copies straight into the pinned ring, asynchronously.
 
-Runs only where CUDA is available (the GPU script in benchmarks/gpu.sh runs it there);
+Runs only where CUDA is available (`make bench-gpu` runs it there, then benchmarks.gpu);
 on CPU machines every test here is skipped.
 """
 
