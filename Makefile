@@ -38,7 +38,7 @@ bench-full: setup
 
 # Blocked time per save in a training loop, with and without the optimizer fence.
 bench-fence: setup
-	$(BIN)/python -m benchmarks.fence --params-mib 256 --saves 5
+	$(BIN)/python -m benchmarks.fence --params-mib 256 --saves 5 --batches 512,16
 
 # On a CUDA machine: the CUDA staging tests, then D2H throughput and blocked time vs DCP.
 bench-gpu: setup

@@ -1,6 +1,6 @@
 """Blocked time per save inside a training loop, with and without the optimizer fence.
 
-    python -m benchmarks.fence [--params-mib 256] [--saves 5]     (make bench-fence)
+    python -m benchmarks.fence [--params-mib 256] [--saves 5] [--batches 512,16]   (make bench-fence)
 
 A real loop (an MLP with AdamW; the state is the parameters plus two Adam moments)
 saves every other step. What the loop loses per save is measured the way the loop sees
@@ -14,7 +14,8 @@ it, in the same run for each variant:
   writer to drain slots, i.e. for the disk);
 - DCP `async_save` (thread, default stager), the call's own duration, for reference.
 
-Also printed: the compute time of a step, which bounds what the fence can hide. On this
+Each batch size is one run of all variants; the compute time of a step, printed with
+it, bounds what the fence can hide (a long step hides all staging, a short one not). On this
 2-core machine staging (one core) competes with the forward/backward (both cores), so
 the overlap is partial; on a GPU node the copy is DMA and compute runs on the device.
 Medians over `--saves` saves per variant; every variant uses the same state and writer.
@@ -103,10 +104,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params-mib", type=int, default=256)
     parser.add_argument("--saves", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batches", default="512,16", help="batch sizes: long and short steps")
     args = parser.parse_args()
-    model, optim = build(args.params_mib)
-    x = torch.randn(args.batch, WIDTH)
+    lines = [f"`python -m benchmarks.fence --params-mib {args.params_mib} --saves {args.saves} "
+             f"--batches {args.batches}`; medians over {args.saves} saves per variant."]
+    for batch in (int(b) for b in args.batches.split(",")):
+        lines += [""] + run_config(args.params_mib, args.saves, batch)
+    print("\n".join(lines))
+    (Path(__file__).parent / "results" / "fence.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def run_config(params_mib: int, saves: int, batch: int) -> list[str]:
+    model, optim = build(params_mib)
+    x = torch.randn(batch, WIDTH)
     for _ in range(2):
         train_step(model, optim, x)  # Adam state exists from here on
     state_mib = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20 * 3
@@ -122,20 +133,16 @@ def main() -> int:
                         ("fence, 64 MiB ring", 64 << 20, True)]
             for i, (label, ring_size, fence) in enumerate(variants):
                 blocked = run_asyncckpt(model, optim, x, root, writer.address, ring_size, fence,
-                                        args.saves, first_step=1000 * (i + 1))
+                                        saves, first_step=1000 * (i + 1))
                 rows.append((label, statistics.median(blocked)))
         finally:
             writer.stop()
         rows.append(("DCP async_save (thread), call duration",
-                     statistics.median(run_dcp(model, optim, x, Path(tmp) / "dcp", args.saves))))
-    lines = [f"`python -m benchmarks.fence --params-mib {args.params_mib} --saves {args.saves} "
-             f"--batch {args.batch}`: state {state_mib:.0f} MiB (params + AdamW moments), "
-             f"compute per step {compute:.3f} s, medians over {args.saves} saves per variant.", "",
+                     statistics.median(run_dcp(model, optim, x, Path(tmp) / "dcp", saves))))
+    lines = [f"batch {batch}: state {state_mib:.0f} MiB (params + AdamW moments), compute per "
+             f"step {compute:.3f} s, a save every 2 steps", "",
              "| variant | blocked per save, s | vs save + wait_staged |", "|---|---|---|"]
-    lines += [f"| {label} | {seconds:.3f} | {seconds / rows[0][1]:.2f} |" for label, seconds in rows]
-    print("\n".join(lines))
-    (Path(__file__).parent / "results" / "fence.md").write_text("\n".join(lines) + "\n")
-    return 0
+    return lines + [f"| {label} | {seconds:.3f} | {seconds / rows[0][1]:.2f} |" for label, seconds in rows]
 
 
 if __name__ == "__main__":

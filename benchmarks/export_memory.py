@@ -1,0 +1,94 @@
+"""Peak memory of `asyncckpt export` against the model size, from a sharded checkpoint.
+
+    python -m benchmarks.export_memory --model-gib 1 --ranks 2     (make bench-export)
+
+A model of 64 MiB fp32 tensors is saved by `--ranks` simulated ranks as DTensors (half
+`Shard(0)`, half `Shard(1)`, which is the worst case: every output tensor gathers a
+column block from each rank), then `asyncckpt export --dtype bfloat16` runs in its own
+process; its peak RSS (VmHWM) is compared with the model, the largest tensor, and the
+same interpreter's baseline after `import torch, asyncckpt.export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import asyncckpt
+
+MiB = 1 << 20
+ROWS = 4096  # tensors are ROWS x (64 MiB / 4 / ROWS) fp32
+
+
+def save_sharded(root_writer: asyncckpt.WriterProcess, model_gib: float, ranks: int) -> int:
+    n = max(1, int(model_gib * 1024) // 64)
+    cols = (64 * MiB // 4) // ROWS
+    clients = [asyncckpt.connect(root_writer.address, rank=r, world_size=ranks) for r in range(ranks)]
+    handles = []
+    for r, client in enumerate(clients):
+        dist.init_process_group("fake", rank=r, world_size=ranks, store=FakeStore())
+        mesh = init_device_mesh("cpu", (ranks,))
+        model = {}
+        for i in range(n):
+            placements = (Shard(i % 2),)
+            shape, offsets = compute_local_shape_and_global_offset((ROWS, cols), mesh, placements)
+            g = torch.Generator().manual_seed(i * 1000 + r)
+            local = torch.randn(shape, generator=g)
+            model[f"layer{i}.weight"] = DTensor.from_local(local, mesh, placements, run_check=False,
+                                                           shape=(ROWS, cols), stride=(cols, 1))
+        handles.append(client.save(1, {"model": model}))
+        dist.destroy_process_group()
+        handles[-1].wait_staged(600)
+        del model
+    for h in handles:
+        h.wait(600)
+    for c in clients:
+        c.close()
+    return n * 64 * MiB
+
+
+def peak_rss(argv: list[str]) -> int:
+    """VmHWM of a Python child running `argv`, in bytes."""
+    code = ("import runpy, sys\n"
+            f"sys.argv = {argv!r}\n"
+            "try:\n    runpy.run_module(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print('PEAK', open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(out.split("PEAK")[-1].split()[0]) * 1024
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-gib", type=float, default=1.0)
+    parser.add_argument("--ranks", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent / "results") as tmp:
+        with asyncckpt.start_writer(Path(tmp) / "ckpt", codec="zstd",
+                                    log_file=Path(tmp) / "writer.log") as writer:
+            model_bytes = save_sharded(writer, args.model_gib, args.ranks)
+        export = peak_rss(["asyncckpt", "export", str(Path(tmp) / "ckpt"), "--out",
+                           str(Path(tmp) / "hf"), "--dtype", "bfloat16", "--max-shard-size", "256MiB"])
+        baseline = peak_rss(["asyncckpt.export"])
+    line = (f"`python -m benchmarks.export_memory --model-gib {args.model_gib} --ranks {args.ranks}`: "
+            f"model {model_bytes / MiB:.0f} MiB fp32 in 64 MiB tensors saved by {args.ranks} ranks "
+            f"(Shard(0)/Shard(1)), exported as bf16: peak RSS {export / MiB:.0f} MiB, of which "
+            f"{baseline / MiB:.0f} MiB is the interpreter with torch (so {(export - baseline) / MiB:.0f} "
+            f"MiB for the export: {(export - baseline) / (64 * MiB):.2f} x the largest tensor, "
+            f"{(export - baseline) / model_bytes:.3f} x the model)")
+    print(line)
+    (Path(__file__).parent / "results" / "export_memory.md").write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
