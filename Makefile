@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-gpu bench-memory torture corruption soak clean
+.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory torture corruption soak clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,10 @@ bench: setup
 bench-full: setup
 	$(BIN)/pip install -q -e ".[bench,realweights]"
 	$(BIN)/python -m benchmarks --full
+
+# Peak memory of exporting a 1 GiB sharded checkpoint to a Hugging Face directory.
+bench-export: setup
+	$(BIN)/python -m benchmarks.export_memory --model-gib 1 --ranks 2
 
 # Blocked time per save in a training loop, with and without the optimizer fence.
 bench-fence: setup

@@ -73,10 +73,11 @@ def global_tensors(manifest: Manifest) -> dict[str, GlobalTensor]:
                 return CorruptCheckpointError(f"global tensor {name!r:.80}: {problem}",
                                               step=manifest.step, rank=part.rank)
             dtype, shape, offsets = body.get("dtype"), body.get("shape"), body.get("offsets")
-            if dtype not in DTYPE_SIZES or not _dims(shape):
-                raise bad("bad dtype or shape")
-            g = out.setdefault(name, GlobalTensor(name, path, dtype, tuple(shape),
-                                                  list(body.get("placements") or [])))
+            placements = body.get("placements")
+            if (dtype not in DTYPE_SIZES or not _dims(shape) or not isinstance(placements, list)
+                    or not all(isinstance(p, str) for p in placements)):
+                raise bad("bad dtype, shape or placements")
+            g = out.setdefault(name, GlobalTensor(name, path, dtype, tuple(shape), placements))
             if (g.path, g.dtype, g.shape) != (path, dtype, tuple(shape)):
                 raise bad(f"ranks disagree on its path, dtype or shape ({g.dtype} {g.shape} at "
                           f"{g.path} vs {dtype} {tuple(shape)} at {path})")

@@ -221,6 +221,10 @@ def test_partial_placement_is_refused_at_save(writer):
      "disagree"),
     (lambda body: body["ranks"][1]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("offsets", [4, 1]),
      "does not fit"),
+    (lambda body: body["ranks"][0]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("placements", 5),
+     "placements"),
+    (lambda body: body["ranks"][0]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("dtype", "F16"),
+     "disagree|table entry"),
 ])
 def test_boxes_that_do_not_tile_are_corrupt(writer, tmp_path, edit, match):
     path = save_world(writer, {"w": torch.randn(8, 4)}, (2,), (Shard(0),))
