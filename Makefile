@@ -49,10 +49,11 @@ bench-gpu: setup
 	$(BIN)/python -m pytest -q -rs tests/test_cuda_staging.py
 	$(BIN)/python -m benchmarks.gpu --gib 2 --reps 3
 
-# FSDP2 on 2 CPU ranks: Checkpointer with fence, SIGKILL at step 35, restart, exact resume.
+# FSDP2 on 2 CPU ranks: Checkpointer with fence, SIGKILL at step 35, rerun, exact resume.
 fsdp-demo: setup
-	cd $(CURDIR) && OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 --max-restarts 1 \
-	  examples/train_fsdp.py --dir fsdp-ckpt
+	rm -rf fsdp-ckpt fsdp-ckpt.*
+	-OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 examples/train_fsdp.py --dir fsdp-ckpt
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 examples/train_fsdp.py --dir fsdp-ckpt
 
 # kill -9 a random process of a saving job 300 times; check every checkpoint after each.
 torture: setup

@@ -190,8 +190,8 @@ def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
     """Every tensor leaf of `tree` as (path, "tensor" or "dtensor", node body).
 
     Raises:
-        CorruptCheckpointError: a leaf is malformed (a dtensor body not an object with a
-            str name).
+        CorruptCheckpointError: a leaf is malformed (a tensor name not a str, a dtensor
+            body not an object with a str name).
     """
     out: list[tuple[tuple[str | int, ...], str, Any]] = []
 
@@ -199,6 +199,8 @@ def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
         if isinstance(node, dict) and len(node) == 1:
             (kind, body), = node.items()
             if kind == "tensor":
+                if not isinstance(body, str):
+                    raise CorruptCheckpointError(f"malformed tensor node: {body!r:.80}")
                 out.append((path, kind, body))
             elif kind == "dtensor":
                 if not isinstance(body, dict) or not isinstance(body.get("name"), str):

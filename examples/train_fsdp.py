@@ -1,6 +1,9 @@
 """FSDP2 training with asyncckpt: save every N steps, crash, resume exactly.
 
-    torchrun --nproc_per_node 2 --max-restarts 1 examples/train_fsdp.py --dir fsdp-ckpt
+    torchrun --nproc_per_node 2 examples/train_fsdp.py --dir fsdp-ckpt   # killed at step 35
+    torchrun --nproc_per_node 2 examples/train_fsdp.py --dir fsdp-ckpt   # resumes from 30
+
+(`make fsdp-demo` runs both.)
 
 What happens (CPU and gloo, about a minute on 2 cores):
 
@@ -10,10 +13,10 @@ What happens (CPU and gloo, about a minute on 2 cores):
    `Checkpointer` saves model + optimizer (DTensor shards: each rank writes its own)
    every `--save-interval` steps; `save()` returns at once and its fence makes only the
    next `optimizer.step()` wait, if staging has not finished by then;
-3. at step `--kill-at` rank 1 SIGKILLs itself; torchrun tears the job down and, given
-   `--max-restarts 1`, starts it again (without it, run the same command again);
-4. the restarted ranks start a writer (the old one has exited with its parent), call
-   `restore()` -- the newest committed step -- and train on to `--steps`;
+3. at step `--kill-at` rank 1 SIGKILLs itself and torchrun tears the job down;
+4. the same command again (or torchrun itself, given `--max-restarts 1`) starts ranks
+   that start a writer (the old one exited with its parent), call `restore()` -- the
+   newest committed step -- and train on to `--steps`;
 5. rank 0 then trains the same model from scratch without interruption and checks that
    every logged loss of both attempts is bit-identical to it, and `asyncckpt verify`s
    the root. Exit status 0 only if the resume was exact.
@@ -77,10 +80,10 @@ def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) 
     return total.item() / dist.get_world_size()
 
 
-def start_node_writer(root: Path, attempt: int) -> asyncckpt.WriterProcess | None:
+def start_node_writer(root: Path, restarts: int) -> asyncckpt.WriterProcess | None:
     """Local rank 0 starts the writer; every rank learns its address from the store."""
     store = dist.distributed_c10d._get_default_store()
-    key = f"asyncckpt-address-{attempt}"
+    key = f"asyncckpt-address-{restarts}"  # the store outlives torchrun's restarts
     writer = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         deadline = time.monotonic() + 60
@@ -107,16 +110,18 @@ def main() -> int:
     if 0 < args.kill_at <= args.save_interval:
         parser.error("--kill-at must come after the first save (--save-interval)")
     dist.init_process_group("gloo")
-    rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    rank, restarts = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     root = Path(args.dir).resolve()
     log = root.parent / f"{root.name}.losses.jsonl"
     fresh = not root.exists() or not asyncckpt.Checkpointer(root).all_steps()
     if rank == 0 and fresh:
         shutil.rmtree(root, ignore_errors=True)
         log.unlink(missing_ok=True)
+    attempt = 0 if fresh or not log.exists() else 1 + max(
+        json.loads(line)["attempt"] for line in log.read_text().splitlines())
     dist.barrier()
 
-    writer = start_node_writer(root, attempt)
+    writer = start_node_writer(root, restarts)
     model, optim = build_model(seed=0)
     options = asyncckpt.CheckpointerOptions(save_interval=args.save_interval, keep_last=3)
     ckpt = asyncckpt.Checkpointer(root, model=model, optimizer=optim, options=options)

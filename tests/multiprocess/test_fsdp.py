@@ -49,13 +49,19 @@ def test_fsdp2_save_loads_at_world_size(saved, world):
 def test_train_fsdp_example_is_killed_and_resumes_exactly(tmp_path):
     example = Path(__file__).parents[2] / "examples" / "train_fsdp.py"
     torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run(
-        [str(torchrun), "--nproc_per_node", "2", "--max-restarts", "1", str(example),
-         "--dir", str(tmp_path / "ckpt"), "--steps", "40", "--kill-at", "25"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = done.stdout
-    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
-    assert "attempt 0: fresh start" in out and "attempt 1: resumed from step 20" in out
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(torchrun), "--nproc_per_node", "2", str(example), "--dir", str(tmp_path / "ckpt"),
+             "--steps", "40", "--kill-at", "25"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    killed = run()
+    assert killed.returncode != 0 and "attempt 0: fresh start" in killed.stdout
+    resumed = run()
+    out = resumed.stdout
+    assert resumed.returncode == 0, out[-3000:] + resumed.stderr[-3000:]
+    assert "attempt 1: resumed from step 20" in out
     assert "45 logged losses over attempts [0, 1]: 45 identical" in out
     assert "RESUME EXACT" in out
