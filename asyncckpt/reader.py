@@ -77,7 +77,7 @@ class RankReader:
         self.step = manifest.step
         self.rank = rank
         self.path = directory / self.part.file
-        self._codec: Codec = make_codec(self.part.codec)
+        self._codecs: dict[str, Codec] = {}  # per frame codec (a file may mix them)
         self._scratch: dict[str, bytearray] = {}
         self._header: bytes | None = None
         try:
@@ -118,8 +118,11 @@ class RankReader:
         stored = self._buffer("stored", frame.stored_length)
         self._preadv(frame, index, [stored], tensor)
         self._check(frame, index, "stored", xxhash.xxh3_64_intdigest(stored), tensor)
+        codec = self._codecs.get(frame.codec)
+        if codec is None:
+            codec = self._codecs[frame.codec] = make_codec(frame.codec)
         try:
-            self._codec.decode_into(stored, outs)
+            codec.decode_into(stored, outs, frame.layout)
         except CorruptCheckpointError as e:
             raise self._corrupt(f"frame {index}: {e.cause}", tensor) from None
         self._check(frame, index, "raw", _xxh3(outs), tensor)
