@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import commit
 from ._version import __version__
-from .config import Knobs, parse_knob
+from .config import CODECS, Knobs, parse_knob
 from .errors import CheckpointNotFoundError, WriterLockedError
 from .format import is_tmp_dir, step_dir_name, tmp_step_of
 from .manifest import read_manifest
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     w = sub.add_parser("writer", help="run a writer in the foreground")
     w.add_argument("--root", required=True, help="checkpoint root directory")
-    w.add_argument("--codec", choices=["zstd", "raw"], default=None)
+    w.add_argument("--codec", choices=list(CODECS), default=None)
     w.add_argument("--address", default=None, help="socket path (default: a private runtime dir)")
     w.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                    help="override a knob, e.g. zstd_level=3 (repeatable)")

@@ -175,11 +175,6 @@ class BytegroupCodec:
             pieces.append(bytes(split.tail))
         return pieces, PlaneLayout(width, phase, tuple(layout))
 
-    def encode(self, raw: Buffer) -> Buffer:
-        """Width 1, compressed: for frames with no element structure (the header)."""
-        pieces, _ = self.encode_planes(raw, 1, 0, (True,), max_ratio=float("inf"))
-        return pieces[0]
-
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
                     layout: PlaneLayout | None = None) -> None:
         if layout is None:
