@@ -262,6 +262,8 @@ METHODS: dict[str, tuple[type[Method], dict[str, Any]]] = {
     "asyncckpt-raw": (AsyncCkpt, {"codec": "raw"}),
     "asyncckpt-zstd": (AsyncCkpt, {"codec": "zstd"}),
     "asyncckpt-zstd-ring64M": (AsyncCkpt, {"codec": "zstd", "ring_bytes": 64 * MiB}),
+    "asyncckpt-bytegroup": (AsyncCkpt, {"codec": "bytegroup"}),
+    "asyncckpt-auto": (AsyncCkpt, {"codec": "auto"}),
 }
 
 
