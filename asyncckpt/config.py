@@ -36,6 +36,8 @@ class Knobs:
             decide which of its byte planes the bytegroup codec compresses.
         plane_max_ratio: a plane is compressed when the probe shrinks it to this
             fraction of its size or less.
+        auto_trial_every: with codec "auto", one frame in this many is also encoded
+            with the other codecs to keep their estimates current.
         flush_bytes: the writer fdatasyncs each data file and drops it from the page
             cache every this many bytes (0: only the final fsync).
         zstd_level: zstd compression level; 1 is the measured sweet spot for floats.
@@ -58,6 +60,7 @@ class Knobs:
     frames_in_flight: int = 8
     plane_probe_bytes: int = 256 << 10
     plane_max_ratio: float = 0.97
+    auto_trial_every: int = 32
     flush_bytes: int = 64 * MiB
     connect_timeout: float = 30.0
     shutdown_timeout: float = 120.0
@@ -85,6 +88,8 @@ class Knobs:
                  self.plane_probe_bytes)
         _require(0 < self.plane_max_ratio <= 1, "plane_max_ratio", "in (0, 1]",
                  self.plane_max_ratio)
+        _require(self.auto_trial_every >= 1, "auto_trial_every", "at least 1",
+                 self.auto_trial_every)
         _require(-7 <= self.zstd_level <= 22, "zstd_level", "between -7 and 22",
                  self.zstd_level)
         _require(self.keep_last >= 0, "keep_last", "0 (keep all) or more", self.keep_last)

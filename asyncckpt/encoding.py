@@ -21,10 +21,12 @@ still stored raw in a frame where it does not compress.
 from __future__ import annotations
 
 import bisect
+import time
 from typing import NamedTuple
 
 import xxhash
 
+from .autocodec import CANDIDATES, CodecChooser
 from .codec import Buffer, BytegroupCodec, PlaneLayout, make_codec
 from .format import TensorSpec, element_size
 
@@ -44,8 +46,11 @@ class FrameEncoder:
     calling thread's `context`; the probe cache is a dict (a race only probes twice)."""
 
     def __init__(self, codec: str, level: int, tensors: list[TensorSpec],
-                 probe_bytes: int = 256 << 10, max_ratio: float = 0.97) -> None:
+                 probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
+                 chooser: CodecChooser | None = None) -> None:
         self.codec = codec
+        self.chooser = chooser  # codec="auto": told every frame's cost, plus trials
+        self._frames = 0
         self.level = level
         self._tensors = tensors
         self._begins = [t.begin for t in tensors]
@@ -54,10 +59,34 @@ class FrameEncoder:
         self._masks: dict[int, tuple[bool, ...]] = {}  # tensor index (-1: header) -> planes
 
     def encode(self, raw_offset: int, raw: memoryview, context: dict) -> Encoded:
+        start = time.perf_counter()
         raw_hash = xxhash.xxh3_64_intdigest(raw)
-        if self.codec == "bytegroup":
+        hashed = time.perf_counter()
+        encoded = self._encode(self.codec, raw_offset, raw, raw_hash, context)
+        if self.chooser is not None:
+            self.chooser.encoded(self.codec, len(raw), encoded.stored_length,
+                                 time.perf_counter() - start)
+            self._frames += 1  # a race only shifts which frame is tried
+            if self._frames % self.chooser.trial_every == 1 and len(raw) >= _MIN_TRIAL:
+                self._trial(raw_offset, raw, raw_hash, hashed - start, context)
+        return encoded
+
+    def _trial(self, raw_offset: int, raw: memoryview, raw_hash: int, hash_seconds: float,
+               context: dict) -> None:
+        """Encode `raw` with the other candidate codecs too, for the chooser only."""
+        assert self.chooser is not None
+        for codec in CANDIDATES:
+            if codec != self.codec:
+                start = time.perf_counter()
+                stored = self._encode(codec, raw_offset, raw, raw_hash, context).stored_length
+                self.chooser.encoded(codec, len(raw), stored,
+                                     hash_seconds + time.perf_counter() - start)
+
+    def _encode(self, name: str, raw_offset: int, raw: memoryview, raw_hash: int,
+                context: dict) -> Encoded:
+        if name == "bytegroup":
             return self._bytegroup(raw_offset, raw, raw_hash, context)
-        codec = self._codec(self.codec, context)
+        codec = self._codec(name, context)
         stored = codec.encode(raw)
         if stored is raw:
             return Encoded(codec.name, [raw], len(raw), raw_hash, raw_hash, None, True)
@@ -109,3 +138,6 @@ class FrameEncoder:
         if codec is None:
             codec = context[key] = make_codec(name, self.level)
         return codec
+
+
+_MIN_TRIAL = 64 << 10  # frames smaller than this are not tried (timing noise, the header)

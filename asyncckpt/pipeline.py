@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import faults
+from .autocodec import CodecChooser
 from .encoding import Encoded, FrameEncoder
 from .format import TensorSpec, data_file_name
 from .manifest import Frame, RankPart
@@ -46,12 +47,15 @@ class RankFileWriter:
                  header: bytes, tensors: list[TensorSpec], flush_bytes: int = 0, *,
                  pool: FramePool | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 probe_bytes: int = 256 << 10, plane_max_ratio: float = 0.97) -> None:
+                 probe_bytes: int = 256 << 10, plane_max_ratio: float = 0.97,
+                 chooser: CodecChooser | None = None) -> None:
         self.rank = rank
         self.codec = codec
         self.path = directory / data_file_name(rank, codec)
         self.expected_size = tensors[-1].end if tensors else len(header)
-        self._encoder = FrameEncoder(codec, level, tensors, probe_bytes, plane_max_ratio)
+        self._chooser = chooser
+        self._encoder = FrameEncoder(codec, level, tensors, probe_bytes, plane_max_ratio,
+                                     chooser)
         self._tensors = tensors
         self._pool = pool
         self._on_error = on_error
@@ -245,6 +249,9 @@ class RankFileWriter:
         faults.point("data_fsynced")
         self.write_seconds += time.perf_counter() - start
         self.close()
+        if self._chooser is not None:
+            self._chooser.written(self._stored_size, self.write_seconds)
+            self._chooser.save_done()
         return RankPart(self.rank, self.path.name, self.codec, self._raw_size,
                         self._stored_size, self._tensors, self._frames, tree)
 

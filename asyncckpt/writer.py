@@ -23,6 +23,7 @@ from typing import Any
 
 from . import commit, protocol, ring
 from ._version import __version__
+from .autocodec import CodecChooser
 from .config import Knobs
 from .errors import CheckpointError, SaveFailedError
 from .format import DTYPE_SIZES, layout
@@ -59,6 +60,7 @@ class WriterServer:
                            on_commit=self._log_commit)
         self.rss = PeakSampler()
         self.pool = FramePool(self.knobs.encode_threads, self.knobs.frames_in_flight)
+        self.chooser = CodecChooser(self.knobs.encode_threads, self.knobs.auto_trial_every)
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -229,13 +231,22 @@ class Session:
         except CheckpointError as error:
             notify(error, None, {})
             return
-        codec = knobs.codec
+        codec, chooser = knobs.codec, None
+        if codec == "auto":
+            chooser = self.server.chooser
+            choice = chooser.choose()
+            codec = choice.codec
+            save.stats["auto"] = choice.to_json()
+            log.info("step %d rank %d: codec auto chose %s (predicted s/GB %s; disk %.2f GB/s)",
+                     step, self.rank, codec, {k: round(v, 3) for k, v in choice.predicted.items()},
+                     choice.disk_gbps)
         try:
             save.file = RankFileWriter(
                 current.tmp_dir, self.rank, codec, knobs.zstd_level, header, specs,
                 knobs.flush_bytes, pool=self.server.pool,
                 on_error=lambda e: self._fail(save, self._as_error(save, e)),
-                probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio)
+                probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio,
+                chooser=chooser)
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
             return
@@ -272,7 +283,7 @@ class Session:
         except Exception as e:
             self._fail(save, self._as_error(save, e))
             return
-        stats = {"encode_seconds": save.file.encode_seconds,
+        stats = {**save.stats, "encode_seconds": save.file.encode_seconds,
                  "write_seconds": save.file.write_seconds,
                  "codec": save.file.codec, "frames": save.file.frame_counts(),
                  "encode_threads": self.server.pool.threads,
