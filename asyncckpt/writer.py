@@ -323,8 +323,7 @@ class Session:
             if save.file:
                 save.file.close()
         for file in self._files:  # frame threads may still read ring slots
-            file.close()
-            file.wait_idle()
+            file.close(wait=True)
         self._saves.clear()
         if self.rank >= 0:
             self.server.steps.rank_gone(self.rank)
