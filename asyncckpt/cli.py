@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import commit
 from ._version import __version__
-from .config import Knobs, parse_knob
+from .config import CODECS, Knobs, parse_knob
 from .errors import CheckpointNotFoundError, WriterLockedError
 from .format import is_tmp_dir, step_dir_name, tmp_step_of
 from .manifest import read_manifest
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     w = sub.add_parser("writer", help="run a writer in the foreground")
     w.add_argument("--root", required=True, help="checkpoint root directory")
-    w.add_argument("--codec", choices=["zstd", "raw"], default=None)
+    w.add_argument("--codec", choices=list(CODECS), default=None)
     w.add_argument("--address", default=None, help="socket path (default: a private runtime dir)")
     w.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                    help="override a knob, e.g. zstd_level=3 (repeatable)")
@@ -222,8 +222,10 @@ def _inspect(args: argparse.Namespace) -> int:
             row["stored_bytes"] += round(stored[t.name])
     for row in by_dtype.values():
         row["ratio"] = round(row["stored_bytes"] / max(row["bytes"], 1), 4)
+    frames = codec_summary(m)["frames"]
     summary = {"path": str(directory), "step": m.step, "world_size": m.world_size,
-               "codecs": sorted({p.codec for p in m.ranks}), "raw_bytes": m.raw_size,
+               "codecs": sorted({p.codec for p in m.ranks}), "frames": frames,
+               "raw_bytes": m.raw_size,
                "stored_bytes": m.stored_size, "ratio": round(m.stored_size / max(m.raw_size, 1), 4),
                "writer_version": m.writer_version, "by_dtype": by_dtype, "tensors": tensors,
                "sharded": [{"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
@@ -235,6 +237,10 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"{directory}: step {m.step}, {m.world_size} rank(s), codec {'/'.join(summary['codecs'])}, "
           f"{m.raw_size / 2**20:.1f} MiB -> {m.stored_size / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})")
+    print(f"\n{'FRAMES':12} {'COUNT':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}  PLANES")
+    for codec, row in sorted(frames.items()):
+        print(f"{codec:12} {row['count']:>8} {row['bytes'] / 2**20:>10.2f} "
+              f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}  {row.get('planes', '')}")
     print(f"\n{'DTYPE':12} {'TENSORS':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}")
     for dtype, row in sorted(by_dtype.items()):
         print(f"{dtype:12} {row['tensors']:>8} {row['bytes'] / 2**20:>10.2f} "
@@ -250,6 +256,35 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"{t['rank']:>4} {t['name'][:40]:40} {t['dtype']:8} {str(tuple(t['shape'])):>18} "
               f"{t['bytes']:>12}  {at}")
     return 0
+
+
+def codec_summary(m) -> dict:  # type: ignore[no-untyped-def]
+    """Frames per codec (count, raw and stored bytes, ratio; for bytegroup frames how
+    often each plane was compressed) and stored/raw per dtype, over all ranks."""
+    frames: dict[str, dict] = {}
+    by_dtype: dict[str, list[float]] = {}
+    for part in m.ranks:
+        for f in part.frames:
+            row = frames.setdefault(f.codec, {"count": 0, "bytes": 0, "stored_bytes": 0})
+            row["count"] += 1
+            row["bytes"] += f.raw_length
+            row["stored_bytes"] += f.stored_length
+            if f.layout is not None:
+                key = f"width {f.layout.width}: " + "".join(
+                    "z" if c == "zstd" else "-" for c, _ in f.layout.planes)
+                planes = row.setdefault("planes", {})
+                planes[key] = planes.get(key, 0) + 1
+        stored = _stored_per_tensor(part)
+        for t in part.tensors:
+            acc = by_dtype.setdefault(t.dtype, [0, 0])
+            acc[0] += t.end - t.begin
+            acc[1] += stored[t.name]
+    for row in frames.values():
+        row["ratio"] = round(row["stored_bytes"] / max(row["bytes"], 1), 4)
+    return {"frames": frames,
+            "by_dtype": {d: round(s / max(b, 1), 4) for d, (b, s) in by_dtype.items()},
+            "codecs": sorted({p.codec for p in m.ranks}),
+            "ratio": round(m.stored_size / max(m.raw_size, 1), 4)}
 
 
 def _stored_per_tensor(part) -> dict[str, float]:

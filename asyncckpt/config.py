@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 MiB = 1 << 20
-CODECS = ("raw", "zstd")
+CODECS = ("raw", "zstd", "bytegroup", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,21 @@ class Knobs:
     Attributes:
         slot_size: bytes per ring slot, which is also the raw size of one frame on disk.
         ring_size: bytes of one rank's shared-memory ring (a multiple of slot_size).
-        codec: "zstd" (level `zstd_level`, one frame per slot) or "raw".
+        codec: "zstd" (level `zstd_level`, one frame per slot), "raw", "bytegroup"
+            (byte planes, the sign/exponent planes zstd-compressed: the smallest files
+            for floats, see codec.py) or "auto" (per save, whichever of the three the
+            measured disk bandwidth and encode throughput say is durable soonest; see
+            autocodec.py).
+        encode_threads: the writer's frame threads (hash, encode, write), shared by all
+            the ranks it serves; also the threads of a parallel load.
+        frames_in_flight: frames submitted to those threads and not yet written, at
+            most (writer memory: this many encoded frames); at least encode_threads.
+        plane_probe_bytes: bytes of a tensor's first frame compressed plane by plane to
+            decide which of its byte planes the bytegroup codec compresses.
+        plane_max_ratio: a plane is compressed when the probe shrinks it to this
+            fraction of its size or less.
+        auto_trial_every: with codec "auto", one frame in this many is also encoded
+            with the other codecs to keep their estimates current.
         flush_bytes: the writer fdatasyncs each data file and drops it from the page
             cache every this many bytes (0: only the final fsync).
         zstd_level: zstd compression level; 1 is the measured sweet spot for floats.
@@ -42,6 +56,11 @@ class Knobs:
     ring_size: int = 64 * MiB
     codec: str = "zstd"
     zstd_level: int = 1
+    encode_threads: int = 2
+    frames_in_flight: int = 8
+    plane_probe_bytes: int = 256 << 10
+    plane_max_ratio: float = 0.97
+    auto_trial_every: int = 32
     flush_bytes: int = 64 * MiB
     connect_timeout: float = 30.0
     shutdown_timeout: float = 120.0
@@ -61,6 +80,16 @@ class Knobs:
                  self.ring_size)
         _require(self.codec in CODECS, "codec", f"one of {CODECS}", self.codec)
         _require(self.flush_bytes >= 0, "flush_bytes", "0 or more", self.flush_bytes)
+        _require(1 <= self.encode_threads <= 256, "encode_threads", "between 1 and 256",
+                 self.encode_threads)
+        _require(self.frames_in_flight >= self.encode_threads, "frames_in_flight",
+                 f"at least encode_threads ({self.encode_threads})", self.frames_in_flight)
+        _require(self.plane_probe_bytes >= 4096, "plane_probe_bytes", "at least 4096",
+                 self.plane_probe_bytes)
+        _require(0 < self.plane_max_ratio <= 1, "plane_max_ratio", "in (0, 1]",
+                 self.plane_max_ratio)
+        _require(self.auto_trial_every >= 1, "auto_trial_every", "at least 1",
+                 self.auto_trial_every)
         _require(-7 <= self.zstd_level <= 22, "zstd_level", "between -7 and 22",
                  self.zstd_level)
         _require(self.keep_last >= 0, "keep_last", "0 (keep all) or more", self.keep_last)

@@ -37,7 +37,9 @@ MAX_STEP = (1 << 62) - 1  # the manifest's integer bound
 _STEP_DIR = re.compile(r"step-([0-9]{8,})")
 _TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
-_DATA_FILE = re.compile(r"rank-([0-9]{5,})\.safetensors(\.zst)?")
+_DATA_FILE = re.compile(r"rank-([0-9]{5,})\.safetensors(\.zst|\.bg)?")
+# a zstd file is a multi-frame zstd stream (`zstd -d` reads it); a bytegroup one is not
+_DATA_SUFFIX = {"raw": "", "zstd": ".zst", "bytegroup": ".bg"}
 
 
 class TensorSpec(NamedTuple):
@@ -75,7 +77,7 @@ def tmp_step_of(name: str) -> int | None:
 
 
 def data_file_name(rank: int, codec: str) -> str:
-    return f"rank-{rank:05d}.safetensors" + ("" if codec == "raw" else ".zst")
+    return f"rank-{rank:05d}.safetensors" + _DATA_SUFFIX.get(codec, ".zst")
 
 
 def is_data_file_name(name: str) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 import xxhash
 
 from ._version import __version__
+from .codec import PlaneLayout
 from .config import Knobs
 from .errors import CorruptCheckpointError
 from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TensorSpec,
@@ -38,7 +39,7 @@ _MIDDLE = b'","manifest":'
 _SUFFIX = b"}\n"
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_INT = 1 << 62
-CODEC_NAMES = ("raw", "zstd")
+CODEC_NAMES = ("raw", "zstd", "bytegroup")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +53,18 @@ class Frame:
     codec: str
     xxh3_raw: int
     xxh3_stored: int
+    layout: PlaneLayout | None = None  # bytegroup frames only
 
     def to_json(self) -> dict[str, Any]:
-        return {"raw": [self.raw_offset, self.raw_length],
-                "stored": [self.stored_offset, self.stored_length],
-                "codec": self.codec,
-                "xxh3_raw": f"{self.xxh3_raw:016x}",
-                "xxh3_stored": f"{self.xxh3_stored:016x}"}
+        doc: dict[str, Any] = {"raw": [self.raw_offset, self.raw_length],
+                               "stored": [self.stored_offset, self.stored_length],
+                               "codec": self.codec,
+                               "xxh3_raw": f"{self.xxh3_raw:016x}",
+                               "xxh3_stored": f"{self.xxh3_stored:016x}"}
+        if self.layout is not None:
+            doc["planes"] = {"width": self.layout.width, "phase": self.layout.phase,
+                             "stored": [list(p) for p in self.layout.planes]}
+        return doc
 
 
 @dataclasses.dataclass
@@ -199,16 +205,23 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> Ra
     frames, raw_pos, stored_pos = [], 0, 0
     for f in doc["frames"]:
         (ro, rl), (so, sl) = f["raw"], f["stored"]
+        where = f"rank {rank} frame {len(frames)}"
         frame = Frame(_int(ro, "raw offset"), _int(rl, "raw length"), _int(so, "stored offset"),
                       _int(sl, "stored length"), f["codec"], _hex(f["xxh3_raw"]),
-                      _hex(f["xxh3_stored"]))
-        where = f"rank {rank} frame {len(frames)}"
+                      _hex(f["xxh3_stored"]), _layout_from_json(f, where))
         _check(frame.codec in CODEC_NAMES, f"{where}: unknown codec {frame.codec!r}")
         _check(frame.raw_offset == raw_pos and frame.stored_offset == stored_pos,
                f"{where}: offsets not contiguous")
         _check(0 < frame.raw_length <= max_frame_bytes,
                f"{where}: raw length {frame.raw_length} outside 1..{max_frame_bytes}")
         _check(frame.stored_length > 0, f"{where}: empty stored frame")
+        _check((frame.codec == "bytegroup") == (frame.layout is not None),
+               f"{where}: a plane layout goes with (and only with) the bytegroup codec")
+        if frame.layout is not None:
+            try:
+                frame.layout.check(frame.raw_length, frame.stored_length)
+            except CorruptCheckpointError as e:
+                _check(False, f"{where}: {e.cause}")
         _check(frame.codec != "raw" or (frame.stored_length == frame.raw_length
                                         and frame.xxh3_stored == frame.xxh3_raw),
                f"{where}: raw frame whose stored length or checksum differ from the raw ones")
@@ -236,6 +249,21 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> Ra
     _check(not tensors or tensors[-1].end == raw_size,
            f"rank {rank}: tensors end at {tensors[-1].end if tensors else 0}, stream at {raw_size}")
     return RankPart(rank, file, codec, raw_size, stored_size, tensors, frames, doc["tree"])
+
+
+def _layout_from_json(doc: dict[str, Any], where: str) -> PlaneLayout | None:
+    planes = doc.get("planes")
+    if planes is None:
+        return None
+    _check(isinstance(planes, dict) and isinstance(planes["stored"], list)
+           and len(planes["stored"]) <= 8, f"{where}: bad plane layout")
+    stored = []
+    for entry in planes["stored"]:
+        _check(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str),
+               f"{where}: bad plane entry {entry!r:.40}")
+        stored.append((entry[0], _int(entry[1], "plane length")))
+    return PlaneLayout(_int(planes["width"], "plane width"), _int(planes["phase"], "plane phase"),
+                       tuple(stored))
 
 
 def _check(ok: bool, message: str) -> None:

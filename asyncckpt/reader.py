@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -21,11 +22,13 @@ import torch
 import xxhash
 
 from . import commit
-from .codec import Codec, make_codec
+from .codec import make_codec
+from .config import Knobs
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .dtypes import DTYPES
 from .format import MANIFEST_NAME, TensorSpec, layout, parse_step_dir, step_dir_name
 from .manifest import Frame, Manifest, RankPart
+from .pool import FramePool
 from .tree import tensor_paths, unflatten
 
 
@@ -67,16 +70,21 @@ def _require_manifest(directory: Path) -> None:
                                      file=str(directory))
 
 
-class RankReader:
-    """Verified access to one rank's data file. Not thread-safe (one codec context)."""
+_Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengths, tensor)
 
-    def __init__(self, directory: Path, manifest: Manifest, rank: int) -> None:
+
+class RankReader:
+    """Verified access to one rank's data file. Not thread-safe (its methods use one
+    set of codecs and buffers), but `read_ranges` fans out to `threads` threads."""
+
+    def __init__(self, directory: Path, manifest: Manifest, rank: int,
+                 threads: int | None = None) -> None:
         self.part: RankPart = manifest.ranks[rank]
         self.step = manifest.step
         self.rank = rank
         self.path = directory / self.part.file
-        self._codec: Codec = make_codec(self.part.codec)
-        self._scratch: dict[str, bytearray] = {}
+        self._scratch: dict = {}  # codecs (a file may mix them) and buffers, one thread
+        self.threads = Knobs.from_env().encode_threads if threads is None else threads
         self._header: bytes | None = None
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -100,9 +108,12 @@ class RankReader:
         self.close()
 
     def read_frame_into(self, index: int, out: memoryview | list[memoryview],
-                        tensor: str | None = None) -> None:
+                        tensor: str | None = None, scratch: dict | None = None) -> None:
         """Read, verify and decode frame `index` into `out`: one view, or consecutive
         views that together hold exactly its raw bytes (the tensors it spans).
+
+        `scratch` holds the calling thread's codecs and buffers (default: this
+        reader's own, for one thread at a time).
 
         Raises:
             CorruptCheckpointError: short read, checksum mismatch, or undecodable frame.
@@ -113,11 +124,15 @@ class RankReader:
             self._preadv(frame, index, outs, tensor)  # straight into place, no copy
             self._check(frame, index, "raw", _xxh3(outs), tensor)
             return
-        stored = self._buffer("stored", frame.stored_length)
+        scratch = self._scratch if scratch is None else scratch
+        stored = _buffer(scratch, "stored", frame.stored_length)
         self._preadv(frame, index, [stored], tensor)
         self._check(frame, index, "stored", xxhash.xxh3_64_intdigest(stored), tensor)
+        codec = scratch.get(("codec", frame.codec))
+        if codec is None:
+            codec = scratch[("codec", frame.codec)] = make_codec(frame.codec)
         try:
-            self._codec.decode_into(stored, outs)
+            codec.decode_into(stored, outs, frame.layout)
         except CorruptCheckpointError as e:
             raise self._corrupt(f"frame {index}: {e.cause}", tensor) from None
         self._check(frame, index, "raw", _xxh3(outs), tensor)
@@ -134,31 +149,57 @@ class RankReader:
 
         Ranges must be sorted and disjoint. Every frame touched is read and verified
         once, scattered straight into the outputs it spans; bytes of a frame that no
-        range wants land in a reused scratch buffer.
+        range wants land in a reused scratch buffer. With `threads` > 1 frames are read,
+        verified and decoded on that many threads (preadv, xxh3, zstd and numpy release
+        the GIL), each into its own part of the outputs.
         """
+        jobs = self._plan(ranges)
+        if self.threads <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                self._run(job, self._scratch)
+            return
+        _run_parallel(self, jobs)
+
+    def _plan(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> list[_Job]:
+        """Per frame touched: (index, pieces, tensor name); a piece is an output view or
+        the length of a gap no range wants."""
         ranges = [r for r in ranges if r[1] > r[0]]
         frames, r = self.part.frames, 0
         index = _frame_at(frames, ranges[0][0]) if ranges else 0
+        jobs: list[_Job] = []
         while r < len(ranges):
             frame = frames[index]
             f_begin, f_end = frame.raw_offset, frame.raw_offset + frame.raw_length
-            gap = self._buffer("gap", frame.raw_length)
-            pieces, pos, name = [], f_begin, None
+            pieces: list[memoryview | int] = []
+            pos, name = f_begin, None
             while r < len(ranges) and ranges[r][0] < f_end:
                 begin, end, out, tensor = ranges[r]
                 lo, hi = max(begin, pos), min(end, f_end)
                 if lo > pos:
-                    pieces.append(gap[pos - f_begin:lo - f_begin])
+                    pieces.append(lo - pos)
                 pieces.append(out[lo - begin:hi - begin])
                 pos, name = hi, name or tensor
                 if end > f_end:
                     break  # continues in the next frame
                 r += 1
             if pos < f_end:
-                pieces.append(gap[pos - f_begin:])
-            self.read_frame_into(index, pieces, name)
+                pieces.append(f_end - pos)
+            jobs.append((index, pieces, name))
             if r < len(ranges):
                 index = _frame_at(frames, max(ranges[r][0], f_end))
+        return jobs
+
+    def _run(self, job: _Job, scratch: dict) -> None:
+        index, pieces, name = job
+        gap = _buffer(scratch, "gap", self.part.frames[index].raw_length)
+        outs, pos = [], 0
+        for piece in pieces:
+            if isinstance(piece, int):
+                outs.append(gap[pos:pos + piece])
+                pos += piece
+            else:
+                outs.append(piece)
+        self.read_frame_into(index, outs, name, scratch)
 
     def read_range(self, begin: int, end: int, out: memoryview, tensor: str | None = None) -> None:
         """Fill `out` with raw stream bytes `begin`..`end`, verifying every frame touched."""
@@ -240,10 +281,7 @@ class RankReader:
 
     def _buffer(self, kind: str, size: int) -> memoryview:
         """A reused scratch buffer of at least `size` bytes (one per kind)."""
-        buf = self._scratch.get(kind)
-        if buf is None or len(buf) < size:
-            buf = self._scratch[kind] = bytearray(size)
-        return memoryview(buf)[:size]
+        return _buffer(self._scratch, kind, size)
 
     def _preadv(self, frame: Frame, index: int, outs: list[memoryview], tensor: str | None) -> None:
         offset = frame.stored_offset
@@ -331,6 +369,49 @@ def check_tree(part: RankPart, step: int) -> dict[str, tuple]:
 
 _MAX_IOV = 512  # frames spanning more tensors than this are read via scratch
 _TEMP_BYTES = 256 << 20  # temporaries for CUDA / non-contiguous `into` targets, at once
+
+
+def _buffer(scratch: dict, kind: str, size: int) -> memoryview:
+    """A reused buffer of at least `size` bytes from `scratch` (one per kind)."""
+    buf = scratch.get(kind)
+    if buf is None or len(buf) < size:
+        buf = scratch[kind] = bytearray(size)
+    return memoryview(buf)[:size]
+
+
+def _run_parallel(reader: RankReader, jobs: list[_Job]) -> None:
+    """Run `reader`'s frame jobs on a pool of `reader.threads`; raise the first error
+    once every job has finished or been skipped (no thread writes into the outputs
+    after this returns)."""
+    pool = FramePool(reader.threads, 2 * reader.threads, name="asyncckpt-load")
+    errors: list[BaseException] = []
+    left = [len(jobs)]
+    finished = threading.Condition()
+
+    def job_for(job: _Job):  # type: ignore[no-untyped-def]
+        def run(context: dict) -> None:
+            try:
+                if not errors:
+                    reader._run(job, context)
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                errors.append(e)
+            finally:
+                pool.release()
+                with finished:
+                    left[0] -= 1
+                    finished.notify_all()
+        return run
+
+    try:
+        for job in jobs:
+            pool.submit(job_for(job))
+        with finished:
+            while left[0]:
+                finished.wait()
+    finally:
+        pool.close()
+    if errors:
+        raise errors[0]
 
 
 def _xxh3(pieces: list[memoryview]) -> int:

@@ -4,9 +4,10 @@ A separate process, not a thread in the trainer, so that serialisation, compress
 checksums and fsync never contend with the training loop for its interpreter, and so
 that a checkpoint in flight survives nothing it should not: the writer's own death
 fails the save cleanly (the ranks see the socket close), and a rank's death fails only
-that step. Each rank gets one session thread that moves its ring slots through the
-pipeline (hash, encode, append) and returns them; the heavy calls release the GIL, so
-ranks proceed in parallel. Memory is the rings plus one encoded frame per session.
+that step. Each rank gets one session thread that hands its ring slots to the writer's
+frame pool (hash, encode, append in order; pipeline.py) and the pool returns them; the
+heavy calls release the GIL, so the pool's threads use every core for whichever ranks
+have data. Memory is the rings plus the pool's frames in flight.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from typing import Any
 
 from . import commit, protocol, ring
 from ._version import __version__
+from .autocodec import CodecChooser
 from .config import Knobs
 from .errors import CheckpointError, SaveFailedError
 from .format import DTYPE_SIZES, layout
 from .manifest import Manifest
 from .pipeline import RankFileWriter
+from .pool import FramePool
 from .procstat import PeakSampler
 from .steps import Steps
 
@@ -56,6 +59,8 @@ class WriterServer:
         self.steps = Steps(self.root, (self.knobs.keep_last, self.knobs.keep_every),
                            on_commit=self._log_commit)
         self.rss = PeakSampler()
+        self.pool = FramePool(self.knobs.encode_threads, self.knobs.frames_in_flight)
+        self.chooser = CodecChooser(self.knobs.encode_threads, self.knobs.auto_trial_every)
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -99,6 +104,7 @@ class WriterServer:
             s.close()
         protocol.remove_endpoint(self.address)
         ring.sweep_stale()
+        self.pool.close()
         self.rss.stop()
         self._lock.release()
         log.info("writer stopped")
@@ -155,6 +161,7 @@ class Session:
         self.rank = -1
         self.ring: ring.Ring | None = None
         self._saves: dict[int, _RankSave] = {}
+        self._files: set[RankFileWriter] = set()  # may still have frames in flight
         self._send_lock = threading.Lock()
 
     def run(self) -> None:
@@ -224,28 +231,46 @@ class Session:
         except CheckpointError as error:
             notify(error, None, {})
             return
+        codec, chooser = knobs.codec, None
+        if codec == "auto":
+            chooser = self.server.chooser
+            choice = chooser.choose()
+            codec = choice.codec
+            save.stats["auto"] = choice.to_json()
+            log.info("step %d rank %d: codec auto chose %s (predicted s/GB %s; disk %.2f GB/s)",
+                     step, self.rank, codec, {k: round(v, 3) for k, v in choice.predicted.items()},
+                     choice.disk_gbps)
         try:
-            save.file = RankFileWriter(current.tmp_dir, self.rank, knobs.codec, knobs.zstd_level,
-                                       header, specs, knobs.flush_bytes)
+            save.file = RankFileWriter(
+                current.tmp_dir, self.rank, codec, knobs.zstd_level, header, specs,
+                knobs.flush_bytes, pool=self.server.pool,
+                on_error=lambda e: self._fail(save, self._as_error(save, e)),
+                probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio,
+                chooser=chooser)
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
+            return
+        self._files = {f for f in self._files if f.busy}
+        self._files.add(save.file)
 
     def _on_chunk(self, m: dict[str, Any]) -> None:
         save = self._saves[int(m["save"])]
         slot, length = int(m["slot"]), int(m["length"])
         assert self.ring is not None
         view = self.ring.slot_bytes(slot, length)
-        try:
-            if not save.failed and save.file is not None:
-                save.file.append(view)
-        except OSError as e:
-            self._fail(save, commit.io_error(e, step=save.step, rank=self.rank,
-                                             file=str(save.file.path) if save.file else None))
-        except ValueError as e:
-            self._fail(save, SaveFailedError(str(e), step=save.step, rank=self.rank))
-        finally:
+
+        def done() -> None:  # called once the frame no longer needs the slot
             view.release()
             self.send("free", slot=slot)
+
+        if save.failed or save.file is None:
+            done()
+            return
+        try:
+            save.file.submit(view, done)
+        except ValueError as e:
+            done()
+            self._fail(save, SaveFailedError(str(e), step=save.step, rank=self.rank))
 
     def _on_end(self, m: dict[str, Any]) -> None:
         save = self._saves.pop(int(m["save"]))
@@ -255,15 +280,13 @@ class Session:
             return
         try:
             part = save.file.finish(save.tree)
-        except OSError as e:
-            self._fail(save, commit.io_error(e, step=save.step, rank=self.rank,
-                                             file=str(save.file.path)))
+        except Exception as e:
+            self._fail(save, self._as_error(save, e))
             return
-        except ValueError as e:
-            self._fail(save, SaveFailedError(str(e), step=save.step, rank=self.rank))
-            return
-        stats = {"encode_seconds": save.file.encode_seconds,
+        stats = {**save.stats, "encode_seconds": save.file.encode_seconds,
                  "write_seconds": save.file.write_seconds,
+                 "codec": save.file.codec, "frames": save.file.frame_counts(),
+                 "encode_threads": self.server.pool.threads,
                  "writer_peak_rss_anon": self.server.rss.peak_rss_anon}
         self.server.steps.end(save.step, part, stats)
 
@@ -275,7 +298,21 @@ class Session:
             self._fail(save, SaveFailedError(f"aborted by the rank: {m.get('reason')}",
                                              step=save.step, rank=self.rank))
 
+    def _as_error(self, save: _RankSave, error: BaseException) -> CheckpointError:
+        if isinstance(error, CheckpointError):
+            return error
+        if isinstance(error, OSError):
+            return commit.io_error(error, step=save.step, rank=self.rank,
+                                   file=str(save.file.path) if save.file else error.filename)
+        if isinstance(error, ValueError):
+            return SaveFailedError(str(error), step=save.step, rank=self.rank)
+        return SaveFailedError(f"encoding failed: {type(error).__name__}: {error}",
+                               step=save.step, rank=self.rank)
+
     def _fail(self, save: _RankSave, error: CheckpointError) -> None:
+        """Fail the save's step (from the session thread or a frame thread)."""
+        if save.failed:
+            return
         save.failed = True
         if save.file:
             save.file.close()
@@ -285,6 +322,8 @@ class Session:
         for save in self._saves.values():
             if save.file:
                 save.file.close()
+        for file in self._files:  # frame threads may still read ring slots
+            file.close(wait=True)
         self._saves.clear()
         if self.rank >= 0:
             self.server.steps.rank_gone(self.rank)

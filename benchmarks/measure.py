@@ -77,6 +77,18 @@ def cmdline(pid: int | str = "self") -> bytes:
         return b""
 
 
+def page_cache() -> tuple[int, int]:
+    """(file pages in the page cache, dirty pages) in bytes, machine-wide, from
+    /proc/meminfo: Cached minus Shmem (the rings and /dev/shm are Shmem, not file cache)."""
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, rest = line.split(":", 1)
+            if key in ("Cached", "Shmem", "Dirty"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values.get("Cached", 0) - values.get("Shmem", 0), values.get("Dirty", 0)
+
+
 def shm_used() -> int:
     st = os.statvfs(SHM)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
@@ -119,6 +131,9 @@ class MemoryProbe:
         self._shm_before: set[str] = set()
         self._count = 0
         self.shm_ours = 0
+        self.baseline_cache = 0
+        self.cache_peak = 0
+        self.dirty_peak = 0
 
     def start(self) -> None:
         """Take the baseline now (state built, nothing of the method set up) and sample."""
@@ -131,6 +146,7 @@ class MemoryProbe:
         self.baseline_rss = status.get("VmRSS", 0)
         self.baseline_anon = status.get("RssAnon", 0)
         self.baseline_shm = self.shm_peak = shm_used()
+        self.baseline_cache = self.cache_peak = page_cache()[0]
         self._cmdline = cmdline()
         self._before = set(descendants())
         self._shm_before = set(shm_mapped())
@@ -153,6 +169,9 @@ class MemoryProbe:
         self.helper_anon = max(self.helper_anon, anon)
         self.helper_shmem = max(self.helper_shmem, shmem)
         self.shm_peak = max(self.shm_peak, shm_used())
+        cache, dirty = page_cache()
+        self.cache_peak = max(self.cache_peak, cache)
+        self.dirty_peak = max(self.dirty_peak, dirty)
         self._count += 1
         if self._count % 3 == 1 or final:  # /proc/PID/maps is the costly read: every 30 ms
             files: dict[str, int] = {}
@@ -182,6 +201,8 @@ class MemoryProbe:
             "helper_hwm": max(self.helper_hwm.values(), default=0),
             "shm_extra": self.shm_ours,
             "shm_fs_extra": max(0, self.shm_peak - self.baseline_shm),
+            "page_cache_growth": max(0, self.cache_peak - self.baseline_cache),
+            "dirty_peak": self.dirty_peak,
         }
 
 

@@ -247,6 +247,12 @@ class AsyncCkpt(Method):
         import asyncckpt
         return asyncckpt.load(self.root, step=step)
 
+    def codec_report(self, step: int) -> dict[str, Any]:
+        """Stored/raw per dtype and frames per codec of a committed step (asyncckpt inspect)."""
+        from asyncckpt.cli import codec_summary
+        from asyncckpt.manifest import read_manifest
+        return codec_summary(read_manifest(self.output(step)))
+
     def close(self) -> None:
         self.client.close()
         self.writer.stop()
@@ -262,6 +268,8 @@ METHODS: dict[str, tuple[type[Method], dict[str, Any]]] = {
     "asyncckpt-raw": (AsyncCkpt, {"codec": "raw"}),
     "asyncckpt-zstd": (AsyncCkpt, {"codec": "zstd"}),
     "asyncckpt-zstd-ring64M": (AsyncCkpt, {"codec": "zstd", "ring_bytes": 64 * MiB}),
+    "asyncckpt-bytegroup": (AsyncCkpt, {"codec": "bytegroup"}),
+    "asyncckpt-auto": (AsyncCkpt, {"codec": "auto"}),
 }
 
 

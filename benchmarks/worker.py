@@ -64,6 +64,10 @@ def run_method(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         method.close()
     result["facts"] = method.facts
+    if kept_step is not None and hasattr(method, "codec_report"):
+        result["codec_report"] = method.codec_report(kept_step)
+        if "bytegroup" in method.name:
+            result["grouped_reference"] = workloads.grouped_reference(state)
     if method.loader and kept_step is not None:
         result["load"] = _loads(method, kept_step, state, spec["load_reps"])
     if kept_step is not None:

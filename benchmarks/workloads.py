@@ -221,3 +221,25 @@ def _size_name(nbytes: int) -> str:
     if nbytes >= GiB and nbytes % GiB == 0:
         return f"{nbytes // GiB}GiB"
     return f"{nbytes // MiB}MiB"
+
+
+def grouped_reference(state: dict[str, Any]) -> dict[str, float]:
+    """Stored/raw of byte-grouped zstd level 1 on whole planes, per dtype and overall:
+    each tensor split into one plane per byte position, each plane compressed whole
+    (or kept raw where that is smaller). The reference the frame codec is judged by."""
+    import numpy as np
+    import zstandard
+    compressor = zstandard.ZstdCompressor(level=1)
+    raw: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for _, t in tensor_items(state):
+        width = t.element_size()
+        data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        key = str(t.dtype).removeprefix("torch.")
+        raw[key] = raw.get(key, 0) + len(data)
+        for i in range(width):
+            plane = np.ascontiguousarray(data[i::width])
+            stored[key] = stored.get(key, 0) + min(len(plane), len(compressor.compress(plane)))
+    out = {k: stored[k] / raw[k] for k in raw if raw[k]}
+    out["all"] = sum(stored.values()) / max(1, sum(raw.values()))
+    return out

@@ -104,7 +104,7 @@ class Tiny:
         return path
 
 
-@pytest.fixture(scope="module", params=["zstd", "raw"])
+@pytest.fixture(scope="module", params=["zstd", "raw", "bytegroup"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiny]:
     base = tmp_path_factory.mktemp(f"prop-{request.param}")
     writer = asyncckpt.start_writer(base / "ckpt", codec=request.param, log_file=base / "writer.log")

@@ -97,9 +97,14 @@ def test_limits_targets_and_outputs(tiny_run: tuple[dict[str, Any], str, Path]) 
         assert _finite_positive(wl["limits"][key]["GBps"]), key
         assert _finite_positive(wl["limits"][key]["median"]), key
     verdicts = {(t["target"], t["method"]): t["met"] for t in wl["targets"]}
-    assert len(verdicts) == 12
+    # 12 of the first issues; 12 of issue 6: writer memory of bytegroup and auto, bytegroup's
+    # ratios (mixed, bf16), durable and load, auto's durable, page cache of 5 asyncckpt methods
+    assert len(verdicts) == 24
     assert all(met in (True, False) for met in verdicts.values()), verdicts
-    assert {m for _, m in verdicts} == {"asyncckpt-raw", "asyncckpt-zstd", "asyncckpt-zstd-ring64M"}
+    assert {m for _, m in verdicts} == {"asyncckpt-raw", "asyncckpt-zstd", "asyncckpt-zstd-ring64M",
+                                        "asyncckpt-bytegroup", "asyncckpt-auto"}
+    assert wl["summary"]["asyncckpt-bytegroup"]["codec_report"]["codecs"] == ["bytegroup"]
+    assert "bfloat16" in wl["summary"]["asyncckpt-bytegroup"]["grouped_reference"]
     assert result["meta"]["machine"]["cores"] >= 1
 
     for name, s in wl["summary"].items():

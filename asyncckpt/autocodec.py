@@ -1,0 +1,111 @@
+"""codec="auto": per save, the codec that makes the checkpoint durable soonest.
+
+Compression is worth it only when the disk, not the CPU, is the bottleneck: on a fast
+NVMe with busy cores raw wins; on a network filesystem or with idle cores the
+byte-grouped codec writes 20-30 % fewer bytes at more than disk speed. Which case holds
+depends on the machine, on what training does with the cores meanwhile, and on the
+data, so it is measured, not configured.
+
+The writer's frames pipeline overlaps encoding and writing, so the time to durable of
+`R` raw bytes with codec `c` is about the slower of the two stages:
+
+    t(c) = R * max(encode_cost(c) / threads, ratio(c) / disk_bandwidth)
+
+`encode_cost` (thread-seconds per raw byte, GIL waits and CPU contention included) and
+`ratio` come from the frames each save actually encoded with its codec, and for the
+other codecs from trial encodes of one frame in `trial_every` (the trial runs on the
+frame thread; it costs ~3 % of encode time and nothing when the disk is the
+bottleneck); `disk_bandwidth` from the time spent in write and fsync calls. Estimates
+decay by half per save so they follow a change of machine load. Before any
+measurement, priors from this project's measurements (DESIGN.md) are used.
+
+A save is decided when it begins (the data file's name depends on its codec), so a
+change takes effect on the next save. Users who want the smallest files choose
+codec="bytegroup" directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+CANDIDATES = ("raw", "zstd", "bytegroup")
+# (ratio, encode thread-seconds per byte) before anything is measured
+_PRIORS = {"raw": (1.0, 1 / 10e9), "zstd": (0.9, 1 / 0.6e9), "bytegroup": (0.8, 1 / 1.0e9)}
+_PRIOR_DISK = 1.3e9  # bytes/s
+_PRIOR_WEIGHT = 8 << 20  # priors count as this many bytes of evidence
+
+
+@dataclass
+class _Evidence:
+    raw: float = 0.0
+    stored: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, raw: float, stored: float, seconds: float) -> None:
+        self.raw += raw
+        self.stored += stored
+        self.seconds += seconds
+
+    def decay(self, factor: float) -> None:
+        self.raw *= factor
+        self.stored *= factor
+        self.seconds *= factor
+
+
+@dataclass
+class Choice:
+    codec: str
+    predicted: dict[str, float]  # seconds per GB of raw data, per candidate
+    ratio: dict[str, float]
+    encode_gbps: dict[str, float]  # per thread
+    disk_gbps: float
+    threads: int
+
+    def to_json(self) -> dict:
+        r = lambda x: round(x, 4)  # noqa: E731
+        return {"codec": self.codec, "threads": self.threads, "disk_gbps": r(self.disk_gbps),
+                "predicted_s_per_gb": {k: r(v) for k, v in self.predicted.items()},
+                "ratio": {k: r(v) for k, v in self.ratio.items()},
+                "encode_gbps_per_thread": {k: r(v) for k, v in self.encode_gbps.items()}}
+
+
+@dataclass
+class CodecChooser:
+    """Thread-safe estimates for one writer (all its ranks share disk and cores)."""
+
+    threads: int
+    trial_every: int = 32
+    _codecs: dict[str, _Evidence] = field(default_factory=lambda: {
+        c: _Evidence(_PRIOR_WEIGHT, _PRIOR_WEIGHT * r, _PRIOR_WEIGHT * s)
+        for c, (r, s) in _PRIORS.items()})
+    _disk: _Evidence = field(default_factory=lambda: _Evidence(
+        0, _PRIOR_WEIGHT, _PRIOR_WEIGHT / _PRIOR_DISK))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def choose(self) -> Choice:
+        with self._lock:
+            disk = self._disk.stored / self._disk.seconds
+            ratio = {c: e.stored / e.raw for c, e in self._codecs.items()}
+            cost = {c: e.seconds / e.raw for c, e in self._codecs.items()}
+        predicted = {c: 1e9 * max(cost[c] / self.threads, ratio[c] / disk) for c in CANDIDATES}
+        best = min(CANDIDATES, key=lambda c: (predicted[c], ratio[c]))
+        return Choice(best, predicted, ratio, {c: 1e-9 / cost[c] for c in CANDIDATES},
+                      disk / 1e9, self.threads)
+
+    def encoded(self, codec: str, raw: int, stored: int, seconds: float) -> None:
+        """A frame (or a trial) of `raw` bytes took `seconds` to encode to `stored`."""
+        with self._lock:
+            self._codecs[codec].add(raw, stored, seconds)
+
+    def written(self, stored: int, seconds: float) -> None:
+        """A save wrote and synced `stored` bytes in `seconds` of write/fsync calls."""
+        if seconds > 0 and stored > 0:
+            with self._lock:
+                self._disk.add(0, stored, seconds)
+
+    def save_done(self) -> None:
+        """Halve the weight of what was measured so far."""
+        with self._lock:
+            for e in (*self._codecs.values(), self._disk):
+                e.decay(0.5)

@@ -1,0 +1,143 @@
+"""Encoding one frame: its checksums and stored bytes, with the codec of the save.
+
+For the byte-grouped codec a frame needs an element width and phase, but frames are
+packed across tensor boundaries: one ring slot may hold the tail of a bf16 tensor and
+the head of an fp32 one, and a tensor need not start element-aligned in the frame. We
+keep one layout per frame, taken from the tensor that covers most of its bytes, rather
+than cutting frames at tensor boundaries: frames stay one slot each (no tiny frames, no
+per-tensor manifest entries for models with thousands of small tensors), and the only
+cost is ratio on the bytes of the minority tensors, which the split still carries
+exactly (it is a permutation). With slots of 4 MiB and the tensors of a training state
+(megabytes each, ordered by module, dtype runs of many tensors) that is a few frames
+per save.
+
+Which planes to compress is decided per tensor, once, by a probe on the first frame
+that tensor dominates: every plane of a sample is compressed and planes that shrink to
+`max_ratio` or better are compressed from then on. A frame whose planes all stay raw is
+stored as a plain raw frame (no shuffle to undo at load). A plane the probe chose is
+still stored raw in a frame where it does not compress.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import NamedTuple
+
+import xxhash
+
+from .autocodec import CANDIDATES, CodecChooser
+from .codec import Buffer, BytegroupCodec, PlaneLayout, make_codec
+from .format import TensorSpec, element_size
+
+
+class Encoded(NamedTuple):
+    codec: str
+    pieces: list[Buffer]       # the stored bytes, in order
+    stored_length: int
+    xxh3_raw: int
+    xxh3_stored: int
+    layout: PlaneLayout | None
+    aliases_raw: bool          # pieces point into the raw buffer (keep it until written)
+
+
+class FrameEncoder:
+    """Encodes the frames of one rank's stream. Thread-safe: codec objects come from the
+    calling thread's `context`; the probe cache is a dict (a race only probes twice)."""
+
+    def __init__(self, codec: str, level: int, tensors: list[TensorSpec],
+                 probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
+                 chooser: CodecChooser | None = None) -> None:
+        self.codec = codec
+        self.chooser = chooser  # codec="auto": told every frame's cost, plus trials
+        self._frames = 0
+        self.level = level
+        self._tensors = tensors
+        self._begins = [t.begin for t in tensors]
+        self._probe_bytes = probe_bytes
+        self._max_ratio = max_ratio
+        self._masks: dict[int, tuple[bool, ...]] = {}  # tensor index (-1: header) -> planes
+
+    def encode(self, raw_offset: int, raw: memoryview, context: dict) -> Encoded:
+        start = time.perf_counter()
+        raw_hash = xxhash.xxh3_64_intdigest(raw)
+        hashed = time.perf_counter()
+        encoded = self._encode(self.codec, raw_offset, raw, raw_hash, context)
+        if self.chooser is not None:
+            self.chooser.encoded(self.codec, len(raw), encoded.stored_length,
+                                 time.perf_counter() - start)
+            self._frames += 1  # a race only shifts which frame is tried
+            if self._frames % self.chooser.trial_every == 1 and len(raw) >= _MIN_TRIAL:
+                self._trial(raw_offset, raw, raw_hash, hashed - start, context)
+        return encoded
+
+    def _trial(self, raw_offset: int, raw: memoryview, raw_hash: int, hash_seconds: float,
+               context: dict) -> None:
+        """Encode `raw` with the other candidate codecs too, for the chooser only."""
+        assert self.chooser is not None
+        for codec in CANDIDATES:
+            if codec != self.codec:
+                start = time.perf_counter()
+                stored = self._encode(codec, raw_offset, raw, raw_hash, context).stored_length
+                self.chooser.encoded(codec, len(raw), stored,
+                                     hash_seconds + time.perf_counter() - start)
+
+    def _encode(self, name: str, raw_offset: int, raw: memoryview, raw_hash: int,
+                context: dict) -> Encoded:
+        if name == "bytegroup":
+            return self._bytegroup(raw_offset, raw, raw_hash, context)
+        codec = self._codec(name, context)
+        stored = codec.encode(raw)
+        if stored is raw:
+            return Encoded(codec.name, [raw], len(raw), raw_hash, raw_hash, None, True)
+        return Encoded(codec.name, [stored], len(stored), raw_hash,
+                       xxhash.xxh3_64_intdigest(stored), None, False)
+
+    def geometry(self, raw_offset: int, length: int) -> tuple[int, int, int]:
+        """(tensor index or -1 for the header, element width, phase) of the frame
+        `raw_offset`..+`length`: those of the tensor covering most of it."""
+        end = raw_offset + length
+        i = max(0, bisect.bisect_right(self._begins, raw_offset) - 1)
+        best, best_bytes = -1, 0
+        if not self._tensors or raw_offset < self._tensors[0].begin:
+            best_bytes = min(end, self._tensors[0].begin if self._tensors else end) - raw_offset
+        while i < len(self._tensors) and self._tensors[i].begin < end:
+            t = self._tensors[i]
+            covered = min(end, t.end) - max(raw_offset, t.begin)
+            if covered > best_bytes:
+                best, best_bytes = i, covered
+            i += 1
+        if best < 0:
+            return -1, 1, 0
+        t = self._tensors[best]
+        width = element_size(t.dtype)
+        return best, width, (t.begin - raw_offset) % width
+
+    def _bytegroup(self, raw_offset: int, raw: memoryview, raw_hash: int,
+                   context: dict) -> Encoded:
+        codec = self._codec("bytegroup", context)
+        assert isinstance(codec, BytegroupCodec)
+        tensor, width, phase = self.geometry(raw_offset, len(raw))
+        mask = self._masks.get(tensor)
+        if mask is None:
+            mask = self._masks[tensor] = codec.probe(raw, width, phase, self._probe_bytes,
+                                                     self._max_ratio)
+        if any(mask):
+            pieces, layout = codec.encode_planes(raw, width, phase, mask, self._max_ratio)
+            if any(c == "zstd" for c, _ in layout.planes):
+                h = xxhash.xxh3_64()
+                for p in pieces:
+                    h.update(p)
+                size = sum(len(p) for p in pieces)
+                return Encoded("bytegroup", pieces, size, raw_hash, h.intdigest(), layout, False)
+        return Encoded("raw", [raw], len(raw), raw_hash, raw_hash, None, True)
+
+    def _codec(self, name: str, context: dict):  # type: ignore[no-untyped-def]
+        key = ("codec", name, self.level)
+        codec = context.get(key)
+        if codec is None:
+            codec = context[key] = make_codec(name, self.level)
+        return codec
+
+
+_MIN_TRIAL = 64 << 10  # frames smaller than this are not tried (timing noise, the header)

@@ -1,0 +1,84 @@
+"""codec="auto": the chooser picks the codec with the shortest predicted time to durable
+from what it measured, and a writer with codec auto saves and loads bit-exact."""
+
+from __future__ import annotations
+
+import torch
+
+import asyncckpt
+from asyncckpt.autocodec import CodecChooser
+from asyncckpt.manifest import read_manifest
+from conftest import assert_same, running_writer
+
+GB = 1e9
+
+
+def measured(threads: int, disk_gbps: float, encode_gbps: dict[str, float],
+             ratio: dict[str, float]) -> CodecChooser:
+    """A chooser that has seen a lot of evidence (priors negligible)."""
+    chooser = CodecChooser(threads)
+    for codec in ("raw", "zstd", "bytegroup"):
+        chooser.encoded(codec, int(100 * GB), int(100 * GB * ratio[codec]),
+                        100 / encode_gbps[codec])
+    chooser.written(int(100 * GB), 100 / disk_gbps)
+    return chooser
+
+
+CPU = {"raw": 10.0, "zstd": 0.6, "bytegroup": 1.0}
+RATIO = {"raw": 1.0, "zstd": 0.9, "bytegroup": 0.8}
+
+
+def test_fast_disk_picks_raw():
+    choice = measured(2, 5.0, CPU, RATIO).choose()
+    assert choice.codec == "raw"
+    assert abs(choice.predicted["raw"] - 0.2) < 0.01  # 1 GB / 5 GB/s
+    assert abs(choice.predicted["bytegroup"] - 0.5) < 0.01  # encode-bound: 1 GB / (2 x 1 GB/s)
+
+
+def test_slow_disk_picks_bytegroup():
+    choice = measured(2, 0.5, CPU, RATIO).choose()
+    assert choice.codec == "bytegroup"
+    assert abs(choice.predicted["bytegroup"] - 1.6) < 0.01  # 0.8 GB / 0.5 GB/s
+
+
+def test_busy_cores_pick_raw_even_on_a_moderate_disk():
+    busy = {"raw": 10.0, "zstd": 0.2, "bytegroup": 0.3}
+    assert measured(1, 1.3, busy, RATIO).choose().codec == "raw"
+    assert measured(8, 1.3, busy, RATIO).choose().codec == "bytegroup"
+
+
+def test_zstd_wins_only_where_it_compresses_better():
+    ratio = {"raw": 1.0, "zstd": 0.3, "bytegroup": 0.8}  # e.g. text-like or sparse data
+    assert measured(4, 0.3, CPU, ratio).choose().codec == "zstd"
+
+
+def test_estimates_follow_new_measurements():
+    chooser = measured(2, 5.0, CPU, RATIO)
+    assert chooser.choose().codec == "raw"
+    for _ in range(10):  # the disk became slow (e.g. a network filesystem under load)
+        chooser.save_done()
+        chooser.written(int(GB), 1 / 0.3)
+    assert chooser.choose().codec == "bytegroup"
+
+
+def test_priors_choose_something_sensible():
+    choice = CodecChooser(2).choose()
+    assert choice.codec in ("raw", "bytegroup")
+    assert set(choice.to_json()["predicted_s_per_gb"]) == {"raw", "zstd", "bytegroup"}
+
+
+def test_writer_with_codec_auto_saves_and_loads_bit_exact(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {"w": (torch.randn(300_000, generator=g) * 0.02).bfloat16(),
+             "m": torch.randn(200_000, generator=g) * 1e-4, "step": 3}
+    with running_writer(tmp_path, "auto") as writer:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1, slot_size=64 << 10,
+                               ring_size=256 << 10) as client:
+            handles = [client.save(step, state) for step in (1, 2)]
+            paths = [h.wait(60) for h in handles]
+    for handle, path in zip(handles, paths):
+        assert_same(state, asyncckpt.load(path))
+        auto = handle.stats["auto"]
+        part = read_manifest(path).ranks[0]
+        assert auto["codec"] == part.codec == handle.stats["codec"]
+        assert set(auto["predicted_s_per_gb"]) == {"raw", "zstd", "bytegroup"}

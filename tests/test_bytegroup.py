@@ -1,0 +1,344 @@
+"""The byte-grouped codec: planes split and merge exactly for every width, phase and cut;
+every codec round-trips every dtype bit-exact, special values included; frames packed
+across tensors of different dtypes and odd sizes decode exactly; the probe stores
+incompressible data raw; a corrupt layout or plane is refused."""
+
+from __future__ import annotations
+
+import os
+
+import xxhash
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import asyncckpt
+from asyncckpt import planes
+from asyncckpt.codec import BytegroupCodec, PlaneLayout, make_codec
+from asyncckpt.dtypes import DTYPE_NAMES
+from asyncckpt.encoding import FrameEncoder
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format import layout
+from asyncckpt.manifest import Frame, Manifest, RankPart, parse_manifest, read_manifest
+from conftest import assert_same, running_writer
+
+# -- planes ---------------------------------------------------------------------------------------
+
+
+def cut(data: bytearray, points: list[int]) -> list[memoryview]:
+    bounds = [0] + sorted(p % (len(data) + 1) for p in points) + [len(data)]
+    view = memoryview(data)
+    return [view[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=300), width=st.sampled_from([1, 2, 4, 8]),
+       phase=st.integers(0, 7), points=st.lists(st.integers(0, 400), max_size=5))
+def test_split_then_merge_is_identity(data, width, phase, points):
+    phase %= width
+    s = planes.split(data, width, phase)
+    head, count, tail = planes.geometry(len(data), width, phase)
+    assert len(s.head) == head and len(s.tail) == tail
+    assert [len(p) for p in s.planes] == [count] * width
+    for i, p in enumerate(s.planes):  # plane i is byte i of every whole element
+        assert p.tobytes() == data[head + i:head + count * width:width]
+    out = bytearray(len(data))
+    planes.merge_into(s.head, [p.tobytes() for p in s.planes], s.tail, width, phase,
+                      cut(out, points))
+    assert bytes(out) == data
+
+
+def test_merge_refuses_pieces_that_do_not_fill_the_frame():
+    s = planes.split(bytes(range(10)), 4, 1)
+    with pytest.raises(ValueError):
+        planes.merge_into(s.head, [p.tobytes() for p in s.planes], s.tail, 4, 1,
+                          [memoryview(bytearray(11))])
+
+
+def test_geometry_rejects_bad_width_and_phase():
+    for width, phase in ((0, 0), (9, 0), (2, 2), (4, -1)):
+        with pytest.raises(ValueError):
+            planes.geometry(10, width, phase)
+
+
+# -- every codec x dtype, special values --------------------------------------------------------
+
+FLOAT_SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.0, 1e-40, -1e-45,
+                  3.4e38, 6e-8, -6e-8, 65504.0, 1e-310]
+
+
+def special_tensor(dtype: torch.dtype, n: int = 6000, seed: int = 0) -> torch.Tensor:
+    """Weight-like values of `dtype`, with every special value (and NaN payloads) mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point and torch.empty((), dtype=dtype).element_size() > 1:
+        t = (torch.randn(n, generator=g, dtype=torch.float64) * 0.02).to(dtype)
+        specials = torch.tensor(FLOAT_SPECIALS, dtype=torch.float64).to(dtype)
+        t[: len(specials)] = specials
+        bits = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        nan = bits[4].item()  # NaN payloads: quiet, signalling, negative, all mantissa bits
+        for i, payload in enumerate((1, 2, 3, 0x55, -1)):
+            bits[100 + i] = nan | (payload & ((1 << (t.element_size() * 8 - 10)) - 1))
+            bits[200 + i] = -abs(bits[100 + i].item()) if bits[100 + i] > 0 else bits[100 + i]
+        subnormal = bits.new_tensor(1)  # the smallest subnormal, and a run of them
+        bits[300:400] = subnormal * torch.arange(100, dtype=bits.dtype)
+        return t
+    raw = torch.randint(0, 7, (n * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw % 2).bool()
+    return raw.view(dtype)
+
+
+def byte_view(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "bytegroup"])
+@pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=lambda d: DTYPE_NAMES[d])
+def test_every_codec_and_dtype_round_trips_bit_exact(codec, dtype):
+    raw = byte_view(special_tensor(dtype))
+    name = DTYPE_NAMES[dtype]
+    _, specs = layout([("t", name, (len(raw) // torch.empty((), dtype=dtype).element_size(),))])
+    encoder = FrameEncoder(codec, 1, specs)
+    offset = specs[0].begin
+    context: dict = {}
+    for phase_shift in (0, 1, 3):  # frames that start mid-element
+        begin = offset + phase_shift
+        frame = memoryview(raw)[phase_shift:]
+        enc = encoder.encode(begin, frame, context)
+        stored = b"".join(bytes(p) for p in enc.pieces)
+        assert len(stored) == enc.stored_length
+        out = bytearray(len(frame))
+        make_codec(enc.codec).decode_into(stored, cut(out, [len(frame) // 3, 5]), enc.layout)
+        assert bytes(out) == bytes(frame)
+
+
+@pytest.mark.parametrize("dtype,width,bound", [(torch.bfloat16, 2, 0.70), (torch.float16, 2, 0.86),
+                                               (torch.float32, 4, 0.86), (torch.float64, 8, 0.95)])
+def test_float_weights_compress_their_exponent_plane(dtype, width, bound):
+    t = (torch.randn(200_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.02).to(dtype)
+    raw = byte_view(t)
+    codec = BytegroupCodec()
+    mask = codec.probe(raw, width, 0)
+    assert mask[-1] and not mask[0], mask  # top byte (sign, exponent) compressed, low byte raw
+    pieces, lay = codec.encode_planes(raw, width, 0, mask)
+    assert lay.planes[-1][0] == "zstd" and lay.planes[-1][1] < 0.7 * len(raw) / width
+    stored = b"".join(bytes(p) for p in pieces)
+    assert len(stored) < bound * len(raw)
+    out = bytearray(len(raw))
+    codec.decode_into(stored, memoryview(out), lay)
+    assert bytes(out) == raw
+
+
+def test_probe_stores_incompressible_data_raw():
+    raw = os.urandom(1 << 20)
+    _, specs = layout([("w", "F32", (len(raw) // 4,))])
+    encoder = FrameEncoder("bytegroup", 1, specs)
+    assert BytegroupCodec().probe(raw, 4, 0) == (False,) * 4
+    enc = encoder.encode(specs[0].begin, memoryview(raw), {})
+    assert enc.codec == "raw" and enc.layout is None and enc.pieces[0] is not None
+    assert enc.stored_length == len(raw) and enc.xxh3_stored == enc.xxh3_raw
+
+
+def test_a_probed_plane_that_stops_compressing_is_stored_raw():
+    codec = BytegroupCodec()
+    raw = os.urandom(4096)
+    pieces, lay = codec.encode_planes(raw, 2, 0, (True, True), max_ratio=0.97)
+    assert lay.planes == (("raw", 2048), ("raw", 2048))
+
+
+def test_mixed_dtypes_and_odd_frame_cuts_decode_exactly():
+    """Frames packed across tensors: an odd-length bf16 tensor puts the fp32 one after it
+    off its element alignment; frames of odd sizes cut through elements."""
+    tensors = [("a", torch.bfloat16, 1001), ("b", torch.float32, 3000), ("c", torch.uint8, 7),
+               ("d", torch.float64, 999), ("e", torch.float16, 4097), ("f", torch.int64, 5)]
+    data = {name: special_tensor(dtype, n, seed=i) for i, (name, dtype, n) in enumerate(tensors)}
+    header, specs = layout([(n, DTYPE_NAMES[d], (k,)) for n, d, k in tensors])
+    stream = header + b"".join(byte_view(data[n]) for n, _, _ in tensors)
+    assert specs[1].begin % 4 == 2  # fp32 misaligned by the odd bf16 tensor before it
+    encoder = FrameEncoder("bytegroup", 1, specs)
+    context: dict = {}
+    for frame_size in (4097, 1000, 333, 8192):
+        out = bytearray(len(stream))
+        codecs = set()
+        for begin in range(0, len(stream), frame_size):
+            frame = memoryview(stream)[begin:begin + frame_size]
+            enc = encoder.encode(begin, frame, context)
+            codecs.add(enc.codec)
+            stored = b"".join(bytes(p) for p in enc.pieces)
+            make_codec(enc.codec).decode_into(stored, memoryview(out)[begin:begin + len(frame)],
+                                              enc.layout)
+        assert bytes(out) == stream
+        assert "bytegroup" in codecs
+
+
+def test_geometry_follows_the_tensor_covering_most_of_the_frame():
+    header, specs = layout([("a", "BF16", (3,)), ("b", "F32", (1000,)), ("c", "F64", (10,))])
+    encoder = FrameEncoder("bytegroup", 1, specs)
+    assert encoder.geometry(0, len(header)) == (-1, 1, 0)  # the header: no elements
+    b = specs[1]
+    assert encoder.geometry(specs[0].begin, 100) == (1, 4, (b.begin - specs[0].begin) % 4)
+    assert encoder.geometry(b.begin + 5, 64) == (1, 4, 3)
+    assert encoder.geometry(specs[2].begin - 4, 84) == (2, 8, 4)
+
+
+# -- what decode refuses --------------------------------------------------------------------------
+
+def encoded_weights() -> tuple[bytes, bytes, PlaneLayout]:
+    raw = byte_view((torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16())
+    pieces, lay = BytegroupCodec().encode_planes(raw, 2, 0, (False, True))
+    return raw, b"".join(bytes(p) for p in pieces), lay
+
+
+def test_decode_refuses_a_layout_that_does_not_tile_the_frame():
+    raw, stored, lay = encoded_weights()
+    out = memoryview(bytearray(len(raw)))
+    bad = [PlaneLayout(2, 0, lay.planes[:1]), PlaneLayout(3, 0, lay.planes + (("raw", 1),)),
+           PlaneLayout(2, 2, lay.planes), PlaneLayout(2, 0, (("raw", 1), lay.planes[1])),
+           PlaneLayout(2, 0, (lay.planes[0], ("zstd", lay.planes[1][1] + 1))),
+           PlaneLayout(2, 0, (("lz4", lay.planes[0][1]), lay.planes[1]))]
+    for layout_ in bad:
+        with pytest.raises(CorruptCheckpointError):
+            BytegroupCodec().decode_into(stored, out, layout_)
+    with pytest.raises(CorruptCheckpointError, match="layout"):
+        BytegroupCodec().decode_into(stored, out, None)
+
+
+def test_decode_refuses_a_corrupt_plane():
+    raw, stored, lay = encoded_weights()
+    zstart = len(stored) - lay.planes[1][1]
+    damaged = bytearray(stored)
+    damaged[zstart:zstart + 4] = b"nope"  # the zstd plane's magic
+    with pytest.raises(CorruptCheckpointError, match="plane 1"):
+        BytegroupCodec().decode_into(bytes(damaged), memoryview(bytearray(len(raw))), lay)
+
+
+# -- manifest ------------------------------------------------------------------------------------
+
+def test_manifest_carries_the_plane_layout():
+    header, specs = layout([("w", "BF16", (4096,))])
+    lay = PlaneLayout(2, 1, (("raw", 4095), ("zstd", 1500)))
+    frames = [Frame(0, len(header), 0, len(header), "raw", 7, 7),
+              Frame(len(header), 8192, len(header), 1 + 4095 + 1500 + 1, "bytegroup", 1, 2, lay)]
+    part = RankPart(0, "rank-00000.safetensors.bg", "bytegroup", specs[-1].end,
+                    len(header) + 5597, specs, frames, {"tensor": "w"})
+    data = Manifest(step=1, world_size=1, ranks=[part]).to_bytes()
+    assert b'"planes":{"width":2,"phase":1,"stored":[["raw",4095],["zstd",1500]]}' in data
+    back = parse_manifest(data, max_frame_bytes=1 << 20)
+    assert back.ranks[0].frames == frames
+    # a layout that does not tile the stored length, or on a non-bytegroup frame
+    for old, new in ((b'["zstd",1500]', b'["zstd",1501]'), (b'"width":2', b'"width":9'),
+                     (b'"codec":"bytegroup"', b'"codec":"zstd"')):
+        body = data[data.index(b'"manifest":') + 11:-2].replace(old, new)
+        envelope = b'{"xxh3":"' + f"{xxhash.xxh3_64_intdigest(body):016x}".encode() + \
+            b'","manifest":' + body + b"}\n"
+        with pytest.raises(CorruptCheckpointError):
+            parse_manifest(envelope, max_frame_bytes=1 << 20)
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+def test_writer_saves_and_loads_bytegroup_bit_exact(tmp_path):
+    state = {"model": {"w": special_tensor(torch.bfloat16, 300_001),
+                       "norm": special_tensor(torch.float32, 1023)},
+             "optim": {"m": special_tensor(torch.float32, 100_000, seed=2),
+                       "v": special_tensor(torch.float32, 100_000, seed=3).abs(),
+                       "step": torch.tensor(7, dtype=torch.int64)},
+             "mask": special_tensor(torch.bool, 33), "half": special_tensor(torch.float16, 577)}
+    with running_writer(tmp_path, "bytegroup") as writer:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1, slot_size=64 << 10,
+                               ring_size=256 << 10) as client:
+            path = client.save(1, state).wait(60)
+    assert (path / "rank-00000.safetensors.bg").is_file()
+    assert_same(state, asyncckpt.load(path))
+    part = read_manifest(path).ranks[0]
+    assert part.codec == "bytegroup" and part.stored_size < 0.9 * part.raw_size
+    assert "bytegroup" in {f.codec for f in part.frames}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=1, max_size=20_000), width=st.sampled_from([1, 2, 4, 8]),
+       phase=st.integers(0, 7), mask=st.lists(st.booleans(), min_size=8, max_size=8),
+       points=st.lists(st.integers(0, 20_000), max_size=4))
+def test_bytegroup_round_trip_any_bytes(data, width, phase, mask, points):
+    codec = BytegroupCodec()
+    pieces, lay = codec.encode_planes(data, width, phase % width, mask[:width])
+    stored = b"".join(bytes(p) for p in pieces)
+    lay.check(len(data), len(stored))
+    out = bytearray(len(data))
+    codec.decode_into(stored, cut(out, points), lay)
+    assert bytes(out) == data
+
+
+# -- the frame pool: ordered appends, bounded frames in flight -------------------------------------
+
+def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
+    import threading
+    import time
+    from asyncckpt.pipeline import RankFileWriter
+    from asyncckpt.pool import FramePool
+
+    rng = torch.Generator().manual_seed(5)
+    n_frames, size = 40, 8192
+    header, specs = layout([("w", "BF16", (n_frames * size // 2,))])
+    data = byte_view((torch.randn(n_frames * size // 2, generator=rng) * 0.02).bfloat16())
+    pool = FramePool(threads=4, max_inflight=5)
+    outstanding, peak, lock = [0], [0], threading.Lock()
+
+    def done_for(i: int):
+        def done() -> None:
+            with lock:
+                outstanding[0] -= 1
+        return done
+
+    writer = RankFileWriter(tmp_path, 0, "bytegroup", 1, header, specs, pool=pool)
+    for i in range(n_frames):
+        with lock:
+            outstanding[0] += 1
+            peak[0] = max(peak[0], outstanding[0])
+        writer.submit(memoryview(data)[i * size:(i + 1) * size], done_for(i))
+        time.sleep(0.0005 * (i % 3))
+    part = writer.finish({"tensor": "w"})
+    pool.close()
+    assert outstanding[0] == 0 and peak[0] <= 5 + 1
+    offsets = [(f.raw_offset, f.stored_offset) for f in part.frames]
+    assert offsets == sorted(offsets) and part.raw_size == len(header) + len(data)
+    stored = (tmp_path / part.file).read_bytes()
+    assert len(stored) == part.stored_size
+    out = bytearray(part.raw_size)
+    for f in part.frames:
+        make_codec(f.codec).decode_into(stored[f.stored_offset:f.stored_offset + f.stored_length],
+                                        memoryview(out)[f.raw_offset:f.raw_offset + f.raw_length],
+                                        f.layout)
+    assert bytes(out) == header + data
+
+
+def test_a_write_error_fails_the_file_and_drains_the_frames(tmp_path, monkeypatch):
+    from asyncckpt import pipeline
+    from asyncckpt.pipeline import RankFileWriter
+    from asyncckpt.pool import FramePool
+
+    header, specs = layout([("w", "U8", (50_000,))])
+    errors: list[BaseException] = []
+    pool = FramePool(threads=2, max_inflight=2)
+    writer = RankFileWriter(tmp_path, 0, "zstd", 1, header, specs, pool=pool,
+                            on_error=errors.append)
+    calls = [0]
+    real = pipeline.os.writev
+
+    def failing(fd, buffers):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(5, "injected EIO")
+        return real(fd, buffers)
+
+    monkeypatch.setattr(pipeline.os, "writev", failing)
+    freed = []
+    payload = os.urandom(50_000)
+    for i in range(0, 50_000, 5000):
+        writer.submit(memoryview(payload)[i:i + 5000], lambda i=i: freed.append(i))
+    with pytest.raises(OSError, match="injected"):
+        writer.finish(None)
+    pool.close()
+    assert len(errors) == 1 and sorted(freed) == list(range(0, 50_000, 5000))
