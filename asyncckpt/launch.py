@@ -74,7 +74,7 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
 
     Args:
         root: the checkpoint root directory (created if missing).
-        codec: "zstd" (default), "raw", "bytegroup" or "auto" (see Knobs.codec).
+        codec: "auto" (default), "raw", "zstd" or "bytegroup" (see Knobs.codec).
         log_file: where the writer logs (default: inherit stderr).
         knobs: other writer knobs (zstd_level, shutdown_timeout, ...); see Knobs.
     Returns:

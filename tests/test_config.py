@@ -24,7 +24,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 def test_defaults(env):
     k = Knobs.from_env()
     assert k == Knobs()
-    assert (k.slot_size, k.ring_size, k.codec, k.zstd_level) == (4 * MiB, 64 * MiB, "zstd", 1)
+    assert (k.slot_size, k.ring_size, k.codec, k.zstd_level) == (4 * MiB, 64 * MiB, "auto", 1)
     assert (k.connect_timeout, k.shutdown_timeout) == (30.0, 120.0)
     assert (k.max_manifest_bytes, k.max_frame_bytes) == (512 * MiB, 256 * MiB)
     assert k.ring_slots == 16
