@@ -6,9 +6,9 @@ straight from shared memory, and may finish out of order; one appender thread pe
 file writes them strictly in stream order (no reordering buffer beyond the frames in
 flight). Writing on the pool's threads instead was measured worse: a thread blocked in
 write or fdatasync (0.6 s of a 1 GiB save here) is an encoder lost, and on 2 cores
-byte-grouped saves then took 1.25x as long as raw ones. A slot goes back to the rank as soon as its frame no longer needs it: after
-encoding when the stored bytes are a copy (zstd, bytegroup), after the write when they
-are the slot itself (raw). Writer memory is the pool's frames in flight times one
+byte-grouped saves then took 1.25x as long as raw ones. A slot goes back to the rank as
+soon as its frame no longer needs it: after encoding when the stored bytes are a copy
+(zstd, bytegroup), after the write when they are the slot itself (raw). Writer memory is the pool's frames in flight times one
 encoded frame, whatever the tensor and model sizes.
 
 Every `flush_bytes` of stored data the file is fdatasynced and those pages dropped
