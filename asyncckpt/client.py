@@ -4,7 +4,14 @@ The training thread only flattens the state dict and checks it (so an unsupporte
 fails in `save()` itself, before anything is sent); the copying happens on a stager
 thread that overlaps the next forward/backward, and the writer does the rest. A second
 thread receives slot credits and results. Saves are staged in the order they are
-made. If the writer goes away, every pending handle fails with WriterUnavailableError
+made.
+
+Back-pressure from the writer reaches the stager only through ring slots. Messages go
+out through a sender thread, so a writer that reads its socket slowly (it stops reading
+while its frame threads are busy, i.e. at disk speed) never stalls the copy into free
+slots: with a 4 GiB ring and state, blocking sends held staging to the disk's 1 GB/s
+instead of the copy's 4-5 GB/s. The queue of unsent messages is bounded by the ring
+(at most one chunk message per slot). If the writer goes away, every pending handle fails with WriterUnavailableError
 at once and later saves raise it immediately: nothing waits forever on a dead writer.
 """
 
@@ -146,12 +153,16 @@ class Client:
         self._broken: WriterUnavailableError | None = None
         self._queue: queue.Queue[_PendingSave | None] = queue.Queue()
         self._closed = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._receiver = threading.Thread(target=self._receive, daemon=True,
                                           name=f"asyncckpt-recv-{self.rank}")
         self._stager = threading.Thread(target=self._stage_loop, daemon=True,
                                         name=f"asyncckpt-stage-{self.rank}")
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                        name=f"asyncckpt-send-{self.rank}")
         self._receiver.start()
         self._stager.start()
+        self._sender.start()
 
     def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
              keep_every: int = 0) -> SaveHandle:
@@ -197,6 +208,8 @@ class Client:
         self._closed = True
         self._queue.put(None)
         self._stager.join(timeout)
+        self._outbox.put(None)
+        self._sender.join(timeout)
         for pending in list(self._pending.values()):
             pending.handle._done.wait(timeout)
         protocol.hang_up(self._conn)
@@ -234,7 +247,7 @@ class Client:
     def _stage_one(self, pending: _PendingSave) -> None:
         started = time.perf_counter()
         handle = pending.handle
-        self._conn.send_bytes(pending.begin)
+        self._outbox.put(pending.begin)
 
         def acquire() -> int:
             with self._cond:
@@ -245,26 +258,38 @@ class Client:
                 return self._free.popleft()
 
         def emit(slot: int, length: int) -> None:
-            protocol.send(self._conn, "chunk", save=pending.id, slot=slot, length=length)
+            self._send("chunk", save=pending.id, slot=slot, length=length)
 
         try:
             nbytes = stage(_unmodified(pending), self._ring, acquire, emit, self._release,
                            self._device, pending.ready)
         except _Cancelled:
-            protocol.send(self._conn, "end", save=pending.id)
+            self._send("end", save=pending.id)
             raise
         except OSError:
             raise
         except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
             cause = str(e) if isinstance(e, _Torn) else f"staging failed: {type(e).__name__}: {e}"
             error = SaveFailedError(cause, step=pending.step, rank=self.rank)
-            protocol.send(self._conn, "abort", save=pending.id, reason=str(error))
+            self._send("abort", save=pending.id, reason=str(error))
             handle._set_failed(error)
             return
-        protocol.send(self._conn, "end", save=pending.id)
+        self._send("end", save=pending.id)
         seconds = time.perf_counter() - started
         handle.stats.update(staged_bytes=nbytes, staging_seconds=seconds)
         handle._set_staged()
+
+    # -- sender thread ---------------------------------------------------------------
+
+    def _send(self, op: str, **fields: Any) -> None:
+        self._outbox.put(protocol.encode(op, **fields))
+
+    def _send_loop(self) -> None:
+        try:
+            while (data := self._outbox.get()) is not None:
+                self._conn.send_bytes(data)
+        except (OSError, EOFError):
+            self._on_broken("writer connection lost while sending")
 
     def _release(self, slot: int) -> None:
         with self._cond:
