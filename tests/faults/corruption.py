@@ -2,10 +2,10 @@
 
     python tests/faults/corruption.py --cases 1000
 
-Each case copies a committed 2-rank checkpoint (zstd or raw codec) and applies one
+Each case copies a committed 2-rank checkpoint (zstd, raw or bytegroup codec) and applies one
 damage: a flipped bit in a data file or in the manifest, a truncation, appended bytes, a
 deleted data file or manifest, an extra file, two frames swapped, or a manifest field
-edited *and re-signed* (so only the field rules, the header check and the data
+edited *and re-signed* (plane layouts too; so only the field rules, the header check and the data
 checksums can catch it). `verify` must report every case, `load` must raise
 CorruptCheckpointError for the damaged rank, and any rank that loads must load the
 original values exactly.
@@ -44,7 +44,7 @@ def rank_state(rank: int) -> dict:
 def make_checkpoints(workdir: Path) -> dict[str, Path]:
     """One committed 2-rank step per codec."""
     out = {}
-    for codec in ("zstd", "raw"):
+    for codec in ("zstd", "raw", "bytegroup"):
         root = workdir / codec
         writer = asyncckpt.start_writer(root, codec=codec, log_file=workdir / f"{codec}.log")
         try:
@@ -160,6 +160,7 @@ def resigned_edit(d: Path, rng: random.Random) -> tuple[str, int | None]:
         "tensor name": lambda: tensor.__setitem__("name", tensor["name"] + "x"),
         "tensor range": lambda: tensor["range"].__setitem__(1, tensor["range"][1] + 2),
         "codec": lambda: part.__setitem__("codec", "raw" if part["codec"] == "zstd" else "zstd"),
+        "plane layout": lambda: _edit_planes(rng, part["frames"]),
         "world size": lambda: body.__setitem__("world_size", 3),
         "rank order": lambda: body["ranks"].reverse(),
         "file name": lambda: part.__setitem__("file", "../" + part["file"]),
@@ -169,6 +170,27 @@ def resigned_edit(d: Path, rng: random.Random) -> tuple[str, int | None]:
     edits[what]()
     _resign(d, body)
     return f"re-signed manifest edit: {what} (rank {rank})", rank
+
+
+def _edit_planes(rng: random.Random, frames: list[dict]) -> None:
+    """A bytegroup frame's plane layout: another width or phase, or a plane's codec or
+    stored length changed (for other codecs, a layout where none belongs)."""
+    frame = rng.choice(frames)
+    planes = frame.get("planes")
+    if planes is None:
+        frame["planes"] = {"width": 2, "phase": 0, "stored": [["raw", frame["stored"][1]]]}
+        return
+    choice = rng.randrange(4)
+    if choice == 0:
+        planes["width"] = 4 if planes["width"] == 2 else 2
+    elif choice == 1:
+        planes["phase"] = (planes["phase"] + 1) % planes["width"]
+    else:
+        plane = rng.choice(planes["stored"])
+        if choice == 2:
+            plane[0] = "raw" if plane[0] == "zstd" else "zstd"
+        else:
+            plane[1] += rng.choice((-1, 1))
 
 
 DAMAGES: list[tuple[Damage, int]] = [
