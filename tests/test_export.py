@@ -12,14 +12,25 @@ import asyncckpt
 from asyncckpt.cli import main
 
 
-@pytest.mark.parametrize("codec", ["zstd"], indirect=True)
-def test_export_loads_in_transformers_with_identical_outputs(client, root, tmp_path, capsys):
+def tiny_bert():
+    """(transformers, config, model): a 2-layer BERT built locally, nothing downloaded."""
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=48,
                                      max_position_embeddings=64)
     torch.manual_seed(0)
-    model = transformers.BertModel(config).eval()
+    return transformers, config, transformers.BertModel(config).eval()
+
+
+def assert_same_outputs(model, reloaded) -> None:
+    ids = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).last_hidden_state, reloaded(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("codec", ["zstd"], indirect=True)
+def test_export_loads_in_transformers_with_identical_outputs(client, root, tmp_path, capsys):
+    transformers, config, model = tiny_bert()
     client.save(3, {"model": model.state_dict(), "optim": {"lr": 0.1}, "step": 3}).wait(60)
     out = tmp_path / "hf"
     assert main(["export", str(root), "--out", str(out), "--max-shard-size", "40KiB", "--json"]) == 0
@@ -31,10 +42,7 @@ def test_export_loads_in_transformers_with_identical_outputs(client, root, tmp_p
         for name, tensor in load_file(out / shard).items():
             assert torch.equal(tensor, model.state_dict()[name])
     config.save_pretrained(out)
-    reloaded = transformers.BertModel.from_pretrained(out).eval()
-    ids = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert torch.equal(model(ids).last_hidden_state, reloaded(ids).last_hidden_state)
+    assert_same_outputs(model, transformers.BertModel.from_pretrained(out).eval())
 
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
@@ -54,17 +62,12 @@ def test_export_dtype_and_contents(client, root, tmp_path):
 def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
     """Two ranks save a BERT as DTensors (Shard(0) and Shard(1) mixed, the embeddings
     replicated); the export assembles every tensor and transformers gets identical outputs."""
-    transformers = pytest.importorskip("transformers")
     from torch.distributed.tensor import Replicate, Shard
 
-    from conftest import SMALL_RING, running_writer
-    from test_sharded import as_rank, dtensor_of
+    from conftest import running_writer
+    from test_sharded import dtensor_of, save_ranks
 
-    config = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=48,
-                                     max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.BertModel(config).eval()
+    transformers, config, model = tiny_bert()
     full = model.state_dict()
 
     def placement(name: str, t: torch.Tensor) -> tuple:
@@ -73,22 +76,12 @@ def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
         return (Shard(t.dim() - 1),) if "dense" in name else (Shard(0),)
 
     with running_writer(tmp_path, codec="zstd") as w:
-        clients = [asyncckpt.connect(w.address, rank=r, world_size=2, **SMALL_RING) for r in range(2)]
-        handles = []
-        for r, c in enumerate(clients):
-            with as_rank(r, 2):
-                sharded = {k: dtensor_of(v, (2,), placement(k, v)) for k, v in full.items()}
-                handles.append(c.save(1, {"model": sharded}))
-        for h in handles:
-            h.wait(60)
-        for c in clients:
-            c.close(30)
+        save_ranks(w.address, 2, lambda r: {"model": {k: dtensor_of(v, (2,), placement(k, v))
+                                                      for k, v in full.items()}}, step=1)
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(out), "--max-shard-size", "40KiB"]) == 0
     config.save_pretrained(out)
     reloaded = transformers.BertModel.from_pretrained(out).eval()
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, full[name]), name
-    ids = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert torch.equal(model(ids).last_hidden_state, reloaded(ids).last_hidden_state)
+    assert_same_outputs(model, reloaded)

@@ -14,7 +14,7 @@ import itertools
 import json
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -67,25 +67,31 @@ def writer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[asyncckpt.Write
 _steps = itertools.count(1)
 
 
-def save_world(writer: asyncckpt.WriterProcess, fulls: dict[str, torch.Tensor],
-               mesh_shape: tuple[int, ...], placements: Placements) -> Path:
-    """Every rank of `mesh_shape` saves its shards of `fulls` plus a rank-local tensor
-    and object; returns the committed checkpoint."""
-    world, step = math.prod(mesh_shape), next(_steps)
-    clients = [asyncckpt.connect(writer.address, rank=r, world_size=world, **SMALL_RING)
+def save_ranks(address: str, world: int, make_state: Callable[[int], dict],
+               step: int | None = None) -> Path:
+    """Ranks 0..world-1, each its own client under the fake process group as that rank,
+    save `make_state(rank)` as one step; returns the committed checkpoint."""
+    step = next(_steps) if step is None else step
+    clients = [asyncckpt.connect(address, rank=r, world_size=world, **SMALL_RING)
                for r in range(world)]
     try:
         handles = []
         for r, client in enumerate(clients):
             with as_rank(r, world):
-                state = {"model": {k: dtensor_of(v, mesh_shape, placements) for k, v in fulls.items()},
-                         "mine": torch.full((3,), float(r)), "rank": r}
-                handles.append(client.save(step, state))
-        paths = [h.wait(timeout=60) for h in handles]
+                handles.append(client.save(step, make_state(r)))
+        return [h.wait(timeout=60) for h in handles][0]
     finally:
         for c in clients:
             c.close(timeout=30)
-    return paths[0]
+
+
+def save_world(writer: asyncckpt.WriterProcess, fulls: dict[str, torch.Tensor],
+               mesh_shape: tuple[int, ...], placements: Placements) -> Path:
+    """Every rank of `mesh_shape` saves its shards of `fulls` plus a rank-local tensor
+    and object; returns the committed checkpoint."""
+    return save_ranks(writer.address, math.prod(mesh_shape), lambda r: {
+        "model": {k: dtensor_of(v, mesh_shape, placements) for k, v in fulls.items()},
+        "mine": torch.full((3,), float(r)), "rank": r})
 
 
 def load_world(path: Path, fulls: dict[str, torch.Tensor], mesh_shape: tuple[int, ...],
@@ -149,19 +155,8 @@ def test_replicated_boxes_are_written_once(writer):
 def test_uneven_and_empty_shards_and_scalars(writer):
     fulls = {"odd": torch.randn(5, 3), "tiny": torch.randn(2), "scalar": torch.tensor(3.5)}
     placements = {"odd": (Shard(0),), "tiny": (Shard(0),), "scalar": (Replicate(),)}
-    world, step = 4, next(_steps)
-    clients = [asyncckpt.connect(writer.address, rank=r, world_size=world, **SMALL_RING)
-               for r in range(world)]
-    try:
-        handles = []
-        for r, client in enumerate(clients):
-            with as_rank(r, world):
-                state = {k: dtensor_of(v, (world,), placements[k]) for k, v in fulls.items()}
-                handles.append(client.save(step, state))
-        path = [h.wait(timeout=60) for h in handles][0]
-    finally:
-        for c in clients:
-            c.close(timeout=30)
+    path = save_ranks(writer.address, 4, lambda r: {
+        k: dtensor_of(v, (4,), placements[k]) for k, v in fulls.items()})
     full = asyncckpt.load(path, rank=3)
     for k, v in fulls.items():
         assert torch.equal(full[k], v)

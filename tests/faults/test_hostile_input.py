@@ -93,22 +93,14 @@ def committed_sharded(tmp_path_factory) -> Path:
     """Two (simulated) ranks saving DTensors, one of them replicated, plus plain values."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from test_sharded import as_rank, dtensor_of
+    from test_sharded import dtensor_of, save_ranks
     root = tmp_path_factory.mktemp("hostile-sharded") / "ckpt"
     full = {"w": torch.randn(30, 7), "v": torch.randn(5), "r": torch.randn(3)}
     places = {"w": (Shard(1),), "v": (Shard(0),), "r": (Replicate(),)}
     with asyncckpt.start_writer(root, codec="raw") as writer:
-        clients = [asyncckpt.connect(writer.address, rank=r, world_size=2, slot_size=4096,
-                                     ring_size=16384) for r in range(2)]
-        handles = []
-        for r, client in enumerate(clients):
-            with as_rank(r, 2):
-                state = {k: dtensor_of(v, (2,), places[k]) for k, v in full.items()}
-                handles.append(client.save(1, {"model": state, "step": torch.tensor(r)}))
-        for h in handles:
-            h.wait(30)
-        for c in clients:
-            c.close(30)
+        save_ranks(writer.address, 2, lambda r: {
+            "model": {k: dtensor_of(v, (2,), places[k]) for k, v in full.items()},
+            "step": torch.tensor(r)}, step=1)
     return root / "step-00000001"
 
 
