@@ -85,6 +85,7 @@ class RankReader:
         self.path = directory / self.part.file
         self._scratch: dict = {}  # codecs (a file may mix them) and buffers, one thread
         self.threads = Knobs.from_env().encode_threads if threads is None else threads
+        self._pool: FramePool | None = None  # started by the first parallel read
         self._header: bytes | None = None
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -97,6 +98,9 @@ class RankReader:
                                 f"{self.part.stored_size}")
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -380,10 +384,12 @@ def _buffer(scratch: dict, kind: str, size: int) -> memoryview:
 
 
 def _run_parallel(reader: RankReader, jobs: list[_Job]) -> None:
-    """Run `reader`'s frame jobs on a pool of `reader.threads`; raise the first error
-    once every job has finished or been skipped (no thread writes into the outputs
-    after this returns)."""
-    pool = FramePool(reader.threads, 2 * reader.threads, name="asyncckpt-load")
+    """Run `reader`'s frame jobs on its pool of `reader.threads` (started once, kept until
+    the reader closes); raise the first error once every job has finished or been
+    skipped (no thread writes into the outputs after this returns)."""
+    if reader._pool is None:
+        reader._pool = FramePool(reader.threads, 2 * reader.threads, name="asyncckpt-load")
+    pool = reader._pool
     errors: list[BaseException] = []
     left = [len(jobs)]
     finished = threading.Condition()
@@ -402,14 +408,15 @@ def _run_parallel(reader: RankReader, jobs: list[_Job]) -> None:
                     finished.notify_all()
         return run
 
+    submitted = 0
     try:
         for job in jobs:
             pool.submit(job_for(job))
-        with finished:
-            while left[0]:
-                finished.wait()
+            submitted += 1
     finally:
-        pool.close()
+        with finished:
+            while left[0] > len(jobs) - submitted:
+                finished.wait()
     if errors:
         raise errors[0]
 
