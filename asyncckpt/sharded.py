@@ -74,7 +74,8 @@ def global_tensors(manifest: Manifest) -> dict[str, GlobalTensor]:
                                               step=manifest.step, rank=part.rank)
             dtype, shape, offsets = body.get("dtype"), body.get("shape"), body.get("offsets")
             placements = body.get("placements")
-            if (dtype not in DTYPE_SIZES or not _dims(shape) or not isinstance(placements, list)
+            if (not isinstance(dtype, str) or dtype not in DTYPE_SIZES or not _dims(shape)
+                    or not isinstance(placements, list)
                     or not all(isinstance(p, str) for p in placements)):
                 raise bad("bad dtype, shape or placements")
             g = out.setdefault(name, GlobalTensor(name, path, dtype, tuple(shape), placements))

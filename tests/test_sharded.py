@@ -218,6 +218,8 @@ def test_partial_placement_is_refused_at_save(writer):
      "does not fit"),
     (lambda body: body["ranks"][0]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("placements", 5),
      "placements"),
+    (lambda body: body["ranks"][0]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("dtype", []),
+     "bad dtype"),  # found by the fuzz: an unhashable dtype raised TypeError
     (lambda body: body["ranks"][0]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("dtype", "F16"),
      "disagree|table entry"),
 ])
