@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol, Sequence
 
+import xxhash
 import zstandard
 
 from . import planes as _planes
@@ -200,6 +201,16 @@ class BytegroupCodec:
             pos += length
         _planes.merge_into(view[:head], planes, view[pos:pos + tail], layout.width,
                            layout.phase, outs)
+
+
+def xxh3_of(pieces: Sequence[Buffer]) -> int:
+    """XXH3-64 of the concatenation of `pieces` (a frame's bytes split by tensor or plane)."""
+    if len(pieces) == 1:
+        return xxhash.xxh3_64_intdigest(pieces[0])
+    h = xxhash.xxh3_64()
+    for piece in pieces:
+        h.update(piece)
+    return h.intdigest()
 
 
 def _pieces(out: memoryview | list[memoryview]) -> list[memoryview]:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import xxhash
 
 from .autocodec import CANDIDATES, CodecChooser
-from .codec import Buffer, BytegroupCodec, PlaneLayout, make_codec
+from .codec import Buffer, BytegroupCodec, PlaneLayout, make_codec, xxh3_of
 from .format import TensorSpec, element_size
 
 
@@ -125,11 +125,8 @@ class FrameEncoder:
         if any(mask):
             pieces, layout = codec.encode_planes(raw, width, phase, mask, self._max_ratio)
             if any(c == "zstd" for c, _ in layout.planes):
-                h = xxhash.xxh3_64()
-                for p in pieces:
-                    h.update(p)
                 size = sum(len(p) for p in pieces)
-                return Encoded("bytegroup", pieces, size, raw_hash, h.intdigest(), layout, False)
+                return Encoded("bytegroup", pieces, size, raw_hash, xxh3_of(pieces), layout, False)
         return Encoded("raw", [raw], len(raw), raw_hash, raw_hash, None, True)
 
     def _codec(self, name: str, context: dict):  # type: ignore[no-untyped-def]

@@ -4,7 +4,8 @@
 `model.safetensors.index.json`. Shards are planned from the manifest alone (names,
 dtypes, shapes are all known before a byte is read), so each shard's header is written
 first and then each tensor is read -- verified -- converted, appended and dropped. A
-sharded (DTensor) tensor is assembled from every rank's boxes into one full tensor.
+sharded (DTensor) tensor is assembled from every rank's boxes into one full tensor (a
+plain one is the same with a single box).
 Peak memory is the largest tensor (twice, during a dtype conversion), never the model:
 the opposite of merging every shard in RAM.
 """
@@ -31,10 +32,12 @@ from .tree import walk
 @dataclass
 class _Item:
     export_name: str
-    saved_name: str
     dtype: str
-    shape: tuple[int, ...]
-    sharded: GlobalTensor | None = None
+    saved: GlobalTensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.saved.shape
 
     @property
     def nbytes(self) -> int:
@@ -76,13 +79,11 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
             if not key or key[0] != contents:
                 continue
             key = key[1:]
-        sharded = globals_[name] if kind == "dtensor" else None
-        saved_dtype, shape = (sharded.dtype, sharded.shape) if sharded else (specs[name].dtype,
-                                                                              specs[name].shape)
-        target = saved_dtype
-        if dtype is not None and DTYPES[saved_dtype].is_floating_point:
+        saved = globals_[name] if kind == "dtensor" else GlobalTensor.whole(rank, specs[name])
+        target = saved.dtype
+        if dtype is not None and saved.torch_dtype.is_floating_point:
             target = DTYPE_NAMES[dtype]
-        items.append(_Item(".".join(map(str, key)), name, target, shape, sharded))
+        items.append(_Item(".".join(map(str, key)), target, saved))
     if not items:
         raise CheckpointError(f"no tensors under {contents!r}", step=manifest.step, rank=rank)
     names = [i.export_name for i in items]
@@ -98,16 +99,14 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
     out.mkdir(parents=True, exist_ok=True)
     weight_map = {}
     with Readers(directory, manifest) as readers:
-        reader = readers(rank)
+        readers(rank)  # its header is checked even if every tensor comes from others
         for n, shard in enumerate(shards, 1):
             name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
             header, _ = layout((i.export_name, i.dtype, i.shape) for i in shard)
             with open(out / name, "wb") as f:
                 f.write(header)
                 for item in shard:
-                    tensor = (_assemble(item.sharded, readers) if item.sharded
-                              else reader.read_tensor(specs[item.saved_name]))
-                    tensor = tensor.to(DTYPES[item.dtype]).contiguous()
+                    tensor = _assemble(item.saved, readers).to(DTYPES[item.dtype]).contiguous()
                     if tensor.numel():
                         f.write(tensor_bytes(tensor))
                     weight_map[item.export_name] = name

@@ -17,12 +17,10 @@ import torch
 
 from . import dtensor
 from .client import resolve_rank
-from .dtypes import DTYPES
 from .errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
-from .format import TensorSpec
 from .manifest import Manifest, read_manifest
 from .reader import Readers, check_files, check_tree, resolve_checkpoint
-from .sharded import Box, GlobalTensor, ReadPlan, global_tensors
+from .sharded import GlobalTensor, ReadPlan, global_tensors
 from .tree import unflatten, walk
 
 
@@ -64,24 +62,17 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
         _check_rank(rank, manifest, str(directory))
     part = manifest.ranks[rank]
     paths = check_tree(part, manifest.step)
-    used = {body["name"]: globals_[body["name"]] for _, kind, body in walk(part.tree)
-            if kind == "dtensor"}
-    specs = [s for s in part.tensors if s.name not in globals_]
-    targets = _match_targets(into, paths, {s.name: s for s in specs}, used, strict,
-                             manifest.step, rank) if into is not None else {}
-    for name, target in targets.items():  # a DTensor filled from a plain saved tensor
-        if dtensor.is_dtensor(target) and name not in used:
-            spec = next(s for s in specs if s.name == name)
-            used[name] = GlobalTensor(name, paths[name], spec.dtype, spec.shape,
-                                      boxes=[Box(rank, spec, (0,) * len(spec.shape))])
-    specs = [s for s in specs if s.name not in used]
-
+    # a plain tensor is a global tensor of one box: one read path fills every target
+    used = {name: GlobalTensor.whole(rank, spec, paths[name]) for spec in part.tensors
+            if (name := spec.name) not in globals_}
+    used.update({body["name"]: globals_[body["name"]] for _, kind, body in walk(part.tree)
+                 if kind == "dtensor"})
+    targets = _match_targets(into, used, strict, manifest.step, rank) if into is not None else {}
     with Readers(directory, manifest) as readers:
-        tensors = readers(rank).read_tensors(specs, [targets.get(s.name) for s in specs])
-        loaded = {s.name: t for s, t in zip(specs, tensors)}
         plan = ReadPlan(readers)
-        for name, g in used.items():
-            loaded[name] = _plan_global(plan, g, targets.get(name), manifest.step, rank)
+        readers(rank)  # its header is checked even if it holds no tensor
+        loaded = {name: _plan(plan, g, targets.get(name), manifest.step, rank)
+                  for name, g in used.items()}
         plan.flush()
     return unflatten(part.tree, loaded.__getitem__)
 
@@ -92,14 +83,14 @@ def _check_rank(rank: int, manifest: Manifest, where: str) -> None:
                                       step=manifest.step, rank=rank, file=where)
 
 
-def _plan_global(plan: ReadPlan, g: GlobalTensor, target: torch.Tensor | None, step: int,
-                 rank: int) -> torch.Tensor:
+def _plan(plan: ReadPlan, g: GlobalTensor, target: torch.Tensor | None, step: int,
+          rank: int) -> torch.Tensor:
     """Schedule `target` (or a new full tensor) to be filled from `g`; return it."""
     if target is None:
         try:
             target = torch.empty(g.shape, dtype=g.torch_dtype)
         except (RuntimeError, MemoryError) as e:
-            raise CheckpointError(f"cannot allocate global tensor {g.name!r} {g.shape}: {e}",
+            raise CheckpointError(f"cannot allocate tensor {g.name!r} {g.shape}: {e}",
                                   step=step, rank=rank) from None
         plan.add(g, (0,) * len(g.shape), target)
         return target
@@ -112,11 +103,9 @@ def _plan_global(plan: ReadPlan, g: GlobalTensor, target: torch.Tensor | None, s
     return target
 
 
-def _match_targets(into: Any, paths: dict[str, tuple], specs: dict[str, TensorSpec],
-                   globals_: dict[str, GlobalTensor], strict: bool, step: int,
+def _match_targets(into: Any, tensors: dict[str, GlobalTensor], strict: bool, step: int,
                    rank: int) -> dict[str, torch.Tensor]:
-    by_path = {p: n for n, p in paths.items() if n in specs}
-    by_path.update({g.path: g.name for g in globals_.values()})
+    by_path = {g.path: g.name for g in tensors.values()}
     targets, problems = {}, []
     for target_path, tensor in _tensor_leaves(into):
         name = by_path.get(target_path)
@@ -124,9 +113,7 @@ def _match_targets(into: Any, paths: dict[str, tuple], specs: dict[str, TensorSp
             if strict:
                 problems.append(f"{_show(target_path)} is not in the checkpoint")
             continue
-        saved = globals_.get(name)
-        dtype, shape = (saved.torch_dtype, saved.shape) if saved else (
-            DTYPES[specs[name].dtype], specs[name].shape)
+        dtype, shape = tensors[name].torch_dtype, tensors[name].shape
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             problems.append(f"{_show(target_path)}: target {tensor.dtype} {tuple(tensor.shape)}, "
                             f"saved {dtype} {shape}")

@@ -22,11 +22,10 @@ import torch
 import xxhash
 
 from . import commit
-from .codec import make_codec
+from .codec import make_codec, xxh3_of
 from .config import Knobs
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .dtypes import DTYPES
-from .format import MANIFEST_NAME, TensorSpec, layout, parse_step_dir, step_dir_name
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .format import MANIFEST_NAME, layout, parse_step_dir, step_dir_name
 from .manifest import Frame, Manifest, RankPart
 from .pool import FramePool
 from .tree import tensor_paths, unflatten
@@ -126,7 +125,7 @@ class RankReader:
         outs = out if isinstance(out, list) else [out]
         if frame.codec == "raw" and len(outs) <= _MAX_IOV:
             self._preadv(frame, index, outs, tensor)  # straight into place, no copy
-            self._check(frame, index, "raw", _xxh3(outs), tensor)
+            self._check(frame, index, "raw", xxh3_of(outs), tensor)
             return
         scratch = self._scratch if scratch is None else scratch
         stored = _buffer(scratch, "stored", frame.stored_length)
@@ -139,7 +138,7 @@ class RankReader:
             codec.decode_into(stored, outs, frame.layout)
         except CorruptCheckpointError as e:
             raise self._corrupt(f"frame {index}: {e.cause}", tensor) from None
-        self._check(frame, index, "raw", _xxh3(outs), tensor)
+        self._check(frame, index, "raw", xxh3_of(outs), tensor)
 
     def check_frames(self, on_frame: Callable[[Frame], None] | None = None) -> None:
         """Read and verify every frame (into scratch), calling `on_frame` after each."""
@@ -233,56 +232,6 @@ class RankReader:
         if header != expected:
             raise self._corrupt("safetensors header differs from the manifest's tensor table")
 
-    def read_tensor(self, spec: TensorSpec, into: torch.Tensor | None = None) -> torch.Tensor:
-        """A verified tensor (see `read_tensors`)."""
-        return self.read_tensors([spec], [into])[0]
-
-    def read_tensors(self, specs: list[TensorSpec], into: list[torch.Tensor | None],
-                     header: bytearray | None = None) -> list[torch.Tensor]:
-        """Verified tensors, in one pass over the frames they span (and over the header
-        first, into `header`, when given).
-
-        A target in `into` that is on the CPU, contiguous and of the saved dtype and
-        shape is filled in place; other targets (CUDA, non-contiguous) are filled from a
-        temporary copy, at most `_TEMP_BYTES` of them at a time.
-        """
-        out: list[torch.Tensor] = []
-        ranges: list[tuple[int, int, memoryview, str | None]] = []
-        if header is not None:
-            ranges.append((0, len(header), memoryview(header), None))
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        temp_bytes = 0
-        for spec, target in zip(specs, into):
-            dtype = DTYPES[spec.dtype]
-            direct = (target is not None and target.device.type == "cpu" and target.is_contiguous()
-                      and target.dtype == dtype and tuple(target.shape) == spec.shape)
-            dest = target if direct else self._allocate(spec, dtype)
-            assert dest is not None
-            if spec.end > spec.begin:
-                ranges.append((spec.begin, spec.end, tensor_bytes(dest), spec.name))
-            if target is not None and not direct:
-                copies.append((target, dest))
-                temp_bytes += spec.end - spec.begin
-            out.append(target if target is not None else dest)
-            if temp_bytes > _TEMP_BYTES:
-                self._fill(ranges, copies)
-                ranges, copies, temp_bytes = [], [], 0
-        self._fill(ranges, copies)
-        return out
-
-    def _fill(self, ranges: list, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.read_ranges(ranges)
-        with torch.no_grad():
-            for target, temp in copies:
-                target.copy_(temp)
-
-    def _allocate(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
-        try:
-            return torch.empty(spec.shape, dtype=dtype)
-        except (RuntimeError, MemoryError) as e:  # the manifest bounds it; the host may not
-            raise CheckpointError(f"cannot allocate {spec.end - spec.begin} bytes for tensor "
-                                  f"{spec.name!r}: {e}", step=self.step, rank=self.rank) from None
-
     def _buffer(self, kind: str, size: int) -> memoryview:
         """A reused scratch buffer of at least `size` bytes (one per kind)."""
         return _buffer(self._scratch, kind, size)
@@ -372,7 +321,6 @@ def check_tree(part: RankPart, step: int) -> dict[str, tuple]:
 
 
 _MAX_IOV = 512  # frames spanning more tensors than this are read via scratch
-_TEMP_BYTES = 256 << 20  # temporaries for CUDA / non-contiguous `into` targets, at once
 
 
 def _buffer(scratch: dict, kind: str, size: int) -> memoryview:
@@ -419,15 +367,6 @@ def _run_parallel(reader: RankReader, jobs: list[_Job]) -> None:
                 finished.wait()
     if errors:
         raise errors[0]
-
-
-def _xxh3(pieces: list[memoryview]) -> int:
-    if len(pieces) == 1:
-        return xxhash.xxh3_64_intdigest(pieces[0])
-    h = xxhash.xxh3_64()
-    for piece in pieces:
-        h.update(piece)
-    return h.intdigest()
 
 
 def _frame_at(frames: list[Frame], offset: int) -> int:

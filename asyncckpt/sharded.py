@@ -53,6 +53,12 @@ class GlobalTensor:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @classmethod
+    def whole(cls, rank: int, spec: TensorSpec, path: Path = ()) -> "GlobalTensor":
+        """A plain saved tensor as a global tensor of one box (rank `rank`'s entry)."""
+        return cls(spec.name, path, spec.dtype, spec.shape,
+                   boxes=[Box(rank, spec, (0,) * len(spec.shape))])
+
 
 def global_tensors(manifest: Manifest) -> dict[str, GlobalTensor]:
     """The manifest's global tensors by name, their boxes checked to tile each exactly.
