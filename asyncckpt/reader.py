@@ -77,14 +77,17 @@ class RankReader:
     set of codecs and buffers), but `read_ranges` fans out to `threads` threads."""
 
     def __init__(self, directory: Path, manifest: Manifest, rank: int,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, pool: FramePool | None = None) -> None:
         self.part: RankPart = manifest.ranks[rank]
         self.step = manifest.step
         self.rank = rank
         self.path = directory / self.part.file
         self._scratch: dict = {}  # codecs (a file may mix them) and buffers, one thread
         self.threads = Knobs.from_env().encode_threads if threads is None else threads
-        self._pool: FramePool | None = None  # started by the first parallel read
+        # frame threads: `pool` if shared (their scratch then serves every reader of the
+        # set, so memory does not grow with the ranks read), else started on first use
+        self._pool = pool
+        self._own_pool = pool is None
         self._header: bytes | None = None
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -97,9 +100,9 @@ class RankReader:
                                 f"{self.part.stored_size}")
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._own_pool:
             self._pool.close()
-            self._pool = None
+        self._pool = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -265,15 +268,17 @@ class RankReader:
 
 class Readers:
     """The RankReaders of one checkpoint, each opened (and its header checked) on first
-    use and all closed together: `readers(rank)`."""
+    use and all closed together: `readers(rank)`. They share one pool of frame threads."""
 
     def __init__(self, directory: Path, manifest: Manifest) -> None:
         self._directory, self._manifest = directory, manifest
         self._open: dict[int, RankReader] = {}
+        self._threads = Knobs.from_env().encode_threads
+        self._pool = load_pool(self._threads) if self._threads > 1 else None
 
     def __call__(self, rank: int) -> RankReader:
         if rank not in self._open:
-            reader = RankReader(self._directory, self._manifest, rank)
+            reader = RankReader(self._directory, self._manifest, rank, self._threads, self._pool)
             self._open[rank] = reader
             reader.check_header()
         return self._open[rank]
@@ -282,6 +287,9 @@ class Readers:
         for reader in self._open.values():
             reader.close()
         self._open.clear()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def __enter__(self) -> "Readers":
         return self
@@ -331,12 +339,16 @@ def _buffer(scratch: dict, kind: str, size: int) -> memoryview:
     return memoryview(buf)[:size]
 
 
+def load_pool(threads: int) -> FramePool:
+    return FramePool(threads, 2 * threads, name="asyncckpt-load")
+
+
 def _run_parallel(reader: RankReader, jobs: list[_Job]) -> None:
     """Run `reader`'s frame jobs on its pool of `reader.threads` (started once, kept until
     the reader closes); raise the first error once every job has finished or been
     skipped (no thread writes into the outputs after this returns)."""
     if reader._pool is None:
-        reader._pool = FramePool(reader.threads, 2 * reader.threads, name="asyncckpt-load")
+        reader._pool = load_pool(reader.threads)
     pool = reader._pool
     errors: list[BaseException] = []
     left = [len(jobs)]
