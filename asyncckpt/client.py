@@ -95,6 +95,11 @@ class _PendingSave:
                 tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries])
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
+        if len(self.begin) > protocol.MAX_MESSAGE:
+            raise UnsupportedStateError(
+                f"the state's tensor table and objects take {len(self.begin)} bytes as JSON, "
+                f"over the {protocol.MAX_MESSAGE}-byte message bound ({len(self.entries)} "
+                "tensors); save fewer, larger tensors or split the state", step=step)
 
 
 class Client:
@@ -124,14 +129,14 @@ class Client:
                 "(start a writer with asyncckpt.start_writer() or `asyncckpt writer`)")
         self.address = address
         self.rank, self.world_size = resolve_rank(rank, world_size)
-        ring.sweep_stale()
         self._ring = ring.Ring.create(self.knobs.slot_size, self.knobs.ring_slots)
         try:
             self._conn = protocol.dial(address, protocol.read_authkey(address),
                                        self.knobs.connect_timeout)
             protocol.send(self._conn, "hello", rank=self.rank, world_size=self.world_size,
-                          pid=os.getpid(), ring=self._ring.name,
-                          slot_size=self._ring.slot_size, slots=self._ring.slots)
+                          pid=os.getpid(), slot_size=self._ring.slot_size,
+                          slots=self._ring.slots)
+            protocol.send_fd(self._conn, self._ring.fileno())
             if not self._conn.poll(self.knobs.connect_timeout):
                 raise WriterUnavailableError(f"writer at {address} did not welcome us")
             welcome = protocol.recv(self._conn)
@@ -143,8 +148,11 @@ class Client:
             self._ring.close()
             raise
         finally:
-            self._ring.unlink()
-        self.codec = welcome.get("codec")
+            self._ring.release_fd()  # the writer holds its own descriptor now
+        if welcome.get("op") != "welcome":
+            self._ring.close()
+            raise WriterUnavailableError(f"writer at {address} answered {welcome.get('op')!r}",
+                                         rank=self.rank)
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
         self._cond = threading.Condition()
@@ -274,9 +282,8 @@ class Client:
             self._send("abort", save=pending.id, reason=str(error))
             handle._set_failed(error)
             return
-        self._send("end", save=pending.id)
-        seconds = time.perf_counter() - started
-        handle.stats.update(staged_bytes=nbytes, staging_seconds=seconds)
+        handle.stats.update(staged_bytes=nbytes, staging_seconds=time.perf_counter() - started)
+        self._send("end", save=pending.id)  # after the stats: a result may follow at once
         handle._set_staged()
 
     # -- sender thread ---------------------------------------------------------------

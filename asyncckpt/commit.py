@@ -21,13 +21,13 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 from . import faults
-from .errors import DiskFullError, SaveFailedError, WriterLockedError
+from .errors import DiskFullError, SaveFailedError, StepAlreadyCommittedError, WriterLockedError
 from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, is_atomic_tmp_file, is_tmp_dir,
                      parse_step_dir, step_dir_name)
-from .manifest import Manifest
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -68,8 +68,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_path(path.parent)
 
 
-def publish(root: Path, tmp_dir: Path, manifest: Manifest) -> Path:
-    """Write the manifest into `tmp_dir` and make it the committed `step-N/`.
+def publish(root: Path, tmp_dir: Path, step: int, manifest: bytes) -> Path:
+    """Write the manifest bytes into `tmp_dir` and make it the committed `step-N/`.
 
     Every data file in `tmp_dir` must already be fsynced.
 
@@ -78,12 +78,12 @@ def publish(root: Path, tmp_dir: Path, manifest: Manifest) -> Path:
             when the disk is full); the tmp directory is then left for the caller to
             discard and nothing becomes visible.
     """
-    final = root / step_dir_name(manifest.step)
+    final = root / step_dir_name(step)
     try:
-        if final.exists():
-            raise SaveFailedError(f"{final} already exists; a committed step is never replaced",
-                                  step=manifest.step)
-        write_atomic(tmp_dir / MANIFEST_NAME, manifest.to_bytes())
+        if os.path.lexists(final):
+            raise StepAlreadyCommittedError(f"{final} already exists; a committed step is "
+                                            "never replaced", step=step)
+        write_atomic(tmp_dir / MANIFEST_NAME, manifest)
         faults.point("manifest_written")
         faults.io("rename", final)
         os.rename(tmp_dir, final)
@@ -94,11 +94,11 @@ def publish(root: Path, tmp_dir: Path, manifest: Manifest) -> Path:
             os.rename(final, tmp_dir)  # not durable: take it back rather than claim it
             raise
     except OSError as e:
-        raise io_error(e, step=manifest.step, file=str(e.filename or final)) from e
+        raise io_error(e, step=step, file=str(e.filename or final)) from e
     try:
         update_latest(root)
     except OSError as e:  # the step is committed; `latest` is redone at the next commit or start
-        log.warning("step %d committed but %s not updated: %s", manifest.step, LATEST_NAME, e)
+        log.warning("step %d committed but %s not updated: %s", step, LATEST_NAME, e)
     return final
 
 
@@ -136,12 +136,43 @@ def committed_steps(root: Path) -> list[int]:
 
 
 def read_latest(root: Path) -> int | None:
-    """The step `latest` names, or None if it is absent or unreadable."""
-    try:
-        text = (root / LATEST_NAME).read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
+    """The step `latest` names, or None if it is absent, unreadable or not ours.
+
+    Read like a manifest: never through a symlink, never blocking (a FIFO planted there
+    would hang every commit), a regular file only, at most a few bytes.
+    """
+    text = read_small_file(root / LATEST_NAME, _LATEST_MAX)
+    if text is None:
         return None
-    return parse_step_dir(text)
+    try:
+        return parse_step_dir(text.decode("ascii").strip())
+    except UnicodeDecodeError:
+        return None
+
+
+_LATEST_MAX = 64
+
+
+def read_small_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of regular file `path` if it holds at most `limit`; else None.
+
+    Opens with O_NOFOLLOW | O_NONBLOCK, so a symlink, FIFO or device there is refused
+    rather than followed or waited on.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        data = os.read(fd, limit + 1)
+        return data if len(data) <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def update_latest(root: Path) -> None:
@@ -154,17 +185,17 @@ def update_latest(root: Path) -> None:
 
 
 def remove_stale_tmp(root: Path) -> list[str]:
-    """Delete abandoned `step-*.tmp-*` directories and `.latest.tmp-*` files; returns
-    their names.
+    """Delete abandoned `step-*.tmp-*` directories and `.latest.tmp-*` files (the only
+    names the writer makes there; other files are left alone); returns their names.
 
     Only safe while holding the root lock: a live writer's tmp dirs look the same.
     """
     removed = []
     for name in sorted(os.listdir(root)):
-        if is_tmp_dir(name):
+        if is_tmp_dir(name) and stat.S_ISDIR(os.lstat(root / name).st_mode):
             shutil.rmtree(root / name, ignore_errors=True)
             removed.append(name)
-        elif is_atomic_tmp_file(name):
+        elif is_atomic_tmp_file(name) and name.startswith(f".{LATEST_NAME}.tmp-"):
             (root / name).unlink(missing_ok=True)
             removed.append(name)
     return removed
@@ -175,11 +206,30 @@ def discard(tmp_dir: Path) -> None:
 
 
 class RootLock:
-    """An exclusive flock on `ROOT/.asyncckpt.lock`, released by the kernel on exit."""
+    """An exclusive flock on `ROOT/.asyncckpt.lock`, released by the kernel on exit.
+
+    The file is opened with O_NOFOLLOW and must be a regular file: a symlink planted
+    there is refused, never followed (the pid is written into the file, which would
+    otherwise overwrite the link's target).
+
+    Raises:
+        WriterLockedError: another process holds the lock.
+        SaveFailedError: the lock path is not a regular file we can open.
+    """
 
     def __init__(self, root: Path) -> None:
         self.path = root / LOCK_NAME
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                               | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise SaveFailedError(f"cannot open the root lock {self.path}: {e.strerror} "
+                                  "(a symlink or special file there is refused)",
+                                  file=str(root)) from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            os.close(self._fd)
+            raise SaveFailedError(f"the root lock {self.path} is not a regular file",
+                                  file=str(root))
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -56,6 +56,11 @@ class SaveFailedError(CheckpointError):
     """
 
 
+class StepAlreadyCommittedError(SaveFailedError):
+    """The step being saved is already committed in the root; checkpoints are never
+    overwritten (save under a new step, or delete the old one first)."""
+
+
 class DiskFullError(SaveFailedError):
     """The writer ran out of space (ENOSPC or EDQUOT) while writing a checkpoint."""
 

@@ -2,13 +2,14 @@
 
 Each chunk that arrives in a ring slot is one frame. Frames are encoded on the writer's
 shared `FramePool` (xxh3, numpy and zstd release the GIL, so threads use every core)
-straight from shared memory, and may finish out of order; one appender thread per
-file writes them strictly in stream order (no reordering buffer beyond the frames in
+from the writer's private copy of the slot, and may finish out of order; one appender
+thread per file writes them strictly in stream order (no reordering buffer beyond the frames in
 flight). Writing on the pool's threads instead was measured worse: a thread blocked in
 write or fdatasync (0.6 s of a 1 GiB save here) is an encoder lost, and on 2 cores
-byte-grouped saves then took 1.25x as long as raw ones. A slot goes back to the rank as
-soon as its frame no longer needs it: after encoding when the stored bytes are a copy
-(zstd, bytegroup), after the write when they are the slot itself (raw). Writer memory is the pool's frames in flight times one
+byte-grouped saves then took 1.25x as long as raw ones. The frame's buffer goes back to
+the caller (`done`) as soon as the frame no longer needs it: after encoding when the
+stored bytes are a copy (zstd, bytegroup), after the write when they are the buffer
+itself (raw). Writer memory is the pool's frames in flight times one raw and one
 encoded frame, whatever the tensor and model sizes.
 
 Every `flush_bytes` of stored data the file is fdatasynced and those pages dropped
@@ -41,12 +42,13 @@ class RankFileWriter:
 
     `submit` may be called from one thread (the rank's session) while pool threads
     encode and write; `finish` and `wait_idle` block until every submitted frame is
-    written or dropped. Without a pool, frames are encoded and written in the caller.
+    written or dropped. The header is cut into frames of at most `max_frame` bytes, the
+    bound every reader applies.
     """
 
     def __init__(self, directory: Path, rank: int, codec: str, level: int,
-                 header: bytes, tensors: list[TensorSpec], flush_bytes: int = 0, *,
-                 pool: FramePool | None = None,
+                 header: bytes, tensors: list[TensorSpec], flush_bytes: int, *,
+                 pool: FramePool, max_frame: int,
                  on_error: Callable[[BaseException], None] | None = None,
                  probe_bytes: int = 256 << 10, plane_max_ratio: float = 0.97,
                  chooser: CodecChooser | None = None) -> None:
@@ -54,13 +56,11 @@ class RankFileWriter:
         self.codec = codec
         self.path = directory / data_file_name(rank, codec)
         self.expected_size = tensors[-1].end if tensors else len(header)
-        self._chooser = chooser
         self._encoder = FrameEncoder(codec, level, tensors, probe_bytes, plane_max_ratio,
                                      chooser)
         self._tensors = tensors
         self._pool = pool
         self._on_error = on_error
-        self._context: dict = {}  # codec objects when encoding in the caller
         self._lock = threading.Condition()
         self._submitted = 0        # frames
         self._raw_submitted = 0    # bytes
@@ -80,7 +80,8 @@ class RankFileWriter:
         self._appender = threading.Thread(target=self._append_loop, daemon=True,
                                           name=f"asyncckpt-append-{rank}")
         self._appender.start()
-        self.submit(memoryview(header))
+        for start in range(0, len(header), max_frame):
+            self.submit(memoryview(header)[start:start + max_frame])
 
     @property
     def raw_size(self) -> int:
@@ -89,17 +90,6 @@ class RankFileWriter:
     @property
     def stored_size(self) -> int:
         return self._stored_size
-
-    def append(self, raw: memoryview) -> None:
-        """Encode and write `raw` as the next frame, in the caller (for tests and tools).
-
-        Raises:
-            OSError, ValueError: as `finish` would.
-        """
-        self.submit(raw)
-        self.wait_idle()
-        if self.error is not None:
-            raise self.error
 
     def submit(self, raw: memoryview, done: Done | None = None) -> None:
         """Queue `raw` as the next frame; `done()` is called (from any thread) once `raw`
@@ -122,13 +112,7 @@ class RankFileWriter:
             self._raw_submitted += len(raw)
             self._pending += 1
 
-        def job(context: dict) -> None:
-            self._encode(index, offset, raw, done, context)
-
-        if self._pool is None:
-            job(self._context)
-        else:
-            self._pool.submit(job)
+        self._pool.submit(lambda context: self._encode(index, offset, raw, done, context))
 
     def _encode(self, index: int, offset: int, raw: memoryview, done: Done | None,
                 context: dict) -> None:
@@ -168,8 +152,7 @@ class RankFileWriter:
             finally:
                 if done is not None:
                     done()
-                if self._pool is not None:
-                    self._pool.release()
+                self._pool.release()
                 with self._lock:
                     self.encode_seconds += seconds
                     self._pending -= 1
@@ -250,9 +233,6 @@ class RankFileWriter:
         faults.point("data_fsynced")
         self.write_seconds += time.perf_counter() - start
         self.close(wait=True)
-        if self._chooser is not None:
-            self._chooser.written(self._stored_size, self.write_seconds)
-            self._chooser.save_done()
         return RankPart(self.rank, self.path.name, self.codec, self._raw_size,
                         self._stored_size, self._tensors, self._frames, tree)
 

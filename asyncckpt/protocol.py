@@ -8,8 +8,9 @@ pickle -- because tensor bytes travel through the shared-memory ring, not the so
 
 Messages (field "op"):
 
-    rank -> writer   hello(rank, world_size, pid, ring, slot_size, slots)
-                     begin(save, step, world_size, tensors, tree)
+    rank -> writer   hello(rank, world_size, pid, slot_size, slots), then the ring's
+                     sealed memfd as one byte with SCM_RIGHTS (ring.py)
+                     begin(save, step, world_size, tensors, tree, retention)
                      chunk(save, slot, length)   end(save)   abort(save, reason)
     writer -> rank   welcome(pid, version, codec)   free(slot)
                      committed(save, step, path, stats)
@@ -18,11 +19,13 @@ Messages (field "op"):
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import socket
 import struct
+import time
 from multiprocessing.connection import (Connection, answer_challenge,
                                         deliver_challenge)
 from pathlib import Path
@@ -31,9 +34,14 @@ from typing import Any
 from .errors import WriterUnavailableError
 
 Message = dict[str, Any]
-MAX_MESSAGE = 256 << 20
+# The largest message either side accepts. A begin carries the rank's tensor table and
+# tree; parsing it costs the writer ~18 bytes of memory per byte of JSON, so this bound
+# (about 130,000 tensors of typical names) is what keeps the writer's memory bounded
+# against a rank that sends a huge one. Real states hold a few thousand tensors per rank.
+MAX_MESSAGE = 8 << 20
 ADDRESS_ENV = "ASYNCCKPT_ADDRESS"
 AUTHKEY_ENV = "ASYNCCKPT_AUTHKEY"
+_FD_MARKER = b"R"
 
 
 def runtime_dir() -> Path:
@@ -120,6 +128,9 @@ def read_authkey(address: str) -> bytes:
 def accept(sock: socket.socket, authkey: bytes, timeout: float) -> Connection:
     """Authenticate one accepted socket (mutual HMAC challenge) within `timeout`.
 
+    Receiving stays bounded by `timeout` (for the hello that follows) until the caller
+    calls `set_recv_timeout(conn, 0)`.
+
     Raises:
         multiprocessing.AuthenticationError, OSError, EOFError: refused or broken.
     """
@@ -127,7 +138,6 @@ def accept(sock: socket.socket, authkey: bytes, timeout: float) -> Connection:
     try:
         deliver_challenge(conn, authkey)
         answer_challenge(conn, authkey)
-        _set_recv_timeout(conn.fileno(), 0)
     except BaseException:
         conn.close()
         raise
@@ -140,18 +150,25 @@ def dial(address: str, authkey: bytes, timeout: float) -> Connection:
     Raises:
         WriterUnavailableError: nothing listening there, a wrong key, or no answer.
     """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(address)
-        conn = Connection(_blocking_fd(sock, timeout))
-    except OSError as e:
-        sock.close()
-        raise WriterUnavailableError(f"no writer at {address}: {e.strerror or e}") from None
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            conn = Connection(_blocking_fd(sock, timeout))
+            break
+        except OSError as e:
+            sock.close()
+            # a full listen backlog (many ranks dialling at once) is EAGAIN on a Unix socket
+            if e.errno == errno.EAGAIN and time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            raise WriterUnavailableError(f"no writer at {address}: {e.strerror or e}") from None
     try:
         answer_challenge(conn, authkey)
         deliver_challenge(conn, authkey)
-        _set_recv_timeout(conn.fileno(), 0)
+        set_recv_timeout(conn, 0)
     except Exception as e:
         conn.close()
         raise WriterUnavailableError(f"writer at {address} refused us: {type(e).__name__}: {e}") from None
@@ -173,6 +190,41 @@ def recv(conn: Connection) -> Message:
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ValueError(f"malformed message {message!r:.80}")
     return message
+
+
+def send_fd(conn: Connection, fd: int) -> None:
+    """Pass descriptor `fd` to the peer (one marker byte carrying SCM_RIGHTS)."""
+    s = socket.socket(fileno=conn.fileno())
+    try:
+        socket.send_fds(s, [_FD_MARKER], [fd])
+    finally:
+        s.detach()
+
+
+def recv_fd(conn: Connection) -> int:
+    """Receive the one descriptor `send_fd` passed (the caller owns it).
+
+    Raises:
+        ValueError: the peer sent something else (any descriptors that came are closed).
+        EOFError, OSError: the peer is gone or the receive timed out.
+    """
+    s = socket.socket(fileno=conn.fileno())
+    try:
+        data, fds, flags, _ = socket.recv_fds(s, 1, 1, socket.MSG_CMSG_CLOEXEC)
+    finally:
+        s.detach()
+    if not data:
+        raise EOFError("peer closed before passing its ring")
+    if data != _FD_MARKER or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("expected one ring descriptor")
+    return fds[0]
+
+
+def set_recv_timeout(conn: Connection, seconds: float) -> None:
+    """Bound each receive on `conn` to `seconds` (0: wait forever)."""
+    _set_recv_timeout(conn.fileno(), seconds)
 
 
 def hang_up(conn: Connection) -> None:

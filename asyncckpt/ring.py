@@ -1,99 +1,115 @@
 """A rank's shared-memory ring: fixed-size slots that carry tensor bytes to the writer.
 
-The rank creates the segment (it is the rank's memory, bounded and reused across
-saves), pre-touches it so staging never pays first-touch page faults, and names it in
-its hello. The writer maps it and unlinks the name at once: from then on the memory
-lives exactly as long as the two mappings, so it is freed by the kernel however either
-process dies, `kill -9` included. The short window between create and unlink is
-covered by `sweep_stale()`, which removes segments whose creating process is gone (the
-creator's pid is in the name). Slot ownership moves by messages on the control channel,
-so no cross-process atomics are needed.
+The rank creates the ring (it is the rank's memory, bounded and reused across saves) as
+an anonymous memfd, sizes it, *seals* its size (F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL), pre-touches it so staging never pays first-touch page faults, and passes
+the file descriptor to the writer over the control socket (SCM_RIGHTS). Two properties
+follow, and they are why it is a sealed memfd rather than a named /dev/shm file:
 
-We use /dev/shm files with plain `mmap` rather than `multiprocessing.SharedMemory`,
-whose resource tracker unlinks segments it did not create (Python 3.11) and whose
-close() with live tensor views crashes the process.
+- A rank cannot hurt the writer through the mapping. With a plain shared file, a rank
+  that truncated it after the handshake made the writer's next read of a slot a SIGBUS
+  that killed the writer for every rank. Sealed, the size cannot change for anyone,
+  and the writer refuses a descriptor whose seals do not say so.
+- Nothing can outlive its users. The memory has no name: it exists exactly as long as
+  some process maps it or holds the descriptor, so the kernel frees it however either
+  side dies, `kill -9` included, and there is nothing to sweep.
+
+Slot ownership moves by messages on the control channel, so no cross-process atomics
+are needed. We use `mmap` rather than `multiprocessing.SharedMemory`, whose resource
+tracker unlinks segments it did not create (Python 3.11) and whose close() with live
+tensor views crashes the process.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
-import re
-import secrets
-from pathlib import Path
+import stat
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "asyncckpt-"
-_NAME = re.compile(r"^asyncckpt-(\d+)-[0-9a-f]{16}$")
+MEMFD_NAME = "asyncckpt-ring"  # shows in /proc/PID/maps as /memfd:asyncckpt-ring
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap module
 
 
 class Ring:
-    """`slots` slots of `slot_size` bytes in one shared-memory mapping."""
+    """`slots` slots of `slot_size` bytes in one shared mapping of a sealed memfd."""
 
-    def __init__(self, name: str, mapping: mmap.mmap, slot_size: int, slots: int) -> None:
-        self.name = name
+    def __init__(self, mapping: mmap.mmap, slot_size: int, slots: int, fd: int = -1) -> None:
         self.slot_size = slot_size
         self.slots = slots
+        self._fd = fd  # kept by the creator until the writer has it (see fileno)
         self._mmap = mapping
         self._tensor: "torch.Tensor | None" = None
         anchor = ctypes.c_char.from_buffer(mapping)
         self.address = ctypes.addressof(anchor)  # valid while mapped; for memmove staging
         del anchor  # a live export would keep close() from unmapping
 
+    @property
+    def size(self) -> int:
+        return self.slot_size * self.slots
+
     @classmethod
     def create(cls, slot_size: int, slots: int) -> "Ring":
-        """Create, size and pre-touch a new 0600 segment owned by this process."""
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        """Create, size, seal and pre-touch a new ring owned by this process.
+
+        Raises:
+            OSError: the memory cannot be had (ENOMEM, memfd unsupported).
+        """
         size = slot_size * slots
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS | fcntl.F_SEAL_SEAL)
             mapping = mmap.mmap(fd, size)
         except BaseException:
-            os.unlink(SHM_DIR / name)
-            raise
-        finally:
             os.close(fd)
+            raise
         try:
             mapping.madvise(_MADV_POPULATE_WRITE)
         except (OSError, ValueError):
             for offset in range(0, size, mmap.PAGESIZE):
                 mapping[offset] = 0
-        return cls(name, mapping, slot_size, slots)
+        return cls(mapping, slot_size, slots, fd)
 
     @classmethod
-    def attach(cls, name: str, slot_size: int, slots: int) -> "Ring":
-        """Map a segment another process of this user created, then unlink its name.
+    def attach(cls, fd: int, slot_size: int, slots: int) -> "Ring":
+        """Map a ring another process passed us; takes ownership of `fd` (closes it).
 
         Raises:
-            ValueError: the name is not an asyncckpt segment, or its size, owner or
-                mode is not what the creator announced.
+            ValueError: not a memfd of exactly `slot_size * slots` bytes whose size is
+                sealed (a resizable mapping would let its creator crash us with SIGBUS).
         """
-        if not _NAME.match(name):
-            raise ValueError(f"not an asyncckpt ring name: {name!r}")
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
-            if st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise ValueError(f"{path}: owner {st.st_uid} / mode {st.st_mode & 0o777:o} refused")
-            if st.st_size != slot_size * slots:
-                raise ValueError(f"{path}: {st.st_size} bytes, expected {slot_size * slots}")
+            if not stat.S_ISREG(st.st_mode) or st.st_size != slot_size * slots:
+                raise ValueError(f"ring descriptor: {st.st_size} bytes (mode {st.st_mode:o}), "
+                                 f"expected a file of {slot_size * slots}")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if seals & _SIZE_SEALS != _SIZE_SEALS:
+                raise ValueError("ring descriptor is not size-sealed (F_SEAL_SHRINK|F_SEAL_GROW)")
             mapping = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
-            path.unlink(missing_ok=True)
-        return cls(name, mapping, slot_size, slots)
+        return cls(mapping, slot_size, slots)
 
-    def unlink(self) -> None:
-        """Remove the name (the memory stays while mapped)."""
-        (SHM_DIR / self.name).unlink(missing_ok=True)
+    def fileno(self) -> int:
+        """The creator's descriptor, to pass to the writer (-1 once released)."""
+        return self._fd
+
+    def release_fd(self) -> None:
+        """Close the creator's descriptor once the writer holds its own (the mapping stays)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def slot_bytes(self, slot: int, length: int) -> memoryview:
         """A view of the first `length` bytes of `slot`; release it before close()."""
@@ -101,6 +117,20 @@ class Ring:
             raise ValueError(f"slot {slot} / length {length} outside the ring")
         start = slot * self.slot_size
         return memoryview(self._mmap)[start:start + length]
+
+    def copy_out(self, slot: int, length: int, out: bytearray | memoryview) -> memoryview:
+        """Copy the first `length` bytes of `slot` into `out`; return that part of `out`.
+
+        The copy is the writer's snapshot: from then on nothing the rank does to its
+        slot can change what the writer hashes, encodes and writes.
+        """
+        if not (0 <= slot < self.slots and 0 <= length <= self.slot_size) or len(out) < length:
+            raise ValueError(f"slot {slot} / length {length} outside the ring")
+        dest = memoryview(out)[:length]
+        if length:  # ctypes.memmove releases the GIL: frame threads copy in parallel
+            target = ctypes.addressof(ctypes.c_char.from_buffer(dest))
+            ctypes.memmove(target, self.address + slot * self.slot_size, length)
+        return dest
 
     def slot_tensor(self, slot: int) -> "torch.Tensor":
         """Slot `slot` as a uint8 tensor (a view into the shared memory)."""
@@ -111,36 +141,12 @@ class Ring:
         return self._tensor[start:start + self.slot_size]
 
     def close(self) -> None:
-        """Unmap. Every view from slot_tensor()/slot_bytes() must be gone first."""
+        """Unmap. Every view from slot_tensor()/slot_bytes() must be gone first.
+
+        Raises:
+            BufferError: a view is still alive (the mapping then goes with the process).
+        """
         self._tensor = None
+        self.release_fd()
         if not self._mmap.closed:
             self._mmap.close()
-
-
-def sweep_stale() -> list[str]:
-    """Unlink ring segments whose creating process no longer exists; returns their names."""
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        m = _NAME.match(name)
-        if m and not _pid_alive(int(m.group(1))):
-            try:
-                if (SHM_DIR / name).stat().st_uid == os.getuid():
-                    (SHM_DIR / name).unlink()
-                    removed.append(name)
-            except FileNotFoundError:
-                pass
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -5,29 +5,44 @@ then its files sit in one `step-N.tmp-<id>/` that nothing reads. The first failu
 any rank (an I/O error, an abort, a disconnect before its `end`) fails the whole step
 for every rank, and the tmp directory is discarded. Ranks that had not yet begun the
 failed step learn of the failure when they do, instead of waiting for peers that will
-never come. "Every rank of the step" is the only place the commit depends on the world;
-across nodes it would become "every node's part" with the same shape.
+never come.
+
+The commit itself (manifest, rename, `latest`, retention) runs on one committer thread,
+not on the session thread of whichever rank ended last: that rank's connection keeps
+serving (its next save's chunks, its slot credits) while the step is made visible and
+old steps are deleted, and commits happen one at a time in the order steps completed.
+Before anything is published the manifest is parsed back with the reader's own rules,
+so the writer never commits a checkpoint that `load` or `verify` would reject, and
+retention never deletes a good step on the strength of a bad one. Any exception in
+that sequence fails the step for all its ranks and discards its files.
+
+Nothing here iterates over a world size: a rank may claim any world up to
+`MAX_WORLD`, and the work per event stays proportional to the connected ranks.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from . import commit
-from .errors import CheckpointError, SaveFailedError
+from .errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
 from .format import MAX_STEP
 from .manifest import Manifest, RankPart
 
 log = logging.getLogger("asyncckpt.writer")
 
-# notify(rank, error or None, path or None, stats) reaches the rank's client
+# notify(error or None, path or None, stats) reaches one rank's client
 Notify = Callable[[CheckpointError | None, Path | None, dict], None]
+# check(manifest bytes, manifest): raises CheckpointError if a reader would refuse it
+Check = Callable[[bytes, Manifest], None]
+MAX_WORLD = 1 << 20  # the manifest's bound
 _MAX_FAILED_RECORDS = 4096
 
 
@@ -37,6 +52,7 @@ class Step:
     world_size: int
     codec: str
     tmp_dir: Path
+    choice: dict[str, Any] | None = None  # codec "auto": what the chooser saw
     started: float = field(default_factory=time.monotonic)
     waiting: dict[int, Notify] = field(default_factory=dict)   # rank -> how to tell it
     parts: dict[int, RankPart] = field(default_factory=dict)
@@ -46,32 +62,48 @@ class Step:
 
 class Steps:
     """The open steps of one writer. Thread-safe; every method may be called from any
-    session thread."""
+    session thread. Commits run on the committer thread started here."""
 
-    def __init__(self, root: Path, retention: tuple[int, int] = (0, 0),
-                 on_commit: Callable[[Manifest, float], None] | None = None) -> None:
+    def __init__(self, root: Path, retention: tuple[int, int] = (0, 0), *,
+                 choose_codec: Callable[[], tuple[str, dict[str, Any] | None]] = lambda: ("raw", None),
+                 check: Check | None = None,
+                 on_commit: Callable[[Manifest, Step], None] | None = None) -> None:
         self.root = root
         self.retention = retention  # (keep_last, keep_every) unless a save names its own
+        self._choose_codec = choose_codec
+        self._check = check
+        self._on_commit = on_commit
         self._lock = threading.Lock()
-        self._commit_lock = threading.Lock()
         self._open: dict[int, Step] = {}
+        self._committing: dict[int, Step] = {}
         self._failed: dict[int, tuple[CheckpointError, set[int]]] = {}
         self._live: collections.Counter[int] = collections.Counter()
         self._closing = False
         self._idle = threading.Condition(self._lock)
-        self._on_commit = on_commit
+        self._ready: queue.SimpleQueue[Step | None] = queue.SimpleQueue()
+        self._committer = threading.Thread(target=self._commit_loop, daemon=True,
+                                           name="asyncckpt-commit")
+        self._committer.start()
 
-    def begin(self, step: int, rank: int, world_size: int, codec: str, notify: Notify,
+    def begin(self, step: int, rank: int, world_size: int, notify: Notify,
               retention: tuple[int, int] | None = None) -> Step:
-        """Register `rank`'s part of `step`, opening the step on its first rank.
+        """Register `rank`'s part of `step`, opening the step on its first rank (which
+        also fixes the step's codec).
 
         `retention` (keep_last, keep_every), if given, replaces the writer's own policy
         for the deletions that follow this step's commit.
 
         Raises:
-            SaveFailedError: the writer is closing, the step failed earlier or is already
-                committed, or the rank/world/codec disagree with the step's other ranks.
+            StepAlreadyCommittedError: the step is committed (saves never overwrite one).
+            SaveFailedError: the writer is closing, the step failed earlier, or the
+                rank/world disagree with the step's other ranks or are out of range.
+            OSError: the tmp directory cannot be made.
         """
+        if not 0 <= step <= MAX_STEP:
+            raise SaveFailedError(f"step {step} is outside 0..{MAX_STEP}", rank=rank)
+        if not 1 <= world_size <= MAX_WORLD or not 0 <= rank < world_size:
+            raise SaveFailedError(f"rank {rank} / world size {world_size} out of range "
+                                  f"(world size 1..{MAX_WORLD})", step=step, rank=rank)
         with self._lock:
             if self._closing:
                 raise SaveFailedError("the writer is shutting down", step=step, rank=rank)
@@ -82,22 +114,19 @@ class Steps:
                     if not pending:
                         del self._failed[step]
                     raise error
-            if not 0 <= step <= MAX_STEP:
-                raise SaveFailedError(f"step {step} is outside 0..{MAX_STEP}", rank=rank)
-            if not 0 <= rank < world_size:
-                raise SaveFailedError(f"rank {rank} is outside world size {world_size}",
-                                      step=step, rank=rank)
             current = self._open.get(step)
             if current is None:
-                if step in commit.committed_steps(self.root):
-                    raise SaveFailedError("this step is already committed; saves never "
-                                          "overwrite a checkpoint", step=step, rank=rank)
-                current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step))
+                if step in self._committing or step in commit.committed_steps(self.root):
+                    raise StepAlreadyCommittedError(
+                        "this step is already committed; saves never overwrite a checkpoint",
+                        step=step, rank=rank)
+                codec, choice = self._choose_codec()
+                current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step),
+                               choice)
                 self._open[step] = current
-            elif current.world_size != world_size or current.codec != codec:
-                raise SaveFailedError(
-                    f"world size {world_size} / codec {codec} disagree with the step's other "
-                    f"ranks ({current.world_size} / {current.codec})", step=step, rank=rank)
+            elif current.world_size != world_size:
+                raise SaveFailedError(f"world size {world_size} disagrees with the step's other "
+                                      f"ranks ({current.world_size})", step=step, rank=rank)
             elif rank in current.waiting:
                 raise SaveFailedError("this rank is already saving this step", step=step, rank=rank)
             current.waiting[rank] = notify
@@ -106,17 +135,19 @@ class Steps:
             return current
 
     def end(self, step: int, part: RankPart, stats: dict) -> None:
-        """Record a rank's finished, fsynced part; commit the step if it was the last."""
+        """Record a rank's finished, fsynced part; queue the step for commit if it was
+        the last."""
         with self._lock:
             current = self._open.get(step)
-            if current is None:
+            if current is None or part.rank not in current.waiting:
                 return  # already failed
             current.parts[part.rank] = part
             current.stats[part.rank] = stats
             if len(current.parts) < current.world_size:
                 return
             del self._open[step]
-        self._commit(current)
+            self._committing[step] = current
+        self._ready.put(current)
 
     def fail(self, step: int, error: CheckpointError) -> None:
         """Fail `step` for every rank: notify them, forget the step, discard its files."""
@@ -126,8 +157,8 @@ class Steps:
                 return
             # connected ranks that have not begun it yet will be told when they do; a
             # rank not connected now is a new process when it comes, free to retry
-            pending = {r for r in range(current.world_size)
-                       if r not in current.waiting and self._live[r] > 0}
+            pending = {r for r, n in self._live.items()
+                       if n > 0 and r < current.world_size and r not in current.waiting}
             if pending:
                 if len(self._failed) >= _MAX_FAILED_RECORDS:
                     self._failed.pop(next(iter(self._failed)))
@@ -135,43 +166,56 @@ class Steps:
             self._idle.notify_all()
         log.warning("step %d failed: %s", step, error)
         commit.discard(current.tmp_dir)
-        for notify in current.waiting.values():
-            notify(error, None, {})
+        _tell(current.waiting.values(), error)
 
     def rank_joined(self, rank: int) -> None:
         with self._lock:
             self._live[rank] += 1
 
-    def rank_gone(self, rank: int) -> None:
-        """A rank's connection closed: fail the open steps it had not ended."""
+    def rank_gone(self, rank: int, began: set[int]) -> None:
+        """A connection of `rank` closed: fail the open steps *it* began and had not
+        ended (not other connections' steps that merely wait for this rank number)."""
         with self._lock:
             self._live[rank] -= 1
-            doomed = [s for s in self._open.values() if rank < s.world_size and rank not in s.parts]
-            for record in self._failed.values():
-                record[1].discard(rank)
-        for s in doomed:
-            self.fail(s.step, SaveFailedError("rank disconnected before ending its save",
-                                              step=s.step, rank=rank))
+            if self._live[rank] <= 0:
+                del self._live[rank]
+                for record in self._failed.values():
+                    record[1].discard(rank)
+            doomed = [s.step for step in began if (s := self._open.get(step)) is not None
+                      and rank in s.waiting and rank not in s.parts]
+        for step in doomed:
+            self.fail(step, SaveFailedError("rank disconnected before ending its save",
+                                            step=step, rank=rank))
 
     def fail_absent(self, timeout: float) -> None:
         """Fail steps open for over `timeout` s that wait on a rank with no connection
         (one that died before it began the step, or never started)."""
         now = time.monotonic()
         with self._lock:
+            live = {r for r, n in self._live.items() if n > 0}
             doomed = []
             for s in self._open.values():
-                absent = [r for r in range(s.world_size)
-                          if r not in s.waiting and self._live[r] <= 0]
-                if absent and now - s.started >= timeout:
-                    doomed.append((s.step, absent))
-        for step, absent in doomed:
+                if now - s.started < timeout:
+                    continue
+                present = len(s.waiting) + sum(1 for r in live
+                                               if r < s.world_size and r not in s.waiting)
+                if present < s.world_size:
+                    doomed.append((s.step, s.world_size, set(s.waiting)))
+        for step, world, waiting in doomed:
+            absent = []
+            for r in range(world):  # outside the lock; stops at the first few
+                if r not in waiting and r not in live:
+                    absent.append(r)
+                    if len(absent) > 8:
+                        break
             names = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8 else "")
             self.fail(step, SaveFailedError(
                 f"rank{'s' if len(absent) > 1 else ''} {names} not connected {timeout:g} s after "
                 "the step began (dead or never started)", step=step))
 
     def close(self, timeout: float) -> None:
-        """Refuse new steps; wait up to `timeout` s for open ones, then fail the rest.
+        """Refuse new steps; wait up to `timeout` s for open and committing ones, then
+        fail the rest and stop the committer.
 
         Call after the listener is closed: a step waiting on a rank that is not
         connected can then never complete, so it fails at once.
@@ -181,13 +225,51 @@ class Steps:
             self._closing = True
         self.fail_absent(0)
         with self._lock:
-            self._closing = True
-            while self._open and time.monotonic() < deadline:
-                self._idle.wait(deadline - time.monotonic())
+            while (self._open or self._committing) and time.monotonic() < deadline:
+                self._idle.wait(max(0.0, deadline - time.monotonic()))
             left = list(self._open)
         for step in left:
             self.fail(step, SaveFailedError("the writer shut down before all ranks ended",
                                             step=step))
+        self._ready.put(None)
+        self._committer.join(max(0.0, deadline - time.monotonic()) + 1)
+
+    # -- committer thread ------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while (current := self._ready.get()) is not None:
+            try:
+                self._commit(current)
+            finally:
+                with self._lock:
+                    self._committing.pop(current.step, None)
+                    self._idle.notify_all()
+
+    def _commit(self, current: Step) -> None:
+        try:
+            manifest = Manifest(step=current.step, world_size=current.world_size,
+                                ranks=[current.parts[r] for r in range(current.world_size)])
+            data = manifest.to_bytes()
+            if self._check is not None:
+                self._check(data, manifest)
+            path = commit.publish(self.root, current.tmp_dir, current.step, data)
+        except Exception as e:  # whatever it is, every rank of the step must hear of it
+            error = e if isinstance(e, CheckpointError) else SaveFailedError(
+                f"commit failed: {type(e).__name__}: {e}", step=current.step)
+            commit.discard(current.tmp_dir)
+            log.warning("step %d failed at commit: %s", current.step, error)
+            _tell(current.waiting.values(), error)
+            return
+        self._prune(current)
+        if self._on_commit:
+            try:
+                self._on_commit(manifest, current)
+            except Exception:
+                log.exception("commit hook failed")
+        stats = {"raw_bytes": manifest.raw_size, "stored_bytes": manifest.stored_size,
+                 "seconds": time.monotonic() - current.started}
+        for rank, notify in current.waiting.items():
+            notify(None, path, {**stats, **current.stats.get(rank, {})})
 
     def _prune(self, current: Step) -> None:
         keep_last, keep_every = current.retention or self.retention
@@ -200,26 +282,7 @@ class Steps:
             log.info("retention (keep_last=%d, keep_every=%d) deleted steps %s",
                      keep_last, keep_every, deleted)
 
-    def _commit(self, current: Step) -> None:
-        manifest = Manifest(step=current.step, world_size=current.world_size,
-                            ranks=[current.parts[r] for r in range(current.world_size)])
-        try:
-            with self._commit_lock:
-                path = commit.publish(self.root, current.tmp_dir, manifest)
-                self._prune(current)
-        except CheckpointError as error:
-            commit.discard(current.tmp_dir)
-            log.warning("step %d failed at commit: %s", current.step, error)
-            for notify in current.waiting.values():
-                notify(error, None, {})
-        else:
-            seconds = time.monotonic() - current.started
-            if self._on_commit:
-                self._on_commit(manifest, seconds)
-            stats = {"raw_bytes": manifest.raw_size, "stored_bytes": manifest.stored_size,
-                     "seconds": seconds}
-            for rank, notify in current.waiting.items():
-                notify(None, path, {**stats, **current.stats.get(rank, {})})
-        finally:
-            with self._lock:
-                self._idle.notify_all()
+
+def _tell(notifies: Any, error: CheckpointError) -> None:
+    for notify in list(notifies):
+        notify(error, None, {})
