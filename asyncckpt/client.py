@@ -151,7 +151,8 @@ class Client:
             self._ring.release_fd()  # the writer holds its own descriptor now
         if welcome.get("op") != "welcome":
             self._ring.close()
-            raise WriterUnavailableError(f"writer at {address} answered {welcome.get('op')!r}",
+            raise WriterUnavailableError(f"writer at {address} refused this rank: "
+                                         f"{str(welcome.get('reason', welcome.get('op')))[:500]}",
                                          rank=self.rank)
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
@@ -206,7 +207,7 @@ class Client:
         with self._cond:
             self._pending[pending.id] = pending
         self._queue.put(pending)
-        handle.stats["blocked_seconds"] = time.perf_counter() - started
+        handle.stats.blocked_seconds = time.perf_counter() - started
         return handle
 
     def close(self, timeout: float | None = None) -> None:
@@ -282,8 +283,9 @@ class Client:
             self._send("abort", save=pending.id, reason=str(error))
             handle._set_failed(error)
             return
-        handle.stats.update(staged_bytes=nbytes, staging_seconds=time.perf_counter() - started)
-        self._send("end", save=pending.id)  # after the stats: a result may follow at once
+        handle.stats.staged_bytes = nbytes  # before `end`: a result may follow at once
+        handle.stats.staging_seconds = time.perf_counter() - started
+        self._send("end", save=pending.id)
         handle._set_staged()
 
     # -- sender thread ---------------------------------------------------------------

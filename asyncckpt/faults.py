@@ -21,7 +21,6 @@ import os
 import signal
 
 CRASH_POINTS = ("frame_written", "data_fsynced", "manifest_written", "step_renamed", "pruning")
-IO_OPS = ("write", "fsync", "rename")
 
 
 def _parse(variable: str) -> tuple[str, str, int] | None:

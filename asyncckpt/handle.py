@@ -8,11 +8,56 @@ them separate is what lets the save run in the background without a torn checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """What one rank's save cost. The rank's own figures are set when it is staged, the
+    writer's when the step commits (they stay at their defaults if it fails).
+
+    Attributes:
+        blocked_seconds: time the caller was held in `save()` (flatten and checks).
+        staged_bytes: tensor bytes this rank copied into its ring.
+        staging_seconds: from `save()` to staged.
+        seconds: from the step's first `begin` at the writer to its commit.
+        raw_bytes, stored_bytes: the whole step (every rank), before and after encoding.
+        codec: this rank's data file codec (with codec "auto", the one chosen).
+        frames: frames of this rank's file per codec.
+        encode_seconds, write_seconds: the writer's thread time on this rank's frames,
+            and its time in write/fsync calls for this rank's file.
+        encode_threads: the writer's frame threads.
+        writer_peak_rss_anon: the writer's peak private memory so far, bytes.
+        auto: with codec "auto", the chooser's figures for this step.
+    """
+
+    blocked_seconds: float = 0.0
+    staged_bytes: int = 0
+    staging_seconds: float = 0.0
+    seconds: float = 0.0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    codec: str = ""
+    frames: dict[str, int] = dataclasses.field(default_factory=dict)
+    encode_seconds: float = 0.0
+    write_seconds: float = 0.0
+    encode_threads: int = 0
+    writer_peak_rss_anon: int = 0
+    auto: dict[str, Any] | None = None
+
+    def update(self, figures: dict[str, Any]) -> None:
+        """Take the known fields of `figures` (the writer's report); ignore the rest."""
+        for f in dataclasses.fields(self):
+            if f.name in figures:
+                setattr(self, f.name, figures[f.name])
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 class SaveHandle:
@@ -21,13 +66,13 @@ class SaveHandle:
     Attributes:
         step: the step being saved.
         path: the committed checkpoint directory (once done without error).
-        stats: timings and sizes (blocked, staging, bytes, and the writer's figures).
+        stats: a SaveStats (timings and sizes of the rank and of the writer).
     """
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.path: Path | None = None
-        self.stats: dict[str, Any] = {}
+        self.stats = SaveStats()
         self._staged = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None

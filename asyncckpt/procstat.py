@@ -21,6 +21,16 @@ def read_status(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+def ring_mappings(pid: int | str = "self") -> int:
+    """How many asyncckpt rings process `pid` maps (0 if it is gone). Rings are memfds
+    with no name, so a ring no process maps no longer exists: this is all that leaks."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return len({line.split()[4] for line in f if "/memfd:asyncckpt-ring" in line})
+    except OSError:
+        return 0
+
+
 class PeakSampler:
     """Samples a process's RssAnon every `interval` seconds in a daemon thread."""
 

@@ -12,7 +12,7 @@ Messages (field "op"):
                      sealed memfd as one byte with SCM_RIGHTS (ring.py)
                      begin(save, step, world_size, tensors, tree, retention)
                      chunk(save, slot, length)   end(save)   abort(save, reason)
-    writer -> rank   welcome(pid, version, codec)   free(slot)
+    writer -> rank   welcome(pid, version) or refused(reason)   free(slot)
                      committed(save, step, path, stats)
                      failed(save, step, error, message)
 """

@@ -174,16 +174,21 @@ class Steps:
 
     def rank_gone(self, rank: int, began: set[int]) -> None:
         """A connection of `rank` closed: fail the open steps *it* began and had not
-        ended (not other connections' steps that merely wait for this rank number)."""
+        ended, and, once no connection of `rank` is left, the open steps still waiting
+        for `rank` to begin (it died before saving). A step that another connection
+        began as `rank` is not this one's to fail."""
         with self._lock:
             self._live[rank] -= 1
-            if self._live[rank] <= 0:
+            gone = self._live[rank] <= 0
+            doomed = {s.step for step in began if (s := self._open.get(step)) is not None
+                      and rank in s.waiting and rank not in s.parts}
+            if gone:
                 del self._live[rank]
                 for record in self._failed.values():
                     record[1].discard(rank)
-            doomed = [s.step for step in began if (s := self._open.get(step)) is not None
-                      and rank in s.waiting and rank not in s.parts]
-        for step in doomed:
+                doomed |= {s.step for s in self._open.values()
+                           if rank < s.world_size and rank not in s.waiting}
+        for step in sorted(doomed):
             self.fail(step, SaveFailedError("rank disconnected before ending its save",
                                             step=step, rank=rank))
 
@@ -240,6 +245,8 @@ class Steps:
         while (current := self._ready.get()) is not None:
             try:
                 self._commit(current)
+            except Exception:  # the thread must outlive any bug, or every later step hangs
+                log.exception("committer: step %d", current.step)
             finally:
                 with self._lock:
                     self._committing.pop(current.step, None)
@@ -275,8 +282,8 @@ class Steps:
         keep_last, keep_every = current.retention or self.retention
         try:
             deleted = commit.prune(self.root, keep_last, keep_every)
-        except OSError as e:  # retention is best effort; the new step is already durable
-            log.warning("retention failed: %s", e)
+        except Exception as e:  # retention is best effort; the new step is already durable
+            log.warning("retention failed: %s: %s", type(e).__name__, e)
             return
         if deleted:
             log.info("retention (keep_last=%d, keep_every=%d) deleted steps %s",

@@ -276,14 +276,24 @@ class Session:
             self.drop()
 
     def _hello(self, m: dict[str, Any]) -> None:
-        if m["op"] != "hello":
-            raise ProtocolError("expected hello")
-        rank, slot_size, slots = _int(m, "rank"), _int(m, "slot_size"), _int(m, "slots")
-        if not 0 <= rank < MAX_WORLD:
-            raise ProtocolError(f"rank {rank} outside 0..{MAX_WORLD - 1}")
-        if not 0 < slot_size <= self.server.knobs.max_frame_bytes or not 0 < slots <= _MAX_SLOTS:
-            raise ProtocolError(f"ring of {slots} x {slot_size} bytes refused")
-        self.ring = ring.Ring.attach(protocol.recv_fd(self.conn), slot_size, slots)
+        try:
+            if m["op"] != "hello":
+                raise ProtocolError("expected hello")
+            rank, slot_size, slots = _int(m, "rank"), _int(m, "slot_size"), _int(m, "slots")
+            if not 0 <= rank < MAX_WORLD:
+                raise ProtocolError(f"rank {rank} outside 0..{MAX_WORLD - 1}")
+            if (not 0 < slot_size <= self.server.knobs.max_frame_bytes
+                    or not 0 < slots <= _MAX_SLOTS):
+                raise ProtocolError(f"a ring of {slots} slots of {slot_size} bytes is refused "
+                                    f"(slots 1..{_MAX_SLOTS}, slot_size 1.."
+                                    f"{self.server.knobs.max_frame_bytes})")
+            self.ring = ring.Ring.attach(protocol.recv_fd(self.conn), slot_size, slots)
+        except ValueError as e:  # tell the rank why before hanging up
+            try:
+                protocol.send(self.conn, "refused", reason=str(e))
+            except OSError:
+                pass
+            raise
         protocol.set_recv_timeout(self.conn, 0)
         self.rank = rank
         self._outbox_limit = slots + _OUTBOX_SPARE
@@ -373,8 +383,8 @@ class Session:
         save = self._save(m)
         del self._saves[_int(m, "save")]
         if save.failed or save.file is None:
-            if save.file:
-                save.file.close()
+            if save.file:  # wait until its file is closed: a deleted file that is still
+                save.file.close(wait=True)  # open keeps its blocks from the next save
             return
         try:
             part = save.file.finish(save.tree)
@@ -392,7 +402,7 @@ class Session:
         save = self._save(m)
         del self._saves[_int(m, "save")]
         if save.file:
-            save.file.close()
+            save.file.close(wait=True)
         if not save.failed:
             self._fail(save, SaveFailedError(f"aborted by the rank: {str(m.get('reason'))[:500]}",
                                              step=save.step, rank=self.rank))

@@ -10,10 +10,11 @@ in both processes' RSS but is paid for once; their VmHWM is read before they sto
 Children that existed before the baseline are not this method's helpers, and a child
 between fork and exec is skipped: it shares the trainer's pages copy-on-write
 and would otherwise show the whole trainer as a "helper".
-/dev/shm use is the size of the /dev/shm files (unlinked ones included, as asyncckpt
-rings and torch.multiprocessing buffers are) mapped by this process or its helpers,
-read from /proc/PID/maps every 30 ms: the tmpfs's own used-blocks count (also
-recorded) includes whatever else runs on the machine.
+Shared memory use is the size of the shared memory files mapped by this process or its
+helpers (/dev/shm files, unlinked ones included, as torch.multiprocessing buffers are,
+and memfds, which asyncckpt rings are), read from /proc/PID/maps every 30 ms: the
+/dev/shm tmpfs's own used-blocks count (also recorded) includes whatever else runs on
+the machine and no memfd.
 
 Throughput. The "training" loop is a single-thread matmul loop on the main thread;
 its rate while a save runs in the background, over its idle rate measured just before,
@@ -95,12 +96,13 @@ def shm_used() -> int:
 
 
 def shm_mapped(pid: int | str = "self") -> dict[str, int]:
-    """Bytes of each /dev/shm file (by device:inode) that `pid` has mapped."""
+    """Bytes of each shared memory file (/dev/shm or memfd, by device:inode) that `pid`
+    has mapped."""
     out: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
-                if SHM + "/" not in line:
+                if SHM + "/" not in line and "/memfd:" not in line:
                     continue
                 fields = line.split()
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))

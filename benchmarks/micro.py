@@ -50,7 +50,6 @@ def staging(gib: int = 1, busy: bool = True) -> dict[str, float]:
             out[mode] = max(out.get(mode, 0.0), round(rate, 2))
     finally:
         stop.set()
-        r.unlink()
         r.close()
     return out
 

@@ -241,7 +241,7 @@ class AsyncCkpt(Method):
         return self.root / step_dir_name(step)
 
     def rep_stats(self) -> dict[str, Any]:
-        return dict(self._handle.stats) if self._handle is not None else {}
+        return self._handle.stats.to_json() if self._handle is not None else {}
 
     def load(self, step: int, like: dict[str, Any]) -> Any:
         import asyncckpt

@@ -64,7 +64,7 @@ def summarise_method(raw: dict[str, Any]) -> dict[str, Any]:
     if "codec_report" in raw:
         out["codec_report"] = raw["codec_report"]
         out["codecs_chosen"] = [r["stats"].get("codec") for r in reps]
-        autos = [r["stats"]["auto"] for r in reps if "auto" in r["stats"]]
+        autos = [r["stats"]["auto"] for r in reps if r["stats"].get("auto")]
         if autos:
             out["auto"] = autos[-1]
     if "grouped_reference" in raw:
@@ -185,7 +185,7 @@ def _codec_md(summary: dict[str, Any]) -> list[str]:
         dtypes = ", ".join(f"{d} {r:.3f}" for d, r in sorted(rep["by_dtype"].items()))
         frames = ", ".join(f"{c} {f['count']}" + (f" {f['planes']}" if "planes" in f else "")
                            for c, f in sorted(rep["frames"].items()))
-        auto = s.get("auto", {}).get("predicted_s_per_gb", "")
+        auto = (s.get("auto") or {}).get("predicted_s_per_gb", "")
         auto_text = ", ".join(f"{k} {v:.2f}" for k, v in auto.items()) if auto else "—"
         ref = s.get("grouped_reference")
         ref_text = ", ".join(f"{k} {v:.3f}" for k, v in ref.items()) if ref else "—"

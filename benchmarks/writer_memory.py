@@ -68,7 +68,7 @@ def main() -> None:
     result = {
         "state_bytes": nbytes, "ring_bytes": args.ring_mib * MiB, "codec": args.codec,
         "seconds_to_durable": round(seconds, 2), "GBps": round(nbytes / seconds / 1e9, 3),
-        "stored_bytes": handle.stats["stored_bytes"],
+        "stored_bytes": handle.stats.stored_bytes,
         "writer_rss_anon_idle_MiB": round(idle["RssAnon"] / MiB, 1),
         "writer_rss_anon_peak_MiB": round(peak / MiB, 1),
         "writer_vm_hwm_MiB": round(final["VmHWM"] / MiB, 1),

@@ -137,7 +137,7 @@ def main() -> int:
                 f.write(json.dumps({"attempt": attempt, "step": step, "loss": loss.hex()}) + "\n")
         if ckpt.should_save(step):
             handle = ckpt.save(step)
-            blocked.append(handle.stats["blocked_seconds"])
+            blocked.append(handle.stats.blocked_seconds)
         if step == args.kill_at and fresh and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # the crash: mid-run, saves in flight
     ckpt.close()

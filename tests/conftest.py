@@ -1,5 +1,5 @@
 """Shared fixtures: a writer per test, small rings that force chunking, and a check that
-no shared-memory segment outlives a test."""
+no ring outlives the test that made it."""
 
 from __future__ import annotations
 
@@ -18,20 +18,16 @@ SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 
 
 def shm_segments() -> list[str]:
-    """asyncckpt segments created by this process or by processes that are gone: the
-    ones this test run could have leaked (another run's live segments are not ours)."""
-    mine = []
-    for path in sorted(glob.glob("/dev/shm/asyncckpt-*")):
-        pid = int(path.split("-")[1])
-        if pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
-            mine.append(path)
-    return mine
+    """Rings this test process still maps (rings are memfds with no name: once unmapped
+    by every process they are gone, so this is all that could leak)."""
+    with open("/proc/self/maps") as f:
+        return [line.split()[-2] for line in f if "/memfd:asyncckpt-ring" in line]
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_shared_memory() -> Iterator[None]:
     yield
-    assert shm_segments() == [], "a test left asyncckpt shared memory behind"
+    assert shm_segments() == [], "a test left an asyncckpt ring mapped"
 
 
 @pytest.fixture

@@ -88,7 +88,7 @@ def test_writer_with_codec_auto_saves_and_loads_bit_exact(tmp_path):
             paths = [h.wait(60) for h in handles]
     for handle, path in zip(handles, paths):
         assert_same(state, asyncckpt.load(path))
-        auto = handle.stats["auto"]
+        auto = handle.stats.auto
         part = read_manifest(path).ranks[0]
-        assert auto["codec"] == part.codec == handle.stats["codec"]
+        assert auto["codec"] == part.codec == handle.stats.codec
         assert set(auto["predicted_s_per_gb"]) == {"raw", "zstd", "bytegroup"}

@@ -7,30 +7,34 @@ import os
 import pytest
 
 from asyncckpt import commit
-from asyncckpt.errors import SaveFailedError, WriterLockedError
+from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError, WriterLockedError
 from asyncckpt.manifest import Manifest, RankPart, parse_manifest
 
 
-def empty_manifest(step: int) -> Manifest:
+def empty_manifest(step: int) -> bytes:
     part = RankPart(0, "rank-00000.safetensors", "raw", 0, 0, [], [], {"dict": []})
-    return Manifest(step=step, world_size=1, ranks=[part])
+    return Manifest(step=step, world_size=1, ranks=[part]).to_bytes()
+
+
+def publish(root, step: int):
+    return commit.publish(root, commit.make_tmp_dir(root, step), step, empty_manifest(step))
 
 
 def test_publish_renames_writes_manifest_and_latest(tmp_path):
     tmp = commit.make_tmp_dir(tmp_path, 5)
     assert tmp.name.startswith("step-00000005.tmp-")
-    final = commit.publish(tmp_path, tmp, empty_manifest(5))
+    final = commit.publish(tmp_path, tmp, 5, empty_manifest(5))
     assert final == tmp_path / "step-00000005" and not tmp.exists()
     assert parse_manifest((final / "manifest.json").read_bytes(), max_frame_bytes=1 << 20).step == 5
     assert (tmp_path / "latest").read_text() == "step-00000005\n"
     assert commit.committed_steps(tmp_path) == [5]
-    with pytest.raises(SaveFailedError, match="already exists"):
-        commit.publish(tmp_path, commit.make_tmp_dir(tmp_path, 5), empty_manifest(5))
+    with pytest.raises(StepAlreadyCommittedError, match="already exists"):
+        publish(tmp_path, 5)
 
 
 def test_latest_follows_the_disk_not_memory(tmp_path):
     for step in (3, 9, 7):
-        commit.publish(tmp_path, commit.make_tmp_dir(tmp_path, step), empty_manifest(step))
+        publish(tmp_path, step)
     assert commit.read_latest(tmp_path) == 9
     (tmp_path / "step-00000009" / "manifest.json").unlink()  # no manifest: not a checkpoint
     commit.update_latest(tmp_path)
@@ -41,13 +45,16 @@ def test_latest_follows_the_disk_not_memory(tmp_path):
 
 
 def test_remove_stale_tmp_only_touches_tmp_dirs(tmp_path):
-    commit.publish(tmp_path, commit.make_tmp_dir(tmp_path, 1), empty_manifest(1))
+    publish(tmp_path, 1)
     stale = commit.make_tmp_dir(tmp_path, 2)
     (stale / "rank-00000.safetensors").write_bytes(b"partial")
     (tmp_path / "notes.txt").write_text("keep me")
     (tmp_path / ".latest.tmp-0badf00d").write_text("step-00000002\n")  # killed mid-write
+    (tmp_path / ".bashrc.tmp-0badf00d").write_text("not ours")  # a name we never make
+    (tmp_path / "step-00000003.tmp-beef").write_text("a file, not our tmp directory")
     assert commit.remove_stale_tmp(tmp_path) == [".latest.tmp-0badf00d", stale.name]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes.txt", "step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".bashrc.tmp-0badf00d", "latest", "notes.txt", "step-00000001", "step-00000003.tmp-beef"]
 
 
 def test_root_lock_is_exclusive_and_released(tmp_path):
@@ -66,8 +73,42 @@ def test_write_atomic_leaves_no_tmp_file(tmp_path):
 
 def test_prune_keeps_the_newest_and_leaves_no_half_deleted_step(tmp_path):
     for step in (10, 20, 30, 40):
-        commit.publish(tmp_path, commit.make_tmp_dir(tmp_path, step), empty_manifest(step))
+        publish(tmp_path, step)
     assert commit.prune(tmp_path, keep_last=2) == [10, 20]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000030", "step-00000040"]
     assert commit.prune(tmp_path, keep_last=0) == []
     assert commit.committed_steps(tmp_path) == [30, 40]
+
+
+def test_root_lock_never_follows_a_planted_symlink(tmp_path):
+    victim = tmp_path / "precious"
+    victim.write_text("do not truncate")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / ".asyncckpt.lock").symlink_to(victim)
+    with pytest.raises(SaveFailedError, match="symlink or special file"):
+        commit.RootLock(root)
+    assert victim.read_text() == "do not truncate"
+    (root / ".asyncckpt.lock").unlink()
+    os.mkfifo(root / ".asyncckpt.lock")
+    with pytest.raises(SaveFailedError, match="not a regular file"):
+        commit.RootLock(root)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge", "dangling"])
+def test_read_latest_refuses_what_is_not_a_small_regular_file(tmp_path, kind):
+    publish(tmp_path, 4)
+    latest = tmp_path / "latest"
+    latest.unlink()
+    if kind == "fifo":
+        os.mkfifo(latest)  # opening it for reading would block forever
+    elif kind == "dev-zero":
+        latest.symlink_to("/dev/zero")  # reading it would never end
+    elif kind == "huge":
+        with open(latest, "wb") as f:
+            f.truncate(1 << 30)
+    else:
+        latest.symlink_to(tmp_path / "nowhere")
+    assert commit.read_latest(tmp_path) is None
+    commit.update_latest(tmp_path)  # replaces it with a real pointer
+    assert commit.read_latest(tmp_path) == 4

@@ -1,11 +1,13 @@
-"""Shared-memory rings: private, pre-sized, unlinked once mapped, swept when orphaned."""
+"""Rings: sealed memfds, mapped by the writer through a passed descriptor, never named."""
 
 from __future__ import annotations
 
+import fcntl
 import os
-import stat
+import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -13,56 +15,80 @@ import torch
 from asyncckpt import ring
 
 
-def test_create_attach_share_bytes_and_unlink():
+def mappings(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(f"/memfd:{ring.MEMFD_NAME}" in line for line in f)
+
+
+def test_attach_shares_bytes_through_a_passed_descriptor():
     r = ring.Ring.create(slot_size=4096, slots=3)
-    path = ring.SHM_DIR / r.name
-    st = path.stat()
-    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 3 * 4096
-    other = ring.Ring.attach(r.name, 4096, 3)
-    assert not path.exists()  # unlinked as soon as the second side maps it
+    other = ring.Ring.attach(os.dup(r.fileno()), 4096, 3)
     r.slot_tensor(1)[:5].copy_(torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8))
     view = other.slot_bytes(1, 5)
     assert bytes(view) == b"\x01\x02\x03\x04\x05"
     view.release()
+    out = bytearray(8)
+    assert bytes(other.copy_out(1, 5, out)) == b"\x01\x02\x03\x04\x05"
     other.close()
     r.close()
 
 
-def test_attach_refuses_foreign_names_and_wrong_sizes():
-    with pytest.raises(ValueError, match="not an asyncckpt ring"):
-        ring.Ring.attach("../etc/passwd", 4096, 1)
+def test_the_ring_cannot_be_resized_by_anyone():
     r = ring.Ring.create(4096, 2)
     try:
-        with pytest.raises(ValueError, match="bytes, expected"):
-            ring.Ring.attach(r.name, 4096, 3)
+        for size in (0, 4096, 3 * 4096):
+            with pytest.raises(PermissionError):
+                os.ftruncate(r.fileno(), size)
+        with pytest.raises(PermissionError):  # nor can the seals be lifted or changed
+            fcntl.fcntl(r.fileno(), fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
     finally:
-        r.unlink()
         r.close()
 
 
-def test_slot_bytes_bounds():
+def test_attach_refuses_unsealed_wrong_size_and_non_files():
+    fd = os.memfd_create("x", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 8192)
+    with pytest.raises(ValueError, match="not size-sealed"):
+        ring.Ring.attach(fd, 4096, 2)  # a creator that could still truncate it under us
+    with tempfile.TemporaryFile() as f:
+        f.truncate(8192)
+        with pytest.raises(ValueError, match="not size-sealed"):
+            ring.Ring.attach(os.dup(f.fileno()), 4096, 2)
+    r = ring.Ring.create(4096, 2)
+    try:
+        with pytest.raises(ValueError, match="expected a file of"):
+            ring.Ring.attach(os.dup(r.fileno()), 4096, 3)
+    finally:
+        r.close()
+    a, b = socket.socketpair()
+    with pytest.raises(ValueError, match="expected a file of"):
+        ring.Ring.attach(a.detach(), 4096, 2)
+    b.close()
+
+
+def test_slot_bounds():
     r = ring.Ring.create(4096, 2)
     try:
         with pytest.raises(ValueError):
             r.slot_bytes(2, 10)
         with pytest.raises(ValueError):
             r.slot_bytes(0, 4097)
+        with pytest.raises(ValueError):
+            r.copy_out(-1, 10, bytearray(10))
+        with pytest.raises(ValueError):
+            r.copy_out(0, 100, bytearray(10))
     finally:
-        r.unlink()
         r.close()
 
 
-def test_sweep_removes_segments_of_dead_processes_only():
-    code = ("from asyncckpt import ring; import os; r = ring.Ring.create(4096, 1); "
-            "print(r.name, flush=True); os._exit(0)")
-    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    assert (ring.SHM_DIR / name).exists()  # the creator died before anyone attached
-    mine = ring.Ring.create(4096, 1)
-    try:
-        removed = ring.sweep_stale()
-        assert name in removed and mine.name not in removed
-        assert not (ring.SHM_DIR / name).exists() and (ring.SHM_DIR / mine.name).exists()
-    finally:
-        mine.unlink()
-        mine.close()
+def test_nothing_outlives_a_killed_creator():
+    """The memory has no name: once its only process is gone, nothing remains to sweep."""
+    code = ("from asyncckpt import ring; import os; r = ring.Ring.create(1 << 20, 4); "
+            "print(os.getpid(), flush=True); os.kill(os.getpid(), 9)")
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == -9 and proc.stdout.strip().isdigit()
+    assert set(os.listdir("/dev/shm")) == before
+    r = ring.Ring.create(4096, 1)
+    assert mappings() >= 1
+    r.close()

@@ -46,7 +46,6 @@ def test_stage_packs_slots_across_tensor_boundaries():
         assert total == len(expected) and b"".join(got) == expected
         assert [len(g) for g in got[:-1]] == [4096] * (len(got) - 1)  # every frame but the last is full
     finally:
-        r.unlink()
         r.close()
 
 
@@ -74,5 +73,4 @@ def test_slots_held_when_staging_stops_are_given_back():
             raise AssertionError("the error must propagate")
         assert emitted == [0, 1] and released == [2] and free == [3]
     finally:
-        r.unlink()
         r.close()

@@ -4,14 +4,13 @@
 
 N rank processes save `saves` consecutive steps through one writer with keep_last=3.
 After a warm-up and at the end we read the writer's private memory (RssAnon), its open
-file descriptors and the asyncckpt segments in /dev/shm; every kept checkpoint must
+file descriptors and the rings it maps; every kept checkpoint must
 verify. Reported: the drift of each between warm-up and end.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import asyncckpt
 from asyncckpt import commit
-from asyncckpt.procstat import read_status
+from asyncckpt.procstat import read_status, ring_mappings
 from asyncckpt.verify import verify_checkpoint
 
 RANK = """
@@ -41,7 +40,7 @@ WARMUP = 20
 
 def writer_reading(pid: int) -> dict:
     return {"rss_anon": read_status(pid)["RssAnon"], "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "shm": len(glob.glob("/dev/shm/asyncckpt-*"))}
+            "rings": ring_mappings(pid)}
 
 
 def soak(ranks: int, saves: int, root: Path) -> dict:
@@ -63,7 +62,7 @@ def soak(ranks: int, saves: int, root: Path) -> dict:
     assert warm is not None and codes == [0] * ranks, codes
     return {"ranks": ranks, "saves_per_rank": saves, "kept_steps": kept, "kept_corrupt": bad,
             "rss_anon_growth_MiB": round((end["rss_anon"] - warm["rss_anon"]) / 2**20, 2),
-            "fd_growth": end["fds"] - warm["fds"], "shm_growth": end["shm"] - warm["shm"],
+            "fd_growth": end["fds"] - warm["fds"], "ring_growth": end["rings"] - warm["rings"],
             "writer_rss_anon_end_MiB": round(end["rss_anon"] / 2**20, 1)}
 
 
@@ -76,7 +75,7 @@ def main() -> None:
         result = soak(args.ranks, args.saves, Path(tmp) / "ckpt")
     print("soak:", json.dumps(result))
     ok = (result["rss_anon_growth_MiB"] < 10 and result["fd_growth"] <= 0
-          and result["shm_growth"] <= 0 and not result["kept_corrupt"]
+          and result["ring_growth"] <= 0 and not result["kept_corrupt"]
           and result["kept_steps"] == list(range(args.saves - 2, args.saves + 1)))
     print("soak:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)

@@ -10,4 +10,4 @@ def test_writer_does_not_grow_over_many_saves(tmp_path):
     print(result)
     assert result["kept_steps"] == [78, 79, 80] and result["kept_corrupt"] == []
     assert result["rss_anon_growth_MiB"] < 10
-    assert result["fd_growth"] <= 0 and result["shm_growth"] <= 0
+    assert result["fd_growth"] <= 0 and result["ring_growth"] <= 0

@@ -105,8 +105,8 @@ def test_one_gib_tensor_through_a_32_mib_ring(tmp_path):
                                slot_size=4 << 20, ring_size=32 << 20) as client:
             handle = client.save(1, {"big": tensor})
             handle.wait(300)
-        assert handle.stats["staged_bytes"] == 1 << 30
-        assert handle.stats["writer_peak_rss_anon"] < 128 << 20
+        assert handle.stats.staged_bytes == 1 << 30
+        assert handle.stats.writer_peak_rss_anon < 128 << 20
         loaded = asyncckpt.load(root)["big"]
         assert torch.equal(loaded.view(torch.int32), tensor.view(torch.int32))
     finally:
