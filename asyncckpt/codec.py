@@ -305,7 +305,8 @@ class CodecSpec:
             "" where the file is a safetensors file as it is, ".zst" where `zstd -d`
             turns it into one.
         factory: a fresh codec object (they are not thread-safe: one per thread).
-        plane_layout: its frames carry a `PlaneLayout` in the manifest (and only its).
+        plane_layout: frames stored with it carry a `PlaneLayout` in the manifest;
+            frames of the other codecs carry none.
         prior: (stored/raw ratio, encode bytes/s per thread) that codec="auto" assumes
             before it has measured anything: float weights on a 2-core VM.
     """
