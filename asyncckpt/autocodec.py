@@ -26,7 +26,9 @@ other codecs from trial encodes of one frame in `trial_every` (the trial runs on
 frame thread; it costs ~3 % of encode time and nothing when the disk is the
 bottleneck); `disk_bandwidth` from the time spent in write and fsync calls. Estimates
 decay by half per save so they follow a change of machine load. Before any
-measurement, priors from this project's measurements (DESIGN.md) are used.
+measurement each codec's prior from the registry (codec.py) stands in, worth 8 MiB of
+evidence, and the disk is assumed to take 1.3 GB/s (what write + fsync, flushed every
+64 MiB, reached on a 2-core VM's virtio ext4 disk).
 
 A save is decided when it begins (the data file's name depends on its codec), so a
 change takes effect on the next save. Users who want the smallest files choose
@@ -39,9 +41,10 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-CANDIDATES = ("raw", "zstd", "bytegroup")
+from .codec import CODECS, REGISTRY
+
 # (ratio, encode thread-seconds per byte) before anything is measured
-_PRIORS = {"raw": (1.0, 1 / 10e9), "zstd": (0.9, 1 / 0.6e9), "bytegroup": (0.8, 1 / 1.0e9)}
+_PRIORS = {name: (spec.prior[0], 1 / spec.prior[1]) for name, spec in REGISTRY.items()}
 _PRIOR_DISK = 1.3e9  # bytes/s
 _PRIOR_WEIGHT = 8 << 20  # priors count as this many bytes of evidence
 
@@ -100,9 +103,9 @@ class CodecChooser:
             ratio = {c: e.stored / e.raw for c, e in self._codecs.items()}
             cost = {c: e.seconds / e.raw for c, e in self._codecs.items()}
         predicted = {c: 1e9 * max(cost[c] / self.threads, ratio[c] / disk,
-                                  (cost[c] + ratio[c] / disk) / self.cores) for c in CANDIDATES}
-        best = min(CANDIDATES, key=lambda c: (predicted[c], ratio[c]))
-        return Choice(best, predicted, ratio, {c: 1e-9 / cost[c] for c in CANDIDATES},
+                                  (cost[c] + ratio[c] / disk) / self.cores) for c in CODECS}
+        best = min(CODECS, key=lambda c: (predicted[c], ratio[c]))
+        return Choice(best, predicted, ratio, {c: 1e-9 / cost[c] for c in CODECS},
                       disk / 1e9, self.threads)
 
     def encoded(self, codec: str, raw: int, stored: int, seconds: float) -> None:

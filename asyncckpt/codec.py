@@ -7,6 +7,18 @@ into the destination; the concatenation of zstd frames is itself a valid multi-f
 zstd stream. Codec objects hold a (de)compressor context and are not thread-safe: make
 one per thread.
 
+Every stored codec is one entry of `REGISTRY` (name, data file suffix, factory, whether
+its frames carry a plane layout, the auto chooser's prior); the writer's `codec` knob,
+the manifest's checks, data file names and codec="auto"'s candidates are all derived
+from it, so a new codec is its class plus one entry. "auto" is a writer setting, not a
+codec: a save it decides is stored with one of the registry's codecs. This module
+imports neither torch nor anything that does (the writer process never loads torch).
+
+All codecs have one interface, so the encoder (encoding.py) knows nothing about any of
+them: once per tensor it asks the codec to `probe` a frame that tensor dominates, and
+for every frame it passes the tensor's element width, the frame's phase and the probe's
+answer as `FrameHints`; codecs that do not split planes ignore them.
+
 The byte-grouped codec ("bytegroup", see planes.py) stores a frame as its head bytes,
 one piece per byte plane and its tail bytes, each plane either one zstd frame or raw;
 which planes are compressed is decided per tensor by a probe (`probe`), because it
@@ -21,7 +33,8 @@ their redundancy is in the byte distribution (entropy coding), not in long match
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Sequence
+import dataclasses
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import xxhash
 import zstandard
@@ -30,7 +43,8 @@ from . import planes as _planes
 from .errors import CorruptCheckpointError
 
 Buffer = bytes | bytearray | memoryview
-PLANE_CODECS = ("raw", "zstd")
+RAW = "raw"
+PLANE_CODECS = (RAW, "zstd")
 
 
 class PlaneLayout(NamedTuple):
@@ -57,18 +71,56 @@ class PlaneLayout(NamedTuple):
             raise CorruptCheckpointError("planes do not add up to the stored length")
 
 
+class FrameHints(NamedTuple):
+    """What the encoder knows about a frame beyond its bytes: the element `width` and
+    `phase` of the tensor covering most of it, and `planes`, what the codec's `probe`
+    chose for that tensor (codecs that do not split planes ignore all three)."""
+
+    width: int = 1
+    phase: int = 0
+    planes: tuple[bool, ...] = ()
+
+
+class Stored(NamedTuple):
+    """One encoded frame: `codec` is the codec it is stored with (the byte-plane codec
+    stores a frame whose planes do not compress as a raw frame), `pieces` concatenated
+    are its stored bytes, `layout` its plane layout (plane codecs only)."""
+
+    codec: str
+    pieces: list[Buffer]
+    layout: PlaneLayout | None = None
+
+    @property
+    def length(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+    def as_is(self, raw: Buffer) -> bool:
+        """True when the frame is stored as `raw` itself (keep `raw` until it is written)."""
+        return len(self.pieces) == 1 and self.pieces[0] is raw
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.pieces)
+
+
 class Codec(Protocol):
     name: str
 
-    def encode(self, raw: Buffer) -> Buffer:
-        """Return the stored bytes of one frame (may be `raw` itself)."""
+    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
+        """Decide, once per tensor, from a frame the tensor dominates, what `encode` is
+        told in `FrameHints.planes` for that tensor's frames (() when there is nothing
+        to decide)."""
+        ...
+
+    def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
+        """The stored form of one frame. Its pieces are either `raw` itself (see
+        `Stored.as_is`) or refer to none of `raw`'s memory."""
         ...
 
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
                     layout: PlaneLayout | None = None) -> None:
         """Decode one frame into `out`: one view, or consecutive views (pieces of the
         frame's raw bytes, e.g. the tensors it spans), of exactly the raw length in all.
-        `layout` is the frame's plane layout (bytegroup only).
+        `layout` is the frame's plane layout (plane codecs only).
 
         Raises:
             CorruptCheckpointError: the frame does not decode to exactly that many bytes.
@@ -77,10 +129,13 @@ class Codec(Protocol):
 
 
 class RawCodec:
-    name = "raw"
+    name = RAW
 
-    def encode(self, raw: Buffer) -> Buffer:
-        return raw
+    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
+        return ()
+
+    def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
+        return Stored(RAW, [raw])
 
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
                     layout: PlaneLayout | None = None) -> None:
@@ -102,8 +157,11 @@ class ZstdCodec:
                                                     write_checksum=False)
         self._decompressor = zstandard.ZstdDecompressor()
 
-    def encode(self, raw: Buffer) -> Buffer:
-        return self._compressor.compress(raw)
+    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
+        return ()
+
+    def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
+        return Stored(self.name, [self._compressor.compress(raw)])
 
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
                     layout: PlaneLayout | None = None) -> None:
@@ -135,46 +193,57 @@ class ZstdCodec:
 
 
 class BytegroupCodec:
-    """Byte planes, each zstd-compressed or raw (see the module docstring)."""
+    """Byte planes, each zstd-compressed or raw (see the module docstring).
+
+    Args:
+        probe_bytes: bytes of a tensor's first frame that `probe` compresses plane by
+            plane.
+        max_ratio: a plane is compressed when zstd shrinks it to this fraction of its
+            size or less, in the probe and again in every frame.
+    """
 
     name = "bytegroup"
 
-    def __init__(self, level: int = 1, hash_log: int = 6, min_match: int = 7) -> None:
+    def __init__(self, level: int = 1, probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
+                 hash_log: int = 6, min_match: int = 7) -> None:
         params = zstandard.ZstdCompressionParameters.from_level(
             level, hash_log=hash_log, min_match=min_match, write_content_size=True,
             write_checksum=False)
         self._compressor = zstandard.ZstdCompressor(compression_params=params)
         self._zstd = ZstdCodec(level)  # for decoding planes
+        self._probe_bytes = probe_bytes
+        self._max_ratio = max_ratio
 
-    def probe(self, raw: Buffer, width: int, phase: int, sample_bytes: int = 256 << 10,
-              max_ratio: float = 0.97) -> tuple[bool, ...]:
-        """Which planes of `raw` (split as `width`/`phase`) to compress: those whose first
-        `sample_bytes / width` bytes compress to at most `max_ratio` of their size."""
-        split = _planes.split(memoryview(raw)[:sample_bytes], width, phase)
-        return tuple(len(p) > 0 and len(self._compressor.compress(p)) <= max_ratio * len(p)
+    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
+        """Which planes of `sample` (split as `width`/`phase`) to compress: those whose
+        first `probe_bytes / width` bytes compress to at most `max_ratio` of their size."""
+        split = _planes.split(memoryview(sample)[:self._probe_bytes], width, phase)
+        return tuple(len(p) > 0 and len(self._compressor.compress(p)) <= self._max_ratio * len(p)
                      for p in split.planes)
 
-    def encode_planes(self, raw: Buffer, width: int, phase: int, compress: Sequence[bool],
-                      max_ratio: float = 1.0) -> tuple[list[Buffer], PlaneLayout]:
-        """The stored pieces of `raw` (head, planes, tail: concatenated, the frame on disk)
-        and their layout; none of the pieces refers to `raw`. A plane marked for
-        compression is still stored raw when zstd makes it larger than `max_ratio` of
-        its size."""
-        split = _planes.split(raw, width, phase)
+    def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
+        """Head, planes and tail of `raw` as `hints` split it, the planes that
+        `hints.planes` marks zstd-compressed where that shrinks them to `max_ratio` or
+        better; `raw` itself, as a raw frame, when no plane ends up compressed."""
+        if not any(hints.planes):
+            return Stored(RAW, [raw])
+        split = _planes.split(raw, hints.width, hints.phase)
         pieces: list[Buffer] = [bytes(split.head)] if len(split.head) else []
         layout = []
-        for plane, wanted in zip(split.planes, compress):
+        for plane, wanted in zip(split.planes, hints.planes):
             if wanted and len(plane):
                 packed = self._compressor.compress(plane)
-                if len(packed) <= max_ratio * len(plane):
+                if len(packed) <= self._max_ratio * len(plane):
                     pieces.append(packed)
                     layout.append(("zstd", len(packed)))
                     continue
             pieces.append(memoryview(plane))
-            layout.append(("raw", len(plane)))
+            layout.append((RAW, len(plane)))
+        if not any(codec == "zstd" for codec, _ in layout):
+            return Stored(RAW, [raw])
         if len(split.tail):
             pieces.append(bytes(split.tail))
-        return pieces, PlaneLayout(width, phase, tuple(layout))
+        return Stored(self.name, pieces, PlaneLayout(hints.width, hints.phase, tuple(layout)))
 
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
                     layout: PlaneLayout | None = None) -> None:
@@ -217,16 +286,67 @@ def _pieces(out: memoryview | list[memoryview]) -> list[memoryview]:
     return out if isinstance(out, list) else [out]
 
 
-def make_codec(name: str, level: int = 1) -> Codec:
-    """A fresh codec object for `name` ("raw", "zstd" or "bytegroup").
+@dataclasses.dataclass(frozen=True)
+class CodecParams:
+    """The writer's settings that codec objects take (see `Knobs`); a reader's codecs
+    need none of them."""
+
+    level: int = 1
+    probe_bytes: int = 256 << 10
+    plane_max_ratio: float = 0.97
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+    """A stored frame codec.
+
+    Attributes:
+        suffix: appended to a rank's data file name (`rank-00000.safetensors` + suffix):
+            "" where the file is a safetensors file as it is, ".zst" where `zstd -d`
+            turns it into one.
+        factory: a fresh codec object (they are not thread-safe: one per thread).
+        plane_layout: frames stored with it carry a `PlaneLayout` in the manifest;
+            frames of the other codecs carry none.
+        prior: (stored/raw ratio, encode bytes/s per thread) that codec="auto" assumes
+            before it has measured anything: float weights on a 2-core VM.
+    """
+
+    name: str
+    suffix: str
+    factory: Callable[[CodecParams], Codec]
+    plane_layout: bool
+    prior: tuple[float, float]
+
+
+REGISTRY: dict[str, CodecSpec] = {spec.name: spec for spec in (
+    CodecSpec(RAW, "", lambda p: RawCodec(), False, (1.0, 10e9)),
+    CodecSpec("zstd", ".zst", lambda p: ZstdCodec(p.level), False, (0.9, 0.6e9)),
+    # not a zstd stream: `zstd -d` does not read it
+    CodecSpec("bytegroup", ".bg", lambda p: BytegroupCodec(p.level, p.probe_bytes,
+                                                            p.plane_max_ratio), True, (0.8, 1.0e9)),
+)}
+CODECS = tuple(REGISTRY)  # what frames and data files are stored with
+AUTO = "auto"  # the writer setting: per save, whichever of CODECS is durable soonest
+SETTINGS = (*CODECS, AUTO)  # what the writer's `codec` knob accepts
+
+
+def codec_spec(name: str) -> CodecSpec:
+    """The registry entry of stored codec `name`.
+
+    Raises:
+        CorruptCheckpointError: unknown name (as found in a manifest), or "auto", which
+            is a writer setting, not a codec anything is stored with.
+    """
+    spec = REGISTRY.get(name)
+    if spec is None:
+        raise CorruptCheckpointError(f"unknown codec {name!r}")
+    return spec
+
+
+def make_codec(name: str, params: CodecParams = CodecParams()) -> Codec:
+    """A fresh codec object for stored codec `name`.
 
     Raises:
         CorruptCheckpointError: unknown codec name (as found in a manifest).
     """
-    if name == "raw":
-        return RawCodec()
-    if name == "zstd":
-        return ZstdCodec(level)
-    if name == "bytegroup":
-        return BytegroupCodec(level)
-    raise CorruptCheckpointError(f"unknown codec {name!r}")
+    return codec_spec(name).factory(params)

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 MiB = 1 << 20
-CODECS = ("raw", "zstd", "bytegroup", "auto")
+from .codec import SETTINGS as CODECS  # noqa: E402  (the writer knob: stored codecs + "auto")
 
 
 @dataclasses.dataclass(frozen=True)

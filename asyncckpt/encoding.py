@@ -11,11 +11,11 @@ exactly (it is a permutation). With slots of 4 MiB and the tensors of a training
 (megabytes each, ordered by module, dtype runs of many tensors) that is a few frames
 per save.
 
-Which planes to compress is decided per tensor, once, by a probe on the first frame
-that tensor dominates: every plane of a sample is compressed and planes that shrink to
-`max_ratio` or better are compressed from then on. A frame whose planes all stay raw is
-stored as a plain raw frame (no shuffle to undo at load). A plane the probe chose is
-still stored raw in a frame where it does not compress.
+Which planes to compress is decided per tensor, once, by the codec's probe on the first
+frame that tensor dominates (for the byte-plane codec: every plane of a sample is
+compressed and planes that shrink to `max_ratio` or better are compressed from then
+on). The encoder keeps those answers and hands them back with each frame's geometry;
+it treats every codec alike (codec.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import xxhash
 
-from .autocodec import CANDIDATES, CodecChooser
-from .codec import Buffer, BytegroupCodec, PlaneLayout, make_codec, xxh3_of
+from .autocodec import CodecChooser
+from .codec import CODECS, Buffer, Codec, CodecParams, FrameHints, PlaneLayout, make_codec, xxh3_of
 from .format import TensorSpec, element_size
 
 
@@ -51,12 +51,11 @@ class FrameEncoder:
         self.codec = codec
         self.chooser = chooser  # codec="auto": told every frame's cost, plus trials
         self._frames = 0
-        self.level = level
+        self._params = CodecParams(level, probe_bytes, max_ratio)
         self._tensors = tensors
         self._begins = [t.begin for t in tensors]
-        self._probe_bytes = probe_bytes
-        self._max_ratio = max_ratio
-        self._masks: dict[int, tuple[bool, ...]] = {}  # tensor index (-1: header) -> planes
+        # (codec, tensor index or -1 for the header) -> the codec's probe for that tensor
+        self._probes: dict[tuple[str, int], tuple[bool, ...]] = {}
 
     def encode(self, raw_offset: int, raw: memoryview, context: dict) -> Encoded:
         start = time.perf_counter()
@@ -73,9 +72,9 @@ class FrameEncoder:
 
     def _trial(self, raw_offset: int, raw: memoryview, raw_hash: int, hash_seconds: float,
                context: dict) -> None:
-        """Encode `raw` with the other candidate codecs too, for the chooser only."""
+        """Encode `raw` with the other codecs too, for the chooser only."""
         assert self.chooser is not None
-        for codec in CANDIDATES:
+        for codec in CODECS:
             if codec != self.codec:
                 start = time.perf_counter()
                 stored = self._encode(codec, raw_offset, raw, raw_hash, context).stored_length
@@ -84,14 +83,16 @@ class FrameEncoder:
 
     def _encode(self, name: str, raw_offset: int, raw: memoryview, raw_hash: int,
                 context: dict) -> Encoded:
-        if name == "bytegroup":
-            return self._bytegroup(raw_offset, raw, raw_hash, context)
         codec = self._codec(name, context)
-        stored = codec.encode(raw)
-        if stored is raw:
-            return Encoded(codec.name, [raw], len(raw), raw_hash, raw_hash, None, True)
-        return Encoded(codec.name, [stored], len(stored), raw_hash,
-                       xxhash.xxh3_64_intdigest(stored), None, False)
+        tensor, width, phase = self.geometry(raw_offset, len(raw))
+        planes = self._probes.get((name, tensor))
+        if planes is None:
+            planes = self._probes[(name, tensor)] = codec.probe(raw, width, phase)
+        stored = codec.encode(raw, FrameHints(width, phase, planes))
+        if stored.as_is(raw):
+            return Encoded(stored.codec, [raw], len(raw), raw_hash, raw_hash, None, True)
+        return Encoded(stored.codec, stored.pieces, stored.length, raw_hash,
+                       xxh3_of(stored.pieces), stored.layout, False)
 
     def geometry(self, raw_offset: int, length: int) -> tuple[int, int, int]:
         """(tensor index or -1 for the header, element width, phase) of the frame
@@ -113,27 +114,11 @@ class FrameEncoder:
         width = element_size(t.dtype)
         return best, width, (t.begin - raw_offset) % width
 
-    def _bytegroup(self, raw_offset: int, raw: memoryview, raw_hash: int,
-                   context: dict) -> Encoded:
-        codec = self._codec("bytegroup", context)
-        assert isinstance(codec, BytegroupCodec)
-        tensor, width, phase = self.geometry(raw_offset, len(raw))
-        mask = self._masks.get(tensor)
-        if mask is None:
-            mask = self._masks[tensor] = codec.probe(raw, width, phase, self._probe_bytes,
-                                                     self._max_ratio)
-        if any(mask):
-            pieces, layout = codec.encode_planes(raw, width, phase, mask, self._max_ratio)
-            if any(c == "zstd" for c, _ in layout.planes):
-                size = sum(len(p) for p in pieces)
-                return Encoded("bytegroup", pieces, size, raw_hash, xxh3_of(pieces), layout, False)
-        return Encoded("raw", [raw], len(raw), raw_hash, raw_hash, None, True)
-
-    def _codec(self, name: str, context: dict):  # type: ignore[no-untyped-def]
-        key = ("codec", name, self.level)
+    def _codec(self, name: str, context: dict) -> Codec:
+        key = ("codec", name, self._params)
         codec = context.get(key)
         if codec is None:
-            codec = context[key] = make_codec(name, self.level)
+            codec = context[key] = make_codec(name, self._params)
         return codec
 
 

@@ -16,7 +16,7 @@ import re
 import struct
 from typing import Iterable, NamedTuple
 
-from .errors import CorruptCheckpointError
+from .codec import codec_spec
 
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 1
@@ -37,9 +37,6 @@ MAX_STEP = (1 << 62) - 1  # the manifest's integer bound
 _STEP_DIR = re.compile(r"step-([0-9]{8,})")
 _TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
-_DATA_FILE = re.compile(r"rank-([0-9]{5,})\.safetensors(\.zst|\.bg)?")
-# a zstd file is a multi-frame zstd stream (`zstd -d` reads it); a bytegroup one is not
-_DATA_SUFFIX = {"raw": "", "zstd": ".zst", "bytegroup": ".bg"}
 
 
 class TensorSpec(NamedTuple):
@@ -77,12 +74,12 @@ def tmp_step_of(name: str) -> int | None:
 
 
 def data_file_name(rank: int, codec: str) -> str:
-    return f"rank-{rank:05d}.safetensors" + _DATA_SUFFIX.get(codec, ".zst")
+    """`rank-00000.safetensors` plus the codec's suffix (see codec.REGISTRY).
 
-
-def is_data_file_name(name: str) -> bool:
-    """True for names the writer creates; the reader opens nothing else."""
-    return _DATA_FILE.fullmatch(name) is not None
+    Raises:
+        CorruptCheckpointError: `codec` is not a stored codec.
+    """
+    return f"rank-{rank:05d}.safetensors" + codec_spec(codec).suffix
 
 
 def element_size(dtype_name: str) -> int:
@@ -116,23 +113,3 @@ def layout(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, 
         begin, end = header[name]["data_offsets"]  # type: ignore[index]
         specs.append(TensorSpec(name, dtype, tuple(shape), base + begin, base + end))
     return prefix, specs
-
-
-def parse_header(prefix: bytes) -> dict[str, object]:
-    """Parse the safetensors header that opens a stream (the bytes of its first frame).
-
-    Raises:
-        CorruptCheckpointError: not a well-formed safetensors header.
-    """
-    if len(prefix) < 8:
-        raise CorruptCheckpointError("safetensors header truncated")
-    (length,) = struct.unpack("<Q", prefix[:8])
-    if length + 8 > len(prefix):
-        raise CorruptCheckpointError(f"safetensors header declares {length} bytes, has {len(prefix) - 8}")
-    try:
-        header = json.loads(prefix[8:8 + length])
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"safetensors header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError("safetensors header is not a JSON object")
-    return header

@@ -28,7 +28,7 @@ from typing import Any
 import xxhash
 
 from ._version import __version__
-from .codec import PlaneLayout
+from .codec import CODECS, RAW, REGISTRY, PlaneLayout
 from .config import Knobs
 from .errors import CorruptCheckpointError
 from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TensorSpec,
@@ -39,7 +39,6 @@ _MIDDLE = b'","manifest":'
 _SUFFIX = b"}\n"
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_INT = 1 << 62
-CODEC_NAMES = ("raw", "zstd", "bytegroup")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +52,7 @@ class Frame:
     codec: str
     xxh3_raw: int
     xxh3_stored: int
-    layout: PlaneLayout | None = None  # bytegroup frames only
+    layout: PlaneLayout | None = None  # frames of plane codecs only
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"raw": [self.raw_offset, self.raw_length],
@@ -197,7 +196,7 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> Ra
     rank = _int(doc["rank"], "rank")
     _check(rank == index, f"rank entry {index} says rank {rank}")
     codec = doc["codec"]
-    _check(codec in CODEC_NAMES, f"rank {rank}: unknown codec {codec!r}")
+    _check(codec in CODECS, f"rank {rank}: unknown codec {codec!r}")
     file = doc["file"]
     _check(file == data_file_name(rank, codec), f"rank {rank}: unexpected file name {file!r}")
     raw_size, stored_size = _int(doc["raw_size"], "raw_size"), _int(doc["stored_size"], "stored_size")
@@ -209,20 +208,20 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> Ra
         frame = Frame(_int(ro, "raw offset"), _int(rl, "raw length"), _int(so, "stored offset"),
                       _int(sl, "stored length"), f["codec"], _hex(f["xxh3_raw"]),
                       _hex(f["xxh3_stored"]), _layout_from_json(f, where))
-        _check(frame.codec in CODEC_NAMES, f"{where}: unknown codec {frame.codec!r}")
+        _check(frame.codec in CODECS, f"{where}: unknown codec {frame.codec!r}")
         _check(frame.raw_offset == raw_pos and frame.stored_offset == stored_pos,
                f"{where}: offsets not contiguous")
         _check(0 < frame.raw_length <= max_frame_bytes,
                f"{where}: raw length {frame.raw_length} outside 1..{max_frame_bytes}")
         _check(frame.stored_length > 0, f"{where}: empty stored frame")
-        _check((frame.codec == "bytegroup") == (frame.layout is not None),
-               f"{where}: a plane layout goes with (and only with) the bytegroup codec")
+        _check(REGISTRY[frame.codec].plane_layout == (frame.layout is not None),
+               f"{where}: a plane layout goes with (and only with) a plane codec")
         if frame.layout is not None:
             try:
                 frame.layout.check(frame.raw_length, frame.stored_length)
             except CorruptCheckpointError as e:
                 _check(False, f"{where}: {e.cause}")
-        _check(frame.codec != "raw" or (frame.stored_length == frame.raw_length
+        _check(frame.codec != RAW or (frame.stored_length == frame.raw_length
                                         and frame.xxh3_stored == frame.xxh3_raw),
                f"{where}: raw frame whose stored length or checksum differ from the raw ones")
         raw_pos += frame.raw_length

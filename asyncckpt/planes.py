@@ -2,10 +2,11 @@
 
 Float bytes are not alike: the top byte of a bf16/fp16/fp32 element (sign and most of
 the exponent) takes few values, the mantissa bytes look random. Interleaved, they hide
-the exponent's redundancy from zstd (plain zstd saves 8-22 % on weights); separated, the
-exponent plane compresses to ~0.34 of its size and the mantissa planes are stored raw,
-which saves 16-32 % and compresses only a quarter to half of the bytes (DESIGN.md,
-"Facts").
+the exponent's redundancy from zstd: zstd level 1 stores bf16 weights N(0, 0.02) at 0.78
+of their size and fp32 weights and Adam moments at 0.92-0.94. Separated, the exponent
+plane compresses to ~0.34 of its size and the mantissa planes are stored raw: bf16 at
+0.68, fp32 at 0.82-0.85 (real trained MiniLM weights: 0.685 and 0.83), compressing
+only a quarter to half of the bytes.
 
 A frame is the bytes `raw`; its elements are `width` bytes wide and the first whole
 element starts `phase` bytes in (frames are packed across tensor boundaries, so a

@@ -12,10 +12,25 @@ core; with both cores loaded copy_ fell to 0.5 GB/s).
 
 From a CUDA tensor the copy is the device-to-host DMA itself, straight into the ring:
 the ring's pages are registered with CUDA (pinned) on first use, copies are issued
-non-blocking on a staging stream that first waits for the work queued before `save()`,
-and a slot is handed to the writer only once an event recorded after its copies has
-completed. A few slots are in flight at once, so the DMA of one overlaps the handing
-over of the previous; slots still go to the writer in stream order.
+non-blocking on a staging stream, and a slot is handed to the writer only once an event
+recorded after its copies has completed. A few slots are in flight at once, so the DMA
+of one overlaps the handing over of the previous; slots still go to the writer in
+stream order.
+
+Stream discipline, because the writer checksums whatever lands in the ring and `verify`
+then passes on it: every device operation of a save runs on the one staging stream,
+and that stream first waits for the event recorded on the producer's stream at `save()`
+(at the save's first CUDA tensor, whatever host tensors come before it). The contiguous
+block of a non-contiguous tensor is made on the staging stream too, so the copy that
+reads it is ordered after the kernel that writes it; made on the stager thread's
+current stream, as it once was, it raced both the producer (that stream had not waited
+for it) and the copy (which had not waited for the kernel). Every tensor a queued copy
+reads (such blocks, and the slices of the state's own tensors) is referenced from the
+slot's entry until the event after its copy has completed. Holding references is
+chosen over `Tensor.record_stream`: the lifetime is explicit and bounded (at most the
+waiting slots plus the open one, one slot of blocks each), it does not depend on when
+the caching allocator next looks at its recorded events, and it also keeps the state's
+tensors alive if the caller drops them right after `save()`.
 """
 
 from __future__ import annotations
@@ -32,15 +47,18 @@ from .ring import Ring
 log = logging.getLogger("asyncckpt.client")
 
 
-def byte_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
-    """Contiguous uint8 tensors whose concatenation is `t`'s bytes in row-major order."""
+def byte_pieces(t: torch.Tensor, max_bytes: int,
+                contiguous: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
+                ) -> Iterator[torch.Tensor]:
+    """Contiguous uint8 tensors whose concatenation is `t`'s bytes in row-major order:
+    `t` itself if it is contiguous, else `contiguous` of blocks of at most `max_bytes`."""
     if t.numel() == 0:
         return
     if t.is_contiguous():
         yield _flat_bytes(t)
         return
     for block in _blocks(t, max_bytes):
-        yield _flat_bytes(block.contiguous())
+        yield _flat_bytes(contiguous(block))
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -66,7 +84,10 @@ def _blocks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
 class DeviceCopies:
     """Asynchronous device-to-host copies into a ring, and the slots waiting for them.
 
-    One per ring. `close()` unpins the ring's pages; call it before the ring is unmapped.
+    One per ring, used by one stager thread. `close()` unpins the ring's pages; call it
+    before the ring is unmapped. `_new_stream`, `_wait`, `_contiguous`, `_copy_async`,
+    `_record`, `_synchronize` and `_pin` are the only code that calls CUDA (a test
+    replaces them to let the CPU stand in for a GPU).
     """
 
     def __init__(self, ring: Ring) -> None:
@@ -74,51 +95,109 @@ class DeviceCopies:
         self.pinned = False
         self._tried_pin = False
         self._stream: Any = None
-        self._pending: collections.deque[tuple[int, int, Any]] = collections.deque()
+        self._device: torch.device | None = None
+        self._held: list[torch.Tensor] = []  # what the copies into the open slot read
+        # (slot, length, event after its copies, the tensors those copies read)
+        self._pending: collections.deque[tuple[int, int, Any, list[torch.Tensor]]] = \
+            collections.deque()
         self._max_pending = min(2, ring.slots - 1)  # the writer must always own a slot
 
-    def copy(self, slot: int, fill: int, source: torch.Tensor, ready: Any) -> None:
-        """Queue the copy of uint8 CUDA tensor `source` into `slot` at byte `fill`."""
+    def handles(self, t: torch.Tensor) -> bool:
+        """Whether `t` is staged by device copies (else it must be in host memory)."""
+        return t.device.type == "cuda"
+
+    def begin(self, device: torch.device, ready: Any) -> None:
+        """Before any device work of a save: the staging stream waits for `ready` (the
+        save's `ready_event`, None when there is nothing to wait for).
+
+        Raises:
+            ValueError: the staging stream is on another device (one device per ring).
+        """
         if not self._tried_pin:
             self._pin()
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=source.device)
+            self._stream, self._device = self._new_stream(device), device
+        self._check_device(device)
         if ready is not None:
-            self._stream.wait_event(ready)
-        with torch.cuda.stream(self._stream):
-            self.ring.slot_tensor(slot)[fill:fill + source.numel()].copy_(source, non_blocking=True)
+            self._wait(ready)
 
-    def hand_over(self, slot: int, length: int, emit: Callable[[int, int], None],
-                  copied: bool) -> None:
-        """Emit `slot` once the copies queued into it (if `copied`) have landed, keeping
-        slots in order; at most a few wait at once."""
-        if copied:
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            self._pending.append((slot, length, event))
+    def pieces(self, t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+        """`byte_pieces(t, max_bytes)`, its contiguous blocks made on the staging stream
+        (call `begin` first).
+
+        Raises:
+            ValueError: `t` is on another device than the staging stream.
+        """
+        self._check_device(t.device)
+        return byte_pieces(t, max_bytes, self._contiguous)
+
+    def _check_device(self, device: torch.device) -> None:
+        if device != self._device:
+            raise ValueError(f"CUDA tensors on {device} and {self._device}: a rank's state "
+                             "must be on one device")
+
+    def copy(self, slot: int, fill: int, source: torch.Tensor) -> None:
+        """Queue the copy of uint8 device tensor `source` into `slot` at byte `fill`;
+        `source` is kept until the slot's copies have landed."""
+        self._copy_async(self.ring.slot_tensor(slot)[fill:fill + source.numel()], source)
+        self._held.append(source)
+
+    def hand_over(self, slot: int, length: int, emit: Callable[[int, int], None]) -> None:
+        """Emit `slot` once the copies queued into it have landed, keeping slots in
+        order; at most a few wait at once."""
+        if self._held:
+            self._pending.append((slot, length, self._record(), self._held))
+            self._held = []
         else:
             self.drain(emit)
             emit(slot, length)
-        while self._pending and (len(self._pending) > self._max_pending or self._pending[0][2].query()):
-            done_slot, done_length, event = self._pending.popleft()
+        while self._pending and (len(self._pending) > self._max_pending
+                                 or self._pending[0][2].query()):
+            done_slot, done_length, event, _ = self._pending.popleft()
             event.synchronize()
             emit(done_slot, done_length)
 
     def discard(self) -> list[int]:
-        """Wait for the copies into waiting slots to land and return those slots unsent."""
+        """Wait for every queued copy (into waiting slots and the open one) to land and
+        return the waiting slots unsent."""
         slots = []
         while self._pending:
-            slot, _, event = self._pending.popleft()
+            slot, _, event, _ = self._pending.popleft()
             event.synchronize()
             slots.append(slot)
+        if self._held:
+            self._synchronize()
+            self._held = []
         return slots
 
     def drain(self, emit: Callable[[int, int], None]) -> None:
         """Emit every waiting slot, in order, once its copies have landed."""
         while self._pending:
-            slot, length, event = self._pending.popleft()
+            slot, length, event, _ = self._pending.popleft()
             event.synchronize()
             emit(slot, length)
+
+    def _new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def _wait(self, ready: Any) -> None:
+        self._stream.wait_event(ready)
+
+    def _contiguous(self, block: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.stream(self._stream):  # allocated and written on the staging stream
+            return block.contiguous()
+
+    def _copy_async(self, dest: torch.Tensor, source: torch.Tensor) -> None:
+        with torch.cuda.stream(self._stream):
+            dest.copy_(source, non_blocking=True)
+
+    def _record(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def _synchronize(self) -> None:
+        self._stream.synchronize()
 
     def _pin(self) -> None:
         self._tried_pin = True
@@ -156,37 +235,48 @@ def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int
         acquire: blocks until a slot is free and returns it (raises to cancel).
         emit: called with (slot, length) once a slot is filled (and its device copies
             landed); the slot then belongs to the writer until it frees it.
+        release: given back the slots this save held when it stopped on an error, once
+            no copy into them is still running.
         device: the ring's DeviceCopies, needed for CUDA tensors.
         ready: `ready_event()` of the save, taken when it was requested.
     Returns:
         The number of bytes staged.
+    Raises:
+        ValueError: a CUDA tensor without `device`, or CUDA tensors on two devices.
     """
-    slot, fill, total, copied = -1, 0, 0, False
+    slot, fill, total, begun = -1, 0, 0, False
     try:
         for tensor in tensors:
-            for piece in byte_pieces(tensor, ring.slot_size):
+            on_device = device is not None and device.handles(tensor)
+            if on_device:
+                assert device is not None
+                if not begun:  # before any device work of the save, CPU tensors or not
+                    device.begin(tensor.device, ready)
+                    begun = True
+                pieces = device.pieces(tensor, ring.slot_size)
+            elif tensor.device.type == "cpu":
+                pieces = byte_pieces(tensor, ring.slot_size)
+            else:
+                raise ValueError(f"a tensor on {tensor.device} needs the ring's DeviceCopies")
+            for piece in pieces:
                 pos, size = 0, piece.numel()
-                on_cpu = piece.device.type == "cpu"
-                if not on_cpu and device is None:
-                    raise ValueError("a CUDA tensor needs the ring's DeviceCopies")
                 while pos < size:
                     if slot < 0:
-                        slot, fill, copied = acquire(), 0, False
+                        slot, fill = acquire(), 0
                     n = min(size - pos, ring.slot_size - fill)
-                    if on_cpu:  # one plain memcpy, GIL released; torch's copy_ would fan out to
+                    if on_device:
+                        assert device is not None
+                        device.copy(slot, fill, piece[pos:pos + n])
+                    else:  # one plain memcpy, GIL released; torch's copy_ would fan out to
                         # OpenMP threads that stall whenever the writer holds the other cores
                         ctypes.memmove(ring.address + slot * ring.slot_size + fill,
                                        piece.data_ptr() + pos, n)
-                    else:
-                        assert device is not None
-                        device.copy(slot, fill, piece[pos:pos + n], ready)
-                        ready, copied = None, True  # the stream waits once
                     fill, pos, total = fill + n, pos + n, total + n
                     if fill == ring.slot_size:
-                        _hand_over(device, slot, fill, emit, copied)
+                        _hand_over(device, slot, fill, emit)
                         slot = -1
         if slot >= 0:
-            _hand_over(device, slot, fill, emit, copied)
+            _hand_over(device, slot, fill, emit)
             slot = -1
         if device is not None:
             device.drain(emit)
@@ -198,8 +288,8 @@ def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int
 
 
 def _hand_over(device: DeviceCopies | None, slot: int, length: int,
-               emit: Callable[[int, int], None], copied: bool) -> None:
+               emit: Callable[[int, int], None]) -> None:
     if device is None:
         emit(slot, length)
     else:
-        device.hand_over(slot, length, emit, copied)
+        device.hand_over(slot, length, emit)

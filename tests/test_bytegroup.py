@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import asyncckpt
 from asyncckpt import planes
-from asyncckpt.codec import BytegroupCodec, PlaneLayout, make_codec
+from asyncckpt.codec import BytegroupCodec, FrameHints, PlaneLayout, make_codec
 from asyncckpt.dtypes import DTYPE_NAMES
 from asyncckpt.encoding import FrameEncoder
 from asyncckpt.errors import CorruptCheckpointError
@@ -122,8 +122,9 @@ def test_float_weights_compress_their_exponent_plane(dtype, width, bound):
     codec = BytegroupCodec()
     mask = codec.probe(raw, width, 0)
     assert mask[-1] and not mask[0], mask  # top byte (sign, exponent) compressed, low byte raw
-    pieces, lay = codec.encode_planes(raw, width, 0, mask)
-    assert lay.planes[-1][0] == "zstd" and lay.planes[-1][1] < 0.7 * len(raw) / width
+    stored_frame = codec.encode(raw, FrameHints(width, 0, mask))
+    pieces, lay = stored_frame.pieces, stored_frame.layout
+    assert stored_frame.codec == "bytegroup" and lay.planes[-1][0] == "zstd" and lay.planes[-1][1] < 0.7 * len(raw) / width
     stored = b"".join(bytes(p) for p in pieces)
     assert len(stored) < bound * len(raw)
     out = bytearray(len(raw))
@@ -142,10 +143,30 @@ def test_probe_stores_incompressible_data_raw():
 
 
 def test_a_probed_plane_that_stops_compressing_is_stored_raw():
-    codec = BytegroupCodec()
+    """...and a frame whose planes all stay raw is a plain raw frame: no shuffle to undo."""
+    codec = BytegroupCodec(max_ratio=0.97)
     raw = os.urandom(4096)
-    pieces, lay = codec.encode_planes(raw, 2, 0, (True, True), max_ratio=0.97)
-    assert lay.planes == (("raw", 2048), ("raw", 2048))
+    stored = codec.encode(raw, FrameHints(2, 0, (True, True)))
+    assert stored.codec == "raw" and stored.layout is None and stored.as_is(raw)
+    weights = byte_view((torch.randn(4096, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16())
+    mixed = weights + os.urandom(1024)  # the exponent plane compresses, the mantissa not
+    stored = codec.encode(mixed, FrameHints(2, 0, (True, True)))
+    assert stored.codec == "bytegroup" and [c for c, _ in stored.layout.planes] == ["raw", "zstd"]
+
+
+def test_stored_frame_is_head_then_planes_then_tail():
+    """The on-disk form of a bytegroup frame: the `phase` head bytes, each plane (byte 0
+    first) as it is or as one zstd frame, then the tail bytes."""
+    import zstandard
+    weights = byte_view((torch.randn(3000, generator=torch.Generator().manual_seed(6)) * 0.02).bfloat16())
+    raw = b"\x01" + weights + b"\x02"
+    stored = BytegroupCodec().encode(raw, FrameHints(2, 1, (False, True)))
+    data = bytes(stored)
+    (c0, n0), (c1, n1) = stored.layout.planes
+    assert (stored.codec, c0, c1) == ("bytegroup", "raw", "zstd")
+    assert len(data) == 1 + n0 + n1 + 1 and data[:1] == b"\x01" and data[-1:] == b"\x02"
+    assert data[1:1 + n0] == weights[0::2]
+    assert zstandard.ZstdDecompressor().decompress(data[1 + n0:1 + n0 + n1]) == weights[1::2]
 
 
 def test_mixed_dtypes_and_odd_frame_cuts_decode_exactly():
@@ -187,8 +208,9 @@ def test_geometry_follows_the_tensor_covering_most_of_the_frame():
 
 def encoded_weights() -> tuple[bytes, bytes, PlaneLayout]:
     raw = byte_view((torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16())
-    pieces, lay = BytegroupCodec().encode_planes(raw, 2, 0, (False, True))
-    return raw, b"".join(bytes(p) for p in pieces), lay
+    stored = BytegroupCodec().encode(raw, FrameHints(2, 0, (False, True)))
+    assert stored.codec == "bytegroup"
+    return raw, bytes(stored), stored.layout
 
 
 def test_decode_refuses_a_layout_that_does_not_tile_the_frame():
@@ -262,12 +284,12 @@ def test_writer_saves_and_loads_bytegroup_bit_exact(tmp_path):
        phase=st.integers(0, 7), mask=st.lists(st.booleans(), min_size=8, max_size=8),
        points=st.lists(st.integers(0, 20_000), max_size=4))
 def test_bytegroup_round_trip_any_bytes(data, width, phase, mask, points):
-    codec = BytegroupCodec()
-    pieces, lay = codec.encode_planes(data, width, phase % width, mask[:width])
-    stored = b"".join(bytes(p) for p in pieces)
-    lay.check(len(data), len(stored))
+    encoded = BytegroupCodec().encode(data, FrameHints(width, phase % width, tuple(mask[:width])))
+    stored = bytes(encoded)
+    if encoded.layout is not None:
+        encoded.layout.check(len(data), len(stored))
     out = bytearray(len(data))
-    codec.decode_into(stored, cut(out, points), lay)
+    make_codec(encoded.codec).decode_into(stored, cut(out, points), encoded.layout)
     assert bytes(out) == data
 
 

@@ -1,11 +1,17 @@
-"""Staging: the bytes that reach the slots are the tensors' row-major bytes, packed."""
+"""Staging: the bytes that reach the slots are the tensors' row-major bytes, packed; device
+copies wait for the producer, keep what they read until it has landed, and a failed save
+gives its slots back only once no copy into them runs (with the CPU standing in for the
+GPU; tests/test_cuda_staging.py checks the same on a GPU)."""
 
 from __future__ import annotations
 
+import weakref
+
+import pytest
 import torch
 
 from asyncckpt import ring
-from asyncckpt.stager import byte_pieces, stage
+from asyncckpt.stager import DeviceCopies, byte_pieces, stage
 
 
 def row_major_bytes(t: torch.Tensor) -> bytes:
@@ -73,4 +79,149 @@ def test_slots_held_when_staging_stops_are_given_back():
             raise AssertionError("the error must propagate")
         assert emitted == [0, 1] and released == [2] and free == [3]
     finally:
+        r.close()
+
+
+# -- device copies, with the CPU standing in for the GPU ------------------------------------------
+
+class LateEvent:
+    """An event after the first `upto` queued copies; they run only when it is waited for."""
+
+    def __init__(self, device: "LateCopies", upto: int) -> None:
+        self.device, self.upto = device, upto
+
+    def query(self) -> bool:
+        return False  # a busy device: nothing has landed until someone waits
+
+    def synchronize(self) -> None:
+        self.device.run(self.upto)
+
+
+class LateCopies(DeviceCopies):
+    """DeviceCopies whose device is the CPU and whose copies run as late as a busy GPU may
+    run them: only when an event recorded after them is waited for. A queued copy keeps
+    only a weak reference to what it reads, as the device keeps none: a source the stager
+    let go of before its copy ran is reported, where a GPU would read freed memory."""
+
+    def __init__(self, ring: ring.Ring, device_tensors: list[torch.Tensor]) -> None:
+        super().__init__(ring)
+        self.device_ids = {id(t) for t in device_tensors}
+        self.log: list[str] = []
+        self.queue: list[tuple[torch.Tensor, weakref.ref]] = []
+        self.ran = 0
+        self.freed: list[int] = []  # queued copies whose source was gone when they ran
+
+    def handles(self, t: torch.Tensor) -> bool:
+        return id(t) in self.device_ids
+
+    def run(self, upto: int) -> None:
+        for i in range(self.ran, upto):
+            dest, source = self.queue[i]
+            if source() is None:
+                self.freed.append(i)
+            else:
+                dest.copy_(source())
+        self.ran = max(self.ran, upto)
+
+    def unrun_into(self, slot: torch.Tensor) -> list[int]:
+        """The queued copies into `slot` that have not run."""
+        lo, hi = slot.data_ptr(), slot.data_ptr() + slot.numel()
+        return [i for i in range(self.ran, len(self.queue)) if lo <= self.queue[i][0].data_ptr() < hi]
+
+    def _pin(self) -> None:
+        self._tried_pin = True
+
+    def _new_stream(self, device: torch.device) -> object:
+        return object()
+
+    def _wait(self, ready: object) -> None:
+        self.log.append(f"wait {ready}")
+
+    def _contiguous(self, block: torch.Tensor) -> torch.Tensor:
+        self.log.append("contiguous")
+        return block.contiguous()
+
+    def _copy_async(self, dest: torch.Tensor, source: torch.Tensor) -> None:
+        self.log.append("copy")
+        self.queue.append((dest, weakref.ref(source)))
+
+    def _record(self) -> LateEvent:
+        return LateEvent(self, len(self.queue))
+
+    def _synchronize(self) -> None:
+        self.run(len(self.queue))
+
+
+def stage_late(tensors: list[torch.Tensor], device_tensors: list[torch.Tensor], slot_size: int = 4096,
+               slots: int = 4):
+    """Stage through LateCopies; returns (emitted bytes, the LateCopies)."""
+    r = ring.Ring.create(slot_size, slots)
+    device = LateCopies(r, device_tensors)
+    free, got = list(range(slots)), []
+
+    def emit(slot: int, length: int) -> None:
+        assert not device.unrun_into(r.slot_tensor(slot)), "slot emitted before its copies ran"
+        view = r.slot_bytes(slot, length)
+        got.append(bytes(view))
+        view.release()
+        free.append(slot)
+
+    try:
+        stage(tensors, r, acquire=lambda: free.pop(0), emit=emit, device=device, ready="ready-1")
+        return b"".join(got), device
+    finally:
+        r.unlink()
+        r.close()
+
+
+def test_device_copies_keep_what_they_read_until_their_slot_has_landed():
+    """Non-contiguous blocks are temporaries: dropped before the copy that reads them ran,
+    a GPU copies freed (or reused) memory and the writer checksums torn bytes."""
+    g = torch.Generator().manual_seed(0)
+    bases = [torch.randn(64, 300, generator=g) for _ in range(4)]
+    tensors = [bases[0].t(), bases[1][:, ::3], torch.arange(3000, dtype=torch.int32),
+               bases[2].t()[5:90], bases[3][7:50:2, 1::4]]
+    data, device = stage_late(tensors, tensors)
+    assert device.freed == [] and device.ran == len(device.queue) > 20
+    assert data == b"".join(row_major_bytes(t) for t in tensors)
+    assert device._held == [] and not device._pending
+
+
+def test_staging_waits_for_the_producer_before_any_device_work():
+    """Once per save, before the first block or copy, even when host tensors come first."""
+    base = torch.randn(40, 100)
+    tensors = [torch.arange(500, dtype=torch.int64), base.t(), torch.ones(700)]
+    data, device = stage_late(tensors, tensors[1:])
+    assert device.log[0] == "wait ready-1" and device.log.count("wait ready-1") == 1
+    assert {"contiguous", "copy"} <= set(device.log[1:])
+    assert data == b"".join(row_major_bytes(t) for t in tensors)
+
+
+def test_a_failed_save_waits_for_copies_into_its_slots_before_giving_them_back():
+    r = ring.Ring.create(1024, 4)
+    view = torch.arange(2000, dtype=torch.int32).reshape(40, 50).t()
+    device = LateCopies(r, [view])
+    free, released, emitted = [0, 1, 2, 3], [], []
+
+    def tensors():
+        yield view  # 8000 bytes: 7 full slots and part of an eighth, then the error
+        raise RuntimeError("torn")
+
+    def release(slot: int) -> None:
+        assert not device.unrun_into(r.slot_tensor(slot)), "slot given back while a copy into it runs"
+        released.append(slot)
+        free.append(slot)
+
+    def emit(slot: int, length: int) -> None:
+        emitted.append(slot)
+        free.append(slot)
+
+    try:
+        with pytest.raises(RuntimeError, match="torn"):
+            stage(tensors(), r, acquire=lambda: free.pop(0), emit=emit, release=release,
+                  device=device, ready=None)
+        assert len(released) == 3 and len(emitted) == 5  # 2 slots waiting, 1 open
+        assert device.freed == [] and device._held == [] and sorted(free) == [0, 1, 2, 3]
+    finally:
+        r.unlink()
         r.close()
