@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import asyncckpt
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.verify import verify_checkpoint
+from asyncckpt.verification import verify_checkpoint
 
 PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')
 
