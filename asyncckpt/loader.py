@@ -16,7 +16,7 @@ memory is filled by copying from the view of the base.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,8 +25,10 @@ from .checkpoint import Checkpoint, Leaf
 from .config import ReadLimits
 from .errors import CheckpointError, StateMismatchError
 from .ranks import resolve_rank
-from .sharded import GlobalTensor, ReadPlan
 from .tree import unflatten
+
+if TYPE_CHECKING:
+    from .sharded import GlobalTensor, ReadPlan
 
 TreePath = tuple[Any, ...]
 
@@ -111,7 +113,7 @@ def _fill_from(target: torch.Tensor, view: torch.Tensor, path: TreePath) -> torc
     return target
 
 
-def _plan(plan: ReadPlan, g: GlobalTensor, target: torch.Tensor | None, step: int,
+def _plan(plan: "ReadPlan", g: "GlobalTensor", target: torch.Tensor | None, step: int,
           rank: int) -> torch.Tensor:
     """Schedule `target` (or a new full tensor) to be filled from `g`; return it."""
     if target is None:
