@@ -23,10 +23,13 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer, CheckpointerOptions
     from .client import Client
     from .handle import SaveHandle
+    from .export import export_hf
     from .loader import load
+    from .verification import verify
 
 _LAZY = {"Client": "client", "SaveHandle": "handle", "load": "loader",
-         "Checkpointer": "checkpointer", "CheckpointerOptions": "checkpointer"}
+         "Checkpointer": "checkpointer", "CheckpointerOptions": "checkpointer",
+         "verify": "verification", "export_hf": "export"}
 
 
 def __getattr__(name: str) -> Any:
@@ -53,7 +56,8 @@ def save(step: int, state_dict: Any) -> "SaveHandle":
 
 
 __all__ = [
-    "__version__", "save", "load", "connect", "start_writer", "Client", "SaveHandle",
+    "__version__", "save", "load", "verify", "export_hf", "connect", "start_writer", "Client",
+    "SaveHandle",
     "Checkpointer", "CheckpointerOptions",
     "WriterProcess", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DiskFullError", "SaveFailedError", "StateMismatchError", "UnsupportedStateError",

@@ -12,11 +12,20 @@ A model whose parameters are DTensors (FSDP2, tensor parallel) is saved and rest
 through torch.distributed.checkpoint's `get_*_state_dict` / `set_*_state_dict`, whose
 optimizer state is keyed by parameter name and sharded like the parameters: each rank
 saves only its shards, and a restore at another world size reshards.
+
+`restore()` without a step resumes from the newest step that loads cleanly: a damaged
+newest step (manifest gone or failing its checks, a data file missing, a frame whose
+checksum fails while reading) is skipped with a WARNING naming the step and the damage,
+and the step before it is tried. Under torch.distributed every rank takes part in each
+attempt and all of them agree before any state is applied, so no two ranks resume from
+different steps even when the damage lies in data that only some of them read.
+`strict_restore` (or `restore(strict=True)`) makes the damaged newest step an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -27,10 +36,12 @@ import torch
 from . import commit
 from .client import Client
 from .dtensor import is_dtensor
+from .errors import CheckpointError, CorruptCheckpointError
 from .handle import SaveHandle
 from .loader import load
 
 CONTENTS = ("model", "optimizer", "extra")
+log = logging.getLogger("asyncckpt.checkpointer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +57,8 @@ class CheckpointerOptions:
             for them to commit, "skip" warns and skips, "queue" lets up to
             `max_in_flight` saves be in flight at once (then blocks).
         max_in_flight: the bound for "queue".
+        strict_restore: `restore()` raises CorruptCheckpointError when the newest step is
+            damaged, instead of falling back to the newest step that loads.
     """
 
     save_interval: int = 1000
@@ -54,6 +67,7 @@ class CheckpointerOptions:
     contents: tuple[str, ...] = CONTENTS
     on_busy: Literal["block", "skip", "queue"] = "block"
     max_in_flight: int = 2
+    strict_restore: bool = False
 
     def __post_init__(self) -> None:
         def require(ok: bool, name: str, rule: str) -> None:
@@ -137,7 +151,8 @@ class Checkpointer:
         state: dict[str, Any] = {"step": step, **self._state_dicts()}
         if "extra" in self.options.contents and extra is not None:
             state["extra"] = extra
-        handle = self.client.save(step, state, keep_last=self.options.keep_last or 0,
+        # keep_last None sends no retention: the writer's own keep_last knob applies
+        handle = self.client.save(step, state, keep_last=self.options.keep_last,
                                   keep_every=self.options.keep_every)
         self._in_flight.append(handle)
         return handle
@@ -202,23 +217,59 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def restore(self, step: int | None = None, *, rank: int | None = None) -> int | None:
-        """Load `step` (default: the newest) into the model and optimizer.
+    def restore(self, step: int | None = None, *, rank: int | None = None,
+                strict: bool | None = None) -> int | None:
+        """Load `step` (default: the newest that loads cleanly) into the model and optimizer.
 
         The model's tensors are filled in place (shapes and dtypes checked first); the
         optimizer gets `load_state_dict`. The loaded `extra` is kept in `self.extra`.
+        Without `step`, each damaged step from the newest down is skipped with a
+        warning (logger "asyncckpt.checkpointer"), unless `strict` (default
+        `options.strict_restore`). Hazard: a skipped attempt may have partly filled
+        the model's tensors; the step finally restored overwrites every one of them.
         Returns:
-            The restored step, or None when nothing is committed and `step` is None.
+            The restored step, or None when the root holds no step at all.
         Raises:
             CheckpointNotFoundError: `step` is not committed.
-            CorruptCheckpointError, StateMismatchError: as `load`.
+            CorruptCheckpointError: `step` (or, strict, the newest step) is damaged, or
+                no step loads.
+            StateMismatchError: as `load`.
         """
-        if step is None and self.latest_step() is None:
+        strict = self.options.strict_restore if strict is None else strict
+        if step is not None or strict:
+            if step is None and not commit.step_dirs(self.root):
+                return None
+            return self._apply(self._load(step, rank))
+        candidates = commit.step_dirs(self.root)
+        if not candidates:
             return None
+        skipped = []
+        for candidate in reversed(candidates):
+            error: CheckpointError | None = None
+            state = None
+            try:
+                state = self._load(candidate, rank)
+            except CheckpointError as e:
+                error = e
+            verdict = _agree(0 if error is None else 1 if isinstance(error, CorruptCheckpointError)
+                             else 2)
+            if verdict == 0:
+                return self._apply(state)
+            if verdict == 2:
+                raise error or CheckpointError("another rank failed to restore this step",
+                                               step=candidate)
+            why = str(error) if error is not None else "another rank found it damaged"
+            log.warning("asyncckpt: restore skips step %d: %s", candidate, why)
+            skipped.append(f"step {candidate}: {why}")
+        raise CorruptCheckpointError(f"no step under {self.root} loads: " + "; ".join(skipped))
+
+    def _load(self, step: int | None, rank: int | None) -> Any:
         into = self._state_dicts()
         if not self._sharded():
             into.pop("optimizer", None)  # plain optimizers take load_state_dict as saved
-        state = load(self.root, step=step, rank=rank, into=into or None)
+        return load(self.root, step=step, rank=rank, into=into or None)
+
+    def _apply(self, state: Any) -> int:
         if self._sharded():
             from torch.distributed.checkpoint import state_dict as dsd
             if "model" in state and self.model is not None:
@@ -250,3 +301,14 @@ class Checkpointer:
         if want_optim:
             out["optimizer"] = self.optimizer.state_dict()  # type: ignore[union-attr]
         return out
+
+
+def _agree(outcome: int) -> int:
+    """The worst outcome over all ranks (0 loaded, 1 damaged, 2 other error); this
+    rank's own without an initialized torch.distributed group."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return outcome
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    return max(outcomes)

@@ -22,9 +22,8 @@ from pathlib import Path
 from . import commit
 from ._version import __version__
 from .config import CODECS, Knobs, parse_knob
-from .errors import CheckpointNotFoundError, WriterLockedError
+from .errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
 from .format import is_tmp_dir, step_dir_name, tmp_step_of
-from .manifest import read_manifest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,31 +117,22 @@ def _watch_parent(pid: int, shutdown) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import checkpoints_under, verify_checkpoint, verify_root_pointer
+    from .verification import verify_iter
+    bar = _ProgressBar() if sys.stderr.isatty() and not args.json else None
+    reports = []
     try:
-        directories, root = checkpoints_under(args.path)
+        for report in verify_iter(args.path, progress=bar.update if bar else None):
+            if bar:
+                bar.finish()
+            reports.append(report)
+            if not args.json:
+                status = "OK" if report.ok else "CORRUPT"
+                detail = (f"{report.frames} frames, {report.stored_bytes / 2**20:.1f} MiB, "
+                          f"{report.seconds:.2f} s") if report.ok else "; ".join(report.problems)
+                print(f"{status:7} {report.path}  {detail}")
     except CheckpointNotFoundError as e:
         print(f"asyncckpt verify: {e}", file=sys.stderr)
         return 2
-    bar = _ProgressBar() if sys.stderr.isatty() and not args.json else None
-    reports = []
-    for directory in directories:
-        if bar:
-            bar.start(directory.name, _stored_size(directory))
-        report = verify_checkpoint(directory, bar.advance if bar else None)
-        if bar:
-            bar.finish()
-        reports.append(report)
-        if not args.json:
-            status = "OK" if report.ok else "CORRUPT"
-            detail = (f"{report.frames} frames, {report.stored_bytes / 2**20:.1f} MiB, "
-                      f"{report.seconds:.2f} s") if report.ok else "; ".join(report.problems)
-            print(f"{status:7} {directory}  {detail}")
-    pointer = verify_root_pointer(root) if root else None
-    if pointer:
-        reports.append(pointer)
-        if not args.json:
-            print(f"CORRUPT {pointer.path}  {'; '.join(pointer.problems)}")
     ok = all(r.ok for r in reports)
     if args.json:
         json.dump({"ok": ok, "checkpoints": [r.to_json() for r in reports]}, sys.stdout, indent=1)
@@ -150,7 +140,7 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _stored_size(directory: Path) -> int:
+def _dir_size(directory: Path) -> int:
     try:
         return sum(f.stat().st_size for f in directory.iterdir())
     except OSError:
@@ -158,6 +148,7 @@ def _stored_size(directory: Path) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    from .checkpoint import Checkpoint
     root = Path(args.root)
     if not root.is_dir():
         print(f"asyncckpt ls: {root} is not a directory", file=sys.stderr)
@@ -165,22 +156,23 @@ def _ls(args: argparse.Namespace) -> int:
     now = time.time()
     latest = commit.read_latest(root)
     rows = []
-    for step in commit.committed_steps(root):
+    for step in commit.step_dirs(root):  # a step-N failing its checks is listed as damaged
         directory = root / step_dir_name(step)
         try:
-            m = read_manifest(directory)
+            with Checkpoint.open(directory) as ckpt:
+                m = ckpt.manifest
             rows.append({"step": step, "state": "committed", "path": str(directory),
                          "world_size": m.world_size, "raw_bytes": m.raw_size,
                          "stored_bytes": m.stored_size, "ratio": m.stored_size / max(m.raw_size, 1),
                          "age_seconds": now - m.created, "latest": step == latest})
-        except Exception as e:
-            rows.append({"step": step, "state": "unreadable", "path": str(directory),
+        except CheckpointError as e:
+            rows.append({"step": step, "state": "damaged", "path": str(directory),
                          "error": str(e), "latest": step == latest})
     for name in sorted(os.listdir(root)):
         if is_tmp_dir(name):
             path = root / name
             rows.append({"step": tmp_step_of(name), "state": "in-progress", "path": str(path),
-                         "stored_bytes": _stored_size(path),
+                         "stored_bytes": _dir_size(path),
                          "age_seconds": now - path.stat().st_mtime, "latest": False})
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
@@ -197,13 +189,11 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .errors import CheckpointError
-    from .reader import resolve_checkpoint
-    from .sharded import global_tensors
+    from .checkpoint import Checkpoint
     try:
-        directory = resolve_checkpoint(args.path)
-        m = read_manifest(directory)
-        globals_ = global_tensors(m)
+        with Checkpoint.open(args.path) as ckpt:
+            directory, m, globals_ = ckpt.directory, ckpt.manifest, ckpt.sharded
+            views = sum(leaf.view is not None for r in range(m.world_size) for leaf in ckpt.leaves(r))
     except CheckpointError as e:
         print(f"asyncckpt inspect: {e}", file=sys.stderr)
         return 2
@@ -228,6 +218,7 @@ def _inspect(args: argparse.Namespace) -> int:
                "raw_bytes": m.raw_size,
                "stored_bytes": m.stored_size, "ratio": round(m.stored_size / max(m.raw_size, 1), 4),
                "writer_version": m.writer_version, "by_dtype": by_dtype, "tensors": tensors,
+               "views": views,
                "sharded": [{"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
                             "placements": g.placements, "boxes": len(g.boxes)}
                            for g in globals_.values()]}
@@ -236,7 +227,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print()
         return 0
     print(f"{directory}: step {m.step}, {m.world_size} rank(s), codec {'/'.join(summary['codecs'])}, "
-          f"{m.raw_size / 2**20:.1f} MiB -> {m.stored_size / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})")
+          f"{m.raw_size / 2**20:.1f} MiB -> {m.stored_size / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})"
+          + (f", {views} view(s) of saved tensors (tied, stored once)" if views else ""))
     print(f"\n{'FRAMES':12} {'COUNT':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}  PLANES")
     for codec, row in sorted(frames.items()):
         print(f"{codec:12} {row['count']:>8} {row['bytes'] / 2**20:>10.2f} "
@@ -339,13 +331,12 @@ def _export(args: argparse.Namespace) -> int:
     from .errors import CheckpointError, CorruptCheckpointError
     from .export import export_hf
     bar = _ProgressBar() if sys.stderr.isatty() and not args.json else None
-    if bar:
-        bar.start("export", _stored_size(Path(args.path)))
     try:
         index = export_hf(args.path, args.out, rank=args.rank, contents=args.contents or None,
                           dtype=getattr(torch, args.dtype) if args.dtype else None,
                           max_shard_size=parse_size(args.max_shard_size),
-                          progress=bar.advance if bar else None)
+                          progress=(lambda done, total: bar.update("export", done, total))
+                          if bar else None)
     except (CheckpointError, ValueError) as e:
         print(f"asyncckpt export: {e}", file=sys.stderr)
         return 1 if isinstance(e, CorruptCheckpointError) else 2
@@ -371,26 +362,22 @@ def _age(seconds: float) -> str:
 
 
 class _ProgressBar:
+    """One line on stderr: `update(name, done, total)` redraws it, both in the same unit."""
+
     def __init__(self) -> None:
-        self.name, self.total, self.done = "", 0, 0
+        self.drawn = False
 
-    def start(self, name: str, total: int) -> None:
-        self.name, self.total, self.done = name, max(total, 1), 0
-        self._draw()
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        self._draw()
+    def update(self, name: str, done: int, total: int) -> None:
+        frac = min(1.0, done / max(total, 1))
+        sys.stderr.write(f"\r{Path(name).name} [{'#' * int(frac * 30):30}] {frac:5.1%}")
+        sys.stderr.flush()
+        self.drawn = True
 
     def finish(self) -> None:
-        sys.stderr.write("\r\033[K")
-        sys.stderr.flush()
-
-    def _draw(self) -> None:
-        frac = min(1.0, self.done / self.total)
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.name} [{bar:30}] {frac:5.1%}")
-        sys.stderr.flush()
+        if self.drawn:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+        self.drawn = False
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from .config import Knobs
 from .errors import SaveFailedError, UnsupportedStateError, WriterUnavailableError
 from .format import MAX_STEP
 from .handle import SaveHandle
+from .ranks import resolve_rank
 from .stager import DeviceCopies, ready_event, stage
 from .tree import flatten
 
@@ -342,20 +343,6 @@ class Client:
             self._cond.notify_all()
         for pending in failed:
             pending.handle._set_failed(self._broken)
-
-
-def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """This process's (rank, world size): arguments, torch.distributed, env, then (0, 1)."""
-    if rank is None or world_size is None:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world size {world_size}")
-    return rank, world_size
 
 
 _default: Client | None = None

@@ -164,3 +164,52 @@ def parse_size(text: str) -> int:
 def _require(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
         raise ValueError(f"{name} must be {rule}; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadLimits:
+    """What a reader allows itself: the bounds it applies to untrusted checkpoints and
+    the threads it reads with. Pass one to `load(..., limits=)` / `Checkpoint.open`;
+    the default, `ReadLimits.from_env()`, is the one place the environment is read.
+
+    Attributes:
+        max_manifest_bytes: larger manifests are refused unread (hostile-input bound).
+        max_frame_bytes: manifests declaring a frame with a larger raw size are refused,
+            so no frame buffer is ever larger than this.
+        read_threads: threads that read, verify and decode frames in parallel (1: none).
+    """
+
+    max_manifest_bytes: int = 512 * MiB
+    max_frame_bytes: int = 256 * MiB
+    read_threads: int = 2
+
+    def __post_init__(self) -> None:
+        _require(self.max_manifest_bytes >= 64, "max_manifest_bytes", "at least 64",
+                 self.max_manifest_bytes)
+        _require(self.max_frame_bytes >= 1, "max_frame_bytes", "at least 1", self.max_frame_bytes)
+        _require(1 <= self.read_threads <= 256, "read_threads", "between 1 and 256",
+                 self.read_threads)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "ReadLimits":
+        """Defaults, then ASYNCCKPT_MAX_MANIFEST_BYTES, ASYNCCKPT_MAX_FRAME_BYTES and
+        ASYNCCKPT_READ_THREADS, then `overrides` (None: not overridden).
+
+        Raises:
+            ValueError: an unknown field, or a value that breaks its rule.
+        """
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(overrides) - set(names)
+        if unknown:
+            raise ValueError(f"unknown read limit(s) {sorted(unknown)}; known: {names}")
+        values: dict[str, Any] = {}
+        for name in names:
+            raw = os.environ.get(f"ASYNCCKPT_{name.upper()}")
+            if raw is not None:
+                try:
+                    values[name] = parse_size(raw) if name.endswith("_bytes") else int(raw)
+                except ValueError:
+                    raise ValueError(f"ASYNCCKPT_{name.upper()}={raw!r} is not a valid "
+                                     f"{'size' if name.endswith('_bytes') else 'int'}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

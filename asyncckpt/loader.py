@@ -6,30 +6,39 @@ read: a DTensor target reads only the saved regions overlapping its own local bo
 whatever mesh, placements and world size it has; a plain target, or no target, gets the
 full tensor. Everything is matched and checked against the targets before a byte is
 read, so a mismatch leaves the targets untouched.
+
+Views (tensors saved as a window on an earlier tensor, e.g. tied weights) read no data
+of their own: without a target a view comes back as the same view of its loaded base,
+so aliasing survives the round trip; a target at a view's path that is not already that
+memory is filled by copying from the view of the base.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import dtensor
-from .client import resolve_rank
-from .errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
-from .manifest import Manifest, read_manifest
-from .reader import Readers, check_files, check_tree, resolve_checkpoint
-from .sharded import GlobalTensor, ReadPlan, global_tensors
-from .tree import unflatten, walk
+from .checkpoint import Checkpoint, Leaf
+from .config import ReadLimits
+from .errors import CheckpointError, StateMismatchError
+from .ranks import resolve_rank
+from .tree import unflatten
+
+if TYPE_CHECKING:
+    from .sharded import GlobalTensor, ReadPlan
+
+TreePath = tuple[Any, ...]
 
 
 def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | None = None,
-         into: Any = None, strict: bool = True) -> Any:
+         into: Any = None, strict: bool = True, limits: ReadLimits | None = None) -> Any:
     """Load a checkpoint, every byte verified.
 
     Args:
-        path: a checkpoint directory, or a root (then its newest committed step, or `step`).
+        path: a checkpoint directory, or a root (then its newest step, or `step`).
         rank: whose rank-local values (plain tensors, objects) to load; default this
             process's rank, or rank 0 when the checkpoint holds global (DTensor) tensors
             and this rank is beyond the saved world.
@@ -38,52 +47,73 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
             with their own local box of the global tensor, any placement and world size
             (resharding). CUDA and non-contiguous targets go through bounded temporaries.
         strict: with `into`, every target tensor must be present in the checkpoint.
+        limits: reader limits (default: `ReadLimits.from_env()`).
     Returns:
         The saved structure (dicts with their str/int keys, lists, tuples, objects);
         with `into`, its tensors are the target tensors, now filled; without, global
-        tensors come back as full plain tensors.
+        tensors come back as full plain tensors and views as views of their base.
     Raises:
         CheckpointNotFoundError: nothing committed at `path`/`step`, or no such rank.
         CorruptCheckpointError: any verification failure; no corrupt value is returned.
+            Without `step`, a root's damaged newest step is an error (never a silent
+            fall back to an older step): the message names it and the newest intact one.
             With `into`, tensors already filled keep their new (verified) values and the
             ones being read may be partly written: reload or discard the targets.
         StateMismatchError: `into` disagrees with the checkpoint (checked before reading).
         UnsupportedStateError: a DTensor target with a Partial or strided placement.
     """
-    directory = resolve_checkpoint(path, step)
-    manifest = read_manifest(directory)
-    if rank is not None:
-        _check_rank(rank, manifest, str(directory))
-    check_files(directory, manifest)
-    globals_ = global_tensors(manifest)
-    if rank is None:
-        rank = resolve_rank()[0] if manifest.world_size > 1 else 0
-        rank = 0 if rank >= manifest.world_size and globals_ else rank
-        _check_rank(rank, manifest, str(directory))
-    part = manifest.ranks[rank]
-    paths = check_tree(part, manifest.step)
-    # a plain tensor is a global tensor of one box: one read path fills every target
-    used = {name: GlobalTensor.whole(rank, spec, paths[name]) for spec in part.tensors
-            if (name := spec.name) not in globals_}
-    used.update({body["name"]: globals_[body["name"]] for _, kind, body in walk(part.tree)
-                 if kind == "dtensor"})
-    targets = _match_targets(into, used, strict, manifest.step, rank) if into is not None else {}
-    with Readers(directory, manifest) as readers:
-        plan = ReadPlan(readers)
-        readers(rank)  # its header is checked even if it holds no tensor
-        loaded = {name: _plan(plan, g, targets.get(name), manifest.step, rank)
-                  for name, g in used.items()}
-        plan.flush()
-    return unflatten(part.tree, loaded.__getitem__)
+    with Checkpoint.open(path, step, limits=limits) as ckpt:
+        if rank is None:
+            rank = resolve_rank()[0] if ckpt.world_size > 1 else 0
+            rank = 0 if rank >= ckpt.world_size and ckpt.sharded else rank
+        rank = ckpt.check_rank(rank)
+        with ckpt.reading():
+            return _load(ckpt, rank, into, strict)
 
 
-def _check_rank(rank: int, manifest: Manifest, where: str) -> None:
-    if not 0 <= rank < manifest.world_size:
-        raise CheckpointNotFoundError(f"checkpoint has ranks 0..{manifest.world_size - 1}",
-                                      step=manifest.step, rank=rank, file=where)
+def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
+    leaves = ckpt.leaves(rank)
+    targets = _match_targets(into, leaves, strict, ckpt.step, rank) if into is not None else {}
+    plan = ckpt.plan()
+    ckpt.reader(rank)  # its header is checked even if it holds no tensor
+    loaded: dict[str, Any] = {}
+    for leaf in leaves:
+        if leaf.view is None:
+            loaded[leaf.tensor.name] = _plan(plan, leaf.tensor, targets.get(leaf.path),
+                                             ckpt.step, rank)
+    sources: dict[str, torch.Tensor] = {}  # views' bases as contiguous CPU/CUDA tensors
+    for leaf in leaves:
+        name = leaf.tensor.name
+        if leaf.view is not None and name not in sources:
+            base = loaded[name]
+            plain = not dtensor.is_dtensor(base) and base.is_contiguous()
+            sources[name] = base if plain else _plan(plan, leaf.tensor, None, ckpt.step, rank)
+    plan.flush()
+    views: dict[TreePath, Any] = {}
+    with torch.no_grad():
+        for leaf in leaves:
+            if leaf.view is not None:
+                view = leaf.view.of_tensor(sources[leaf.tensor.name])
+                target = targets.get(leaf.path)
+                views[leaf.path] = view if target is None else _fill_from(target, view, leaf.path)
+    return unflatten(ckpt.tree(rank), loaded.__getitem__, lambda path, _: views[path])
 
 
-def _plan(plan: ReadPlan, g: GlobalTensor, target: torch.Tensor | None, step: int,
+def _fill_from(target: torch.Tensor, view: torch.Tensor, path: TreePath) -> torch.Tensor:
+    """Copy `view` into `target` unless `target` already is that memory."""
+    if dtensor.is_dtensor(target):
+        local, offsets = dtensor.local_box(target, _show(path))
+        if local is not None and local.numel():
+            local.copy_(view[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))])
+        return target
+    same = (target.device == view.device and target.data_ptr() == view.data_ptr()
+            and target.stride() == view.stride())
+    if not same:
+        target.copy_(view)
+    return target
+
+
+def _plan(plan: "ReadPlan", g: "GlobalTensor", target: torch.Tensor | None, step: int,
           rank: int) -> torch.Tensor:
     """Schedule `target` (or a new full tensor) to be filled from `g`; return it."""
     if target is None:
@@ -103,21 +133,20 @@ def _plan(plan: ReadPlan, g: GlobalTensor, target: torch.Tensor | None, step: in
     return target
 
 
-def _match_targets(into: Any, tensors: dict[str, GlobalTensor], strict: bool, step: int,
-                   rank: int) -> dict[str, torch.Tensor]:
-    by_path = {g.path: g.name for g in tensors.values()}
+def _match_targets(into: Any, leaves: list[Leaf], strict: bool, step: int,
+                   rank: int) -> dict[TreePath, torch.Tensor]:
+    by_path = {leaf.path: leaf for leaf in leaves}
     targets, problems = {}, []
     for target_path, tensor in _tensor_leaves(into):
-        name = by_path.get(target_path)
-        if name is None:
+        leaf = by_path.get(target_path)
+        if leaf is None:
             if strict:
                 problems.append(f"{_show(target_path)} is not in the checkpoint")
             continue
-        dtype, shape = tensors[name].torch_dtype, tensors[name].shape
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        if tuple(tensor.shape) != leaf.shape or tensor.dtype != leaf.dtype:
             problems.append(f"{_show(target_path)}: target {tensor.dtype} {tuple(tensor.shape)}, "
-                            f"saved {dtype} {shape}")
-        targets[name] = tensor
+                            f"saved {leaf.dtype} {leaf.shape}")
+        targets[target_path] = tensor
     if problems:
         shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise StateMismatchError(shown, step=step, rank=rank)
@@ -136,3 +165,4 @@ def _tensor_leaves(node: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tenso
 
 def _show(path: tuple) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
+

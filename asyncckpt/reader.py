@@ -1,7 +1,9 @@
 """Reading checkpoints back: every byte checked before it is returned.
 
-The manifest is the only thing trusted, and only after its own checksum and field
-checks pass. Data files are opened by the names the manifest's rules allow, never by a
+This is the low level: verified access to one rank's data file, given a manifest that
+`checkpoint.Checkpoint` has already read and checked (the one place that does). The
+manifest is the only thing trusted, and only after its own checksum and field checks
+pass. Data files are opened by the names the manifest's rules allow, never by a
 path it could aim elsewhere, must have exactly the stored size it declares, and each
 frame is verified twice: the stored bytes against their xxh3 before decoding (so a
 decoder never sees corrupt input), the decoded bytes against theirs after. Frames that
@@ -21,52 +23,12 @@ from typing import Callable
 import torch
 import xxhash
 
-from . import commit
 from .codec import make_codec, xxh3_of
-from .config import Knobs
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format import MANIFEST_NAME, layout, parse_step_dir, step_dir_name
+from .config import ReadLimits
+from .errors import CorruptCheckpointError
+from .format import layout
 from .manifest import Frame, Manifest, RankPart
 from .pool import FramePool
-from .tree import tensor_paths, unflatten
-
-
-def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) -> Path:
-    """The committed checkpoint directory that `path` (a checkpoint or a root) and `step` name.
-
-    Without `step`, a root resolves to its newest committed step.
-
-    Raises:
-        CheckpointNotFoundError: nothing committed there.
-        CorruptCheckpointError: the step directory asked for exists but has no manifest
-            (the writer never makes one: its manifest was deleted).
-    """
-    path = Path(path)
-    if parse_step_dir(path.name) is not None and path.is_dir():
-        _require_manifest(path)
-        named = parse_step_dir(path.name)
-        if step is not None and named is not None and named != step:
-            raise CheckpointNotFoundError(f"{path} is step {named}, not {step}", step=step,
-                                          file=str(path))
-        return path
-    if step is not None:
-        candidate = path / step_dir_name(step)
-        if candidate.is_dir():
-            _require_manifest(candidate)
-            return candidate
-        raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {path}",
-                                      step=step, file=str(path))
-    steps = commit.committed_steps(path)
-    if not steps:
-        raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
-    return path / step_dir_name(steps[-1])
-
-
-def _require_manifest(directory: Path) -> None:
-    if not os.path.lexists(directory / MANIFEST_NAME):
-        raise CorruptCheckpointError(f"{directory.name} has no {MANIFEST_NAME}: not a checkpoint "
-                                     "(its manifest was deleted, or it was never committed)",
-                                     file=str(directory))
 
 
 _Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengths, tensor)
@@ -83,7 +45,7 @@ class RankReader:
         self.rank = rank
         self.path = directory / self.part.file
         self._scratch: dict = {}  # codecs (a file may mix them) and buffers, one thread
-        self.threads = Knobs.from_env().encode_threads if threads is None else threads
+        self.threads = ReadLimits.from_env().read_threads if threads is None else threads
         # frame threads: `pool` if shared (their scratch then serves every reader of the
         # set, so memory does not grow with the ranks read), else started on first use
         self._pool = pool
@@ -270,10 +232,10 @@ class Readers:
     """The RankReaders of one checkpoint, each opened (and its header checked) on first
     use and all closed together: `readers(rank)`. They share one pool of frame threads."""
 
-    def __init__(self, directory: Path, manifest: Manifest) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, threads: int) -> None:
         self._directory, self._manifest = directory, manifest
         self._open: dict[int, RankReader] = {}
-        self._threads = Knobs.from_env().encode_threads
+        self._threads = threads
         self._pool = load_pool(self._threads) if self._threads > 1 else None
 
     def __call__(self, rank: int) -> RankReader:
@@ -296,36 +258,6 @@ class Readers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def check_files(directory: Path, manifest: Manifest) -> None:
-    """The directory must hold exactly the manifest and the data files it names.
-
-    Raises:
-        CorruptCheckpointError: a file is missing or one is there that should not be.
-    """
-    expected = {MANIFEST_NAME} | {p.file for p in manifest.ranks}
-    present = set(os.listdir(directory))
-    for name, problem in [(n, "missing") for n in sorted(expected - present)] + \
-                         [(n, "unexpected") for n in sorted(present - expected)]:
-        raise CorruptCheckpointError(f"{problem} file {name!r}", step=manifest.step,
-                                     file=str(directory))
-
-
-def check_tree(part: RankPart, step: int) -> dict[str, tuple]:
-    """The tree must be well formed and reference each listed tensor exactly once.
-
-    Returns:
-        Each tensor name's path in the tree.
-    Raises:
-        CorruptCheckpointError: it does not.
-    """
-    paths = tensor_paths(part.tree)
-    if set(paths) != {t.name for t in part.tensors}:
-        raise CorruptCheckpointError("object tree and tensor table disagree", step=step,
-                                     rank=part.rank, file=MANIFEST_NAME)
-    unflatten(part.tree, lambda name: None)
-    return paths
 
 
 _MAX_IOV = 512  # frames spanning more tensors than this are read via scratch

@@ -13,7 +13,18 @@ itself; `{"float": "nan"|"inf"|"-inf"}`; `{"dict": [[key, node], ...]}` with str
 keys; `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor": name}`; and for a DTensor
 `{"dtensor": {"name", "dtype", "shape", "offsets", "placements"}}` (see `dtensor.py`):
 the global tensor `name`, of which this rank wrote the box at `offsets` under the same
-name, or nothing (`offsets` null: a replica another rank writes, or an empty shard).
+name, or nothing (`offsets` null: a replica another rank writes, or an empty shard); and
+`{"view": {"of", "dtype", "offset", "shape", "stride"}}` for a tensor whose memory lies
+inside an earlier saved tensor.
+
+Views exist because tied weights (`lm_head.weight is wte.weight`, in most small language
+models) and slices of one buffer would otherwise be written twice and come back as
+independent tensors, silently untying them. A tensor is saved as a view only when its
+memory lies inside an earlier *contiguous* tensor of the same dtype and storage: then
+its elements are `base.flatten()[offset + sum(i_k * stride_k)]`, exactly what
+`as_strided` rebuilds on load, whatever the devices. Anything else (a view saved before
+its base, overlapping pieces neither of which holds the other, DTensors) is saved as its
+own tensor: correct, only not deduplicated.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from .dtypes import DTYPE_NAMES
 JSON = Any
 MAX_DEPTH = 100
 MAX_INT_BITS = 14000  # Python refuses to print ints beyond ~4300 digits
+MAX_VIEW_DIMS = 64
+_MAX_ELEMENTS = 1 << 62
 
 
 @dataclasses.dataclass
@@ -45,9 +58,54 @@ class TensorEntry:
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.tensor.dtype]
 
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A view node: `shape`/`stride` elements of tensor `of`, from element `offset`."""
+
+    of: str
+    dtype: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
     @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+    def extent(self) -> int:
+        """Elements of the base the view needs: one past its last element (0 if empty)."""
+        if math.prod(self.shape) == 0:
+            return 0
+        return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1
+
+    def to_json(self) -> JSON:
+        return {"view": {"of": self.of, "dtype": self.dtype, "offset": self.offset,
+                         "shape": list(self.shape), "stride": list(self.stride)}}
+
+    def of_tensor(self, base: torch.Tensor) -> torch.Tensor:
+        """This view of `base`, a contiguous tensor holding at least `extent` elements."""
+        return base.as_strided(self.shape, self.stride, base.storage_offset() + self.offset)
+
+
+def parse_view(body: Any) -> View:
+    """A view node's body, its fields checked for type and bounds (not against its base).
+
+    Raises:
+        CorruptCheckpointError: a field is missing, mistyped, negative or too large.
+    """
+    def dims(value: Any) -> bool:
+        return (isinstance(value, list) and len(value) <= MAX_VIEW_DIMS
+                and all(type(v) is int and 0 <= v < _MAX_ELEMENTS for v in value))
+    if (not isinstance(body, dict) or set(body) != {"of", "dtype", "offset", "shape", "stride"}
+            or not isinstance(body["of"], str) or not isinstance(body["dtype"], str)
+            or type(body["offset"]) is not int or not 0 <= body["offset"] < _MAX_ELEMENTS
+            or not dims(body["shape"]) or not dims(body["stride"])
+            or len(body["shape"]) != len(body["stride"])
+            or math.prod(body["shape"]) >= _MAX_ELEMENTS):
+        raise CorruptCheckpointError(f"malformed view node: {body!r:.120}")
+    view = View(body["of"], body["dtype"], body["offset"], tuple(body["shape"]),
+                tuple(body["stride"]))
+    if view.extent >= _MAX_ELEMENTS:
+        raise CorruptCheckpointError(f"view node reaches past element 2**62: {body!r:.120}")
+    return view
 
 
 def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
@@ -60,6 +118,7 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
     entries: list[TensorEntry] = []
     names: set[str] = {"__metadata__"}  # reserved by safetensors
     active: set[int] = set()
+    bases: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # storage -> saved contiguous
 
     def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
         if dtensor.is_dtensor(node):
@@ -71,8 +130,14 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             return {"dtensor": body}
         if isinstance(node, torch.Tensor):
             check_tensor(node, path)
+            key = _storage_key(node)
+            view = _view_within(node, bases.get(key, ())) if key else None
+            if view is not None:
+                return view.to_json()
             name = _unique_name(path, names)
             entries.append(TensorEntry(name, path, node.detach()))
+            if key and node.is_contiguous():
+                bases.setdefault(key, []).append((name, node))
             return {"tensor": name}
         if node is None or isinstance(node, (bool, str)):
             return node
@@ -113,6 +178,30 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
     return visit(state, ()), entries
 
 
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    """(device, storage address) of a non-empty CPU/CUDA tensor, else None."""
+    if t.numel() == 0 or t.device.type not in ("cpu", "cuda"):
+        return None
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
+
+
+def _view_within(t: torch.Tensor, bases: Any) -> View | None:
+    """`t` as a view of the first saved base whose elements hold all of its own."""
+    if any(s < 0 for s in t.stride()):
+        return None
+    for name, base in bases:
+        offset = t.storage_offset() - base.storage_offset()
+        if base.dtype != t.dtype or offset < 0:
+            continue
+        view = View(name, DTYPE_NAMES[t.dtype], offset, tuple(t.shape), tuple(t.stride()))
+        if view.extent <= base.numel():
+            return view
+    return None
+
+
 def check_tensor(t: torch.Tensor, path: tuple[str | int, ...]) -> None:
     """Raise UnsupportedStateError unless `t` is a dense tensor of a nameable dtype."""
     problem = None
@@ -130,14 +219,19 @@ def check_tensor(t: torch.Tensor, path: tuple[str | int, ...]) -> None:
 
 
 def unflatten(tree: JSON, resolve: Callable[[str], Any],
-              resolve_global: Callable[[str], Any] | None = None) -> Any:
-    """Rebuild the saved structure; `resolve(name)` supplies each tensor and
-    `resolve_global(name)` each global (DTensor) one (default: `resolve`).
+              resolve_view: Callable[[tuple[str | int, ...], View], Any] | None = None) -> Any:
+    """Rebuild the saved structure; `resolve(name)` supplies each tensor and global
+    (DTensor) one, `resolve_view(path, view)` each view (default: the view of
+    `resolve(view.of)`, which must then be a contiguous tensor).
 
     Raises:
         CorruptCheckpointError: the tree is not well formed.
     """
-    def visit(node: JSON) -> Any:
+    if resolve_view is None:
+        def resolve_view(path: tuple[str | int, ...], view: View) -> Any:
+            return view.of_tensor(resolve(view.of))
+
+    def visit(node: JSON, path: tuple[str | int, ...]) -> Any:
         if node is None or isinstance(node, (bool, int, str, float)):
             return node
         if isinstance(node, dict) and len(node) == 1:
@@ -145,25 +239,27 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any],
             if kind == "tensor" and isinstance(body, str):
                 return resolve(body)
             if kind == "dtensor" and isinstance(body, dict) and isinstance(body.get("name"), str):
-                return (resolve_global or resolve)(body["name"])
+                return resolve(body["name"])
+            if kind == "view":
+                return resolve_view(path, parse_view(body))
             if kind == "float" and body in ("nan", "inf", "-inf"):
                 return float(body)
             if kind == "list" and isinstance(body, list):
-                return [visit(v) for v in body]
+                return [visit(v, path + (i,)) for i, v in enumerate(body)]
             if kind == "tuple" and isinstance(body, list):
-                return tuple(visit(v) for v in body)
+                return tuple(visit(v, path + (i,)) for i, v in enumerate(body))
             if kind == "dict" and isinstance(body, list):
                 out = {}
                 for item in body:
                     if (not isinstance(item, list) or len(item) != 2 or isinstance(item[0], bool)
                             or not isinstance(item[0], (str, int))):
                         raise CorruptCheckpointError(f"malformed dict item in tree: {item!r:.80}")
-                    out[item[0]] = visit(item[1])
+                    out[item[0]] = visit(item[1], path + (item[0],))
                 return out
         raise CorruptCheckpointError(f"malformed tree node: {node!r:.80}")
 
     try:
-        return visit(tree)
+        return visit(tree, ())
     except RecursionError:
         raise CorruptCheckpointError("tree nested too deeply") from None
 
@@ -177,6 +273,8 @@ def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
     """
     out: dict[str, tuple[str | int, ...]] = {}
     for path, kind, body in walk(tree):
+        if kind == "view":
+            continue
         name = body if kind == "tensor" else body.get("name") if body.get("offsets") is not None else None
         if name is None:
             continue
@@ -187,11 +285,12 @@ def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
 
 
 def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
-    """Every tensor leaf of `tree` as (path, "tensor" or "dtensor", node body).
+    """Every tensor leaf of `tree` as (path, "tensor", "dtensor" or "view", node body;
+    for a view its parsed `View`).
 
     Raises:
         CorruptCheckpointError: a leaf is malformed (a tensor name not a str, a dtensor
-            body not an object with a str name).
+            body not an object with a str name, a view node breaking `parse_view`).
     """
     out: list[tuple[tuple[str | int, ...], str, Any]] = []
 
@@ -206,6 +305,8 @@ def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
                 if not isinstance(body, dict) or not isinstance(body.get("name"), str):
                     raise CorruptCheckpointError(f"malformed dtensor node: {body!r:.80}")
                 out.append((path, kind, body))
+            elif kind == "view":
+                out.append((path, kind, parse_view(body)))
             elif kind in ("list", "tuple"):
                 for i, v in enumerate(body):
                     visit(v, path + (i,))

@@ -108,3 +108,91 @@ def test_options_are_validated():
         CheckpointerOptions(on_busy="later")
     with pytest.raises(ValueError, match="contents"):
         CheckpointerOptions(contents=("weights",))
+
+
+def test_checkpointer_without_keep_last_leaves_the_writers_retention_on(tmp_path):
+    """Regression: an unset keep_last was sent as keep_last=0, which overrode the writer's
+    own keep_last knob and disabled its retention: every step stayed on disk."""
+    import time
+    model, opt = make_model(width=8)
+    with asyncckpt.start_writer(tmp_path / "ckpt", codec="raw", keep_last=2) as writer:
+        with Checkpointer(tmp_path / "ckpt", model=model, optimizer=opt,
+                          options=CheckpointerOptions(save_interval=1),
+                          client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
+            for step in range(1, 5):
+                ckpt.save(step)
+                ckpt.wait_until_finished()
+            deadline = time.monotonic() + 10  # retention may run just after the commit
+            while ckpt.all_steps() != [3, 4] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ckpt.all_steps() == [3, 4]
+            ckpt.client.close()
+
+
+# -- restore from a root whose newest steps are damaged ---------------------------------------
+
+@pytest.fixture
+def three_steps(tmp_path):
+    """Steps 1..3 of a trained model (the states kept), saved by a Checkpointer."""
+    model, opt = make_model(width=16)
+    states = {}
+    with asyncckpt.start_writer(tmp_path / "ckpt", codec="zstd") as writer:
+        with Checkpointer(tmp_path / "ckpt", model=model, optimizer=opt,
+                          options=CheckpointerOptions(save_interval=1),
+                          client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
+            for step in range(1, 4):
+                train_step(model, opt, step)
+                ckpt.save(step, extra={"seen": step})
+                ckpt.wait_until_finished()
+                states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            ckpt.client.close()
+    return tmp_path / "ckpt", states
+
+
+def flip_tensor_byte(directory) -> None:
+    from asyncckpt.checkpoint import Checkpoint
+    with Checkpoint.open(directory) as ckpt:
+        part = ckpt.manifest.ranks[0]
+    frame = part.frames[-1]  # the last frame holds tensor bytes
+    path = directory / part.file
+    data = bytearray(path.read_bytes())
+    data[frame.stored_offset + frame.stored_length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_restore_falls_back_to_the_newest_step_that_loads_and_warns(three_steps, caplog):
+    root, states = three_steps
+    flip_tensor_byte(root / "step-00000003")                    # data corrupt
+    (root / "step-00000002" / "manifest.json").unlink()          # manifest gone
+    model, opt = make_model(seed=5, width=16)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, fence=False)
+    with caplog.at_level("WARNING", logger="asyncckpt.checkpointer"):
+        assert ckpt.restore() == 1
+    assert_same(states[1], dict(model.state_dict())) and ckpt.extra == {"seen": 1}
+    skipped = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(skipped) == 2
+    assert "skips step 3" in skipped[0] and "xxh3" in skipped[0]
+    assert "skips step 2" in skipped[1] and "has no manifest.json" in skipped[1]
+
+
+@pytest.mark.parametrize("how", ["argument", "option"])
+def test_strict_restore_raises_naming_the_damaged_and_the_intact_step(three_steps, how):
+    root, states = three_steps
+    flip_tensor_byte(root / "step-00000003")
+    model, opt = make_model(seed=5, width=16)
+    options = CheckpointerOptions(strict_restore=how == "option")
+    ckpt = Checkpointer(root, model=model, optimizer=opt, fence=False, options=options)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="newest intact step is 2") as info:
+        ckpt.restore(strict=True) if how == "argument" else ckpt.restore()
+    assert info.value.step == 3
+    assert ckpt.restore(strict=False) == 2
+    assert_same(states[2], dict(model.state_dict()))
+
+
+def test_restore_when_no_step_loads_raises(three_steps):
+    root, _ = three_steps
+    for step in (1, 2, 3):
+        (root / f"step-0000000{step}" / "planted").write_bytes(b"")
+    model, opt = make_model(seed=5, width=16)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="no step under .* loads"):
+        Checkpointer(root, model=model, optimizer=opt, fence=False).restore()

@@ -85,3 +85,70 @@ def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, full[name]), name
     assert_same_outputs(model, reloaded)
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+@pytest.mark.parametrize("rank", [1, 5, -1])
+def test_export_rank_out_of_range_is_a_usage_error(client, root, tmp_path, capsys, rank):
+    """Regression: --rank 5 ended in an IndexError traceback, --rank -1 exported the last rank."""
+    client.save(1, {"model": {"w": torch.ones(3)}}).wait(30)
+    rc = main(["export", str(root), "--out", str(tmp_path / "out"), f"--rank={rank}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.count("\n") == 1 and "ranks 0..0" in err and f"rank {rank}" in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=r"ranks 0\.\.0") as info:
+        asyncckpt.export_hf(root, tmp_path / "out", rank=rank)
+    assert info.value.rank == rank and info.value.step == 1
+
+
+def tiny_gpt2():
+    """(transformers, config, model): a 2-layer GPT-2 whose lm_head is tied to wte."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=500, n_positions=32, n_embd=64, n_layer=2,
+                                     n_head=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return transformers, config, model
+
+
+def logits(model, seed: int = 1) -> torch.Tensor:
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_tied_embeddings_are_stored_once_and_come_back_tied(client, root, tmp_path):
+    transformers, config, model = tiny_gpt2()
+    state = model.state_dict()
+    wte = state["transformer.wte.weight"]
+    client.save(1, {"model": state}).wait(60)
+    client.save(2, {"model": {k: v.clone() for k, v in state.items()}}).wait(60)  # untied copy
+    tied, untied = (next((root / f"step-0000000{s}").glob("rank-*")).stat().st_size for s in (1, 2))
+    assert untied - tied >= wte.numel() * wte.element_size()  # the tied copy is not written
+
+    out = asyncckpt.load(root, step=1)["model"]
+    head, emb = out["lm_head.weight"], out["transformer.wte.weight"]
+    assert head.data_ptr() == emb.data_ptr() and torch.equal(head, wte)
+    emb[0, 0] = 123.0
+    assert head[0, 0] == 123.0  # one memory, as saved
+
+    torch.manual_seed(7)
+    fresh = transformers.GPT2LMHeadModel(config).eval()
+    assert not torch.equal(logits(fresh), logits(model))
+    asyncckpt.load(root, step=1, into={"model": fresh.state_dict()})
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert torch.equal(logits(fresh), logits(model))
+
+    untied_target = {k: torch.zeros_like(v) for k, v in state.items()}  # separate memories
+    asyncckpt.load(root, step=1, into={"model": untied_target})
+    assert torch.equal(untied_target["lm_head.weight"], wte)
+    assert untied_target["lm_head.weight"].data_ptr() != untied_target["transformer.wte.weight"].data_ptr()
+
+    index = asyncckpt.export_hf(root, tmp_path / "hf", step=1)
+    assert set(index["weight_map"]) == set(state)
+    config.save_pretrained(tmp_path / "hf")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(logits(reloaded), logits(model))

@@ -22,7 +22,7 @@ import asyncckpt
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from asyncckpt.format import MANIFEST_NAME, data_file_name, layout
 from asyncckpt.manifest import Frame, Manifest, RankPart, read_manifest
-from asyncckpt.reader import resolve_checkpoint
+from asyncckpt.checkpoint import Checkpoint
 from conftest import SMALL_RING, assert_same
 
 SLOT = SMALL_RING["slot_size"]
@@ -175,7 +175,8 @@ def own(saved: Saved, tmp_path: Path) -> Path:
 
 def test_load_root_picks_newest_committed_step(saved):
     assert (saved.root / "latest").read_text() == "step-00000002\n"
-    assert resolve_checkpoint(saved.root) == saved.step_dir(2)
+    with Checkpoint.open(saved.root) as ckpt:
+        assert ckpt.directory == saved.step_dir(2) and ckpt.root == saved.root
     assert_same(saved.states[2], asyncckpt.load(saved.root))
     assert_same(saved.states[2], asyncckpt.load(str(saved.root)))
 
@@ -202,17 +203,20 @@ def test_loaded_tensors_are_fresh_writable_cpu_tensors(saved):
 def test_empty_root_and_missing_paths_are_not_found(saved, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "step-00000005.tmp-abcd").mkdir()  # in progress: not a checkpoint
-    (tmp_path / "empty" / "step-00000006").mkdir()           # no manifest: not a checkpoint
     for path, step in [(tmp_path / "empty", None), (tmp_path / "nowhere", None),
                        (saved.root, 3), (saved.root / "step-00000003", None)]:
         with pytest.raises(CheckpointNotFoundError) as info:
             asyncckpt.load(path, step=step)
         assert isinstance(info.value, FileNotFoundError)
         assert str(path) in str(info.value)
-    # asked for by name, a step directory without its manifest is a damaged checkpoint
-    for path, step in [(tmp_path / "empty", 6), (tmp_path / "empty" / "step-00000006", None)]:
-        with pytest.raises(CorruptCheckpointError, match="has no manifest.json"):
+    # a step directory without its manifest is a damaged checkpoint, however it is reached
+    (tmp_path / "empty" / "step-00000006").mkdir()
+    for path, step in [(tmp_path / "empty", 6), (tmp_path / "empty" / "step-00000006", None),
+                       (tmp_path / "empty", None)]:
+        with pytest.raises(CorruptCheckpointError, match="has no manifest.json") as info:
             asyncckpt.load(path, step=step)
+        assert info.value.step == 6
+    assert "no older step is intact" in str(info.value)
 
 
 def test_rank_out_of_range(saved):
@@ -222,24 +226,62 @@ def test_rank_out_of_range(saved):
         assert info.value.rank == rank and info.value.step == 2
 
 
-def test_deleted_manifest_is_not_a_checkpoint(saved, own):
-    (own / "step-00000002" / MANIFEST_NAME).unlink()
-    assert resolve_checkpoint(own) == own / "step-00000001"
-    assert_same(saved.states[1], asyncckpt.load(own))  # falls back to the older step
-    with pytest.raises(CorruptCheckpointError, match="has no manifest"):  # asked for by name
-        asyncckpt.load(own, step=2)
-    with pytest.raises(CorruptCheckpointError, match="has no manifest"):
-        asyncckpt.load(own / "step-00000002")
-    (own / "step-00000001" / MANIFEST_NAME).unlink()
-    with pytest.raises(CheckpointNotFoundError):
+# -- a damaged newest step is an error naming the newest intact one (never a silent fallback) --
+
+def damage(saved: Saved, d: Path, kind: str) -> str:
+    """Damage checkpoint `d` one way; returns what the error must say."""
+    if kind == "manifest-deleted":
+        (d / MANIFEST_NAME).unlink()
+        return "has no manifest.json"
+    if kind == "manifest-left-as-tmp":  # as if its rename never happened
+        os.rename(d / MANIFEST_NAME, d / ".manifest.json.tmp-0123abcd")
+        return "has no manifest.json"
+    if kind == "manifest-corrupt":
+        flip_byte(d / MANIFEST_NAME, len((d / MANIFEST_NAME).read_bytes()) // 2)
+        return "xxh3 mismatch"
+    if kind == "manifest-resigned-bad-tree":
+        resign_manifest(d, lambda doc: doc["ranks"][0]["tree"]["dict"].pop(0))
+        return "tree and tensor table disagree"
+    if kind == "data-missing":
+        (d / saved.data_name).unlink()
+        return "missing file"
+    if kind == "data-corrupt":
+        frame = read_manifest(d).ranks[0].frames[frame_inside(read_manifest(d), "model.w")]
+        flip_byte(d / saved.data_name, frame.stored_offset + frame.stored_length // 2)
+        return "xxh3"
+    raise AssertionError(kind)
+
+
+DAMAGE = ["manifest-deleted", "manifest-left-as-tmp", "manifest-corrupt",
+          "manifest-resigned-bad-tree", "data-missing", "data-corrupt"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_newest_step_names_itself_and_the_newest_intact_one(saved, own, kind):
+    """latest names step 2; whatever the damage, load(root) raises, never returns step 1."""
+    cause = damage(saved, own / "step-00000002", kind)
+    with pytest.raises(CorruptCheckpointError) as info:
         asyncckpt.load(own)
+    message = str(info.value)
+    assert cause in message, message
+    assert info.value.step == 2 and info.value.detail["newest_intact"] == 1
+    assert "step 2 is the newest step" in message and "the newest intact step is 1" in message
+    with pytest.raises(CorruptCheckpointError, match=cause):  # asked for by step: plain error
+        asyncckpt.load(own, step=2)
+    assert_same(saved.states[1], asyncckpt.load(own, step=1))
 
 
-def test_manifest_left_as_tmp_file_is_not_a_checkpoint(saved, own):
-    """A crash between writing the manifest's tmp file and renaming it."""
-    d = own / "step-00000002"
-    os.rename(d / MANIFEST_NAME, d / ".manifest.json.tmp-0123abcd")
-    assert_same(saved.states[1], asyncckpt.load(own))
+def test_damaged_newest_step_skips_damaged_older_ones_when_naming_the_intact_one(saved, own):
+    shutil.copytree(own / "step-00000002", own / "step-00000003")
+    resign_manifest(own / "step-00000003", lambda doc: doc.update(step=3))
+    damage(saved, own / "step-00000003", "manifest-deleted")
+    damage(saved, own / "step-00000002", "manifest-corrupt")
+    with pytest.raises(CorruptCheckpointError, match="newest intact step is 1") as info:
+        asyncckpt.load(own)
+    assert info.value.step == 3
+    (own / "step-00000001" / "planted").write_bytes(b"x")  # now no step is intact
+    with pytest.raises(CorruptCheckpointError, match="no older step is intact"):
+        asyncckpt.load(own)
 
 
 def test_hand_made_checkpoint_loads(tmp_path):

@@ -109,7 +109,7 @@ def test_tensor_names_are_dotted_paths_in_order():
                                          "optim.state.0.exp_avg"]
     assert [e.path for e in entries] == [("model", "layers", 0, "w"), ("model", "layers", 1, "w"),
                                          ("optim", "state", 0, "exp_avg")]
-    assert entries[0].dtype_name == "F32" and entries[0].nbytes == 16
+    assert entries[0].dtype_name == "F32"
     assert tensor_paths(tree) == {e.name: e.path for e in entries}
 
 
@@ -151,8 +151,81 @@ def test_shared_objects_are_not_cycles():
     state = {"a": shared, "b": shared, "t1": t, "t2": t}
     out = json_round_trip(state)
     assert out["a"] == [1, 2] and out["b"] == [1, 2]
-    _, entries = flatten(state)
-    assert [e.name for e in entries] == ["t1", "t2"]
+    tree, entries = flatten(state)
+    assert [e.name for e in entries] == ["t1"]  # the same tensor twice is stored once
+    assert out["t2"].data_ptr() == out["t1"].data_ptr()
+
+
+# -- views: tensors sharing storage are stored once ---------------------------------------
+
+def test_tied_tensor_is_a_view_node_and_comes_back_tied():
+    w = torch.randn(5, 4)
+    tree, entries = flatten({"emb": w, "head": w})
+    assert [e.name for e in entries] == ["emb"]
+    assert tree == {"dict": [["emb", {"tensor": "emb"}],
+                             ["head", {"view": {"of": "emb", "dtype": "F32", "offset": 0,
+                                                "shape": [5, 4], "stride": [4, 1]}}]]}
+    out = json_round_trip({"emb": w, "head": w})
+    assert out["head"].data_ptr() == out["emb"].data_ptr() and torch.equal(out["head"], w)
+    out["emb"][0, 0] = 42.0
+    assert out["head"][0, 0] == 42.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda w: w[2:4],                    # a slice: offset 8
+    lambda w: w.t(),                     # a transpose: strides (1, 4)
+    lambda w: w[1:, ::2],                # offset and a stride
+    lambda w: w.view(-1)[3:7].view(2, 2),
+    lambda w: w[0].expand(3, 4),         # a zero stride
+], ids=["slice", "transpose", "strided", "reshaped", "expanded"])
+def test_views_inside_an_earlier_contiguous_tensor_are_recorded_and_rebuilt(make):
+    w = torch.arange(20.0).view(5, 4)
+    v = make(w)
+    tree, entries = flatten({"w": w, "v": v})
+    assert [e.name for e in entries] == ["w"]
+    body = tree["dict"][1][1]["view"]
+    assert (body["offset"], body["shape"], body["stride"]) == (
+        v.storage_offset(), list(v.shape), list(v.stride()))
+    out = json_round_trip({"w": w, "v": v})
+    assert torch.equal(out["v"], v) and out["v"].stride() == v.stride()
+    assert out["v"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("state", [
+    lambda w: {"v": w[1:], "w": w},                    # the view comes first
+    lambda w: {"w": w.t(), "v": w.t()[1:]},            # the first is not contiguous
+    lambda w: {"a": w.view(-1)[:10], "b": w.view(-1)[5:]},  # overlapping, neither holds the other
+    lambda w: {"w": w, "v": w.view(torch.int32)},      # another dtype
+    lambda w: {"w": w, "c": w.clone()},                # another storage
+], ids=["view-first", "non-contiguous-base", "overlap", "dtype", "clone"])
+def test_tensors_not_inside_an_earlier_contiguous_one_are_saved_on_their_own(state):
+    s = state(torch.arange(20.0).view(5, 4))
+    tree, entries = flatten(s)
+    assert len(entries) == 2 and "view" not in json.dumps(tree)
+    out = json_round_trip(s)
+    for k, v in s.items():
+        assert torch.equal(out[k], v)
+
+
+@pytest.mark.parametrize("body", [
+    {"of": "w", "dtype": "F32", "offset": 0, "shape": [2], "stride": [1, 1]},   # ranks differ
+    {"of": "w", "dtype": "F32", "offset": -1, "shape": [2], "stride": [1]},
+    {"of": "w", "dtype": "F32", "offset": 0, "shape": [2], "stride": [-1]},
+    {"of": "w", "dtype": "F32", "offset": 0, "shape": [2**62], "stride": [1]},
+    {"of": "w", "dtype": "F32", "offset": 0, "shape": [2**31] * 3, "stride": [1] * 3},
+    {"of": "w", "dtype": "F32", "offset": 2**61, "shape": [3], "stride": [2**61]},
+    {"of": "w", "dtype": "F32", "offset": 0, "shape": [1] * 65, "stride": [1] * 65},
+    {"of": "w", "dtype": "F32", "offset": 0, "shape": [True], "stride": [1]},
+    {"of": "w", "dtype": "F32", "offset": 0.0, "shape": [1], "stride": [1]},
+    {"of": 3, "dtype": "F32", "offset": 0, "shape": [1], "stride": [1]},
+    {"of": "w", "offset": 0, "shape": [1], "stride": [1]},
+    {"of": "w", "dtype": "F32", "offset": 0, "shape": [1], "stride": [1], "extra": 1},
+    ["w", 0],
+], ids=repr)
+def test_malformed_view_nodes_are_corrupt(body):
+    with pytest.raises(CorruptCheckpointError, match="view node"):
+        unflatten({"dict": [["v", {"view": body}]]},
+                  lambda name: pytest.fail("resolved the base of a malformed view"))
 
 
 # -- what flatten refuses ---------------------------------------------------------------

@@ -192,7 +192,7 @@ def test_verify_reports_damaged_files(saved, own, capsys, damage):
         expect = f"data file has {len(data) - 7} bytes"
     elif damage == "delete":
         (d / saved.data_name).unlink()
-        expect = "cannot open data file"
+        expect = f"missing file '{saved.data_name}'"
     else:
         flip_byte(d / MANIFEST_NAME, 100)
         expect = "manifest xxh3 mismatch"
@@ -285,13 +285,14 @@ def test_ls_lists_committed_and_in_progress(saved, own, capsys):
     assert abs(doc[1]["ratio"] - m.stored_size / m.raw_size) < 1e-9
 
 
-def test_ls_marks_unreadable_manifest_and_skips_dirs_without_one(saved, own, capsys):
+def test_ls_marks_damaged_steps(saved, own, capsys):
     flip_byte(own / "step-00000001" / MANIFEST_NAME, 50)
-    (own / "step-00000007").mkdir()  # no manifest: not listed
+    (own / "step-00000007").mkdir()  # no manifest: a damaged step, as load(root) sees it
     rc, out, _ = run(capsys, "ls", "--json", str(own))
     doc = json.loads(out)
-    assert rc == 0 and [(r["step"], r["state"]) for r in doc] == [(1, "unreadable"), (2, "committed")]
-    assert "xxh3" in doc[0]["error"]
+    assert rc == 0 and [(r["step"], r["state"]) for r in doc] == [
+        (1, "damaged"), (2, "committed"), (7, "damaged")]
+    assert "xxh3" in doc[0]["error"] and "has no manifest.json" in doc[2]["error"]
 
 
 @pytest.mark.parametrize("what", ["missing", "file"])
@@ -336,3 +337,63 @@ def test_cli_version(capsys):
     assert info.value.code == 0
     import asyncckpt
     assert capsys.readouterr().out.strip() == f"asyncckpt {asyncckpt.__version__}"
+
+
+# -- the Python API and the progress bar ----------------------------------------------------------
+
+def test_verify_function_reports_and_never_raises_for_corruption(saved, own):
+    import asyncckpt
+    good = asyncckpt.verify(own)
+    assert good.ok and [r.step for r in good.checkpoints] == [1, 2] and good.problems == []
+    index = damage_tensor_frame(saved, own / "step-00000002")
+    (own / "step-00000001" / "planted.bin").write_bytes(b"x" * 10)
+    report = asyncckpt.verify(own)
+    assert not report.ok and [r.ok for r in report.checkpoints] == [False, False]
+    assert "unexpected file 'planted.bin'" in report.checkpoints[0].problems[0]
+    assert f"frame {index}" in report.checkpoints[1].problems[0]
+    assert report.to_json()["ok"] is False and len(report.to_json()["checkpoints"]) == 2
+    single = asyncckpt.verify(own / "step-00000002")
+    assert [r.path for r in single.checkpoints] == [str(own / "step-00000002")] and not single.ok
+
+
+def test_verify_function_raises_not_found_for_a_non_checkpoint(tmp_path):
+    import asyncckpt
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "nowhere"):
+        with pytest.raises(asyncckpt.CheckpointNotFoundError):
+            asyncckpt.verify(path)
+
+
+class _Terminal:
+    """A stderr that says it is a terminal and keeps what is written."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_verify_root_progress_bar_total_and_advance_use_the_same_bytes(saved, own, capsys,
+                                                                      monkeypatch):
+    """Regression: the total summed the directory's file sizes (manifest, planted files)
+    and the bar advanced by frame bytes, so it never reached 100 %."""
+    (own / "step-00000001" / "planted.bin").write_bytes(b"x" * 100_000)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    cli.main(["verify", str(own)])
+    draws = [d for d in terminal.text.split("\r") if d.startswith("step-")]
+    by_step: dict[str, list[float]] = {}
+    for d in draws:
+        name, pct = d.split(" [")[0], float(d.rsplit("]", 1)[1].strip().rstrip("%"))
+        by_step.setdefault(name, []).append(pct)
+    assert set(by_step) == {"step-00000001", "step-00000002"}
+    for name, pcts in by_step.items():
+        assert pcts == sorted(pcts) and pcts[-1] == 100.0, (name, pcts[-3:])

@@ -29,7 +29,7 @@ import xxhash
 import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.verify import verify_checkpoint
+from asyncckpt.verification import verify_checkpoint
 
 Damage = Callable[[Path, random.Random], tuple[str, int | None]]
 

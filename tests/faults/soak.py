@@ -21,7 +21,7 @@ from pathlib import Path
 import asyncckpt
 from asyncckpt import commit
 from asyncckpt.procstat import read_status, ring_mappings
-from asyncckpt.verify import verify_checkpoint
+from asyncckpt.verification import verify_checkpoint
 
 RANK = """
 import sys, torch, asyncckpt

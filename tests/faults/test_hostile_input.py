@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import asyncckpt
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.verify import verify_checkpoint
+from asyncckpt.verification import verify_checkpoint
 
 PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')
 
@@ -158,3 +158,90 @@ def test_fuzzed_data_files_raise_only_library_errors(committed, tmp_path_factory
     with pytest.raises(asyncckpt.CorruptCheckpointError):
         asyncckpt.load(d)
     assert not verify_checkpoint(d).ok
+
+
+# -- view nodes (tensors stored once, seen twice) ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def committed_views(tmp_path_factory) -> Path:
+    """w (5 x 4), and three views of it: tied, transposed, a slice; plus a plain tensor."""
+    root = tmp_path_factory.mktemp("hostile-views") / "ckpt"
+    w = torch.arange(20.0).view(5, 4)
+    with asyncckpt.start_writer(root, codec="raw") as writer:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+            client.save(1, {"w": w, "tied": w, "t": w.t(), "s": w[1:3], "p": torch.ones(3, dtype=torch.int64)}).wait(30)
+    d = root / "step-00000001"
+    assert [t["name"] for t in read_body(d)["ranks"][0]["tensors"]] == ["w", "p"]
+    return d
+
+
+def _edit_view(body: dict, key: str, edit) -> None:
+    tree = body["ranks"][0]["tree"]["dict"]
+    node = next(v for k, v in tree if k == key)
+    edit(node["view"])
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda v: v.update(of="nowhere"), "not a tensor this rank saved"),
+    (lambda v: v.update(of="t"), "not a tensor this rank saved"),           # another view
+    (lambda v: v.update(of="p"), "does not fit"),                           # another dtype
+    (lambda v: v.update(dtype="I64"), "does not fit"),
+    (lambda v: v.update(offset=1), "does not fit"),                          # one element past the end
+    (lambda v: v.update(shape=[6, 4]), "does not fit"),
+    (lambda v: v.update(stride=[4, 2]), "does not fit"),
+    (lambda v: v.update(stride=[-4, 1]), "view node"),
+    (lambda v: v.update(shape=[5, 4, 1]), "view node"),                      # ranks differ
+    (lambda v: v.update(shape=[2**40, 2**40], stride=[0, 0]), "view node"),  # 2**80 elements
+    (lambda v: v.update(offset=2**62), "view node"),
+    (lambda v: v.update(shape=[1] * 65, stride=[1] * 65), "view node"),
+    (lambda v: v.pop("dtype"), "view node"),
+    (lambda v: v.update(offset="0"), "view node"),
+], ids=["missing-base", "view-of-view", "other-dtype-base", "dtype", "offset", "shape", "stride",
+        "negative-stride", "rank", "huge", "huge-offset", "many-dims", "no-dtype", "str-offset"])
+def test_hostile_view_nodes_are_corrupt(committed_views, tmp_path, edit, match):
+    d = tmp_path / "step-00000001"
+    shutil.copytree(committed_views, d)
+    body = read_body(d)
+    _edit_view(body, "tied", edit)
+    write_signed(d, body)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=match):
+        asyncckpt.load(d)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=match):
+        asyncckpt.load(d, into={"w": torch.zeros(5, 4)}, strict=False)
+    assert not verify_checkpoint(d).ok
+
+
+def test_view_nodes_load_as_views_and_fill_targets(committed_views):
+    out = asyncckpt.load(committed_views)
+    w = torch.arange(20.0).view(5, 4)
+    assert torch.equal(out["t"], w.t()) and torch.equal(out["s"], w[1:3]) and out["tied"] is not out["w"]
+    assert {out[k].untyped_storage().data_ptr() for k in ("w", "tied", "t", "s")} == {out["w"].data_ptr()}
+    targets = {"w": torch.zeros(5, 4), "tied": torch.zeros(5, 4), "t": torch.zeros(4, 5),
+               "s": torch.zeros(2, 4), "p": torch.zeros(3, dtype=torch.int64)}
+    filled = asyncckpt.load(committed_views, into=targets)
+    assert all(filled[k] is targets[k] for k in targets)
+    assert torch.equal(targets["t"], w.t()) and torch.equal(targets["s"], w[1:3])
+    with pytest.raises(asyncckpt.StateMismatchError, match=r"state\['t'\]: target torch.float32 \(5, 4\)"):
+        asyncckpt.load(committed_views, into={"t": torch.zeros(5, 4)})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(offset=st.integers(0, 30), shape=st.lists(st.integers(0, 6), max_size=3),
+       strides=st.lists(st.integers(0, 8), min_size=3, max_size=3))
+def test_fuzzed_view_geometry_loads_exactly_or_is_corrupt(committed_views, tmp_path_factory, offset,
+                                                          shape, strides):
+    """Any geometry either loads as exactly `as_strided` of the base, or is corrupt."""
+    d = tmp_path_factory.mktemp("fuzzview") / "step-00000001"
+    shutil.copytree(committed_views, d)
+    body = read_body(d)
+    stride = strides[:len(shape)]
+    _edit_view(body, "tied", lambda v: v.update(offset=offset, shape=shape, stride=stride))
+    write_signed(d, body)
+    extent = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else 0
+    try:
+        out = asyncckpt.load(d)
+    except asyncckpt.CorruptCheckpointError:
+        assert extent > 20
+        return
+    assert extent <= 20
+    assert torch.equal(out["tied"], torch.arange(20.0).as_strided(shape, stride, offset))

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import asyncckpt  # noqa: E402
 from asyncckpt import commit, faults  # noqa: E402
 from asyncckpt.procstat import ring_mappings  # noqa: E402
-from asyncckpt.verify import verify_checkpoint  # noqa: E402
+from asyncckpt.verification import verify_checkpoint  # noqa: E402
 from torture_rank import expected_state  # noqa: E402
 
 
