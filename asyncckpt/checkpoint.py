@@ -25,7 +25,6 @@ damaged step and the newest older one whose manifest and files check, which
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from .format import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
 from .manifest import Manifest, read_manifest
 from .reader import RankReader, Readers
 from .sharded import GlobalTensor, ReadPlan, global_tensors
-from .tree import View, tensor_paths, unflatten, walk
+from .tree import View, check_tree, walk
 
 TreePath = tuple[Any, ...]
 
@@ -293,10 +292,10 @@ def _rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, Global
     def bad(cause: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(cause, step=step, rank=rank, file=MANIFEST_NAME)
     try:
-        paths = tensor_paths(tree)
-        if set(paths) != {t.name for t in tensors}:
-            raise bad("object tree and tensor table disagree")
-        unflatten(tree, lambda name: None, lambda path, view: None)
+        try:
+            paths = check_tree([(t.name, t.dtype, t.shape) for t in tensors], tree)
+        except CorruptCheckpointError as e:
+            raise bad(e.cause) from None
         specs = {t.name: t for t in tensors}
         leaves = []
         for path, kind, body in walk(tree):
@@ -305,16 +304,11 @@ def _rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, Global
             elif kind == "dtensor":
                 leaves.append(Leaf(path, kind, sharded[body["name"]]))
             else:
-                base = specs.get(body.of)
-                if base is None or paths.get(body.of) is None or body.of in sharded:
+                if body.of in sharded:
                     raise bad(f"view at {list(path)!r:.80} of {body.of!r:.80}, not a tensor "
                               "this rank saved")
-                if body.dtype != base.dtype or body.extent > math.prod(base.shape):
-                    raise bad(f"view at {list(path)!r:.80} ({body.dtype} from element "
-                              f"{body.offset}, shape {body.shape}, stride {body.stride}) does "
-                              f"not fit in {body.of!r:.80} ({base.dtype} {base.shape})")
-                leaves.append(Leaf(path, kind, GlobalTensor.whole(rank, base, paths[body.of]),
-                                   body))
+                leaves.append(Leaf(path, kind, GlobalTensor.whole(rank, specs[body.of],
+                                                                  paths[body.of]), body))
         return leaves
     except KeyError as e:  # a dtensor node whose global tensor failed its own checks
         raise bad(f"global tensor {e.args[0]!r:.80} is not usable") from None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import commit
 from ._version import __version__
-from .config import CODECS, Knobs, parse_knob
+from .config import CODECS, WriterKnobs, parse_knob
 from .errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
 from .format import is_tmp_dir, step_dir_name, tmp_step_of
 
@@ -80,7 +80,7 @@ def _writer(args: argparse.Namespace) -> int:
                         format="%(asctime)s asyncckpt-writer[%(process)d] %(levelname)s %(message)s")
     overrides = dict(kv.split("=", 1) for kv in args.knob)
     try:
-        knobs = Knobs.from_env(**{k: parse_knob(k, v) for k, v in overrides.items()},
+        knobs = WriterKnobs.from_env(**{k: parse_knob(WriterKnobs, k, v) for k, v in overrides.items()},
                                codec=args.codec)
         server = WriterServer(args.root, knobs, args.address)
     except WriterLockedError as e:

@@ -31,13 +31,13 @@ from typing import Any, Iterator
 import torch
 
 from . import errors, protocol, ring
-from .config import Knobs
+from .config import ClientKnobs
 from .errors import SaveFailedError, UnsupportedStateError, WriterUnavailableError
 from .format import MAX_STEP
 from .handle import SaveHandle
 from .ranks import resolve_rank
 from .stager import DeviceCopies, ready_event, stage
-from .tree import flatten
+from .flatten import flatten
 
 log = logging.getLogger("asyncckpt.client")
 
@@ -118,11 +118,12 @@ class Client:
                 ASYNCCKPT_ADDRESS.
             rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE,
                 else 0 / 1.
-            knobs: slot_size, ring_size, connect_timeout overrides (see Knobs).
+            knobs: slot_size, ring_size, connect_timeout (see ClientKnobs).
         Raises:
+            ValueError: an unknown knob (a writer knob is named as one).
             WriterUnavailableError: no address, no writer there, or authentication failed.
         """
-        self.knobs = Knobs.from_env(**knobs)
+        self.knobs = ClientKnobs.from_env(**knobs)
         address = address or os.environ.get(protocol.ADDRESS_ENV)
         if not address:
             raise WriterUnavailableError(

@@ -288,7 +288,7 @@ def _pieces(out: memoryview | list[memoryview]) -> list[memoryview]:
 
 @dataclasses.dataclass(frozen=True)
 class CodecParams:
-    """The writer's settings that codec objects take (see `Knobs`); a reader's codecs
+    """The writer's settings that codec objects take (see `WriterKnobs`); a reader's codecs
     need none of them."""
 
     level: int = 1

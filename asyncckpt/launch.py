@@ -74,9 +74,9 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
 
     Args:
         root: the checkpoint root directory (created if missing).
-        codec: "auto" (default), "raw", "zstd" or "bytegroup" (see Knobs.codec).
+        codec: "auto" (default), "raw", "zstd" or "bytegroup" (see WriterKnobs.codec).
         log_file: where the writer logs (default: inherit stderr).
-        knobs: other writer knobs (zstd_level, shutdown_timeout, ...); see Knobs.
+        knobs: other writer knobs (zstd_level, shutdown_timeout, ...); see WriterKnobs.
     Returns:
         A WriterProcess; its address is also exported as ASYNCCKPT_ADDRESS.
     Raises:

@@ -29,7 +29,7 @@ import xxhash
 
 from ._version import __version__
 from .codec import CODECS, RAW, REGISTRY, PlaneLayout
-from .config import Knobs
+from .config import ReadLimits
 from .errors import CorruptCheckpointError
 from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TensorSpec,
                      data_file_name, element_size, parse_step_dir)
@@ -141,13 +141,13 @@ def parse_manifest(data: bytes, *, max_frame_bytes: int) -> Manifest:
         raise CorruptCheckpointError(f"manifest field invalid: {type(e).__name__}: {e}") from None
 
 
-def read_manifest(directory: Path, knobs: Knobs | None = None) -> Manifest:
+def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest:
     """Read, size-check, checksum and validate `directory`'s manifest.
 
     Raises:
         CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
     """
-    knobs = knobs or Knobs.from_env()
+    limits = limits or ReadLimits.from_env()
     where = str(directory / MANIFEST_NAME)
     try:
         fd = os.open(directory / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -155,15 +155,15 @@ def read_manifest(directory: Path, knobs: Knobs | None = None) -> Manifest:
         raise CorruptCheckpointError(f"cannot open manifest: {e.strerror}", file=where) from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > knobs.max_manifest_bytes:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limits.max_manifest_bytes:
             raise CorruptCheckpointError(f"manifest is not a regular file of at most "
-                                         f"{knobs.max_manifest_bytes} bytes", file=where)
+                                         f"{limits.max_manifest_bytes} bytes", file=where)
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(knobs.max_manifest_bytes + 1)
+            data = f.read(limits.max_manifest_bytes + 1)
     finally:
         os.close(fd)
     try:
-        manifest = parse_manifest(data, max_frame_bytes=knobs.max_frame_bytes)
+        manifest = parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(e.cause, file=where) from None
     named = parse_step_dir(directory.name)

@@ -1,4 +1,9 @@
-"""Flattening a state dict into tensors plus a JSON tree, and back.
+"""The object tree of a saved state: JSON with explicit node types, its checks, and
+rebuilding the state from it (flatten.py makes it from a state dict).
+
+Nothing here imports torch, because the writer checks every rank's tree against its
+tensor table before it opens a file (a checkpoint its own reader would refuse is never
+written), and the writer process never imports torch.
 
 A state dict is a tree of dicts, lists and tuples whose leaves are tensors or small
 JSON-able objects. We keep the tree as JSON with explicit node types rather than as
@@ -31,32 +36,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+from .errors import CorruptCheckpointError
 
-from . import dtensor
-from .errors import CorruptCheckpointError, UnsupportedStateError
-from .dtypes import DTYPE_NAMES
+if TYPE_CHECKING:
+    import torch
 
 JSON = Any
 MAX_DEPTH = 100
 MAX_INT_BITS = 14000  # Python refuses to print ints beyond ~4300 digits
 MAX_VIEW_DIMS = 64
 _MAX_ELEMENTS = 1 << 62
-
-
-@dataclasses.dataclass
-class TensorEntry:
-    """One tensor leaf: where it sits in the tree, and the source to copy from."""
-
-    name: str
-    path: tuple[str | int, ...]
-    tensor: torch.Tensor
-
-    @property
-    def dtype_name(self) -> str:
-        return DTYPE_NAMES[self.tensor.dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,116 +99,6 @@ def parse_view(body: Any) -> View:
     return view
 
 
-def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
-    """Split `state` into a JSON tree and its tensor leaves, in a stable order.
-
-    Raises:
-        UnsupportedStateError: a key, object or tensor that cannot be saved; the message
-            names its path.
-    """
-    entries: list[TensorEntry] = []
-    names: set[str] = {"__metadata__"}  # reserved by safetensors
-    active: set[int] = set()
-    bases: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # storage -> saved contiguous
-
-    def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
-        if dtensor.is_dtensor(node):
-            name = _unique_name(path, names)
-            local, body = dtensor.describe(node, name, _show(path))
-            if local is not None:
-                check_tensor(local, path)
-                entries.append(TensorEntry(name, path, local.detach()))
-            return {"dtensor": body}
-        if isinstance(node, torch.Tensor):
-            check_tensor(node, path)
-            key = _storage_key(node)
-            view = _view_within(node, bases.get(key, ())) if key else None
-            if view is not None:
-                return view.to_json()
-            name = _unique_name(path, names)
-            entries.append(TensorEntry(name, path, node.detach()))
-            if key and node.is_contiguous():
-                bases.setdefault(key, []).append((name, node))
-            return {"tensor": name}
-        if node is None or isinstance(node, (bool, str)):
-            return node
-        if isinstance(node, int):
-            if node.bit_length() > MAX_INT_BITS:
-                raise UnsupportedStateError(f"{_show(path)}: int of {node.bit_length()} bits is too large")
-            return node
-        if isinstance(node, float):
-            return node if math.isfinite(node) else {"float": repr(node)}
-        if not isinstance(node, (dict, list, tuple)):
-            raise UnsupportedStateError(
-                f"{_show(path)}: cannot save a {type(node).__name__}; only tensors, "
-                "dict/list/tuple, str, int, float, bool and None are saved (never pickle)")
-        if id(node) in active:
-            raise UnsupportedStateError(f"{_show(path)}: the state contains a cycle")
-        if len(path) >= MAX_DEPTH:
-            raise UnsupportedStateError(f"{_show(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
-        active.add(id(node))
-        try:
-            if isinstance(node, dict):
-                items = []
-                for key, value in node.items():
-                    if isinstance(key, bool) or not isinstance(key, (str, int)):
-                        raise UnsupportedStateError(
-                            f"{_show(path)}: dict key {key!r} is a {type(key).__name__}; "
-                            "keys must be str or int")
-                    if isinstance(key, str) and not _is_utf8(key):
-                        raise UnsupportedStateError(f"{_show(path)}: dict key {key!r} is not valid Unicode")
-                    if isinstance(key, int) and key.bit_length() > MAX_INT_BITS:
-                        raise UnsupportedStateError(f"{_show(path)}: int key is too large")
-                    items.append([key, visit(value, path + (key,))])
-                return {"dict": items}
-            kind = "list" if isinstance(node, list) else "tuple"
-            return {kind: [visit(v, path + (i,)) for i, v in enumerate(node)]}
-        finally:
-            active.discard(id(node))
-
-    return visit(state, ()), entries
-
-
-def _storage_key(t: torch.Tensor) -> tuple | None:
-    """(device, storage address) of a non-empty CPU/CUDA tensor, else None."""
-    if t.numel() == 0 or t.device.type not in ("cpu", "cuda"):
-        return None
-    try:
-        return (t.device, t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-        return None
-
-
-def _view_within(t: torch.Tensor, bases: Any) -> View | None:
-    """`t` as a view of the first saved base whose elements hold all of its own."""
-    if any(s < 0 for s in t.stride()):
-        return None
-    for name, base in bases:
-        offset = t.storage_offset() - base.storage_offset()
-        if base.dtype != t.dtype or offset < 0:
-            continue
-        view = View(name, DTYPE_NAMES[t.dtype], offset, tuple(t.shape), tuple(t.stride()))
-        if view.extent <= base.numel():
-            return view
-    return None
-
-
-def check_tensor(t: torch.Tensor, path: tuple[str | int, ...]) -> None:
-    """Raise UnsupportedStateError unless `t` is a dense tensor of a nameable dtype."""
-    problem = None
-    if t.layout != torch.strided:
-        problem = f"layout {t.layout} is not supported; save a dense tensor"
-    elif t.is_meta:
-        problem = "a meta tensor has no data to save"
-    elif t.is_quantized:
-        problem = "quantized tensors are not supported; save int_repr() and the scales"
-    elif t.dtype not in DTYPE_NAMES:
-        problem = (f"dtype {t.dtype} has no safetensors name; supported: "
-                   f"{', '.join(str(d).removeprefix('torch.') for d in DTYPE_NAMES)}")
-    if problem:
-        raise UnsupportedStateError(f"{_show(path)}: {problem}")
-
-
 def unflatten(tree: JSON, resolve: Callable[[str], Any],
               resolve_view: Callable[[tuple[str | int, ...], View], Any] | None = None) -> Any:
     """Rebuild the saved structure; `resolve(name)` supplies each tensor and global
@@ -262,6 +143,39 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any],
         return visit(tree, ())
     except RecursionError:
         raise CorruptCheckpointError("tree nested too deeply") from None
+
+
+def check_tree(tensors: list[tuple[str, str, tuple[int, ...]]], tree: JSON) -> dict[str, Any]:
+    """Check a rank's tree against its tensor table (name, dtype, shape in stream order),
+    with the rules every reader applies.
+
+    The tree must be well formed, reference each listed tensor exactly once, and every
+    view must lie inside a plain tensor of the rank of its own dtype.
+
+    Returns:
+        Each tensor name's path in the tree.
+    Raises:
+        CorruptCheckpointError: it breaks one of those rules.
+    """
+    paths = tensor_paths(tree)
+    if set(paths) != {name for name, _, _ in tensors}:
+        raise CorruptCheckpointError("object tree and tensor table disagree")
+    unflatten(tree, lambda name: None, lambda path, view: None)
+    plain = {body for _, kind, body in walk(tree) if kind == "tensor"}
+    specs = {name: (dtype, shape) for name, dtype, shape in tensors}
+    for path, kind, body in walk(tree):
+        if kind != "view":
+            continue
+        if body.of not in plain:
+            raise CorruptCheckpointError(f"view at {list(path)!r:.80} of {body.of!r:.80}, not "
+                                         "a tensor this rank saved")
+        dtype, shape = specs[body.of]
+        if body.dtype != dtype or body.extent > math.prod(shape):
+            raise CorruptCheckpointError(
+                f"view at {list(path)!r:.80} ({body.dtype} from element {body.offset}, shape "
+                f"{body.shape}, stride {body.stride}) does not fit in {body.of!r:.80} "
+                f"({dtype} {tuple(shape)})")
+    return paths
 
 
 def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
@@ -321,22 +235,3 @@ def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
     return out
 
 
-def _unique_name(path: tuple[str | int, ...], taken: set[str]) -> str:
-    base = ".".join(str(p) for p in path) or "tensor"
-    name, n = base, 1
-    while name in taken:
-        name, n = f"{base}~{n}", n + 1
-    taken.add(name)
-    return name
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _show(path: tuple[str | int, ...]) -> str:
-    return "state" + "".join(f"[{p!r}]" for p in path)

@@ -39,10 +39,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
-from . import commit, protocol, ring
+from . import commit, protocol, ring, tree
 from ._version import __version__
 from .autocodec import CodecChooser
-from .config import Knobs
+from .config import WriterKnobs
 from .errors import CheckpointError, CorruptCheckpointError, SaveFailedError
 from .format import DTYPE_SIZES, MAX_STEP, layout
 from .manifest import Manifest, parse_manifest
@@ -61,14 +61,14 @@ _OUTBOX_SPARE = 1024  # replies beyond one per ring slot that may wait for a slo
 class WriterServer:
     """Owns a checkpoint root: its lock, its listening socket and its sessions."""
 
-    def __init__(self, root: str | Path, knobs: Knobs | None = None,
+    def __init__(self, root: str | Path, knobs: WriterKnobs | None = None,
                  address: str | None = None) -> None:
         """Take the root and listen.
 
         Raises:
             WriterLockedError: another writer holds `root`.
         """
-        self.knobs = knobs or Knobs.from_env()
+        self.knobs = knobs or WriterKnobs.from_env()
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = commit.RootLock(self.root)
@@ -314,7 +314,13 @@ class Session:
         notify = self._notifier(save, save_id)
         knobs = self.server.knobs
         try:
-            header, specs = layout(_tensor_table(m.get("tensors"), step, self.rank))
+            table = _tensor_table(m.get("tensors"), step, self.rank)
+            try:
+                tree.check_tree(table, save.tree)
+            except CorruptCheckpointError as e:
+                raise SaveFailedError(f"object tree refused: {e.cause}", step=step,
+                                      rank=self.rank) from None
+            header, specs = layout(table)
             retention = _retention(m.get("retention"))
             current = self.server.steps.begin(step, self.rank, _int(m, "world_size"), notify,
                                               retention)

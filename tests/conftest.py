@@ -4,8 +4,6 @@ no ring outlives the test that made it."""
 from __future__ import annotations
 
 import contextlib
-import glob
-import os
 from pathlib import Path
 from typing import Iterator
 

@@ -192,9 +192,9 @@ def test_knob_manifest_and_auto_follow_the_registry():
     assert CODECS == ("raw", "zstd", "bytegroup")  # the names on disk: part of the format
     assert config.CODECS == (*CODECS, AUTO)
     for name in config.CODECS:
-        assert config.Knobs(codec=name).codec == name
+        assert config.WriterKnobs(codec=name).codec == name
     with pytest.raises(ValueError, match="codec"):
-        config.Knobs(codec="lz4")
+        config.WriterKnobs(codec="lz4")
     with pytest.raises(CorruptCheckpointError, match="unknown codec"):
         make_codec(AUTO)  # a writer setting, never a stored codec
     choice = autocodec.CodecChooser(2).choose()

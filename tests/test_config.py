@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from asyncckpt.config import MiB, Knobs, parse_size
+from asyncckpt.config import ClientKnobs, MiB, ReadLimits, WriterKnobs, parse_size
 
-FIELDS = [f.name for f in dataclasses.fields(Knobs)]
+SETS = (ClientKnobs, WriterKnobs, ReadLimits)
+FIELDS = {f.name for cls in SETS for f in dataclasses.fields(cls)}
 
 
 @pytest.fixture
@@ -22,12 +23,11 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def test_defaults(env):
-    k = Knobs.from_env()
-    assert k == Knobs()
-    assert (k.slot_size, k.ring_size, k.codec, k.zstd_level) == (4 * MiB, 64 * MiB, "auto", 1)
-    assert (k.connect_timeout, k.shutdown_timeout) == (30.0, 120.0)
-    assert (k.max_manifest_bytes, k.max_frame_bytes) == (512 * MiB, 256 * MiB)
-    assert k.ring_slots == 16
+    c, w, r = (cls.from_env() for cls in SETS)
+    assert (c, w, r) == (ClientKnobs(), WriterKnobs(), ReadLimits())
+    assert (c.slot_size, c.ring_size, c.connect_timeout, c.ring_slots) == (4 * MiB, 64 * MiB, 30.0, 16)
+    assert (w.codec, w.zstd_level, w.shutdown_timeout, w.max_frame_bytes) == ("auto", 1, 120.0, 256 * MiB)
+    assert (r.max_manifest_bytes, r.max_frame_bytes, r.read_threads) == (512 * MiB, 256 * MiB, 2)
 
 
 def test_env_overrides(env):
@@ -37,23 +37,26 @@ def test_env_overrides(env):
     env.setenv("ASYNCCKPT_ZSTD_LEVEL", "3")
     env.setenv("ASYNCCKPT_CONNECT_TIMEOUT", "2.5")
     env.setenv("ASYNCCKPT_MAX_MANIFEST_BYTES", "1GiB")
-    k = Knobs.from_env()
-    assert (k.slot_size, k.ring_size, k.codec, k.zstd_level) == (MiB, 8 * MiB, "raw", 3)
-    assert k.connect_timeout == 2.5 and isinstance(k.connect_timeout, float)
-    assert k.max_manifest_bytes == 1 << 30
-    assert k.ring_slots == 8
+    c, w, r = (cls.from_env() for cls in SETS)
+    assert (c.slot_size, c.ring_size, w.codec, w.zstd_level) == (MiB, 8 * MiB, "raw", 3)
+    assert c.connect_timeout == w.connect_timeout == 2.5 and isinstance(c.connect_timeout, float)
+    assert r.max_manifest_bytes == 1 << 30
+    assert c.ring_slots == 8
 
 
 def test_keyword_overrides_beat_env_and_none_is_ignored(env):
     env.setenv("ASYNCCKPT_SLOT_SIZE", "1MiB")
     env.setenv("ASYNCCKPT_CODEC", "raw")
-    k = Knobs.from_env(slot_size=64 << 10, ring_size=256 << 10, codec=None)
-    assert (k.slot_size, k.ring_size, k.codec) == (64 << 10, 256 << 10, "raw")
+    c = ClientKnobs.from_env(slot_size=64 << 10, ring_size=256 << 10, connect_timeout=None)
+    assert (c.slot_size, c.ring_size, c.connect_timeout) == (64 << 10, 256 << 10, 30.0)
+    assert WriterKnobs.from_env(codec=None).codec == "raw"
 
 
 def test_knobs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        Knobs().slot_size = 1  # type: ignore[misc]
+        ClientKnobs().slot_size = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        WriterKnobs().codec = "raw"  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("text,value", [
@@ -72,21 +75,23 @@ def test_parse_size_rejects(text):
         parse_size(text)
 
 
-@pytest.mark.parametrize("kwargs,fragments", [
-    ({"slot_size": 65536, "ring_size": 100_000}, ["ring_size", "multiple of slot_size (65536)", "100000"]),
-    ({"slot_size": 65536, "ring_size": 4096}, ["ring_size", "4096"]),
-    ({"slot_size": 5000}, ["slot_size", "multiple of 4096", "5000"]),
-    ({"slot_size": 0}, ["slot_size", "0"]),
-    ({"slot_size": 8192, "ring_size": 8192, "max_frame_bytes": 4096}, ["slot_size", "max_frame_bytes (4096)", "8192"]),
-    ({"codec": "lz4"}, ["codec", "'lz4'", "zstd"]),
-    ({"zstd_level": 23}, ["zstd_level", "23"]),
-    ({"zstd_level": -8}, ["zstd_level", "-8"]),
-    ({"connect_timeout": 0.0}, ["connect_timeout", "positive", "0.0"]),
-    ({"shutdown_timeout": -1.0}, ["shutdown_timeout", "-1.0"]),
+@pytest.mark.parametrize("cls,kwargs,fragments", [
+    (ClientKnobs, {"slot_size": 65536, "ring_size": 100_000}, ["ring_size", "multiple of slot_size (65536)", "100000"]),
+    (ClientKnobs, {"slot_size": 65536, "ring_size": 4096}, ["ring_size", "4096"]),
+    (ClientKnobs, {"slot_size": 5000}, ["slot_size", "multiple of 4096", "5000"]),
+    (ClientKnobs, {"slot_size": 0}, ["slot_size", "0"]),
+    (ClientKnobs, {"slot_size": 512 * MiB, "ring_size": 512 * MiB}, ["slot_size", "256 MiB", "536870912"]),
+    (ClientKnobs, {"connect_timeout": 0.0}, ["connect_timeout", "positive", "0.0"]),
+    (WriterKnobs, {"codec": "lz4"}, ["codec", "'lz4'", "zstd"]),
+    (WriterKnobs, {"zstd_level": 23}, ["zstd_level", "23"]),
+    (WriterKnobs, {"zstd_level": -8}, ["zstd_level", "-8"]),
+    (WriterKnobs, {"shutdown_timeout": -1.0}, ["shutdown_timeout", "-1.0"]),
+    (WriterKnobs, {"max_frame_bytes": 100}, ["max_frame_bytes", "100"]),
+    (ReadLimits, {"read_threads": 0}, ["read_threads", "0"]),
 ])
-def test_validation_names_knob_and_value(env, kwargs, fragments):
+def test_validation_names_knob_and_value(env, cls, kwargs, fragments):
     with pytest.raises(ValueError) as info:
-        Knobs.from_env(**kwargs)
+        cls.from_env(**kwargs)
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
 
@@ -94,27 +99,37 @@ def test_validation_names_knob_and_value(env, kwargs, fragments):
 def test_validation_applies_to_env_values(env):
     env.setenv("ASYNCCKPT_RING_SIZE", "5MiB")
     with pytest.raises(ValueError, match=r"ring_size must be .*4194304.*got 5242880"):
-        Knobs.from_env()
+        ClientKnobs.from_env()
     env.setenv("ASYNCCKPT_RING_SIZE", "8MiB")
     env.setenv("ASYNCCKPT_CODEC", "gzip")
     with pytest.raises(ValueError, match="codec.*'gzip'"):
-        Knobs.from_env()
+        WriterKnobs.from_env()
+    ClientKnobs.from_env()  # a rank does not care about the writer's codec
 
 
 def test_unparsable_env_value_names_variable(env):
     env.setenv("ASYNCCKPT_SLOT_SIZE", "lots")
     with pytest.raises(ValueError, match=r"ASYNCCKPT_SLOT_SIZE='lots' is not a valid int"):
-        Knobs.from_env()
+        ClientKnobs.from_env()
     env.delenv("ASYNCCKPT_SLOT_SIZE")
     env.setenv("ASYNCCKPT_CONNECT_TIMEOUT", "soon")
     with pytest.raises(ValueError, match=r"ASYNCCKPT_CONNECT_TIMEOUT='soon' is not a valid float"):
-        Knobs.from_env()
+        WriterKnobs.from_env()
 
 
 def test_unknown_knob_is_named(env):
-    with pytest.raises(ValueError, match=r"unknown knob\(s\) \['slot_sise'\]") as info:
-        Knobs.from_env(slot_sise=4096)
+    with pytest.raises(ValueError, match=r"'slot_sise' is no knob") as info:
+        ClientKnobs.from_env(slot_sise=4096)
     assert "slot_size" in str(info.value)  # lists the known ones
+
+
+def test_a_knob_of_another_process_is_an_error_naming_its_home(env):
+    with pytest.raises(ValueError, match=r"'codec' belongs to start_writer"):
+        ClientKnobs.from_env(codec="raw")
+    with pytest.raises(ValueError, match=r"'ring_size' belongs to connect\(\)"):
+        WriterKnobs.from_env(ring_size=1 << 20)
+    with pytest.raises(ValueError, match=r"'read_threads' belongs to load\(limits=\)"):
+        WriterKnobs.from_env(read_threads=4)
 
 
 def test_connect_validates_knobs_before_touching_anything():
@@ -122,8 +137,10 @@ def test_connect_validates_knobs_before_touching_anything():
     with pytest.raises(ValueError, match="ring_size"):
         asyncckpt.connect("/nonexistent/writer.sock", rank=0, world_size=1,
                           slot_size=65536, ring_size=65536 * 3 + 1)
-    with pytest.raises(ValueError, match="unknown knob"):
+    with pytest.raises(ValueError, match="is no knob"):
         asyncckpt.connect("/nonexistent/writer.sock", rank=0, world_size=1, ring_slots=4)
+    with pytest.raises(ValueError, match="'keep_last' belongs to start_writer"):
+        asyncckpt.connect("/nonexistent/writer.sock", rank=0, world_size=1, keep_last=3)
 
 
 def run_writer_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -135,12 +152,14 @@ def run_writer_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
 def test_writer_cli_rejects_bad_knobs_with_exit_2(tmp_path):
     bad = run_writer_cli(tmp_path, "--knob", "bogus_knob=1")
     assert bad.returncode == 2 and "bogus_knob" in bad.stderr
-    bad = run_writer_cli(tmp_path, "--knob", "slot_size=65536", "--knob", "ring_size=100000")
-    assert bad.returncode == 2 and "ring_size" in bad.stderr and "100000" in bad.stderr
+    bad = run_writer_cli(tmp_path, "--knob", "flush_bytes=-1")
+    assert bad.returncode == 2 and "flush_bytes" in bad.stderr and "-1" in bad.stderr
+    bad = run_writer_cli(tmp_path, "--knob", "ring_size=1MiB")  # a rank's knob
+    assert bad.returncode == 2 and "belongs to connect()" in bad.stderr
 
 
 # -- bugs -------------------------------------------------------------------------------------------
 
 def test_negative_zstd_level_from_env(env):
     env.setenv("ASYNCCKPT_ZSTD_LEVEL", "-3")
-    assert Knobs.from_env().zstd_level == -3
+    assert WriterKnobs.from_env().zstd_level == -3

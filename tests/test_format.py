@@ -15,7 +15,7 @@ from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from asyncckpt.codec import CODECS
 from asyncckpt.format import (DTYPE_SIZES, data_file_name, element_size, is_tmp_dir, layout,
                               parse_step_dir, step_dir_name, tmp_step_of)
-from asyncckpt.tree import flatten
+from asyncckpt.flatten import flatten
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pytest
 import xxhash
 
-from asyncckpt.config import Knobs
+from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format import MANIFEST_NAME, layout
 from asyncckpt.manifest import Frame, Manifest, RankPart, parse_manifest, read_manifest
@@ -343,17 +343,13 @@ def test_read_manifest_refuses_directory(tmp_path):
 def test_read_manifest_refuses_oversized(tmp_path, manifest):
     data = manifest.to_bytes()
     d = write_manifest(tmp_path / "c", data)
-    assert read_manifest(d, Knobs(max_manifest_bytes=len(data))) == manifest
+    assert read_manifest(d, ReadLimits(max_manifest_bytes=len(data))) == manifest
     with pytest.raises(CorruptCheckpointError, match=f"at most {len(data) - 1} bytes"):
-        read_manifest(d, Knobs(max_manifest_bytes=len(data) - 1))
+        read_manifest(d, ReadLimits(max_manifest_bytes=len(data) - 1))
 
 
-def knobs_with_frame_bound(bound: int) -> Knobs:
-    """Knobs whose frame bound is below the smallest legal slot (validation forbids building
-    that directly), to exercise the reader's bound with small test frames."""
-    k = Knobs(slot_size=4096, max_frame_bytes=4096)
-    object.__setattr__(k, "max_frame_bytes", bound)
-    return k
+def knobs_with_frame_bound(bound: int) -> ReadLimits:
+    return ReadLimits(max_frame_bytes=bound)
 
 
 def test_read_manifest_applies_the_frame_bound(tmp_path, manifest):

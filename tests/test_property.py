@@ -23,7 +23,8 @@ from asyncckpt.codec import make_codec
 from asyncckpt.dtypes import DTYPE_NAMES
 from asyncckpt.format import layout
 from asyncckpt.manifest import Frame, Manifest, RankPart, parse_manifest
-from asyncckpt.tree import flatten, unflatten
+from asyncckpt.flatten import flatten
+from asyncckpt.tree import unflatten
 from conftest import assert_same
 
 SLOT, RING = 4096, 16384

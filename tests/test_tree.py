@@ -14,7 +14,8 @@ import torch
 import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from asyncckpt.manifest import read_manifest
-from asyncckpt.tree import flatten, tensor_paths, unflatten
+from asyncckpt.flatten import flatten
+from asyncckpt.tree import tensor_paths, unflatten
 from conftest import SMALL_RING, assert_same, running_writer, small_ring_client
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support:UserWarning",

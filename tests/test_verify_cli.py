@@ -23,7 +23,7 @@ import safetensors.torch
 from asyncckpt import cli
 from asyncckpt.format import MANIFEST_NAME
 from asyncckpt.manifest import read_manifest
-from asyncckpt.tree import flatten
+from asyncckpt.flatten import flatten
 from conftest import assert_same
 from test_reader import (Saved, copy_steps, flip_byte, frame_inside, hangs,  # noqa: F401
                          reader_state, resign_manifest, saved)
