@@ -337,8 +337,8 @@ class RootLock:
             if job is None or not self._join(job):
                 holder = os.pread(self._fd, 256, 0).decode(errors="replace").strip()
                 os.close(self._fd)
-                raise WriterLockedError(f"{self.path} is held by {holder or 'another process'}",
-                                        file=str(root)) from None
+                raise WriterLockedError(f"another writer holds {self.path} "
+                                        f"({holder or 'holder unknown'})", file=str(root)) from None
             return
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (f"job {job}\n" if job else f"pid {os.getpid()}\n").encode(), 0)
