@@ -26,10 +26,11 @@ if TYPE_CHECKING:
     from .export import export_hf
     from .loader import load
     from .verification import verify
+    from .copying import copy_step
 
 _LAZY = {"Client": "client", "SaveHandle": "handle", "load": "loader",
          "Checkpointer": "checkpointer", "CheckpointerOptions": "checkpointer",
-         "verify": "verification", "export_hf": "export"}
+         "verify": "verification", "export_hf": "export", "copy_step": "copying"}
 
 
 def __getattr__(name: str) -> Any:
@@ -56,7 +57,7 @@ def save(step: int, state_dict: Any) -> "SaveHandle":
 
 
 __all__ = [
-    "__version__", "save", "load", "verify", "export_hf", "connect", "start_writer", "Client",
+    "__version__", "save", "load", "verify", "export_hf", "copy_step", "connect", "start_writer", "Client",
     "SaveHandle",
     "Checkpointer", "CheckpointerOptions",
     "WriterProcess", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",

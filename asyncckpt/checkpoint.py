@@ -6,7 +6,8 @@ this rank's state", and the checks run once per open instead of once per caller:
 
 1. resolve the path: a checkpoint directory, a root and a step, or a root's newest step;
 2. read the manifest (size-bounded, checksummed, every field validated);
-3. check the directory holds exactly the manifest and the data files it names;
+3. check the directory holds exactly the manifest and the data files it names, and
+   that the older steps' files its reference frames name are in the root;
 4. check the global (sharded) tensors tile their shapes, and each rank's object tree
    references exactly its tensor table (views only inside their base);
 5. read: `RankReader`s opened on first use and sharing one pool of frame threads, and a
@@ -37,7 +38,7 @@ from .config import ReadLimits
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
 from .manifest import Manifest, read_manifest
-from .reader import RankReader, Readers
+from .reader import RankReader, Readers, open_referenced, referenced_files
 from .sharded import GlobalTensor, ReadPlan, global_tensors
 from .tree import View, check_tree, walk
 
@@ -158,6 +159,17 @@ class Checkpoint:
                 f"unexpected file {name!r} in the checkpoint directory", step=step,
                 file=str(self.directory)))
         self.unreadable_ranks = {p.rank for p in self.manifest.ranks if p.file not in present}
+        for part in self.manifest.ranks:  # incremental: the older steps' files it references
+            for step_, name in referenced_files(part):
+                try:
+                    fd, _ = open_referenced(self.directory.parent, step_, name,
+                                            lambda cause: CorruptCheckpointError(
+                                                cause, step=step, rank=part.rank,
+                                                file=str(self.directory)))
+                    os.close(fd)
+                except CorruptCheckpointError as e:
+                    self.problems.append(e)
+                    self.unreadable_ranks.add(part.rank)
         try:
             self.sharded = global_tensors(self.manifest)
         except CheckpointError as e:

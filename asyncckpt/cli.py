@@ -1,4 +1,4 @@
-"""The `asyncckpt` command: writer, verify, ls, inspect, gc, export.
+"""The `asyncckpt` command: writer, verify, ls, inspect, gc, export, copy.
 
 Exit codes are part of the interface: verify exits 0 when everything checked is good,
 1 when anything is corrupt, 2 for usage errors or a path that is not a checkpoint;
@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import commit
+from . import commit, lifetimes
 from ._version import __version__
 from .config import CODECS, WriterKnobs, parse_knob
 from .launch import default_job
@@ -72,9 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--max-shard-size", default="5GiB")
     ex.add_argument("--json", action="store_true")
 
+    cp = sub.add_parser("copy", help="write one step as a self-contained checkpoint directory "
+                                     "(every referenced byte materialised)")
+    cp.add_argument("path", help="a root (with --step, else its newest step) or a checkpoint")
+    cp.add_argument("--step", type=int, default=None)
+    cp.add_argument("--out", required=True, help="the new directory (must not exist)")
+    cp.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
     commands = {"writer": _writer, "verify": _verify, "ls": _ls, "inspect": _inspect, "gc": _gc,
-                "export": _export}
+                "export": _export, "copy": _copy}
     return commands[args.command](args)
 
 
@@ -217,7 +224,13 @@ def _inspect(args: argparse.Namespace) -> int:
     for row in by_dtype.values():
         row["ratio"] = round(row["stored_bytes"] / max(row["bytes"], 1), 4)
     frames = codec_summary(m)["frames"]
+    referenced = m.referenced_size
+    incremental = {"new_bytes": m.raw_size - referenced, "referenced_bytes": referenced,
+                   "referenced_stored_bytes": sum(f.encoded_length for p in m.ranks
+                                                  for f in p.frames if f.ref is not None),
+                   "referenced_steps": sorted(m.referenced_steps)}
     summary = {"path": str(directory), "step": m.step, "world_size": m.world_size,
+               "format_version": m.format_version, **incremental,
                "codecs": sorted({p.codec for p in m.ranks}), "frames": frames,
                "raw_bytes": m.raw_size,
                "stored_bytes": m.stored_size, "ratio": round(m.stored_size / max(m.raw_size, 1), 4),
@@ -233,6 +246,11 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{directory}: step {m.step}, {m.world_size} rank(s), codec {'/'.join(summary['codecs'])}, "
           f"{m.raw_size / 2**20:.1f} MiB -> {m.stored_size / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})"
           + (f", {views} view(s) of saved tensors (tied, stored once)" if views else ""))
+    if referenced:
+        print(f"incremental: {incremental['new_bytes'] / 2**20:.1f} MiB new in this step, "
+              f"{referenced / 2**20:.1f} MiB referenced "
+              f"({incremental['referenced_stored_bytes'] / 2**20:.1f} MiB stored) from steps "
+              f"{incremental['referenced_steps']}")
     print(f"\n{'FRAMES':12} {'COUNT':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}  PLANES")
     for codec, row in sorted(frames.items()):
         print(f"{codec:12} {row['count']:>8} {row['bytes'] / 2**20:>10.2f} "
@@ -264,7 +282,7 @@ def codec_summary(m) -> dict:  # type: ignore[no-untyped-def]
             row = frames.setdefault(f.codec, {"count": 0, "bytes": 0, "stored_bytes": 0})
             row["count"] += 1
             row["bytes"] += f.raw_length
-            row["stored_bytes"] += f.stored_length
+            row["stored_bytes"] += f.encoded_length
             if f.layout is not None:
                 key = f"width {f.layout.width}: " + "".join(
                     "z" if c == "zstd" else "-" for c, _ in f.layout.planes)
@@ -293,7 +311,7 @@ def _stored_per_tensor(part) -> dict[str, float]:
         while frame is not None and pos < t.end:
             f_end = frame.raw_offset + frame.raw_length
             overlap = min(t.end, f_end) - pos
-            out[t.name] += frame.stored_length * overlap / frame.raw_length
+            out[t.name] += frame.encoded_length * overlap / frame.raw_length
             pos += overlap
             if pos >= f_end:
                 frame = next(frames, None)
@@ -313,17 +331,21 @@ def _gc(args: argparse.Namespace) -> int:
         return 3
     try:
         removed_tmp = commit.remove_stale_tmp(root)
-        deleted = commit.prune(root, args.keep_last, args.keep_every)
+        pruned = lifetimes.prune(root, args.keep_last, args.keep_every)
         commit.update_latest(root)
     finally:
         lock.release()
-    result = {"deleted_steps": deleted, "removed_tmp": removed_tmp,
-              "kept_steps": commit.committed_steps(root)}
+    result = {"deleted_steps": pruned.deleted, "retired_steps": pruned.retired,
+              "reclaimed_steps": pruned.reclaimed, "removed_tmp": removed_tmp,
+              "kept_steps": commit.committed_steps(root),
+              "still_referenced": lifetimes.retired_steps(root)}
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
-        print(f"deleted steps {deleted or 'none'}; removed {len(removed_tmp)} abandoned tmp "
+        print(f"deleted steps {pruned.deleted or 'none'}; retired (data still referenced) "
+              f"{pruned.retired or 'none'}; reclaimed retired {pruned.reclaimed or 'none'}; "
+              f"removed {len(removed_tmp)} abandoned tmp "
               f"director{'y' if len(removed_tmp) == 1 else 'ies'}; kept {result['kept_steps']}")
     return 0
 
@@ -355,6 +377,27 @@ def _export(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {len(index['weight_map'])} tensors, {index['metadata']['total_size'] / 2**20:.1f} "
               f"MiB, in {len(shards)} shard(s) to {args.out}")
+    return 0
+
+
+def _copy(args: argparse.Namespace) -> int:
+    from .copying import copy_step
+    from .errors import CorruptCheckpointError
+    try:
+        out = copy_step(args.path, args.out, args.step)
+    except FileExistsError as e:
+        print(f"asyncckpt copy: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"asyncckpt copy: {e}", file=sys.stderr)
+        return 1 if isinstance(e, CorruptCheckpointError) else 2
+    from .manifest import read_manifest
+    m = read_manifest(out)
+    if args.json:
+        json.dump({"out": str(out), "step": m.step, "bytes": m.stored_size}, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"wrote step {m.step} to {out}: {m.stored_size / 2**20:.1f} MiB, self-contained")
     return 0
 
 

@@ -176,25 +176,6 @@ def gather_parts(root: Path, tmp_dir: Path, step: int, announced: dict[int, str]
 _MAX_PART = 512 << 20
 
 
-def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[int]:
-    """Delete committed steps beyond the newest `keep_last`, except multiples of
-    `keep_every`; returns the deleted steps. keep_last=0 keeps everything.
-
-    Derived from the disk, oldest first. Each victim is first renamed to a tmp name, so a
-    crash mid-delete leaves an abandoned tmp directory, never a half-deleted checkpoint.
-    """
-    steps = committed_steps(root)
-    doomed = [s for s in (steps[:-keep_last] if keep_last > 0 else [])
-              if not (keep_every > 0 and s % keep_every == 0)]
-    for step in doomed:
-        victim = root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
-        os.rename(root / step_dir_name(step), victim)
-        fsync_path(root)
-        faults.point("pruning")
-        shutil.rmtree(victim, ignore_errors=True)
-    return doomed
-
-
 def step_dirs(root: Path) -> list[int]:
     """Steps of the `step-N` directories under `root`, with or without a manifest."""
     try:

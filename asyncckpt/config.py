@@ -129,6 +129,11 @@ class WriterKnobs(_FromEnv):
         keep_every: with keep_last, steps that are multiples of this are kept too.
         max_frame_bytes: the largest ring slot (frame) a rank may announce; readers
             apply the same bound (`ReadLimits`).
+        incremental: store a frame whose raw bytes (XXH3-128 and length) a committed
+            step of the root already holds as a reference to it instead of writing it
+            again (dedup.py); retention then retires referenced steps instead of
+            deleting them (lifetimes.py). Off: every save writes every byte (its frames
+            still never reference anything), and no index is kept.
     """
 
     codec: str = "auto"
@@ -145,6 +150,7 @@ class WriterKnobs(_FromEnv):
     keep_last: int = 0
     keep_every: int = 0
     max_frame_bytes: int = 256 * MiB
+    incremental: bool = True
 
     def __post_init__(self) -> None:
         _require(self.codec in CODECS, "codec", f"one of {CODECS}", self.codec)
@@ -215,9 +221,18 @@ def _kind(cls: type, name: str) -> type:
 
 def _parse(cls: type, name: str, text: str) -> Any:
     kind = _kind(cls, name)
+    if kind is bool:
+        word = text.strip().lower()
+        if word not in _BOOLS:
+            raise ValueError(f"not a boolean: {text!r}")
+        return _BOOLS[word]
     if kind is int:
         return parse_size(text) if name.endswith(("_size", "_bytes")) else int(text)
     return kind(text)
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
 
 
 def parse_knob(cls: type, name: str, text: str) -> Any:

@@ -16,10 +16,12 @@ import re
 import struct
 from typing import Iterable, NamedTuple
 
-from .codec import codec_spec
+from .codec import REGISTRY, codec_spec
 
 FORMAT_NAME = "asyncckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1        # what a manifest without references is written as
+FORMAT_VERSION_REFS = 2   # a manifest holding reference frames (incremental saves)
+READABLE_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_REFS)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
@@ -36,7 +38,11 @@ DTYPE_SIZES: dict[str, int] = {
 MAX_STEP = (1 << 62) - 1  # the manifest's integer bound
 
 _STEP_DIR = re.compile(r"step-([0-9]{8,})")
+_RETIRED_DIR = re.compile(r"step-([0-9]{8,})\.retired")
+RETIRED_SUFFIX = ".retired"
 _TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
+_DATA_FILE = re.compile(r"rank-[0-9]{5,}\.safetensors(?:%s)?" % "|".join(
+    re.escape(spec.suffix) for spec in REGISTRY.values() if spec.suffix))
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
 
 
@@ -57,6 +63,17 @@ def step_dir_name(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     """The step of a committed directory name, else None."""
     m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def retired_dir_name(step: int) -> str:
+    """`step-N.retired`: a deleted step whose data a kept step still references."""
+    return step_dir_name(step) + RETIRED_SUFFIX
+
+
+def parse_retired_dir(name: str) -> int | None:
+    """The step of a retired directory name, else None."""
+    m = _RETIRED_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -81,6 +98,12 @@ def data_file_name(rank: int, codec: str) -> str:
         CorruptCheckpointError: `codec` is not a stored codec.
     """
     return f"rank-{rank:05d}.safetensors" + codec_spec(codec).suffix
+
+
+def is_data_file_name(name: str) -> bool:
+    """A name `data_file_name` could have made (any rank, any stored codec): a plain
+    name, never a path."""
+    return _DATA_FILE.fullmatch(name) is not None
 
 
 def element_size(dtype_name: str) -> int:

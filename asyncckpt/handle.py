@@ -26,7 +26,10 @@ class SaveStats:
         staged_bytes: tensor bytes this rank copied into its ring.
         staging_seconds: from `save()` to staged.
         seconds: from the step's first `begin` at the writer to its commit.
-        raw_bytes, stored_bytes: the whole step (every rank), before and after encoding.
+        raw_bytes, stored_bytes: the whole step (every rank), before and after encoding;
+            stored_bytes counts only what this save wrote (not referenced bytes).
+        new_bytes, referenced_bytes: the whole step's raw bytes written by this save,
+            and those stored as references to frames of older steps (incremental).
         codec: this rank's data file codec (with codec "auto", the one chosen).
         frames: frames of this rank's file per codec.
         encode_seconds, write_seconds: the writer's thread time on this rank's frames,
@@ -42,6 +45,8 @@ class SaveStats:
     seconds: float = 0.0
     raw_bytes: int = 0
     stored_bytes: int = 0
+    new_bytes: int = 0
+    referenced_bytes: int = 0
     codec: str = ""
     frames: dict[str, int] = dataclasses.field(default_factory=dict)
     encode_seconds: float = 0.0

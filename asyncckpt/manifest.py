@@ -8,6 +8,11 @@ so any language can check it without canonical JSON:
 
     {"xxh3":"<16 hex digits>","manifest":<body>}\\n
 
+A frame of an incremental save may be a *reference*: its stored bytes are those of a
+frame of an older step of the same root, named by (step, data file name, offset,
+length), never by a path. Such a manifest is format_version 2, so a reader that does not
+know references refuses it instead of reading a zero-length frame.
+
 Parsing validates every field against the rules the reader relies on (contiguous
 frames and tensors, sizes that agree, file names the writer could have made), so a
 hostile manifest produces a `CorruptCheckpointError`, never a wild read or allocation.
@@ -23,7 +28,7 @@ import re
 import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -31,19 +36,33 @@ from ._version import __version__
 from .codec import CODECS, RAW, REGISTRY, PlaneLayout
 from .config import ReadLimits
 from .errors import CorruptCheckpointError
-from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TensorSpec,
-                     data_file_name, element_size, parse_step_dir)
+from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_REFS,
+                     MANIFEST_NAME, READABLE_VERSIONS, TensorSpec, data_file_name,
+                     element_size, is_data_file_name, parse_step_dir)
 
 _PREFIX = b'{"xxh3":"'
 _MIDDLE = b'","manifest":'
 _SUFFIX = b"}\n"
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _MAX_INT = 1 << 62
+
+
+class Ref(NamedTuple):
+    """Where a reference frame's stored bytes are: `length` bytes at `offset` of data
+    file `file` of step `step` (ROOT/step-N/file, or ROOT/step-N.retired/file)."""
+
+    step: int
+    file: str
+    offset: int
+    length: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Frame:
-    """One independently encoded piece of a rank's stream."""
+    """One independently encoded piece of a rank's stream. A reference frame (`ref`
+    set) has no bytes in this step's file (`stored_length` 0); its codec, checksums and
+    planes describe the referenced bytes."""
 
     raw_offset: int
     raw_length: int
@@ -53,6 +72,13 @@ class Frame:
     xxh3_raw: int
     xxh3_stored: int
     layout: PlaneLayout | None = None  # frames of plane codecs only
+    xxh3_128: int | None = None        # of the raw bytes: the identity incremental saves use
+    ref: Ref | None = None
+
+    @property
+    def encoded_length(self) -> int:
+        """The frame's stored bytes, wherever they are."""
+        return self.ref.length if self.ref is not None else self.stored_length
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"raw": [self.raw_offset, self.raw_length],
@@ -63,6 +89,11 @@ class Frame:
         if self.layout is not None:
             doc["planes"] = {"width": self.layout.width, "phase": self.layout.phase,
                              "stored": [list(p) for p in self.layout.planes]}
+        if self.xxh3_128 is not None:
+            doc["xxh3_128"] = f"{self.xxh3_128:032x}"
+        if self.ref is not None:
+            doc["ref"] = {"step": self.ref.step, "file": self.ref.file,
+                          "stored": [self.ref.offset, self.ref.length]}
         return doc
 
 
@@ -78,6 +109,10 @@ class RankPart:
     tensors: list[TensorSpec]
     frames: list[Frame]
     tree: Any
+
+    @property
+    def has_refs(self) -> bool:
+        return any(f.ref is not None for f in self.frames)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "file": self.file, "codec": self.codec,
@@ -105,9 +140,19 @@ class Manifest:
     def stored_size(self) -> int:
         return sum(p.stored_size for p in self.ranks)
 
+    @property
+    def referenced_size(self) -> int:
+        """Raw bytes of reference frames (stored in older steps)."""
+        return sum(f.raw_length for p in self.ranks for f in p.frames if f.ref is not None)
+
+    @property
+    def referenced_steps(self) -> set[int]:
+        return {f.ref.step for p in self.ranks for f in p.frames if f.ref is not None}
+
     def to_bytes(self) -> bytes:
+        version = FORMAT_VERSION_REFS if any(p.has_refs for p in self.ranks) else self.format_version
         body = json.dumps({
-            "format": FORMAT_NAME, "format_version": self.format_version,
+            "format": FORMAT_NAME, "format_version": version,
             "writer_version": self.writer_version, "step": self.step,
             "world_size": self.world_size, "created": self.created,
             "ranks": [p.to_json() for p in self.ranks],
@@ -131,7 +176,8 @@ def parse_manifest(data: bytes, *, max_frame_bytes: int) -> Manifest:
 def part_to_bytes(step: int, part: RankPart) -> bytes:
     """One rank's part of a step, in the manifest's checksummed envelope: what a node
     writes beside its data file for the leader that assembles a several-node manifest."""
-    body = json.dumps({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step,
+    version = FORMAT_VERSION_REFS if part.has_refs else FORMAT_VERSION
+    body = json.dumps({"format": FORMAT_NAME, "format_version": version, "step": step,
                        "part": part.to_json()}, separators=(",", ":"), allow_nan=False).encode()
     return _seal(body)
 
@@ -145,9 +191,10 @@ def parse_part(data: bytes, *, step: int, rank: int, max_frame_bytes: int) -> Ra
     doc = _unseal(data, "part")
     try:
         _check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
-               and doc.get("format_version") == FORMAT_VERSION, "not an asyncckpt part")
+               and doc.get("format_version") in READABLE_VERSIONS, "not an asyncckpt part")
         _check(doc["step"] == step, f"part of step {doc['step']!r:.20}, not {step}")
-        return _rank_from_json(doc["part"], rank, max_frame_bytes)
+        return _rank_from_json(doc["part"], rank, max_frame_bytes, step,
+                               doc["format_version"] == FORMAT_VERSION_REFS)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"part field invalid: {type(e).__name__}: {e}") from None
 
@@ -209,8 +256,10 @@ def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest
 def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int) -> Manifest:
     _check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME, "not an asyncckpt manifest")
     version = _int(doc["format_version"], "format_version")
-    _check(version == FORMAT_VERSION,
-           f"format_version {version} is not {FORMAT_VERSION}; a newer asyncckpt wrote it")
+    _check(version in READABLE_VERSIONS,
+           f"format_version {version} is not {' or '.join(map(str, READABLE_VERSIONS))}; "
+           "a newer asyncckpt wrote it")
+    step = _int(doc["step"], "step")
     world = _int(doc["world_size"], "world_size")
     _check(1 <= world <= 1 << 20, f"world_size {world} out of range")
     ranks_json = doc["ranks"]
@@ -219,13 +268,15 @@ def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int) -> Manifest:
     created = doc["created"]
     _check(isinstance(created, (int, float)) and math.isfinite(created), "created is not a time")
     _check(isinstance(doc["writer_version"], str), "writer_version is not a string")
-    ranks = [_rank_from_json(r, i, max_frame_bytes) for i, r in enumerate(ranks_json)]
-    return Manifest(step=_int(doc["step"], "step"), world_size=world, ranks=ranks,
+    ranks = [_rank_from_json(r, i, max_frame_bytes, step, version == FORMAT_VERSION_REFS)
+             for i, r in enumerate(ranks_json)]
+    return Manifest(step=step, world_size=world, ranks=ranks,
                     created=float(created), writer_version=doc["writer_version"],
                     format_version=version)
 
 
-def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> RankPart:
+def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step: int,
+                    refs_allowed: bool) -> RankPart:
     rank = _int(doc["rank"], "rank")
     _check(rank == index, f"rank entry {index} says rank {rank}")
     codec = doc["codec"]
@@ -238,23 +289,33 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> Ra
     for f in doc["frames"]:
         (ro, rl), (so, sl) = f["raw"], f["stored"]
         where = f"rank {rank} frame {len(frames)}"
+        wide = f.get("xxh3_128")
         frame = Frame(_int(ro, "raw offset"), _int(rl, "raw length"), _int(so, "stored offset"),
                       _int(sl, "stored length"), f["codec"], _hex(f["xxh3_raw"]),
-                      _hex(f["xxh3_stored"]), _layout_from_json(f, where))
+                      _hex(f["xxh3_stored"]), _layout_from_json(f, where),
+                      None if wide is None else _hex(wide, _HEX32),
+                      _ref_from_json(f.get("ref"), where, step, refs_allowed))
         _check(frame.codec in CODECS, f"{where}: unknown codec {frame.codec!r}")
         _check(frame.raw_offset == raw_pos and frame.stored_offset == stored_pos,
                f"{where}: offsets not contiguous")
         _check(0 < frame.raw_length <= max_frame_bytes,
                f"{where}: raw length {frame.raw_length} outside 1..{max_frame_bytes}")
-        _check(frame.stored_length > 0, f"{where}: empty stored frame")
+        if frame.ref is None:
+            _check(frame.stored_length > 0, f"{where}: empty stored frame")
+        else:
+            _check(frame.stored_length == 0, f"{where}: a reference frame stores no bytes here")
+            _check(frame.ref.length <= frame.raw_length + (frame.raw_length >> 7) + 1024,
+                   f"{where}: referenced length {frame.ref.length} is beyond any encoding "
+                   f"of {frame.raw_length} bytes")
+        length = frame.encoded_length
         _check(REGISTRY[frame.codec].plane_layout == (frame.layout is not None),
                f"{where}: a plane layout goes with (and only with) a plane codec")
         if frame.layout is not None:
             try:
-                frame.layout.check(frame.raw_length, frame.stored_length)
+                frame.layout.check(frame.raw_length, length)
             except CorruptCheckpointError as e:
                 _check(False, f"{where}: {e.cause}")
-        _check(frame.codec != RAW or (frame.stored_length == frame.raw_length
+        _check(frame.codec != RAW or (length == frame.raw_length
                                         and frame.xxh3_stored == frame.xxh3_raw),
                f"{where}: raw frame whose stored length or checksum differ from the raw ones")
         raw_pos += frame.raw_length
@@ -283,6 +344,25 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int) -> Ra
     return RankPart(rank, file, codec, raw_size, stored_size, tensors, frames, doc["tree"])
 
 
+def _ref_from_json(doc: Any, where: str, step: int, allowed: bool) -> Ref | None:
+    """A frame's reference, checked: an older step of the same root, a data file name
+    the writer could have made (no path), a non-empty byte range."""
+    if doc is None:
+        return None
+    _check(allowed, f"{where}: a reference frame needs format_version {FORMAT_VERSION_REFS}")
+    _check(isinstance(doc, dict) and isinstance(doc["stored"], list) and len(doc["stored"]) == 2,
+           f"{where}: bad reference {doc!r:.60}")
+    target = _int(doc["step"], "referenced step")
+    _check(target < step, f"{where}: references step {target}, not one older than {step}")
+    file = doc["file"]
+    _check(isinstance(file, str) and is_data_file_name(file),
+           f"{where}: references {file!r:.80}, not a data file name")
+    offset, length = _int(doc["stored"][0], "referenced offset"), _int(doc["stored"][1],
+                                                                        "referenced length")
+    _check(length > 0, f"{where}: empty referenced range")
+    return Ref(target, file, offset, length)
+
+
 def _layout_from_json(doc: dict[str, Any], where: str) -> PlaneLayout | None:
     planes = doc.get("planes")
     if planes is None:
@@ -308,9 +388,9 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def _hex(value: Any) -> int:
-    _check(isinstance(value, str) and _HEX16.match(value) is not None,
-           f"checksum {value!r:.40} is not 16 hex digits")
+def _hex(value: Any, pattern: re.Pattern = _HEX16) -> int:
+    _check(isinstance(value, str) and pattern.match(value) is not None,
+           f"checksum {value!r:.40} is not {16 if pattern is _HEX16 else 32} hex digits")
     return int(value, 16)
 
 

@@ -12,6 +12,14 @@ stored bytes are a copy (zstd, bytegroup), after the write when they are the buf
 itself (raw). Writer memory is the pool's frames in flight times one raw and one
 encoded frame, whatever the tensor and model sizes.
 
+With incremental saves, a chunk is also cut at the start and end of every tensor of at
+least `CUT_BYTES`, so that a large tensor that did not change fills frames of its own
+(which then match a committed frame and are stored as references, dedup.py) instead of
+sharing a frame with the tensor next to it that did change: a LoRA adapter's few KiB
+between two frozen weights would otherwise make both frames new. Smaller tensors stay
+packed (no flood of tiny frames); the cost is about two extra frames per large tensor.
+A frame that matches is not encoded at all, only hashed.
+
 Every `flush_bytes` of stored data the file is fdatasynced and those pages dropped
 from the page cache (POSIX_FADV_DONTNEED): the disk works while frames still arrive,
 the final fsync has little left to do, and dirty and cached pages, which count against
@@ -21,20 +29,28 @@ the job's memory limit, stay bounded (measured on a 2-core VM with ext4 on virti
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Union
+
+import xxhash
 
 from . import faults
 from .autocodec import CodecChooser
 from .encoding import Encoded, FrameEncoder
 from .format import TensorSpec, data_file_name
-from .manifest import Frame, RankPart
+from .dedup import MIN_BYTES, Target
+from .manifest import Frame, RankPart, Ref
 from .pool import FramePool
 
 Done = Callable[[], None]
+Lookup = Callable[[int, int], Union[Target, None]]  # (xxh3_128, raw length) -> target
+CUT_BYTES = 64 << 10
+# one piece of a chunk: encoded (with its xxh3_128, or None) or a reference
+_Piece = tuple[int, Union[Encoded, Target], Union[int, None]]
 
 
 class RankFileWriter:
@@ -51,7 +67,10 @@ class RankFileWriter:
                  pool: FramePool, max_frame: int,
                  on_error: Callable[[BaseException], None] | None = None,
                  probe_bytes: int = 256 << 10, plane_max_ratio: float = 0.97,
-                 chooser: CodecChooser | None = None) -> None:
+                 chooser: CodecChooser | None = None, incremental: bool = False,
+                 lookup: Lookup | None = None) -> None:
+        """With `incremental`, frames are cut at large tensors' boundaries and carry
+        their xxh3_128; `lookup` (if given) finds committed frames to reference."""
         self.rank = rank
         self.codec = codec
         self.path = directory / data_file_name(rank, codec)
@@ -59,6 +78,13 @@ class RankFileWriter:
         self._encoder = FrameEncoder(codec, level, tensors, probe_bytes, plane_max_ratio,
                                      chooser)
         self._tensors = tensors
+        self._incremental = incremental
+        self._lookup = lookup
+        self._data_begin = tensors[0].begin if tensors else self.expected_size
+        self._cuts = sorted({x for t in tensors if t.end - t.begin >= CUT_BYTES
+                             for x in (t.begin, t.end)}) if incremental else []
+        self.new_bytes = 0          # raw bytes of frames written to the file
+        self.referenced_bytes = 0   # raw bytes of frames stored as references
         self._pool = pool
         self._on_error = on_error
         self._lock = threading.Condition()
@@ -66,7 +92,7 @@ class RankFileWriter:
         self._raw_submitted = 0    # bytes
         self._pending = 0          # submitted, not yet written or dropped
         self._next = 0             # index of the next frame to append
-        self._ready: dict[int, tuple[Encoded | None, int, Done | None, float]] = {}
+        self._ready: dict[int, tuple[list[_Piece] | None, int, Done | None, float]] = {}
         self._closing = False
         self.error: BaseException | None = None
         self._frames: list[Frame] = []
@@ -120,17 +146,35 @@ class RankFileWriter:
         if self.error is None and not self._closing:
             start = time.perf_counter()
             try:
-                encoded = self._encoder.encode(offset, raw, context)
+                encoded = self._pieces(offset, raw, context)
             except Exception as e:  # a codec bug must fail the save, not hang it
                 self._set_error(e)
             seconds = time.perf_counter() - start
-        if done is not None and (encoded is None or not encoded.aliases_raw):
+        if done is not None and (encoded is None or not any(
+                isinstance(e, Encoded) and e.aliases_raw for _, e, _ in encoded)):
             done()  # the slot is free for the rank while this frame waits its turn
             done = None
         with self._lock:
             self._ready[index] = (encoded, raw_length, done, seconds)
             if index == self._next:
                 self._lock.notify_all()
+
+    def _pieces(self, offset: int, raw: memoryview, context: dict) -> list[_Piece]:
+        """Cut the chunk at large tensors' boundaries (incremental only), then per piece
+        a committed frame to reference, or the piece encoded."""
+        end = offset + len(raw)
+        cuts = self._cuts[bisect.bisect_right(self._cuts, offset):bisect.bisect_left(self._cuts, end)]
+        out: list[_Piece] = []
+        for lo, hi in zip([offset, *cuts], [*cuts, end]):
+            piece = raw[lo - offset:hi - offset]
+            wide = xxhash.xxh3_128_intdigest(piece) if self._incremental else None
+            target = None
+            if (wide is not None and self._lookup is not None and len(piece) >= MIN_BYTES
+                    and lo >= self._data_begin):  # never the header (dedup.py)
+                target = self._lookup(wide, len(piece))
+            out.append((len(piece), target if target is not None
+                        else self._encoder.encode(lo, piece, context), wide))
+        return out
 
     def _append_loop(self) -> None:
         """The appender thread: write frames in order until closed and drained."""
@@ -146,7 +190,11 @@ class RankFileWriter:
             encoded, raw_length, done, seconds = item
             try:
                 if encoded is not None and self.error is None and not self._closing:
-                    self._write(encoded, raw_length)
+                    for length, piece, wide in encoded:
+                        if isinstance(piece, Encoded):
+                            self._write(piece, length, wide)
+                        else:
+                            self._reference(piece, length, wide)
             except Exception as e:
                 self._set_error(e)
             finally:
@@ -159,7 +207,15 @@ class RankFileWriter:
                     if self._pending == 0:
                         self._lock.notify_all()
 
-    def _write(self, encoded: Encoded, raw_length: int) -> None:
+    def _reference(self, target: Target, raw_length: int, wide: int | None) -> None:
+        self._frames.append(Frame(self._raw_size, raw_length, self._stored_size, 0,
+                                  target.codec, target.xxh3_raw, target.xxh3_stored,
+                                  target.layout, wide,
+                                  Ref(target.step, target.file, target.offset, target.length)))
+        self._raw_size += raw_length
+        self.referenced_bytes += raw_length
+
+    def _write(self, encoded: Encoded, raw_length: int, wide: int | None = None) -> None:
         start = time.perf_counter()
         pieces = [memoryview(p).cast("B") for p in encoded.pieces if len(p)]
         while pieces:
@@ -173,8 +229,9 @@ class RankFileWriter:
         faults.point("frame_written")
         self._frames.append(Frame(self._raw_size, raw_length, self._stored_size,
                                   encoded.stored_length, encoded.codec, encoded.xxh3_raw,
-                                  encoded.xxh3_stored, encoded.layout))
+                                  encoded.xxh3_stored, encoded.layout, wide))
         self._raw_size += raw_length
+        self.new_bytes += raw_length
         self._stored_size += encoded.stored_length
         self.write_seconds += time.perf_counter() - start
         if self._flush_bytes and self._stored_size - self._flushed >= self._flush_bytes:

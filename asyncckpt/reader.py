@@ -9,6 +9,12 @@ frame is verified twice: the stored bytes against their xxh3 before decoding (so
 decoder never sees corrupt input), the decoded bytes against theirs after. Frames that
 lie inside one tensor decode straight into the tensor's memory; frames shared by small
 tensors decode once into a one-frame scratch buffer.
+
+A reference frame (incremental saves) is read from the data file of an older step of
+the same root, named by (step, file name) in the manifest and opened here as
+ROOT/step-N/NAME or ROOT/step-N.retired/NAME: the step directory is opened without
+following a symlink and the file relative to it, so no reference leads outside the
+root. Its bytes are verified against *this* manifest's checksums, like its own.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ import xxhash
 from .codec import make_codec, xxh3_of
 from .config import ReadLimits
 from .errors import CorruptCheckpointError
-from .format import layout
-from .manifest import Frame, Manifest, RankPart
+from .format import layout, retired_dir_name, step_dir_name
+from .manifest import Frame, Manifest, RankPart, Ref
 from .pool import FramePool
 
 
@@ -60,6 +66,17 @@ class RankReader:
             self.close()
             raise self._corrupt(f"data file has {st.st_size} bytes, manifest says "
                                 f"{self.part.stored_size}")
+        self._ref_fds: dict[tuple[int, str], int] = {}
+        try:
+            for (step, name), end in referenced_files(self.part).items():
+                fd, size = open_referenced(directory.parent, step, name, self._corrupt)
+                self._ref_fds[(step, name)] = fd
+                if size < end:
+                    raise self._corrupt(f"referenced {name} of step {step} has {size} bytes, "
+                                        f"frames reference up to byte {end}")
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._pool is not None and self._own_pool:
@@ -68,6 +85,9 @@ class RankReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        for fd in getattr(self, "_ref_fds", {}).values():
+            os.close(fd)
+        self._ref_fds = {}
 
     def __enter__(self) -> "RankReader":
         return self
@@ -93,7 +113,7 @@ class RankReader:
             self._check(frame, index, "raw", xxh3_of(outs), tensor)
             return
         scratch = self._scratch if scratch is None else scratch
-        stored = _buffer(scratch, "stored", frame.stored_length)
+        stored = _buffer(scratch, "stored", frame.encoded_length)
         self._preadv(frame, index, [stored], tensor)
         self._check(frame, index, "stored", xxhash.xxh3_64_intdigest(stored), tensor)
         codec = scratch.get(("codec", frame.codec))
@@ -105,12 +125,45 @@ class RankReader:
             raise self._corrupt(f"frame {index}: {e.cause}", tensor) from None
         self._check(frame, index, "raw", xxh3_of(outs), tensor)
 
-    def check_frames(self, on_frame: Callable[[Frame], None] | None = None) -> None:
-        """Read and verify every frame (into scratch), calling `on_frame` after each."""
+    def check_frames(self, on_frame: Callable[[Frame], None] | None = None,
+                     seen: set | None = None) -> None:
+        """Read and verify every frame (into scratch), calling `on_frame` after each.
+
+        `seen` (shared across checkpoints by `verify ROOT`): stored byte ranges already
+        verified under the same codec and checksums; those are skipped, and the ones
+        verified here are added.
+        """
         for index, frame in enumerate(self.part.frames):
-            self.read_frame_into(index, self._buffer("gap", frame.raw_length))
+            key = self.range_key(frame)
+            if seen is None or key not in seen:
+                self.read_frame_into(index, self._buffer("gap", frame.raw_length))
+                if seen is not None:
+                    seen.add(key)
             if on_frame:
                 on_frame(frame)
+
+    def range_key(self, frame: Frame) -> tuple:
+        """Identifies the bytes a frame stands for: where they are and what they must
+        check as."""
+        where = frame.ref or Ref(self.step, self.part.file, frame.stored_offset,
+                                 frame.stored_length)
+        return (*where, frame.raw_length, frame.codec, frame.layout, frame.xxh3_stored,
+                frame.xxh3_raw)
+
+    def read_stored(self, index: int, scratch: dict | None = None) -> memoryview:
+        """Frame `index`'s stored bytes (its own or referenced), verified: the stored
+        checksum, and the raw one after decoding. Valid until the next call with the
+        same scratch.
+
+        Raises:
+            CorruptCheckpointError: as `read_frame_into`.
+        """
+        frame = self.part.frames[index]
+        scratch = self._scratch if scratch is None else scratch
+        self.read_frame_into(index, _buffer(scratch, "gap", frame.raw_length), None, scratch)
+        if frame.codec == "raw":
+            return _buffer(scratch, "gap", frame.raw_length)
+        return _buffer(scratch, "stored", frame.encoded_length)
 
     def read_ranges(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> None:
         """Fill each (begin, end, out, tensor name) with raw stream bytes begin..end.
@@ -202,10 +255,12 @@ class RankReader:
         return _buffer(self._scratch, kind, size)
 
     def _preadv(self, frame: Frame, index: int, outs: list[memoryview], tensor: str | None) -> None:
-        offset = frame.stored_offset
+        fd, offset = self._fd, frame.stored_offset
+        if frame.ref is not None:
+            fd, offset = self._ref_fds[(frame.ref.step, frame.ref.file)], frame.ref.offset
         outs = [o for o in outs if len(o)]
         while outs:
-            n = os.preadv(self._fd, outs, offset)
+            n = os.preadv(fd, outs, offset)
             if n == 0:
                 raise self._corrupt(f"frame {index}: file ends early", tensor)
             offset += n
@@ -261,6 +316,47 @@ class Readers:
 
 
 _MAX_IOV = 512  # frames spanning more tensors than this are read via scratch
+
+
+def referenced_files(part: RankPart) -> dict[tuple[int, str], int]:
+    """(step, file name) -> the end of the last byte range rank `part` references there."""
+    ends: dict[tuple[int, str], int] = {}
+    for f in part.frames:
+        if f.ref is not None:
+            key = (f.ref.step, f.ref.file)
+            ends[key] = max(ends.get(key, 0), f.ref.offset + f.ref.length)
+    return ends
+
+
+def open_referenced(root: Path, step: int, name: str,
+                    corrupt: Callable[[str], CorruptCheckpointError]) -> tuple[int, int]:
+    """Open data file `name` of step `step` of `root` (committed or retired) for reading:
+    (fd, size). The step directory is opened with O_NOFOLLOW and the file relative to it
+    with O_NOFOLLOW, so nothing outside the root is reached; it must be a regular file.
+
+    Raises:
+        CorruptCheckpointError: (made by `corrupt`) it is in neither place.
+    """
+    for directory in (step_dir_name(step), retired_dir_name(step)):
+        try:
+            dfd = os.open(root / directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                          | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                         dir_fd=dfd)
+        except OSError:
+            continue
+        finally:
+            os.close(dfd)
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            return fd, st.st_size
+        os.close(fd)
+    raise corrupt(f"references {name} of step {step}, which is not in {root} (deleted, or "
+                  "this checkpoint was moved without the steps it references: `asyncckpt "
+                  "copy` writes a self-contained one)")
 
 
 def _buffer(scratch: dict, kind: str, size: int) -> memoryview:

@@ -211,12 +211,19 @@ class Session:
                 knobs.flush_bytes, pool=self.server.pool, max_frame=self.ring_slot_size,
                 on_error=lambda e: self._fail(save, self._as_error(save, e)),
                 probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio,
-                chooser=self.server.chooser if current.choice is not None else None)
+                chooser=self.server.chooser if current.choice is not None else None,
+                incremental=knobs.incremental, lookup=self._lookup(step))
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
             return
         self._files = {f for f in self._files if f.busy}
         self._files.add(save.file)
+
+    def _lookup(self, step: int) -> Callable[[int, int], Any] | None:
+        index = self.server.index
+        if index is None:
+            return None
+        return lambda wide, length: index.lookup(wide, length, step)
 
     @property
     def ring_slot_size(self) -> int:

@@ -25,6 +25,11 @@ into its tmp directory and runs the same committer. A node learns the outcome fr
 ranks (`outcome`), and then forgets the step or discards its files. Only the writer that
 commits prunes and sweeps: housekeeping happens once, on the leader.
 
+With incremental saves the steps keep the writer's dedup index in step: a step opens
+there (its lookups pin the steps they reference), is checked before publishing for
+references to steps that are gone, is added once committed, and is released once it
+ends either way; retention asks the index which steps kept ones reference.
+
 Nothing here iterates over a world size: a rank may claim any world up to
 `MAX_WORLD`, and the work per event stays proportional to the connected ranks.
 """
@@ -40,9 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import commit, faults
+from . import commit, faults, lifetimes
 from .errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
 from .format import MAX_STEP
+from .dedup import DedupIndex
 from .manifest import Manifest, RankPart
 
 log = logging.getLogger("asyncckpt.writer")
@@ -81,8 +87,9 @@ class Steps:
                  choose_codec: Callable[[], tuple[str, dict[str, Any] | None]] = lambda: ("raw", None),
                  check: Check | None = None,
                  on_commit: Callable[[Manifest, Step], None] | None = None,
-                 max_frame_bytes: int = 256 << 20) -> None:
+                 max_frame_bytes: int = 256 << 20, index: DedupIndex | None = None) -> None:
         self.root = root
+        self._index = index
         self._max_frame_bytes = max_frame_bytes
         self._started = time.time()
         self.retention = retention  # (keep_last, keep_every) unless a save names its own
@@ -140,6 +147,9 @@ class Steps:
                         "this step is already committed; saves never overwrite a checkpoint",
                         step=step, rank=rank)
                 codec, choice = self._choose_codec()
+                if self._index is not None:
+                    self._index.refresh()
+                    self._index.open(step)
                 current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step),
                                choice, coordinated=durable is not None)
                 self._open[step] = current
@@ -214,6 +224,7 @@ class Steps:
                 return
             del self._open[step]
             self._idle.notify_all()
+        self._release(step)
         if not committed:
             commit.discard(current.tmp_dir)
 
@@ -233,6 +244,7 @@ class Steps:
                 self._failed[step] = (error, pending)
             self._idle.notify_all()
         log.warning("step %d failed: %s", step, error)
+        self._release(step)
         commit.discard(current.tmp_dir)
         _tell(current.waiting.values(), error)
 
@@ -259,6 +271,7 @@ class Steps:
             for s in [s for s in self._open.values() if s.coordinated and s.step not in doomed
                       and not any(self._live.get(r, 0) > 0 for r in s.waiting)]:
                 del self._open[s.step]  # no rank left to hear the outcome; the files stay
+                self._release(s.step)
                 self._idle.notify_all()  # for the leader (swept later if it never comes)
         for step in sorted(doomed):
             self.fail(step, SaveFailedError("rank disconnected before ending its save",
@@ -336,14 +349,19 @@ class Steps:
             data = manifest.to_bytes()
             if self._check is not None:
                 self._check(data, manifest)
+            lifetimes.check_references(self.root, manifest)
             path = commit.publish(self.root, current.tmp_dir, current.step, data)
         except Exception as e:  # whatever it is, every rank of the step must hear of it
             error = e if isinstance(e, CheckpointError) else SaveFailedError(
                 f"commit failed: {type(e).__name__}: {e}", step=current.step)
             commit.discard(current.tmp_dir)
+            self._release(current.step)
             log.warning("step %d failed at commit: %s", current.step, error)
             _tell(tell, error)
             return
+        if self._index is not None:
+            self._index.add(manifest)
+        self._release(current.step)
         self._prune(current)
         if current.announced is not None:  # tmp dirs an earlier incarnation of the job left
             for name in commit.remove_stale_tmp(self.root, up_to_step=current.step,
@@ -355,6 +373,8 @@ class Steps:
             except Exception:
                 log.exception("commit hook failed")
         stats = {"raw_bytes": manifest.raw_size, "stored_bytes": manifest.stored_size,
+                 "new_bytes": manifest.raw_size - manifest.referenced_size,
+                 "referenced_bytes": manifest.referenced_size,
                  "seconds": time.monotonic() - current.started}
         if current.requester is not None:
             current.requester(None, path, {**stats, **current.stats.get(0, {})})
@@ -365,13 +385,18 @@ class Steps:
     def _prune(self, current: Step) -> None:
         keep_last, keep_every = current.retention or self.retention
         try:
-            deleted = commit.prune(self.root, keep_last, keep_every)
+            done = lifetimes.prune(self.root, keep_last, keep_every, index=self._index)
         except Exception as e:  # retention is best effort; the new step is already durable
             log.warning("retention failed: %s: %s", type(e).__name__, e)
             return
-        if deleted:
-            log.info("retention (keep_last=%d, keep_every=%d) deleted steps %s",
-                     keep_last, keep_every, deleted)
+        if done.deleted or done.retired or done.reclaimed:
+            log.info("retention (keep_last=%d, keep_every=%d) deleted steps %s, retired %s "
+                     "(still referenced), reclaimed retired %s", keep_last, keep_every,
+                     done.deleted, done.retired, done.reclaimed)
+
+    def _release(self, step: int) -> None:
+        if self._index is not None:
+            self._index.release(step)
 
 
 def _tell(notifies: Any, error: CheckpointError) -> None:

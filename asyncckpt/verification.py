@@ -5,7 +5,9 @@ directory's files, the global tensors and every rank's tree: the checks `load` m
 and then reads every frame of every rank through the same checked path as `load`
 (sizes, both checksums, decoding), plus what `load` does not need: the safetensors
 header in each data file must be exactly the one the manifest implies. At the root it
-also checks that `latest` names a committed step. It never stops at the first bad
+also checks that `latest` names a committed step. Byte ranges that several steps share
+(incremental saves reference older steps' frames) are read and checked once per root:
+a range counts as checked only for the same codec, planes and checksums. It never stops at the first bad
 checkpoint, nor at the first problem of one: the report covers all of them, and
 corruption is reported, never raised.
 """
@@ -39,6 +41,7 @@ class CheckpointReport:
     problems: list[str] = field(default_factory=list)
     raw_bytes: int = 0
     stored_bytes: int = 0
+    referenced_bytes: int = 0  # stored bytes of reference frames (in older steps' files)
     frames: int = 0
     seconds: float = 0.0
 
@@ -95,8 +98,9 @@ def verify_iter(path: str | os.PathLike[str], *, limits: ReadLimits | None = Non
         CheckpointNotFoundError: on the first `next()`, as `verify`.
     """
     directories, root = checkpoints_under(path)
+    seen: set = set()
     for directory in directories:
-        yield verify_checkpoint(directory, progress, limits=limits)
+        yield verify_checkpoint(directory, progress, limits=limits, seen=seen)
     pointer = verify_root_pointer(root) if root else None
     if pointer:
         yield pointer
@@ -119,8 +123,13 @@ def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | 
 
 
 def verify_checkpoint(directory: Path, progress: Progress | None = None, *,
-                      limits: ReadLimits | None = None) -> CheckpointReport:
-    """Check one checkpoint directory end to end; never raises for corruption."""
+                      limits: ReadLimits | None = None, seen: set | None = None
+                      ) -> CheckpointReport:
+    """Check one checkpoint directory end to end; never raises for corruption.
+
+    `seen`: byte ranges already verified (see `RankReader.check_frames`), shared by the
+    checkpoints of one root so that each shared range is read once.
+    """
     started = time.perf_counter()
     report = CheckpointReport(str(directory), None)
     ckpt, problems = Checkpoint.examine(directory, limits=limits)
@@ -131,19 +140,20 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None, *,
         return report
     report.step = ckpt.step
     ranks = [r for r in range(ckpt.world_size) if r not in ckpt.unreadable_ranks]
-    total = sum(ckpt.manifest.ranks[r].stored_size for r in ranks)
+    total = sum(f.encoded_length for r in ranks for f in ckpt.manifest.ranks[r].frames)
 
     def count(frame: Frame) -> None:
         report.frames += 1
         report.raw_bytes += frame.raw_length
         report.stored_bytes += frame.stored_length
+        report.referenced_bytes += frame.encoded_length - frame.stored_length
         if progress:
-            progress(str(directory), report.stored_bytes, total)
+            progress(str(directory), report.stored_bytes + report.referenced_bytes, total)
 
     with ckpt:
         for rank in ranks:
             try:
-                ckpt.reader(rank).check_frames(count)
+                ckpt.reader(rank).check_frames(count, seen)
             except CheckpointError as e:
                 report.problem(str(e))
     report.seconds = time.perf_counter() - started

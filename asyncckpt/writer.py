@@ -24,6 +24,7 @@ from . import commit, protocol
 from ._version import __version__
 from .autocodec import CodecChooser
 from .config import WriterKnobs
+from .dedup import DedupIndex
 from .errors import CorruptCheckpointError, SaveFailedError
 from .manifest import Manifest, parse_manifest
 from .pool import FramePool
@@ -61,9 +62,13 @@ class WriterServer:
         self.pool = FramePool(self.knobs.encode_threads, self.knobs.frames_in_flight)
         self.buffers = Buffers(self.knobs.frames_in_flight + self.knobs.encode_threads)
         self.chooser = CodecChooser(self.knobs.encode_threads, self.knobs.auto_trial_every)
+        self.index = DedupIndex(self.root, self.knobs.max_frame_bytes) if self.knobs.incremental else None
+        if self.index is not None:
+            log.info("incremental: %d committed frames indexed", len(self.index))
         self.steps = Steps(self.root, (self.knobs.keep_last, self.knobs.keep_every),
                            choose_codec=self._choose_codec, check=self._check_manifest,
-                           on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes)
+                           on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
+                           index=self.index)
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -156,7 +161,9 @@ class WriterServer:
                                  sum(s.get("write_seconds", 0.0) for s in step.stats.values()))
             self.chooser.save_done()
         raw, stored = manifest.raw_size, manifest.stored_size
-        log.info("committed step %d: %d ranks, %.1f MiB -> %.1f MiB (ratio %.3f, codec %s), "
-                 "writer peak RssAnon %.1f MiB", manifest.step, manifest.world_size,
-                 raw / 2**20, stored / 2**20, stored / max(raw, 1), step.codec,
-                 self.rss.peak_rss_anon / 2**20)
+        referenced = manifest.referenced_size
+        log.info("committed step %d: %d ranks, %.1f MiB -> %.1f MiB (ratio %.3f, codec %s); "
+                 "new %.1f MiB written, %.1f MiB referenced; writer peak RssAnon %.1f MiB",
+                 manifest.step, manifest.world_size, raw / 2**20, stored / 2**20,
+                 stored / max(raw, 1), step.codec, (raw - referenced) / 2**20,
+                 referenced / 2**20, self.rss.peak_rss_anon / 2**20)

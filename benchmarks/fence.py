@@ -125,7 +125,8 @@ def run_config(params_mib: int, saves: int, batch: int) -> list[str]:
     rows = []
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent / "results") as tmp:
         root = Path(tmp) / "ckpt"
-        writer = asyncckpt.start_writer(root, codec="raw", log_file=Path(tmp) / "writer.log")
+        writer = asyncckpt.start_writer(root, codec="raw", log_file=Path(tmp) / "writer.log",
+                                        incremental=False)  # every save writes every byte
         try:
             ring_all = (int(state_mib) + 64) << 20
             variants = [("save + wait_staged, ring = state", ring_all, False),

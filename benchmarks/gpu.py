@@ -52,7 +52,8 @@ def d2h_seconds(state: dict[str, torch.Tensor], pinned: bool) -> float:
 
 def run_asyncckpt(state: dict, root: Path, reps: int, ring_size: int) -> dict[str, float]:
     rows: dict[str, list[float]] = {"blocked": [], "staged": [], "durable": []}
-    with asyncckpt.start_writer(root, codec="raw", log_file=root.parent / "writer.log") as w, \
+    with asyncckpt.start_writer(root, codec="raw", log_file=root.parent / "writer.log",
+                                incremental=False) as w, \
             asyncckpt.connect(w.address, rank=0, world_size=1, ring_size=ring_size) as client:
         for step in range(reps):
             torch.cuda.synchronize()

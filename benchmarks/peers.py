@@ -224,7 +224,8 @@ class AsyncCkpt(Method):
         import asyncckpt
         slot = 4 * MiB
         ring = self.ring_bytes or -(-workloads.state_bytes(state) // slot) * slot
-        self.writer = asyncckpt.start_writer(root, codec=self.codec,
+        # full saves, as the peers make (`make bench-incremental` measures incremental ones)
+        self.writer = asyncckpt.start_writer(root, codec=self.codec, incremental=False,
                                              log_file=root.parent / f"{self.name}.writer.log")
         self.client = asyncckpt.connect(self.writer.address, rank=0, world_size=1,
                                         slot_size=slot, ring_size=ring)

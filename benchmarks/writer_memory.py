@@ -49,7 +49,7 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for d in state.values() for v in d.values()
                  for t in (v.values() if isinstance(v, dict) else [v]))
     root = Path(args.dir or tempfile.mkdtemp(prefix="asyncckpt-mem-")) / "ckpt"
-    writer = asyncckpt.start_writer(root, codec=args.codec)
+    writer = asyncckpt.start_writer(root, codec=args.codec, incremental=False)
     try:
         idle = read_status(writer.pid)
         sampler = PeakSampler(writer.pid, interval=0.01)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from asyncckpt import commit
+from asyncckpt import commit, lifetimes
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError, WriterLockedError
 from asyncckpt.manifest import Manifest, RankPart, parse_manifest
 
@@ -74,9 +74,9 @@ def test_write_atomic_leaves_no_tmp_file(tmp_path):
 def test_prune_keeps_the_newest_and_leaves_no_half_deleted_step(tmp_path):
     for step in (10, 20, 30, 40):
         publish(tmp_path, step)
-    assert commit.prune(tmp_path, keep_last=2) == [10, 20]
+    assert lifetimes.prune(tmp_path, keep_last=2).deleted == [10, 20]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000030", "step-00000040"]
-    assert commit.prune(tmp_path, keep_last=0) == []
+    assert lifetimes.prune(tmp_path, keep_last=0).deleted == []
     assert commit.committed_steps(tmp_path) == [30, 40]
 
 

@@ -62,7 +62,8 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     """Steps 1 and 2 of `reader_state`, committed by a real writer with 64 KiB slots."""
     codec = request.param
     base = tmp_path_factory.mktemp(f"saved-{codec}")
-    writer = asyncckpt.start_writer(base / "ckpt", codec=codec, log_file=base / "writer.log")
+    writer = asyncckpt.start_writer(base / "ckpt", codec=codec, log_file=base / "writer.log",
+                                    incremental=False)  # damage tests: every step whole
     try:
         client = asyncckpt.connect(writer.address, rank=0, world_size=1, **SMALL_RING)
         states = {step: reader_state(step) for step in (1, 2)}

@@ -245,3 +245,154 @@ def test_fuzzed_view_geometry_loads_exactly_or_is_corrupt(committed_views, tmp_p
         return
     assert extent <= 20
     assert torch.equal(out["tied"], torch.arange(20.0).as_strided(shape, stride, offset))
+
+
+# -- reference frames (incremental saves) -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def committed_refs(tmp_path_factory) -> tuple[Path, dict]:
+    """A root whose step 2 references step 1 (a frozen tensor), and another root beside it
+    holding a step 1 of its own, for references that try to escape."""
+    base = tmp_path_factory.mktemp("hostile-refs")
+    frozen = torch.randn(30_000, generator=torch.Generator().manual_seed(5))
+    states = {s: {"frozen": frozen, "w": torch.full((500,), float(s))} for s in (1, 2)}
+    for name in ("ckpt", "other"):
+        with asyncckpt.start_writer(base / name, codec="zstd") as writer:
+            with asyncckpt.connect(writer.address, rank=0, world_size=1, slot_size=16384,
+                                   ring_size=65536) as client:
+                for step in ((1, 2) if name == "ckpt" else (1,)):
+                    client.save(step, states[step]).wait(30)
+    body = read_body(base / "ckpt" / "step-00000002")
+    assert body["format_version"] == 2 and any("ref" in f for f in body["ranks"][0]["frames"])
+    return base, states[2]
+
+
+def _first_ref(body: dict) -> dict:
+    return next(f for f in body["ranks"][0]["frames"] if "ref" in f)
+
+
+HOSTILE_REFS = {
+    "missing-step": (lambda f: f["ref"].update(step=0), "not in"),
+    "own-step": (lambda f: f["ref"].update(step=2), "not one older than 2"),
+    "newer-step": (lambda f: f["ref"].update(step=3), "not one older than 2"),
+    "negative-step": (lambda f: f["ref"].update(step=-1), "not a valid size"),
+    "step-as-path": (lambda f: f["ref"].update(step="../other/step-00000001"), "not a valid size"),
+    "dotdot-file": (lambda f: f["ref"].update(file="../step-00000001/rank-00000.safetensors.zst"),
+                    "not a data file name"),
+    "absolute-file": (lambda f: f["ref"].update(file="/etc/passwd"), "not a data file name"),
+    "other-root": (lambda f: f["ref"].update(
+        file="../../other/step-00000001/rank-00000.safetensors.zst"), "not a data file name"),
+    "other-rank-file": (lambda f: f["ref"].update(file="rank-00001.safetensors.zst"), "not in"),
+    "beyond-file": (lambda f: f["ref"].update(stored=[10**9, f["ref"]["stored"][1]]), "bytes"),
+    "shifted": (lambda f: f["ref"].update(stored=[f["ref"]["stored"][0] + 1, f["ref"]["stored"][1]]),
+                "xxh3"),
+    "empty": (lambda f: f["ref"].update(stored=[0, 0]), "empty referenced range"),
+    "huge": (lambda f: f["ref"].update(stored=[0, 1 << 40]), "beyond any encoding"),
+    "bytes-here-too": (lambda f: f.update(stored=[f["stored"][0], 7]), "stores no bytes here"),
+    "not-an-object": (lambda f: f.update(ref=[1, "rank-00000.safetensors.zst", 0, 9]), "bad reference"),
+    "no-file": (lambda f: f["ref"].pop("file"), "invalid"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_REFS))
+def test_hostile_references_are_corrupt(committed_refs, tmp_path, name):
+    base, _ = committed_refs
+    shutil.copytree(base, tmp_path / "b")
+    d = tmp_path / "b" / "ckpt" / "step-00000002"
+    body = read_body(d)
+    edit, match = HOSTILE_REFS[name]
+    edit(_first_ref(body))
+    write_signed(d, body)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match=match):
+        asyncckpt.load(d)
+    assert not verify_checkpoint(d).ok
+
+
+def test_references_in_a_version_1_manifest_are_corrupt(committed_refs, tmp_path):
+    base, _ = committed_refs
+    shutil.copytree(base, tmp_path / "b")
+    d = tmp_path / "b" / "ckpt" / "step-00000002"
+    body = read_body(d)
+    body["format_version"] = 1
+    write_signed(d, body)
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="needs format_version 2"):
+        asyncckpt.load(d)
+
+
+def test_a_version_1_reader_refuses_an_incremental_checkpoint(committed_refs):
+    """What today's readers (format 1 only) do with a version 2 manifest: refuse it by
+    its version, never read a zero-length frame."""
+    from asyncckpt import manifest
+    data = (committed_refs[0] / "ckpt" / "step-00000002" / MANIFEST_NAME).read_bytes()
+    old = manifest.READABLE_VERSIONS
+    try:
+        manifest.READABLE_VERSIONS = (1,)
+        with pytest.raises(asyncckpt.CorruptCheckpointError,
+                           match="format_version 2 is not 1; a newer asyncckpt wrote it"):
+            manifest.parse_manifest(data, max_frame_bytes=1 << 20)
+    finally:
+        manifest.READABLE_VERSIONS = old
+
+
+@pytest.mark.parametrize("how", ["deleted", "step-symlink", "file-symlink", "retired-symlink"])
+def test_referenced_data_that_is_gone_or_elsewhere_is_corrupt(committed_refs, tmp_path, how):
+    base, state = committed_refs
+    shutil.copytree(base, tmp_path / "b")
+    root, other = tmp_path / "b" / "ckpt", tmp_path / "b" / "other"
+    target = root / "step-00000001"
+    shutil.rmtree(target)
+    if how == "step-symlink":  # a step directory planted as a link into another root
+        target.symlink_to(other / "step-00000001")
+    elif how == "retired-symlink":
+        (root / "step-00000001.retired").symlink_to(other / "step-00000001")
+    elif how == "file-symlink":
+        target.mkdir()
+        (target / "rank-00000.safetensors.zst").symlink_to(
+            other / "step-00000001" / "rank-00000.safetensors.zst")
+    with pytest.raises(asyncckpt.CorruptCheckpointError, match="not in"):
+        asyncckpt.load(root, step=2)
+    assert not verify_checkpoint(root / "step-00000002").ok
+
+
+def test_a_chain_through_a_step_that_holds_only_references_is_corrupt(committed_refs, tmp_path):
+    """References are flattened; one aimed at bytes a step does not hold itself (they
+    are references there too) finds no such bytes: no chain, no cycle is ever followed."""
+    base, _ = committed_refs
+    shutil.copytree(base, tmp_path / "b")
+    root = tmp_path / "b" / "ckpt"
+    shutil.copytree(root / "step-00000002", root / "step-00000003")
+    body = read_body(root / "step-00000003")
+    body["step"] = 3
+    for f in body["ranks"][0]["frames"]:
+        if "ref" in f:
+            f["ref"]["step"] = 2
+    write_signed(root / "step-00000003", body)
+    with pytest.raises(asyncckpt.CorruptCheckpointError):
+        asyncckpt.load(root, step=3)
+    assert not verify_checkpoint(root / "step-00000003").ok
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_references_raise_only_library_errors(committed_refs, tmp_path_factory, data):
+    """Random values in a reference's fields: library errors only; if it still verifies,
+    it loads exactly the saved state."""
+    base, state = committed_refs
+    b = tmp_path_factory.mktemp("fuzzref")
+    shutil.copytree(base / "ckpt", b / "ckpt")
+    d = b / "ckpt" / "step-00000002"
+    body = read_body(d)
+    ref = _first_ref(body)["ref"]
+    key = data.draw(st.sampled_from(["step", "file", "stored"]))
+    ref[key] = data.draw(st.one_of(JSONISH, st.integers(-3, 5), st.lists(st.integers(-1, 1 << 20),
+                                                                          min_size=2, max_size=2),
+                                   st.sampled_from(["rank-00000.safetensors", "..", "/",
+                                                    "rank-00000.safetensors.bg"])))
+    write_signed(d, body)
+    try:
+        loaded = asyncckpt.load(d)
+    except CheckpointError:
+        loaded = None
+    if verify_checkpoint(d).ok:
+        assert loaded is not None
+        assert torch.equal(loaded["frozen"], state["frozen"]) and torch.equal(loaded["w"], state["w"])

@@ -1,0 +1,175 @@
+"""The writer's index of committed frames, for incremental saves.
+
+A frame whose raw bytes a committed step of the root already holds is stored as a
+reference to those bytes instead of being written again. Identity is XXH3-128 of the
+raw bytes plus their length, never the 64-bit checksum alone: across millions of frames
+and many steps a 64-bit collision is a real possibility, a 128-bit one is not. Lookups
+are content-addressed across tensors, ranks and steps, so a frozen tensor dedups
+wherever it sits in the stream as long as its frames are cut at the same places.
+
+Targets are always frames whose bytes are in their own step's file: a frame that is
+itself a reference is never a target (its target is), so a reference never leads to
+another reference and chains or cycles cannot form.
+
+The index is built at writer start from every committed and retired step's manifest,
+gains each step this writer commits, and drops the steps that retention deletes. It is
+refreshed from the disk when a step opens, which is how a writer on another node (which
+commits nothing) learns of new and deleted steps. Lookups and retention's choice of
+victims take the same lock, and a lookup pins the step it found for the open step that
+asked, until that step commits or fails: a save in flight never references a step
+being deleted.
+
+Only tensor frames of at least `MIN_BYTES` are referenced, never the safetensors header:
+retention keeps a referenced step's whole directory (lifetimes.py), so a header or a
+small buffer that happens to repeat would keep an otherwise dead step on disk to save a
+few KiB. (A frozen tensor of at least that size does keep its step: that is the point.)
+
+Memory: one entry per frame of unique content, about 300 bytes each, at most
+`MAX_ENTRIES` (2^18: 1 TiB of 4 MiB frames, under 80 MiB); beyond that new frames are
+simply not targets (they are written in full).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+from .codec import PlaneLayout
+from .commit import committed_steps
+from .config import ReadLimits
+from .errors import CheckpointError
+from .format import retired_dir_name, step_dir_name
+from .lifetimes import retired_steps
+from .manifest import Manifest, read_manifest
+
+log = logging.getLogger("asyncckpt.writer")
+
+MAX_ENTRIES = 1 << 18
+MIN_BYTES = 4 << 10
+
+Key = tuple[int, int]  # (xxh3_128 of the raw bytes, raw length)
+
+
+class Target(NamedTuple):
+    """A committed frame with its own stored bytes: what a reference frame copies."""
+
+    step: int
+    file: str
+    offset: int
+    length: int
+    codec: str
+    layout: PlaneLayout | None
+    xxh3_stored: int
+    xxh3_raw: int
+
+
+class DedupIndex:
+    """(xxh3_128, raw length) -> Target over the committed steps of one root.
+    Thread-safe."""
+
+    def __init__(self, root: Path, max_frame_bytes: int = 256 << 20) -> None:
+        self.root = root
+        self.lock = threading.Lock()
+        self._limits = ReadLimits(max_frame_bytes=max_frame_bytes)
+        self._entries: dict[Key, Target] = {}
+        self._keys: dict[int, list[Key]] = {}       # step -> keys it added
+        self._refs: dict[int, frozenset[int]] = {}  # step -> the steps it references
+        self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
+        self.refresh()
+
+    # -- lookups (frame threads) -------------------------------------------------------
+
+    def open(self, step: int) -> None:
+        """Step `step` is open: its lookups pin what they find until `release(step)`."""
+        with self.lock:
+            self._pins.setdefault(step, set())
+
+    def lookup(self, xxh3_128: int, length: int, step: int) -> Target | None:
+        """The committed frame holding these raw bytes, pinned for open step `step`;
+        None if there is none, or `step` is no longer open."""
+        with self.lock:
+            pins = self._pins.get(step)
+            target = self._entries.get((xxh3_128, length))
+            if target is None or pins is None or target.step >= step:
+                return None
+            pins.add(target.step)
+            return target
+
+    def release(self, step: int) -> None:
+        """Step `step` committed (its manifest now holds its references) or failed."""
+        with self.lock:
+            self._pins.pop(step, None)
+
+    # -- what retention needs (with `lock` held) ---------------------------------------
+
+    def pinned(self) -> set[int]:
+        return set().union(*self._pins.values()) if self._pins else set()
+
+    def references(self, step: int) -> frozenset[int] | None:
+        """The steps `step` references, if the index knows the step."""
+        return self._refs.get(step)
+
+    def forget(self, steps: list[int]) -> None:
+        """Drop the entries of deleted steps."""
+        for step in steps:
+            self._refs.pop(step, None)
+            for key in self._keys.pop(step, ()):
+                if (target := self._entries.get(key)) is not None and target.step == step:
+                    del self._entries[key]
+
+    # -- building ----------------------------------------------------------------------
+
+    def add(self, manifest: Manifest) -> None:
+        """Add a committed step's own frames (the newest copy of a content wins)."""
+        with self.lock:
+            self._add(manifest)
+
+    def _add(self, manifest: Manifest) -> None:
+        step = manifest.step
+        keys = self._keys.setdefault(step, [])
+        self._refs[step] = frozenset(manifest.referenced_steps)
+        for part in manifest.ranks:
+            for f in part.frames:
+                if f.ref is not None or f.xxh3_128 is None or f.raw_length < MIN_BYTES:
+                    continue
+                key = (f.xxh3_128, f.raw_length)
+                if key not in self._entries and len(self._entries) >= MAX_ENTRIES:
+                    continue
+                self._entries[key] = Target(step, part.file, f.stored_offset, f.stored_length,
+                                            f.codec, f.layout, f.xxh3_stored, f.xxh3_raw)
+                keys.append(key)
+
+    def refresh(self) -> None:
+        """Follow the disk: add steps committed (or retired) since the last look, drop
+        those that are gone. A step whose manifest does not check is not a target."""
+        present = _steps_on_disk(self.root)
+        with self.lock:
+            known = set(self._refs)
+            self.forget(sorted(known - set(present)))
+        for step in sorted(set(present) - known):
+            try:
+                manifest = read_manifest(present[step], self._limits)
+            except CheckpointError as e:
+                log.warning("incremental: step %d is not a dedup target: %s", step, e)
+                continue
+            if manifest.step != step:
+                continue
+            files = {p.file for p in manifest.ranks}
+            if not all(os.path.isfile(present[step] / name) for name in files):
+                continue
+            with self.lock:
+                if step not in self._refs:
+                    self._add(manifest)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _steps_on_disk(root: Path) -> dict[int, Path]:
+    """Committed and retired steps of `root` (a step in both forms: the committed one)."""
+    found = {s: root / retired_dir_name(s) for s in retired_steps(root)}
+    found.update({s: root / step_dir_name(s) for s in committed_steps(root)})
+    return found
