@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory torture corruption soak clean
+.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,13 @@ bench-export: setup
 # Blocked time per save in a training loop, with and without the optimizer fence.
 bench-fence: setup
 	$(BIN)/python -m benchmarks.fence --params-mib 256 --saves 5 --batches 512,16
+
+# Incremental saves of a PEFT LoRA and a full fine-tune (CPU, a Llama built from a config):
+# bytes written and referenced, time to durable per save, next to full saves and DCP save.
+bench-incremental: setup
+	$(BIN)/pip install -q -e ".[bench,incremental]"
+	$(BIN)/python -m benchmarks.incremental --hidden 1024 --layers 8 --saves 6 \
+	  --out benchmarks/results/incremental.md
 
 # On a CUDA machine: the CUDA staging tests, then D2H throughput and blocked time vs DCP.
 bench-gpu: setup

@@ -296,3 +296,15 @@ def test_inspect_reports_new_and_referenced_bytes(root, capsys):
     assert doc["referenced_steps"] == [1] and doc["format_version"] == 2
     assert cli(["inspect", str(root)]) == 0
     assert "referenced" in capsys.readouterr().out
+
+
+def test_export_follows_references(root, tmp_path):
+    from safetensors.torch import load_file
+    states = {1: state(7, 1), 2: state(7, 2)}
+    save_all(root, states)
+    asyncckpt.export_hf(root, tmp_path / "hf", step=2)
+    shards = sorted((tmp_path / "hf").glob("*.safetensors"))
+    exported = {k: v for shard in shards for k, v in load_file(shard).items()}
+    assert set(exported) == set(states[2]["model"])
+    for name, value in states[2]["model"].items():
+        assert torch.equal(exported[name], value), name

@@ -11,4 +11,5 @@ def test_twenty_kills_lose_nothing(tmp_path):
     assert result["kills_survived"] == 20
     assert result["writer_kills"] >= 1
     assert result["checkpoints_verified"] >= 20
+    assert result["referencing_steps_verified"] >= 10  # incremental is on
     assert result["writer_exit"] == 0

@@ -6,8 +6,10 @@ A writer (keep_last=3) and N ranks save a step after another. At a random moment
 of them is SIGKILLed -- the writer or a rank -- and, as a job launcher would, the rest
 of the ranks are killed too and everything that died is restarted. Some writer restarts
 are armed with a crash point (asyncckpt.faults), so that deaths also land exactly
-between the manifest write and the rename, after the rename, and in retention. After
-every kill: every committed checkpoint verifies and loads bit-exact; `latest` names a
+between the manifest write and the rename, after the rename, and in retention (pruning,
+retiring a referenced step, reclaiming a retired one: saves are incremental, the
+writer's default, and part of every state never changes). After every kill: every
+committed checkpoint verifies and loads bit-exact (following its references); `latest` names a
 committed step; a restarted writer has swept all tmp directories; the writer never maps
 more rings than there are ranks (rings of dead ranks are released).
 """
@@ -31,6 +33,7 @@ import torch  # noqa: E402
 
 import asyncckpt  # noqa: E402
 from asyncckpt import commit, faults  # noqa: E402
+from asyncckpt.manifest import read_manifest  # noqa: E402
 from asyncckpt.procstat import ring_mappings  # noqa: E402
 from asyncckpt.verification import verify_checkpoint  # noqa: E402
 from torture_rank import expected_state  # noqa: E402
@@ -96,17 +99,29 @@ def check(root: Path, world: int) -> int:
             assert loaded["meta"] == want["meta"], (step, rank)
             assert loaded["w"].view(torch.int16).equal(want["w"].view(torch.int16)), (step, rank)
             assert loaded["opt"][0]["exp_avg"].equal(want["opt"][0]["exp_avg"]), (step, rank)
+            assert loaded["frozen"].equal(want["frozen"]), (step, rank)
         checked += 1
     latest = commit.read_latest(root)
     assert latest is None or latest in commit.committed_steps(root), f"latest names {latest}"
     return checked
 
 
+def references(root: Path) -> int:
+    """Committed steps that reference older ones (a step pruned meanwhile is skipped)."""
+    count = 0
+    for step in commit.committed_steps(root):
+        try:
+            count += bool(read_manifest(root / f"step-{step:08d}").referenced_steps)
+        except asyncckpt.CheckpointError:
+            pass
+    return count
+
+
 def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> dict:
     rng = random.Random(seed)
     job = Job(root, ranks, rng)
     job.start_writer()
-    survived = checked = writer_kills = armed_deaths = 0
+    survived = checked = writer_kills = armed_deaths = referencing = 0
     started = time.monotonic()
     try:
         while survived < kills:
@@ -137,6 +152,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
                 rings = ring_mappings(job.writer.pid)
                 assert rings <= ranks, f"the writer maps {rings} rings for {ranks} ranks"
             checked += check(root, ranks)
+            referencing += references(root)
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:22s} committed "
@@ -144,6 +160,8 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
     finally:
         code = job.stop()
     result = {"kills_survived": survived, "writer_kills": writer_kills,
+              "referencing_steps_verified": referencing,
+              "retired_now": [p.name for p in root.iterdir() if p.name.endswith(".retired")],
               "crash_point_deaths": armed_deaths, "checkpoints_verified": checked,
               "last_step": (commit.committed_steps(root) or [0])[-1],
               "writer_exit": code, "seconds": round(time.monotonic() - started, 1)}

@@ -3,7 +3,8 @@
     python torture_rank.py ADDRESS RANK WORLD START
 
 Its state for a step is `expected_state(rank, step)`, so the checker can rebuild any
-committed step bit for bit. A failed step (a peer died, the step already exists) is
+committed step bit for bit; part of it never changes, so that steps reference older
+ones and retention retires and reclaims them while processes die. A failed step (a peer died, the step already exists) is
 skipped, as a training loop would; a lost writer ends the process with code 3.
 """
 
@@ -19,7 +20,9 @@ import asyncckpt
 
 def expected_state(rank: int, step: int) -> dict:
     g = torch.Generator().manual_seed(step * 64 + rank)
-    return {"w": torch.randn(400_000, generator=g).bfloat16(),
+    frozen = torch.randn(300_000, generator=torch.Generator().manual_seed(rank))
+    return {"frozen": frozen,  # the same every step: stored as references (incremental)
+            "w": torch.randn(400_000, generator=g).bfloat16(),
             "opt": {0: {"exp_avg": torch.randn(100_000, generator=g)}},
             "meta": {"rank": rank, "step": step}}
 
