@@ -62,6 +62,12 @@ class HostileRank:
         self._shm: Path | None = None
         self.replies: list[dict] = []  # messages read while waiting for another
         self.conn = protocol.dial(address, protocol.read_authkey(address), timeout)
+        s = socket.socket(fileno=self.conn.fileno())  # a writer that stops reading fails
+        try:                                          # our sends, never hangs the test
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                         struct.pack("ll", int(timeout), 0))
+        finally:
+            s.detach()
         fields = {"rank": rank, "world_size": world_size, "pid": os.getpid(),
                   "slot_size": slot_size, "slots": slots}
         if ring_fd is None:
