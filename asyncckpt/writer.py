@@ -30,6 +30,7 @@ from .pool import FramePool
 from .procstat import PeakSampler
 from .session import Buffers, Session
 from .steps import Step, Steps
+from .tiling import global_tensors
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -145,7 +146,7 @@ class WriterServer:
     def _check_manifest(self, data: bytes, manifest: Manifest) -> None:
         """Refuse to commit what a reader would refuse (the reader's own parser)."""
         try:
-            parse_manifest(data, max_frame_bytes=self.knobs.max_frame_bytes)
+            global_tensors(parse_manifest(data, max_frame_bytes=self.knobs.max_frame_bytes))
         except CorruptCheckpointError as e:
             raise SaveFailedError(f"the manifest would not verify: {e.cause}",
                                   step=manifest.step) from None

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import asyncckpt  # noqa: E402
-from asyncckpt.verify import verify_checkpoint  # noqa: E402
+from asyncckpt.verification import verify_checkpoint  # noqa: E402
 from hostile_rank import HostileRank, Resources, alive, settled, tmp_leftovers  # noqa: E402
 
 HOSTILE_STEPS = 1_000_000  # the hostile's steps start here; the ordinary ranks' are 1..

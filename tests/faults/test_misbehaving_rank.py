@@ -297,12 +297,17 @@ def test_4_an_exception_at_commit_fails_the_step_for_all_ranks_and_leaves_no_tmp
         # neither is a tree a real client sends (NaN is not JSON, but Python's parser
         # takes it); the manifest cannot be encoded, or not parsed back, or is refused
         handle = peer.save(1000, {"w": torch.randn(4096)})
-        h.send_raw(b'{"op":"begin","save":1,"step":1000,"world_size":2,'
-                   b'"tensors":[["a","U8",[16]]],"tree":' + tree + b',"retention":null}')
-        h.stream(1, b"\x01" * 16)
-        h.send("end", save=1)
-        outcome = committed_or_failed(h, 1)
-        if outcome == "failed":  # every rank of the step hears it, nothing is left
+        handle.wait_staged(COMMIT_S)
+        time.sleep(0.2)  # its begin is in: the step waits for rank 1
+        try:
+            h.send_raw(b'{"op":"begin","save":1,"step":1000,"world_size":2,'
+                       b'"tensors":[["a","U8",[16]]],"tree":' + tree + b',"retention":null}')
+            h.stream(1, b"\x01" * 16)
+            h.send("end", save=1)
+            outcome = committed_or_failed(h, 1)
+        except (OSError, EOFError, TimeoutError):
+            outcome = "dropped"  # the message itself was refused: the connection goes
+        if outcome in ("failed", "dropped"):  # every rank of the step hears it
             with pytest.raises(asyncckpt.SaveFailedError):
                 handle.wait(COMMIT_S)
             assert not (bench.root / "step-00001000").exists()
@@ -310,6 +315,7 @@ def test_4_an_exception_at_commit_fails_the_step_for_all_ranks_and_leaves_no_tmp
             handle.wait(COMMIT_S)
             assert_root_verifies(bench.root)
         assert tmp_leftovers(bench.root) == []
+    with HostileRank(bench.address, rank=1, world_size=2) as h:
         # the same two ranks then commit a good step
         handle = peer.save(1001, {"w": torch.randn(4096)})
         h.save(2, 1001, {"a": b"\x02" * 16}, world_size=2)
@@ -372,7 +378,7 @@ def test_5_no_manifest_the_reader_rejects_is_committed_and_the_good_step_survive
 
 
 def test_5_header_larger_than_the_max_frame_is_cut_to_frames_the_reader_accepts(bench):
-    knobs = {"max_frame_bytes": SLOT, "slot_size": SLOT, "ring_size": 4 * SLOT}
+    knobs = {"max_frame_bytes": SLOT}  # the ordinary rank's ring has SLOT-sized slots
     client = bench.ready(codec="raw", **knobs)
     table = [[f"layer.{i:05d}.a_long_parameter_name.weight", "U8", [1]] for i in range(4000)]
     with HostileRank(bench.address, slot_size=SLOT, slots=4) as h:
@@ -706,8 +712,11 @@ def test_extra_open_saves_per_connection_are_bounded(bench):
     client = bench.ready()
     with HostileRank(bench.address) as h:
         connected = Resources.of(bench.pid)
-        for i in range(300):
-            h.begin(i + 1, 5000 + i, u8_table(1 << 20))
+        try:
+            for i in range(300):
+                h.begin(i + 1, 5000 + i, u8_table(1 << 20))
+        except OSError:
+            pass  # the writer may drop a connection that does this (it does, after a few)
         time.sleep(1.0)
         during = Resources.of(bench.pid)
         assert during.threads <= connected.threads + 32, \
