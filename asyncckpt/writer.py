@@ -70,10 +70,10 @@ class WriterServer:
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._closed = False
+        threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
 
     def serve_forever(self) -> None:
         """Accept ranks until stop() is called."""
-        threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
         log.info("writer %s serving %s at %s (codec %s)", __version__, self.root,
                  self.address, self.knobs.codec)
         while not self._stopped.is_set():
