@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak clean
+.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol clean
 
 setup: $(VENV)/.installed
 
@@ -73,6 +73,11 @@ corruption: setup
 # 4 ranks x 500 consecutive saves with keep_last=3: no growth in memory, fds or shm.
 soak: setup
 	$(BIN)/python tests/faults/soak.py --ranks 4 --saves 500
+
+# A misbehaving authenticated rank sends 10,000+ random messages next to two ordinary
+# ranks saving for real: writer alive, every save committed and verifying, no growth.
+fuzz-protocol: setup
+	$(BIN)/python tests/faults/fuzz_protocol.py --seed 1 --messages 10000 --steps 8
 
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup

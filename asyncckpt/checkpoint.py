@@ -39,7 +39,8 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .format import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
 from .manifest import Manifest, read_manifest
 from .reader import RankReader, Readers, open_referenced, referenced_files
-from .sharded import GlobalTensor, ReadPlan, global_tensors
+from .sharded import ReadPlan
+from .tiling import GlobalTensor, global_tensors
 from .tree import View, check_tree, walk
 
 TreePath = tuple[Any, ...]

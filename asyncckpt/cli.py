@@ -97,7 +97,7 @@ def _writer(args: argparse.Namespace) -> int:
     except WriterLockedError as e:
         print(f"asyncckpt writer: {e}", file=sys.stderr)
         return 3
-    except ValueError as e:
+    except (ValueError, CheckpointError) as e:  # a bad knob, an unusable root or lock file
         print(f"asyncckpt writer: {e}", file=sys.stderr)
         return 2
 

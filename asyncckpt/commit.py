@@ -30,7 +30,7 @@ from .errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
                      StepAlreadyCommittedError, WriterLockedError)
 from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, ROOT_ID_NAME, is_atomic_tmp_file,
                      is_tmp_dir, parse_step_dir, step_dir_name, tmp_step_of)
-from .manifest import RankPart, parse_part, part_to_bytes
+from .manifest import RankPart, parse_part, part_to_bytes, read_manifest
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -231,12 +231,24 @@ def read_small_file(path: Path, limit: int) -> bytes | None:
 
 
 def update_latest(root: Path) -> None:
-    """Point `latest` at the newest committed step on disk (or remove it if none)."""
+    """Point `latest` at the newest committed step on disk whose manifest parses (a
+    planted or damaged newer directory is passed over), or remove it if there is none."""
     steps = committed_steps(root)
+    while steps and not _manifest_parses(root / step_dir_name(steps[-1])):
+        steps.pop()
     if not steps:
-        (root / LATEST_NAME).unlink(missing_ok=True)
+        if os.path.lexists(root / LATEST_NAME):
+            (root / LATEST_NAME).unlink()
     elif read_latest(root) != steps[-1]:
         write_atomic(root / LATEST_NAME, f"{step_dir_name(steps[-1])}\n".encode())
+
+
+def _manifest_parses(directory: Path) -> bool:
+    try:
+        read_manifest(directory)
+    except CorruptCheckpointError:
+        return False
+    return True
 
 
 def remove_stale_tmp(root: Path, *, up_to_step: int | None = None,
@@ -261,7 +273,8 @@ def remove_stale_tmp(root: Path, *, up_to_step: int | None = None,
         if is_tmp_dir(name) and stat.S_ISDIR(st.st_mode):
             shutil.rmtree(root / name, ignore_errors=True)
             removed.append(name)
-        elif is_atomic_tmp_file(name) and name.startswith(f".{LATEST_NAME}.tmp-"):
+        elif (is_atomic_tmp_file(name) and name.startswith(f".{LATEST_NAME}.tmp-")
+              and stat.S_ISREG(st.st_mode)):
             (root / name).unlink(missing_ok=True)
             removed.append(name)
     return removed
@@ -306,10 +319,12 @@ class RootLock:
             raise SaveFailedError(f"cannot open the root lock {self.path}: {e.strerror} "
                                   "(a symlink or special file there is refused)",
                                   file=str(root)) from None
-        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             os.close(self._fd)
-            raise SaveFailedError(f"the root lock {self.path} is not a regular file",
-                                  file=str(root))
+            raise SaveFailedError(f"the root lock {self.path} is not a regular file with one "
+                                  "link (a hard link there would have us write into another "
+                                  "file)", file=str(root))
         self.first = True
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -60,13 +60,17 @@ def retired_steps(root: Path) -> list[int]:
     return sorted(s for s in map(parse_retired_dir, names) if s is not None)
 
 
-def prune(root: Path, keep_last: int, keep_every: int = 0, *, index: Any = None) -> Pruned:
+def prune(root: Path, keep_last: int, keep_every: int = 0, *, newest: int | None = None,
+          index: Any = None) -> Pruned:
     """Apply retention: delete committed steps beyond the newest `keep_last` (except
     multiples of `keep_every`), retiring instead those a kept step or a save in flight
     references, and delete retired steps nothing references any more. keep_last=0
     keeps every committed step (retired ones are still reclaimed).
 
     Args:
+        newest: the step just committed: steps above it are not counted (a directory
+            that appeared there, planted or another tool's, must not push the new step
+            out), though what they reference is kept.
         index: the writer's DedupIndex (its pins, its cached references, and its lock,
             so no lookup can return a step being deleted); None for `asyncckpt gc`.
     Returns:
@@ -76,7 +80,8 @@ def prune(root: Path, keep_last: int, keep_every: int = 0, *, index: Any = None)
     """
     with index.lock if index is not None else contextlib.nullcontext():
         steps = committed_steps(root)
-        doomed = [s for s in (steps[:-keep_last] if keep_last > 0 else [])
+        counted = [s for s in steps if newest is None or s <= newest]
+        doomed = [s for s in (counted[:-keep_last] if keep_last > 0 else [])
                   if not (keep_every > 0 and s % keep_every == 0)]
         kept = [s for s in steps if s not in set(doomed)]
         needed = _needed(root, kept, index)

@@ -28,7 +28,8 @@ from .ranks import resolve_rank
 from .tree import unflatten
 
 if TYPE_CHECKING:
-    from .sharded import GlobalTensor, ReadPlan
+    from .sharded import ReadPlan
+    from .tiling import GlobalTensor
 
 TreePath = tuple[Any, ...]
 

@@ -186,7 +186,7 @@ def send(conn: Connection, op: str, **fields: Any) -> None:
 
 def recv(conn: Connection) -> Message:
     """Receive one message. Raises EOFError/OSError when the peer is gone."""
-    message = json.loads(conn.recv_bytes(MAX_MESSAGE))
+    message = json.loads(conn.recv_bytes(MAX_MESSAGE), parse_constant=_no_constant)
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ValueError(f"malformed message {message!r:.80}")
     return message
@@ -225,6 +225,10 @@ def recv_fd(conn: Connection) -> int:
 def set_recv_timeout(conn: Connection, seconds: float) -> None:
     """Bound each receive on `conn` to `seconds` (0: wait forever)."""
     _set_recv_timeout(conn.fileno(), seconds)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def hang_up(conn: Connection) -> None:

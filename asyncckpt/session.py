@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import commit, protocol, ring, tree
 from ._version import __version__
-from .errors import CheckpointError, CorruptCheckpointError, SaveFailedError
+from .errors import CheckpointError, SaveFailedError
 from .format import DTYPE_SIZES, MAX_STEP, layout
 from .pipeline import RankFileWriter
 from .steps import MAX_WORLD
@@ -45,6 +45,9 @@ log = logging.getLogger("asyncckpt.writer")
 _MAX_DIMS = 64
 _MAX_SLOTS = 1 << 16
 _OUTBOX_SPARE = 1024  # replies beyond one per ring slot that may wait for a slow reader
+_MAX_SAVES = 256       # begun and not ended, per connection (a client has one)
+_MAX_OPEN_FILES = 4    # ... of which hold a data file and an appender thread
+_MAX_KEPT_BUFFER = 16 << 20  # larger frame buffers are freed after use, not kept
 
 
 class Buffers:
@@ -65,7 +68,7 @@ class Buffers:
 
     def put(self, buf: bytearray) -> None:
         with self._lock:
-            if len(self._free) < self._keep:
+            if len(self._free) < self._keep and len(buf) <= _MAX_KEPT_BUFFER:
                 self._free.append(buf)
 
 
@@ -176,17 +179,20 @@ class Session:
         save_id, step = _int(m, "save"), _int(m, "step")
         if save_id in self._saves:
             raise ProtocolError(f"save id {save_id} is already in use")
+        if len(self._saves) >= _MAX_SAVES:  # a client stages one save at a time
+            raise ProtocolError(f"{len(self._saves)} saves begun and not ended")
         save = _RankSave(step, None, m.get("tree"))
         self._saves[save_id] = save
         notify = self._notifier(save, save_id)
         knobs = self.server.knobs
         try:
-            table = _tensor_table(m.get("tensors"), step, self.rank)
             try:
+                table = _tensor_table(m.get("tensors"), step, self.rank)
                 tree.check_tree(table, save.tree)
-            except CorruptCheckpointError as e:
-                raise SaveFailedError(f"object tree refused: {e.cause}", step=step,
-                                      rank=self.rank) from None
+            except CheckpointError as e:  # this step can never be readable: fail it for all
+                error = SaveFailedError(f"begin refused: {e.cause}", step=step, rank=self.rank)
+                self.server.steps.refuse(step, self.rank, _int(m, "world_size"), error)
+                raise error from None
             header, specs = layout(table)
             retention = _retention(m.get("retention"))
             durable = None
@@ -203,6 +209,8 @@ class Session:
             notify(commit.io_error(e, step=step, rank=self.rank), None, {})
             return
         self._began.add(step)
+        if sum(1 for s in self._saves.values() if s.file is not None) >= _MAX_OPEN_FILES:
+            raise ProtocolError("too many saves with open files begun and not ended")
         if current.choice is not None:
             save.stats["auto"] = current.choice
         try:

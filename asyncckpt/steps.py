@@ -248,6 +248,21 @@ class Steps:
         commit.discard(current.tmp_dir)
         _tell(current.waiting.values(), error)
 
+    def refuse(self, step: int, rank: int, world_size: int, error: CheckpointError) -> None:
+        """`rank`'s begin of `step` was refused (its state cannot become a readable
+        checkpoint): the step can never complete, so it fails for every rank, including
+        connected ranks that begin it later."""
+        with self._lock:
+            if step not in self._open and step not in self._committing:
+                pending = {r for r, n in self._live.items()
+                           if n > 0 and r < world_size and r != rank}
+                if pending:
+                    if len(self._failed) >= _MAX_FAILED_RECORDS:
+                        self._failed.pop(next(iter(self._failed)))
+                    self._failed[step] = (error, pending)
+                return
+        self.fail(step, error)
+
     def rank_joined(self, rank: int) -> None:
         with self._lock:
             self._live[rank] += 1
@@ -385,7 +400,8 @@ class Steps:
     def _prune(self, current: Step) -> None:
         keep_last, keep_every = current.retention or self.retention
         try:
-            done = lifetimes.prune(self.root, keep_last, keep_every, index=self._index)
+            done = lifetimes.prune(self.root, keep_last, keep_every, newest=current.step,
+                                   index=self._index)
         except Exception as e:  # retention is best effort; the new step is already durable
             log.warning("retention failed: %s: %s", type(e).__name__, e)
             return

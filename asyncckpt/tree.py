@@ -209,6 +209,8 @@ def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
     out: list[tuple[tuple[str | int, ...], str, Any]] = []
 
     def visit(node: JSON, path: tuple[str | int, ...]) -> None:
+        if len(path) > MAX_DEPTH:  # deeper than flatten() ever makes: a reader's stack
+            raise CorruptCheckpointError(f"tree nested deeper than {MAX_DEPTH} levels")
         if isinstance(node, dict) and len(node) == 1:
             (kind, body), = node.items()
             if kind == "tensor":

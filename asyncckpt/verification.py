@@ -163,11 +163,14 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None, *,
 def verify_root_pointer(root: Path) -> CheckpointReport | None:
     """A problem report if `root/latest` exists but names no committed step."""
     latest = root / LATEST_NAME
-    if not latest.exists():
+    if not os.path.lexists(latest):
         return None
     report = CheckpointReport(str(latest), commit.read_latest(root))
     if report.step is None or report.step not in commit.committed_steps(root):
-        report.problem(f"{LATEST_NAME} names {latest.read_text(errors='replace').strip()!r}, "
+        text = commit.read_small_file(latest, 64)
+        shown = (repr(text.decode(errors="replace").strip()) if text is not None
+                 else "something that is not a regular file of at most 64 bytes")
+        report.problem(f"{LATEST_NAME} names {shown}, "
                        "which is not a committed checkpoint")
         return report
     return None

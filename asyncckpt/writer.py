@@ -31,6 +31,7 @@ from .pool import FramePool
 from .procstat import PeakSampler
 from .session import Buffers, Session
 from .steps import Step, Steps
+from .tiling import global_tensors
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -74,10 +75,10 @@ class WriterServer:
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._closed = False
+        threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
 
     def serve_forever(self) -> None:
         """Accept ranks until stop() is called."""
-        threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
         log.info("writer %s serving %s at %s (codec %s)", __version__, self.root,
                  self.address, self.knobs.codec)
         while not self._stopped.is_set():
@@ -150,7 +151,7 @@ class WriterServer:
     def _check_manifest(self, data: bytes, manifest: Manifest) -> None:
         """Refuse to commit what a reader would refuse (the reader's own parser)."""
         try:
-            parse_manifest(data, max_frame_bytes=self.knobs.max_frame_bytes)
+            global_tensors(parse_manifest(data, max_frame_bytes=self.knobs.max_frame_bytes))
         except CorruptCheckpointError as e:
             raise SaveFailedError(f"the manifest would not verify: {e.cause}",
                                   step=manifest.step) from None

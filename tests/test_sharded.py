@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import asyncckpt
 from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.sharded import runs
+from asyncckpt.tiling import runs
 from conftest import SMALL_RING, running_writer
 
 Placements = tuple  # of Shard / Replicate, one per mesh dimension
