@@ -60,6 +60,12 @@ def retired_steps(root: Path) -> list[int]:
     return sorted(s for s in map(parse_retired_dir, names) if s is not None)
 
 
+def is_retired(root: Path, step: int) -> bool:
+    """`step` exists as `step-N.retired` (a new step N would make its references
+    ambiguous, so the writer refuses to save it)."""
+    return os.path.lexists(root / retired_dir_name(step))
+
+
 def prune(root: Path, keep_last: int, keep_every: int = 0, *, newest: int | None = None,
           index: Any = None) -> Pruned:
     """Apply retention: delete committed steps beyond the newest `keep_last` (except

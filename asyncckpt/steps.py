@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import commit, faults, lifetimes
-from .errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
-from .format import MAX_STEP
 from .dedup import DedupIndex
+from .errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
+from .format import MAX_STEP, retired_dir_name
 from .manifest import Manifest, RankPart
 
 log = logging.getLogger("asyncckpt.writer")
@@ -145,6 +145,11 @@ class Steps:
                 if step in self._committing or step in commit.committed_steps(self.root):
                     raise StepAlreadyCommittedError(
                         "this step is already committed; saves never overwrite a checkpoint",
+                        step=step, rank=rank)
+                if lifetimes.is_retired(self.root, step):
+                    raise StepAlreadyCommittedError(
+                        "this step was deleted by retention but its data is still referenced "
+                        f"({retired_dir_name(step)}): save under another step number",
                         step=step, rank=rank)
                 codec, choice = self._choose_codec()
                 if self._index is not None:

@@ -16,7 +16,7 @@ import torch
 import asyncckpt
 from asyncckpt import commit, lifetimes
 from asyncckpt.cli import main as cli
-from asyncckpt.errors import SaveFailedError
+from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
 from asyncckpt.manifest import Manifest, read_manifest
 from asyncckpt.reader import RankReader
 from asyncckpt.verification import verify
@@ -308,3 +308,13 @@ def test_export_follows_references(root, tmp_path):
     assert set(exported) == set(states[2]["model"])
     for name, value in states[2]["model"].items():
         assert torch.equal(exported[name], value), name
+
+
+def test_a_retired_step_number_is_never_saved_again(root):
+    """References name (step, file): a new step-1 beside step-1.retired would make them
+    ambiguous, so it is refused with the reason."""
+    save_all(root, {1: state(7, 1), 2: state(7, 2), 3: state(7, 3)}, keep_last=1)
+    assert (root / "step-00000001.retired").is_dir()
+    with pytest.raises(StepAlreadyCommittedError, match="still referenced"):
+        save_all(root, {1: state(7, 1)})
+    assert_same(state(7, 3), asyncckpt.load(root))
