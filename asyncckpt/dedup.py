@@ -78,6 +78,7 @@ class DedupIndex:
         self._keys: dict[int, list[Key]] = {}       # step -> keys it added
         self._refs: dict[int, frozenset[int]] = {}  # step -> the steps it references
         self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
+        self._unusable: set[int] = set()            # steps whose manifest did not check
         self.refresh()
 
     # -- lookups (frame threads) -------------------------------------------------------
@@ -144,21 +145,25 @@ class DedupIndex:
 
     def refresh(self) -> None:
         """Follow the disk: add steps committed (or retired) since the last look, drop
-        those that are gone. A step whose manifest does not check is not a target."""
+        those that are gone. A step whose manifest does not check, or lacks a data
+        file, is not a target (and is not read again while it stays). One caller at a
+        time (the writer calls it with its steps' lock held)."""
         present = _steps_on_disk(self.root)
         with self.lock:
             known = set(self._refs)
             self.forget(sorted(known - set(present)))
-        for step in sorted(set(present) - known):
+        self._unusable &= set(present)
+        for step in sorted(set(present) - known - self._unusable):
             try:
                 manifest = read_manifest(present[step], self._limits)
             except CheckpointError as e:
                 log.warning("incremental: step %d is not a dedup target: %s", step, e)
-                continue
-            if manifest.step != step:
+                self._unusable.add(step)
                 continue
             files = {p.file for p in manifest.ranks}
-            if not all(os.path.isfile(present[step] / name) for name in files):
+            if manifest.step != step or not all(os.path.isfile(present[step] / name)
+                                                for name in files):
+                self._unusable.add(step)  # damaged or misnamed: its frames are no targets
                 continue
             with self.lock:
                 if step not in self._refs:

@@ -318,3 +318,14 @@ def test_a_retired_step_number_is_never_saved_again(root):
     with pytest.raises(StepAlreadyCommittedError, match="still referenced"):
         save_all(root, {1: state(7, 1)})
     assert_same(state(7, 3), asyncckpt.load(root))
+
+
+def test_the_index_skips_damaged_or_misnamed_steps(root):
+    from asyncckpt.dedup import DedupIndex
+    save_all(root, {1: state(7, 1), 2: state(8, 2)})
+    os.rename(root / "step-00000001", root / "step-00000005.retired")  # says step 1 inside
+    (root / "step-00000002" / "rank-00000.safetensors.zst").unlink()
+    index = DedupIndex(root)
+    assert len(index) == 0
+    index.refresh()  # and they are not read again while they stay
+    assert index._unusable == {2, 5}
