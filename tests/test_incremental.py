@@ -257,13 +257,14 @@ def test_corrupt_referenced_bytes_fail_every_step_that_shares_them(root):
         asyncckpt.load(root, step=2)
 
 
-def test_copy_of_a_step_referencing_three_older_steps_stands_alone(root, tmp_path, capsys):
+@pytest.mark.parametrize("codec", ["zstd", "raw", "bytegroup"])
+def test_copy_of_a_step_referencing_three_older_steps_stands_alone(root, tmp_path, capsys, codec):
     a, b, c = tensor(1), tensor(2), tensor(3)
     states = {1: {"a": a, "b": tensor(20), "c": tensor(30), "d": tensor(40)},
               2: {"a": a, "b": b, "c": tensor(31), "d": tensor(41)},
               3: {"a": a, "b": b, "c": c, "d": tensor(42)},
               4: {"a": a, "b": b, "c": c, "d": tensor(43)}}
-    save_all(root, states)
+    save_all(root, states, codec=codec)
     assert read_manifest(root / "step-00000004").referenced_steps == {1, 2, 3}
     out = tmp_path / "elsewhere" / "step-00000004"
     assert cli(["copy", str(root), "--step", "4", "--out", str(out)]) == 0
