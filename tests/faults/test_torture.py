@@ -12,4 +12,5 @@ def test_twenty_kills_lose_nothing(tmp_path):
     assert result["writer_kills"] >= 1
     assert result["checkpoints_verified"] >= 20
     assert result["referencing_steps_verified"] >= 10  # incremental is on
+    assert result["retired_seen"] >= 1  # a referenced step was retired (and kept readable)
     assert result["writer_exit"] == 0

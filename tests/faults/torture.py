@@ -106,6 +106,10 @@ def check(root: Path, world: int) -> int:
     return checked
 
 
+def retired_now(root: Path) -> list[str]:
+    return [p.name for p in root.iterdir() if p.name.endswith(".retired")]
+
+
 def references(root: Path) -> int:
     """Committed steps that reference older ones (a step pruned meanwhile is skipped)."""
     count = 0
@@ -122,6 +126,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
     job = Job(root, ranks, rng)
     job.start_writer()
     survived = checked = writer_kills = armed_deaths = referencing = 0
+    retired_seen: set[str] = set()
     started = time.monotonic()
     try:
         while survived < kills:
@@ -153,6 +158,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
                 assert rings <= ranks, f"the writer maps {rings} rings for {ranks} ranks"
             checked += check(root, ranks)
             referencing += references(root)
+            retired_seen |= set(retired_now(root))
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:22s} committed "
@@ -161,7 +167,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
         code = job.stop()
     result = {"kills_survived": survived, "writer_kills": writer_kills,
               "referencing_steps_verified": referencing,
-              "retired_now": [p.name for p in root.iterdir() if p.name.endswith(".retired")],
+              "retired_seen": len(retired_seen), "retired_now": len(retired_now(root)),
               "crash_point_deaths": armed_deaths, "checkpoints_verified": checked,
               "last_step": (commit.committed_steps(root) or [0])[-1],
               "writer_exit": code, "seconds": round(time.monotonic() - started, 1)}

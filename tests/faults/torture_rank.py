@@ -3,8 +3,9 @@
     python torture_rank.py ADDRESS RANK WORLD START
 
 Its state for a step is `expected_state(rank, step)`, so the checker can rebuild any
-committed step bit for bit; part of it never changes, so that steps reference older
-ones and retention retires and reclaims them while processes die. A failed step (a peer died, the step already exists) is
+committed step bit for bit; part of it changes only every BASE_STEPS steps, so that
+steps reference older ones and retention retires a referenced step, and later reclaims
+it, while processes die. A failed step (a peer died, the step already exists) is
 skipped, as a training loop would; a lost writer ends the process with code 3.
 """
 
@@ -17,11 +18,14 @@ import torch
 
 import asyncckpt
 
+BASE_STEPS = 25  # steps that share one frozen tensor (then retention retires and reclaims)
+
 
 def expected_state(rank: int, step: int) -> dict:
     g = torch.Generator().manual_seed(step * 64 + rank)
-    frozen = torch.randn(300_000, generator=torch.Generator().manual_seed(rank))
-    return {"frozen": frozen,  # the same every step: stored as references (incremental)
+    base = torch.Generator().manual_seed(rank * 1_000_003 + step // BASE_STEPS)
+    frozen = torch.randn(300_000, generator=base)
+    return {"frozen": frozen,  # the same for BASE_STEPS steps: stored as references
             "w": torch.randn(400_000, generator=g).bfloat16(),
             "opt": {0: {"exp_avg": torch.randn(100_000, generator=g)}},
             "meta": {"rank": rank, "step": step}}
