@@ -22,6 +22,7 @@ from pathlib import Path
 from . import commit
 from ._version import __version__
 from .config import CODECS, WriterKnobs, parse_knob
+from .launch import default_job
 from .errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
 from .format import is_tmp_dir, step_dir_name, tmp_step_of
 
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--root", required=True, help="checkpoint root directory")
     w.add_argument("--codec", choices=list(CODECS), default=None)
     w.add_argument("--address", default=None, help="socket path (default: a private runtime dir)")
+    w.add_argument("--job", default=None,
+                   help="job id shared by the writers of several nodes on one root (default: "
+                        "ASYNCCKPT_JOB, else torchrun's run id and master address, if set)")
     w.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                    help="override a knob, e.g. zstd_level=3 (repeatable)")
     w.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -82,7 +86,7 @@ def _writer(args: argparse.Namespace) -> int:
     try:
         knobs = WriterKnobs.from_env(**{k: parse_knob(WriterKnobs, k, v) for k, v in overrides.items()},
                                codec=args.codec)
-        server = WriterServer(args.root, knobs, args.address)
+        server = WriterServer(args.root, knobs, args.address, job=args.job or default_job())
     except WriterLockedError as e:
         print(f"asyncckpt writer: {e}", file=sys.stderr)
         return 3

@@ -30,9 +30,10 @@ from typing import Any, Iterator
 
 import torch
 
-from . import errors, protocol, ring
+from . import protocol, ring
 from .config import ClientKnobs
-from .errors import SaveFailedError, UnsupportedStateError, WriterUnavailableError
+from .coordination import Agreement, StoreCoordinator
+from .errors import SaveFailedError, UnsupportedStateError, WriterUnavailableError, error_class
 from .format import MAX_STEP
 from .handle import SaveHandle
 from .ranks import resolve_rank
@@ -40,12 +41,6 @@ from .stager import DeviceCopies, ready_event, stage
 from .flatten import flatten
 
 log = logging.getLogger("asyncckpt.client")
-
-
-def _error_class(name: str) -> type[SaveFailedError]:
-    """The SaveFailedError subclass the writer named (DiskFullError, ...)."""
-    cls = getattr(errors, name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, SaveFailedError) else SaveFailedError
 
 
 class _Cancelled(Exception):
@@ -82,17 +77,19 @@ class _PendingSave:
     that anything JSON cannot carry fails in `save()` itself."""
 
     def __init__(self, save_id: int, step: int, world_size: int, state: Any,
-                 handle: SaveHandle, retention: tuple[int, int] | None) -> None:
+                 handle: SaveHandle, retention: tuple[int, int] | None,
+                 key: str | None = None) -> None:
         self.id = save_id
         self.step = step
         self.handle = handle
+        self.key = key  # the store key prefix of a save coordinated across nodes
         tree, self.entries = flatten(state)
         self.versions = [_version(e.tensor) for e in self.entries]
         self.ready = ready_event(e.tensor for e in self.entries)
         try:
             self.begin = protocol.encode(
                 "begin", save=save_id, step=step, world_size=world_size, tree=tree,
-                retention=retention,
+                retention=retention, coordinated=key is not None,
                 tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries])
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
@@ -110,7 +107,7 @@ class Client:
     """
 
     def __init__(self, address: str | None = None, *, rank: int | None = None,
-                 world_size: int | None = None, **knobs: Any) -> None:
+                 world_size: int | None = None, store: Any = None, **knobs: Any) -> None:
         """Create this rank's ring and connect to the writer.
 
         Args:
@@ -118,7 +115,13 @@ class Client:
                 ASYNCCKPT_ADDRESS.
             rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE,
                 else 0 / 1.
-            knobs: slot_size, ring_size, connect_timeout (see ClientKnobs).
+            store: a torch.distributed Store through which the nodes of a job agree on
+                each commit (coordination.py). Default: with knob coordination "auto",
+                the default process group's store when the job spans several nodes
+                (LOCAL_WORLD_SIZE < WORLD_SIZE), else none (the node's writer sees
+                every rank).
+            knobs: slot_size, ring_size, connect_timeout, coordination, node_timeout
+                (see ClientKnobs).
         Raises:
             ValueError: an unknown knob (a writer knob is named as one).
             WriterUnavailableError: no address, no writer there, or authentication failed.
@@ -156,6 +159,11 @@ class Client:
             raise WriterUnavailableError(f"writer at {address} refused this rank: "
                                          f"{str(welcome.get('reason', welcome.get('op')))[:500]}",
                                          rank=self.rank)
+        store = _store_for(self.knobs.coordination, self.world_size) if store is None else store
+        self._agreement = None if store is None else Agreement(
+            StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout),
+            self._send, str(welcome.get("root")), str(welcome.get("root_id")),
+            lambda: self._broken is not None)
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
         self._cond = threading.Condition()
@@ -205,7 +213,7 @@ class Client:
         handle = SaveHandle(step)
         retention = None if keep_last is None else (keep_last, keep_every)
         pending = _PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
-                               retention)
+                               retention, self._agreement.key(step) if self._agreement else None)
         with self._cond:
             self._pending[pending.id] = pending
         self._queue.put(pending)
@@ -223,6 +231,8 @@ class Client:
         self._sender.join(timeout)
         for pending in list(self._pending.values()):
             pending.handle._done.wait(timeout)
+        if self._agreement is not None:
+            self._agreement.close(timeout)
         protocol.hang_up(self._conn)
         self._receiver.join(timeout)
         self._device.close()
@@ -316,13 +326,24 @@ class Client:
                 op = m["op"]
                 if op == "free":
                     self._release(int(m["slot"]))
+                elif op == "durable" and self._agreement is not None:
+                    with self._cond:
+                        pending = self._pending.get(int(m["save"]))
+                    if pending is not None:
+                        self._agreement.durable(pending, str(m["tmp"]))
                 elif op in ("committed", "failed"):
                     with self._cond:
                         pending = self._pending.pop(int(m["save"]), None)
-                        if pending is not None and op == "committed":
+                        if pending is not None and pending.key is not None:
+                            assert self._agreement is not None
+                            error = None if op == "committed" else error_class(
+                                m.get("error", ""))(m.get("message", "save failed"))
+                            self._agreement.result(pending, error, m.get("path"),
+                                                   m.get("stats", {}))
+                        elif pending is not None and op == "committed":
                             pending.handle._set_committed(Path(m["path"]), m.get("stats", {}))
                         elif pending is not None:
-                            cls = _error_class(m.get("error", ""))
+                            cls = error_class(m.get("error", ""))
                             pending.handle._set_failed(cls(m.get("message", "save failed")))
                         self._cond.notify_all()
         except Exception as e:  # whatever ends this thread must fail the pending handles,
@@ -343,7 +364,24 @@ class Client:
             self._pending.clear()
             self._cond.notify_all()
         for pending in failed:
+            if pending.key is not None and self._agreement is not None:
+                self._agreement.broken(pending, self._broken)
             pending.handle._set_failed(self._broken)
+
+
+def _store_for(coordination: str, world_size: int) -> Any:
+    """The store to coordinate commits through, per the `coordination` knob."""
+    if coordination == "local":
+        return None
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if coordination == "store" or local < world_size:
+            return dist.distributed_c10d._get_default_store()
+    if coordination == "store":
+        raise ValueError('coordination "store" needs torch.distributed initialized, or a '
+                         "store passed to Client(store=...)")
+    return None
 
 
 _default: Client | None = None

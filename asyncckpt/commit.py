@@ -22,12 +22,15 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from pathlib import Path
 
 from . import faults
-from .errors import DiskFullError, SaveFailedError, StepAlreadyCommittedError, WriterLockedError
-from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, is_atomic_tmp_file, is_tmp_dir,
-                     parse_step_dir, step_dir_name)
+from .errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
+                     StepAlreadyCommittedError, WriterLockedError)
+from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, ROOT_ID_NAME, is_atomic_tmp_file,
+                     is_tmp_dir, parse_step_dir, step_dir_name, tmp_step_of)
+from .manifest import RankPart, parse_part, part_to_bytes
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -100,6 +103,77 @@ def publish(root: Path, tmp_dir: Path, step: int, manifest: bytes) -> Path:
     except OSError as e:  # the step is committed; `latest` is redone at the next commit or start
         log.warning("step %d committed but %s not updated: %s", step, LATEST_NAME, e)
     return final
+
+
+def part_file_name(rank: int) -> str:
+    return f"part-{rank:05d}.json"
+
+
+def write_part(tmp_dir: Path, step: int, part: RankPart) -> None:
+    """Write rank `part.rank`'s part of `step` beside its (already fsynced) data file, for
+    the leader of a several-node commit to read. It needs no fsync of its own: the
+    leader copies it into the manifest, which is made durable before anything is visible.
+    """
+    path = tmp_dir / part_file_name(part.rank)
+    faults.io("write", path)
+    with open(path, "xb") as f:
+        f.write(part_to_bytes(step, part))
+
+
+def gather_parts(root: Path, tmp_dir: Path, step: int, announced: dict[int, str],
+                 max_frame_bytes: int) -> list[RankPart]:
+    """The leader's half of a several-node commit: read every rank's part file from the
+    tmp directory it announced, check it with the manifest's rules and its data file's
+    size, and move that data file into `tmp_dir` (one rename each: the nodes share the
+    filesystem). Part files are then removed, and emptied tmp directories with them.
+
+    Args:
+        announced: rank -> the name (not a path) of the tmp directory holding its part,
+            for every rank of the world.
+    Returns:
+        The parts in rank order.
+    Raises:
+        SaveFailedError: a name that is not a tmp directory of `step`, a missing, corrupt
+            or mismatched part or data file, or an I/O error.
+    """
+    parts = []
+    try:
+        for rank in range(len(announced)):
+            name = announced[rank]
+            if not is_tmp_dir(name) or tmp_step_of(name) != step:
+                raise SaveFailedError(f"rank {rank} announced {name!r:.80}, not a tmp directory "
+                                      f"of step {step}", step=step, rank=rank)
+            source = root / name
+            data = read_small_file(source / part_file_name(rank), _MAX_PART)
+            if data is None:
+                raise SaveFailedError(f"no part file of rank {rank} in {source}", step=step,
+                                      rank=rank, file=str(source))
+            part = parse_part(data, step=step, rank=rank, max_frame_bytes=max_frame_bytes)
+            size = os.lstat(source / part.file)
+            if not stat.S_ISREG(size.st_mode) or size.st_size != part.stored_size:
+                raise SaveFailedError(f"{part.file} has {size.st_size} bytes, its part says "
+                                      f"{part.stored_size}", step=step, rank=rank,
+                                      file=str(source))
+            if source != tmp_dir:
+                faults.io("rename", tmp_dir / part.file)
+                os.rename(source / part.file, tmp_dir / part.file)
+            parts.append(part)
+        for rank, name in announced.items():
+            (root / name / part_file_name(rank)).unlink()
+        for name in set(announced.values()) - {tmp_dir.name}:
+            try:
+                os.rmdir(root / name)
+            except OSError:
+                pass  # not empty (a node's other step?): swept with the stale ones
+    except OSError as e:
+        raise io_error(e, step=step, file=str(e.filename)) from e
+    except CorruptCheckpointError as e:
+        raise SaveFailedError(f"a node's part is unusable: {e.cause}", step=step) from None
+    faults.point("parts_gathered")
+    return parts
+
+
+_MAX_PART = 512 << 20
 
 
 def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[int]:
@@ -184,15 +258,26 @@ def update_latest(root: Path) -> None:
         write_atomic(root / LATEST_NAME, f"{step_dir_name(steps[-1])}\n".encode())
 
 
-def remove_stale_tmp(root: Path) -> list[str]:
+def remove_stale_tmp(root: Path, *, up_to_step: int | None = None,
+                     older_than: float | None = None) -> list[str]:
     """Delete abandoned `step-*.tmp-*` directories and `.latest.tmp-*` files (the only
     names the writer makes there; other files are left alone); returns their names.
 
-    Only safe while holding the root lock: a live writer's tmp dirs look the same.
+    Only safe while no writer may be using them: with the lock held exclusively (or as
+    its first holder), or limited to steps up to `up_to_step` whose directories were
+    made before `older_than` (a time.time()), by a previous incarnation of the job.
     """
     removed = []
     for name in sorted(os.listdir(root)):
-        if is_tmp_dir(name) and stat.S_ISDIR(os.lstat(root / name).st_mode):
+        if up_to_step is not None and (tmp_step_of(name) is None or tmp_step_of(name) > up_to_step):
+            continue
+        try:
+            st = os.lstat(root / name)
+        except FileNotFoundError:
+            continue
+        if older_than is not None and st.st_mtime >= older_than:
+            continue
+        if is_tmp_dir(name) and stat.S_ISDIR(st.st_mode):
             shutil.rmtree(root / name, ignore_errors=True)
             removed.append(name)
         elif is_atomic_tmp_file(name) and name.startswith(f".{LATEST_NAME}.tmp-"):
@@ -206,18 +291,32 @@ def discard(tmp_dir: Path) -> None:
 
 
 class RootLock:
-    """An exclusive flock on `ROOT/.asyncckpt.lock`, released by the kernel on exit.
+    """A flock on `ROOT/.asyncckpt.lock`, released by the kernel on exit.
+
+    Without `job` the lock is exclusive: one writer (or `asyncckpt gc`) owns the root.
+    With `job`, the writers of that job -- one per node, sharing the root -- hold it
+    shared, and the job id is written in the file by the first of them: a writer of
+    another job, or an exclusive user, is refused while any of them runs. (flock turns
+    the first writer's exclusive lock into a shared one in two steps; a writer of another
+    job starting in that microsecond could slip in. NFS clients map flock to whole-file
+    POSIX locks, which other nodes see.)
 
     The file is opened with O_NOFOLLOW and must be a regular file: a symlink planted
-    there is refused, never followed (the pid is written into the file, which would
+    there is refused, never followed (the holder is written into the file, which would
     otherwise overwrite the link's target).
 
+    Attributes:
+        first: this process took the lock when no one held it (then, and only then, it
+            may sweep what earlier holders left behind).
     Raises:
-        WriterLockedError: another process holds the lock.
+        WriterLockedError: another process holds the lock (another job, or exclusively).
         SaveFailedError: the lock path is not a regular file we can open.
+        ValueError: a job id that is not one line of printable text.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, job: str | None = None) -> None:
+        if job is not None and (not job.isprintable() or not 0 < len(job) <= 200):
+            raise ValueError(f"job id must be 1..200 printable characters; got {job!r:.80}")
         self.path = root / LOCK_NAME
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -230,20 +329,71 @@ class RootLock:
             os.close(self._fd)
             raise SaveFailedError(f"the root lock {self.path} is not a regular file",
                                   file=str(root))
+        self.first = True
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip()
-            os.close(self._fd)
-            raise WriterLockedError(f"another writer holds {self.path} (pid {holder or '?'})",
-                                    file=str(root)) from None
+            self.first = False
+            if job is None or not self._join(job):
+                holder = os.pread(self._fd, 256, 0).decode(errors="replace").strip()
+                os.close(self._fd)
+                raise WriterLockedError(f"another writer holds {self.path} "
+                                        f"({holder or 'holder unknown'})", file=str(root)) from None
+            return
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(self._fd, (f"job {job}\n" if job else f"pid {os.getpid()}\n").encode(), 0)
+        if job is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)  # the job's other writers may now join
+
+    def _join(self, job: str) -> bool:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if os.pread(self._fd, 256, 0).decode(errors="replace").strip() == f"job {job}":
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
 
     def release(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def root_id(root: Path) -> str:
+    """The root's identity: random hex in `ROOT/.asyncckpt.root`, made by the first
+    writer (O_EXCL, so writers racing on one shared directory agree). Writers on
+    different directories -- a node-local disk where a shared one was meant -- get
+    different ids, which is how a several-node commit tells them apart.
+
+    Raises:
+        SaveFailedError: the file cannot be made or is not ours (a symlink, not hex).
+    """
+    path = root / ROOT_ID_NAME
+    for _ in range(50):
+        token = secrets.token_hex(8)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            text = read_small_file(path, 64)
+            if text is not None and len(text.strip()) == 16:
+                try:
+                    int(text, 16)
+                    return text.strip().decode()
+                except ValueError:
+                    pass
+            time.sleep(0.01)  # its maker may not have written it yet
+            continue
+        except OSError as e:
+            raise SaveFailedError(f"cannot make {path}: {e.strerror}", file=str(root)) from None
+        try:
+            os.write(fd, f"{token}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return token
+    raise SaveFailedError(f"{path} is not a root id (16 hex digits); remove it", file=str(root))
 
 
 def io_error(e: OSError, **where: object) -> SaveFailedError:

@@ -63,11 +63,21 @@ class ClientKnobs(_FromEnv):
         ring_size: bytes of the rank's shared-memory ring (a multiple of slot_size): the
             most host memory a save adds to the rank, whatever the state's size.
         connect_timeout: seconds to wait for the writer to accept and authenticate.
+        coordination: how a step's commit is agreed: "local" (the node's writer sees
+            every rank), "store" (several nodes, one writer each: through the
+            torch.distributed store, see coordination.py) or "auto" (the default:
+            "store" when torch.distributed runs over several nodes, LOCAL_WORLD_SIZE
+            < WORLD_SIZE, else "local").
+        node_timeout: with "store", seconds the leader waits for every rank's part once
+            its own is durable (then the step fails, naming the missing ranks), and the
+            others wait twice that for the leader's outcome.
     """
 
     slot_size: int = 4 * MiB
     ring_size: int = 64 * MiB
     connect_timeout: float = 30.0
+    coordination: str = "auto"
+    node_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         _require(self.slot_size >= 4096 and self.slot_size % 4096 == 0, "slot_size",
@@ -78,6 +88,9 @@ class ClientKnobs(_FromEnv):
                  "ring_size", f"a positive multiple of slot_size ({self.slot_size})",
                  self.ring_size)
         _require(self.connect_timeout > 0, "connect_timeout", "positive", self.connect_timeout)
+        _require(self.coordination in ("auto", "store", "local"), "coordination",
+                 '"auto", "store" or "local"', self.coordination)
+        _require(self.node_timeout > 0, "node_timeout", "positive", self.node_timeout)
 
     @property
     def ring_slots(self) -> int:

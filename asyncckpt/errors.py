@@ -86,3 +86,10 @@ class CorruptCheckpointError(CheckpointError):
 
 class StateMismatchError(CheckpointError):
     """`load(..., into=...)` found a target whose key, shape or dtype disagrees."""
+
+
+def error_class(name: str) -> type[SaveFailedError]:
+    """The SaveFailedError subclass called `name` (as a writer or another rank reports
+    it: DiskFullError, ...), else SaveFailedError itself."""
+    cls = globals().get(name)
+    return cls if isinstance(cls, type) and issubclass(cls, SaveFailedError) else SaveFailedError

@@ -9,8 +9,10 @@ uses its storage plugin for):
     ASYNCCKPT_FAIL_IO=<op>:<ERRNO>[:<n>]   the n-th <op> (write, fsync, rename) raises
                                            OSError(ERRNO), e.g. fsync:EIO or rename:EROFS
 
-Points: frame_written, data_fsynced, manifest_written (before the rename),
-step_renamed (before `latest`), pruning (a victim renamed, not yet deleted). Unset, as
+Points: frame_written, data_fsynced, part_written (several nodes: a rank's part file
+written, the rank not yet told), parts_gathered (several nodes: the leader moved every
+node's data files into its tmp directory, no manifest yet), manifest_written (before
+the rename), step_renamed (before `latest`), pruning (a victim renamed, not yet deleted). Unset, as
 in production, each hook costs a dictionary lookup.
 """
 
@@ -20,7 +22,8 @@ import errno
 import os
 import signal
 
-CRASH_POINTS = ("frame_written", "data_fsynced", "manifest_written", "step_renamed", "pruning")
+CRASH_POINTS = ("frame_written", "data_fsynced", "part_written", "parts_gathered",
+                "manifest_written", "step_renamed", "pruning")
 
 
 def _parse(variable: str) -> tuple[str, str, int] | None:

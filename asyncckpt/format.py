@@ -23,6 +23,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
+ROOT_ID_NAME = ".asyncckpt.root"
 
 # safetensors dtype names and element sizes. Kept free of torch so that the writer
 # process never imports it (torch alone is ~140 MiB of private memory).

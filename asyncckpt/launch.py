@@ -20,6 +20,7 @@ from .errors import WriterLockedError, WriterUnavailableError
 from .protocol import ADDRESS_ENV
 
 READY_PREFIX = "ASYNCCKPT_READY "
+JOB_ENV = "ASYNCCKPT_JOB"
 
 
 class WriterProcess:
@@ -67,15 +68,29 @@ class WriterProcess:
         return f"WriterProcess(pid={self.pid}, root={str(self.root)!r}, address={self.address!r})"
 
 
+def default_job() -> str | None:
+    """The job id writers share a root under: ASYNCCKPT_JOB, else torchrun's run id and
+    rendezvous address (the same on every node of one job, different for another job),
+    else None (a writer that owns its root alone)."""
+    if os.environ.get(JOB_ENV):
+        return os.environ[JOB_ENV]
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port and "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} {addr}:{port}"
+    return None
+
+
 def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
                  log_file: str | os.PathLike[str] | None = None, timeout: float = 60.0,
-                 **knobs: Any) -> WriterProcess:
+                 job: str | None = None, **knobs: Any) -> WriterProcess:
     """Start a writer process that owns `root` and return once it accepts ranks.
 
     Args:
         root: the checkpoint root directory (created if missing).
         codec: "auto" (default), "raw", "zstd" or "bytegroup" (see WriterKnobs.codec).
         log_file: where the writer logs (default: inherit stderr).
+        job: the job id of the writers of several nodes that share `root` (default:
+            `default_job()`); writers of one job share the root, others are refused.
         knobs: other writer knobs (zstd_level, shutdown_timeout, ...); see WriterKnobs.
     Returns:
         A WriterProcess; its address is also exported as ASYNCCKPT_ADDRESS.
@@ -88,6 +103,8 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
            "--parent-pid", str(os.getpid()), "--ready-line"]
     if codec is not None:
         cmd += ["--codec", codec]
+    if job or default_job():
+        cmd += ["--job", job or default_job()]  # type: ignore[list-item]
     for name, value in knobs.items():
         cmd += ["--knob", f"{name}={value}"]
     stderr = open(log_file, "ab") if log_file else None

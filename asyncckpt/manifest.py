@@ -112,8 +112,7 @@ class Manifest:
             "world_size": self.world_size, "created": self.created,
             "ranks": [p.to_json() for p in self.ranks],
         }, separators=(",", ":"), allow_nan=False).encode()
-        digest = f"{xxhash.xxh3_64_intdigest(body):016x}".encode()
-        return _PREFIX + digest + _MIDDLE + body + _SUFFIX
+        return _seal(body)
 
 
 def parse_manifest(data: bytes, *, max_frame_bytes: int) -> Manifest:
@@ -122,23 +121,57 @@ def parse_manifest(data: bytes, *, max_frame_bytes: int) -> Manifest:
     Raises:
         CorruptCheckpointError: bad checksum, bad JSON, or any field breaking its rule.
     """
-    head = len(_PREFIX) + 16 + len(_MIDDLE)
-    if (len(data) < head + len(_SUFFIX) or not data.startswith(_PREFIX)
-            or data[len(_PREFIX) + 16:head] != _MIDDLE or not data.endswith(_SUFFIX)):
-        raise CorruptCheckpointError("manifest does not have the checksummed envelope")
-    digest = data[len(_PREFIX):len(_PREFIX) + 16].decode("ascii", "replace")
-    body = data[head:-len(_SUFFIX)]
-    actual = f"{xxhash.xxh3_64_intdigest(body):016x}"
-    if digest != actual:
-        raise CorruptCheckpointError(f"manifest xxh3 mismatch (recorded {digest}, actual {actual})")
-    try:
-        doc = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"manifest is not valid JSON: {e}") from None
+    doc = _unseal(data, "manifest")
     try:
         return _manifest_from_json(doc, max_frame_bytes)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"manifest field invalid: {type(e).__name__}: {e}") from None
+
+
+def part_to_bytes(step: int, part: RankPart) -> bytes:
+    """One rank's part of a step, in the manifest's checksummed envelope: what a node
+    writes beside its data file for the leader that assembles a several-node manifest."""
+    body = json.dumps({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step,
+                       "part": part.to_json()}, separators=(",", ":"), allow_nan=False).encode()
+    return _seal(body)
+
+
+def parse_part(data: bytes, *, step: int, rank: int, max_frame_bytes: int) -> RankPart:
+    """Check and parse a part file of rank `rank` for `step` (the manifest's rules).
+
+    Raises:
+        CorruptCheckpointError: bad checksum or JSON, another step or rank, a bad field.
+    """
+    doc = _unseal(data, "part")
+    try:
+        _check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
+               and doc.get("format_version") == FORMAT_VERSION, "not an asyncckpt part")
+        _check(doc["step"] == step, f"part of step {doc['step']!r:.20}, not {step}")
+        return _rank_from_json(doc["part"], rank, max_frame_bytes)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"part field invalid: {type(e).__name__}: {e}") from None
+
+
+def _seal(body: bytes) -> bytes:
+    digest = f"{xxhash.xxh3_64_intdigest(body):016x}".encode()
+    return _PREFIX + digest + _MIDDLE + body + _SUFFIX
+
+
+def _unseal(data: bytes, what: str) -> Any:
+    """The JSON document inside the checksummed envelope."""
+    head = len(_PREFIX) + 16 + len(_MIDDLE)
+    if (len(data) < head + len(_SUFFIX) or not data.startswith(_PREFIX)
+            or data[len(_PREFIX) + 16:head] != _MIDDLE or not data.endswith(_SUFFIX)):
+        raise CorruptCheckpointError(f"{what} does not have the checksummed envelope")
+    digest = data[len(_PREFIX):len(_PREFIX) + 16].decode("ascii", "replace")
+    body = data[head:-len(_SUFFIX)]
+    actual = f"{xxhash.xxh3_64_intdigest(body):016x}"
+    if digest != actual:
+        raise CorruptCheckpointError(f"{what} xxh3 mismatch (recorded {digest}, actual {actual})")
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{what} is not valid JSON: {e}") from None
 
 
 def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest:

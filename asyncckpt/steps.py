@@ -16,6 +16,15 @@ so the writer never commits a checkpoint that `load` or `verify` would reject, a
 retention never deletes a good step on the strength of a bad one. Any exception in
 that sequence fails the step for all its ranks and discards its files.
 
+Across several nodes (a *coordinated* step: the ranks say so in their begin), a writer
+sees only its own node's ranks. It makes each rank's part durable (data file fsynced,
+then a part file beside it) and tells that rank, which announces it to the others
+through the job's store (coordination.py); when every rank of the world has announced,
+the ranks' leader asks its writer to commit, and that writer gathers every node's parts
+into its tmp directory and runs the same committer. A node learns the outcome from its
+ranks (`outcome`), and then forgets the step or discards its files. Only the writer that
+commits prunes and sweeps: housekeeping happens once, on the leader.
+
 Nothing here iterates over a world size: a rank may claim any world up to
 `MAX_WORLD`, and the work per event stays proportional to the connected ranks.
 """
@@ -31,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import commit
+from . import commit, faults
 from .errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
 from .format import MAX_STEP
 from .manifest import Manifest, RankPart
@@ -58,6 +67,10 @@ class Step:
     parts: dict[int, RankPart] = field(default_factory=dict)
     stats: dict[int, dict] = field(default_factory=dict)
     retention: tuple[int, int] | None = None
+    coordinated: bool = False
+    durable: dict[int, Callable[[str], None]] = field(default_factory=dict)  # coordinated
+    announced: dict[int, str] | None = None   # leader: rank -> tmp dir name of its part
+    requester: Notify | None = None           # leader: the save that asked for the commit
 
 
 class Steps:
@@ -67,8 +80,11 @@ class Steps:
     def __init__(self, root: Path, retention: tuple[int, int] = (0, 0), *,
                  choose_codec: Callable[[], tuple[str, dict[str, Any] | None]] = lambda: ("raw", None),
                  check: Check | None = None,
-                 on_commit: Callable[[Manifest, Step], None] | None = None) -> None:
+                 on_commit: Callable[[Manifest, Step], None] | None = None,
+                 max_frame_bytes: int = 256 << 20) -> None:
         self.root = root
+        self._max_frame_bytes = max_frame_bytes
+        self._started = time.time()
         self.retention = retention  # (keep_last, keep_every) unless a save names its own
         self._choose_codec = choose_codec
         self._check = check
@@ -86,12 +102,15 @@ class Steps:
         self._committer.start()
 
     def begin(self, step: int, rank: int, world_size: int, notify: Notify,
-              retention: tuple[int, int] | None = None) -> Step:
+              retention: tuple[int, int] | None = None,
+              durable: Callable[[str], None] | None = None) -> Step:
         """Register `rank`'s part of `step`, opening the step on its first rank (which
         also fixes the step's codec).
 
         `retention` (keep_last, keep_every), if given, replaces the writer's own policy
-        for the deletions that follow this step's commit.
+        for the deletions that follow this step's commit. With `durable`, the step is
+        coordinated across nodes: once the rank's part is durable, `durable(tmp dir
+        name)` is called instead of waiting here for the whole world.
 
         Raises:
             StepAlreadyCommittedError: the step is committed (saves never overwrite one).
@@ -122,14 +141,17 @@ class Steps:
                         step=step, rank=rank)
                 codec, choice = self._choose_codec()
                 current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step),
-                               choice)
+                               choice, coordinated=durable is not None)
                 self._open[step] = current
-            elif current.world_size != world_size:
+            elif current.world_size != world_size or current.coordinated != (durable is not None):
                 raise SaveFailedError(f"world size {world_size} disagrees with the step's other "
-                                      f"ranks ({current.world_size})", step=step, rank=rank)
+                                      f"ranks ({current.world_size}), or some coordinate "
+                                      "across nodes and others not", step=step, rank=rank)
             elif rank in current.waiting:
                 raise SaveFailedError("this rank is already saving this step", step=step, rank=rank)
             current.waiting[rank] = notify
+            if durable is not None:
+                current.durable[rank] = durable
             if retention is not None:
                 current.retention = retention
             return current
@@ -143,11 +165,57 @@ class Steps:
                 return  # already failed
             current.parts[part.rank] = part
             current.stats[part.rank] = stats
-            if len(current.parts) < current.world_size:
+            if not current.coordinated:
+                if len(current.parts) < current.world_size:
+                    return
+                del self._open[step]
+                self._committing[step] = current
+        if current.coordinated:
+            try:
+                commit.write_part(current.tmp_dir, step, part)
+                faults.point("part_written")
+            except Exception as e:
+                self.fail(step, commit.io_error(e, step=step, rank=part.rank)
+                          if isinstance(e, OSError) else SaveFailedError(
+                              f"part not written: {type(e).__name__}: {e}", step=step,
+                              rank=part.rank))
+                return
+            current.durable[part.rank](current.tmp_dir.name)
+            return
+        self._ready.put(current)
+
+    def commit_parts(self, step: int, world_size: int, announced: dict[int, str],
+                     requester: Notify) -> None:
+        """Commit coordinated `step` from the parts every rank announced (the leader's
+        writer, asked by the leader rank); `requester` hears the result."""
+        with self._lock:
+            current = self._open.get(step)
+            if (current is None or not current.coordinated or current.world_size != world_size
+                    or set(announced) != set(range(world_size))):
+                error = SaveFailedError("cannot commit: this writer has no such coordinated step "
+                                        "open, or the announced ranks are not the world",
+                                        step=step)
+            else:
+                error = None
+                del self._open[step]
+                self._committing[step] = current
+                current.announced, current.requester = announced, requester
+        if error is not None:
+            requester(error, None, {})
+            return
+        self._ready.put(current)
+
+    def outcome(self, step: int, committed: bool) -> None:
+        """How a coordinated step ended elsewhere: forget it, and discard its files if it
+        failed (if it committed, the leader took them)."""
+        with self._lock:
+            current = self._open.get(step)
+            if current is None or not current.coordinated:
                 return
             del self._open[step]
-            self._committing[step] = current
-        self._ready.put(current)
+            self._idle.notify_all()
+        if not committed:
+            commit.discard(current.tmp_dir)
 
     def fail(self, step: int, error: CheckpointError) -> None:
         """Fail `step` for every rank: notify them, forget the step, discard its files."""
@@ -187,7 +255,11 @@ class Steps:
                 for record in self._failed.values():
                     record[1].discard(rank)
                 doomed |= {s.step for s in self._open.values()
-                           if rank < s.world_size and rank not in s.waiting}
+                           if rank < s.world_size and rank not in s.waiting and not s.coordinated}
+            for s in [s for s in self._open.values() if s.coordinated and s.step not in doomed
+                      and not any(self._live.get(r, 0) > 0 for r in s.waiting)]:
+                del self._open[s.step]  # no rank left to hear the outcome; the files stay
+                self._idle.notify_all()  # for the leader (swept later if it never comes)
         for step in sorted(doomed):
             self.fail(step, SaveFailedError("rank disconnected before ending its save",
                                             step=step, rank=rank))
@@ -200,7 +272,7 @@ class Steps:
             live = {r for r, n in self._live.items() if n > 0}
             doomed = []
             for s in self._open.values():
-                if now - s.started < timeout:
+                if now - s.started < timeout or s.coordinated:  # its ranks are mostly remote
                     continue
                 present = len(s.waiting) + sum(1 for r in live
                                                if r < s.world_size and r not in s.waiting)
@@ -253,9 +325,14 @@ class Steps:
                     self._idle.notify_all()
 
     def _commit(self, current: Step) -> None:
+        tell = [current.requester] if current.requester else list(current.waiting.values())
         try:
-            manifest = Manifest(step=current.step, world_size=current.world_size,
-                                ranks=[current.parts[r] for r in range(current.world_size)])
+            if current.announced is not None:
+                parts = commit.gather_parts(self.root, current.tmp_dir, current.step,
+                                            current.announced, self._max_frame_bytes)
+            else:
+                parts = [current.parts[r] for r in range(current.world_size)]
+            manifest = Manifest(step=current.step, world_size=current.world_size, ranks=parts)
             data = manifest.to_bytes()
             if self._check is not None:
                 self._check(data, manifest)
@@ -265,9 +342,13 @@ class Steps:
                 f"commit failed: {type(e).__name__}: {e}", step=current.step)
             commit.discard(current.tmp_dir)
             log.warning("step %d failed at commit: %s", current.step, error)
-            _tell(current.waiting.values(), error)
+            _tell(tell, error)
             return
         self._prune(current)
+        if current.announced is not None:  # tmp dirs an earlier incarnation of the job left
+            for name in commit.remove_stale_tmp(self.root, up_to_step=current.step,
+                                                older_than=self._started):
+                log.info("removed abandoned %s", name)
         if self._on_commit:
             try:
                 self._on_commit(manifest, current)
@@ -275,6 +356,9 @@ class Steps:
                 log.exception("commit hook failed")
         stats = {"raw_bytes": manifest.raw_size, "stored_bytes": manifest.stored_size,
                  "seconds": time.monotonic() - current.started}
+        if current.requester is not None:
+            current.requester(None, path, {**stats, **current.stats.get(0, {})})
+            return
         for rank, notify in current.waiting.items():
             notify(None, path, {**stats, **current.stats.get(rank, {})})
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.writer_memory --state-gib 4 --ring-mib 256
 
-The claim under test (DESIGN.md invariant 5): the writer's private memory (RssAnon,
+The claim under test: the writer's private memory (RssAnon,
 which excludes the shared ring) stays bounded by a constant plus the chunks in flight,
 whatever the size of the state. The writer is sampled every 10 ms from outside.
 """

@@ -24,8 +24,9 @@ def shm_segments() -> list[str]:
 
 @pytest.fixture(autouse=True)
 def no_leaked_shared_memory() -> Iterator[None]:
+    before = len(shm_segments())  # rings of module-scoped clients stay mapped across tests
     yield
-    assert shm_segments() == [], "a test left an asyncckpt ring mapped"
+    assert len(shm_segments()) <= before, "a test left an asyncckpt ring mapped"
 
 
 @pytest.fixture

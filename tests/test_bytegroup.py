@@ -314,7 +314,8 @@ def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
                 outstanding[0] -= 1
         return done
 
-    writer = RankFileWriter(tmp_path, 0, "bytegroup", 1, header, specs, pool=pool)
+    writer = RankFileWriter(tmp_path, 0, "bytegroup", 1, header, specs, 0, pool=pool,
+                            max_frame=size)
     for i in range(n_frames):
         with lock:
             outstanding[0] += 1
@@ -344,8 +345,8 @@ def test_a_write_error_fails_the_file_and_drains_the_frames(tmp_path, monkeypatc
     header, specs = layout([("w", "U8", (50_000,))])
     errors: list[BaseException] = []
     pool = FramePool(threads=2, max_inflight=2)
-    writer = RankFileWriter(tmp_path, 0, "zstd", 1, header, specs, pool=pool,
-                            on_error=errors.append)
+    writer = RankFileWriter(tmp_path, 0, "zstd", 1, header, specs, 0, pool=pool,
+                            max_frame=5000, on_error=errors.append)
     calls = [0]
     real = pipeline.os.writev
 

@@ -39,7 +39,7 @@ def test_disk_full_fails_the_save_and_keeps_serving(small_fs, tmp_path):
             handle = client.save(2, huge)
             with pytest.raises(asyncckpt.DiskFullError, match="disk full"):
                 handle.wait(60)
-            assert sorted(p.name for p in root.iterdir()) == [".asyncckpt.lock", "latest",
+            assert sorted(p.name for p in root.iterdir()) == [".asyncckpt.lock", ".asyncckpt.root", "latest",
                                                              "step-00000001"]
             assert_same(small, asyncckpt.load(root))
             again = {"w": torch.randn(256 << 10)}

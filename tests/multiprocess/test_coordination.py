@@ -1,0 +1,193 @@
+"""Several nodes in one process: two writers on one root, four clients coordinating each
+commit through a TCPStore (the store torchrun runs), as two nodes of two ranks would."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+import asyncckpt
+from asyncckpt import commit
+from conftest import assert_same
+
+WORLD, PER_NODE = 4, 2
+
+
+def state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return {"w": torch.randn(3000 + rank, generator=g), "opt": {0: torch.randn(17, generator=g)},
+            "rank": rank, "step": step}
+
+
+@contextlib.contextmanager
+def nodes(tmp_path: Path, roots: list[Path] | None = None, crash_at: str | None = None,
+          job: str = "job-a", **knobs) -> Iterator[list[asyncckpt.WriterProcess]]:
+    """Two writers (nodes) of one job, each with its own runtime dir."""
+    roots = roots or [tmp_path / "ckpt"] * 2
+    writers = []
+    try:
+        for node, root in enumerate(roots):
+            env = {"ASYNCCKPT_RUNTIME_DIR": str(tmp_path / f"rt{node}")}
+            if crash_at and node == 0:
+                env["ASYNCCKPT_CRASH_AT"] = crash_at
+            with _env(env):
+                writers.append(asyncckpt.start_writer(root, codec="zstd", job=job,
+                                                      log_file=tmp_path / f"w{node}.log", **knobs))
+        yield writers
+    finally:
+        for w in writers:
+            w.stop(timeout=30)
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def store() -> Iterator[TCPStore]:
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield master
+
+
+@contextlib.contextmanager
+def ranks(writers, store, node_timeout: float = 20) -> Iterator[list[asyncckpt.Client]]:
+    clients = [asyncckpt.connect(writers[r // PER_NODE].address, rank=r, world_size=WORLD,
+                                 store=TCPStore("127.0.0.1", store.port, is_master=False),
+                                 node_timeout=node_timeout, slot_size=4096, ring_size=16384)
+               for r in range(WORLD)]
+    try:
+        yield clients
+    finally:
+        for c in clients:
+            c.close(timeout=30)
+
+
+def outcomes(handles) -> list:
+    out = []
+    for h in handles:
+        try:
+            out.append(h.wait(60))
+        except asyncckpt.CheckpointError as e:
+            out.append(e)
+    return out
+
+
+def test_two_nodes_commit_one_checkpoint_equal_to_a_single_node_one(tmp_path, store):
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path) as writers, ranks(writers, store) as clients:
+        for step in (1, 2):
+            done = outcomes([c.save(step, state(c.rank, step)) for c in clients])
+            assert done == [root / f"step-{step:08d}"] * WORLD
+    assert asyncckpt.verify(root).ok
+    for r in range(WORLD):
+        assert_same(state(r, 2), asyncckpt.load(root, rank=r))
+    names = sorted(os.listdir(root / "step-00000002"))
+    assert names == ["manifest.json"] + [f"rank-{r:05d}.safetensors.zst" for r in range(WORLD)]
+    assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
+    # the same world on one node writes the same files and the same manifest structure
+    single = tmp_path / "single"
+    with asyncckpt.start_writer(single, codec="zstd") as w:
+        one = [asyncckpt.connect(w.address, rank=r, world_size=WORLD, slot_size=4096,
+                                 ring_size=16384) for r in range(WORLD)]
+        outcomes([c.save(2, state(c.rank, 2)) for c in one])
+        for c in one:
+            c.close()
+    assert sorted(os.listdir(single / "step-00000002")) == names
+    a = asyncckpt.Checkpoint.open(root, step=2).manifest if hasattr(asyncckpt, "Checkpoint") else None
+    from asyncckpt.manifest import read_manifest
+    multi, solo = read_manifest(root / "step-00000002"), read_manifest(single / "step-00000002")
+    assert [p.to_json() for p in multi.ranks] == [p.to_json() for p in solo.ranks]
+    del a
+
+
+def test_a_node_on_another_root_fails_the_first_save_everywhere_naming_both(tmp_path, store):
+    other = tmp_path / "node-local"
+    with nodes(tmp_path, [tmp_path / "ckpt", other]) as writers, ranks(writers, store) as clients:
+        started = time.monotonic()
+        done = outcomes([c.save(1, state(c.rank, 1)) for c in clients])
+        assert time.monotonic() - started < 10  # not the node timeout (20 s)
+    assert all(isinstance(e, asyncckpt.SaveFailedError) for e in done), done
+    message = str(done[1])
+    assert str(other) in message and str(tmp_path / "ckpt") in message and "rank 2" in message
+    assert commit.committed_steps(tmp_path / "ckpt") == [] == commit.committed_steps(other)
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name]
+
+
+def test_a_rank_that_never_saves_fails_the_step_on_every_node_after_the_timeout(tmp_path, store):
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path) as writers, ranks(writers, store, node_timeout=2) as clients:
+        assert outcomes([c.save(1, state(c.rank, 1)) for c in clients])[0] == root / "step-00000001"
+        started = time.monotonic()
+        done = outcomes([c.save(2, state(c.rank, 2)) for c in clients[:3]])  # rank 3 hangs
+        assert 1.5 < time.monotonic() - started < 15
+        assert all("rank 3 did not make its part durable" in str(e) for e in done), done
+    assert commit.committed_steps(root) == [1] and commit.read_latest(root) == 1
+    assert asyncckpt.verify(root).ok
+
+
+def test_a_local_failure_on_one_node_fails_every_rank_at_once(tmp_path, store):
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path) as writers, ranks(writers, store) as clients:
+        bad = state(3, 1)
+        bad["w"] = torch.randn(200_000)  # rank 3 tears its tensor while it is staged
+        handles = [c.save(1, state(c.rank, 1)) for c in clients[:3]]
+        h3 = clients[3].save(1, bad)
+        bad["w"].add_(1)
+        started = time.monotonic()
+        done = outcomes(handles + [h3])
+        if all(isinstance(p, Path) for p in done):
+            pytest.skip("staging won the race against the in-place change")
+        assert time.monotonic() - started < 10
+        assert all(isinstance(e, asyncckpt.SaveFailedError) for e in done), done
+        # the next step commits
+        assert outcomes([c.save(2, state(c.rank, 2)) for c in clients]) == [root / "step-00000002"] * 4
+    assert commit.committed_steps(root) == [2]
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+
+
+def test_the_leader_writer_killed_before_the_rename_leaves_nothing_visible(tmp_path, store):
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path, crash_at="parts_gathered:2") as writers, ranks(writers, store) as clients:
+        assert outcomes([c.save(1, state(c.rank, 1)) for c in clients])[0] == root / "step-00000001"
+        started = time.monotonic()
+        done = outcomes([c.save(2, state(c.rank, 2)) for c in clients])
+        assert time.monotonic() - started < 10
+        assert all(isinstance(e, asyncckpt.CheckpointError) for e in done), done
+        assert not writers[0].alive()
+    assert commit.committed_steps(root) == [1] and asyncckpt.verify(root).ok
+    assert [p for p in root.iterdir() if ".tmp-" in p.name]  # left for the next leader
+    with nodes(tmp_path) as writers:  # a restarted job: the first writer sweeps
+        assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+        with ranks(writers, TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)) as clients:
+            assert outcomes([c.save(3, state(c.rank, 3)) for c in clients])[0] == root / "step-00000003"
+    assert commit.committed_steps(root) == [1, 3]
+
+
+def test_writers_of_another_job_and_gc_are_refused_while_a_job_holds_the_root(tmp_path):
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path):
+        with pytest.raises(asyncckpt.WriterLockedError):
+            asyncckpt.start_writer(root, job="job-b", log_file=tmp_path / "b.log")
+        with pytest.raises(asyncckpt.WriterLockedError):
+            asyncckpt.start_writer(root, log_file=tmp_path / "c.log")  # no job: exclusive
+        from asyncckpt.cli import main
+        assert main(["gc", str(root), "--keep-last", "1"]) == 3
+    with asyncckpt.start_writer(root, job="job-b", log_file=tmp_path / "b.log"):
+        pass  # once the job is gone, another may take the root
