@@ -175,6 +175,12 @@ class Node:
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
 
+    def wait_ranks(self, timeout: float) -> None:
+        """Wait until none of the agent's ranks lives. After another node died, an agent
+        whose ranks all succeeded waits in torchrun's exit barrier (minutes) for the dead
+        node's agent: callers kill it once its ranks are gone."""
+        wait_for(lambda: not self.rank_pids(), timeout, f"node {self.index}'s ranks exiting")
+
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 

@@ -126,10 +126,7 @@ def save(out: Path) -> int:
         write_json(result_path, result)
     print(f"OK rank {rank} node {node}: " + " ".join(
         f"{s}:{'ok' if r['ok'] else r['error']}" for s, r in result["steps"].items()), flush=True)
-    if failed:
-        os._exit(0)  # no destroy_process_group: the peers may be gone
-    dist.destroy_process_group()
-    return 0
+    leave()
 
 
 def load(out: Path) -> int:
@@ -156,8 +153,16 @@ def load(out: Path) -> int:
                {"rank": rank, "world": dist.get_world_size(), "checked": checked})
     print(f"OK loaded steps {checked} at world size {dist.get_world_size()}", flush=True)
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    leave()
+
+
+def leave() -> None:
+    """Exit without tearing gloo down: after a failure the peers may be gone, and even
+    after a clean barrier gloo's teardown sometimes aborts ("terminate called without
+    an active exception") while a peer on the other node exits first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:
