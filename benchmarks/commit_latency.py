@@ -75,8 +75,7 @@ def rank_main(out: Path, saves: int, mib: int) -> int:
     dist.barrier()
     if writer is not None:
         writer.stop()
-    dist.destroy_process_group()
-    return 0
+    return 0  # no destroy_process_group: across nodes gloo's teardown sometimes aborts
 
 
 # -- the launcher --------------------------------------------------------------------------

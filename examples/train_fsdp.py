@@ -191,7 +191,10 @@ def main() -> int:
         verify = subprocess.run([sys.executable, "-m", "asyncckpt", "verify", str(root)])
         ok = ok and verify.returncode == 0
         print("RESUME EXACT" if ok else "RESUME NOT EXACT", flush=True)
-    dist.destroy_process_group()
+    if node_layout()[1] == 1:
+        # across nodes, gloo's destroy_process_group sometimes aborts (std::terminate, in
+        # about 1 of 3 runs here) while the other node's ranks tear down; exit releases it
+        dist.destroy_process_group()
     return 0 if ok else 1
 
 

@@ -57,7 +57,18 @@ def rank_main(start: int) -> int:
     key = f"torture-writer-node{node}"
     if int(os.environ["LOCAL_RANK"]) == 0:
         root = Path(os.environ["TORTURE_ROOT"])
-        writer = asyncckpt.start_writer(root, log_file=root.parent / f"writer-node{node}.log")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                writer = asyncckpt.start_writer(root, log_file=root.parent / f"writer-node{node}.log")
+                break
+            except asyncckpt.WriterLockedError:
+                # the other node's writer of this job held the lock exclusively for an
+                # instant (RootLock takes it exclusively before sharing it): counted
+                (root.parent / f"lock-refused-{os.getpid()}-{time.monotonic_ns()}").touch()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         store.set(key, writer.address)
     address = store.get(key).decode()
     client = asyncckpt.connect(address, slot_size=256 << 10, ring_size=1 << 20)
@@ -143,7 +154,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
     runtime = [Path(tempfile.mkdtemp(prefix=f"tmn{i}-")) for i in range(NODES)]
     env = {"TORTURE_ROOT": str(root), "ASYNCCKPT_NODE_TIMEOUT": str(NODE_TIMEOUT),
            "ASYNCCKPT_ABSENT_RANK_TIMEOUT": str(NODE_TIMEOUT),
-           "ASYNCCKPT_SHUTDOWN_TIMEOUT": "10"}
+           "ASYNCCKPT_SHUTDOWN_TIMEOUT": "10", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     victims: collections.Counter[str] = collections.Counter()
     figures = collections.Counter()
     started = time.monotonic()
@@ -213,6 +224,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
         for d in runtime:
             import shutil
             shutil.rmtree(d, ignore_errors=True)
+    figures["writer_starts_refused"] = len(list(base.glob("lock-refused-*")))
     return {"kills_survived": survived, **{f"killed[{k}]": v for k, v in sorted(victims.items())},
             **figures, "last_step": (commit.committed_steps(root) or [0])[-1],
             "seconds": round(time.monotonic() - started, 1)}
