@@ -192,9 +192,12 @@ def main() -> int:
         ok = ok and verify.returncode == 0
         print("RESUME EXACT" if ok else "RESUME NOT EXACT", flush=True)
     if node_layout()[1] == 1:
-        # across nodes, gloo's destroy_process_group sometimes aborts (std::terminate, in
-        # about 1 of 3 runs here) while the other node's ranks tear down; exit releases it
         dist.destroy_process_group()
+    else:
+        # across nodes, gloo sometimes aborts (std::terminate) in a rank that tears its
+        # group down while a peer on the other node still runs: leave together, and let
+        # the process exit release the group
+        dist.barrier()
     return 0 if ok else 1
 
 
