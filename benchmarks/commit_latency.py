@@ -62,6 +62,7 @@ def rank_main(out: Path, saves: int, mib: int) -> int:
     state = {"w": torch.randn(mib << 18, generator=g),
              "opt": {"step": torch.tensor(1.0), "exp_avg": torch.randn(4096, generator=g)}}
     records = []
+    keys_before = store.num_keys()
     for i in range(saves):
         dist.barrier()
         t_save = time.time()
@@ -70,9 +71,11 @@ def rank_main(out: Path, saves: int, mib: int) -> int:
         t_staged = time.time()
         handle.wait(120)
         records.append({"t_save": t_save, "t_staged": t_staged, "t_done": time.time()})
-    (out / f"rank{rank}.json").write_text(json.dumps(records))
     client.close()
     dist.barrier()
+    if rank == 0:  # what the coordination leaves in the job's store, per save
+        records[0]["store_keys_added"] = store.num_keys() - keys_before
+    (out / f"rank{rank}.json").write_text(json.dumps(records))
     if writer is not None:
         writer.stop()
     return 0  # no destroy_process_group: across nodes gloo's teardown sometimes aborts
@@ -135,7 +138,8 @@ def figures(records: list[list[dict]]) -> dict[str, float]:
         first.append(min(x["t_done"] for x in per_rank) - last_staged)
         whole.append(max(x["t_done"] for x in per_rank) - min(x["t_save"] for x in per_rank))
     ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-    return {"commit_ms": ms(commit), "commit_max_ms": 1e3 * max(commit), "first_ms": ms(first),
+    return {"store_keys_per_save": records[0][0].get("store_keys_added", 0) / len(records[0]),
+            "commit_ms": ms(commit), "commit_max_ms": 1e3 * max(commit), "first_ms": ms(first),
             "save_to_commit_ms": ms(whole), "saves": len(commit)}
 
 
@@ -162,7 +166,9 @@ def main() -> int:
         print(f"{f'{nodes} node x {per_node} ranks':16} {f['commit_ms']:28.1f} "
               f"{f['commit_max_ms']:8.1f} {f['first_ms']:14.1f} {f['save_to_commit_ms']:18.1f}")
     extra = rows[(2, 2)]["commit_ms"] - rows[(1, 4)]["commit_ms"]
-    print(f"several nodes add {extra:.1f} ms to the median commit latency")
+    print(f"several nodes add {extra:.1f} ms to the median commit latency; keys left in the "
+          f"job's store per save: {rows[(1, 4)]['store_keys_per_save']:g} (1 node), "
+          f"{rows[(2, 2)]['store_keys_per_save']:g} (2 nodes)")
     return 0
 
 
