@@ -1,6 +1,6 @@
 """Commit latency of several nodes next to one node of the same world size.
 
-    python -m benchmarks.commit_latency [--saves 9] [--mib 4]      (make bench-commit)
+    python -m benchmarks.commit_latency [--saves 15] [--kib 256]    (make bench-commit)
 
 Two jobs of 4 ranks in the same run, each a set of torchrun launches on loopback (a
 simulated node is one torchrun with its own writer and runtime directory, all nodes on
@@ -8,7 +8,8 @@ one root): 1 node x 4 ranks (one writer sees every rank and commits alone) and
 2 nodes x 2 ranks (each writer makes its ranks' part durable, the ranks announce it in
 the job's store, the leader's writer gathers, writes the manifest and renames). Each rank
 saves the same small state `--saves` times, one save at a time (a barrier between
-saves), with the raw codec so that encoding does not blur the figure.
+saves), with the raw codec and a small state so that neither encoding nor writing
+blurs the figure.
 
 What is reported, medians over the saves after the first (warm-up), times as the ranks
 see them (time.time() on one machine, so the ranks' clocks agree):
@@ -19,7 +20,9 @@ see them (time.time() on one machine, so the ranks' clocks agree):
 - first rank told: the same, until the first rank's handle says committed;
 - save -> committed: from the first `save()` call of the step to the last handle done.
 
-A rank's state: one float32 tensor of `--mib` MiB plus a small optimizer-like dict.
+A rank's state: one float32 tensor of `--kib` KiB plus a small optimizer-like dict.
+Also reported: how many keys each save leaves in the job's store (the coordination
+never deletes its keys, so the store grows by this much per save).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 # -- one rank, under torchrun ------------------------------------------------------------
 
-def rank_main(out: Path, saves: int, mib: int) -> int:
+def rank_main(out: Path, saves: int, kib: int) -> int:
     import torch
     import torch.distributed as dist
 
@@ -59,7 +62,7 @@ def rank_main(out: Path, saves: int, mib: int) -> int:
         store.set(f"bench-writer-node{node}", writer.address)
     client = asyncckpt.connect(store.get(f"bench-writer-node{node}").decode())
     g = torch.Generator().manual_seed(rank)
-    state = {"w": torch.randn(mib << 18, generator=g),
+    state = {"w": torch.randn(kib << 8, generator=g),
              "opt": {"step": torch.tensor(1.0), "exp_avg": torch.randn(4096, generator=g)}}
     records = []
     keys_before = store.num_keys()
@@ -89,7 +92,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layout(base: Path, nodes: int, per_node: int, saves: int, mib: int,
+def run_layout(base: Path, nodes: int, per_node: int, saves: int, kib: int,
                timeout: float = 300) -> list[list[dict]]:
     """Launch the layout (one torchrun per node), return each rank's records."""
     out = base / f"{nodes}x{per_node}"
@@ -107,7 +110,7 @@ def run_layout(base: Path, nodes: int, per_node: int, saves: int, mib: int,
                     [TORCHRUN, "--nnodes", str(nodes), "--node-rank", str(i),
                      "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1",
                      "--master-port", str(port), "--max-restarts", "0", __file__,
-                     "--as-rank", str(out), "--saves", str(saves), "--mib", str(mib)],
+                     "--as-rank", str(out), "--saves", str(saves), "--kib", str(kib)],
                     env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -145,20 +148,20 @@ def figures(records: list[list[dict]]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--saves", type=int, default=9)
-    parser.add_argument("--mib", type=int, default=4, help="tensor MiB per rank")
+    parser.add_argument("--saves", type=int, default=15)
+    parser.add_argument("--kib", type=int, default=256, help="tensor KiB per rank")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where the roots go (default: a temporary directory)")
     parser.add_argument("--as-rank", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.as_rank is not None:
-        return rank_main(args.as_rank, args.saves, args.mib)
+        return rank_main(args.as_rank, args.saves, args.kib)
     if args.saves < 2:
         parser.error("--saves must be at least 2 (the first is a warm-up)")
     with tempfile.TemporaryDirectory(prefix="asyncckpt-bench-commit-", dir=args.dir) as tmp:
-        rows = {layout: figures(run_layout(Path(tmp), *layout, args.saves, args.mib))
+        rows = {layout: figures(run_layout(Path(tmp), *layout, args.saves, args.kib))
                 for layout in [(1, 4), (2, 2)]}
-    print(f"commit latency, 4 ranks x {args.mib} MiB (raw codec), medians of "
+    print(f"commit latency, 4 ranks x {args.kib} KiB (raw codec), medians of "
           f"{rows[(1, 4)]['saves']} saves (ms)")
     print(f"{'layout':16} {'last staged -> all committed':>28} {'(max)':>8} "
           f"{'-> first told':>14} {'save -> committed':>18}")

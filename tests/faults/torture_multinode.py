@@ -135,7 +135,7 @@ def stop_job(cluster) -> dict[str, int]:
         _signal_all(victims, signal.SIGKILL)
     for node in cluster.nodes:
         node.proc.wait(30)
-    stragglers = 0
+    stragglers, started = 0, time.monotonic()
     try:
         wait_for(lambda: all(is_zombie(p) for p in writers), WRITER_EXIT_BOUND,
                  "the writers exiting after their job")
@@ -143,8 +143,9 @@ def stop_job(cluster) -> dict[str, int]:
         alive = [p for p in writers if not is_zombie(p)]
         stragglers = len(alive)
         _signal_all(alive, signal.SIGKILL)
+    exit_seconds = time.monotonic() - started
     wait_for(lambda: not cluster.leftover_pids(), 30, "every process of the job exiting")
-    return {"writer_stragglers": stragglers}
+    return {"writer_stragglers": stragglers, "writer_exit_seconds": exit_seconds}
 
 
 def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
@@ -205,7 +206,10 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
                         victim = f"node {node} (whole)"
                     victims[victim.split(" (local")[0]] += 1
                 time.sleep(rng.uniform(0.0, 1.0))
-                figures["writer_stragglers"] += stop_job(cluster)["writer_stragglers"]
+                stopped = stop_job(cluster)
+                figures["writer_stragglers"] += stopped["writer_stragglers"]
+                figures["max_writer_exit_s"] = max(figures["max_writer_exit_s"],
+                                                   round(stopped["writer_exit_seconds"], 1))
             finally:
                 cluster.kill()
             rings = ring_mapping_pids(cluster.leftover_pids())
