@@ -242,9 +242,6 @@ def test_leader_writer_killed_between_gather_and_rename(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="RootLock._join tries the shared lock once: a second "
-                   "writer of the job is refused while the first holds its lock exclusively, "
-                   "between flock(LOCK_EX) and the downgrade to LOCK_SH")
 def test_second_writer_of_a_job_joins_while_the_first_downgrades_its_lock(tmp_path):
     """Two nodes' writers of one job start at the same moment (torture_multinode saw one
     refused in 2 of 8 rounds on a loaded machine): the first takes the root's lock
