@@ -149,11 +149,13 @@ class Agreement:
     """
 
     def __init__(self, coordinator: StoreCoordinator, send: Callable[..., None],
-                 root: str, root_id: str, gone: Callable[[], bool]) -> None:
+                 root: str, root_id: str, gone: Callable[[], bool],
+                 over: Callable[[Any], None] = lambda pending: None) -> None:
         self.coordinator = coordinator
         self._send = send
         self._root, self._root_id = root, root_id
         self._gone = gone
+        self._over = over
         self._attempts: collections.Counter[int] = collections.Counter()
         self._led: str | None = None  # the key of the last save this rank led
         self._lock = threading.Lock()
@@ -225,6 +227,7 @@ class Agreement:
         self._led = pending.key
 
     def _finish(self, pending: Any, outcome: Outcome, stats: dict) -> None:
+        self._over(pending)
         self._send("outcome", step=pending.step, committed=bool(outcome.get("ok")))
         if outcome.get("ok"):
             pending.handle._set_committed(Path(outcome["path"]), stats)
