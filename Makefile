@@ -10,7 +10,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol clean
+.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean
 
 setup: $(VENV)/.installed
 
@@ -74,6 +74,19 @@ corruption: setup
 soak: setup
 	$(BIN)/python tests/faults/soak.py --ranks 4 --saves 500
 
+# 2 simulated nodes x 2 ranks: 100 random kill -9 (a rank, a node's writer, a whole node), keep_last=3.
+torture-multinode: setup
+	$(BIN)/python tests/faults/torture_multinode.py --kills 100
+
+# examples/train_fsdp.py as 2 simulated nodes: node 1 dies at step 35, both restart, exact resume.
+multinode-demo: setup
+	rm -rf multinode-ckpt multinode-ckpt.*
+	$(BIN)/python tests/multiprocess/multinode.py demo --dir multinode-ckpt
+
+# Commit latency (last rank staged -> committed): 2 nodes x 2 ranks next to 1 node x 4 ranks.
+bench-commit: setup
+	$(BIN)/python -m benchmarks.commit_latency --saves 15 --kib 256
+
 # A misbehaving authenticated rank sends 10,000+ random messages next to two ordinary
 # ranks saving for real: writer alive, every save committed and verifying, no growth.
 fuzz-protocol: setup
@@ -84,4 +97,4 @@ bench-memory: setup
 	$(BIN)/python -m benchmarks.writer_memory --state-gib 4 --ring-mib 256
 
 clean:
-	rm -rf $(VENV) checkpoints fsdp-ckpt fsdp-ckpt.* .pytest_cache .hypothesis
+	rm -rf $(VENV) checkpoints fsdp-ckpt fsdp-ckpt.* multinode-ckpt multinode-ckpt.* .pytest_cache .hypothesis

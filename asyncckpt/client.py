@@ -163,7 +163,7 @@ class Client:
         self._agreement = None if store is None else Agreement(
             StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout),
             self._send, str(welcome.get("root")), str(welcome.get("root_id")),
-            lambda: self._broken is not None)
+            lambda: self._broken is not None, self._forget)
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
         self._cond = threading.Condition()
@@ -227,12 +227,12 @@ class Client:
         self._closed = True
         self._queue.put(None)
         self._stager.join(timeout)
-        self._outbox.put(None)
-        self._sender.join(timeout)
         for pending in list(self._pending.values()):
             pending.handle._done.wait(timeout)
-        if self._agreement is not None:
+        if self._agreement is not None:  # its last messages (commit, outcome) go out first
             self._agreement.close(timeout)
+        self._outbox.put(None)
+        self._sender.join(timeout)
         protocol.hang_up(self._conn)
         self._receiver.join(timeout)
         self._device.close()
@@ -311,6 +311,11 @@ class Client:
                 self._conn.send_bytes(data)
         except (OSError, EOFError):
             self._on_broken("writer connection lost while sending")
+
+    def _forget(self, pending: _PendingSave) -> None:
+        """A coordinated save is over (its outcome came through the store)."""
+        with self._cond:
+            self._pending.pop(pending.id, None)
 
     def _release(self, slot: int) -> None:
         with self._cond:

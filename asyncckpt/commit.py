@@ -342,10 +342,15 @@ class RootLock:
             fcntl.flock(self._fd, fcntl.LOCK_SH)  # the job's other writers may now join
 
     def _join(self, job: str) -> bool:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
+        deadline = time.monotonic() + 2.0  # the job's first writer may be downgrading
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
         if os.pread(self._fd, 256, 0).decode(errors="replace").strip() == f"job {job}":
             return True
         fcntl.flock(self._fd, fcntl.LOCK_UN)

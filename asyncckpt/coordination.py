@@ -90,6 +90,10 @@ class StoreCoordinator:
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
                 shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+                per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+                if per_node > 0 and self.world_size % per_node == 0:  # nodes alike
+                    nodes = sorted({r // per_node for r in missing})
+                    shown += f" (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes[:8]))})"
                 raise SaveFailedError(f"rank{'s' if len(missing) > 1 else ''} {shown} did not "
                                       f"make {'their parts' if len(missing) > 1 else 'its part'} "
                                       f"durable within {self.timeout:g} s (a node dead, stalled "
@@ -106,6 +110,15 @@ class StoreCoordinator:
                     "that all nodes mount (a node-local disk cannot hold a shared checkpoint)",
                     rank=r)
         return infos
+
+    def forget(self, key: str, previous: str | None) -> None:
+        """The leader, once it has every part of save `key`: drop those part keys, and
+        the outcome of the save it led before (every rank read it before announcing
+        this one: each rank handles its saves in order), so the store does not grow."""
+        for r in range(self.world_size):
+            self.store.delete_key(f"{key}/part/{r}")
+        if previous is not None:
+            self.store.delete_key(f"{previous}/outcome")
 
     def publish(self, key: str, outcome: Outcome) -> Outcome:
         """Set the save's outcome unless one is set already; return the one that holds."""
@@ -136,12 +149,15 @@ class Agreement:
     """
 
     def __init__(self, coordinator: StoreCoordinator, send: Callable[..., None],
-                 root: str, root_id: str, gone: Callable[[], bool]) -> None:
+                 root: str, root_id: str, gone: Callable[[], bool],
+                 over: Callable[[Any], None] = lambda pending: None) -> None:
         self.coordinator = coordinator
         self._send = send
         self._root, self._root_id = root, root_id
         self._gone = gone
+        self._over = over
         self._attempts: collections.Counter[int] = collections.Counter()
+        self._led: str | None = None  # the key of the last save this rank led
         self._lock = threading.Lock()
         self._events: "queue.SimpleQueue[tuple | None]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -207,8 +223,11 @@ class Agreement:
             return
         self._send("commit", save=pending.id, step=pending.step, world_size=c.world_size,
                    parts=[[r, info["tmp"]] for r, info in enumerate(infos)])
+        c.forget(pending.key, self._led)
+        self._led = pending.key
 
     def _finish(self, pending: Any, outcome: Outcome, stats: dict) -> None:
+        self._over(pending)
         self._send("outcome", step=pending.step, committed=bool(outcome.get("ok")))
         if outcome.get("ok"):
             pending.handle._set_committed(Path(outcome["path"]), stats)

@@ -231,8 +231,8 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def hang_up(conn: Connection) -> None:
-    """Shut the socket down (waking a thread blocked in recv) and close it."""
+def shut_down(conn: Connection) -> None:
+    """Shut the socket down, waking a thread blocked in recv (the fd stays open)."""
     try:
         s = socket.socket(fileno=conn.fileno())
         try:
@@ -241,6 +241,11 @@ def hang_up(conn: Connection) -> None:
             s.detach()
     except OSError:
         pass
+
+
+def hang_up(conn: Connection) -> None:
+    """Shut the socket down (waking a thread blocked in recv) and close it."""
+    shut_down(conn)
     conn.close()
 
 

@@ -23,7 +23,6 @@ import functools
 import logging
 import os
 import queue
-import socket
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -119,14 +118,7 @@ class Session:
 
     def drop(self) -> None:
         """Wake the session thread (its receive fails) so that it cleans up."""
-        try:
-            s = socket.socket(fileno=self.conn.fileno())
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            finally:
-                s.detach()
-        except OSError:
-            pass
+        protocol.shut_down(self.conn)
 
     def send(self, op: str, **fields: Any) -> None:
         """Queue a reply; never blocks. A rank whose replies pile up is dropped."""

@@ -3,17 +3,28 @@
     torchrun --nproc_per_node 2 examples/train_fsdp.py --dir fsdp-ckpt   # killed at step 35
     torchrun --nproc_per_node 2 examples/train_fsdp.py --dir fsdp-ckpt   # resumes from 30
 
-(`make fsdp-demo` runs both.)
+(`make fsdp-demo` runs both.) On several nodes, the same script under one torchrun per
+node, with `--dir` on a filesystem every node mounts:
+
+    torchrun --nnodes 2 --node-rank $NODE --nproc_per_node 2 --master-addr HOST0 \
+        --master-port 29500 examples/train_fsdp.py --dir /shared/fsdp-ckpt
+
+There the whole last node dies at `--kill-at` (its writer, its ranks and its torchrun),
+the other node's ranks fail in their next collective, and both nodes are started again
+(`make multinode-demo` simulates the two nodes on one machine, on loopback).
 
 What happens (CPU and gloo, about a minute on 2 cores):
 
-1. local rank 0 starts the node's writer on `--dir` (wiped first on a fresh run) and
-   shares its address with the other ranks through the process group's store;
+1. local rank 0 of each node starts that node's writer on `--dir` (wiped first on a
+   fresh run) and shares its address with its node's ranks through the process group's
+   store, under a key of its own node (GROUP_RANK): every rank talks to its own node's
+   writer, and the writers agree on each commit through the same store;
 2. the ranks train a small MLP sharded with `fully_shard` (FSDP2) and AdamW. A
    `Checkpointer` saves model + optimizer (DTensor shards: each rank writes its own)
    every `--save-interval` steps; `save()` returns at once and its fence makes only the
    next `optimizer.step()` wait, if staging has not finished by then;
-3. at step `--kill-at` rank 1 SIGKILLs itself and torchrun tears the job down;
+3. at step `--kill-at` rank 1 SIGKILLs itself and torchrun tears the job down (on
+   several nodes: the last node SIGKILLs its writer, its torchrun and its ranks);
 4. the same command again (or torchrun itself, given `--max-restarts 1`) starts ranks
    that start a writer (the old one exited with its parent), call `restore()` -- the
    newest committed step -- and train on to `--steps`;
@@ -28,6 +39,7 @@ the batch order survives the restart without saving loader state.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shutil
@@ -80,16 +92,25 @@ def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) 
     return total.item() / dist.get_world_size()
 
 
+def node_layout() -> tuple[int, int]:
+    """(this node's index, the number of nodes) from torchrun's environment."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return int(os.environ.get("GROUP_RANK", 0)), max(1, dist.get_world_size() // local)
+
+
 def start_node_writer(root: Path, restarts: int) -> asyncckpt.WriterProcess | None:
-    """Local rank 0 starts the writer; every rank learns its address from the store."""
+    """Local rank 0 of each node starts its node's writer; every rank learns its own
+    node's writer address from the store (one key per node and attempt)."""
     store = dist.distributed_c10d._get_default_store()
-    key = f"asyncckpt-address-{restarts}"  # the store outlives torchrun's restarts
+    node, nodes = node_layout()
+    key = f"asyncckpt-address-{restarts}-node{node}"  # the store outlives torchrun's restarts
+    log_name = f"{root.name}.writer.log" if nodes == 1 else f"{root.name}.writer-node{node}.log"
     writer = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         deadline = time.monotonic() + 60
         while True:  # a writer from the attempt before may still be releasing the root
             try:
-                writer = asyncckpt.start_writer(root, log_file=root.parent / f"{root.name}.writer.log")
+                writer = asyncckpt.start_writer(root, log_file=root.parent / log_name)
                 break
             except asyncckpt.WriterLockedError:
                 if time.monotonic() > deadline:
@@ -98,6 +119,17 @@ def start_node_writer(root: Path, restarts: int) -> asyncckpt.WriterProcess | No
         store.set(key, writer.address)
     os.environ["ASYNCCKPT_ADDRESS"] = store.get(key).decode()
     return writer
+
+
+def kill_this_node(writer: asyncckpt.WriterProcess | None, agent: int) -> None:
+    """A node dying at once: its writer, its torchrun agent and every one of its ranks
+    (each rank of the node runs this at the same step)."""
+    for pid in ([writer.pid] if writer is not None else []) + [agent]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> int:
@@ -109,7 +141,9 @@ def main() -> int:
     args = parser.parse_args()
     if 0 < args.kill_at <= args.save_interval:
         parser.error("--kill-at must come after the first save (--save-interval)")
-    dist.init_process_group("gloo")
+    agent = os.getppid()  # torchrun's agent: dies with this node in the multi-node crash
+    # a bound on collectives: after a node dies, the other node's ranks must not wait 30 min
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, restarts = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     root = Path(args.dir).resolve()
     log = root.parent / f"{root.name}.losses.jsonl"
@@ -138,8 +172,12 @@ def main() -> int:
         if ckpt.should_save(step):
             handle = ckpt.save(step)
             blocked.append(handle.stats.blocked_seconds)
-        if step == args.kill_at and fresh and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # the crash: mid-run, saves in flight
+        if step == args.kill_at and fresh:  # the crash: mid-run, saves in flight
+            node, nodes = node_layout()
+            if nodes == 1 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif nodes > 1 and node == nodes - 1:
+                kill_this_node(writer, agent)
     ckpt.close()
     ok = True
     if rank == 0:
@@ -153,7 +191,13 @@ def main() -> int:
         verify = subprocess.run([sys.executable, "-m", "asyncckpt", "verify", str(root)])
         ok = ok and verify.returncode == 0
         print("RESUME EXACT" if ok else "RESUME NOT EXACT", flush=True)
-    dist.destroy_process_group()
+    if node_layout()[1] == 1:
+        dist.destroy_process_group()
+    else:
+        # across nodes, gloo sometimes aborts (std::terminate) in a rank that tears its
+        # group down while a peer on the other node still runs: leave together, and let
+        # the process exit release the group
+        dist.barrier()
     return 0 if ok else 1
 
 

@@ -4,6 +4,7 @@ no ring outlives the test that made it."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +28,22 @@ def no_leaked_shared_memory() -> Iterator[None]:
     before = len(shm_segments())  # rings of module-scoped clients stay mapped across tests
     yield
     assert len(shm_segments()) <= before, "a test left an asyncckpt ring mapped"
+
+
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "8m") under `tmp_path`: a real ENOSPC. Skips the test
+    where mounting is not allowed."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.fixture

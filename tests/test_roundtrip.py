@@ -45,3 +45,14 @@ def test_tensor_modified_while_staging_fails_the_save(writer, root):
         early.add_(1)  # after staging: harmless
         handle.wait(30)
     assert asyncckpt.load(root)["early"].sum() == 0
+
+
+def test_a_handle_that_waited_has_the_ranks_and_the_writers_stats(client):
+    """`wait()` returns only once the rank's own figures are in: the client records them
+    before it sends `end`, after which the commit may come back at once."""
+    for step in range(1, 61):
+        handle = client.save(step, {"x": torch.full((3,), float(step))})
+        handle.wait(60)
+        stats = handle.stats
+        assert stats.staged_bytes == 12 and stats.staging_seconds > 0, (step, stats)
+        assert stats.raw_bytes > 0 and stats.codec in ("raw", "zstd"), (step, stats)

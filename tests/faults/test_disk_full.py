@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -10,21 +9,13 @@ import pytest
 import torch
 
 import asyncckpt
-from conftest import assert_same
+from conftest import assert_same, small_tmpfs
 
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path, "12m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_disk_full_fails_the_save_and_keeps_serving(small_fs, tmp_path):

@@ -30,6 +30,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import protocol
+from conftest import small_tmpfs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hostile_rank import (FD_PASSING, HostileRank, Resources, alive,  # noqa: E402
@@ -470,16 +471,8 @@ def test_8_another_clients_disconnect_does_not_fail_a_save_in_progress(bench):
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path, "8m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_9_disk_full_with_raw_codec_leaks_no_mapping_or_socket(small_fs, tmp_path):
