@@ -99,7 +99,7 @@ def publish(root: Path, tmp_dir: Path, step: int, manifest: bytes) -> Path:
     except OSError as e:
         raise io_error(e, step=step, file=str(e.filename or final)) from e
     try:
-        update_latest(root)
+        update_latest(root, trusted=step)  # its manifest was checked before it was written
     except OSError as e:  # the step is committed; `latest` is redone at the next commit or start
         log.warning("step %d committed but %s not updated: %s", step, LATEST_NAME, e)
     return final
@@ -230,11 +230,12 @@ def read_small_file(path: Path, limit: int) -> bytes | None:
         os.close(fd)
 
 
-def update_latest(root: Path) -> None:
+def update_latest(root: Path, trusted: int | None = None) -> None:
     """Point `latest` at the newest committed step on disk whose manifest parses (a
-    planted or damaged newer directory is passed over), or remove it if there is none."""
+    planted or damaged newer directory is passed over), or remove it if there is none.
+    Step `trusted` (one just committed) is taken without parsing its manifest again."""
     steps = committed_steps(root)
-    while steps and not _manifest_parses(root / step_dir_name(steps[-1])):
+    while steps and steps[-1] != trusted and not _manifest_parses(root / step_dir_name(steps[-1])):
         steps.pop()
     if not steps:
         if os.path.lexists(root / LATEST_NAME):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -48,7 +49,7 @@ from typing import Any, Callable
 from . import commit, faults, lifetimes
 from .dedup import DedupIndex
 from .errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
-from .format import MAX_STEP, retired_dir_name
+from .format import MAX_STEP, retired_dir_name, step_dir_name
 from .manifest import Manifest, RankPart
 
 log = logging.getLogger("asyncckpt.writer")
@@ -142,7 +143,7 @@ class Steps:
                     raise error
             current = self._open.get(step)
             if current is None:
-                if step in self._committing or step in commit.committed_steps(self.root):
+                if step in self._committing or os.path.lexists(self.root / step_dir_name(step)):
                     raise StepAlreadyCommittedError(
                         "this step is already committed; saves never overwrite a checkpoint",
                         step=step, rank=rank)
