@@ -24,6 +24,7 @@ import shutil
 import stat
 import time
 from pathlib import Path
+from typing import Callable
 
 from . import faults
 from .errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
@@ -176,13 +177,14 @@ def gather_parts(root: Path, tmp_dir: Path, step: int, announced: dict[int, str]
 _MAX_PART = 512 << 20
 
 
-def step_dirs(root: Path) -> list[int]:
-    """Steps of the `step-N` directories under `root`, with or without a manifest."""
+def step_dirs(root: Path, parse: Callable[[str], int | None] = parse_step_dir) -> list[int]:
+    """Steps of the `step-N` directories under `root` (with or without a manifest), or of
+    the names `parse` recognises, oldest first."""
     try:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(step for step in map(parse_step_dir, names) if step is not None)
+    return sorted(step for step in map(parse, names) if step is not None)
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import faults
-from .commit import committed_steps, fsync_path
+from .commit import committed_steps, fsync_path, step_dirs
 from .config import ReadLimits
 from .errors import CheckpointError, SaveFailedError
 from .format import parse_retired_dir, retired_dir_name, step_dir_name
@@ -53,11 +53,7 @@ class Pruned:
 
 def retired_steps(root: Path) -> list[int]:
     """Steps of the `step-N.retired` directories under `root`, oldest first."""
-    try:
-        names = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(s for s in map(parse_retired_dir, names) if s is not None)
+    return step_dirs(root, parse_retired_dir)
 
 
 def is_retired(root: Path, step: int) -> bool:
