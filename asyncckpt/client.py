@@ -13,12 +13,19 @@ slots: with a 4 GiB ring and state, blocking sends held staging to the disk's 1 
 instead of the copy's 4-5 GB/s. The queue of unsent messages is bounded by the ring
 (at most one chunk message per slot). If the writer goes away, every pending handle fails with WriterUnavailableError
 at once and later saves raise it immediately: nothing waits forever on a dead writer.
+
+With `skip_unchanged`, a save first names the tensors whose storage and version counter
+are those of this client's newest committed save, and waits for the writer to say which
+of them it can reference (one round trip on the stager thread, not the training
+thread); those are not copied at all. The writer decides because only it knows whether
+the committed frames are still there and cover each tensor exactly.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import itertools
 import logging
 import os
@@ -29,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import protocol, ring
 from .config import ClientKnobs
@@ -41,6 +49,13 @@ from .stager import DeviceCopies, ready_event, stage
 from .flatten import flatten
 
 log = logging.getLogger("asyncckpt.client")
+
+# smaller tensors are not worth a reference (the writer cuts frames at the edges of
+# tensors this large, so only they fill whole frames of their own)
+SKIP_MIN_BYTES = 64 << 10
+
+Fingerprint = tuple
+Basis = tuple[int, dict[str, Fingerprint]]  # a committed step, its tensors' fingerprints
 
 
 class _Cancelled(Exception):
@@ -55,7 +70,9 @@ def _unmodified(pending: "_PendingSave") -> Iterator[torch.Tensor]:
     """The save's tensors, each checked not to have been modified in place (its version
     counter) between `save()` and the end of its own copy: a torn tensor fails the save
     rather than landing in a checkpoint. Changes after a tensor's copy are harmless."""
-    for entry, version in zip(pending.entries, pending.versions):
+    for i, (entry, version) in enumerate(zip(pending.entries, pending.versions)):
+        if i in pending.skipped:
+            continue
         yield entry.tensor
         if _version(entry.tensor) != version:  # resumed only once its bytes are all copied
             raise _Torn(f"state{''.join(f'[{p!r}]' for p in entry.path)} was modified in place "
@@ -72,13 +89,26 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+def _fingerprint(t: torch.Tensor) -> Fingerprint | None:
+    """Equal for two looks at a tensor only if its bytes cannot have changed in between,
+    short of writes that bypass the version counter. The storage is named by a weak
+    reference: while it is held, the storage's address cannot be reused by another one."""
+    version = _version(t)
+    if version is None:
+        return None
+    storage = t.untyped_storage()
+    return (StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), t.storage_offset(),
+            tuple(t.shape), t.stride(), t.dtype, t.device, version)
+
+
 class _PendingSave:
     """A save between `save()` and its result; the begin message is encoded up front so
     that anything JSON cannot carry fails in `save()` itself."""
 
     def __init__(self, save_id: int, step: int, world_size: int, state: Any,
                  handle: SaveHandle, retention: tuple[int, int] | None,
-                 key: str | None = None) -> None:
+                 key: str | None = None, skip_unchanged: bool = False,
+                 basis: Basis | None = None) -> None:
         self.id = save_id
         self.step = step
         self.handle = handle
@@ -86,11 +116,21 @@ class _PendingSave:
         tree, self.entries = flatten(state)
         self.versions = [_version(e.tensor) for e in self.entries]
         self.ready = ready_event(e.tensor for e in self.entries)
+        self.fingerprints = [_fingerprint(e.tensor) if skip_unchanged else None
+                             for e in self.entries]
+        self.unchanged = [] if basis is None else [
+            i for i, (e, fp) in enumerate(zip(self.entries, self.fingerprints))
+            if fp is not None and basis[1].get(e.name) == fp
+            and e.tensor.numel() * e.tensor.element_size() >= SKIP_MIN_BYTES]
+        self.skipped: set[int] = set()  # what the writer took from the basis step
+        self.planned = threading.Event()
+        claim = {"since": basis[0], "unchanged": self.unchanged} if self.unchanged else {}
         try:
             self.begin = protocol.encode(
                 "begin", save=save_id, step=step, world_size=world_size, tree=tree,
                 retention=retention, coordinated=key is not None,
-                tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries])
+                tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries],
+                **claim)
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
         if len(self.begin) > protocol.MAX_MESSAGE:
@@ -169,6 +209,7 @@ class Client:
         self._cond = threading.Condition()
         self._pending: dict[int, _PendingSave] = {}
         self._ids = itertools.count(1)
+        self._basis: Basis | None = None  # with skip_unchanged: the newest committed save
         self._broken: WriterUnavailableError | None = None
         self._queue: queue.Queue[_PendingSave | None] = queue.Queue()
         self._closed = False
@@ -212,8 +253,12 @@ class Client:
             raise self._broken
         handle = SaveHandle(step)
         retention = None if keep_last is None else (keep_last, keep_every)
+        skip = self.knobs.skip_unchanged
         pending = _PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
-                               retention, self._agreement.key(step) if self._agreement else None)
+                               retention, self._agreement.key(step) if self._agreement else None,
+                               skip, self._basis if skip else None)
+        if skip:
+            handle._on_commit = functools.partial(self._remember, pending)
         with self._cond:
             self._pending[pending.id] = pending
         self._queue.put(pending)
@@ -282,6 +327,9 @@ class Client:
             self._send("chunk", save=pending.id, slot=slot, length=length)
 
         try:
+            while pending.unchanged and not pending.planned.wait(0.05):
+                if handle.done() or self._broken is not None:
+                    raise _Cancelled
             nbytes = stage(_unmodified(pending), self._ring, acquire, emit, self._release,
                            self._device, pending.ready)
         except _Cancelled:
@@ -296,6 +344,8 @@ class Client:
             handle._set_failed(error)
             return
         handle.stats.staged_bytes = nbytes  # before `end`: a result may follow at once
+        handle.stats.unchanged_bytes = sum(pending.entries[i].tensor.nbytes
+                                           for i in pending.skipped)
         handle.stats.staging_seconds = time.perf_counter() - started
         self._send("end", save=pending.id)
         handle._set_staged()
@@ -317,6 +367,14 @@ class Client:
         with self._cond:
             self._pending.pop(pending.id, None)
 
+    def _remember(self, pending: _PendingSave) -> None:
+        """`pending` committed: its tensors as they were are the basis of later saves."""
+        with self._cond:
+            if self._basis is None or pending.step > self._basis[0]:
+                self._basis = (pending.step, {
+                    e.name: fp for e, fp in zip(pending.entries, pending.fingerprints)
+                    if fp is not None})
+
     def _release(self, slot: int) -> None:
         with self._cond:
             self._free.append(slot)
@@ -331,6 +389,12 @@ class Client:
                 op = m["op"]
                 if op == "free":
                     self._release(int(m["slot"]))
+                elif op == "unchanged":
+                    with self._cond:
+                        pending = self._pending.get(int(m["save"]))
+                    if pending is not None:
+                        pending.skipped = set(m["tensors"]) & set(pending.unchanged)
+                        pending.planned.set()
                 elif op == "durable" and self._agreement is not None:
                     with self._cond:
                         pending = self._pending.get(int(m["save"]))

@@ -71,6 +71,13 @@ class ClientKnobs(_FromEnv):
         node_timeout: with "store", seconds the leader waits for every rank's part once
             its own is durable (then the step fails, naming the missing ranks), and the
             others wait twice that for the leader's outcome.
+        skip_unchanged: do not copy into the ring a tensor (of at least 64 KiB) whose
+            storage and version counter are those it had in this client's newest
+            committed save; the writer references its frames in that step instead (needs
+            the writer's `incremental`). Off by default, because the version counter
+            misses writes through `.data`, numpy views, DLPack or another process, and
+            tensors made in inference mode have none (those are always copied): with
+            this on, such a write after a save is silently lost from later checkpoints.
     """
 
     slot_size: int = 4 * MiB
@@ -78,6 +85,7 @@ class ClientKnobs(_FromEnv):
     connect_timeout: float = 30.0
     coordination: str = "auto"
     node_timeout: float = 60.0
+    skip_unchanged: bool = False
 
     def __post_init__(self) -> None:
         _require(self.slot_size >= 4096 and self.slot_size % 4096 == 0, "slot_size",

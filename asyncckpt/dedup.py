@@ -24,6 +24,11 @@ retention keeps a referenced step's whole directory (lifetimes.py), so a header 
 small buffer that happens to repeat would keep an otherwise dead step on disk to save a
 few KiB. (A frozen tensor of at least that size does keep its step: that is the point.)
 
+A rank with `skip_unchanged` sends no bytes for tensors it knows unchanged since a step
+it saved; `unchanged_frames` finds those tensors' frames in that step's manifest (a
+tensor counts only if it fills whole frames that carry their xxh3_128) and pins their
+targets like a lookup does.
+
 Memory: one entry per frame of unique content, about 300 bytes each, at most
 `MAX_ENTRIES` (2^18: 1 TiB of 4 MiB frames, under 80 MiB); beyond that new frames are
 simply not targets (they are written in full).
@@ -31,6 +36,7 @@ simply not targets (they are written in full).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -43,7 +49,7 @@ from .config import ReadLimits
 from .errors import CheckpointError
 from .format import retired_dir_name, step_dir_name
 from .lifetimes import retired_steps
-from .manifest import Manifest, read_manifest
+from .manifest import Frame, Manifest, read_manifest
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -79,6 +85,7 @@ class DedupIndex:
         self._refs: dict[int, frozenset[int]] = {}  # step -> the steps it references
         self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
         self._unusable: set[int] = set()            # steps whose manifest did not check
+        self._last_manifest: Manifest | None = None
         self.refresh()
 
     # -- lookups (frame threads) -------------------------------------------------------
@@ -98,6 +105,57 @@ class DedupIndex:
                 return None
             pins.add(target.step)
             return target
+
+    def unchanged_frames(self, step: int, since: int, rank: int,
+                         tensors: list[tuple[str, str, tuple[int, ...]]]
+                         ) -> dict[str, list[tuple[int, Target, int]]]:
+        """The frames that held `tensors` (name, dtype, shape) in rank `rank`'s part of
+        committed step `since`, as (raw length, target, xxh3_128), their steps pinned
+        for open step `step`. A tensor is left out unless it fills whole frames of that
+        part, each with an xxh3_128; all are left out if `since` is not an older step
+        the index knows, or `step` is not open."""
+        manifest = self._manifest(since) if 0 <= since < step else None
+        part = next((p for p in manifest.ranks if p.rank == rank), None) if manifest else None
+        if part is None:
+            return {}
+        specs = {t.name: t for t in part.tensors}
+        starts = [f.raw_offset for f in part.frames]
+        found: dict[str, list[tuple[int, Target, int]]] = {}
+        for name, dtype, shape in tensors:
+            spec = specs.get(name)
+            if spec is None or spec.dtype != dtype or tuple(spec.shape) != tuple(shape):
+                continue
+            first = bisect.bisect_left(starts, spec.begin)
+            last = bisect.bisect_left(starts, spec.end)
+            frames = part.frames[first:last]
+            if (not frames or frames[0].raw_offset != spec.begin
+                    or frames[-1].raw_offset + frames[-1].raw_length != spec.end
+                    or any(f.xxh3_128 is None for f in frames)):
+                continue
+            found[name] = [(f.raw_length, _target(since, part.file, f), f.xxh3_128)
+                           for f in frames if f.xxh3_128 is not None]
+        with self.lock:
+            pins = self._pins.get(step)
+            held = {t.step for frames in found.values() for _, t, _ in frames}
+            if pins is None or not held <= self._refs.keys():
+                return {}
+            pins.update(held)
+        return found
+
+    def _manifest(self, step: int) -> Manifest | None:
+        """Committed (or retired) step `step`'s manifest; the last one read is kept."""
+        cached = self._last_manifest
+        if cached is not None and cached.step == step:
+            return cached
+        for directory in (self.root / step_dir_name(step), self.root / retired_dir_name(step)):
+            try:
+                manifest = read_manifest(directory, self._limits)
+            except (CheckpointError, OSError):
+                continue
+            if manifest.step == step:
+                self._last_manifest = manifest
+                return manifest
+        return None
 
     def release(self, step: int) -> None:
         """Step `step` committed (its manifest now holds its references) or failed."""
@@ -171,6 +229,15 @@ class DedupIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _target(step: int, file: str, frame: Frame) -> Target:
+    """Where `frame` (of `file` in step `step`) has its stored bytes."""
+    if frame.ref is not None:
+        return Target(frame.ref.step, frame.ref.file, frame.ref.offset, frame.ref.length,
+                      frame.codec, frame.layout, frame.xxh3_stored, frame.xxh3_raw)
+    return Target(step, file, frame.stored_offset, frame.stored_length, frame.codec,
+                  frame.layout, frame.xxh3_stored, frame.xxh3_raw)
 
 
 def _steps_on_disk(root: Path) -> dict[int, Path]:

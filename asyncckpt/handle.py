@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import CheckpointError
 
@@ -24,6 +24,8 @@ class SaveStats:
     Attributes:
         blocked_seconds: time the caller was held in `save()` (flatten and checks).
         staged_bytes: tensor bytes this rank copied into its ring.
+        unchanged_bytes: tensor bytes this rank did not copy because they were
+            unchanged since its previous committed save (knob `skip_unchanged`).
         staging_seconds: from `save()` to staged.
         seconds: from the step's first `begin` at the writer to its commit.
         raw_bytes, stored_bytes: the whole step (every rank), before and after encoding;
@@ -41,6 +43,7 @@ class SaveStats:
 
     blocked_seconds: float = 0.0
     staged_bytes: int = 0
+    unchanged_bytes: int = 0
     staging_seconds: float = 0.0
     seconds: float = 0.0
     raw_bytes: int = 0
@@ -81,6 +84,7 @@ class SaveHandle:
         self._staged = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._on_commit: Callable[[], None] | None = None
 
     def staged(self) -> bool:
         """True once the source tensors are no longer read (copied, or the save failed)."""
@@ -129,6 +133,8 @@ class SaveHandle:
         if not self._done.is_set():
             self.path = path
             self.stats.update(stats)
+            if self._on_commit is not None:
+                self._on_commit()
             self._staged.set()
             self._done.set()
 

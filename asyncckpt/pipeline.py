@@ -20,6 +20,12 @@ between two frozen weights would otherwise make both frames new. Smaller tensors
 packed (no flood of tiny frames); the cost is about two extra frames per large tensor.
 A frame that matches is not encoded at all, only hashed.
 
+A rank with `skip_unchanged` sends no bytes for tensors it knows unchanged since a
+committed step; the session hands this writer those tensors' frames in that step
+(`unchanged`, keyed by the tensor's offset in this stream) and `submit` splices them in
+as references where the stream reaches them, so the rank's chunks carry only the other
+tensors' bytes.
+
 Every `flush_bytes` of stored data the file is fdatasynced and those pages dropped
 from the page cache (POSIX_FADV_DONTNEED): the disk works while frames still arrive,
 the final fsync has little left to do, and dirty and cached pages, which count against
@@ -51,6 +57,8 @@ Lookup = Callable[[int, int], Union[Target, None]]  # (xxh3_128, raw length) -> 
 CUT_BYTES = 64 << 10
 # one piece of a chunk: encoded (with its xxh3_128, or None) or a reference
 _Piece = tuple[int, Union[Encoded, Target], Union[int, None]]
+# a tensor's frames in a committed step, as (raw length, target, xxh3_128)
+Unchanged = list[tuple[int, Target, int]]
 
 
 class RankFileWriter:
@@ -68,9 +76,12 @@ class RankFileWriter:
                  on_error: Callable[[BaseException], None] | None = None,
                  probe_bytes: int = 256 << 10, plane_max_ratio: float = 0.97,
                  chooser: CodecChooser | None = None, incremental: bool = False,
-                 lookup: Lookup | None = None) -> None:
+                 lookup: Lookup | None = None,
+                 unchanged: dict[int, Unchanged] | None = None) -> None:
         """With `incremental`, frames are cut at large tensors' boundaries and carry
-        their xxh3_128; `lookup` (if given) finds committed frames to reference."""
+        their xxh3_128; `lookup` (if given) finds committed frames to reference;
+        `unchanged` maps the stream offset of each tensor the rank will not send to
+        its frames in a committed step."""
         self.rank = rank
         self.codec = codec
         self.path = directory / data_file_name(rank, codec)
@@ -92,7 +103,10 @@ class RankFileWriter:
         self._raw_submitted = 0    # bytes
         self._pending = 0          # submitted, not yet written or dropped
         self._next = 0             # index of the next frame to append
-        self._ready: dict[int, tuple[list[_Piece] | None, int, Done | None, float]] = {}
+        # index -> (pieces, raw length, done, encode seconds, holds a pool credit)
+        self._ready: dict[int, tuple[list[_Piece] | None, int, Done | None, float, bool]] = {}
+        self._unchanged = {offset: [(n, t, w) for n, t, w in frames]
+                           for offset, frames in (unchanged or {}).items()}
         self._closing = False
         self.error: BaseException | None = None
         self._frames: list[Frame] = []
@@ -118,13 +132,59 @@ class RankFileWriter:
         return self._stored_size
 
     def submit(self, raw: memoryview, done: Done | None = None) -> None:
-        """Queue `raw` as the next frame; `done()` is called (from any thread) once `raw`
+        """Queue `raw` as the next bytes of the stream (one frame, or several around the
+        unchanged tensors it skips over); `done()` is called (from any thread) once `raw`
         is no longer needed. Blocks while the pool has no free frame credit.
 
         Raises:
             ValueError: more bytes than the stream's layout allows (nothing is queued;
                 `done` is not called).
         """
+        pieces = self._split(len(raw))
+        if len(pieces) > 1 and done is not None:
+            done = _after(len(pieces), done)
+        for start, length in pieces or [(0, 0)]:
+            self._splice_unchanged()
+            self._submit_frame(raw[start:start + length], done)
+        self._splice_unchanged()
+
+    def _split(self, length: int) -> list[tuple[int, int]]:
+        """Where `length` sent bytes go: (start in the chunk, length) per run of the
+        stream between unchanged tensors.
+
+        Raises:
+            ValueError: they overrun the layout.
+        """
+        pieces, start, position = [], 0, self._raw_submitted
+        upcoming = sorted(o for o in self._unchanged if o >= position)
+        while True:
+            while upcoming and upcoming[0] == position:
+                position += sum(n for n, _, _ in self._unchanged[upcoming.pop(0)])
+            if start == length:
+                break
+            take = min(length - start, (upcoming[0] if upcoming else 1 << 62) - position)
+            pieces.append((start, take))
+            start += take
+            position += take
+        if position > self.expected_size:
+            raise ValueError(f"rank {self.rank} sent bytes up to {position}, its tensors "
+                             f"hold {self.expected_size}")
+        return pieces
+
+    def _splice_unchanged(self) -> None:
+        """Queue the references of the unchanged tensor the stream has reached, if any."""
+        while (frames := self._unchanged.pop(self._raw_submitted, None)) is not None:
+            length = sum(n for n, _, _ in frames)
+            with self._lock:
+                index = self._submitted
+                self._submitted += 1
+                self._raw_submitted += length
+                self._pending += 1
+                self._ready[index] = (list(frames), length, None, 0.0, False)
+                if index == self._next:
+                    self._lock.notify_all()
+
+    def _submit_frame(self, raw: memoryview, done: Done | None) -> None:
         with self._lock:
             if self._raw_submitted + len(raw) > self.expected_size:
                 raise ValueError(f"rank {self.rank} sent {self._raw_submitted + len(raw)} bytes, "
@@ -155,7 +215,7 @@ class RankFileWriter:
             done()  # the slot is free for the rank while this frame waits its turn
             done = None
         with self._lock:
-            self._ready[index] = (encoded, raw_length, done, seconds)
+            self._ready[index] = (encoded, raw_length, done, seconds, True)
             if index == self._next:
                 self._lock.notify_all()
 
@@ -187,7 +247,7 @@ class RankFileWriter:
                     self._close_fd()
                     return
                 self._next += 1
-            encoded, raw_length, done, seconds = item
+            encoded, raw_length, done, seconds, pooled = item
             try:
                 if encoded is not None and self.error is None and not self._closing:
                     for length, piece, wide in encoded:
@@ -200,7 +260,8 @@ class RankFileWriter:
             finally:
                 if done is not None:
                     done()
-                self._pool.release()
+                if pooled:
+                    self._pool.release()
                 with self._lock:
                     self.encode_seconds += seconds
                     self._pending -= 1
@@ -316,3 +377,17 @@ class RankFileWriter:
 
 
 _IOV_MAX = 1024
+
+
+def _after(count: int, done: Done) -> Done:
+    """`done`, called on the `count`-th call only (a chunk queued as several frames)."""
+    left = [count]
+    lock = threading.Lock()
+
+    def countdown() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done()
+    return countdown

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import commit, protocol, ring, tree
 from ._version import __version__
 from .errors import CheckpointError, SaveFailedError
-from .format import DTYPE_SIZES, MAX_STEP, layout
-from .pipeline import RankFileWriter
+from .format import DTYPE_SIZES, MAX_STEP, TensorSpec, layout
+from .pipeline import RankFileWriter, Unchanged
 from .steps import MAX_WORLD
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ class Session:
         try:
             try:
                 table = _tensor_table(m.get("tensors"), step, self.rank)
+                skip_request = _unchanged_request(m, len(table))
                 tree.check_tree(table, save.tree)
             except CheckpointError as e:  # this step can never be readable: fail it for all
                 error = SaveFailedError(f"begin refused: {e.cause}", step=step, rank=self.rank)
@@ -192,6 +193,7 @@ class Session:
                 durable = functools.partial(self._durable, save_id, step)
             current = self.server.steps.begin(step, self.rank, _int(m, "world_size"), notify,
                                               retention, durable)
+            unchanged = self._unchanged(save_id, step, skip_request, table, specs)
         except CheckpointError as error:
             save.failed = True
             notify(error, None, {})
@@ -212,12 +214,27 @@ class Session:
                 on_error=lambda e: self._fail(save, self._as_error(save, e)),
                 probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio,
                 chooser=self.server.chooser if current.choice is not None else None,
-                incremental=knobs.incremental, lookup=self._lookup(step))
+                incremental=knobs.incremental, lookup=self._lookup(step), unchanged=unchanged)
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
             return
         self._files = {f for f in self._files if f.busy}
         self._files.add(save.file)
+
+    def _unchanged(self, save_id: int, step: int, request: tuple[int, list[int]] | None,
+                   table: list[tuple[str, str, tuple[int, ...]]], specs: list[TensorSpec]
+                   ) -> dict[int, Unchanged]:
+        """Which of the tensors the rank says are unchanged since step `since` it need
+        not send (their frames there, by stream offset); the rank is told at once."""
+        if request is None:
+            return {}
+        since, wanted = request
+        index = self.server.index
+        frames = {} if index is None else index.unchanged_frames(
+            step, since, self.rank, [table[i] for i in wanted])
+        accepted = [i for i in wanted if table[i][0] in frames]
+        self.send("unchanged", save=save_id, tensors=accepted)
+        return {specs[i].begin: frames[table[i][0]] for i in accepted}
 
     def _lookup(self, step: int) -> Callable[[int, int], Any] | None:
         index = self.server.index
@@ -361,6 +378,19 @@ def _int(m: dict[str, Any], key: str) -> int:
     if type(value) is not int:
         raise ProtocolError(f"{key} {value!r:.40} is not an int")
     return value
+
+
+def _unchanged_request(m: dict[str, Any], count: int) -> tuple[int, list[int]] | None:
+    """A begin's claim that tensors (indices into its table) are unchanged since the
+    rank's step `since`, if it makes one."""
+    if "unchanged" not in m:
+        return None
+    since, wanted = _int(m, "since"), m["unchanged"]
+    if (not isinstance(wanted, list) or len(wanted) > count
+            or not all(type(i) is int and 0 <= i < count for i in wanted)
+            or len(set(wanted)) != len(wanted)):
+        raise ProtocolError(f"unchanged {wanted!r:.40} is not a list of distinct tensor indices")
+    return since, wanted
 
 
 def _retention(value: Any) -> tuple[int, int] | None:

@@ -11,9 +11,11 @@ two ways, each in the same run on the same state:
 - full fine-tune: every parameter trained (AdamW on all): nothing to dedup, so this
   measures what hashing and lookup cost.
 
-Each save is made, one after the other (alternating which asyncckpt writer goes first) and each waited for until durable, by a writer
-with `incremental` on, by one with it off (full saves of the same state), and by DCP
-`save` (torch.distributed.checkpoint, single process). Per save: bytes written (data
+Each save is made, one after the other (rotating which asyncckpt writer goes first) and
+each waited for until durable, by a writer with `incremental` on, by the same with a
+client whose `skip_unchanged` is on (tensors unchanged since its last save are not even
+copied into the ring), by one with `incremental` off (full saves of the same state), and
+by DCP `save` (torch.distributed.checkpoint, single process). Per save: bytes written (data
 files, plus the manifest), raw bytes referenced, time to durable; and the writer's
 thread time on frames, which shows the cost of hashing and lookup without the noise
 of the disk. The LoRA budget the
@@ -101,6 +103,7 @@ def save_asyncckpt(client: asyncckpt.Client, root: Path, step: int, state: dict)
     s = handle.stats
     manifest = (path / "manifest.json").stat().st_size
     return {"seconds": seconds, "written": s.stored_bytes + manifest, "data": s.stored_bytes,
+            "staged": s.staged_bytes,
             "manifest": manifest, "new_raw": s.new_bytes, "referenced": s.referenced_bytes,
             "raw": s.raw_bytes, "trees": tree_bytes(path), "encode": s.encode_seconds}
 
@@ -121,11 +124,13 @@ def save_dcp(root: Path, step: int, state: dict) -> dict:
 def run(kind: str, args: argparse.Namespace, work: Path) -> dict:
     """One workload: train, and save every `every` steps with the three methods."""
     model, optim = build(args.hidden, args.layers, lora=(kind == "lora"))
-    roots = {m: work / kind / m for m in ("incremental", "full", "dcp")}
-    writers = {m: asyncckpt.start_writer(roots[m], incremental=(m == "incremental"), keep_last=2,
+    ours = ("incremental", "skip", "full")
+    roots = {m: work / kind / m for m in (*ours, "dcp")}
+    writers = {m: asyncckpt.start_writer(roots[m], incremental=(m != "full"), keep_last=2,
                                          codec=args.codec, log_file=work / f"{kind}-{m}.log")
-               for m in ("incremental", "full")}
-    clients = {m: asyncckpt.connect(w.address, rank=0, world_size=1, ring_size=args.ring_mib * MiB)
+               for m in ours}
+    clients = {m: asyncckpt.connect(w.address, rank=0, world_size=1, ring_size=args.ring_mib * MiB,
+                                    skip_unchanged=(m == "skip"))
                for m, w in writers.items()}
     rows, states = [], {}
     try:
@@ -134,7 +139,7 @@ def run(kind: str, args: argparse.Namespace, work: Path) -> dict:
             step = save * args.every
             state = state_of(model, optim)
             states[step] = {"model": {k: v.clone() for k, v in state["model"].items()}}
-            order = ["incremental", "full"] if save % 2 else ["full", "incremental"]
+            order = [ours[(save + i) % 3] for i in range(3)]
             row: dict[str, Any] = {"save": save, "step": step, "budget": budget(model, optim)}
             for method in order:
                 row[method] = save_asyncckpt(clients[method], roots[method], step, state)
@@ -144,20 +149,22 @@ def run(kind: str, args: argparse.Namespace, work: Path) -> dict:
             rows.append(row)
             print(f"{kind} save {save}: " + ", ".join(
                 f"{m} {row[m]['written'] / MiB:.2f} MiB {row[m]['seconds']:.2f} s"
-                for m in ("incremental", "full", "dcp")), file=sys.stderr, flush=True)
+                for m in (*ours, "dcp")), file=sys.stderr, flush=True)
     finally:
         for c in clients.values():
             c.close(timeout=60)
         for w in writers.values():
             w.stop(timeout=60)
-    root = roots["incremental"]
-    report = verify(root)
-    kept = commit.committed_steps(root)
-    exact = all(all(torch.equal(asyncckpt.load(root, step=s)["model"][k], v)
-                    for k, v in states[s]["model"].items()) for s in kept)
-    retired = sorted(p.name for p in root.iterdir() if p.name.endswith(".retired"))
-    return {"kind": kind, "rows": rows, "verified": report.ok, "bit_exact": exact,
-            "kept": kept, "retired": retired,
+    checked = {}
+    for method in ("incremental", "skip"):
+        root = roots[method]
+        kept = commit.committed_steps(root)
+        checked[method] = {
+            "verified": verify(root).ok, "kept": kept,
+            "bit_exact": all(all(torch.equal(asyncckpt.load(root, step=s)["model"][k], v)
+                                 for k, v in states[s]["model"].items()) for s in kept),
+            "retired": sorted(p.name for p in root.iterdir() if p.name.endswith(".retired"))}
+    return {"kind": kind, "rows": rows, "checked": checked,
             "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
@@ -166,29 +173,36 @@ def table(result: dict) -> str:
     lines = [f"### {kind}: model {result['model_bytes'] / MiB:.1f} MiB, budget (trainable + "
              f"optimizer state) {rows[-1]['budget'] / MiB:.2f} MiB",
              "",
-             "| save | incr. written MiB | incr. referenced MiB | incr. s | full written MiB | "
-             "full s | DCP written MiB | DCP s | data / budget | written / (budget + trees) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| save | incr. written MiB | incr. referenced MiB | incr. s | skip: staged MiB | "
+             "skip s | full written MiB | full s | DCP written MiB | DCP s | data / budget | "
+             "written / (budget + trees) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        i, f, d = r["incremental"], r["full"], r["dcp"]
+        i, k, f, d = r["incremental"], r["skip"], r["full"], r["dcp"]
         ratio = i["written"] / (r["budget"] + i["trees"])
         lines.append(f"| {r['save']} | {i['written'] / MiB:.2f} | {i['referenced'] / MiB:.2f} | "
-                     f"{i['seconds']:.3f} | {f['written'] / MiB:.2f} | {f['seconds']:.3f} | "
+                     f"{i['seconds']:.3f} | {k['staged'] / MiB:.2f} | {k['seconds']:.3f} | "
+                     f"{f['written'] / MiB:.2f} | {f['seconds']:.3f} | "
                      f"{d['written'] / MiB:.2f} | {d['seconds']:.3f} | "
                      f"{i['data'] / r['budget']:.3f} | {ratio:.3f} |")
     later = rows[1:] or rows
     inc = statistics.median(r["incremental"]["seconds"] for r in later)
+    skip = statistics.median(r["skip"]["seconds"] for r in later)
     full = statistics.median(r["full"]["seconds"] for r in later)
+    bytes_ratio = statistics.median(r["incremental"]["new_raw"] / r["full"]["new_raw"]
+                                    for r in later)
     enc_inc = statistics.median(r["incremental"]["encode"] for r in later)
     enc_full = statistics.median(r["full"]["encode"] for r in later)
     worst = max(r["incremental"]["written"] / (r["budget"] + r["incremental"]["trees"]) for r in later)
     lines += ["", f"From save 2 on: median time to durable incremental {inc:.3f} s vs full "
-                  f"{full:.3f} s (x{inc / full:.3f}); the writer's thread time on frames (hash, "
+                  f"{full:.3f} s (x{inc / full:.3f}), with skip_unchanged {skip:.3f} s "
+                  f"(x{skip / full:.3f}), for x{bytes_ratio:.3f} of the bytes; the writer's thread time on frames (hash, "
                   f"encode, lookups) {enc_inc:.3f} s vs {enc_full:.3f} s; worst written / budget "
                   f"{worst:.3f}. "
-                  f"Kept {result['kept']}, retired {result['retired']}; verify "
-                  f"{'OK' if result['verified'] else 'FAILED'}, loads "
-                  f"{'bit-exact' if result['bit_exact'] else 'DIFFER'}."]
+                  + "; ".join(f"{m}: kept {c['kept']}, retired {c['retired']}, verify "
+                              f"{'OK' if c['verified'] else 'FAILED'}, loads "
+                              f"{'bit-exact' if c['bit_exact'] else 'DIFFER'}"
+                              for m, c in result["checked"].items()) + "."]
     return "\n".join(lines)
 
 

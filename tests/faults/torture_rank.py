@@ -6,7 +6,10 @@ Its state for a step is `expected_state(rank, step)`, so the checker can rebuild
 committed step bit for bit; part of it changes only every BASE_STEPS steps, so that
 steps reference older ones and retention retires a referenced step, and later reclaims
 it, while processes die. A failed step (a peer died, the step already exists) is
-skipped, as a training loop would; a lost writer ends the process with code 3.
+skipped, as a training loop would; a lost writer ends the process with code 3. Even
+ranks save with `skip_unchanged` and keep the frozen tensor as one object while it does
+not change, so that their saves send no bytes for it and the writer splices in
+references to a step it must keep.
 """
 
 from __future__ import annotations
@@ -37,14 +40,20 @@ def main() -> int:
     while True:
         try:
             client = asyncckpt.connect(address, rank=rank, world_size=world,
-                                       slot_size=256 << 10, ring_size=1 << 20)
+                                       slot_size=256 << 10, ring_size=1 << 20,
+                                       skip_unchanged=rank % 2 == 0)
             break
         except asyncckpt.WriterUnavailableError:
             if time.monotonic() > deadline:
                 return 3
             time.sleep(0.1)
+    frozen: dict[int, torch.Tensor] = {}
     while True:
-        handle = client.save(step, expected_state(rank, step))
+        state = expected_state(rank, step)
+        if step // BASE_STEPS not in frozen:
+            frozen = {step // BASE_STEPS: state["frozen"]}
+        state["frozen"] = frozen[step // BASE_STEPS]
+        handle = client.save(step, state)
         try:
             handle.wait(120)
         except asyncckpt.WriterUnavailableError:
