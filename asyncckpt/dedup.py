@@ -143,7 +143,8 @@ class DedupIndex:
         return found
 
     def _manifest(self, step: int) -> Manifest | None:
-        """Committed (or retired) step `step`'s manifest; the last one read is kept."""
+        """Committed (or retired) step `step`'s manifest; the last one read or added is
+        kept."""
         cached = self._last_manifest
         if cached is not None and cached.step == step:
             return cached
@@ -185,6 +186,7 @@ class DedupIndex:
         """Add a committed step's own frames (the newest copy of a content wins)."""
         with self.lock:
             self._add(manifest)
+        self._last_manifest = manifest  # the basis of the next skip_unchanged saves
 
     def _add(self, manifest: Manifest) -> None:
         step = manifest.step
