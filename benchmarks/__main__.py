@@ -39,18 +39,21 @@ GiB, MiB = workloads.GiB, workloads.MiB
 
 ALL = list(peers.METHODS)
 # target_reps: saves (and interleaved loads) of the methods that carry a target, at least
-# 5 so that target medians are medians of 5; contest: the codec contest's tensors
+# 5 so that target medians are medians of 5; contest: the codec contest's tensors;
+# whole_plane_reference: zstd on whole byte planes next to bytegroup (slow at 1 GiB)
 MODES: dict[str, dict[str, Any]] = {
     "tiny": {"sizes": [8 * MiB], "reps": 1, "load_reps": 1, "target_reps": 1,
              "throughput_seconds": 0.2, "minilm": False, "methods": ALL,
+             "whole_plane_reference": False,
              "contest": {"source": "synthetic", "cap_bytes": 2 * MiB, "reps": 1}},
     # under 5 minutes on 2 cores: one size, every peer, no extra variants
     "quick": {"sizes": [1 * GiB], "reps": 3, "load_reps": 1, "target_reps": 5,
-              "throughput_seconds": 0.5, "minilm": False,
+              "throughput_seconds": 0.5, "minilm": False, "whole_plane_reference": False,
               "methods": [m for m in ALL if "ring" not in m],
               "contest": {"source": "synthetic", "cap_bytes": 64 * MiB, "reps": 5}},
     "full": {"sizes": [1 * GiB, 4 * GiB], "reps": 5, "load_reps": 3, "target_reps": 5,
              "throughput_seconds": 1.0, "minilm": True, "methods": ALL,
+             "whole_plane_reference": True,
              "contest": {"source": "minilm", "cap_bytes": 256 * MiB, "reps": 5}},
 }
 
@@ -120,6 +123,7 @@ def _run_workload(workload: workloads.Workload, methods: list[str], mode: dict[s
                   work: Path, in_process: bool) -> dict[str, Any]:
     base = {"workload": workload.to_json(), "reps": mode["reps"],
             "load_reps": mode["load_reps"], "target_reps": mode.get("target_reps", 0),
+            "whole_plane_reference": mode.get("whole_plane_reference", True),
             "throughput_seconds": mode["throughput_seconds"]}
     lim_raw = _run(workload.name, "limits", {**base, "kind": "limits",
                                              "workdir": str(work / workload.name / "limits")},

@@ -57,7 +57,8 @@ def run_method(spec: dict[str, Any]) -> dict[str, Any]:
                               "workload": info, "setup_seconds": time.perf_counter() - started,
                               "reps": []}
     step, kept_step = 0, None
-    reps = max(spec["reps"], spec.get("target_reps", 0)) if refs else spec["reps"]
+    targeted = bool(refs - {"load"}) or spec["method"] in peers.TARGET_BOUNDS
+    reps = max(spec["reps"], spec.get("target_reps", 0)) if targeted else spec["reps"]
     try:
         for rep in range(reps + 1):
             step += 1
@@ -89,11 +90,13 @@ def run_method(spec: dict[str, Any]) -> dict[str, Any]:
     result["facts"] = method.facts
     if kept_step is not None and hasattr(method, "codec_report"):
         result["codec_report"] = method.codec_report(kept_step)
-        if "bytegroup" in method.name:
+        if "bytegroup" in method.name and spec.get("whole_plane_reference", True):
             result["grouped_reference"] = workloads.grouped_reference(state)
     if method.loader and kept_step is not None and "load" in refs:
-        result["load"] = _loads_against_peers(method, kept_step, state, tensors,
-                                              max(spec["load_reps"], spec.get("target_reps", 0)))
+        load_reps = spec["load_reps"]
+        if targeted:
+            load_reps = max(load_reps, spec.get("target_reps", 0))
+        result["load"] = _loads_against_peers(method, kept_step, state, load_reps)
     elif method.loader and kept_step is not None:
         result["load"] = _loads(method, kept_step, state, spec["load_reps"])
     if kept_step is not None:
@@ -146,7 +149,7 @@ def _loads(method: peers.Method, step: int, state: dict[str, Any], reps: int) ->
 
 
 def _loads_against_peers(method: peers.Method, step: int, state: dict[str, Any],
-                         tensors: list[torch.Tensor], reps: int) -> dict[str, Any]:
+                         reps: int) -> dict[str, Any]:
     """The method's cold loads interleaved with safetensors.load_file of the same state
     and a cold sequential read of that file (8 MiB blocks), rotating the order."""
     from safetensors.torch import load_file, save_file
