@@ -1,7 +1,9 @@
 """`python -m benchmarks --quick | --full | --tiny`: asyncckpt against what users would pick.
 
-    make bench       # --quick: 1 GiB synthetic state (+ MiniLM if installed), 3 saves each
-    make bench-full  # --full: 1 GiB and 4 GiB (+ MiniLM), 5 saves each
+    make bench       # --quick: 1 GiB synthetic state, 3 saves each (5 where a target
+                     #   depends on it), codec contest on synthetic tensors; ~4 min quiet
+    make bench-full  # --full: 1 GiB and 4 GiB (+ MiniLM), 5 saves each, codec contest on
+                     #   real MiniLM weights and Adam moments; then the README table
 
 Users choose a checkpointer on how long the loop is blocked, how much host memory the
 save costs and how long until the checkpoint is durable; this harness puts those side

@@ -334,6 +334,16 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def frame_hints(width: int, choice: Any) -> Any:
+    """The `FrameHints` of a tensor-aligned frame (phase 0) from a codec's probe answer:
+    a tuple of plane flags, or a named tuple whose fields are FrameHints fields (a probe
+    that decides more than the planes, e.g. a sign rotation)."""
+    from asyncckpt.codec import FrameHints
+    if hasattr(choice, "_asdict"):
+        return FrameHints(width=width, phase=0, **choice._asdict())
+    return FrameHints(width, 0, tuple(choice))
+
+
 class _Ours:
     """A registry codec driven as the writer drives it, frame by frame."""
 
@@ -345,18 +355,17 @@ class _Ours:
         self._decoders: dict[str, Any] = {}
 
     def encode(self, tensors: Sequence[torch.Tensor]) -> tuple[float, int, Any]:
-        from asyncckpt.codec import FrameHints
         frames = []
         start = time.perf_counter()
         for t in tensors:
             raw = memoryview(_raw(t))
             width = t.element_size()
-            planes = None
+            hints = None
             for offset in range(0, len(raw), FRAME_BYTES):
                 frame = raw[offset:offset + FRAME_BYTES]
-                if planes is None:
-                    planes = self.codec.probe(frame, width, 0)
-                frames.append(self.codec.encode(frame, FrameHints(width, 0, planes)))
+                if hints is None:
+                    hints = frame_hints(width, self.codec.probe(frame, width, 0))
+                frames.append(self.codec.encode(frame, hints))
         seconds = time.perf_counter() - start
         stored = sum(f.length for f in frames)
         # the reader gets each frame's stored bytes contiguous, from the file (untimed)

@@ -249,3 +249,16 @@ def test_contest_gives_zipnn_copies_and_measures_registry_codecs() -> None:
     # byte planes beat plain zstd on bf16 weights
     for name in peers.plane_codecs():
         assert codecs[name]["ratio"] < codecs["zstd"]["ratio"]
+
+
+def test_frame_hints_from_either_kind_of_probe_answer() -> None:
+    from typing import NamedTuple
+
+    from asyncckpt.codec import FrameHints
+
+    class Choice(NamedTuple):
+        planes: tuple[bool, ...] = ()
+
+    assert peers.frame_hints(4, (False, True, False, True)) == FrameHints(4, 0, (False, True, False, True))
+    assert peers.frame_hints(2, Choice((True, False))) == FrameHints(2, 0, (True, False))
+    assert peers.frame_hints(1, ()) == FrameHints(1, 0, ())
