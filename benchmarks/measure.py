@@ -16,6 +16,12 @@ and memfds, which asyncckpt rings are), read from /proc/PID/maps every 30 ms: th
 /dev/shm tmpfs's own used-blocks count (also recorded) includes whatever else runs on
 the machine and no memfd.
 
+Page cache. The machine-wide figure (Cached - Shmem in /proc/meminfo, sampled every
+10 ms) moves with every other process's I/O, and this machine is shared; so the probe
+also samples, with mincore(2), how much of the method's own files is cached, the cache
+a checkpointer's writes hold and the figure its page-cache bound is judged by. Both are
+recorded.
+
 Throughput. The "training" loop is a single-thread matmul loop on the main thread;
 its rate while a save runs in the background, over its idle rate measured just before,
 is the share of training throughput a method leaves the job. It competes for the
@@ -130,7 +136,7 @@ class MemoryProbe:
 
     Args:
         watch: a directory whose files' page-cache residency is sampled too (mincore,
-            every 30 ms): the cache the method's own files hold, which unlike the
+            every 10 ms): the cache the method's own files hold, which unlike the
             machine-wide Cached figure is not moved by other processes' I/O.
     """
 
@@ -205,8 +211,8 @@ class MemoryProbe:
                     files[key] = max(files.get(key, 0), size)
             ours = sum(size for key, size in files.items() if key not in self._shm_before)
             self.shm_ours = max(self.shm_ours, ours)
-            if self.watch is not None:
-                self.files_cached_peak = max(self.files_cached_peak, _resident_quiet(self.watch))
+        if self.watch is not None:
+            self.files_cached_peak = max(self.files_cached_peak, _resident_quiet(self.watch))
 
     def _run(self) -> None:
         while not self._stop.is_set():
