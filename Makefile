@@ -35,6 +35,7 @@ bench: setup
 bench-full: setup
 	$(BIN)/pip install -q -e ".[bench,realweights]"
 	$(BIN)/python -m benchmarks --full
+	$(BIN)/python -m benchmarks.readme_table
 
 # Peak memory of exporting a 1 GiB sharded checkpoint to a Hugging Face directory.
 bench-export: setup

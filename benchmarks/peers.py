@@ -8,6 +8,16 @@ first moment is `save()` plus `handle.wait_staged()`, because the loop may not r
 next optimizer step before; that is the counterpart of the return of DCP `async_save`,
 whose default stager copies the whole state before returning.
 
+The codec peer is ZipNN (byte grouping + Huffman, on the package registry), measured
+in `codec_contest` against every stored codec of asyncckpt's registry (asyncckpt.codec
+REGISTRY / make_codec, the interface the writer uses, so a codec added there is measured
+without an edit here) on the same tensors, one thread each: stored/raw and encode and
+decode GB/s per thread. Our codecs get the writer's frames (4 MiB slots, probed once per
+tensor, `FrameHints` of the tensor's element width) but not its packing across tensors:
+frames are cut per tensor, as ZipNN compresses per tensor. ZipNN reorders its input
+tensor in place, so it compresses clones made before the clock starts; it decodes into
+a tensor it allocates, ours into a preallocated buffer (as a load into a target does).
+
 Only torch.save and safetensors need an explicit fsync (they do not sync); DCP's
 FileSystemWriter fsyncs its files itself (sync_files=True by default) and asyncckpt
 commits with fsyncs. safetensors holds tensors only, so it saves the state's tensors
@@ -19,10 +29,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from asyncckpt.commit import fsync_path
@@ -217,6 +229,10 @@ class AsyncCkpt(Method):
         self.name = f"asyncckpt-{self.codec}" + (f"-ring{self.ring_bytes // MiB}M" if self.ring_bytes else "")
         ring = f"{self.ring_bytes // MiB} MiB ring" if self.ring_bytes else "ring = state"
         self.label = f"asyncckpt, codec {self.codec}, {ring}"
+        # references the worker times in this process next to the saves and loads
+        # ("memcpy", "write", "load"; see worker.py): raw carries the staging, durable and
+        # load targets; the other codecs' loads are reported next to the same references
+        self.refs: tuple[str, ...] = tuple(options.get("refs", ()))
         self._handle: Any = None
 
     def setup(self, root: Path, state: dict[str, Any]) -> None:
@@ -266,12 +282,16 @@ METHODS: dict[str, tuple[type[Method], dict[str, Any]]] = {
     "dcp.async-thread": (DcpAsyncThread, {}),
     "dcp.async-stager": (DcpAsyncStager, {}),
     "dcp.async-process": (DcpAsyncProcess, {}),
-    "asyncckpt-raw": (AsyncCkpt, {"codec": "raw"}),
-    "asyncckpt-zstd": (AsyncCkpt, {"codec": "zstd"}),
+    "asyncckpt-raw": (AsyncCkpt, {"codec": "raw", "refs": ("memcpy", "write", "load")}),
+    "asyncckpt-zstd": (AsyncCkpt, {"codec": "zstd", "refs": ("load",)}),
     "asyncckpt-zstd-ring64M": (AsyncCkpt, {"codec": "zstd", "ring_bytes": 64 * MiB}),
-    "asyncckpt-bytegroup": (AsyncCkpt, {"codec": "bytegroup"}),
+    "asyncckpt-bytegroup": (AsyncCkpt, {"codec": "bytegroup", "refs": ("load",)}),
     "asyncckpt-auto": (AsyncCkpt, {"codec": "auto"}),
 }
+
+
+# peers whose figures bound a target: timed as often as the targeted methods
+TARGET_BOUNDS = ("dcp.async-stager",)
 
 
 def make(name: str) -> Method:
@@ -289,3 +309,173 @@ def init_gloo() -> None:
         s.bind(("127.0.0.1", 0))
         os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
     dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+# -- codec peers ---------------------------------------------------------------------------
+
+FRAME_BYTES = 4 * MiB  # the writer's default slot: one frame per slot
+ZIPNN = "zipnn"
+
+
+def registry_codecs() -> list[str]:
+    """Every stored codec of asyncckpt's registry except raw."""
+    from asyncckpt.codec import RAW, REGISTRY
+    return [name for name in REGISTRY if name != RAW]
+
+
+def plane_codecs() -> list[str]:
+    """The registry's float-aware codecs (frames carry a plane layout): the ones held to
+    ZipNN's ratio and to the per-thread speed targets."""
+    from asyncckpt.codec import REGISTRY
+    return [name for name, spec in REGISTRY.items() if spec.plane_layout]
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def frame_hints(width: int, choice: Any) -> Any:
+    """The `FrameHints` of a tensor-aligned frame (phase 0) from a codec's probe answer:
+    a tuple of plane flags, or a named tuple whose fields are FrameHints fields (a probe
+    that decides more than the planes, e.g. a sign rotation)."""
+    from asyncckpt.codec import FrameHints
+    if hasattr(choice, "_asdict"):
+        return FrameHints(width=width, phase=0, **choice._asdict())
+    return FrameHints(width, 0, tuple(choice))
+
+
+class _Ours:
+    """A registry codec driven as the writer drives it, frame by frame."""
+
+    def __init__(self, name: str) -> None:
+        from asyncckpt.codec import make_codec
+        self.name = name
+        self._make = make_codec
+        self.codec = make_codec(name)
+        self._decoders: dict[str, Any] = {}
+
+    def encode(self, tensors: Sequence[torch.Tensor]) -> tuple[float, int, Any]:
+        frames = []
+        start = time.perf_counter()
+        for t in tensors:
+            raw = memoryview(_raw(t))
+            width = t.element_size()
+            hints = None
+            for offset in range(0, len(raw), FRAME_BYTES):
+                frame = raw[offset:offset + FRAME_BYTES]
+                if hints is None:
+                    hints = frame_hints(width, self.codec.probe(frame, width, 0))
+                frames.append(self.codec.encode(frame, hints))
+        seconds = time.perf_counter() - start
+        stored = sum(f.length for f in frames)
+        # the reader gets each frame's stored bytes contiguous, from the file (untimed)
+        return seconds, stored, [(f.codec, bytes(f), f.layout) for f in frames]
+
+    def decode(self, blob: Any, tensors: Sequence[torch.Tensor], out: np.ndarray,
+               check: bool) -> tuple[float, bool | None]:
+        view = memoryview(out)
+        start = time.perf_counter()
+        pos = 0
+        frames = iter(blob)
+        for t in tensors:
+            end = pos + t.numel() * t.element_size()
+            while pos < end:
+                codec, stored, layout = next(frames)
+                n = min(FRAME_BYTES, end - pos)
+                decoder = self._decoders.get(codec) or self._decoders.setdefault(
+                    codec, self._make(codec))
+                decoder.decode_into(stored, view[pos:pos + n], layout)
+                pos += n
+        seconds = time.perf_counter() - start
+        if not check:
+            return seconds, None
+        return seconds, bool(np.array_equal(out[:pos], np.concatenate([_raw(t) for t in tensors])))
+
+
+class _ZipNN:
+    """ZipNN 0.5.x on torch tensors, one thread."""
+
+    name = ZIPNN
+
+    def __init__(self) -> None:
+        from zipnn import ZipNN
+        self.zpn = ZipNN(input_format="torch", threads=1)
+
+    def encode(self, tensors: Sequence[torch.Tensor]) -> tuple[float, int, Any]:
+        clones = [t.clone() for t in tensors]  # it reorders the bytes of its input in place
+        start = time.perf_counter()
+        blobs = [self.zpn.compress(c) for c in clones]
+        seconds = time.perf_counter() - start
+        return seconds, sum(len(b) for b in blobs), blobs
+
+    def decode(self, blob: Any, tensors: Sequence[torch.Tensor], out: np.ndarray,
+               check: bool) -> tuple[float, bool | None]:
+        start = time.perf_counter()
+        back = [self.zpn.decompress(b) for b in blob]
+        seconds = time.perf_counter() - start
+        if not check:
+            return seconds, None
+        return seconds, all(b.dtype == t.dtype and b.shape == t.shape
+                            and np.array_equal(_raw(b), _raw(t)) for b, t in zip(back, tensors))
+
+
+def codec_contest(cases: dict[str, list[torch.Tensor]], reps: int) -> dict[str, Any]:
+    """Stored/raw and encode/decode GB/s per thread of ZipNN and every registry codec on
+    each case's tensors, one thread, interleaved per repetition (after one warm-up).
+
+    Args:
+        cases: case name -> the tensors compressed together (e.g. "bf16 weights").
+        reps: timed repetitions; the first one also checks every decode bit-exact.
+    Returns:
+        {"threads": 1, "frame_bytes", "zipnn": version or an error, "cases": {case:
+        {"bytes", "tensors", "codecs": {name: {"ratio", "encode": spread of GB/s,
+        "decode": spread of GB/s, "exact"}}}}}
+    """
+    import statistics
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"threads": 1, "frame_bytes": FRAME_BYTES, "cases": {}}
+    try:
+        import zipnn
+        out["zipnn"] = getattr(zipnn, "__version__", None) or _version("zipnn")
+    except ImportError as e:
+        out["zipnn"] = f"not installed ({e}); pip install zipnn"
+    try:
+        for case, tensors in cases.items():
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            contenders: list[Any] = [_Ours(name) for name in registry_codecs()]
+            if not out["zipnn"].startswith("not installed"):
+                contenders.append(_ZipNN())
+            dst = np.zeros(nbytes, dtype=np.uint8)
+            times: dict[str, dict[str, list[float]]] = {c.name: {"encode": [], "decode": []}
+                                                        for c in contenders}
+            entry: dict[str, Any] = {"bytes": nbytes, "tensors": len(tensors), "codecs": {}}
+            for rep in range(reps + 1):
+                shift = rep % len(contenders)
+                for c in contenders[shift:] + contenders[:shift]:
+                    enc, stored, blob = c.encode(tensors)
+                    dec, exact = c.decode(blob, tensors, dst, check=rep == 1)
+                    if rep:
+                        times[c.name]["encode"].append(nbytes / enc / 1e9)
+                        times[c.name]["decode"].append(nbytes / dec / 1e9)
+                    row = entry["codecs"].setdefault(c.name, {})
+                    row["ratio"] = stored / nbytes
+                    if exact is not None:
+                        row["exact"] = exact
+            for name, t in times.items():
+                for key, values in t.items():
+                    if values:
+                        entry["codecs"][name][key] = {"median": statistics.median(values),
+                                                      "min": min(values), "max": max(values)}
+            out["cases"][case] = entry
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"

