@@ -38,6 +38,7 @@ from .client import Client
 from .dtensor import is_dtensor
 from .errors import CheckpointError, CorruptCheckpointError
 from .handle import SaveHandle
+from .integrations import hf
 from .loader import load
 
 CONTENTS = ("model", "optimizer", "extra")
@@ -99,7 +100,8 @@ class Checkpointer:
     def __init__(self, root: str | Path, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
                  options: CheckpointerOptions | None = None, client: Client | None = None,
-                 fence: bool = True) -> None:
+                 fence: bool = True, hf_config: Any = None,
+                 generation_config: Any = None) -> None:
         """
         Args:
             root: the checkpoint root the writer owns (read here for restore and listing).
@@ -109,6 +111,12 @@ class Checkpointer:
             fence: install the optimizer fence (see `install_fence`) when an optimizer
                 is given. Without it, wait for `handle.staged()` yourself before
                 `optimizer.step()`, or saves fail as torn.
+            hf_config, generation_config: a Hugging Face config (object or mapping) to
+                store with the model; by default a `transformers` model's own. Stored as
+                JSON text under the state's "hf" key, it lets `asyncckpt export` write a
+                directory `from_pretrained` opens as it is.
+        Raises:
+            TypeError: a config that is not JSON.
         """
         self.root = Path(root)
         self.model = model
@@ -120,6 +128,7 @@ class Checkpointer:
         self._fence: Any = None
         self.fence_blocked_seconds = 0.0
         self.extra: Any = None
+        self.hf_metadata = hf.hf_metadata(model, hf_config, generation_config)
         if fence and optimizer is not None:
             self.install_fence()
 
@@ -151,6 +160,8 @@ class Checkpointer:
         state: dict[str, Any] = {"step": step, **self._state_dicts()}
         if "extra" in self.options.contents and extra is not None:
             state["extra"] = extra
+        if "model" in state and self.hf_metadata is not None:
+            state[hf.HF_KEY] = self.hf_metadata
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self.client.save(step, state, keep_last=self.options.keep_last,
                                   keep_every=self.options.keep_every)
