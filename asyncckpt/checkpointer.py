@@ -34,14 +34,15 @@ from typing import Any, Literal
 
 import torch
 
-from . import commit
+from . import commit, loader
+from .checkpoint import Checkpoint
 from .client import Client
 from .config import MiB, ClientKnobs
 from .dtensor import is_dtensor
 from .errors import CheckpointError, CorruptCheckpointError
 from .handle import SaveHandle
 from .integrations import hf
-from .loader import load
+from .ranks import resolve_rank
 
 CONTENTS = ("model", "optimizer", "extra")
 MEM_SHARE = 0.25  # of MemAvailable, split between the node's ranks, for the rings
@@ -105,7 +106,8 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer | None = None,
                  options: CheckpointerOptions | None = None, client: Client | None = None,
                  fence: bool = True, hf_config: Any = None,
-                 generation_config: Any = None, ring_size: int | None = None) -> None:
+                 generation_config: Any = None, ring_size: int | None = None,
+                 address: str | None = None) -> None:
         """
         Args:
             root: the checkpoint root the writer owns (read here for restore and listing).
@@ -118,6 +120,8 @@ class Checkpointer:
                 `auto_ring_size`: as large as the state when a bounded share of
                 MemAvailable allows, so staging is one memcpy and the fence barely
                 waits). Ignored with `client`, whose ring already exists.
+            address: the writer the client made here connects to (default:
+                ASYNCCKPT_ADDRESS).
             fence: install the optimizer fence (see `install_fence`) when an optimizer
                 is given. Without it, wait for `handle.staged()` yourself before
                 `optimizer.step()`, or saves fail as torn.
@@ -135,6 +139,7 @@ class Checkpointer:
         self._client = client
         self._own_client = client is None
         self._ring_request = ring_size
+        self._address = address
         self._told_interval = False
         self._in_flight: list[SaveHandle] = []
         self._fence: Any = None
@@ -184,7 +189,7 @@ class Checkpointer:
         if "model" in state and self.hf_metadata is not None:
             state[hf.HF_KEY] = self.hf_metadata
         if self._client is None:
-            self._client = Client(ring_size=self._ring_size(state))
+            self._client = Client(self._address, ring_size=self._ring_size(state))
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
                                    keep_every=self.options.keep_every)
@@ -253,7 +258,7 @@ class Checkpointer:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client()
+            self._client = Client(self._address)
         return self._client
 
     # -- reading --------------------------------------------------------------------
@@ -316,7 +321,8 @@ class Checkpointer:
         into = self._state_dicts()
         if not self._sharded():
             into.pop("optimizer", None)  # plain optimizers take load_state_dict as saved
-        return load(self.root, step=step, rank=rank, into=into or None)
+        return load_parts(self.root, step, rank, into or None,
+                          {"step", "extra", *self.options.contents})
 
     def _apply(self, state: Any) -> int:
         if self._sharded():
@@ -350,6 +356,49 @@ class Checkpointer:
         if want_optim:
             out["optimizer"] = self.optimizer.state_dict()  # type: ignore[union-attr]
         return out
+
+
+def load_parts(root: Path, step: int | None, rank: int | None, into: Any,
+               keys: set[str]) -> dict[str, Any]:
+    """`load(root, step=step, rank=rank, into=into)` of the top-level `keys` only.
+
+    The tensors under other keys are never read nor allocated: restoring only the model
+    of a checkpoint that also holds optimizer state must not build that state (as full
+    tensors, for a sharded one) to throw it away.
+    Raises:
+        As `load`.
+    """
+    with Checkpoint.open(root, step) as ckpt:
+        if rank is None:
+            rank = resolve_rank()[0] if ckpt.world_size > 1 else 0
+            rank = 0 if rank >= ckpt.world_size and ckpt.sharded else rank
+        rank = ckpt.check_rank(rank)
+        with ckpt.reading():
+            return loader._load(_Only(ckpt, keys), rank, into, True)
+
+
+class _Only:
+    """An opened checkpoint seen through its top-level `keys` (plus the bases of the
+    views kept, which may sit under another key)."""
+
+    def __init__(self, ckpt: Checkpoint, keys: set[str]) -> None:
+        self._ckpt, self._keys = ckpt, keys
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ckpt, name)
+
+    def leaves(self, rank: int) -> list[Any]:
+        every = self._ckpt.leaves(rank)
+        kept = [leaf for leaf in every if leaf.path[:1] and leaf.path[0] in self._keys]
+        bases = {leaf.tensor.name for leaf in kept if leaf.view is not None}
+        return kept + [leaf for leaf in every if leaf.view is None and leaf.kind == "tensor"
+                       and leaf.tensor.name in bases and leaf not in kept]
+
+    def tree(self, rank: int) -> Any:
+        tree = self._ckpt.tree(rank)
+        if isinstance(tree, dict) and isinstance(tree.get("dict"), list):
+            return {"dict": [item for item in tree["dict"] if item[0] in self._keys]}
+        return tree
 
 
 def _agree(outcome: int) -> int:

@@ -1,0 +1,215 @@
+"""One verl-style FSDP2 rank (gloo, CPU): trains a small Llama and saves/resumes through a
+checkpoint manager, the way verl's trainer and FSDP engine drive it.
+
+    python verl_worker.py train  OUT --manager asyncckpt|verl --steps 6 --save-at 2,3,4
+    python verl_worker.py resume OUT --manager asyncckpt|verl --steps 6
+
+`train` saves at the given steps to OUT/ckpt/global_step_N/actor (the trainer's layout:
+data.pt, and the tracker file unless the manager writes it itself, as verl's trainer
+does with async_save) and writes, from rank 0, OUT/<manager>-train.json: the loss of
+every step and the full model + optimizer state at each save (safetensors files).
+`resume` finds the step as verl's trainer does (`find_latest_ckpt_path`), loads it into
+a model built from another seed, checks the loaded state against the saved one bit for
+bit, trains to --steps and writes OUT/<manager>-resume-w<world>.json.
+
+Both print per-rank figures (save wall time, time to committed, peak RSS added) as one
+JSON line prefixed "FIGURES ". Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+MODEL_LAYERS, MODEL_HIDDEN, MODEL_VOCAB size the model (tiny by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import init_device_mesh
+
+LAYERS = int(os.environ.get("MODEL_LAYERS", 2))
+HIDDEN = int(os.environ.get("MODEL_HIDDEN", 64))
+VOCAB = int(os.environ.get("MODEL_VOCAB", 500))
+
+
+def build(seed: int):
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN,
+                                      intermediate_size=HIDDEN * 3 // 2 + 5,  # odd: uneven shards
+                                      num_hidden_layers=LAYERS, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 3))
+    return model, optim, sched
+
+
+def train_step(model, optim, sched, step: int) -> float:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=g)
+    # the global RNGs feed the step too, as sampling and dropout do: a resume that did not
+    # restore them would not reproduce the losses
+    scale = 1.0 + 0.01 * torch.rand(()).item() + 0.01 * np.random.rand() + 0.01 * random.random()
+    loss = model(input_ids=ids, labels=ids).loss * scale
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    sched.step()
+    return loss.item()
+
+
+def manager_for(kind: str, model, optim, sched, async_save: bool, hf_model: bool):
+    from omegaconf import OmegaConf
+    contents = ["model", "optimizer", "extra"] + (["hf_model"] if hf_model else [])
+    config = OmegaConf.create({"save_contents": contents, "load_contents": contents[:3],
+                               "async_save": async_save})
+    if kind == "asyncckpt":
+        from asyncckpt.integrations.verl import FSDPCheckpointManager
+    else:
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+    return FSDPCheckpointManager(model=model, optimizer=optim, lr_scheduler=sched,
+                                 processing_class=None, checkpoint_config=config)
+
+
+def full_state(model, optim) -> dict[str, torch.Tensor]:
+    """The whole model and optimizer state on rank 0 (every rank must call it)."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    out = {f"model.{k}": v for k, v in get_model_state_dict(model, options=opts).items()}
+    optim_sd = get_optimizer_state_dict(model, optim, options=opts)
+    for name, state in optim_sd.get("state", {}).items():
+        for k, v in state.items():
+            out[f"optim.{name}.{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+    return out
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def current_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return peak_rss()
+
+
+def current_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "resume"])
+    parser.add_argument("out")
+    parser.add_argument("--manager", choices=["asyncckpt", "verl"], required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-at", default="2,3,4")
+    parser.add_argument("--keep", type=int, default=2)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--hf-model", action="store_true")
+    parser.add_argument("--no-reference", action="store_true", help="skip the full-state files")
+    args = parser.parse_args()
+    from safetensors.torch import load_file, save_file
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(args.out)
+    base = out / f"ckpt-{args.manager}"
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    figures: dict = {"rank": rank, "world": world, "manager": args.manager, "saves": []}
+    if args.mode == "train":
+        model, optim, sched = build(seed=1)
+        manager = manager_for(args.manager, model, optim, sched, args.async_save, args.hf_model)
+        losses = {}
+        saves = [int(s) for s in args.save_at.split(",") if s]
+        for step in range(1, args.steps + 1):
+            losses[step] = train_step(model, optim, sched, step)
+            if step in saves:
+                folder = base / f"global_step_{step}"
+                if not args.no_reference:
+                    reference = full_state(model, optim)
+                    if rank == 0:
+                        out.mkdir(parents=True, exist_ok=True)
+                        save_file(reference, str(out / f"{args.manager}-state-{step}.safetensors"))
+                    del reference
+                dist.barrier()
+                reset_peak()
+                rss0 = current_rss()
+                started = time.perf_counter()
+                manager.save_checkpoint(str(folder / "actor"), None, step, max_ckpt_to_keep=args.keep)
+                returned = time.perf_counter() - started
+                if args.manager == "asyncckpt":
+                    manager.wait_until_finished()
+                durable = time.perf_counter() - started
+                figures["saves"].append({"step": step, "returned_s": returned, "committed_s": durable,
+                                         "peak_rss_added": current_hwm() - rss0})
+                dist.barrier()
+                if rank == 0:  # the trainer's part: data loader state, then the tracker
+                    torch.save({"step": step}, folder / "data.pt")
+                    if not args.async_save:
+                        (base / "latest_checkpointed_iteration.txt").write_text(str(step))
+        if args.manager == "asyncckpt":
+            manager.wait_until_finished()
+        if rank == 0:
+            (out / f"{args.manager}-train.json").write_text(json.dumps({"losses": losses}))
+    else:
+        folder = find_latest_ckpt_path(str(base))
+        assert folder is not None, f"no tracker under {base}"
+        step = int(folder.split("global_step_")[-1])
+        model, optim, sched = build(seed=2)
+        train_step(model, optim, sched, 0)  # the optimizer's state exists before a load, as in verl
+        torch.manual_seed(5)
+        manager = manager_for(args.manager, model, optim, sched, False, False)
+        started = time.perf_counter()
+        manager.load_checkpoint(os.path.join(folder, "actor"))
+        figures["load_s"] = time.perf_counter() - started
+        loaded = full_state(model, optim)
+        if rank == 0 and not args.no_reference:
+            expected = load_file(str(out / f"{args.manager}-state-{step}.safetensors"))
+            assert set(expected) == set(loaded), sorted(set(expected) ^ set(loaded))[:5]
+            bad = [k for k in expected if not torch.equal(expected[k], loaded[k])]
+            assert not bad, f"differ after load: {bad[:5]}"
+        del loaded
+        losses = {s: train_step(model, optim, sched, s) for s in range(step + 1, args.steps + 1)}
+        if rank == 0:
+            (out / f"{args.manager}-resume-w{world}.json").write_text(
+                json.dumps({"from": step, "losses": losses, "lr_epoch": sched.last_epoch}))
+    print("FIGURES " + json.dumps(figures), flush=True)
+    dist.barrier()  # no destroy_process_group: gloo's teardown can abort a rank
+    print(f"OK rank {rank}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
