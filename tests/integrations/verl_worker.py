@@ -1,19 +1,22 @@
 """One verl-style FSDP2 rank (gloo, CPU): trains a small Llama and saves/resumes through a
 checkpoint manager, the way verl's trainer and FSDP engine drive it.
 
-    python verl_worker.py train  OUT --manager asyncckpt|verl --steps 6 --save-at 2,3,4
-    python verl_worker.py resume OUT --manager asyncckpt|verl --steps 6
+    python verl_worker.py train  OUT --managers asyncckpt,verl --steps 6 --save-at 2,3,4
+    python verl_worker.py resume OUT --managers asyncckpt,verl --steps 6
 
-`train` saves at the given steps to OUT/ckpt/global_step_N/actor (the trainer's layout:
-data.pt, and the tracker file unless the manager writes it itself, as verl's trainer
-does with async_save) and writes, from rank 0, OUT/<manager>-train.json: the loss of
-every step and the full model + optimizer state at each save (safetensors files).
-`resume` finds the step as verl's trainer does (`find_latest_ckpt_path`), loads it into
-a model built from another seed, checks the loaded state against the saved one bit for
-bit, trains to --steps and writes OUT/<manager>-resume-w<world>.json.
+`train` saves the one model at the given steps through every manager in turn (the
+order alternating), each to OUT/ckpt-<manager>/global_step_N/actor in the trainer's
+layout (data.pt, and the tracker file unless the manager writes it itself, as verl's
+trainer leaves it with async_save), and writes from rank 0 OUT/train.json (every step's
+loss) and OUT/state-N.safetensors (the full model + optimizer state at each save).
+`resume`, for each manager: finds the step as verl's trainer does
+(`find_latest_ckpt_path`), loads it into a model built from another seed, checks the
+loaded state against state-N bit for bit, trains to --steps, and writes
+OUT/resume-w<world>.json (a manager whose files cannot load at this world size records
+the error instead).
 
-Both print per-rank figures (save wall time, time to committed, peak RSS added) as one
-JSON line prefixed "FIGURES ". Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+Both print per-rank figures (save wall time, time to committed, peak RSS added, load
+time) as one JSON line prefixed "FIGURES ". Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
 MODEL_LAYERS, MODEL_HIDDEN, MODEL_VOCAB size the model (tiny by default).
 """
 
@@ -47,7 +50,8 @@ def build(seed: int):
                                       intermediate_size=HIDDEN * 3 // 2 + 5,  # odd: uneven shards
                                       num_hidden_layers=LAYERS, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
+                                      tie_word_embeddings=False,
+                                      architectures=["LlamaForCausalLM"])  # as from_pretrained sets it
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -97,10 +101,6 @@ def full_state(model, optim) -> dict[str, torch.Tensor]:
     return out
 
 
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def reset_peak() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -114,7 +114,7 @@ def current_hwm() -> int:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    return peak_rss()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def current_rss() -> int:
@@ -129,12 +129,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "resume"])
     parser.add_argument("out")
-    parser.add_argument("--manager", choices=["asyncckpt", "verl"], required=True)
+    parser.add_argument("--managers", default="asyncckpt,verl")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-at", default="2,3,4")
     parser.add_argument("--keep", type=int, default=2)
-    parser.add_argument("--async-save", action="store_true")
-    parser.add_argument("--hf-model", action="store_true")
+    parser.add_argument("--async-save", action="store_true", help="the drop-in's async mode")
+    parser.add_argument("--hf-model", action="store_true", help="save_contents += hf_model")
     parser.add_argument("--no-reference", action="store_true", help="skip the full-state files")
     args = parser.parse_args()
     from safetensors.torch import load_file, save_file
@@ -143,68 +143,79 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(args.out)
-    base = out / f"ckpt-{args.manager}"
+    kinds = args.managers.split(",")
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
-    figures: dict = {"rank": rank, "world": world, "manager": args.manager, "saves": []}
+    figures: dict = {"rank": rank, "world": world, "mode": args.mode, "saves": [], "loads": []}
     if args.mode == "train":
         model, optim, sched = build(seed=1)
-        manager = manager_for(args.manager, model, optim, sched, args.async_save, args.hf_model)
+        managers = {k: manager_for(k, model, optim, sched, args.async_save and k == "asyncckpt",
+                                   args.hf_model) for k in kinds}
         losses = {}
         saves = [int(s) for s in args.save_at.split(",") if s]
         for step in range(1, args.steps + 1):
             losses[step] = train_step(model, optim, sched, step)
-            if step in saves:
+            if step not in saves:
+                continue
+            if not args.no_reference:
+                reference = full_state(model, optim)
+                if rank == 0:
+                    save_file(reference, str(out / f"state-{step}.safetensors"))
+                del reference
+            order = kinds if step % 2 else kinds[::-1]  # interleaved: neither always goes first
+            for kind in order:
+                base, manager = out / f"ckpt-{kind}", managers[kind]
                 folder = base / f"global_step_{step}"
-                if not args.no_reference:
-                    reference = full_state(model, optim)
-                    if rank == 0:
-                        out.mkdir(parents=True, exist_ok=True)
-                        save_file(reference, str(out / f"{args.manager}-state-{step}.safetensors"))
-                    del reference
                 dist.barrier()
                 reset_peak()
                 rss0 = current_rss()
                 started = time.perf_counter()
                 manager.save_checkpoint(str(folder / "actor"), None, step, max_ckpt_to_keep=args.keep)
                 returned = time.perf_counter() - started
-                if args.manager == "asyncckpt":
+                if kind == "asyncckpt":
                     manager.wait_until_finished()
-                durable = time.perf_counter() - started
-                figures["saves"].append({"step": step, "returned_s": returned, "committed_s": durable,
+                figures["saves"].append({"manager": kind, "step": step, "returned_s": returned,
+                                         "committed_s": time.perf_counter() - started,
                                          "peak_rss_added": current_hwm() - rss0})
                 dist.barrier()
                 if rank == 0:  # the trainer's part: data loader state, then the tracker
                     torch.save({"step": step}, folder / "data.pt")
-                    if not args.async_save:
+                    if not (args.async_save and kind == "asyncckpt"):
                         (base / "latest_checkpointed_iteration.txt").write_text(str(step))
-        if args.manager == "asyncckpt":
-            manager.wait_until_finished()
+        for manager in managers.values():
+            if hasattr(manager, "wait_until_finished"):
+                manager.wait_until_finished()
         if rank == 0:
-            (out / f"{args.manager}-train.json").write_text(json.dumps({"losses": losses}))
+            (out / "train.json").write_text(json.dumps({"losses": losses}))
     else:
-        folder = find_latest_ckpt_path(str(base))
-        assert folder is not None, f"no tracker under {base}"
-        step = int(folder.split("global_step_")[-1])
-        model, optim, sched = build(seed=2)
-        train_step(model, optim, sched, 0)  # the optimizer's state exists before a load, as in verl
-        torch.manual_seed(5)
-        manager = manager_for(args.manager, model, optim, sched, False, False)
-        started = time.perf_counter()
-        manager.load_checkpoint(os.path.join(folder, "actor"))
-        figures["load_s"] = time.perf_counter() - started
-        loaded = full_state(model, optim)
-        if rank == 0 and not args.no_reference:
-            expected = load_file(str(out / f"{args.manager}-state-{step}.safetensors"))
-            assert set(expected) == set(loaded), sorted(set(expected) ^ set(loaded))[:5]
-            bad = [k for k in expected if not torch.equal(expected[k], loaded[k])]
-            assert not bad, f"differ after load: {bad[:5]}"
-        del loaded
-        losses = {s: train_step(model, optim, sched, s) for s in range(step + 1, args.steps + 1)}
+        results = {}
+        for kind in kinds:
+            folder = find_latest_ckpt_path(str(out / f"ckpt-{kind}"))
+            assert folder is not None, f"no tracker under ckpt-{kind}"
+            step = int(folder.split("global_step_")[-1])
+            model, optim, sched = build(seed=2)
+            train_step(model, optim, sched, 0)  # optimizer state exists before the load, as in verl
+            torch.manual_seed(5)
+            manager = manager_for(kind, model, optim, sched, False, False)
+            started = time.perf_counter()
+            try:
+                manager.load_checkpoint(os.path.join(folder, "actor"))
+            except FileNotFoundError as e:  # verl's files exist for their world size only
+                results[kind] = {"from": step, "error": f"{type(e).__name__}: {e}"}
+                continue
+            figures["loads"].append({"manager": kind, "load_s": time.perf_counter() - started})
+            loaded = full_state(model, optim)
+            if rank == 0 and not args.no_reference:
+                expected = load_file(str(out / f"state-{step}.safetensors"))
+                assert set(expected) == set(loaded), sorted(set(expected) ^ set(loaded))[:5]
+                bad = [k for k in expected if not torch.equal(expected[k], loaded[k])]
+                assert not bad, f"{kind}: differ after load: {bad[:5]}"
+            del loaded
+            losses = {s: train_step(model, optim, sched, s) for s in range(step + 1, args.steps + 1)}
+            results[kind] = {"from": step, "losses": losses, "lr_epoch": sched.last_epoch}
         if rank == 0:
-            (out / f"{args.manager}-resume-w{world}.json").write_text(
-                json.dumps({"from": step, "losses": losses, "lr_epoch": sched.last_epoch}))
+            (out / f"resume-w{world}.json").write_text(json.dumps(results))
     print("FIGURES " + json.dumps(figures), flush=True)
     dist.barrier()  # no destroy_process_group: gloo's teardown can abort a rank
     print(f"OK rank {rank}", flush=True)
