@@ -267,3 +267,26 @@ def test_own_client_ring_sized_from_the_state(writer, root, monkeypatch, caplog)
     with Checkpointer(root, model=model, optimizer=opt) as ckpt:
         ckpt.save(3, force=True).wait(60)
         assert ckpt.client.knobs.ring_size == 4 << 20
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_restore_reads_only_the_contents_asked_for(writer, root, monkeypatch):
+    """Regression: restoring only the model still read (and allocated) the saved optimizer
+    state, as full tensors for a sharded one."""
+    from asyncckpt import loader
+    model, opt = make_model()
+    train_step(model, opt, 1)
+    with Checkpointer(root, model=model, optimizer=opt,
+                      client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
+        ckpt.save(1, extra={"seen": 8}, force=True).wait(60)
+        ckpt.client.close()
+    planned = []
+    plan = loader._plan
+    monkeypatch.setattr(loader, "_plan", lambda p, g, *a: planned.append(g.path) or plan(p, g, *a))
+    fresh, fresh_opt = make_model(seed=3)
+    only_model = Checkpointer(root, model=fresh, optimizer=fresh_opt, fence=False,
+                              options=CheckpointerOptions(contents=("model", "extra")))
+    assert only_model.restore() == 1 and only_model.extra == {"seen": 8}
+    assert planned and all(path[0] == "model" for path in planned), planned
+    assert_same(model.state_dict(), fresh.state_dict())
+    assert fresh_opt.state_dict()["state"] == {}
