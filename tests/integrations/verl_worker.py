@@ -54,13 +54,24 @@ def build(seed: int):
                                       architectures=["LlamaForCausalLM"])  # as from_pretrained sets it
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))  # as verl names it
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 3))
     return model, optim, sched
+
+
+def tokenizer():
+    """A word-level tokenizer built here (nothing downloaded), as verl's processing_class."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(40)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
 
 
 def train_step(model, optim, sched, step: int) -> float:
@@ -87,7 +98,7 @@ def manager_for(kind: str, model, optim, sched, async_save: bool, hf_model: bool
     else:
         from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     return FSDPCheckpointManager(model=model, optimizer=optim, lr_scheduler=sched,
-                                 processing_class=None, checkpoint_config=config)
+                                 processing_class=tokenizer(), checkpoint_config=config)
 
 
 def full_state(model, optim) -> dict[str, torch.Tensor]:
@@ -135,6 +146,8 @@ def main() -> int:
     parser.add_argument("--keep", type=int, default=2)
     parser.add_argument("--async-save", action="store_true", help="the drop-in's async mode")
     parser.add_argument("--hf-model", action="store_true", help="save_contents += hf_model")
+    parser.add_argument("--hf-model-at", type=int, default=0,
+                        help="also save this step with hf_model, through managers of its own")
     parser.add_argument("--no-reference", action="store_true", help="skip the full-state files")
     args = parser.parse_args()
     from safetensors.torch import load_file, save_file
@@ -156,7 +169,7 @@ def main() -> int:
         saves = [int(s) for s in args.save_at.split(",") if s]
         for step in range(1, args.steps + 1):
             losses[step] = train_step(model, optim, sched, step)
-            if step not in saves:
+            if step not in saves and step != args.hf_model_at:
                 continue
             if not args.no_reference:
                 reference = full_state(model, optim)
@@ -164,8 +177,15 @@ def main() -> int:
                     save_file(reference, str(out / f"state-{step}.safetensors"))
                 del reference
             order = kinds if step % 2 else kinds[::-1]  # interleaved: neither always goes first
-            for kind in order:
-                base, manager = out / f"ckpt-{kind}", managers[kind]
+            plan = [(kind, False) for kind in order] if step in saves else []
+            if step == args.hf_model_at:
+                plan += [(kind, True) for kind in order]
+            for kind, hf in plan:
+                base = out / (f"ckpt-{kind}-hf" if hf else f"ckpt-{kind}")
+                if hf:
+                    managers[f"{kind}-hf"] = manager_for(
+                        kind, model, optim, sched, args.async_save and kind == "asyncckpt", True)
+                manager = managers[f"{kind}-hf" if hf else kind]
                 folder = base / f"global_step_{step}"
                 dist.barrier()
                 reset_peak()
@@ -175,13 +195,14 @@ def main() -> int:
                 returned = time.perf_counter() - started
                 if kind == "asyncckpt":
                     manager.wait_until_finished()
-                figures["saves"].append({"manager": kind, "step": step, "returned_s": returned,
+                figures["saves"].append({"manager": kind, "hf_model": hf, "step": step,
+                                         "returned_s": returned,
                                          "committed_s": time.perf_counter() - started,
                                          "peak_rss_added": current_hwm() - rss0})
                 dist.barrier()
                 if rank == 0:  # the trainer's part: data loader state, then the tracker
                     torch.save({"step": step}, folder / "data.pt")
-                    if not (args.async_save and kind == "asyncckpt"):
+                    if not (args.async_save and kind == "asyncckpt") and not hf:
                         (base / "latest_checkpointed_iteration.txt").write_text(str(step))
         for manager in managers.values():
             if hasattr(manager, "wait_until_finished"):
