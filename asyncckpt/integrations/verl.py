@@ -103,6 +103,8 @@ class FSDPCheckpointManager:
         trust_remote_code: accepted for compatibility (nothing is loaded from code here).
     Raises:
         RuntimeError: torch.distributed is not initialized.
+        NotImplementedError: an FSDP1 model (verl's strategy=fsdp): its parameters are
+            flat buffers, not DTensors, and only DTensor shards reshard on load.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -114,6 +116,10 @@ class FSDPCheckpointManager:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("asyncckpt's FSDPCheckpointManager needs torch.distributed "
                                "initialized (as verl's workers have it)")
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        if isinstance(model, FullyShardedDataParallel):
+            raise NotImplementedError("asyncckpt's FSDPCheckpointManager saves FSDP2 models "
+                                      "(verl's strategy=fsdp2); this one is FSDP1")
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.processing_class = processing_class
         self.checkpoint_config = checkpoint_config
@@ -122,6 +128,8 @@ class FSDPCheckpointManager:
         self.checkpoint_save_contents = list(_get(checkpoint_config, "save_contents", everything))
         self.checkpoint_load_contents = list(_get(checkpoint_config, "load_contents", everything))
         self.async_save = bool(_get(checkpoint_config, "async_save", False))
+        if _get(checkpoint_config, "save_lora_only", False):
+            log.warning("asyncckpt: save_lora_only is not implemented; the whole model is saved")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.previous_global_step: int | None = None
         self.previous_saved_paths: list[str] = []
