@@ -20,6 +20,14 @@ and the step before it is tried. Under torch.distributed every rank takes part i
 attempt and all of them agree before any state is applied, so no two ranks resume from
 different steps even when the damage lies in data that only some of them read.
 `strict_restore` (or `restore(strict=True)`) makes the damaged newest step an error.
+
+The client a Checkpointer makes for itself gets a ring sized from the first state it
+saves (as large as the state when a bounded share of MemAvailable allows): with the
+default 64 MiB ring, staging a multi-GiB rank state runs at disk speed and the fence
+holds the optimizer that long; a ring the size of the state makes staging one memcpy, at
+the cost of that much shared memory per rank, which is why the share is bounded and
+logged. A `transformers` model's config travels with each step (integrations/hf.py), so
+an export is a directory `from_pretrained` opens as it is.
 """
 
 from __future__ import annotations

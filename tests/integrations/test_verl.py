@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
