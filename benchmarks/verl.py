@@ -127,7 +127,13 @@ def markdown(results: list[dict], command: str) -> str:
              "in `save_checkpoint`; `committed`: until the step is durable (asyncckpt: "
              "fsynced, committed atomically; verl: `torch.save` returned, never fsynced). "
              "`peak RSS added`: the rank's VmHWM over the save minus its RSS before. "
-             "Medians; load average (1/5/15 min) given per size.", ""]
+             "Medians; load average (1/5/15 min) given per size.", "",
+             "The drop-in's first save allocates the rank's ring (shared memory, sized to the "
+             "rank's state by default: the `max` column); later saves reuse it and add nothing "
+             "(the median). `ASYNCCKPT_RING_SIZE=64MiB` caps it, at the price of staging at disk "
+             "speed. The `+ hf_model` rows are a second manager (its own root, so its own ring) "
+             "saving once: asyncckpt's includes exporting the committed step on rank 0; verl's "
+             "gathers the full model on rank 0.", ""]
     for r in results:
         lines += [f"## {r['size']} parameters ({r['env']['MODEL_LAYERS']} layers, hidden "
                   f"{r['env']['MODEL_HIDDEN']}, vocab {r['env']['MODEL_VOCAB']})", "",
