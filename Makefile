@@ -9,7 +9,12 @@ BIN         := $(VENV)/bin
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# verl's tests and benchmark run in a venv of their own (verl pins transformers < 5.11) that
+# sees this venv's packages (torch, ...) behind its own through a .pth file.
+VERL_VENV   ?= $(VENV)-verl
+VERL_SPEC   ?= verl==0.9.1
 
+.PHONY: verl-setup test-verl bench-verl
 .PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean
 
 setup: $(VENV)/.installed
@@ -21,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
-test: setup
+test: setup verl-setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
@@ -96,6 +101,26 @@ fuzz-protocol: setup
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup
 	$(BIN)/python -m benchmarks.writer_memory --state-gib 4 --ring-mib 256
+
+# The verl venv: verl with --no-deps, plus the `verl` extra, over this venv's packages.
+verl-setup: $(VERL_VENV)/.installed
+
+$(VERL_VENV)/.installed: $(VENV)/.installed pyproject.toml
+	test -x $(VERL_VENV)/bin/python || $(BIN)/python -m venv $(VERL_VENV)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	  "$$($(VERL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-asyncckpt-base.pth"
+	$(VERL_VENV)/bin/pip install -q --no-deps "$(VERL_SPEC)"
+	$(VERL_VENV)/bin/pip install -q -e ".[verl]"
+	touch $@
+
+# 2 FSDP2 ranks (CPU, gloo) save a Llama through the drop-in and through verl's own manager,
+# resume bit-exact from each, and from the drop-in's at world size 1.
+test-verl: setup verl-setup
+	$(BIN)/python -m pytest -q tests/integrations/test_verl.py
+
+# Side by side with verl's manager and model merger at two model sizes (results in benchmarks/results/verl.md).
+bench-verl: setup verl-setup
+	$(BIN)/python -m benchmarks.verl --out benchmarks/results/verl.md
 
 clean:
 	rm -rf $(VENV) checkpoints fsdp-ckpt fsdp-ckpt.* multinode-ckpt multinode-ckpt.* .pytest_cache .hypothesis

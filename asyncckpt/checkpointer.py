@@ -20,12 +20,21 @@ and the step before it is tried. Under torch.distributed every rank takes part i
 attempt and all of them agree before any state is applied, so no two ranks resume from
 different steps even when the damage lies in data that only some of them read.
 `strict_restore` (or `restore(strict=True)`) makes the damaged newest step an error.
+
+The client a Checkpointer makes for itself gets a ring sized from the first state it
+saves (as large as the state when a bounded share of MemAvailable allows): with the
+default 64 MiB ring, staging a multi-GiB rank state runs at disk speed and the fence
+holds the optimizer that long; a ring the size of the state makes staging one memcpy, at
+the cost of that much shared memory per rank, which is why the share is bounded and
+logged. A `transformers` model's config travels with each step (integrations/hf.py), so
+an export is a directory `from_pretrained` opens as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -33,14 +42,19 @@ from typing import Any, Literal
 
 import torch
 
-from . import commit
+from . import commit, loader
+from .checkpoint import Checkpoint
 from .client import Client
+from .config import MiB, ClientKnobs
 from .dtensor import is_dtensor
 from .errors import CheckpointError, CorruptCheckpointError
 from .handle import SaveHandle
-from .loader import load
+from .integrations import hf
+from .ranks import resolve_rank
 
 CONTENTS = ("model", "optimizer", "extra")
+MEM_SHARE = 0.25  # of MemAvailable, split between the node's ranks, for the rings
+DEFAULT_RING = 64 * MiB
 log = logging.getLogger("asyncckpt.checkpointer")
 
 
@@ -99,16 +113,32 @@ class Checkpointer:
     def __init__(self, root: str | Path, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
                  options: CheckpointerOptions | None = None, client: Client | None = None,
-                 fence: bool = True) -> None:
+                 fence: bool = True, hf_config: Any = None,
+                 generation_config: Any = None, ring_size: int | None = None,
+                 address: str | None = None) -> None:
         """
         Args:
             root: the checkpoint root the writer owns (read here for restore and listing).
             model, optimizer: saved and restored by their state dicts.
             client: the rank's writer connection (default: `asyncckpt.connect()` from the
                 environment, created on the first save).
+            ring_size: bytes of the ring of the client made here (a multiple of the
+                slot size). Default: the ASYNCCKPT_RING_SIZE knob when set, else sized
+                from the first saved state and the host's free memory (see
+                `auto_ring_size`: as large as the state when a bounded share of
+                MemAvailable allows, so staging is one memcpy and the fence barely
+                waits). Ignored with `client`, whose ring already exists.
+            address: the writer the client made here connects to (default:
+                ASYNCCKPT_ADDRESS).
             fence: install the optimizer fence (see `install_fence`) when an optimizer
                 is given. Without it, wait for `handle.staged()` yourself before
                 `optimizer.step()`, or saves fail as torn.
+            hf_config, generation_config: a Hugging Face config (object or mapping) to
+                store with the model; by default a `transformers` model's own. Stored as
+                JSON text under the state's "hf" key, it lets `asyncckpt export` write a
+                directory `from_pretrained` opens as it is.
+        Raises:
+            TypeError: a config that is not JSON.
         """
         self.root = Path(root)
         self.model = model
@@ -116,10 +146,14 @@ class Checkpointer:
         self.options = options or CheckpointerOptions()
         self._client = client
         self._own_client = client is None
+        self._ring_request = ring_size
+        self._address = address
+        self._told_interval = False
         self._in_flight: list[SaveHandle] = []
         self._fence: Any = None
         self.fence_blocked_seconds = 0.0
         self.extra: Any = None
+        self.hf_metadata = hf.hf_metadata(model, hf_config, generation_config)
         if fence and optimizer is not None:
             self.install_fence()
 
@@ -131,13 +165,22 @@ class Checkpointer:
     def save(self, step: int, *, extra: Any = None, force: bool = False) -> SaveHandle | None:
         """Save `step` (if `should_save(step)` or `force`) and return its handle at once.
 
-        Returns None when the step is not due, or when a save is still in flight and
-        on_busy is "skip".
+        Returns None when the step is not due (said once at INFO on logger
+        "asyncckpt.checkpointer"), or when a save is still in flight and on_busy is
+        "skip". `handle.stats.blocked_seconds` is the whole time spent here: waiting for
+        earlier saves (on_busy), collecting the state dicts, flattening.
         Raises:
             UnsupportedStateError, WriterUnavailableError: as `Client.save`.
             SaveFailedError: with on_busy="block", an earlier save's failure.
         """
+        entered = time.perf_counter()
         if not (force or self.should_save(step)):
+            if not self._told_interval:
+                self._told_interval = True
+                log.info("asyncckpt: save(%d) saves nothing: step %d is not a multiple of "
+                         "save_interval=%d (pass force=True, or save_interval=1 when the "
+                         "framework decides when to save); said once", step, step,
+                         self.options.save_interval)
             return None
         self._in_flight = [h for h in self._in_flight if not h.done()]
         if self._in_flight:
@@ -151,11 +194,30 @@ class Checkpointer:
         state: dict[str, Any] = {"step": step, **self._state_dicts()}
         if "extra" in self.options.contents and extra is not None:
             state["extra"] = extra
+        if "model" in state and self.hf_metadata is not None:
+            state[hf.HF_KEY] = self.hf_metadata
+        if self._client is None:
+            self._client = Client(self._address, ring_size=self._ring_size(state))
         # keep_last None sends no retention: the writer's own keep_last knob applies
-        handle = self.client.save(step, state, keep_last=self.options.keep_last,
-                                  keep_every=self.options.keep_every)
+        handle = self._client.save(step, state, keep_last=self.options.keep_last,
+                                   keep_every=self.options.keep_every)
+        handle.stats.blocked_seconds = time.perf_counter() - entered  # what the loop waited
         self._in_flight.append(handle)
         return handle
+
+    def _ring_size(self, state: Any) -> int | None:
+        """The ring for this rank's own client: the `ring_size` given (or the
+        ASYNCCKPT_RING_SIZE knob), else `ring.auto_ring_size` of the state; logged."""
+        if self._ring_request is not None:
+            return self._ring_request
+        if os.environ.get("ASYNCCKPT_RING_SIZE"):
+            return None  # the knob, as the user set it
+        slot = ClientKnobs.from_env().slot_size
+        size, why = auto_ring_size(state_bytes(state), slot, local_world_size(),
+                                   mem_available())
+        log.info("asyncckpt: ring of %.0f MiB for this rank: %s (ring_size= or "
+                 "ASYNCCKPT_RING_SIZE sets it)", size / MiB, why)
+        return size
 
     def install_fence(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Make `optimizer.step()` wait until every save in flight is staged.
@@ -204,7 +266,7 @@ class Checkpointer:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client()
+            self._client = Client(self._address)
         return self._client
 
     # -- reading --------------------------------------------------------------------
@@ -267,7 +329,8 @@ class Checkpointer:
         into = self._state_dicts()
         if not self._sharded():
             into.pop("optimizer", None)  # plain optimizers take load_state_dict as saved
-        return load(self.root, step=step, rank=rank, into=into or None)
+        return load_parts(self.root, step, rank, into or None,
+                          {"step", "extra", *self.options.contents})
 
     def _apply(self, state: Any) -> int:
         if self._sharded():
@@ -303,6 +366,49 @@ class Checkpointer:
         return out
 
 
+def load_parts(root: Path, step: int | None, rank: int | None, into: Any,
+               keys: set[str]) -> dict[str, Any]:
+    """`load(root, step=step, rank=rank, into=into)` of the top-level `keys` only.
+
+    The tensors under other keys are never read nor allocated: restoring only the model
+    of a checkpoint that also holds optimizer state must not build that state (as full
+    tensors, for a sharded one) to throw it away.
+    Raises:
+        As `load`.
+    """
+    with Checkpoint.open(root, step) as ckpt:
+        if rank is None:
+            rank = resolve_rank()[0] if ckpt.world_size > 1 else 0
+            rank = 0 if rank >= ckpt.world_size and ckpt.sharded else rank
+        rank = ckpt.check_rank(rank)
+        with ckpt.reading():
+            return loader._load(_Only(ckpt, keys), rank, into, True)
+
+
+class _Only:
+    """An opened checkpoint seen through its top-level `keys` (plus the bases of the
+    views kept, which may sit under another key)."""
+
+    def __init__(self, ckpt: Checkpoint, keys: set[str]) -> None:
+        self._ckpt, self._keys = ckpt, keys
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ckpt, name)
+
+    def leaves(self, rank: int) -> list[Any]:
+        every = self._ckpt.leaves(rank)
+        kept = [leaf for leaf in every if leaf.path[:1] and leaf.path[0] in self._keys]
+        bases = {leaf.tensor.name for leaf in kept if leaf.view is not None}
+        return kept + [leaf for leaf in every if leaf.view is None and leaf.kind == "tensor"
+                       and leaf.tensor.name in bases and leaf not in kept]
+
+    def tree(self, rank: int) -> Any:
+        tree = self._ckpt.tree(rank)
+        if isinstance(tree, dict) and isinstance(tree.get("dict"), list):
+            return {"dict": [item for item in tree["dict"] if item[0] in self._keys]}
+        return tree
+
+
 def _agree(outcome: int) -> int:
     """The worst outcome over all ranks (0 loaded, 1 damaged, 2 other error); this
     rank's own without an initialized torch.distributed group."""
@@ -312,3 +418,73 @@ def _agree(outcome: int) -> int:
     outcomes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, outcome)
     return max(outcomes)
+
+
+def auto_ring_size(state_bytes: int, slot_size: int, local_ranks: int,
+                   available: int | None) -> tuple[int, str]:
+    """A rank's ring size for a state of `state_bytes`, and why (for the log).
+
+    As large as the state (staging is then one memcpy: the fence waits ~0.1-0.3 s/GiB
+    instead of the disk's 1 s/GiB), but at most `MEM_SHARE` of MemAvailable split
+    between the node's `local_ranks`, never more than the state, and not below the
+    64 MiB default (or the state, if smaller) even when memory is tight. A multiple of
+    `slot_size`. `available` None (no /proc/meminfo): the default.
+    """
+    want = max(slot_size, -(-state_bytes // slot_size) * slot_size)
+    floor = min(want, max(slot_size, DEFAULT_RING // slot_size * slot_size))
+    if available is None:
+        return floor, f"the state is {state_bytes / MiB:.0f} MiB, MemAvailable unknown"
+    share = int(available * MEM_SHARE / max(1, local_ranks)) // slot_size * slot_size
+    size = max(floor, min(want, share))
+    why = (f"the state is {state_bytes / MiB:.0f} MiB; {MEM_SHARE:.0%} of MemAvailable "
+           f"{available / MiB:.0f} MiB over {local_ranks} local rank(s) is {share / MiB:.0f} MiB")
+    if size == want:
+        why += ": the whole state fits"
+    elif size == floor:
+        why += f": kept at the {floor / MiB:.0f} MiB floor"
+    return size, why
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of this rank's tensors in `state` (a DTensor's local shard; shared memory
+    counted once)."""
+    seen: set[tuple[Any, ...]] = set()
+    total = 0
+
+    def visit(node: Any) -> None:
+        nonlocal total
+        if is_dtensor(node):
+            node = node.to_local()
+        if isinstance(node, torch.Tensor):
+            key = (node.device, node.data_ptr(), node.numel(), node.dtype)
+            if key not in seen:
+                seen.add(key)
+                total += node.numel() * node.element_size()
+        elif isinstance(node, dict):
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                visit(v)
+
+    visit(state)
+    return total
+
+
+def local_world_size() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def mem_available() -> int | None:
+    """/proc/meminfo's MemAvailable in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--rank", type=int, default=0)
     ex.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     ex.add_argument("--max-shard-size", default="5GiB")
+    ex.add_argument("--tokenizer", default=None, help="copy this directory's tokenizer files")
     ex.add_argument("--json", action="store_true")
 
     cp = sub.add_parser("copy", help="write one step as a self-contained checkpoint directory "
@@ -362,7 +363,7 @@ def _export(args: argparse.Namespace) -> int:
                           dtype=getattr(torch, args.dtype) if args.dtype else None,
                           max_shard_size=parse_size(args.max_shard_size),
                           progress=(lambda done, total: bar.update("export", done, total))
-                          if bar else None)
+                          if bar else None, tokenizer=args.tokenizer)
     except (CheckpointError, ValueError) as e:
         print(f"asyncckpt export: {e}", file=sys.stderr)
         return 1 if isinstance(e, CorruptCheckpointError) else 2
@@ -372,11 +373,12 @@ def _export(args: argparse.Namespace) -> int:
     shards = sorted(set(index["weight_map"].values()))
     if args.json:
         json.dump({"out": args.out, "shards": shards, **index["metadata"],
-                   "tensors": len(index["weight_map"])}, sys.stdout, indent=1)
+                   "tensors": len(index["weight_map"]), "files": index["files"]}, sys.stdout, indent=1)
         print()
     else:
         print(f"wrote {len(index['weight_map'])} tensors, {index['metadata']['total_size'] / 2**20:.1f} "
-              f"MiB, in {len(shards)} shard(s) to {args.out}")
+              f"MiB, in {len(shards)} shard(s) to {args.out}"
+              + (f", with {', '.join(index['files'])}" if index["files"] else ""))
     return 0
 
 

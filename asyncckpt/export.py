@@ -8,6 +8,12 @@ sharded (DTensor) tensor is assembled from every rank's boxes into one full tens
 plain one is the same with a single box).
 Peak memory is the largest tensor (twice, during a dtype conversion), never the model:
 the opposite of merging every shard in RAM.
+
+When the checkpoint carries a Hugging Face config (the Checkpointer stores it for a
+`transformers` model, see integrations/hf.py), the directory is made complete:
+`config.json` naming the dtype the weights were actually written in,
+`generation_config.json`, the tokenizer files of a given directory, and each tied weight
+once (the name `save_pretrained` keeps), so `from_pretrained(out)` opens it as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from .config import ReadLimits
 from .dtypes import DTYPE_NAMES, DTYPES
 from .errors import CheckpointError
 from .format import element_size, layout
+from .integrations import hf
 from .reader import tensor_bytes
 
 
@@ -47,7 +54,8 @@ class _Item:
 def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None,
               rank: int = 0, contents: str | None = "model", dtype: torch.dtype | None = None,
               max_shard_size: int = 5 << 30, limits: ReadLimits | None = None,
-              progress: Callable[[int, int], None] | None = None) -> dict:
+              progress: Callable[[int, int], None] | None = None,
+              tokenizer: str | os.PathLike[str] | None = None) -> dict:
     """Write the tensors under `contents` (a top-level key; None: everything) as a
     Hugging Face safetensors model directory.
 
@@ -59,8 +67,10 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
         limits: reader limits (default: `ReadLimits.from_env()`).
         progress: called after each tensor with (bytes exported so far, bytes in all),
             both counted in the exported dtype.
+        tokenizer: a directory whose tokenizer files are copied into `out`.
     Returns:
-        The index written (metadata.total_size and weight_map).
+        The index written (metadata.total_size and weight_map), plus "files": the
+        config, generation config and tokenizer files written next to it.
     Raises:
         CheckpointNotFoundError: nothing committed at `path`/`step`, or `rank` is not
             one of the checkpoint's ranks (negative ranks included).
@@ -68,15 +78,58 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
             partial shards. A root's damaged newest step is an error, as for `load`.
         CheckpointError: nothing to export under `contents`, or two keys flatten to
             one name.
+        ValueError: `tokenizer` is not a directory holding tokenizer files (checked
+            before anything is written).
 
-    A view (a tied weight) is exported as a tensor of its own: safetensors files hold
-    no aliasing, and `from_pretrained` ties weights again by itself.
+    A tied weight is exported once, as safetensors holds no aliasing: a view that is
+    all of a tensor exported before it is left out, and with a stored config, so is
+    each weight the model class ties to another (`from_pretrained` ties them again).
     """
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ValueError(f"tokenizer directory {tokenizer} does not exist")
     with Checkpoint.open(path, step, limits=limits) as ckpt:
         ckpt.check_rank(rank)
-        items = _plan_items(ckpt, rank, contents, dtype)
+        meta = hf.read_hf_metadata(ckpt.tree(rank)) if contents == "model" else {}
+        items = _drop_tied(_plan_items(ckpt, rank, contents, dtype), meta)
         with ckpt.reading():
-            return _write(ckpt, rank, items, Path(out), max_shard_size, progress)
+            index = _write(ckpt, rank, items, Path(out), max_shard_size, progress)
+    files = hf.write_model_files(Path(out), meta, _written_dtype(items))
+    if tokenizer is not None:
+        files += hf.copy_tokenizer(tokenizer, Path(out))
+    return {**index, "files": files}
+
+
+def _drop_tied(items: list[_Item], meta: dict[str, str]) -> list[_Item]:
+    """`items` less the second name of each tied weight."""
+    exported = {i.leaf.tensor.name for i in items if i.leaf.view is None}
+    drop = {i.export_name for i in items if i.leaf.view is not None
+            and i.leaf.tensor.name in exported and _whole(i.leaf)}
+    if "config" in meta:
+        drop |= hf.tied_duplicates(meta["config"], [i.export_name for i in items])
+    return [i for i in items if i.export_name not in drop]
+
+
+def _whole(leaf: Leaf) -> bool:
+    """A view that is its whole base, element for element (a tied weight)."""
+    view = leaf.view
+    assert view is not None
+    strides, step = [], 1
+    for n in reversed(view.shape):
+        strides.append(step)
+        step *= n
+    return (view.offset == 0 and tuple(view.shape) == tuple(leaf.tensor.shape)
+            and tuple(view.stride) == tuple(reversed(strides)))
+
+
+def _written_dtype(items: list[_Item]) -> str | None:
+    """The floating-point dtype holding most of the exported bytes ("bfloat16"), if any."""
+    weight: dict[str, int] = {}
+    for item in items:
+        if DTYPES[item.dtype].is_floating_point:
+            weight[item.dtype] = weight.get(item.dtype, 0) + item.nbytes
+    if not weight:
+        return None
+    return str(DTYPES[max(weight, key=weight.__getitem__)]).removeprefix("torch.")
 
 
 def _plan_items(ckpt: Checkpoint, rank: int, contents: str | None,

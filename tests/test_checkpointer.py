@@ -196,3 +196,97 @@ def test_restore_when_no_step_loads_raises(three_steps):
     model, opt = make_model(seed=5, width=16)
     with pytest.raises(asyncckpt.CorruptCheckpointError, match="no step under .* loads"):
         Checkpointer(root, model=model, optimizer=opt, fence=False).restore()
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_blocked_seconds_include_collecting_the_state(writer, root, monkeypatch):
+    """Regression: blocked_seconds counted only Client.save, not get_*_state_dict."""
+    model, opt = make_model()
+    client = asyncckpt.connect(writer.address, rank=0, world_size=1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, client=client)
+    collect = ckpt._state_dicts
+
+    def slow_collect():
+        import time
+        time.sleep(0.3)
+        return collect()
+    monkeypatch.setattr(ckpt, "_state_dicts", slow_collect)
+    handle = ckpt.save(1, force=True)
+    assert handle.stats.blocked_seconds >= 0.3
+    handle.wait(60)
+    assert handle.stats.blocked_seconds >= 0.3  # the writer's figures do not replace it
+    ckpt.close()
+    client.close()
+
+
+def test_interval_skip_is_logged_once(tmp_path, caplog):
+    model, opt = make_model()
+    ckpt = Checkpointer(tmp_path, model=model, optimizer=opt, fence=False)
+    with caplog.at_level("INFO", logger="asyncckpt.checkpointer"):
+        assert ckpt.save(7) is None and ckpt.save(8) is None
+    said = [r.getMessage() for r in caplog.records if r.name == "asyncckpt.checkpointer"]
+    assert len(said) == 1 and "save_interval=1000" in said[0] and "force=True" in said[0]
+
+
+def test_auto_ring_size_rules():
+    from asyncckpt.checkpointer import auto_ring_size
+    MiB, GiB = 1 << 20, 1 << 30
+    slot = 4 * MiB
+    size, why = auto_ring_size(3 * GiB, slot, 2, 24 * GiB)  # share 3 GiB: the whole state
+    assert size == 3 * GiB and "whole state fits" in why
+    size, _ = auto_ring_size(3 * GiB, slot, 8, 24 * GiB)  # share 768 MiB
+    assert size == 768 * MiB
+    size, _ = auto_ring_size(3 * GiB + 1, slot, 1, 64 * GiB)  # never more than the state
+    assert size == 3 * GiB + slot
+    size, why = auto_ring_size(3 * GiB, slot, 8, 256 * MiB)  # tight: the old default
+    assert size == 64 * MiB and "floor" in why
+    assert auto_ring_size(5 * MiB, slot, 1, 64 * GiB)[0] == 8 * MiB  # small state
+    assert auto_ring_size(10, slot, 1, None)[0] == slot
+    assert auto_ring_size(3 * GiB, slot, 1, None)[0] == 64 * MiB
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_own_client_ring_sized_from_the_state(writer, root, monkeypatch, caplog):
+    """A Checkpointer's own client gets a ring the size of the state (memory allowing);
+    ring_size= and ASYNCCKPT_RING_SIZE still win."""
+    monkeypatch.setenv("ASYNCCKPT_ADDRESS", writer.address)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("ASYNCCKPT_RING_SIZE", raising=False)
+    model, opt = make_model(width=1024)  # 4 MiB of weights, 8 MiB of Adam state
+    train_step(model, opt, 1)
+    with caplog.at_level("INFO", logger="asyncckpt.checkpointer"):
+        with Checkpointer(root, model=model, optimizer=opt) as ckpt:
+            ckpt.save(1, force=True).wait(60)
+            assert ckpt.client.knobs.ring_size == 16 << 20  # 12 MiB + a bit, in 4 MiB slots
+    assert any("ring of 16 MiB" in r.getMessage() for r in caplog.records)
+    with Checkpointer(root, model=model, optimizer=opt, ring_size=8 << 20) as ckpt:
+        ckpt.save(2, force=True).wait(60)
+        assert ckpt.client.knobs.ring_size == 8 << 20
+    monkeypatch.setenv("ASYNCCKPT_RING_SIZE", str(4 << 20))
+    with Checkpointer(root, model=model, optimizer=opt) as ckpt:
+        ckpt.save(3, force=True).wait(60)
+        assert ckpt.client.knobs.ring_size == 4 << 20
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_restore_reads_only_the_contents_asked_for(writer, root, monkeypatch):
+    """Regression: restoring only the model still read (and allocated) the saved optimizer
+    state, as full tensors for a sharded one."""
+    from asyncckpt import loader
+    model, opt = make_model()
+    train_step(model, opt, 1)
+    with Checkpointer(root, model=model, optimizer=opt,
+                      client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
+        ckpt.save(1, extra={"seen": 8}, force=True).wait(60)
+        ckpt.client.close()
+    planned = []
+    plan = loader._plan
+    monkeypatch.setattr(loader, "_plan", lambda p, g, *a: planned.append(g.path) or plan(p, g, *a))
+    fresh, fresh_opt = make_model(seed=3)
+    only_model = Checkpointer(root, model=fresh, optimizer=fresh_opt, fence=False,
+                              options=CheckpointerOptions(contents=("model", "extra")))
+    assert only_model.restore() == 1 and only_model.extra == {"seen": 8}
+    assert planned and all(path[0] == "model" for path in planned), planned
+    assert_same(model.state_dict(), fresh.state_dict())
+    assert fresh_opt.state_dict()["state"] == {}

@@ -149,7 +149,101 @@ def test_tied_embeddings_are_stored_once_and_come_back_tied(client, root, tmp_pa
     assert untied_target["lm_head.weight"].data_ptr() != untied_target["transformer.wte.weight"].data_ptr()
 
     index = asyncckpt.export_hf(root, tmp_path / "hf", step=1)
-    assert set(index["weight_map"]) == set(state)
+    assert set(index["weight_map"]) == set(state) - {"lm_head.weight"}  # once, as HF saves it
     config.save_pretrained(tmp_path / "hf")
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     assert torch.equal(logits(reloaded), logits(model))
+
+
+def tiny_llama(tie: bool = False):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    return transformers, config, transformers.LlamaForCausalLM(config).eval()
+
+
+def local_tokenizer(directory):
+    """A word-level tokenizer saved to `directory` (built here, nothing downloaded)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(40)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    return fast
+
+
+@pytest.mark.parametrize("codec", ["zstd"], indirect=True)
+@pytest.mark.parametrize("build,dtype", [(tiny_llama, None), (tiny_gpt2, None),
+                                         (tiny_llama, "bfloat16")])
+def test_checkpointer_export_opens_with_from_pretrained_unchanged(writer, root, tmp_path, capsys,
+                                                                  build, dtype):
+    """The Checkpointer stores the config; export writes config.json (with the dtype it
+    wrote), generation_config.json, the tokenizer, each tied weight once; from_pretrained
+    opens the directory as it is and gives the same logits."""
+    transformers, config, model = build()
+    model.generation_config.max_new_tokens = 7
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with asyncckpt.Checkpointer(root, model=model, optimizer=opt,
+                                client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
+        ckpt.save(5, force=True).wait(60)
+        ckpt.client.close()
+    tokenizer = local_tokenizer(tmp_path / "tok")
+    out = tmp_path / "hf"
+    args = ["export", str(root), "--out", str(out), "--tokenizer", str(tmp_path / "tok"), "--json"]
+    assert main(args + (["--dtype", dtype] if dtype else [])) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(summary["files"])
+    written = json.loads((out / "config.json").read_text())
+    assert written["torch_dtype"] == written["dtype"] == (dtype or "float32")
+    assert written["architectures"] == [type(model).__name__]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tied = "lm_head.weight" if config.tie_word_embeddings else None
+    assert set(index["weight_map"]) == set(model.state_dict()) - {tied}
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is type(model)
+    assert reloaded.generation_config.max_new_tokens == 7
+    if dtype is None:
+        assert reloaded.dtype == torch.float32
+        assert torch.equal(logits(reloaded), logits(model))
+    else:
+        assert reloaded.dtype == torch.bfloat16  # the weights exactly as cast at export
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(reloaded.state_dict()[name], tensor.to(torch.bfloat16)), name
+    if tied:
+        assert reloaded.lm_head.weight.data_ptr() == reloaded.get_input_embeddings().weight.data_ptr()
+    again = transformers.AutoTokenizer.from_pretrained(out)
+    assert again("w3 w5")["input_ids"] == tokenizer("w3 w5")["input_ids"]
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_explicit_config_and_plain_models(writer, root, tmp_path):
+    """A config passed by the user is stored for any module; a plain module stores none
+    (nothing extra is written on export) and a non-config is refused up front."""
+    transformers, config, model = tiny_llama()
+    client = asyncckpt.connect(writer.address, rank=0, world_size=1)
+    plain = torch.nn.Linear(4, 4)
+    assert asyncckpt.Checkpointer(root, model=plain, client=client).hf_metadata is None
+    with pytest.raises(TypeError, match="config object or a mapping"):
+        asyncckpt.Checkpointer(root, model=plain, client=client, hf_config=3)
+    inner = torch.nn.ModuleDict({"m": model})  # not a PreTrainedModel: config passed by hand
+    with asyncckpt.Checkpointer(root, model=inner, client=client, hf_config=config) as ckpt:
+        ckpt.save(1, force=True).wait(60)
+        ckpt.save(2, extra={"x": 1}, force=True).wait(60)
+    assert json.loads(asyncckpt.load(root, step=1)["hf"]["config"])["hidden_size"] == 64
+    index = asyncckpt.export_hf(root, tmp_path / "hf", step=2)
+    assert index["files"] == ["config.json"]
+    assert all(k.startswith("m.") for k in index["weight_map"])
+    with pytest.raises(ValueError, match="does not exist"):
+        asyncckpt.export_hf(root, tmp_path / "bad", tokenizer=tmp_path / "nope")
+    assert not (tmp_path / "bad").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no tokenizer file"):
+        asyncckpt.export_hf(root, tmp_path / "bad2", tokenizer=tmp_path / "empty")
+    client.close()
