@@ -14,8 +14,7 @@ PYTEST_ARGS ?=
 VERL_VENV   ?= $(VENV)-verl
 VERL_SPEC   ?= verl==0.9.1
 
-.PHONY: verl-setup test-verl bench-verl
-.PHONY: setup test demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean
+.PHONY: setup verl-setup test test-verl bench-verl demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean
 
 setup: $(VENV)/.installed
 
@@ -123,4 +122,4 @@ bench-verl: setup verl-setup
 	$(BIN)/python -m benchmarks.verl --out benchmarks/results/verl.md
 
 clean:
-	rm -rf $(VENV) checkpoints fsdp-ckpt fsdp-ckpt.* multinode-ckpt multinode-ckpt.* .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) checkpoints fsdp-ckpt fsdp-ckpt.* multinode-ckpt multinode-ckpt.* .pytest_cache .hypothesis
