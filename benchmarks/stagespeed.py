@@ -181,21 +181,28 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool) -> dict[str, Any]:
+def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
+            threads: list[int]) -> dict[str, Any]:
+    """`threads`: copy threads of the stager to compare (0: as shipped, 1: no helper)."""
+    from asyncckpt import stager
     tensors = flat_tensors(state)
     copy = memcpy_one_thread(tensors)
     ours = AsyncCkpt(tmp / "stage", state, "raw")
     peer = DcpStager(tmp / "dcp", state) if dcp else None
-    out: dict[str, list[float]] = {"memcpy": [], "staging": [], "blocked": [], "dcp": []}
+    copiers = {n: stager.host_copier() if n == 0 else stager.HostCopier(n - 1) for n in threads}
+    out: dict[str, list[float]] = {"memcpy": [], "dcp": []}
     try:
         copy(), ours.save(state)  # warm-up: first touches, allocator, writer buffers
         if peer:
             peer.save(state)
         for _ in range(reps):
             out["memcpy"].append(copy())
-            r = ours.save(state)
-            out["staging"].append(r["staging"])
-            out["blocked"].append(r["blocked"])
+            for n, copier in copiers.items():
+                stager._copier = copier  # what stage() takes when the client passes none
+                r = ours.save(state)
+                tag = "" if n == 0 else f"[{n} thread{'s' if n > 1 else ''}]"
+                out.setdefault("staging" + tag, []).append(r["staging"])
+                out.setdefault("blocked" + tag, []).append(r["blocked"])
             if peer:
                 out["dcp"].append(peer.save(state))
     finally:
@@ -254,6 +261,8 @@ def main() -> None:
                     help="comma-separated WINDOW_MIB:MODE settings to time to durable")
     ap.add_argument("--codecs", default="raw,zstd,bytegroup")
     ap.add_argument("--no-dcp", action="store_true")
+    ap.add_argument("--copy-threads", default="0",
+                    help="stager copy threads to compare, comma-separated (0: as shipped)")
     ap.add_argument("--dir", default=None, help="where to write (default: a tmp dir in .)")
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -264,13 +273,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix=".stagespeed-") as d:
         tmp = Path(d)
         if "staging" in parts:
-            r = staging(tmp, state, args.reps, not args.no_dcp)
+            threads = [int(x) for x in args.copy_threads.split(",")]
+            r = staging(tmp, state, args.reps, not args.no_dcp, threads)
             copy = med(r["memcpy"])
-            print(f"staging: memcpy 1 thread {copy:.4f} s, staging {med(r['staging']):.4f} s "
-                  f"({med(r['staging']) / copy:.2f} x, target <= 1.10), blocked "
-                  f"{med(r['blocked']):.4f} s ({med(r['blocked']) / copy:.2f} x memcpy)"
-                  + (f", DCP reused stager {med(r['dcp']):.4f} s (blocked / DCP "
-                     f"{med(r['blocked']) / med(r['dcp']):.2f}, target <= 1.00)" if r["dcp"] else ""))
+            for n in threads:
+                tag = "" if n == 0 else f"[{n} thread{'s' if n > 1 else ''}]"
+                st, bl = med(r["staging" + tag]), med(r["blocked" + tag])
+                print(f"staging{tag}: memcpy 1 thread {copy:.4f} s, staging {st:.4f} s "
+                      f"({st / copy:.2f} x, target <= 1.10), blocked {bl:.4f} s "
+                      f"({bl / copy:.2f} x memcpy)"
+                      + (f", DCP reused stager {med(r['dcp']):.4f} s (blocked / DCP "
+                         f"{bl / med(r['dcp']):.2f}, target <= 1.00)" if r["dcp"] else ""))
             print("  per rep:", {k: [round(x, 4) for x in v] for k, v in r.items() if v},
                   "load", os.getloadavg())
         if "durable" in parts:
