@@ -125,6 +125,14 @@ _copier: HostCopier | None = None
 _copier_lock = threading.Lock()
 
 
+def _forget_copier() -> None:  # a forked child has none of the parent's helper threads
+    global _copier, _copier_lock
+    _copier, _copier_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_copier)
+
+
 def host_copier() -> HostCopier:
     """The process's HostCopier (its helper threads start on first use)."""
     global _copier

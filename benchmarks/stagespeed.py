@@ -189,7 +189,8 @@ def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
     copy = memcpy_one_thread(tensors)
     ours = AsyncCkpt(tmp / "stage", state, "raw")
     peer = DcpStager(tmp / "dcp", state) if dcp else None
-    copiers = {n: stager.host_copier() if n == 0 else stager.HostCopier(n - 1) for n in threads}
+    copiers = ({n: stager.host_copier() if n == 0 else stager.HostCopier(n - 1) for n in threads}
+               if hasattr(stager, "HostCopier") else {0: None})  # (a checkout from before it)
     out: dict[str, list[float]] = {"memcpy": [], "dcp": []}
     try:
         copy(), ours.save(state)  # warm-up: first touches, allocator, writer buffers
@@ -198,7 +199,8 @@ def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
         for _ in range(reps):
             out["memcpy"].append(copy())
             for n, copier in copiers.items():
-                stager._copier = copier  # what stage() takes when the client passes none
+                if copier is not None:
+                    stager._copier = copier  # what stage() takes when the client passes none
                 r = ours.save(state)
                 tag = "" if n == 0 else f"[{n} thread{'s' if n > 1 else ''}]"
                 out.setdefault("staging" + tag, []).append(r["staging"])
@@ -213,11 +215,17 @@ def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
 
 
 def durable(tmp: Path, state: dict[str, Any], reps: int,
-            settings: list[tuple[int, str]]) -> dict[str, Any]:
+            settings: list[str]) -> dict[str, Any]:
+    """`settings`: "WINDOW_MIB:MODE" writer knobs, or "default" (the writer's defaults)."""
     nbytes = workloads.state_bytes(state)
-    writers = {f"{w}MiB:{m}": AsyncCkpt(tmp / f"dur-{w}-{m}", state, "raw",
-                                        flush_bytes=w * MiB, writeback=m)
-               for w, m in settings}
+    writers = {}
+    for setting in settings:
+        knobs: dict[str, Any] = {}
+        if setting != "default":
+            window, mode = setting.split(":")
+            knobs = {"flush_bytes": int(window) * MiB, "writeback": mode}
+        writers[setting] = AsyncCkpt(tmp / f"dur-{setting.replace(':', '-')}", state, "raw",
+                                     **knobs)
     (tmp / "limit").mkdir(exist_ok=True)
     out: dict[str, list[float]] = {"write_fsync": [], **{k: [] for k in writers}}
     try:
@@ -257,11 +265,12 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", default="staging,durable,cache")
-    ap.add_argument("--writeback", default="16:range",
-                    help="comma-separated WINDOW_MIB:MODE settings to time to durable")
+    ap.add_argument("--writeback", default="default,64:fdatasync",
+                    help="comma-separated writer settings to time to durable: WINDOW_MIB:MODE "
+                         "(e.g. 16:range, 64:fdatasync) or default")
     ap.add_argument("--codecs", default="raw,zstd,bytegroup")
     ap.add_argument("--no-dcp", action="store_true")
-    ap.add_argument("--copy-threads", default="0",
+    ap.add_argument("--copy-threads", default="0,1",
                     help="stager copy threads to compare, comma-separated (0: as shipped)")
     ap.add_argument("--dir", default=None, help="where to write (default: a tmp dir in .)")
     args = ap.parse_args()
@@ -287,11 +296,10 @@ def main() -> None:
             print("  per rep:", {k: [round(x, 4) for x in v] for k, v in r.items() if v},
                   "load", os.getloadavg())
         if "durable" in parts:
-            settings = [(int(w), m) for w, m in (x.split(":") for x in args.writeback.split(","))]
-            r = durable(tmp, state, args.reps, settings)
+            r = durable(tmp, state, args.reps, args.writeback.split(","))
             limit = med(r["write_fsync"])
             print(f"durable: write+fsync {limit:.3f} s; " + "; ".join(
-                f"raw {k} {med(v):.3f} s ({med(v) / limit:.2f} x, target <= 1.10)"
+                f"raw [{k}] {med(v):.3f} s ({med(v) / limit:.2f} x, target <= 1.10)"
                 for k, v in r.items() if k != "write_fsync"))
             print("  per rep:", {k: [round(x, 3) for x in v] for k, v in r.items()},
                   "load", os.getloadavg())
