@@ -81,10 +81,13 @@ class HostCopier:
             threading.Thread(target=self._serve, daemon=True, name=f"asyncckpt-copy-{i}").start()
 
     def run(self, jobs: list[tuple[int, int, int]]) -> None:
+        if not self.helpers or len(jobs) < 2:
+            for dest, source, n in jobs:
+                ctypes.memmove(dest, source, n)
+            return
         batch = _Batch(jobs)
-        if self.helpers and len(jobs) > 1:
-            for _ in range(min(self.helpers, len(jobs) - 1)):
-                self._batches.put(batch)
+        for _ in range(min(self.helpers, len(jobs) - 1)):
+            self._batches.put(batch)
         batch.work()
         batch.done.wait()
 
@@ -104,11 +107,14 @@ class _Batch:
             self.done.set()
 
     def work(self) -> None:
+        mine = 0
         while (i := next(self._next)) < len(self.jobs):
             dest, source, n = self.jobs[i]
             ctypes.memmove(dest, source, n)  # releases the GIL
+            mine += 1
+        if mine:  # every job taken is done once each taker has counted its own
             with self._lock:
-                self._left -= 1
+                self._left -= mine
                 if not self._left:
                     self.done.set()
 
