@@ -385,8 +385,9 @@ def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int
                         if len(filled) >= batch_slots or pos == size:
                             copier.run(jobs)
                             jobs = []
-                            while filled:
-                                _hand_over(device, filled.pop(0), ring.slot_size, emit)
+                            while filled:  # popped once handed over: else released
+                                _hand_over(device, filled[0], ring.slot_size, emit)
+                                filled.pop(0)
                     continue
                 while pos < size:
                     if slot < 0:
