@@ -97,6 +97,12 @@ bench-commit: setup
 fuzz-protocol: setup
 	$(BIN)/python tests/faults/fuzz_protocol.py --seed 1 --messages 10000 --steps 8
 
+# Staging vs a one-thread memcpy and DCP's reused stager, time to durable vs write + fsync,
+# page-cache growth per codec (1 GiB state, interleaved medians; `--gib 4` for the large case).
+.PHONY: bench-stage
+bench-stage: setup
+	$(BIN)/python -m benchmarks.stagespeed --gib 1 --reps 5
+
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup
 	$(BIN)/python -m benchmarks.writer_memory --state-gib 4 --ring-mib 256

@@ -126,8 +126,12 @@ class WriterKnobs(_FromEnv):
             fraction of its size or less.
         auto_trial_every: with codec "auto", one frame in this many is also encoded
             with the other codecs to keep their estimates current.
-        flush_bytes: each data file is fdatasynced and dropped from the page cache every
-            this many bytes (0: only the final fsync).
+        flush_bytes: the writeback window of each data file: its writeback is started
+            every this many bytes and waited for and dropped from the page cache one
+            window later (0: only the final fsync; page cache then grows by the file).
+        writeback: "range" (sync_file_range, pipelined; the default) or "fdatasync"
+            (each window fdatasynced and dropped in turn; also where the C library has
+            no sync_file_range). See writeback.py.
         connect_timeout: seconds a connecting rank has to authenticate and say hello.
         shutdown_timeout: seconds a stopping writer waits for in-flight steps to commit.
         absent_rank_timeout: a step fails when one of its ranks has had no connection
@@ -151,7 +155,8 @@ class WriterKnobs(_FromEnv):
     plane_probe_bytes: int = 256 << 10
     plane_max_ratio: float = 0.97
     auto_trial_every: int = 32
-    flush_bytes: int = 64 * MiB
+    flush_bytes: int = 16 * MiB
+    writeback: str = "range"
     connect_timeout: float = 30.0
     shutdown_timeout: float = 120.0
     absent_rank_timeout: float = 60.0
@@ -163,6 +168,8 @@ class WriterKnobs(_FromEnv):
     def __post_init__(self) -> None:
         _require(self.codec in CODECS, "codec", f"one of {CODECS}", self.codec)
         _require(self.flush_bytes >= 0, "flush_bytes", "0 or more", self.flush_bytes)
+        _require(self.writeback in ("range", "fdatasync"), "writeback",
+                 '"range" or "fdatasync"', self.writeback)
         _require(1 <= self.encode_threads <= 256, "encode_threads", "between 1 and 256",
                  self.encode_threads)
         _require(self.frames_in_flight >= self.encode_threads, "frames_in_flight",

@@ -26,11 +26,11 @@ committed step; the session hands this writer those tensors' frames in that step
 as references where the stream reaches them, so the rank's chunks carry only the other
 tensors' bytes.
 
-Every `flush_bytes` of stored data the file is fdatasynced and those pages dropped
-from the page cache (POSIX_FADV_DONTNEED): the disk works while frames still arrive,
-the final fsync has little left to do, and dirty and cached pages, which count against
-the job's memory limit, stay bounded (measured on a 2-core VM with ext4 on virtio:
-1.3-1.4 GB/s with no page-cache growth, against 1.0-1.4 GB/s for plain writes).
+Writeback runs behind the appends in windows of `flush_bytes` (writeback.py: each
+window's writeback is started as soon as it is written, the one before it waited for and
+dropped from the page cache): the disk works while frames still arrive, the final fsync
+has little left to do, and the file's cached pages, which count against the job's memory
+limit, stay within about three windows whatever the codec.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from .format import TensorSpec, data_file_name
 from .dedup import MIN_BYTES, Target
 from .manifest import Frame, RankPart, Ref
 from .pool import FramePool
+from .writeback import Writeback
 
 Done = Callable[[], None]
 Lookup = Callable[[int, int], Union[Target, None]]  # (xxh3_128, raw length) -> target
@@ -77,11 +78,13 @@ class RankFileWriter:
                  probe_bytes: int = 256 << 10, plane_max_ratio: float = 0.97,
                  chooser: CodecChooser | None = None, incremental: bool = False,
                  lookup: Lookup | None = None,
-                 unchanged: dict[int, Unchanged] | None = None) -> None:
+                 unchanged: dict[int, Unchanged] | None = None,
+                 writeback: str = "range") -> None:
         """With `incremental`, frames are cut at large tensors' boundaries and carry
         their xxh3_128; `lookup` (if given) finds committed frames to reference;
         `unchanged` maps the stream offset of each tensor the rank will not send to
-        its frames in a committed step."""
+        its frames in a committed step. `flush_bytes` and `writeback` are the window
+        and mode of writeback.py."""
         self.rank = rank
         self.codec = codec
         self.path = directory / data_file_name(rank, codec)
@@ -112,11 +115,10 @@ class RankFileWriter:
         self._frames: list[Frame] = []
         self._raw_size = 0
         self._stored_size = 0
-        self._flush_bytes = flush_bytes
-        self._flushed = 0
         self.encode_seconds = 0.0
         self.write_seconds = 0.0
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._writeback = Writeback(self._fd, flush_bytes, writeback, self.path)
         self._appender = threading.Thread(target=self._append_loop, daemon=True,
                                           name=f"asyncckpt-append-{rank}")
         self._appender.start()
@@ -294,20 +296,7 @@ class RankFileWriter:
         self._raw_size += raw_length
         self.new_bytes += raw_length
         self._stored_size += encoded.stored_length
-        self.write_seconds += time.perf_counter() - start
-        if self._flush_bytes and self._stored_size - self._flushed >= self._flush_bytes:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Make what is written durable now and drop it from the page cache: the disk
-        works while frames still arrive, the final fsync has little left to do, and dirty
-        pages (which count against the job's memory limit) stay bounded."""
-        start = time.perf_counter()
-        faults.io("fsync", self.path)
-        os.fdatasync(self._fd)
-        os.posix_fadvise(self._fd, self._flushed, self._stored_size - self._flushed,
-                         os.POSIX_FADV_DONTNEED)
-        self._flushed = self._stored_size
+        self._writeback.written(self._stored_size)
         self.write_seconds += time.perf_counter() - start
 
     def _set_error(self, error: BaseException) -> None:
@@ -349,6 +338,7 @@ class RankFileWriter:
         faults.io("fsync", self.path)
         os.fsync(self._fd)
         faults.point("data_fsynced")
+        self._writeback.done()
         self.write_seconds += time.perf_counter() - start
         self.close(wait=True)
         return RankPart(self.rank, self.path.name, self.codec, self._raw_size,

@@ -214,7 +214,8 @@ class Session:
                 on_error=lambda e: self._fail(save, self._as_error(save, e)),
                 probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio,
                 chooser=self.server.chooser if current.choice is not None else None,
-                incremental=knobs.incremental, lookup=self._lookup(step), unchanged=unchanged)
+                incremental=knobs.incremental, lookup=self._lookup(step),
+                unchanged=unchanged, writeback=knobs.writeback)
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
             return

@@ -5,6 +5,7 @@ GPU; tests/test_cuda_staging.py checks the same on a GPU)."""
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 import pytest
@@ -223,3 +224,121 @@ def test_a_failed_save_waits_for_copies_into_its_slots_before_giving_them_back()
         assert device.freed == [] and device._held == [] and sorted(free) == [0, 1, 2, 3]
     finally:
         r.close()
+
+
+# -- large host tensors: copied by the stager thread and helper threads together ----------------
+
+@pytest.fixture
+def small_parallel(monkeypatch):
+    """Parallel copies from 8 KiB pieces on, in 1 KiB jobs, so small rings exercise them."""
+    from asyncckpt import stager
+    monkeypatch.setattr(stager, "PARALLEL_MIN_BYTES", 8192)
+    monkeypatch.setattr(stager, "JOB_BYTES", 1024)
+    return stager
+
+
+def test_a_tensor_split_across_copy_threads_arrives_bit_exact_and_in_order(small_parallel,
+                                                                           monkeypatch):
+    import ctypes
+    import threading
+    import time
+
+    copier = small_parallel.HostCopier(2)
+    real, who = ctypes.memmove, []
+
+    def memmove(dest, source, n):  # slow enough that the helpers take jobs too
+        who.append(threading.current_thread().name)
+        time.sleep(0.0005)
+        return real(dest, source, n)
+
+    monkeypatch.setattr(ctypes, "memmove", memmove)
+    r = ring.Ring.create(4096, 6)
+    try:
+        g = torch.Generator().manual_seed(7)
+        tensors = [torch.randint(0, 255, (300,), dtype=torch.uint8, generator=g),  # inline
+                   torch.randn(5000, generator=g),                  # 20000 bytes, split
+                   torch.randn(40, 250, generator=g).t(),           # non-contiguous
+                   torch.randn(3001, dtype=torch.float64, generator=g)]  # 24008 bytes, split
+        expected = b"".join(row_major_bytes(t) for t in tensors)
+        free, got, order = collections.deque(range(6)), [], []
+
+        def emit(slot: int, length: int) -> None:
+            view = r.slot_bytes(slot, length)
+            got.append(bytes(view))
+            view.release()
+            order.append(slot)
+            free.append(slot)
+
+        total = stage(tensors, r, acquire=free.popleft, emit=emit, copier=copier)
+        assert total == len(expected) and b"".join(got) == expected
+        assert [len(x) for x in got[:-1]] == [4096] * (len(got) - 1)
+        assert any(n.startswith("asyncckpt-copy") for n in who)  # a helper did copy
+        assert any(not n.startswith("asyncckpt-copy") for n in who)  # and the stager thread
+    finally:
+        r.close()
+
+
+def test_a_busy_helper_never_holds_up_the_copy(small_parallel):
+    import threading
+
+    copier = small_parallel.HostCopier(1)
+    blocker = threading.Event()
+    copier._batches.put(type("Stuck", (), {"work": lambda self: blocker.wait()})())
+    r = ring.Ring.create(4096, 4)
+    try:
+        t = torch.randn(8192)  # 32 KiB: 8 slots through a 4-slot ring, helper busy elsewhere
+        free, got = collections.deque(range(4)), []
+
+        def emit(slot: int, length: int) -> None:
+            view = r.slot_bytes(slot, length)
+            got.append(bytes(view))
+            view.release()
+            free.append(slot)
+
+        stage([t], r, acquire=free.popleft, emit=emit, copier=copier)
+        assert b"".join(got) == row_major_bytes(t)
+    finally:
+        blocker.set()
+        r.close()
+
+
+def test_slots_of_an_unfinished_parallel_batch_are_given_back(small_parallel):
+    r = ring.Ring.create(4096, 6)
+    try:
+        free, emitted, released = collections.deque(range(6)), [], []
+        calls = [0]
+
+        def acquire() -> int:
+            calls[0] += 1
+            if calls[0] == 4:  # cancelled while the batch holds 3 slots
+                raise RuntimeError("cancelled")
+            return free.popleft()
+
+        with pytest.raises(RuntimeError, match="cancelled"):
+            stage([torch.randn(8192)], r, acquire=acquire, emit=lambda s, n: emitted.append(s),
+                  release=released.append, copier=small_parallel.HostCopier(1))
+        assert emitted == [] and sorted(released) == [0, 1, 2]
+    finally:
+        r.close()
+
+
+def test_staging_into_a_fresh_ring_takes_no_page_faults():
+    """The ring's pages are populated when it is created, not by each save's copy."""
+    import resource
+
+    from asyncckpt.stager import HostCopier
+
+    size = 64 << 20
+    source = torch.ones(size, dtype=torch.uint8)
+    for copier in (HostCopier(0), HostCopier(1)):
+        r = ring.Ring.create(4 << 20, size // (4 << 20))
+        try:
+            free = collections.deque(range(r.slots))
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            stage([source], r, acquire=free.popleft, emit=lambda s, n: free.append(s),
+                  copier=copier)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            assert faults < 0.01 * size / 4096, f"{faults} minor faults for {size >> 12} pages"
+            assert bytes(r.slot_bytes(r.slots - 1, 16)) == b"\x01" * 16
+        finally:
+            r.close()
