@@ -25,7 +25,7 @@ from .checkpoint import Checkpoint, Leaf
 from .config import ReadLimits
 from .errors import CheckpointError, StateMismatchError
 from .ranks import resolve_rank
-from .reader import empty_tensor
+from .reader import READ_AHEAD, empty_tensor
 from .tree import unflatten
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
     leaves = ckpt.leaves(rank)
     targets = _match_targets(into, leaves, strict, ckpt.step, rank) if into is not None else {}
     plan = ckpt.plan()
-    ckpt.reader(rank)  # its header is checked even if it holds no tensor
+    whole = all(leaf.kind != "dtensor" for leaf in leaves)  # then every frame is read
+    ckpt.reader(rank, READ_AHEAD if whole else 0)  # header checked even with no tensor
     loaded: dict[str, Any] = {}
     for leaf in leaves:
         if leaf.view is None:
