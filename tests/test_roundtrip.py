@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+import tracemalloc
+from pathlib import Path
+
 import pytest
 import torch
 
 import asyncckpt
+from asyncckpt import procstat
+from asyncckpt.checkpoint import Checkpoint
+from asyncckpt.config import ReadLimits
 from asyncckpt.dtypes import DTYPE_NAMES
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.manifest import read_manifest
+from asyncckpt.reader import empty_tensor
 from conftest import assert_same, sample_state
 
 
@@ -56,3 +68,182 @@ def test_a_handle_that_waited_has_the_ranks_and_the_writers_stats(client):
         stats = handle.stats
         assert stats.staged_bytes == 12 and stats.staging_seconds > 0, (step, stats)
         assert stats.raw_bytes > 0 and stats.codec in ("raw", "zstd"), (step, stats)
+
+
+# -- loads: every codec bit-exact, in place, every frame checked whatever the threads ---------
+
+LOAD_SLOT = 64 << 10
+
+
+def load_state(seed: int = 3) -> dict:
+    """A tensor spanning many 64 KiB frames, small ones sharing frames, NaN payloads."""
+    g = torch.Generator().manual_seed(seed)
+    nan_bits = torch.tensor([0x7FC00000, 0x7FC00001, 0xFFFFFFFF, 0x7F800001, 0x7FA5A5A5],
+                            dtype=torch.int64).to(torch.int32)
+    return {
+        "big": torch.randn(512, 256, generator=g),                        # 512 KiB: 8 frames
+        "weights": torch.randn(300, 70, generator=g).bfloat16(),
+        "half": torch.randn(33, 9, generator=g).half(),
+        "nans": nan_bits.view(torch.float32),
+        "ids": torch.randint(-2**62, 2**62, (123,), generator=g, dtype=torch.int64),
+        "mask": torch.rand(77, generator=g) > 0.5,
+        "small": [torch.full((i,), float(i)) for i in range(1, 40)],      # share frames
+        "empty": torch.empty(0, 5), "step": torch.tensor(1000.0),
+    }
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+@pytest.fixture(scope="module", params=["raw", "zstd", "bytegroup"])
+def saved_load(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(root, state): `load_state()` saved as step 1 by a real writer, 64 KiB frames."""
+    base = tmp_path_factory.mktemp(f"load-{request.param}")
+    state = load_state()
+    w = asyncckpt.start_writer(base / "ckpt", codec=request.param, log_file=base / "writer.log",
+                               incremental=False)
+    try:
+        with asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=LOAD_SLOT,
+                               ring_size=4 * LOAD_SLOT) as c:
+            c.save(1, state).wait(60)
+    finally:
+        w.stop(timeout=30)
+    return w.root, state
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_load_is_bit_exact_for_every_codec_and_thread_count(saved_load, threads):
+    root, state = saved_load
+    limits = ReadLimits(read_threads=threads)
+    assert_same(state, asyncckpt.load(root, limits=limits))
+    target = zeros_like(state)
+    loaded = asyncckpt.load(root, into=target, limits=limits)
+    assert loaded["big"] is target["big"] and loaded["small"][5] is target["small"][5]
+    assert_same(state, target)
+
+
+def zeros_like(state):
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: zeros_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zeros_like(v) for v in state]
+    return state
+
+
+def vm_hwm_growth(fn) -> int:
+    """Bytes the process's peak RSS grew by while `fn()` ran (VmHWM reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = procstat.read_status()["VmRSS"]
+    fn()
+    return procstat.read_status()["VmHWM"] - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("codec", ["raw", "zstd", "bytegroup"])
+def test_load_into_writes_in_place_without_a_per_tensor_buffer(tmp_path, codec, monkeypatch):
+    """A 32 MiB tensor loaded into its target: no tensor allocated, Python memory and peak
+    RSS bounded by a few frames, not by the tensor (an intermediate would double it)."""
+    big = torch.randn(8 << 20)
+    slot = 512 << 10
+    root = tmp_path / "ckpt"
+    w = asyncckpt.start_writer(root, codec=codec, log_file=tmp_path / "writer.log")
+    try:
+        with asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=slot,
+                               ring_size=8 * slot) as c:
+            c.save(1, {"big": big, "b": torch.arange(10.0)}).wait(60)
+    finally:
+        w.stop(timeout=30)
+    target = {"big": torch.zeros_like(big), "b": torch.zeros(10)}
+    asyncckpt.load(root, into=target)  # warm: pool threads, codecs, scratch
+    target["big"].zero_()
+    made: list = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        made.append(args)
+        return real_empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    tracemalloc.start()
+    try:
+        grew = vm_hwm_growth(lambda: asyncckpt.load(root, into=target))
+        _, python_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert made == []
+    assert torch.equal(bits(target["big"]), bits(big))
+    nbytes = big.numel() * 4
+    assert python_peak < 8 * slot < nbytes // 4, python_peak  # frame scratch, per thread
+    assert grew < nbytes // 4, grew
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_overlapped_reads_catch_a_flipped_byte_in_any_frame(saved_load, tmp_path, threads):
+    """Whatever frame is damaged and however many threads read ahead of it, load and load
+    into= raise naming that frame, and nothing writes into the targets afterwards."""
+    root, state = saved_load
+    step = root / "step-00000001"
+    part = read_manifest(step).ranks[0]
+    first = part.tensors[0].begin
+    frames = [i for i, f in enumerate(part.frames) if f.raw_offset + f.raw_length > first]
+    limits = ReadLimits(read_threads=threads)
+    for index in sorted({frames[0], frames[1], frames[len(frames) // 2], frames[-1]}):
+        own = tmp_path / f"f{index}" / "ckpt"
+        shutil.copytree(step, own / step.name)
+        frame = part.frames[index]
+        data = own / step.name / part.file
+        raw = bytearray(data.read_bytes())
+        raw[frame.stored_offset + frame.stored_length // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+        with pytest.raises(CorruptCheckpointError, match=rf"frame {index}\b"):
+            asyncckpt.load(own, limits=limits)
+        target = zeros_like(state)
+        with pytest.raises(CorruptCheckpointError, match=rf"frame {index}\b"):
+            asyncckpt.load(own, into=target, limits=limits)
+        after = {k: v.clone() for k, v in target.items() if isinstance(v, torch.Tensor)}
+        time.sleep(0.05)
+        assert all(torch.equal(bits(after[k]), bits(target[k])) for k in after)
+
+
+def test_fresh_tensors_of_two_mib_or_more_are_advised_huge_pages():
+    """empty_tensor asks for 2 MiB pages on the aligned interior of a large tensor (the
+    "hg" flag of its mapping), and the tensor is ordinary writable memory."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages here")
+    big = empty_tensor((16 << 20,), torch.uint8)
+    assert big.shape == (16 << 20,) and big.dtype == torch.uint8
+    big.fill_(3)
+    assert int(big[-1]) == 3 and int(big.sum()) == 3 * (16 << 20)
+    assert "hg" in vm_flags(big.data_ptr() + (8 << 20))
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside, flags = False, []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    return flags
+
+
+def test_prefetch_asks_for_the_stored_bytes_of_the_frames_it_covers(saved_load, monkeypatch):
+    root, _ = saved_load
+    with Checkpoint.open(root) as ckpt:
+        reader = ckpt.reader(0)
+        frames = reader.part.frames
+        asked: list[tuple[int, int, int]] = []
+        monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: asked.append((off, n, advice)))
+        end = frames[2].raw_offset + 1  # inside frame 2: frames 0..2
+        reader.prefetch(0, end)
+        reader.prefetch(0, 0)
+    last = frames[2]
+    assert asked == [(0, last.stored_offset + last.stored_length, os.POSIX_FADV_WILLNEED)]
