@@ -137,18 +137,21 @@ def methods(state: dict[str, Any], roots: dict[str, Path], st_path: Path,
 
 
 def measure_loads(entries: list[tuple[str, Path, Callable[[], Any]]], reps: int
-                  ) -> dict[str, list[float]]:
-    """Seconds per rep of each entry, cold, in interleaved rounds (order rotated)."""
+                  ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall seconds, CPU seconds of this process) per rep of each entry, cold, in
+    interleaved rounds (order rotated)."""
     times: dict[str, list[float]] = {name: [] for name, _, _ in entries}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in entries}
     for rep in range(reps):
         shift = rep % len(entries)
         for name, files, load in entries[shift:] + entries[:shift]:
             measure.drop_cache(files)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             result = load()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
             del result
-    return times
+    return times, cpu
 
 
 def check_exact(state: dict[str, Any], roots: dict[str, Path]) -> None:
@@ -158,20 +161,22 @@ def check_exact(state: dict[str, Any], roots: dict[str, Path]) -> None:
             raise SystemExit(f"asyncckpt {codec}: the loaded state differs from the saved one")
 
 
-def report(times: dict[str, list[float]], state_nbytes: int, file_nbytes: int,
-           load: tuple[float, float]) -> list[str]:
+def report(times: dict[str, list[float]], cpu: dict[str, list[float]], state_nbytes: int,
+           file_nbytes: int, load: tuple[float, float]) -> list[str]:
+    """The table: medians, GB/s, ratios to safetensors and to the cold read."""
     med = {name: statistics.median(ts) for name, ts in times.items()}
     ref_st = med.get("safetensors load_file")
     ref_read = med.get("cold sequential read")
     lines = [f"{'method':26} {'median s':>9} {'GB/s':>6} {'x safetensors':>14} "
-             f"{'x cold read':>12}  all reps (s)"]
+             f"{'x cold read':>12} {'cpu s':>6}  all reps (s)"]
     for name, m in med.items():
         nbytes = file_nbytes if name == "cold sequential read" else state_nbytes
         rate = nbytes / m / 1e9
         st = f"{ref_st / m:.2f}" if ref_st else "-"
         rd = f"{rate / (file_nbytes / ref_read / 1e9):.2f}" if ref_read else "-"
         reps = " ".join(f"{t:.3f}" for t in times[name])
-        lines.append(f"{name:26} {m:9.3f} {rate:6.2f} {st:>14} {rd:>12}  {reps}")
+        lines.append(f"{name:26} {m:9.3f} {rate:6.2f} {st:>14} {rd:>12} "
+                     f"{statistics.median(cpu[name]):6.3f}  {reps}")
     lines.append(f"load average {load[0]:.2f} before, {load[1]:.2f} after (1 min)")
     return lines
 
@@ -207,11 +212,11 @@ def main(argv: list[str] | None = None) -> None:
             if "raw" in roots else nbytes
         entries = methods(state, roots, st_path, not args.no_into)
         before = os.getloadavg()[0]
-        times = measure_loads(entries, args.reps)
+        times, cpu = measure_loads(entries, args.reps)
         after = os.getloadavg()[0]
         print(f"cold loads, median of {args.reps} interleaved, torch threads "
               f"{torch.get_num_threads()}, cpus {os.cpu_count()}")
-        for line in report(times, nbytes, file_nbytes, (before, after)):
+        for line in report(times, cpu, nbytes, file_nbytes, (before, after)):
             print(line)
     finally:
         shutil.rmtree(base, ignore_errors=True)
