@@ -15,8 +15,10 @@ memory is filled by copying from the view of the base.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -64,13 +66,32 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
         StateMismatchError: `into` disagrees with the checkpoint (checked before reading).
         UnsupportedStateError: a DTensor target with a Partial or strided placement.
     """
-    with Checkpoint.open(path, step, limits=limits) as ckpt:
+    with _collector_paused(), Checkpoint.open(path, step, limits=limits) as ckpt:
         if rank is None:
             rank = resolve_rank()[0] if ckpt.world_size > 1 else 0
             rank = 0 if rank >= ckpt.world_size and ckpt.sharded else rank
         rank = ckpt.check_rank(rank)
         with ckpt.reading():
             return _load(ckpt, rank, into, strict)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration of a load.
+
+    A load builds tens of thousands of small objects (the manifest, the tree, the read
+    plan) that hold no cycles; in a process with many live objects, as a training job
+    is, they trigger full collections that cost more than the parsing itself (here 25
+    ms of CPU per 1140-tensor load became 55-70 with 300,000 live objects). Hazard: a
+    thread that enables the collector meanwhile wins; it is restored as found.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
