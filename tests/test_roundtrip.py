@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import time
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt import checkpoint as checkpoint_module
+from asyncckpt import loader as loader_module
 from asyncckpt import procstat
 from asyncckpt.checkpoint import Checkpoint
 from asyncckpt.config import ReadLimits
@@ -247,3 +250,38 @@ def test_prefetch_asks_for_the_stored_bytes_of_the_frames_it_covers(saved_load, 
         reader.prefetch(0, 0)
     last = frames[2]
     assert asked == [(0, last.stored_offset + last.stored_length, os.POSIX_FADV_WILLNEED)]
+
+
+def test_no_garbage_collection_runs_during_a_load(saved_load, monkeypatch):
+    """The cyclic collector is paused while a load parses its manifest and plans and reads
+    (with a threshold of 1 it would run at nearly every allocation there), and enabled
+    again afterwards."""
+    root, state = saved_load
+    inside, runs = [False], {True: 0, False: 0}
+
+    def marking(fn):
+        def wrapped(*args, **kwargs):
+            inside[0] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return wrapped
+    monkeypatch.setattr(checkpoint_module, "read_manifest", marking(checkpoint_module.read_manifest))
+    monkeypatch.setattr(loader_module, "_load", marking(loader_module._load))
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            runs[inside[0]] += 1
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(record)
+    try:
+        loaded = asyncckpt.load(root)
+        assert gc.isenabled()
+        [[] for _ in range(10)]
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*threshold)
+    assert runs[True] == 0 and runs[False] > 0, runs
+    assert_same(state, loaded)
