@@ -25,7 +25,6 @@ load average is printed with every figure: on a shared machine it is half the st
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import statistics
@@ -40,6 +39,7 @@ from . import measure, workloads
 
 MiB = 1 << 20
 READ_BLOCK = 8 * MiB
+RESULTS_TMP = Path(__file__).resolve().parent / "results" / "tmp"  # ignored by git
 
 
 def large_state(target_bytes: int, count: int = 4) -> dict[str, Any]:
@@ -190,11 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--codecs", default="raw,zstd,bytegroup")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-into", action="store_true", help="skip the into= load")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="where to write (default: a temporary directory next to the repo)")
+    p.add_argument("--dir", type=Path, default=RESULTS_TMP,
+                   help="where to write, on the disk being measured (default: %(default)s, "
+                        "removed afterwards)")
     args = p.parse_args(argv)
 
-    base = Path(tempfile.mkdtemp(prefix="loadspeed-", dir=args.dir or Path.cwd()))
+    args.dir.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="loadspeed-", dir=args.dir))
     try:
         state = build(args.state, args.mib * MiB)
         tensors = list(workloads.tensor_items(state))
