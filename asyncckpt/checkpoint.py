@@ -38,7 +38,7 @@ from .config import ReadLimits
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
 from .manifest import Manifest, read_manifest
-from .reader import RankReader, Readers, empty_tensor, open_referenced, referenced_files
+from .reader import RankReader, Readers, open_referenced, referenced_files
 from .sharded import ReadPlan
 from .tiling import GlobalTensor, global_tensors
 from .tree import View, check_tree, walk
@@ -229,7 +229,7 @@ class Checkpoint:
 
     def read_full(self, g: GlobalTensor) -> torch.Tensor:
         """All of tensor `g`, assembled from its boxes into a new CPU tensor."""
-        full = empty_tensor(g.shape, g.torch_dtype)
+        full = torch.empty(g.shape, dtype=g.torch_dtype)
         plan = self.plan()
         plan.add(g, (0,) * len(g.shape), full)
         plan.flush()

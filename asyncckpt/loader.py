@@ -27,7 +27,7 @@ from .checkpoint import Checkpoint, Leaf
 from .config import ReadLimits
 from .errors import CheckpointError, StateMismatchError
 from .ranks import resolve_rank
-from .reader import READ_AHEAD, empty_tensor
+from .reader import READ_AHEAD
 from .tree import unflatten
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def _plan(plan: "ReadPlan", g: "GlobalTensor", target: torch.Tensor | None, step
     """Schedule `target` (or a new full tensor) to be filled from `g`; return it."""
     if target is None:
         try:
-            target = empty_tensor(g.shape, g.torch_dtype)
+            target = torch.empty(g.shape, dtype=g.torch_dtype)
         except (RuntimeError, MemoryError) as e:
             raise CheckpointError(f"cannot allocate tensor {g.name!r} {g.shape}: {e}",
                                   step=step, rank=rank) from None

@@ -21,7 +21,6 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.dtypes import DTYPE_NAMES
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.manifest import read_manifest
-from asyncckpt.reader import empty_tensor
 from conftest import assert_same, sample_state
 
 
@@ -209,33 +208,6 @@ def test_overlapped_reads_catch_a_flipped_byte_in_any_frame(saved_load, tmp_path
         after = {k: v.clone() for k, v in target.items() if isinstance(v, torch.Tensor)}
         time.sleep(0.05)
         assert all(torch.equal(bits(after[k]), bits(target[k])) for k in after)
-
-
-def test_fresh_tensors_of_two_mib_or_more_are_advised_huge_pages():
-    """empty_tensor asks for 2 MiB pages on the aligned interior of a large tensor (the
-    "hg" flag of its mapping), and the tensor is ordinary writable memory."""
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("no transparent huge pages here")
-    big = empty_tensor((16 << 20,), torch.uint8)
-    assert big.shape == (16 << 20,) and big.dtype == torch.uint8
-    big.fill_(3)
-    assert int(big[-1]) == 3 and int(big.sum()) == 3 * (16 << 20)
-    assert "hg" in vm_flags(big.data_ptr() + (8 << 20))
-
-
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds `address`."""
-    inside, flags = False, []
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                flags = line.split()[1:]
-    return flags
 
 
 def test_prefetch_asks_for_the_stored_bytes_of_the_frames_it_covers(saved_load, monkeypatch):
