@@ -41,6 +41,13 @@ bench-full: setup
 	$(BIN)/python -m benchmarks --full
 	$(BIN)/python -m benchmarks.readme_table
 
+# Cold verified load per codec (and into=) vs safetensors.load_file and a cold read, 1 GiB
+# transformer state (564 tensors) then 4 large tensors; medians of 5 interleaved.
+.PHONY: bench-load
+bench-load: setup
+	$(BIN)/python -m benchmarks.loadspeed --mib 1024 --state synthetic --reps 5
+	$(BIN)/python -m benchmarks.loadspeed --mib 1024 --state large --reps 5 --codecs raw,zstd
+
 # Peak memory of exporting a 1 GiB sharded checkpoint to a Hugging Face directory.
 bench-export: setup
 	$(BIN)/python -m benchmarks.export_memory --model-gib 1 --ranks 2

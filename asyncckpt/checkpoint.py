@@ -216,11 +216,12 @@ class Checkpoint:
 
     # -- reading ----------------------------------------------------------------------
 
-    def reader(self, rank: int) -> RankReader:
-        """Rank `rank`'s verified reader (opened, and its header checked, on first use)."""
+    def reader(self, rank: int, prefetch: int = 0) -> RankReader:
+        """Rank `rank`'s verified reader (opened, and its header checked, on first use;
+        then the kernel is asked to start reading its first `prefetch` raw bytes)."""
         if self._readers is None:
             self._readers = Readers(self.directory, self.manifest, self.limits.read_threads)
-        return self._readers(self.check_rank(rank))
+        return self._readers(self.check_rank(rank), prefetch)
 
     def plan(self) -> ReadPlan:
         """A read plan over this checkpoint's readers; `flush()` it to read."""

@@ -15,8 +15,10 @@ memory is filled by copying from the view of the base.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -25,6 +27,7 @@ from .checkpoint import Checkpoint, Leaf
 from .config import ReadLimits
 from .errors import CheckpointError, StateMismatchError
 from .ranks import resolve_rank
+from .reader import READ_AHEAD
 from .tree import unflatten
 
 if TYPE_CHECKING:
@@ -63,7 +66,7 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
         StateMismatchError: `into` disagrees with the checkpoint (checked before reading).
         UnsupportedStateError: a DTensor target with a Partial or strided placement.
     """
-    with Checkpoint.open(path, step, limits=limits) as ckpt:
+    with _collector_paused(), Checkpoint.open(path, step, limits=limits) as ckpt:
         if rank is None:
             rank = resolve_rank()[0] if ckpt.world_size > 1 else 0
             rank = 0 if rank >= ckpt.world_size and ckpt.sharded else rank
@@ -72,11 +75,31 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
             return _load(ckpt, rank, into, strict)
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration of a load.
+
+    A load builds tens of thousands of small objects (the manifest, the tree, the read
+    plan) that hold no cycles; in a process with many live objects, as a training job
+    is, they trigger full collections that cost more than the parsing itself (here 25
+    ms of CPU per 1140-tensor load became 55-70 with 300,000 live objects). Hazard: a
+    thread that enables the collector meanwhile wins; it is restored as found.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
     leaves = ckpt.leaves(rank)
     targets = _match_targets(into, leaves, strict, ckpt.step, rank) if into is not None else {}
     plan = ckpt.plan()
-    ckpt.reader(rank)  # its header is checked even if it holds no tensor
+    whole = all(leaf.kind != "dtensor" for leaf in leaves)  # then every frame is read
+    ckpt.reader(rank, READ_AHEAD if whole else 0)  # header checked even with no tensor
     loaded: dict[str, Any] = {}
     for leaf in leaves:
         if leaf.view is None:

@@ -239,7 +239,7 @@ def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest
             raise CorruptCheckpointError(f"manifest is not a regular file of at most "
                                          f"{limits.max_manifest_bytes} bytes", file=where)
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(limits.max_manifest_bytes + 1)
+            data = f.read(min(st.st_size, limits.max_manifest_bytes) + 1)  # not a 512 MiB buffer
     finally:
         os.close(fd)
     try:
