@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 VERL_VENV   ?= $(VENV)-verl
 VERL_SPEC   ?= verl==0.9.1
 
-.PHONY: setup verl-setup test test-verl bench-verl demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean
+.PHONY: setup verl-setup test test-verl bench-verl demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage
 
 setup: $(VENV)/.installed
 
@@ -43,7 +43,6 @@ bench-full: setup
 
 # Cold verified load per codec (and into=) vs safetensors.load_file and a cold read, 1 GiB
 # transformer state (564 tensors) then 4 large tensors; medians of 5 interleaved.
-.PHONY: bench-load
 bench-load: setup
 	$(BIN)/python -m benchmarks.loadspeed --mib 1024 --state synthetic --reps 5
 	$(BIN)/python -m benchmarks.loadspeed --mib 1024 --state large --reps 5 --codecs raw,zstd
@@ -106,7 +105,6 @@ fuzz-protocol: setup
 
 # Staging vs a one-thread memcpy and DCP's reused stager, time to durable vs write + fsync,
 # page-cache growth per codec (1 GiB state, interleaved medians; `--gib 4` for the large case).
-.PHONY: bench-stage
 bench-stage: setup
 	$(BIN)/python -m benchmarks.stagespeed --gib 1 --reps 5
 
