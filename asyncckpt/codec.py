@@ -54,6 +54,7 @@ class PlaneLayout(NamedTuple):
     width: int
     phase: int
     planes: tuple[tuple[str, int], ...]
+    rotated: bool = False  # split with the sign rotated (planes.split); absent in old frames
 
     def check(self, raw_length: int, stored_length: int) -> None:
         """Raises CorruptCheckpointError unless the layout tiles both lengths exactly."""
@@ -63,6 +64,8 @@ class PlaneLayout(NamedTuple):
             raise CorruptCheckpointError(str(e)) from None
         if len(self.planes) != self.width:
             raise CorruptCheckpointError(f"{len(self.planes)} planes for width {self.width}")
+        if self.rotated and self.width not in _planes.ROTATABLE:
+            raise CorruptCheckpointError(f"sign rotation for width {self.width}")
         for codec, length in self.planes:
             if codec not in PLANE_CODECS or length < 0 or (codec == "raw" and length != count):
                 raise CorruptCheckpointError(f"plane ({codec!r}, {length}) invalid for "
@@ -71,14 +74,23 @@ class PlaneLayout(NamedTuple):
             raise CorruptCheckpointError("planes do not add up to the stored length")
 
 
+class PlaneChoice(NamedTuple):
+    """What a codec's `probe` decided for a tensor: which planes to compress and whether
+    to split them with the sign rotated (codecs that do not split planes: the default)."""
+
+    planes: tuple[bool, ...] = ()
+    rotated: bool = False
+
+
 class FrameHints(NamedTuple):
     """What the encoder knows about a frame beyond its bytes: the element `width` and
-    `phase` of the tensor covering most of it, and `planes`, what the codec's `probe`
-    chose for that tensor (codecs that do not split planes ignore all three)."""
+    `phase` of the tensor covering most of it, and `planes` and `rotated`, what the
+    codec's `probe` chose for that tensor (codecs that do not split planes ignore them)."""
 
     width: int = 1
     phase: int = 0
     planes: tuple[bool, ...] = ()
+    rotated: bool = False
 
 
 class Stored(NamedTuple):
@@ -105,10 +117,10 @@ class Stored(NamedTuple):
 class Codec(Protocol):
     name: str
 
-    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
+    def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
         """Decide, once per tensor, from a frame the tensor dominates, what `encode` is
-        told in `FrameHints.planes` for that tensor's frames (() when there is nothing
-        to decide)."""
+        told in `FrameHints.planes` / `.rotated` for that tensor's frames (the default
+        `PlaneChoice()` when there is nothing to decide)."""
         ...
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
@@ -131,8 +143,8 @@ class Codec(Protocol):
 class RawCodec:
     name = RAW
 
-    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
-        return ()
+    def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
+        return PlaneChoice()
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
         return Stored(RAW, [raw])
@@ -157,8 +169,8 @@ class ZstdCodec:
                                                     write_checksum=False)
         self._decompressor = zstandard.ZstdDecompressor()
 
-    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
-        return ()
+    def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
+        return PlaneChoice()
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
         return Stored(self.name, [self._compressor.compress(raw)])
@@ -200,26 +212,50 @@ class BytegroupCodec:
             plane.
         max_ratio: a plane is compressed when zstd shrinks it to this fraction of its
             size or less, in the probe and again in every frame.
+        params: zstd parameters for the planes (default: `level`'s with a 64-entry hash
+            table and 7-byte minimum matches).
+        rotate: None lets `probe` decide per tensor whether the sign is rotated out of
+            the exponent byte (planes.split); False never rotates (the layout before
+            rotation existed), True always does where the width allows it.
     """
 
     name = "bytegroup"
 
     def __init__(self, level: int = 1, probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
-                 hash_log: int = 6, min_match: int = 7) -> None:
-        params = zstandard.ZstdCompressionParameters.from_level(
-            level, hash_log=hash_log, min_match=min_match, write_content_size=True,
-            write_checksum=False)
+                 hash_log: int = 6, min_match: int = 7,
+                 params: zstandard.ZstdCompressionParameters | None = None,
+                 rotate: bool | None = None) -> None:
+        if params is None:
+            params = zstandard.ZstdCompressionParameters.from_level(
+                level, hash_log=hash_log, min_match=min_match, write_content_size=True,
+                write_checksum=False)
         self._compressor = zstandard.ZstdCompressor(compression_params=params)
         self._zstd = ZstdCodec(level)  # for decoding planes
         self._probe_bytes = probe_bytes
         self._max_ratio = max_ratio
+        self._rotate = rotate
 
-    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
+    def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
         """Which planes of `sample` (split as `width`/`phase`) to compress: those whose
-        first `probe_bytes / width` bytes compress to at most `max_ratio` of their size."""
-        split = _planes.split(memoryview(sample)[:self._probe_bytes], width, phase)
-        return tuple(len(p) > 0 and len(self._compressor.compress(p)) <= self._max_ratio * len(p)
-                     for p in split.planes)
+        first `probe_bytes / width` bytes compress to at most `max_ratio` of their size;
+        and whether to rotate the sign: when that makes the sample smaller (floats with
+        an 8-bit exponent: bf16, fp32; not integers, whose top byte it spreads)."""
+        sample = memoryview(sample)[:self._probe_bytes]
+        options = [False, True] if self._rotate is None else [self._rotate]
+        best: tuple[int, PlaneChoice] | None = None
+        for rotated in options:
+            if rotated and width not in _planes.ROTATABLE:
+                continue
+            split = _planes.split(sample, width, phase, rotated)
+            chosen, size = [], 0
+            for plane in split.planes:
+                packed = len(self._compressor.compress(plane)) if len(plane) else 0
+                keep = len(plane) > 0 and packed <= self._max_ratio * len(plane)
+                chosen.append(keep)
+                size += packed if keep else len(plane)
+            if best is None or size < best[0]:
+                best = (size, PlaneChoice(tuple(chosen), rotated))
+        return best[1] if best is not None else PlaneChoice((False,) * width)
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
         """Head, planes and tail of `raw` as `hints` split it, the planes that
@@ -227,7 +263,7 @@ class BytegroupCodec:
         better; `raw` itself, as a raw frame, when no plane ends up compressed."""
         if not any(hints.planes):
             return Stored(RAW, [raw])
-        split = _planes.split(raw, hints.width, hints.phase)
+        split = _planes.split(raw, hints.width, hints.phase, hints.rotated)
         pieces: list[Buffer] = [bytes(split.head)] if len(split.head) else []
         layout = []
         for plane, wanted in zip(split.planes, hints.planes):
@@ -243,7 +279,8 @@ class BytegroupCodec:
             return Stored(RAW, [raw])
         if len(split.tail):
             pieces.append(bytes(split.tail))
-        return Stored(self.name, pieces, PlaneLayout(hints.width, hints.phase, tuple(layout)))
+        return Stored(self.name, pieces, PlaneLayout(hints.width, hints.phase, tuple(layout),
+                                                     hints.rotated))
 
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
                     layout: PlaneLayout | None = None) -> None:
@@ -269,7 +306,7 @@ class BytegroupCodec:
                 planes.append(piece)
             pos += length
         _planes.merge_into(view[:head], planes, view[pos:pos + tail], layout.width,
-                           layout.phase, outs)
+                           layout.phase, outs, layout.rotated)
 
 
 def xxh3_of(pieces: Sequence[Buffer]) -> int:

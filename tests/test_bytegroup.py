@@ -120,9 +120,10 @@ def test_float_weights_compress_their_exponent_plane(dtype, width, bound):
     t = (torch.randn(200_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.02).to(dtype)
     raw = byte_view(t)
     codec = BytegroupCodec()
-    mask = codec.probe(raw, width, 0)
+    choice = codec.probe(raw, width, 0)
+    mask = choice.planes
     assert mask[-1] and not mask[0], mask  # top byte (sign, exponent) compressed, low byte raw
-    stored_frame = codec.encode(raw, FrameHints(width, 0, mask))
+    stored_frame = codec.encode(raw, FrameHints(width, 0, *choice))
     pieces, lay = stored_frame.pieces, stored_frame.layout
     assert stored_frame.codec == "bytegroup" and lay.planes[-1][0] == "zstd" and lay.planes[-1][1] < 0.7 * len(raw) / width
     stored = b"".join(bytes(p) for p in pieces)
@@ -136,7 +137,7 @@ def test_probe_stores_incompressible_data_raw():
     raw = os.urandom(1 << 20)
     _, specs = layout([("w", "F32", (len(raw) // 4,))])
     encoder = FrameEncoder("bytegroup", 1, specs)
-    assert BytegroupCodec().probe(raw, 4, 0) == (False,) * 4
+    assert BytegroupCodec().probe(raw, 4, 0).planes == (False,) * 4
     enc = encoder.encode(specs[0].begin, memoryview(raw), {})
     assert enc.codec == "raw" and enc.layout is None and enc.pieces[0] is not None
     assert enc.stored_length == len(raw) and enc.xxh3_stored == enc.xxh3_raw
