@@ -44,6 +44,11 @@ bench-export: setup
 bench-fence: setup
 	$(BIN)/python -m benchmarks.fence --params-mib 256 --saves 5 --batches 512,16
 
+# Float compression: byte-plane codec candidates vs ZipNN on MiniLM weights and Adam moments.
+bench-codecs: setup
+	$(BIN)/pip install -q -e ".[bench,realweights]"
+	$(BIN)/python -m benchmarks.codecs --reps 5
+
 # Incremental saves of a PEFT LoRA and a full fine-tune (CPU, a Llama built from a config):
 # bytes written and referenced, time to durable per save, next to full saves and DCP save.
 bench-incremental: setup

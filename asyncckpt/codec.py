@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple, Protocol, Sequence
 
+import numpy as np
 import xxhash
 import zstandard
 
@@ -217,6 +218,7 @@ class BytegroupCodec:
         rotate: None lets `probe` decide per tensor whether the sign is rotated out of
             the exponent byte (planes.split); False never rotates (the layout before
             rotation existed), True always does where the width allows it.
+        probe_planes: the probe also decides which planes are tried (see `probe`).
     """
 
     name = "bytegroup"
@@ -224,7 +226,7 @@ class BytegroupCodec:
     def __init__(self, level: int = 1, probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
                  hash_log: int = 6, min_match: int = 7,
                  params: zstandard.ZstdCompressionParameters | None = None,
-                 rotate: bool | None = None) -> None:
+                 rotate: bool | None = None, probe_planes: bool = False) -> None:
         if params is None:
             params = zstandard.ZstdCompressionParameters.from_level(
                 level, hash_log=hash_log, min_match=min_match, write_content_size=True,
@@ -234,28 +236,30 @@ class BytegroupCodec:
         self._probe_bytes = probe_bytes
         self._max_ratio = max_ratio
         self._rotate = rotate
+        self._probe_planes = probe_planes
 
     def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
-        """Which planes of `sample` (split as `width`/`phase`) to compress: those whose
-        first `probe_bytes / width` bytes compress to at most `max_ratio` of their size;
-        and whether to rotate the sign: when that makes the sample smaller (floats with
-        an 8-bit exponent: bf16, fp32; not integers, whose top byte it spreads)."""
-        sample = memoryview(sample)[:self._probe_bytes]
-        options = [False, True] if self._rotate is None else [self._rotate]
-        best: tuple[int, PlaneChoice] | None = None
-        for rotated in options:
-            if rotated and width not in _planes.ROTATABLE:
-                continue
-            split = _planes.split(sample, width, phase, rotated)
-            chosen, size = [], 0
-            for plane in split.planes:
-                packed = len(self._compressor.compress(plane)) if len(plane) else 0
-                keep = len(plane) > 0 and packed <= self._max_ratio * len(plane)
-                chosen.append(keep)
-                size += packed if keep else len(plane)
-            if best is None or size < best[0]:
-                best = (size, PlaneChoice(tuple(chosen), rotated))
-        return best[1] if best is not None else PlaneChoice((False,) * width)
+        """Whether to rotate the sign (see planes.split): where that makes the top two
+        planes of a sample of `sample` smaller (floats with an 8-bit exponent: bf16, fp32;
+        not integers, whose top byte it spreads). Every plane is tried in every frame
+        (`probe_planes` False): zstd gives up on a random plane at ~16 GB/s, and real
+        tensors are compressible in places (an embedding's unused rows), which a sample
+        misses. With `probe_planes`, planes whose sample does not shrink to `max_ratio`
+        are stored raw without trying (the layout before rotation existed)."""
+        sample = _spread(memoryview(sample).cast("B"), self._probe_bytes, width, phase)
+        rotated = bool(self._rotate) and width in _planes.ROTATABLE
+        if self._rotate is None and width in _planes.ROTATABLE:
+            sizes = [sum(self._packed(p) for p in _planes.split(sample, width, phase, r).planes[-2:])
+                     for r in (False, True)]
+            rotated = sizes[1] < sizes[0]
+        if not self._probe_planes:
+            return PlaneChoice((True,) * width, rotated)
+        split = _planes.split(sample, width, phase, rotated)
+        return PlaneChoice(tuple(len(p) > 0 and self._packed(p) <= self._max_ratio * len(p)
+                                 for p in split.planes), rotated)
+
+    def _packed(self, plane: np.ndarray) -> int:
+        return len(self._compressor.compress(plane)) if len(plane) else 0
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
         """Head, planes and tail of `raw` as `hints` split it, the planes that
@@ -307,6 +311,18 @@ class BytegroupCodec:
             pos += length
         _planes.merge_into(view[:head], planes, view[pos:pos + tail], layout.width,
                            layout.phase, outs, layout.rotated)
+
+
+def _spread(frame: memoryview, size: int, width: int, phase: int, pieces: int = 16) -> Buffer:
+    """About `size` bytes of `frame` in `pieces` element-aligned runs spread over it (a
+    tensor's first rows can differ from the rest: an embedding's unused tokens), with the
+    frame's phase; `frame` itself when it is no longer."""
+    if len(frame) <= size:
+        return frame
+    run = max(width, size // pieces // width * width)
+    elements = (len(frame) - phase - run) // width
+    starts = [phase + (elements * k // (pieces - 1)) * width for k in range(pieces)]
+    return b"".join([frame[:phase], *(frame[s:s + run] for s in starts)])
 
 
 def xxh3_of(pieces: Sequence[Buffer]) -> int:
