@@ -20,15 +20,24 @@ for every frame it passes the tensor's element width, the frame's phase and the 
 answer as `FrameHints`; codecs that do not split planes ignore them.
 
 The byte-grouped codec ("bytegroup", see planes.py) stores a frame as its head bytes,
-one piece per byte plane and its tail bytes, each plane either one zstd frame or raw;
-which planes are compressed is decided per tensor by a probe (`probe`), because it
-depends on the data (the exponent plane always compresses; the low mantissa planes of
-real trained weights sometimes save a few percent, of random-like ones never). The
-layout (width, phase, each plane's codec and stored length) goes in the manifest, so a
-reader needs nothing from the data file to cut it apart. Planes are compressed with
-level 1's parameters but a 64-entry hash table and 7-byte minimum matches: on exponent
-planes that is 2.8x faster (0.8 vs 0.28 GB/s) and smaller (0.340 vs 0.369), because
-their redundancy is in the byte distribution (entropy coding), not in long matches.
+one piece per byte plane and its tail bytes, each plane either one zstd frame or raw.
+Every plane is compressed in every frame and kept raw where that does not shrink it to
+`max_ratio`: zstd gives up on a random plane at ~16 GB/s, and real tensors compress in
+places (the unused rows of MiniLM's embedding: their low mantissa planes compress to
+0.4-0.8 in 2 of 12 frames, to 1.0 in the rest, so a per-tensor sample chose wrong).
+Once per tensor a probe decides whether the sign is rotated out of the exponent byte
+(planes.py): where that makes a sample's top two planes smaller (bf16, fp32, also
+fp16; not integers). The layout (width, phase, rotation, each plane's codec and stored
+length) goes in the manifest, so a reader needs nothing from the data file to cut it
+apart. Planes are compressed with level 1's parameters but a 64-entry hash table and
+7-byte minimum matches: on exponent planes that is 2.8x faster (0.8 vs 0.28 GB/s) and
+smaller (0.340 vs 0.369), because their redundancy is in the byte distribution
+(entropy coding), not in long matches; levels 3 and 9 are larger still (0.41 and 0.39
+on MiniLM's bf16 exponent plane against 0.331), and zstd's optimal parser (btultra2)
+gains 0.0003-0.0008 of raw at 0.04 GB/s. That is ZipNN's ratio within 0.0003 (bf16 and
+fp32 weights, ZipNN 0.5.4's Huffman-only exponent coding) and far below it on a
+training state with Adam moments (0.455 vs 0.491): zstd's matches take the runs of
+zeros that Huffman codes at a bit per byte (benchmarks/results/codecs.md).
 """
 
 from __future__ import annotations
