@@ -34,10 +34,13 @@ apart. Planes are compressed with level 1's parameters but a 64-entry hash table
 smaller (0.340 vs 0.369), because their redundancy is in the byte distribution
 (entropy coding), not in long matches; levels 3 and 9 are larger still (0.41 and 0.39
 on MiniLM's bf16 exponent plane against 0.331), and zstd's optimal parser (btultra2)
-gains 0.0003-0.0008 of raw at 0.04 GB/s. That is ZipNN's ratio within 0.0003 (bf16 and
-fp32 weights, ZipNN 0.5.4's Huffman-only exponent coding) and far below it on a
-training state with Adam moments (0.455 vs 0.491): zstd's matches take the runs of
-zeros that Huffman codes at a bit per byte (benchmarks/results/codecs.md).
+gains 0.0003-0.0008 of raw at 0.04 GB/s. On MiniLM that is ZipNN 0.5.4's ratio within
+0.0003 of raw on bf16 and fp32 weights (its Huffman-only exponent coding beats zstd's
+block and table overhead by that much; an ideal Huffman code would be 0.0004-0.0009
+below ours), below it on bf16 weights with fp32 Adam moments (0.7851 vs 0.7857), and
+far below where moments are zero in runs (an embedding's unseen rows: 0.455 vs 0.491),
+which zstd's matches take and Huffman codes at a bit per byte
+(benchmarks/results/codecs.md).
 """
 
 from __future__ import annotations

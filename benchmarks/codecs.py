@@ -8,8 +8,10 @@ and the fp32 Adam moments (`exp_avg`, `exp_avg_sq`) after `--steps` real
 `torch.optim.Adam` steps (lr 1e-4) fine-tuning that model (transformers' BertModel
 built from the package's config) with an in-batch contrastive loss on pairs of English
 sentences (the docstrings of Python's standard library, tokenized with the package's
-tokenizer). Three dtype groups: fp32 weights; bf16 weights; bf16 weights + fp32 Adam
-moments (a mixed-precision training state).
+tokenizer). Four dtype groups: fp32 weights; bf16 weights; bf16 weights + fp32 Adam
+moments (a mixed-precision training state); and that state without the word embedding,
+whose moments are zero in the rows of tokens no batch held (after 3 steps, 98 % of
+them: half of all moments), which favours zstd's matches over Huffman.
 
 Each group's tensors (one dtype per buffer, in state order) are cut into 4 MiB frames,
 as the writer's ring slots cut a stream, and every candidate encodes and decodes every
@@ -150,10 +152,19 @@ def groups(steps: int) -> tuple[dict[str, list[Buffer]], dict[str, Any]]:
     moments, losses = adam_moments(steps)
     avg = _buffer({k: v for k, v in moments.items() if k.endswith(".exp_avg")})
     sq = _buffer({k: v for k, v in moments.items() if k.endswith(".exp_avg_sq")})
+    zeros = sum(int((v == 0).sum()) for v in moments.values())
     facts = {"tensors": len(fp32), "adam_steps": steps, "losses": losses,
-             "moment_tensors": len(moments)}
+             "moment_tensors": len(moments),
+             "moment_zero_fraction": round(zeros / sum(v.numel() for v in moments.values()), 4)}
+    # the embedding rows of tokens no batch held have exactly zero moments: runs of zeros
+    # that favour LZ matching over Huffman; the last group leaves the embedding out
+    dense = lambda d: {k: v for k, v in d.items() if "word_embeddings" not in k}  # noqa: E731
+    trimmed = [_buffer(dense({k: t.to(torch.bfloat16) for k, t in fp32.items()})),
+               _buffer(dense({k: v for k, v in moments.items() if k.endswith(".exp_avg")})),
+               _buffer(dense({k: v for k, v in moments.items() if k.endswith(".exp_avg_sq")}))]
     return {"fp32 weights": [w32], "bf16 weights": [w16],
-            "bf16 weights + fp32 Adam moments": [w16, avg, sq]}, facts
+            "bf16 weights + fp32 Adam moments": [w16, avg, sq],
+            "the same without the word embedding": trimmed}, facts
 
 
 # -- candidates --------------------------------------------------------------------------------
@@ -437,7 +448,8 @@ def render(result: dict[str, Any]) -> str:
     lines = ["# Float compression: byte-plane codec candidates vs ZipNN", "",
              f"`{result['command']}` on {result['date']}, {result['machine']}; "
              f"MiniLM ({result['facts']['tensors']} fp32 tensors), Adam moments after "
-             f"{result['facts']['adam_steps']} steps (loss {result['facts']['losses']}). "
+             f"{result['facts']['adam_steps']} steps (loss {result['facts']['losses']}; "
+             f"{result['facts']['moment_zero_fraction']:.0%} of the moments are exactly 0). "
              f"One thread; medians of {result['reps']} interleaved rounds (a candidate whose "
              f"first encode round took over {SLOW_SECONDS:.0f} s: one round); ratio = stored / "
              "raw bytes; GB/s of raw bytes, by this process's CPU time (`time.process_time`) and, "
@@ -461,14 +473,16 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"| bound: {name} | {ratio:.4f} | {ratio - z:+.4f} | | | | not a codec: "
                          f"what \"{SHIPPED}\" would store if zstd coded its exponent planes so |")
         lines.append("")
-    lines += [f"## Targets (the shipped codec: \"{SHIPPED}\", GB/s by CPU time)", "",
+    lines += [f"## Targets (the shipped codec: \"{SHIPPED}\"; GB/s by CPU time, then by wall "
+              "time on the shared machine)", "",
               "| group | ratio <= ZipNN | encode >= 1 GB/s | decode >= 2 GB/s |", "|---|---|---|---|"]
+    ok = lambda b: "met" if b else "**MISSED**"  # noqa: E731
     for group, g in result["groups"].items():
         r, z = g["rows"][SHIPPED], g["rows"][zipnn]
-        ok = lambda b: "met" if b else "**MISSED**"  # noqa: E731
+        speeds = [" / ".join(f"{r[f'{stage}_gbps{kind}']:.2f} {ok(r[f'{stage}_gbps{kind}'] >= bound)}"
+                             for kind in ("_cpu", "")) for stage, bound in (("encode", 1), ("decode", 2))]
         lines.append(f"| {group} | {r['ratio']:.4f} vs {z['ratio']:.4f}: {ok(r['ratio'] <= z['ratio'])} | "
-                     f"{r['encode_gbps_cpu']:.2f}: {ok(r['encode_gbps_cpu'] >= 1)} | "
-                     f"{r['decode_gbps_cpu']:.2f}: {ok(r['decode_gbps_cpu'] >= 2)} |")
+                     f"{speeds[0]} | {speeds[1]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -478,7 +492,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", default="", help="candidate names separated by ; (ZipNN is always run)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--render", action="store_true", help="rewrite codecs.md from codecs.json")
     args = parser.parse_args(argv)
+    if args.render:
+        (args.out / "codecs.md").write_text(render(json.loads((args.out / "codecs.json").read_text())))
+        return
     torch.set_num_threads(2)
     data, facts = groups(args.steps)
     torch.set_num_threads(1)
