@@ -11,11 +11,13 @@ Byte planes cut a bf16 / fp32 element between the sign and exponent (bits 15 / 3
 exponent bit sits in the next byte, among random mantissa bits. `rotated` splits with
 the element's top nine bits rotated left by one: the top plane is the whole exponent
 and the sign moves to bit 7 of the plane below, which is random anyway (ZipNN groups
-bf16 and fp32 bytes this way). On all-MiniLM-L6-v2 that stores bf16 at 0.665 instead
-of 0.671 and fp32 at 0.820 instead of 0.825 of raw (benchmarks/codecs.py); its cost is
-nothing on encode (the rotated split runs on whole words, shifts and truncating casts,
-faster than the strided copies) and one u8 pass per plane pair on decode (6 GB/s for
-bf16, which merges words directly). It is a choice per tensor (the codec's probe):
+bf16 and fp32 bytes this way). On all-MiniLM-L6-v2 that stores bf16 at 0.6654 instead
+of 0.6709 and fp32 at 0.8229 instead of 0.8256 of raw, the planes compressed alike
+(benchmarks/results/codecs.md). Encoding costs nothing more (the rotated split runs on
+whole words, shifts and truncating casts, 5 GB/s, faster than the strided copies);
+decoding does: the merge puts sign, exponent and low bits back with three shifts and
+ors instead of one (bf16: 6 instead of 11 GB/s; whole frames decode at 2.4 instead of
+3.5 GB/s per thread of CPU time). It is a choice per tensor (the codec's probe):
 integers lose by it, their sign-extended top byte would spread over two planes.
 
 A frame is the bytes `raw`; its elements are `width` bytes wide and the first whole
