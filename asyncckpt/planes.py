@@ -16,8 +16,8 @@ of 0.6709 and fp32 at 0.8229 instead of 0.8256 of raw, the planes compressed ali
 (benchmarks/results/codecs.md). Encoding costs nothing more (the rotated split runs on
 whole words, shifts and truncating casts, 5 GB/s, faster than the strided copies);
 decoding does: the merge puts sign, exponent and low bits back with three shifts and
-ors instead of one (bf16: 6 instead of 11 GB/s; whole frames decode at 2.4 instead of
-3.5 GB/s per thread of CPU time). It is a choice per tensor (the codec's probe):
+ors instead of one (bf16: 6 instead of 11 GB/s; whole frames decode at 2.5 instead of
+3.6 GB/s per thread). It is a choice per tensor (the codec's probe):
 integers lose by it, their sign-extended top byte would spread over two planes.
 
 A frame is the bytes `raw`; its elements are `width` bytes wide and the first whole
