@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 VERL_VENV   ?= $(VENV)-verl
 VERL_SPEC   ?= verl==0.9.1
 
-.PHONY: setup verl-setup test test-verl bench-verl demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage
+.PHONY: setup verl-setup test test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage
 
 setup: $(VENV)/.installed
 
@@ -54,6 +54,11 @@ bench-export: setup
 # Blocked time per save in a training loop, with and without the optimizer fence.
 bench-fence: setup
 	$(BIN)/python -m benchmarks.fence --params-mib 256 --saves 5 --batches 512,16
+
+# Float compression: byte-plane codec candidates vs ZipNN on MiniLM weights and Adam moments.
+bench-codecs: setup
+	$(BIN)/pip install -q -e ".[bench,realweights]"
+	$(BIN)/python -m benchmarks.codecs --reps 5
 
 # Incremental saves of a PEFT LoRA and a full fine-tune (CPU, a Llama built from a config):
 # bytes written and referenced, time to durable per save, next to full saves and DCP save.

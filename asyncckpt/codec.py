@@ -20,15 +20,27 @@ for every frame it passes the tensor's element width, the frame's phase and the 
 answer as `FrameHints`; codecs that do not split planes ignore them.
 
 The byte-grouped codec ("bytegroup", see planes.py) stores a frame as its head bytes,
-one piece per byte plane and its tail bytes, each plane either one zstd frame or raw;
-which planes are compressed is decided per tensor by a probe (`probe`), because it
-depends on the data (the exponent plane always compresses; the low mantissa planes of
-real trained weights sometimes save a few percent, of random-like ones never). The
-layout (width, phase, each plane's codec and stored length) goes in the manifest, so a
-reader needs nothing from the data file to cut it apart. Planes are compressed with
-level 1's parameters but a 64-entry hash table and 7-byte minimum matches: on exponent
-planes that is 2.8x faster (0.8 vs 0.28 GB/s) and smaller (0.340 vs 0.369), because
-their redundancy is in the byte distribution (entropy coding), not in long matches.
+one piece per byte plane and its tail bytes, each plane either one zstd frame or raw.
+Every plane is compressed in every frame and kept raw where that does not shrink it to
+`max_ratio`: zstd gives up on a random plane at ~16 GB/s, and real tensors compress in
+places (the unused rows of MiniLM's embedding: their low mantissa planes compress to
+0.4-0.8 in 2 of 12 frames, to 1.0 in the rest, so a per-tensor sample chose wrong).
+Once per tensor a probe decides whether the sign is rotated out of the exponent byte
+(planes.py): where that makes a sample's top two planes smaller (bf16, fp32, also
+fp16; not integers). The layout (width, phase, rotation, each plane's codec and stored
+length) goes in the manifest, so a reader needs nothing from the data file to cut it
+apart. Planes are compressed with level 1's parameters but a 64-entry hash table and
+7-byte minimum matches: on exponent planes that is 2.8x faster (0.8 vs 0.28 GB/s) and
+smaller (0.340 vs 0.369), because their redundancy is in the byte distribution
+(entropy coding), not in long matches; levels 3 and 9 are larger still (0.41 and 0.39
+on MiniLM's bf16 exponent plane against 0.331), and zstd's optimal parser (btultra2)
+gains 0.0003-0.0008 of raw at 0.04 GB/s. On MiniLM that is ZipNN 0.5.4's ratio within
+0.0003 of raw on bf16 and fp32 weights (its Huffman-only exponent coding beats zstd's
+block and table overhead by that much; an ideal Huffman code would be 0.0004-0.0009
+below ours), below it on bf16 weights with fp32 Adam moments (0.7851 vs 0.7857), and
+far below where moments are zero in runs (an embedding's unseen rows: 0.455 vs 0.491),
+which zstd's matches take and Huffman codes at a bit per byte
+(benchmarks/results/codecs.md).
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple, Protocol, Sequence
 
+import numpy as np
 import xxhash
 import zstandard
 
@@ -54,6 +67,7 @@ class PlaneLayout(NamedTuple):
     width: int
     phase: int
     planes: tuple[tuple[str, int], ...]
+    rotated: bool = False  # split with the sign rotated (planes.split); absent in old frames
 
     def check(self, raw_length: int, stored_length: int) -> None:
         """Raises CorruptCheckpointError unless the layout tiles both lengths exactly."""
@@ -63,6 +77,8 @@ class PlaneLayout(NamedTuple):
             raise CorruptCheckpointError(str(e)) from None
         if len(self.planes) != self.width:
             raise CorruptCheckpointError(f"{len(self.planes)} planes for width {self.width}")
+        if self.rotated and self.width not in _planes.ROTATABLE:
+            raise CorruptCheckpointError(f"sign rotation for width {self.width}")
         for codec, length in self.planes:
             if codec not in PLANE_CODECS or length < 0 or (codec == "raw" and length != count):
                 raise CorruptCheckpointError(f"plane ({codec!r}, {length}) invalid for "
@@ -71,14 +87,23 @@ class PlaneLayout(NamedTuple):
             raise CorruptCheckpointError("planes do not add up to the stored length")
 
 
+class PlaneChoice(NamedTuple):
+    """What a codec's `probe` decided for a tensor: which planes to compress and whether
+    to split them with the sign rotated (codecs that do not split planes: the default)."""
+
+    planes: tuple[bool, ...] = ()
+    rotated: bool = False
+
+
 class FrameHints(NamedTuple):
     """What the encoder knows about a frame beyond its bytes: the element `width` and
-    `phase` of the tensor covering most of it, and `planes`, what the codec's `probe`
-    chose for that tensor (codecs that do not split planes ignore all three)."""
+    `phase` of the tensor covering most of it, and `planes` and `rotated`, what the
+    codec's `probe` chose for that tensor (codecs that do not split planes ignore them)."""
 
     width: int = 1
     phase: int = 0
     planes: tuple[bool, ...] = ()
+    rotated: bool = False
 
 
 class Stored(NamedTuple):
@@ -105,10 +130,10 @@ class Stored(NamedTuple):
 class Codec(Protocol):
     name: str
 
-    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
+    def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
         """Decide, once per tensor, from a frame the tensor dominates, what `encode` is
-        told in `FrameHints.planes` for that tensor's frames (() when there is nothing
-        to decide)."""
+        told in `FrameHints.planes` / `.rotated` for that tensor's frames (the default
+        `PlaneChoice()` when there is nothing to decide)."""
         ...
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
@@ -131,8 +156,8 @@ class Codec(Protocol):
 class RawCodec:
     name = RAW
 
-    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
-        return ()
+    def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
+        return PlaneChoice()
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
         return Stored(RAW, [raw])
@@ -157,8 +182,8 @@ class ZstdCodec:
                                                     write_checksum=False)
         self._decompressor = zstandard.ZstdDecompressor()
 
-    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
-        return ()
+    def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
+        return PlaneChoice()
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
         return Stored(self.name, [self._compressor.compress(raw)])
@@ -200,26 +225,53 @@ class BytegroupCodec:
             plane.
         max_ratio: a plane is compressed when zstd shrinks it to this fraction of its
             size or less, in the probe and again in every frame.
+        params: zstd parameters for the planes (default: `level`'s with a 64-entry hash
+            table and 7-byte minimum matches).
+        rotate: None lets `probe` decide per tensor whether the sign is rotated out of
+            the exponent byte (planes.split); False never rotates (the layout before
+            rotation existed), True always does where the width allows it.
+        probe_planes: the probe also decides which planes are tried (see `probe`).
     """
 
     name = "bytegroup"
 
     def __init__(self, level: int = 1, probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
-                 hash_log: int = 6, min_match: int = 7) -> None:
-        params = zstandard.ZstdCompressionParameters.from_level(
-            level, hash_log=hash_log, min_match=min_match, write_content_size=True,
-            write_checksum=False)
+                 hash_log: int = 6, min_match: int = 7,
+                 params: zstandard.ZstdCompressionParameters | None = None,
+                 rotate: bool | None = None, probe_planes: bool = False) -> None:
+        if params is None:
+            params = zstandard.ZstdCompressionParameters.from_level(
+                level, hash_log=hash_log, min_match=min_match, write_content_size=True,
+                write_checksum=False)
         self._compressor = zstandard.ZstdCompressor(compression_params=params)
         self._zstd = ZstdCodec(level)  # for decoding planes
         self._probe_bytes = probe_bytes
         self._max_ratio = max_ratio
+        self._rotate = rotate
+        self._probe_planes = probe_planes
 
-    def probe(self, sample: Buffer, width: int, phase: int) -> tuple[bool, ...]:
-        """Which planes of `sample` (split as `width`/`phase`) to compress: those whose
-        first `probe_bytes / width` bytes compress to at most `max_ratio` of their size."""
-        split = _planes.split(memoryview(sample)[:self._probe_bytes], width, phase)
-        return tuple(len(p) > 0 and len(self._compressor.compress(p)) <= self._max_ratio * len(p)
-                     for p in split.planes)
+    def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
+        """Whether to rotate the sign (see planes.split): where that makes the top two
+        planes of a sample of `sample` smaller (floats with an 8-bit exponent: bf16, fp32;
+        not integers, whose top byte it spreads). Every plane is tried in every frame
+        (`probe_planes` False): zstd gives up on a random plane at ~16 GB/s, and real
+        tensors are compressible in places (an embedding's unused rows), which a sample
+        misses. With `probe_planes`, planes whose sample does not shrink to `max_ratio`
+        are stored raw without trying (the layout before rotation existed)."""
+        sample = _spread(memoryview(sample).cast("B"), self._probe_bytes, width, phase)
+        rotated = bool(self._rotate) and width in _planes.ROTATABLE
+        if self._rotate is None and width in _planes.ROTATABLE:
+            sizes = [sum(self._packed(p) for p in _planes.split(sample, width, phase, r).planes[-2:])
+                     for r in (False, True)]
+            rotated = sizes[1] < sizes[0]
+        if not self._probe_planes:
+            return PlaneChoice((True,) * width, rotated)
+        split = _planes.split(sample, width, phase, rotated)
+        return PlaneChoice(tuple(len(p) > 0 and self._packed(p) <= self._max_ratio * len(p)
+                                 for p in split.planes), rotated)
+
+    def _packed(self, plane: np.ndarray) -> int:
+        return len(self._compressor.compress(plane)) if len(plane) else 0
 
     def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
         """Head, planes and tail of `raw` as `hints` split it, the planes that
@@ -227,7 +279,7 @@ class BytegroupCodec:
         better; `raw` itself, as a raw frame, when no plane ends up compressed."""
         if not any(hints.planes):
             return Stored(RAW, [raw])
-        split = _planes.split(raw, hints.width, hints.phase)
+        split = _planes.split(raw, hints.width, hints.phase, hints.rotated)
         pieces: list[Buffer] = [bytes(split.head)] if len(split.head) else []
         layout = []
         for plane, wanted in zip(split.planes, hints.planes):
@@ -243,7 +295,8 @@ class BytegroupCodec:
             return Stored(RAW, [raw])
         if len(split.tail):
             pieces.append(bytes(split.tail))
-        return Stored(self.name, pieces, PlaneLayout(hints.width, hints.phase, tuple(layout)))
+        return Stored(self.name, pieces, PlaneLayout(hints.width, hints.phase, tuple(layout),
+                                                     hints.rotated))
 
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
                     layout: PlaneLayout | None = None) -> None:
@@ -269,7 +322,19 @@ class BytegroupCodec:
                 planes.append(piece)
             pos += length
         _planes.merge_into(view[:head], planes, view[pos:pos + tail], layout.width,
-                           layout.phase, outs)
+                           layout.phase, outs, layout.rotated)
+
+
+def _spread(frame: memoryview, size: int, width: int, phase: int, pieces: int = 16) -> Buffer:
+    """About `size` bytes of `frame` in `pieces` element-aligned runs spread over it (a
+    tensor's first rows can differ from the rest: an embedding's unused tokens), with the
+    frame's phase; `frame` itself when it is no longer."""
+    if len(frame) <= size:
+        return frame
+    run = max(width, size // pieces // width * width)
+    elements = (len(frame) - phase - run) // width
+    starts = [phase + (elements * k // (pieces - 1)) * width for k in range(pieces)]
+    return b"".join([frame[:phase], *(frame[s:s + run] for s in starts)])
 
 
 def xxh3_of(pieces: Sequence[Buffer]) -> int:

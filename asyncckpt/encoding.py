@@ -27,7 +27,8 @@ from typing import NamedTuple
 import xxhash
 
 from .autocodec import CodecChooser
-from .codec import CODECS, Buffer, Codec, CodecParams, FrameHints, PlaneLayout, make_codec, xxh3_of
+from .codec import (CODECS, Buffer, Codec, CodecParams, FrameHints, PlaneChoice, PlaneLayout,
+                    make_codec, xxh3_of)
 from .format import TensorSpec, element_size
 
 
@@ -55,7 +56,7 @@ class FrameEncoder:
         self._tensors = tensors
         self._begins = [t.begin for t in tensors]
         # (codec, tensor index or -1 for the header) -> the codec's probe for that tensor
-        self._probes: dict[tuple[str, int], tuple[bool, ...]] = {}
+        self._probes: dict[tuple[str, int], PlaneChoice] = {}
 
     def encode(self, raw_offset: int, raw: memoryview, context: dict) -> Encoded:
         start = time.perf_counter()
@@ -85,10 +86,10 @@ class FrameEncoder:
                 context: dict) -> Encoded:
         codec = self._codec(name, context)
         tensor, width, phase = self.geometry(raw_offset, len(raw))
-        planes = self._probes.get((name, tensor))
-        if planes is None:
-            planes = self._probes[(name, tensor)] = codec.probe(raw, width, phase)
-        stored = codec.encode(raw, FrameHints(width, phase, planes))
+        choice = self._probes.get((name, tensor))
+        if choice is None:
+            choice = self._probes[(name, tensor)] = codec.probe(raw, width, phase)
+        stored = codec.encode(raw, FrameHints(width, phase, choice.planes, choice.rotated))
         if stored.as_is(raw):
             return Encoded(stored.codec, [raw], len(raw), raw_hash, raw_hash, None, True)
         return Encoded(stored.codec, stored.pieces, stored.length, raw_hash,

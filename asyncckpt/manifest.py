@@ -89,6 +89,8 @@ class Frame:
         if self.layout is not None:
             doc["planes"] = {"width": self.layout.width, "phase": self.layout.phase,
                              "stored": [list(p) for p in self.layout.planes]}
+            if self.layout.rotated:
+                doc["planes"]["rotated"] = True
         if self.xxh3_128 is not None:
             doc["xxh3_128"] = f"{self.xxh3_128:032x}"
         if self.ref is not None:
@@ -374,8 +376,10 @@ def _layout_from_json(doc: dict[str, Any], where: str) -> PlaneLayout | None:
         _check(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str),
                f"{where}: bad plane entry {entry!r:.40}")
         stored.append((entry[0], _int(entry[1], "plane length")))
+    rotated = planes.get("rotated", False)
+    _check(isinstance(rotated, bool), f"{where}: bad plane rotation {rotated!r:.40}")
     return PlaneLayout(_int(planes["width"], "plane width"), _int(planes["phase"], "plane phase"),
-                       tuple(stored))
+                       tuple(stored), rotated)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -1,10 +1,13 @@
-"""The byte-grouped codec: planes split and merge exactly for every width, phase and cut;
-every codec round-trips every dtype bit-exact, special values included; frames packed
-across tensors of different dtypes and odd sizes decode exactly; the probe stores
-incompressible data raw; a corrupt layout or plane is refused."""
+"""The byte-grouped codec: planes split and merge exactly for every width, phase and cut,
+with the sign rotated or not; every codec round-trips every dtype bit-exact, special
+values included; frames packed across tensors of different dtypes and odd sizes decode
+exactly; incompressible data is stored raw; rotation is chosen for floats, not integers,
+and stores real-like weights smaller than the layout before it; frames written before
+rotation existed still decode; a corrupt layout or plane is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import xxhash
@@ -34,19 +37,40 @@ def cut(data: bytearray, points: list[int]) -> list[memoryview]:
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=300), width=st.sampled_from([1, 2, 4, 8]),
-       phase=st.integers(0, 7), points=st.lists(st.integers(0, 400), max_size=5))
-def test_split_then_merge_is_identity(data, width, phase, points):
+       phase=st.integers(0, 7), points=st.lists(st.integers(0, 400), max_size=5),
+       rotated=st.booleans())
+def test_split_then_merge_is_identity(data, width, phase, points, rotated):
     phase %= width
-    s = planes.split(data, width, phase)
+    rotated = rotated and width in planes.ROTATABLE
+    s = planes.split(data, width, phase, rotated)
     head, count, tail = planes.geometry(len(data), width, phase)
     assert len(s.head) == head and len(s.tail) == tail
     assert [len(p) for p in s.planes] == [count] * width
-    for i, p in enumerate(s.planes):  # plane i is byte i of every whole element
-        assert p.tobytes() == data[head + i:head + count * width:width]
+    plain = planes.unrotate(s.planes) if rotated else s.planes
+    for i, p in enumerate(plain):  # plane i is byte i of every whole element
+        assert bytes(p) == data[head + i:head + count * width:width]
     out = bytearray(len(data))
     planes.merge_into(s.head, [p.tobytes() for p in s.planes], s.tail, width, phase,
-                      cut(out, points))
+                      cut(out, points), rotated)
     assert bytes(out) == data
+
+
+@pytest.mark.parametrize("width", planes.ROTATABLE)
+def test_rotated_split_makes_the_exponent_a_plane(width):
+    """bf16 / fp32: the top plane is the 8-bit exponent, the sign is bit 7 of the plane
+    below it, whose other bits are the next 7 bits of the element (fp64: the top 8 of 11
+    exponent bits, then 3 exponent and 4 mantissa bits)."""
+    import numpy as np
+    words = np.random.default_rng(width).integers(0, 1 << 63, 999, dtype=np.uint64)
+    words = (words ^ (words << 1)).astype(f"<u{width}")  # sign bits set too
+    s = planes.split(words.tobytes(), width, 0, rotated=True)
+    bits = 8 * width
+    assert np.array_equal(s.planes[-1], (words >> (bits - 9)) & 0xFF)
+    assert np.array_equal(s.planes[-2], ((words >> (bits - 16)) & 0x7F) | ((words >> (bits - 8)) & 0x80))
+    for i in range(width - 2):
+        assert np.array_equal(s.planes[i], (words >> (8 * i)) & 0xFF)
+    with pytest.raises(ValueError):
+        planes.split(words.tobytes(), 3, 0, rotated=True)
 
 
 def test_merge_refuses_pieces_that_do_not_fill_the_frame():
@@ -120,11 +144,14 @@ def test_float_weights_compress_their_exponent_plane(dtype, width, bound):
     t = (torch.randn(200_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.02).to(dtype)
     raw = byte_view(t)
     codec = BytegroupCodec()
-    mask = codec.probe(raw, width, 0)
-    assert mask[-1] and not mask[0], mask  # top byte (sign, exponent) compressed, low byte raw
-    stored_frame = codec.encode(raw, FrameHints(width, 0, mask))
+    choice = codec.probe(raw, width, 0)
+    # an 8-bit exponent gets a plane; fp16's 5 and fp64's 11 bits: whichever is smaller
+    assert choice.rotated or dtype in (torch.float16, torch.float64), choice
+    stored_frame = codec.encode(raw, FrameHints(width, 0, *choice))
     pieces, lay = stored_frame.pieces, stored_frame.layout
-    assert stored_frame.codec == "bytegroup" and lay.planes[-1][0] == "zstd" and lay.planes[-1][1] < 0.7 * len(raw) / width
+    assert stored_frame.codec == "bytegroup" and lay.rotated == choice.rotated
+    assert lay.planes[0][0] == "raw"  # the low mantissa byte does not shrink: stored as is
+    assert lay.planes[-1][0] == "zstd" and lay.planes[-1][1] < 0.7 * len(raw) / width
     stored = b"".join(bytes(p) for p in pieces)
     assert len(stored) < bound * len(raw)
     out = bytearray(len(raw))
@@ -136,7 +163,7 @@ def test_probe_stores_incompressible_data_raw():
     raw = os.urandom(1 << 20)
     _, specs = layout([("w", "F32", (len(raw) // 4,))])
     encoder = FrameEncoder("bytegroup", 1, specs)
-    assert BytegroupCodec().probe(raw, 4, 0) == (False,) * 4
+    assert BytegroupCodec(probe_planes=True).probe(raw, 4, 0).planes == (False,) * 4
     enc = encoder.encode(specs[0].begin, memoryview(raw), {})
     assert enc.codec == "raw" and enc.layout is None and enc.pieces[0] is not None
     assert enc.stored_length == len(raw) and enc.xxh3_stored == enc.xxh3_raw
@@ -154,6 +181,31 @@ def test_a_probed_plane_that_stops_compressing_is_stored_raw():
     assert stored.codec == "bytegroup" and [c for c, _ in stored.layout.planes] == ["raw", "zstd"]
 
 
+def test_rotation_stores_weights_smaller_than_the_layout_before_it():
+    """Deterministic weight-like samples: the rotated split (the default codec) stores
+    them in fewer bytes than byte planes with the sign in the top plane (rotate=False,
+    planes chosen by the probe: the codec as it was), and never in more."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(1 << 19, generator=g, dtype=torch.float64) * 0.02
+    samples = {"bf16": (byte_view(w.bfloat16()), 2, 0.005), "fp32": (byte_view(w.float()), 4, 0.002),
+               "adam v": (byte_view((w.float() ** 2) * 1e-3), 4, 0.0005)}
+    for name, (raw, width, margin) in samples.items():
+        sizes = {}
+        for label, codec in (("new", BytegroupCodec()),
+                             ("old", BytegroupCodec(rotate=False, probe_planes=True))):
+            hints = FrameHints(width, 0, *codec.probe(raw, width, 0))
+            sizes[label] = codec.encode(raw, hints).length / len(raw)
+        assert sizes["new"] < sizes["old"] - margin, (name, sizes)
+
+
+def test_probe_does_not_rotate_integers():
+    """Small integers: rotating would spread their constant top byte over two planes."""
+    g = torch.Generator().manual_seed(12)
+    for dtype, width in ((torch.int16, 2), (torch.int32, 4), (torch.int64, 8)):
+        raw = byte_view(torch.randint(-300, 300, (50_000,), generator=g).to(dtype))
+        assert not BytegroupCodec().probe(raw, width, 0).rotated, dtype
+
+
 def test_stored_frame_is_head_then_planes_then_tail():
     """The on-disk form of a bytegroup frame: the `phase` head bytes, each plane (byte 0
     first) as it is or as one zstd frame, then the tail bytes."""
@@ -167,6 +219,47 @@ def test_stored_frame_is_head_then_planes_then_tail():
     assert len(data) == 1 + n0 + n1 + 1 and data[:1] == b"\x01" and data[-1:] == b"\x02"
     assert data[1:1 + n0] == weights[0::2]
     assert zstandard.ZstdDecompressor().decompress(data[1 + n0:1 + n0 + n1]) == weights[1::2]
+    # rotated: plane 1 is the exponent, plane 0 the sign over the 7 mantissa bits
+    stored = BytegroupCodec().encode(raw, FrameHints(2, 1, (False, True), rotated=True))
+    data = bytes(stored)
+    (c0, n0), (c1, n1) = stored.layout.planes
+    assert stored.layout.rotated and (c0, c1) == ("raw", "zstd")
+    words = [int.from_bytes(weights[i:i + 2], "little") for i in range(0, len(weights), 2)]
+    assert data[1:1 + n0] == bytes((w & 0x7F) | ((w >> 8) & 0x80) for w in words)
+    assert zstandard.ZstdDecompressor().decompress(data[1 + n0:1 + n0 + n1]) == \
+        bytes((w >> 7) & 0xFF for w in words)
+
+
+# A bf16 frame (phase 1, odd tail) as the codec stored it before rotation existed: its
+# layout has no "rotated" and must decode as it always did.
+GOLDEN_RAW = bytes.fromhex(
+    "01ce37c33bb3bb91bc14bca2bc9d3adb3c21bc4bbc203ce93b0a3b98bc19ba633cdcbc15bc1bbdd3bc16bd9abbcf"
+    "bcb13b4d3b75bb4ebd30bc7eba143bfabc1cbca0bc84bcad3c84bc2aba903c3fbc12bb103ba73ac8bcc73ade3cfd"
+    "bc8c3c1c3b52bc233d793cc4bcc33a3c3c77bb5f3caeba5a3ceb3c5dbc853b17bc263bc2bc3dbc80bb933cbb3cd8"
+    "bc82bc533c23bd17bcffbacd3c613cd6bbf1bba3bbf93c0cbcc7bbe73b1ebb81bbb6bc71b911bcbf3c563cfdb95b"
+    "3cdebbac3ce2b83f3c02")
+GOLDEN_STORED = bytes.fromhex(
+    "01cec3b39114a29ddb214b20e90a981963dc151bd3169acfb14d754e307e14fa1ca084ad842a903f1210a7c8c7de"
+    "fd8c1c522379c4c33c775fae5aeb5d851726c23d8093bbd882532317ffcd61d6f1a3f90cc7e71e81b67111bf56fd"
+    "5bdeace23f28b52ffd2060dd0100c2850c11b025e9496e1f866118a6804dbd18067401069c410f6fda6e53797cdd"
+    "6bade28c052c370ecd7fc933e9cdf3ca926ffc53100100cb603e0102")
+
+
+def test_a_frame_stored_before_rotation_still_decodes():
+    header, specs = layout([("w", "BF16", (97,))])
+    frame = Frame(len(header), len(GOLDEN_RAW), len(header), len(GOLDEN_STORED), "bytegroup", 1, 2,
+                  PlaneLayout(2, 1, (("raw", 96), ("zstd", 68))))
+    frames = [Frame(0, len(header), 0, len(header), "raw", 7, 7), frame]
+    part = RankPart(0, "rank-00000.safetensors.bg", "bytegroup", specs[-1].end,
+                    len(header) + len(GOLDEN_STORED), specs, frames, {"tensor": "w"})
+    data = Manifest(step=1, world_size=1, ranks=[part]).to_bytes()
+    assert b'"planes":{"width":2,"phase":1,"stored":[["raw",96],["zstd",68]]}' in data
+    lay = parse_manifest(data, max_frame_bytes=1 << 20).ranks[0].frames[1].layout
+    assert lay == PlaneLayout(2, 1, (("raw", 96), ("zstd", 68))) and not lay.rotated
+    for points in ([], [1], [2, 97, 150]):
+        out = bytearray(len(GOLDEN_RAW))
+        make_codec("bytegroup").decode_into(GOLDEN_STORED, cut(out, points), lay)
+        assert bytes(out) == GOLDEN_RAW
 
 
 def test_mixed_dtypes_and_odd_frame_cuts_decode_exactly():
@@ -219,7 +312,8 @@ def test_decode_refuses_a_layout_that_does_not_tile_the_frame():
     bad = [PlaneLayout(2, 0, lay.planes[:1]), PlaneLayout(3, 0, lay.planes + (("raw", 1),)),
            PlaneLayout(2, 2, lay.planes), PlaneLayout(2, 0, (("raw", 1), lay.planes[1])),
            PlaneLayout(2, 0, (lay.planes[0], ("zstd", lay.planes[1][1] + 1))),
-           PlaneLayout(2, 0, (("lz4", lay.planes[0][1]), lay.planes[1]))]
+           PlaneLayout(2, 0, (("lz4", lay.planes[0][1]), lay.planes[1])),
+           PlaneLayout(3, 0, (("raw", 1365), ("raw", 1365), lay.planes[1]), rotated=True)]
     for layout_ in bad:
         with pytest.raises(CorruptCheckpointError):
             BytegroupCodec().decode_into(stored, out, layout_)
@@ -249,9 +343,14 @@ def test_manifest_carries_the_plane_layout():
     assert b'"planes":{"width":2,"phase":1,"stored":[["raw",4095],["zstd",1500]]}' in data
     back = parse_manifest(data, max_frame_bytes=1 << 20)
     assert back.ranks[0].frames == frames
+    # a rotated layout says so; an unrotated one (above) does not, as before rotation existed
+    frames[1] = dataclasses.replace(frames[1], layout=lay._replace(rotated=True))
+    data = Manifest(step=1, world_size=1, ranks=[part]).to_bytes()
+    assert b'"stored":[["raw",4095],["zstd",1500]],"rotated":true}' in data
+    assert parse_manifest(data, max_frame_bytes=1 << 20).ranks[0].frames == frames
     # a layout that does not tile the stored length, or on a non-bytegroup frame
     for old, new in ((b'["zstd",1500]', b'["zstd",1501]'), (b'"width":2', b'"width":9'),
-                     (b'"codec":"bytegroup"', b'"codec":"zstd"')):
+                     (b'"codec":"bytegroup"', b'"codec":"zstd"'), (b'"rotated":true', b'"rotated":1')):
         body = data[data.index(b'"manifest":') + 11:-2].replace(old, new)
         envelope = b'{"xxh3":"' + f"{xxhash.xxh3_64_intdigest(body):016x}".encode() + \
             b'","manifest":' + body + b"}\n"
@@ -282,15 +381,66 @@ def test_writer_saves_and_loads_bytegroup_bit_exact(tmp_path):
 @settings(max_examples=60, deadline=None)
 @given(data=st.binary(min_size=1, max_size=20_000), width=st.sampled_from([1, 2, 4, 8]),
        phase=st.integers(0, 7), mask=st.lists(st.booleans(), min_size=8, max_size=8),
-       points=st.lists(st.integers(0, 20_000), max_size=4))
-def test_bytegroup_round_trip_any_bytes(data, width, phase, mask, points):
-    encoded = BytegroupCodec().encode(data, FrameHints(width, phase % width, tuple(mask[:width])))
+       points=st.lists(st.integers(0, 20_000), max_size=4), rotated=st.booleans())
+def test_bytegroup_round_trip_any_bytes(data, width, phase, mask, points, rotated):
+    hints = FrameHints(width, phase % width, tuple(mask[:width]), rotated and width in planes.ROTATABLE)
+    encoded = BytegroupCodec().encode(data, hints)
     stored = bytes(encoded)
     if encoded.layout is not None:
         encoded.layout.check(len(data), len(stored))
     out = bytearray(len(data))
     make_codec(encoded.codec).decode_into(stored, cut(out, points), encoded.layout)
     assert bytes(out) == data
+
+
+def _special_words(width: int) -> list[int]:
+    """Bit patterns of a float of `width` bytes (bf16/fp16 for 2): zeros of both signs,
+    the smallest and largest subnormals, infinities, NaNs with payloads (quiet,
+    signalling, negative, all ones)."""
+    bits = 8 * width
+    sign = 1 << (bits - 1)
+    out = []
+    for exp_bits in {2: (8, 5), 4: (8,), 8: (11,), 1: (4, 5)}[width]:
+        man = bits - 1 - exp_bits
+        inf = ((1 << exp_bits) - 1) << man
+        for w in (0, 1, (1 << man) - 1, inf, inf | 1, inf | (1 << (man - 1)), inf | 0x55,
+                  inf | ((1 << man) - 1), 1 << man):
+            out += [w, w | sign]
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_every_dtype_round_trips_whatever_its_bits(data):
+    """Through the encoder (the probe picks rotation and planes) for every dtype: elements
+    that are weights, special values or any bits, a tensor of odd length, and frames cut
+    at any point of it."""
+    dtype = data.draw(st.sampled_from(list(DTYPE_NAMES)), "dtype")
+    width = torch.empty((), dtype=dtype).element_size()
+    import numpy as np
+    weights = (np.random.default_rng(data.draw(st.integers(0, 9))).standard_normal(64) * 0.02)
+    if dtype.is_floating_point:
+        like = [int.from_bytes(byte_view(x.reshape(1)), "little")
+                for x in torch.from_numpy(weights).to(dtype)]
+    else:  # small integers of either sign
+        like = [int(x * 1e4) % (1 << 8 * width) for x in weights]
+    word = st.one_of(st.sampled_from(_special_words(width) + like), st.integers(0, (1 << 8 * width) - 1))
+    words = data.draw(st.lists(word, min_size=0, max_size=600), "words")
+    if dtype == torch.bool:
+        words = [w & 1 for w in words]
+    raw = b"".join(w.to_bytes(width, "little") for w in words)
+    _, specs = layout([("t", DTYPE_NAMES[dtype], (len(words),))])
+    # the tensor, then a few stray bytes (the next tensor's), cut into frames of any size
+    stream = bytes(specs[0].begin) + raw + data.draw(st.binary(max_size=width * 2 - 1), "stray")
+    encoder = FrameEncoder("bytegroup", 1, specs, probe_bytes=data.draw(st.sampled_from([64, 256 << 10])))
+    size = data.draw(st.integers(1, max(1, len(stream) - specs[0].begin)), "frame")
+    out = bytearray(len(stream))
+    for begin in range(specs[0].begin, len(stream), size):
+        frame = memoryview(stream)[begin:begin + size]
+        enc = encoder.encode(begin, frame, {})
+        make_codec(enc.codec).decode_into(b"".join(bytes(p) for p in enc.pieces),
+                                          memoryview(out)[begin:begin + len(frame)], enc.layout)
+    assert bytes(out[specs[0].begin:]) == stream[specs[0].begin:]
 
 
 # -- the frame pool: ordered appends, bounded frames in flight -------------------------------------

@@ -179,7 +179,7 @@ def test_every_registered_codec_round_trips_through_the_one_interface():
     for name in CODECS:
         codec = make_codec(name)
         assert codec.name == name
-        hints = FrameHints(2, 1, codec.probe(payload, 2, 1))
+        hints = FrameHints(2, 1, *codec.probe(payload, 2, 1))
         stored = codec.encode(payload, hints)
         assert stored.codec in CODECS and stored.length == len(bytes(stored))
         assert (stored.layout is not None) == REGISTRY[stored.codec].plane_layout
