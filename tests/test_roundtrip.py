@@ -21,7 +21,7 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.dtypes import DTYPE_NAMES
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.manifest import read_manifest
-from conftest import assert_same, sample_state
+from conftest import assert_same, map_tensors, sample_state
 
 
 def test_nested_state_round_trips_exactly(client, root):
@@ -119,20 +119,10 @@ def test_load_is_bit_exact_for_every_codec_and_thread_count(saved_load, threads)
     root, state = saved_load
     limits = ReadLimits(read_threads=threads)
     assert_same(state, asyncckpt.load(root, limits=limits))
-    target = zeros_like(state)
+    target = map_tensors(torch.zeros_like, state)
     loaded = asyncckpt.load(root, into=target, limits=limits)
     assert loaded["big"] is target["big"] and loaded["small"][5] is target["small"][5]
     assert_same(state, target)
-
-
-def zeros_like(state):
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    if isinstance(state, dict):
-        return {k: zeros_like(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [zeros_like(v) for v in state]
-    return state
 
 
 def vm_hwm_growth(fn) -> int:
@@ -202,7 +192,7 @@ def test_overlapped_reads_catch_a_flipped_byte_in_any_frame(saved_load, tmp_path
         data.write_bytes(bytes(raw))
         with pytest.raises(CorruptCheckpointError, match=rf"frame {index}\b"):
             asyncckpt.load(own, limits=limits)
-        target = zeros_like(state)
+        target = map_tensors(torch.zeros_like, state)
         with pytest.raises(CorruptCheckpointError, match=rf"frame {index}\b"):
             asyncckpt.load(own, into=target, limits=limits)
         after = {k: v.clone() for k, v in target.items() if isinstance(v, torch.Tensor)}
