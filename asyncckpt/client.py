@@ -180,7 +180,7 @@ class Client:
                                        self.knobs.connect_timeout)
             protocol.send(self._conn, "hello", rank=self.rank, world_size=self.world_size,
                           pid=os.getpid(), slot_size=self._ring.slot_size,
-                          slots=self._ring.slots)
+                          slots=self._ring.slots, need_slot=True)
             protocol.send_fd(self._conn, self._ring.fileno())
             if not self._conn.poll(self.knobs.connect_timeout):
                 raise WriterUnavailableError(f"writer at {address} did not welcome us")
@@ -315,11 +315,17 @@ class Client:
         handle = pending.handle
         self._outbox.put(pending.begin)
 
+        said_need = False
+
         def acquire() -> int:
+            nonlocal said_need
             with self._cond:
                 while not self._free:
                     if handle.done() or self._broken is not None:
                         raise _Cancelled
+                    if not said_need:  # a writer that stages first copies out now
+                        self._send("need_slot")
+                        said_need = True
                     self._cond.wait()
                 return self._free.popleft()
 

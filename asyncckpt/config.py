@@ -146,6 +146,11 @@ class WriterKnobs(_FromEnv):
             again (dedup.py); retention then retires referenced steps instead of
             deleting them (lifetimes.py). Off: every save writes every byte (its frames
             still never reference anything), and no index is kept.
+        stage_first: copy a rank's filled slots out of its ring only once it has
+            staged the whole save or filled its ring, so that its copy into the ring
+            (what its training loop waits for) has the memory bandwidth to itself; the
+            writes then start later by at most the staging time. Off: each slot is
+            copied out as soon as it is announced.
     """
 
     codec: str = "auto"
@@ -164,6 +169,7 @@ class WriterKnobs(_FromEnv):
     keep_every: int = 0
     max_frame_bytes: int = 256 * MiB
     incremental: bool = True
+    stage_first: bool = True
 
     def __post_init__(self) -> None:
         _require(self.codec in CODECS, "codec", f"one of {CODECS}", self.codec)

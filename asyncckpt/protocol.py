@@ -8,10 +8,12 @@ pickle -- because tensor bytes travel through the shared-memory ring, not the so
 
 Messages (field "op"):
 
-    rank -> writer   hello(rank, world_size, pid, slot_size, slots), then the ring's
-                     sealed memfd as one byte with SCM_RIGHTS (ring.py)
+    rank -> writer   hello(rank, world_size, pid, slot_size, slots, need_slot), then the
+                     ring's sealed memfd as one byte with SCM_RIGHTS (ring.py)
                      begin(save, step, world_size, tensors, tree, retention)
                      chunk(save, slot, length)   end(save)   abort(save, reason)
+                     need_slot() (a rank whose hello said need_slot: it waits for a
+                     free slot; until then the writer may leave its slots unread)
     writer -> rank   welcome(pid, version) or refused(reason)   free(slot)
                      committed(save, step, path, stats)
                      failed(save, step, error, message)

@@ -5,9 +5,14 @@ no message of a rank can stop the writer or harm another rank's save:
 
 - Its ring is a size-sealed memfd (ring.py): it cannot be truncated under our mapping.
 - Each chunk is copied out of the ring into the writer's own buffer before it is
-  hashed, encoded or written, and the slot is returned at once: the bytes on disk are
+  hashed, encoded or written, and then its slot is returned: the bytes on disk are
   exactly the bytes hashed, whatever the rank later does to its slot. (The copy runs at
-  memory speed and releases the GIL; it also frees ring slots sooner.)
+  memory speed and releases the GIL.) With `stage_first` the copies wait until the rank
+  has staged the whole save (its `end`) or waits for a free slot (`need_slot`, or all
+  its slots announced): the rank's copy into the ring is what its training loop waits
+  for, and a writer copying out beside it takes the memory bandwidth and, on a small
+  node, the core it needs. The save's writes then start later by at most its staging
+  time; a save whose rank had to wait streams as before.
 - Replies go through a bounded per-connection outbox drained by that connection's
   sender thread, so a rank that stops reading its socket blocks nothing but itself; when
   its outbox overflows it is dropped.
@@ -78,6 +83,7 @@ class _RankSave:
     tree: Any
     failed: bool = False
     stats: dict = field(default_factory=dict)
+    streaming: bool = False  # its rank waited for a slot: copy its chunks out at once
 
 
 class ProtocolError(ValueError):
@@ -98,6 +104,8 @@ class Session:
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._outbox_limit = _OUTBOX_SPARE
         self._sender: threading.Thread | None = None
+        self._defer = False  # stage first (the knob, and a rank that says need_slot)
+        self._deferred: list[dict[str, Any]] = []  # chunks not yet copied out, in order
 
     def run(self) -> None:
         try:
@@ -157,6 +165,7 @@ class Session:
             raise
         protocol.set_recv_timeout(self.conn, 0)
         self.rank = rank
+        self._defer = self.server.knobs.stage_first and m.get("need_slot") is True
         self._outbox_limit = slots + _OUTBOX_SPARE
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"asyncckpt-reply-{rank}")
@@ -261,6 +270,27 @@ class Session:
 
     def _on_chunk(self, m: dict[str, Any]) -> None:
         save = self._save(m)
+        assert self.ring is not None
+        self._deferred.append(m)
+        if len(self._deferred) >= self.ring.slots:  # it holds none: it must be waiting
+            save.streaming = True
+        if not self._defer or save.streaming:
+            self._copy_out_deferred()
+
+    def _on_need_slot(self, m: dict[str, Any]) -> None:
+        """The rank waits for a slot: its ring is smaller than its save, so copying
+        out after the rank would only stall it; its open saves stream from now on."""
+        for save in self._saves.values():
+            save.streaming = True
+        self._copy_out_deferred()
+
+    def _copy_out_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for m in deferred:
+            self._copy_out(m)
+
+    def _copy_out(self, m: dict[str, Any]) -> None:
+        save = self._save(m)
         slot, length = _int(m, "slot"), _int(m, "length")
         assert self.ring is not None
         buffers = self.server.buffers
@@ -281,6 +311,7 @@ class Session:
             self._fail(save, SaveFailedError(str(e), step=save.step, rank=self.rank))
 
     def _on_end(self, m: dict[str, Any]) -> None:
+        self._copy_out_deferred()
         save = self._save(m)
         del self._saves[_int(m, "save")]
         if save.failed or save.file is None:
@@ -300,6 +331,7 @@ class Session:
         self.server.steps.end(save.step, part, stats)
 
     def _on_abort(self, m: dict[str, Any]) -> None:
+        self._copy_out_deferred()
         save = self._save(m)
         del self._saves[_int(m, "save")]
         if save.file:
