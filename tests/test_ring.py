@@ -92,3 +92,30 @@ def test_nothing_outlives_a_killed_creator():
     r = ring.Ring.create(4096, 1)
     assert mappings() >= 1
     r.close()
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that contains `address`."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_both_mappings_ask_for_huge_pages():
+    r = ring.Ring.create(1 << 21, 2)
+    try:
+        other = ring.Ring.attach(os.dup(r.fileno()), 1 << 21, 2)
+        try:
+            assert "hg" in _vm_flags(r.address)  # MADV_HUGEPAGE
+            assert "hg" in _vm_flags(other.address)
+        finally:
+            other.close()
+    finally:
+        r.close()
