@@ -19,10 +19,10 @@ alone as before, waiting at most for the one job a helper has begun. The writer 
 the slots a few slots later (at most `PARALLEL_SLOTS`), and every byte of a tensor is
 copied before the next tensor is looked at, so the check for in-place changes after a
 tensor's copy still holds. The ring's pages are populated when it is created (ring.py),
-so no save pays page faults for them. On a 2-core VM this measured no gain (1 GiB,
-ring = state: 0.088 s with a helper, 0.092 s without, `python -m benchmarks.stagespeed`):
-the writer, copying and writing the first slots, holds the other core while the rank
-stages; the helpers are for nodes with cores to spare.
+so no save pays page faults for them. Helpers are for nodes with cores to spare: a core
+is left to the writer, so a 2-core node has none; there one copy thread already fills
+the memory bandwidth, and a helper made staging slower (1 GiB, ring = state, the writer
+staging first: 0.0725 s with a helper, 0.0660 s without).
 
 From a CUDA tensor the copy is the device-to-host DMA itself, straight into the ring:
 the ring's pages are registered with CUDA (pinned) on first use, copies are issued
@@ -127,7 +127,7 @@ def _helper_count() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(0, min(3, cores - 1))
+    return max(0, min(3, cores - 2))
 
 
 _copier: HostCopier | None = None
