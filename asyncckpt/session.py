@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -127,6 +128,15 @@ class Session:
     def drop(self) -> None:
         """Wake the session thread (its receive fails) so that it cleans up."""
         protocol.shut_down(self.conn)
+
+    def hang_up(self, deadline: float) -> None:
+        """Drop the connection once the replies already queued are sent, or at
+        `deadline` (time.monotonic()): a stopping writer's last commits must reach
+        their ranks before the connection closes."""
+        self._outbox.put(None)
+        if self._sender is not None:
+            self._sender.join(max(0.0, deadline - time.monotonic()))
+        self.drop()
 
     def send(self, op: str, **fields: Any) -> None:
         """Queue a reply; never blocks. A rank whose replies pile up is dropped."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +110,9 @@ class WriterServer:
         self.steps.close(self.knobs.shutdown_timeout)
         with self._sessions_lock:
             sessions = list(self._sessions)
+        deadline = time.monotonic() + 5  # for the replies still queued, all sessions
         for s in sessions:
-            s.drop()
+            s.hang_up(deadline)
         protocol.remove_endpoint(self.address)
         self.pool.close()
         self.rss.stop()
