@@ -89,7 +89,7 @@ class Fuzzer:
         rng = self.rng
         while self.h is None:
             self.reconnects += 1
-            hello: dict[str, Any] = {}
+            hello: dict[str, Any] = {"need_slot": rng.choice([True, False, odd_value(rng)])}
             if rng.random() < 0.1:  # a bad hello: that connection only is refused
                 hello[rng.choice(["rank", "slot_size", "slots", "world_size"])] = odd_value(rng)
             try:
@@ -159,7 +159,8 @@ class Fuzzer:
             h.send("chunk", save=ident, slot=slot, length=length)
             self.sent += 1
         elif kind < 0.55:
-            h.send(rng.choice(["end", "abort"]), save=ident, reason="fuzz" * rng.randint(0, 3))
+            h.send(rng.choice(["end", "abort", "need_slot"]), save=ident,
+                   reason="fuzz" * rng.randint(0, 3))
             self.sent += 1
         elif kind < 0.65:  # begins with wrong field types
             fields: dict[str, Any] = {"save": self.next_id, "step": HOSTILE_STEPS + 7,
