@@ -9,11 +9,13 @@ alone say little; the load average is printed next to them.
 
 - staging: a one-thread copy (`numpy.copyto`) of the state's tensors into buffers
   touched before, against asyncckpt's copy into the ring (`staging_seconds`, ring =
-  state) and its blocked time (`save()` + `wait_staged()`), and DCP `async_save` with a
-  reused background stager (until `staging_completion`).
+  state) and its blocked time (`save()` + `wait_staged()`), as shipped, with one copy
+  thread, and with a writer that copies each slot out as it arrives ("copy at once",
+  knob stage_first off), and DCP `async_save` with a reused background stager (until
+  `staging_completion`).
 - durable: a plain sequential write + fsync of the same bytes (benchmarks.limits),
-  against asyncckpt's time to durable with the raw codec, for each writeback setting
-  given with --writeback (WINDOW_MIB:MODE, see asyncckpt/writeback.py).
+  against asyncckpt's time to durable with the raw codec, for each writer setting
+  given with --writeback (WINDOW_MIB:MODE, see asyncckpt/writeback.py; copy-at-once).
 - cache: page-cache growth during saves per codec, two ways: machine-wide (Cached -
   Shmem, what the main benchmark reports; other processes add to it) and the resident
   pages of the checkpoint's own files (mincore), sampled every few milliseconds.
@@ -195,12 +197,13 @@ def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
     copy = memcpy_one_thread(tensors)
     memmove = memcpy_one_thread(tensors, "memmove")
     ours = AsyncCkpt(tmp / "stage", state, "raw")
+    eager = AsyncCkpt(tmp / "stage-eager", state, "raw", stage_first=False)
     peer = DcpStager(tmp / "dcp", state) if dcp else None
     copiers = ({n: stager.host_copier() if n == 0 else stager.HostCopier(n - 1) for n in threads}
                if hasattr(stager, "HostCopier") else {0: None})  # (a checkout from before it)
     out: dict[str, list[float]] = {"memcpy": [], "memmove": [], "dcp": []}
     try:
-        copy(), ours.save(state)  # warm-up: first touches, allocator, writer buffers
+        copy(), ours.save(state), eager.save(state)  # warm-up: first touches, buffers
         if peer:
             peer.save(state)
         def save_with(n: int, copier: Any) -> None:
@@ -214,6 +217,13 @@ def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
         runs: list[Callable[[], Any]] = [lambda: out["memcpy"].append(copy()),
                                          lambda: out["memmove"].append(memmove())]
         runs += [lambda n=n, c=c: save_with(n, c) for n, c in copiers.items()]
+
+        def save_eagerly() -> None:  # the writer copies each slot out as it arrives
+            stager._copier = copiers.get(0)
+            r = eager.save(state)
+            out.setdefault("staging[copy at once]", []).append(r["staging"])
+            out.setdefault("blocked[copy at once]", []).append(r["blocked"])
+        runs.append(save_eagerly)
         if peer:
             runs.append(lambda: out["dcp"].append(peer.save(state)))
         for rep in range(reps):  # each rep in another order: none always runs first
@@ -221,6 +231,7 @@ def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
                 run()
     finally:
         ours.close()
+        eager.close()
         if peer:
             peer.close()
     return out
@@ -233,7 +244,9 @@ def durable(tmp: Path, state: dict[str, Any], reps: int,
     writers = {}
     for setting in settings:
         knobs: dict[str, Any] = {}
-        if setting != "default":
+        if setting == "copy-at-once":
+            knobs = {"stage_first": False}
+        elif setting != "default":
             window, mode = setting.split(":")
             knobs = {"flush_bytes": int(window) * MiB, "writeback": mode}
         writers[setting] = AsyncCkpt(tmp / f"dur-{setting.replace(':', '-')}", state, "raw",
@@ -277,9 +290,10 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", default="staging,durable,cache")
-    ap.add_argument("--writeback", default="default,64:fdatasync",
+    ap.add_argument("--writeback", default="default,copy-at-once,64:fdatasync",
                     help="comma-separated writer settings to time to durable: WINDOW_MIB:MODE "
-                         "(e.g. 16:range, 64:fdatasync) or default")
+                         "(e.g. 16:range, 64:fdatasync), default, or copy-at-once (the "
+                         "writer's stage_first off)")
     ap.add_argument("--codecs", default="raw,zstd,bytegroup")
     ap.add_argument("--no-dcp", action="store_true")
     ap.add_argument("--copy-threads", default="0,1",
@@ -299,8 +313,8 @@ def main() -> None:
             copy = med(r["memcpy"])
             print(f"one-thread copies of the same tensors: numpy.copyto {copy:.4f} s, "
                   f"ctypes.memmove {med(r['memmove']):.4f} s; ratios below are to copyto")
-            for n in threads:
-                tag = "" if n == 0 else f"[{n} thread{'s' if n > 1 else ''}]"
+            for key in [k for k in r if k.startswith("staging")]:
+                tag = key.removeprefix("staging")
                 st, bl = med(r["staging" + tag]), med(r["blocked" + tag])
                 print(f"staging{tag}: memcpy 1 thread {copy:.4f} s, staging {st:.4f} s "
                       f"({st / copy:.2f} x, target <= 1.10), blocked {bl:.4f} s "
