@@ -147,10 +147,10 @@ class WriterKnobs(_FromEnv):
             deleting them (lifetimes.py). Off: every save writes every byte (its frames
             still never reference anything), and no index is kept.
         stage_first: copy a rank's filled slots out of its ring only once it has
-            staged the whole save or filled its ring, so that its copy into the ring
-            (what its training loop waits for) has the memory bandwidth to itself; the
-            writes then start later by at most the staging time. Off: each slot is
-            copied out as soon as it is announced.
+            staged the whole save or waits for a free slot, so that its copy into the
+            ring (what its training loop waits for) has the memory bandwidth and cores
+            to itself; the writes then start later by at most the staging time. Off:
+            each slot is copied out as soon as it is announced.
     """
 
     codec: str = "auto"

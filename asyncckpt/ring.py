@@ -155,8 +155,8 @@ class Ring:
 
 
 def _huge_pages(mapping: mmap.mmap) -> None:
-    """Ask for 2 MiB pages: copies through them miss the TLB far less (1 GiB staged in
-    0.068 instead of 0.080 s). The kernel grants them to a memfd only where
+    """Ask for 2 MiB pages: copies through them miss the TLB far less (564 tensors,
+    1 GiB, copied into a memfd mapping in 0.068 instead of 0.080 s). The kernel grants them to a memfd only where
     /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (`advise` or `always`);
     elsewhere this changes nothing."""
     try:
