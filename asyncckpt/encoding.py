@@ -67,19 +67,23 @@ class FrameEncoder:
             self.chooser.encoded(self.codec, len(raw), encoded.stored_length,
                                  time.perf_counter() - start)
             self._frames += 1  # a race only shifts which frame is tried
-            if self._frames % self.chooser.trial_every == 1 and len(raw) >= _MIN_TRIAL:
+            if (self._frames - 1) % self.chooser.trial_every == 0 and len(raw) >= _MIN_TRIAL:
                 self._trial(raw_offset, raw, raw_hash, hashed - start, context)
         return encoded
 
     def _trial(self, raw_offset: int, raw: memoryview, raw_hash: int, hash_seconds: float,
                context: dict) -> None:
-        """Encode `raw` with the other codecs too, for the chooser only."""
+        """Encode the start of `raw` with the other codecs too, for the chooser only: a
+        sample prices a codec as well as the whole frame does, at a fraction of the CPU
+        that the save itself may need."""
         assert self.chooser is not None
+        sample = raw[:_TRIAL_BYTES]
+        hash_seconds *= len(sample) / len(raw)
         for codec in CODECS:
             if codec != self.codec:
                 start = time.perf_counter()
-                stored = self._encode(codec, raw_offset, raw, raw_hash, context).stored_length
-                self.chooser.encoded(codec, len(raw), stored,
+                stored = self._encode(codec, raw_offset, sample, raw_hash, context).stored_length
+                self.chooser.encoded(codec, len(sample), stored,
                                      hash_seconds + time.perf_counter() - start)
 
     def _encode(self, name: str, raw_offset: int, raw: memoryview, raw_hash: int,
@@ -124,3 +128,4 @@ class FrameEncoder:
 
 
 _MIN_TRIAL = 64 << 10  # frames smaller than this are not tried (timing noise, the header)
+_TRIAL_BYTES = 1 << 20  # of a frame, encoded by a trial

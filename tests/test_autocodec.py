@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 
 import asyncckpt
+from asyncckpt import encoding
 from asyncckpt.autocodec import CodecChooser
+from asyncckpt.encoding import FrameEncoder
+from asyncckpt.format import TensorSpec
 from asyncckpt.manifest import read_manifest
 from conftest import assert_same, running_writer
 
@@ -92,3 +95,22 @@ def test_writer_with_codec_auto_saves_and_loads_bit_exact(tmp_path):
         part = read_manifest(path).ranks[0]
         assert auto["codec"] == part.codec == handle.stats.codec
         assert set(auto["predicted_s_per_gb"]) == {"raw", "zstd", "bytegroup"}
+
+
+def test_trials_price_the_other_codecs_on_the_first_mib_of_a_frame():
+    """A raw save tries the other codecs on a sample: each trial adds the sample's bytes
+    (not the frame's) to their evidence, and the sample's ratio."""
+    chooser = CodecChooser(threads=2, trial_every=1)
+    before = {c: (e.raw, e.stored) for c, e in chooser._codecs.items()}
+    frame = 4 << 20
+    spec = TensorSpec("w", "F32", (frame // 4,), 0, frame)
+    encoder = FrameEncoder("raw", 1, [spec], chooser=chooser)
+    raw = memoryview(bytes(frame))  # zeros: every codec shrinks them to almost nothing
+    encoder.encode(0, raw, {})
+    for codec, e in chooser._codecs.items():
+        added, stored = e.raw - before[codec][0], e.stored - before[codec][1]
+        if codec == "raw":
+            assert (added, stored) == (frame, frame)
+        else:
+            assert added == encoding._TRIAL_BYTES < frame
+            assert 0 < stored < added / 100
