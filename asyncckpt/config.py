@@ -124,8 +124,8 @@ class WriterKnobs(_FromEnv):
             decide which of its byte planes the bytegroup codec compresses.
         plane_max_ratio: a plane is compressed when the probe shrinks it to this
             fraction of its size or less.
-        auto_trial_every: with codec "auto", one frame in this many is also encoded
-            with the other codecs to keep their estimates current.
+        auto_trial_every: with codec "auto", the first MiB of one frame in this many
+            is also encoded with the other codecs to keep their estimates current.
         flush_bytes: the writeback window of each data file: its writeback is started
             every this many bytes and waited for and dropped from the page cache one
             window later (0: only the final fsync; page cache then grows by the file).
