@@ -93,8 +93,9 @@ def main() -> int:
                 torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]))
         print("OK loaded", dist.get_world_size(), losses, flush=True)
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    # skip the teardown, where gloo sometimes aborts after a clean barrier (std::terminate)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _assert_same(a: object, b: object, path: str = "state") -> None:
