@@ -103,17 +103,6 @@ def sample_state(seed: int = 0) -> dict:
     }
 
 
-def map_tensors(fn, state: object) -> object:
-    """`state` with `fn(tensor)` in place of each tensor (dicts, lists, tuples followed)."""
-    if isinstance(state, torch.Tensor):
-        return fn(state)
-    if isinstance(state, dict):
-        return {k: map_tensors(fn, v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(map_tensors(fn, v) for v in state)
-    return state
-
-
 def assert_same(a: object, b: object, path: str = "state") -> None:
     """Exact equality of nested states: types, keys (with their types) and tensor bits."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"

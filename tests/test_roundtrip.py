@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map_only
 
 import asyncckpt
 from asyncckpt import checkpoint as checkpoint_module
@@ -21,7 +22,7 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.dtypes import DTYPE_NAMES
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.manifest import read_manifest
-from conftest import assert_same, map_tensors, sample_state
+from conftest import assert_same, sample_state
 
 
 def test_nested_state_round_trips_exactly(client, root):
@@ -119,7 +120,7 @@ def test_load_is_bit_exact_for_every_codec_and_thread_count(saved_load, threads)
     root, state = saved_load
     limits = ReadLimits(read_threads=threads)
     assert_same(state, asyncckpt.load(root, limits=limits))
-    target = map_tensors(torch.zeros_like, state)
+    target = tree_map_only(torch.Tensor, torch.zeros_like, state)
     loaded = asyncckpt.load(root, into=target, limits=limits)
     assert loaded["big"] is target["big"] and loaded["small"][5] is target["small"][5]
     assert_same(state, target)
@@ -192,7 +193,7 @@ def test_overlapped_reads_catch_a_flipped_byte_in_any_frame(saved_load, tmp_path
         data.write_bytes(bytes(raw))
         with pytest.raises(CorruptCheckpointError, match=rf"frame {index}\b"):
             asyncckpt.load(own, limits=limits)
-        target = map_tensors(torch.zeros_like, state)
+        target = tree_map_only(torch.Tensor, torch.zeros_like, state)
         with pytest.raises(CorruptCheckpointError, match=rf"frame {index}\b"):
             asyncckpt.load(own, into=target, limits=limits)
         after = {k: v.clone() for k, v in target.items() if isinstance(v, torch.Tensor)}
