@@ -199,31 +199,25 @@ def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
     ours = AsyncCkpt(tmp / "stage", state, "raw")
     eager = AsyncCkpt(tmp / "stage-eager", state, "raw", stage_first=False)
     peer = DcpStager(tmp / "dcp", state) if dcp else None
-    copiers = ({n: stager.host_copier() if n == 0 else stager.HostCopier(n - 1) for n in threads}
-               if hasattr(stager, "HostCopier") else {0: None})  # (a checkout from before it)
+    copiers = {n: stager.host_copier() if n == 0 else stager.HostCopier(n - 1) for n in threads}
     out: dict[str, list[float]] = {"memcpy": [], "memmove": [], "dcp": []}
     try:
         copy(), ours.save(state), eager.save(state)  # warm-up: first touches, buffers
         if peer:
             peer.save(state)
-        def save_with(n: int, copier: Any) -> None:
-            if copier is not None:
-                stager._copier = copier  # what stage() takes when the client passes none
-            r = ours.save(state)
-            tag = "" if n == 0 else f"[{n} thread{'s' if n > 1 else ''}]"
+        def save_with(tag: str, ckpt: AsyncCkpt, copier: Any) -> None:
+            stager._copier = copier  # what stage() takes when the client passes none
+            r = ckpt.save(state)
             out.setdefault("staging" + tag, []).append(r["staging"])
             out.setdefault("blocked" + tag, []).append(r["blocked"])
 
         runs: list[Callable[[], Any]] = [lambda: out["memcpy"].append(copy()),
                                          lambda: out["memmove"].append(memmove())]
-        runs += [lambda n=n, c=c: save_with(n, c) for n, c in copiers.items()]
-
-        def save_eagerly() -> None:  # the writer copies each slot out as it arrives
-            stager._copier = copiers.get(0)
-            r = eager.save(state)
-            out.setdefault("staging[copy at once]", []).append(r["staging"])
-            out.setdefault("blocked[copy at once]", []).append(r["blocked"])
-        runs.append(save_eagerly)
+        runs += [lambda n=n, c=c: save_with(
+            "" if n == 0 else f"[{n} thread{'s' if n > 1 else ''}]", ours, c)
+            for n, c in copiers.items()]
+        # the writer copying each slot out as it arrives, with the shipped copy threads
+        runs.append(lambda: save_with("[copy at once]", eager, stager.host_copier()))
         if peer:
             runs.append(lambda: out["dcp"].append(peer.save(state)))
         for rep in range(reps):  # each rep in another order: none always runs first
