@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import asyncckpt  # noqa: E402
-from fsdp_worker import _assert_same, build, full_state, train  # noqa: E402
+from fsdp_worker import _assert_same, build, full_state, leave, train  # noqa: E402
 
 
 def write_json(path: Path, doc: dict) -> None:
@@ -154,15 +154,6 @@ def load(out: Path) -> int:
     print(f"OK loaded steps {checked} at world size {dist.get_world_size()}", flush=True)
     dist.barrier()
     leave()
-
-
-def leave() -> None:
-    """Exit without tearing gloo down: after a failure the peers may be gone, and even
-    after a clean barrier gloo's teardown sometimes aborts ("terminate called without
-    an active exception") while a peer on the other node exits first."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main() -> int:
