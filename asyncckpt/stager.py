@@ -19,10 +19,11 @@ alone as before, waiting at most for the one job a helper has begun. The writer 
 the slots a few slots later (at most `PARALLEL_SLOTS`), and every byte of a tensor is
 copied before the next tensor is looked at, so the check for in-place changes after a
 tensor's copy still holds. The ring's pages are populated when it is created (ring.py),
-so no save pays page faults for them. Helpers are for nodes with cores to spare: a core
-is left to the writer, so a 2-core node has none; there one copy thread already fills
-the memory bandwidth, and a helper made staging slower (1 GiB, ring = state, the writer
-staging first: 0.0725 s with a helper, 0.0660 s without).
+so no save pays page faults for them. While the rank stages, the writer leaves its
+ring alone (its `stage_first`), so every other core may help: on a 2-core VM one helper
+staged 1 GiB in 0.0683-0.0717 s against 0.0728-0.0748 s alone (four runs of
+`python -m benchmarks.stagespeed --parts staging --copy-threads 1,2`, medians of 9-15),
+a small gain that one copy thread nearly filling the memory bandwidth explains.
 
 From a CUDA tensor the copy is the device-to-host DMA itself, straight into the ring:
 the ring's pages are registered with CUDA (pinned) on first use, copies are issued
@@ -127,7 +128,7 @@ def _helper_count() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(0, min(3, cores - 2))
+    return max(0, min(3, cores - 1))
 
 
 _copier: HostCopier | None = None
