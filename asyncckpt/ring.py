@@ -155,10 +155,13 @@ class Ring:
 
 
 def _huge_pages(mapping: mmap.mmap) -> None:
-    """Ask for 2 MiB pages: copies through them miss the TLB far less (564 tensors,
-    1 GiB, copied into a memfd mapping in 0.068 instead of 0.080 s). The kernel grants them to a memfd only where
-    /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (`advise` or `always`);
-    elsewhere this changes nothing."""
+    """Ask for 2 MiB pages (a ring the size of the state spans a GiB or more of 4 KiB
+    TLB entries otherwise). The kernel grants them to a memfd only where
+    /sys/kernel/mm/transparent_hugepage/shmem_enabled is `advise` or `always`; elsewhere
+    this changes nothing. On a 2-core VM with `advise` the copy of a 1 GiB state into
+    the ring showed no difference beyond the noise (`python -m benchmarks.micro`: 0.065
+    and 0.070 s with 2 MiB pages, 0.075 and 0.065 s without); larger rings and nodes
+    with more TLB pressure are where it is meant to count."""
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):

@@ -5,6 +5,9 @@
 - staging copy: 1 GiB host tensor into ring slots, 4 MiB at a time, with `Tensor.copy_`
   (OpenMP threads) and with `ctypes.memmove` (what the stager does), while a busy thread
   per core stands in for the writer;
+- ring pages: the 1 GiB synthetic state copied into a ring of its size (ring = state),
+  tensor by tensor, with the ring as shipped (MADV_HUGEPAGE) and as a plain memfd mapping of 4 KiB pages;
+  the kernel grants the 2 MiB pages only where shmem_enabled is `advise` or `always`;
 - writer idle private memory (RssAnon) with the writer as shipped (no torch import) and
   for comparison a plain interpreter that imports torch.
 """
@@ -12,6 +15,9 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +60,38 @@ def staging(gib: int = 1, busy: bool = True) -> dict[str, float]:
     return out
 
 
+def ring_pages(gib: float = 1, reps: int = 7) -> dict[str, object]:
+    """The benchmark's synthetic state (hundreds of tensors) copied back to back into a
+    ring of its size, as the stager does with ring = state."""
+    from . import workloads
+    state = workloads.build_state(workloads.synthetic(int(gib * (1 << 30))))
+    tensors = [t for _, t in workloads.tensor_items(state)]
+    slots = -(-sum(t.nbytes for t in tensors) // SLOT)
+    shipped = ring.Ring.create(SLOT, slots)
+    fd = os.memfd_create("plain-ring")
+    os.ftruncate(fd, slots * SLOT)
+    plain = mmap.mmap(fd, slots * SLOT)
+    os.close(fd)
+    plain.madvise(23)  # MADV_POPULATE_WRITE, as Ring.create
+    targets = {"shipped": shipped.address,
+               "4 KiB pages": ctypes.addressof(ctypes.c_char.from_buffer(plain))}
+    seconds: dict[str, list[float]] = {k: [] for k in targets}
+    for _ in range(reps):
+        for name, address in targets.items():
+            started, offset = time.perf_counter(), 0
+            for t in tensors:
+                ctypes.memmove(address + offset, t.data_ptr(), t.nbytes)
+                offset += t.nbytes
+            seconds[name].append(time.perf_counter() - started)
+    with open("/proc/self/smaps_rollup") as f:
+        pmd = next(int(line.split()[1]) for line in f if line.startswith("ShmemPmdMapped"))
+    with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+        setting = f.read().strip()
+    shipped.close()
+    return {"median_s": {k: round(statistics.median(v), 4) for k, v in seconds.items()},
+            "shmem_enabled": setting, "huge_pages_granted_MiB": pmd >> 10}
+
+
 def writer_idle_rss() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         writer = asyncckpt.start_writer(f"{tmp}/ckpt")
@@ -70,4 +108,5 @@ def writer_idle_rss() -> dict[str, float]:
 
 if __name__ == "__main__":
     print("staging GB/s (best of 2, one busy core):", staging())
+    print("ring pages, 1 GiB copied in (median of 7):", ring_pages())
     print("idle private memory:", writer_idle_rss())
