@@ -20,10 +20,10 @@ the slots a few slots later (at most `PARALLEL_SLOTS`), and every byte of a tens
 copied before the next tensor is looked at, so the check for in-place changes after a
 tensor's copy still holds. The ring's pages are populated when it is created (ring.py),
 so no save pays page faults for them. While the rank stages, the writer leaves its
-ring alone (its `stage_first`), so every other core may help: on a 2-core VM one helper
-staged 1 GiB in 0.0683-0.0717 s against 0.0728-0.0748 s alone (four runs of
-`python -m benchmarks.stagespeed --parts staging --copy-threads 1,2`, medians of 9-15),
-a small gain that one copy thread nearly filling the memory bandwidth explains.
+ring alone (its `stage_first`), so every other core may help. On a 2-core VM the
+difference is within the noise, one copy thread nearly filling the memory bandwidth:
+1 GiB staged in 0.0683-0.0745 s with one helper, 0.0710-0.0748 s without (five runs of
+`python -m benchmarks.stagespeed`, `--copy-threads 1,2` or the default `0,1`).
 
 From a CUDA tensor the copy is the device-to-host DMA itself, straight into the ring:
 the ring's pages are registered with CUDA (pinned) on first use, copies are issued
