@@ -280,11 +280,13 @@ class Session:
 
     def _on_chunk(self, m: dict[str, Any]) -> None:
         save = self._save(m)
+        if not self._defer or save.streaming:
+            self._copy_out(save, m)
+            return
         assert self.ring is not None
         self._deferred.append(m)
         if len(self._deferred) >= self.ring.slots:  # it holds none: it must be waiting
             save.streaming = True
-        if not self._defer or save.streaming:
             self._copy_out_deferred()
 
     def _on_need_slot(self, m: dict[str, Any]) -> None:
@@ -297,10 +299,9 @@ class Session:
     def _copy_out_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for m in deferred:
-            self._copy_out(m)
+            self._copy_out(self._save(m), m)
 
-    def _copy_out(self, m: dict[str, Any]) -> None:
-        save = self._save(m)
+    def _copy_out(self, save: _RankSave, m: dict[str, Any]) -> None:
         slot, length = _int(m, "slot"), _int(m, "length")
         assert self.ring is not None
         buffers = self.server.buffers
