@@ -159,8 +159,8 @@ def _huge_pages(mapping: mmap.mmap) -> None:
     TLB entries otherwise). The kernel grants them to a memfd only where
     /sys/kernel/mm/transparent_hugepage/shmem_enabled is `advise` or `always`; elsewhere
     this changes nothing. On a 2-core VM with `advise` the copy of a 1 GiB state into
-    the ring showed no difference beyond the noise (`python -m benchmarks.micro`: 0.065
-    and 0.070 s with 2 MiB pages, 0.075 and 0.065 s without); larger rings and nodes
+    the ring showed no difference beyond the noise (`python -m benchmarks.micro`: 0.070
+    and 0.065 s with 2 MiB pages, 0.065 and 0.075 s without); larger rings and nodes
     with more TLB pressure are where it is meant to count."""
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
