@@ -29,17 +29,19 @@ Once per tensor a probe decides whether the sign is rotated out of the exponent 
 (planes.py): where that makes a sample's top two planes smaller (bf16, fp32, also
 fp16; not integers). The layout (width, phase, rotation, each plane's codec and stored
 length) goes in the manifest, so a reader needs nothing from the data file to cut it
-apart. Planes are compressed with level 1's parameters but a 64-entry hash table and
-7-byte minimum matches: on exponent planes that is 2.8x faster (0.8 vs 0.28 GB/s) and
-smaller (0.340 vs 0.369), because their redundancy is in the byte distribution
-(entropy coding), not in long matches; levels 3 and 9 are larger still (0.41 and 0.39
-on MiniLM's bf16 exponent plane against 0.331), and zstd's optimal parser (btultra2)
-gains 0.0003-0.0008 of raw at 0.04 GB/s. On MiniLM that is ZipNN 0.5.4's ratio within
-0.0003 of raw on bf16 and fp32 weights (its Huffman-only exponent coding beats zstd's
-block and table overhead by that much; an ideal Huffman code would be 0.0004-0.0009
-below ours), below it on bf16 weights with fp32 Adam moments (0.7851 vs 0.7857), and
-far below where moments are zero in runs (an embedding's unseen rows: 0.455 vs 0.491),
-which zstd's matches take and Huffman codes at a bit per byte
+apart. Planes are coded as zstd frames of Huffman-coded literals with almost no
+matches (literals.py), because an exponent plane's redundancy is in its byte
+distribution, not in repeated strings; where literals shrink a plane below 0.2 (runs of
+zeros: Adam moments of an embedding's unseen rows), matches are tried too and the
+smaller frame kept. On MiniLM (`python -m benchmarks.codecs`) that stores bf16 weights
+at 0.6649 of raw, fp32 weights at 0.8186, bf16 weights with fp32 Adam moments at 0.4543,
+against ZipNN 0.5.4's 0.6651, 0.8193 and 0.4909, at 1.4-1.8 GB/s encode per thread.
+Before it, zstd fast with matches (a 64-entry hash table, 7-byte minimum matches, the
+nearest python-zstandard's own parameters get) stored 0.6654, 0.8195 and 0.4546; zstd
+levels 3 and 9 store more (their matches cost more than the literals they replace), and
+zstd's optimal parser (btultra2), which prices each match, stores 0.6651, 0.8187 and
+0.4543 at 0.04 GB/s. What is left is Huffman's own: an ideal Huffman code of the
+exponent planes would store bf16 weights at 0.6643, their order-0 entropy at 0.6621
 (benchmarks/results/codecs.md).
 """
 
@@ -52,6 +54,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from . import literals
 from . import planes as _planes
 from .errors import CorruptCheckpointError
 
@@ -225,8 +228,8 @@ class BytegroupCodec:
             plane.
         max_ratio: a plane is compressed when zstd shrinks it to this fraction of its
             size or less, in the probe and again in every frame.
-        params: zstd parameters for the planes (default: `level`'s with a 64-entry hash
-            table and 7-byte minimum matches).
+        compressor: what compresses a plane into one zstd frame (default:
+            `plane_compressor(level)`).
         rotate: None lets `probe` decide per tensor whether the sign is rotated out of
             the exponent byte (planes.split); False never rotates (the layout before
             rotation existed), True always does where the width allows it.
@@ -236,14 +239,9 @@ class BytegroupCodec:
     name = "bytegroup"
 
     def __init__(self, level: int = 1, probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
-                 hash_log: int = 6, min_match: int = 7,
-                 params: zstandard.ZstdCompressionParameters | None = None,
+                 compressor: literals.Compressor | None = None,
                  rotate: bool | None = None, probe_planes: bool = False) -> None:
-        if params is None:
-            params = zstandard.ZstdCompressionParameters.from_level(
-                level, hash_log=hash_log, min_match=min_match, write_content_size=True,
-                write_checksum=False)
-        self._compressor = zstandard.ZstdCompressor(compression_params=params)
+        self._compressor = compressor or plane_compressor(level)
         self._zstd = ZstdCodec(level)  # for decoding planes
         self._probe_bytes = probe_bytes
         self._max_ratio = max_ratio
@@ -323,6 +321,19 @@ class BytegroupCodec:
             pos += length
         _planes.merge_into(view[:head], planes, view[pos:pos + tail], layout.width,
                            layout.phase, outs, layout.rotated)
+
+
+def plane_compressor(level: int = 1) -> literals.Compressor:
+    """The bytegroup codec's plane compressor: at level 1, zstd frames of Huffman-coded
+    literals (literals.py) where zstandard's cffi backend is installed, with matches tried
+    on planes that shrink a lot; otherwise, and at other levels, `level`'s parameters with
+    a 64-entry hash table and 7-byte minimum matches, the nearest python-zstandard's own
+    parameters get to literals only."""
+    matches = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        level, hash_log=6, min_match=7, write_content_size=True, write_checksum=False))
+    if level == 1 and literals.available():
+        return literals.LiteralsCompressor(matches=matches)
+    return matches
 
 
 def _spread(frame: memoryview, size: int, width: int, phase: int, pieces: int = 16) -> Buffer:

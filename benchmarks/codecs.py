@@ -48,6 +48,7 @@ import zstandard
 from asyncckpt import planes
 from asyncckpt.codec import BytegroupCodec, FrameHints, PlaneLayout
 from asyncckpt.encoding import FrameEncoder
+from asyncckpt.literals import LiteralsCompressor
 from asyncckpt.format import TensorSpec
 
 FRAME = 4 << 20
@@ -191,9 +192,12 @@ def _frames(buffers: list[Buffer]) -> list[Frame]:
             for i, b in enumerate(buffers) for pos in range(0, len(b.data), FRAME)]
 
 
-def bytegroup(**kwargs: Any) -> Callable[[list[Buffer]], tuple[Callable, Callable]]:
+def bytegroup(compressor: Callable[[], Any] | None = None,
+              **kwargs: Any) -> Callable[[list[Buffer]], tuple[Callable, Callable]]:
+    """A BytegroupCodec candidate; `compressor` makes its plane compressor (default: the
+    shipped one)."""
     def prepare(buffers: list[Buffer]) -> tuple[Callable, Callable]:
-        codec = BytegroupCodec(**kwargs)
+        codec = BytegroupCodec(compressor=compressor() if compressor else None, **kwargs)
         geometry = [FrameEncoder("bytegroup", 1, b.tensors).geometry for b in buffers]
         probes: dict[tuple[int, int], Any] = {}
 
@@ -222,6 +226,13 @@ def bytegroup(**kwargs: Any) -> Callable[[list[Buffer]], tuple[Callable, Callabl
 def zstd_params(level: int, **overrides: Any) -> zstandard.ZstdCompressionParameters:
     return zstandard.ZstdCompressionParameters.from_level(
         level, write_content_size=True, write_checksum=False, **overrides)
+
+
+def zstd_with(params: zstandard.ZstdCompressionParameters) -> Callable[[], Any]:
+    return lambda: zstandard.ZstdCompressor(compression_params=params)
+
+
+MATCHES = zstd_with(zstd_params(1, hash_log=6, min_match=7))  # the planes' coder before literals
 
 
 def dictionary(dict_bytes: int = 16 << 10) -> Callable[[list[Buffer]], tuple[Callable, Callable]]:
@@ -299,39 +310,54 @@ OPTIMAL = zstandard.ZstdCompressionParameters(  # the optimal parser prices matc
     target_length=16, write_content_size=True, write_checksum=False)
 
 CANDIDATES = [
-    Candidate("planes v1 (before)", "byte planes, zstd 1 with a 64-entry hash table and 7-byte "
-              "matches (the nearest python-zstandard gets to Huffman-only literals) on planes "
-              "that shrink to <= 0.97 in the per-tensor probe, the rest raw",
-              bytegroup(rotate=False, probe_planes=True)),
+    Candidate("planes v1", "byte planes, zstd 1 with a 64-entry hash table and 7-byte "
+              "matches (the nearest python-zstandard's own parameters get to Huffman-only "
+              "literals) on planes that shrink to <= 0.97 in the per-tensor probe, the rest raw",
+              bytegroup(MATCHES, rotate=False, probe_planes=True)),
     Candidate("rotated sign", "the top 9 bits rotated left by one: the exponent byte is a "
               "plane, the sign joins the top mantissa bits; else as before",
-              bytegroup(rotate=True, probe_planes=True)),
-    Candidate("rotated, every plane tried", "what ships: the per-tensor probe rotates where "
-              "that is smaller; every plane is compressed in every frame where that shrinks it "
-              "to <= 0.97, else stored raw", bytegroup()),
+              bytegroup(MATCHES, rotate=True, probe_planes=True)),
+    Candidate("rotated, every plane tried", "the per-tensor probe rotates where that is "
+              "smaller; every plane is compressed in every frame where that shrinks it to "
+              "<= 0.97, else stored raw (what shipped before literals)", bytegroup(MATCHES)),
     Candidate("rotated, every plane tried at 0.99", "... where that shrinks it to <= 0.99",
-              bytegroup(max_ratio=0.99)),
+              bytegroup(MATCHES, max_ratio=0.99)),
+    Candidate("literals", "what ships: as the row above, the planes coded by zstd fast "
+              "with its literal compression forced on and a target length of 256 (almost no "
+              "matches: Huffman-coded literals) in 64 KiB blocks (a table each); where that "
+              "shrinks a plane below 0.2 (runs, e.g. zero moments), matches are tried too and "
+              "the smaller kept", bytegroup()),
+    Candidate("literals only", "... never trying matches", bytegroup(LiteralsCompressor)),
+    Candidate("literals, runs below 0.3", "... trying matches below 0.3",
+              bytegroup(lambda: LiteralsCompressor(matches=MATCHES(), runs_below=0.3))),
+    Candidate("literals, matches always tried", "... trying matches on every plane",
+              bytegroup(lambda: LiteralsCompressor(matches=MATCHES(), runs_below=1.0))),
+    Candidate("literals, 128 KiB blocks", "... in zstd's largest blocks (half the tables)",
+              bytegroup(lambda: LiteralsCompressor(window_log=17, matches=MATCHES()))),
+    Candidate("literals, 32 KiB blocks", "... in 32 KiB blocks",
+              bytegroup(lambda: LiteralsCompressor(window_log=15, matches=MATCHES()))),
     Candidate("rotated, zstd 3", "zstd level 3 (LZ matching) on the planes",
-              bytegroup(rotate=True, params=zstd_params(3))),
-    Candidate("rotated, zstd 9", "zstd level 9 on the planes", bytegroup(rotate=True, params=zstd_params(9))),
+              bytegroup(zstd_with(zstd_params(3)), rotate=True)),
+    Candidate("rotated, zstd 9", "zstd level 9 on the planes",
+              bytegroup(zstd_with(zstd_params(9)), rotate=True)),
     Candidate("rotated, btultra2", "zstd's optimal parser (prices each match against Huffman "
-              "literals), small tables", bytegroup(rotate=True, params=OPTIMAL)),
+              "literals), small tables", bytegroup(zstd_with(OPTIMAL), rotate=True)),
     Candidate("rotated, dictionary", "exponent plane only, zstd 1 with a 16 KiB dictionary "
               "trained on the same group (charged once); every other plane raw", dictionary()),
     Candidate("rotated, every plane zstd", "mantissa planes compressed too (never raw)",
-              bytegroup(rotate=True, max_ratio=1e9)),
+              bytegroup(MATCHES, rotate=True, max_ratio=1e9)),
     Candidate("not rotated, every plane zstd", "planes v1 without raw planes",
-              bytegroup(rotate=False, max_ratio=1e9)),
+              bytegroup(MATCHES, rotate=False, max_ratio=1e9)),
     Candidate("ZipNN 0.5.4", "peer: byte grouping + Huffman, threads=1, on a copy of each frame",
               zipnn_peer()),
 ]
 
 
-def bounds(buffers: list[Buffer], block: int = 128 << 10) -> dict[str, float]:
+def bounds(buffers: list[Buffer], block: int = 64 << 10) -> dict[str, float]:
     """Ratios of the shipped codec's output with its zstd exponent planes (rotated frames)
     replaced by what no codec here reaches: the plane's order-0 entropy, and an ideal
-    Huffman code (no length limit, no table, no headers), both per 128 KiB block as zstd
-    codes literals. The gap to the shipped ratio is what zstd's framing, tables and
+    Huffman code (no length limit, no table, no headers), both per 64 KiB block, the
+    shipped coder's block. The gap to the shipped ratio is what zstd's framing, tables and
     matches cost over Huffman, and what Huffman costs over entropy."""
     codec = BytegroupCodec()
     raw = stored = entropy = huffman = 0.0
@@ -441,7 +467,7 @@ class _Clock:
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-SHIPPED = "rotated, every plane tried"
+SHIPPED = "literals"
 
 
 def render(result: dict[str, Any]) -> str:
