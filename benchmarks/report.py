@@ -371,7 +371,7 @@ def value(v: float | None, unit: str) -> str:
     if unit == "s":
         return f"{v:.3f} s"
     if unit == "x":
-        return f"{v:.3f} x"
+        return f"{v:.4f} x"  # stored/raw: contenders differ in the 4th decimal
     return f"{v:.2f} {unit}"
 
 
