@@ -8,6 +8,10 @@
 - ring pages: the 1 GiB synthetic state copied into a ring of its size (ring = state),
   tensor by tensor, with the ring as shipped (MADV_HUGEPAGE) and as a plain memfd mapping of 4 KiB pages;
   the kernel grants the 2 MiB pages only where shmem_enabled is `advise` or `always`;
+- first touch: 1 GiB read from the page cache (a file read once before) into memory
+  touched before, into fresh memory (`torch.empty`, as a load's new tensors), and into
+  fresh memory populated first in one call (MADV_POPULATE_WRITE): what a verified load
+  into new tensors pays beyond the disk, next to a load `into=` existing ones;
 - writer idle private memory (RssAnon) with the writer as shipped (no torch import) and
   for comparison a plain interpreter that imports torch.
 """
@@ -92,6 +96,43 @@ def ring_pages(gib: float = 1, reps: int = 7) -> dict[str, object]:
             "shmem_enabled": setting, "huge_pages_granted_MiB": pmd >> 10}
 
 
+def first_touch(gib: float = 1, reps: int = 5) -> dict[str, object]:
+    """Seconds (median) and CPU seconds to read `gib` GiB of a cached file, 4 MiB per
+    preadv, into touched, fresh and populated-fresh memory, interleaved."""
+    size = int(gib * (1 << 30))
+    block = 4 << 20
+    touched = torch.ones(size, dtype=torch.uint8)
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(os.urandom(block) * (size // block))
+        f.flush()
+        fd = f.fileno()
+
+        def read_into(t: torch.Tensor, populate: bool = False) -> tuple[float, float]:
+            view = memoryview(t.numpy())
+            wall, cpu = time.perf_counter(), time.process_time()
+            if populate:
+                start = -t.data_ptr() % mmap.PAGESIZE  # the first whole page
+                pages = (size - start) // mmap.PAGESIZE * mmap.PAGESIZE
+                if _libc.madvise(t.data_ptr() + start, pages, 23):  # MADV_POPULATE_WRITE
+                    raise OSError(ctypes.get_errno(), "madvise")
+            for offset in range(0, size, block):
+                os.preadv(fd, [view[offset:offset + block]], offset)
+            return time.perf_counter() - wall, time.process_time() - cpu
+
+        read_into(touched)  # the file into the page cache
+        runs: dict[str, list[tuple[float, float]]] = {"touched": [], "fresh": [], "fresh, populated": []}
+        for _ in range(reps):
+            runs["touched"].append(read_into(touched))
+            runs["fresh"].append(read_into(torch.empty(size, dtype=torch.uint8)))
+            runs["fresh, populated"].append(read_into(torch.empty(size, dtype=torch.uint8), True))
+    return {name: {"s": round(statistics.median(w for w, _ in r), 3),
+                   "cpu_s": round(statistics.median(c for _, c in r), 3)} for name, r in runs.items()}
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
 def writer_idle_rss() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         writer = asyncckpt.start_writer(f"{tmp}/ckpt")
@@ -109,4 +150,5 @@ def writer_idle_rss() -> dict[str, float]:
 if __name__ == "__main__":
     print("staging GB/s (best of 2, one busy core):", staging())
     print("ring pages, 1 GiB copied in (median of 7):", ring_pages())
+    print("first touch, 1 GiB read from the page cache (median of 5):", first_touch())
     print("idle private memory:", writer_idle_rss())
