@@ -329,8 +329,9 @@ def plane_compressor(level: int = 1) -> literals.Compressor:
     on planes that shrink a lot; otherwise, and at other levels, `level`'s parameters with
     a 64-entry hash table and 7-byte minimum matches, the nearest python-zstandard's own
     parameters get to literals only."""
-    matches = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
-        level, hash_log=6, min_match=7, write_content_size=True, write_checksum=False))
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level, hash_log=6, min_match=7, write_content_size=True, write_checksum=False)
+    matches = zstandard.ZstdCompressor(compression_params=params)
     if level == 1 and literals.available():
         return literals.LiteralsCompressor(matches=matches)
     return matches

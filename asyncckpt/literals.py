@@ -13,14 +13,14 @@ any zstd decoder reads them, and only the encoder depends on this module.
 
 Blocks of 64 KiB (a window of 2^16) give each 64 KiB of a plane its own Huffman table,
 which follows the distribution along a tensor better than zstd's largest blocks for a
-few more tables: all-MiniLM-L6-v2's fp32 weights are stored at 0.8186 of raw with
-64 KiB blocks, 0.8194 with 128 KiB, 0.8184 with 32 KiB but 25 % slower to encode (bf16:
-0.6649, 0.6650, 0.6649). Where runs of one byte matter (Adam moments that are zero in
-an embedding's unseen rows), Huffman's bit per byte loses to matches: a plane that
-literals shrink below `runs_below` of its size is compressed with matches too, and the
-smaller frame kept; bf16 weights with fp32 moments go from 0.4556 (literals only) to
-0.4543, as small as with matches tried on every plane, which costs a third of the
-encode speed (benchmarks/results/codecs.md, `python -m benchmarks.codecs`).
+few more tables: all-MiniLM-L6-v2's fp32 weights are stored at 0.8186 of raw with 64 KiB
+blocks, 0.8194 with 128 KiB, 0.8184 with 32 KiB but a quarter slower to encode (1.34
+against 1.77 GB/s; bf16: 0.6649, 0.6650, 0.6649). Where runs of one byte matter (Adam
+moments that are zero in an embedding's unseen rows), Huffman's bit per byte loses to
+matches: a plane that literals shrink below `runs_below` of its size is compressed with
+matches too, and the smaller frame kept; bf16 weights with fp32 moments go from 0.4556
+(literals only) to 0.4543, as small as with matches tried on every plane, which costs a
+third of the encode speed (benchmarks/results/codecs.md, `python -m benchmarks.codecs`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class Compressor(Protocol):
 
 
 def _backend() -> Any:
-    """zstandard's cffi backend module, or None (imported on first use: it is not free)."""
+    """zstandard's cffi backend module, or None (imported on first use: only a writer
+    codes planes)."""
     global _cffi
     if _cffi is False:
         try:
@@ -45,7 +46,8 @@ def _backend() -> Any:
         except ImportError:
             _cffi = None
         else:  # the parameter is experimental: a libzstd without it counts as missing
-            _cffi = backend_cffi if hasattr(backend_cffi.lib, "ZSTD_c_literalCompressionMode") else None
+            known = hasattr(backend_cffi.lib, "ZSTD_c_literalCompressionMode")
+            _cffi = backend_cffi if known else None
     return _cffi
 
 
@@ -76,7 +78,8 @@ class LiteralsCompressor:
                  matches: Compressor | None = None, runs_below: float = 0.2) -> None:
         backend = _backend()
         if backend is None:
-            raise RuntimeError("zstandard's cffi backend is missing: pip install 'zstandard[cffi]'")
+            raise RuntimeError("zstandard's cffi backend is missing: "
+                               "pip install 'zstandard[cffi]'")
         self._lib, self._ffi = lib, ffi = backend.lib, backend.ffi
         self._cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
         for param, value in ((lib.ZSTD_c_strategy, lib.ZSTD_fast),
@@ -98,8 +101,8 @@ class LiteralsCompressor:
         bound = self._lib.ZSTD_compressBound(size)
         if len(self._out) < bound:
             self._out = bytearray(bound)
-        written = self._check(self._lib.ZSTD_compress2(
-            self._cctx, self._ffi.from_buffer(self._out), bound, self._ffi.from_buffer(data), size))
+        out, source = self._ffi.from_buffer(self._out), self._ffi.from_buffer(data)
+        written = self._check(self._lib.ZSTD_compress2(self._cctx, out, bound, source, size))
         if self._matches is not None and written < self._runs_below * size:
             matched = self._matches.compress(data)
             if len(matched) < written:
