@@ -113,10 +113,12 @@ class WriterKnobs(_FromEnv):
         codec: "auto" (the default: per step, whichever stored codec the measured disk
             bandwidth and encode throughput say is durable soonest, see autocodec.py),
             "raw", "zstd" (level `zstd_level`, one frame per slot) or "bytegroup" (byte
-            planes, the sign/exponent planes zstd-compressed: the smallest files for
+            planes, each entropy-coded where that shrinks it: the smallest files for
             floats, see codec.py). Plain zstd saves 8-22 % on floats at the lowest
             throughput; it stays for states that are not floats.
-        zstd_level: zstd compression level; 1 is the measured sweet spot for floats.
+        zstd_level: zstd compression level; 1 is the measured sweet spot for floats. At
+            1 bytegroup codes its planes as Huffman literals (literals.py); at other
+            levels it compresses them with that level and matches (larger on floats).
         encode_threads: the frame threads (copy, hash, encode), shared by all ranks.
         frames_in_flight: frames taken from rings and not yet written, at most (writer
             memory: this many private copies and encoded frames); >= encode_threads.
