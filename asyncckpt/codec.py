@@ -326,15 +326,20 @@ class BytegroupCodec:
 def plane_compressor(level: int = 1) -> literals.Compressor:
     """The bytegroup codec's plane compressor: at level 1, zstd frames of Huffman-coded
     literals (literals.py) where zstandard's cffi backend is installed, with matches tried
-    on planes that shrink a lot; otherwise, and at other levels, `level`'s parameters with
-    a 64-entry hash table and 7-byte minimum matches, the nearest python-zstandard's own
-    parameters get to literals only."""
-    params = zstandard.ZstdCompressionParameters.from_level(
-        level, hash_log=6, min_match=7, write_content_size=True, write_checksum=False)
-    matches = zstandard.ZstdCompressor(compression_params=params)
+    on planes that shrink a lot; otherwise, and at other levels, `matches_compressor`."""
+    matches = matches_compressor(level)
     if level == 1 and literals.available():
         return literals.LiteralsCompressor(matches=matches)
     return matches
+
+
+def matches_compressor(level: int = 1) -> zstandard.ZstdCompressor:
+    """zstd at `level` with a 64-entry hash table and 7-byte minimum matches: the nearest
+    python-zstandard's own parameters get to literals only (the planes' coder before
+    literals.py)."""
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level, hash_log=6, min_match=7, write_content_size=True, write_checksum=False)
+    return zstandard.ZstdCompressor(compression_params=params)
 
 
 def _spread(frame: memoryview, size: int, width: int, phase: int, pieces: int = 16) -> Buffer:

@@ -46,7 +46,7 @@ import torch
 import zstandard
 
 from asyncckpt import planes
-from asyncckpt.codec import BytegroupCodec, FrameHints, PlaneLayout
+from asyncckpt.codec import BytegroupCodec, FrameHints, PlaneLayout, matches_compressor
 from asyncckpt.encoding import FrameEncoder
 from asyncckpt.literals import LiteralsCompressor
 from asyncckpt.format import TensorSpec
@@ -232,7 +232,7 @@ def zstd_with(params: zstandard.ZstdCompressionParameters) -> Callable[[], Any]:
     return lambda: zstandard.ZstdCompressor(compression_params=params)
 
 
-MATCHES = zstd_with(zstd_params(1, hash_log=6, min_match=7))  # the planes' coder before literals
+MATCHES = matches_compressor  # the planes' coder before literals
 
 
 def dictionary(dict_bytes: int = 16 << 10) -> Callable[[list[Buffer]], tuple[Callable, Callable]]:

@@ -14,14 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncckpt import codec, literals, planes
-from asyncckpt.codec import BytegroupCodec, FrameHints
+from asyncckpt.codec import BytegroupCodec, FrameHints, matches_compressor
 
 pytestmark = pytest.mark.skipif(not literals.available(), reason="zstandard[cffi] not installed")
-
-
-def matches() -> zstandard.ZstdCompressor:
-    return zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
-        1, hash_log=6, min_match=7, write_content_size=True, write_checksum=False))
 
 
 def exponent_plane(n: int = 1 << 21, seed: int = 0) -> np.ndarray:
@@ -35,7 +30,7 @@ def exponent_plane(n: int = 1 << 21, seed: int = 0) -> np.ndarray:
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=3000), repeat=st.integers(1, 200))
 def test_frames_are_zstd_frames_of_the_bytes(data: bytes, repeat: int) -> None:
-    compressor = literals.LiteralsCompressor(matches=matches())
+    compressor = literals.LiteralsCompressor(matches=matches_compressor())
     payload = data * repeat
     frame = compressor.compress(payload)
     assert zstandard.frame_content_size(frame) == len(payload)
@@ -51,23 +46,24 @@ def test_reused_output_buffer_does_not_leak_into_earlier_frames() -> None:
     assert zstandard.ZstdDecompressor().decompress(first) == exponent_plane(1 << 16, seed=1).tobytes()
 
 
-def test_exponent_plane_is_smaller_as_literals_than_with_matches() -> None:
+def test_exponent_plane_is_smaller_as_literals_than_with_matches_compressor() -> None:
     plane = exponent_plane()
     ours = literals.LiteralsCompressor().compress(plane)
-    theirs = matches().compress(plane)
+    theirs = matches_compressor().compress(plane)
     assert zstandard.ZstdDecompressor().decompress(ours) == plane.tobytes()
     assert len(ours) < 0.999 * len(theirs), (len(ours), len(theirs))
     assert len(ours) < 0.5 * len(plane)  # Huffman-coded, not stored raw
 
 
-def test_plane_with_runs_keeps_the_frame_with_matches() -> None:
+def test_plane_with_runs_keeps_the_frame_with_matches_compressor() -> None:
     plane = exponent_plane(384 << 11).reshape(-1, 384)  # rows of a 384-wide embedding
     unseen = np.random.default_rng(0).random(len(plane)) < 0.75
     plane[unseen] = 0  # the Adam moments of rows no batch held
     plane = plane.reshape(-1)
     only = literals.LiteralsCompressor().compress(plane)
-    both = literals.LiteralsCompressor(matches=matches()).compress(plane)
-    assert len(both) == len(matches().compress(plane)) < 0.8 * len(only), (len(both), len(only))
+    both = literals.LiteralsCompressor(matches=matches_compressor()).compress(plane)
+    with_matches = matches_compressor().compress(plane)
+    assert len(both) == len(with_matches) < 0.8 * len(only), (len(both), len(only))
     assert zstandard.ZstdDecompressor().decompress(both) == plane.tobytes()
 
 
