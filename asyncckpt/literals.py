@@ -2,7 +2,7 @@
 
 An exponent plane's redundancy is in its byte distribution, not in repeated strings: a
 Huffman code of its bytes is what it wants (ZipNN codes it so). zstd's fast strategy
-still takes every 7-byte match it finds, and on such data a match costs more as a
+still takes the 7-byte matches it finds, and on such data a match costs more as a
 sequence than the literals it replaces. Asked to skip ahead between match attempts (a
 target length, zstd's "acceleration"), it leaves almost every byte a literal, but then
 by default stops Huffman-coding the literals too, unless its experimental literal
@@ -52,6 +52,7 @@ def _backend() -> Any:
 
 
 _cffi: Any = False  # not looked for yet
+WINDOW_LOG = 16  # 64 KiB blocks, a Huffman table each (see the module docstring)
 
 
 def available() -> bool:
@@ -74,7 +75,7 @@ class LiteralsCompressor:
         RuntimeError: zstandard's cffi backend is missing (see `available`).
     """
 
-    def __init__(self, window_log: int = 16, target_length: int = 256,
+    def __init__(self, window_log: int = WINDOW_LOG, target_length: int = 256,
                  matches: Compressor | None = None, runs_below: float = 0.2) -> None:
         backend = _backend()
         if backend is None:
@@ -111,5 +112,6 @@ class LiteralsCompressor:
 
     def _check(self, code: int) -> int:
         if self._lib.ZSTD_isError(code):
-            raise zstandard.ZstdError(self._ffi.string(self._lib.ZSTD_getErrorName(code)).decode())
+            name = self._ffi.string(self._lib.ZSTD_getErrorName(code))
+            raise zstandard.ZstdError(name.decode())
         return code

@@ -45,10 +45,9 @@ import numpy as np
 import torch
 import zstandard
 
-from asyncckpt import planes
+from asyncckpt import literals, planes
 from asyncckpt.codec import BytegroupCodec, FrameHints, PlaneLayout, matches_compressor
 from asyncckpt.encoding import FrameEncoder
-from asyncckpt.literals import LiteralsCompressor
 from asyncckpt.format import TensorSpec
 
 FRAME = 4 << 20
@@ -327,15 +326,15 @@ CANDIDATES = [
               "matches: Huffman-coded literals) in 64 KiB blocks (a table each); where that "
               "shrinks a plane below 0.2 (runs, e.g. zero moments), matches are tried too and "
               "the smaller kept", bytegroup()),
-    Candidate("literals only", "... never trying matches", bytegroup(LiteralsCompressor)),
+    Candidate("literals only", "... never trying matches", bytegroup(literals.LiteralsCompressor)),
     Candidate("literals, runs below 0.3", "... trying matches below 0.3",
-              bytegroup(lambda: LiteralsCompressor(matches=MATCHES(), runs_below=0.3))),
+              bytegroup(lambda: literals.LiteralsCompressor(matches=MATCHES(), runs_below=0.3))),
     Candidate("literals, matches always tried", "... trying matches on every plane",
-              bytegroup(lambda: LiteralsCompressor(matches=MATCHES(), runs_below=1.0))),
+              bytegroup(lambda: literals.LiteralsCompressor(matches=MATCHES(), runs_below=1.0))),
     Candidate("literals, 128 KiB blocks", "... in zstd's largest blocks (half the tables)",
-              bytegroup(lambda: LiteralsCompressor(window_log=17, matches=MATCHES()))),
+              bytegroup(lambda: literals.LiteralsCompressor(window_log=17, matches=MATCHES()))),
     Candidate("literals, 32 KiB blocks", "... in 32 KiB blocks",
-              bytegroup(lambda: LiteralsCompressor(window_log=15, matches=MATCHES()))),
+              bytegroup(lambda: literals.LiteralsCompressor(window_log=15, matches=MATCHES()))),
     Candidate("rotated, zstd 3", "zstd level 3 (LZ matching) on the planes",
               bytegroup(zstd_with(zstd_params(3)), rotate=True)),
     Candidate("rotated, zstd 9", "zstd level 9 on the planes",
@@ -353,11 +352,11 @@ CANDIDATES = [
 ]
 
 
-def bounds(buffers: list[Buffer], block: int = 64 << 10) -> dict[str, float]:
+def bounds(buffers: list[Buffer], block: int = 1 << literals.WINDOW_LOG) -> dict[str, float]:
     """Ratios of the shipped codec's output with its zstd exponent planes (rotated frames)
     replaced by what no codec here reaches: the plane's order-0 entropy, and an ideal
-    Huffman code (no length limit, no table, no headers), both per 64 KiB block, the
-    shipped coder's block. The gap to the shipped ratio is what zstd's framing, tables and
+    Huffman code (no length limit, no table, no headers), both per block of the shipped
+    coder. The gap to the shipped ratio is what zstd's framing, tables and
     matches cost over Huffman, and what Huffman costs over entropy."""
     codec = BytegroupCodec()
     raw = stored = entropy = huffman = 0.0
