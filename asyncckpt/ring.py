@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 MEMFD_NAME = "asyncckpt-ring"  # shows in /proc/PID/maps as /memfd:asyncckpt-ring
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap module
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap module
 
 
 class Ring:
@@ -72,7 +72,7 @@ class Ring:
             raise
         _huge_pages(mapping)
         try:
-            mapping.madvise(_MADV_POPULATE_WRITE)
+            mapping.madvise(MADV_POPULATE_WRITE)
         except (OSError, ValueError):
             for offset in range(0, size, mmap.PAGESIZE):
                 mapping[offset] = 0

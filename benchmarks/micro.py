@@ -10,7 +10,7 @@
   the kernel grants the 2 MiB pages only where shmem_enabled is `advise` or `always`;
 - first touch: 1 GiB read from the page cache (a file read once before) into memory
   touched before, into fresh memory (`torch.empty`, as a load's new tensors), and into
-  fresh memory populated first in one call (MADV_POPULATE_WRITE): what a verified load
+  fresh memory populated first in one madvise (MADV_POPULATE_WRITE): what a verified load
   into new tensors pays beyond the disk, next to a load `into=` existing ones;
 - writer idle private memory (RssAnon) with the writer as shipped (no torch import) and
   for comparison a plain interpreter that imports torch.
@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -76,7 +77,7 @@ def ring_pages(gib: float = 1, reps: int = 7) -> dict[str, object]:
     os.ftruncate(fd, slots * SLOT)
     plain = mmap.mmap(fd, slots * SLOT)
     os.close(fd)
-    plain.madvise(23)  # MADV_POPULATE_WRITE, as Ring.create
+    plain.madvise(ring.MADV_POPULATE_WRITE)  # as Ring.create
     targets = {"shipped": shipped.address,
                "4 KiB pages": ctypes.addressof(ctypes.c_char.from_buffer(plain))}
     seconds: dict[str, list[float]] = {k: [] for k in targets}
@@ -97,40 +98,41 @@ def ring_pages(gib: float = 1, reps: int = 7) -> dict[str, object]:
 
 
 def first_touch(gib: float = 1, reps: int = 5) -> dict[str, object]:
-    """Seconds (median) and CPU seconds to read `gib` GiB of a cached file, 4 MiB per
-    preadv, into touched, fresh and populated-fresh memory, interleaved."""
-    size = int(gib * (1 << 30))
-    block = 4 << 20
-    touched = torch.ones(size, dtype=torch.uint8)
-    with tempfile.NamedTemporaryFile() as f:
-        f.write(os.urandom(block) * (size // block))
-        f.flush()
-        fd = f.fileno()
+    """Seconds and CPU seconds (medians) to read `gib` GiB of a cached file, 4 MiB per
+    preadv, into memory touched before, into fresh memory (`torch.empty`) and into fresh
+    anonymous memory populated first (one madvise), interleaved."""
+    size = int(gib * (1 << 30)) // SLOT * SLOT
+    touched = memoryview(torch.ones(size, dtype=torch.uint8).numpy())
 
-        def read_into(t: torch.Tensor, populate: bool = False) -> tuple[float, float]:
-            view = memoryview(t.numpy())
+    def fresh() -> memoryview:
+        return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+
+    def populated() -> memoryview:
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(ring.MADV_POPULATE_WRITE)
+        return memoryview(mapping)
+
+    with tempfile.NamedTemporaryFile() as f:
+        block = os.urandom(SLOT)
+        for _ in range(size // SLOT):
+            f.write(block)
+        f.flush()
+
+        def read_into(target: Callable[[], memoryview]) -> tuple[float, float]:
             wall, cpu = time.perf_counter(), time.process_time()
-            if populate:
-                start = -t.data_ptr() % mmap.PAGESIZE  # the first whole page
-                pages = (size - start) // mmap.PAGESIZE * mmap.PAGESIZE
-                if _libc.madvise(t.data_ptr() + start, pages, 23):  # MADV_POPULATE_WRITE
-                    raise OSError(ctypes.get_errno(), "madvise")
-            for offset in range(0, size, block):
-                os.preadv(fd, [view[offset:offset + block]], offset)
+            view = target()  # the populate is timed with the reads
+            for offset in range(0, size, SLOT):
+                os.preadv(f.fileno(), [view[offset:offset + SLOT]], offset)
             return time.perf_counter() - wall, time.process_time() - cpu
 
-        read_into(touched)  # the file into the page cache
-        runs: dict[str, list[tuple[float, float]]] = {"touched": [], "fresh": [], "fresh, populated": []}
+        read_into(lambda: touched)  # the file into the page cache
+        targets = {"touched": lambda: touched, "fresh": fresh, "fresh, populated": populated}
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
         for _ in range(reps):
-            runs["touched"].append(read_into(touched))
-            runs["fresh"].append(read_into(torch.empty(size, dtype=torch.uint8)))
-            runs["fresh, populated"].append(read_into(torch.empty(size, dtype=torch.uint8), True))
+            for name, target in targets.items():
+                runs[name].append(read_into(target))
     return {name: {"s": round(statistics.median(w for w, _ in r), 3),
                    "cpu_s": round(statistics.median(c for _, c in r), 3)} for name, r in runs.items()}
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def writer_idle_rss() -> dict[str, float]:
