@@ -22,13 +22,13 @@ picked the byte-grouped codec at 4 GiB on 2 cores and was 34 % slower than raw.
 
 `encode_cost` (thread-seconds per raw byte, GIL waits and CPU contention included) and
 `ratio` come from the frames each save actually encoded with its codec, and for the
-other codecs from trial encodes of the first MiB of one frame in `trial_every` (on
-the frame thread; with whole frames tried, auto took 1.11 x raw's time to durable at 1
-GiB, 1.00 x at 4 GiB and 1.17 x for MiniLM on 2 cores, with the first MiB 1.02, 1.05
-and 1.05 x: `make bench-full`); `disk_bandwidth` from the time spent in write and fsync calls. Estimates
-decay by half per save so they follow a change of machine load. Before any
-measurement each codec's prior from the registry (codec.py) stands in, worth 8 MiB of
-evidence, and the disk is assumed to take 1.3 GB/s (what write + fsync, flushed every
+other codecs from trial encodes of the first MiB of one frame in `trial_every` (on the
+frame thread; with whole frames tried, auto took 1.11 x raw's time to durable at 1 GiB,
+1.00 x at 4 GiB and 1.17 x for MiniLM on 2 cores, with the first MiB 1.02, 1.05 and
+1.05 x: `make bench-full`); `disk_bandwidth` from the time spent in write and fsync
+calls. Estimates decay by half per save so they follow a change of machine load. Before
+any measurement each codec's prior from the registry (codec.py) stands in, worth 8 MiB
+of evidence, and the disk is assumed to take 1.3 GB/s (what write + fsync, flushed every
 64 MiB, reached on a 2-core VM's virtio ext4 disk).
 
 A save is decided when it begins (the data file's name depends on its codec), so a

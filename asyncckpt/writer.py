@@ -35,6 +35,7 @@ from .steps import Step, Steps
 from .tiling import global_tensors
 
 log = logging.getLogger("asyncckpt.writer")
+_REPLY_GRACE = 5.0  # seconds a stopping writer gives all sessions to send queued replies
 
 
 class WriterServer:
@@ -110,7 +111,7 @@ class WriterServer:
         self.steps.close(self.knobs.shutdown_timeout)
         with self._sessions_lock:
             sessions = list(self._sessions)
-        deadline = time.monotonic() + 5  # for the replies still queued, all sessions
+        deadline = time.monotonic() + _REPLY_GRACE
         for s in sessions:
             s.hang_up(deadline)
         protocol.remove_endpoint(self.address)
