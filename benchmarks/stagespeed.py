@@ -307,8 +307,7 @@ def main() -> None:
             copy = med(r["memcpy"])
             print(f"one-thread copies of the same tensors: numpy.copyto {copy:.4f} s, "
                   f"ctypes.memmove {med(r['memmove']):.4f} s; ratios below are to copyto")
-            for key in [k for k in r if k.startswith("staging")]:
-                tag = key.removeprefix("staging")
+            for tag in [k.removeprefix("staging") for k in r if k.startswith("staging")]:
                 st, bl = med(r["staging" + tag]), med(r["blocked" + tag])
                 print(f"staging{tag}: memcpy 1 thread {copy:.4f} s, staging {st:.4f} s "
                       f"({st / copy:.2f} x, target <= 1.10), blocked {bl:.4f} s "
