@@ -4,10 +4,20 @@ A step of an incremental save references frames of older steps in its root, so i
 directory alone is not a checkpoint that can be moved to another machine or bucket.
 `copy_step` writes every frame's stored bytes -- its own and the referenced ones --
 into new data files, so the copy holds no reference and is a format-1 checkpoint (any
-asyncckpt reader of either version reads it). Frames are copied as stored (no
-re-encoding), each one verified on the way (stored checksum, then decoded and checked
-against the raw checksum), and the directory appears in one rename, complete or not at
-all.
+asyncckpt reader of either version reads it). Each frame is verified on the way
+(stored checksum, then decoded and checked against the raw checksum), and the directory
+appears in one rename, complete or not at all.
+
+A referenced frame keeps the codec it was stored with, which need not be one the copy's
+file admits (docs/FORMAT.md: a raw file holds only raw frames, a zstd file only zstd
+ones, a bytegroup file bytegroup and raw ones): with codec="auto", or a writer
+restarted with another codec, a raw step references bytegroup frames. Such a frame is
+re-encoded with the file's codec from its verified raw bytes (same raw checksum and
+xxh3_128, new stored checksum and planes); the others are copied as stored. Each rank
+keeps its codec and file name rather than getting a codec that admits every frame:
+there is not always one (raw and zstd frames share no file), and a raw step's copy is
+then what a raw file promises, a safetensors file any tool opens. Re-encoding uses the
+codecs' default settings, not those of the save (a manifest does not record them).
 """
 
 from __future__ import annotations
@@ -20,9 +30,11 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint
 from .commit import fsync_path, write_atomic
+from .codec import CodecParams
 from .config import ReadLimits
+from .encoding import FrameEncoder
 from .format import FORMAT_VERSION, MANIFEST_NAME
-from .manifest import Manifest, RankPart
+from .manifest import Frame, Manifest, RankPart, admitted_codecs, parse_manifest
 
 
 def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: int | None = None,
@@ -42,6 +54,7 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
         OSError: writing the copy failed (nothing is left at `out`).
     """
     out = Path(out)
+    limits = limits or ReadLimits.from_env()
     if os.path.lexists(out):
         raise FileExistsError(f"{out} exists; a copy never replaces anything")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +66,9 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
             m = ckpt.manifest
             manifest = Manifest(m.step, m.world_size, parts, created=m.created,
                                 writer_version=m.writer_version, format_version=FORMAT_VERSION)
-        write_atomic(tmp / MANIFEST_NAME, manifest.to_bytes())
+        data = manifest.to_bytes()
+        parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)  # what a reader checks
+        write_atomic(tmp / MANIFEST_NAME, data)
         os.rename(tmp, out)
         fsync_path(out.parent)
     except BaseException:
@@ -65,18 +80,36 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
 def _copy_rank(ckpt: Checkpoint, rank: int, directory: Path) -> RankPart:
     reader = ckpt.reader(rank)
     part = reader.part
+    admitted = admitted_codecs(part.codec)
+    encoder = FrameEncoder(part.codec, CodecParams().level, part.tensors)
+    context: dict = {}
+    raw = bytearray()
     frames, position = [], 0
     fd = os.open(directory / part.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         for index, frame in enumerate(part.frames):
-            with ckpt.reading():
-                stored = reader.read_stored(index)
-            view = stored
-            while view:
-                view = view[os.write(fd, view):]
-            frames.append(dataclasses.replace(frame, stored_offset=position,
-                                              stored_length=len(stored), ref=None))
-            position += len(stored)
+            if frame.codec in admitted:
+                with ckpt.reading():
+                    pieces = [reader.read_stored(index)]
+                copied = dataclasses.replace(frame, stored_offset=position,
+                                             stored_length=len(pieces[0]), ref=None)
+            else:
+                if len(raw) < frame.raw_length:
+                    raw = bytearray(frame.raw_length)
+                view = memoryview(raw)[:frame.raw_length]
+                with ckpt.reading():
+                    reader.read_frame_into(index, view)
+                encoded = encoder.encode(frame.raw_offset, view, context)
+                pieces = encoded.pieces
+                copied = Frame(frame.raw_offset, frame.raw_length, position,
+                               encoded.stored_length, encoded.codec, encoded.xxh3_raw,
+                               encoded.xxh3_stored, encoded.layout, frame.xxh3_128)
+            for piece in pieces:
+                piece = memoryview(piece).cast("B")
+                while piece:
+                    piece = piece[os.write(fd, piece):]
+            frames.append(copied)
+            position += copied.stored_length
         os.fsync(fd)
     finally:
         os.close(fd)

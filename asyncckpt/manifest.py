@@ -14,8 +14,17 @@ length), never by a path. Such a manifest is format_version 2, so a reader that 
 know references refuses it instead of reading a zero-length frame.
 
 Parsing validates every field against the rules the reader relies on (contiguous
-frames and tensors, sizes that agree, file names the writer could have made), so a
-hostile manifest produces a `CorruptCheckpointError`, never a wild read or allocation.
+frames and tensors, sizes that agree, file names the writer could have made, frame
+codecs that the data file's suffix admits), so a hostile manifest produces a
+`CorruptCheckpointError`, never a wild read or allocation. A JSON object that repeats a
+key is refused at any depth: Python's parser keeps the last value where another reader
+may keep the first, and one checkpoint must never read as two states. Keys a reader
+does not know are ignored in the objects docs/FORMAT.md names, so a later writer can add
+informational ones.
+
+A data file's suffix says what the file is as a whole, so a step's own frames must have
+a codec that suffix admits (`admitted_codecs`). A reference frame keeps the codec of
+the bytes it points to, and is checked against the referenced file's suffix instead.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from ._version import __version__
-from .codec import CODECS, RAW, REGISTRY, PlaneLayout
+from .codec import CODECS, RAW, REGISTRY, PlaneLayout, codec_spec
 from .config import ReadLimits
 from .errors import CorruptCheckpointError
 from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_REFS,
@@ -46,6 +55,36 @@ _SUFFIX = b"}\n"
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _MAX_INT = 1 << 62
+_SUFFIX_CODECS = {spec.suffix: spec.name for spec in REGISTRY.values()}
+_DATA_SUFFIX = re.compile(r"rank-[0-9]{5,}\.safetensors(.*)")
+
+
+def admitted_codecs(file_codec: str) -> frozenset[str]:
+    """The frame codecs a data file of codec `file_codec` (its suffix) may hold.
+
+    A codec without planes (raw, zstd) makes a file that is something as a whole (a
+    safetensors file, a zstd stream), which one frame of another codec would break: it
+    admits only its own frames. A plane codec's file is nothing as a whole; it admits its
+    own frames and raw ones (where no plane of a frame shrinks, it is stored raw).
+
+    Raises:
+        CorruptCheckpointError: not a stored codec.
+    """
+    spec = codec_spec(file_codec)
+    return frozenset({spec.name, RAW} if spec.plane_layout else {spec.name})
+
+
+def file_codec(name: str) -> str:
+    """The codec a data file name's suffix stands for (`rank-00000.safetensors.bg`:
+    bytegroup).
+
+    Raises:
+        CorruptCheckpointError: not a data file name.
+    """
+    m = _DATA_SUFFIX.fullmatch(name)
+    if m is None or m.group(1) not in _SUFFIX_CODECS:
+        raise CorruptCheckpointError(f"{name!r:.80} is not a data file name")
+    return _SUFFIX_CODECS[m.group(1)]
 
 
 class Ref(NamedTuple):
@@ -218,7 +257,7 @@ def _unseal(data: bytes, what: str) -> Any:
     if digest != actual:
         raise CorruptCheckpointError(f"{what} xxh3 mismatch (recorded {digest}, actual {actual})")
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{what} is not valid JSON: {e}") from None
 
@@ -287,6 +326,7 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step:
     _check(file == data_file_name(rank, codec), f"rank {rank}: unexpected file name {file!r}")
     raw_size, stored_size = _int(doc["raw_size"], "raw_size"), _int(doc["stored_size"], "stored_size")
 
+    own_codecs = admitted_codecs(codec)
     frames, raw_pos, stored_pos = [], 0, 0
     for f in doc["frames"]:
         (ro, rl), (so, sl) = f["raw"], f["stored"]
@@ -320,6 +360,13 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step:
         _check(frame.codec != RAW or (length == frame.raw_length
                                         and frame.xxh3_stored == frame.xxh3_raw),
                f"{where}: raw frame whose stored length or checksum differ from the raw ones")
+        if frame.ref is None:
+            _check(frame.codec in own_codecs, f"{where}: a {frame.codec} frame in {file}, "
+                   f"which holds only {' and '.join(sorted(own_codecs))} frames")
+        else:
+            held = admitted_codecs(file_codec(frame.ref.file))
+            _check(frame.codec in held, f"{where}: references a {frame.codec} frame in "
+                   f"{frame.ref.file}, which holds only {' and '.join(sorted(held))} frames")
         raw_pos += frame.raw_length
         stored_pos += frame.stored_length
         frames.append(frame)
@@ -400,3 +447,15 @@ def _hex(value: Any, pattern: re.Pattern = _HEX16) -> int:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refused if it repeats a key."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"an object repeats the key {key!r:.80}")
+            seen.add(key)
+    return out

@@ -15,7 +15,8 @@ Nothing is ever pickled.
 
 Tree nodes (see docs/FORMAT.md): a str, int, bool, null or finite float stands for
 itself; `{"float": "nan"|"inf"|"-inf"}`; `{"dict": [[key, node], ...]}` with str or int
-keys; `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor": name}`; and for a DTensor
+keys, none repeated (a reader that kept the first value and one that kept the last would
+rebuild two different states); `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor": name}`; and for a DTensor
 `{"dtensor": {"name", "dtype", "shape", "offsets", "placements"}}` (see `dtensor.py`):
 the global tensor `name`, of which this rank wrote the box at `offsets` under the same
 name, or nothing (`offsets` null: a replica another rank writes, or an empty shard); and
@@ -135,6 +136,9 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any],
                     if (not isinstance(item, list) or len(item) != 2 or isinstance(item[0], bool)
                             or not isinstance(item[0], (str, int))):
                         raise CorruptCheckpointError(f"malformed dict item in tree: {item!r:.80}")
+                    if item[0] in out:
+                        raise CorruptCheckpointError(f"dict at {list(path)!r:.80} repeats the "
+                                                     f"key {item[0]!r:.80}")
                     out[item[0]] = visit(item[1], path + (item[0],))
                 return out
         raise CorruptCheckpointError(f"malformed tree node: {node!r:.80}")
@@ -149,8 +153,9 @@ def check_tree(tensors: list[tuple[str, str, tuple[int, ...]]], tree: JSON) -> d
     """Check a rank's tree against its tensor table (name, dtype, shape in stream order),
     with the rules every reader applies.
 
-    The tree must be well formed, reference each listed tensor exactly once, and every
-    view must lie inside a plain tensor of the rank of its own dtype.
+    The tree must be well formed (no dict node repeating a key), reference each listed
+    tensor exactly once, and every view must lie inside a plain tensor of the rank of its
+    own dtype.
 
     Returns:
         Each tensor name's path in the tree.
