@@ -38,10 +38,14 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import os
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
+
+import xxhash
 
 from .codec import PlaneLayout
 from .commit import committed_steps
@@ -50,11 +54,13 @@ from .errors import CheckpointError
 from .format import retired_dir_name, step_dir_name
 from .lifetimes import retired_steps
 from .manifest import Frame, Manifest, read_manifest
+from .stepdirs import is_step_dir, open_step_file, step_file_size
 
 log = logging.getLogger("asyncckpt.writer")
 
 MAX_ENTRIES = 1 << 18
 MIN_BYTES = 4 << 10
+VERIFY_AGE = float(os.environ.get("ASYNCCKPT_REF_VERIFY_AGE", "0"))  # TEMP: measuring
 
 Key = tuple[int, int]  # (xxh3_128 of the raw bytes, raw length)
 
@@ -76,8 +82,10 @@ class DedupIndex:
     """(xxh3_128, raw length) -> Target over the committed steps of one root.
     Thread-safe."""
 
-    def __init__(self, root: Path, max_frame_bytes: int = 256 << 20) -> None:
+    def __init__(self, root: Path, max_frame_bytes: int = 256 << 20,
+                 verify_age: float = VERIFY_AGE) -> None:
         self.root = root
+        self.verify_age = verify_age
         self.lock = threading.Lock()
         self._limits = ReadLimits(max_frame_bytes=max_frame_bytes)
         self._entries: dict[Key, Target] = {}
@@ -85,6 +93,7 @@ class DedupIndex:
         self._refs: dict[int, frozenset[int]] = {}  # step -> the steps it references
         self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
         self._unusable: set[int] = set()            # steps whose manifest did not check
+        self._verified: dict[tuple[int, str, int], float] = {}  # target -> when read
         self._last_manifest: Manifest | None = None
         self.refresh()
 
@@ -96,15 +105,46 @@ class DedupIndex:
             self._pins.setdefault(step, set())
 
     def lookup(self, xxh3_128: int, length: int, step: int) -> Target | None:
-        """The committed frame holding these raw bytes, pinned for open step `step`;
-        None if there is none, or `step` is no longer open."""
+        """The committed frame holding these raw bytes, its stored bytes verified (see
+        `verified`) and its step pinned for open step `step`; None if there is none,
+        it fails its checksum (then it is no target any more), or `step` is no longer
+        open."""
+        key = (xxh3_128, length)
         with self.lock:
+            target = self._entries.get(key)
+            if target is None or step not in self._pins or target.step >= step:
+                return None
+        if not self.verified(target):
+            return None
+        with self.lock:  # retention may have deleted its step meanwhile: then it is gone
             pins = self._pins.get(step)
-            target = self._entries.get((xxh3_128, length))
-            if target is None or pins is None or target.step >= step:
+            if pins is None or self._entries.get(key) != target:
                 return None
             pins.add(target.step)
             return target
+
+    def verified(self, target: Target) -> bool:
+        """Whether `target`'s stored bytes on disk still match their xxh3, read again
+        unless this writer read them less than `verify_age` seconds ago. A target that
+        fails is dropped from the index, so the saves that wanted it write their own
+        copy of those bytes. Reads the disk outside the lock."""
+        where = (target.step, target.file, target.offset)
+        with self.lock:
+            if time.monotonic() - self._verified.get(where, -math.inf) < self.verify_age:
+                return True
+        ok = _stored_bytes_match(self.root, target)
+        with self.lock:
+            if ok:
+                self._verified[where] = time.monotonic()
+                return True
+            self._verified.pop(where, None)
+            for key in [k for k, t in self._entries.items() if t == target]:
+                del self._entries[key]
+        log.warning("incremental: step %d's %s bytes %d..%d no longer match their checksum; "
+                    "they are not referenced, new saves store their own copy (verify the "
+                    "root: `asyncckpt verify`)", target.step, target.file, target.offset,
+                    target.offset + target.length)
+        return False
 
     def unchanged_frames(self, step: int, since: int, rank: int,
                          tensors: list[tuple[str, str, tuple[int, ...]]]
@@ -132,8 +172,10 @@ class DedupIndex:
                     or frames[-1].raw_offset + frames[-1].raw_length != spec.end
                     or any(f.xxh3_128 is None for f in frames)):
                 continue
-            found[name] = [(f.raw_length, _target(since, part.file, f), f.xxh3_128)
-                           for f in frames if f.xxh3_128 is not None]
+            targets = [(f.raw_length, _target(since, part.file, f), f.xxh3_128)
+                       for f in frames if f.xxh3_128 is not None]
+            if all(self.verified(t) for _, t, _ in targets):
+                found[name] = targets
         with self.lock:
             pins = self._pins.get(step)
             held = {t.step for frames in found.values() for _, t, _ in frames}
@@ -148,9 +190,11 @@ class DedupIndex:
         cached = self._last_manifest
         if cached is not None and cached.step == step:
             return cached
-        for directory in (self.root / step_dir_name(step), self.root / retired_dir_name(step)):
+        for name in (step_dir_name(step), retired_dir_name(step)):
+            if not is_step_dir(self.root, name):
+                continue
             try:
-                manifest = read_manifest(directory, self._limits)
+                manifest = read_manifest(self.root / name, self._limits)
             except (CheckpointError, OSError):
                 continue
             if manifest.step == step:
@@ -174,6 +218,9 @@ class DedupIndex:
 
     def forget(self, steps: list[int]) -> None:
         """Drop the entries of deleted steps."""
+        gone = set(steps)
+        for where in [w for w in self._verified if w[0] in gone]:
+            del self._verified[where]
         for step in steps:
             self._refs.pop(step, None)
             for key in self._keys.pop(step, ()):
@@ -221,7 +268,7 @@ class DedupIndex:
                 self._unusable.add(step)
                 continue
             files = {p.file for p in manifest.ranks}
-            if manifest.step != step or not all(os.path.isfile(present[step] / name)
+            if manifest.step != step or not all(step_file_size(self.root, step, name) is not None
                                                 for name in files):
                 self._unusable.add(step)  # damaged or misnamed: its frames are no targets
                 continue
@@ -243,7 +290,39 @@ def _target(step: int, file: str, frame: Frame) -> Target:
 
 
 def _steps_on_disk(root: Path) -> dict[int, Path]:
-    """Committed and retired steps of `root` (a step in both forms: the committed one)."""
+    """Committed and retired steps of `root` that are step directories by the reader's
+    rule (stepdirs.py: a step linked from elsewhere is none), the committed form first."""
     found = {s: root / retired_dir_name(s) for s in retired_steps(root)}
     found.update({s: root / step_dir_name(s) for s in committed_steps(root)})
-    return found
+    return {s: path for s, path in found.items() if is_step_dir(root, path.name)}
+
+
+def _stored_bytes_match(root: Path, target: Target) -> bool:
+    """Read `target`'s stored bytes (by the reader's rule) and compare their xxh3."""
+    opened = open_step_file(root, target.step, target.file)
+    if opened is None:
+        return False
+    fd, size = opened
+    try:
+        if size < target.offset + target.length:
+            return False
+        buffer = getattr(_scratch, "buffer", None)
+        if buffer is None:
+            buffer = _scratch.buffer = bytearray(_VERIFY_PIECE)
+        digest = xxhash.xxh3_64()
+        position, end = target.offset, target.offset + target.length
+        while position < end:
+            n = os.preadv(fd, [memoryview(buffer)[:min(_VERIFY_PIECE, end - position)]], position)
+            if n <= 0:
+                return False
+            digest.update(memoryview(buffer)[:n])
+            position += n
+        return digest.intdigest() == target.xxh3_stored
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+_scratch = threading.local()  # one read buffer per frame thread
+_VERIFY_PIECE = 1 << 20

@@ -27,10 +27,9 @@ import logging
 import os
 import secrets
 import shutil
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from . import faults
 from .commit import committed_steps, fsync_path, step_dirs
@@ -38,6 +37,7 @@ from .config import ReadLimits
 from .errors import CheckpointError, SaveFailedError
 from .format import parse_retired_dir, retired_dir_name, step_dir_name
 from .manifest import Manifest, read_manifest
+from .stepdirs import step_file_size
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -132,7 +132,8 @@ def _needed(root: Path, kept: list[int], index: Any) -> set[int] | None:
 
 def check_references(root: Path, manifest: Manifest) -> None:
     """Before a step is published: every (step, file) its frames reference exists in
-    the root (committed or retired) and is long enough. Several nodes may reference
+    the root (committed or retired, by the reader's rule: stepdirs.py) and is long
+    enough. Several nodes may reference
     while only the leader deletes, so this is what rules out a dangling reference.
 
     Raises:
@@ -145,19 +146,10 @@ def check_references(root: Path, manifest: Manifest) -> None:
                 key = (f.ref.step, f.ref.file)
                 ends[key] = max(ends.get(key, 0), f.ref.offset + f.ref.length)
     for (step, name), end in sorted(ends.items()):
-        size = next(_sizes(root, step, name), None)
+        size = step_file_size(root, step, name)
         if size is None or size < end:
             raise SaveFailedError(f"a frame references {name} of step {step}, which is "
                                   f"{'gone' if size is None else 'too short'} (deleted by "
                                   "retention meanwhile?); nothing was committed",
                                   step=manifest.step, file=str(root))
 
-
-def _sizes(root: Path, step: int, name: str) -> Iterator[int]:
-    for directory in (step_dir_name(step), retired_dir_name(step)):
-        try:
-            st = os.lstat(root / directory / name)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            yield st.st_size

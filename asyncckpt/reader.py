@@ -50,9 +50,10 @@ import xxhash
 from .codec import make_codec, xxh3_of
 from .config import ReadLimits
 from .errors import CorruptCheckpointError
-from .format import layout, retired_dir_name, step_dir_name
+from .format import layout
 from .manifest import Frame, Manifest, RankPart, Ref
 from .pool import FramePool
+from .stepdirs import open_step_file
 
 
 _Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengths, tensor)
@@ -382,33 +383,18 @@ def referenced_files(part: RankPart) -> dict[tuple[int, str], int]:
 
 def open_referenced(root: Path, step: int, name: str,
                     corrupt: Callable[[str], CorruptCheckpointError]) -> tuple[int, int]:
-    """Open data file `name` of step `step` of `root` (committed or retired) for reading:
-    (fd, size). The step directory is opened with O_NOFOLLOW and the file relative to it
-    with O_NOFOLLOW, so nothing outside the root is reached; it must be a regular file.
+    """Open data file `name` of step `step` of `root` for reading: (fd, size), under the
+    one rule of what a step directory is (stepdirs.py: no symlinks, a regular file).
 
     Raises:
         CorruptCheckpointError: (made by `corrupt`) it is in neither place.
     """
-    for directory in (step_dir_name(step), retired_dir_name(step)):
-        try:
-            dfd = os.open(root / directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                          | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                         dir_fd=dfd)
-        except OSError:
-            continue
-        finally:
-            os.close(dfd)
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode):
-            return fd, st.st_size
-        os.close(fd)
-    raise corrupt(f"references {name} of step {step}, which is not in {root} (deleted, or "
-                  "this checkpoint was moved without the steps it references: `asyncckpt "
-                  "copy` writes a self-contained one)")
+    opened = open_step_file(root, step, name)
+    if opened is None:
+        raise corrupt(f"references {name} of step {step}, which is not in {root} (deleted, "
+                      "linked from elsewhere, or this checkpoint was moved without the steps "
+                      "it references: `asyncckpt copy` writes a self-contained one)")
+    return opened
 
 
 def _buffer(scratch: dict, kind: str, size: int) -> memoryview:
