@@ -24,7 +24,7 @@ from typing import Any
 from . import commit, protocol
 from ._version import __version__
 from .autocodec import CodecChooser
-from .config import WriterKnobs
+from .config import ReadLimits, WriterKnobs
 from .dedup import DedupIndex
 from .errors import CorruptCheckpointError, SaveFailedError
 from .manifest import Manifest, parse_manifest
@@ -52,6 +52,7 @@ class WriterServer:
             WriterLockedError: another writer holds `root` (of another job).
         """
         self.knobs = knobs or WriterKnobs.from_env()
+        self.read_limits = ReadLimits.from_env()
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = commit.RootLock(self.root, job)
@@ -152,7 +153,13 @@ class WriterServer:
         return choice.codec, choice.to_json()
 
     def _check_manifest(self, data: bytes, manifest: Manifest) -> None:
-        """Refuse to commit what a reader would refuse (the reader's own parser)."""
+        """Refuse to commit what a reader would refuse: the reader's size bound (its
+        default, or ASYNCCKPT_MAX_MANIFEST_BYTES as this writer sees it) and its parser."""
+        bound = self.read_limits.max_manifest_bytes
+        if len(data) > bound:
+            raise SaveFailedError(f"the manifest would be {len(data)} bytes, over the "
+                                  f"{bound} bytes a reader accepts (max_manifest_bytes): "
+                                  "fewer tensors or ranks per step", step=manifest.step)
         try:
             global_tensors(parse_manifest(data, max_frame_bytes=self.knobs.max_frame_bytes))
         except CorruptCheckpointError as e:

@@ -112,3 +112,22 @@ def test_read_latest_refuses_what_is_not_a_small_regular_file(tmp_path, kind):
     assert commit.read_latest(tmp_path) is None
     commit.update_latest(tmp_path)  # replaces it with a real pointer
     assert commit.read_latest(tmp_path) == 4
+
+
+def test_the_writer_never_commits_a_manifest_over_the_readers_size_bound(tmp_path, monkeypatch):
+    import torch
+
+    import asyncckpt
+    monkeypatch.setenv("ASYNCCKPT_MAX_MANIFEST_BYTES", "8192")  # the reader's and the writer's
+    root = tmp_path / "ckpt"
+    small = {"w": torch.ones(4)}
+    many = {f"layer.{i}.weight": torch.full((4,), float(i)) for i in range(200)}
+    with asyncckpt.start_writer(root, log_file=tmp_path / "w.log") as writer:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+            client.save(1, small).wait(30)
+            with pytest.raises(SaveFailedError, match="over the 8192 bytes a reader accepts"):
+                client.save(2, many).wait(30)
+            client.save(3, small).wait(30)  # the writer goes on
+    assert commit.committed_steps(root) == [1, 3]
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+    assert torch.equal(asyncckpt.load(root)["w"], small["w"])
