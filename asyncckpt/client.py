@@ -108,7 +108,8 @@ class _PendingSave:
     def __init__(self, save_id: int, step: int, world_size: int, state: Any,
                  handle: SaveHandle, retention: tuple[int, int] | None,
                  key: str | None = None, skip_unchanged: bool = False,
-                 basis: Basis | None = None) -> None:
+                 basis: Basis | None = None, replace: bool = False,
+                 keep_from: int | None = None) -> None:
         self.id = save_id
         self.step = step
         self.handle = handle
@@ -124,7 +125,11 @@ class _PendingSave:
             and e.tensor.numel() * e.tensor.element_size() >= SKIP_MIN_BYTES]
         self.skipped: set[int] = set()  # what the writer took from the basis step
         self.planned = threading.Event()
-        claim = {"since": basis[0], "unchanged": self.unchanged} if self.unchanged else {}
+        claim: dict[str, Any] = {"since": basis[0], "unchanged": self.unchanged} if self.unchanged else {}
+        if replace:
+            claim["replace"] = True
+        if keep_from is not None:
+            claim["keep_from"] = keep_from
         try:
             self.begin = protocol.encode(
                 "begin", save=save_id, step=step, world_size=world_size, tree=tree,
@@ -225,7 +230,8 @@ class Client:
         self._sender.start()
 
     def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
-             keep_every: int = 0) -> SaveHandle:
+             keep_every: int = 0, keep_from: int | None = None,
+             replace: bool = False) -> SaveHandle:
         """Queue `state_dict` as this rank's part of `step` and return at once.
 
         The tensors must not be modified until `handle.staged()` is true (wait with
@@ -235,18 +241,28 @@ class Client:
         numpy views) cannot be seen.
         The step is committed once every rank of the world has saved it. With
         `keep_last`, the writer then deletes all but the newest `keep_last` committed
-        steps (except multiples of `keep_every`), judged from the disk.
+        steps (except multiples of `keep_every`), judged from the disk; `keep_from`
+        protects every step from that one on from that deletion (a step something
+        outside the root still points at).
+        With `replace`, a committed step `step` is replaced by this save: it stays
+        loadable until the new one is durable, then it goes (a crash leaves one of the
+        two whole). The save fails instead if other steps reference the old step's bytes
+        (incremental saves), since they would stop loading. Without it, saving a
+        committed step fails with StepAlreadyCommittedError.
 
         Returns:
             A SaveHandle; `handle.wait()` returns the checkpoint path or raises.
         Raises:
             UnsupportedStateError: a value that cannot be saved (named by its key path).
             WriterUnavailableError: the writer is gone.
-            ValueError: a negative or non-int step.
+            ValueError: a negative or non-int step or keep_from.
         """
         started = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
             raise ValueError(f"step must be an int in 0..{MAX_STEP}; got {step!r}")
+        if keep_from is not None and (isinstance(keep_from, bool) or not isinstance(keep_from, int)
+                                      or not 0 <= keep_from <= MAX_STEP):
+            raise ValueError(f"keep_from must be None or an int in 0..{MAX_STEP}; got {keep_from!r}")
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         if self._broken is not None:
@@ -256,7 +272,8 @@ class Client:
         skip = self.knobs.skip_unchanged
         pending = _PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
                                retention, self._agreement.key(step) if self._agreement else None,
-                               skip, self._basis if skip else None)
+                               skip, self._basis if skip else None, replace=bool(replace),
+                               keep_from=keep_from)
         if skip:
             handle._on_commit = functools.partial(self._remember, pending)
         with self._cond:

@@ -15,6 +15,7 @@ leader, after every node's part has arrived.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -30,7 +31,8 @@ from . import faults
 from .errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
                      StepAlreadyCommittedError, WriterLockedError)
 from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, ROOT_ID_NAME, is_atomic_tmp_file,
-                     is_tmp_dir, parse_step_dir, step_dir_name, tmp_step_of)
+                     is_tmp_dir, parse_replaced_dir, parse_step_dir, step_dir_name,
+                     tmp_step_of)
 from .manifest import RankPart, parse_part, part_to_bytes, read_manifest
 
 log = logging.getLogger("asyncckpt.writer")
@@ -72,38 +74,110 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_path(path.parent)
 
 
-def publish(root: Path, tmp_dir: Path, step: int, manifest: bytes) -> Path:
+def publish(root: Path, tmp_dir: Path, step: int, manifest: bytes, *,
+            replace: bool = False) -> Path:
     """Write the manifest bytes into `tmp_dir` and make it the committed `step-N/`.
 
-    Every data file in `tmp_dir` must already be fsynced.
+    Every data file in `tmp_dir` must already be fsynced. With `replace`, a committed
+    `step-N/` already there is swapped out in the same atomic step (the caller has made
+    sure nothing references it) and then deleted: a crash leaves the old step or the new
+    one, never neither.
 
     Raises:
-        SaveFailedError: the step is already committed, or an I/O error (DiskFullError
-            when the disk is full); the tmp directory is then left for the caller to
-            discard and nothing becomes visible.
+        SaveFailedError: the step is already committed (and not `replace`), or an I/O
+            error (DiskFullError when the disk is full); the tmp directory is then left
+            for the caller to discard and nothing new becomes visible.
     """
     final = root / step_dir_name(step)
+    old: Path | None = None
     try:
-        if os.path.lexists(final):
+        exists = os.path.lexists(final)
+        if exists and not replace:
             raise StepAlreadyCommittedError(f"{final} already exists; a committed step is "
                                             "never replaced", step=step)
         write_atomic(tmp_dir / MANIFEST_NAME, manifest)
         faults.point("manifest_written")
         faults.io("rename", final)
-        os.rename(tmp_dir, final)
+        if exists:
+            old = _swap_in(root, tmp_dir, final)
+        else:
+            os.rename(tmp_dir, final)
         faults.point("step_renamed")
         try:
             fsync_path(root)
         except OSError:
-            os.rename(final, tmp_dir)  # not durable: take it back rather than claim it
+            if old is None:
+                os.rename(final, tmp_dir)  # not durable: take it back rather than claim it
             raise
     except OSError as e:
         raise io_error(e, step=step, file=str(e.filename or final)) from e
+    if old is not None:
+        faults.point("replaced")
+        shutil.rmtree(old, ignore_errors=True)
     try:
         update_latest(root, trusted=step)  # its manifest was checked before it was written
     except OSError as e:  # the step is committed; `latest` is redone at the next commit or start
         log.warning("step %d committed but %s not updated: %s", step, LATEST_NAME, e)
     return final
+
+
+def _swap_in(root: Path, tmp_dir: Path, final: Path) -> Path:
+    """Make `tmp_dir` the committed `final`, which exists; return where the old one went.
+
+    One renameat2(RENAME_EXCHANGE) where the filesystem has it: the old step then sits
+    at the tmp name (swept if we crash before deleting it). Elsewhere (NFS) two renames,
+    the old step first set aside as `step-N.replaced-<hex>`, which `restore_replaced`
+    puts back at the next start if a crash came between them.
+    """
+    if _exchange(tmp_dir, final):
+        return tmp_dir
+    aside = final.with_name(f"{final.name}.replaced-{secrets.token_hex(4)}")
+    os.rename(final, aside)
+    fsync_path(root)
+    faults.point("set_aside")
+    try:
+        os.rename(tmp_dir, final)
+    except OSError:
+        os.rename(aside, final)
+        raise
+    return aside
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where the system or filesystem cannot."""
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def restore_replaced(root: Path) -> list[str]:
+    """After a crash between the two renames of `_swap_in`'s fallback: put a set-aside
+    step back where no step of its number is committed, else delete it (the new one
+    made it). Returns what was restored or removed. Only with the root lock held as its
+    first holder (nobody is replacing a step)."""
+    done = []
+    for name in sorted(os.listdir(root)):
+        step = parse_replaced_dir(name)
+        if step is None:
+            continue
+        final = root / step_dir_name(step)
+        if os.path.lexists(final):
+            shutil.rmtree(root / name, ignore_errors=True)
+        else:
+            os.rename(root / name, final)
+            fsync_path(root)
+        done.append(name)
+    return done
 
 
 def part_file_name(rank: int) -> str:

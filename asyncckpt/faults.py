@@ -12,7 +12,9 @@ uses its storage plugin for):
 Points: frame_written, data_fsynced, part_written (several nodes: a rank's part file
 written, the rank not yet told), parts_gathered (several nodes: the leader moved every
 node's data files into its tmp directory, no manifest yet), manifest_written (before
-the rename), step_renamed (before `latest`), pruning (a victim renamed, not yet deleted),
+the rename), step_renamed (before `latest`), replaced (a replacing save's step renamed
+in, the step it replaced not yet deleted), set_aside (where the filesystem cannot swap
+directories: the replaced step renamed aside, the new one not yet in), pruning (a victim renamed, not yet deleted),
 retiring (a step still referenced renamed to step-N.retired, retention not finished),
 retired_deleting (a retired step nothing references renamed away, not yet deleted). Unset, as
 in production, each hook costs a dictionary lookup.
@@ -25,7 +27,8 @@ import os
 import signal
 
 CRASH_POINTS = ("frame_written", "data_fsynced", "part_written", "parts_gathered",
-                "manifest_written", "step_renamed", "pruning", "retiring", "retired_deleting")
+                "manifest_written", "step_renamed", "replaced", "set_aside", "pruning", "retiring",
+                "retired_deleting")
 
 
 def _parse(variable: str) -> tuple[str, str, int] | None:

@@ -41,6 +41,7 @@ _STEP_DIR = re.compile(r"step-([0-9]{8,})")
 _RETIRED_DIR = re.compile(r"step-([0-9]{8,})\.retired")
 RETIRED_SUFFIX = ".retired"
 _TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
+_REPLACED_DIR = re.compile(r"step-([0-9]{8,})\.replaced-[0-9a-f]+")
 _DATA_FILE = re.compile(r"rank-[0-9]{5,}\.safetensors(?:%s)?" % "|".join(
     re.escape(spec.suffix) for spec in REGISTRY.values() if spec.suffix))
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
@@ -80,6 +81,14 @@ def parse_retired_dir(name: str) -> int | None:
 def is_atomic_tmp_file(name: str) -> bool:
     """A `.NAME.tmp-<hex>` file that an interrupted atomic write (of `latest`) left."""
     return _ATOMIC_TMP.fullmatch(name) is not None
+
+
+def parse_replaced_dir(name: str) -> int | None:
+    """The step of a `step-N.replaced-<hex>` directory: a committed step set aside while
+    a new save of the same step takes its name (only where the filesystem cannot swap
+    two directories in one rename), else None."""
+    m = _REPLACED_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def is_tmp_dir(name: str) -> bool:

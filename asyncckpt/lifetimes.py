@@ -63,7 +63,7 @@ def is_retired(root: Path, step: int) -> bool:
 
 
 def prune(root: Path, keep_last: int, keep_every: int = 0, *, newest: int | None = None,
-          index: Any = None) -> Pruned:
+          keep_from: int | None = None, index: Any = None) -> Pruned:
     """Apply retention: delete committed steps beyond the newest `keep_last` (except
     multiples of `keep_every`), retiring instead those a kept step or a save in flight
     references, and delete retired steps nothing references any more. keep_last=0
@@ -73,6 +73,8 @@ def prune(root: Path, keep_last: int, keep_every: int = 0, *, newest: int | None
         newest: the step just committed: steps above it are not counted (a directory
             that appeared there, planted or another tool's, must not push the new step
             out), though what they reference is kept.
+        keep_from: no step from this one on is deleted (a caller's own pointer at a
+            step, such as verl's tracker file, or a step it is still exporting).
         index: the writer's DedupIndex (its pins, its cached references, and its lock,
             so no lookup can return a step being deleted); None for `asyncckpt gc`.
     Returns:
@@ -84,7 +86,8 @@ def prune(root: Path, keep_last: int, keep_every: int = 0, *, newest: int | None
         steps = committed_steps(root)
         counted = [s for s in steps if newest is None or s <= newest]
         doomed = [s for s in (counted[:-keep_last] if keep_last > 0 else [])
-                  if not (keep_every > 0 and s % keep_every == 0)]
+                  if not (keep_every > 0 and s % keep_every == 0)
+                  and (keep_from is None or s < keep_from)]
         kept = [s for s in steps if s not in set(doomed)]
         needed = _needed(root, kept, index)
         retired_now = retired_steps(root)
@@ -128,6 +131,43 @@ def _needed(root: Path, kept: list[int], index: Any) -> set[int] | None:
                 return None
         needed |= refs
     return needed
+
+
+def release_for_replace(root: Path, step: int, index: Any = None) -> None:
+    """Before committed step `step` is replaced by a new save of it: make sure no other
+    committed step and no save in flight references its bytes (they would resolve to
+    the new step's files and fail their checksums), then drop it from the index so no
+    lookup finds it while it is swapped out.
+
+    Raises:
+        SaveFailedError: a step references it, or a committed step's manifest cannot be
+            read to tell; nothing was changed.
+    """
+    with index.lock if index is not None else contextlib.nullcontext():
+        users: list[int] = []
+        in_flight = index is not None and step in index.pinned()
+        for other in committed_steps(root):
+            if other == step:
+                continue
+            refs = index.references(other) if index is not None else None
+            if refs is None:
+                try:
+                    refs = read_manifest(root / step_dir_name(other), ReadLimits()).referenced_steps
+                except CheckpointError as e:
+                    raise SaveFailedError(f"cannot replace step {step}: step {other}'s manifest "
+                                          f"is unreadable ({e.cause}), so whether it references "
+                                          f"step {step} cannot be told", step=step) from None
+            if step in refs:
+                users.append(other)
+        if users or in_flight:
+            what = [f"step{'s' if len(users) > 1 else ''} {', '.join(map(str, users))}"] if users else []
+            raise SaveFailedError(
+                f"cannot replace step {step}: its bytes are referenced by "
+                f"{' and '.join(what + ['a save in flight'] * in_flight)} (incremental saves), "
+                "which would no longer load; delete those steps first or save into another "
+                "root", step=step, file=str(root))
+        if index is not None:
+            index.forget([step])
 
 
 def check_references(root: Path, manifest: Manifest) -> None:

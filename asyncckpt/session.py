@@ -210,8 +210,12 @@ class Session:
             durable = None
             if m.get("coordinated") is True:
                 durable = functools.partial(self._durable, save_id, step)
+            keep_from = m.get("keep_from")
+            if keep_from is not None:
+                keep_from = _int(m, "keep_from")
             current = self.server.steps.begin(step, self.rank, _int(m, "world_size"), notify,
-                                              retention, durable)
+                                              retention, durable, replace=m.get("replace") is True,
+                                              keep_from=keep_from)
             unchanged = self._unchanged(save_id, step, skip_request, table, specs)
         except CheckpointError as error:
             save.failed = True

@@ -74,6 +74,8 @@ class Step:
     parts: dict[int, RankPart] = field(default_factory=dict)
     stats: dict[int, dict] = field(default_factory=dict)
     retention: tuple[int, int] | None = None
+    keep_from: int | None = None              # retention deletes no step from this one on
+    replace: bool = False                     # a committed step of this number is replaced
     coordinated: bool = False
     durable: dict[int, Callable[[str], None]] = field(default_factory=dict)  # coordinated
     announced: dict[int, str] | None = None   # leader: rank -> tmp dir name of its part
@@ -111,17 +113,22 @@ class Steps:
 
     def begin(self, step: int, rank: int, world_size: int, notify: Notify,
               retention: tuple[int, int] | None = None,
-              durable: Callable[[str], None] | None = None) -> Step:
+              durable: Callable[[str], None] | None = None, *, replace: bool = False,
+              keep_from: int | None = None) -> Step:
         """Register `rank`'s part of `step`, opening the step on its first rank (which
         also fixes the step's codec).
 
         `retention` (keep_last, keep_every), if given, replaces the writer's own policy
         for the deletions that follow this step's commit. With `durable`, the step is
         coordinated across nodes: once the rank's part is durable, `durable(tmp dir
-        name)` is called instead of waiting here for the whole world.
+        name)` is called instead of waiting here for the whole world. With `replace`, a
+        committed step of this number is replaced once the new one is durable (every
+        rank must say so). `keep_from`: the retention after this step's commit deletes
+        no step from that one on.
 
         Raises:
-            StepAlreadyCommittedError: the step is committed (saves never overwrite one).
+            StepAlreadyCommittedError: the step is committed and not `replace`d, or it is
+                retired.
             SaveFailedError: the writer is closing, the step failed earlier, or the
                 rank/world disagree with the step's other ranks or are out of range.
             OSError: the tmp directory cannot be made.
@@ -143,10 +150,11 @@ class Steps:
                     raise error
             current = self._open.get(step)
             if current is None:
-                if step in self._committing or os.path.lexists(self.root / step_dir_name(step)):
+                if step in self._committing or (
+                        not replace and os.path.lexists(self.root / step_dir_name(step))):
                     raise StepAlreadyCommittedError(
-                        "this step is already committed; saves never overwrite a checkpoint",
-                        step=step, rank=rank)
+                        "this step is already committed; a save replaces a checkpoint only "
+                        "when asked to (replace=True)", step=step, rank=rank)
                 if lifetimes.is_retired(self.root, step):
                     raise StepAlreadyCommittedError(
                         "this step was deleted by retention but its data is still referenced "
@@ -157,12 +165,14 @@ class Steps:
                     self._index.refresh()
                     self._index.open(step)
                 current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step),
-                               choice, coordinated=durable is not None)
+                               choice, coordinated=durable is not None, replace=replace)
                 self._open[step] = current
-            elif current.world_size != world_size or current.coordinated != (durable is not None):
+            elif (current.world_size != world_size or current.coordinated != (durable is not None)
+                  or current.replace != replace):
                 raise SaveFailedError(f"world size {world_size} disagrees with the step's other "
                                       f"ranks ({current.world_size}), or some coordinate "
-                                      "across nodes and others not", step=step, rank=rank)
+                                      "across nodes and others not, or some replace the "
+                                      "committed step and others not", step=step, rank=rank)
             elif rank in current.waiting:
                 raise SaveFailedError("this rank is already saving this step", step=step, rank=rank)
             current.waiting[rank] = notify
@@ -170,6 +180,8 @@ class Steps:
                 current.durable[rank] = durable
             if retention is not None:
                 current.retention = retention
+            if keep_from is not None:
+                current.keep_from = keep_from
             return current
 
     def end(self, step: int, part: RankPart, stats: dict) -> None:
@@ -371,7 +383,11 @@ class Steps:
             if self._check is not None:
                 self._check(data, manifest)
             lifetimes.check_references(self.root, manifest)
-            path = commit.publish(self.root, current.tmp_dir, current.step, data)
+            replace = current.replace and os.path.lexists(self.root / step_dir_name(current.step))
+            if replace:
+                lifetimes.release_for_replace(self.root, current.step, self._index)
+            path = commit.publish(self.root, current.tmp_dir, current.step, data,
+                                  replace=replace)
         except Exception as e:  # whatever it is, every rank of the step must hear of it
             error = e if isinstance(e, CheckpointError) else SaveFailedError(
                 f"commit failed: {type(e).__name__}: {e}", step=current.step)
@@ -407,7 +423,7 @@ class Steps:
         keep_last, keep_every = current.retention or self.retention
         try:
             done = lifetimes.prune(self.root, keep_last, keep_every, newest=current.step,
-                                   index=self._index)
+                                   keep_from=current.keep_from, index=self._index)
         except Exception as e:  # retention is best effort; the new step is already durable
             log.warning("retention failed: %s: %s", type(e).__name__, e)
             return

@@ -60,6 +60,8 @@ class WriterServer:
         if self._lock.first:  # nobody else of the job writes here yet
             for name in commit.remove_stale_tmp(self.root):
                 log.info("removed abandoned %s", name)
+            for name in commit.restore_replaced(self.root):
+                log.info("a crash interrupted the replacement of a step: settled %s", name)
         commit.update_latest(self.root)
         self._sock, self.address, self._authkey = protocol.create_endpoint(address)
         self.rss = PeakSampler()
