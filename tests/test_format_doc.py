@@ -1,0 +1,210 @@
+"""docs/FORMAT.md against the code: its tables, examples and stated bounds are parsed
+and checked here, so the document a reader in another language works from cannot drift
+from what asyncckpt writes and accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import asyncckpt
+from asyncckpt import dtypes, manifest, planes, pipeline
+from asyncckpt.codec import CODECS, REGISTRY
+from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format import DTYPE_SIZES, MANIFEST_NAME, data_file_name, layout
+from asyncckpt.manifest import admitted_codecs, parse_manifest
+
+DOC = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text()
+MAX_FRAME = 256 << 20
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", DOC, re.S | re.M)
+
+
+def table(header: str) -> list[list[str]]:
+    """The rows (cells stripped) of the table whose header row starts with `header`."""
+    lines = DOC.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]*)`", cell)
+
+
+def seal(doc: dict) -> bytes:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(body) + body + b"}\n"
+
+
+def body_of(data: bytes) -> dict:
+    return json.loads(data[len('{"xxh3":"0123456789abcdef","manifest":'):-2])
+
+
+# -- tables ---------------------------------------------------------------------------------------
+
+def test_the_codec_table_is_the_registry_and_the_parser_rule():
+    rows = {ticked(r[0])[0]: r for r in table("| codec | suffix |")}
+    assert set(rows) == set(CODECS)
+    for codec, (_, suffix, _, own, _) in rows.items():
+        assert (ticked(suffix) or [""])[0] == REGISTRY[codec].suffix, codec
+        assert suffix == "(none)" or ticked(suffix), codec
+        assert data_file_name(0, codec) == "rank-00000.safetensors" + REGISTRY[codec].suffix
+        assert set(ticked(own)) == admitted_codecs(codec), codec
+
+
+def test_the_dtype_table_is_the_format_and_torch_names():
+    rows = table("| name | bytes | torch dtype |")
+    names = {ticked(name)[0]: (int(size), ticked(torch_name)[0]) for name, size, torch_name in rows}
+    assert set(names) == set(DTYPE_SIZES)
+    for name, (size, torch_name) in names.items():
+        assert DTYPE_SIZES[name] == size, name
+        assert dtypes.DTYPES[name] is getattr(torch, torch_name.removeprefix("torch.")), name
+    assert names["F8_E4M3"][1] == "torch.float8_e4m3fn"
+
+
+def test_the_tree_table_names_every_node_kind_unflatten_knows():
+    kinds = {re.match(r'`\{"(\w+)"', r[0]).group(1) for r in table("| node | meaning |")
+             if r[0].startswith('`{"')}
+    assert kinds == {"float", "dict", "list", "tensor", "dtensor", "view"}  # tuple: with list
+
+
+# -- examples -------------------------------------------------------------------------------------
+
+def manifest_example() -> dict:
+    (example,) = [b for b in code_blocks("json") if '"format": "asyncckpt"' in b]
+    return json.loads(example)
+
+
+def frame_examples() -> list[dict]:
+    return [json.loads(b) for b in code_blocks("json") if b.lstrip().startswith('{"raw"')]
+
+
+def test_the_manifest_example_parses_and_round_trips():
+    doc = manifest_example()
+    parsed = parse_manifest(seal(doc), max_frame_bytes=MAX_FRAME)
+    assert body_of(parsed.to_bytes()) == doc
+
+
+def test_the_manifest_example_holds_the_bytes_it_describes():
+    """The state the document names: its header, checksums and identity hashes, exactly."""
+    doc = manifest_example()
+    part = doc["ranks"][0]
+    header, specs = layout([(t["name"], t["dtype"], tuple(t["shape"])) for t in part["tensors"]])
+    assert [list(s[3:]) for s in specs] == [t["range"] for t in part["tensors"]]
+    data = np.arange(1_000_000, dtype="<f4").tobytes()
+    frames = part["frames"]
+    assert [f["raw"] for f in frames] == [[0, len(header)], [len(header), len(data)]]
+    for frame, raw in zip(frames, (header, data)):
+        assert frame["xxh3_raw"] == xxhash.xxh3_64_hexdigest(raw)
+        assert frame["xxh3_128"] == xxhash.xxh3_128_hexdigest(raw)  # of the bytes alone
+
+
+def test_the_manifest_example_is_what_the_writer_writes(tmp_path):
+    """Everything but the time, the version and what zstd's own version may change."""
+    state = {"model": {"w": torch.arange(1_000_000, dtype=torch.float32).reshape(1000, 1000)},
+             "step": 100}
+    with asyncckpt.start_writer(tmp_path / "ckpt", codec="zstd") as writer:
+        assert ClientKnobs().slot_size == 4 << 20  # "4 MiB by default"
+        with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+            client.save(100, state).wait(60)
+    written = body_of((tmp_path / "ckpt" / "step-00000100" / MANIFEST_NAME).read_bytes())
+    doc = manifest_example()
+    for body in (written, doc):
+        del body["created"], body["writer_version"], body["ranks"][0]["stored_size"]
+        for frame in body["ranks"][0]["frames"]:
+            del frame["stored"], frame["xxh3_stored"]
+    assert written == doc
+
+
+def around(frame: dict) -> bytes:
+    """A bytegroup rank whose stream holds `frame` after one own frame, as a manifest."""
+    raw_offset, raw_length = frame["raw"]
+    stored_offset = frame["stored"][0]
+    before = {"raw": [0, raw_offset], "stored": [0, stored_offset], "codec": "bytegroup",
+              "xxh3_raw": "0" * 16, "xxh3_stored": "1" * 16,
+              "planes": {"width": 1, "phase": 0, "stored": [["zstd", stored_offset]]}}
+    end = raw_offset + raw_length
+    part = {"rank": 0, "file": "rank-00000.safetensors.bg", "codec": "bytegroup",
+            "raw_size": end, "stored_size": stored_offset + frame["stored"][1],
+            "tensors": [{"name": "t", "dtype": "U8", "shape": [raw_length],
+                         "range": [raw_offset, end]}],
+            "frames": [before, frame], "tree": {"tensor": "t"}}
+    return seal({"format": "asyncckpt", "format_version": 2 if "ref" in frame else 1,
+                 "writer_version": "0.1.0", "step": 200, "world_size": 1, "created": 0.0,
+                 "ranks": [part]})
+
+
+def test_the_frame_examples_are_valid_frames():
+    examples = frame_examples()
+    assert len(examples) == 2 and sum("ref" in f for f in examples) == 1
+    for frame in examples:
+        parsed = parse_manifest(around(frame), max_frame_bytes=MAX_FRAME).ranks[0].frames[1]
+        assert parsed.to_json() == frame
+
+
+def test_the_reference_length_bound_is_integer_arithmetic_as_stated():
+    assert "`raw + (raw >> 7) + 1024`" in DOC and "`raw + floor(raw / 128) + 1024`" in DOC
+    (frame,) = [f for f in frame_examples() if "ref" in f]
+    for raw in (4194304, 4194303, 127, 1):
+        bound = raw + raw // 128 + 1024
+        for length, ok in ((bound, True), (bound + 1, False)):
+            edited = {**frame, "raw": [frame["raw"][0], raw], "codec": "zstd",
+                      "ref": {**frame["ref"], "file": "rank-00003.safetensors.zst",
+                              "stored": [0, length]}}
+            del edited["planes"]
+            if ok:
+                parse_manifest(around(edited), max_frame_bytes=MAX_FRAME)
+            else:
+                with pytest.raises(CorruptCheckpointError, match="beyond any encoding"):
+                    parse_manifest(around(edited), max_frame_bytes=MAX_FRAME)
+
+
+@pytest.mark.parametrize("width", range(1, 9))
+def test_the_byte_plane_split_is_what_planes_does(width):
+    (code,) = [b for b in code_blocks("python") if "planes = [" in b]
+    rng = np.random.default_rng(width)
+    for length in (0, 1, width - 1, width, 3 * width + 2, 1000):
+        raw = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+        for phase in range(width):
+            scope = {"raw": raw, "L": length, "width": width, "phase": phase,
+                     "stored": lambda plane: plane}
+            exec(code, scope)
+            split = planes.split(raw, width, phase)
+            assert scope["head"] == bytes(split.head) and scope["tail"] == bytes(split.tail)
+            assert scope["planes"] == [p.tobytes() for p in split.planes]
+            assert sorted(scope["stored_frame"]) == sorted(raw)  # a permutation of the bytes
+            if width in planes.ROTATABLE:  # "head and tail are stored as is" when rotated too
+                rotated = planes.split(raw, width, phase, rotated=True)
+                assert bytes(rotated.head) == scope["head"] and bytes(rotated.tail) == scope["tail"]
+
+
+# -- stated literals and bounds -------------------------------------------------------------------
+
+def test_the_envelope_literals_are_the_parser_s():
+    assert f"the prefix `{manifest._PREFIX.decode()}`" in DOC
+    assert f"the literal `{manifest._MIDDLE.decode()}`" in DOC
+    assert "the\nsuffix `}\\n`" in DOC and manifest._SUFFIX == b"}\n"
+
+
+def test_the_stated_limits_and_thresholds_are_the_defaults():
+    limits, knobs = ReadLimits(), WriterKnobs()
+    assert f"`max_manifest_bytes` ({limits.max_manifest_bytes >> 20} MiB)" in DOC
+    assert f"`max_frame_bytes` ({limits.max_frame_bytes >> 20} MiB)" in DOC
+    assert f"tensor of at least {pipeline.CUT_BYTES >> 10} KiB" in DOC
+    assert f"shrink to {knobs.plane_max_ratio} or less" in DOC
+    assert knobs.incremental and "`incremental`, on by default" in DOC
