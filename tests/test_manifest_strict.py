@@ -258,3 +258,14 @@ def test_unknown_keys_are_ignored_in_every_object_but_tree_nodes(roots, tmp_path
     write_body(step_dir, json.dumps(doc, separators=(",", ":")))
     with pytest.raises(CorruptCheckpointError, match="tree"):
         asyncckpt.load(step_dir)
+
+
+# -- 15: the manifest's step is its directory's ---------------------------------------------------
+
+def test_a_manifest_in_a_step_directory_of_another_step_is_refused(roots, tmp_path, capsys):
+    root = private(roots, "raw", tmp_path)
+    (root / "step-00000001").rename(root / "step-00000003")
+    refused(root / "step-00000003", "manifest is for step 1, the directory for step 3", capsys)
+    elsewhere = tmp_path / "any-name"  # a directory not named step-N: no such rule
+    (root / "step-00000003").rename(elsewhere)
+    assert_same(state(1), asyncckpt.load(elsewhere))

@@ -15,7 +15,7 @@ import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from asyncckpt.manifest import read_manifest
 from asyncckpt.flatten import flatten
-from asyncckpt.tree import tensor_paths, unflatten
+from asyncckpt.tree import check_tree, tensor_paths, unflatten
 from conftest import SMALL_RING, assert_same, running_writer, small_ring_client
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support:UserWarning",
@@ -336,6 +336,37 @@ def test_tricky_state_round_trips_through_a_real_writer(mclient, mwriter):
 def test_unflatten_rejects_malformed_nodes(tree):
     with pytest.raises(CorruptCheckpointError):
         unflatten(tree, lambda name: pytest.fail("resolved a tensor of a malformed tree"))
+
+
+@pytest.mark.parametrize("items,key", [
+    ([["a", 1], ["a", 1]], "'a'"),                           # even with equal values
+    ([["a", 1], ["b", 2], ["a", {"tensor": "w"}]], "'a'"),
+    ([[0, 1], ["0", 2], [0, 3]], "0"),                       # 0 and "0" differ; 0 twice does not
+], ids=repr)
+def test_unflatten_refuses_a_dict_node_repeating_a_key(items, key):
+    """Python would keep the last value, another reader the first: two states from one
+    tree. Nested too, with the path named."""
+    with pytest.raises(CorruptCheckpointError, match=rf"dict at \[\] repeats the key {key}"):
+        unflatten({"dict": items}, lambda name: torch.zeros(1))
+    with pytest.raises(CorruptCheckpointError, match=rf"dict at \['m', 2\] repeats the key {key}"):
+        unflatten({"dict": [["m", {"list": [1, 2, {"dict": items}]}]]}, lambda name: torch.zeros(1))
+
+
+def test_int_and_str_keys_that_print_alike_are_two_keys():
+    assert unflatten({"dict": [[1, "int"], ["1", "str"]]}, lambda name: None) == {1: "int", "1": "str"}
+
+
+def test_a_view_with_a_zero_dimension_has_no_offset_bound():
+    """docs/FORMAT.md: an empty view reads nothing, so only [0, 2**62) bounds its offset."""
+    table = [("w", "F32", (4,))]
+    far = {"of": "w", "dtype": "F32", "offset": 2**62 - 1, "shape": [0, 3], "stride": [1, 1]}
+    tree = {"dict": [["w", {"tensor": "w"}], ["v", {"view": far}]]}
+    check_tree(table, tree)
+    rebuilt = unflatten(tree, lambda name: torch.arange(4.0))
+    assert rebuilt["v"].shape == (0, 3)
+    for body in ({**far, "shape": [1, 3]}, {**far, "offset": 2**62}):
+        with pytest.raises(CorruptCheckpointError, match="view"):
+            check_tree(table, {"dict": [["w", {"tensor": "w"}], ["v", {"view": body}]]})
 
 
 def test_unflatten_of_absurdly_deep_tree_is_corrupt_not_a_crash():
