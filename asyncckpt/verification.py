@@ -3,14 +3,14 @@
 Verification opens each checkpoint through `Checkpoint.examine` (the manifest, with
 every rule of its parser -- no repeated key, every frame's codec one its data file's
 suffix admits --, the directory's files, the global tensors and every rank's tree: the
-checks `load` makes) and then reads every frame of every rank through the same checked path as `load`
-(sizes, both checksums, decoding), plus what `load` does not need: the safetensors
-header in each data file must be exactly the one the manifest implies. At the root it
-also checks that `latest` names a committed step. Byte ranges that several steps share
-(incremental saves reference older steps' frames) are read and checked once per root:
-a range counts as checked only for the same codec, planes and checksums. It never stops
-at the first bad checkpoint, nor at the first problem of one: the report covers all of
-them, and corruption is reported, never raised.
+checks `load` makes) and then reads every frame of every rank through the same checked
+path as `load` (sizes, both checksums, decoding), plus what `load` does not need: the
+safetensors header in each data file must be exactly the one the manifest implies. At
+the root it also checks that `latest` names a committed step. Byte ranges that several
+steps share (incremental saves reference older steps' frames) are read and checked once
+per root: a range counts as checked only for the same codec, planes and checksums. It
+never stops at the first bad checkpoint, nor at the first problem of one: the report
+covers all of them, and corruption is reported, never raised.
 """
 
 from __future__ import annotations
