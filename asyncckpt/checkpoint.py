@@ -19,8 +19,14 @@ data is verified frame by frame as it is read (or all of it by `verify`).
 A root opened without a step means its newest `step-N` directory, and a newest step that
 is damaged is an error, not a reason to load an older one quietly: a resume that
 silently repeats hours of training is worse than one that stops. The error names the
-damaged step and the newest older one whose manifest and files check, which
-`Checkpointer.restore()` falls back to on its own (with a warning).
+damaged step and the newest intact one, which `Checkpointer.restore()` falls back to on
+its own (with a warning). A name there is advice to load that step, so it must be one:
+a step directory of the root by the reader's rule (stepdirs.py; a `step-N` linked in
+from elsewhere may hold a state this root never saved), whose manifest and files check,
+and which does not share the bytes that failed (with incremental saves the older steps
+reference the same frames: each frame the candidate shares with the damaged step is
+read and verified, once). It may be newer than the damaged step: a writer still
+running commits steps while a load reads, and its retention deletes older ones.
 """
 
 from __future__ import annotations
@@ -37,9 +43,10 @@ from . import commit
 from .config import ReadLimits
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
-from .manifest import Manifest, read_manifest
+from .manifest import Frame, Manifest, RankPart, read_manifest
 from .reader import RankReader, Readers, open_referenced, referenced_files
 from .sharded import ReadPlan
+from .stepdirs import is_step_dir
 from .tiling import GlobalTensor, global_tensors
 from .tree import View, check_tree, walk
 
@@ -106,11 +113,17 @@ class Checkpoint:
             CheckpointNotFoundError: nothing committed there, or no such step.
             CorruptCheckpointError: the manifest, the directory's files or the trees fail
                 their checks; for a root's newest step, the message names the newest
-                older step that passes them (`error.detail["newest_intact"]`, or None).
+                intact step (`error.detail["newest_intact"]`, or None; see the module
+                docstring for what that is).
         """
         limits = limits or ReadLimits.from_env()
-        directory, root = _resolve(Path(path), step)
-        opened, problems = cls.examine(directory, limits=limits)
+        for _ in range(_RESOLVE_TRIES):
+            directory, root = _resolve(Path(path), step)
+            opened, problems = cls.examine(directory, limits=limits)
+            if not problems or root is None or os.path.lexists(directory):
+                break
+            # the newest step went between the listing and its manifest: a running
+            # writer committed a newer one and its retention deleted or retired this one
         if problems:
             if root is not None:
                 raise _damaged_newest(root, directory, problems[0], limits)
@@ -243,7 +256,8 @@ class Checkpoint:
         except CorruptCheckpointError as e:
             if self.root is None:
                 raise
-            raise _damaged_newest(self.root, self.directory, e, self.limits) from None
+            raise _damaged_newest(self.root, self.directory, e, self.limits,
+                                  self.manifest) from None
 
     def close(self) -> None:
         if self._readers is not None:
@@ -277,23 +291,102 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, Path | None]:
     return path / step_dir_name(steps[-1]), path
 
 
-def _damaged_newest(root: Path, directory: Path, problem: CheckpointError,
-                    limits: ReadLimits) -> CorruptCheckpointError:
-    """The error for a root's damaged newest step, naming the newest intact older one."""
+_RESOLVE_TRIES = 3  # listings of a root whose newest step vanished before it was examined
+
+Where = tuple[int, str, int, int]  # (step, data file, offset, length) of stored bytes
+
+
+def _damaged_newest(root: Path, directory: Path, problem: CheckpointError, limits: ReadLimits,
+                    damaged_manifest: Manifest | None = None) -> CorruptCheckpointError:
+    """The error for a root's damaged newest step, naming the newest intact step.
+
+    The candidates are listed now, not when the load began, so a step a running writer
+    committed meanwhile is one, and steps its retention removed are not. Hazard: with
+    incremental saves, naming one can read again most of what the failed load read (the
+    bytes the candidate shares with the damaged step), on this error path only.
+
+    Args:
+        damaged_manifest: the damaged step's manifest when the problem was found while
+            reading its data (then candidates must verify the frames they share with it).
+    """
     damaged = parse_step_dir(directory.name)
-    intact = None
-    for step in reversed([s for s in commit.step_dirs(root) if damaged is None or s < damaged]):
-        opened, problems = Checkpoint.examine(root / step_dir_name(step), limits=limits)
-        if opened is not None and not problems:
-            intact = step
-            break
-    hint = (f"the newest intact step is {intact} (its manifest and files check): load it with "
-            f"step={intact}, or let Checkpointer.restore() fall back to it" if intact is not None
-            else "no older step is intact")
+    steps = _step_directories(root)
+    newer = [s for s in steps if damaged is not None and s > damaged]
+    shared = _shared_with(damaged, damaged_manifest, problem.rank)
+    verified: dict[tuple, bool] = {}
+    intact = next((s for s in reversed(steps) if s != damaged
+                   and _intact(root / step_dir_name(s), limits, shared, verified)), None)
+    if not os.path.lexists(directory):
+        state = (f"step {damaged} was the newest step of {root} when this load began and is "
+                 "gone now (a running writer's retention removes steps once newer ones commit)")
+    elif newer:
+        state = (f"step {damaged} was the newest step of {root} when this load began (step "
+                 f"{newer[-1]} is now) and it is damaged")
+    else:
+        state = f"step {damaged} is the newest step of {root} and it is damaged"
+    checks = "its manifest and files check" + (
+        f", and so do the bytes it shares with step {damaged}" if shared else "")
+    hint = (f"the newest intact step is {intact} ({checks}): load it with step={intact}, or "
+            "let Checkpointer.restore() fall back to it" if intact is not None
+            else f"no {'other' if newer else 'older'} step is intact")
     return CorruptCheckpointError(
-        f"{problem.cause}; step {damaged} is the newest step of {root} and it is damaged: {hint}",
+        f"{problem.cause}; {state}: {hint}",
         step=damaged if problem.step is None else problem.step, rank=problem.rank,
         file=problem.file, newest_intact=intact)
+
+
+def _step_directories(root: Path) -> list[int]:
+    """Steps of `root` that are step directories by the reader's rule (stepdirs.py), oldest
+    first: named `step_dir_name(N)`, a directory, not a symlink. A `step-N` linked in from
+    elsewhere is not one: it may hold a state that this root never saved."""
+    return sorted({s for s in commit.step_dirs(root) if is_step_dir(root, step_dir_name(s))})
+
+
+def _where(step: int, part: RankPart, frame: Frame) -> Where:
+    """Where frame `frame` of `part` (of step `step`) has its stored bytes."""
+    if frame.ref is not None:
+        return (frame.ref.step, frame.ref.file, frame.ref.offset, frame.ref.length)
+    return (step, part.file, frame.stored_offset, frame.stored_length)
+
+
+def _shared_with(step: int | None, manifest: Manifest | None, rank: int | None) -> set[Where]:
+    """Where the stored bytes of the damaged step's frames (of `rank`, when known) are:
+    any of them may be the bytes that failed, and a step sharing them would fail too."""
+    if manifest is None or step is None:
+        return set()
+    parts = [p for p in manifest.ranks if rank is None or p.rank == rank]
+    return {_where(step, p, f) for p in parts for f in p.frames if f.raw_length}
+
+
+def _intact(directory: Path, limits: ReadLimits, shared: set[Where],
+            verified: dict[tuple, bool]) -> bool:
+    """`directory` passes `examine`, and its frames stored where `shared` says verify
+    (`verified`: range key -> result, so bytes several candidates share are read once)."""
+    opened, problems = Checkpoint.examine(directory, limits=limits)
+    if opened is None or problems:
+        return False
+    with opened:
+        try:
+            for part in opened.manifest.ranks:
+                for index, frame in enumerate(part.frames):
+                    if frame.raw_length and _where(opened.step, part, frame) in shared:
+                        reader = opened.reader(part.rank)
+                        key = reader.range_key(frame)
+                        if key not in verified:
+                            verified[key] = _verifies(reader, index)
+                        if not verified[key]:
+                            return False
+        except (CorruptCheckpointError, OSError):  # its data file fails to open or check
+            return False
+    return True
+
+
+def _verifies(reader: RankReader, index: int) -> bool:
+    try:
+        reader.read_stored(index)
+    except CorruptCheckpointError:
+        return False
+    return True
 
 
 def _rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, GlobalTensor],
