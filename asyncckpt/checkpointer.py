@@ -8,10 +8,13 @@ deletion), what to do when a save is asked for while the last one is still in fl
 returns at once, its staging overlaps the next forward/backward, and the loop waits
 only if staging has not finished when the optimizer is about to change the weights.
 
-A model whose parameters are DTensors (FSDP2, tensor parallel) is saved and restored
-through torch.distributed.checkpoint's `get_*_state_dict` / `set_*_state_dict`, whose
-optimizer state is keyed by parameter name and sharded like the parameters: each rank
-saves only its shards, and a restore at another world size reshards.
+A sharded model (parameters that are DTensors: FSDP2, tensor parallel; or FSDP1's
+`FullyShardedDataParallel`, whose flat parameters are plain tensors) is saved and
+restored through torch.distributed.checkpoint's `get_*_state_dict` /
+`set_*_state_dict`: they give FSDP1's sharded state dict too (ShardedTensor, or DTensor
+when FSDP1 has a device mesh), keyed by parameter name like FSDP2's, so each rank saves
+only its shards as boxes of global tensors, and a restore at another world size, or
+into the other FSDP, reshards.
 
 `restore()` without a step resumes from the newest step that loads cleanly: a damaged
 newest step (manifest gone or failing its checks, a data file missing, a frame whose
@@ -46,7 +49,7 @@ from . import commit, loader
 from .checkpoint import Checkpoint
 from .client import Client
 from .config import MiB, ClientKnobs
-from .dtensor import is_dtensor
+from .dtensor import is_dtensor, local_tensor
 from .errors import CheckpointError, CorruptCheckpointError
 from .handle import SaveHandle
 from .integrations import hf
@@ -153,7 +156,7 @@ class Checkpointer:
         self._fence: Any = None
         self.fence_blocked_seconds = 0.0
         self.extra: Any = None
-        self.hf_metadata = hf.hf_metadata(model, hf_config, generation_config)
+        self.hf_metadata = hf.hf_metadata(unwrapped(model), hf_config, generation_config)
         if fence and optimizer is not None:
             self.install_fence()
 
@@ -345,7 +348,7 @@ class Checkpointer:
         return int(state["step"])
 
     def _sharded(self) -> bool:
-        return self.model is not None and any(is_dtensor(p) for p in self.model.parameters())
+        return self.model is not None and is_sharded_model(self.model)
 
     def _state_dicts(self) -> dict[str, Any]:
         """The model/optimizer state dicts `contents` asks for (DTensor-aware)."""
@@ -364,6 +367,24 @@ class Checkpointer:
         if want_optim:
             out["optimizer"] = self.optimizer.state_dict()  # type: ignore[union-attr]
         return out
+
+
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """Whether `model` saves through DCP's state-dict functions: DTensor parameters
+    (FSDP2, tensor parallel) or an FSDP1 module anywhere in it."""
+    if any(is_dtensor(p) for p in model.parameters()):
+        return True
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def unwrapped(model: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The module FSDP1 wraps (its config is the model's), else `model` itself."""
+    inner = getattr(model, "_fsdp_wrapped_module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def load_parts(root: Path, step: int | None, rank: int | None, into: Any,
@@ -446,16 +467,17 @@ def auto_ring_size(state_bytes: int, slot_size: int, local_ranks: int,
 
 
 def state_bytes(state: Any) -> int:
-    """Bytes of this rank's tensors in `state` (a DTensor's local shard; shared memory
-    counted once)."""
+    """Bytes of this rank's tensors in `state` (a global tensor's local shard; shared
+    memory counted once)."""
     seen: set[tuple[Any, ...]] = set()
     total = 0
 
     def visit(node: Any) -> None:
         nonlocal total
-        if is_dtensor(node):
-            node = node.to_local()
         if isinstance(node, torch.Tensor):
+            node = local_tensor(node)
+            if node is None:
+                return
             key = (node.device, node.data_ptr(), node.numel(), node.dtype)
             if key not in seen:
                 seen.add(key)

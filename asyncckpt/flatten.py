@@ -4,7 +4,8 @@ The walk happens in `save()` itself, on the caller's thread, so that anything th
 cannot be saved (an object that is not JSON, an unnamed dtype, a cycle, a key that is
 not str or int) fails there, before a byte is sent, with the key path in the message.
 Tensors that share memory with an earlier saved contiguous tensor become view nodes
-(see tree.py) and are neither staged nor written.
+(see tree.py) and are neither staged nor written. Global tensors (DTensor, ShardedTensor)
+become "dtensor" nodes holding this rank's box (dtensor.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
     bases: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # storage -> saved contiguous
 
     def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
-        if dtensor.is_dtensor(node):
+        if dtensor.is_global(node):
             name = _unique_name(path, names)
             local, body = dtensor.describe(node, name, _show(path))
             if local is not None:

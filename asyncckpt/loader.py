@@ -1,11 +1,12 @@
 """`load()`: a checkpoint back into a state dict, at any world size.
 
-A rank's plain tensors and objects come from one saved rank's part; global (DTensor)
-tensors are assembled from every rank's boxes, so what a target needs decides what is
-read: a DTensor target reads only the saved regions overlapping its own local box,
-whatever mesh, placements and world size it has; a plain target, or no target, gets the
-full tensor. Everything is matched and checked against the targets before a byte is
-read, so a mismatch leaves the targets untouched.
+A rank's plain tensors and objects come from one saved rank's part; global (DTensor,
+ShardedTensor) tensors are assembled from every rank's boxes, so what a target needs
+decides what is read: a DTensor or ShardedTensor target reads only the saved regions
+overlapping its own local box, whatever mesh, placements and world size it has (and
+whichever kind saved them); a plain target, or no target, gets the full tensor.
+Everything is matched and checked against the targets before a byte is read, so a
+mismatch leaves the targets untouched.
 
 Views (tensors saved as a window on an earlier tensor, e.g. tied weights) read no data
 of their own: without a target a view comes back as the same view of its loaded base,
@@ -47,9 +48,9 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
             process's rank, or rank 0 when the checkpoint holds global (DTensor) tensors
             and this rank is beyond the saved world.
         into: an existing state dict whose tensors are filled in place. Plain targets
-            must match the saved dtype and (global) shape; DTensor targets are filled
-            with their own local box of the global tensor, any placement and world size
-            (resharding). CUDA and non-contiguous targets go through bounded temporaries.
+            must match the saved dtype and (global) shape; DTensor and ShardedTensor
+            targets are filled with their own local box of the global tensor, any
+            placement and world size (resharding). CUDA and non-contiguous targets go through bounded temporaries.
         strict: with `into`, every target tensor must be present in the checkpoint.
         limits: reader limits (default: `ReadLimits.from_env()`).
     Returns:
@@ -110,7 +111,7 @@ def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
         name = leaf.tensor.name
         if leaf.view is not None and name not in sources:
             base = loaded[name]
-            plain = not dtensor.is_dtensor(base) and base.is_contiguous()
+            plain = not dtensor.is_global(base) and base.is_contiguous()
             sources[name] = base if plain else _plan(plan, leaf.tensor, None, ckpt.step, rank)
     plan.flush()
     views: dict[TreePath, Any] = {}
@@ -125,7 +126,7 @@ def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
 
 def _fill_from(target: torch.Tensor, view: torch.Tensor, path: TreePath) -> torch.Tensor:
     """Copy `view` into `target` unless `target` already is that memory."""
-    if dtensor.is_dtensor(target):
+    if dtensor.is_global(target):
         local, offsets = dtensor.local_box(target, _show(path))
         if local is not None and local.numel():
             local.copy_(view[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))])
@@ -148,7 +149,7 @@ def _plan(plan: "ReadPlan", g: "GlobalTensor", target: torch.Tensor | None, step
                                   step=step, rank=rank) from None
         plan.add(g, (0,) * len(g.shape), target)
         return target
-    if dtensor.is_dtensor(target):
+    if dtensor.is_global(target):
         local, offsets = dtensor.local_box(target, _show(g.path))
         if local is not None and local.numel():
             plan.add(g, offsets, local)
@@ -167,8 +168,9 @@ def _match_targets(into: Any, leaves: list[Leaf], strict: bool, step: int,
             if strict:
                 problems.append(f"{_show(target_path)} is not in the checkpoint")
             continue
-        if tuple(tensor.shape) != leaf.shape or tensor.dtype != leaf.dtype:
-            problems.append(f"{_show(target_path)}: target {tensor.dtype} {tuple(tensor.shape)}, "
+        shape, dtype = dtensor.shape_and_dtype(tensor)
+        if shape != leaf.shape or dtype != leaf.dtype:
+            problems.append(f"{_show(target_path)}: target {dtype} {shape}, "
                             f"saved {leaf.dtype} {leaf.shape}")
         targets[target_path] = tensor
     if problems:

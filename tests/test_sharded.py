@@ -279,3 +279,84 @@ def test_inspect_lists_global_tensors_and_boxes(writer, capsys):
     assert boxes == {0: [0, 0], 1: [3, 0]}
     assert main(["inspect", str(path)]) == 0
     assert "S(0)" in capsys.readouterr().out
+
+
+# -- ShardedTensor (FSDP1's sharded state dict without a device mesh) ---------------------
+
+
+def sharded_of(full: torch.Tensor, rank: int, world: int, group=None):
+    """This rank's ShardedTensor of `full`, chunked along dim 0 over `group` (default:
+    the world) exactly as FSDP1's SHARDED_STATE_DICT makes it (no collective runs)."""
+    from torch.distributed.fsdp._shard_utils import _create_chunk_sharded_tensor
+    group = group or dist.group.WORLD
+    return _create_chunk_sharded_tensor(full.clone(), rank, world, 1, group,
+                                        device=torch.device("cpu"))
+
+
+def test_sharded_tensor_saves_as_boxes_and_loads_as_any_layout(writer):
+    """A ShardedTensor save (uneven chunks, a rank with no shard at all) is the same
+    global tensor on disk as a DTensor one: loads whole, into DTensors and into
+    ShardedTensors at other world sizes, bit-exact; rank-local values stay per rank."""
+    fulls = {"odd": torch.randn(5, 3), "two": torch.randn(2).to(torch.bfloat16),
+             "ints": torch.arange(24).reshape(6, 4)}
+    path = save_ranks(writer.address, 3, lambda r: {
+        "model": {k: sharded_of(v, r, 3) for k, v in fulls.items()},
+        "mine": torch.full((3,), float(r)), "rank": r})
+    parts = json.loads(_body(path))["ranks"]
+    boxes = {p["rank"]: sorted(t["shape"] for t in p["tensors"] if t["name"] == "model.two")
+             for p in parts}
+    assert boxes == {0: [[1]], 1: [[1]], 2: []}  # 2 rows over 3 ranks: rank 2 holds none
+    whole = asyncckpt.load(path, rank=2)
+    assert whole["rank"] == 2
+    for k, v in fulls.items():
+        assert torch.equal(whole["model"][k], v) and whole["model"][k].dtype == v.dtype
+    load_world(path, fulls, (2,), (Shard(0),))
+    for world in (1, 2, 4):
+        for r in range(world):
+            with as_rank(r, world):
+                targets = {k: sharded_of(torch.zeros_like(v), r, world) for k, v in fulls.items()}
+                asyncckpt.load(path, into={"model": targets}, strict=False)
+                for k, v in fulls.items():
+                    for shard in targets[k].local_shards():
+                        box = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
+                                                                   shard.metadata.shard_sizes))
+                        assert torch.equal(shard.tensor, v[box]), (k, world, r)
+
+
+def test_dtensor_save_loads_into_sharded_tensors(writer):
+    fulls = {"w": torch.randn(9, 4)}
+    path = save_world(writer, fulls, (2, 2), (Replicate(), Shard(1)))
+    with as_rank(1, 2):
+        target = sharded_of(torch.zeros(9, 4), 1, 2)
+        asyncckpt.load(path, into={"model": {"w": target}}, strict=False)
+        assert torch.equal(target.local_shards()[0].tensor, fulls["w"][5:])
+
+
+def test_sharded_tensor_replica_groups_write_once(writer):
+    """FSDP1 HYBRID_SHARD: ranks {0,1} and {2,3} each hold a whole copy, sharded over
+    their own group. Only the group with rank 0 writes; without that the boxes overlap
+    and the writer refuses the step."""
+    full = torch.randn(6, 2)
+
+    def state(r: int) -> dict:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        return {"w": sharded_of(full, r % 2, 2, groups[r // 2])}
+    path = save_ranks(writer.address, 4, state)
+    parts = json.loads(_body(path))["ranks"]
+    written = {p["rank"]: [t["shape"] for t in p["tensors"] if t["name"] == "w"] for p in parts}
+    assert written == {0: [[3, 2]], 1: [[3, 2]], 2: [], 3: []}
+    assert torch.equal(asyncckpt.load(path, rank=3)["w"], full)
+
+
+def test_sharded_tensor_with_two_local_shards_is_refused(writer):
+    from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                   TensorProperties)
+    with as_rank(0, 2), asyncckpt.connect(writer.address, rank=0, world_size=2, **SMALL_RING) as c:
+        shards = [LocalShard.from_tensor_and_offsets(torch.ones(2, 2), [o, 0], 0) for o in (0, 2)]
+        meta = ShardedTensorMetadata([s.metadata for s in shards], torch.Size([4, 2]),
+                                     TensorProperties(dtype=torch.float32))
+        t = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+        with pytest.raises(asyncckpt.UnsupportedStateError, match=r"state\['w'\].*2 local shards"):
+            c.save(next(_steps), {"w": t})

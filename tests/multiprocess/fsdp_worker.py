@@ -1,4 +1,4 @@
-"""One FSDP2 rank (gloo, CPU) for the resharding tests.
+"""One FSDP rank (gloo, CPU) for the resharding tests.
 
     python fsdp_worker.py save OUT_DIR      train 3 steps, save model + optimizer through
                                             asyncckpt, write the full reference state
@@ -9,7 +9,12 @@
                                             bit for bit and continue training
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ASYNCCKPT_ADDRESS (save) and
-CKPT_ROOT (load). Prints "OK ..." on success; any failure raises (non-zero exit).
+CKPT_ROOT (load; with VIA=checkpointer on save too: then both go through a
+`Checkpointer` instead of `asyncckpt.save`/`load` of DCP's state dicts); FSDP_KIND (default fsdp2) is the wrapping of this run: fsdp2
+(`fully_shard`), fsdp1 (`FullyShardedDataParallel`: ShardedTensor state dicts) or
+fsdp1-mesh (FSDP1 with a device mesh: DTensor state dicts); SAVED_KIND, on load, the
+wrapping that saved (the losses must then be equal bit for bit only when both are the
+same at the same world size). Prints "OK ..." on success; any failure raises (non-zero exit).
 """
 
 from __future__ import annotations
@@ -26,17 +31,27 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import init_device_mesh
 
 import asyncckpt
+from asyncckpt import Checkpointer
 
 
-def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(seed: int, kind: str = "fsdp2") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     # odd sizes: shards are uneven at world size 2 and 3, empty on some ranks for the bias
     model = torch.nn.Sequential(torch.nn.Linear(12, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5),
                                 torch.nn.LayerNorm(5))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if kind == "fsdp2":
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:  # FSDP1, as verl's strategy=fsdp wraps it (flat parameters, nested units)
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        model = FullyShardedDataParallel(
+            model, device_id=torch.device("cpu"), use_orig_params=False,
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+            device_mesh=mesh if kind == "fsdp1-mesh" else None)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -54,7 +69,9 @@ def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: range) ->
 
 
 def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # no cpu_offload: FSDP1's full state dict with it frees the unsharded storage on CPU
+    # (torch 2.13: "setStorage: ... storage of size 0"); CPU tensors need no offload
+    options = StateDictOptions(full_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optim, options=options)
     # at world size 1 the "full" tensors are the parameters themselves: copy them
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone,
@@ -65,28 +82,47 @@ def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    kind = os.environ.get("FSDP_KIND", "fsdp2")
+    via = os.environ.get("VIA", "save")
     if mode == "save":
-        model, optim = build(seed=0)
+        model, optim = build(seed=0, kind=kind)
         train(model, optim, range(3))
-        model_sd, optim_sd = get_state_dict(model, optim)
-        path = asyncckpt.save(3, {"model": model_sd, "optim": optim_sd}).wait(120)
+        if via == "checkpointer":
+            with Checkpointer(os.environ["CKPT_ROOT"], model=model, optimizer=optim,
+                              address=os.environ["ASYNCCKPT_ADDRESS"]) as ckpt:
+                path = ckpt.save(3, force=True).wait(120)
+        else:
+            model_sd, optim_sd = get_state_dict(model, optim)
+            path = asyncckpt.save(3, {"model": model_sd, "optim": optim_sd}).wait(120)
         reference = full_state(model, optim)
         losses = train(model, optim, range(3, 5))
         if rank == 0:
             torch.save({"state": reference, "losses": losses}, out / "reference.pt")
         print("OK saved", path, flush=True)
     else:
-        model, optim = build(seed=1)  # different values: everything must come from the load
-        model_sd, optim_sd = get_state_dict(model, optim)
-        loaded = asyncckpt.load(os.environ["CKPT_ROOT"], into={"model": model_sd, "optim": optim_sd})
-        set_state_dict(model, optim, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optim"])
+        model, optim = build(seed=1, kind=kind)  # other values: everything comes from the load
+        if via == "checkpointer":
+            assert Checkpointer(os.environ["CKPT_ROOT"], model=model, optimizer=optim,
+                                fence=False).restore() == 3
+        else:
+            model_sd, optim_sd = get_state_dict(model, optim)
+            loaded = asyncckpt.load(os.environ["CKPT_ROOT"],
+                                    into={"model": model_sd, "optim": optim_sd})
+            set_state_dict(model, optim, model_state_dict=loaded["model"],
+                           optim_state_dict=loaded["optim"])
         state = full_state(model, optim)
         reference = torch.load(out / "reference.pt")
         losses = train(model, optim, range(3, 5))
         if rank == 0:
+            if os.environ.get("SAVED_KIND", kind) != kind:
+                # FSDP1's optimizer lists its flat parameters root first: the names in a
+                # group come in another order, the group and every state are the same
+                for sd in (state, reference["state"]):
+                    for group in sd["optim"]["param_groups"]:
+                        group["params"] = sorted(group["params"])
             _assert_same(state, reference["state"])
-            exact = dist.get_world_size() == 2  # other world sizes reduce in another order
+            # other world sizes (and the other FSDP) reduce in another order
+            exact = dist.get_world_size() == 2 and os.environ.get("SAVED_KIND", kind) == kind
             if exact:
                 assert losses == reference["losses"], (losses, reference["losses"])
             else:

@@ -1,5 +1,10 @@
-"""FSDP2 under real process groups (gloo, CPU): a 2-rank save of model and optimizer
-state loads at world sizes 1, 2 and 3 bit-exact, through get_state_dict/set_state_dict."""
+"""FSDP under real process groups (gloo, CPU): a 2-rank save of model and optimizer
+state loads at world sizes 1, 2 and 3 bit-exact, through get_state_dict/set_state_dict.
+
+FSDP1 (`FullyShardedDataParallel`, flat parameters) is saved as global tensors like
+FSDP2: its sharded state dict is ShardedTensors (DTensors with a device mesh), and what
+either FSDP saved the other loads, at any world size, and `export_hf` writes it whole.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import json
+from typing import Callable
 
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt.format import MANIFEST_NAME
 from conftest import running_writer
 
 WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
@@ -33,17 +44,88 @@ def run_world(world: int, mode: str, out: Path, env: dict[str, str]) -> list[str
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    base = tmp_path_factory.mktemp("fsdp")
-    with running_writer(base, codec="zstd") as w:
-        run_world(2, "save", base, {"ASYNCCKPT_ADDRESS": w.address})
-    return base, base / "ckpt"
+def saved_by(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], tuple[Path, Path]]:
+    """(kind, via) -> (out dir, root) of a 2-rank save, made once per module."""
+    made: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def save(kind: str, via: str = "save") -> tuple[Path, Path]:
+        if (kind, via) not in made:
+            base = tmp_path_factory.mktemp(f"{kind}-{via}")
+            with running_writer(base, codec="zstd") as w:
+                run_world(2, "save", base, {"ASYNCCKPT_ADDRESS": w.address, "FSDP_KIND": kind,
+                                            "VIA": via, "CKPT_ROOT": str(w.root)})
+            made[kind, via] = base, w.root
+        return made[kind, via]
+    return save
+
+
+@pytest.fixture(scope="module")
+def saved(saved_by) -> tuple[Path, Path]:
+    return saved_by("fsdp2")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_fsdp2_save_loads_at_world_size(saved, world):
     out, root = saved
     run_world(world, "load", out, {"CKPT_ROOT": str(root)})
+
+
+@pytest.mark.parametrize("saved_kind,world,kind", [
+    ("fsdp1", 1, "fsdp1"), ("fsdp1", 3, "fsdp1"),  # ShardedTensors, resharded
+    ("fsdp1", 2, "fsdp2"),  # FSDP1's save into FSDP2 (the same ranks' boxes, other owner)
+    ("fsdp1-mesh", 3, "fsdp2"), ("fsdp1-mesh", 1, "fsdp1"),  # FSDP1's DTensors
+    ("fsdp2", 3, "fsdp1"),  # and FSDP2's into FSDP1
+])
+def test_fsdp1_loads_at_any_world_size_and_across_fsdp_versions(saved_by, saved_kind, world, kind):
+    """The worker compares the loaded full model and optimizer state with the saver's
+    bit for bit, then trains on (the same losses, bit for bit where the reduction order
+    is the same)."""
+    out, root = saved_by(saved_kind)
+    run_world(world, "load", out, {"CKPT_ROOT": str(root), "FSDP_KIND": kind,
+                                   "SAVED_KIND": saved_kind})
+
+
+@pytest.mark.parametrize("world,kind", [(3, "fsdp1"), (2, "fsdp2")])
+def test_checkpointer_saves_and_restores_fsdp1(saved_by, world, kind):
+    """Checkpointer(model=FSDP1) saves FSDP1's sharded state (not its flat parameters'
+    per-rank optimizer state, which loads at one world size only) and restores it at
+    another world size and into FSDP2."""
+    out, root = saved_by("fsdp1", "checkpointer")
+    run_world(world, "load", out, {"CKPT_ROOT": str(root), "FSDP_KIND": kind,
+                                   "SAVED_KIND": "fsdp1", "VIA": "checkpointer"})
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp1-mesh"])
+def test_fsdp1_save_is_global_tensors_and_exports_whole(saved_by, tmp_path, kind):
+    """On disk FSDP1's shards are boxes of global tensors (loadable without a process
+    group, as full tensors) and export_hf writes the whole model, as for FSDP2."""
+    from safetensors.torch import load_file
+
+    out, root = saved_by(kind)
+    reference = torch.load(out / "reference.pt")["state"]
+    loaded = asyncckpt.load(root)
+    for name, tensor in reference["model"].items():
+        assert torch.equal(loaded["model"][name], tensor), name
+    manifest = json.loads((root / "step-00000003" / MANIFEST_NAME).read_text())
+    placements = {p for part in _dtensor_nodes(manifest) for p in part["placements"]}
+    assert placements == ({"ShardedTensor(dim=0)"} if kind == "fsdp1" else {"S(0)"})
+    asyncckpt.export_hf(root, tmp_path / "hf")
+    exported = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(shard))
+    assert set(exported) == set(reference["model"])
+    for name, tensor in reference["model"].items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def _dtensor_nodes(node: object) -> list[dict]:
+    if isinstance(node, dict):
+        if "dtensor" in node and isinstance(node["dtensor"], dict):
+            return [node["dtensor"]]
+        return [n for v in node.values() for n in _dtensor_nodes(v)]
+    if isinstance(node, list):
+        return [n for v in node for n in _dtensor_nodes(v)]
+    return []
 
 
 def test_train_fsdp_example_is_killed_and_resumes_exactly(tmp_path):
