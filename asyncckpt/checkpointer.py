@@ -165,13 +165,21 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return step % self.options.save_interval == 0
 
-    def save(self, step: int, *, extra: Any = None, force: bool = False) -> SaveHandle | None:
+    def save(self, step: int, *, extra: Any = None, force: bool = False, replace: bool = False,
+             keep_from: int | None = None) -> SaveHandle | None:
         """Save `step` (if `should_save(step)` or `force`) and return its handle at once.
 
         Returns None when the step is not due (said once at INFO on logger
         "asyncckpt.checkpointer"), or when a save is still in flight and on_busy is
         "skip". `handle.stats.blocked_seconds` is the whole time spent here: waiting for
         earlier saves (on_busy), collecting the state dicts, flattening.
+        Args:
+            replace: when `step` is already committed, this save replaces it (the old
+                one stays loadable until the new one is durable); without it such a
+                save fails with StepAlreadyCommittedError. As `Client.save`.
+            keep_from: retention after this save deletes no step from this one on (a
+                step that something outside the root, e.g. a framework's tracker file,
+                still names). As `Client.save`.
         Raises:
             UnsupportedStateError, WriterUnavailableError: as `Client.save`.
             SaveFailedError: with on_busy="block", an earlier save's failure.
@@ -203,7 +211,8 @@ class Checkpointer:
             self._client = Client(self._address, ring_size=self._ring_size(state))
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
-                                   keep_every=self.options.keep_every)
+                                   keep_every=self.options.keep_every, keep_from=keep_from,
+                                   replace=replace)
         handle.stats.blocked_seconds = time.perf_counter() - entered  # what the loop waited
         self._in_flight.append(handle)
         return handle

@@ -7,6 +7,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointerOptions
+from asyncckpt.errors import StepAlreadyCommittedError
 from conftest import assert_same
 
 
@@ -292,3 +293,26 @@ def test_restore_reads_only_the_contents_asked_for(writer, root, monkeypatch):
     assert planned and all(path[0] == "model" for path in planned), planned
     assert_same(model.state_dict(), fresh.state_dict())
     assert fresh_opt.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("codec", ["zstd"], indirect=True)
+def test_replace_and_keep_from_reach_the_writer(writer, root):
+    """save(replace=True) replaces a committed step (a rerun into an old root) and
+    keep_from protects steps from retention (a step a tracker file still names)."""
+    model, opt = make_model()
+    options = CheckpointerOptions(save_interval=1, keep_last=1)
+    with Checkpointer(root, model=model, optimizer=opt, options=options,
+                      client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
+        ckpt.save(1).wait(60)
+        first = {k: v.clone() for k, v in model.state_dict().items()}
+        train_step(model, opt, 2)
+        with pytest.raises(StepAlreadyCommittedError):
+            ckpt.save(1).wait(60)
+        assert_same(first, asyncckpt.load(root, step=1)["model"])
+        ckpt.save(1, replace=True).wait(60)
+        assert_same(dict(model.state_dict()), asyncckpt.load(root, step=1)["model"])
+        ckpt.save(2, keep_from=1).wait(60)
+        assert ckpt.all_steps() == [1, 2]  # keep_last=1, but step 1 is protected
+        ckpt.save(3, keep_from=2).wait(60)
+        assert ckpt.all_steps() == [2, 3]
+        ckpt.client.close()
