@@ -5,32 +5,53 @@ not committed atomically: a crash mid-save leaves a directory that looks complet
 `hf_model` save gathers the whole model on rank 0, and its files load only at the world
 size that wrote them. This class keeps verl's constructor and its `save_checkpoint` /
 `load_checkpoint` calls, so verl's FSDP engine uses it unchanged; underneath, each rank
-hands its DTensor shards to the node's asyncckpt writer (checksummed, compressed,
-committed atomically, reshardable on load).
+hands its shards to the node's asyncckpt writer (checksummed, compressed, committed
+atomically, reshardable on load). Both of verl's strategies work: FSDP2 (`fully_shard`,
+DTensor shards) and FSDP1 (`FullyShardedDataParallel`, whose sharded state dict is
+ShardedTensors, or DTensors with a device mesh); both are saved as the same global
+tensors, so what one saved the other loads, at any world size.
 
-Layout, for verl's `local_path` = `DIR/global_step_N/actor`:
+Layout (verl_paths.py): everything a save writes stays under the directory the user
+gave. For verl's `local_path` = `DIR/global_step_N/actor` (DIR: `default_local_dir`):
 
     DIR/asyncckpt/actor/step-0000000N/      the checkpoint (one asyncckpt root per role)
+    DIR/asyncckpt/actor.writer.log          that root's writer's log
     DIR/global_step_N/actor/huggingface/    config + tokenizer (rank 0, at save); with
                                             "hf_model", the weights too, exported from
                                             the committed step one tensor at a time
     DIR/global_step_N/actor/asyncckpt.json  {"root", "step"}: written once committed
     DIR/latest_checkpointed_iteration.txt   with async_save: written here once committed
 
+Any other `local_path` (verl's own test saves to `tempfile.mkdtemp()/checkpoint`) holds
+its root inside itself (`local_path/asyncckpt/`, `local_path/asyncckpt.writer.log`, with
+`huggingface/` and `asyncckpt.json` as above) and gets no tracker file. Where the ranks
+of one save name different paths (verl's test: a `mkdtemp()` per rank), every rank uses
+rank 0's, since a step lives in one root; what cannot be agreed on (different steps,
+None on some ranks) fails on every rank at once. verl_paths.py says why.
+
+verl's semantics, kept safe:
+- A save of a step that is already committed replaces it (a rerun from scratch into an
+  old directory), as verl's manager overwrites: the old step stays loadable until the
+  new one is durable, then goes; a crash leaves one of the two whole.
+- Retention (`max_ckpt_to_keep`) runs in the writer after each commit and never deletes
+  the step the tracker names, nor one whose follow-up (below) is still running; a
+  `local_path` directory goes once its step is gone from the root, judged from the disk
+  (never one that holds the root).
+
 Two modes, chosen by verl's own `checkpoint.async_save` flag (the switch verl already
 has for Megatron's asynchronous saves, which makes its trainer leave the tracker file to
 the manager):
-- False (verl's default): `save_checkpoint` returns once the step is committed, so the
-  tracker the trainer writes next never names a step that is not on disk. The save is
-  still one streaming pass, fsynced and atomic.
+- False (verl's default): `save_checkpoint` returns once the step is committed and its
+  follow-up done, so the tracker the trainer writes next never names a step that is not
+  on disk. The save is still one streaming pass, fsynced and atomic.
 - True: it returns once the state is handed over (staging overlaps what follows; the
   optimizer fence holds the next `optimizer.step()` until it is copied). Rank 0 writes
-  the tracker, exports `hf_model` and applies verl's retention to the old `local_path`s
-  after the commit, on a thread of its own. A process that exits normally waits for the
-  last save (atexit); one that is killed leaves the tracker at the last committed step.
-
-Retention (`max_ckpt_to_keep`): the writer deletes old steps only after the new one is
-committed; the old `local_path` directories go then too.
+  the tracker, exports `hf_model` and removes old `local_path`s after the commit, on a
+  thread of its own. A process that exits normally waits for the last save (atexit);
+  one that is killed leaves the tracker at the last committed step.
+The follow-up of a committed step (marker, `hf_model` export, tracker) either finishes
+or fails loudly: an export that fails is logged at once, and raised as SaveFailedError
+on every rank by this save (sync) or the next one (async).
 
 The one change for a verl user: in `verl/workers/engine/fsdp/transformer_impl.py`,
 `from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager`
@@ -41,13 +62,13 @@ becomes `from asyncckpt.integrations.verl import FSDPCheckpointManager` (and
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import queue
 import random
-import re
 import shutil
 import socket
 import threading
@@ -59,14 +80,14 @@ import torch
 import torch.distributed as dist
 
 from ..checkpointer import Checkpointer, CheckpointerOptions
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from ..export import export_hf
 from ..handle import SaveHandle
 from ..launch import start_writer
+from .verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate, read_tracker, root_of,
+                         trainer_dir, write_atomic, writer_log)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-MARKER = "asyncckpt.json"
-ROOTS = "asyncckpt"
+__all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")
 
 
@@ -86,16 +107,17 @@ class _Job:
     step: int
     local_path: Path
     handle: SaveHandle
-    max_keep: int | None
     hf_model: bool
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    failure: str | None = None  # a follow-up that failed after the commit
 
 
 class FSDPCheckpointManager:
     """verl's FSDP checkpoint manager, saving through asyncckpt (see the module docstring).
 
     Args (as verl's):
-        model: the FSDP2 (`fully_shard`) model, a `transformers` model underneath.
+        model: the FSDP2 (`fully_shard`) or FSDP1 (`FullyShardedDataParallel`) model, a
+            `transformers` model underneath.
         optimizer, lr_scheduler: saved and restored with it.
         processing_class: the tokenizer or processor, saved under `huggingface/`.
         checkpoint_config: verl's checkpoint config: `save_contents` / `load_contents`
@@ -103,8 +125,6 @@ class FSDPCheckpointManager:
         trust_remote_code: accepted for compatibility (nothing is loaded from code here).
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        NotImplementedError: an FSDP1 model (verl's strategy=fsdp): its parameters are
-            flat buffers, not DTensors, and only DTensor shards reshard on load.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -116,10 +136,6 @@ class FSDPCheckpointManager:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("asyncckpt's FSDPCheckpointManager needs torch.distributed "
                                "initialized (as verl's workers have it)")
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        if isinstance(model, FullyShardedDataParallel):
-            raise NotImplementedError("asyncckpt's FSDPCheckpointManager saves FSDP2 models "
-                                      "(verl's strategy=fsdp2); this one is FSDP1")
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.processing_class = processing_class
         self.checkpoint_config = checkpoint_config
@@ -132,13 +148,17 @@ class FSDPCheckpointManager:
             log.warning("asyncckpt: save_lora_only is not implemented; the whole model is saved")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.previous_global_step: int | None = None
-        self.previous_saved_paths: list[str] = []
+        self.previous_saved_paths: list[str] = []  # rank 0: local_paths of kept steps
+        self._saved: dict[str, int] = {}  # rank 0: those paths and their steps
         self._root: Path | None = None
         self._writer: Any = None
         self._ckpt: Checkpointer | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
+        self._failures: list[str] = []  # rank 0: follow-ups failed since the last save
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._told_paths = False
         atexit.register(self.wait_until_finished)
 
     # verl's predicates, same names
@@ -154,50 +174,91 @@ class FSDPCheckpointManager:
 
     def save_checkpoint(self, local_path: str | None, hdfs_path: str | None = None,
                         global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        """Save this rank's part of step `global_step` (every rank calls it).
+        """Save this rank's part of step `global_step` (every rank calls it); a step
+        already committed there is replaced once the new one is durable.
 
         Args:
-            local_path: verl's `DIR/global_step_N/<role>`; the checkpoint goes to
-                `DIR/asyncckpt/<role>`.
+            local_path: verl's `DIR/global_step_N/<role>` (the checkpoint goes to
+                `DIR/asyncckpt/<role>`), or any directory (then to
+                `local_path/asyncckpt`). Rank 0's path is used where ranks differ.
             hdfs_path: ignored (verl's FSDP manager ignores it too).
-            max_ckpt_to_keep: keep this many newest steps (None or 0: all).
+            max_ckpt_to_keep: keep this many newest steps (None or 0: all), and the step
+                the tracker names.
         Raises:
-            SaveFailedError: this save (sync mode) or an earlier one (async) failed.
+            SaveFailedError: this save (sync mode) or an earlier one (async) failed, or
+                a committed step's hf_model export did (on every rank); on every rank,
+                when ranks save different steps or only some pass a path.
             UnsupportedStateError: a value that cannot be saved (e.g. a scheduler state
                 that is not JSON), named by its key.
         """
-        if local_path is None:
+        path, keep_from, failures = self._agree("save", local_path, global_step)
+        if failures:
+            raise SaveFailedError("; ".join(failures), step=global_step)
+        if path is None:
             return
         if self.should_save_model and self.model is None:
             raise ValueError("save_contents includes 'model' but no model was given")
         if self.should_save_optimizer and self.optimizer is None:
             raise ValueError("save_contents includes 'optimizer' but no optimizer was given")
-        path = Path(local_path)
         keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0 else None
-        ckpt = self._checkpointer(_root_of(path))
+        ckpt = self._checkpointer(root_of(path))
         ckpt.options = dataclasses.replace(ckpt.options, keep_last=keep)
         self.previous_global_step = global_step
         path.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self._save_hf_files(path / "huggingface")
         extra = self._extra() if self.should_save_extra else None
-        handle = ckpt.save(global_step, extra=extra, force=True)
+        handle = ckpt.save(global_step, extra=extra, force=True, replace=True, keep_from=keep_from)
         assert handle is not None  # on_busy "block": never skipped
-        job = _Job(global_step, path, handle, keep,
-                   self.should_save_hf_model and self.should_save_model)
+        job = _Job(global_step, path, handle, self.should_save_hf_model and self.should_save_model)
         if self.rank == 0:
             self._start_thread()
             self._pending.append(job)
             self._jobs.put(job)
         if not self.async_save:
             handle.wait()
+            outcome: list[Any] = [None]
             if self.rank == 0:
                 job.done.wait()
-            dist.barrier()
+                outcome = [self._take_failures()]
+            dist.broadcast_object_list(outcome, src=0)  # and the barrier after the save
+            if outcome[0]:
+                raise SaveFailedError("; ".join(outcome[0]), step=global_step)
+
+    def _agree(self, verb: str, local_path: str | None,
+               step: int | None) -> tuple[Path | None, int | None, list[str]]:
+        """On every rank: rank 0's `local_path` (absolute; None when no rank passed
+        one), the `keep_from` rank 0 computed, and rank 0's follow-up failures since the
+        last save. One all_gather_object; raises on every rank alike (`agree`)."""
+        mine = None if local_path is None else str(Path(local_path).absolute())
+        keep_from, failures = None, []
+        if self.rank == 0 and verb == "save":
+            keep_from = self._keep_from(Path(mine)) if mine else None
+            failures = self._take_failures()
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, (mine, step, keep_from, failures))
+        path, differ = agree(verb, everyone)
+        if differ and self.rank == 0 and not self._told_paths:
+            self._told_paths = True
+            log.warning("asyncckpt: %s; said once", differ)
+        return path, everyone[0][2], everyone[0][3]
+
+    def _keep_from(self, local_path: Path) -> int | None:
+        """Rank 0: the oldest step retention must keep: the one the tracker names (a
+        kill before the trainer moves it resumes from there) or one whose follow-up
+        is still running (its export reads it)."""
+        pending = [job.step for job in self._pending if not job.done.is_set()]
+        candidates = [s for s in [read_tracker(local_path), *pending] if s is not None]
+        return min(candidates) if candidates else None
+
+    def _take_failures(self) -> list[str]:
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
 
     def wait_until_finished(self) -> None:
         """Block until every save in flight is committed and its follow-up (tracker,
-        hf export, retention) done. Called at exit too."""
+        hf export, retention) done. Called at exit too; failures are logged."""
         if self._ckpt is not None:
             try:
                 self._ckpt.wait_until_finished()
@@ -236,7 +297,7 @@ class FSDPCheckpointManager:
             root.mkdir(parents=True, exist_ok=True)
             job = None if len(set(hosts)) == 1 else f"verl {os.environ.get('MASTER_ADDR')}:" \
                                                       f"{os.environ.get('MASTER_PORT')}"
-            self._writer = start_writer(root, job=job, log_file=root.parent / f"{root.name}.writer.log")
+            self._writer = start_writer(root, job=job, log_file=writer_log(root))
             store.set(key, self._writer.address)
         return store.get(key).decode()
 
@@ -272,31 +333,48 @@ class FSDPCheckpointManager:
             try:
                 self._committed(job)
             except Exception as e:  # noqa: BLE001 - the thread must go on with the next job
-                log.error("asyncckpt: step %d: %s", job.step, e)
+                job.failure = job.failure or f"step {job.step}: {type(e).__name__}: {e}"
             finally:
+                if job.failure:
+                    log.error("asyncckpt: %s", job.failure)
+                    with self._lock:
+                        self._failures.append(job.failure)
                 job.done.set()
                 self._pending.remove(job)
 
     def _committed(self, job: _Job) -> None:
+        """Rank 0, once `job`'s step is committed: marker, hf_model export, tracker,
+        then the `local_path`s of steps the writer's retention deleted."""
+        assert self._root is not None and self._ckpt is not None
         try:
             job.handle.wait()
-        except CheckpointError as e:
+        except CheckpointError as e:  # every rank's save_checkpoint (or the next) raises it
             log.error("asyncckpt: step %d was not committed (%s): the tracker keeps the "
                       "last committed step", job.step, e)
+            if not (job.local_path / MARKER).exists():  # it describes no step: what this
+                shutil.rmtree(job.local_path / "huggingface", ignore_errors=True)  # save wrote
+                with contextlib.suppress(OSError):
+                    job.local_path.rmdir()  # only if nothing else is in it
             return
-        assert self._root is not None
-        if job.hf_model:
-            export_hf(self._root, job.local_path / "huggingface", step=job.step)
-        _write_atomic(job.local_path / MARKER, json.dumps(
+        write_atomic(job.local_path / MARKER, json.dumps(
             {"root": os.path.relpath(self._root, job.local_path), "step": job.step}) + "\n")
-        if self.async_save:
-            _write_atomic(job.local_path.parent.parent / TRACKER, str(job.step))
-        self.previous_saved_paths.append(str(job.local_path))
-        if job.max_keep is not None and len(self.previous_saved_paths) > job.max_keep:
-            cut = len(self.previous_saved_paths) - job.max_keep
-            for old in self.previous_saved_paths[:cut]:
+        self._saved.pop(str(job.local_path), None)  # saved again: now the newest
+        self._saved[str(job.local_path)] = job.step
+        try:
+            if job.hf_model:
+                export_hf(self._root, job.local_path / "huggingface", step=job.step)
+        except Exception as e:  # noqa: BLE001 - the step is committed: the tracker moves on
+            job.failure = (f"step {job.step} is committed but its hf_model export to "
+                           f"{job.local_path / 'huggingface'} failed: {type(e).__name__}: {e}")
+        base = trainer_dir(job.local_path)
+        if self.async_save and base is not None:
+            write_atomic(base / TRACKER, str(job.step))
+        kept = set(self._ckpt.all_steps())  # what retention left, judged from the disk
+        for old, step in list(self._saved.items()):
+            if step not in kept and not holds(Path(old), self._root):
                 shutil.rmtree(old, ignore_errors=True)
-            self.previous_saved_paths = self.previous_saved_paths[cut:]
+                del self._saved[old]
+        self.previous_saved_paths = list(self._saved)
 
     # -- loading --------------------------------------------------------------------
 
@@ -304,19 +382,33 @@ class FSDPCheckpointManager:
                         del_local_after_load: bool = False) -> None:
         """Restore `load_contents` from the step `local_path` names (every rank calls it).
 
-        Any world size: DTensor shards are read for this rank's own layout; rank-local
-        values (RNG state) come from the same rank, or rank 0 beyond the saved world.
+        Any world size: shards are read for this rank's own layout (FSDP1 or FSDP2,
+        whichever saved); rank-local values (RNG state) come from the same rank, or rank
+        0 beyond the saved world.
         Args:
-            local_path: verl's `DIR/global_step_N/<role>`.
+            local_path: verl's `DIR/global_step_N/<role>`, or a directory a save was
+                given; rank 0's is used where ranks differ.
             hdfs_path, del_local_after_load: accepted; nothing is downloaded, so
                 nothing is deleted.
         Raises:
-            CheckpointNotFoundError: step N is not committed under `DIR/asyncckpt/<role>`.
+            CheckpointNotFoundError: (on every rank) the step is not committed where
+                rank 0's `local_path` points.
             CorruptCheckpointError, StateMismatchError: as `Checkpointer.restore`.
         """
-        if local_path is None:
+        path = self._agree("load", local_path, None)[0]
+        if path is None:
             return
-        root, step = _locate(Path(local_path))
+        found: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                root, step = locate(path)
+                found = [(str(root), step)]
+            except CheckpointNotFoundError as e:
+                found = [e.cause]
+        dist.broadcast_object_list(found, src=0)
+        if isinstance(found[0], str):
+            raise CheckpointNotFoundError(found[0], file=str(path))
+        root, step = Path(found[0][0]), found[0][1]
         contents = tuple(c for c in ("model", "optimizer", "extra")
                          if c in self.checkpoint_load_contents)
         if not contents:
@@ -331,40 +423,6 @@ class FSDPCheckpointManager:
             if extra.get("lr_scheduler") is not None and self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         dist.barrier()
-
-
-def _root_of(local_path: Path) -> Path:
-    """`DIR/global_step_N/<role>` -> `DIR/asyncckpt/<role>` (absolute)."""
-    local_path = local_path.absolute()
-    return local_path.parent.parent / ROOTS / local_path.name
-
-
-def _locate(local_path: Path) -> tuple[Path, int]:
-    """The root and step `local_path` stands for: its marker, else the layout's rule."""
-    marker = local_path / MARKER
-    if marker.is_file():
-        body = json.loads(marker.read_text())
-        return (local_path / body["root"]).resolve(), int(body["step"])
-    match = re.fullmatch(r"global_step_(\d+)", local_path.absolute().parent.name)
-    if match is None:
-        raise CheckpointNotFoundError(f"{local_path} is neither an asyncckpt-saved verl step "
-                                      f"(no {MARKER}) nor named DIR/global_step_N/<role>",
-                                      file=str(local_path))
-    return _root_of(local_path), int(match.group(1))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -1,0 +1,148 @@
+"""Where the verl drop-in puts a step, and how the ranks of one save agree on it.
+
+Everything a save writes stays under the directory the user gave, so that removing that
+directory removes the checkpoint, and two runs in two directories never share a root.
+For verl's trainer layout, `local_path` = `DIR/global_step_N/<role>` (DIR is verl's
+`default_local_dir`), the root is `DIR/asyncckpt/<role>`: one root per role for every
+step, so steps can reference each other's bytes and retention sees them all. Any other
+`local_path` (verl's own test saves to `tempfile.mkdtemp()/checkpoint`) holds its root
+inside itself, `local_path/asyncckpt`; there is no trainer layout, so no tracker file.
+The writer's log sits beside its root (`<root>.writer.log`), never inside it.
+
+One path per save. The ranks of one save (or load) may name different `local_path`s:
+verl's test calls `tempfile.mkdtemp()` on every rank, and verl's manager copes because
+each rank writes its own files into its own path. An asyncckpt step is one root written
+by one writer per node, so it lives in one place only: the ranks agree on rank 0's path
+(one `all_gather_object`, before anything is written or read) and a WARNING names the
+paths that differ. Agreeing rather than failing keeps verl's own test, and launchers
+that compute per-rank scratch paths, running as they run with verl's manager; failing
+would leave them no way to comply short of editing them. What cannot be agreed on fails
+on every rank at once with the same message (`agree`): ranks saving different steps, or
+some ranks passing None. Hazard: rank 0's path must be reachable from every node, as
+any root of a several-node job is (a node whose root is not the shared directory is
+detected by the writers' coordination).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MARKER = "asyncckpt.json"
+ROOTS = "asyncckpt"
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+
+Gathered = tuple[str | None, int | None, int | None]  # (absolute path, step, keep_from)
+
+
+def agree(verb: str, everyone: list[Gathered]) -> tuple[Path | None, str]:
+    """What the ranks of one save (`verb` "save") or load agree on, from each rank's
+    (absolute local_path or None, step, anything): rank 0's path (None when no rank
+    has one), and a description of the paths that differ from it ("" when none do).
+
+    Every rank calls it on the same gathered list, so every rank returns or raises alike.
+    Raises:
+        SaveFailedError (save), CheckpointError (load): the ranks name different steps,
+            or some ranks passed None and others a path.
+    """
+    failed = SaveFailedError if verb == "save" else CheckpointError
+    first, step = everyone[0][0], everyone[0][1]
+    if any(entry[1] != step for entry in everyone):
+        shown = ", ".join(f"rank {r}: {entry[1]}" for r, entry in enumerate(everyone))
+        raise failed(f"the ranks {verb} different steps ({shown}); every rank must {verb} "
+                     "the same global_step", step=step)
+    given = [r for r, entry in enumerate(everyone) if entry[0] is not None]
+    if given and len(given) < len(everyone):
+        none = [r for r, entry in enumerate(everyone) if entry[0] is None]
+        raise failed(f"local_path is None on rank(s) {_ranks(none)} but rank {given[0]} names "
+                     f"{everyone[given[0]][0]}: every rank must {verb} the same step", step=step)
+    if first is None:
+        return None, ""
+    differ = [(r, entry[0]) for r, entry in enumerate(everyone) if entry[0] != first]
+    if not differ:
+        return Path(first), ""
+    shown = "; ".join(f"rank {r}: {p}" for r, p in differ[:3])
+    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+    return Path(first), (f"the ranks name different local paths for one {verb} ({shown}{more}); "
+                         f"every rank uses rank 0's, {first}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def trainer_dir(local_path: Path) -> Path | None:
+    """verl's `default_local_dir` (DIR) of `DIR/global_step_N/<role>`, else None."""
+    local_path = local_path.absolute()
+    return local_path.parent.parent if _STEP_DIR.fullmatch(local_path.parent.name) else None
+
+
+def root_of(local_path: Path) -> Path:
+    """The asyncckpt root a save to `local_path` writes (absolute): `DIR/asyncckpt/<role>`
+    for verl's `DIR/global_step_N/<role>`, else `local_path/asyncckpt`."""
+    local_path = local_path.absolute()
+    base = trainer_dir(local_path)
+    return base / ROOTS / local_path.name if base is not None else local_path / ROOTS
+
+
+def writer_log(root: Path) -> Path:
+    """The log of the writer on `root`: beside it, inside the directory the user gave."""
+    return root.parent / f"{root.name}.writer.log"
+
+
+def locate(local_path: Path) -> tuple[Path, int | None]:
+    """The root and step `local_path` stands for: its marker, else the layout's rule
+    (step None: the root's newest, for a directory not named DIR/global_step_N/<role>).
+
+    Raises:
+        CheckpointNotFoundError: no marker, no root inside, and not verl's layout.
+    """
+    marker = local_path / MARKER
+    if marker.is_file():
+        body = json.loads(marker.read_text())
+        return (local_path / body["root"]).resolve(), int(body["step"])
+    match = _STEP_DIR.fullmatch(local_path.absolute().parent.name)
+    if match is not None:
+        return root_of(local_path), int(match.group(1))
+    if (local_path / ROOTS).is_dir():
+        return root_of(local_path), None
+    raise CheckpointNotFoundError(f"{local_path} holds no asyncckpt-saved verl step (no {MARKER}, "
+                                  f"no {ROOTS}/) and is not named DIR/global_step_N/<role>",
+                                  file=str(local_path))
+
+
+def holds(path: Path, root: Path | None) -> bool:
+    """Whether removing `path` would remove `root` (it is the root or above it)."""
+    if root is None:
+        return False
+    path, root = path.absolute(), root.absolute()
+    return path == root or path in root.parents
+
+
+def read_tracker(local_path: Path) -> int | None:
+    """The step verl's tracker file beside `local_path`'s step names, if it names one."""
+    base = trainer_dir(local_path)
+    try:
+        return int((base / TRACKER).read_text().strip()) if base is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path`: a fsynced tmp file renamed over it, the directory fsynced."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
