@@ -136,7 +136,8 @@ def _sharded_box(t: Any, where: str) -> tuple[torch.Tensor | None, tuple[int, ..
             f"{where}: ShardedTensor with {len(shards)} local shards on this rank; one box per "
             "rank is saved (FSDP1 holds one): gather them into one shard before saving")
     local, meta = shards[0].tensor, shards[0].metadata
-    offsets, sizes = tuple(int(o) for o in meta.shard_offsets), tuple(int(n) for n in meta.shard_sizes)
+    offsets = tuple(int(o) for o in meta.shard_offsets)
+    sizes = tuple(int(n) for n in meta.shard_sizes)
     shape = shape_and_dtype(t)[0]
     if tuple(local.shape) != sizes or len(offsets) != len(shape) or any(
             o < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)):
