@@ -267,6 +267,25 @@ class FSDPCheckpointManager:
         for job in list(self._pending):
             job.done.wait()
 
+    def close(self) -> None:
+        """Wait as `wait_until_finished`, then close this rank's client and stop the
+        writer this rank started (every rank calls it). verl never does: its workers
+        exit, and a writer whose parent is gone finishes its commits and exits too."""
+        self.wait_until_finished()
+        atexit.unregister(self.wait_until_finished)
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+        if dist.is_initialized():
+            dist.barrier()  # every client is closed before its writer stops
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
+
     def _checkpointer(self, root: Path) -> Checkpointer:
         if self._ckpt is not None:
             if root != self._root:

@@ -1,0 +1,133 @@
+"""The verl drop-in's retention against verl's tracker file, with a real writer and a
+one-rank gloo group in this process (the drop-in needs no verl): a kill at any moment
+leaves the tracker naming a step that loads, every committed step's hf_model export
+finishes, and the directories of deleted steps go."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import asyncckpt
+from asyncckpt.integrations import verl
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, optim, torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.9)
+
+
+def train(model: torch.nn.Module, optim: torch.optim.Optimizer, sched) -> None:
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optim.step()
+    optim.zero_grad()
+    sched.step()
+
+
+def manager(model, optim, sched, *, async_save: bool, hf_model: bool = False):
+    contents = ["model", "optimizer", "extra"] + (["hf_model"] if hf_model else [])
+    return verl.FSDPCheckpointManager(model, optim, sched, checkpoint_config={
+        "save_contents": contents, "load_contents": contents[:3], "async_save": async_save})
+
+
+def committed(base: Path) -> list[int]:
+    return asyncckpt.Checkpointer(base / "asyncckpt" / "actor").all_steps()
+
+
+def test_sync_mode_keeps_the_step_the_tracker_names_until_it_moves(group, tmp_path):
+    """max_ckpt_to_keep=1, verl's default mode: save_checkpoint(N) returns before the
+    trainer moves the tracker from N-1 to N, so step N-1 must still load then."""
+    model, optim, sched = model_and_optimizer()
+    m = manager(model, optim, sched, async_save=False)
+    try:
+        for step in (1, 2, 3):
+            train(model, optim, sched)
+            m.save_checkpoint(str(tmp_path / f"global_step_{step}" / "actor"), None, step, 1)
+            tracked = step - 1 if step > 1 else None  # a kill here: the trainer's tracker
+            if tracked is not None:
+                assert tracked in committed(tmp_path), (step, committed(tmp_path))
+                assert (tmp_path / f"global_step_{tracked}" / "actor").is_dir()
+                fresh = manager(*model_and_optimizer(), async_save=False)
+                fresh.load_checkpoint(str(tmp_path / f"global_step_{tracked}" / "actor"))
+            (tmp_path / verl.TRACKER).write_text(str(step))  # the trainer, after the save
+        assert committed(tmp_path) == [2, 3]  # step 1 went at the first save it was not tracked
+        assert not (tmp_path / "global_step_1" / "actor").exists()
+    finally:
+        m.close()
+
+
+def test_async_exports_of_every_committed_step_finish_and_nothing_is_left(group, tmp_path,
+                                                                          monkeypatch):
+    """max_ckpt_to_keep=1, async_save with hf_model and exports slower than the saves:
+    the writer's retention waits for a step's export (it once deleted the step under
+    it: 'no committed checkpoint for step N'); every committed step is exported and
+    reaches the tracker; the directory of every deleted step goes."""
+    real_export = verl.export_hf
+
+    def slow_export(*args, **kwargs):
+        time.sleep(0.5)
+        return real_export(*args, **kwargs)
+    monkeypatch.setattr(verl, "export_hf", slow_export)
+    model, optim, sched = model_and_optimizer()
+    m = manager(model, optim, sched, async_save=True, hf_model=True)
+    try:
+        for step in (1, 2, 3, 4):
+            train(model, optim, sched)
+            m.save_checkpoint(str(tmp_path / f"global_step_{step}" / "actor"), None, step, 1)
+        m.wait_until_finished()
+        assert m._take_failures() == []
+    finally:
+        m.close()
+    assert (tmp_path / verl.TRACKER).read_text() == "4"
+    kept = committed(tmp_path)
+    assert kept[-1] == 4
+    for step in (1, 2, 3, 4):
+        local = tmp_path / f"global_step_{step}" / "actor"
+        assert local.exists() == (step in kept), (step, kept)
+        if step in kept:
+            assert json.loads((local / verl.MARKER).read_text())["step"] == step
+            assert list((local / "huggingface").glob("*.safetensors")), step
+
+
+def test_a_failed_export_is_raised_by_the_next_save(group, tmp_path, monkeypatch):
+    def broken_export(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(verl, "export_hf", broken_export)
+    model, optim, sched = model_and_optimizer()
+    m = manager(model, optim, sched, async_save=True, hf_model=True)
+    try:
+        m.save_checkpoint(str(tmp_path / "global_step_1" / "actor"), None, 1)
+        m.wait_until_finished()
+        assert (tmp_path / verl.TRACKER).read_text() == "1"  # the checkpoint itself is whole
+        with pytest.raises(asyncckpt.SaveFailedError,
+                           match=r"step 1 is committed but its hf_model export .* disk full"):
+            m.save_checkpoint(str(tmp_path / "global_step_2" / "actor"), None, 2)
+    finally:
+        m.close()
