@@ -129,9 +129,11 @@ $(VERL_VENV)/.installed: $(VENV)/.installed pyproject.toml
 	touch $@
 
 # 2 FSDP2 ranks (CPU, gloo) save a Llama through the drop-in and through verl's own manager,
-# resume bit-exact from each, and from the drop-in's at world size 1.
+# resume bit-exact from each, and from the drop-in's at world size 1; verl's own
+# test_fsdp_ckpt.py (ported to CPU) through the drop-in for fsdp and fsdp2, per-rank temp
+# dirs, twice into the same directories; retention against verl's tracker file.
 test-verl: setup verl-setup
-	$(BIN)/python -m pytest -q tests/integrations/test_verl.py
+	$(BIN)/python -m pytest -q tests/integrations
 
 # Side by side with verl's manager and model merger at two model sizes (results in benchmarks/results/verl.md).
 bench-verl: setup verl-setup
