@@ -113,7 +113,8 @@ class _PendingSave:
         self.id = save_id
         self.step = step
         self.handle = handle
-        self.key = key  # the store key prefix of a save coordinated across nodes
+        self.key = key  # the name of a save coordinated across nodes (coordination.py)
+        self.settled = False         # coordinated: the outcome is known and acted on
         tree, self.entries = flatten(state)
         self.versions = [_version(e.tensor) for e in self.entries]
         self.ready = ready_event(e.tensor for e in self.entries)

@@ -34,6 +34,7 @@ from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, ROOT_ID_NAME, is_ato
                      is_tmp_dir, parse_replaced_dir, parse_step_dir, step_dir_name,
                      tmp_step_of)
 from .manifest import RankPart, parse_part, part_to_bytes, read_manifest
+from .owners import OwnerMark
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -47,8 +48,10 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def make_tmp_dir(root: Path, step: int) -> Path:
-    path = root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
+def make_tmp_dir(root: Path, step: int, owner: OwnerMark | None = None) -> Path:
+    """A new `step-N.tmp-<hex>` directory, named for its `owner` writer if given."""
+    name = owner.tmp_name(step_dir_name(step)) if owner else f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
+    path = root / name
     path.mkdir()
     return path
 
@@ -328,24 +331,19 @@ def _manifest_parses(directory: Path) -> bool:
     return True
 
 
-def remove_stale_tmp(root: Path, *, up_to_step: int | None = None,
-                     older_than: float | None = None) -> list[str]:
+def remove_stale_tmp(root: Path) -> list[str]:
     """Delete abandoned `step-*.tmp-*` directories and `.latest.tmp-*` files (the only
     names the writer makes there; other files are left alone); returns their names.
 
-    Only safe while no writer may be using them: with the lock held exclusively (or as
-    its first holder), or limited to steps up to `up_to_step` whose directories were
-    made before `older_than` (a time.time()), by a previous incarnation of the job.
+    Only safe while no writer may be using them: with the lock held exclusively, or as
+    its first holder (the tmp directories of a job's writers that are gone while others
+    run are swept by owner instead: owners.py).
     """
     removed = []
     for name in sorted(os.listdir(root)):
-        if up_to_step is not None and (tmp_step_of(name) is None or tmp_step_of(name) > up_to_step):
-            continue
         try:
             st = os.lstat(root / name)
         except FileNotFoundError:
-            continue
-        if older_than is not None and st.st_mtime >= older_than:
             continue
         if is_tmp_dir(name) and stat.S_ISDIR(st.st_mode):
             shutil.rmtree(root / name, ignore_errors=True)

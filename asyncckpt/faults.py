@@ -8,6 +8,8 @@ uses its storage plugin for):
                                            <point> is reached
     ASYNCCKPT_FAIL_IO=<op>:<ERRNO>[:<n>]   the n-th <op> (write, fsync, rename) raises
                                            OSError(ERRNO), e.g. fsync:EIO or rename:EROFS
+    ASYNCCKPT_SLOW_AT=<point>:<seconds>    sleep that long each time <point> is reached
+                                           (a slow disk or a huge world, without either)
 
 Points: frame_written, data_fsynced, part_written (several nodes: a rank's part file
 written, the rank not yet told), parts_gathered (several nodes: the leader moved every
@@ -25,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 
 CRASH_POINTS = ("frame_written", "data_fsynced", "part_written", "parts_gathered",
                 "manifest_written", "step_renamed", "replaced", "set_aside", "pruning", "retiring",
@@ -41,12 +44,16 @@ def _parse(variable: str) -> tuple[str, str, int] | None:
 
 
 _crash = _parse("ASYNCCKPT_CRASH_AT")
+_slow = os.environ.get("ASYNCCKPT_SLOW_AT", "").rpartition(":")
 _fail = _parse("ASYNCCKPT_FAIL_IO")
 _seen: dict[str, int] = {}
 
 
 def point(name: str) -> None:
-    """A crash point: the process dies here if ASYNCCKPT_CRASH_AT names it."""
+    """A crash point: the process dies here if ASYNCCKPT_CRASH_AT names it (and
+    sleeps first if ASYNCCKPT_SLOW_AT does)."""
+    if _slow[0] == name:
+        time.sleep(float(_slow[2]))
     if _crash and _crash[0] == name:
         _seen[name] = _seen.get(name, 0) + 1
         if _seen[name] >= _crash[2]:

@@ -46,11 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import commit, faults, lifetimes
+from . import commit, faults, lifetimes, owners
 from .dedup import DedupIndex
 from .errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
 from .format import MAX_STEP, retired_dir_name, step_dir_name
 from .manifest import Manifest, RankPart
+from .owners import OwnerMark
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -90,11 +91,12 @@ class Steps:
                  choose_codec: Callable[[], tuple[str, dict[str, Any] | None]] = lambda: ("raw", None),
                  check: Check | None = None,
                  on_commit: Callable[[Manifest, Step], None] | None = None,
-                 max_frame_bytes: int = 256 << 20, index: DedupIndex | None = None) -> None:
+                 max_frame_bytes: int = 256 << 20, index: DedupIndex | None = None,
+                 owner: OwnerMark | None = None) -> None:
         self.root = root
+        self._owner = owner
         self._index = index
         self._max_frame_bytes = max_frame_bytes
-        self._started = time.time()
         self.retention = retention  # (keep_last, keep_every) unless a save names its own
         self._choose_codec = choose_codec
         self._check = check
@@ -164,7 +166,7 @@ class Steps:
                 if self._index is not None:
                     self._index.refresh()
                     self._index.open(step)
-                current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step),
+                current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step, self._owner),
                                choice, coordinated=durable is not None, replace=replace)
                 self._open[step] = current
             elif (current.world_size != world_size or current.coordinated != (durable is not None)
@@ -243,8 +245,10 @@ class Steps:
             del self._open[step]
             self._idle.notify_all()
         self._release(step)
-        if not committed:
+        if not committed:  # and what writers that died in it left (several nodes)
             commit.discard(current.tmp_dir)
+            for name in owners.sweep_dead(self.root):
+                log.info("removed %s, left by a writer that is gone", name)
 
     def fail(self, step: int, error: CheckpointError) -> None:
         """Fail `step` for every rank: notify them, forget the step, discard its files."""
@@ -400,10 +404,9 @@ class Steps:
             self._index.add(manifest)
         self._release(current.step)
         self._prune(current)
-        if current.announced is not None:  # tmp dirs an earlier incarnation of the job left
-            for name in commit.remove_stale_tmp(self.root, up_to_step=current.step,
-                                                older_than=self._started):
-                log.info("removed abandoned %s", name)
+        if current.announced is not None:  # what writers that are gone left
+            for name in owners.sweep_dead(self.root):
+                log.info("removed %s, left by a writer that is gone", name)
         if self._on_commit:
             try:
                 self._on_commit(manifest, current)

@@ -28,6 +28,7 @@ from .config import ReadLimits, WriterKnobs
 from .dedup import DedupIndex
 from .errors import CorruptCheckpointError, SaveFailedError
 from .manifest import Manifest, parse_manifest
+from .owners import OwnerMark, sweep_dead
 from .pool import FramePool
 from .procstat import PeakSampler
 from .session import Buffers, Session
@@ -57,6 +58,9 @@ class WriterServer:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = commit.RootLock(self.root, job)
         self.root_id = commit.root_id(self.root)
+        self.owner = OwnerMark(self.root)
+        for name in sweep_dead(self.root):  # writers of this job that are gone
+            log.info("removed %s, left by a writer that is gone", name)
         if self._lock.first:  # nobody else of the job writes here yet
             for name in commit.remove_stale_tmp(self.root):
                 log.info("removed abandoned %s", name)
@@ -74,7 +78,7 @@ class WriterServer:
         self.steps = Steps(self.root, (self.knobs.keep_last, self.knobs.keep_every),
                            choose_codec=self._choose_codec, check=self._check_manifest,
                            on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
-                           index=self.index)
+                           index=self.index, owner=self.owner)
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -120,6 +124,7 @@ class WriterServer:
         protocol.remove_endpoint(self.address)
         self.pool.close()
         self.rss.stop()
+        self.owner.release()
         self._lock.release()
         log.info("writer stopped")
 

@@ -18,6 +18,13 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mount
 
 
+def writer_mark(root: Path) -> str:
+    """The running writer's own lock file (owners.py)."""
+    marks = [p.name for p in root.iterdir() if p.name.startswith(".asyncckpt.writer-")]
+    assert len(marks) == 1, marks
+    return marks[0]
+
+
 def test_disk_full_fails_the_save_and_keeps_serving(small_fs, tmp_path):
     root = small_fs / "ckpt"
     writer = asyncckpt.start_writer(root, codec="zstd", log_file=tmp_path / "w.log")
@@ -30,8 +37,8 @@ def test_disk_full_fails_the_save_and_keeps_serving(small_fs, tmp_path):
             handle = client.save(2, huge)
             with pytest.raises(asyncckpt.DiskFullError, match="disk full"):
                 handle.wait(60)
-            assert sorted(p.name for p in root.iterdir()) == [".asyncckpt.lock", ".asyncckpt.root", "latest",
-                                                             "step-00000001"]
+            assert sorted(p.name for p in root.iterdir()) == [
+                ".asyncckpt.lock", ".asyncckpt.root", writer_mark(root), "latest", "step-00000001"]
             assert_same(small, asyncckpt.load(root))
             again = {"w": torch.randn(256 << 10)}
             client.save(3, again).wait(60)

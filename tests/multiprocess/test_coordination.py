@@ -4,6 +4,7 @@ commit through a TCPStore (the store torchrun runs), as two nodes of two ranks w
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from pathlib import Path
@@ -29,13 +30,17 @@ def state(rank: int, step: int) -> dict:
 
 @contextlib.contextmanager
 def nodes(tmp_path: Path, roots: list[Path] | None = None, crash_at: str | None = None,
-          job: str = "job-a", **knobs) -> Iterator[list[asyncckpt.WriterProcess]]:
-    """Two writers (nodes) of one job, each with its own runtime dir."""
+          job: str = "job-a", leader_env: dict[str, str] | None = None,
+          **knobs) -> Iterator[list[asyncckpt.WriterProcess]]:
+    """Two writers (nodes) of one job, each with its own runtime dir; `crash_at` and
+    `leader_env` arm the leader's (node 0's) writer."""
     roots = roots or [tmp_path / "ckpt"] * 2
     writers = []
     try:
         for node, root in enumerate(roots):
-            env = {"ASYNCCKPT_RUNTIME_DIR": str(tmp_path / f"rt{node}")}
+            env = {"ASYNCCKPT_RUNTIME_DIR": str(tmp_path / f"rt{node}{root.name}")}
+            if node == 0:
+                env.update(leader_env or {})
             if crash_at and node == 0:
                 env["ASYNCCKPT_CRASH_AT"] = crash_at
             with _env(env):
@@ -69,6 +74,7 @@ def store() -> Iterator[TCPStore]:
 
 @contextlib.contextmanager
 def ranks(writers, store, node_timeout: float = 20) -> Iterator[list[asyncckpt.Client]]:
+    """WORLD clients, PER_NODE on each writer, each with its own store client."""
     clients = [asyncckpt.connect(writers[r // PER_NODE].address, rank=r, world_size=WORLD,
                                  store=TCPStore("127.0.0.1", store.port, is_master=False),
                                  node_timeout=node_timeout, slot_size=4096, ring_size=16384)
@@ -78,6 +84,15 @@ def ranks(writers, store, node_timeout: float = 20) -> Iterator[list[asyncckpt.C
     finally:
         for c in clients:
             c.close(timeout=30)
+
+
+def wait_until(condition, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def outcomes(handles) -> list:
@@ -173,10 +188,10 @@ def test_the_leader_writer_killed_before_the_rename_leaves_nothing_visible(tmp_p
         assert time.monotonic() - started < 10
         assert all(isinstance(e, asyncckpt.CheckpointError) for e in done), done
         writers[0]._proc.wait(10)  # killed at its crash point; reaped shortly
+        # the writer that lives sweeps what the dead one left, once its ranks tell it
+        assert wait_until(lambda: not [p for p in root.iterdir() if ".tmp-" in p.name])
     assert commit.committed_steps(root) == [1] and asyncckpt.verify(root).ok
-    assert [p for p in root.iterdir() if ".tmp-" in p.name]  # left for the next leader
-    with nodes(tmp_path) as writers:  # a restarted job: the first writer sweeps
-        assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+    with nodes(tmp_path) as writers:  # a restarted job
         with ranks(writers, TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)) as clients:
             assert outcomes([c.save(3, state(c.rank, 3)) for c in clients])[0] == root / "step-00000003"
     assert commit.committed_steps(root) == [1, 3]
@@ -204,3 +219,77 @@ def test_the_store_does_not_grow_with_the_saves(tmp_path, store):
             assert outcomes([c.save(step, state(c.rank, step)) for c in clients]) == \
                 [root / f"step-{step:08d}"] * WORLD
         assert store.num_keys() <= after_one  # parts and older outcomes are deleted
+
+
+def stored(store: TCPStore) -> int:
+    return store.num_keys()
+
+
+def test_outcomes_a_stale_store_holds_are_never_believed(tmp_path, store):
+    """A persistent or reused store keeps the keys of earlier runs: outcomes under every
+    name an earlier run could have used, a stale hello and its answer."""
+    root = tmp_path / "ckpt"
+    lie = json.dumps({"ok": True, "path": str(tmp_path / "nowhere")})
+    for key in ("asyncckpt/0/1.1/outcome", "asyncckpt/0/c0/welcome/feed",
+                "asyncckpt/stale/1.1/outcome", "asyncckpt/stale/1.1/final"):
+        store.set(key, lie if "outcome" in key or "final" in key else "stale")
+    for rank in range(1, WORLD):
+        store.set(f"asyncckpt/0/c0/hello/{rank}", "feed")
+    with nodes(tmp_path) as writers, ranks(writers, store) as clients:
+        for step in (1, 2):
+            done = outcomes([c.save(step, state(c.rank, step)) for c in clients])
+            assert done == [root / f"step-{step:08d}"] * WORLD
+    assert asyncckpt.verify(root).ok
+    for r in range(WORLD):
+        assert_same(state(r, 2), asyncckpt.load(root, rank=r))
+
+
+def test_two_roots_in_one_job_commit_independently(tmp_path, store):
+    """An actor and a critic (or a model and its EMA): two roots, each with a writer per
+    node, every rank a client of both, saving at the same time through one store."""
+    actor, critic = tmp_path / "actor", tmp_path / "critic"
+    with nodes(tmp_path, [actor, actor], job="a") as a, nodes(tmp_path, [critic, critic], job="c") as c:
+        with ranks(a, store) as actors, ranks(c, store) as critics:
+            for step in (1, 2):
+                handles = [x.save(step, state(x.rank, step)) for x in actors] + \
+                          [x.save(step, state(x.rank, 100 + step)) for x in critics]
+                assert outcomes(handles) == [actor / f"step-{step:08d}"] * WORLD + \
+                                            [critic / f"step-{step:08d}"] * WORLD
+    for root, seed in ((actor, 2), (critic, 102)):
+        assert asyncckpt.verify(root).ok
+        for r in range(WORLD):
+            assert_same(state(r, seed), asyncckpt.load(root, rank=r))
+
+
+def test_a_leader_whose_commit_outlasts_the_others_patience_is_not_contradicted(tmp_path, store):
+    """The leader's writer takes 3.5 s to gather the parts (a shared file system under a
+    large world), longer than the others wait for an outcome (2 x node_timeout = 2 s):
+    every rank still reports what happened on disk, a committed step."""
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path, leader_env={"ASYNCCKPT_SLOW_AT": "parts_gathered:3.5"}) as writers, \
+            ranks(writers, store, node_timeout=1) as clients:
+        done = outcomes([c.save(1, state(c.rank, 1)) for c in clients])
+        assert done == [root / "step-00000001"] * WORLD, done
+    assert commit.committed_steps(root) == [1] and asyncckpt.verify(root).ok
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_failed_step_leaves_no_key_in_the_store_and_nothing_in_the_root(tmp_path, store, node):
+    """A node's writer is killed in the middle of a save (the leader's or the other's):
+    every handle fails, and the store and the root are as clean as after a commit."""
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path) as writers, ranks(writers, store, node_timeout=5) as clients:
+        assert outcomes([c.save(1, state(c.rank, 1)) for c in clients])[0] == root / "step-00000001"
+        time.sleep(0.5)  # the last rank done with the save deletes its keys
+        clean = stored(store)
+        big = {"w": torch.randn(4_000_000)}
+        handles = [c.save(2, big if c.rank // PER_NODE == node else state(c.rank, 2))
+                   for c in clients]
+        assert wait_until(lambda: any(".tmp-" in p.name for p in root.iterdir()))
+        writers[node]._proc.kill()
+        done = outcomes(handles)
+        assert all(isinstance(e, asyncckpt.CheckpointError) for e in done), done
+        assert wait_until(lambda: stored(store) <= clean), (stored(store), clean)
+        if node == 1:  # the leader's writer lives: it sweeps what the dead one left
+            assert wait_until(lambda: not [p for p in root.iterdir() if ".tmp-" in p.name])
+    assert commit.committed_steps(root) == [1] and asyncckpt.verify(root).ok
