@@ -280,11 +280,13 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, Path | None]:
                                           file=str(path))
         return path, None
     if step is not None:
-        candidate = path / step_dir_name(step)
-        if candidate.is_dir():
-            return candidate, None
-        raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {path}",
-                                      step=step, file=str(path))
+        if is_step_dir(path, step_dir_name(step)):
+            return path / step_dir_name(step), None
+        linked = os.path.islink(path / step_dir_name(step))
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint for step {step} in {path}" + (
+                f" ({step_dir_name(step)} is a symlink: not a step of this root; open the "
+                "directory it points to instead)" if linked else ""), step=step, file=str(path))
     steps = commit.step_dirs(path)
     if not steps:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
@@ -310,7 +312,7 @@ def _damaged_newest(root: Path, directory: Path, problem: CheckpointError, limit
             reading its data (then candidates must verify the frames they share with it).
     """
     damaged = parse_step_dir(directory.name)
-    steps = _step_directories(root)
+    steps = commit.step_dirs(root)
     newer = [s for s in steps if damaged is not None and s > damaged]
     shared = _shared_with(damaged, damaged_manifest, problem.rank)
     verified: dict[tuple, bool] = {}
@@ -333,13 +335,6 @@ def _damaged_newest(root: Path, directory: Path, problem: CheckpointError, limit
         f"{problem.cause}; {state}: {hint}",
         step=damaged if problem.step is None else problem.step, rank=problem.rank,
         file=problem.file, newest_intact=intact)
-
-
-def _step_directories(root: Path) -> list[int]:
-    """Steps of `root` that are step directories by the reader's rule (stepdirs.py), oldest
-    first: named `step_dir_name(N)`, a directory, not a symlink. A `step-N` linked in from
-    elsewhere is not one: it may hold a state that this root never saved."""
-    return sorted({s for s in commit.step_dirs(root) if is_step_dir(root, step_dir_name(s))})
 
 
 def _where(step: int, part: RankPart, frame: Frame) -> Where:

@@ -35,6 +35,7 @@ from .format import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, ROOT_ID_NAME, is_ato
                      tmp_step_of)
 from .manifest import RankPart, parse_part, part_to_bytes, read_manifest
 from .owners import OwnerMark
+from .stepdirs import is_step_dir
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -256,12 +257,15 @@ _MAX_PART = 512 << 20
 
 def step_dirs(root: Path, parse: Callable[[str], int | None] = parse_step_dir) -> list[int]:
     """Steps of the `step-N` directories under `root` (with or without a manifest), or of
-    the names `parse` recognises, oldest first."""
+    the names `parse` recognises, oldest first: step directories by the one rule
+    (stepdirs.py), so a `step-N` linked in from elsewhere is none of the root's steps --
+    not listed, loaded, retained or deleted."""
     try:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(step for step in map(parse, names) if step is not None)
+    return sorted(step for name in names
+                  if (step := parse(name)) is not None and is_step_dir(root, name))
 
 
 def committed_steps(root: Path) -> list[int]:

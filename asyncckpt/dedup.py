@@ -1,8 +1,8 @@
 """The writer's index of committed frames, for incremental saves.
 
 A frame whose raw bytes a committed step of the root already holds is stored as a
-reference to those bytes instead of being written again. Identity is XXH3-128 of the
-raw bytes plus their length, never the 64-bit checksum alone: across millions of frames
+reference to those bytes instead of being written again. Identity is the pair (XXH3-128
+of the raw bytes, their length), never the 64-bit checksum alone: across millions of frames
 and many steps a 64-bit collision is a real possibility, a 128-bit one is not. Lookups
 are content-addressed across tensors, ranks and steps, so a frozen tensor dedups
 wherever it sits in the stream as long as its frames are cut at the same places.
@@ -24,10 +24,21 @@ retention keeps a referenced step's whole directory (lifetimes.py), so a header 
 small buffer that happens to repeat would keep an otherwise dead step on disk to save a
 few KiB. (A frozen tensor of at least that size does keep its step: that is the point.)
 
+A reference is a promise that bytes on disk still match a checksum taken when they were
+written, maybe long ago. So a target's stored bytes are read and checked again before a
+new frame references them (`verified`); a target that fails is dropped, and the save
+writes its own copy, so bit rot in an old step never spreads into new ones. The price is
+a read of the referenced bytes at each save instead of a write (cheaper, and often from
+the page cache), chosen over checking only every so often or in the background, which
+would let a save commit on damage younger than the check. What stays: damage after a
+save committed hits every step that shares those bytes at once (the cost of one copy);
+`verify` and the reader's checksums catch it, and the next save stops referencing them.
+The steps a writer may reference are those the reader would open (stepdirs.py).
+
 A rank with `skip_unchanged` sends no bytes for tensors it knows unchanged since a step
 it saved; `unchanged_frames` finds those tensors' frames in that step's manifest (a
-tensor counts only if it fills whole frames that carry their xxh3_128) and pins their
-targets like a lookup does.
+tensor counts only if it fills whole frames that carry their xxh3_128, verified like a
+lookup's) and pins their targets like a lookup does.
 
 Memory: one entry per frame of unique content, about 300 bytes each, at most
 `MAX_ENTRIES` (2^18: 1 TiB of 4 MiB frames, under 80 MiB); beyond that new frames are
@@ -38,10 +49,8 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import os
 import threading
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,7 +69,6 @@ log = logging.getLogger("asyncckpt.writer")
 
 MAX_ENTRIES = 1 << 18
 MIN_BYTES = 4 << 10
-VERIFY_AGE = float(os.environ.get("ASYNCCKPT_REF_VERIFY_AGE", "0"))  # TEMP: measuring
 
 Key = tuple[int, int]  # (xxh3_128 of the raw bytes, raw length)
 
@@ -82,10 +90,8 @@ class DedupIndex:
     """(xxh3_128, raw length) -> Target over the committed steps of one root.
     Thread-safe."""
 
-    def __init__(self, root: Path, max_frame_bytes: int = 256 << 20,
-                 verify_age: float = VERIFY_AGE) -> None:
+    def __init__(self, root: Path, max_frame_bytes: int = 256 << 20) -> None:
         self.root = root
-        self.verify_age = verify_age
         self.lock = threading.Lock()
         self._limits = ReadLimits(max_frame_bytes=max_frame_bytes)
         self._entries: dict[Key, Target] = {}
@@ -93,7 +99,6 @@ class DedupIndex:
         self._refs: dict[int, frozenset[int]] = {}  # step -> the steps it references
         self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
         self._unusable: set[int] = set()            # steps whose manifest did not check
-        self._verified: dict[tuple[int, str, int], float] = {}  # target -> when read
         self._last_manifest: Manifest | None = None
         self.refresh()
 
@@ -124,20 +129,14 @@ class DedupIndex:
             return target
 
     def verified(self, target: Target) -> bool:
-        """Whether `target`'s stored bytes on disk still match their xxh3, read again
-        unless this writer read them less than `verify_age` seconds ago. A target that
-        fails is dropped from the index, so the saves that wanted it write their own
-        copy of those bytes. Reads the disk outside the lock."""
-        where = (target.step, target.file, target.offset)
+        """Whether `target`'s stored bytes on disk still match their xxh3 (read again at
+        every lookup: a reference is a promise about bytes on disk, and a new step must
+        not be committed on bytes that no longer keep it). A target that fails is
+        dropped from the index, so the saves that wanted it write their own copy.
+        Reads the disk outside the lock."""
+        if _stored_bytes_match(self.root, target):
+            return True
         with self.lock:
-            if time.monotonic() - self._verified.get(where, -math.inf) < self.verify_age:
-                return True
-        ok = _stored_bytes_match(self.root, target)
-        with self.lock:
-            if ok:
-                self._verified[where] = time.monotonic()
-                return True
-            self._verified.pop(where, None)
             for key in [k for k, t in self._entries.items() if t == target]:
                 del self._entries[key]
         log.warning("incremental: step %d's %s bytes %d..%d no longer match their checksum; "
@@ -218,9 +217,6 @@ class DedupIndex:
 
     def forget(self, steps: list[int]) -> None:
         """Drop the entries of deleted steps."""
-        gone = set(steps)
-        for where in [w for w in self._verified if w[0] in gone]:
-            del self._verified[where]
         for step in steps:
             self._refs.pop(step, None)
             for key in self._keys.pop(step, ()):
@@ -290,11 +286,11 @@ def _target(step: int, file: str, frame: Frame) -> Target:
 
 
 def _steps_on_disk(root: Path) -> dict[int, Path]:
-    """Committed and retired steps of `root` that are step directories by the reader's
-    rule (stepdirs.py: a step linked from elsewhere is none), the committed form first."""
+    """Committed and retired steps of `root` (step directories by the reader's rule:
+    stepdirs.py), the committed form first."""
     found = {s: root / retired_dir_name(s) for s in retired_steps(root)}
     found.update({s: root / step_dir_name(s) for s in committed_steps(root)})
-    return {s: path for s, path in found.items() if is_step_dir(root, path.name)}
+    return found
 
 
 def _stored_bytes_match(root: Path, target: Target) -> bool:
