@@ -385,7 +385,8 @@ class CodecSpec:
     Attributes:
         suffix: appended to a rank's data file name (`rank-00000.safetensors` + suffix):
             "" where the file is a safetensors file as it is, ".zst" where `zstd -d`
-            turns it into one.
+            turns it into one (for a step without references; `asyncckpt copy` makes
+            one of a step with them).
         factory: a fresh codec object (they are not thread-safe: one per thread).
         plane_layout: frames stored with it carry a `PlaneLayout` in the manifest;
             frames of the other codecs carry none.

@@ -3,10 +3,12 @@
 A rank's data is laid out exactly as one safetensors file (8-byte little-endian header
 length, JSON header padded with spaces to 8 bytes, then every tensor's bytes back to
 back in save order). Keeping that layout, rather than a format of our own, means a
-raw-codec data file *is* a safetensors file and a zstd one decompresses (`zstd -d`) to
-one: any tool that reads safetensors reads our checkpoints, no asyncckpt needed. The
-stream is cut into frames of at most one ring slot; each frame is encoded on its own, so
-the writer streams and the reader can check and decode any frame independently.
+raw-codec data file of a step without references *is* a safetensors file and a zstd one
+decompresses (`zstd -d`) to one: any tool that reads safetensors reads our checkpoints,
+no asyncckpt needed (an incremental step's file holds only the frames it did not
+reference; `asyncckpt copy` makes a stand-alone one). The stream is cut into frames of
+at most one ring slot, and at the edges of large tensors; each frame is encoded on its
+own, so the writer streams and the reader can check and decode any frame independently.
 """
 
 from __future__ import annotations
