@@ -22,7 +22,9 @@ checksum fails while reading) is skipped with a WARNING naming the step and the 
 and the step before it is tried. Under torch.distributed every rank takes part in each
 attempt and all of them agree before any state is applied, so no two ranks resume from
 different steps even when the damage lies in data that only some of them read.
-`strict_restore` (or `restore(strict=True)`) makes the damaged newest step an error.
+`strict_restore` (or `restore(strict=True)`) makes the damaged newest step an error, and
+a restore of a given step fails on every rank when any rank's reads fail (no rank goes on
+into the state-dict collectives alone).
 
 The client a Checkpointer makes for itself gets a ring sized from the first state it
 saves (as large as the state when a bounded share of MemAvailable allows): with the
@@ -299,11 +301,13 @@ class Checkpointer:
         optimizer gets `load_state_dict`. The loaded `extra` is kept in `self.extra`.
         Without `step`, each damaged step from the newest down is skipped with a
         warning (logger "asyncckpt.checkpointer"), unless `strict` (default
-        `options.strict_restore`). Hazard: a skipped attempt may have partly filled
-        the model's tensors; the step finally restored overwrites every one of them.
+        `options.strict_restore`). Under torch.distributed every rank must call it:
+        the ranks agree on each attempt's outcome before any state is applied. Hazard:
+        a skipped attempt may have partly filled the model's tensors; the step finally
+        restored overwrites every one of them.
         Returns:
             The restored step, or None when the root holds no step at all.
-        Raises:
+        Raises (every rank raises when any does):
             CheckpointNotFoundError: `step` is not committed.
             CorruptCheckpointError: `step` (or, strict, the newest step) is damaged, or
                 no step loads.
@@ -313,20 +317,19 @@ class Checkpointer:
         if step is not None or strict:
             if step is None and not commit.step_dirs(self.root):
                 return None
-            return self._apply(self._load(step, rank))
+            state, error = self._try_load(step, rank)
+            verdict = _agree(_outcome(error))
+            if verdict:  # every rank raises, not only those whose reads failed
+                kind = CorruptCheckpointError if verdict == 1 else CheckpointError
+                raise error or kind("another rank failed to restore this step", step=step)
+            return self._apply(state)
         candidates = commit.step_dirs(self.root)
         if not candidates:
             return None
         skipped = []
         for candidate in reversed(candidates):
-            error: CheckpointError | None = None
-            state = None
-            try:
-                state = self._load(candidate, rank)
-            except CheckpointError as e:
-                error = e
-            verdict = _agree(0 if error is None else 1 if isinstance(error, CorruptCheckpointError)
-                             else 2)
+            state, error = self._try_load(candidate, rank)
+            verdict = _agree(_outcome(error))
             if verdict == 0:
                 return self._apply(state)
             if verdict == 2:
@@ -336,6 +339,12 @@ class Checkpointer:
             log.warning("asyncckpt: restore skips step %d: %s", candidate, why)
             skipped.append(f"step {candidate}: {why}")
         raise CorruptCheckpointError(f"no step under {self.root} loads: " + "; ".join(skipped))
+
+    def _try_load(self, step: int | None, rank: int | None) -> tuple[Any, CheckpointError | None]:
+        try:
+            return self._load(step, rank), None
+        except CheckpointError as e:
+            return None, e
 
     def _load(self, step: int | None, rank: int | None) -> Any:
         into = self._state_dicts()
@@ -437,6 +446,11 @@ class _Only:
         if isinstance(tree, dict) and isinstance(tree.get("dict"), list):
             return {"dict": [item for item in tree["dict"] if item[0] in self._keys]}
         return tree
+
+
+def _outcome(error: CheckpointError | None) -> int:
+    """A load's outcome for `_agree`: 0 loaded, 1 damaged, 2 any other error."""
+    return 0 if error is None else 1 if isinstance(error, CorruptCheckpointError) else 2
 
 
 def _agree(outcome: int) -> int:

@@ -14,7 +14,8 @@ CKPT_ROOT (load; with VIA=checkpointer on save too: then both go through a
 (`fully_shard`), fsdp1 (`FullyShardedDataParallel`: ShardedTensor state dicts) or
 fsdp1-mesh (FSDP1 with a device mesh: DTensor state dicts); SAVED_KIND, on load, the
 wrapping that saved (the losses must then be equal bit for bit only when both are the
-same at the same world size). Prints "OK ..." on success; any failure raises (non-zero exit).
+same at the same world size); EXPECT_CORRUPT, on load with VIA=checkpointer: the step is
+damaged where only some ranks read, and every rank must raise. Prints "OK ..." on success; any failure raises (non-zero exit).
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ def main() -> None:
         print("OK saved", path, flush=True)
     else:
         model, optim = build(seed=1, kind=kind)  # other values: everything comes from the load
+        if via == "checkpointer" and os.environ.get("EXPECT_CORRUPT"):
+            try:  # a step only some ranks find damaged: every rank must raise
+                Checkpointer(os.environ["CKPT_ROOT"], model=model, optimizer=optim,
+                             fence=False).restore(step=3)
+            except asyncckpt.CheckpointError as e:
+                print("OK raised", type(e).__name__, e, flush=True)
+                dist.barrier()
+                leave()
+            raise AssertionError("restored a step another rank found damaged")
         if via == "checkpointer":
             assert Checkpointer(os.environ["CKPT_ROOT"], model=model, optimizer=optim,
                                 fence=False).restore() == 3

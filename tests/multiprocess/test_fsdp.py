@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import json
+import shutil
 from typing import Callable
 
 import pytest
@@ -93,6 +94,23 @@ def test_checkpointer_saves_and_restores_fsdp1(saved_by, world, kind):
     out, root = saved_by("fsdp1", "checkpointer")
     run_world(world, "load", out, {"CKPT_ROOT": str(root), "FSDP_KIND": kind,
                                    "SAVED_KIND": "fsdp1", "VIA": "checkpointer"})
+
+
+def test_a_step_damaged_where_one_rank_reads_fails_on_every_rank(saved_by, tmp_path):
+    """Checkpointer.restore(step=3), as the verl drop-in calls it: a flipped byte in rank
+    1's file fails rank 1's reads only; rank 0 must not go on alone."""
+    out, saved_root = saved_by("fsdp1", "checkpointer")
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved_root, root)
+    (data,) = (root / "step-00000003").glob("rank-00001.*")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) * 3 // 4] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    outputs = run_world(2, "load", out, {"CKPT_ROOT": str(root), "FSDP_KIND": "fsdp1",
+                                         "VIA": "checkpointer", "EXPECT_CORRUPT": "1"})
+    for text in outputs:
+        assert "OK raised CorruptCheckpointError" in text, text[-2000:]
+    assert "another rank failed to restore this step" in outputs[0]
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp1-mesh"])
