@@ -100,12 +100,17 @@ def locate(local_path: Path) -> tuple[Path, int | None]:
     (step None: the root's newest, for a directory not named DIR/global_step_N/<role>).
 
     Raises:
-        CheckpointNotFoundError: no marker, no root inside, and not verl's layout.
+        CheckpointNotFoundError: no marker, no root inside, and not verl's layout; or a
+            marker that does not parse.
     """
     marker = local_path / MARKER
     if marker.is_file():
-        body = json.loads(marker.read_text())
-        return (local_path / body["root"]).resolve(), int(body["step"])
+        try:
+            body = json.loads(marker.read_text())
+            return (local_path / body["root"]).resolve(), int(body["step"])
+        except (OSError, ValueError, KeyError, TypeError) as e:  # one message on every rank
+            raise CheckpointNotFoundError(f"{marker} is not an asyncckpt marker ({type(e).__name__}: "
+                                          f"{e})", file=str(marker)) from None
     match = _STEP_DIR.fullmatch(local_path.absolute().parent.name)
     if match is not None:
         return root_of(local_path), int(match.group(1))

@@ -117,6 +117,9 @@ def test_locate(tmp_path):
     (tmp_path / "somewhere" / "actor" / "asyncckpt").mkdir(parents=True)  # marker lost
     assert verl.locate(tmp_path / "somewhere" / "actor") == (
         tmp_path / "somewhere" / "actor" / "asyncckpt", None)  # the root's newest
+    (step_dir / verl.MARKER).write_text('{"root": 5}')  # damaged: rank 0 alone must not crash
+    with pytest.raises(CheckpointNotFoundError, match=r"asyncckpt.json is not an asyncckpt marker"):
+        verl.locate(step_dir)
 
 
 def test_ranks_agree_on_rank_0s_path_and_say_which_differ():
