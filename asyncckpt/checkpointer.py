@@ -27,11 +27,8 @@ a restore of a given step fails on every rank when any rank's reads fail (no ran
 into the state-dict collectives alone).
 
 The client a Checkpointer makes for itself gets a ring sized from the first state it
-saves (as large as the state when a bounded share of MemAvailable allows): with the
-default 64 MiB ring, staging a multi-GiB rank state runs at disk speed and the fence
-holds the optimizer that long; a ring the size of the state makes staging one memcpy, at
-the cost of that much shared memory per rank, which is why the share is bounded and
-logged. A `transformers` model's config travels with each step (integrations/hf.py), so
+saves (ringsize.py: as large as the state when a bounded share of MemAvailable allows,
+logged). A `transformers` model's config travels with each step (integrations/hf.py), so
 an export is a directory `from_pretrained` opens as it is.
 """
 
@@ -51,15 +48,19 @@ from . import commit, loader
 from .checkpoint import Checkpoint
 from .client import Client
 from .config import MiB, ClientKnobs
-from .dtensor import is_dtensor, local_tensor
+from .dtensor import is_dtensor
 from .errors import CheckpointError, CorruptCheckpointError
 from .handle import SaveHandle
 from .integrations import hf
 from .ranks import resolve_rank
+from .ringsize import (DEFAULT_RING, MEM_SHARE, auto_ring_size, local_world_size, mem_available,
+                       state_bytes)
+
+__all__ = ["Checkpointer", "CheckpointerOptions", "DEFAULT_RING", "MEM_SHARE", "auto_ring_size",
+           "is_sharded_model", "load_parts", "local_world_size", "mem_available", "state_bytes",
+           "unwrapped"]
 
 CONTENTS = ("model", "optimizer", "extra")
-MEM_SHARE = 0.25  # of MemAvailable, split between the node's ranks, for the rings
-DEFAULT_RING = 64 * MiB
 log = logging.getLogger("asyncckpt.checkpointer")
 
 
@@ -462,74 +463,3 @@ def _agree(outcome: int) -> int:
     outcomes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, outcome)
     return max(outcomes)
-
-
-def auto_ring_size(state_bytes: int, slot_size: int, local_ranks: int,
-                   available: int | None) -> tuple[int, str]:
-    """A rank's ring size for a state of `state_bytes`, and why (for the log).
-
-    As large as the state (staging is then one memcpy: the fence waits ~0.1-0.3 s/GiB
-    instead of the disk's 1 s/GiB), but at most `MEM_SHARE` of MemAvailable split
-    between the node's `local_ranks`, never more than the state, and not below the
-    64 MiB default (or the state, if smaller) even when memory is tight. A multiple of
-    `slot_size`. `available` None (no /proc/meminfo): the default.
-    """
-    want = max(slot_size, -(-state_bytes // slot_size) * slot_size)
-    floor = min(want, max(slot_size, DEFAULT_RING // slot_size * slot_size))
-    if available is None:
-        return floor, f"the state is {state_bytes / MiB:.0f} MiB, MemAvailable unknown"
-    share = int(available * MEM_SHARE / max(1, local_ranks)) // slot_size * slot_size
-    size = max(floor, min(want, share))
-    why = (f"the state is {state_bytes / MiB:.0f} MiB; {MEM_SHARE:.0%} of MemAvailable "
-           f"{available / MiB:.0f} MiB over {local_ranks} local rank(s) is {share / MiB:.0f} MiB")
-    if size == want:
-        why += ": the whole state fits"
-    elif size == floor:
-        why += f": kept at the {floor / MiB:.0f} MiB floor"
-    return size, why
-
-
-def state_bytes(state: Any) -> int:
-    """Bytes of this rank's tensors in `state` (a global tensor's local shard; shared
-    memory counted once)."""
-    seen: set[tuple[Any, ...]] = set()
-    total = 0
-
-    def visit(node: Any) -> None:
-        nonlocal total
-        if isinstance(node, torch.Tensor):
-            node = local_tensor(node)
-            if node is None:
-                return
-            key = (node.device, node.data_ptr(), node.numel(), node.dtype)
-            if key not in seen:
-                seen.add(key)
-                total += node.numel() * node.element_size()
-        elif isinstance(node, dict):
-            for v in node.values():
-                visit(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                visit(v)
-
-    visit(state)
-    return total
-
-
-def local_world_size() -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def mem_available() -> int | None:
-    """/proc/meminfo's MemAvailable in bytes, or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
