@@ -12,6 +12,13 @@ writer's default, and part of every state never changes). After every kill: ever
 committed checkpoint verifies and loads bit-exact (following its references); `latest` names a
 committed step; a restarted writer has swept all tmp directories; the writer never maps
 more rings than there are ranks (rings of dead ranks are released).
+
+Between kills, the root is attacked as an unlucky user and bit rot would: a step (one
+that later steps reference, or a retired one) is moved to another directory and linked
+back, or one byte of a frame that the newest step references flips. The steps that
+shared those bytes are damaged by the attack itself and are left out of the checks;
+every step committed after it must verify and load, so new saves never reference a
+linked or damaged step.
 """
 
 from __future__ import annotations
@@ -83,10 +90,13 @@ class Job:
         return self.writer.wait(60)
 
 
-def check(root: Path, world: int) -> int:
-    """Verify and load every committed checkpoint; returns how many were checked."""
+def check(root: Path, world: int, damaged: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+    """Verify and load every committed checkpoint but the `damaged` ones (an attack
+    damaged them); returns how many were checked."""
     checked = 0
     for step in commit.committed_steps(root):
+        if step in damaged:
+            continue
         directory = root / f"step-{step:08d}"
         report = verify_checkpoint(directory)
         if not report.ok:
@@ -121,12 +131,51 @@ def references(root: Path) -> int:
     return count
 
 
+def attack(root: Path, elsewhere: Path, rng: random.Random) -> tuple[str, set[int]]:
+    """Link a referenced or retired step back from `elsewhere`, or flip a byte the newest
+    step references. Returns (what was done, the committed steps that do not verify now)."""
+    steps = commit.committed_steps(root)
+    if not steps:
+        return "", set()
+    try:
+        newest = read_manifest(root / f"step-{steps[-1]:08d}")
+    except asyncckpt.CheckpointError:
+        return "", set()
+    refs = [f.ref for p in newest.ranks for f in p.frames if f.ref is not None
+            and f.raw_length > 4096]
+    if not refs:
+        return "", set()
+    ref = rng.choice(refs)
+    name = next((n for n in (f"step-{ref.step:08d}", f"step-{ref.step:08d}.retired")
+                 if (root / n).is_dir() and not (root / n).is_symlink()), None)
+    if name is None:
+        return "", set()
+    if rng.random() < 0.5:
+        elsewhere.mkdir(exist_ok=True)
+        os.rename(root / name, elsewhere / name)
+        os.symlink(elsewhere / name, root / name)
+        what = f"linked back {name}"
+    else:
+        with open(root / name / ref.file, "r+b") as f:
+            f.seek(ref.offset + ref.length // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+        what = f"flipped a byte of {name}/{ref.file}"
+    damaged = {s for s in commit.committed_steps(root)
+               if not verify_checkpoint(root / f"step-{s:08d}").ok}
+    return what, damaged
+
+
 def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> dict:
     rng = random.Random(seed)
     job = Job(root, ranks, rng)
     job.start_writer()
-    survived = checked = writer_kills = armed_deaths = referencing = 0
+    survived = checked = writer_kills = armed_deaths = referencing = attacks = 0
     retired_seen: set[str] = set()
+    damaged: set[int] = set()   # committed steps an attack damaged: not checked
+    attacked_at: int | None = None  # the newest step when the first attack came
+    after_attack: set[int] = set()  # steps committed after it, checked
     started = time.monotonic()
     try:
         while survived < kills:
@@ -156,7 +205,19 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
                 time.sleep(0.2)  # let the writer fail the step the dead rank was in
                 rings = ring_mappings(job.writer.pid)
                 assert rings <= ranks, f"the writer maps {rings} rings for {ranks} ranks"
-            checked += check(root, ranks)
+            checked += check(root, ranks, damaged)
+            if attacked_at is not None:
+                after_attack |= {s for s in commit.committed_steps(root)
+                                 if s > attacked_at and s not in damaged}
+            if rng.random() < 0.1 and job.writer.poll() is None:
+                what, hit = attack(root, root.parent / "elsewhere", rng)
+                if what:
+                    attacks += 1
+                    damaged |= hit
+                    if attacked_at is None:
+                        attacked_at = (commit.committed_steps(root) or [0])[-1]
+                    if verbose:
+                        print(f"attack: {what}; damaged steps {sorted(hit)}", flush=True)
             referencing += references(root)
             retired_seen |= set(retired_now(root))
             survived += 1
@@ -166,6 +227,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
     finally:
         code = job.stop()
     result = {"kills_survived": survived, "writer_kills": writer_kills,
+              "attacks": attacks, "steps_verified_after_an_attack": len(after_attack),
               "referencing_steps_verified": referencing,
               "retired_seen": len(retired_seen), "retired_now": len(retired_now(root)),
               "crash_point_deaths": armed_deaths, "checkpoints_verified": checked,

@@ -4,8 +4,10 @@
 
 Each round launches a job of 2 simulated nodes x 2 ranks (one torchrun per node on
 loopback, each node with its own runtime directory; local rank 0 of each node starts that
-node's writer on the shared root). The ranks save steps one after another with
-keep_last=3, starting after the newest committed step. At a random moment one victim is
+node's writers). Every rank saves each step to two roots at once, as a job with an actor
+and a critic (or a model and its EMA) does: two shared roots, a writer per node for each,
+one store, steps one after another with keep_last=3, starting after the newest step
+committed in both. At a random moment one victim is
 SIGKILLed: a rank of either node, either node's writer, or a whole node (agent, ranks
 and writer at once); some rounds also arm a writer crash point (asyncckpt.faults) on a
 random node, so that deaths land exactly between the protocol's phases. After a short
@@ -14,7 +16,7 @@ every rank and agent is SIGKILLed and the writers, whose parent is gone, must ex
 themselves within a bound.
 
 After every round: no process of the job is left and none maps an asyncckpt ring; every
-committed step verifies and loads bit-exact for all 4 ranks; `latest` names a committed
+committed step of either root verifies and loads bit-exact for all 4 ranks; `latest` names a committed
 step; a round that committed step N left none of the tmp directories of steps up to N
 that were stale when it started (its leader swept them). The figures are printed at the
 end. Writers that had to retry their start (the other node's writer held the root's
@@ -56,33 +58,37 @@ def rank_main(start: int) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
     store = dist.distributed_c10d._get_default_store()
-    key = f"torture-writer-node{node}"
-    if int(os.environ["LOCAL_RANK"]) == 0:
-        root = Path(os.environ["TORTURE_ROOT"])
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                writer = asyncckpt.start_writer(root, log_file=root.parent / f"writer-node{node}.log")
-                break
-            except asyncckpt.WriterLockedError:
-                # the other node's writer of this job held the lock exclusively for an
-                # instant (RootLock takes it exclusively before sharing it): counted
-                (root.parent / f"lock-refused-{os.getpid()}-{time.monotonic_ns()}").touch()
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        store.set(key, writer.address)
-    address = store.get(key).decode()
-    client = asyncckpt.connect(address, slot_size=256 << 10, ring_size=1 << 20)
+    roots = [Path(r) for r in os.environ["TORTURE_ROOTS"].split(os.pathsep)]
+    clients = []
+    for which, root in enumerate(roots):
+        key = f"torture-writer-node{node}-root{which}"
+        if int(os.environ["LOCAL_RANK"]) == 0:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    writer = asyncckpt.start_writer(
+                        root, log_file=root.parent / f"writer-{root.name}-node{node}.log")
+                    break
+                except asyncckpt.WriterLockedError:
+                    # the other node's writer of this job held the lock exclusively for
+                    # an instant (RootLock takes it exclusively before sharing it): counted
+                    (root.parent / f"lock-refused-{os.getpid()}-{time.monotonic_ns()}").touch()
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            store.set(key, writer.address)
+        clients.append(asyncckpt.connect(store.get(key).decode(), slot_size=256 << 10,
+                                         ring_size=1 << 20))
     step = start
     while True:
-        handle = client.save(step, expected_state(rank, step), keep_last=3)
-        try:
-            handle.wait(120)
-        except asyncckpt.WriterUnavailableError:
-            return 3
-        except asyncckpt.SaveFailedError:
-            pass
+        handles = [c.save(step, expected_state(rank, step), keep_last=3) for c in clients]
+        for handle in handles:
+            try:
+                handle.wait(120)
+            except asyncckpt.WriterUnavailableError:
+                return 3
+            except asyncckpt.SaveFailedError:
+                pass
         step += 1
 
 
@@ -160,9 +166,10 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
     from multinode import Cluster, ring_mapping_pids, wait_for
 
     rng = random.Random(seed)
-    root = base / "ckpt"
+    roots = [base / "actor", base / "critic"]
     runtime = [Path(tempfile.mkdtemp(prefix=f"tmn{i}-")) for i in range(NODES)]
-    env = {"TORTURE_ROOT": str(root), "ASYNCCKPT_NODE_TIMEOUT": str(NODE_TIMEOUT),
+    env = {"TORTURE_ROOTS": os.pathsep.join(map(str, roots)),
+           "ASYNCCKPT_NODE_TIMEOUT": str(NODE_TIMEOUT),
            "ASYNCCKPT_ABSENT_RANK_TIMEOUT": str(NODE_TIMEOUT),
            "ASYNCCKPT_SHUTDOWN_TIMEOUT": "10", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     victims: collections.Counter[str] = collections.Counter()
@@ -171,14 +178,14 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
     try:
         survived = 0
         while survived < kills:
-            stale = tmp_dirs(root)
-            before = commit.committed_steps(root)
+            stale = {root: tmp_dirs(root) for root in roots}
+            before = {root: commit.committed_steps(root) for root in roots}
             node_env: dict[int, dict[str, str]] = {}
             armed = None
             if rng.random() < 0.25:
                 armed = (rng.randrange(NODES), rng.choice(faults.CRASH_POINTS))
                 node_env[armed[0]] = {"ASYNCCKPT_CRASH_AT": armed[1]}
-            start = (before[-1] if before else 0) + 1
+            start = max((steps[-1] for steps in before.values() if steps), default=0) + 1
             cluster = Cluster(base / "logs", NODES, PER_NODE, Path(__file__),
                               ["--as-rank", str(start)], env=env, node_env=node_env,
                               runtime_dirs=runtime).start()
@@ -204,13 +211,12 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
                         os.kill(ranks[local], signal.SIGKILL)
                         victim = f"node {node} rank (local {local})"
                     elif kind == "writer" and writers:
-                        for p in writers:
-                            os.kill(p, signal.SIGKILL)
-                        victim = f"node {node} writer"
+                        os.kill(rng.choice(sorted(writers)), signal.SIGKILL)
+                        victim = f"node {node} writer (one of its roots')"
                     else:
                         target.kill()
                         victim = f"node {node} (whole)"
-                    victims[victim.split(" (local")[0]] += 1
+                    victims[victim.split(" (")[0]] += 1
                 time.sleep(rng.uniform(0.0, 1.0))
                 stopped = stop_job(cluster)
                 figures["writer_stragglers"] += stopped["writer_stragglers"]
@@ -220,16 +226,19 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
                 cluster.kill()
             rings = ring_mapping_pids(cluster.leftover_pids())
             assert not rings, f"processes still map rings after the job stopped: {rings}"
-            after = commit.committed_steps(root)
-            figures["checkpoints_verified"] += check(root, bool(armed and armed[1] == "step_renamed"))
-            if after and (not before or after[-1] > before[-1]):
-                figures["rounds_committing"] += 1
-                # the leader sweeps an earlier incarnation's tmp dirs of steps up to the
-                # one it commits; those of later steps wait for a later commit
-                left = {n for n in stale & tmp_dirs(root) if tmp_step_of(n) <= after[-1]}
-                assert not left, f"a round that committed step {after[-1]} left stale {sorted(left)}"
-            figures["max_committed_kept"] = max(figures["max_committed_kept"], len(after))
-            figures["max_tmp_dirs"] = max(figures["max_tmp_dirs"], len(tmp_dirs(root)))
+            lagging = bool(armed and armed[1] == "step_renamed")
+            for root in roots:
+                after = commit.committed_steps(root)
+                figures["checkpoints_verified"] += check(root, lagging)
+                if after and (not before[root] or after[-1] > before[root][-1]):
+                    figures["rounds_committing"] += 1
+                    # the writers of a job sweep the tmp dirs of writers that are gone
+                    left = {n for n in stale[root] & tmp_dirs(root) if tmp_step_of(n) <= after[-1]}
+                    assert not left, f"a round that committed step {after[-1]} of {root.name} " \
+                                     f"left stale {sorted(left)}"
+                figures["max_committed_kept"] = max(figures["max_committed_kept"], len(after))
+                figures["max_tmp_dirs"] = max(figures["max_tmp_dirs"], len(tmp_dirs(root)))
+            after = {root.name: commit.committed_steps(root) for root in roots}
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:24s} "
@@ -241,7 +250,8 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
             shutil.rmtree(d, ignore_errors=True)
     figures["writer_starts_refused"] = len(list(base.glob("lock-refused-*")))
     return {"kills_survived": survived, **{f"killed[{k}]": v for k, v in sorted(victims.items())},
-            **figures, "last_step": (commit.committed_steps(root) or [0])[-1],
+            **figures, **{f"last_step[{root.name}]": (commit.committed_steps(root) or [0])[-1]
+                          for root in roots},
             "seconds": round(time.monotonic() - started, 1)}
 
 
