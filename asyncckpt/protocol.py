@@ -10,7 +10,8 @@ Messages (field "op"):
 
     rank -> writer   hello(rank, world_size, pid, slot_size, slots, need_slot), then the
                      ring's sealed memfd as one byte with SCM_RIGHTS (ring.py)
-                     begin(save, step, world_size, tensors, tree, retention)
+                     begin(save, step, world_size, tensors, tree, retention; optional
+                           coordinated, since + unchanged, replace, keep_from)
                      chunk(save, slot, length)   end(save)   abort(save, reason)
                      need_slot() (a rank whose hello said need_slot: it waits for a
                      free slot; until then the writer may leave its slots unread)

@@ -321,9 +321,13 @@ class RankReader:
     def _check(self, frame: Frame, index: int, which: str, actual: int, tensor: str | None) -> None:
         expected = frame.xxh3_raw if which == "raw" else frame.xxh3_stored
         if actual != expected:
+            where = "" if frame.ref is None else (
+                f", stored in {frame.ref.file} of step {frame.ref.step} at bytes "
+                f"{frame.ref.offset}..{frame.ref.offset + frame.ref.length} (referenced)")
             raise self._corrupt(
-                f"frame {index} (raw bytes {frame.raw_offset}..{frame.raw_offset + frame.raw_length}): "
-                f"xxh3 of {which} bytes mismatch (manifest {expected:016x}, file {actual:016x})", tensor)
+                f"frame {index} (raw bytes {frame.raw_offset}..{frame.raw_offset + frame.raw_length}"
+                f"{where}): xxh3 of {which} bytes mismatch (manifest {expected:016x}, file "
+                f"{actual:016x})", tensor)
 
     def _corrupt(self, cause: str, tensor: str | None = None) -> CorruptCheckpointError:
         where = f" (tensor {tensor!r})" if tensor else ""
