@@ -99,6 +99,7 @@ class DedupIndex:
         self._refs: dict[int, frozenset[int]] = {}  # step -> the steps it references
         self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
         self._unusable: set[int] = set()            # steps whose manifest did not check
+        self._replacing: set[int] = set()           # committed steps a save will replace
         self._last_manifest: Manifest | None = None
         self.refresh()
 
@@ -205,6 +206,15 @@ class DedupIndex:
         """Step `step` committed (its manifest now holds its references) or failed."""
         with self.lock:
             self._pins.pop(step, None)
+            self._replacing.discard(step)
+
+    def replacing(self, step: int) -> None:
+        """Open step `step` will replace the committed step of that number: its frames
+        are no targets from now until `release(step)` (then the disk says which one is
+        there)."""
+        with self.lock:
+            self._replacing.add(step)
+            self.forget([step])
 
     # -- what retention needs (with `lock` held) ---------------------------------------
 
@@ -256,7 +266,9 @@ class DedupIndex:
             known = set(self._refs)
             self.forget(sorted(known - set(present)))
         self._unusable &= set(present)
-        for step in sorted(set(present) - known - self._unusable):
+        with self.lock:
+            skipped = self._unusable | self._replacing
+        for step in sorted(set(present) - known - skipped):
             try:
                 manifest = read_manifest(present[step], self._limits)
             except CheckpointError as e:
@@ -269,7 +281,7 @@ class DedupIndex:
                 self._unusable.add(step)  # damaged or misnamed: its frames are no targets
                 continue
             with self.lock:
-                if step not in self._refs:
+                if step not in self._refs and step not in self._replacing:
                     self._add(manifest)
 
     def __len__(self) -> int:

@@ -166,6 +166,8 @@ class Steps:
                 if self._index is not None:
                     self._index.refresh()
                     self._index.open(step)
+                    if replace:  # no later save on this node may reference the old step
+                        self._index.replacing(step)
                 current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step, self._owner),
                                choice, coordinated=durable is not None, replace=replace)
                 self._open[step] = current

@@ -117,3 +117,22 @@ def test_keep_from_protects_steps_from_retention(root):
     assert commit.committed_steps(root) == [5]
     with pytest.raises(ValueError, match="keep_from"):
         save(root, 6, state(6), keep_from=-1)
+
+
+def test_a_save_queued_behind_a_replacement_never_references_the_old_step(root, monkeypatch):
+    """The old step's bytes are no dedup target from the replacing save's begin on: a
+    later save (here queued at once behind it, while the replacement's commit is slow)
+    cannot come to depend on them."""
+    old = state(1)
+    save(root, 1, old)
+    new = state(2)
+    monkeypatch.setenv("ASYNCCKPT_SLOW_AT", "manifest_written:1.5")
+    with asyncckpt.start_writer(root, codec="zstd", log_file=root.parent / "w.log") as writer:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+            first = client.save(1, new, replace=True)
+            second = client.save(2, {**old, "seed": 3})  # the old step's tensors again
+            assert first.wait(60) == root / "step-00000001"
+            assert second.wait(60) == root / "step-00000002"
+    assert_same(new, asyncckpt.load(root, step=1))
+    assert_same({**old, "seed": 3}, asyncckpt.load(root, step=2))
+    assert verify(root).ok and leftovers(root) == []
