@@ -49,7 +49,7 @@ from .checkpoint import Checkpoint
 from .client import Client
 from .config import MiB, ClientKnobs
 from .dtensor import is_dtensor
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .handle import SaveHandle
 from .integrations import hf
 from .ranks import resolve_rank
@@ -330,6 +330,10 @@ class Checkpointer:
         skipped = []
         for candidate in reversed(candidates):
             state, error = self._try_load(candidate, rank)
+            if (isinstance(error, CheckpointNotFoundError)
+                    and candidate not in commit.step_dirs(self.root)):
+                error = CorruptCheckpointError("deleted while restore listed it (retention of "
+                                               "a writer running on this root?)", step=candidate)
             verdict = _agree(_outcome(error))
             if verdict == 0:
                 return self._apply(state)

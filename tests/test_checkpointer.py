@@ -316,3 +316,26 @@ def test_replace_and_keep_from_reach_the_writer(writer, root):
         ckpt.save(3, keep_from=2).wait(60)
         assert ckpt.all_steps() == [2, 3]
         ckpt.client.close()
+
+
+def test_restore_skips_a_step_that_retention_deletes_while_it_looks(three_steps, monkeypatch, caplog):
+    """A writer still running on the root may prune the newest step between restore's
+    listing and its load: that step is skipped like a damaged one, not fatal."""
+    import shutil
+
+    from asyncckpt import checkpointer
+    root, states = three_steps
+    real = checkpointer.load_parts
+
+    def pruned_first(root_, step, *args):
+        if step == 3:
+            shutil.rmtree(root / "step-00000003")
+        return real(root_, step, *args)
+    monkeypatch.setattr(checkpointer, "load_parts", pruned_first)
+    model, opt = make_model(seed=5, width=16)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, fence=False)
+    with caplog.at_level("WARNING", logger="asyncckpt.checkpointer"):
+        assert ckpt.restore() == 2
+    assert_same(states[2], dict(model.state_dict()))
+    assert any("skips step 3" in r.getMessage() and "deleted while" in r.getMessage()
+               for r in caplog.records)
