@@ -86,6 +86,20 @@ def ranks(writers, store, node_timeout: float = 20) -> Iterator[list[asyncckpt.C
             c.close(timeout=30)
 
 
+def save_and_commit(clients, root: Path, steps) -> None:
+    """Every client saves each of `steps`; each must commit in `root`."""
+    for step in steps:
+        done = outcomes([c.save(step, state(c.rank, step)) for c in clients])
+        assert done == [root / f"step-{step:08d}"] * WORLD, done
+
+
+def assert_holds(root: Path, step: int) -> None:
+    """`root` verifies and its newest step is every rank's state of `step`."""
+    assert asyncckpt.verify(root).ok
+    for r in range(WORLD):
+        assert_same(state(r, step), asyncckpt.load(root, rank=r))
+
+
 def wait_until(condition, seconds: float = 10) -> bool:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -108,12 +122,8 @@ def outcomes(handles) -> list:
 def test_two_nodes_commit_one_checkpoint_equal_to_a_single_node_one(tmp_path, store):
     root = tmp_path / "ckpt"
     with nodes(tmp_path) as writers, ranks(writers, store) as clients:
-        for step in (1, 2):
-            done = outcomes([c.save(step, state(c.rank, step)) for c in clients])
-            assert done == [root / f"step-{step:08d}"] * WORLD
-    assert asyncckpt.verify(root).ok
-    for r in range(WORLD):
-        assert_same(state(r, 2), asyncckpt.load(root, rank=r))
+        save_and_commit(clients, root, (1, 2))
+    assert_holds(root, 2)
     names = sorted(os.listdir(root / "step-00000002"))
     assert names == ["manifest.json"] + [f"rank-{r:05d}.safetensors.zst" for r in range(WORLD)]
     assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
@@ -236,12 +246,8 @@ def test_outcomes_a_stale_store_holds_are_never_believed(tmp_path, store):
     for rank in range(1, WORLD):
         store.set(f"asyncckpt/0/c0/hello/{rank}", "feed")
     with nodes(tmp_path) as writers, ranks(writers, store) as clients:
-        for step in (1, 2):
-            done = outcomes([c.save(step, state(c.rank, step)) for c in clients])
-            assert done == [root / f"step-{step:08d}"] * WORLD
-    assert asyncckpt.verify(root).ok
-    for r in range(WORLD):
-        assert_same(state(r, 2), asyncckpt.load(root, rank=r))
+        save_and_commit(clients, root, (1, 2))
+    assert_holds(root, 2)
 
 
 def test_two_roots_in_one_job_commit_independently(tmp_path, store):
