@@ -68,14 +68,12 @@ import json
 import logging
 import os
 import queue
-import random
 import shutil
 import socket
 import threading
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -84,6 +82,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from ..export import export_hf
 from ..handle import SaveHandle
 from ..launch import start_writer
+from .rng import rng_state, set_rng_state
 from .verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate, read_tracker, root_of,
                          trainer_dir, write_atomic, writer_log)
 
@@ -337,7 +336,7 @@ class FSDPCheckpointManager:
 
     def _extra(self) -> dict[str, Any]:
         scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
-        return {"lr_scheduler": scheduler, "rng": _rng_state()}
+        return {"lr_scheduler": scheduler, "rng": rng_state()}
 
     # -- after the commit (rank 0) ------------------------------------------------------
 
@@ -438,31 +437,8 @@ class FSDPCheckpointManager:
         extra = reader.extra if self.should_load_extra else None
         if isinstance(extra, dict):
             if extra.get("rng") is not None:
-                _set_rng_state(extra["rng"])
+                set_rng_state(extra["rng"])
             if extra.get("lr_scheduler") is not None and self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         dist.barrier()
 
-
-def _rng_state() -> dict[str, Any]:
-    """CPU, numpy, Python (and accelerator) RNG states as savable values (no pickle)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "cpu": torch.get_rng_state(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                  float(gauss)],
-        "random": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    version, inner, gauss_next = state["random"]
-    random.setstate((version, tuple(inner), gauss_next))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,39 @@
+"""The random number generators' states as values a checkpoint can hold.
+
+verl's manager saves them with `torch.save` (pickled). Here they are tensors, ints and
+lists, so that they go through the manifest's JSON tree and the data file like any other
+state, and a load never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict[str, Any]:
+    """CPU, numpy, Python (and accelerator) RNG states as savable values (no pickle)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "cpu": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                  float(gauss)],
+        "random": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned (the accelerator's only where there is one)."""
+    torch.set_rng_state(state["cpu"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, inner, gauss_next = state["random"]
+    random.setstate((version, tuple(inner), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
