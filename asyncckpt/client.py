@@ -126,17 +126,18 @@ class _PendingSave:
             and e.tensor.numel() * e.tensor.element_size() >= SKIP_MIN_BYTES]
         self.skipped: set[int] = set()  # what the writer took from the basis step
         self.planned = threading.Event()
-        claim: dict[str, Any] = {"since": basis[0], "unchanged": self.unchanged} if self.unchanged else {}
+        optional: dict[str, Any] = {"since": basis[0], "unchanged": self.unchanged} \
+            if self.unchanged else {}
         if replace:
-            claim["replace"] = True
+            optional["replace"] = True
         if keep_from is not None:
-            claim["keep_from"] = keep_from
+            optional["keep_from"] = keep_from
         try:
             self.begin = protocol.encode(
                 "begin", save=save_id, step=step, world_size=world_size, tree=tree,
                 retention=retention, coordinated=key is not None,
                 tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries],
-                **claim)
+                **optional)
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
         if len(self.begin) > protocol.MAX_MESSAGE:
@@ -259,11 +260,9 @@ class Client:
             ValueError: a negative or non-int step or keep_from.
         """
         started = time.perf_counter()
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-            raise ValueError(f"step must be an int in 0..{MAX_STEP}; got {step!r}")
-        if keep_from is not None and (isinstance(keep_from, bool) or not isinstance(keep_from, int)
-                                      or not 0 <= keep_from <= MAX_STEP):
-            raise ValueError(f"keep_from must be None or an int in 0..{MAX_STEP}; got {keep_from!r}")
+        for name, value in (("step", step), ("keep_from", keep_from)):
+            if not (value is None and name == "keep_from" or _is_step(value)):
+                raise ValueError(f"{name} must be an int in 0..{MAX_STEP}; got {value!r}")
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         if self._broken is not None:
@@ -460,6 +459,10 @@ class Client:
             if pending.key is not None and self._agreement is not None:
                 self._agreement.broken(pending, self._broken)
             pending.handle._set_failed(self._broken)
+
+
+def _is_step(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_STEP
 
 
 def _store_for(coordination: str, world_size: int) -> Any:

@@ -51,8 +51,8 @@ def fsync_path(path: Path) -> None:
 
 def make_tmp_dir(root: Path, step: int, owner: OwnerMark | None = None) -> Path:
     """A new `step-N.tmp-<hex>` directory, named for its `owner` writer if given."""
-    name = owner.tmp_name(step_dir_name(step)) if owner else f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
-    path = root / name
+    name = step_dir_name(step)
+    path = root / (owner.tmp_name(name) if owner else f"{name}.tmp-{secrets.token_hex(4)}")
     path.mkdir()
     return path
 

@@ -116,10 +116,7 @@ class StoreCoordinator:
         if not self._wait_key(welcome, 2 * self.timeout):
             raise SaveFailedError(f"the leader (rank 0) did not answer rank {self.rank}'s "
                                   f"hello within {2 * self.timeout:g} s", rank=self.rank)
-        session = self.store.get(welcome).decode()
-        if self.session is not None and self.session != session:
-            raise SaveFailedError(f"rank {self.rank} was answered two sessions", rank=self.rank)
-        self.session = session
+        self.session = self.store.get(welcome).decode()
         self.store.delete_key(welcome)
         self.store.delete_key(f"{self.base}/hello/{self.rank}")
         return self.session
@@ -408,7 +405,7 @@ class Agreement:
     def _on_result(self, pending: Any, error: BaseException | None, path: str | None,
                    stats: dict) -> None:
         outcome = failure(error) if error else {"ok": True, "path": path}
-        if getattr(pending, "settled", False):
+        if pending.settled:
             return
         prefix = self._committing.pop(pending.id, None)
         if prefix is not None:  # the leader's claimed commit: its result is final
@@ -423,7 +420,7 @@ class Agreement:
 
     def _on_broken(self, pending: Any, error: BaseException) -> None:
         c = self.coordinator
-        if getattr(pending, "settled", False):
+        if pending.settled:
             return
         prefix = self._committing.pop(pending.id, None)
         if prefix is not None:  # the leader's writer went in its commit: a failure, finally
@@ -449,7 +446,7 @@ class Agreement:
     def _finish(self, pending: Any, outcome: Outcome, stats: dict, prefix: str | None) -> None:
         """Act on the save's outcome: the store's keys first (so once every handle is
         done the store holds nothing of the save), then the writer, then the handle."""
-        if getattr(pending, "settled", False):
+        if pending.settled:
             return
         pending.settled = True
         if prefix is not None:

@@ -16,8 +16,8 @@ written, the rank not yet told), parts_gathered (several nodes: the leader moved
 node's data files into its tmp directory, no manifest yet), manifest_written (before
 the rename), step_renamed (before `latest`), replaced (a replacing save's step renamed
 in, the step it replaced not yet deleted), set_aside (where the filesystem cannot swap
-directories: the replaced step renamed aside, the new one not yet in), pruning (a victim renamed, not yet deleted),
-retiring (a step still referenced renamed to step-N.retired, retention not finished),
+directories: the replaced step renamed aside, the new one not yet in), pruning (a victim
+renamed, not yet deleted), retiring (a step still referenced renamed to step-N.retired, retention not finished),
 retired_deleting (a retired step nothing references renamed away, not yet deleted). Unset, as
 in production, each hook costs a dictionary lookup.
 """

@@ -121,60 +121,65 @@ def _needed(root: Path, kept: list[int], index: Any) -> set[int] | None:
     manifest cannot be read (then nothing referenced could be told apart: keep all)."""
     needed = set(index.pinned()) if index is not None else set()
     for step in kept:
-        refs = index.references(step) if index is not None else None
-        if refs is None:
-            try:
-                refs = read_manifest(root / step_dir_name(step), ReadLimits()).referenced_steps
-            except CheckpointError as e:
-                log.warning("retention: step %d unreadable (%s); retiring instead of deleting",
-                            step, e.cause)
-                return None
-        needed |= refs
+        try:
+            needed |= _references_of(root, step, index)
+        except CheckpointError as e:
+            log.warning("retention: step %d unreadable (%s); retiring instead of deleting",
+                        step, e.cause)
+            return None
     return needed
 
 
-def release_for_replace(root: Path, step: int, index: Any = None) -> None:
-    """Before committed step `step` is replaced by a new save of it: make sure no other
-    committed step and no save in flight references its bytes (they would resolve to
-    the new step's files and fail their checksums), then drop it from the index so no
-    lookup finds it while it is swapped out.
+def _references_of(root: Path, step: int, index: Any) -> set[int] | frozenset[int]:
+    """The steps committed step `step` references: the index's, else its manifest's.
+
+    Raises:
+        CheckpointError: its manifest cannot be read.
+    """
+    refs = index.references(step) if index is not None else None
+    if refs is None:
+        refs = read_manifest(root / step_dir_name(step), ReadLimits()).referenced_steps
+    return refs
+
+
+def check_replaceable(root: Path, step: int, index: Any = None) -> None:
+    """Before step `step` is replaced by a new save of it (if it is committed): no other
+    committed step and no save in flight references its bytes, which would then resolve
+    to the new step's files and fail their checksums. (The index has skipped the step
+    since the replacing save began: `DedupIndex.replacing`.)
 
     Raises:
         SaveFailedError: a step references it, or a committed step's manifest cannot be
-            read to tell; nothing was changed.
+            read to tell.
     """
     with index.lock if index is not None else contextlib.nullcontext():
+        steps = committed_steps(root)
+        if step not in steps:
+            return
         users: list[int] = []
-        in_flight = index is not None and step in index.pinned()
-        for other in committed_steps(root):
-            if other == step:
-                continue
-            refs = index.references(other) if index is not None else None
-            if refs is None:
-                try:
-                    refs = read_manifest(root / step_dir_name(other), ReadLimits()).referenced_steps
-                except CheckpointError as e:
-                    raise SaveFailedError(f"cannot replace step {step}: step {other}'s manifest "
-                                          f"is unreadable ({e.cause}), so whether it references "
-                                          f"step {step} cannot be told", step=step) from None
-            if step in refs:
-                users.append(other)
-        if users or in_flight:
-            what = [f"step{'s' if len(users) > 1 else ''} {', '.join(map(str, users))}"] if users else []
+        for other in (s for s in steps if s != step):
+            try:
+                if step in _references_of(root, other, index):
+                    users.append(other)
+            except CheckpointError as e:
+                raise SaveFailedError(f"cannot replace step {step}: step {other}'s manifest "
+                                      f"is unreadable ({e.cause}), so whether it references "
+                                      f"step {step} cannot be told", step=step) from None
+        what = [f"step{'s' if len(users) > 1 else ''} {', '.join(map(str, users))}"] * bool(users)
+        if index is not None and step in index.pinned():
+            what.append("a save in flight")
+        if what:
             raise SaveFailedError(
-                f"cannot replace step {step}: its bytes are referenced by "
-                f"{' and '.join(what + ['a save in flight'] * in_flight)} (incremental saves), "
-                "which would no longer load; delete those steps first or save into another "
-                "root", step=step, file=str(root))
-        if index is not None:
-            index.forget([step])
+                f"cannot replace step {step}: its bytes are referenced by {' and '.join(what)} "
+                "(incremental saves), which would no longer load; delete those steps first or "
+                "save into another root", step=step, file=str(root))
 
 
 def check_references(root: Path, manifest: Manifest) -> None:
     """Before a step is published: every (step, file) its frames reference exists in
     the root (committed or retired, by the reader's rule: stepdirs.py) and is long
-    enough. Several nodes may reference
-    while only the leader deletes, so this is what rules out a dangling reference.
+    enough. Several nodes may reference while only the leader deletes, so this is what
+    rules out a dangling reference.
 
     Raises:
         SaveFailedError: a referenced file is missing or too short.

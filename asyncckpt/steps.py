@@ -168,8 +168,9 @@ class Steps:
                     self._index.open(step)
                     if replace:  # no later save on this node may reference the old step
                         self._index.replacing(step)
-                current = Step(step, world_size, codec, commit.make_tmp_dir(self.root, step, self._owner),
-                               choice, coordinated=durable is not None, replace=replace)
+                tmp_dir = commit.make_tmp_dir(self.root, step, self._owner)
+                current = Step(step, world_size, codec, tmp_dir, choice,
+                               coordinated=durable is not None, replace=replace)
                 self._open[step] = current
             elif (current.world_size != world_size or current.coordinated != (durable is not None)
                   or current.replace != replace):
@@ -249,8 +250,7 @@ class Steps:
         self._release(step)
         if not committed:  # and what writers that died in it left (several nodes)
             commit.discard(current.tmp_dir)
-            for name in owners.sweep_dead(self.root):
-                log.info("removed %s, left by a writer that is gone", name)
+            self._sweep_dead()
 
     def fail(self, step: int, error: CheckpointError) -> None:
         """Fail `step` for every rank: notify them, forget the step, discard its files."""
@@ -389,11 +389,10 @@ class Steps:
             if self._check is not None:
                 self._check(data, manifest)
             lifetimes.check_references(self.root, manifest)
-            replace = current.replace and os.path.lexists(self.root / step_dir_name(current.step))
-            if replace:
-                lifetimes.release_for_replace(self.root, current.step, self._index)
+            if current.replace:
+                lifetimes.check_replaceable(self.root, current.step, self._index)
             path = commit.publish(self.root, current.tmp_dir, current.step, data,
-                                  replace=replace)
+                                  replace=current.replace)
         except Exception as e:  # whatever it is, every rank of the step must hear of it
             error = e if isinstance(e, CheckpointError) else SaveFailedError(
                 f"commit failed: {type(e).__name__}: {e}", step=current.step)
@@ -407,8 +406,7 @@ class Steps:
         self._release(current.step)
         self._prune(current)
         if current.announced is not None:  # what writers that are gone left
-            for name in owners.sweep_dead(self.root):
-                log.info("removed %s, left by a writer that is gone", name)
+            self._sweep_dead()
         if self._on_commit:
             try:
                 self._on_commit(manifest, current)
@@ -436,6 +434,10 @@ class Steps:
             log.info("retention (keep_last=%d, keep_every=%d) deleted steps %s, retired %s "
                      "(still referenced), reclaimed retired %s", keep_last, keep_every,
                      done.deleted, done.retired, done.reclaimed)
+
+    def _sweep_dead(self) -> None:
+        for name in owners.sweep_dead(self.root):
+            log.info("removed %s, left by a writer that is gone", name)
 
     def _release(self, step: int) -> None:
         if self._index is not None:
