@@ -23,9 +23,8 @@ damaged step and the newest intact one, which `Checkpointer.restore()` falls bac
 its own (with a warning). A name there is advice to load that step, so it must be one:
 a step directory of the root by the reader's rule (stepdirs.py; a `step-N` linked in
 from elsewhere may hold a state this root never saved), whose manifest and files check,
-and which does not share the bytes that failed (with incremental saves the older steps
-reference the same frames: each frame the candidate shares with the damaged step is
-read and verified, once). It may be newer than the damaged step: a writer still
+and which does not share the bytes that failed (with incremental saves other steps
+reference the same frames; a frame's error says where its stored bytes lie). It may be newer than the damaged step: a writer still
 running commits steps while a load reads, and its retention deletes older ones.
 """
 
@@ -43,7 +42,7 @@ from . import commit
 from .config import ReadLimits
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
-from .manifest import Frame, Manifest, RankPart, read_manifest
+from .manifest import Manifest, Ref, read_manifest
 from .reader import RankReader, Readers, open_referenced, referenced_files
 from .sharded import ReadPlan
 from .stepdirs import is_step_dir
@@ -143,6 +142,8 @@ class Checkpoint:
             in `unreadable_ranks`.
         """
         directory = Path(directory)
+        if directory.is_symlink():  # opened where it lies: its references name steps of
+            directory = Path(os.path.realpath(directory))  # its own root, not the link's
         limits = limits or ReadLimits.from_env()
         if not os.path.lexists(directory / MANIFEST_NAME):
             return None, [CorruptCheckpointError(
@@ -256,8 +257,7 @@ class Checkpoint:
         except CorruptCheckpointError as e:
             if self.root is None:
                 raise
-            raise _damaged_newest(self.root, self.directory, e, self.limits,
-                                  self.manifest) from None
+            raise _damaged_newest(self.root, self.directory, e, self.limits) from None
 
     def close(self) -> None:
         if self._readers is not None:
@@ -295,29 +295,22 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, Path | None]:
 
 _RESOLVE_TRIES = 3  # listings of a root whose newest step vanished before it was examined
 
-Where = tuple[int, str, int, int]  # (step, data file, offset, length) of stored bytes
-
-
-def _damaged_newest(root: Path, directory: Path, problem: CheckpointError, limits: ReadLimits,
-                    damaged_manifest: Manifest | None = None) -> CorruptCheckpointError:
+def _damaged_newest(root: Path, directory: Path, problem: CheckpointError,
+                    limits: ReadLimits) -> CorruptCheckpointError:
     """The error for a root's damaged newest step, naming the newest intact step.
 
     The candidates are listed now, not when the load began, so a step a running writer
-    committed meanwhile is one, and steps its retention removed are not. Hazard: with
-    incremental saves, naming one can read again most of what the failed load read (the
-    bytes the candidate shares with the damaged step), on this error path only.
-
-    Args:
-        damaged_manifest: the damaged step's manifest when the problem was found while
-            reading its data (then candidates must verify the frames they share with it).
+    committed meanwhile is one, and steps its retention removed are not. A candidate
+    must pass `examine` and, when the damage was found in a frame's stored bytes
+    (`problem.detail["stored_at"]`), hold no frame stored there: with incremental saves
+    older and newer steps reference the same bytes, and would fail on them too.
     """
     damaged = parse_step_dir(directory.name)
+    failed: Ref | None = problem.detail.get("stored_at")
     steps = commit.step_dirs(root)
     newer = [s for s in steps if damaged is not None and s > damaged]
-    shared = _shared_with(damaged, damaged_manifest, problem.rank)
-    verified: dict[tuple, bool] = {}
     intact = next((s for s in reversed(steps) if s != damaged
-                   and _intact(root / step_dir_name(s), limits, shared, verified)), None)
+                   and _intact(root / step_dir_name(s), limits, failed)), None)
     if not os.path.lexists(directory):
         state = (f"step {damaged} was the newest step of {root} when this load began and is "
                  "gone now (a running writer's retention removes steps once newer ones commit)")
@@ -327,7 +320,7 @@ def _damaged_newest(root: Path, directory: Path, problem: CheckpointError, limit
     else:
         state = f"step {damaged} is the newest step of {root} and it is damaged"
     checks = "its manifest and files check" + (
-        f", and so do the bytes it shares with step {damaged}" if shared else "")
+        ", and it does not share the bytes that failed" if failed else "")
     hint = (f"the newest intact step is {intact} ({checks}): load it with step={intact}, or "
             "let Checkpointer.restore() fall back to it" if intact is not None
             else f"no {'other' if newer else 'older'} step is intact")
@@ -337,51 +330,15 @@ def _damaged_newest(root: Path, directory: Path, problem: CheckpointError, limit
         file=problem.file, newest_intact=intact)
 
 
-def _where(step: int, part: RankPart, frame: Frame) -> Where:
-    """Where frame `frame` of `part` (of step `step`) has its stored bytes."""
-    if frame.ref is not None:
-        return (frame.ref.step, frame.ref.file, frame.ref.offset, frame.ref.length)
-    return (step, part.file, frame.stored_offset, frame.stored_length)
-
-
-def _shared_with(step: int | None, manifest: Manifest | None, rank: int | None) -> set[Where]:
-    """Where the stored bytes of the damaged step's frames (of `rank`, when known) are:
-    any of them may be the bytes that failed, and a step sharing them would fail too."""
-    if manifest is None or step is None:
-        return set()
-    parts = [p for p in manifest.ranks if rank is None or p.rank == rank]
-    return {_where(step, p, f) for p in parts for f in p.frames if f.raw_length}
-
-
-def _intact(directory: Path, limits: ReadLimits, shared: set[Where],
-            verified: dict[tuple, bool]) -> bool:
-    """`directory` passes `examine`, and its frames stored where `shared` says verify
-    (`verified`: range key -> result, so bytes several candidates share are read once)."""
+def _intact(directory: Path, limits: ReadLimits, failed: Ref | None) -> bool:
+    """`directory` passes `examine`, and none of its frames is stored at `failed`."""
     opened, problems = Checkpoint.examine(directory, limits=limits)
     if opened is None or problems:
         return False
-    with opened:
-        try:
-            for part in opened.manifest.ranks:
-                for index, frame in enumerate(part.frames):
-                    if frame.raw_length and _where(opened.step, part, frame) in shared:
-                        reader = opened.reader(part.rank)
-                        key = reader.range_key(frame)
-                        if key not in verified:
-                            verified[key] = _verifies(reader, index)
-                        if not verified[key]:
-                            return False
-        except (CorruptCheckpointError, OSError):  # its data file fails to open or check
-            return False
-    return True
-
-
-def _verifies(reader: RankReader, index: int) -> bool:
-    try:
-        reader.read_stored(index)
-    except CorruptCheckpointError:
-        return False
-    return True
+    step = opened.step
+    return failed is None or not any(
+        (f.ref or Ref(step, part.file, f.stored_offset, f.stored_length)) == failed
+        for part in opened.manifest.ranks for f in part.frames)
 
 
 def _rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, GlobalTensor],

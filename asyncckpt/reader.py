@@ -141,7 +141,7 @@ class RankReader:
         try:
             codec.decode_into(stored, outs, frame.layout)
         except CorruptCheckpointError as e:
-            raise self._corrupt(f"frame {index}: {e.cause}", tensor) from None
+            raise self._corrupt(f"frame {index}: {e.cause}", tensor, frame) from None
         self._check(frame, index, "raw", xxh3_of(outs), tensor)
 
     def check_frames(self, on_frame: Callable[[Frame], None] | None = None,
@@ -164,10 +164,8 @@ class RankReader:
     def range_key(self, frame: Frame) -> tuple:
         """Identifies the bytes a frame stands for: where they are and what they must
         check as."""
-        where = frame.ref or Ref(self.step, self.part.file, frame.stored_offset,
-                                 frame.stored_length)
-        return (*where, frame.raw_length, frame.codec, frame.layout, frame.xxh3_stored,
-                frame.xxh3_raw)
+        return (*self.stored_at(frame), frame.raw_length, frame.codec, frame.layout,
+                frame.xxh3_stored, frame.xxh3_raw)
 
     def read_stored(self, index: int, scratch: dict | None = None) -> memoryview:
         """Frame `index`'s stored bytes (its own or referenced), verified: the stored
@@ -310,7 +308,7 @@ class RankReader:
         while outs:
             n = os.preadv(fd, outs, offset)
             if n == 0:
-                raise self._corrupt(f"frame {index}: file ends early", tensor)
+                raise self._corrupt(f"frame {index}: file ends early", tensor, frame)
             offset += n
             while outs and n >= len(outs[0]):
                 n -= len(outs[0])
@@ -321,18 +319,28 @@ class RankReader:
     def _check(self, frame: Frame, index: int, which: str, actual: int, tensor: str | None) -> None:
         expected = frame.xxh3_raw if which == "raw" else frame.xxh3_stored
         if actual != expected:
-            where = "" if frame.ref is None else (
-                f", stored in {frame.ref.file} of step {frame.ref.step} at bytes "
-                f"{frame.ref.offset}..{frame.ref.offset + frame.ref.length} (referenced)")
             raise self._corrupt(
                 f"frame {index} (raw bytes {frame.raw_offset}..{frame.raw_offset + frame.raw_length}"
-                f"{where}): xxh3 of {which} bytes mismatch (manifest {expected:016x}, file "
-                f"{actual:016x})", tensor)
+                f"): xxh3 of {which} bytes mismatch (manifest {expected:016x}, file "
+                f"{actual:016x})", tensor, frame)
 
-    def _corrupt(self, cause: str, tensor: str | None = None) -> CorruptCheckpointError:
+    def _corrupt(self, cause: str, tensor: str | None = None,
+                 frame: Frame | None = None) -> CorruptCheckpointError:
+        """The error for this rank's data; with `frame`, it says where the frame's stored
+        bytes lie when another step's file holds them, and keeps that place as
+        `detail["stored_at"]` (a `Ref`: whoever shares those bytes shares the damage)."""
         where = f" (tensor {tensor!r})" if tensor else ""
+        if frame is not None and frame.ref is not None:
+            where += (f"; its bytes are stored in {frame.ref.file} of step {frame.ref.step} at "
+                      f"{frame.ref.offset}..{frame.ref.offset + frame.ref.length} (referenced)")
+        detail = {} if frame is None else {"stored_at": self.stored_at(frame)}
         return CorruptCheckpointError(cause + where, step=self.step, rank=self.rank,
-                                      file=self.part.file)
+                                      file=self.part.file, **detail)
+
+    def stored_at(self, frame: Frame) -> Ref:
+        """Where `frame`'s stored bytes are: this step's file, or the referenced one."""
+        return frame.ref or Ref(self.step, self.part.file, frame.stored_offset,
+                                frame.stored_length)
 
 
 class Readers:
