@@ -34,7 +34,8 @@ from .codec import CodecParams
 from .config import ReadLimits
 from .encoding import FrameEncoder
 from .format import FORMAT_VERSION, MANIFEST_NAME
-from .manifest import Frame, Manifest, RankPart, admitted_codecs, parse_manifest
+from .manifest import Manifest, RankPart, admitted_codecs, check_readable
+from .reader import scratch_buffer
 
 
 def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: int | None = None,
@@ -67,7 +68,7 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
             manifest = Manifest(m.step, m.world_size, parts, created=m.created,
                                 writer_version=m.writer_version, format_version=FORMAT_VERSION)
         data = manifest.to_bytes()
-        parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)  # what a reader checks
+        check_readable(data, limits)  # re-encoded frames make it larger: still within bounds
         write_atomic(tmp / MANIFEST_NAME, data)
         os.rename(tmp, out)
         fsync_path(out.parent)
@@ -81,9 +82,8 @@ def _copy_rank(ckpt: Checkpoint, rank: int, directory: Path) -> RankPart:
     reader = ckpt.reader(rank)
     part = reader.part
     admitted = admitted_codecs(part.codec)
-    encoder = FrameEncoder(part.codec, CodecParams().level, part.tensors)
+    encoder: FrameEncoder | None = None  # made for the first frame that needs one
     context: dict = {}
-    raw = bytearray()
     frames, position = [], 0
     fd = os.open(directory / part.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -94,16 +94,16 @@ def _copy_rank(ckpt: Checkpoint, rank: int, directory: Path) -> RankPart:
                 copied = dataclasses.replace(frame, stored_offset=position,
                                              stored_length=len(pieces[0]), ref=None)
             else:
-                if len(raw) < frame.raw_length:
-                    raw = bytearray(frame.raw_length)
-                view = memoryview(raw)[:frame.raw_length]
+                encoder = encoder or FrameEncoder(part.codec, CodecParams().level, part.tensors)
+                view = scratch_buffer(context, "raw", frame.raw_length)
                 with ckpt.reading():
                     reader.read_frame_into(index, view)
                 encoded = encoder.encode(frame.raw_offset, view, context)
                 pieces = encoded.pieces
-                copied = Frame(frame.raw_offset, frame.raw_length, position,
-                               encoded.stored_length, encoded.codec, encoded.xxh3_raw,
-                               encoded.xxh3_stored, encoded.layout, frame.xxh3_128)
+                copied = dataclasses.replace(
+                    frame, stored_offset=position, stored_length=encoded.stored_length,
+                    codec=encoded.codec, xxh3_stored=encoded.xxh3_stored, layout=encoded.layout,
+                    ref=None)
             for piece in pieces:
                 piece = memoryview(piece).cast("B")
                 while piece:

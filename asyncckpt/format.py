@@ -44,8 +44,9 @@ _RETIRED_DIR = re.compile(r"step-([0-9]{8,})\.retired")
 RETIRED_SUFFIX = ".retired"
 _TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
 _REPLACED_DIR = re.compile(r"step-([0-9]{8,})\.replaced-[0-9a-f]+")
-_DATA_FILE = re.compile(r"rank-[0-9]{5,}\.safetensors(?:%s)?" % "|".join(
-    re.escape(spec.suffix) for spec in REGISTRY.values() if spec.suffix))
+_DATA_FILE = re.compile(r"rank-[0-9]{5,}\.safetensors(%s)" % "|".join(
+    re.escape(spec.suffix) for spec in REGISTRY.values()))
+_SUFFIX_CODECS = {spec.suffix: spec.name for spec in REGISTRY.values()}
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
 
 
@@ -114,7 +115,14 @@ def data_file_name(rank: int, codec: str) -> str:
 def is_data_file_name(name: str) -> bool:
     """A name `data_file_name` could have made (any rank, any stored codec): a plain
     name, never a path."""
-    return _DATA_FILE.fullmatch(name) is not None
+    return data_file_codec(name) is not None
+
+
+def data_file_codec(name: str) -> str | None:
+    """The codec a data file name's suffix stands for (`rank-00000.safetensors.bg`:
+    bytegroup), or None if `data_file_name` could not have made it."""
+    m = _DATA_FILE.fullmatch(name)
+    return None if m is None else _SUFFIX_CODECS[m.group(1)]
 
 
 def element_size(dtype_name: str) -> int:

@@ -47,7 +47,7 @@ from .config import ReadLimits
 from .errors import CorruptCheckpointError
 from .format import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_REFS,
                      MANIFEST_NAME, READABLE_VERSIONS, TensorSpec, data_file_name,
-                     element_size, is_data_file_name, parse_step_dir)
+                     data_file_codec, element_size, is_data_file_name, parse_step_dir)
 
 _PREFIX = b'{"xxh3":"'
 _MIDDLE = b'","manifest":'
@@ -55,12 +55,10 @@ _SUFFIX = b"}\n"
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _MAX_INT = 1 << 62
-_SUFFIX_CODECS = {spec.suffix: spec.name for spec in REGISTRY.values()}
-_DATA_SUFFIX = re.compile(r"rank-[0-9]{5,}\.safetensors(.*)")
 
 
-def admitted_codecs(file_codec: str) -> frozenset[str]:
-    """The frame codecs a data file of codec `file_codec` (its suffix) may hold.
+def admitted_codecs(codec: str) -> frozenset[str]:
+    """The frame codecs a data file of codec `codec` (its suffix) may hold.
 
     A codec without planes (raw, zstd) makes a file that is something as a whole (a
     safetensors file, a zstd stream), which one frame of another codec would break: it
@@ -70,21 +68,8 @@ def admitted_codecs(file_codec: str) -> frozenset[str]:
     Raises:
         CorruptCheckpointError: not a stored codec.
     """
-    spec = codec_spec(file_codec)
+    spec = codec_spec(codec)
     return frozenset({spec.name, RAW} if spec.plane_layout else {spec.name})
-
-
-def file_codec(name: str) -> str:
-    """The codec a data file name's suffix stands for (`rank-00000.safetensors.bg`:
-    bytegroup).
-
-    Raises:
-        CorruptCheckpointError: not a data file name.
-    """
-    m = _DATA_SUFFIX.fullmatch(name)
-    if m is None or m.group(1) not in _SUFFIX_CODECS:
-        raise CorruptCheckpointError(f"{name!r:.80} is not a data file name")
-    return _SUFFIX_CODECS[m.group(1)]
 
 
 class Ref(NamedTuple):
@@ -262,6 +247,22 @@ def _unseal(data: bytes, what: str) -> Any:
         raise CorruptCheckpointError(f"{what} is not valid JSON: {e}") from None
 
 
+def check_readable(data: bytes, limits: ReadLimits) -> Manifest:
+    """Parse manifest bytes about to be written as a reader will take them: within its
+    size bound (`limits.max_manifest_bytes`) and its rules. Whatever writes a manifest
+    (the writer's commit, `asyncckpt copy`) asks this first, so nothing is committed
+    that `load` refuses.
+
+    Raises:
+        CorruptCheckpointError: over the bound, or a rule broken.
+    """
+    if len(data) > limits.max_manifest_bytes:
+        raise CorruptCheckpointError(f"the manifest would be {len(data)} bytes, over the "
+                                     f"{limits.max_manifest_bytes} bytes a reader accepts "
+                                     "(max_manifest_bytes)")
+    return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)
+
+
 def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest:
     """Read, size-check, checksum and validate `directory`'s manifest.
 
@@ -364,7 +365,7 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step:
             _check(frame.codec in own_codecs, f"{where}: a {frame.codec} frame in {file}, "
                    f"which holds only {' and '.join(sorted(own_codecs))} frames")
         else:
-            held = admitted_codecs(file_codec(frame.ref.file))
+            held = admitted_codecs(data_file_codec(frame.ref.file) or "")  # a checked name
             _check(frame.codec in held, f"{where}: references a {frame.codec} frame in "
                    f"{frame.ref.file}, which holds only {' and '.join(sorted(held))} frames")
         raw_pos += frame.raw_length

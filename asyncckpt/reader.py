@@ -132,7 +132,7 @@ class RankReader:
             self._check(frame, index, "raw", xxh3_of(outs), tensor)
             return
         scratch = self._scratch if scratch is None else scratch
-        stored = _buffer(scratch, "stored", frame.encoded_length)
+        stored = scratch_buffer(scratch, "stored", frame.encoded_length)
         self._preadv(frame, index, [stored], tensor)
         self._check(frame, index, "stored", xxhash.xxh3_64_intdigest(stored), tensor)
         codec = scratch.get(("codec", frame.codec))
@@ -177,10 +177,10 @@ class RankReader:
         """
         frame = self.part.frames[index]
         scratch = self._scratch if scratch is None else scratch
-        self.read_frame_into(index, _buffer(scratch, "gap", frame.raw_length), None, scratch)
+        self.read_frame_into(index, scratch_buffer(scratch, "gap", frame.raw_length), None, scratch)
         if frame.codec == "raw":
-            return _buffer(scratch, "gap", frame.raw_length)
-        return _buffer(scratch, "stored", frame.encoded_length)
+            return scratch_buffer(scratch, "gap", frame.raw_length)
+        return scratch_buffer(scratch, "stored", frame.encoded_length)
 
     def read_ranges(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> None:
         """Fill each (begin, end, out, tensor name) with raw stream bytes begin..end.
@@ -229,7 +229,7 @@ class RankReader:
 
     def _run(self, job: _Job, scratch: dict) -> None:
         index, pieces, name = job
-        gap = _buffer(scratch, "gap", self.part.frames[index].raw_length)
+        gap = scratch_buffer(scratch, "gap", self.part.frames[index].raw_length)
         outs, pos = [], 0
         for piece in pieces:
             if isinstance(piece, int):
@@ -269,7 +269,7 @@ class RankReader:
 
     def _buffer(self, kind: str, size: int) -> memoryview:
         """A reused scratch buffer of at least `size` bytes (one per kind)."""
-        return _buffer(self._scratch, kind, size)
+        return scratch_buffer(self._scratch, kind, size)
 
     def prefetch(self, begin: int, end: int) -> None:
         """Ask the kernel to start reading the stored bytes of the frames that hold raw
@@ -409,7 +409,7 @@ def open_referenced(root: Path, step: int, name: str,
     return opened
 
 
-def _buffer(scratch: dict, kind: str, size: int) -> memoryview:
+def scratch_buffer(scratch: dict, kind: str, size: int) -> memoryview:
     """A reused buffer of at least `size` bytes from `scratch` (one per kind)."""
     buf = scratch.get(kind)
     if buf is None or len(buf) < size:

@@ -14,6 +14,7 @@ a bounded message per session, whatever the model size.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -27,7 +28,7 @@ from .autocodec import CodecChooser
 from .config import ReadLimits, WriterKnobs
 from .dedup import DedupIndex
 from .errors import CorruptCheckpointError, SaveFailedError
-from .manifest import Manifest, parse_manifest
+from .manifest import Manifest, check_readable
 from .owners import OwnerMark, sweep_dead
 from .pool import FramePool
 from .procstat import PeakSampler
@@ -53,7 +54,8 @@ class WriterServer:
             WriterLockedError: another writer holds `root` (of another job).
         """
         self.knobs = knobs or WriterKnobs.from_env()
-        self.read_limits = ReadLimits.from_env()
+        self.read_limits = dataclasses.replace(ReadLimits.from_env(),
+                                               max_frame_bytes=self.knobs.max_frame_bytes)
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = commit.RootLock(self.root, job)
@@ -161,14 +163,10 @@ class WriterServer:
 
     def _check_manifest(self, data: bytes, manifest: Manifest) -> None:
         """Refuse to commit what a reader would refuse: the reader's size bound (its
-        default, or ASYNCCKPT_MAX_MANIFEST_BYTES as this writer sees it) and its parser."""
-        bound = self.read_limits.max_manifest_bytes
-        if len(data) > bound:
-            raise SaveFailedError(f"the manifest would be {len(data)} bytes, over the "
-                                  f"{bound} bytes a reader accepts (max_manifest_bytes): "
-                                  "fewer tensors or ranks per step", step=manifest.step)
+        default, or ASYNCCKPT_MAX_MANIFEST_BYTES as this writer sees it), its parser and
+        the tiling of global tensors."""
         try:
-            global_tensors(parse_manifest(data, max_frame_bytes=self.knobs.max_frame_bytes))
+            global_tensors(check_readable(data, self.read_limits))
         except CorruptCheckpointError as e:
             raise SaveFailedError(f"the manifest would not verify: {e.cause}",
                                   step=manifest.step) from None

@@ -91,7 +91,7 @@ def test_the_copy_is_what_its_suffix_promises(copied):
     _, second, out = copied
     stream = safetensors_of(out, second)
     if stream is None:
-        return
+        pytest.skip("a bytegroup file is no safetensors stream as a whole: nothing to open")
     assert len(stream) == read_manifest(out).ranks[0].raw_size
     if second == "raw":
         with safetensors.safe_open(str(out / "rank-00000.safetensors"), "pt") as f:

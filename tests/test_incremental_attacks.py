@@ -87,6 +87,8 @@ def test_damage_after_a_writer_indexed_the_step_is_caught_at_the_next_lookup(roo
             flip_referenced_byte(root, 1, referencing=2)
             client.save(3, state(7, 3)).wait(60)
     assert_same(state(7, 3), asyncckpt.load(root, step=3))
+    assert read_manifest(root / "step-00000003").referenced_steps == {1}  # the intact frames
+    assert "no longer match their checksum" in (root.parent / "w.log").read_text()
 
 
 def test_a_step_linked_in_from_another_root_is_none_of_this_roots_steps(root, tmp_path):
