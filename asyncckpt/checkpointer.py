@@ -53,12 +53,9 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .handle import SaveHandle
 from .integrations import hf
 from .ranks import resolve_rank
-from .ringsize import (DEFAULT_RING, MEM_SHARE, auto_ring_size, local_world_size, mem_available,
-                       state_bytes)
+from .ringsize import auto_ring_size, local_world_size, mem_available, state_bytes
 
-__all__ = ["Checkpointer", "CheckpointerOptions", "DEFAULT_RING", "MEM_SHARE", "auto_ring_size",
-           "is_sharded_model", "load_parts", "local_world_size", "mem_available", "state_bytes",
-           "unwrapped"]
+__all__ = ["Checkpointer", "CheckpointerOptions", "is_sharded_model", "load_parts", "unwrapped"]
 
 CONTENTS = ("model", "optimizer", "extra")
 log = logging.getLogger("asyncckpt.checkpointer")
@@ -222,7 +219,7 @@ class Checkpointer:
 
     def _ring_size(self, state: Any) -> int | None:
         """The ring for this rank's own client: the `ring_size` given (or the
-        ASYNCCKPT_RING_SIZE knob), else `ring.auto_ring_size` of the state; logged."""
+        ASYNCCKPT_RING_SIZE knob), else `ringsize.auto_ring_size` of the state; logged."""
         if self._ring_request is not None:
             return self._ring_request
         if os.environ.get("ASYNCCKPT_RING_SIZE"):
@@ -345,10 +342,12 @@ class Checkpointer:
             skipped.append(f"step {candidate}: {why}")
         raise CorruptCheckpointError(f"no step under {self.root} loads: " + "; ".join(skipped))
 
-    def _try_load(self, step: int | None, rank: int | None) -> tuple[Any, CheckpointError | None]:
+    def _try_load(self, step: int | None, rank: int | None) -> tuple[Any, Exception | None]:
+        """The loaded state or the error, whatever it is (an OSError, a DCP error too):
+        every rank must reach the agreement that follows, or the others wait forever."""
         try:
             return self._load(step, rank), None
-        except CheckpointError as e:
+        except Exception as e:
             return None, e
 
     def _load(self, step: int | None, rank: int | None) -> Any:
@@ -453,7 +452,7 @@ class _Only:
         return tree
 
 
-def _outcome(error: CheckpointError | None) -> int:
+def _outcome(error: Exception | None) -> int:
     """A load's outcome for `_agree`: 0 loaded, 1 damaged, 2 any other error."""
     return 0 if error is None else 1 if isinstance(error, CorruptCheckpointError) else 2
 

@@ -120,11 +120,12 @@ def local_box(t: Any, where: str) -> tuple[torch.Tensor | None, tuple[int, ...]]
     return local, tuple(int(o) for o in offsets)
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
-    """The memory this rank holds of `t`: a global tensor's local part, else `t`."""
-    if is_global(t):
-        return local_box(t, "tensor")[0]
-    return t
+def local_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The memory this rank holds of `t` (a global tensor's local parts, else `t`),
+    without checking that it can be saved: that is `describe`'s, with the key path."""
+    if is_sharded_tensor(t):
+        return [shard.tensor for shard in t.local_shards()]  # type: ignore[attr-defined]
+    return [t.to_local() if is_dtensor(t) else t]
 
 
 def _sharded_box(t: Any, where: str) -> tuple[torch.Tensor | None, tuple[int, ...]]:

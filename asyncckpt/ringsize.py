@@ -14,19 +14,19 @@ from typing import Any
 
 import torch
 
-from .config import MiB
-from .dtensor import local_tensor
+from .config import ClientKnobs, MiB
+from .dtensor import local_tensors
 
 MEM_SHARE = 0.25  # of MemAvailable, split between the node's ranks, for the rings
-DEFAULT_RING = 64 * MiB
+DEFAULT_RING = ClientKnobs().ring_size  # the floor: the ring a client gets by default
 
 
 def auto_ring_size(state_bytes: int, slot_size: int, local_ranks: int,
                    available: int | None) -> tuple[int, str]:
     """A rank's ring size for a state of `state_bytes`, and why (for the log).
 
-    As large as the state (staging is then one memcpy: the fence waits ~0.1-0.3 s/GiB
-    instead of the disk's 1 s/GiB), but at most `MEM_SHARE` of MemAvailable split
+    As large as the state (staging is then one memcpy, and the fence waits for a copy
+    instead of the disk), but at most `MEM_SHARE` of MemAvailable split
     between the node's `local_ranks`, never more than the state, and not below the
     64 MiB default (or the state, if smaller) even when memory is tight. A multiple of
     `slot_size`. `available` None (no /proc/meminfo): the default.
@@ -55,13 +55,11 @@ def state_bytes(state: Any) -> int:
     def visit(node: Any) -> None:
         nonlocal total
         if isinstance(node, torch.Tensor):
-            node = local_tensor(node)
-            if node is None:
-                return
-            key = (node.device, node.data_ptr(), node.numel(), node.dtype)
-            if key not in seen:
-                seen.add(key)
-                total += node.numel() * node.element_size()
+            for local in local_tensors(node):
+                key = (local.device, local.data_ptr(), local.numel(), local.dtype)
+                if key not in seen:
+                    seen.add(key)
+                    total += local.numel() * local.element_size()
         elif isinstance(node, dict):
             for v in node.values():
                 visit(v)

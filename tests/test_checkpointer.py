@@ -232,7 +232,7 @@ def test_interval_skip_is_logged_once(tmp_path, caplog):
 
 
 def test_auto_ring_size_rules():
-    from asyncckpt.checkpointer import auto_ring_size
+    from asyncckpt.ringsize import auto_ring_size
     MiB, GiB = 1 << 20, 1 << 30
     slot = 4 * MiB
     size, why = auto_ring_size(3 * GiB, slot, 2, 24 * GiB)  # share 3 GiB: the whole state

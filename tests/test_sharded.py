@@ -209,6 +209,21 @@ def test_partial_placement_is_refused_at_save(writer):
             c.save(next(_steps), {"w": t})
 
 
+def test_a_partial_placement_is_named_by_its_key_through_a_checkpointer(writer, monkeypatch):
+    """The Checkpointer sizes its own client's ring from the state before it flattens it:
+    that must only count bytes, so the refusal still names the key."""
+    monkeypatch.setenv("ASYNCCKPT_ADDRESS", writer.address)
+    with as_rank(0, 2):
+        mesh = init_device_mesh("cpu", (2,))
+        t = DTensor.from_local(torch.ones(4), mesh, (Partial(),), run_check=False)
+        from asyncckpt.ringsize import state_bytes
+        assert state_bytes({"w": t}) == 16
+        ckpt = asyncckpt.Checkpointer(writer.root, fence=False)
+        with pytest.raises(asyncckpt.UnsupportedStateError, match=r"state\['extra'\]\['w'\].*Partial"):
+            ckpt.save(next(_steps), extra={"w": t}, force=True)
+        ckpt.close()
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda body: body["ranks"][1]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"]["offsets"].__setitem__(0, 0),
      "overlap|hold"),

@@ -77,14 +77,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpointer import Checkpointer, CheckpointerOptions
+from ..checkpointer import Checkpointer, CheckpointerOptions, unwrapped
+from ..commit import write_atomic
 from ..errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from ..export import export_hf
 from ..handle import SaveHandle
 from ..launch import start_writer
 from .rng import rng_state, set_rng_state
 from .verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate, read_tracker, root_of,
-                         trainer_dir, write_atomic, writer_log)
+                         trainer_dir, writer_log)
 
 __all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")
@@ -323,7 +324,7 @@ class FSDPCheckpointManager:
         """Rank 0: the model's config (and generation config) and the tokenizer, as verl
         writes them whatever the contents, for its merger and for `asyncckpt export`."""
         directory.mkdir(parents=True, exist_ok=True)
-        model = getattr(self.model, "_fsdp_wrapped_module", self.model)
+        model = unwrapped(self.model)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(directory)
@@ -374,8 +375,8 @@ class FSDPCheckpointManager:
                 with contextlib.suppress(OSError):
                     job.local_path.rmdir()  # only if nothing else is in it
             return
-        write_atomic(job.local_path / MARKER, json.dumps(
-            {"root": os.path.relpath(self._root, job.local_path), "step": job.step}) + "\n")
+        write_atomic(job.local_path / MARKER, (json.dumps(
+            {"root": os.path.relpath(self._root, job.local_path), "step": job.step}) + "\n").encode())
         self._saved.pop(str(job.local_path), None)  # saved again: now the newest
         self._saved[str(job.local_path)] = job.step
         try:
@@ -386,7 +387,7 @@ class FSDPCheckpointManager:
                            f"{job.local_path / 'huggingface'} failed: {type(e).__name__}: {e}")
         base = trainer_dir(job.local_path)
         if self.async_save and base is not None:
-            write_atomic(base / TRACKER, str(job.step))
+            write_atomic(base / TRACKER, str(job.step).encode())
         kept = set(self._ckpt.all_steps())  # what retention left, judged from the disk
         for old, step in list(self._saved.items()):
             if step not in kept and not holds(Path(old), self._root):
@@ -433,7 +434,10 @@ class FSDPCheckpointManager:
             return
         reader = Checkpointer(root, model=self.model, optimizer=self.optimizer, fence=False,
                               options=CheckpointerOptions(contents=contents))
-        reader.restore(step=step)
+        if reader.restore(step=step) is None:  # every rank lists the same (empty) root
+            raise CheckpointNotFoundError(f"{path} holds no committed step (its {ROOTS}/ root "
+                                          f"{root} is empty: a first save that failed?)",
+                                          file=str(path))
         extra = reader.extra if self.should_load_extra else None
         if isinstance(extra, dict):
             if extra.get("rng") is not None:

@@ -26,7 +26,6 @@ detected by the writers' coordination).
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -37,7 +36,8 @@ MARKER = "asyncckpt.json"
 ROOTS = "asyncckpt"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
-Gathered = tuple[str | None, int | None, int | None]  # (absolute path, step, keep_from)
+# what each rank of a save or load gathers: (absolute path, step, keep_from, failures)
+Gathered = tuple[str | None, int | None, int | None, list[str]]
 
 
 def agree(verb: str, everyone: list[Gathered]) -> tuple[Path | None, str]:
@@ -137,17 +137,3 @@ def read_tracker(local_path: Path) -> int | None:
     except (OSError, ValueError):
         return None
 
-
-def write_atomic(path: Path, text: str) -> None:
-    """`text` into `path`: a fsynced tmp file renamed over it, the directory fsynced."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

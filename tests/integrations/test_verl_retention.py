@@ -131,3 +131,14 @@ def test_a_failed_export_is_raised_by_the_next_save(group, tmp_path, monkeypatch
             m.save_checkpoint(str(tmp_path / "global_step_2" / "actor"), None, 2)
     finally:
         m.close()
+
+
+def test_loading_a_directory_whose_root_holds_no_step_raises(group, tmp_path):
+    """A first save that failed leaves `local_path/asyncckpt/` (and the writer's log)
+    behind; loading from it must say there is nothing, not return with nothing loaded."""
+    model, optim, sched = model_and_optimizer()
+    local = tmp_path / "checkpoint"
+    (local / "asyncckpt").mkdir(parents=True)
+    m = manager(model, optim, sched, async_save=False)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="holds no committed step"):
+        m.load_checkpoint(str(local))

@@ -102,6 +102,16 @@ def full_optimizer_state(model, optimizer):
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)
 
 
+def full_model_state(model):
+    """Added: the whole model state on every rank (a copy). verl's own check compares
+    `model.state_dict()` before and after the load, which under FSDP2 are the very
+    parameters the load fills in place: it cannot fail there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)
+
+
 def assert_same(a, b, path="optimizer"):
     """Added: `a` and `b` equal bit for bit (tensors) or by value (everything else)."""
     if isinstance(a, torch.Tensor):
@@ -189,6 +199,7 @@ def test_fsdp_ckpt(strategy="fsdp", temp_dir=None, keep=False):
     checkpoint_path = os.path.join(temp_dir, "checkpoint")
     checkpoint_manager.save_checkpoint(local_path=checkpoint_path, hdfs_path=None, global_step=0)
     saved_state_dict = model.state_dict()
+    saved_model = full_model_state(model)  # added
     saved_optimizer = full_optimizer_state(model, optimizer)  # added
     saved_scheduler = copy.deepcopy(lr_scheduler.state_dict())  # added
     saved_lr = optimizer.param_groups[0]["lr"]  # added
@@ -206,7 +217,10 @@ def test_fsdp_ckpt(strategy="fsdp", temp_dir=None, keep=False):
         logits_before_load = model(input_ids=input_ids2, position_ids=position_ids2).logits
 
     # Step 3: Load checkpoint and repeat second update
+    moved = full_model_state(model)  # added: the second update changed the weights
+    assert any(not torch.equal(moved[k], saved_model[k]) for k in saved_model)  # added
     checkpoint_manager.load_checkpoint(checkpoint_path)
+    assert_same(full_model_state(model), saved_model, "model")  # added
     loaded_state_dict = model.state_dict()
     for key in loaded_state_dict:
         assert key in saved_state_dict, f"Key {key} not found in saved state dict"
