@@ -16,9 +16,9 @@ Nothing is ever pickled.
 Tree nodes (see docs/FORMAT.md): a str, int, bool, null or finite float stands for
 itself; `{"float": "nan"|"inf"|"-inf"}`; `{"dict": [[key, node], ...]}` with str or int
 keys, none repeated (a reader that kept the first value and one that kept the last would
-rebuild two different states); `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor": name}`; and for a DTensor
-`{"dtensor": {"name", "dtype", "shape", "offsets", "placements"}}` (see `dtensor.py`):
-the global tensor `name`, of which this rank wrote the box at `offsets` under the same
+rebuild two different states); `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor":
+name}`; and for a DTensor `{"dtensor": {"name", "dtype", "shape", "offsets",
+"placements"}}` (see `dtensor.py`): the global tensor `name`, of which this rank wrote the box at `offsets` under the same
 name, or nothing (`offsets` null: a replica another rank writes, or an empty shard); and
 `{"view": {"of", "dtype", "offset", "shape", "stride"}}` for a tensor whose memory lies
 inside an earlier saved tensor.
