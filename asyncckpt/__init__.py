@@ -13,24 +13,32 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                     DiskFullError, SaveFailedError, StateMismatchError,
-                     UnsupportedStateError, WriterLockedError, WriterUnavailableError)
-from .launch import WriterProcess, start_writer
+from asyncckpt._version import __version__
+from asyncckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DiskFullError,
+    SaveFailedError,
+    StateMismatchError,
+    UnsupportedStateError,
+    WriterLockedError,
+    WriterUnavailableError,
+)
+from asyncckpt.rank.launch import WriterProcess, start_writer
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer, CheckpointerOptions
-    from .client import Client
-    from .handle import SaveHandle
-    from .export import export_hf
-    from .loader import load
-    from .verification import verify
-    from .copying import copy_step
+    from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
+    from asyncckpt.rank.client import Client
+    from asyncckpt.rank.handle import SaveHandle
+    from asyncckpt.read.copying import copy_step
+    from asyncckpt.read.export import export_hf
+    from asyncckpt.read.loader import load
+    from asyncckpt.read.verification import verify
 
-_LAZY = {"Client": "client", "SaveHandle": "handle", "load": "loader",
+_LAZY = {"Client": "rank.client", "SaveHandle": "rank.handle", "load": "read.loader",
          "Checkpointer": "checkpointer", "CheckpointerOptions": "checkpointer",
-         "verify": "verification", "export_hf": "export", "copy_step": "copying"}
+         "verify": "read.verification", "export_hf": "read.export", "copy_step": "read.copying"}
 
 
 def __getattr__(name: str) -> Any:
@@ -42,7 +50,7 @@ def __getattr__(name: str) -> Any:
 def connect(address: str | None = None, *, rank: int | None = None,
             world_size: int | None = None, **knobs: Any) -> "Client":
     """Connect this rank to a writer; see `Client` for the arguments and errors."""
-    from .client import Client
+    from asyncckpt.rank.client import Client
     return Client(address, rank=rank, world_size=world_size, **knobs)
 
 
@@ -52,7 +60,7 @@ def save(step: int, state_dict: Any) -> "SaveHandle":
     The first call connects to ASYNCCKPT_ADDRESS as RANK of WORLD_SIZE (or the
     torch.distributed rank). Pending saves are waited for at interpreter exit.
     """
-    from .client import default_client
+    from asyncckpt.rank.client import default_client
     return default_client().save(step, state_dict)
 
 

@@ -19,12 +19,14 @@ import threading
 import time
 from pathlib import Path
 
-from . import commit, lifetimes
-from ._version import __version__
-from .config import CODECS, WriterKnobs, parse_knob
-from .launch import default_job
-from .errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
-from .format import is_tmp_dir, step_dir_name, tmp_step_of
+from asyncckpt._version import __version__
+from asyncckpt.config import CODECS, WriterKnobs, parse_knob
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
+from asyncckpt.format import stepdirs
+from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
+from asyncckpt.rank.launch import default_job
+from asyncckpt.writer import commit
+from asyncckpt.writer import retention as lifetimes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _writer(args: argparse.Namespace) -> int:
-    from .writer import WriterServer
+    from asyncckpt.writer.server import WriterServer
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s asyncckpt-writer[%(process)d] %(levelname)s %(message)s")
     overrides = dict(kv.split("=", 1) for kv in args.knob)
@@ -129,7 +131,7 @@ def _watch_parent(pid: int, shutdown) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verification import verify_iter
+    from asyncckpt.read.verification import verify_iter
     bar = _ProgressBar() if sys.stderr.isatty() and not args.json else None
     reports = []
     try:
@@ -160,15 +162,15 @@ def _dir_size(directory: Path) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from .checkpoint import Checkpoint
+    from asyncckpt.read.checkpoint import Checkpoint
     root = Path(args.root)
     if not root.is_dir():
         print(f"asyncckpt ls: {root} is not a directory", file=sys.stderr)
         return 2
     now = time.time()
-    latest = commit.read_latest(root)
+    latest = stepdirs.read_latest(root)
     rows = []
-    for step in commit.step_dirs(root):  # a step-N failing its checks is listed as damaged
+    for step in stepdirs.step_dirs(root):  # a step-N failing its checks is listed as damaged
         directory = root / step_dir_name(step)
         try:
             with Checkpoint.open(directory) as ckpt:
@@ -201,7 +203,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import Checkpoint
+    from asyncckpt.read.checkpoint import Checkpoint
     try:
         with Checkpoint.open(args.path) as ckpt:
             directory, m, globals_ = ckpt.directory, ckpt.manifest, ckpt.sharded
@@ -338,7 +340,7 @@ def _gc(args: argparse.Namespace) -> int:
         lock.release()
     result = {"deleted_steps": pruned.deleted, "retired_steps": pruned.retired,
               "reclaimed_steps": pruned.reclaimed, "removed_tmp": removed_tmp,
-              "kept_steps": commit.committed_steps(root),
+              "kept_steps": stepdirs.committed_steps(root),
               "still_referenced": lifetimes.retired_steps(root)}
     if args.json:
         json.dump(result, sys.stdout, indent=1)
@@ -354,9 +356,9 @@ def _gc(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from .config import parse_size
-    from .errors import CheckpointError, CorruptCheckpointError
-    from .export import export_hf
+    from asyncckpt.config import parse_size
+    from asyncckpt.errors import CheckpointError, CorruptCheckpointError
+    from asyncckpt.read.export import export_hf
     bar = _ProgressBar() if sys.stderr.isatty() and not args.json else None
     try:
         index = export_hf(args.path, args.out, rank=args.rank, contents=args.contents or None,
@@ -383,8 +385,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _copy(args: argparse.Namespace) -> int:
-    from .copying import copy_step
-    from .errors import CorruptCheckpointError
+    from asyncckpt.errors import CorruptCheckpointError
+    from asyncckpt.read.copying import copy_step
     try:
         out = copy_step(args.path, args.out, args.step)
     except FileExistsError as e:
@@ -393,7 +395,7 @@ def _copy(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"asyncckpt copy: {e}", file=sys.stderr)
         return 1 if isinstance(e, CorruptCheckpointError) else 2
-    from .manifest import read_manifest
+    from asyncckpt.format.manifest import read_manifest
     m = read_manifest(out)
     if args.json:
         json.dump({"out": str(out), "step": m.step, "bytes": m.stored_size}, sys.stdout, indent=1)

@@ -19,7 +19,9 @@ import dataclasses
 import os
 from typing import Any, TypeVar
 
-from .codec import SETTINGS as CODECS  # the writer's codec knob: stored codecs + "auto"
+from asyncckpt.codec.registry import (
+    SETTINGS as CODECS,  # the writer's codec knob: stored codecs + "auto"
+)
 
 MiB = 1 << 20
 _K = TypeVar("_K", bound="_FromEnv")

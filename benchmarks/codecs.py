@@ -45,10 +45,15 @@ import numpy as np
 import torch
 import zstandard
 
-from asyncckpt import literals, planes
-from asyncckpt.codec import BytegroupCodec, FrameHints, PlaneLayout, matches_compressor
-from asyncckpt.encoding import FrameEncoder
-from asyncckpt.format import TensorSpec
+from asyncckpt.codec import literals, planes
+from asyncckpt.codec.registry import (
+    BytegroupCodec,
+    FrameHints,
+    PlaneLayout,
+    matches_compressor,
+)
+from asyncckpt.format.layout import TensorSpec
+from asyncckpt.writer.encoding import FrameEncoder
 
 FRAME = 4 << 20
 RESULTS = Path(__file__).parent / "results"

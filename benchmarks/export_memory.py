@@ -6,7 +6,7 @@ A model of 64 MiB fp32 tensors is saved by `--ranks` simulated ranks as DTensors
 `Shard(0)`, half `Shard(1)`, which is the worst case: every output tensor gathers a
 column block from each rank), then `asyncckpt export --dtype bfloat16` runs in its own
 process; its peak RSS (VmHWM) is compared with the model, the largest tensor, and the
-same interpreter's baseline after `import torch, asyncckpt.export`.
+same interpreter's baseline after `import torch, asyncckpt.read.export`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> int:
             model_bytes = save_sharded(writer, args.model_gib, args.ranks)
         export = peak_rss(["asyncckpt", "export", str(Path(tmp) / "ckpt"), "--out",
                            str(Path(tmp) / "hf"), "--dtype", "bfloat16", "--max-shard-size", "256MiB"])
-        baseline = peak_rss(["asyncckpt.export"])
+        baseline = peak_rss(["asyncckpt.read.export"])
     line = (f"`python -m benchmarks.export_memory --model-gib {args.model_gib} --ranks {args.ranks}`: "
             f"model {model_bytes / MiB:.0f} MiB fp32 in 64 MiB tensors saved by {args.ranks} ranks "
             f"(Shard(0)/Shard(1)), exported as bf16: peak RSS {export / MiB:.0f} MiB, of which "

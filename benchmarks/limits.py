@@ -26,9 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from asyncckpt.commit import fsync_path
-
-from . import measure
+from asyncckpt import measure
+from asyncckpt.storage.durable import fsync_path
 
 MiB = 1 << 20
 COPY_BLOCK = 64 * MiB

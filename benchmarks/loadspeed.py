@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import measure, workloads
+from asyncckpt import measure, workloads
 
 MiB = 1 << 20
 READ_BLOCK = 8 * MiB
@@ -66,7 +66,7 @@ def build(kind: str, nbytes: int) -> dict[str, Any]:
 def save_asyncckpt(root: Path, state: dict[str, Any], codec: str) -> Path:
     """Save `state` as step 1 of `root` with a real writer; return the step directory."""
     import asyncckpt
-    from asyncckpt.format import step_dir_name
+    from asyncckpt.format.layout import step_dir_name
     slot = 4 * MiB
     ring = -(-workloads.state_bytes(state) // slot) * slot
     writer = asyncckpt.start_writer(root, codec=codec, incremental=False,
@@ -113,8 +113,9 @@ def cold_read(path: Path) -> int:
 def methods(state: dict[str, Any], roots: dict[str, Path], st_path: Path,
             into: bool) -> list[tuple[str, Path, Callable[[], Any]]]:
     """(name, files to drop, load) for every method measured."""
-    import asyncckpt
     from safetensors.torch import load_file
+
+    import asyncckpt
     out: list[tuple[str, Path, Callable[[], Any]]] = []
     for codec, directory in roots.items():
         out.append((f"asyncckpt {codec}", directory,

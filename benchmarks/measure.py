@@ -54,13 +54,13 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from asyncckpt import procstat
+from asyncckpt.runtime import procstat
 
 SHM = "/dev/shm"
 
 
 def read_status(pid: int | str = "self") -> dict[str, int]:
-    """/proc/PID/status in bytes (asyncckpt.procstat), empty if the process is gone."""
+    """/proc/PID/status in bytes (asyncckpt.runtime.procstat), empty if the process is gone."""
     try:
         return procstat.read_status(pid)
     except OSError:

@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 
 import asyncckpt
-from asyncckpt import ring
-from asyncckpt.procstat import read_status
+from asyncckpt.ipc import ring
+from asyncckpt.runtime.procstat import read_status
 
 SLOT = 4 << 20
 
@@ -68,7 +68,7 @@ def staging(gib: int = 1, busy: bool = True) -> dict[str, float]:
 def ring_pages(gib: float = 1, reps: int = 7) -> dict[str, object]:
     """The benchmark's synthetic state (hundreds of tensors) copied back to back into a
     ring of its size, as the stager does with ring = state."""
-    from . import workloads
+    from asyncckpt import workloads
     state = workloads.build_state(workloads.synthetic(int(gib * (1 << 30))))
     tensors = [t for _, t in workloads.tensor_items(state)]
     slots = -(-sum(t.nbytes for t in tensors) // SLOT)

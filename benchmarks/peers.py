@@ -37,9 +37,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from asyncckpt.commit import fsync_path
-
-from . import measure, workloads
+from asyncckpt import measure, workloads
+from asyncckpt.storage.durable import fsync_path
 
 MiB = 1 << 20
 
@@ -220,7 +219,7 @@ class DcpAsyncProcess(_Dcp):
 
 class AsyncCkpt(Method):
     loader = "asyncckpt.load (xxh3-verified)"
-    modules = ("asyncckpt.client", "asyncckpt.loader")
+    modules = ("asyncckpt.rank.client", "asyncckpt.read.loader")
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__(options)
@@ -254,7 +253,7 @@ class AsyncCkpt(Method):
         return Pending(handle.done, handle.wait)
 
     def output(self, step: int) -> Path:
-        from asyncckpt.format import step_dir_name
+        from asyncckpt.format.layout import step_dir_name
         return self.root / step_dir_name(step)
 
     def rep_stats(self) -> dict[str, Any]:
@@ -267,7 +266,7 @@ class AsyncCkpt(Method):
     def codec_report(self, step: int) -> dict[str, Any]:
         """Stored/raw per dtype and frames per codec of a committed step (asyncckpt inspect)."""
         from asyncckpt.cli import codec_summary
-        from asyncckpt.manifest import read_manifest
+        from asyncckpt.format.manifest import read_manifest
         return codec_summary(read_manifest(self.output(step)))
 
     def close(self) -> None:
@@ -319,14 +318,14 @@ ZIPNN = "zipnn"
 
 def registry_codecs() -> list[str]:
     """Every stored codec of asyncckpt's registry except raw."""
-    from asyncckpt.codec import RAW, REGISTRY
+    from asyncckpt.codec.registry import RAW, REGISTRY
     return [name for name in REGISTRY if name != RAW]
 
 
 def plane_codecs() -> list[str]:
     """The registry's float-aware codecs (frames carry a plane layout): the ones held to
     ZipNN's ratio and to the per-thread speed targets."""
-    from asyncckpt.codec import REGISTRY
+    from asyncckpt.codec.registry import REGISTRY
     return [name for name, spec in REGISTRY.items() if spec.plane_layout]
 
 
@@ -338,7 +337,7 @@ def frame_hints(width: int, choice: Any) -> Any:
     """The `FrameHints` of a tensor-aligned frame (phase 0) from a codec's probe answer:
     a tuple of plane flags, or a named tuple whose fields are FrameHints fields (a probe
     that decides more than the planes, e.g. a sign rotation)."""
-    from asyncckpt.codec import FrameHints
+    from asyncckpt.codec.registry import FrameHints
     if hasattr(choice, "_asdict"):
         return FrameHints(width=width, phase=0, **choice._asdict())
     return FrameHints(width, 0, tuple(choice))
@@ -348,7 +347,7 @@ class _Ours:
     """A registry codec driven as the writer drives it, frame by frame."""
 
     def __init__(self, name: str) -> None:
-        from asyncckpt.codec import make_codec
+        from asyncckpt.codec.registry import make_codec
         self.name = name
         self._make = make_codec
         self.codec = make_codec(name)

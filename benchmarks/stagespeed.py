@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import limits, measure, workloads
+from asyncckpt import limits, measure, workloads
 
 MiB = 1 << 20
 SLOT = 4 * MiB
@@ -163,7 +163,7 @@ class DcpStager:
     """DCP async_save with a reused background stager (as benchmarks.peers runs it)."""
 
     def __init__(self, root: Path, state: dict[str, Any]) -> None:
-        from . import peers
+        from asyncckpt import peers
         self.method = peers.make("dcp.async-stager")
         self.method.setup(root, state)
         self.step = 0
@@ -192,7 +192,7 @@ def med(xs: list[float]) -> float:
 def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
             threads: list[int]) -> dict[str, Any]:
     """`threads`: copy threads of the stager to compare (0: as shipped, 1: no helper)."""
-    from asyncckpt import stager
+    from asyncckpt.rank import stager
     tensors = flat_tensors(state)
     copy = memcpy_one_thread(tensors)
     memmove = memcpy_one_thread(tensors, "memmove")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import asyncckpt
-from asyncckpt.procstat import PeakSampler, read_status
+from asyncckpt.runtime.procstat import PeakSampler, read_status
 
 MiB = 1 << 20
 

@@ -46,7 +46,7 @@ import xxhash
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import asyncckpt
-from asyncckpt.procstat import ring_mappings
+from asyncckpt.runtime.procstat import ring_mappings
 
 WORLD_SIZE = 2
 CRASHING_RANK = 1

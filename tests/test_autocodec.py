@@ -4,14 +4,14 @@ from what it measured, and a writer with codec auto saves and loads bit-exact.""
 from __future__ import annotations
 
 import torch
+from conftest import assert_same, running_writer
 
 import asyncckpt
-from asyncckpt import encoding
-from asyncckpt.autocodec import CodecChooser
-from asyncckpt.encoding import FrameEncoder
-from asyncckpt.format import TensorSpec
-from asyncckpt.manifest import read_manifest
-from conftest import assert_same, running_writer
+from asyncckpt.format.layout import TensorSpec
+from asyncckpt.format.manifest import read_manifest
+from asyncckpt.writer import encoding
+from asyncckpt.writer.autocodec import CodecChooser
+from asyncckpt.writer.encoding import FrameEncoder
 
 GB = 1e9
 

@@ -10,21 +10,21 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import xxhash
 import pytest
 import torch
+import xxhash
+from conftest import assert_same, running_writer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
-from asyncckpt import planes
-from asyncckpt.codec import BytegroupCodec, FrameHints, PlaneLayout, make_codec
-from asyncckpt.dtypes import DTYPE_NAMES
-from asyncckpt.encoding import FrameEncoder
+from asyncckpt.codec import planes
+from asyncckpt.codec.registry import BytegroupCodec, FrameHints, PlaneLayout, make_codec
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format import layout
-from asyncckpt.manifest import Frame, Manifest, RankPart, parse_manifest, read_manifest
-from conftest import assert_same, running_writer
+from asyncckpt.format.layout import layout
+from asyncckpt.format.manifest import Frame, Manifest, RankPart, parse_manifest, read_manifest
+from asyncckpt.torchutil.dtypes import DTYPE_NAMES
+from asyncckpt.writer.encoding import FrameEncoder
 
 # -- planes ---------------------------------------------------------------------------------------
 
@@ -448,8 +448,9 @@ def test_every_dtype_round_trips_whatever_its_bits(data):
 def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
     import threading
     import time
-    from asyncckpt.pipeline import RankFileWriter
-    from asyncckpt.pool import FramePool
+
+    from asyncckpt.runtime.pool import FramePool
+    from asyncckpt.writer.pipeline import RankFileWriter
 
     rng = torch.Generator().manual_seed(5)
     n_frames, size = 40, 8192
@@ -488,9 +489,9 @@ def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
 
 
 def test_a_write_error_fails_the_file_and_drains_the_frames(tmp_path, monkeypatch):
-    from asyncckpt import pipeline
-    from asyncckpt.pipeline import RankFileWriter
-    from asyncckpt.pool import FramePool
+    from asyncckpt.runtime.pool import FramePool
+    from asyncckpt.writer import pipeline
+    from asyncckpt.writer.pipeline import RankFileWriter
 
     header, specs = layout([("w", "U8", (50_000,))])
     errors: list[BaseException] = []

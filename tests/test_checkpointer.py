@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointerOptions
 from asyncckpt.errors import StepAlreadyCommittedError
-from conftest import assert_same
 
 
 def make_model(seed: int = 0, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -153,7 +153,7 @@ def three_steps(tmp_path):
 
 
 def flip_tensor_byte(directory) -> None:
-    from asyncckpt.checkpoint import Checkpoint
+    from asyncckpt.read.checkpoint import Checkpoint
     with Checkpoint.open(directory) as ckpt:
         part = ckpt.manifest.ranks[0]
     frame = part.frames[-1]  # the last frame holds tensor bytes
@@ -232,7 +232,7 @@ def test_interval_skip_is_logged_once(tmp_path, caplog):
 
 
 def test_auto_ring_size_rules():
-    from asyncckpt.ringsize import auto_ring_size
+    from asyncckpt.rank.ringsize import auto_ring_size
     MiB, GiB = 1 << 20, 1 << 30
     slot = 4 * MiB
     size, why = auto_ring_size(3 * GiB, slot, 2, 24 * GiB)  # share 3 GiB: the whole state
@@ -276,7 +276,7 @@ def test_own_client_ring_sized_from_the_state(writer, root, monkeypatch, caplog)
 def test_restore_reads_only_the_contents_asked_for(writer, root, monkeypatch):
     """Regression: restoring only the model still read (and allocated) the saved optimizer
     state, as full tensors for a sharded one."""
-    from asyncckpt import loader
+    from asyncckpt.read import loader
     model, opt = make_model()
     train_step(model, opt, 1)
     with Checkpointer(root, model=model, optimizer=opt,

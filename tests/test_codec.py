@@ -10,10 +10,18 @@ import sys
 import pytest
 import zstandard
 
-from asyncckpt import autocodec, config
-from asyncckpt.codec import (AUTO, CODECS, REGISTRY, FrameHints, RawCodec, ZstdCodec,
-                             make_codec)
+from asyncckpt import config
+from asyncckpt.codec.registry import (
+    AUTO,
+    CODECS,
+    REGISTRY,
+    FrameHints,
+    RawCodec,
+    ZstdCodec,
+    make_codec,
+)
 from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.writer import autocodec
 
 PAYLOADS = {
     "random": os.urandom(5000),
@@ -203,7 +211,7 @@ def test_knob_manifest_and_auto_follow_the_registry():
 
 def test_codec_modules_do_not_import_torch():
     """The writer process never loads torch (~140 MiB of private memory)."""
-    code = ("import sys, asyncckpt.config, asyncckpt.codec, asyncckpt.encoding, "
-            "asyncckpt.format, asyncckpt.manifest, asyncckpt.autocodec; "
+    code = ("import sys, asyncckpt.config, asyncckpt.codec.registry, asyncckpt.writer.encoding, "
+            "asyncckpt.format.layout, asyncckpt.format.manifest, asyncckpt.writer.autocodec; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,9 +6,12 @@ import os
 
 import pytest
 
-from asyncckpt import commit, lifetimes
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError, WriterLockedError
-from asyncckpt.manifest import Manifest, RankPart, parse_manifest
+from asyncckpt.format import stepdirs
+from asyncckpt.format.manifest import Manifest, RankPart, parse_manifest
+from asyncckpt.storage import durable
+from asyncckpt.writer import commit
+from asyncckpt.writer import retention as lifetimes
 
 
 def empty_manifest(step: int) -> bytes:
@@ -27,7 +30,7 @@ def test_publish_renames_writes_manifest_and_latest(tmp_path):
     assert final == tmp_path / "step-00000005" and not tmp.exists()
     assert parse_manifest((final / "manifest.json").read_bytes(), max_frame_bytes=1 << 20).step == 5
     assert (tmp_path / "latest").read_text() == "step-00000005\n"
-    assert commit.committed_steps(tmp_path) == [5]
+    assert stepdirs.committed_steps(tmp_path) == [5]
     with pytest.raises(StepAlreadyCommittedError, match="already exists"):
         publish(tmp_path, 5)
 
@@ -35,13 +38,13 @@ def test_publish_renames_writes_manifest_and_latest(tmp_path):
 def test_latest_follows_the_disk_not_memory(tmp_path):
     for step in (3, 9, 7):
         publish(tmp_path, step)
-    assert commit.read_latest(tmp_path) == 9
+    assert stepdirs.read_latest(tmp_path) == 9
     (tmp_path / "step-00000009" / "manifest.json").unlink()  # no manifest: not a checkpoint
     commit.update_latest(tmp_path)
-    assert commit.read_latest(tmp_path) == 7
+    assert stepdirs.read_latest(tmp_path) == 7
     os.mkdir(tmp_path / "step-00000100")  # a bare directory is not a checkpoint either
     commit.update_latest(tmp_path)
-    assert commit.committed_steps(tmp_path) == [3, 7]
+    assert stepdirs.committed_steps(tmp_path) == [3, 7]
 
 
 def test_remove_stale_tmp_only_touches_tmp_dirs(tmp_path):
@@ -66,8 +69,8 @@ def test_root_lock_is_exclusive_and_released(tmp_path):
 
 
 def test_write_atomic_leaves_no_tmp_file(tmp_path):
-    commit.write_atomic(tmp_path / "f", b"x" * 100)
-    commit.write_atomic(tmp_path / "f", b"y")
+    durable.write_atomic(tmp_path / "f", b"x" * 100)
+    durable.write_atomic(tmp_path / "f", b"y")
     assert [p.name for p in tmp_path.iterdir()] == ["f"] and (tmp_path / "f").read_bytes() == b"y"
 
 
@@ -77,7 +80,7 @@ def test_prune_keeps_the_newest_and_leaves_no_half_deleted_step(tmp_path):
     assert lifetimes.prune(tmp_path, keep_last=2).deleted == [10, 20]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000030", "step-00000040"]
     assert lifetimes.prune(tmp_path, keep_last=0).deleted == []
-    assert commit.committed_steps(tmp_path) == [30, 40]
+    assert stepdirs.committed_steps(tmp_path) == [30, 40]
 
 
 def test_root_lock_never_follows_a_planted_symlink(tmp_path):
@@ -109,9 +112,9 @@ def test_read_latest_refuses_what_is_not_a_small_regular_file(tmp_path, kind):
             f.truncate(1 << 30)
     else:
         latest.symlink_to(tmp_path / "nowhere")
-    assert commit.read_latest(tmp_path) is None
+    assert stepdirs.read_latest(tmp_path) is None
     commit.update_latest(tmp_path)  # replaces it with a real pointer
-    assert commit.read_latest(tmp_path) == 4
+    assert stepdirs.read_latest(tmp_path) == 4
 
 
 def test_the_writer_never_commits_a_manifest_over_the_readers_size_bound(tmp_path, monkeypatch):
@@ -128,6 +131,6 @@ def test_the_writer_never_commits_a_manifest_over_the_readers_size_bound(tmp_pat
             with pytest.raises(SaveFailedError, match="over the 8192 bytes a reader accepts"):
                 client.save(2, many).wait(30)
             client.save(3, small).wait(30)  # the writer goes on
-    assert commit.committed_steps(root) == [1, 3]
+    assert stepdirs.committed_steps(root) == [1, 3]
     assert not [p for p in root.iterdir() if ".tmp-" in p.name]
     assert torch.equal(asyncckpt.load(root)["w"], small["w"])

@@ -15,11 +15,11 @@ import safetensors
 import safetensors.torch
 import torch
 import zstandard
+from conftest import SMALL_RING, assert_same
 
 import asyncckpt
 from asyncckpt.cli import main as cli
-from asyncckpt.manifest import read_manifest
-from conftest import SMALL_RING, assert_same
+from asyncckpt.format.manifest import read_manifest
 
 # what each suffix's file may hold (docs/FORMAT.md's codec table), spelled out here
 ALLOWED = {"raw": {"raw"}, "zstd": {"zstd"}, "bytegroup": {"bytegroup", "raw"}}

@@ -15,9 +15,9 @@ from typing import Callable
 
 import pytest
 import torch
+from conftest import assert_same
 
 import asyncckpt
-from conftest import assert_same
 
 REPS = 12
 SLEEP = 20_000_000  # GPU cycles (~10-20 ms): a producer still busy when save() returns

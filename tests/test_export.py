@@ -49,7 +49,7 @@ def test_export_loads_in_transformers_with_identical_outputs(client, root, tmp_p
 def test_export_dtype_and_contents(client, root, tmp_path):
     state = {"model": {"w": torch.randn(100, 10), "ids": torch.arange(5)}, "other": {"x": torch.ones(2)}}
     client.save(1, state).wait(30)
-    asyncckpt_export = __import__("asyncckpt.export", fromlist=["export_hf"]).export_hf
+    asyncckpt_export = __import__("asyncckpt.read.export", fromlist=["export_hf"]).export_hf
     index = asyncckpt_export(root, tmp_path / "out", dtype=torch.bfloat16)
     assert set(index["weight_map"]) == {"w", "ids"}
     loaded = load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")
@@ -62,10 +62,9 @@ def test_export_dtype_and_contents(client, root, tmp_path):
 def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
     """Two ranks save a BERT as DTensors (Shard(0) and Shard(1) mixed, the embeddings
     replicated); the export assembles every tensor and transformers gets identical outputs."""
-    from torch.distributed.tensor import Replicate, Shard
-
     from conftest import running_writer
     from test_sharded import dtensor_of, save_ranks
+    from torch.distributed.tensor import Replicate, Shard
 
     transformers, config, model = tiny_bert()
     full = model.state_dict()
@@ -126,7 +125,7 @@ def test_tied_embeddings_are_stored_once_and_come_back_tied(client, root, tmp_pa
     wte = state["transformer.wte.weight"]
     client.save(1, {"model": state}).wait(60)
     client.save(2, {"model": {k: v.clone() for k, v in state.items()}}).wait(60)  # untied copy
-    from asyncckpt.manifest import read_manifest  # raw streams: step 2 is incremental
+    from asyncckpt.format.manifest import read_manifest  # raw streams: step 2 is incremental
     tied, untied = (read_manifest(root / f"step-0000000{s}").raw_size for s in (1, 2))
     assert untied - tied >= wte.numel() * wte.element_size()  # the tied copy is not written
 

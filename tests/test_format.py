@@ -10,12 +10,20 @@ import safetensors
 import safetensors.torch
 import torch
 
-from asyncckpt.dtypes import DTYPE_NAMES, DTYPES
+from asyncckpt.codec.registry import CODECS
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
-from asyncckpt.codec import CODECS
-from asyncckpt.format import (DTYPE_SIZES, data_file_name, element_size, is_tmp_dir, layout,
-                              parse_step_dir, step_dir_name, tmp_step_of)
-from asyncckpt.flatten import flatten
+from asyncckpt.format.layout import (
+    DTYPE_SIZES,
+    data_file_name,
+    element_size,
+    is_tmp_dir,
+    layout,
+    parse_step_dir,
+    step_dir_name,
+    tmp_step_of,
+)
+from asyncckpt.rank.flatten import flatten
+from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

@@ -15,12 +15,15 @@ import torch
 import xxhash
 
 import asyncckpt
-from asyncckpt import dtypes, manifest, planes, pipeline
-from asyncckpt.codec import CODECS, REGISTRY
+from asyncckpt.codec import planes
+from asyncckpt.codec.registry import CODECS, REGISTRY
 from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format import DTYPE_SIZES, MANIFEST_NAME, data_file_name, layout
-from asyncckpt.manifest import admitted_codecs, parse_manifest
+from asyncckpt.format import manifest
+from asyncckpt.format.layout import DTYPE_SIZES, MANIFEST_NAME, data_file_name, layout
+from asyncckpt.format.manifest import admitted_codecs, parse_manifest
+from asyncckpt.torchutil import dtypes
+from asyncckpt.writer import pipeline
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text()
 MAX_FRAME = 256 << 20

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same
 
 import asyncckpt
-from asyncckpt import commit, lifetimes
 from asyncckpt.cli import main as cli
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.manifest import Manifest, read_manifest
-from asyncckpt.reader import RankReader
-from asyncckpt.verification import verify
-from conftest import assert_same
+from asyncckpt.format import stepdirs
+from asyncckpt.format.manifest import Manifest, read_manifest
+from asyncckpt.read.reader import RankReader
+from asyncckpt.read.verification import verify
+from asyncckpt.writer import retention as lifetimes
 
 SLOT = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 
@@ -99,13 +100,13 @@ def test_retention_retires_the_referenced_step_and_deletes_the_rest(root):
     save_all(root, states, keep_last=2)
     names = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
     assert names == ["step-00000001.retired", "step-00000003", "step-00000004"]
-    assert commit.committed_steps(root) == [3, 4]
+    assert stepdirs.committed_steps(root) == [3, 4]
     for step in (3, 4):
         assert_same(states[step], asyncckpt.load(root, step=step))
     with pytest.raises(asyncckpt.CheckpointNotFoundError):
         asyncckpt.load(root, step=1)  # retired: data only, not a checkpoint
     assert verify(root).ok
-    assert commit.read_latest(root) == 4
+    assert stepdirs.read_latest(root) == 4
 
 
 def test_gc_reclaims_a_retired_step_once_nothing_references_it(root):
@@ -133,7 +134,7 @@ def test_writer_retention_reclaims_retired_steps(root):
 
 
 def test_a_save_in_flight_pins_what_it_references(root):
-    from asyncckpt.dedup import DedupIndex
+    from asyncckpt.writer.dedup import DedupIndex
     save_all(root, {1: state(7, 1), 2: state(8, 2)})  # step 2 references nothing of step 1
     index = DedupIndex(root)
     frame = max(read_manifest(root / "step-00000001").ranks[0].frames, key=lambda f: f.raw_length)
@@ -164,8 +165,8 @@ def test_commit_refuses_a_reference_to_a_step_that_is_gone(root):
 
 def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
     """Another node's leader deleted the referenced step while this step was in flight."""
-    from asyncckpt.dedup import DedupIndex
-    from asyncckpt.steps import Steps
+    from asyncckpt.writer.dedup import DedupIndex
+    from asyncckpt.writer.steps import Steps
     root = tmp_path / "ckpt"
     save_all(root, {1: state(7, 1)})
     index = DedupIndex(root)
@@ -176,7 +177,7 @@ def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
         part = read_manifest(root / "step-00000001").ranks[0]
         frame = max(part.frames, key=lambda f: f.raw_length)
         target = index.lookup(frame.xxh3_128, frame.raw_length, 2)
-        from asyncckpt.manifest import Frame, RankPart, Ref
+        from asyncckpt.format.manifest import Frame, RankPart, Ref
         ref = Frame(0, frame.raw_length, 0, 0, target.codec, target.xxh3_raw, target.xxh3_stored,
                     target.layout, frame.xxh3_128, Ref(1, target.file, target.offset, target.length))
         (current.tmp_dir / part.file).write_bytes(b"")
@@ -187,7 +188,7 @@ def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
         steps.close(1)
     (error, path), = heard
     assert isinstance(error, SaveFailedError) and "of step 1" in str(error) and path is None
-    assert commit.committed_steps(root) == []
+    assert stepdirs.committed_steps(root) == []
     with index.lock:
         assert index.pinned() == set()
 
@@ -207,9 +208,9 @@ def test_writer_killed_at_each_new_crash_point(root, monkeypatch, where):
         with pytest.raises(asyncckpt.WriterUnavailableError):
             client.save(4 if where == "retired_deleting" else 3, later).wait(60)
     assert writer._proc.wait(10) == -9
-    newest = commit.committed_steps(root)[-1]
+    newest = stepdirs.committed_steps(root)[-1]
     assert_same(later, asyncckpt.load(root, step=newest))  # committed before retention ran
-    for step in commit.committed_steps(root):
+    for step in stepdirs.committed_steps(root):
         assert verify(root / f"step-{step:08d}").ok
     names = {p.name for p in root.iterdir()}
     if where == "retiring":
@@ -322,7 +323,7 @@ def test_a_retired_step_number_is_never_saved_again(root):
 
 
 def test_the_index_skips_damaged_or_misnamed_steps(root):
-    from asyncckpt.dedup import DedupIndex
+    from asyncckpt.writer.dedup import DedupIndex
     save_all(root, {1: state(7, 1), 2: state(8, 2)})
     os.rename(root / "step-00000001", root / "step-00000005.retired")  # says step 1 inside
     (root / "step-00000002" / "rank-00000.safetensors.zst").unlink()

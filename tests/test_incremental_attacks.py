@@ -9,12 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-import asyncckpt
-from asyncckpt.manifest import read_manifest
-from asyncckpt.verification import verify
 from conftest import assert_same
 from test_incremental import SLOT, save_all, state
+
+import asyncckpt
+from asyncckpt.format.manifest import read_manifest
+from asyncckpt.read.verification import verify
 
 
 def flip_referenced_byte(root: Path, step: int, referencing: int) -> None:
@@ -93,12 +93,12 @@ def test_damage_after_a_writer_indexed_the_step_is_caught_at_the_next_lookup(roo
 
 def test_a_step_linked_in_from_another_root_is_none_of_this_roots_steps(root, tmp_path):
     """Listed, loaded, restored, retained: the same rule as for references (stepdirs.py)."""
-    from asyncckpt import commit
+    from asyncckpt.format import stepdirs
     foreign = tmp_path / "foreign"
     save_all(foreign, {9: state(3, 9)})
     save_all(root, {1: state(7, 1), 2: state(7, 2)})
     os.symlink(foreign / "step-00000009", root / "step-00000009")
-    assert commit.committed_steps(root) == [1, 2]
+    assert stepdirs.committed_steps(root) == [1, 2]
     assert_same(state(7, 2), asyncckpt.load(root))
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="is a symlink"):
         asyncckpt.load(root, step=9)
@@ -106,7 +106,7 @@ def test_a_step_linked_in_from_another_root_is_none_of_this_roots_steps(root, tm
     assert ckpt.latest_step() == 2
     save_all(root, {3: state(7, 3)}, keep_last=1)
     assert os.path.islink(root / "step-00000009")  # never renamed nor deleted by retention
-    assert commit.committed_steps(root) == [3] and verify(root).ok
+    assert stepdirs.committed_steps(root) == [3] and verify(root).ok
     assert_same(state(3, 9), asyncckpt.load(foreign))
 
 

@@ -13,8 +13,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncckpt import codec, literals, planes
-from asyncckpt.codec import BytegroupCodec, FrameHints, matches_compressor
+from asyncckpt.codec import literals, planes
+from asyncckpt.codec import registry as codec
+from asyncckpt.codec.registry import BytegroupCodec, FrameHints, matches_compressor
 
 pytestmark = pytest.mark.skipif(not literals.available(), reason="zstandard[cffi] not installed")
 

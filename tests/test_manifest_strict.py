@@ -17,14 +17,14 @@ from typing import Callable
 import pytest
 import torch
 import xxhash
+from conftest import SMALL_RING, assert_same
 
 import asyncckpt
 from asyncckpt.cli import main as cli
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.manifest import parse_manifest, parse_part, part_to_bytes, read_manifest
-from asyncckpt.tree import check_tree
-from conftest import SMALL_RING, assert_same
+from asyncckpt.format.layout import MANIFEST_NAME
+from asyncckpt.format.manifest import parse_manifest, parse_part, part_to_bytes, read_manifest
+from asyncckpt.format.tree import check_tree
 
 sys.path.insert(0, str(Path(__file__).parent / "faults"))
 from hostile_rank import HostileRank  # noqa: E402

@@ -13,15 +13,15 @@ import os
 from pathlib import Path
 
 import pytest
-
-import asyncckpt
-from asyncckpt import loader
-from asyncckpt.checkpoint import Checkpoint
-from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
-from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.manifest import read_manifest
 from conftest import assert_same
 from test_incremental import SLOT, save_all, state
+
+import asyncckpt
+from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.manifest import read_manifest
+from asyncckpt.read import loader
+from asyncckpt.read.checkpoint import Checkpoint
 
 
 def step_dir(root: Path, step: int) -> Path:

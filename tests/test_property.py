@@ -15,17 +15,17 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from conftest import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
-from asyncckpt.codec import make_codec
-from asyncckpt.dtypes import DTYPE_NAMES
-from asyncckpt.format import layout
-from asyncckpt.manifest import Frame, Manifest, RankPart, parse_manifest
-from asyncckpt.flatten import flatten
-from asyncckpt.tree import unflatten
-from conftest import assert_same
+from asyncckpt.codec.registry import make_codec
+from asyncckpt.format.layout import layout
+from asyncckpt.format.manifest import Frame, Manifest, RankPart, parse_manifest
+from asyncckpt.format.tree import unflatten
+from asyncckpt.rank.flatten import flatten
+from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
 SLOT, RING = 4096, 16384
 DTYPES = list(DTYPE_NAMES)

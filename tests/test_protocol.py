@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from asyncckpt import protocol
 from asyncckpt.errors import WriterUnavailableError
+from asyncckpt.ipc import protocol
 
 
 def test_runtime_dir_must_be_private(tmp_path, monkeypatch):

@@ -17,13 +17,17 @@ from typing import Any, Iterator
 import pytest
 import torch
 import xxhash
+from conftest import SMALL_RING, assert_same
 
 import asyncckpt
-from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
-from asyncckpt.format import MANIFEST_NAME, data_file_name, layout
-from asyncckpt.manifest import Frame, Manifest, RankPart, read_manifest
-from asyncckpt.checkpoint import Checkpoint
-from conftest import SMALL_RING, assert_same
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
+from asyncckpt.format.layout import MANIFEST_NAME, data_file_name, layout
+from asyncckpt.format.manifest import Frame, Manifest, RankPart, read_manifest
+from asyncckpt.read.checkpoint import Checkpoint
 
 SLOT = SMALL_RING["slot_size"]
 

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import asyncckpt
-from asyncckpt import commit
-from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.verification import verify
 from conftest import assert_same
 from test_commit import empty_manifest
+
+import asyncckpt
+from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
+from asyncckpt.format import stepdirs
+from asyncckpt.read.verification import verify
+from asyncckpt.writer import commit
 
 
 def state(seed: int) -> dict:
@@ -44,7 +45,7 @@ def test_a_replacing_save_takes_the_step_and_the_old_one_goes(root):
     assert_same(state(3), asyncckpt.load(root, step=1))
     assert_same(state(2), asyncckpt.load(root))  # latest still names the newest step
     assert verify(root).ok and leftovers(root) == []
-    assert commit.read_latest(root) == 2
+    assert stepdirs.read_latest(root) == 2
 
 
 def test_replacing_a_step_that_does_not_exist_is_an_ordinary_save(root):
@@ -112,9 +113,9 @@ def test_keep_from_protects_steps_from_retention(root):
     for step in (1, 2, 3):
         save(root, step, state(step))
     save(root, 4, state(4), keep_last=1, keep_from=2)
-    assert commit.committed_steps(root) == [2, 3, 4]
+    assert stepdirs.committed_steps(root) == [2, 3, 4]
     save(root, 5, state(5), keep_last=1)
-    assert commit.committed_steps(root) == [5]
+    assert stepdirs.committed_steps(root) == [5]
     with pytest.raises(ValueError, match="keep_from"):
         save(root, 6, state(6), keep_from=-1)
 

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 import torch
 
-from asyncckpt import ring
+from asyncckpt.ipc import ring
 
 
 def mappings(pid: int | str = "self") -> int:
@@ -83,7 +83,7 @@ def test_slot_bounds():
 
 def test_nothing_outlives_a_killed_creator():
     """The memory has no name: once its only process is gone, nothing remains to sweep."""
-    code = ("from asyncckpt import ring; import os; r = ring.Ring.create(1 << 20, 4); "
+    code = ("from asyncckpt.ipc import ring; import os; r = ring.Ring.create(1 << 20, 4); "
             "print(os.getpid(), flush=True); os.kill(os.getpid(), 9)")
     before = set(os.listdir("/dev/shm"))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same, sample_state
 from torch.utils._pytree import tree_map_only
 
 import asyncckpt
-from asyncckpt import checkpoint as checkpoint_module
-from asyncckpt import loader as loader_module
-from asyncckpt import procstat
-from asyncckpt.checkpoint import Checkpoint
 from asyncckpt.config import ReadLimits
-from asyncckpt.dtypes import DTYPE_NAMES
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.manifest import read_manifest
-from conftest import assert_same, sample_state
+from asyncckpt.format.manifest import read_manifest
+from asyncckpt.read import checkpoint as checkpoint_module
+from asyncckpt.read import loader as loader_module
+from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.runtime import procstat
+from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
 
 def test_nested_state_round_trips_exactly(client, root):

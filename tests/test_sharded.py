@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import xxhash
+from conftest import SMALL_RING, running_writer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
@@ -27,9 +28,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import asyncckpt
-from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.tiling import runs
-from conftest import SMALL_RING, running_writer
+from asyncckpt.format.layout import MANIFEST_NAME
+from asyncckpt.format.tiling import runs
 
 Placements = tuple  # of Shard / Replicate, one per mesh dimension
 
@@ -216,7 +216,7 @@ def test_a_partial_placement_is_named_by_its_key_through_a_checkpointer(writer, 
     with as_rank(0, 2):
         mesh = init_device_mesh("cpu", (2,))
         t = DTensor.from_local(torch.ones(4), mesh, (Partial(),), run_check=False)
-        from asyncckpt.ringsize import state_bytes
+        from asyncckpt.rank.ringsize import state_bytes
         assert state_bytes({"w": t}) == 16
         ckpt = asyncckpt.Checkpointer(writer.root, fence=False)
         with pytest.raises(asyncckpt.UnsupportedStateError, match=r"state\['extra'\]\['w'\].*Partial"):
@@ -366,8 +366,10 @@ def test_sharded_tensor_replica_groups_write_once(writer):
 def test_sharded_tensor_with_two_local_shards_is_refused(writer):
     from torch.distributed._shard.sharded_tensor import Shard as LocalShard
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
-                                                                   TensorProperties)
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
     with as_rank(0, 2), asyncckpt.connect(writer.address, rank=0, world_size=2, **SMALL_RING) as c:
         shards = [LocalShard.from_tensor_and_offsets(torch.ones(2, 2), [o, 0], 0) for o in (0, 2)]
         meta = ShardedTensorMetadata([s.metadata for s in shards], torch.Size([4, 2]),

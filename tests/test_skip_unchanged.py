@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same
 from torch.utils._pytree import tree_map_only
 
 import asyncckpt
-from asyncckpt.manifest import read_manifest
-from asyncckpt.session import ProtocolError, _unchanged_request
-from asyncckpt.verification import verify
-from conftest import assert_same
+from asyncckpt.format.manifest import read_manifest
+from asyncckpt.read.verification import verify
+from asyncckpt.writer.session import ProtocolError, _unchanged_request
 
 SLOT = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 BIG = 100_000  # float32 elements: 400 KB, several 64 KiB frames

@@ -11,8 +11,8 @@ import weakref
 import pytest
 import torch
 
-from asyncckpt import ring
-from asyncckpt.stager import DeviceCopies, byte_pieces, stage
+from asyncckpt.ipc import ring
+from asyncckpt.rank.stager import DeviceCopies, byte_pieces, stage
 
 
 def row_major_bytes(t: torch.Tensor) -> bytes:
@@ -231,7 +231,7 @@ def test_a_failed_save_waits_for_copies_into_its_slots_before_giving_them_back()
 @pytest.fixture
 def small_parallel(monkeypatch):
     """Parallel copies from 8 KiB pieces on, in 1 KiB jobs, so small rings exercise them."""
-    from asyncckpt import stager
+    from asyncckpt.rank import stager
     monkeypatch.setattr(stager, "PARALLEL_MIN_BYTES", 8192)
     monkeypatch.setattr(stager, "JOB_BYTES", 1024)
     return stager
@@ -326,7 +326,7 @@ def test_staging_into_a_fresh_ring_takes_no_page_faults():
     """The ring's pages are populated when it is created, not by each save's copy."""
     import resource
 
-    from asyncckpt.stager import HostCopier
+    from asyncckpt.rank.stager import HostCopier
 
     size = 64 << 20
     source = torch.ones(size, dtype=torch.uint8)

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.manifest import RankPart
-from asyncckpt.steps import MAX_WORLD, Steps
+from asyncckpt.format.manifest import RankPart
+from asyncckpt.writer.steps import MAX_WORLD, Steps
 
 
 class Inbox:

@@ -10,13 +10,13 @@ from typing import Iterator
 
 import pytest
 import torch
+from conftest import SMALL_RING, assert_same, running_writer, small_ring_client
 
 import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
-from asyncckpt.manifest import read_manifest
-from asyncckpt.flatten import flatten
-from asyncckpt.tree import check_tree, tensor_paths, unflatten
-from conftest import SMALL_RING, assert_same, running_writer, small_ring_client
+from asyncckpt.format.manifest import read_manifest
+from asyncckpt.format.tree import check_tree, tensor_paths, unflatten
+from asyncckpt.rank.flatten import flatten
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support:UserWarning",
                                         "ignore:torch.quantize_per_tensor:UserWarning")

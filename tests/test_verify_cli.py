@@ -19,14 +19,22 @@ from typing import Iterator
 import pytest
 import safetensors
 import safetensors.torch
+from conftest import assert_same
+from test_reader import (  # noqa: F401
+    Saved,
+    copy_steps,
+    flip_byte,
+    frame_inside,
+    hangs,
+    reader_state,
+    resign_manifest,
+    saved,
+)
 
 from asyncckpt import cli
-from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.manifest import read_manifest
-from asyncckpt.flatten import flatten
-from conftest import assert_same
-from test_reader import (Saved, copy_steps, flip_byte, frame_inside, hangs,  # noqa: F401
-                         reader_state, resign_manifest, saved)
+from asyncckpt.format.layout import MANIFEST_NAME
+from asyncckpt.format.manifest import read_manifest
+from asyncckpt.rank.flatten import flatten
 
 SCRIPT = str(Path(sys.executable).parent / "asyncckpt")
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from asyncckpt import writeback
-from asyncckpt.writeback import Writeback
+from asyncckpt.writer import writeback
+from asyncckpt.writer.writeback import Writeback
 from benchmarks.stagespeed import resident_bytes
 
 MiB = 1 << 20
@@ -120,10 +120,10 @@ def test_a_rank_file_is_fsynced_once_at_the_end_and_leaves_no_page_cache(tmp_pat
                                                                            codec):
     import torch
 
-    from asyncckpt import pipeline
-    from asyncckpt.format import layout
-    from asyncckpt.pipeline import RankFileWriter
-    from asyncckpt.pool import FramePool
+    from asyncckpt.format.layout import layout
+    from asyncckpt.runtime.pool import FramePool
+    from asyncckpt.writer import pipeline
+    from asyncckpt.writer.pipeline import RankFileWriter
 
     frame = 2 * MiB
     numel = 24 * MiB // 2

@@ -77,15 +77,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpointer import Checkpointer, CheckpointerOptions, unwrapped
-from ..commit import write_atomic
-from ..errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
-from ..export import export_hf
-from ..handle import SaveHandle
-from ..launch import start_writer
-from .rng import rng_state, set_rng_state
-from .verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate, read_tracker, root_of,
-                         trainer_dir, writer_log)
+from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions, unwrapped
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
+from asyncckpt.integrations.rng import rng_state, set_rng_state
+from asyncckpt.integrations.verl_paths import (
+    MARKER,
+    ROOTS,
+    TRACKER,
+    agree,
+    holds,
+    locate,
+    read_tracker,
+    root_of,
+    trainer_dir,
+    writer_log,
+)
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.launch import start_writer
+from asyncckpt.read.export import export_hf
+from asyncckpt.storage.durable import write_atomic
 
 __all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")

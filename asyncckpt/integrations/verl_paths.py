@@ -29,7 +29,7 @@ import json
 import re
 from pathlib import Path
 
-from ..errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "asyncckpt.json"

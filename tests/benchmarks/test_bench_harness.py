@@ -254,7 +254,7 @@ def test_contest_gives_zipnn_copies_and_measures_registry_codecs() -> None:
 def test_frame_hints_from_either_kind_of_probe_answer() -> None:
     from typing import NamedTuple
 
-    from asyncckpt.codec import FrameHints
+    from asyncckpt.codec.registry import FrameHints
 
     class Choice(NamedTuple):
         planes: tuple[bool, ...] = ()

@@ -28,8 +28,8 @@ import xxhash
 
 import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.verification import verify_checkpoint
+from asyncckpt.format.layout import MANIFEST_NAME
+from asyncckpt.read.verification import verify_checkpoint
 
 Damage = Callable[[Path, random.Random], tuple[str, int | None]]
 

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import asyncckpt  # noqa: E402
-from asyncckpt.verification import verify_checkpoint  # noqa: E402
 from hostile_rank import HostileRank, Resources, alive, settled, tmp_leftovers  # noqa: E402
+
+import asyncckpt  # noqa: E402
+from asyncckpt.read.verification import verify_checkpoint  # noqa: E402
 
 HOSTILE_STEPS = 1_000_000  # the hostile's steps start here; the ordinary ranks' are 1..
 SLOT = 4096
@@ -206,7 +207,7 @@ class Fuzzer:
         elif kind < 0.85:  # a descriptor nobody asked for
             r, w = os.pipe()
             try:
-                from asyncckpt import protocol
+                from asyncckpt.ipc import protocol
                 protocol.send_fd(h.conn, r)
             finally:
                 os.close(r)

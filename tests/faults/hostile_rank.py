@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from asyncckpt import protocol, ring
+from asyncckpt.ipc import protocol, ring
 
 FD_PASSING = hasattr(protocol, "send_fd")
 RING_MAPPINGS = ("/memfd:asyncckpt-ring", "/dev/shm/asyncckpt-")

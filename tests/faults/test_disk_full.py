@@ -7,9 +7,9 @@ from typing import Iterator
 
 import pytest
 import torch
+from conftest import assert_same, small_tmpfs
 
 import asyncckpt
-from conftest import assert_same, small_tmpfs
 
 
 @pytest.fixture

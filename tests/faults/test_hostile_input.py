@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import asyncckpt
 from asyncckpt.errors import CheckpointError
-from asyncckpt.format import MANIFEST_NAME
-from asyncckpt.verification import verify_checkpoint
+from asyncckpt.format.layout import MANIFEST_NAME
+from asyncckpt.read.verification import verify_checkpoint
 
 PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')
 
@@ -91,9 +91,8 @@ def _paths(node, path=()):
 @pytest.fixture(scope="module")
 def committed_sharded(tmp_path_factory) -> Path:
     """Two (simulated) ranks saving DTensors, one of them replicated, plus plain values."""
-    from torch.distributed.tensor import Replicate, Shard
-
     from test_sharded import dtensor_of, save_ranks
+    from torch.distributed.tensor import Replicate, Shard
     root = tmp_path_factory.mktemp("hostile-sharded") / "ckpt"
     full = {"w": torch.randn(30, 7), "v": torch.randn(5), "r": torch.randn(3)}
     places = {"w": (Shard(1),), "v": (Shard(0),), "r": (Replicate(),)}
@@ -322,7 +321,7 @@ def test_references_in_a_version_1_manifest_are_corrupt(committed_refs, tmp_path
 def test_a_version_1_reader_refuses_an_incremental_checkpoint(committed_refs):
     """What today's readers (format 1 only) do with a version 2 manifest: refuse it by
     its version, never read a zero-length frame."""
-    from asyncckpt import manifest
+    from asyncckpt.format import manifest
     data = (committed_refs[0] / "ckpt" / "step-00000002" / MANIFEST_NAME).read_bytes()
     old = manifest.READABLE_VERSIONS
     try:

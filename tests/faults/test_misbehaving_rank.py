@@ -16,7 +16,6 @@ import contextlib
 import fcntl
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,15 +26,24 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-
-import asyncckpt
-from asyncckpt import protocol
 from conftest import small_tmpfs
 
+import asyncckpt
+from asyncckpt.ipc import protocol
+
 sys.path.insert(0, str(Path(__file__).parent))
-from hostile_rank import (FD_PASSING, HostileRank, Resources, alive,  # noqa: E402
-                          assert_root_verifies, run_bounded, settled, sigstopped,
-                          tmp_leftovers, u8_table, verify_root)
+from hostile_rank import (  # noqa: E402
+    FD_PASSING,
+    HostileRank,
+    Resources,
+    alive,
+    assert_root_verifies,
+    run_bounded,
+    settled,
+    sigstopped,
+    tmp_leftovers,
+    u8_table,
+)
 
 needs_fd_passing = pytest.mark.skipif(not FD_PASSING, reason="the ring is passed by name here")
 SLOT = 64 << 10

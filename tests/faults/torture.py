@@ -5,7 +5,7 @@
 A writer (keep_last=3) and N ranks save a step after another. At a random moment one
 of them is SIGKILLed -- the writer or a rank -- and, as a job launcher would, the rest
 of the ranks are killed too and everything that died is restarted. Some writer restarts
-are armed with a crash point (asyncckpt.faults), so that deaths also land exactly
+are armed with a crash point (asyncckpt.runtime.faults), so that deaths also land exactly
 between the manifest write and the rename, after the rename, and in retention (pruning,
 retiring a referenced step, reclaiming a retired one: saves are incremental, the
 writer's default, and part of every state never changes). After every kill: every
@@ -37,13 +37,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
+from torture_rank import expected_state  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt import commit, faults  # noqa: E402
-from asyncckpt.manifest import read_manifest  # noqa: E402
-from asyncckpt.procstat import ring_mappings  # noqa: E402
-from asyncckpt.verification import verify_checkpoint  # noqa: E402
-from torture_rank import expected_state  # noqa: E402
+from asyncckpt.format import stepdirs
+from asyncckpt.format.manifest import read_manifest  # noqa: E402
+from asyncckpt.read.verification import verify_checkpoint  # noqa: E402
+from asyncckpt.runtime import faults  # noqa: E402
+from asyncckpt.runtime.procstat import ring_mappings  # noqa: E402
 
 
 class Job:
@@ -68,7 +69,7 @@ class Job:
             raise RuntimeError("writer did not start")
 
     def start_ranks(self) -> None:
-        steps = commit.committed_steps(self.root)
+        steps = stepdirs.committed_steps(self.root)
         start = (steps[-1] if steps else 0) + 1
         self.ranks = [subprocess.Popen([sys.executable, str(HERE / "torture_rank.py"),
                                         self.address, str(r), str(self.world), str(start)],
@@ -94,7 +95,7 @@ def check(root: Path, world: int, damaged: set[int] = frozenset()) -> int:  # ty
     """Verify and load every committed checkpoint but the `damaged` ones (an attack
     damaged them); returns how many were checked."""
     checked = 0
-    for step in commit.committed_steps(root):
+    for step in stepdirs.committed_steps(root):
         if step in damaged:
             continue
         directory = root / f"step-{step:08d}"
@@ -111,8 +112,8 @@ def check(root: Path, world: int, damaged: set[int] = frozenset()) -> int:  # ty
             assert loaded["opt"][0]["exp_avg"].equal(want["opt"][0]["exp_avg"]), (step, rank)
             assert loaded["frozen"].equal(want["frozen"]), (step, rank)
         checked += 1
-    latest = commit.read_latest(root)
-    assert latest is None or latest in commit.committed_steps(root), f"latest names {latest}"
+    latest = stepdirs.read_latest(root)
+    assert latest is None or latest in stepdirs.committed_steps(root), f"latest names {latest}"
     return checked
 
 
@@ -123,7 +124,7 @@ def retired_now(root: Path) -> list[str]:
 def references(root: Path) -> int:
     """Committed steps that reference older ones (a step pruned meanwhile is skipped)."""
     count = 0
-    for step in commit.committed_steps(root):
+    for step in stepdirs.committed_steps(root):
         try:
             count += bool(read_manifest(root / f"step-{step:08d}").referenced_steps)
         except asyncckpt.CheckpointError:
@@ -134,7 +135,7 @@ def references(root: Path) -> int:
 def attack(root: Path, elsewhere: Path, rng: random.Random) -> tuple[str, set[int]]:
     """Link a referenced or retired step back from `elsewhere`, or flip a byte the newest
     step references. Returns (what was done, the committed steps that do not verify now)."""
-    steps = commit.committed_steps(root)
+    steps = stepdirs.committed_steps(root)
     if not steps:
         return "", set()
     try:
@@ -162,7 +163,7 @@ def attack(root: Path, elsewhere: Path, rng: random.Random) -> tuple[str, set[in
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x10]))
         what = f"flipped a byte of {name}/{ref.file}"
-    damaged = {s for s in commit.committed_steps(root)
+    damaged = {s for s in stepdirs.committed_steps(root)
                if not verify_checkpoint(root / f"step-{s:08d}").ok}
     return what, damaged
 
@@ -200,14 +201,14 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
                 job.start_writer(crash_at)
                 tmp = [p.name for p in root.iterdir() if ".tmp-" in p.name]
                 assert not tmp, f"writer start left tmp dirs {tmp}"
-                assert commit.read_latest(root) == (commit.committed_steps(root) or [None])[-1]
+                assert stepdirs.read_latest(root) == (stepdirs.committed_steps(root) or [None])[-1]
             else:
                 time.sleep(0.2)  # let the writer fail the step the dead rank was in
                 rings = ring_mappings(job.writer.pid)
                 assert rings <= ranks, f"the writer maps {rings} rings for {ranks} ranks"
             checked += check(root, ranks, damaged)
             if attacked_at is not None:
-                after_attack |= {s for s in commit.committed_steps(root)
+                after_attack |= {s for s in stepdirs.committed_steps(root)
                                  if s > attacked_at and s not in damaged}
             if rng.random() < 0.1 and job.writer.poll() is None:
                 what, hit = attack(root, root.parent / "elsewhere", rng)
@@ -215,7 +216,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
                     attacks += 1
                     damaged |= hit
                     if attacked_at is None:
-                        attacked_at = (commit.committed_steps(root) or [0])[-1]
+                        attacked_at = (stepdirs.committed_steps(root) or [0])[-1]
                     if verbose:
                         print(f"attack: {what}; damaged steps {sorted(hit)}", flush=True)
             referencing += references(root)
@@ -223,7 +224,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:22s} committed "
-                      f"{commit.committed_steps(root)}", flush=True)
+                      f"{stepdirs.committed_steps(root)}", flush=True)
     finally:
         code = job.stop()
     result = {"kills_survived": survived, "writer_kills": writer_kills,
@@ -231,7 +232,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
               "referencing_steps_verified": referencing,
               "retired_seen": len(retired_seen), "retired_now": len(retired_now(root)),
               "crash_point_deaths": armed_deaths, "checkpoints_verified": checked,
-              "last_step": (commit.committed_steps(root) or [0])[-1],
+              "last_step": (stepdirs.committed_steps(root) or [0])[-1],
               "writer_exit": code, "seconds": round(time.monotonic() - started, 1)}
     return result
 

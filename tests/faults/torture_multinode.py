@@ -9,7 +9,7 @@ and a critic (or a model and its EMA) does: two shared roots, a writer per node 
 one store, steps one after another with keep_last=3, starting after the newest step
 committed in both. At a random moment one victim is
 SIGKILLed: a rank of either node, either node's writer, or a whole node (agent, ranks
-and writer at once); some rounds also arm a writer crash point (asyncckpt.faults) on a
+and writer at once); some rounds also arm a writer crash point (asyncckpt.runtime.faults) on a
 random node, so that deaths land exactly between the protocol's phases. After a short
 grace (the survivors run their failure paths), the job is stopped as a launcher would:
 every rank and agent is SIGKILLed and the writers, whose parent is gone, must exit by
@@ -51,9 +51,9 @@ def rank_main(start: int) -> int:
     import datetime
 
     import torch.distributed as dist
+    from torture_rank import expected_state
 
     import asyncckpt
-    from torture_rank import expected_state
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
@@ -102,14 +102,14 @@ def check(root: Path, latest_may_lag: bool = False) -> int:
     so `latest` may still be absent or name an older committed step (the next writer
     start repairs it)."""
     import torch
-
-    import asyncckpt
-    from asyncckpt import commit
-    from asyncckpt.verification import verify_checkpoint
     from torture_rank import expected_state
 
+    import asyncckpt
+    from asyncckpt.format import stepdirs
+    from asyncckpt.read.verification import verify_checkpoint
+
     checked = 0
-    for step in commit.committed_steps(root):
+    for step in stepdirs.committed_steps(root):
         directory = root / f"step-{step:08d}"
         report = verify_checkpoint(directory)
         if not report.ok:
@@ -123,8 +123,8 @@ def check(root: Path, latest_may_lag: bool = False) -> int:
             assert loaded["w"].view(torch.int16).equal(want["w"].view(torch.int16)), (step, rank)
             assert loaded["opt"][0]["exp_avg"].equal(want["opt"][0]["exp_avg"]), (step, rank)
         checked += 1
-    latest = commit.read_latest(root)
-    steps = commit.committed_steps(root)
+    latest = stepdirs.read_latest(root)
+    steps = stepdirs.committed_steps(root)
     assert latest is None and (not steps or latest_may_lag) or latest in steps, \
         f"latest names {latest}; committed {steps}"
     return checked
@@ -161,9 +161,11 @@ def stop_job(cluster) -> dict[str, int]:
 
 
 def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
-    from asyncckpt import commit, faults
-    from asyncckpt.format import tmp_step_of
     from multinode import Cluster, ring_mapping_pids, wait_for
+
+    from asyncckpt.format import stepdirs
+    from asyncckpt.format.layout import tmp_step_of
+    from asyncckpt.runtime import faults
 
     rng = random.Random(seed)
     roots = [base / "actor", base / "critic"]
@@ -179,7 +181,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
         survived = 0
         while survived < kills:
             stale = {root: tmp_dirs(root) for root in roots}
-            before = {root: commit.committed_steps(root) for root in roots}
+            before = {root: stepdirs.committed_steps(root) for root in roots}
             node_env: dict[int, dict[str, str]] = {}
             armed = None
             if rng.random() < 0.25:
@@ -228,7 +230,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
             assert not rings, f"processes still map rings after the job stopped: {rings}"
             lagging = bool(armed and armed[1] == "step_renamed")
             for root in roots:
-                after = commit.committed_steps(root)
+                after = stepdirs.committed_steps(root)
                 figures["checkpoints_verified"] += check(root, lagging)
                 if after and (not before[root] or after[-1] > before[root][-1]):
                     figures["rounds_committing"] += 1
@@ -238,7 +240,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
                                      f"left stale {sorted(left)}"
                 figures["max_committed_kept"] = max(figures["max_committed_kept"], len(after))
                 figures["max_tmp_dirs"] = max(figures["max_tmp_dirs"], len(tmp_dirs(root)))
-            after = {root.name: commit.committed_steps(root) for root in roots}
+            after = {root.name: stepdirs.committed_steps(root) for root in roots}
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:24s} "
@@ -250,7 +252,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
             shutil.rmtree(d, ignore_errors=True)
     figures["writer_starts_refused"] = len(list(base.glob("lock-refused-*")))
     return {"kills_survived": survived, **{f"killed[{k}]": v for k, v in sorted(victims.items())},
-            **figures, **{f"last_step[{root.name}]": (commit.committed_steps(root) or [0])[-1]
+            **figures, **{f"last_step[{root.name}]": (stepdirs.committed_steps(root) or [0])[-1]
                           for root in roots},
             "seconds": round(time.monotonic() - started, 1)}
 

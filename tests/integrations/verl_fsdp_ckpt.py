@@ -57,11 +57,11 @@ from torch.distributed import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+from verl.utils.device import get_device_name, get_torch_device  # noqa: E402
+from verl.utils.fsdp_utils import MixedPrecisionPolicy, apply_fsdp2  # noqa: E402
+from verl_cpu import initialize_global_process_group  # noqa: E402  (gloo alone on CPU)
 
 from asyncckpt.integrations.verl import FSDPCheckpointManager  # noqa: E402  (the one line)
-from verl.utils.device import get_device_name, get_torch_device  # noqa: E402
-from verl_cpu import initialize_global_process_group  # noqa: E402  (gloo alone on CPU)
-from verl.utils.fsdp_utils import MixedPrecisionPolicy, apply_fsdp2  # noqa: E402
 
 
 def create_random_input_ids(batch_size, seq_len, vocab_size):
@@ -96,7 +96,10 @@ def tiny_tokenizer():
 
 def full_optimizer_state(model, optimizer):
     """Added: the whole optimizer state on every rank (a copy), to compare after the load."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)

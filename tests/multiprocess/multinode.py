@@ -112,7 +112,7 @@ def processes_with_env(name: str, value: str) -> list[int]:
 
 def ring_mapping_pids(pids: Iterable[int]) -> dict[int, int]:
     """{pid: rings it maps} for the processes of `pids` that map any asyncckpt ring."""
-    from asyncckpt.procstat import ring_mappings
+    from asyncckpt.runtime.procstat import ring_mappings
     return {p: n for p in pids if (n := ring_mappings(p))}
 
 

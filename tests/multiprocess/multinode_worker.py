@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import asyncckpt  # noqa: E402
 from fsdp_worker import _assert_same, build, full_state, leave, train  # noqa: E402
+
+import asyncckpt  # noqa: E402
 
 
 def write_json(path: Path, doc: dict) -> None:

@@ -8,22 +8,21 @@ either FSDP saved the other loads, at any world size, and `export_hf` writes it 
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
-
-import json
-import shutil
 from typing import Callable
 
 import pytest
 import torch
+from conftest import running_writer
 
 import asyncckpt
-from asyncckpt.format import MANIFEST_NAME
-from conftest import running_writer
+from asyncckpt.format.layout import MANIFEST_NAME
 
 WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
 

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-import asyncckpt
-from asyncckpt.procstat import ring_mappings
 from conftest import assert_same, shm_segments
 from rank_worker import worker_state
+
+import asyncckpt
+from asyncckpt.runtime.procstat import ring_mappings
 
 WORKER = str(Path(__file__).with_name("rank_worker.py"))
 

@@ -11,10 +11,9 @@ import time
 
 import pytest
 import torch
+from conftest import assert_same, shm_segments
 
 import asyncckpt
-from asyncckpt.procstat import read_status
-from conftest import assert_same, shm_segments
 
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)

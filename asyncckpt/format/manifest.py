@@ -1,0 +1,473 @@
+"""The manifest: the one file that makes a checkpoint a checkpoint.
+
+It is written last, after every data file is durable, and it is the only thing the
+reader trusts: every tensor's place, every frame's offsets and checksums, the object
+tree. It carries its own xxh3 so a torn or edited manifest is caught before anything it
+says is used. The checksum covers the exact bytes of the body, not a re-serialisation,
+so any language can check it without canonical JSON:
+
+    {"xxh3":"<16 hex digits>","manifest":<body>}\\n
+
+A frame of an incremental save may be a *reference*: its stored bytes are those of a
+frame of an older step of the same root, named by (step, data file name, offset,
+length), never by a path. Such a manifest is format_version 2, so a reader that does not
+know references refuses it instead of reading a zero-length frame.
+
+Parsing validates every field against the rules the reader relies on (contiguous
+frames and tensors, sizes that agree, file names the writer could have made, frame
+codecs that the data file's suffix admits), so a hostile manifest produces a
+`CorruptCheckpointError`, never a wild read or allocation. A JSON object that repeats a
+key is refused at any depth: Python's parser keeps the last value where another reader
+may keep the first, and one checkpoint must never read as two states. Keys a reader
+does not know are ignored in the objects docs/FORMAT.md names, so a later writer can add
+informational ones.
+
+A data file's suffix says what the file is as a whole, so a step's own frames must have
+a codec that suffix admits (`admitted_codecs`). A reference frame keeps the codec of
+the bytes it points to, and is checked against the referenced file's suffix instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import stat
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import xxhash
+
+from asyncckpt._version import __version__
+from asyncckpt.codec.registry import CODECS, RAW, REGISTRY, PlaneLayout, codec_spec
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.layout import (
+    DTYPE_SIZES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FORMAT_VERSION_REFS,
+    MANIFEST_NAME,
+    READABLE_VERSIONS,
+    TensorSpec,
+    data_file_codec,
+    data_file_name,
+    element_size,
+    is_data_file_name,
+    parse_step_dir,
+)
+
+_PREFIX = b'{"xxh3":"'
+_MIDDLE = b'","manifest":'
+_SUFFIX = b"}\n"
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_MAX_INT = 1 << 62
+
+
+def admitted_codecs(codec: str) -> frozenset[str]:
+    """The frame codecs a data file of codec `codec` (its suffix) may hold.
+
+    A codec without planes (raw, zstd) makes a file that is something as a whole (a
+    safetensors file, a zstd stream), which one frame of another codec would break: it
+    admits only its own frames. A plane codec's file is nothing as a whole; it admits its
+    own frames and raw ones (where no plane of a frame shrinks, it is stored raw).
+
+    Raises:
+        CorruptCheckpointError: not a stored codec.
+    """
+    spec = codec_spec(codec)
+    return frozenset({spec.name, RAW} if spec.plane_layout else {spec.name})
+
+
+class Ref(NamedTuple):
+    """Where a reference frame's stored bytes are: `length` bytes at `offset` of data
+    file `file` of step `step` (ROOT/step-N/file, or ROOT/step-N.retired/file)."""
+
+    step: int
+    file: str
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One independently encoded piece of a rank's stream. A reference frame (`ref`
+    set) has no bytes in this step's file (`stored_length` 0); its codec, checksums and
+    planes describe the referenced bytes."""
+
+    raw_offset: int
+    raw_length: int
+    stored_offset: int
+    stored_length: int
+    codec: str
+    xxh3_raw: int
+    xxh3_stored: int
+    layout: PlaneLayout | None = None  # frames of plane codecs only
+    xxh3_128: int | None = None        # of the raw bytes: the identity incremental saves use
+    ref: Ref | None = None
+
+    @property
+    def encoded_length(self) -> int:
+        """The frame's stored bytes, wherever they are."""
+        return self.ref.length if self.ref is not None else self.stored_length
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"raw": [self.raw_offset, self.raw_length],
+                               "stored": [self.stored_offset, self.stored_length],
+                               "codec": self.codec,
+                               "xxh3_raw": f"{self.xxh3_raw:016x}",
+                               "xxh3_stored": f"{self.xxh3_stored:016x}"}
+        if self.layout is not None:
+            doc["planes"] = {"width": self.layout.width, "phase": self.layout.phase,
+                             "stored": [list(p) for p in self.layout.planes]}
+            if self.layout.rotated:
+                doc["planes"]["rotated"] = True
+        if self.xxh3_128 is not None:
+            doc["xxh3_128"] = f"{self.xxh3_128:032x}"
+        if self.ref is not None:
+            doc["ref"] = {"step": self.ref.step, "file": self.ref.file,
+                          "stored": [self.ref.offset, self.ref.length]}
+        return doc
+
+
+@dataclasses.dataclass
+class RankPart:
+    """What one rank saved: its data file, frames, tensors and object tree."""
+
+    rank: int
+    file: str
+    codec: str
+    raw_size: int
+    stored_size: int
+    tensors: list[TensorSpec]
+    frames: list[Frame]
+    tree: Any
+
+    @property
+    def has_refs(self) -> bool:
+        return any(f.ref is not None for f in self.frames)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "file": self.file, "codec": self.codec,
+                "raw_size": self.raw_size, "stored_size": self.stored_size,
+                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                             "range": [t.begin, t.end]} for t in self.tensors],
+                "frames": [f.to_json() for f in self.frames],
+                "tree": self.tree}
+
+
+@dataclasses.dataclass
+class Manifest:
+    step: int
+    world_size: int
+    ranks: list[RankPart]
+    created: float = dataclasses.field(default_factory=time.time)
+    writer_version: str = __version__
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def raw_size(self) -> int:
+        return sum(p.raw_size for p in self.ranks)
+
+    @property
+    def stored_size(self) -> int:
+        return sum(p.stored_size for p in self.ranks)
+
+    @property
+    def referenced_size(self) -> int:
+        """Raw bytes of reference frames (stored in older steps)."""
+        return sum(f.raw_length for p in self.ranks for f in p.frames if f.ref is not None)
+
+    @property
+    def referenced_steps(self) -> set[int]:
+        return {f.ref.step for p in self.ranks for f in p.frames if f.ref is not None}
+
+    def to_bytes(self) -> bytes:
+        version = FORMAT_VERSION_REFS if any(p.has_refs for p in self.ranks) else self.format_version
+        body = json.dumps({
+            "format": FORMAT_NAME, "format_version": version,
+            "writer_version": self.writer_version, "step": self.step,
+            "world_size": self.world_size, "created": self.created,
+            "ranks": [p.to_json() for p in self.ranks],
+        }, separators=(",", ":"), allow_nan=False).encode()
+        return _seal(body)
+
+
+def parse_manifest(data: bytes, *, max_frame_bytes: int) -> Manifest:
+    """Check and parse manifest bytes.
+
+    Raises:
+        CorruptCheckpointError: bad checksum, bad JSON, or any field breaking its rule.
+    """
+    doc = _unseal(data, "manifest")
+    try:
+        return _manifest_from_json(doc, max_frame_bytes)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"manifest field invalid: {type(e).__name__}: {e}") from None
+
+
+def part_to_bytes(step: int, part: RankPart) -> bytes:
+    """One rank's part of a step, in the manifest's checksummed envelope: what a node
+    writes beside its data file for the leader that assembles a several-node manifest."""
+    version = FORMAT_VERSION_REFS if part.has_refs else FORMAT_VERSION
+    body = json.dumps({"format": FORMAT_NAME, "format_version": version, "step": step,
+                       "part": part.to_json()}, separators=(",", ":"), allow_nan=False).encode()
+    return _seal(body)
+
+
+def parse_part(data: bytes, *, step: int, rank: int, max_frame_bytes: int) -> RankPart:
+    """Check and parse a part file of rank `rank` for `step` (the manifest's rules).
+
+    Raises:
+        CorruptCheckpointError: bad checksum or JSON, another step or rank, a bad field.
+    """
+    doc = _unseal(data, "part")
+    try:
+        _check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
+               and doc.get("format_version") in READABLE_VERSIONS, "not an asyncckpt part")
+        _check(doc["step"] == step, f"part of step {doc['step']!r:.20}, not {step}")
+        return _rank_from_json(doc["part"], rank, max_frame_bytes, step,
+                               doc["format_version"] == FORMAT_VERSION_REFS)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"part field invalid: {type(e).__name__}: {e}") from None
+
+
+def _seal(body: bytes) -> bytes:
+    digest = f"{xxhash.xxh3_64_intdigest(body):016x}".encode()
+    return _PREFIX + digest + _MIDDLE + body + _SUFFIX
+
+
+def _unseal(data: bytes, what: str) -> Any:
+    """The JSON document inside the checksummed envelope."""
+    head = len(_PREFIX) + 16 + len(_MIDDLE)
+    if (len(data) < head + len(_SUFFIX) or not data.startswith(_PREFIX)
+            or data[len(_PREFIX) + 16:head] != _MIDDLE or not data.endswith(_SUFFIX)):
+        raise CorruptCheckpointError(f"{what} does not have the checksummed envelope")
+    digest = data[len(_PREFIX):len(_PREFIX) + 16].decode("ascii", "replace")
+    body = data[head:-len(_SUFFIX)]
+    actual = f"{xxhash.xxh3_64_intdigest(body):016x}"
+    if digest != actual:
+        raise CorruptCheckpointError(f"{what} xxh3 mismatch (recorded {digest}, actual {actual})")
+    try:
+        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{what} is not valid JSON: {e}") from None
+
+
+def check_readable(data: bytes, limits: ReadLimits) -> Manifest:
+    """Parse manifest bytes about to be written as a reader will take them: within its
+    size bound (`limits.max_manifest_bytes`) and its rules. Whatever writes a manifest
+    (the writer's commit, `asyncckpt copy`) asks this first, so nothing is committed
+    that `load` refuses.
+
+    Raises:
+        CorruptCheckpointError: over the bound, or a rule broken.
+    """
+    if len(data) > limits.max_manifest_bytes:
+        raise CorruptCheckpointError(f"the manifest would be {len(data)} bytes, over the "
+                                     f"{limits.max_manifest_bytes} bytes a reader accepts "
+                                     "(max_manifest_bytes)")
+    return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)
+
+
+def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest:
+    """Read, size-check, checksum and validate `directory`'s manifest.
+
+    Raises:
+        CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
+    """
+    limits = limits or ReadLimits.from_env()
+    where = str(directory / MANIFEST_NAME)
+    try:
+        fd = os.open(directory / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot open manifest: {e.strerror}", file=where) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limits.max_manifest_bytes:
+            raise CorruptCheckpointError(f"manifest is not a regular file of at most "
+                                         f"{limits.max_manifest_bytes} bytes", file=where)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(min(st.st_size, limits.max_manifest_bytes) + 1)  # not a 512 MiB buffer
+    finally:
+        os.close(fd)
+    try:
+        manifest = parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(e.cause, file=where) from None
+    named = parse_step_dir(directory.name)
+    if named is not None and named != manifest.step:
+        raise CorruptCheckpointError(f"manifest is for step {manifest.step}, the directory "
+                                     f"for step {named}", file=where)
+    return manifest
+
+
+def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int) -> Manifest:
+    _check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME, "not an asyncckpt manifest")
+    version = _int(doc["format_version"], "format_version")
+    _check(version in READABLE_VERSIONS,
+           f"format_version {version} is not {' or '.join(map(str, READABLE_VERSIONS))}; "
+           "a newer asyncckpt wrote it")
+    step = _int(doc["step"], "step")
+    world = _int(doc["world_size"], "world_size")
+    _check(1 <= world <= 1 << 20, f"world_size {world} out of range")
+    ranks_json = doc["ranks"]
+    _check(isinstance(ranks_json, list) and len(ranks_json) == world,
+           f"manifest lists {len(ranks_json)} ranks, world_size is {world}")
+    created = doc["created"]
+    _check(isinstance(created, (int, float)) and math.isfinite(created), "created is not a time")
+    _check(isinstance(doc["writer_version"], str), "writer_version is not a string")
+    ranks = [_rank_from_json(r, i, max_frame_bytes, step, version == FORMAT_VERSION_REFS)
+             for i, r in enumerate(ranks_json)]
+    return Manifest(step=step, world_size=world, ranks=ranks,
+                    created=float(created), writer_version=doc["writer_version"],
+                    format_version=version)
+
+
+def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step: int,
+                    refs_allowed: bool) -> RankPart:
+    rank = _int(doc["rank"], "rank")
+    _check(rank == index, f"rank entry {index} says rank {rank}")
+    codec = doc["codec"]
+    _check(codec in CODECS, f"rank {rank}: unknown codec {codec!r}")
+    file = doc["file"]
+    _check(file == data_file_name(rank, codec), f"rank {rank}: unexpected file name {file!r}")
+    raw_size, stored_size = _int(doc["raw_size"], "raw_size"), _int(doc["stored_size"], "stored_size")
+
+    own_codecs = admitted_codecs(codec)
+    frames, raw_pos, stored_pos = [], 0, 0
+    for f in doc["frames"]:
+        (ro, rl), (so, sl) = f["raw"], f["stored"]
+        where = f"rank {rank} frame {len(frames)}"
+        wide = f.get("xxh3_128")
+        frame = Frame(_int(ro, "raw offset"), _int(rl, "raw length"), _int(so, "stored offset"),
+                      _int(sl, "stored length"), f["codec"], _hex(f["xxh3_raw"]),
+                      _hex(f["xxh3_stored"]), _layout_from_json(f, where),
+                      None if wide is None else _hex(wide, _HEX32),
+                      _ref_from_json(f.get("ref"), where, step, refs_allowed))
+        _check(frame.codec in CODECS, f"{where}: unknown codec {frame.codec!r}")
+        _check(frame.raw_offset == raw_pos and frame.stored_offset == stored_pos,
+               f"{where}: offsets not contiguous")
+        _check(0 < frame.raw_length <= max_frame_bytes,
+               f"{where}: raw length {frame.raw_length} outside 1..{max_frame_bytes}")
+        if frame.ref is None:
+            _check(frame.stored_length > 0, f"{where}: empty stored frame")
+        else:
+            _check(frame.stored_length == 0, f"{where}: a reference frame stores no bytes here")
+            _check(frame.ref.length <= frame.raw_length + (frame.raw_length >> 7) + 1024,
+                   f"{where}: referenced length {frame.ref.length} is beyond any encoding "
+                   f"of {frame.raw_length} bytes")
+        length = frame.encoded_length
+        _check(REGISTRY[frame.codec].plane_layout == (frame.layout is not None),
+               f"{where}: a plane layout goes with (and only with) a plane codec")
+        if frame.layout is not None:
+            try:
+                frame.layout.check(frame.raw_length, length)
+            except CorruptCheckpointError as e:
+                _check(False, f"{where}: {e.cause}")
+        _check(frame.codec != RAW or (length == frame.raw_length
+                                        and frame.xxh3_stored == frame.xxh3_raw),
+               f"{where}: raw frame whose stored length or checksum differ from the raw ones")
+        if frame.ref is None:
+            _check(frame.codec in own_codecs, f"{where}: a {frame.codec} frame in {file}, "
+                   f"which holds only {' and '.join(sorted(own_codecs))} frames")
+        else:
+            held = admitted_codecs(data_file_codec(frame.ref.file) or "")  # a checked name
+            _check(frame.codec in held, f"{where}: references a {frame.codec} frame in "
+                   f"{frame.ref.file}, which holds only {' and '.join(sorted(held))} frames")
+        raw_pos += frame.raw_length
+        stored_pos += frame.stored_length
+        frames.append(frame)
+    _check(raw_pos == raw_size and stored_pos == stored_size,
+           f"rank {rank}: frames cover {raw_pos}/{stored_pos} bytes, sizes say {raw_size}/{stored_size}")
+
+    tensors, names = [], set()
+    for t in doc["tensors"]:
+        name, dtype, shape = t["name"], t["dtype"], t["shape"]
+        _check(isinstance(name, str) and name not in names, f"rank {rank}: bad or repeated tensor name")
+        _check(dtype in DTYPE_SIZES, f"rank {rank}: tensor {name!r} has unknown dtype {dtype!r}")
+        _check(isinstance(shape, list) and len(shape) <= 64, f"tensor {name!r}: bad shape")
+        nbytes = element_size(dtype)
+        for dim in shape:
+            nbytes *= _int(dim, "dimension")
+        begin, end = (_int(x, "tensor range") for x in t["range"])
+        _check(end - begin == nbytes, f"tensor {name!r}: range {begin}..{end} holds {end - begin} "
+               f"bytes, shape and dtype need {nbytes}")
+        _check(not tensors or begin == tensors[-1].end, f"tensor {name!r}: ranges not contiguous")
+        names.add(name)
+        tensors.append(TensorSpec(name, dtype, tuple(shape), begin, end))
+    _check(not tensors or tensors[-1].end == raw_size,
+           f"rank {rank}: tensors end at {tensors[-1].end if tensors else 0}, stream at {raw_size}")
+    return RankPart(rank, file, codec, raw_size, stored_size, tensors, frames, doc["tree"])
+
+
+def _ref_from_json(doc: Any, where: str, step: int, allowed: bool) -> Ref | None:
+    """A frame's reference, checked: an older step of the same root, a data file name
+    the writer could have made (no path), a non-empty byte range."""
+    if doc is None:
+        return None
+    _check(allowed, f"{where}: a reference frame needs format_version {FORMAT_VERSION_REFS}")
+    _check(isinstance(doc, dict) and isinstance(doc["stored"], list) and len(doc["stored"]) == 2,
+           f"{where}: bad reference {doc!r:.60}")
+    target = _int(doc["step"], "referenced step")
+    _check(target < step, f"{where}: references step {target}, not one older than {step}")
+    file = doc["file"]
+    _check(isinstance(file, str) and is_data_file_name(file),
+           f"{where}: references {file!r:.80}, not a data file name")
+    offset, length = _int(doc["stored"][0], "referenced offset"), _int(doc["stored"][1],
+                                                                        "referenced length")
+    _check(length > 0, f"{where}: empty referenced range")
+    return Ref(target, file, offset, length)
+
+
+def _layout_from_json(doc: dict[str, Any], where: str) -> PlaneLayout | None:
+    planes = doc.get("planes")
+    if planes is None:
+        return None
+    _check(isinstance(planes, dict) and isinstance(planes["stored"], list)
+           and len(planes["stored"]) <= 8, f"{where}: bad plane layout")
+    stored = []
+    for entry in planes["stored"]:
+        _check(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str),
+               f"{where}: bad plane entry {entry!r:.40}")
+        stored.append((entry[0], _int(entry[1], "plane length")))
+    rotated = planes.get("rotated", False)
+    _check(isinstance(rotated, bool), f"{where}: bad plane rotation {rotated!r:.40}")
+    return PlaneLayout(_int(planes["width"], "plane width"), _int(planes["phase"], "plane phase"),
+                       tuple(stored), rotated)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise CorruptCheckpointError(f"manifest: {message}")
+
+
+def _int(value: Any, what: str) -> int:
+    _check(type(value) is int and 0 <= value < _MAX_INT, f"{what} {value!r:.40} is not a valid size")
+    return value
+
+
+def _hex(value: Any, pattern: re.Pattern = _HEX16) -> int:
+    _check(isinstance(value, str) and pattern.match(value) is not None,
+           f"checksum {value!r:.40} is not {16 if pattern is _HEX16 else 32} hex digits")
+    return int(value, 16)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refused if it repeats a key."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"an object repeats the key {key!r:.80}")
+            seen.add(key)
+    return out

@@ -1,0 +1,151 @@
+"""Global (sharded) tensors: which saved boxes make each one, and the rule they obey.
+
+Every rank's tree names the global tensors it took part in; the boxes the ranks wrote
+must tile the global shape exactly: no gap, no overlap, the same dtype and shape on
+every rank, each box inside the global shape and equal to its table entry. The reader
+checks it before anything is read, and the writer checks it before it commits (so it
+never commits a checkpoint the reader refuses), which is why this module does not
+import torch: the writer process never does. Reading boxes back is sharded.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.layout import DTYPE_SIZES, TensorSpec
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.tree import walk
+
+if TYPE_CHECKING:
+    import torch
+
+Path = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    """One saved piece of a global tensor: rank `rank`'s table entry `spec`, at `offsets`."""
+
+    rank: int
+    spec: TensorSpec
+    offsets: tuple[int, ...]
+
+
+@dataclass
+class GlobalTensor:
+    name: str
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    placements: list[str] = field(default_factory=list)
+    boxes: list[Box] = field(default_factory=list)
+
+    @property
+    def torch_dtype(self) -> "torch.dtype":
+        from asyncckpt.torchutil.dtypes import DTYPES  # torch: only readers ask
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def whole(cls, rank: int, spec: TensorSpec, path: Path = ()) -> "GlobalTensor":
+        """A plain saved tensor as a global tensor of one box (rank `rank`'s entry)."""
+        return cls(spec.name, path, spec.dtype, spec.shape,
+                   boxes=[Box(rank, spec, (0,) * len(spec.shape))])
+
+
+def global_tensors(manifest: Manifest) -> dict[str, GlobalTensor]:
+    """The manifest's global tensors by name, their boxes checked to tile each exactly.
+
+    Raises:
+        CorruptCheckpointError: ranks disagree on a tensor, a box is out of bounds, does
+            not match its table entry, or the boxes overlap or leave a gap.
+    """
+    out: dict[str, GlobalTensor] = {}
+    for part in manifest.ranks:
+        specs = {s.name: s for s in part.tensors}
+        for path, kind, body in walk(part.tree):
+            if kind != "dtensor":
+                continue
+            name = body["name"]
+
+            def bad(problem: str) -> CorruptCheckpointError:
+                return CorruptCheckpointError(f"global tensor {name!r:.80}: {problem}",
+                                              step=manifest.step, rank=part.rank)
+            dtype, shape, offsets = body.get("dtype"), body.get("shape"), body.get("offsets")
+            placements = body.get("placements")
+            if (not isinstance(dtype, str) or dtype not in DTYPE_SIZES or not _dims(shape)
+                    or not isinstance(placements, list)
+                    or not all(isinstance(p, str) for p in placements)):
+                raise bad("bad dtype, shape or placements")
+            g = out.setdefault(name, GlobalTensor(name, path, dtype, tuple(shape), placements))
+            if (g.path, g.dtype, g.shape) != (path, dtype, tuple(shape)):
+                raise bad(f"ranks disagree on its path, dtype or shape ({g.dtype} {g.shape} at "
+                          f"{g.path} vs {dtype} {tuple(shape)} at {path})")
+            if offsets is None:
+                continue
+            spec = specs.get(name)
+            if (spec is None or not _dims(offsets) or len(offsets) != len(shape)
+                    or spec.dtype != dtype or len(spec.shape) != len(shape)
+                    or any(o + n > s for o, n, s in zip(offsets, spec.shape, shape))):
+                raise bad(f"box at {offsets} does not fit the global shape {tuple(shape)} "
+                          "or its table entry")
+            g.boxes.append(Box(part.rank, spec, tuple(offsets)))
+    for g in out.values():
+        _check_tiling(g, manifest.step)
+    return out
+
+
+def _dims(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) <= 64
+            and all(type(v) is int and 0 <= v < 1 << 62 for v in value))
+
+
+def _check_tiling(g: GlobalTensor, step: int) -> None:
+    volume = sum(math.prod(b.spec.shape) for b in g.boxes)
+    if volume != math.prod(g.shape):
+        raise CorruptCheckpointError(f"global tensor {g.name!r:.80}: saved boxes hold {volume} "
+                                     f"elements, its shape {g.shape} needs {math.prod(g.shape)}",
+                                     step=step)
+    boxes = sorted(g.boxes, key=lambda b: b.offsets)
+    for i, a in enumerate(boxes):  # sweep along dim 0: only boxes starting before a ends
+        for b in boxes[i + 1:]:
+            if g.shape and b.offsets[0] >= a.offsets[0] + a.spec.shape[0]:
+                break
+            if intersect(a.offsets, a.spec.shape, b.offsets, b.spec.shape) is not None:
+                raise CorruptCheckpointError(f"global tensor {g.name!r:.80}: boxes of ranks "
+                                             f"{a.rank} and {b.rank} overlap", step=step)
+
+
+def intersect(a_off: tuple[int, ...], a_shape: tuple[int, ...], b_off: tuple[int, ...],
+               b_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offsets, shape) of the intersection of two boxes, or None if empty."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
+    hi = tuple(min(a + m, b + n) for a, m, b, n in zip(a_off, a_shape, b_off, b_shape))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def runs(shape: tuple[int, ...], start: tuple[int, ...], size: tuple[int, ...],
+         itemsize: int) -> list[tuple[int, int]]:
+    """Byte ranges, in order, of the sub-box `start`/`size` of a row-major `shape` array."""
+    if any(n == 0 for n in size):
+        return []
+    strides = [itemsize * math.prod(shape[i + 1:]) for i in range(len(shape))]
+    k = len(shape) - 1  # the last dimension the sub-box does not span in full
+    while k >= 0 and start[k] == 0 and size[k] == shape[k]:
+        k -= 1
+    if k < 0:
+        return [(0, itemsize * math.prod(shape))]
+    length = size[k] * strides[k]
+    base = start[k] * strides[k]
+    out = []
+    for index in itertools.product(*(range(s, s + n) for s, n in zip(start[:k], size[:k]))):
+        begin = base + sum(i * st for i, st in zip(index, strides))
+        out.append((begin, begin + length))
+    return out
+
+

@@ -1,0 +1,499 @@
+"""The rank client: `save()` returns at once; a background thread stages into the ring.
+
+The training thread only flattens the state dict and checks it (so an unsupported value
+fails in `save()` itself, before anything is sent); the copying happens on a stager
+thread that overlaps the next forward/backward, and the writer does the rest. A second
+thread receives slot credits and results. Saves are staged in the order they are
+made.
+
+Back-pressure from the writer reaches the stager only through ring slots. Messages go
+out through a sender thread, so a writer that reads its socket slowly (it stops reading
+while its frame threads are busy, i.e. at disk speed) never stalls the copy into free
+slots: with a 4 GiB ring and state, blocking sends held staging to the disk's 1 GB/s
+instead of the copy's 4-5 GB/s. The queue of unsent messages is bounded by the ring
+(at most one chunk message per slot). If the writer goes away, every pending handle fails with WriterUnavailableError
+at once and later saves raise it immediately: nothing waits forever on a dead writer.
+
+With `skip_unchanged`, a save first names the tensors whose storage and version counter
+are those of this client's newest committed save, and waits for the writer to say which
+of them it can reference (one round trip on the stager thread, not the training
+thread); those are not copied at all. The writer decides because only it knows whether
+the committed frames are still there and cover each tensor exactly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from asyncckpt.config import ClientKnobs
+from asyncckpt.errors import (
+    SaveFailedError,
+    UnsupportedStateError,
+    WriterUnavailableError,
+    error_class,
+)
+from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.ipc import protocol, ring
+from asyncckpt.rank.coordination import Agreement, StoreCoordinator
+from asyncckpt.rank.flatten import flatten
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.stager import DeviceCopies, ready_event, stage
+from asyncckpt.torchutil.ranks import resolve_rank
+
+log = logging.getLogger("asyncckpt.rank")
+
+# smaller tensors are not worth a reference (the writer cuts frames at the edges of
+# tensors this large, so only they fill whole frames of their own)
+SKIP_MIN_BYTES = 64 << 10
+
+Fingerprint = tuple
+Basis = tuple[int, dict[str, Fingerprint]]  # a committed step, its tensors' fingerprints
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Torn(Exception):
+    pass
+
+
+def _unmodified(pending: "_PendingSave") -> Iterator[torch.Tensor]:
+    """The save's tensors, each checked not to have been modified in place (its version
+    counter) between `save()` and the end of its own copy: a torn tensor fails the save
+    rather than landing in a checkpoint. Changes after a tensor's copy are harmless."""
+    for i, (entry, version) in enumerate(zip(pending.entries, pending.versions)):
+        if i in pending.skipped:
+            continue
+        yield entry.tensor
+        if _version(entry.tensor) != version:  # resumed only once its bytes are all copied
+            raise _Torn(f"state{''.join(f'[{p!r}]' for p in entry.path)} was modified in place "
+                        "while it was being staged; wait for handle.staged() before changing "
+                        "the state (e.g. call handle.wait_staged() before optimizer.step())")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """In-place writes bump it (optimizer steps too); writes through `.data`, numpy or
+    another process do not, and inference-mode tensors have none: those go undetected."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _fingerprint(t: torch.Tensor) -> Fingerprint | None:
+    """Equal for two looks at a tensor only if its bytes cannot have changed in between,
+    short of writes that bypass the version counter. The storage is named by a weak
+    reference: while it is held, the storage's address cannot be reused by another one."""
+    version = _version(t)
+    if version is None:
+        return None
+    storage = t.untyped_storage()
+    return (StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), t.storage_offset(),
+            tuple(t.shape), t.stride(), t.dtype, t.device, version)
+
+
+class _PendingSave:
+    """A save between `save()` and its result; the begin message is encoded up front so
+    that anything JSON cannot carry fails in `save()` itself."""
+
+    def __init__(self, save_id: int, step: int, world_size: int, state: Any,
+                 handle: SaveHandle, retention: tuple[int, int] | None,
+                 key: str | None = None, skip_unchanged: bool = False,
+                 basis: Basis | None = None, replace: bool = False,
+                 keep_from: int | None = None) -> None:
+        self.id = save_id
+        self.step = step
+        self.handle = handle
+        self.key = key  # the name of a save coordinated across nodes (coordination.py)
+        self.settled = False         # coordinated: the outcome is known and acted on
+        tree, self.entries = flatten(state)
+        self.versions = [_version(e.tensor) for e in self.entries]
+        self.ready = ready_event(e.tensor for e in self.entries)
+        self.fingerprints = [_fingerprint(e.tensor) if skip_unchanged else None
+                             for e in self.entries]
+        self.unchanged = [] if basis is None else [
+            i for i, (e, fp) in enumerate(zip(self.entries, self.fingerprints))
+            if fp is not None and basis[1].get(e.name) == fp
+            and e.tensor.numel() * e.tensor.element_size() >= SKIP_MIN_BYTES]
+        self.skipped: set[int] = set()  # what the writer took from the basis step
+        self.planned = threading.Event()
+        optional: dict[str, Any] = {"since": basis[0], "unchanged": self.unchanged} \
+            if self.unchanged else {}
+        if replace:
+            optional["replace"] = True
+        if keep_from is not None:
+            optional["keep_from"] = keep_from
+        try:
+            self.begin = protocol.encode(
+                "begin", save=save_id, step=step, world_size=world_size, tree=tree,
+                retention=retention, coordinated=key is not None,
+                tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries],
+                **optional)
+        except (ValueError, RecursionError) as e:
+            raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
+        if len(self.begin) > protocol.MAX_MESSAGE:
+            raise UnsupportedStateError(
+                f"the state's tensor table and objects take {len(self.begin)} bytes as JSON, "
+                f"over the {protocol.MAX_MESSAGE}-byte message bound ({len(self.entries)} "
+                "tensors); save fewer, larger tensors or split the state", step=step)
+
+
+class Client:
+    """A rank's connection to the writer, with its own shared-memory ring.
+
+    Use one client per rank process; it is thread-safe for `save()`.
+    """
+
+    def __init__(self, address: str | None = None, *, rank: int | None = None,
+                 world_size: int | None = None, store: Any = None, **knobs: Any) -> None:
+        """Create this rank's ring and connect to the writer.
+
+        Args:
+            address: the writer's address (WriterProcess.address); default
+                ASYNCCKPT_ADDRESS.
+            rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE,
+                else 0 / 1.
+            store: a torch.distributed Store through which the nodes of a job agree on
+                each commit (coordination.py). Default: with knob coordination "auto",
+                the default process group's store when the job spans several nodes
+                (LOCAL_WORLD_SIZE < WORLD_SIZE), else none (the node's writer sees
+                every rank).
+            knobs: slot_size, ring_size, connect_timeout, coordination, node_timeout
+                (see ClientKnobs).
+        Raises:
+            ValueError: an unknown knob (a writer knob is named as one).
+            WriterUnavailableError: no address, no writer there, or authentication failed.
+        """
+        self.knobs = ClientKnobs.from_env(**knobs)
+        address = address or os.environ.get(protocol.ADDRESS_ENV)
+        if not address:
+            raise WriterUnavailableError(
+                f"no writer address: pass one or set {protocol.ADDRESS_ENV} "
+                "(start a writer with asyncckpt.start_writer() or `asyncckpt writer`)")
+        self.address = address
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self._ring = ring.Ring.create(self.knobs.slot_size, self.knobs.ring_slots)
+        try:
+            self._conn = protocol.dial(address, protocol.read_authkey(address),
+                                       self.knobs.connect_timeout)
+            protocol.send(self._conn, "hello", rank=self.rank, world_size=self.world_size,
+                          pid=os.getpid(), slot_size=self._ring.slot_size,
+                          slots=self._ring.slots, need_slot=True)
+            protocol.send_fd(self._conn, self._ring.fileno())
+            if not self._conn.poll(self.knobs.connect_timeout):
+                raise WriterUnavailableError(f"writer at {address} did not welcome us")
+            welcome = protocol.recv(self._conn)
+        except (OSError, EOFError, ValueError) as e:
+            self._ring.close()
+            raise WriterUnavailableError(f"writer at {address} closed the connection during "
+                                         f"the handshake: {e}", rank=self.rank) from None
+        except BaseException:
+            self._ring.close()
+            raise
+        finally:
+            self._ring.release_fd()  # the writer holds its own descriptor now
+        if welcome.get("op") != "welcome":
+            self._ring.close()
+            raise WriterUnavailableError(f"writer at {address} refused this rank: "
+                                         f"{str(welcome.get('reason', welcome.get('op')))[:500]}",
+                                         rank=self.rank)
+        store = _store_for(self.knobs.coordination, self.world_size) if store is None else store
+        self._agreement = None if store is None else Agreement(
+            StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout),
+            self._send, str(welcome.get("root")), str(welcome.get("root_id")),
+            lambda: self._broken is not None, self._forget)
+        self._device = DeviceCopies(self._ring)
+        self._free = collections.deque(range(self._ring.slots))
+        self._cond = threading.Condition()
+        self._pending: dict[int, _PendingSave] = {}
+        self._ids = itertools.count(1)
+        self._basis: Basis | None = None  # with skip_unchanged: the newest committed save
+        self._broken: WriterUnavailableError | None = None
+        self._queue: queue.Queue[_PendingSave | None] = queue.Queue()
+        self._closed = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._receiver = threading.Thread(target=self._receive, daemon=True,
+                                          name=f"asyncckpt-recv-{self.rank}")
+        self._stager = threading.Thread(target=self._stage_loop, daemon=True,
+                                        name=f"asyncckpt-stage-{self.rank}")
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                        name=f"asyncckpt-send-{self.rank}")
+        self._receiver.start()
+        self._stager.start()
+        self._sender.start()
+
+    def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
+             keep_every: int = 0, keep_from: int | None = None,
+             replace: bool = False) -> SaveHandle:
+        """Queue `state_dict` as this rank's part of `step` and return at once.
+
+        The tensors must not be modified until `handle.staged()` is true (wait with
+        `handle.wait_staged()`); they are copied into the ring in the background. An
+        in-place change to a tensor before its copy finished is detected (its version
+        counter) and fails the save; changes that bypass autograd's counter (`.data`,
+        numpy views) cannot be seen.
+        The step is committed once every rank of the world has saved it. With
+        `keep_last`, the writer then deletes all but the newest `keep_last` committed
+        steps (except multiples of `keep_every`), judged from the disk; `keep_from`
+        protects every step from that one on from that deletion (a step something
+        outside the root still points at).
+        With `replace`, a committed step `step` is replaced by this save: it stays
+        loadable until the new one is durable, then it goes (a crash leaves one of the
+        two whole). The save fails instead if other steps reference the old step's bytes
+        (incremental saves), since they would stop loading. Without it, saving a
+        committed step fails with StepAlreadyCommittedError.
+
+        Returns:
+            A SaveHandle; `handle.wait()` returns the checkpoint path or raises.
+        Raises:
+            UnsupportedStateError: a value that cannot be saved (named by its key path).
+            WriterUnavailableError: the writer is gone.
+            ValueError: a negative or non-int step or keep_from.
+        """
+        started = time.perf_counter()
+        for name, value in (("step", step), ("keep_from", keep_from)):
+            if not (value is None and name == "keep_from" or _is_step(value)):
+                raise ValueError(f"{name} must be an int in 0..{MAX_STEP}; got {value!r}")
+        if self._closed:
+            raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
+        if self._broken is not None:
+            raise self._broken
+        handle = SaveHandle(step)
+        retention = None if keep_last is None else (keep_last, keep_every)
+        skip = self.knobs.skip_unchanged
+        pending = _PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
+                               retention, self._agreement.key(step) if self._agreement else None,
+                               skip, self._basis if skip else None, replace=bool(replace),
+                               keep_from=keep_from)
+        if skip:
+            handle._on_commit = functools.partial(self._remember, pending)
+        with self._cond:
+            self._pending[pending.id] = pending
+        self._queue.put(pending)
+        handle.stats.blocked_seconds = time.perf_counter() - started
+        return handle
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._stager.join(timeout)
+        for pending in list(self._pending.values()):
+            pending.handle._done.wait(timeout)
+        if self._agreement is not None:  # its last messages (commit, outcome) go out first
+            self._agreement.close(timeout)
+        self._outbox.put(None)
+        self._sender.join(timeout)
+        protocol.hang_up(self._conn)
+        self._receiver.join(timeout)
+        self._device.close()
+        try:
+            self._ring.close()
+        except BufferError:
+            pass  # a view is still referenced; the mapping goes with the process
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- stager thread ---------------------------------------------------------------
+
+    def _stage_loop(self) -> None:
+        while (pending := self._queue.get()) is not None:
+            if self._broken is not None:
+                pending.handle._set_failed(self._broken)
+                continue
+            try:
+                self._stage_one(pending)
+            except (OSError, EOFError):
+                self._on_broken("writer connection lost while staging")
+            except _Cancelled:
+                pass
+            except Exception as e:  # never let one save stop the stager for the next ones
+                log.exception("staging step %d failed", pending.step)
+                pending.handle._set_failed(SaveFailedError(
+                    f"staging failed: {type(e).__name__}: {e}", step=pending.step, rank=self.rank))
+
+    def _stage_one(self, pending: _PendingSave) -> None:
+        started = time.perf_counter()
+        handle = pending.handle
+        self._outbox.put(pending.begin)
+
+        said_need = False
+
+        def acquire() -> int:
+            nonlocal said_need
+            with self._cond:
+                while not self._free:
+                    if handle.done() or self._broken is not None:
+                        raise _Cancelled
+                    if not said_need:  # a writer that stages first copies out now
+                        self._send("need_slot")
+                        said_need = True
+                    self._cond.wait()
+                return self._free.popleft()
+
+        def emit(slot: int, length: int) -> None:
+            self._send("chunk", save=pending.id, slot=slot, length=length)
+
+        try:
+            while pending.unchanged and not pending.planned.wait(0.05):
+                if handle.done() or self._broken is not None:
+                    raise _Cancelled
+            nbytes = stage(_unmodified(pending), self._ring, acquire, emit, self._release,
+                           self._device, pending.ready)
+        except _Cancelled:
+            self._send("end", save=pending.id)
+            raise
+        except OSError:
+            raise
+        except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
+            cause = str(e) if isinstance(e, _Torn) else f"staging failed: {type(e).__name__}: {e}"
+            error = SaveFailedError(cause, step=pending.step, rank=self.rank)
+            self._send("abort", save=pending.id, reason=str(error))
+            handle._set_failed(error)
+            return
+        handle.stats.staged_bytes = nbytes  # before `end`: a result may follow at once
+        handle.stats.unchanged_bytes = sum(pending.entries[i].tensor.nbytes
+                                           for i in pending.skipped)
+        handle.stats.staging_seconds = time.perf_counter() - started
+        self._send("end", save=pending.id)
+        handle._set_staged()
+
+    # -- sender thread ---------------------------------------------------------------
+
+    def _send(self, op: str, **fields: Any) -> None:
+        self._outbox.put(protocol.encode(op, **fields))
+
+    def _send_loop(self) -> None:
+        try:
+            while (data := self._outbox.get()) is not None:
+                self._conn.send_bytes(data)
+        except (OSError, EOFError):
+            self._on_broken("writer connection lost while sending")
+
+    def _forget(self, pending: _PendingSave) -> None:
+        """A coordinated save is over (its outcome came through the store)."""
+        with self._cond:
+            self._pending.pop(pending.id, None)
+
+    def _remember(self, pending: _PendingSave) -> None:
+        """`pending` committed: its tensors as they were are the basis of later saves."""
+        with self._cond:
+            if self._basis is None or pending.step > self._basis[0]:
+                self._basis = (pending.step, {
+                    e.name: fp for e, fp in zip(pending.entries, pending.fingerprints)
+                    if fp is not None})
+
+    def _release(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+    # -- receiver thread -------------------------------------------------------------
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                m = protocol.recv(self._conn)
+                op = m["op"]
+                if op == "free":
+                    self._release(int(m["slot"]))
+                elif op == "unchanged":
+                    with self._cond:
+                        pending = self._pending.get(int(m["save"]))
+                    if pending is not None:
+                        pending.skipped = set(m["tensors"]) & set(pending.unchanged)
+                        pending.planned.set()
+                elif op == "durable" and self._agreement is not None:
+                    with self._cond:
+                        pending = self._pending.get(int(m["save"]))
+                    if pending is not None:
+                        self._agreement.durable(pending, str(m["tmp"]))
+                elif op in ("committed", "failed"):
+                    with self._cond:
+                        pending = self._pending.pop(int(m["save"]), None)
+                        if pending is not None and pending.key is not None:
+                            assert self._agreement is not None
+                            error = None if op == "committed" else error_class(
+                                m.get("error", ""))(m.get("message", "save failed"))
+                            self._agreement.result(pending, error, m.get("path"),
+                                                   m.get("stats", {}))
+                        elif pending is not None and op == "committed":
+                            pending.handle._set_committed(Path(m["path"]), m.get("stats", {}))
+                        elif pending is not None:
+                            cls = error_class(m.get("error", ""))
+                            pending.handle._set_failed(cls(m.get("message", "save failed")))
+                        self._cond.notify_all()
+        except Exception as e:  # whatever ends this thread must fail the pending handles,
+            # or their wait() would hang: a lost writer, a closed client, a bad message
+            if self._closed:
+                self._on_broken("the client was closed")
+            elif isinstance(e, (EOFError, OSError)):
+                self._on_broken("the writer closed the connection")
+            else:
+                log.warning("bad message from the writer: %s: %s", type(e).__name__, e)
+                self._on_broken(f"bad message from the writer ({type(e).__name__})")
+
+    def _on_broken(self, why: str) -> None:
+        with self._cond:
+            if self._broken is None:
+                self._broken = WriterUnavailableError(f"{why} ({self.address})", rank=self.rank)
+            failed = list(self._pending.values())
+            self._pending.clear()
+            self._cond.notify_all()
+        for pending in failed:
+            if pending.key is not None and self._agreement is not None:
+                self._agreement.broken(pending, self._broken)
+            pending.handle._set_failed(self._broken)
+
+
+def _is_step(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_STEP
+
+
+def _store_for(coordination: str, world_size: int) -> Any:
+    """The store to coordinate commits through, per the `coordination` knob."""
+    if coordination == "local":
+        return None
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if coordination == "store" or local < world_size:
+            return dist.distributed_c10d._get_default_store()
+    if coordination == "store":
+        raise ValueError('coordination "store" needs torch.distributed initialized, or a '
+                         "store passed to Client(store=...)")
+    return None
+
+
+_default: Client | None = None
+_default_lock = threading.Lock()
+
+
+def default_client() -> Client:
+    """The process-wide client built from the environment (ASYNCCKPT_ADDRESS, RANK, ...)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed or _default._broken is not None:
+            _default = Client()
+            atexit.register(_default.close)
+        return _default

@@ -1,0 +1,166 @@
+"""Flattening a state dict into tensors plus a JSON tree (the saving side of tree.py).
+
+The walk happens in `save()` itself, on the caller's thread, so that anything that
+cannot be saved (an object that is not JSON, an unnamed dtype, a cycle, a key that is
+not str or int) fails there, before a byte is sent, with the key path in the message.
+Tensors that share memory with an earlier saved contiguous tensor become view nodes
+(see tree.py) and are neither staged nor written. Global tensors (DTensor, ShardedTensor)
+become "dtensor" nodes holding this rank's box (dtensor.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from asyncckpt.errors import UnsupportedStateError
+from asyncckpt.format.tree import JSON, MAX_DEPTH, MAX_INT_BITS, View
+from asyncckpt.torchutil import dtensor
+from asyncckpt.torchutil.dtypes import DTYPE_NAMES
+
+
+@dataclasses.dataclass
+class TensorEntry:
+    """One tensor leaf: where it sits in the tree, and the source to copy from."""
+
+    name: str
+    path: tuple[str | int, ...]
+    tensor: torch.Tensor
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.tensor.dtype]
+
+
+def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
+    """Split `state` into a JSON tree and its tensor leaves, in a stable order.
+
+    Raises:
+        UnsupportedStateError: a key, object or tensor that cannot be saved; the message
+            names its path.
+    """
+    entries: list[TensorEntry] = []
+    names: set[str] = {"__metadata__"}  # reserved by safetensors
+    active: set[int] = set()
+    bases: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # storage -> saved contiguous
+
+    def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
+        if dtensor.is_global(node):
+            name = _unique_name(path, names)
+            local, body = dtensor.describe(node, name, _show(path))
+            if local is not None:
+                check_tensor(local, path)
+                entries.append(TensorEntry(name, path, local.detach()))
+            return {"dtensor": body}
+        if isinstance(node, torch.Tensor):
+            check_tensor(node, path)
+            key = _storage_key(node)
+            view = _view_within(node, bases.get(key, ())) if key else None
+            if view is not None:
+                return view.to_json()
+            name = _unique_name(path, names)
+            entries.append(TensorEntry(name, path, node.detach()))
+            if key and node.is_contiguous():
+                bases.setdefault(key, []).append((name, node))
+            return {"tensor": name}
+        if node is None or isinstance(node, (bool, str)):
+            return node
+        if isinstance(node, int):
+            if node.bit_length() > MAX_INT_BITS:
+                raise UnsupportedStateError(f"{_show(path)}: int of {node.bit_length()} bits is too large")
+            return node
+        if isinstance(node, float):
+            return node if math.isfinite(node) else {"float": repr(node)}
+        if not isinstance(node, (dict, list, tuple)):
+            raise UnsupportedStateError(
+                f"{_show(path)}: cannot save a {type(node).__name__}; only tensors, "
+                "dict/list/tuple, str, int, float, bool and None are saved (never pickle)")
+        if id(node) in active:
+            raise UnsupportedStateError(f"{_show(path)}: the state contains a cycle")
+        if len(path) >= MAX_DEPTH:
+            raise UnsupportedStateError(f"{_show(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
+        active.add(id(node))
+        try:
+            if isinstance(node, dict):
+                items = []
+                for key, value in node.items():
+                    if isinstance(key, bool) or not isinstance(key, (str, int)):
+                        raise UnsupportedStateError(
+                            f"{_show(path)}: dict key {key!r} is a {type(key).__name__}; "
+                            "keys must be str or int")
+                    if isinstance(key, str) and not _is_utf8(key):
+                        raise UnsupportedStateError(f"{_show(path)}: dict key {key!r} is not valid Unicode")
+                    if isinstance(key, int) and key.bit_length() > MAX_INT_BITS:
+                        raise UnsupportedStateError(f"{_show(path)}: int key is too large")
+                    items.append([key, visit(value, path + (key,))])
+                return {"dict": items}
+            kind = "list" if isinstance(node, list) else "tuple"
+            return {kind: [visit(v, path + (i,)) for i, v in enumerate(node)]}
+        finally:
+            active.discard(id(node))
+
+    return visit(state, ()), entries
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    """(device, storage address) of a non-empty CPU/CUDA tensor, else None."""
+    if t.numel() == 0 or t.device.type not in ("cpu", "cuda"):
+        return None
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
+
+
+def _view_within(t: torch.Tensor, bases: Any) -> View | None:
+    """`t` as a view of the first saved base whose elements hold all of its own."""
+    if any(s < 0 for s in t.stride()):
+        return None
+    for name, base in bases:
+        offset = t.storage_offset() - base.storage_offset()
+        if base.dtype != t.dtype or offset < 0:
+            continue
+        view = View(name, DTYPE_NAMES[t.dtype], offset, tuple(t.shape), tuple(t.stride()))
+        if view.extent <= base.numel():
+            return view
+    return None
+
+
+def check_tensor(t: torch.Tensor, path: tuple[str | int, ...]) -> None:
+    """Raise UnsupportedStateError unless `t` is a dense tensor of a nameable dtype."""
+    problem = None
+    if t.layout != torch.strided:
+        problem = f"layout {t.layout} is not supported; save a dense tensor"
+    elif t.is_meta:
+        problem = "a meta tensor has no data to save"
+    elif t.is_quantized:
+        problem = "quantized tensors are not supported; save int_repr() and the scales"
+    elif t.dtype not in DTYPE_NAMES:
+        problem = (f"dtype {t.dtype} has no safetensors name; supported: "
+                   f"{', '.join(str(d).removeprefix('torch.') for d in DTYPE_NAMES)}")
+    if problem:
+        raise UnsupportedStateError(f"{_show(path)}: {problem}")
+
+
+def _unique_name(path: tuple[str | int, ...], taken: set[str]) -> str:
+    base = ".".join(str(p) for p in path) or "tensor"
+    name, n = base, 1
+    while name in taken:
+        name, n = f"{base}~{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _show(path: tuple[str | int, ...]) -> str:
+    return "state" + "".join(f"[{p!r}]" for p in path)

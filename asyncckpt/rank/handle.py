@@ -1,0 +1,145 @@
+"""SaveHandle: what `save()` returns at once.
+
+Two moments matter to a training loop and they are far apart: *staged* (every source
+byte has been copied into the ring, so the tensors may change again: the next optimizer
+step can run) and *done* (the writer committed the step durably, or it failed). Keeping
+them separate is what lets the save run in the background without a torn checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from asyncckpt.errors import CheckpointError
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """What one rank's save cost. The rank's own figures are set when it is staged, the
+    writer's when the step commits (they stay at their defaults if it fails).
+
+    Attributes:
+        blocked_seconds: time the caller was held in `save()` (flatten and checks).
+        staged_bytes: tensor bytes this rank copied into its ring.
+        unchanged_bytes: tensor bytes this rank did not copy because they were
+            unchanged since its previous committed save (knob `skip_unchanged`).
+        staging_seconds: from `save()` to staged.
+        seconds: from the step's first `begin` at the writer to its commit.
+        raw_bytes, stored_bytes: the whole step (every rank), before and after encoding;
+            stored_bytes counts only what this save wrote (not referenced bytes).
+        new_bytes, referenced_bytes: the whole step's raw bytes written by this save,
+            and those stored as references to frames of older steps (incremental).
+        codec: this rank's data file codec (with codec "auto", the one chosen).
+        frames: frames of this rank's file per codec.
+        encode_seconds, write_seconds: the writer's thread time on this rank's frames,
+            and its time in write/fsync calls for this rank's file.
+        encode_threads: the writer's frame threads.
+        writer_peak_rss_anon: the writer's peak private memory so far, bytes.
+        auto: with codec "auto", the chooser's figures for this step.
+    """
+
+    blocked_seconds: float = 0.0
+    staged_bytes: int = 0
+    unchanged_bytes: int = 0
+    staging_seconds: float = 0.0
+    seconds: float = 0.0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    new_bytes: int = 0
+    referenced_bytes: int = 0
+    codec: str = ""
+    frames: dict[str, int] = dataclasses.field(default_factory=dict)
+    encode_seconds: float = 0.0
+    write_seconds: float = 0.0
+    encode_threads: int = 0
+    writer_peak_rss_anon: int = 0
+    auto: dict[str, Any] | None = None
+
+    def update(self, figures: dict[str, Any]) -> None:
+        """Take the known fields of `figures` (the writer's report); ignore the rest."""
+        for f in dataclasses.fields(self):
+            if f.name in figures:
+                setattr(self, f.name, figures[f.name])
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class SaveHandle:
+    """Tracks one rank's part of one save.
+
+    Attributes:
+        step: the step being saved.
+        path: the committed checkpoint directory (once done without error).
+        stats: a SaveStats (timings and sizes of the rank and of the writer).
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.path: Path | None = None
+        self.stats = SaveStats()
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._on_commit: Callable[[], None] | None = None
+
+    def staged(self) -> bool:
+        """True once the source tensors are no longer read (copied, or the save failed)."""
+        return self._staged.is_set()
+
+    def done(self) -> bool:
+        """True once the step is committed and durable, or the save failed."""
+        return self._done.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until staged(); returns False on timeout. Never raises the save's error."""
+        return self._staged.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until the step is committed.
+
+        Returns:
+            The committed checkpoint directory.
+        Raises:
+            TimeoutError: not done within `timeout` seconds (the save goes on).
+            SaveFailedError, DiskFullError, WriterUnavailableError: the save failed;
+                nothing of this step was committed.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"step {self.step}: save not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self.path is not None
+        return self.path
+
+    def exception(self) -> BaseException | None:
+        """The save's error once done (None while running or after success)."""
+        return self._error
+
+    def __repr__(self) -> str:
+        state = ("failed" if self._error else "committed") if self.done() else (
+            "staged" if self.staged() else "staging")
+        return f"SaveHandle(step={self.step}, {state})"
+
+    # -- internal: set by the client's threads -------------------------------------------
+
+    def _set_staged(self) -> None:
+        self._staged.set()
+
+    def _set_committed(self, path: Path, stats: dict[str, Any]) -> None:
+        if not self._done.is_set():
+            self.path = path
+            self.stats.update(stats)
+            if self._on_commit is not None:
+                self._on_commit()
+            self._staged.set()
+            self._done.set()
+
+    def _set_failed(self, error: CheckpointError) -> None:
+        if not self._done.is_set():
+            self._error = error
+            self._staged.set()
+            self._done.set()

@@ -1,0 +1,133 @@
+"""Starting the writer from Python: a child process, not a thread.
+
+`start_writer` runs `python -m asyncckpt writer` as a subprocess (no fork of a process
+that may hold CUDA or gloo state), waits until it listens, and returns its address.
+The child watches its parent: if the trainer dies, the writer finishes the commits in
+flight and exits, so nothing outlives the job and no committed checkpoint is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from asyncckpt.errors import WriterLockedError, WriterUnavailableError
+from asyncckpt.ipc.protocol import ADDRESS_ENV
+
+READY_PREFIX = "ASYNCCKPT_READY "
+JOB_ENV = "ASYNCCKPT_JOB"
+
+
+class WriterProcess:
+    """A writer started by `start_writer`.
+
+    Attributes:
+        address: what clients pass to `connect()` (also exported as ASYNCCKPT_ADDRESS
+            to this process's environment, so child ranks inherit it).
+        root: the checkpoint root it owns.
+        pid: its process id.
+    """
+
+    def __init__(self, proc: subprocess.Popen, address: str, root: Path) -> None:
+        self._proc = proc
+        self.address = address
+        self.root = root
+        self.pid = proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM the writer (it finishes in-flight commits), wait, return its exit code.
+
+        Kills it if it has not exited after `timeout` seconds.
+        """
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if os.environ.get(ADDRESS_ENV) == self.address:
+            del os.environ[ADDRESS_ENV]
+        return self._proc.returncode
+
+    def __enter__(self) -> "WriterProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"WriterProcess(pid={self.pid}, root={str(self.root)!r}, address={self.address!r})"
+
+
+def default_job() -> str | None:
+    """The job id writers share a root under: ASYNCCKPT_JOB, else torchrun's run id and
+    rendezvous address (the same on every node of one job, different for another job),
+    else None (a writer that owns its root alone)."""
+    if os.environ.get(JOB_ENV):
+        return os.environ[JOB_ENV]
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port and "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} {addr}:{port}"
+    return None
+
+
+def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
+                 log_file: str | os.PathLike[str] | None = None, timeout: float = 60.0,
+                 job: str | None = None, **knobs: Any) -> WriterProcess:
+    """Start a writer process that owns `root` and return once it accepts ranks.
+
+    Args:
+        root: the checkpoint root directory (created if missing).
+        codec: "auto" (default), "raw", "zstd" or "bytegroup" (see WriterKnobs.codec).
+        log_file: where the writer logs (default: inherit stderr).
+        job: the job id of the writers of several nodes that share `root` (default:
+            `default_job()`); writers of one job share the root, others are refused.
+        knobs: other writer knobs (zstd_level, shutdown_timeout, ...); see WriterKnobs.
+    Returns:
+        A WriterProcess; its address is also exported as ASYNCCKPT_ADDRESS.
+    Raises:
+        WriterLockedError: another writer holds `root`.
+        WriterUnavailableError: the writer did not start within `timeout` seconds.
+    """
+    root = Path(root).resolve()
+    cmd = [sys.executable, "-m", "asyncckpt", "writer", "--root", str(root),
+           "--parent-pid", str(os.getpid()), "--ready-line"]
+    if codec is not None:
+        cmd += ["--codec", codec]
+    if job or default_job():
+        cmd += ["--job", job or default_job()]  # type: ignore[list-item]
+    for name, value in knobs.items():
+        cmd += ["--knob", f"{name}={value}"]
+    stderr = open(log_file, "ab") if log_file else None
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                                text=True, start_new_session=True)
+    finally:
+        if stderr:
+            stderr.close()
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        line = proc.stdout.readline() if sel.select(timeout) else ""
+    if not line.startswith(READY_PREFIX):
+        try:
+            code = proc.wait(5 if line == "" else 0.1)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        if code == 3:
+            raise WriterLockedError(f"another writer holds {root}", file=str(root))
+        raise WriterUnavailableError(f"writer did not start (exit code {code}); see its log",
+                                     file=str(root))
+    address = line[len(READY_PREFIX):].strip()
+    os.environ[ADDRESS_ENV] = address
+    return WriterProcess(proc, address, root)

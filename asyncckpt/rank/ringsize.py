@@ -1,0 +1,90 @@
+"""How large a rank's ring is when the Checkpointer makes its client.
+
+With the default 64 MiB ring, staging a multi-GiB rank state runs at disk speed and the
+optimizer fence holds the optimizer that long; a ring the size of the state makes
+staging one memcpy, at the cost of that much shared memory per rank, which is why the
+share of MemAvailable it may take is bounded (split between the node's ranks) and the
+choice is logged.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from asyncckpt.config import ClientKnobs, MiB
+from asyncckpt.torchutil.dtensor import local_tensors
+
+MEM_SHARE = 0.25  # of MemAvailable, split between the node's ranks, for the rings
+DEFAULT_RING = ClientKnobs().ring_size  # the floor: the ring a client gets by default
+
+
+def auto_ring_size(state_bytes: int, slot_size: int, local_ranks: int,
+                   available: int | None) -> tuple[int, str]:
+    """A rank's ring size for a state of `state_bytes`, and why (for the log).
+
+    As large as the state (staging is then one memcpy, and the fence waits for a copy
+    instead of the disk), but at most `MEM_SHARE` of MemAvailable split
+    between the node's `local_ranks`, never more than the state, and not below the
+    64 MiB default (or the state, if smaller) even when memory is tight. A multiple of
+    `slot_size`. `available` None (no /proc/meminfo): the default.
+    """
+    want = max(slot_size, -(-state_bytes // slot_size) * slot_size)
+    floor = min(want, max(slot_size, DEFAULT_RING // slot_size * slot_size))
+    if available is None:
+        return floor, f"the state is {state_bytes / MiB:.0f} MiB, MemAvailable unknown"
+    share = int(available * MEM_SHARE / max(1, local_ranks)) // slot_size * slot_size
+    size = max(floor, min(want, share))
+    why = (f"the state is {state_bytes / MiB:.0f} MiB; {MEM_SHARE:.0%} of MemAvailable "
+           f"{available / MiB:.0f} MiB over {local_ranks} local rank(s) is {share / MiB:.0f} MiB")
+    if size == want:
+        why += ": the whole state fits"
+    elif size == floor:
+        why += f": kept at the {floor / MiB:.0f} MiB floor"
+    return size, why
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of this rank's tensors in `state` (a global tensor's local shard; shared
+    memory counted once)."""
+    seen: set[tuple[Any, ...]] = set()
+    total = 0
+
+    def visit(node: Any) -> None:
+        nonlocal total
+        if isinstance(node, torch.Tensor):
+            for local in local_tensors(node):
+                key = (local.device, local.data_ptr(), local.numel(), local.dtype)
+                if key not in seen:
+                    seen.add(key)
+                    total += local.numel() * local.element_size()
+        elif isinstance(node, dict):
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                visit(v)
+
+    visit(state)
+    return total
+
+
+def local_world_size() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def mem_available() -> int | None:
+    """/proc/meminfo's MemAvailable in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -1,0 +1,429 @@
+"""Staging: copying a rank's tensor bytes into ring slots, in stream order.
+
+The rank's stream is every tensor's bytes back to back; slots are filled to the brim
+across tensor boundaries (small tensors share a frame, large ones span many), so any
+tensor of any size passes through any ring size with one copy, and the writer sees
+frames of one size. Contiguous tensors are copied straight from their storage;
+non-contiguous ones go through a bounded (at most one slot) contiguous block, never a
+whole-tensor copy. From host memory the copy is `memmove` (GIL released); `Tensor.copy_`
+fans out to OpenMP threads that stall when the writer holds the other core
+(`python -m benchmarks.micro`: 5.9 vs 4.9 GB/s with one busy core; with both cores
+loaded copy_ fell to 0.5 GB/s).
+
+A large host tensor (at least `PARALLEL_MIN_BYTES`) is copied by the stager thread and
+helper threads together: a few slots at a time are cut into 1 MiB jobs that whichever
+thread is free takes next (`HostCopier`), and those slots are handed over once every job
+is done. Taking jobs rather than being assigned halves is what keeps this safe on a
+busy machine: a helper that is not scheduled takes nothing, and the stager thread copies
+alone as before, waiting at most for the one job a helper has begun. The writer sees
+the slots a few slots later (at most `PARALLEL_SLOTS`), and every byte of a tensor is
+copied before the next tensor is looked at, so the check for in-place changes after a
+tensor's copy still holds. The ring's pages are populated when it is created (ring.py),
+so no save pays page faults for them. While the rank stages, the writer leaves its
+ring alone (its `stage_first`), so every other core may help. On a 2-core VM the
+difference is within the noise, one copy thread nearly filling the memory bandwidth:
+1 GiB staged in 0.0683-0.0745 s with one helper, 0.0710-0.0748 s without (five runs of
+`python -m benchmarks.stagespeed`, `--copy-threads 1,2` or the default `0,1`).
+
+From a CUDA tensor the copy is the device-to-host DMA itself, straight into the ring:
+the ring's pages are registered with CUDA (pinned) on first use, copies are issued
+non-blocking on a staging stream, and a slot is handed to the writer only once an event
+recorded after its copies has completed. A few slots are in flight at once, so the DMA
+of one overlaps the handing over of the previous; slots still go to the writer in
+stream order.
+
+Stream discipline, because the writer checksums whatever lands in the ring and `verify`
+then passes on it: every device operation of a save runs on the one staging stream,
+and that stream first waits for the event recorded on the producer's stream at `save()`
+(at the save's first CUDA tensor, whatever host tensors come before it). The contiguous
+block of a non-contiguous tensor is made on the staging stream too, so the copy that
+reads it is ordered after the kernel that writes it; made on the stager thread's
+current stream, as it once was, it raced both the producer (that stream had not waited
+for it) and the copy (which had not waited for the kernel). Every tensor a queued copy
+reads (such blocks, and the slices of the state's own tensors) is referenced from the
+slot's entry until the event after its copy has completed. Holding references is
+chosen over `Tensor.record_stream`: the lifetime is explicit and bounded (at most the
+waiting slots plus the open one, one slot of blocks each), it does not depend on when
+the caching allocator next looks at its recorded events, and it also keeps the state's
+tensors alive if the caller drops them right after `save()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import logging
+import os
+import queue
+import threading
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from asyncckpt.ipc.ring import Ring
+
+log = logging.getLogger("asyncckpt.rank")
+
+PARALLEL_MIN_BYTES = 1 << 20  # smaller pieces: one memmove by the stager thread
+PARALLEL_SLOTS = 4            # slots filled before they are handed over together
+JOB_BYTES = 1 << 20
+
+
+class HostCopier:
+    """Host-memory copies shared by the stager thread and `helpers` daemon threads.
+
+    `run(jobs)` returns once every (dest address, source address, bytes) job is copied;
+    the caller copies too, taking jobs as the helpers do, so `run` never waits for a
+    helper that has not started. Several callers may run batches at once.
+    """
+
+    def __init__(self, helpers: int) -> None:
+        self.helpers = helpers
+        self._batches: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
+        for i in range(helpers):
+            threading.Thread(target=self._serve, daemon=True, name=f"asyncckpt-copy-{i}").start()
+
+    def run(self, jobs: list[tuple[int, int, int]]) -> None:
+        if not self.helpers or len(jobs) < 2:
+            for dest, source, n in jobs:
+                ctypes.memmove(dest, source, n)
+            return
+        batch = _Batch(jobs)
+        for _ in range(min(self.helpers, len(jobs) - 1)):
+            self._batches.put(batch)
+        batch.work()
+        batch.done.wait()
+
+    def _serve(self) -> None:
+        while True:
+            self._batches.get().work()
+
+
+class _Batch:
+    def __init__(self, jobs: list[tuple[int, int, int]]) -> None:
+        self.jobs = jobs
+        self._next = itertools.count()  # next() of a count is atomic under the GIL
+        self._left = len(jobs)
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        if not jobs:
+            self.done.set()
+
+    def work(self) -> None:
+        mine = 0
+        while (i := next(self._next)) < len(self.jobs):
+            dest, source, n = self.jobs[i]
+            ctypes.memmove(dest, source, n)  # releases the GIL
+            mine += 1
+        if mine:  # every job taken is done once each taker has counted its own
+            with self._lock:
+                self._left -= mine
+                if not self._left:
+                    self.done.set()
+
+
+def _helper_count() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(0, min(3, cores - 1))
+
+
+_copier: HostCopier | None = None
+_copier_lock = threading.Lock()
+
+
+def _forget_copier() -> None:  # a forked child has none of the parent's helper threads
+    global _copier, _copier_lock
+    _copier, _copier_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_copier)
+
+
+def host_copier() -> HostCopier:
+    """The process's HostCopier (its helper threads start on first use)."""
+    global _copier
+    with _copier_lock:
+        if _copier is None:
+            _copier = HostCopier(_helper_count())
+        return _copier
+
+
+def byte_pieces(t: torch.Tensor, max_bytes: int,
+                contiguous: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
+                ) -> Iterator[torch.Tensor]:
+    """Contiguous uint8 tensors whose concatenation is `t`'s bytes in row-major order:
+    `t` itself if it is contiguous, else `contiguous` of blocks of at most `max_bytes`."""
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        yield _flat_bytes(t)
+        return
+    for block in _blocks(t, max_bytes):
+        yield _flat_bytes(contiguous(block))
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    # not reshape(-1): a contiguous tensor with size-1 dims may keep a stride != 1 there
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
+def _blocks(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    """Views of `t`, in row-major order, each at most `max_bytes` (or one element)."""
+    if t.dim() == 0 or t.numel() * t.element_size() <= max_bytes:
+        yield t
+        return
+    row_bytes = t[0].numel() * t.element_size()
+    if row_bytes <= max_bytes:
+        rows = max(1, max_bytes // row_bytes)
+        for i in range(0, t.shape[0], rows):
+            yield t[i:i + rows]
+    else:
+        for i in range(t.shape[0]):
+            yield from _blocks(t[i], max_bytes)
+
+
+class DeviceCopies:
+    """Asynchronous device-to-host copies into a ring, and the slots waiting for them.
+
+    One per ring, used by one stager thread. `close()` unpins the ring's pages; call it
+    before the ring is unmapped. `_new_stream`, `_wait`, `_contiguous`, `_copy_async`,
+    `_record`, `_synchronize` and `_pin` are the only code that calls CUDA (a test
+    replaces them to let the CPU stand in for a GPU).
+    """
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self.pinned = False
+        self._tried_pin = False
+        self._stream: Any = None
+        self._device: torch.device | None = None
+        self._held: list[torch.Tensor] = []  # what the copies into the open slot read
+        # (slot, length, event after its copies, the tensors those copies read)
+        self._pending: collections.deque[tuple[int, int, Any, list[torch.Tensor]]] = \
+            collections.deque()
+        self._max_pending = min(2, ring.slots - 1)  # the writer must always own a slot
+
+    def handles(self, t: torch.Tensor) -> bool:
+        """Whether `t` is staged by device copies (else it must be in host memory)."""
+        return t.device.type == "cuda"
+
+    def begin(self, device: torch.device, ready: Any) -> None:
+        """Before any device work of a save: the staging stream waits for `ready` (the
+        save's `ready_event`, None when there is nothing to wait for).
+
+        Raises:
+            ValueError: the staging stream is on another device (one device per ring).
+        """
+        if not self._tried_pin:
+            self._pin()
+        if self._stream is None:
+            self._stream, self._device = self._new_stream(device), device
+        self._check_device(device)
+        if ready is not None:
+            self._wait(ready)
+
+    def pieces(self, t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+        """`byte_pieces(t, max_bytes)`, its contiguous blocks made on the staging stream
+        (call `begin` first).
+
+        Raises:
+            ValueError: `t` is on another device than the staging stream.
+        """
+        self._check_device(t.device)
+        return byte_pieces(t, max_bytes, self._contiguous)
+
+    def _check_device(self, device: torch.device) -> None:
+        if device != self._device:
+            raise ValueError(f"CUDA tensors on {device} and {self._device}: a rank's state "
+                             "must be on one device")
+
+    def copy(self, slot: int, fill: int, source: torch.Tensor) -> None:
+        """Queue the copy of uint8 device tensor `source` into `slot` at byte `fill`;
+        `source` is kept until the slot's copies have landed."""
+        self._copy_async(self.ring.slot_tensor(slot)[fill:fill + source.numel()], source)
+        self._held.append(source)
+
+    def hand_over(self, slot: int, length: int, emit: Callable[[int, int], None]) -> None:
+        """Emit `slot` once the copies queued into it have landed, keeping slots in
+        order; at most a few wait at once."""
+        if self._held:
+            self._pending.append((slot, length, self._record(), self._held))
+            self._held = []
+        else:
+            self.drain(emit)
+            emit(slot, length)
+        while self._pending and (len(self._pending) > self._max_pending
+                                 or self._pending[0][2].query()):
+            done_slot, done_length, event, _ = self._pending.popleft()
+            event.synchronize()
+            emit(done_slot, done_length)
+
+    def discard(self) -> list[int]:
+        """Wait for every queued copy (into waiting slots and the open one) to land and
+        return the waiting slots unsent."""
+        slots = []
+        while self._pending:
+            slot, _, event, _ = self._pending.popleft()
+            event.synchronize()
+            slots.append(slot)
+        if self._held:
+            self._synchronize()
+            self._held = []
+        return slots
+
+    def drain(self, emit: Callable[[int, int], None]) -> None:
+        """Emit every waiting slot, in order, once its copies have landed."""
+        while self._pending:
+            slot, length, event, _ = self._pending.popleft()
+            event.synchronize()
+            emit(slot, length)
+
+    def _new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def _wait(self, ready: Any) -> None:
+        self._stream.wait_event(ready)
+
+    def _contiguous(self, block: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.stream(self._stream):  # allocated and written on the staging stream
+            return block.contiguous()
+
+    def _copy_async(self, dest: torch.Tensor, source: torch.Tensor) -> None:
+        with torch.cuda.stream(self._stream):
+            dest.copy_(source, non_blocking=True)
+
+    def _record(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def _synchronize(self) -> None:
+        self._stream.synchronize()
+
+    def _pin(self) -> None:
+        self._tried_pin = True
+        size = self.ring.slot_size * self.ring.slots
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.ring.address, size, 0))
+            self.pinned = True
+        except Exception as e:  # still correct, only slower: copies into pageable memory
+            log.warning("cannot pin the ring for asynchronous device copies (%s); "
+                        "staging CUDA tensors synchronously", e)
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.ring.address)
+            self.pinned = False
+
+
+def ready_event(tensors: Iterable[torch.Tensor]) -> Any:
+    """An event after the work queued so far on the current stream of the CUDA tensors'
+    device (None if there are none): staging copies start after it."""
+    device = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int],
+          emit: Callable[[int, int], None], release: Callable[[int], None] = lambda slot: None,
+          device: DeviceCopies | None = None, ready: Any = None,
+          copier: HostCopier | None = None) -> int:
+    """Copy every tensor's bytes into ring slots and hand each full slot to `emit`.
+
+    Args:
+        acquire: blocks until a slot is free and returns it (raises to cancel).
+        emit: called with (slot, length) once a slot is filled (and its device copies
+            landed); the slot then belongs to the writer until it frees it.
+        release: given back the slots this save held when it stopped on an error, once
+            no copy into them is still running.
+        device: the ring's DeviceCopies, needed for CUDA tensors.
+        ready: `ready_event()` of the save, taken when it was requested.
+        copier: copies large host tensors with helper threads (default: `host_copier()`;
+            rings of fewer than 2 slots copy on the calling thread alone).
+    Returns:
+        The number of bytes staged.
+    Raises:
+        ValueError: a CUDA tensor without `device`, or CUDA tensors on two devices.
+    """
+    slot, fill, total, begun = -1, 0, 0, False
+    batch_slots = min(PARALLEL_SLOTS, ring.slots - 1)  # + the open slot: never all of them
+    if copier is None and batch_slots > 0:
+        copier = host_copier()
+    filled: list[int] = []  # full slots whose parallel copies are not all done yet
+    try:
+        for tensor in tensors:
+            on_device = device is not None and device.handles(tensor)
+            if on_device:
+                assert device is not None
+                if not begun:  # before any device work of the save, CPU tensors or not
+                    device.begin(tensor.device, ready)
+                    begun = True
+                pieces = device.pieces(tensor, ring.slot_size)
+            elif tensor.device.type == "cpu":
+                pieces = byte_pieces(tensor, ring.slot_size)
+            else:
+                raise ValueError(f"a tensor on {tensor.device} needs the ring's DeviceCopies")
+            for piece in pieces:
+                pos, size = 0, piece.numel()
+                if not on_device and copier is not None and size >= PARALLEL_MIN_BYTES:
+                    jobs: list[tuple[int, int, int]] = []
+                    source = piece.data_ptr()
+                    while pos < size:
+                        if slot < 0:
+                            slot, fill = acquire(), 0
+                        n = min(size - pos, ring.slot_size - fill)
+                        dest = ring.address + slot * ring.slot_size + fill
+                        jobs += [(dest + k, source + pos + k, min(JOB_BYTES, n - k))
+                                 for k in range(0, n, JOB_BYTES)]
+                        fill, pos, total = fill + n, pos + n, total + n
+                        if fill == ring.slot_size:
+                            filled.append(slot)
+                            slot = -1
+                        if len(filled) >= batch_slots or pos == size:
+                            copier.run(jobs)
+                            jobs = []
+                            while filled:  # popped once handed over: else released
+                                _hand_over(device, filled[0], ring.slot_size, emit)
+                                filled.pop(0)
+                    continue
+                while pos < size:
+                    if slot < 0:
+                        slot, fill = acquire(), 0
+                    n = min(size - pos, ring.slot_size - fill)
+                    if on_device:
+                        assert device is not None
+                        device.copy(slot, fill, piece[pos:pos + n])
+                    else:  # one plain memcpy, GIL released; torch's copy_ would fan out to
+                        # OpenMP threads that stall whenever the writer holds the other cores
+                        ctypes.memmove(ring.address + slot * ring.slot_size + fill,
+                                       piece.data_ptr() + pos, n)
+                    fill, pos, total = fill + n, pos + n, total + n
+                    if fill == ring.slot_size:
+                        _hand_over(device, slot, fill, emit)
+                        slot = -1
+        if slot >= 0:
+            _hand_over(device, slot, fill, emit)
+            slot = -1
+        if device is not None:
+            device.drain(emit)
+    except BaseException:
+        for unsent in ((device.discard() if device is not None else []) + filled
+                       + ([slot] if slot >= 0 else [])):
+            release(unsent)
+        raise
+    return total
+
+
+def _hand_over(device: DeviceCopies | None, slot: int, length: int,
+               emit: Callable[[int, int], None]) -> None:
+    if device is None:
+        emit(slot, length)
+    else:
+        device.hand_over(slot, length, emit)

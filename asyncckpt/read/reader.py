@@ -1,0 +1,478 @@
+"""Reading checkpoints back: every byte checked before it is returned.
+
+This is the low level: verified access to one rank's data file, given a manifest that
+`checkpoint.Checkpoint` has already read and checked (the one place that does). The
+manifest is the only thing trusted, and only after its own checksum and field checks
+pass. Data files are opened by the names the manifest's rules allow, never by a
+path it could aim elsewhere, must have exactly the stored size it declares, and each
+frame is verified twice: the stored bytes against their xxh3 before decoding (so a
+decoder never sees corrupt input), the decoded bytes against theirs after. Frames that
+lie inside one tensor decode straight into the tensor's memory; frames shared by small
+tensors decode once into a one-frame scratch buffer.
+
+A reference frame (incremental saves) is read from the data file of an older step of
+the same root, named by (step, file name) in the manifest and opened here as
+ROOT/step-N/NAME or ROOT/step-N.retired/NAME: the step directory is opened without
+following a symlink and the file relative to it, so no reference leads outside the
+root. Its bytes are verified against *this* manifest's checksums, like its own.
+
+Speed: past the disk, a load pays three CPU costs per byte -- the kernel's copy out of
+the page cache (the price of reading into the caller's memory rather than returning a
+mapping of the file that could change after it was verified), the first touch of fresh
+tensor memory, and xxh3 -- spread over the frame threads while the kernel's own
+read-ahead keeps the disk busy. First touch is the dear one on a virtual machine:
+reading 1 GiB from the page cache took 0.068-0.074 s into memory touched before, 0.43 s
+into fresh memory, 0.39 s populated first in one madvise (two runs of `python -m
+benchmarks.micro`), about the disk's own time for those bytes, so loads into new tensors
+trail `safetensors.load_file` (which maps the cached pages instead of copying them)
+where the disk is fast, and `load(into=...)` into existing tensors, as a job resuming
+into its model has, does not pay it. Asking for a sliding window ahead of the frames
+(posix_fadvise WILLNEED) measured no better than that read-ahead here, so a load asks
+only for its first window, while Python still plans which bytes go where. Fresh tensors
+are plain `torch.empty`: advising 2 MiB pages (MADV_HUGEPAGE) made first touch 10x
+cheaper in half the runs and 1.5-4x dearer in the other half on this virtual machine
+(fresh huge pages stall on the host), and may compact memory on a fragmented one, so a
+restart's load does not gamble on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+import xxhash
+
+from asyncckpt.codec.registry import make_codec, xxh3_of
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.layout import layout
+from asyncckpt.format.manifest import Frame, Manifest, RankPart, Ref
+from asyncckpt.format.stepdirs import open_step_file
+from asyncckpt.runtime.pool import FramePool
+
+_Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengths, tensor)
+
+
+class RankReader:
+    """Verified access to one rank's data file. Not thread-safe (its methods use one
+    set of codecs and buffers), but `read_ranges` fans out to `threads` threads."""
+
+    def __init__(self, directory: Path, manifest: Manifest, rank: int,
+                 threads: int | None = None, pool: FramePool | None = None) -> None:
+        self.part: RankPart = manifest.ranks[rank]
+        self.step = manifest.step
+        self.rank = rank
+        self.path = directory / self.part.file
+        self._scratch: dict = {}  # codecs (a file may mix them) and buffers, one thread
+        self.threads = ReadLimits.from_env().read_threads if threads is None else threads
+        # frame threads: `pool` if shared (their scratch then serves every reader of the
+        # set, so memory does not grow with the ranks read), else started on first use
+        self._pool = pool
+        self._own_pool = pool is None
+        self._header: bytes | None = None
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            raise self._corrupt(f"cannot open data file: {e.strerror}") from None
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != self.part.stored_size:
+            self.close()
+            raise self._corrupt(f"data file has {st.st_size} bytes, manifest says "
+                                f"{self.part.stored_size}")
+        self._ref_fds: dict[tuple[int, str], int] = {}
+        try:
+            for (step, name), end in referenced_files(self.part).items():
+                fd, size = open_referenced(directory.parent, step, name, self._corrupt)
+                self._ref_fds[(step, name)] = fd
+                if size < end:
+                    raise self._corrupt(f"referenced {name} of step {step} has {size} bytes, "
+                                        f"frames reference up to byte {end}")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._pool is not None and self._own_pool:
+            self._pool.close()
+        self._pool = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        for fd in getattr(self, "_ref_fds", {}).values():
+            os.close(fd)
+        self._ref_fds = {}
+
+    def __enter__(self) -> "RankReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_frame_into(self, index: int, out: memoryview | list[memoryview],
+                        tensor: str | None = None, scratch: dict | None = None) -> None:
+        """Read, verify and decode frame `index` into `out`: one view, or consecutive
+        views that together hold exactly its raw bytes (the tensors it spans).
+
+        `scratch` holds the calling thread's codecs and buffers (default: this
+        reader's own, for one thread at a time).
+
+        Raises:
+            CorruptCheckpointError: short read, checksum mismatch, or undecodable frame.
+        """
+        frame = self.part.frames[index]
+        outs = out if isinstance(out, list) else [out]
+        if frame.codec == "raw" and len(outs) <= _MAX_IOV:
+            self._preadv(frame, index, outs, tensor)  # straight into place, no copy
+            self._check(frame, index, "raw", xxh3_of(outs), tensor)
+            return
+        scratch = self._scratch if scratch is None else scratch
+        stored = scratch_buffer(scratch, "stored", frame.encoded_length)
+        self._preadv(frame, index, [stored], tensor)
+        self._check(frame, index, "stored", xxhash.xxh3_64_intdigest(stored), tensor)
+        codec = scratch.get(("codec", frame.codec))
+        if codec is None:
+            codec = scratch[("codec", frame.codec)] = make_codec(frame.codec)
+        try:
+            codec.decode_into(stored, outs, frame.layout)
+        except CorruptCheckpointError as e:
+            raise self._corrupt(f"frame {index}: {e.cause}", tensor, frame) from None
+        self._check(frame, index, "raw", xxh3_of(outs), tensor)
+
+    def check_frames(self, on_frame: Callable[[Frame], None] | None = None,
+                     seen: set | None = None) -> None:
+        """Read and verify every frame (into scratch), calling `on_frame` after each.
+
+        `seen` (shared across checkpoints by `verify ROOT`): stored byte ranges already
+        verified under the same codec and checksums; those are skipped, and the ones
+        verified here are added.
+        """
+        for index, frame in enumerate(self.part.frames):
+            key = self.range_key(frame)
+            if seen is None or key not in seen:
+                self.read_frame_into(index, self._buffer("gap", frame.raw_length))
+                if seen is not None:
+                    seen.add(key)
+            if on_frame:
+                on_frame(frame)
+
+    def range_key(self, frame: Frame) -> tuple:
+        """Identifies the bytes a frame stands for: where they are and what they must
+        check as."""
+        return (*self.stored_at(frame), frame.raw_length, frame.codec, frame.layout,
+                frame.xxh3_stored, frame.xxh3_raw)
+
+    def read_stored(self, index: int, scratch: dict | None = None) -> memoryview:
+        """Frame `index`'s stored bytes (its own or referenced), verified: the stored
+        checksum, and the raw one after decoding. Valid until the next call with the
+        same scratch.
+
+        Raises:
+            CorruptCheckpointError: as `read_frame_into`.
+        """
+        frame = self.part.frames[index]
+        scratch = self._scratch if scratch is None else scratch
+        self.read_frame_into(index, scratch_buffer(scratch, "gap", frame.raw_length), None, scratch)
+        if frame.codec == "raw":
+            return scratch_buffer(scratch, "gap", frame.raw_length)
+        return scratch_buffer(scratch, "stored", frame.encoded_length)
+
+    def read_ranges(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> None:
+        """Fill each (begin, end, out, tensor name) with raw stream bytes begin..end.
+
+        Ranges must be sorted and disjoint. Every frame touched is read and verified
+        once, scattered straight into the outputs it spans; bytes of a frame that no
+        range wants land in a reused scratch buffer. With `threads` > 1 frames are read,
+        verified and decoded on that many threads (preadv, xxh3, zstd and numpy release
+        the GIL), each into its own part of the outputs.
+        """
+        jobs = self._plan(ranges)
+        if self.threads <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                self._run(job, self._scratch)
+            return
+        _run_parallel(self, jobs)
+
+    def _plan(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> list[_Job]:
+        """Per frame touched: (index, pieces, tensor name); a piece is an output view or
+        the length of a gap no range wants."""
+        ranges = [r for r in ranges if r[1] > r[0]]
+        frames, r = self.part.frames, 0
+        index = _frame_at(frames, ranges[0][0]) if ranges else 0
+        jobs: list[_Job] = []
+        while r < len(ranges):
+            frame = frames[index]
+            f_begin, f_end = frame.raw_offset, frame.raw_offset + frame.raw_length
+            pieces: list[memoryview | int] = []
+            pos, name = f_begin, None
+            while r < len(ranges) and ranges[r][0] < f_end:
+                begin, end, out, tensor = ranges[r]
+                lo, hi = max(begin, pos), min(end, f_end)
+                if lo > pos:
+                    pieces.append(lo - pos)
+                pieces.append(out[lo - begin:hi - begin])
+                pos, name = hi, name or tensor
+                if end > f_end:
+                    break  # continues in the next frame
+                r += 1
+            if pos < f_end:
+                pieces.append(f_end - pos)
+            jobs.append((index, pieces, name))
+            if r < len(ranges):
+                index = _frame_at(frames, max(ranges[r][0], f_end))
+        return jobs
+
+    def _run(self, job: _Job, scratch: dict) -> None:
+        index, pieces, name = job
+        gap = scratch_buffer(scratch, "gap", self.part.frames[index].raw_length)
+        outs, pos = [], 0
+        for piece in pieces:
+            if isinstance(piece, int):
+                outs.append(gap[pos:pos + piece])
+                pos += piece
+            else:
+                outs.append(piece)
+        self.read_frame_into(index, outs, name, scratch)
+
+    def read_range(self, begin: int, end: int, out: memoryview, tensor: str | None = None) -> None:
+        """Fill `out` with raw stream bytes `begin`..`end`, verifying every frame touched."""
+        self.read_ranges([(begin, end, out, tensor)])
+
+    def expected_header(self) -> bytes:
+        """The safetensors header the manifest's tensor table implies (computed once)."""
+        if self._header is None:
+            header, _ = layout((t.name, t.dtype, t.shape) for t in self.part.tensors)
+            end = self.part.tensors[0].begin if self.part.tensors else self.part.raw_size
+            if end != len(header):
+                raise self._corrupt(f"tensors start at byte {end}, the header ends at {len(header)}")
+            self._header = header
+        return self._header
+
+    def check_header(self, header: bytes | bytearray | None = None) -> None:
+        """Check the stream's safetensors header (read and verified here unless given)
+        is exactly the one the manifest implies, so dtypes, shapes and offsets agree.
+
+        Raises:
+            CorruptCheckpointError: it differs.
+        """
+        expected = self.expected_header()
+        if header is None:
+            header = bytearray(len(expected))
+            self.read_range(0, len(expected), memoryview(header))
+        if header != expected:
+            raise self._corrupt("safetensors header differs from the manifest's tensor table")
+
+    def _buffer(self, kind: str, size: int) -> memoryview:
+        """A reused scratch buffer of at least `size` bytes (one per kind)."""
+        return scratch_buffer(self._scratch, kind, size)
+
+    def prefetch(self, begin: int, end: int) -> None:
+        """Ask the kernel to start reading the stored bytes of the frames that hold raw
+        stream bytes `begin`..`end` (posix_fadvise WILLNEED, own file or referenced).
+
+        Advice only: it returns once the reads are queued, so the disk works while the
+        caller plans what to read; nothing is verified here (the reads that follow are).
+        """
+        frames = self.part.frames
+        if not frames or end <= begin or not hasattr(os, "posix_fadvise"):
+            return
+        spans: list[list[int]] = []  # [fd, first byte, end], contiguous frames merged
+        for frame in frames[_frame_at(frames, begin):]:
+            if frame.raw_offset >= end:
+                break
+            fd, offset = self._where(frame)
+            if spans and spans[-1][0] == fd and spans[-1][2] == offset:
+                spans[-1][2] = offset + frame.encoded_length
+            else:
+                spans.append([fd, offset, offset + frame.encoded_length])
+        for fd, lo, hi in spans:
+            try:
+                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
+
+    def _where(self, frame: Frame) -> tuple[int, int]:
+        """(fd, offset) of a frame's stored bytes: this step's file or the referenced one."""
+        if frame.ref is not None:
+            return self._ref_fds[(frame.ref.step, frame.ref.file)], frame.ref.offset
+        return self._fd, frame.stored_offset
+
+    def _preadv(self, frame: Frame, index: int, outs: list[memoryview], tensor: str | None) -> None:
+        fd, offset = self._where(frame)
+        outs = [o for o in outs if len(o)]
+        while outs:
+            n = os.preadv(fd, outs, offset)
+            if n == 0:
+                raise self._corrupt(f"frame {index}: file ends early", tensor, frame)
+            offset += n
+            while outs and n >= len(outs[0]):
+                n -= len(outs[0])
+                outs.pop(0)
+            if n:
+                outs[0] = outs[0][n:]
+
+    def _check(self, frame: Frame, index: int, which: str, actual: int, tensor: str | None) -> None:
+        expected = frame.xxh3_raw if which == "raw" else frame.xxh3_stored
+        if actual != expected:
+            raise self._corrupt(
+                f"frame {index} (raw bytes {frame.raw_offset}..{frame.raw_offset + frame.raw_length}"
+                f"): xxh3 of {which} bytes mismatch (manifest {expected:016x}, file "
+                f"{actual:016x})", tensor, frame)
+
+    def _corrupt(self, cause: str, tensor: str | None = None,
+                 frame: Frame | None = None) -> CorruptCheckpointError:
+        """The error for this rank's data; with `frame`, it says where the frame's stored
+        bytes lie when another step's file holds them, and keeps that place as
+        `detail["stored_at"]` (a `Ref`: whoever shares those bytes shares the damage)."""
+        where = f" (tensor {tensor!r})" if tensor else ""
+        if frame is not None and frame.ref is not None:
+            where += (f"; its bytes are stored in {frame.ref.file} of step {frame.ref.step} at "
+                      f"{frame.ref.offset}..{frame.ref.offset + frame.ref.length} (referenced)")
+        detail = {} if frame is None else {"stored_at": self.stored_at(frame)}
+        return CorruptCheckpointError(cause + where, step=self.step, rank=self.rank,
+                                      file=self.part.file, **detail)
+
+    def stored_at(self, frame: Frame) -> Ref:
+        """Where `frame`'s stored bytes are: this step's file, or the referenced one."""
+        return frame.ref or Ref(self.step, self.part.file, frame.stored_offset,
+                                frame.stored_length)
+
+
+class Readers:
+    """The RankReaders of one checkpoint, each opened (and its header checked) on first
+    use and all closed together: `readers(rank)`. They share one pool of frame threads."""
+
+    def __init__(self, directory: Path, manifest: Manifest, threads: int) -> None:
+        self._directory, self._manifest = directory, manifest
+        self._open: dict[int, RankReader] = {}
+        self._threads = threads
+        self._pool = load_pool(self._threads) if self._threads > 1 else None
+
+    def __call__(self, rank: int, prefetch: int = 0) -> RankReader:
+        """Rank `rank`'s reader; when this opens it, the first `prefetch` raw bytes of
+        its stream are asked for (`RankReader.prefetch`) before its header is read."""
+        if rank not in self._open:
+            reader = RankReader(self._directory, self._manifest, rank, self._threads, self._pool)
+            self._open[rank] = reader
+            reader.prefetch(0, prefetch)
+            reader.check_header()
+        return self._open[rank]
+
+    def close(self) -> None:
+        for reader in self._open.values():
+            reader.close()
+        self._open.clear()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> "Readers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_MAX_IOV = 512  # frames spanning more tensors than this are read via scratch
+# what a whole-rank load asks the kernel for before it plans (about 25 ms of this disk)
+READ_AHEAD = 64 << 20
+
+
+def referenced_files(part: RankPart) -> dict[tuple[int, str], int]:
+    """(step, file name) -> the end of the last byte range rank `part` references there."""
+    ends: dict[tuple[int, str], int] = {}
+    for f in part.frames:
+        if f.ref is not None:
+            key = (f.ref.step, f.ref.file)
+            ends[key] = max(ends.get(key, 0), f.ref.offset + f.ref.length)
+    return ends
+
+
+def open_referenced(root: Path, step: int, name: str,
+                    corrupt: Callable[[str], CorruptCheckpointError]) -> tuple[int, int]:
+    """Open data file `name` of step `step` of `root` for reading: (fd, size), under the
+    one rule of what a step directory is (stepdirs.py: no symlinks, a regular file).
+
+    Raises:
+        CorruptCheckpointError: (made by `corrupt`) it is in neither place.
+    """
+    opened = open_step_file(root, step, name)
+    if opened is None:
+        raise corrupt(f"references {name} of step {step}, which is not in {root} (deleted, "
+                      "linked from elsewhere, or this checkpoint was moved without the steps "
+                      "it references: `asyncckpt copy` writes a self-contained one)")
+    return opened
+
+
+def scratch_buffer(scratch: dict, kind: str, size: int) -> memoryview:
+    """A reused buffer of at least `size` bytes from `scratch` (one per kind)."""
+    buf = scratch.get(kind)
+    if buf is None or len(buf) < size:
+        buf = scratch[kind] = bytearray(size)
+    return memoryview(buf)[:size]
+
+
+def load_pool(threads: int) -> FramePool:
+    return FramePool(threads, 2 * threads, name="asyncckpt-load")
+
+
+def _run_parallel(reader: RankReader, jobs: list[_Job]) -> None:
+    """Run `reader`'s frame jobs on its pool of `reader.threads` (started once, kept until
+    the reader closes); raise the first error once every job has finished or been
+    skipped (no thread writes into the outputs after this returns)."""
+    if reader._pool is None:
+        reader._pool = load_pool(reader.threads)
+    pool = reader._pool
+    errors: list[BaseException] = []
+    left = [len(jobs)]
+    finished = threading.Condition()
+
+    def job_for(job: _Job):  # type: ignore[no-untyped-def]
+        def run(context: dict) -> None:
+            try:
+                if not errors:
+                    reader._run(job, context)
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                errors.append(e)
+            finally:
+                pool.release()
+                with finished:
+                    left[0] -= 1
+                    finished.notify_all()
+        return run
+
+    submitted = 0
+    try:
+        for job in jobs:
+            pool.submit(job_for(job))
+            submitted += 1
+    finally:
+        with finished:
+            while left[0] > len(jobs) - submitted:
+                finished.wait()
+    if errors:
+        raise errors[0]
+
+
+def _frame_at(frames: list[Frame], offset: int) -> int:
+    lo, hi = 0, len(frames) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if frames[mid].raw_offset <= offset:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no numpy needed).
+
+    The view does not keep `t` alive: use it only while `t` is referenced.
+    """
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")

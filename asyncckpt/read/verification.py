@@ -1,0 +1,177 @@
+"""Verifying checkpoints without loading them: `asyncckpt.verify` and `asyncckpt verify`.
+
+Verification opens each checkpoint through `Checkpoint.examine` (the manifest, with
+every rule of its parser -- no repeated key, every frame's codec one its data file's
+suffix admits --, the directory's files, the global tensors and every rank's tree: the
+checks `load` makes) and then reads every frame of every rank through the same checked
+path as `load` (sizes, both checksums, decoding), plus what `load` does not need: the
+safetensors header in each data file must be exactly the one the manifest implies. At
+the root it also checks that `latest` names a committed step. Byte ranges that several
+steps share (incremental saves reference older steps' frames) are read and checked once
+per root: a range counts as checked only for the same codec, planes and checksums. It
+never stops at the first bad checkpoint, nor at the first problem of one: the report
+covers all of them, and corruption is reported, never raised.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
+from asyncckpt.format import stepdirs
+from asyncckpt.format.layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
+from asyncckpt.format.manifest import Frame
+from asyncckpt.read.checkpoint import Checkpoint
+
+Progress = Callable[[str, int, int], None]
+"""Called after each frame: (checkpoint path, stored bytes verified, stored bytes to verify)."""
+
+
+@dataclass
+class CheckpointReport:
+    """What verifying one checkpoint directory (or the root's `latest`) found."""
+
+    path: str
+    step: int | None
+    ok: bool = True
+    problems: list[str] = field(default_factory=list)
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    referenced_bytes: int = 0  # stored bytes of reference frames (in older steps' files)
+    frames: int = 0
+    seconds: float = 0.0
+
+    def problem(self, text: str) -> None:
+        self.ok = False
+        self.problems.append(text)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class VerifyReport:
+    """The result of `verify(path)`: one report per checkpoint (and for `latest`)."""
+
+    path: str
+    checkpoints: list[CheckpointReport]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.checkpoints)
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for r in self.checkpoints for p in r.problems]
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "checkpoints": [r.to_json() for r in self.checkpoints]}
+
+
+def verify(path: str | os.PathLike[str], *, limits: ReadLimits | None = None,
+           progress: Progress | None = None) -> VerifyReport:
+    """Verify a checkpoint, or every checkpoint under a root, reading every byte.
+
+    Args:
+        path: a checkpoint directory, or a root (then every `step-N` under it, with or
+            without a manifest, and its `latest`).
+        limits: reader limits (default: `ReadLimits.from_env()`).
+        progress: see `Progress`.
+    Returns:
+        The report; `report.ok` is False when anything is corrupt. Corruption is
+        reported, never raised.
+    Raises:
+        CheckpointNotFoundError: `path` is neither a checkpoint nor a root holding one.
+    """
+    return VerifyReport(str(path), list(verify_iter(path, limits=limits, progress=progress)))
+
+
+def verify_iter(path: str | os.PathLike[str], *, limits: ReadLimits | None = None,
+                progress: Progress | None = None) -> Iterator[CheckpointReport]:
+    """`verify`, one report at a time (each as soon as its checkpoint is done).
+
+    Raises:
+        CheckpointNotFoundError: on the first `next()`, as `verify`.
+    """
+    directories, root = checkpoints_under(path)
+    seen: set = set()
+    for directory in directories:
+        yield verify_checkpoint(directory, progress, limits=limits, seen=seen)
+    pointer = verify_root_pointer(root) if root else None
+    if pointer:
+        yield pointer
+
+
+def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | None]:
+    """(the checkpoint directories `path` stands for, the root if it is one).
+
+    Raises:
+        CheckpointNotFoundError: `path` is neither a checkpoint nor a root holding one.
+    """
+    path = Path(path)
+    if (path / MANIFEST_NAME).is_file() or parse_step_dir(path.name) is not None:
+        return [path], None
+    steps = stepdirs.step_dirs(path)  # a step-N without a manifest is reported, not skipped
+    if not steps:
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint (no {MANIFEST_NAME}) "
+                                      "and holds no committed checkpoint", file=str(path))
+    return [path / step_dir_name(s) for s in steps], path
+
+
+def verify_checkpoint(directory: Path, progress: Progress | None = None, *,
+                      limits: ReadLimits | None = None, seen: set | None = None
+                      ) -> CheckpointReport:
+    """Check one checkpoint directory end to end; never raises for corruption.
+
+    `seen`: byte ranges already verified (see `RankReader.check_frames`), shared by the
+    checkpoints of one root so that each shared range is read once.
+    """
+    started = time.perf_counter()
+    report = CheckpointReport(str(directory), None)
+    ckpt, problems = Checkpoint.examine(directory, limits=limits)
+    for problem in problems:
+        report.problem(str(problem))
+    if ckpt is None:
+        report.seconds = time.perf_counter() - started
+        return report
+    report.step = ckpt.step
+    ranks = [r for r in range(ckpt.world_size) if r not in ckpt.unreadable_ranks]
+    total = sum(f.encoded_length for r in ranks for f in ckpt.manifest.ranks[r].frames)
+
+    def count(frame: Frame) -> None:
+        report.frames += 1
+        report.raw_bytes += frame.raw_length
+        report.stored_bytes += frame.stored_length
+        report.referenced_bytes += frame.encoded_length - frame.stored_length
+        if progress:
+            progress(str(directory), report.stored_bytes + report.referenced_bytes, total)
+
+    with ckpt:
+        for rank in ranks:
+            try:
+                ckpt.reader(rank).check_frames(count, seen)
+            except CheckpointError as e:
+                report.problem(str(e))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def verify_root_pointer(root: Path) -> CheckpointReport | None:
+    """A problem report if `root/latest` exists but names no committed step."""
+    latest = root / LATEST_NAME
+    if not os.path.lexists(latest):
+        return None
+    report = CheckpointReport(str(latest), stepdirs.read_latest(root))
+    if report.step is None or report.step not in stepdirs.committed_steps(root):
+        text = stepdirs.read_small_file(latest, 64)
+        shown = (repr(text.decode(errors="replace").strip()) if text is not None
+                 else "something that is not a regular file of at most 64 bytes")
+        report.problem(f"{LATEST_NAME} names {shown}, "
+                       "which is not a committed checkpoint")
+        return report
+    return None

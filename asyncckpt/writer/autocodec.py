@@ -1,0 +1,127 @@
+"""codec="auto": per save, the codec that makes the checkpoint durable soonest.
+
+Compression is worth it only when the disk, not the CPU, is the bottleneck: on a fast
+NVMe with busy cores raw wins; on a network filesystem or with idle cores the
+byte-grouped codec writes 20-30 % fewer bytes at more than disk speed. Which case holds
+depends on the machine, on what training does with the cores meanwhile, and on the
+data, so it is measured, not configured.
+
+The writer's frames pipeline overlaps encoding and writing, so the time to durable of
+`R` raw bytes with codec `c` is about the slowest of the two stages and of the cores
+that must do both:
+
+    t(c) = R * max(encode_cost(c) / threads, ratio(c) / disk_bandwidth,
+                   (encode_cost(c) + ratio(c) / disk_bandwidth) / cores)
+
+The last term counts the time in write and fsync calls as busy CPU. That is right for
+buffered writes on a fast device (the kernel copies every byte into the page cache:
+on the 2-core development VM a 1 GiB raw save spends 0.7-0.9 s of a core in write) and
+pessimistic where those calls only wait for the device; either way it biases the
+choice toward raw when cores are few, which is the safe side: without it the chooser
+picked the byte-grouped codec at 4 GiB on 2 cores and was 34 % slower than raw.
+
+`encode_cost` (thread-seconds per raw byte, GIL waits and CPU contention included) and
+`ratio` come from the frames each save actually encoded with its codec, and for the
+other codecs from trial encodes of the first MiB of one frame in `trial_every` (on the
+frame thread; with whole frames tried, auto took 1.11 x raw's time to durable at 1 GiB,
+1.00 x at 4 GiB and 1.17 x for MiniLM on 2 cores, with the first MiB 1.02, 1.05 and
+1.05 x: `make bench-full`); `disk_bandwidth` from the time spent in write and fsync
+calls. Estimates decay by half per save so they follow a change of machine load. Before
+any measurement each codec's prior from the registry (codec.py) stands in, worth 8 MiB
+of evidence, and the disk is assumed to take 1.3 GB/s (what write + fsync, flushed every
+64 MiB, reached on a 2-core VM's virtio ext4 disk).
+
+A save is decided when it begins (the data file's name depends on its codec), so a
+change takes effect on the next save. Users who want the smallest files choose
+codec="bytegroup" directly.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from asyncckpt.codec.registry import CODECS, REGISTRY
+
+# (ratio, encode thread-seconds per byte) before anything is measured
+_PRIORS = {name: (spec.prior[0], 1 / spec.prior[1]) for name, spec in REGISTRY.items()}
+_PRIOR_DISK = 1.3e9  # bytes/s
+_PRIOR_WEIGHT = 8 << 20  # priors count as this many bytes of evidence
+
+
+@dataclass
+class _Evidence:
+    raw: float = 0.0
+    stored: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, raw: float, stored: float, seconds: float) -> None:
+        self.raw += raw
+        self.stored += stored
+        self.seconds += seconds
+
+    def decay(self, factor: float) -> None:
+        self.raw *= factor
+        self.stored *= factor
+        self.seconds *= factor
+
+
+@dataclass
+class Choice:
+    codec: str
+    predicted: dict[str, float]  # seconds per GB of raw data, per candidate
+    ratio: dict[str, float]
+    encode_gbps: dict[str, float]  # per thread
+    disk_gbps: float
+    threads: int
+
+    def to_json(self) -> dict:
+        r = lambda x: round(x, 4)  # noqa: E731
+        return {"codec": self.codec, "threads": self.threads, "disk_gbps": r(self.disk_gbps),
+                "predicted_s_per_gb": {k: r(v) for k, v in self.predicted.items()},
+                "ratio": {k: r(v) for k, v in self.ratio.items()},
+                "encode_gbps_per_thread": {k: r(v) for k, v in self.encode_gbps.items()}}
+
+
+@dataclass
+class CodecChooser:
+    """Thread-safe estimates for one writer (all its ranks share disk and cores)."""
+
+    threads: int
+    trial_every: int = 32
+    cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    _codecs: dict[str, _Evidence] = field(default_factory=lambda: {
+        c: _Evidence(_PRIOR_WEIGHT, _PRIOR_WEIGHT * r, _PRIOR_WEIGHT * s)
+        for c, (r, s) in _PRIORS.items()})
+    _disk: _Evidence = field(default_factory=lambda: _Evidence(
+        0, _PRIOR_WEIGHT, _PRIOR_WEIGHT / _PRIOR_DISK))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def choose(self) -> Choice:
+        with self._lock:
+            disk = self._disk.stored / self._disk.seconds
+            ratio = {c: e.stored / e.raw for c, e in self._codecs.items()}
+            cost = {c: e.seconds / e.raw for c, e in self._codecs.items()}
+        predicted = {c: 1e9 * max(cost[c] / self.threads, ratio[c] / disk,
+                                  (cost[c] + ratio[c] / disk) / self.cores) for c in CODECS}
+        best = min(CODECS, key=lambda c: (predicted[c], ratio[c]))
+        return Choice(best, predicted, ratio, {c: 1e-9 / cost[c] for c in CODECS},
+                      disk / 1e9, self.threads)
+
+    def encoded(self, codec: str, raw: int, stored: int, seconds: float) -> None:
+        """A frame (or a trial) of `raw` bytes took `seconds` to encode to `stored`."""
+        with self._lock:
+            self._codecs[codec].add(raw, stored, seconds)
+
+    def written(self, stored: int, seconds: float) -> None:
+        """A save wrote and synced `stored` bytes in `seconds` of write/fsync calls."""
+        if seconds > 0 and stored > 0:
+            with self._lock:
+                self._disk.add(0, stored, seconds)
+
+    def save_done(self) -> None:
+        """Halve the weight of what was measured so far."""
+        with self._lock:
+            for e in (*self._codecs.values(), self._disk):
+                e.decay(0.5)

@@ -1,0 +1,340 @@
+"""The writer's index of committed frames, for incremental saves.
+
+A frame whose raw bytes a committed step of the root already holds is stored as a
+reference to those bytes instead of being written again. Identity is the pair (XXH3-128
+of the raw bytes, their length), never the 64-bit checksum alone: across millions of frames
+and many steps a 64-bit collision is a real possibility, a 128-bit one is not. Lookups
+are content-addressed across tensors, ranks and steps, so a frozen tensor dedups
+wherever it sits in the stream as long as its frames are cut at the same places.
+
+Targets are always frames whose bytes are in their own step's file: a frame that is
+itself a reference is never a target (its target is), so a reference never leads to
+another reference and chains or cycles cannot form.
+
+The index is built at writer start from every committed and retired step's manifest,
+gains each step this writer commits, and drops the steps that retention deletes. It is
+refreshed from the disk when a step opens, which is how a writer on another node (which
+commits nothing) learns of new and deleted steps. Lookups and retention's choice of
+victims take the same lock, and a lookup pins the step it found for the open step that
+asked, until that step commits or fails: a save in flight never references a step
+being deleted.
+
+Only tensor frames of at least `MIN_BYTES` are referenced, never the safetensors header:
+retention keeps a referenced step's whole directory (lifetimes.py), so a header or a
+small buffer that happens to repeat would keep an otherwise dead step on disk to save a
+few KiB. (A frozen tensor of at least that size does keep its step: that is the point.)
+
+A reference is a promise that bytes on disk still match a checksum taken when they were
+written, maybe long ago. So a target's stored bytes are read and checked again before a
+new frame references them (`verified`); a target that fails is dropped, and the save
+writes its own copy, so bit rot in an old step never spreads into new ones. The price is
+a read of the referenced bytes at each save instead of a write (cheaper, and often from
+the page cache), chosen over checking only every so often or in the background, which
+would let a save commit on damage younger than the check. What stays: damage after a
+save committed hits every step that shares those bytes at once (the cost of one copy);
+`verify` and the reader's checksums catch it, and the next save stops referencing them.
+The steps a writer may reference are those the reader would open (stepdirs.py).
+
+A rank with `skip_unchanged` sends no bytes for tensors it knows unchanged since a step
+it saved; `unchanged_frames` finds those tensors' frames in that step's manifest (a
+tensor counts only if it fills whole frames that carry their xxh3_128, verified like a
+lookup's) and pins their targets like a lookup does.
+
+Memory: one entry per frame of unique content, about 300 bytes each, at most
+`MAX_ENTRIES` (2^18: 1 TiB of 4 MiB frames, under 80 MiB); beyond that new frames are
+simply not targets (they are written in full).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+import xxhash
+
+from asyncckpt.codec.registry import PlaneLayout
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CheckpointError
+from asyncckpt.format.layout import retired_dir_name, step_dir_name
+from asyncckpt.format.manifest import Frame, Manifest, read_manifest
+from asyncckpt.format.stepdirs import (
+    committed_steps,
+    is_step_dir,
+    open_step_file,
+    step_file_size,
+)
+from asyncckpt.writer.retention import retired_steps
+
+log = logging.getLogger("asyncckpt.writer")
+
+MAX_ENTRIES = 1 << 18
+MIN_BYTES = 4 << 10
+
+Key = tuple[int, int]  # (xxh3_128 of the raw bytes, raw length)
+
+
+class Target(NamedTuple):
+    """A committed frame with its own stored bytes: what a reference frame copies."""
+
+    step: int
+    file: str
+    offset: int
+    length: int
+    codec: str
+    layout: PlaneLayout | None
+    xxh3_stored: int
+    xxh3_raw: int
+
+
+class DedupIndex:
+    """(xxh3_128, raw length) -> Target over the committed steps of one root.
+    Thread-safe."""
+
+    def __init__(self, root: Path, max_frame_bytes: int = 256 << 20) -> None:
+        self.root = root
+        self.lock = threading.Lock()
+        self._limits = ReadLimits(max_frame_bytes=max_frame_bytes)
+        self._entries: dict[Key, Target] = {}
+        self._keys: dict[int, list[Key]] = {}       # step -> keys it added
+        self._refs: dict[int, frozenset[int]] = {}  # step -> the steps it references
+        self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
+        self._unusable: set[int] = set()            # steps whose manifest did not check
+        self._replacing: set[int] = set()           # committed steps a save will replace
+        self._last_manifest: Manifest | None = None
+        self.refresh()
+
+    # -- lookups (frame threads) -------------------------------------------------------
+
+    def open(self, step: int) -> None:
+        """Step `step` is open: its lookups pin what they find until `release(step)`."""
+        with self.lock:
+            self._pins.setdefault(step, set())
+
+    def lookup(self, xxh3_128: int, length: int, step: int) -> Target | None:
+        """The committed frame holding these raw bytes, its stored bytes verified (see
+        `verified`) and its step pinned for open step `step`; None if there is none,
+        it fails its checksum (then it is no target any more), or `step` is no longer
+        open."""
+        key = (xxh3_128, length)
+        with self.lock:
+            target = self._entries.get(key)
+            if target is None or step not in self._pins or target.step >= step:
+                return None
+        if not self.verified(target):
+            return None
+        with self.lock:  # retention may have deleted its step meanwhile: then it is gone
+            pins = self._pins.get(step)
+            if pins is None or self._entries.get(key) != target:
+                return None
+            pins.add(target.step)
+            return target
+
+    def verified(self, target: Target) -> bool:
+        """Whether `target`'s stored bytes on disk still match their xxh3 (read again at
+        every lookup: a reference is a promise about bytes on disk, and a new step must
+        not be committed on bytes that no longer keep it). A target that fails is
+        dropped from the index, so the saves that wanted it write their own copy.
+        Reads the disk outside the lock."""
+        if _stored_bytes_match(self.root, target):
+            return True
+        with self.lock:
+            for key in [k for k, t in self._entries.items() if t == target]:
+                del self._entries[key]
+        log.warning("incremental: step %d's %s bytes %d..%d no longer match their checksum; "
+                    "they are not referenced, new saves store their own copy (verify the "
+                    "root: `asyncckpt verify`)", target.step, target.file, target.offset,
+                    target.offset + target.length)
+        return False
+
+    def unchanged_frames(self, step: int, since: int, rank: int,
+                         tensors: list[tuple[str, str, tuple[int, ...]]]
+                         ) -> dict[str, list[tuple[int, Target, int]]]:
+        """The frames that held `tensors` (name, dtype, shape) in rank `rank`'s part of
+        committed step `since`, as (raw length, target, xxh3_128), their steps pinned
+        for open step `step`. A tensor is left out unless it fills whole frames of that
+        part, each with an xxh3_128; all are left out if `since` is not an older step
+        the index knows, or `step` is not open."""
+        manifest = self._manifest(since) if 0 <= since < step else None
+        part = next((p for p in manifest.ranks if p.rank == rank), None) if manifest else None
+        if part is None:
+            return {}
+        specs = {t.name: t for t in part.tensors}
+        starts = [f.raw_offset for f in part.frames]
+        found: dict[str, list[tuple[int, Target, int]]] = {}
+        for name, dtype, shape in tensors:
+            spec = specs.get(name)
+            if spec is None or spec.dtype != dtype or tuple(spec.shape) != tuple(shape):
+                continue
+            first = bisect.bisect_left(starts, spec.begin)
+            last = bisect.bisect_left(starts, spec.end)
+            frames = part.frames[first:last]
+            if (not frames or frames[0].raw_offset != spec.begin
+                    or frames[-1].raw_offset + frames[-1].raw_length != spec.end
+                    or any(f.xxh3_128 is None for f in frames)):
+                continue
+            targets = [(f.raw_length, _target(since, part.file, f), f.xxh3_128)
+                       for f in frames if f.xxh3_128 is not None]
+            if all(self.verified(t) for _, t, _ in targets):
+                found[name] = targets
+        with self.lock:
+            pins = self._pins.get(step)
+            held = {t.step for frames in found.values() for _, t, _ in frames}
+            if pins is None or not held <= self._refs.keys():
+                return {}
+            pins.update(held)
+        return found
+
+    def _manifest(self, step: int) -> Manifest | None:
+        """Committed (or retired) step `step`'s manifest; the last one read or added is
+        kept."""
+        cached = self._last_manifest
+        if cached is not None and cached.step == step:
+            return cached
+        for name in (step_dir_name(step), retired_dir_name(step)):
+            if not is_step_dir(self.root, name):
+                continue
+            try:
+                manifest = read_manifest(self.root / name, self._limits)
+            except (CheckpointError, OSError):
+                continue
+            if manifest.step == step:
+                self._last_manifest = manifest
+                return manifest
+        return None
+
+    def release(self, step: int) -> None:
+        """Step `step` committed (its manifest now holds its references) or failed."""
+        with self.lock:
+            self._pins.pop(step, None)
+            self._replacing.discard(step)
+
+    def replacing(self, step: int) -> None:
+        """Open step `step` will replace the committed step of that number: its frames
+        are no targets from now until `release(step)` (then the disk says which one is
+        there)."""
+        with self.lock:
+            self._replacing.add(step)
+            self.forget([step])
+
+    # -- what retention needs (with `lock` held) ---------------------------------------
+
+    def pinned(self) -> set[int]:
+        return set().union(*self._pins.values()) if self._pins else set()
+
+    def references(self, step: int) -> frozenset[int] | None:
+        """The steps `step` references, if the index knows the step."""
+        return self._refs.get(step)
+
+    def forget(self, steps: list[int]) -> None:
+        """Drop the entries of deleted steps."""
+        for step in steps:
+            self._refs.pop(step, None)
+            for key in self._keys.pop(step, ()):
+                if (target := self._entries.get(key)) is not None and target.step == step:
+                    del self._entries[key]
+
+    # -- building ----------------------------------------------------------------------
+
+    def add(self, manifest: Manifest) -> None:
+        """Add a committed step's own frames (the newest copy of a content wins)."""
+        with self.lock:
+            self._add(manifest)
+        self._last_manifest = manifest  # the basis of the next skip_unchanged saves
+
+    def _add(self, manifest: Manifest) -> None:
+        step = manifest.step
+        keys = self._keys.setdefault(step, [])
+        self._refs[step] = frozenset(manifest.referenced_steps)
+        for part in manifest.ranks:
+            for f in part.frames:
+                if f.ref is not None or f.xxh3_128 is None or f.raw_length < MIN_BYTES:
+                    continue
+                key = (f.xxh3_128, f.raw_length)
+                if key not in self._entries and len(self._entries) >= MAX_ENTRIES:
+                    continue
+                self._entries[key] = Target(step, part.file, f.stored_offset, f.stored_length,
+                                            f.codec, f.layout, f.xxh3_stored, f.xxh3_raw)
+                keys.append(key)
+
+    def refresh(self) -> None:
+        """Follow the disk: add steps committed (or retired) since the last look, drop
+        those that are gone. A step whose manifest does not check, or lacks a data
+        file, is not a target (and is not read again while it stays). One caller at a
+        time (the writer calls it with its steps' lock held)."""
+        present = _steps_on_disk(self.root)
+        with self.lock:
+            known = set(self._refs)
+            self.forget(sorted(known - set(present)))
+        self._unusable &= set(present)
+        with self.lock:
+            skipped = self._unusable | self._replacing
+        for step in sorted(set(present) - known - skipped):
+            try:
+                manifest = read_manifest(present[step], self._limits)
+            except CheckpointError as e:
+                log.warning("incremental: step %d is not a dedup target: %s", step, e)
+                self._unusable.add(step)
+                continue
+            files = {p.file for p in manifest.ranks}
+            if manifest.step != step or not all(step_file_size(self.root, step, name) is not None
+                                                for name in files):
+                self._unusable.add(step)  # damaged or misnamed: its frames are no targets
+                continue
+            with self.lock:
+                if step not in self._refs and step not in self._replacing:
+                    self._add(manifest)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _target(step: int, file: str, frame: Frame) -> Target:
+    """Where `frame` (of `file` in step `step`) has its stored bytes."""
+    if frame.ref is not None:
+        return Target(frame.ref.step, frame.ref.file, frame.ref.offset, frame.ref.length,
+                      frame.codec, frame.layout, frame.xxh3_stored, frame.xxh3_raw)
+    return Target(step, file, frame.stored_offset, frame.stored_length, frame.codec,
+                  frame.layout, frame.xxh3_stored, frame.xxh3_raw)
+
+
+def _steps_on_disk(root: Path) -> dict[int, Path]:
+    """Committed and retired steps of `root` (step directories by the reader's rule:
+    stepdirs.py), the committed form first."""
+    found = {s: root / retired_dir_name(s) for s in retired_steps(root)}
+    found.update({s: root / step_dir_name(s) for s in committed_steps(root)})
+    return found
+
+
+def _stored_bytes_match(root: Path, target: Target) -> bool:
+    """Read `target`'s stored bytes (by the reader's rule) and compare their xxh3."""
+    opened = open_step_file(root, target.step, target.file)
+    if opened is None:
+        return False
+    fd, size = opened
+    try:
+        if size < target.offset + target.length:
+            return False
+        buffer = getattr(_scratch, "buffer", None)
+        if buffer is None:
+            buffer = _scratch.buffer = bytearray(_VERIFY_PIECE)
+        digest = xxhash.xxh3_64()
+        position, end = target.offset, target.offset + target.length
+        while position < end:
+            n = os.preadv(fd, [memoryview(buffer)[:min(_VERIFY_PIECE, end - position)]], position)
+            if n <= 0:
+                return False
+            digest.update(memoryview(buffer)[:n])
+            position += n
+        return digest.intdigest() == target.xxh3_stored
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+_scratch = threading.local()  # one read buffer per frame thread
+_VERIFY_PIECE = 1 << 20

@@ -1,0 +1,186 @@
+"""The writer service: one process per node, serving every local rank.
+
+A separate process, not a thread in the trainer, so that serialisation, compression,
+checksums and fsync never contend with the training loop for its interpreter, and so
+that a checkpoint in flight survives nothing it should not: the writer's own death
+fails the save cleanly (the ranks see the socket close), and a rank's death fails only
+that step. The server owns the root (its lock and identity), the listening socket, the
+frame pool shared by every rank, and the steps; each connected rank is a `Session`
+(session.py), which is where a rank's messages are checked and turned into frames.
+
+Memory is the pool's frames in flight (a private copy and an encoded frame each) plus
+a bounded message per session, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncckpt._version import __version__
+from asyncckpt.config import ReadLimits, WriterKnobs
+from asyncckpt.errors import CorruptCheckpointError, SaveFailedError
+from asyncckpt.format.manifest import Manifest, check_readable
+from asyncckpt.format.tiling import global_tensors
+from asyncckpt.ipc import protocol
+from asyncckpt.runtime.pool import FramePool
+from asyncckpt.runtime.procstat import PeakSampler
+from asyncckpt.writer import commit
+from asyncckpt.writer.autocodec import CodecChooser
+from asyncckpt.writer.dedup import DedupIndex
+from asyncckpt.writer.owners import OwnerMark, sweep_dead
+from asyncckpt.writer.session import Buffers, Session
+from asyncckpt.writer.steps import Step, Steps
+
+log = logging.getLogger("asyncckpt.writer")
+_REPLY_GRACE = 5.0  # seconds a stopping writer gives all sessions to send queued replies
+
+
+class WriterServer:
+    """Owns a checkpoint root: its lock, its listening socket and its sessions."""
+
+    def __init__(self, root: str | Path, knobs: WriterKnobs | None = None,
+                 address: str | None = None, job: str | None = None) -> None:
+        """Take the root and listen.
+
+        Args:
+            job: the job id that the writers of several nodes sharing `root` have in
+                common (None: this writer owns the root alone).
+        Raises:
+            WriterLockedError: another writer holds `root` (of another job).
+        """
+        self.knobs = knobs or WriterKnobs.from_env()
+        self.read_limits = dataclasses.replace(ReadLimits.from_env(),
+                                               max_frame_bytes=self.knobs.max_frame_bytes)
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = commit.RootLock(self.root, job)
+        self.root_id = commit.root_id(self.root)
+        self.owner = OwnerMark(self.root)
+        for name in sweep_dead(self.root):  # writers of this job that are gone
+            log.info("removed %s, left by a writer that is gone", name)
+        if self._lock.first:  # nobody else of the job writes here yet
+            for name in commit.remove_stale_tmp(self.root):
+                log.info("removed abandoned %s", name)
+            for name in commit.restore_replaced(self.root):
+                log.info("a crash interrupted the replacement of a step: settled %s", name)
+        commit.update_latest(self.root)
+        self._sock, self.address, self._authkey = protocol.create_endpoint(address)
+        self.rss = PeakSampler()
+        self.pool = FramePool(self.knobs.encode_threads, self.knobs.frames_in_flight)
+        self.buffers = Buffers(self.knobs.frames_in_flight + self.knobs.encode_threads)
+        self.chooser = CodecChooser(self.knobs.encode_threads, self.knobs.auto_trial_every)
+        self.index = DedupIndex(self.root, self.knobs.max_frame_bytes) if self.knobs.incremental else None
+        if self.index is not None:
+            log.info("incremental: %d committed frames indexed", len(self.index))
+        self.steps = Steps(self.root, (self.knobs.keep_last, self.knobs.keep_every),
+                           choose_codec=self._choose_codec, check=self._check_manifest,
+                           on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
+                           index=self.index, owner=self.owner)
+        self._sessions: set[Session] = set()
+        self._sessions_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
+
+    def serve_forever(self) -> None:
+        """Accept ranks until stop() is called."""
+        log.info("writer %s serving %s at %s (codec %s)", __version__, self.root,
+                 self.address, self.knobs.codec)
+        while not self._stopped.is_set():
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                break
+            threading.Thread(target=self._handshake, args=(sock,), daemon=True,
+                             name="asyncckpt-handshake").start()
+
+    def stop(self) -> None:
+        """Stop accepting, let in-flight steps commit (up to shutdown_timeout), then close.
+
+        Safe to call from several threads: every call returns once the writer is closed.
+        """
+        with self._stop_lock:
+            if not self._closed:
+                self._close()
+                self._closed = True
+
+    def _close(self) -> None:
+        self._stopped.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self.steps.close(self.knobs.shutdown_timeout)
+        with self._sessions_lock:
+            sessions = list(self._sessions)
+        deadline = time.monotonic() + _REPLY_GRACE
+        for s in sessions:
+            s.hang_up(deadline)
+        protocol.remove_endpoint(self.address)
+        self.pool.close()
+        self.rss.stop()
+        self.owner.release()
+        self._lock.release()
+        log.info("writer stopped")
+
+    def _watch_absent(self) -> None:
+        while not self._stopped.wait(0.5):
+            self.steps.fail_absent(self.knobs.absent_rank_timeout)
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            conn = protocol.accept(sock, self._authkey, self.knobs.connect_timeout)
+        except Exception as e:
+            log.warning("refused a client: %s: %s", type(e).__name__, e)
+            return
+        session = Session(self, conn)
+        with self._sessions_lock:
+            if self._stopped.is_set():
+                conn.close()
+                return
+            self._sessions.add(session)
+        try:
+            session.run()
+        finally:
+            with self._sessions_lock:
+                self._sessions.discard(session)
+
+    def _choose_codec(self) -> tuple[str, dict[str, Any] | None]:
+        """The codec of a new step: the knob, or with "auto" the chooser's pick."""
+        if self.knobs.codec != "auto":
+            return self.knobs.codec, None
+        choice = self.chooser.choose()
+        log.info("codec auto chose %s (predicted s/GB %s; disk %.2f GB/s)", choice.codec,
+                 {k: round(v, 3) for k, v in choice.predicted.items()}, choice.disk_gbps)
+        return choice.codec, choice.to_json()
+
+    def _check_manifest(self, data: bytes, manifest: Manifest) -> None:
+        """Refuse to commit what a reader would refuse: the reader's size bound (its
+        default, or ASYNCCKPT_MAX_MANIFEST_BYTES as this writer sees it), its parser and
+        the tiling of global tensors."""
+        try:
+            global_tensors(check_readable(data, self.read_limits))
+        except CorruptCheckpointError as e:
+            raise SaveFailedError(f"the manifest would not verify: {e.cause}",
+                                  step=manifest.step) from None
+
+    def _on_commit(self, manifest: Manifest, step: Step) -> None:
+        if step.choice is not None:  # auto: learn once per step, from all its ranks
+            self.chooser.written(manifest.stored_size,
+                                 sum(s.get("write_seconds", 0.0) for s in step.stats.values()))
+            self.chooser.save_done()
+        raw, stored = manifest.raw_size, manifest.stored_size
+        referenced = manifest.referenced_size
+        log.info("committed step %d: %d ranks, %.1f MiB -> %.1f MiB (ratio %.3f, codec %s); "
+                 "new %.1f MiB written, %.1f MiB referenced; writer peak RssAnon %.1f MiB",
+                 manifest.step, manifest.world_size, raw / 2**20, stored / 2**20,
+                 stored / max(raw, 1), step.codec, (raw - referenced) / 2**20,
+                 referenced / 2**20, self.rss.peak_rss_anon / 2**20)
