@@ -69,7 +69,7 @@ bench-incremental: setup
 
 # On a CUDA machine: the CUDA staging tests, then D2H throughput and blocked time vs DCP.
 bench-gpu: setup
-	$(BIN)/python -m pytest -q -rs tests/test_cuda_staging.py
+	$(BIN)/python -m pytest -q -rs tests/rank/test_cuda_staging.py
 	$(BIN)/python -m benchmarks.gpu --gib 2 --reps 3
 
 # FSDP2 on 2 CPU ranks: Checkpointer with fence, SIGKILL at step 35, rerun, exact resume.
@@ -80,19 +80,19 @@ fsdp-demo: setup
 
 # kill -9 a random process of a saving job 300 times; check every checkpoint after each.
 torture: setup
-	$(BIN)/python tests/faults/torture.py --kills 300 --ranks 3
+	$(BIN)/python scripts/faults/torture.py --kills 300 --ranks 3
 
 # 1,000 random damages to committed checkpoints; verify and load must catch every one.
 corruption: setup
-	$(BIN)/python tests/faults/corruption.py --cases 1000
+	$(BIN)/python scripts/faults/corruption.py --cases 1000
 
 # 4 ranks x 500 consecutive saves with keep_last=3: no growth in memory, fds or shm.
 soak: setup
-	$(BIN)/python tests/faults/soak.py --ranks 4 --saves 500
+	$(BIN)/python scripts/faults/soak.py --ranks 4 --saves 500
 
 # 2 simulated nodes x 2 ranks: 100 random kill -9 (a rank, a node's writer, a whole node), keep_last=3.
 torture-multinode: setup
-	$(BIN)/python tests/faults/torture_multinode.py --kills 100
+	$(BIN)/python scripts/faults/torture_multinode.py --kills 100
 
 # examples/train_fsdp.py as 2 simulated nodes: node 1 dies at step 35, both restart, exact resume.
 multinode-demo: setup
@@ -106,7 +106,7 @@ bench-commit: setup
 # A misbehaving authenticated rank sends 10,000+ random messages next to two ordinary
 # ranks saving for real: writer alive, every save committed and verifying, no growth.
 fuzz-protocol: setup
-	$(BIN)/python tests/faults/fuzz_protocol.py --seed 1 --messages 10000 --steps 8
+	$(BIN)/python scripts/faults/fuzz_protocol.py --seed 1 --messages 10000 --steps 8
 
 # Staging vs a one-thread memcpy and DCP's reused stager, time to durable vs write + fsync,
 # page-cache growth per codec (1 GiB state, interleaved medians; `--gib 4` for the large case).

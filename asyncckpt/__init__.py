@@ -14,17 +14,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from asyncckpt._version import __version__
-from asyncckpt.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DiskFullError,
-    SaveFailedError,
-    StateMismatchError,
-    UnsupportedStateError,
-    WriterLockedError,
-    WriterUnavailableError,
-)
+from asyncckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                              DiskFullError, SaveFailedError, StateMismatchError,
+                              UnsupportedStateError, WriterLockedError, WriterUnavailableError)
 from asyncckpt.rank.launch import WriterProcess, start_writer
 
 if TYPE_CHECKING:

@@ -49,12 +49,8 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCh
 from asyncckpt.format import stepdirs
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
-from asyncckpt.rank.ringsize import (
-    auto_ring_size,
-    local_world_size,
-    mem_available,
-    state_bytes,
-)
+from asyncckpt.rank.ringsize import (auto_ring_size, local_world_size, mem_available,
+                                     state_bytes)
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.torchutil.dtensor import is_dtensor

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncckpt import measure, peers, report, workloads
+from . import measure, peers, report, workloads
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -153,7 +153,7 @@ def _run(workload: str, what: str, spec: dict[str, Any], in_process: bool) -> di
     started = time.perf_counter()
     cpu = measure.CpuUse()
     if in_process:
-        from asyncckpt import worker
+        from . import worker
         worker.run(spec_path, out_path)
     else:
         _spawn(spec_path, out_path, log_path)

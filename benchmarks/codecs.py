@@ -46,14 +46,10 @@ import torch
 import zstandard
 
 from asyncckpt.codec import literals, planes
-from asyncckpt.codec.registry import (
-    BytegroupCodec,
-    FrameHints,
-    PlaneLayout,
-    matches_compressor,
-)
+from asyncckpt.codec.registry import (BytegroupCodec, FrameHints, PlaneLayout,
+                                      matches_compressor)
+from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import TensorSpec
-from asyncckpt.writer.encoding import FrameEncoder
 
 FRAME = 4 << 20
 RESULTS = Path(__file__).parent / "results"

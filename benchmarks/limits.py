@@ -26,8 +26,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from asyncckpt import measure
 from asyncckpt.storage.durable import fsync_path
+
+from . import measure
 
 MiB = 1 << 20
 COPY_BLOCK = 64 * MiB

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from asyncckpt import measure, workloads
+from . import measure, workloads
 
 MiB = 1 << 20
 READ_BLOCK = 8 * MiB

@@ -33,6 +33,7 @@ import torch
 
 import asyncckpt
 from asyncckpt.ipc import ring
+from asyncckpt.rank.stager import slot_tensor
 from asyncckpt.runtime.procstat import read_status
 
 SLOT = 4 << 20
@@ -54,7 +55,7 @@ def staging(gib: int = 1, busy: bool = True) -> dict[str, float]:
             for i in range(src.numel() // SLOT):
                 slot = i % r.slots
                 if mode == "copy_":
-                    r.slot_tensor(slot).copy_(src[i * SLOT:(i + 1) * SLOT])
+                    slot_tensor(r, slot).copy_(src[i * SLOT:(i + 1) * SLOT])
                 else:
                     ctypes.memmove(r.address + slot * SLOT, src.data_ptr() + i * SLOT, SLOT)
             rate = src.numel() / (time.perf_counter() - started) / 1e9
@@ -68,7 +69,7 @@ def staging(gib: int = 1, busy: bool = True) -> dict[str, float]:
 def ring_pages(gib: float = 1, reps: int = 7) -> dict[str, object]:
     """The benchmark's synthetic state (hundreds of tensors) copied back to back into a
     ring of its size, as the stager does with ring = state."""
-    from asyncckpt import workloads
+    from . import workloads
     state = workloads.build_state(workloads.synthetic(int(gib * (1 << 30))))
     tensors = [t for _, t in workloads.tensor_items(state)]
     slots = -(-sum(t.nbytes for t in tensors) // SLOT)

@@ -37,8 +37,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from asyncckpt import measure, workloads
 from asyncckpt.storage.durable import fsync_path
+
+from . import measure, workloads
 
 MiB = 1 << 20
 

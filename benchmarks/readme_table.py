@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncckpt import report
+from . import report
 
 HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"

@@ -207,7 +207,7 @@ def targets(summary: dict[str, Any], lim: dict[str, Any], workload: str = "") ->
 def contest_targets(contest: dict[str, Any]) -> list[dict[str, Any]]:
     """ZipNN's ratio per case, and the per-thread speeds on the mixed training state, for
     every float-aware (plane layout) codec of the registry."""
-    from asyncckpt import peers
+    from . import peers
     out: list[dict[str, Any]] = []
     add = _adder(out, f"codec contest ({(contest.get('source') or {}).get('source', '?')})")
     loadavg = (contest.get("loadavg") or {}).get("start")

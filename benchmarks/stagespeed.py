@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from asyncckpt import limits, measure, workloads
+from . import limits, measure, workloads
 
 MiB = 1 << 20
 SLOT = 4 * MiB
@@ -163,7 +163,7 @@ class DcpStager:
     """DCP async_save with a reused background stager (as benchmarks.peers runs it)."""
 
     def __init__(self, root: Path, state: dict[str, Any]) -> None:
-        from asyncckpt import peers
+        from . import peers
         self.method = peers.make("dcp.async-stager")
         self.method.setup(root, state)
         self.step = 0

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from asyncckpt import limits, measure, peers, workloads
+from . import limits, measure, peers, workloads
 
 
 def run_method(spec: dict[str, Any]) -> dict[str, Any]:

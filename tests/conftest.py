@@ -1,10 +1,12 @@
 """Shared fixtures: a writer per test, small rings that force chunking, and a check that
-no ring outlives the test that made it."""
+no ring outlives the test that made it. The fault tools (scripts/faults: the hostile rank,
+torture, soak, corruption, fuzz) are importable from every test."""
 
 from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -12,6 +14,12 @@ import pytest
 import torch
 
 import asyncckpt
+
+_TESTS = Path(__file__).resolve().parent
+# a test may use another folder's helpers by module name (test_sharded's save_ranks), and
+# every test the fault tools (the hostile rank, torture, soak, corruption, fuzz)
+sys.path[:0] = [str(_TESTS.parent / "scripts" / "faults")] + sorted(
+    str(d) for d in _TESTS.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
 
 SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 

@@ -45,20 +45,10 @@ from asyncckpt._version import __version__
 from asyncckpt.codec.registry import CODECS, RAW, REGISTRY, PlaneLayout, codec_spec
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.layout import (
-    DTYPE_SIZES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    FORMAT_VERSION_REFS,
-    MANIFEST_NAME,
-    READABLE_VERSIONS,
-    TensorSpec,
-    data_file_codec,
-    data_file_name,
-    element_size,
-    is_data_file_name,
-    parse_step_dir,
-)
+from asyncckpt.format.layout import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION,
+                                     FORMAT_VERSION_REFS, MANIFEST_NAME, READABLE_VERSIONS,
+                                     TensorSpec, data_file_codec, data_file_name, element_size,
+                                     is_data_file_name, parse_step_dir)
 
 _PREFIX = b'{"xxh3":"'
 _MIDDLE = b'","manifest":'

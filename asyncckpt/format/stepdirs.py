@@ -22,13 +22,8 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from asyncckpt.format.layout import (
-    LATEST_NAME,
-    MANIFEST_NAME,
-    parse_step_dir,
-    retired_dir_name,
-    step_dir_name,
-)
+from asyncckpt.format.layout import (LATEST_NAME, MANIFEST_NAME, parse_step_dir,
+                                     retired_dir_name, step_dir_name)
 
 
 def is_step_dir(root: Path, name: str) -> bool:

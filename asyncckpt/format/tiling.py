@@ -13,15 +13,13 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import DTYPE_SIZES, TensorSpec
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.tree import walk
 
-if TYPE_CHECKING:
-    import torch
 
 Path = tuple[Any, ...]
 
@@ -43,11 +41,6 @@ class GlobalTensor:
     shape: tuple[int, ...]
     placements: list[str] = field(default_factory=list)
     boxes: list[Box] = field(default_factory=list)
-
-    @property
-    def torch_dtype(self) -> "torch.dtype":
-        from asyncckpt.torchutil.dtypes import DTYPES  # torch: only readers ask
-        return DTYPES[self.dtype]
 
     @classmethod
     def whole(cls, rank: int, spec: TensorSpec, path: Path = ()) -> "GlobalTensor":

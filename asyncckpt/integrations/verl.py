@@ -80,18 +80,8 @@ import torch.distributed as dist
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions, unwrapped
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.integrations.rng import rng_state, set_rng_state
-from asyncckpt.integrations.verl_paths import (
-    MARKER,
-    ROOTS,
-    TRACKER,
-    agree,
-    holds,
-    locate,
-    read_tracker,
-    root_of,
-    trainer_dir,
-    writer_log,
-)
+from asyncckpt.integrations.verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate,
+                                               read_tracker, root_of, trainer_dir, writer_log)
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.launch import start_writer
 from asyncckpt.read.export import export_hf

@@ -27,11 +27,6 @@ import fcntl
 import mmap
 import os
 import stat
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
 MEMFD_NAME = "asyncckpt-ring"  # shows in /proc/PID/maps as /memfd:asyncckpt-ring
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap module
@@ -45,7 +40,6 @@ class Ring:
         self.slots = slots
         self._fd = fd  # kept by the creator until the writer has it (see fileno)
         self._mmap = mapping
-        self._tensor: "torch.Tensor | None" = None
         anchor = ctypes.c_char.from_buffer(mapping)
         self.address = ctypes.addressof(anchor)  # valid while mapped; for memmove staging
         del anchor  # a live export would keep close() from unmapping
@@ -134,21 +128,17 @@ class Ring:
             ctypes.memmove(target, self.address + slot * self.slot_size, length)
         return dest
 
-    def slot_tensor(self, slot: int) -> "torch.Tensor":
-        """Slot `slot` as a uint8 tensor (a view into the shared memory)."""
-        if self._tensor is None:
-            import torch  # the writer maps rings too, and never imports torch
-            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        start = slot * self.slot_size
-        return self._tensor[start:start + self.slot_size]
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The shared mapping (the rank side views slots of it as tensors)."""
+        return self._mmap
 
     def close(self) -> None:
-        """Unmap. Every view from slot_tensor()/slot_bytes() must be gone first.
+        """Unmap. Every view of `mapping` or from slot_bytes() must be gone first.
 
         Raises:
             BufferError: a view is still alive (the mapping then goes with the process).
         """
-        self._tensor = None
         self.release_fd()
         if not self._mmap.closed:
             self._mmap.close()

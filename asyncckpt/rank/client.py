@@ -39,12 +39,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from asyncckpt.config import ClientKnobs
-from asyncckpt.errors import (
-    SaveFailedError,
-    UnsupportedStateError,
-    WriterUnavailableError,
-    error_class,
-)
+from asyncckpt.errors import (SaveFailedError, UnsupportedStateError, WriterUnavailableError,
+                              error_class)
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import protocol, ring
 from asyncckpt.rank.coordination import Agreement, StoreCoordinator

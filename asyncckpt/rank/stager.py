@@ -70,6 +70,12 @@ PARALLEL_SLOTS = 4            # slots filled before they are handed over togethe
 JOB_BYTES = 1 << 20
 
 
+def slot_tensor(ring: Ring, slot: int) -> torch.Tensor:
+    """Slot `slot` of `ring` as a uint8 tensor: a view into the shared memory (the ring
+    module itself stays free of torch, as the writer maps rings too)."""
+    return torch.frombuffer(ring.mapping, dtype=torch.uint8, count=ring.slot_size,
+                            offset=slot * ring.slot_size)
+
 class HostCopier:
     """Host-memory copies shared by the stager thread and `helpers` daemon threads.
 
@@ -244,7 +250,7 @@ class DeviceCopies:
     def copy(self, slot: int, fill: int, source: torch.Tensor) -> None:
         """Queue the copy of uint8 device tensor `source` into `slot` at byte `fill`;
         `source` is kept until the slot's copies have landed."""
-        self._copy_async(self.ring.slot_tensor(slot)[fill:fill + source.numel()], source)
+        self._copy_async(slot_tensor(self.ring, slot)[fill:fill + source.numel()], source)
         self._held.append(source)
 
     def hand_over(self, slot: int, length: int, emit: Callable[[int, int], None]) -> None:

@@ -48,6 +48,7 @@ from asyncckpt.format.tiling import GlobalTensor, global_tensors
 from asyncckpt.format.tree import View, check_tree, walk
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
 from asyncckpt.read.sharded import ReadPlan
+from asyncckpt.torchutil.dtypes import DTYPES
 
 TreePath = tuple[Any, ...]
 
@@ -67,7 +68,7 @@ class Leaf:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tensor.torch_dtype
+        return DTYPES[self.tensor.dtype]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -243,7 +244,7 @@ class Checkpoint:
 
     def read_full(self, g: GlobalTensor) -> torch.Tensor:
         """All of tensor `g`, assembled from its boxes into a new CPU tensor."""
-        full = torch.empty(g.shape, dtype=g.torch_dtype)
+        full = torch.empty(g.shape, dtype=DTYPES[g.dtype])
         plan = self.plan()
         plan.add(g, (0,) * len(g.shape), full)
         plan.flush()

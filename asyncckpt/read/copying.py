@@ -30,12 +30,12 @@ from pathlib import Path
 
 from asyncckpt.codec.registry import CodecParams
 from asyncckpt.config import ReadLimits
+from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import FORMAT_VERSION, MANIFEST_NAME
 from asyncckpt.format.manifest import Manifest, RankPart, admitted_codecs, check_readable
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.reader import scratch_buffer
 from asyncckpt.storage.durable import fsync_path, write_atomic
-from asyncckpt.writer.encoding import FrameEncoder
 
 
 def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: int | None = None,

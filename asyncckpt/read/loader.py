@@ -29,6 +29,7 @@ from asyncckpt.format.tree import unflatten
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.reader import READ_AHEAD
 from asyncckpt.torchutil import dtensor
+from asyncckpt.torchutil.dtypes import DTYPES
 from asyncckpt.torchutil.ranks import resolve_rank
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ def _plan(plan: "ReadPlan", g: "GlobalTensor", target: torch.Tensor | None, step
     """Schedule `target` (or a new full tensor) to be filled from `g`; return it."""
     if target is None:
         try:
-            target = torch.empty(g.shape, dtype=g.torch_dtype)
+            target = torch.empty(g.shape, dtype=DTYPES[g.dtype])
         except (RuntimeError, MemoryError) as e:
             raise CheckpointError(f"cannot allocate tensor {g.name!r} {g.shape}: {e}",
                                   step=step, rank=rank) from None

@@ -26,30 +26,13 @@ import stat
 import time
 from pathlib import Path
 
-from asyncckpt.errors import (
-    CorruptCheckpointError,
-    DiskFullError,
-    SaveFailedError,
-    StepAlreadyCommittedError,
-    WriterLockedError,
-)
-from asyncckpt.format.layout import (
-    LATEST_NAME,
-    LOCK_NAME,
-    MANIFEST_NAME,
-    ROOT_ID_NAME,
-    is_atomic_tmp_file,
-    is_tmp_dir,
-    parse_replaced_dir,
-    step_dir_name,
-    tmp_step_of,
-)
+from asyncckpt.errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
+                              StepAlreadyCommittedError, WriterLockedError)
+from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, ROOT_ID_NAME,
+                                     is_atomic_tmp_file, is_tmp_dir, parse_replaced_dir,
+                                     step_dir_name, tmp_step_of)
 from asyncckpt.format.manifest import RankPart, parse_part, part_to_bytes, read_manifest
-from asyncckpt.format.stepdirs import (
-    committed_steps,
-    read_latest,
-    read_small_file,
-)
+from asyncckpt.format.stepdirs import committed_steps, read_latest, read_small_file
 from asyncckpt.runtime import faults
 from asyncckpt.storage.durable import fsync_path, write_atomic
 from asyncckpt.writer.owners import OwnerMark

@@ -61,12 +61,8 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Frame, Manifest, read_manifest
-from asyncckpt.format.stepdirs import (
-    committed_steps,
-    is_step_dir,
-    open_step_file,
-    step_file_size,
-)
+from asyncckpt.format.stepdirs import (committed_steps, is_step_dir, open_step_file,
+                                       step_file_size)
 from asyncckpt.writer.retention import retired_steps
 
 log = logging.getLogger("asyncckpt.writer")

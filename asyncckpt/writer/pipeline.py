@@ -44,13 +44,13 @@ from typing import Callable, Union
 
 import xxhash
 
+from asyncckpt.format.encoding import Encoded, FrameEncoder
 from asyncckpt.format.layout import TensorSpec, data_file_name
 from asyncckpt.format.manifest import Frame, RankPart, Ref
 from asyncckpt.runtime import faults
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import MIN_BYTES, Target
-from asyncckpt.writer.encoding import Encoded, FrameEncoder
 from asyncckpt.writer.writeback import Writeback
 
 Done = Callable[[], None]

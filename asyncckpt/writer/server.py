@@ -34,7 +34,7 @@ from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.owners import OwnerMark, sweep_dead
-from asyncckpt.writer.session import Buffers, Session
+from asyncckpt.writer.session import Buffers, Session, WriterContext
 from asyncckpt.writer.steps import Step, Steps
 
 log = logging.getLogger("asyncckpt.writer")
@@ -82,6 +82,8 @@ class WriterServer:
                            choose_codec=self._choose_codec, check=self._check_manifest,
                            on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
                            index=self.index, owner=self.owner)
+        self.context = WriterContext(self.knobs, self.root, self.root_id, self.steps, self.pool,
+                                     self.buffers, self.chooser, self.index, self.rss)
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -141,7 +143,7 @@ class WriterServer:
         except Exception as e:
             log.warning("refused a client: %s: %s", type(e).__name__, e)
             return
-        session = Session(self, conn)
+        session = Session(self.context, conn)
         with self._sessions_lock:
             if self._stopped.is_set():
                 conn.close()

@@ -45,7 +45,12 @@ from asyncckpt.writer.pipeline import RankFileWriter, Unchanged
 from asyncckpt.writer.steps import MAX_WORLD
 
 if TYPE_CHECKING:
-    from asyncckpt.writer.server import WriterServer
+    from asyncckpt.config import WriterKnobs
+    from asyncckpt.runtime.pool import FramePool
+    from asyncckpt.runtime.procstat import PeakSampler
+    from asyncckpt.writer.autocodec import CodecChooser
+    from asyncckpt.writer.dedup import DedupIndex
+    from asyncckpt.writer.steps import Steps
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -89,6 +94,22 @@ class _RankSave:
     streaming: bool = False  # its rank waited for a slot: copy its chunks out at once
 
 
+@dataclass(frozen=True)
+class WriterContext:
+    """What every session of one writer shares: made once by the server, so that a
+    session depends on these pieces and not on the server that owns them."""
+
+    knobs: WriterKnobs
+    root: Path
+    root_id: str
+    steps: Steps
+    pool: FramePool
+    buffers: Buffers
+    chooser: CodecChooser
+    index: DedupIndex | None
+    rss: PeakSampler
+
+
 class ProtocolError(ValueError):
     """A message no well-behaved rank sends: the connection is dropped."""
 
@@ -96,8 +117,8 @@ class ProtocolError(ValueError):
 class Session:
     """One rank's connection: hello (and its ring), then begin/chunk/end per save."""
 
-    def __init__(self, server: WriterServer, conn: Connection) -> None:
-        self.server = server
+    def __init__(self, writer: WriterContext, conn: Connection) -> None:
+        self.writer = writer
         self.conn = conn
         self.rank = -1
         self.ring: ring.Ring | None = None
@@ -163,11 +184,11 @@ class Session:
             rank, slot_size, slots = _int(m, "rank"), _int(m, "slot_size"), _int(m, "slots")
             if not 0 <= rank < MAX_WORLD:
                 raise ProtocolError(f"rank {rank} outside 0..{MAX_WORLD - 1}")
-            if (not 0 < slot_size <= self.server.knobs.max_frame_bytes
+            if (not 0 < slot_size <= self.writer.knobs.max_frame_bytes
                     or not 0 < slots <= _MAX_SLOTS):
                 raise ProtocolError(f"a ring of {slots} slots of {slot_size} bytes is refused "
                                     f"(slots 1..{_MAX_SLOTS}, slot_size 1.."
-                                    f"{self.server.knobs.max_frame_bytes})")
+                                    f"{self.writer.knobs.max_frame_bytes})")
             self.ring = ring.Ring.attach(protocol.recv_fd(self.conn), slot_size, slots)
         except ValueError as e:  # tell the rank why before hanging up
             try:
@@ -177,14 +198,14 @@ class Session:
             raise
         protocol.set_recv_timeout(self.conn, 0)
         self.rank = rank
-        self._defer = self.server.knobs.stage_first and m.get("need_slot") is True
+        self._defer = self.writer.knobs.stage_first and m.get("need_slot") is True
         self._outbox_limit = slots + _OUTBOX_SPARE
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"asyncckpt-reply-{rank}")
         self._sender.start()
-        self.server.steps.rank_joined(self.rank)
+        self.writer.steps.rank_joined(self.rank)
         self.send("welcome", pid=os.getpid(), version=__version__,
-                  root=str(self.server.root), root_id=self.server.root_id)
+                  root=str(self.writer.root), root_id=self.writer.root_id)
         log.info("rank %d connected (pid %s, ring %d x %d MiB)", self.rank, m.get("pid"),
                  slots, slot_size >> 20)
 
@@ -197,7 +218,7 @@ class Session:
         save = _RankSave(step, None, m.get("tree"))
         self._saves[save_id] = save
         notify = self._notifier(save, save_id)
-        knobs = self.server.knobs
+        knobs = self.writer.knobs
         try:
             try:
                 table = _tensor_table(m.get("tensors"), step, self.rank)
@@ -205,7 +226,7 @@ class Session:
                 tree.check_tree(table, save.tree)
             except CheckpointError as e:  # this step can never be readable: fail it for all
                 error = SaveFailedError(f"begin refused: {e.cause}", step=step, rank=self.rank)
-                self.server.steps.refuse(step, self.rank, _int(m, "world_size"), error)
+                self.writer.steps.refuse(step, self.rank, _int(m, "world_size"), error)
                 raise error from None
             header, specs = layout(table)
             retention = _retention(m.get("retention"))
@@ -215,7 +236,7 @@ class Session:
             keep_from = m.get("keep_from")
             if keep_from is not None:
                 keep_from = _int(m, "keep_from")
-            current = self.server.steps.begin(step, self.rank, _int(m, "world_size"), notify,
+            current = self.writer.steps.begin(step, self.rank, _int(m, "world_size"), notify,
                                               retention, durable, replace=m.get("replace") is True,
                                               keep_from=keep_from)
             unchanged = self._unchanged(save_id, step, skip_request, table, specs)
@@ -235,10 +256,10 @@ class Session:
         try:
             save.file = RankFileWriter(
                 current.tmp_dir, self.rank, current.codec, knobs.zstd_level, header, specs,
-                knobs.flush_bytes, pool=self.server.pool, max_frame=self.ring_slot_size,
+                knobs.flush_bytes, pool=self.writer.pool, max_frame=self.ring_slot_size,
                 on_error=lambda e: self._fail(save, self._as_error(save, e)),
                 probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio,
-                chooser=self.server.chooser if current.choice is not None else None,
+                chooser=self.writer.chooser if current.choice is not None else None,
                 incremental=knobs.incremental, lookup=self._lookup(step),
                 unchanged=unchanged, writeback=knobs.writeback)
         except OSError as e:
@@ -255,7 +276,7 @@ class Session:
         if request is None:
             return {}
         since, wanted = request
-        index = self.server.index
+        index = self.writer.index
         frames = {} if index is None else index.unchanged_frames(
             step, since, self.rank, [table[i] for i in wanted])
         accepted = [i for i in wanted if table[i][0] in frames]
@@ -263,7 +284,7 @@ class Session:
         return {specs[i].begin: frames[table[i][0]] for i in accepted}
 
     def _lookup(self, step: int) -> Callable[[int, int], Any] | None:
-        index = self.server.index
+        index = self.writer.index
         if index is None:
             return None
         return lambda wide, length: index.lookup(wide, length, step)
@@ -310,7 +331,7 @@ class Session:
     def _copy_out(self, save: _RankSave, m: dict[str, Any]) -> None:
         slot, length = _int(m, "slot"), _int(m, "length")
         assert self.ring is not None
-        buffers = self.server.buffers
+        buffers = self.writer.buffers
         buf = buffers.get(length)
         try:
             raw = self.ring.copy_out(slot, length, buf)
@@ -343,9 +364,9 @@ class Session:
         stats = {**save.stats, "encode_seconds": save.file.encode_seconds,
                  "write_seconds": save.file.write_seconds,
                  "codec": save.file.codec, "frames": save.file.frame_counts(),
-                 "encode_threads": self.server.pool.threads,
-                 "writer_peak_rss_anon": self.server.rss.peak_rss_anon}
-        self.server.steps.end(save.step, part, stats)
+                 "encode_threads": self.writer.pool.threads,
+                 "writer_peak_rss_anon": self.writer.rss.peak_rss_anon}
+        self.writer.steps.end(save.step, part, stats)
 
     def _on_abort(self, m: dict[str, Any]) -> None:
         self._copy_out_deferred()
@@ -369,11 +390,11 @@ class Session:
                            and isinstance(p[1], str) for p in parts)):
             raise ProtocolError("commit needs parts: [[rank, tmp dir name]] for the whole world")
         notify = self._notifier(_RankSave(step, None, None), save_id)
-        self.server.steps.commit_parts(step, world, {r: name for r, name in parts}, notify)
+        self.writer.steps.commit_parts(step, world, {r: name for r, name in parts}, notify)
 
     def _on_outcome(self, m: dict[str, Any]) -> None:
         """How a coordinated step ended (as the ranks learned it through their store)."""
-        self.server.steps.outcome(_int(m, "step"), m.get("committed") is True)
+        self.writer.steps.outcome(_int(m, "step"), m.get("committed") is True)
 
     def _save(self, m: dict[str, Any]) -> _RankSave:
         save = self._saves.get(_int(m, "save"))
@@ -399,7 +420,7 @@ class Session:
         save.failed = True
         if save.file:
             save.file.close()
-        self.server.steps.fail(save.step, error)
+        self.writer.steps.fail(save.step, error)
 
     def _cleanup(self) -> None:
         try:
@@ -410,7 +431,7 @@ class Session:
                 file.close(wait=True)
             self._saves.clear()
             if self.rank >= 0:
-                self.server.steps.rank_gone(self.rank, self._began)
+                self.writer.steps.rank_gone(self.rank, self._began)
         finally:
             if self.ring is not None:
                 self.ring.close()

@@ -1,4 +1,4 @@
-"""A short run of the protocol fuzz (tests/faults/fuzz_protocol.py; `make fuzz-protocol`
+"""A short run of the protocol fuzz (scripts/faults/fuzz_protocol.py; `make fuzz-protocol`
 runs the long one): a misbehaving authenticated rank next to two ordinary ones."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Issue 11: no rank, however buggy, and no file in the root, can stop the writer or
 harm another rank's save.
 
-Each test acts as an authenticated rank that misbehaves (tests/faults/hostile_rank.py)
+Each test acts as an authenticated rank that misbehaves (scripts/faults/hostile_rank.py)
 or plants a file in the root, next to an ordinary rank (`asyncckpt.connect`) saving
 for real, and then checks the same four things: the writer process is alive, the
 ordinary rank's save commits, every committed checkpoint verifies (`asyncckpt verify`
@@ -31,7 +31,6 @@ from conftest import small_tmpfs
 import asyncckpt
 from asyncckpt.ipc import protocol
 
-sys.path.insert(0, str(Path(__file__).parent))
 from hostile_rank import (  # noqa: E402
     FD_PASSING,
     HostileRank,

@@ -12,16 +12,8 @@ import torch
 
 from asyncckpt.codec.registry import CODECS
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
-from asyncckpt.format.layout import (
-    DTYPE_SIZES,
-    data_file_name,
-    element_size,
-    is_tmp_dir,
-    layout,
-    parse_step_dir,
-    step_dir_name,
-    tmp_step_of,
-)
+from asyncckpt.format.layout import (DTYPE_SIZES, data_file_name, element_size, is_tmp_dir,
+                                     layout, parse_step_dir, step_dir_name, tmp_step_of)
 from asyncckpt.rank.flatten import flatten
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
 

@@ -7,11 +7,11 @@ import torch
 from conftest import assert_same, running_writer
 
 import asyncckpt
+from asyncckpt.format import encoding
+from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import TensorSpec
 from asyncckpt.format.manifest import read_manifest
-from asyncckpt.writer import encoding
 from asyncckpt.writer.autocodec import CodecChooser
-from asyncckpt.writer.encoding import FrameEncoder
 
 GB = 1e9
 

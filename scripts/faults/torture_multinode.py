@@ -1,6 +1,6 @@
 """Crash torture across simulated nodes: kill -9 anything of a 2-node job, again and again.
 
-    python tests/faults/torture_multinode.py --kills 100
+    python scripts/faults/torture_multinode.py --kills 100
 
 Each round launches a job of 2 simulated nodes x 2 ranks (one torchrun per node on
 loopback, each node with its own runtime directory; local rank 0 of each node starts that
@@ -37,7 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "multiprocess"))
+sys.path.insert(0, str(HERE.parents[1] / "tests" / "multiprocess"))
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE

@@ -1,6 +1,6 @@
 """Soak: many small saves in a row; the writer must not grow.
 
-    python tests/faults/soak.py --ranks 4 --saves 500
+    python scripts/faults/soak.py --ranks 4 --saves 500
 
 N rank processes save `saves` consecutive steps through one writer with keep_last=3.
 After a warm-up and at the end we read the writer's private memory (RssAnon), its open

@@ -13,7 +13,7 @@ descriptors, sockets and ring mappings are back to where they were (small slack 
 a handshake in flight). It prints one summary line with the figures and exits 1 if
 any check failed.
 
-    python tests/faults/fuzz_protocol.py --seed 1 --messages 10000
+    python scripts/faults/fuzz_protocol.py --seed 1 --messages 10000
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncckpt.ipc import ring
+from asyncckpt.rank.stager import slot_tensor
 
 
 def mappings(pid: int | str = "self") -> int:
@@ -23,7 +24,7 @@ def mappings(pid: int | str = "self") -> int:
 def test_attach_shares_bytes_through_a_passed_descriptor():
     r = ring.Ring.create(slot_size=4096, slots=3)
     other = ring.Ring.attach(os.dup(r.fileno()), 4096, 3)
-    r.slot_tensor(1)[:5].copy_(torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8))
+    slot_tensor(r, 1)[:5].copy_(torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8))
     view = other.slot_bytes(1, 5)
     assert bytes(view) == b"\x01\x02\x03\x04\x05"
     view.release()

@@ -21,10 +21,10 @@ import asyncckpt
 from asyncckpt.codec import planes
 from asyncckpt.codec.registry import BytegroupCodec, FrameHints, PlaneLayout, make_codec
 from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import layout
 from asyncckpt.format.manifest import Frame, Manifest, RankPart, parse_manifest, read_manifest
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
-from asyncckpt.writer.encoding import FrameEncoder
 
 # -- planes ---------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Staging: the bytes that reach the slots are the tensors' row-major bytes, packed; device
 copies wait for the producer, keep what they read until it has landed, and a failed save
 gives its slots back only once no copy into them runs (with the CPU standing in for the
-GPU; tests/test_cuda_staging.py checks the same on a GPU)."""
+GPU; tests/rank/test_cuda_staging.py checks the same on a GPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncckpt.ipc import ring
-from asyncckpt.rank.stager import DeviceCopies, byte_pieces, stage
+from asyncckpt.rank.stager import DeviceCopies, byte_pieces, slot_tensor, stage
 
 
 def row_major_bytes(t: torch.Tensor) -> bytes:
@@ -161,7 +161,7 @@ def stage_late(tensors: list[torch.Tensor], device_tensors: list[torch.Tensor], 
     free, got = list(range(slots)), []
 
     def emit(slot: int, length: int) -> None:
-        assert not device.unrun_into(r.slot_tensor(slot)), "slot emitted before its copies ran"
+        assert not device.unrun_into(slot_tensor(r, slot)), "slot emitted before its copies ran"
         view = r.slot_bytes(slot, length)
         got.append(bytes(view))
         view.release()
@@ -208,7 +208,7 @@ def test_a_failed_save_waits_for_copies_into_its_slots_before_giving_them_back()
         raise RuntimeError("torn")
 
     def release(slot: int) -> None:
-        assert not device.unrun_into(r.slot_tensor(slot)), "slot given back while a copy into it runs"
+        assert not device.unrun_into(slot_tensor(r, slot)), "slot given back while a copy into it runs"
         released.append(slot)
         free.append(slot)
 

@@ -10,7 +10,6 @@ ring is announced, and not a real client whose ring is smaller than its save.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -19,7 +18,6 @@ import torch
 
 import asyncckpt
 
-sys.path.insert(0, str(Path(__file__).parent / "faults"))
 from conftest import assert_same  # noqa: E402
 from hostile_rank import HostileRank, u8_table  # noqa: E402
 

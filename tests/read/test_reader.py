@@ -20,11 +20,8 @@ import xxhash
 from conftest import SMALL_RING, assert_same
 
 import asyncckpt
-from asyncckpt.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    StateMismatchError,
-)
+from asyncckpt.errors import (CheckpointNotFoundError, CorruptCheckpointError,
+                              StateMismatchError)
 from asyncckpt.format.layout import MANIFEST_NAME, data_file_name, layout
 from asyncckpt.format.manifest import Frame, Manifest, RankPart, read_manifest
 from asyncckpt.read.checkpoint import Checkpoint

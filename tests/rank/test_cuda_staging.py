@@ -2,7 +2,7 @@
 in stream order: what lands in a checkpoint is every tensor as it was at `save()`.
 
 Runs only where CUDA is available (`make bench-gpu` runs it there, then benchmarks.gpu);
-on CPU machines every test here is skipped (tests/test_stager.py checks the same
+on CPU machines every test here is skipped (tests/rank/test_stager.py checks the same
 bookkeeping with the CPU standing in for the GPU). The race tests repeat a save many
 times with non-contiguous views, whose contiguous blocks are temporaries, while another
 stream is busy: a block made off the staging stream, a copy that does not wait for the

@@ -15,30 +15,30 @@ Which planes to compress is decided per tensor, once, by the codec's probe on th
 frame that tensor dominates (for the byte-plane codec: every plane of a sample is
 compressed and planes that shrink to `max_ratio` or better are compressed from then
 on). The encoder keeps those answers and hands them back with each frame's geometry;
-it treats every codec alike (codec.py).
+it treats every codec alike (codec/registry.py). The writer encodes every frame here,
+and `asyncckpt copy` re-encodes with it, so it lives with the format, below both.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import xxhash
 
-from asyncckpt.codec.registry import (
-    CODECS,
-    Buffer,
-    Codec,
-    CodecParams,
-    FrameHints,
-    PlaneChoice,
-    PlaneLayout,
-    make_codec,
-    xxh3_of,
-)
+from asyncckpt.codec.registry import (CODECS, Buffer, Codec, CodecParams, FrameHints,
+                                      PlaneChoice, PlaneLayout, make_codec, xxh3_of)
 from asyncckpt.format.layout import TensorSpec, element_size
-from asyncckpt.writer.autocodec import CodecChooser
+
+
+class CostObserver(Protocol):
+    """What codec="auto" learns from encoding (the writer's chooser): every frame's cost,
+    and trial encodes with the other codecs of one frame in `trial_every`."""
+
+    trial_every: int
+
+    def encoded(self, codec: str, raw: int, stored: int, seconds: float) -> None: ...
 
 
 class Encoded(NamedTuple):
@@ -57,7 +57,7 @@ class FrameEncoder:
 
     def __init__(self, codec: str, level: int, tensors: list[TensorSpec],
                  probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
-                 chooser: CodecChooser | None = None) -> None:
+                 chooser: CostObserver | None = None) -> None:
         self.codec = codec
         self.chooser = chooser  # codec="auto": told every frame's cost, plus trials
         self._frames = 0

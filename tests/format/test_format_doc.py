@@ -25,7 +25,7 @@ from asyncckpt.format.manifest import admitted_codecs, parse_manifest
 from asyncckpt.torchutil import dtypes
 from asyncckpt.writer import pipeline
 
-DOC = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text()
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md").read_text()
 MAX_FRAME = 256 << 20
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +25,6 @@ from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.format.manifest import parse_manifest, parse_part, part_to_bytes, read_manifest
 from asyncckpt.format.tree import check_tree
 
-sys.path.insert(0, str(Path(__file__).parent / "faults"))
 from hostile_rank import HostileRank  # noqa: E402
 
 PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')

@@ -1,6 +1,6 @@
 """Corruption sweep: damage a checkpoint at random, thousands of ways; nothing slips by.
 
-    python tests/faults/corruption.py --cases 1000
+    python scripts/faults/corruption.py --cases 1000
 
 Each case copies a committed 2-rank checkpoint (zstd, raw or bytegroup codec) and applies one
 damage: a flipped bit in a data file or in the manifest, a truncation, appended bytes, a

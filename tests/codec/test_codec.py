@@ -11,15 +11,8 @@ import pytest
 import zstandard
 
 from asyncckpt import config
-from asyncckpt.codec.registry import (
-    AUTO,
-    CODECS,
-    REGISTRY,
-    FrameHints,
-    RawCodec,
-    ZstdCodec,
-    make_codec,
-)
+from asyncckpt.codec.registry import (AUTO, CODECS, REGISTRY, FrameHints, RawCodec, ZstdCodec,
+                                      make_codec)
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.writer import autocodec
 
@@ -211,7 +204,7 @@ def test_knob_manifest_and_auto_follow_the_registry():
 
 def test_codec_modules_do_not_import_torch():
     """The writer process never loads torch (~140 MiB of private memory)."""
-    code = ("import sys, asyncckpt.config, asyncckpt.codec.registry, asyncckpt.writer.encoding, "
+    code = ("import sys, asyncckpt.config, asyncckpt.codec.registry, asyncckpt.format.encoding, "
             "asyncckpt.format.layout, asyncckpt.format.manifest, asyncckpt.writer.autocodec; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,6 +1,6 @@
 """Crash torture: kill -9 a random process of a saving job, again and again.
 
-    python tests/faults/torture.py --kills 300 --ranks 3
+    python scripts/faults/torture.py --kills 300 --ranks 3
 
 A writer (keep_last=3) and N ranks save a step after another. At a random moment one
 of them is SIGKILLed -- the writer or a rank -- and, as a job launcher would, the rest
