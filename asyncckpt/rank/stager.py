@@ -358,73 +358,131 @@ def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int
     Raises:
         ValueError: a CUDA tensor without `device`, or CUDA tensors on two devices.
     """
-    slot, fill, total, begun = -1, 0, 0, False
     batch_slots = min(PARALLEL_SLOTS, ring.slots - 1)  # + the open slot: never all of them
     if copier is None and batch_slots > 0:
         copier = host_copier()
-    filled: list[int] = []  # full slots whose parallel copies are not all done yet
+    slots = _SlotFiller(ring, acquire, emit, device, copier, batch_slots)
     try:
         for tensor in tensors:
-            on_device = device is not None and device.handles(tensor)
-            if on_device:
-                assert device is not None
-                if not begun:  # before any device work of the save, CPU tensors or not
-                    device.begin(tensor.device, ready)
-                    begun = True
-                pieces = device.pieces(tensor, ring.slot_size)
+            if device is not None and device.handles(tensor):
+                for piece in slots.device_pieces(tensor, ready):
+                    slots.copy_from_device(piece)
             elif tensor.device.type == "cpu":
-                pieces = byte_pieces(tensor, ring.slot_size)
+                for piece in byte_pieces(tensor, ring.slot_size):
+                    if copier is not None and piece.numel() >= PARALLEL_MIN_BYTES:
+                        slots.copy_from_host_in_parallel(piece)
+                    else:
+                        slots.copy_from_host(piece)
             else:
                 raise ValueError(f"a tensor on {tensor.device} needs the ring's DeviceCopies")
-            for piece in pieces:
-                pos, size = 0, piece.numel()
-                if not on_device and copier is not None and size >= PARALLEL_MIN_BYTES:
-                    jobs: list[tuple[int, int, int]] = []
-                    source = piece.data_ptr()
-                    while pos < size:
-                        if slot < 0:
-                            slot, fill = acquire(), 0
-                        n = min(size - pos, ring.slot_size - fill)
-                        dest = ring.address + slot * ring.slot_size + fill
-                        jobs += [(dest + k, source + pos + k, min(JOB_BYTES, n - k))
-                                 for k in range(0, n, JOB_BYTES)]
-                        fill, pos, total = fill + n, pos + n, total + n
-                        if fill == ring.slot_size:
-                            filled.append(slot)
-                            slot = -1
-                        if len(filled) >= batch_slots or pos == size:
-                            copier.run(jobs)
-                            jobs = []
-                            while filled:  # popped once handed over: else released
-                                _hand_over(device, filled[0], ring.slot_size, emit)
-                                filled.pop(0)
-                    continue
-                while pos < size:
-                    if slot < 0:
-                        slot, fill = acquire(), 0
-                    n = min(size - pos, ring.slot_size - fill)
-                    if on_device:
-                        assert device is not None
-                        device.copy(slot, fill, piece[pos:pos + n])
-                    else:  # one plain memcpy, GIL released; torch's copy_ would fan out to
-                        # OpenMP threads that stall whenever the writer holds the other cores
-                        ctypes.memmove(ring.address + slot * ring.slot_size + fill,
-                                       piece.data_ptr() + pos, n)
-                    fill, pos, total = fill + n, pos + n, total + n
-                    if fill == ring.slot_size:
-                        _hand_over(device, slot, fill, emit)
-                        slot = -1
-        if slot >= 0:
-            _hand_over(device, slot, fill, emit)
-            slot = -1
-        if device is not None:
-            device.drain(emit)
+        slots.finish()
     except BaseException:
-        for unsent in ((device.discard() if device is not None else []) + filled
-                       + ([slot] if slot >= 0 else [])):
+        for unsent in slots.unsent():
             release(unsent)
         raise
-    return total
+    return slots.total
+
+
+class _SlotFiller:
+    """The slots of one `stage()` call: the open one and how full it is, the full ones
+    whose parallel copies are not all done yet, and the bytes staged so far.
+
+    The three `copy_from_*` methods each append one contiguous uint8 piece to the stream:
+    from a device (queued DMA), from host memory by one `memmove` per slot, or, for a
+    large host piece, as jobs that `copier` runs with its helpers, handed over in
+    batches of `batch_slots` full slots.
+    """
+
+    def __init__(self, ring: Ring, acquire: Callable[[], int], emit: Callable[[int, int], None],
+                 device: DeviceCopies | None, copier: HostCopier | None,
+                 batch_slots: int) -> None:
+        self.ring, self.slot_size = ring, ring.slot_size
+        self.acquire, self.emit = acquire, emit
+        self.device, self.copier, self.batch_slots = device, copier, batch_slots
+        self.slot, self.fill, self.total = -1, 0, 0
+        self.filled: list[int] = []  # full slots whose parallel copies are not all done yet
+        self._begun = False
+
+    def device_pieces(self, tensor: torch.Tensor, ready: Any) -> Iterator[torch.Tensor]:
+        """`tensor`'s pieces from `device`; the save's first device tensor, host tensors
+        or not before it, begins the device work."""
+        assert self.device is not None
+        if not self._begun:
+            self.device.begin(tensor.device, ready)
+            self._begun = True
+        return self.device.pieces(tensor, self.slot_size)
+
+    def _room(self, left: int) -> int:
+        """How many of the next `left` bytes fit in the open slot (acquired if none is)."""
+        if self.slot < 0:
+            self.slot, self.fill = self.acquire(), 0
+        return min(left, self.slot_size - self.fill)
+
+    def _advance(self, n: int) -> bool:
+        """Count `n` bytes copied into the open slot; whether it is now full."""
+        self.fill += n
+        self.total += n
+        return self.fill == self.slot_size
+
+    def _hand_over_open(self) -> None:
+        _hand_over(self.device, self.slot, self.fill, self.emit)
+        self.slot = -1
+
+    def copy_from_device(self, piece: torch.Tensor) -> None:
+        assert self.device is not None
+        pos, size = 0, piece.numel()
+        while pos < size:
+            n = self._room(size - pos)
+            self.device.copy(self.slot, self.fill, piece[pos:pos + n])
+            pos += n
+            if self._advance(n):
+                self._hand_over_open()
+
+    def copy_from_host(self, piece: torch.Tensor) -> None:
+        # one plain memcpy per slot, GIL released; torch's copy_ would fan out to OpenMP
+        # threads that stall whenever the writer holds the other cores
+        source, pos, size = piece.data_ptr(), 0, piece.numel()
+        address = self.ring.address
+        while pos < size:
+            n = self._room(size - pos)
+            ctypes.memmove(address + self.slot * self.slot_size + self.fill, source + pos, n)
+            pos += n
+            if self._advance(n):
+                self._hand_over_open()
+
+    def copy_from_host_in_parallel(self, piece: torch.Tensor) -> None:
+        assert self.copier is not None
+        jobs: list[tuple[int, int, int]] = []
+        source, pos, size = piece.data_ptr(), 0, piece.numel()
+        address = self.ring.address
+        while pos < size:
+            n = self._room(size - pos)
+            dest = address + self.slot * self.slot_size + self.fill
+            jobs += [(dest + k, source + pos + k, min(JOB_BYTES, n - k))
+                     for k in range(0, n, JOB_BYTES)]
+            pos += n
+            if self._advance(n):
+                self.filled.append(self.slot)
+                self.slot = -1
+            if len(self.filled) >= self.batch_slots or pos == size:
+                self.copier.run(jobs)
+                jobs = []
+                while self.filled:  # popped once handed over: else released
+                    _hand_over(self.device, self.filled[0], self.slot_size, self.emit)
+                    self.filled.pop(0)
+
+    def finish(self) -> None:
+        """Hand over the last, partly filled slot and every slot still waiting for its
+        device copies."""
+        if self.slot >= 0:
+            self._hand_over_open()
+        if self.device is not None:
+            self.device.drain(self.emit)
+
+    def unsent(self) -> list[int]:
+        """After an error: the slots this call holds, once no copy into them runs."""
+        waiting = self.device.discard() if self.device is not None else []
+        return waiting + self.filled + ([self.slot] if self.slot >= 0 else [])
 
 
 def _hand_over(device: DeviceCopies | None, slot: int, length: int,
