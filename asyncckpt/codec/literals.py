@@ -13,14 +13,12 @@ any zstd decoder reads them, and only the encoder depends on this module.
 
 Blocks of 64 KiB (a window of 2^16) give each 64 KiB of a plane its own Huffman table,
 which follows the distribution along a tensor better than zstd's largest blocks for a
-few more tables: all-MiniLM-L6-v2's fp32 weights are stored at 0.8186 of raw with 64 KiB
-blocks, 0.8194 with 128 KiB, 0.8184 with 32 KiB but a quarter slower to encode (1.34
-against 1.77 GB/s; bf16: 0.6649, 0.6650, 0.6649). Where runs of one byte matter (Adam
-moments that are zero in an embedding's unseen rows), Huffman's bit per byte loses to
-matches: a plane that literals shrink below `runs_below` of its size is compressed with
-matches too, and the smaller frame kept; bf16 weights with fp32 moments go from 0.4556
-(literals only) to 0.4543, as small as with matches tried on every plane, which costs a
-third of the encode speed (benchmarks/results/codecs.md, `python -m benchmarks.codecs`).
+few more tables; smaller blocks store hardly less and encode markedly slower. Where runs
+of one byte matter (Adam moments that are zero in an embedding's unseen rows), Huffman's
+bit per byte loses to matches: a plane that literals shrink below `runs_below` of its
+size is compressed with matches too, and the smaller frame kept, which stores as little
+as trying matches on every plane at much less of their encode cost. The measurements:
+docs/design/literals.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,22 @@
 """Byte planes: splitting a frame's elements into one stream per byte position, and back.
 
 Float bytes are not alike: the exponent takes few values, the mantissa bytes look
-random. Interleaved, they hide the exponent's redundancy from zstd: zstd level 1 stores
-bf16 weights N(0, 0.02) at 0.78 of their size and fp32 weights and Adam moments at
-0.92-0.94. Separated, the exponent plane compresses to about a third and the mantissa
-planes mostly stay raw.
+random. Interleaved, they hide the exponent's redundancy from zstd, which then shrinks
+float weights and Adam moments little. Separated, the exponent plane compresses well
+and the mantissa planes mostly stay raw.
 
 Byte planes cut a bf16 / fp32 element between the sign and exponent (bits 15 / 31 and
 14..7 / 30..23), so the top byte holds the sign and seven exponent bits, and the eighth
 exponent bit sits in the next byte, among random mantissa bits. `rotated` splits with
 the element's top nine bits rotated left by one: the top plane is the whole exponent
 and the sign moves to bit 7 of the plane below, which is random anyway (ZipNN groups
-bf16 and fp32 bytes this way). On all-MiniLM-L6-v2 that stores bf16 at 0.6654 instead
-of 0.6709 and fp32 at 0.8229 instead of 0.8256 of raw, the planes compressed alike
-(benchmarks/results/codecs.md). Encoding costs nothing more (the rotated split runs on
-whole words, shifts and truncating casts, 5 GB/s, faster than the strided copies);
+bf16 and fp32 bytes this way). On all-MiniLM-L6-v2 that stores bf16 and fp32 weights
+smaller, the planes compressed alike. Encoding costs nothing more (the rotated split
+runs on whole words, shifts and truncating casts, faster than the strided copies);
 decoding does: the merge puts sign, exponent and low bits back with three shifts and
-ors instead of one (bf16: 6 instead of 11 GB/s; whole frames decode at 2.5 instead of
-3.6 GB/s per thread). It is a choice per tensor (the codec's probe):
-integers lose by it, their sign-extended top byte would spread over two planes.
+ors instead of one, and whole frames decode slower. It is a choice per tensor (the
+codec's probe): integers lose by it, their sign-extended top byte would spread over two
+planes.
 
 A frame is the bytes `raw`; its elements are `width` bytes wide and the first whole
 element starts `phase` bytes in (frames are packed across tensor boundaries, so a
@@ -28,11 +26,11 @@ not fill an element are kept as they are, plane `i` is byte `i` of every whole e
 (little-endian: the last plane holds the sign and exponent). A wrong width or phase
 (the part of a frame that belongs to a tensor of another dtype) only costs ratio.
 
-numpy does the work: its strided copies, casts and shifts run at 2-6 GB/s and release
-the GIL, so encoder threads scale (measured on this machine: pure-Python extended
-slicing of a `bytearray` splits at ~2.6 GB/s but holds the GIL, and 2 threads encoding
-bf16 then reached 1.4x instead of 2x). A transpose (`reshape(-1, w).T.copy()`, or
-torch's `.t().contiguous()`) is avoided: it runs at 0.4 GB/s.
+numpy does the work: its strided copies, casts and shifts release the GIL, so encoder
+threads scale (pure-Python extended slicing of a `bytearray` splits about as fast but
+holds the GIL, and encoder threads then scaled poorly). A transpose
+(`reshape(-1, w).T.copy()`, or torch's `.t().contiguous()`) is avoided: it is several
+times slower. The measurements: docs/design/codec.md.
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ def split(raw: Buffer, width: int, phase: int, rotated: bool = False) -> Split:
     if rotated and width not in ROTATABLE:
         raise ValueError(f"no sign rotation for width {width}")
     body = np.frombuffer(view, np.uint8, count * width, head)
-    if rotated:  # shifts and truncating casts of whole words: 5 GB/s for width 2 and 4
+    if rotated:  # shifts and truncating casts of whole words: faster than strided copies
         words = body.view(f"<u{width}")
         bits = 8 * width
         planes = [(words >> (8 * i)).astype(np.uint8) for i in range(width - 2)]
@@ -89,7 +87,7 @@ def split(raw: Buffer, width: int, phase: int, rotated: bool = False) -> Split:
     elif width in (4, 8):  # plane 0 by truncating cast, the others by strided copies
         planes = [body.view(f"<u{width}").astype(np.uint8)]
         planes += [body[i::width].copy() for i in range(1, width)]
-    else:  # strided copies: 2.3-2.8 GB/s for width 2 (shift-and-cast: 1.1-4 GB/s, noisier)
+    else:  # strided copies for width 2 (shift-and-cast is no faster and noisier)
         planes = [body[i::width].copy() for i in range(width)]
     return Split(view[:head], planes, view[head + count * width:])
 
@@ -169,7 +167,7 @@ def merge_into(head: Buffer, planes: list[Buffer], tail: Buffer, width: int, pha
 def _merge16(low: np.ndarray, high: np.ndarray, rotated: bool, out: np.ndarray) -> np.ndarray:
     """`out` (uint16) = `high` << 8 | `low`, or for `rotated` planes the bf16 they stand
     for: sign (bit 7 of `low`) << 15 | exponent (`high`) << 7 | the low 7 bits of `low`
-    (6-11 GB/s)."""
+    (the rotated merge is the slower; docs/design/codec.md)."""
     if rotated:
         np.left_shift(low >> 7, 15, out=out, dtype=np.uint16)
         out |= np.left_shift(high, 7, dtype=np.uint16)

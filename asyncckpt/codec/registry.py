@@ -22,9 +22,9 @@ answer as `FrameHints`; codecs that do not split planes ignore them.
 The byte-grouped codec ("bytegroup", see planes.py) stores a frame as its head bytes,
 one piece per byte plane and its tail bytes, each plane either one zstd frame or raw.
 Every plane is compressed in every frame and kept raw where that does not shrink it to
-`max_ratio`: zstd gives up on a random plane at ~16 GB/s, and real tensors compress in
-places (the unused rows of MiniLM's embedding: their low mantissa planes compress to
-0.4-0.8 in 2 of 12 frames, to 1.0 in the rest, so a per-tensor sample chose wrong).
+`max_ratio`: zstd gives up on a random plane quickly, and real tensors compress in
+places (the unused rows of MiniLM's embedding: their low mantissa planes compress in a
+few frames only, so a per-tensor sample chose wrong).
 Once per tensor a probe decides whether the sign is rotated out of the exponent byte
 (planes.py): where that makes a sample's top two planes smaller (bf16, fp32, also
 fp16; not integers). The layout (width, phase, rotation, each plane's codec and stored
@@ -33,16 +33,14 @@ apart. Planes are coded as zstd frames of Huffman-coded literals with almost no
 matches (literals.py), because an exponent plane's redundancy is in its byte
 distribution, not in repeated strings; where literals shrink a plane below 0.2 (runs of
 zeros: Adam moments of an embedding's unseen rows), matches are tried too and the
-smaller frame kept. On MiniLM (`python -m benchmarks.codecs`) that stores bf16 weights
-at 0.6649 of raw, fp32 weights at 0.8186, bf16 weights with fp32 Adam moments at 0.4543,
-against ZipNN 0.5.4's 0.6651, 0.8193 and 0.4909, at 1.4-1.8 GB/s encode per thread.
-Before it, zstd fast with matches (a 64-entry hash table, 7-byte minimum matches, the
-nearest python-zstandard's own parameters get) stored 0.6654, 0.8195 and 0.4546; zstd
-levels 3 and 9 store more (their matches cost more than the literals they replace), and
-zstd's optimal parser (btultra2), which prices each match, stores 0.6651, 0.8187 and
-0.4543 at 0.04 GB/s. What is left is Huffman's own: an ideal Huffman code of the
-exponent planes would store bf16 weights at 0.6643, their order-0 entropy at 0.6621
-(benchmarks/results/codecs.md).
+smaller frame kept. On MiniLM's weights and Adam moments that stores no more than
+ZipNN (much less with the moments) and about as little as zstd's optimal parser
+(btultra2, which prices each match) at a small fraction of its encode cost; zstd fast
+with matches (a 64-entry hash table, 7-byte minimum matches, the nearest
+python-zstandard's own parameters get) stored slightly more, and zstd levels 3 and 9
+more still (their matches cost more than the literals they replace). What is left is
+Huffman's own, against an ideal Huffman code of the exponent planes and their order-0
+entropy. The measurements, with the command and commit of each: docs/design/codec.md.
 """
 
 from __future__ import annotations
@@ -252,7 +250,7 @@ class BytegroupCodec:
         """Whether to rotate the sign (see planes.split): where that makes the top two
         planes of a sample of `sample` smaller (floats with an 8-bit exponent: bf16, fp32;
         not integers, whose top byte it spreads). Every plane is tried in every frame
-        (`probe_planes` False): zstd gives up on a random plane at ~16 GB/s, and real
+        (`probe_planes` False): zstd gives up on a random plane quickly, and real
         tensors are compressible in places (an embedding's unused rows), which a sample
         misses. With `probe_planes`, planes whose sample does not shrink to `max_ratio`
         are stored raw without trying (the layout before rotation existed)."""
@@ -391,7 +389,8 @@ class CodecSpec:
         plane_layout: frames stored with it carry a `PlaneLayout` in the manifest;
             frames of the other codecs carry none.
         prior: (stored/raw ratio, encode bytes/s per thread) that codec="auto" assumes
-            before it has measured anything: float weights on a 2-core VM.
+            before it has measured anything: float weights on a 2-core VM (see
+            docs/design/autocodec.md).
     """
 
     name: str

@@ -148,10 +148,9 @@ def _huge_pages(mapping: mmap.mmap) -> None:
     """Ask for 2 MiB pages (a ring the size of the state spans a GiB or more of 4 KiB
     TLB entries otherwise). The kernel grants them to a memfd only where
     /sys/kernel/mm/transparent_hugepage/shmem_enabled is `advise` or `always`; elsewhere
-    this changes nothing. On a 2-core VM with `advise` the copy of a 1 GiB state into
-    the ring showed no difference beyond the noise (`python -m benchmarks.micro`: 0.070
-    and 0.065 s with 2 MiB pages, 0.065 and 0.075 s without); larger rings and nodes
-    with more TLB pressure are where it is meant to count."""
+    this changes nothing. On a 2-core VM with `advise` the copy of a state into the
+    ring showed no difference beyond the noise (docs/design/staging.md); larger rings
+    and nodes with more TLB pressure are where it is meant to count."""
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):

@@ -9,8 +9,8 @@ made.
 Back-pressure from the writer reaches the stager only through ring slots. Messages go
 out through a sender thread, so a writer that reads its socket slowly (it stops reading
 while its frame threads are busy, i.e. at disk speed) never stalls the copy into free
-slots: with a 4 GiB ring and state, blocking sends held staging to the disk's 1 GB/s
-instead of the copy's 4-5 GB/s. The queue of unsent messages is bounded by the ring
+slots: with blocking sends, staging ran at the disk's speed instead of the copy's
+(docs/design/staging.md). The queue of unsent messages is bounded by the ring
 (at most one chunk message per slot). If the writer goes away, every pending handle fails with WriterUnavailableError
 at once and later saves raise it immediately: nothing waits forever on a dead writer.
 

@@ -6,9 +6,8 @@ tensor of any size passes through any ring size with one copy, and the writer se
 frames of one size. Contiguous tensors are copied straight from their storage;
 non-contiguous ones go through a bounded (at most one slot) contiguous block, never a
 whole-tensor copy. From host memory the copy is `memmove` (GIL released); `Tensor.copy_`
-fans out to OpenMP threads that stall when the writer holds the other core
-(`python -m benchmarks.micro`: 5.9 vs 4.9 GB/s with one busy core; with both cores
-loaded copy_ fell to 0.5 GB/s).
+fans out to OpenMP threads that stall when the writer holds the other cores (with
+every core loaded, copy_ fell to a fraction of memmove's speed: docs/design/staging.md).
 
 A large host tensor (at least `PARALLEL_MIN_BYTES`) is copied by the stager thread and
 helper threads together: a few slots at a time are cut into 1 MiB jobs that whichever
@@ -21,9 +20,8 @@ copied before the next tensor is looked at, so the check for in-place changes af
 tensor's copy still holds. The ring's pages are populated when it is created (ring.py),
 so no save pays page faults for them. While the rank stages, the writer leaves its
 ring alone (its `stage_first`), so every other core may help. On a 2-core VM the
-difference is within the noise, one copy thread nearly filling the memory bandwidth:
-1 GiB staged in 0.0683-0.0745 s with one helper, 0.0710-0.0748 s without (five runs of
-`python -m benchmarks.stagespeed`, `--copy-threads 1,2` or the default `0,1`).
+difference is within the noise, one copy thread nearly filling the memory bandwidth
+(docs/design/staging.md); the helpers are for machines that one thread does not fill.
 
 From a CUDA tensor the copy is the device-to-host DMA itself, straight into the ring:
 the ring's pages are registered with CUDA (pinned) on first use, copies are issued

@@ -83,8 +83,8 @@ def _collector_paused() -> Iterator[None]:
 
     A load builds tens of thousands of small objects (the manifest, the tree, the read
     plan) that hold no cycles; in a process with many live objects, as a training job
-    is, they trigger full collections that cost more than the parsing itself (here 25
-    ms of CPU per 1140-tensor load became 55-70 with 300,000 live objects). Hazard: a
+    is, they trigger full collections that cost more than the parsing itself (more than
+    doubling a load's CPU time: docs/design/loading.md). Hazard: a
     thread that enables the collector meanwhile wins; it is restored as found.
     """
     enabled = gc.isenabled()

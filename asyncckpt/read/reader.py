@@ -21,17 +21,17 @@ the page cache (the price of reading into the caller's memory rather than return
 mapping of the file that could change after it was verified), the first touch of fresh
 tensor memory, and xxh3 -- spread over the frame threads while the kernel's own
 read-ahead keeps the disk busy. First touch is the dear one on a virtual machine:
-reading 1 GiB from the page cache took 0.068-0.074 s into memory touched before, 0.43 s
-into fresh memory, 0.39 s populated first in one madvise (two runs of `python -m
-benchmarks.micro`), about the disk's own time for those bytes, so loads into new tensors
+reading from the page cache into fresh memory took several times as long as into memory
+touched before, populating it first in one madvise hardly helped, and the cost is about
+the disk's own time for those bytes (docs/design/loading.md), so loads into new tensors
 trail `safetensors.load_file` (which maps the cached pages instead of copying them)
 where the disk is fast, and `load(into=...)` into existing tensors, as a job resuming
 into its model has, does not pay it. Asking for a sliding window ahead of the frames
 (posix_fadvise WILLNEED) measured no better than that read-ahead here, so a load asks
 only for its first window, while Python still plans which bytes go where. Fresh tensors
-are plain `torch.empty`: advising 2 MiB pages (MADV_HUGEPAGE) made first touch 10x
-cheaper in half the runs and 1.5-4x dearer in the other half on this virtual machine
-(fresh huge pages stall on the host), and may compact memory on a fragmented one, so a
+are plain `torch.empty`: advising 2 MiB pages (MADV_HUGEPAGE) made first touch much
+cheaper in half the runs and dearer in the other half on this virtual machine (fresh
+huge pages stall on the host), and may compact memory on a fragmented one, so a
 restart's load does not gamble on it.
 """
 
@@ -378,7 +378,7 @@ class Readers:
 
 
 _MAX_IOV = 512  # frames spanning more tensors than this are read via scratch
-# what a whole-rank load asks the kernel for before it plans (about 25 ms of this disk)
+# what a whole-rank load asks the kernel for before it plans, so the disk works meanwhile
 READ_AHEAD = 64 << 20
 
 

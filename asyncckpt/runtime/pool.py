@@ -1,7 +1,7 @@
 """A small pool of frame threads, shared by every rank a writer serves (and by a load).
 
 Hashing, compressing and writing release the GIL (xxh3, zstd, numpy, os.write), so a
-few Python threads turn spare cores into throughput: zstd scales 1.9x on 2 threads here.
+few Python threads turn spare cores into throughput (zstd's scaling: docs/design/codec.md).
 One pool serves all rings rather than one thread per rank, so that a single busy rank
 can use every core and many ranks do not oversubscribe them.
 

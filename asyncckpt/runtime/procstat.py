@@ -1,4 +1,4 @@
-"""Memory readings from /proc, for the writer's own accounting, the demo and benchmarks.
+"""Memory readings from /proc: the writer's own accounting, and leak checks of its rings.
 
 RssAnon is the private memory of a process (heap, stacks); the ring is shared memory
 and shows in RssShmem, so the writer's bounded-memory promise is stated in RssAnon.

@@ -2,7 +2,7 @@
 
 Compression is worth it only when the disk, not the CPU, is the bottleneck: on a fast
 NVMe with busy cores raw wins; on a network filesystem or with idle cores the
-byte-grouped codec writes 20-30 % fewer bytes at more than disk speed. Which case holds
+byte-grouped codec writes markedly fewer bytes at more than disk speed. Which case holds
 depends on the machine, on what training does with the cores meanwhile, and on the
 data, so it is measured, not configured.
 
@@ -14,22 +14,22 @@ that must do both:
                    (encode_cost(c) + ratio(c) / disk_bandwidth) / cores)
 
 The last term counts the time in write and fsync calls as busy CPU. That is right for
-buffered writes on a fast device (the kernel copies every byte into the page cache:
-on the 2-core development VM a 1 GiB raw save spends 0.7-0.9 s of a core in write) and
+buffered writes on a fast device (the kernel copies every byte into the page cache,
+which takes most of a core's time in write on the 2-core development VM) and
 pessimistic where those calls only wait for the device; either way it biases the
 choice toward raw when cores are few, which is the safe side: without it the chooser
-picked the byte-grouped codec at 4 GiB on 2 cores and was 34 % slower than raw.
+picked the byte-grouped codec for a large state on 2 cores and was slower than raw.
 
 `encode_cost` (thread-seconds per raw byte, GIL waits and CPU contention included) and
 `ratio` come from the frames each save actually encoded with its codec, and for the
 other codecs from trial encodes of the first MiB of one frame in `trial_every` (on the
-frame thread; with whole frames tried, auto took 1.11 x raw's time to durable at 1 GiB,
-1.00 x at 4 GiB and 1.17 x for MiniLM on 2 cores, with the first MiB 1.02, 1.05 and
-1.05 x: `make bench-full`); `disk_bandwidth` from the time spent in write and fsync
-calls. Estimates decay by half per save so they follow a change of machine load. Before
-any measurement each codec's prior from the registry (codec.py) stands in, worth 8 MiB
-of evidence, and the disk is assumed to take 1.3 GB/s (what write + fsync, flushed every
-64 MiB, reached on a 2-core VM's virtio ext4 disk).
+frame thread; trying whole frames cost auto noticeably more time to durable against
+raw on 2 cores than trying the first MiB does); `disk_bandwidth` from the time spent in
+write and fsync calls. Estimates decay by half per save so they follow a change of
+machine load. Before any measurement each codec's prior from the registry (codec.py)
+stands in, worth 8 MiB of evidence, and the disk is assumed to take `_PRIOR_DISK` (what
+write + fsync, flushed every 64 MiB, reached on a 2-core VM's virtio ext4 disk). The
+measurements: docs/design/autocodec.md.
 
 A save is decided when it begins (the data file's name depends on its codec), so a
 change takes effect on the next save. Users who want the smallest files choose

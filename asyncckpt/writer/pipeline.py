@@ -5,8 +5,8 @@ shared `FramePool` (xxh3, numpy and zstd release the GIL, so threads use every c
 from the writer's private copy of the slot, and may finish out of order; one appender
 thread per file writes them strictly in stream order (no reordering buffer beyond the frames in
 flight). Writing on the pool's threads instead was measured worse: a thread blocked in
-write or fdatasync (0.6 s of a 1 GiB save here) is an encoder lost, and on 2 cores
-byte-grouped saves then took 1.25x as long as raw ones. The frame's buffer goes back to
+write or fdatasync is an encoder lost, and on 2 cores byte-grouped saves then took
+longer than raw ones (docs/design/writeback.md). The frame's buffer goes back to
 the caller (`done`) as soon as the frame no longer needs it: after encoding when the
 stored bytes are a copy (zstd, bytegroup), after the write when they are the buffer
 itself (raw). Writer memory is the pool's frames in flight times one raw and one

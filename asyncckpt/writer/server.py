@@ -160,7 +160,7 @@ class WriterServer:
         if self.knobs.codec != "auto":
             return self.knobs.codec, None
         choice = self.chooser.choose()
-        log.info("codec auto chose %s (predicted s/GB %s; disk %.2f GB/s)", choice.codec,
+        log.info("codec auto chose %s (predicted_s_per_gb %s; disk_gbps %.2f)", choice.codec,
                  {k: round(v, 3) for k, v in choice.predicted.items()}, choice.disk_gbps)
         return choice.codec, choice.to_json()
 

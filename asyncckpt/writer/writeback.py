@@ -11,21 +11,20 @@ window written before it is waited for (WAIT_BEFORE | WRITE | WAIT_AFTER) and dr
 never for the whole file, and at most about three windows of the file are in the page
 cache at any time: the one being written, the one in flight, the one being waited for.
 
-Measured on a 2-core VM with ext4 on virtio (`python -m benchmarks.stagespeed`, and the
-same 4 MiB appends without a writer; interleaved, shared machine): 1 GiB of appends took
-0.32-0.35 s with 8, 16 or 32 MiB windows against 0.55 s for the fdatasync + drop every
-64 MiB that this replaces (the appender waited for each window in turn, the disk idle
-while the next was written) and 0.46 s for a plain write + fsync, whose page cache grows
-by the whole file. Through the writer, raw codec, 4 GiB state: durable in 2.2-2.6 s
-against 5.9-6.4 s before. O_DIRECT measured 0.30 s for the same appends, but frames
-start and end anywhere (the header, compressed frames), so it would need an aligned
-bounce buffer (one more copy per byte) and a buffered tail; not taken.
+On a 2-core VM with ext4 on virtio, appends with windows of 8 to 32 MiB were faster
+than the fdatasync + drop every 64 MiB that this replaces (the appender waited for each
+window in turn, the disk idle while the next was written) and than a plain write +
+fsync, whose page cache grows by the whole file; through the writer, a large raw save
+became durable in well under half the time. O_DIRECT was hardly faster than windows,
+but frames start and end anywhere (the header, compressed frames), so it would need an
+aligned bounce buffer (one more copy per byte) and a buffered tail; not taken. The
+measurements: docs/design/writeback.md.
 
 Windows end on page boundaries, and each drop also covers the window before it:
 POSIX_FADV_DONTNEED drops only the (large) folios wholly inside its range, so a folio
 straddling the previous end, which compressed frames make the rule, would otherwise
-stay cached until the file is deleted (measured: 20 MiB left behind of 96 MiB written in
-3 MiB frames with 4 MiB windows).
+stay cached until the file is deleted (measured: a fifth of a file written in 3 MiB
+frames with 4 MiB windows was left behind).
 
 `sync_file_range` is not durability: it neither flushes the disk's cache nor the file's
 metadata. The final `fsync` before the commit does, and stays. Where the C library has
