@@ -15,7 +15,7 @@ that must do both:
 
 The last term counts the time in write and fsync calls as busy CPU. That is right for
 buffered writes on a fast device (the kernel copies every byte into the page cache,
-which takes most of a core's time in write on the 2-core development VM) and
+which keeps a core busy for much of a raw save on the 2-core development VM) and
 pessimistic where those calls only wait for the device; either way it biases the
 choice toward raw when cores are few, which is the safe side: without it the chooser
 picked the byte-grouped codec for a large state on 2 cores and was slower than raw.
