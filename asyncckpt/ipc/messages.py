@@ -83,12 +83,13 @@ class Message:
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Message:
-        """The message of a decoded JSON object whose op is `OP`, checked.
+        """The message of a decoded JSON object whose op is `OP`, checked. Here: every
+        field a required int or str (a message with other fields checks its own).
 
         Raises:
             ProtocolError: a field is missing, of the wrong type or out of range.
         """
-        raise NotImplementedError
+        return cls(*(_REQUIRED[f.type](m, f.name) for f in wire_fields(cls)))
 
 
 def wire_fields(cls: type[Message]) -> list[dataclasses.Field]:
@@ -158,9 +159,10 @@ class Begin(Message):
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Begin:
         save, step, world_size = _int(m, "save"), _int(m, "step"), _int(m, "world_size")
-        options = dict(retention=_retention(m.get("retention")),
-                       coordinated=m.get("coordinated") is True, replace=m.get("replace") is True,
-                       keep_from=None if m.get("keep_from") is None else _int(m, "keep_from"))
+        options = {"retention": _retention(m.get("retention")),
+                   "coordinated": m.get("coordinated") is True,
+                   "replace": m.get("replace") is True,
+                   "keep_from": None if m.get("keep_from") is None else _int(m, "keep_from")}
         tree_json = m.get("tree")
         try:
             table = _tensor_table(m.get("tensors"))
@@ -186,10 +188,6 @@ class Chunk(Message):
     slot: int
     length: int
 
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Chunk:
-        return cls(_int(m, "save"), _int(m, "slot"), _int(m, "length"))
-
 
 @dataclass(frozen=True)
 class End(Message):
@@ -199,10 +197,6 @@ class End(Message):
     OP: ClassVar[str] = "end"
     SENDER: ClassVar[str] = "rank"
     save: int
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> End:
-        return cls(_int(m, "save"))
 
 
 @dataclass(frozen=True)
@@ -227,10 +221,6 @@ class NeedSlot(Message):
 
     OP: ClassVar[str] = "need_slot"
     SENDER: ClassVar[str] = "rank"
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> NeedSlot:
-        return cls()
 
 
 @dataclass(frozen=True)
@@ -285,10 +275,6 @@ class Welcome(Message):
     root: str
     root_id: str
 
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Welcome:
-        return cls(_int(m, "pid"), _str(m, "version"), _str(m, "root"), _str(m, "root_id"))
-
 
 @dataclass(frozen=True)
 class Refused(Message):
@@ -298,10 +284,6 @@ class Refused(Message):
     SENDER: ClassVar[str] = "writer"
     reason: str
 
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Refused:
-        return cls(_str(m, "reason"))
-
 
 @dataclass(frozen=True)
 class Free(Message):
@@ -310,10 +292,6 @@ class Free(Message):
     OP: ClassVar[str] = "free"
     SENDER: ClassVar[str] = "writer"
     slot: int
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Free:
-        return cls(_int(m, "slot"))
 
 
 @dataclass(frozen=True)
@@ -344,10 +322,6 @@ class Durable(Message):
     save: int
     step: int
     tmp: str
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Durable:
-        return cls(_int(m, "save"), _int(m, "step"), _str(m, "tmp"))
 
 
 @dataclass(frozen=True)
@@ -380,9 +354,6 @@ class Failed(Message):
     error: str
     message: str
 
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Failed:
-        return cls(_int(m, "save"), _int(m, "step"), _str(m, "error"), _str(m, "message"))
 
 
 MESSAGES: dict[str, type[Message]] = {cls.OP: cls for cls in (
@@ -444,6 +415,9 @@ def _str(m: dict[str, Any], key: str) -> str:
     if not isinstance(value, str):
         raise ProtocolError(f"{key} {_show(value)} is not a str")
     return value
+
+
+_REQUIRED = {"int": _int, "str": _str}  # a field's annotation -> its check
 
 
 def _retention(value: Any) -> tuple[int, int] | None:
