@@ -223,8 +223,10 @@ def test_a_begin_the_reader_would_refuse_parses_with_the_reason(fields, why):
     ({"op": "hello", "rank": 0, "slot_size": 0, "slots": 4}, "is refused"),
     ({"op": "hello", "rank": True, "slot_size": 4096, "slots": 4}, "is not an int"),
     ({"op": "chunk", "save": 1, "slot": 0, "length": 1.0}, "length 1.0 is not an int"),
-    ({"op": "commit", "save": 1, "step": 1, "world_size": 2, "parts": [[0, "x"]]}, "commit needs"),
-    ({"op": "commit", "save": 1, "step": 1, "world_size": 1, "parts": [["0", "x"]]}, "commit needs"),
+    ({"op": "commit", "save": 1, "step": 1, "world_size": 2, "parts": [[0, "x"]]},
+     "commit needs"),
+    ({"op": "commit", "save": 1, "step": 1, "world_size": 1, "parts": [["0", "x"]]},
+     "commit needs"),
     ({"op": "unknown"}, "unknown op 'unknown'"),
 ])
 def test_a_malformed_message_is_a_protocol_error(message, match):
