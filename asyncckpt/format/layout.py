@@ -38,6 +38,7 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 MAX_STEP = (1 << 62) - 1  # the manifest's integer bound
+MAX_WORLD = 1 << 20  # the manifest's bound on world_size
 
 _STEP_DIR = re.compile(r"step-([0-9]{8,})")
 _RETIRED_DIR = re.compile(r"step-([0-9]{8,})\.retired")

@@ -6,24 +6,13 @@ two locks, so a mistake in one (a world-readable /tmp, a leaked socket path) doe
 let another user hand us data or read ours. Messages are small JSON objects -- never
 pickle -- because tensor bytes travel through the shared-memory ring, not the socket.
 
-Messages (field "op"):
-
-    rank -> writer   hello(rank, world_size, pid, slot_size, slots, need_slot), then the
-                     ring's sealed memfd as one byte with SCM_RIGHTS (ring.py)
-                     begin(save, step, world_size, tensors, tree, retention; optional
-                           coordinated, since + unchanged, replace, keep_from)
-                     chunk(save, slot, length)   end(save)   abort(save, reason)
-                     need_slot() (a rank whose hello said need_slot: it waits for a
-                     free slot; until then the writer may leave its slots unread)
-    writer -> rank   welcome(pid, version) or refused(reason)   free(slot)
-                     committed(save, step, path, stats)
-                     failed(save, step, error, message)
+The messages themselves, their fields and their checks are messages.py; this module
+moves them (and the ring's descriptor) over the authenticated socket.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import secrets
 import socket
@@ -34,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncckpt.errors import WriterUnavailableError
+from asyncckpt.ipc.messages import Message, decode, dumps, parse
 
-Message = dict[str, Any]
 # The largest message either side accepts. A begin carries the rank's tensor table and
 # tree; parsing it costs the writer ~18 bytes of memory per byte of JSON, so this bound
 # (about 130,000 tensors of typical names) is what keeps the writer's memory bounded
@@ -178,20 +167,37 @@ def dial(address: str, authkey: bytes, timeout: float) -> Connection:
 
 
 def encode(op: str, **fields: Any) -> bytes:
-    """One message as bytes. Raises ValueError/RecursionError for what JSON cannot hold."""
-    return json.dumps({"op": op, **fields}, separators=(",", ":"), allow_nan=False).encode()
+    """One untyped message as bytes (Message.encode() for a typed one). Raises
+    ValueError/RecursionError for what JSON cannot hold."""
+    return dumps({"op": op, **fields})
 
 
 def send(conn: Connection, op: str, **fields: Any) -> None:
     conn.send_bytes(encode(op, **fields))
 
 
-def recv(conn: Connection) -> Message:
-    """Receive one message. Raises EOFError/OSError when the peer is gone."""
-    message = json.loads(conn.recv_bytes(MAX_MESSAGE), parse_constant=_no_constant)
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        raise ValueError(f"malformed message {message!r:.80}")
-    return message
+def send_message(conn: Connection, message: Message) -> None:
+    conn.send_bytes(message.encode())
+
+
+def recv(conn: Connection) -> dict[str, Any]:
+    """Receive one message as its JSON object, unchecked but for its "op".
+
+    Raises:
+        EOFError, OSError: the peer is gone.
+        ProtocolError: not a JSON object with a str "op".
+    """
+    return decode(conn.recv_bytes(MAX_MESSAGE))
+
+
+def receive(conn: Connection) -> Message:
+    """Receive one message, checked (messages.parse).
+
+    Raises:
+        EOFError, OSError: the peer is gone.
+        ProtocolError: a message no well-behaved peer sends.
+    """
+    return parse(conn.recv_bytes(MAX_MESSAGE))
 
 
 def send_fd(conn: Connection, fd: int) -> None:
@@ -227,10 +233,6 @@ def recv_fd(conn: Connection) -> int:
 def set_recv_timeout(conn: Connection, seconds: float) -> None:
     """Bound each receive on `conn` to `seconds` (0: wait forever)."""
     _set_recv_timeout(conn.fileno(), seconds)
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
 
 
 def shut_down(conn: Connection) -> None:

@@ -114,13 +114,17 @@ class Ring:
         start = slot * self.slot_size
         return memoryview(self._mmap)[start:start + length]
 
+    def holds(self, slot: int, length: int) -> bool:
+        """True if `slot` is one of the ring's and `length` bytes fit in it."""
+        return 0 <= slot < self.slots and 0 <= length <= self.slot_size
+
     def copy_out(self, slot: int, length: int, out: bytearray | memoryview) -> memoryview:
         """Copy the first `length` bytes of `slot` into `out`; return that part of `out`.
 
         The copy is the writer's snapshot: from then on nothing the rank does to its
         slot can change what the writer hashes, encodes and writes.
         """
-        if not (0 <= slot < self.slots and 0 <= length <= self.slot_size) or len(out) < length:
+        if not self.holds(slot, length) or len(out) < length:
             raise ValueError(f"slot {slot} / length {length} outside the ring")
         dest = memoryview(out)[:length]
         if length:  # ctypes.memmove releases the GIL: frame threads copy in parallel

@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -42,7 +42,7 @@ from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import (SaveFailedError, UnsupportedStateError, WriterUnavailableError,
                               error_class)
 from asyncckpt.format.layout import MAX_STEP
-from asyncckpt.ipc import protocol, ring
+from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.rank.coordination import Agreement, StoreCoordinator
 from asyncckpt.rank.flatten import flatten
 from asyncckpt.rank.handle import SaveHandle
@@ -127,18 +127,14 @@ class _PendingSave:
             and e.tensor.numel() * e.tensor.element_size() >= SKIP_MIN_BYTES]
         self.skipped: set[int] = set()  # what the writer took from the basis step
         self.planned = threading.Event()
-        optional: dict[str, Any] = {"since": basis[0], "unchanged": self.unchanged} \
-            if self.unchanged else {}
-        if replace:
-            optional["replace"] = True
-        if keep_from is not None:
-            optional["keep_from"] = keep_from
+        since = basis[0] if basis is not None and self.unchanged else None
         try:
-            self.begin = protocol.encode(
-                "begin", save=save_id, step=step, world_size=world_size, tree=tree,
-                retention=retention, coordinated=key is not None,
-                tensors=[[e.name, e.dtype_name, list(e.tensor.shape)] for e in self.entries],
-                **optional)
+            self.begin = messages.Begin(
+                save_id, step, world_size,
+                tuple((e.name, e.dtype_name, tuple(e.tensor.shape)) for e in self.entries), tree,
+                retention=retention, coordinated=key is not None, since=since,
+                unchanged=None if since is None else tuple(self.unchanged), replace=replace,
+                keep_from=keep_from).encode()
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
         if len(self.begin) > protocol.MAX_MESSAGE:
@@ -175,43 +171,11 @@ class Client:
             WriterUnavailableError: no address, no writer there, or authentication failed.
         """
         self.knobs = ClientKnobs.from_env(**knobs)
-        address = address or os.environ.get(protocol.ADDRESS_ENV)
-        if not address:
-            raise WriterUnavailableError(
-                f"no writer address: pass one or set {protocol.ADDRESS_ENV} "
-                "(start a writer with asyncckpt.start_writer() or `asyncckpt writer`)")
-        self.address = address
+        self.address = _writer_address(address)
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self._ring = ring.Ring.create(self.knobs.slot_size, self.knobs.ring_slots)
-        try:
-            self._conn = protocol.dial(address, protocol.read_authkey(address),
-                                       self.knobs.connect_timeout)
-            protocol.send(self._conn, "hello", rank=self.rank, world_size=self.world_size,
-                          pid=os.getpid(), slot_size=self._ring.slot_size,
-                          slots=self._ring.slots, need_slot=True)
-            protocol.send_fd(self._conn, self._ring.fileno())
-            if not self._conn.poll(self.knobs.connect_timeout):
-                raise WriterUnavailableError(f"writer at {address} did not welcome us")
-            welcome = protocol.recv(self._conn)
-        except (OSError, EOFError, ValueError) as e:
-            self._ring.close()
-            raise WriterUnavailableError(f"writer at {address} closed the connection during "
-                                         f"the handshake: {e}", rank=self.rank) from None
-        except BaseException:
-            self._ring.close()
-            raise
-        finally:
-            self._ring.release_fd()  # the writer holds its own descriptor now
-        if welcome.get("op") != "welcome":
-            self._ring.close()
-            raise WriterUnavailableError(f"writer at {address} refused this rank: "
-                                         f"{str(welcome.get('reason', welcome.get('op')))[:500]}",
-                                         rank=self.rank)
-        store = _store_for(self.knobs.coordination, self.world_size) if store is None else store
-        self._agreement = None if store is None else Agreement(
-            StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout),
-            self._send, str(welcome.get("root")), str(welcome.get("root_id")),
-            lambda: self._broken is not None, self._forget)
+        welcome = self._handshake()
+        self._agreement = self._agreement_for(store, welcome)
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
         self._cond = threading.Condition()
@@ -222,6 +186,56 @@ class Client:
         self._queue: queue.Queue[_PendingSave | None] = queue.Queue()
         self._closed = False
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
+            messages.Free: self._on_free, messages.Unchanged: self._on_unchanged,
+            messages.Durable: self._on_durable, messages.Committed: self._on_result,
+            messages.Failed: self._on_result}
+        self._start_threads()
+
+    def _handshake(self) -> messages.Welcome:
+        """Dial the writer, say hello and pass the ring; the writer's welcome.
+
+        Raises:
+            WriterUnavailableError: no writer, a failed authentication or handshake, or
+                a refusal (the ring is closed then).
+        """
+        try:
+            self._conn = protocol.dial(self.address, protocol.read_authkey(self.address),
+                                       self.knobs.connect_timeout)
+            protocol.send_message(self._conn, messages.Hello(
+                self.rank, self._ring.slot_size, self._ring.slots, world_size=self.world_size,
+                pid=os.getpid(), need_slot=True))
+            protocol.send_fd(self._conn, self._ring.fileno())
+            if not self._conn.poll(self.knobs.connect_timeout):
+                raise WriterUnavailableError(f"writer at {self.address} did not welcome us")
+            reply = protocol.receive(self._conn)
+        except (OSError, EOFError, ValueError) as e:
+            self._ring.close()
+            raise WriterUnavailableError(f"writer at {self.address} closed the connection during "
+                                         f"the handshake: {e}", rank=self.rank) from None
+        except BaseException:
+            self._ring.close()
+            raise
+        finally:
+            self._ring.release_fd()  # the writer holds its own descriptor now
+        if not isinstance(reply, messages.Welcome):
+            self._ring.close()
+            reason = reply.reason if isinstance(reply, messages.Refused) else reply.OP
+            raise WriterUnavailableError(f"writer at {self.address} refused this rank: "
+                                         f"{reason[:500]}", rank=self.rank)
+        return reply
+
+    def _agreement_for(self, store: Any, welcome: messages.Welcome) -> Agreement | None:
+        """How the nodes agree on each commit: through `store` (or the one the
+        coordination knob picks), else not at all (this node's writer sees every rank)."""
+        store = _store_for(self.knobs.coordination, self.world_size) if store is None else store
+        if store is None:
+            return None
+        coordinator = StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout)
+        return Agreement(coordinator, self._send, welcome.root, welcome.root_id,
+                         lambda: self._broken is not None, self._forget)
+
+    def _start_threads(self) -> None:
         self._receiver = threading.Thread(target=self._receive, daemon=True,
                                           name=f"asyncckpt-recv-{self.rank}")
         self._stager = threading.Thread(target=self._stage_loop, daemon=True,
@@ -342,13 +356,13 @@ class Client:
                     if handle.done() or self._broken is not None:
                         raise _Cancelled
                     if not said_need:  # a writer that stages first copies out now
-                        self._send("need_slot")
+                        self._send(messages.NeedSlot())
                         said_need = True
                     self._cond.wait()
                 return self._free.popleft()
 
         def emit(slot: int, length: int) -> None:
-            self._send("chunk", save=pending.id, slot=slot, length=length)
+            self._send(messages.Chunk(pending.id, slot, length))
 
         try:
             while pending.unchanged and not pending.planned.wait(0.05):
@@ -357,27 +371,27 @@ class Client:
             nbytes = stage(_unmodified(pending), self._ring, acquire, emit, self._release,
                            self._device, pending.ready)
         except _Cancelled:
-            self._send("end", save=pending.id)
+            self._send(messages.End(pending.id))
             raise
         except OSError:
             raise
         except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
             cause = str(e) if isinstance(e, _Torn) else f"staging failed: {type(e).__name__}: {e}"
             error = SaveFailedError(cause, step=pending.step, rank=self.rank)
-            self._send("abort", save=pending.id, reason=str(error))
+            self._send(messages.Abort(pending.id, str(error)))
             handle._set_failed(error)
             return
         handle.stats.staged_bytes = nbytes  # before `end`: a result may follow at once
         handle.stats.unchanged_bytes = sum(pending.entries[i].tensor.nbytes
                                            for i in pending.skipped)
         handle.stats.staging_seconds = time.perf_counter() - started
-        self._send("end", save=pending.id)
+        self._send(messages.End(pending.id))
         handle._set_staged()
 
     # -- sender thread ---------------------------------------------------------------
 
-    def _send(self, op: str, **fields: Any) -> None:
-        self._outbox.put(protocol.encode(op, **fields))
+    def _send(self, message: messages.Message) -> None:
+        self._outbox.put(message.encode())
 
     def _send_loop(self) -> None:
         try:
@@ -409,36 +423,13 @@ class Client:
     def _receive(self) -> None:
         try:
             while True:
-                m = protocol.recv(self._conn)
-                op = m["op"]
-                if op == "free":
-                    self._release(int(m["slot"]))
-                elif op == "unchanged":
-                    with self._cond:
-                        pending = self._pending.get(int(m["save"]))
-                    if pending is not None:
-                        pending.skipped = set(m["tensors"]) & set(pending.unchanged)
-                        pending.planned.set()
-                elif op == "durable" and self._agreement is not None:
-                    with self._cond:
-                        pending = self._pending.get(int(m["save"]))
-                    if pending is not None:
-                        self._agreement.durable(pending, str(m["tmp"]))
-                elif op in ("committed", "failed"):
-                    with self._cond:
-                        pending = self._pending.pop(int(m["save"]), None)
-                        if pending is not None and pending.key is not None:
-                            assert self._agreement is not None
-                            error = None if op == "committed" else error_class(
-                                m.get("error", ""))(m.get("message", "save failed"))
-                            self._agreement.result(pending, error, m.get("path"),
-                                                   m.get("stats", {}))
-                        elif pending is not None and op == "committed":
-                            pending.handle._set_committed(Path(m["path"]), m.get("stats", {}))
-                        elif pending is not None:
-                            cls = error_class(m.get("error", ""))
-                            pending.handle._set_failed(cls(m.get("message", "save failed")))
-                        self._cond.notify_all()
+                data = protocol.recv(self._conn)
+                if data["op"] not in messages.MESSAGES:
+                    continue  # a reply of a newer writer that this client does not use
+                message = messages.parse(data)
+                handler = self._handlers.get(type(message))
+                if handler is not None:
+                    handler(message)
         except Exception as e:  # whatever ends this thread must fail the pending handles,
             # or their wait() would hang: a lost writer, a closed client, a bad message
             if self._closed:
@@ -448,6 +439,39 @@ class Client:
             else:
                 log.warning("bad message from the writer: %s: %s", type(e).__name__, e)
                 self._on_broken(f"bad message from the writer ({type(e).__name__})")
+
+    def _on_free(self, m: messages.Free) -> None:
+        self._release(m.slot)
+
+    def _on_unchanged(self, m: messages.Unchanged) -> None:
+        with self._cond:
+            pending = self._pending.get(m.save)
+        if pending is not None:
+            pending.skipped = set(m.tensors) & set(pending.unchanged)
+            pending.planned.set()
+
+    def _on_durable(self, m: messages.Durable) -> None:
+        with self._cond:
+            pending = self._pending.get(m.save)
+        if pending is not None and self._agreement is not None:
+            self._agreement.durable(pending, m.tmp)
+
+    def _on_result(self, m: messages.Committed | messages.Failed) -> None:
+        with self._cond:
+            pending = self._pending.pop(m.save, None)
+            if pending is not None:
+                error = None if isinstance(m, messages.Committed) else \
+                    error_class(m.error)(m.message)
+                if pending.key is not None:
+                    assert self._agreement is not None
+                    path, stats = (m.path, m.stats) if isinstance(m, messages.Committed) \
+                        else (None, {})
+                    self._agreement.result(pending, error, path, stats)
+                elif isinstance(m, messages.Committed):
+                    pending.handle._set_committed(Path(m.path), m.stats)
+                else:
+                    pending.handle._set_failed(error)
+            self._cond.notify_all()
 
     def _on_broken(self, why: str) -> None:
         with self._cond:
@@ -460,6 +484,20 @@ class Client:
             if pending.key is not None and self._agreement is not None:
                 self._agreement.broken(pending, self._broken)
             pending.handle._set_failed(self._broken)
+
+
+def _writer_address(address: str | None) -> str:
+    """`address`, else ASYNCCKPT_ADDRESS.
+
+    Raises:
+        WriterUnavailableError: neither is set.
+    """
+    address = address or os.environ.get(protocol.ADDRESS_ENV)
+    if not address:
+        raise WriterUnavailableError(
+            f"no writer address: pass one or set {protocol.ADDRESS_ENV} "
+            "(start a writer with asyncckpt.start_writer() or `asyncckpt writer`)")
+    return address
 
 
 def _is_step(value: Any) -> bool:

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from asyncckpt.errors import SaveFailedError, error_class
+from asyncckpt.ipc import messages
 
 Outcome = dict[str, Any]
 CLAIM: Outcome = {"committing": True}
@@ -279,7 +280,7 @@ class Agreement:
     next save still settles the commit of the previous one and beats its heartbeat.
     """
 
-    def __init__(self, coordinator: StoreCoordinator, send: Callable[..., None],
+    def __init__(self, coordinator: StoreCoordinator, send: Callable[[messages.Message], None],
                  root: str, root_id: str, gone: Callable[[], bool],
                  over: Callable[[Any], None] = lambda pending: None) -> None:
         self.coordinator = coordinator
@@ -399,8 +400,8 @@ class Agreement:
             self._finish(pending, held, {}, prefix)
             return
         self._committing[pending.id] = prefix
-        self._send("commit", save=pending.id, step=pending.step, world_size=c.world_size,
-                   parts=[[r, info["tmp"]] for r, info in enumerate(infos)])
+        self._send(messages.Commit(pending.id, pending.step, c.world_size,
+                                   tuple((r, info["tmp"]) for r, info in enumerate(infos))))
 
     def _on_result(self, pending: Any, error: BaseException | None, path: str | None,
                    stats: dict) -> None:
@@ -455,7 +456,7 @@ class Agreement:
             except Exception as e:
                 log.debug("store cleanup of %s failed: %s", prefix, e)
         self._over(pending)
-        self._send("outcome", step=pending.step, committed=bool(outcome.get("ok")))
+        self._send(messages.Outcome(pending.step, bool(outcome.get("ok"))))
         if outcome.get("ok"):
             pending.handle._set_committed(Path(outcome["path"]), stats)
         else:

@@ -16,9 +16,10 @@ no message of a rank can stop the writer or harm another rank's save:
 - Replies go through a bounded per-connection outbox drained by that connection's
   sender thread, so a rank that stops reading its socket blocks nothing but itself; when
   its outbox overflows it is dropped.
-- A `begin` is checked with the reader's rules (dtypes, shapes, names, the object tree
-  against the tensor table) before any file is opened, and a protocol violation (an
-  unknown op or save id, a reused save id, a slot outside the ring) drops that
+- Every message is parsed and checked (messages.py) before a handler sees it; a `begin`
+  is checked with the reader's rules (dtypes, shapes, names, the object tree against
+  the tensor table) before any file is opened, and a protocol violation (a malformed
+  message, an unknown save id, a reused save id, a slot outside the ring) drops that
   connection, failing only the steps it took part in.
 """
 
@@ -37,12 +38,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from asyncckpt._version import __version__
 from asyncckpt.errors import CheckpointError, SaveFailedError
-from asyncckpt.format import tree
-from asyncckpt.format.layout import DTYPE_SIZES, MAX_STEP, TensorSpec, layout
-from asyncckpt.ipc import protocol, ring
+from asyncckpt.format.layout import TensorSpec, layout
+from asyncckpt.ipc import messages, protocol, ring
+from asyncckpt.ipc.messages import MAX_SLOTS, ProtocolError
 from asyncckpt.writer import commit
 from asyncckpt.writer.pipeline import RankFileWriter, Unchanged
-from asyncckpt.writer.steps import MAX_WORLD
 
 if TYPE_CHECKING:
     from asyncckpt.config import WriterKnobs
@@ -54,8 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncckpt.writer")
 
-_MAX_DIMS = 64
-_MAX_SLOTS = 1 << 16
 _OUTBOX_SPARE = 1024  # replies beyond one per ring slot that may wait for a slow reader
 _MAX_SAVES = 256       # begun and not ended, per connection (a client has one)
 _MAX_OPEN_FILES = 4    # ... of which hold a data file and an appender thread
@@ -110,10 +108,6 @@ class WriterContext:
     rss: PeakSampler
 
 
-class ProtocolError(ValueError):
-    """A message no well-behaved rank sends: the connection is dropped."""
-
-
 class Session:
     """One rank's connection: hello (and its ring), then begin/chunk/end per save."""
 
@@ -129,16 +123,21 @@ class Session:
         self._outbox_limit = _OUTBOX_SPARE
         self._sender: threading.Thread | None = None
         self._defer = False  # stage first (the knob, and a rank that says need_slot)
-        self._deferred: list[dict[str, Any]] = []  # chunks not yet copied out, in order
+        self._deferred: list[messages.Chunk] = []  # chunks not yet copied out, in order
+        self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
+            messages.Begin: self._on_begin, messages.Chunk: self._on_chunk,
+            messages.End: self._on_end, messages.Abort: self._on_abort,
+            messages.NeedSlot: self._on_need_slot, messages.Commit: self._on_commit,
+            messages.Outcome: self._on_outcome}
 
     def run(self) -> None:
         try:
-            self._hello(protocol.recv(self.conn))
+            self._hello()
             while True:
-                message = protocol.recv(self.conn)
-                handler = getattr(self, f"_on_{message['op']}", None)
+                message = protocol.receive(self.conn)
+                handler = self._handlers.get(type(message))
                 if handler is None:
-                    raise ProtocolError(f"unknown op {message['op']!r:.40}")
+                    raise ProtocolError(f"{message.OP} is not a rank's message after its hello")
                 handler(message)
         except (EOFError, OSError):
             pass
@@ -161,14 +160,14 @@ class Session:
             self._sender.join(max(0.0, deadline - time.monotonic()))
         self.drop()
 
-    def send(self, op: str, **fields: Any) -> None:
+    def send(self, message: messages.Message) -> None:
         """Queue a reply; never blocks. A rank whose replies pile up is dropped."""
         if self._outbox.qsize() >= self._outbox_limit:
             log.warning("rank %d does not read its socket (%d replies waiting); dropping it",
                         self.rank, self._outbox.qsize())
             self.drop()
             return
-        self._outbox.put(protocol.encode(op, **fields))
+        self._outbox.put(message.encode())
 
     def _send_loop(self) -> None:
         try:
@@ -177,69 +176,56 @@ class Session:
         except (OSError, ValueError):
             self.drop()
 
-    def _hello(self, m: dict[str, Any]) -> None:
+    def _hello(self) -> None:
         try:
-            if m["op"] != "hello":
+            m = protocol.receive(self.conn)
+            if not isinstance(m, messages.Hello):
                 raise ProtocolError("expected hello")
-            rank, slot_size, slots = _int(m, "rank"), _int(m, "slot_size"), _int(m, "slots")
-            if not 0 <= rank < MAX_WORLD:
-                raise ProtocolError(f"rank {rank} outside 0..{MAX_WORLD - 1}")
-            if (not 0 < slot_size <= self.writer.knobs.max_frame_bytes
-                    or not 0 < slots <= _MAX_SLOTS):
-                raise ProtocolError(f"a ring of {slots} slots of {slot_size} bytes is refused "
-                                    f"(slots 1..{_MAX_SLOTS}, slot_size 1.."
-                                    f"{self.writer.knobs.max_frame_bytes})")
-            self.ring = ring.Ring.attach(protocol.recv_fd(self.conn), slot_size, slots)
+            max_slot = self.writer.knobs.max_frame_bytes
+            if m.slot_size > max_slot:
+                raise ProtocolError(f"a ring of {m.slots} slots of {m.slot_size} bytes is refused "
+                                    f"(slots 1..{MAX_SLOTS}, slot_size 1..{max_slot})")
+            self.ring = ring.Ring.attach(protocol.recv_fd(self.conn), m.slot_size, m.slots)
         except ValueError as e:  # tell the rank why before hanging up
             try:
-                protocol.send(self.conn, "refused", reason=str(e))
+                protocol.send_message(self.conn, messages.Refused(str(e)))
             except OSError:
                 pass
             raise
         protocol.set_recv_timeout(self.conn, 0)
-        self.rank = rank
-        self._defer = self.writer.knobs.stage_first and m.get("need_slot") is True
-        self._outbox_limit = slots + _OUTBOX_SPARE
+        self.rank = m.rank
+        self._defer = self.writer.knobs.stage_first and m.need_slot
+        self._outbox_limit = m.slots + _OUTBOX_SPARE
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
-                                        name=f"asyncckpt-reply-{rank}")
+                                        name=f"asyncckpt-reply-{m.rank}")
         self._sender.start()
         self.writer.steps.rank_joined(self.rank)
-        self.send("welcome", pid=os.getpid(), version=__version__,
-                  root=str(self.writer.root), root_id=self.writer.root_id)
-        log.info("rank %d connected (pid %s, ring %d x %d MiB)", self.rank, m.get("pid"),
-                 slots, slot_size >> 20)
+        self.send(messages.Welcome(os.getpid(), __version__, str(self.writer.root),
+                                   self.writer.root_id))
+        log.info("rank %d connected (pid %s, ring %d x %d MiB)", self.rank, m.pid,
+                 m.slots, m.slot_size >> 20)
 
-    def _on_begin(self, m: dict[str, Any]) -> None:
-        save_id, step = _int(m, "save"), _int(m, "step")
+    def _on_begin(self, m: messages.Begin) -> None:
+        save_id, step = m.save, m.step
         if save_id in self._saves:
             raise ProtocolError(f"save id {save_id} is already in use")
         if len(self._saves) >= _MAX_SAVES:  # a client stages one save at a time
             raise ProtocolError(f"{len(self._saves)} saves begun and not ended")
-        save = _RankSave(step, None, m.get("tree"))
+        save = _RankSave(step, None, m.tree)
         self._saves[save_id] = save
         notify = self._notifier(save, save_id)
         knobs = self.writer.knobs
         try:
-            try:
-                table = _tensor_table(m.get("tensors"), step, self.rank)
-                skip_request = _unchanged_request(m, len(table))
-                tree.check_tree(table, save.tree)
-            except CheckpointError as e:  # this step can never be readable: fail it for all
-                error = SaveFailedError(f"begin refused: {e.cause}", step=step, rank=self.rank)
-                self.writer.steps.refuse(step, self.rank, _int(m, "world_size"), error)
-                raise error from None
+            if m.refused is not None:  # this step can never be readable: fail it for all
+                error = SaveFailedError(f"begin refused: {m.refused}", step=step, rank=self.rank)
+                self.writer.steps.refuse(step, self.rank, m.world_size, error)
+                raise error
+            table = list(m.tensors)
             header, specs = layout(table)
-            retention = _retention(m.get("retention"))
-            durable = None
-            if m.get("coordinated") is True:
-                durable = functools.partial(self._durable, save_id, step)
-            keep_from = m.get("keep_from")
-            if keep_from is not None:
-                keep_from = _int(m, "keep_from")
-            current = self.writer.steps.begin(step, self.rank, _int(m, "world_size"), notify,
-                                              retention, durable, replace=m.get("replace") is True,
-                                              keep_from=keep_from)
-            unchanged = self._unchanged(save_id, step, skip_request, table, specs)
+            durable = functools.partial(self._durable, save_id, step) if m.coordinated else None
+            current = self.writer.steps.begin(step, self.rank, m.world_size, notify, m.retention,
+                                              durable, replace=m.replace, keep_from=m.keep_from)
+            unchanged = self._unchanged(m, table, specs)
         except CheckpointError as error:
             save.failed = True
             notify(error, None, {})
@@ -268,19 +254,17 @@ class Session:
         self._files = {f for f in self._files if f.busy}
         self._files.add(save.file)
 
-    def _unchanged(self, save_id: int, step: int, request: tuple[int, list[int]] | None,
-                   table: list[tuple[str, str, tuple[int, ...]]], specs: list[TensorSpec]
-                   ) -> dict[int, Unchanged]:
+    def _unchanged(self, m: messages.Begin, table: list[messages.TensorEntry],
+                   specs: list[TensorSpec]) -> dict[int, Unchanged]:
         """Which of the tensors the rank says are unchanged since step `since` it need
         not send (their frames there, by stream offset); the rank is told at once."""
-        if request is None:
+        if m.unchanged is None or m.since is None:
             return {}
-        since, wanted = request
         index = self.writer.index
         frames = {} if index is None else index.unchanged_frames(
-            step, since, self.rank, [table[i] for i in wanted])
-        accepted = [i for i in wanted if table[i][0] in frames]
-        self.send("unchanged", save=save_id, tensors=accepted)
+            m.step, m.since, self.rank, [table[i] for i in m.unchanged])
+        accepted = tuple(i for i in m.unchanged if table[i][0] in frames)
+        self.send(messages.Unchanged(m.save, accepted))
         return {specs[i].begin: frames[table[i][0]] for i in accepted}
 
     def _lookup(self, step: int) -> Callable[[int, int], Any] | None:
@@ -298,15 +282,13 @@ class Session:
         def notify(error: CheckpointError | None, path: Path | None, stats: dict) -> None:
             if error is not None:
                 save.failed = True
-                self.send("failed", save=save_id, step=save.step, error=type(error).__name__,
-                          message=str(error))
+                self.send(messages.Failed(save_id, save.step, type(error).__name__, str(error)))
             else:
-                self.send("committed", save=save_id, step=save.step, path=str(path),
-                          stats=stats)
+                self.send(messages.Committed(save_id, save.step, str(path), stats))
         return notify
 
-    def _on_chunk(self, m: dict[str, Any]) -> None:
-        save = self._save(m)
+    def _on_chunk(self, m: messages.Chunk) -> None:
+        save = self._save(m.save)
         if not self._defer or save.streaming:
             self._copy_out(save, m)
             return
@@ -316,7 +298,7 @@ class Session:
             save.streaming = True
             self._copy_out_deferred()
 
-    def _on_need_slot(self, m: dict[str, Any]) -> None:
+    def _on_need_slot(self, m: messages.NeedSlot) -> None:
         """The rank waits for a slot: its ring is smaller than its save, so copying
         out after the rank would only stall it; its open saves stream from now on."""
         for save in self._saves.values():
@@ -326,11 +308,13 @@ class Session:
     def _copy_out_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for m in deferred:
-            self._copy_out(self._save(m), m)
+            self._copy_out(self._save(m.save), m)
 
-    def _copy_out(self, save: _RankSave, m: dict[str, Any]) -> None:
-        slot, length = _int(m, "slot"), _int(m, "length")
+    def _copy_out(self, save: _RankSave, m: messages.Chunk) -> None:
+        slot, length = m.slot, m.length
         assert self.ring is not None
+        if not self.ring.holds(slot, length):  # before a buffer of `length` is made
+            raise ProtocolError(f"slot {slot} / length {length} outside the ring")
         buffers = self.writer.buffers
         buf = buffers.get(length)
         try:
@@ -338,7 +322,7 @@ class Session:
         except ValueError as e:
             buffers.put(buf)
             raise ProtocolError(str(e)) from None
-        self.send("free", slot=slot)
+        self.send(messages.Free(slot))
         if save.failed or save.file is None:
             buffers.put(buf)
             return
@@ -348,10 +332,10 @@ class Session:
             buffers.put(buf)
             self._fail(save, SaveFailedError(str(e), step=save.step, rank=self.rank))
 
-    def _on_end(self, m: dict[str, Any]) -> None:
+    def _on_end(self, m: messages.End) -> None:
         self._copy_out_deferred()
-        save = self._save(m)
-        del self._saves[_int(m, "save")]
+        save = self._save(m.save)
+        del self._saves[m.save]
         if save.failed or save.file is None:
             if save.file:  # wait until its file is closed: a deleted file that is still
                 save.file.close(wait=True)  # open keeps its blocks from the next save
@@ -368,38 +352,32 @@ class Session:
                  "writer_peak_rss_anon": self.writer.rss.peak_rss_anon}
         self.writer.steps.end(save.step, part, stats)
 
-    def _on_abort(self, m: dict[str, Any]) -> None:
+    def _on_abort(self, m: messages.Abort) -> None:
         self._copy_out_deferred()
-        save = self._save(m)
-        del self._saves[_int(m, "save")]
+        save = self._save(m.save)
+        del self._saves[m.save]
         if save.file:
             save.file.close(wait=True)
         if not save.failed:
-            self._fail(save, SaveFailedError(f"aborted by the rank: {str(m.get('reason'))[:500]}",
+            self._fail(save, SaveFailedError(f"aborted by the rank: {m.reason[:500]}",
                                              step=save.step, rank=self.rank))
 
     def _durable(self, save_id: int, step: int, tmp: str) -> None:
-        self.send("durable", save=save_id, step=step, tmp=tmp)
+        self.send(messages.Durable(save_id, step, tmp))
 
-    def _on_commit(self, m: dict[str, Any]) -> None:
+    def _on_commit(self, m: messages.Commit) -> None:
         """The leader rank: every rank of coordinated step `step` announced its part."""
-        save_id, step, world = _int(m, "save"), _int(m, "step"), _int(m, "world_size")
-        parts = m.get("parts")
-        if (not isinstance(parts, list) or len(parts) != world or not 1 <= world <= MAX_WORLD
-                or not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int
-                           and isinstance(p[1], str) for p in parts)):
-            raise ProtocolError("commit needs parts: [[rank, tmp dir name]] for the whole world")
-        notify = self._notifier(_RankSave(step, None, None), save_id)
-        self.writer.steps.commit_parts(step, world, {r: name for r, name in parts}, notify)
+        notify = self._notifier(_RankSave(m.step, None, None), m.save)
+        self.writer.steps.commit_parts(m.step, m.world_size, dict(m.parts), notify)
 
-    def _on_outcome(self, m: dict[str, Any]) -> None:
+    def _on_outcome(self, m: messages.Outcome) -> None:
         """How a coordinated step ended (as the ranks learned it through their store)."""
-        self.writer.steps.outcome(_int(m, "step"), m.get("committed") is True)
+        self.writer.steps.outcome(m.step, m.committed)
 
-    def _save(self, m: dict[str, Any]) -> _RankSave:
-        save = self._saves.get(_int(m, "save"))
+    def _save(self, save_id: int) -> _RankSave:
+        save = self._saves.get(save_id)
         if save is None:
-            raise ProtocolError(f"no save {m.get('save')!r:.40} in progress")
+            raise ProtocolError(f"no save {save_id} in progress")
         return save
 
     def _as_error(self, save: _RankSave, error: BaseException) -> CheckpointError:
@@ -443,65 +421,3 @@ class Session:
             if self.rank >= 0:
                 log.info("rank %d disconnected", self.rank)
 
-
-def _int(m: dict[str, Any], key: str) -> int:
-    value = m.get(key)
-    if type(value) is not int:
-        raise ProtocolError(f"{key} {value!r:.40} is not an int")
-    return value
-
-
-def _unchanged_request(m: dict[str, Any], count: int) -> tuple[int, list[int]] | None:
-    """A begin's claim that tensors (indices into its table) are unchanged since the
-    rank's step `since`, if it makes one."""
-    if "unchanged" not in m:
-        return None
-    since, wanted = _int(m, "since"), m["unchanged"]
-    if (not isinstance(wanted, list) or len(wanted) > count
-            or not all(type(i) is int and 0 <= i < count for i in wanted)
-            or len(set(wanted)) != len(wanted)):
-        raise ProtocolError(f"unchanged {wanted!r:.40} is not a list of distinct tensor indices")
-    return since, wanted
-
-
-def _retention(value: Any) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(type(v) is int and 0 <= v <= MAX_STEP for v in value)):
-        raise ProtocolError(f"retention {value!r:.40} is not [keep_last, keep_every]")
-    return value[0], value[1]
-
-
-def _tensor_table(table: Any, step: int, rank: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    """A begin's tensor table, checked with the rules the reader applies to a manifest.
-
-    Raises:
-        SaveFailedError: the rank's state cannot become a readable checkpoint.
-    """
-    def bad(problem: str) -> SaveFailedError:
-        return SaveFailedError(f"tensor table refused: {problem}", step=step, rank=rank)
-
-    if not isinstance(table, list):
-        raise bad("not a list")
-    out, names = [], {"__metadata__"}
-    for entry in table:
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise bad(f"entry {entry!r:.60} is not [name, dtype, shape]")
-        name, dtype, shape = entry
-        if not isinstance(name, str) or name in names:
-            raise bad(f"name {name!r:.60} is not a str or is repeated")
-        if dtype not in DTYPE_SIZES:
-            raise bad(f"{name!r:.60}: unknown dtype {dtype!r:.20}")
-        if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
-                or not all(type(d) is int and d >= 0 for d in shape)):
-            raise bad(f"{name!r:.60}: shape {shape!r:.60} is not a list of at most "
-                      f"{_MAX_DIMS} non-negative ints")
-        nbytes = DTYPE_SIZES[dtype]
-        for d in shape:
-            nbytes *= d
-        if nbytes >= 1 << 62:
-            raise bad(f"{name!r:.60}: {nbytes} bytes")
-        names.add(name)
-        out.append((name, dtype, tuple(shape)))
-    return out

@@ -5,7 +5,14 @@ threads) save a series of steps; meanwhile a hostile client that authenticates w
 the real protocol sends a seeded random stream of messages: valid saves, wrong types,
 out-of-range slots, lengths, save ids, steps, world sizes, unknown ops, non-object
 JSON, garbage and truncated frames, absurd length prefixes, a second hello, fds and
-slot scribbles, and reconnects whenever the writer drops it (or at random).
+slot scribbles, and reconnects whenever the writer drops it (or at random). Part of
+the stream is built from the protocol's own dataclasses (ipc/messages.py: every
+message of either direction, coordinated saves with their commit and outcome
+included), each sent whole or with one field dropped or given an odd value.
+
+Every frame the hostile rank sends also goes through `messages.parse()` here, the
+parser the writer runs, which must answer with a message or ProtocolError and nothing
+else; every reply the writer sends must parse as a message.
 
 At the end it checks what issue 11 promises: the writer is alive, every ordinary save
 committed, every committed checkpoint verifies, and the writer's threads,
@@ -36,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hostile_rank import HostileRank, Resources, alive, settled, tmp_leftovers  # noqa: E402
 
 import asyncckpt  # noqa: E402
+from asyncckpt.ipc import messages  # noqa: E402
 from asyncckpt.read.verification import verify_checkpoint  # noqa: E402
 
 HOSTILE_STEPS = 1_000_000  # the hostile's steps start here; the ordinary ranks' are 1..
@@ -81,7 +89,29 @@ class Fuzzer:
         self.reconnects = 0
         self.refused_hellos = 0
         self.save_ids: list[int] = []
+        self.steps: list[int] = []  # hostile steps it began (commit and outcome name them)
         self.next_id = 1
+        self.frames = 0         # frames sent after a hello, each parsed here too
+        self.frames_parsed = 0  # ... of which parse() took as a message
+        self.typed = 0          # messages built from the dataclasses
+        self.parser_problems: list[str] = []
+
+    def check_frame(self, data: bytes) -> None:
+        """The writer's parser, run on what we send: a message or ProtocolError."""
+        self.frames += 1
+        try:
+            messages.parse(data)
+            self.frames_parsed += 1
+        except messages.ProtocolError:
+            pass
+        except Exception as e:  # noqa: BLE001 - what the fuzz looks for
+            self.parser_problems.append(f"parse raised {type(e).__name__}: {e} on {data[:80]!r}")
+
+    def check_reply(self, m: dict) -> None:
+        try:
+            messages.parse(m)
+        except Exception as e:  # noqa: BLE001 - reported
+            self.parser_problems.append(f"the writer sent {m!r:.80}: {type(e).__name__}: {e}")
 
     # -- connection ------------------------------------------------------------------
 
@@ -100,7 +130,9 @@ class Fuzzer:
             except (EOFError, OSError, ConnectionError, asyncckpt.CheckpointError):
                 self.refused_hellos += 1
             self.sent += 1
+        self.h.on_frame = self.check_frame
         self.save_ids = []
+        self.steps = []
 
     def close(self) -> None:
         if self.h is not None:
@@ -116,6 +148,7 @@ class Fuzzer:
             m = self.h.recv(0)
             if m is None:
                 break
+            self.check_reply(m)
 
     # -- one random action -------------------------------------------------------------
 
@@ -133,6 +166,11 @@ class Fuzzer:
         assert h is not None
         kind = rng.random()
         ident = rng.choice(self.save_ids) if self.save_ids and rng.random() < 0.8 else odd_value(rng)
+        if kind < 0.12:  # a message of the protocol's own, whole or with one field changed
+            self.send_typed(ident)
+            self.sent += 1
+            return
+        kind = (kind - 0.12) / 0.88  # the other actions keep their shares of the rest
         if kind < 0.15:  # a well-formed begin (sometimes of a bad table)
             table = random_table(rng)
             if rng.random() < 0.2 and table:
@@ -140,7 +178,9 @@ class Fuzzer:
             save = self.next_id
             self.next_id += 1
             self.save_ids.append(save)
-            h.begin(save, HOSTILE_STEPS + rng.randint(0, 10**6), table, plain_tree(table),
+            step = HOSTILE_STEPS + rng.randint(0, 10**6)
+            self.steps.append(step)
+            h.begin(save, step, table, plain_tree(table),
                     world_size=rng.choice([1, 1, 1, 2, 2**40]))
             self.sent += 1
         elif kind < 0.25:  # a whole valid save of its own step
@@ -217,6 +257,56 @@ class Fuzzer:
             h.send("chunk", save=ident, slot=rng.randrange(SLOTS), length=rng.randint(0, 64))
             self.sent += 1
 
+    def send_typed(self, ident: Any) -> None:
+        """One message of `messages.MESSAGES`, built valid, sent whole or with one field
+        dropped or given an odd value."""
+        rng, h = self.rng, self.h
+        assert h is not None
+        save = ident if type(ident) is int else self.next_id
+        step = rng.choice(self.steps) if self.steps and rng.random() < 0.7 else \
+            HOSTILE_STEPS + rng.randint(0, 10**6)
+        world = rng.choice([1, 1, 2])
+        name = rng.choice([f"step-{step:08d}.tmp-{rng.randbytes(4).hex()}", "..", "../../etc",
+                           f"step-{step:08d}", ""])
+        table = random_table(rng)
+        make = rng.choice([
+            lambda: self.coordinated_begin(step, table),
+            lambda: messages.Chunk(save, rng.randrange(SLOTS), rng.randint(0, SLOT)),
+            lambda: messages.End(save),
+            lambda: messages.Abort(save, "fuzz"),
+            lambda: messages.NeedSlot(),
+            lambda: messages.Commit(save, step, world, tuple((r, name) for r in range(world))),
+            lambda: messages.Outcome(step, rng.random() < 0.5),
+            lambda: messages.Hello(rng.randrange(4), SLOT, SLOTS, 1, os.getpid(), True),
+            lambda: messages.Welcome(os.getpid(), "0", "/", "x"),
+            lambda: messages.Refused("fuzz"),
+            lambda: messages.Free(rng.randrange(SLOTS)),
+            lambda: messages.Unchanged(save, (0,)),
+            lambda: messages.Durable(save, step, name),
+            lambda: messages.Committed(save, step, "/", {}),
+            lambda: messages.Failed(save, step, "SaveFailedError", "fuzz"),
+        ])
+        wire = make().to_wire()
+        fields = sorted(set(wire) - {"op"})
+        if fields and rng.random() < 0.5:
+            key = rng.choice(fields)
+            if rng.random() < 0.3:
+                del wire[key]
+            else:
+                wire[key] = odd_value(rng)
+        self.typed += 1
+        op = wire.pop("op")
+        h.send(op, **wire)
+
+    def coordinated_begin(self, step: int, table: list) -> messages.Begin:
+        """A coordinated save's begin (its chunks and end may come among later actions)."""
+        save = self.next_id
+        self.next_id += 1
+        self.save_ids.append(save)
+        self.steps.append(step)
+        return messages.Begin(save, step, 1, tuple((n, d, tuple(s)) for n, d, s in table),
+                              plain_tree(table), coordinated=True)
+
 
 def ordinary_rank(address: str, rank: int, steps: int, results: dict, stop: threading.Event,
                   rng: random.Random) -> None:
@@ -269,6 +359,7 @@ def run(seed: int, messages: int, steps: int, max_seconds: float, workdir: Path)
                 peak = Resources(*(max(a, b) for a, b in zip(dataclass_values(peak),
                                                              dataclass_values(now))))
         fuzz.close()
+        problems.extend(fuzz.parser_problems[:10])
         fuzz_seconds = time.monotonic() - started
         stop.set()
         for t in ranks:
@@ -303,6 +394,8 @@ def run(seed: int, messages: int, steps: int, max_seconds: float, workdir: Path)
             problems.append(f"tmp directories left: {leftovers[:5]}")
         print(f"fuzz-protocol seed={seed}: {fuzz.sent} messages from the hostile rank in "
               f"{fuzz_seconds:.1f} s, {fuzz.reconnects} reconnects ({fuzz.refused_hellos} refused), "
+              f"{fuzz.typed} built from the dataclasses, {fuzz.frames_parsed} of {fuzz.frames} "
+              f"frames parsed as messages here (the others ProtocolError), "
               f"{hostile_commits} hostile saves committed; ordinary saves committed "
               f"{len(set(p.name for p in committed))}/{steps} steps ({len(committed)}/{2 * steps} "
               f"rank saves); writer threads {base.threads}->{after.threads} (peak {peak.threads}), "

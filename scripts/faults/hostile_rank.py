@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from asyncckpt.ipc import protocol, ring
 
@@ -61,6 +61,7 @@ class HostileRank:
         self.ring: ring.Ring | None = None
         self._shm: Path | None = None
         self.replies: list[dict] = []  # messages read while waiting for another
+        self.on_frame: Callable[[bytes], None] | None = None  # sees each frame sent after hello
         self.conn = protocol.dial(address, protocol.read_authkey(address), timeout)
         s = socket.socket(fileno=self.conn.fileno())  # a writer that stops reading fails
         try:                                          # our sends, never hangs the test
@@ -107,10 +108,12 @@ class HostileRank:
     # -- sending ---------------------------------------------------------------------
 
     def send(self, op: str, **fields: Any) -> None:
-        protocol.send(self.conn, op, **fields)
+        self.send_raw(protocol.encode(op, **fields))
 
     def send_raw(self, data: bytes) -> None:
         """One frame of arbitrary bytes (the Connection's length prefix, then `data`)."""
+        if self.on_frame is not None:
+            self.on_frame(data)
         self.conn.send_bytes(data)
 
     def send_wire(self, data: bytes) -> None:

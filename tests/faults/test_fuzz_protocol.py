@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-FUZZ = Path(__file__).with_name("fuzz_protocol.py")
+FUZZ = Path(__file__).resolve().parents[2] / "scripts" / "faults" / "fuzz_protocol.py"
 
 
 def test_short_protocol_fuzz_keeps_the_writer_and_other_ranks_whole(tmp_path):

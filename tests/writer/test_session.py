@@ -9,6 +9,7 @@ ring is announced, and not a real client whose ring is smaller than its save.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Iterator
@@ -19,7 +20,7 @@ import torch
 import asyncckpt
 
 from conftest import assert_same  # noqa: E402
-from hostile_rank import HostileRank, u8_table  # noqa: E402
+from hostile_rank import HostileRank, Resources, u8_table  # noqa: E402
 
 SLOT = 64 << 10
 NEEDS = {"need_slot": True}  # the hello of a rank that says when it waits for a slot
@@ -118,3 +119,32 @@ def test_a_client_with_a_ring_smaller_than_its_save(writer):
                            ring_size=4 * SLOT) as client:
         path = client.save(1, state).wait(30)
     assert_same(state, asyncckpt.load(path))
+
+
+def test_a_chunk_longer_than_a_slot_is_refused_before_a_buffer_is_made(writer):
+    """The length is checked against the ring before the writer makes a private buffer
+    of that length (a 1 GiB one, zeroed, would show in the writer's peak RSS)."""
+    writer, _ = writer
+    with HostileRank(writer.address, slot_size=SLOT, slots=4) as h:
+        h.begin(1, 1, u8_table(SLOT))
+        before = Resources.of(writer.pid).hwm
+        h.send("chunk", save=1, slot=0, length=1 << 30)
+        with contextlib.suppress(OSError):
+            h.send("end", save=1)
+        assert h.dropped(10), "a chunk longer than its slot was accepted"
+        grown = Resources.of(writer.pid).hwm - before
+    assert grown < 256 << 20, f"the writer's peak RSS grew {grown >> 20} MiB"
+
+
+def test_a_message_that_is_not_a_ranks_drops_only_that_connection(writer):
+    writer, _ = writer
+    for op, fields in [("hello", {"rank": 0, "slot_size": SLOT, "slots": 4}),
+                       ("welcome", {"pid": 1, "version": "0", "root": "/", "root_id": "x"}),
+                       ("free", {"slot": 0}), ("committed", {"save": 1, "step": 1, "path": "/",
+                                                             "stats": {}})]:
+        with HostileRank(writer.address, slot_size=SLOT, slots=4) as h:
+            h.send(op, **fields)
+            assert h.dropped(10), f"{op} from a rank was accepted"
+    with HostileRank(writer.address, slot_size=SLOT, slots=4) as h:
+        h.save(1, 1, {"t0": b"\x01" * 10})
+        assert h.result(1, 30)["op"] == "committed"

@@ -13,8 +13,8 @@ from torch.utils._pytree import tree_map_only
 
 import asyncckpt
 from asyncckpt.format.manifest import read_manifest
+from asyncckpt.ipc.messages import Begin, ProtocolError, parse
 from asyncckpt.read.verification import verify
-from asyncckpt.writer.session import ProtocolError, _unchanged_request
 
 SLOT = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 BIG = 100_000  # float32 elements: 400 KB, several 64 KiB frames
@@ -167,6 +167,11 @@ def test_writes_that_bypass_the_version_counter_are_missed_as_documented(root, r
     assert not torch.equal(asyncckpt.load(root, step=2)["mid"], state["mid"])
 
 
+THREE = {"op": "begin", "save": 1, "step": 9, "world_size": 1,  # a begin of 3 tensors
+         "tensors": [[n, "U8", [4]] for n in "abc"],
+         "tree": {"dict": [[n, {"tensor": n}] for n in "abc"]}}
+
+
 @pytest.mark.parametrize("message", [
     {"since": 1, "unchanged": [0, 0]}, {"since": 1, "unchanged": [5]},
     {"since": 1, "unchanged": [-1]}, {"since": "1", "unchanged": [0]},
@@ -175,9 +180,10 @@ def test_writes_that_bypass_the_version_counter_are_missed_as_documented(root, r
 ])
 def test_a_malformed_claim_is_a_protocol_error(message):
     with pytest.raises(ProtocolError):
-        _unchanged_request(message, 3)
+        parse({**THREE, **message})
 
 
 def test_a_claim_is_read_as_indices_and_a_step():
-    assert _unchanged_request({"since": 4, "unchanged": [2, 0]}, 3) == (4, [2, 0])
-    assert _unchanged_request({}, 3) is None
+    begin = parse({**THREE, "since": 4, "unchanged": [2, 0]})
+    assert isinstance(begin, Begin) and (begin.since, begin.unchanged) == (4, (2, 0))
+    assert parse(THREE).unchanged is None and parse(THREE).since is None
