@@ -191,3 +191,51 @@ def test_the_writer_and_reader_do_file_io_only_through_the_storage(module):
                    if isinstance(node, ast.Attribute)
                    and isinstance(node.value, ast.Name) and node.value.id in ("os", "shutil")})
     assert uses == [], f"{module} calls {uses} itself"
+
+
+class _Recording(PosixStorage):
+    """PosixStorage that records the operations the writer asks of it (not those its
+    own operations call)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.calls: list[str] = []
+        self._inside = False
+
+    def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
+        attribute = super().__getattribute__(name)
+        if name not in _OPERATIONS or super().__getattribute__("_inside"):
+            return attribute
+
+        def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.calls.append(name)
+            self._inside = True
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                self._inside = False
+        return recorded
+
+
+_OPERATIONS = {name for name, member in inspect.getmembers(Storage)
+               if getattr(member, "__isabstractmethod__", False) or name == "step_file_size"}
+
+
+def test_the_commit_and_retention_go_through_the_storage(tmp_path):
+    from asyncckpt.format.manifest import Manifest, RankPart
+    from asyncckpt.writer import commit
+    from asyncckpt.writer import retention as lifetimes
+
+    def manifest(step: int) -> bytes:
+        part = RankPart(0, "rank-00000.safetensors", "raw", 0, 0, [], [], {"dict": []})
+        return Manifest(step=step, world_size=1, ranks=[part]).to_bytes()
+
+    storage = _Recording(tmp_path)
+    for step in (1, 2, 3):
+        commit.publish(storage, commit.make_tmp_dir(storage, step), step, manifest(step))
+    assert storage.calls == ["make_tmp", "publish", "committed_steps", "read_latest",
+                             "write_latest"] * 3
+    storage.calls.clear()
+    assert lifetimes.prune(storage, keep_last=1).deleted == [1, 2]
+    assert storage.calls == ["committed_steps", "retired_steps"] + ["unpublish", "discard"] * 2
+    assert sorted(os.listdir(tmp_path)) == [LATEST_NAME, "step-00000003"]
