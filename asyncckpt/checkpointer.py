@@ -46,13 +46,13 @@ import torch
 
 from asyncckpt.config import ClientKnobs, MiB
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from asyncckpt.format import stepdirs
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.ringsize import (auto_ring_size, local_world_size, mem_available,
                                      state_bytes)
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.torchutil.dtensor import is_dtensor
 from asyncckpt.torchutil.ranks import resolve_rank
 
@@ -286,7 +286,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Committed steps on disk, oldest first."""
-        return stepdirs.committed_steps(self.root)
+        return PosixStorage(self.root).committed_steps()
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -314,7 +314,7 @@ class Checkpointer:
         """
         strict = self.options.strict_restore if strict is None else strict
         if step is not None or strict:
-            if step is None and not stepdirs.step_dirs(self.root):
+            if step is None and not PosixStorage(self.root).step_dirs():
                 return None
             state, error = self._try_load(step, rank)
             verdict = _agree(_outcome(error))
@@ -322,14 +322,14 @@ class Checkpointer:
                 kind = CorruptCheckpointError if verdict == 1 else CheckpointError
                 raise error or kind("another rank failed to restore this step", step=step)
             return self._apply(state)
-        candidates = stepdirs.step_dirs(self.root)
+        candidates = PosixStorage(self.root).step_dirs()
         if not candidates:
             return None
         skipped = []
         for candidate in reversed(candidates):
             state, error = self._try_load(candidate, rank)
             if (isinstance(error, CheckpointNotFoundError)
-                    and candidate not in stepdirs.step_dirs(self.root)):
+                    and candidate not in PosixStorage(self.root).step_dirs()):
                 error = CorruptCheckpointError("deleted while restore listed it (retention of "
                                                "a writer running on this root?)", step=candidate)
             verdict = _agree(_outcome(error))

@@ -22,9 +22,9 @@ from pathlib import Path
 from asyncckpt._version import __version__
 from asyncckpt.config import CODECS, WriterKnobs, parse_knob
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
-from asyncckpt.format import stepdirs
 from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
 from asyncckpt.rank.launch import default_job
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 from asyncckpt.writer import retention as lifetimes
 
@@ -168,9 +168,10 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"asyncckpt ls: {root} is not a directory", file=sys.stderr)
         return 2
     now = time.time()
-    latest = stepdirs.read_latest(root)
+    storage = PosixStorage(root)
+    latest = storage.read_latest()
     rows = []
-    for step in stepdirs.step_dirs(root):  # a step-N failing its checks is listed as damaged
+    for step in storage.step_dirs():  # a step-N failing its checks is listed as damaged
         directory = root / step_dir_name(step)
         try:
             with Checkpoint.open(directory) as ckpt:
@@ -332,16 +333,17 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"asyncckpt gc: {e}; a running writer applies retention itself "
               "(writer knob keep_last, or Checkpointer options)", file=sys.stderr)
         return 3
+    storage = PosixStorage(root)
     try:
-        removed_tmp = commit.remove_stale_tmp(root)
-        pruned = lifetimes.prune(root, args.keep_last, args.keep_every)
-        commit.update_latest(root)
+        removed_tmp = storage.sweep_tmp()
+        pruned = lifetimes.prune(storage, args.keep_last, args.keep_every)
+        commit.update_latest(storage)
     finally:
         lock.release()
     result = {"deleted_steps": pruned.deleted, "retired_steps": pruned.retired,
               "reclaimed_steps": pruned.reclaimed, "removed_tmp": removed_tmp,
-              "kept_steps": stepdirs.committed_steps(root),
-              "still_referenced": lifetimes.retired_steps(root)}
+              "kept_steps": storage.committed_steps(),
+              "still_referenced": storage.retired_steps()}
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()

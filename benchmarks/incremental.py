@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 import asyncckpt
-from asyncckpt.format import stepdirs
 from asyncckpt.format.manifest import read_manifest
 from asyncckpt.read.verification import verify
+from asyncckpt.storage.posix import PosixStorage
 
 MiB = 1 << 20
 
@@ -158,7 +158,7 @@ def run(kind: str, args: argparse.Namespace, work: Path) -> dict:
     checked = {}
     for method in ("incremental", "skip"):
         root = roots[method]
-        kept = stepdirs.committed_steps(root)
+        kept = PosixStorage(root).committed_steps()
         checked[method] = {
             "verified": verify(root).ok, "kept": kept,
             "bit_exact": all(all(torch.equal(asyncckpt.load(root, step=s)["model"][k], v)

@@ -9,7 +9,7 @@ import torch
 
 import asyncckpt
 from asyncckpt.cli import main
-from asyncckpt.format import stepdirs
+from asyncckpt.storage.posix import PosixStorage
 
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
@@ -45,6 +45,6 @@ def test_gc_keeps_last_and_every_and_refuses_a_live_writer(tmp_path, capsys):
     assert main(["gc", str(root), "--keep-last", "2", "--keep-every", "30", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["deleted_steps"] == [10, 20, 40, 50] and out["removed_tmp"] == ["step-00000099.tmp-ab"]
-    assert stepdirs.committed_steps(root) == out["kept_steps"] == [30, 60, 70]
+    assert PosixStorage(root).committed_steps() == out["kept_steps"] == [30, 60, 70]
     assert not (root / "step-00000099.tmp-ab").exists()
-    assert stepdirs.read_latest(root) == 70
+    assert PosixStorage(root).read_latest() == 70

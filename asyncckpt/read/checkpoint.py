@@ -21,7 +21,7 @@ is damaged is an error, not a reason to load an older one quietly: a resume that
 silently repeats hours of training is worse than one that stops. The error names the
 damaged step and the newest intact one, which `Checkpointer.restore()` falls back to on
 its own (with a warning). A name there is advice to load that step, so it must be one:
-a step directory of the root by the reader's rule (stepdirs.py; a `step-N` linked in
+a step directory of the root by the reader's rule (storage/posix.py; a `step-N` linked in
 from elsewhere may hold a state this root never saved), whose manifest and files check,
 and which does not share the bytes that failed (with incremental saves other steps
 reference the same frames; a frame's error says where its stored bytes lie). It may be newer than the damaged step: a writer still
@@ -40,14 +40,13 @@ import torch
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from asyncckpt.format import stepdirs
 from asyncckpt.format.layout import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
 from asyncckpt.format.manifest import Manifest, Ref, read_manifest
-from asyncckpt.format.stepdirs import is_step_dir
 from asyncckpt.format.tiling import GlobalTensor, global_tensors
 from asyncckpt.format.tree import View, check_tree, walk
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
 from asyncckpt.read.sharded import ReadPlan
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.torchutil.dtypes import DTYPES
 
 TreePath = tuple[Any, ...]
@@ -87,10 +86,13 @@ class Checkpoint:
         root: the root it was found in when opened as "the newest step of a root" (then
             corruption found while reading names the newest intact step), else None.
         problems: what `examine` found wrong (empty for an opened checkpoint).
+        storage: the root holding `directory`, where its files and the files its
+            reference frames name are opened.
     """
 
     def __init__(self, directory: Path, manifest: Manifest, limits: ReadLimits) -> None:
         self.directory, self.manifest, self.limits = directory, manifest, limits
+        self.storage = PosixStorage(directory.parent)
         self.root: Path | None = None
         self.problems: list[CheckpointError] = []
         self.unreadable_ranks: set[int] = set()
@@ -178,11 +180,10 @@ class Checkpoint:
         for part in self.manifest.ranks:  # incremental: the older steps' files it references
             for step_, name in referenced_files(part):
                 try:
-                    fd, _ = open_referenced(self.directory.parent, step_, name,
-                                            lambda cause: CorruptCheckpointError(
-                                                cause, step=step, rank=part.rank,
-                                                file=str(self.directory)))
-                    os.close(fd)
+                    open_referenced(self.storage, step_, name,
+                                    lambda cause: CorruptCheckpointError(
+                                        cause, step=step, rank=part.rank,
+                                        file=str(self.directory))).close()
                 except CorruptCheckpointError as e:
                     self.problems.append(e)
                     self.unreadable_ranks.add(part.rank)
@@ -235,7 +236,8 @@ class Checkpoint:
         """Rank `rank`'s verified reader (opened, and its header checked, on first use;
         then the kernel is asked to start reading its first `prefetch` raw bytes)."""
         if self._readers is None:
-            self._readers = Readers(self.directory, self.manifest, self.limits.read_threads)
+            self._readers = Readers(self.directory, self.manifest, self.limits.read_threads,
+                                    self.storage)
         return self._readers(self.check_rank(rank), prefetch)
 
     def plan(self) -> ReadPlan:
@@ -281,14 +283,14 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, Path | None]:
                                           file=str(path))
         return path, None
     if step is not None:
-        if is_step_dir(path, step_dir_name(step)):
+        if PosixStorage(path).has_step(step):
             return path / step_dir_name(step), None
         linked = os.path.islink(path / step_dir_name(step))
         raise CheckpointNotFoundError(
             f"no committed checkpoint for step {step} in {path}" + (
                 f" ({step_dir_name(step)} is a symlink: not a step of this root; open the "
                 "directory it points to instead)" if linked else ""), step=step, file=str(path))
-    steps = stepdirs.step_dirs(path)
+    steps = PosixStorage(path).step_dirs()
     if not steps:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
     return path / step_dir_name(steps[-1]), path
@@ -308,7 +310,7 @@ def _damaged_newest(root: Path, directory: Path, problem: CheckpointError,
     """
     damaged = parse_step_dir(directory.name)
     failed: Ref | None = problem.detail.get("stored_at")
-    steps = stepdirs.step_dirs(root)
+    steps = PosixStorage(root).step_dirs()
     newer = [s for s in steps if damaged is not None and s > damaged]
     intact = next((s for s in reversed(steps) if s != damaged
                    and _intact(root / step_dir_name(s), limits, failed)), None)

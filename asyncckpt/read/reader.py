@@ -38,8 +38,6 @@ restart's load does not gamble on it.
 from __future__ import annotations
 
 import ctypes
-import os
-import stat
 import threading
 from pathlib import Path
 from typing import Callable
@@ -52,18 +50,22 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import layout
 from asyncckpt.format.manifest import Frame, Manifest, RankPart, Ref
-from asyncckpt.format.stepdirs import open_step_file
 from asyncckpt.runtime.pool import FramePool
+from asyncckpt.storage.base import ReadFile, Storage
+from asyncckpt.storage.posix import PosixStorage
 
 _Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengths, tensor)
 
 
 class RankReader:
     """Verified access to one rank's data file. Not thread-safe (its methods use one
-    set of codecs and buffers), but `read_ranges` fans out to `threads` threads."""
+    set of codecs and buffers), but `read_ranges` fans out to `threads` threads.
+    Files are opened through `storage` (default: the POSIX root holding `directory`)."""
 
     def __init__(self, directory: Path, manifest: Manifest, rank: int,
-                 threads: int | None = None, pool: FramePool | None = None) -> None:
+                 threads: int | None = None, pool: FramePool | None = None,
+                 storage: Storage | None = None) -> None:
+        storage = storage or PosixStorage(directory.parent)
         self.part: RankPart = manifest.ranks[rank]
         self.step = manifest.step
         self.rank = rank
@@ -75,23 +77,24 @@ class RankReader:
         self._pool = pool
         self._own_pool = pool is None
         self._header: bytes | None = None
+        self._file: ReadFile | None = None
         try:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            self._file = storage.open_file(directory, self.part.file)
         except OSError as e:
             raise self._corrupt(f"cannot open data file: {e.strerror}") from None
-        st = os.fstat(self._fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != self.part.stored_size:
+        if not self._file.regular or self._file.size != self.part.stored_size:
+            size = self._file.size
             self.close()
-            raise self._corrupt(f"data file has {st.st_size} bytes, manifest says "
+            raise self._corrupt(f"data file has {size} bytes, manifest says "
                                 f"{self.part.stored_size}")
-        self._ref_fds: dict[tuple[int, str], int] = {}
+        self._ref_files: dict[tuple[int, str], ReadFile] = {}
         try:
             for (step, name), end in referenced_files(self.part).items():
-                fd, size = open_referenced(directory.parent, step, name, self._corrupt)
-                self._ref_fds[(step, name)] = fd
-                if size < end:
-                    raise self._corrupt(f"referenced {name} of step {step} has {size} bytes, "
-                                        f"frames reference up to byte {end}")
+                opened = open_referenced(storage, step, name, self._corrupt)
+                self._ref_files[(step, name)] = opened
+                if opened.size < end:
+                    raise self._corrupt(f"referenced {name} of step {step} has {opened.size} "
+                                        f"bytes, frames reference up to byte {end}")
         except BaseException:
             self.close()
             raise
@@ -100,12 +103,12 @@ class RankReader:
         if self._pool is not None and self._own_pool:
             self._pool.close()
         self._pool = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        for fd in getattr(self, "_ref_fds", {}).values():
-            os.close(fd)
-        self._ref_fds = {}
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        for opened in getattr(self, "_ref_files", {}).values():
+            opened.close()
+        self._ref_files = {}
 
     def __enter__(self) -> "RankReader":
         return self
@@ -278,34 +281,35 @@ class RankReader:
         caller plans what to read; nothing is verified here (the reads that follow are).
         """
         frames = self.part.frames
-        if not frames or end <= begin or not hasattr(os, "posix_fadvise"):
+        if not frames or end <= begin:
             return
-        spans: list[list[int]] = []  # [fd, first byte, end], contiguous frames merged
+        spans: list[list] = []  # [file, first byte, end], contiguous frames merged
         for frame in frames[_frame_at(frames, begin):]:
             if frame.raw_offset >= end:
                 break
-            fd, offset = self._where(frame)
-            if spans and spans[-1][0] == fd and spans[-1][2] == offset:
+            file, offset = self._where(frame)
+            if spans and spans[-1][0] is file and spans[-1][2] == offset:
                 spans[-1][2] = offset + frame.encoded_length
             else:
-                spans.append([fd, offset, offset + frame.encoded_length])
-        for fd, lo, hi in spans:
+                spans.append([file, offset, offset + frame.encoded_length])
+        for file, lo, hi in spans:
             try:
-                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+                file.will_need(lo, hi - lo)
             except OSError:
                 return
 
-    def _where(self, frame: Frame) -> tuple[int, int]:
-        """(fd, offset) of a frame's stored bytes: this step's file or the referenced one."""
+    def _where(self, frame: Frame) -> tuple[ReadFile, int]:
+        """(file, offset) of a frame's stored bytes: this step's file or the referenced one."""
         if frame.ref is not None:
-            return self._ref_fds[(frame.ref.step, frame.ref.file)], frame.ref.offset
-        return self._fd, frame.stored_offset
+            return self._ref_files[(frame.ref.step, frame.ref.file)], frame.ref.offset
+        assert self._file is not None
+        return self._file, frame.stored_offset
 
     def _preadv(self, frame: Frame, index: int, outs: list[memoryview], tensor: str | None) -> None:
-        fd, offset = self._where(frame)
+        file, offset = self._where(frame)
         outs = [o for o in outs if len(o)]
         while outs:
-            n = os.preadv(fd, outs, offset)
+            n = file.read_into(offset, outs)
             if n == 0:
                 raise self._corrupt(f"frame {index}: file ends early", tensor, frame)
             offset += n
@@ -346,8 +350,10 @@ class Readers:
     """The RankReaders of one checkpoint, each opened (and its header checked) on first
     use and all closed together: `readers(rank)`. They share one pool of frame threads."""
 
-    def __init__(self, directory: Path, manifest: Manifest, threads: int) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, threads: int,
+                 storage: Storage | None = None) -> None:
         self._directory, self._manifest = directory, manifest
+        self._storage = storage
         self._open: dict[int, RankReader] = {}
         self._threads = threads
         self._pool = load_pool(self._threads) if self._threads > 1 else None
@@ -356,7 +362,8 @@ class Readers:
         """Rank `rank`'s reader; when this opens it, the first `prefetch` raw bytes of
         its stream are asked for (`RankReader.prefetch`) before its header is read."""
         if rank not in self._open:
-            reader = RankReader(self._directory, self._manifest, rank, self._threads, self._pool)
+            reader = RankReader(self._directory, self._manifest, rank, self._threads,
+                                self._pool, self._storage)
             self._open[rank] = reader
             reader.prefetch(0, prefetch)
             reader.check_header()
@@ -392,17 +399,18 @@ def referenced_files(part: RankPart) -> dict[tuple[int, str], int]:
     return ends
 
 
-def open_referenced(root: Path, step: int, name: str,
-                    corrupt: Callable[[str], CorruptCheckpointError]) -> tuple[int, int]:
-    """Open data file `name` of step `step` of `root` for reading: (fd, size), under the
-    one rule of what a step directory is (stepdirs.py: no symlinks, a regular file).
+def open_referenced(storage: Storage, step: int, name: str,
+                    corrupt: Callable[[str], CorruptCheckpointError]) -> ReadFile:
+    """Open data file `name` of step `step` of the root for reading, under the one rule
+    of what a step directory is (storage/posix.py: no symlinks, a regular file).
 
     Raises:
         CorruptCheckpointError: (made by `corrupt`) it is in neither place.
     """
-    opened = open_step_file(root, step, name)
+    opened = storage.open_step_file(step, name)
     if opened is None:
-        raise corrupt(f"references {name} of step {step}, which is not in {root} (deleted, "
+        raise corrupt(f"references {name} of step {step}, which is not in {storage.root} ("
+                      "deleted, "
                       "linked from elsewhere, or this checkpoint was moved without the steps "
                       "it references: `asyncckpt copy` writes a self-contained one)")
     return opened

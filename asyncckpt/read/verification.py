@@ -23,10 +23,10 @@ from typing import Callable, Iterator
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
-from asyncckpt.format import stepdirs
 from asyncckpt.format.layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
 from asyncckpt.format.manifest import Frame
 from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.storage.posix import PosixStorage, read_small_file
 
 Progress = Callable[[str, int, int], None]
 """Called after each frame: (checkpoint path, stored bytes verified, stored bytes to verify)."""
@@ -116,7 +116,8 @@ def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | 
     path = Path(path)
     if (path / MANIFEST_NAME).is_file() or parse_step_dir(path.name) is not None:
         return [path], None
-    steps = stepdirs.step_dirs(path)  # a step-N without a manifest is reported, not skipped
+    # a step-N without a manifest is reported, not skipped
+    steps = PosixStorage(path).step_dirs()
     if not steps:
         raise CheckpointNotFoundError(f"{path} is not a checkpoint (no {MANIFEST_NAME}) "
                                       "and holds no committed checkpoint", file=str(path))
@@ -166,9 +167,10 @@ def verify_root_pointer(root: Path) -> CheckpointReport | None:
     latest = root / LATEST_NAME
     if not os.path.lexists(latest):
         return None
-    report = CheckpointReport(str(latest), stepdirs.read_latest(root))
-    if report.step is None or report.step not in stepdirs.committed_steps(root):
-        text = stepdirs.read_small_file(latest, 64)
+    storage = PosixStorage(root)
+    report = CheckpointReport(str(latest), storage.read_latest())
+    if report.step is None or report.step not in storage.committed_steps():
+        text = read_small_file(latest, 64)
         shown = (repr(text.decode(errors="replace").strip()) if text is not None
                  else "something that is not a regular file of at most 64 bytes")
         report.problem(f"{LATEST_NAME} names {shown}, "

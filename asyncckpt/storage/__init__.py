@@ -1,1 +1,2 @@
-"""Where bytes become durable: the file operations the writer and the read side share."""
+"""Where bytes become durable: the file operations the writer and the read side share
+(base.py: the interface; posix.py: a local or NFS directory)."""

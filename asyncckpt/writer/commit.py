@@ -1,157 +1,73 @@
-"""Commit protocol: a checkpoint becomes visible in one rename.
+"""Commit protocol: a checkpoint becomes visible in one atomic step.
 
-Everything is written under `step-N.tmp-<id>/` and fsynced, the manifest last (its own
-tmp file, fsync, rename), then the directory is fsynced and renamed to `step-N/`, the
-root fsynced, and only then is `latest` replaced (tmp file, fsync, rename). A crash at
-any point leaves either the previous checkpoint or the new one, never a mix: a
-directory without the manifest is never a checkpoint, and tmp directories are swept
-when a writer next takes the root. `latest` is derived from what is on disk, never
-from memory, so it cannot name a step that is not there.
+Everything is written into a step's tmp area and made durable, then `Storage.publish`
+writes the manifest and makes the step committed in one atomic operation (on POSIX: the
+manifest's own tmp file, fsync, rename, then the directory's rename and the root's
+fsync: storage/posix.py), and only then is `latest` replaced. A crash at any point
+leaves either the previous checkpoint or the new one, never a mix: a step without the
+manifest is never a checkpoint, and tmp areas are swept when a writer next takes the
+root. `latest` is derived from what is on disk, never from memory, so it cannot name a
+step that is not there.
 
-Object stores have no atomic directory rename; they would need a commit marker written
-last instead (docs/FORMAT.md). For several nodes the same sequence runs once, by the
-leader, after every node's part has arrived.
+Object stores have no atomic directory rename; their `publish` writes the manifest last
+as the commit marker instead (docs/FORMAT.md). For several nodes the same sequence runs
+once, by the leader, after every node's part has arrived.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import logging
 import os
 import secrets
-import shutil
 import stat
 import time
 from pathlib import Path
 
 from asyncckpt.errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
-                              StepAlreadyCommittedError, WriterLockedError)
-from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, MANIFEST_NAME, ROOT_ID_NAME,
-                                     is_atomic_tmp_file, is_tmp_dir, parse_replaced_dir,
+                              WriterLockedError)
+from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, is_tmp_dir,
                                      step_dir_name, tmp_step_of)
 from asyncckpt.format.manifest import RankPart, parse_part, part_to_bytes, read_manifest
-from asyncckpt.format.stepdirs import committed_steps, read_latest, read_small_file
 from asyncckpt.runtime import faults
-from asyncckpt.storage.durable import fsync_path, write_atomic
+from asyncckpt.storage.base import Storage
+from asyncckpt.storage.posix import read_small_file
 from asyncckpt.writer.owners import OwnerMark
 
 log = logging.getLogger("asyncckpt.writer")
 
 
-def make_tmp_dir(root: Path, step: int, owner: OwnerMark | None = None) -> Path:
-    """A new `step-N.tmp-<hex>` directory, named for its `owner` writer if given."""
-    name = step_dir_name(step)
-    path = root / (owner.tmp_name(name) if owner else f"{name}.tmp-{secrets.token_hex(4)}")
-    path.mkdir()
-    return path
+def make_tmp_dir(storage: Storage, step: int, owner: OwnerMark | None = None) -> Path:
+    """A new tmp area for `step`, named for its `owner` writer if given."""
+    return storage.make_tmp(step, owner.tmp_name(step_dir_name(step)) if owner else None)
 
 
-def publish(root: Path, tmp_dir: Path, step: int, manifest: bytes, *,
+def publish(storage: Storage, tmp_dir: Path, step: int, manifest: bytes, *,
             replace: bool = False) -> Path:
-    """Write the manifest bytes into `tmp_dir` and make it the committed `step-N/`.
+    """Make `tmp_dir`, with `manifest`, the committed step `step`; then point `latest`
+    at the newest committed step.
 
-    Every data file in `tmp_dir` must already be fsynced. With `replace`, a committed
-    `step-N/` already there is swapped out in the same atomic step (the caller has made
-    sure nothing references it) and then deleted: a crash leaves the old step or the new
-    one, never neither.
+    Every data file in `tmp_dir` must already be durable. With `replace`, a committed
+    step of this number is swapped out in the same atomic step (the caller has made sure
+    nothing references it) and then deleted: a crash leaves the old step or the new one,
+    never neither.
 
     Raises:
         SaveFailedError: the step is already committed (and not `replace`), or an I/O
             error (DiskFullError when the disk is full); the tmp directory is then left
             for the caller to discard and nothing new becomes visible.
     """
-    final = root / step_dir_name(step)
-    old: Path | None = None
     try:
-        exists = os.path.lexists(final)
-        if exists and not replace:
-            raise StepAlreadyCommittedError(f"{final} already exists; a committed step is "
-                                            "never replaced", step=step)
-        write_atomic(tmp_dir / MANIFEST_NAME, manifest)
-        faults.point("manifest_written")
-        faults.io("rename", final)
-        if exists:
-            old = _swap_in(root, tmp_dir, final)
-        else:
-            os.rename(tmp_dir, final)
-        faults.point("step_renamed")
-        try:
-            fsync_path(root)
-        except OSError:
-            if old is None:
-                os.rename(final, tmp_dir)  # not durable: take it back rather than claim it
-            raise
+        final = storage.publish(tmp_dir, step, manifest, replace=replace)
     except OSError as e:
-        raise io_error(e, step=step, file=str(e.filename or final)) from e
-    if old is not None:
-        faults.point("replaced")
-        shutil.rmtree(old, ignore_errors=True)
+        raise io_error(e, step=step, file=str(e.filename or storage.root / step_dir_name(step))
+                       ) from e
     try:
-        update_latest(root, trusted=step)  # its manifest was checked before it was written
+        update_latest(storage, trusted=step)  # its manifest was checked before it was written
     except OSError as e:  # the step is committed; `latest` is redone at the next commit or start
         log.warning("step %d committed but %s not updated: %s", step, LATEST_NAME, e)
     return final
-
-
-def _swap_in(root: Path, tmp_dir: Path, final: Path) -> Path:
-    """Make `tmp_dir` the committed `final`, which exists; return where the old one went.
-
-    One renameat2(RENAME_EXCHANGE) where the filesystem has it: the old step then sits
-    at the tmp name (swept if we crash before deleting it). Elsewhere (NFS) two renames,
-    the old step first set aside as `step-N.replaced-<hex>`, which `restore_replaced`
-    puts back at the next start if a crash came between them.
-    """
-    if _exchange(tmp_dir, final):
-        return tmp_dir
-    aside = final.with_name(f"{final.name}.replaced-{secrets.token_hex(4)}")
-    os.rename(final, aside)
-    fsync_path(root)
-    faults.point("set_aside")
-    try:
-        os.rename(tmp_dir, final)
-    except OSError:
-        os.rename(aside, final)
-        raise
-    return aside
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically; False where the system or filesystem cannot."""
-    renameat2 = getattr(_libc, "renameat2", None)
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(b))
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-
-
-def restore_replaced(root: Path) -> list[str]:
-    """After a crash between the two renames of `_swap_in`'s fallback: put a set-aside
-    step back where no step of its number is committed, else delete it (the new one
-    made it). Returns what was restored or removed. Only with the root lock held as its
-    first holder (nobody is replacing a step)."""
-    done = []
-    for name in sorted(os.listdir(root)):
-        step = parse_replaced_dir(name)
-        if step is None:
-            continue
-        final = root / step_dir_name(step)
-        if os.path.lexists(final):
-            shutil.rmtree(root / name, ignore_errors=True)
-        else:
-            os.rename(root / name, final)
-            fsync_path(root)
-        done.append(name)
-    return done
 
 
 def part_file_name(rank: int) -> str:
@@ -225,18 +141,18 @@ def gather_parts(root: Path, tmp_dir: Path, step: int, announced: dict[int, str]
 _MAX_PART = 512 << 20
 
 
-def update_latest(root: Path, trusted: int | None = None) -> None:
+def update_latest(storage: Storage, trusted: int | None = None) -> None:
     """Point `latest` at the newest committed step on disk whose manifest parses (a
     planted or damaged newer directory is passed over), or remove it if there is none.
     Step `trusted` (one just committed) is taken without parsing its manifest again."""
-    steps = committed_steps(root)
-    while steps and steps[-1] != trusted and not _manifest_parses(root / step_dir_name(steps[-1])):
+    steps = storage.committed_steps()
+    while steps and steps[-1] != trusted and not _manifest_parses(
+            storage.root / step_dir_name(steps[-1])):
         steps.pop()
     if not steps:
-        if os.path.lexists(root / LATEST_NAME):
-            (root / LATEST_NAME).unlink()
-    elif read_latest(root) != steps[-1]:
-        write_atomic(root / LATEST_NAME, f"{step_dir_name(steps[-1])}\n".encode())
+        storage.write_latest(None)
+    elif storage.read_latest() != steps[-1]:
+        storage.write_latest(steps[-1])
 
 
 def _manifest_parses(directory: Path) -> bool:
@@ -245,34 +161,6 @@ def _manifest_parses(directory: Path) -> bool:
     except CorruptCheckpointError:
         return False
     return True
-
-
-def remove_stale_tmp(root: Path) -> list[str]:
-    """Delete abandoned `step-*.tmp-*` directories and `.latest.tmp-*` files (the only
-    names the writer makes there; other files are left alone); returns their names.
-
-    Only safe while no writer may be using them: with the lock held exclusively, or as
-    its first holder (the tmp directories of a job's writers that are gone while others
-    run are swept by owner instead: owners.py).
-    """
-    removed = []
-    for name in sorted(os.listdir(root)):
-        try:
-            st = os.lstat(root / name)
-        except FileNotFoundError:
-            continue
-        if is_tmp_dir(name) and stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(root / name, ignore_errors=True)
-            removed.append(name)
-        elif (is_atomic_tmp_file(name) and name.startswith(f".{LATEST_NAME}.tmp-")
-              and stat.S_ISREG(st.st_mode)):
-            (root / name).unlink(missing_ok=True)
-            removed.append(name)
-    return removed
-
-
-def discard(tmp_dir: Path) -> None:
-    shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 class RootLock:

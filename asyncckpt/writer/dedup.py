@@ -33,7 +33,7 @@ the page cache), chosen over checking only every so often or in the background, 
 would let a save commit on damage younger than the check. What stays: damage after a
 save committed hits every step that shares those bytes at once (the cost of one copy);
 `verify` and the reader's checksums catch it, and the next save stops referencing them.
-The steps a writer may reference are those the reader would open (stepdirs.py).
+The steps a writer may reference are those the reader would open (storage/posix.py).
 
 A rank with `skip_unchanged` sends no bytes for tensors it knows unchanged since a step
 it saved; `unchanged_frames` finds those tensors' frames in that step's manifest (a
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -61,9 +60,7 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Frame, Manifest, read_manifest
-from asyncckpt.format.stepdirs import (committed_steps, is_step_dir, open_step_file,
-                                       step_file_size)
-from asyncckpt.writer.retention import retired_steps
+from asyncckpt.storage.base import Storage
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -90,8 +87,8 @@ class DedupIndex:
     """(xxh3_128, raw length) -> Target over the committed steps of one root.
     Thread-safe."""
 
-    def __init__(self, root: Path, max_frame_bytes: int = 256 << 20) -> None:
-        self.root = root
+    def __init__(self, storage: Storage, max_frame_bytes: int = 256 << 20) -> None:
+        self.storage = storage
         self.lock = threading.Lock()
         self._limits = ReadLimits(max_frame_bytes=max_frame_bytes)
         self._entries: dict[Key, Target] = {}
@@ -135,7 +132,7 @@ class DedupIndex:
         not be committed on bytes that no longer keep it). A target that fails is
         dropped from the index, so the saves that wanted it write their own copy.
         Reads the disk outside the lock."""
-        if _stored_bytes_match(self.root, target):
+        if _stored_bytes_match(self.storage, target):
             return True
         with self.lock:
             for key in [k for k, t in self._entries.items() if t == target]:
@@ -190,11 +187,12 @@ class DedupIndex:
         cached = self._last_manifest
         if cached is not None and cached.step == step:
             return cached
-        for name in (step_dir_name(step), retired_dir_name(step)):
-            if not is_step_dir(self.root, name):
+        for retired in (False, True):
+            if not self.storage.has_step(step, retired=retired):
                 continue
+            name = retired_dir_name(step) if retired else step_dir_name(step)
             try:
-                manifest = read_manifest(self.root / name, self._limits)
+                manifest = read_manifest(self.storage.root / name, self._limits)
             except (CheckpointError, OSError):
                 continue
             if manifest.step == step:
@@ -261,7 +259,7 @@ class DedupIndex:
         those that are gone. A step whose manifest does not check, or lacks a data
         file, is not a target (and is not read again while it stays). One caller at a
         time (the writer calls it with its steps' lock held)."""
-        present = _steps_on_disk(self.root)
+        present = _steps_on_disk(self.storage)
         with self.lock:
             known = set(self._refs)
             self.forget(sorted(known - set(present)))
@@ -276,8 +274,8 @@ class DedupIndex:
                 self._unusable.add(step)
                 continue
             files = {p.file for p in manifest.ranks}
-            if manifest.step != step or not all(step_file_size(self.root, step, name) is not None
-                                                for name in files):
+            if manifest.step != step or not all(
+                    self.storage.step_file_size(step, name) is not None for name in files):
                 self._unusable.add(step)  # damaged or misnamed: its frames are no targets
                 continue
             with self.lock:
@@ -297,22 +295,22 @@ def _target(step: int, file: str, frame: Frame) -> Target:
                   frame.layout, frame.xxh3_stored, frame.xxh3_raw)
 
 
-def _steps_on_disk(root: Path) -> dict[int, Path]:
-    """Committed and retired steps of `root` (step directories by the reader's rule:
-    stepdirs.py), the committed form first."""
-    found = {s: root / retired_dir_name(s) for s in retired_steps(root)}
-    found.update({s: root / step_dir_name(s) for s in committed_steps(root)})
+def _steps_on_disk(storage: Storage) -> dict[int, Path]:
+    """Committed and retired steps of the root (step directories by the reader's rule:
+    storage/posix.py), the committed form first."""
+    root = storage.root
+    found = {s: root / retired_dir_name(s) for s in storage.retired_steps()}
+    found.update({s: root / step_dir_name(s) for s in storage.committed_steps()})
     return found
 
 
-def _stored_bytes_match(root: Path, target: Target) -> bool:
+def _stored_bytes_match(storage: Storage, target: Target) -> bool:
     """Read `target`'s stored bytes (by the reader's rule) and compare their xxh3."""
-    opened = open_step_file(root, target.step, target.file)
+    opened = storage.open_step_file(target.step, target.file)
     if opened is None:
         return False
-    fd, size = opened
     try:
-        if size < target.offset + target.length:
+        if opened.size < target.offset + target.length:
             return False
         buffer = getattr(_scratch, "buffer", None)
         if buffer is None:
@@ -320,7 +318,8 @@ def _stored_bytes_match(root: Path, target: Target) -> bool:
         digest = xxhash.xxh3_64()
         position, end = target.offset, target.offset + target.length
         while position < end:
-            n = os.preadv(fd, [memoryview(buffer)[:min(_VERIFY_PIECE, end - position)]], position)
+            piece = memoryview(buffer)[:min(_VERIFY_PIECE, end - position)]
+            n = opened.read_into(position, [piece])
             if n <= 0:
                 return False
             digest.update(memoryview(buffer)[:n])
@@ -329,7 +328,7 @@ def _stored_bytes_match(root: Path, target: Target) -> bool:
     except OSError:
         return False
     finally:
-        os.close(fd)
+        opened.close()
 
 
 _scratch = threading.local()  # one read buffer per frame thread

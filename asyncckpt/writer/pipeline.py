@@ -26,40 +26,193 @@ committed step; the session hands this writer those tensors' frames in that step
 as references where the stream reaches them, so the rank's chunks carry only the other
 tensors' bytes.
 
-Writeback runs behind the appends in windows of `flush_bytes` (writeback.py: each
+Writeback runs behind the appends in windows of `flush_bytes` (storage/writeback.py: each
 window's writeback is started as soon as it is written, the one before it waited for and
 dropped from the page cache): the disk works while frames still arrive, the final fsync
 has little left to do, and the file's cached pages, which count against the job's memory
 limit, stay within about three windows whatever the codec.
+
+The three jobs are kept apart: `_Order` hands frames to the appender in stream order,
+`Cuts` says where a chunk is cut into frames, and `Splicer` says where the unchanged
+tensors' references go; `RankFileWriter` ties them to the pool and the data file.
 """
 
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 import xxhash
 
+from asyncckpt.config import WriterKnobs
 from asyncckpt.format.encoding import Encoded, FrameEncoder
 from asyncckpt.format.layout import TensorSpec, data_file_name
 from asyncckpt.format.manifest import Frame, RankPart, Ref
-from asyncckpt.runtime import faults
 from asyncckpt.runtime.pool import FramePool
+from asyncckpt.storage.base import Storage
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import MIN_BYTES, Target
-from asyncckpt.writer.writeback import Writeback
 
 Done = Callable[[], None]
 Lookup = Callable[[int, int], Union[Target, None]]  # (xxh3_128, raw length) -> target
 CUT_BYTES = 64 << 10
-# one piece of a chunk: encoded (with its xxh3_128, or None) or a reference
-_Piece = tuple[int, Union[Encoded, Target], Union[int, None]]
 # a tensor's frames in a committed step, as (raw length, target, xxh3_128)
 Unchanged = list[tuple[int, Target, int]]
+
+
+@dataclass(frozen=True)
+class FileSettings:
+    """What every rank file of one writer shares: where files go, the frame threads, and
+    the knobs of encoding and writeback (WriterKnobs documents each).
+
+    Attributes:
+        storage: the root's storage; data files are made there.
+        pool: the writer's frame threads.
+        level: the zstd level.
+        flush_bytes: the writeback window (storage/writeback.py; 0: none before the fsync).
+        writeback: the writeback mode ("range" or "fdatasync").
+        probe_bytes, plane_max_ratio: the plane probe (codec/planes.py).
+        incremental: cut frames at large tensors' boundaries and give them an xxh3_128.
+    """
+
+    storage: Storage
+    pool: FramePool
+    level: int
+    flush_bytes: int
+    writeback: str = WriterKnobs.writeback
+    probe_bytes: int = WriterKnobs.plane_probe_bytes
+    plane_max_ratio: float = WriterKnobs.plane_max_ratio
+    incremental: bool = False
+
+    @classmethod
+    def from_knobs(cls, knobs: WriterKnobs, storage: Storage, pool: FramePool
+                   ) -> "FileSettings":
+        return cls(storage, pool, knobs.zstd_level, knobs.flush_bytes, knobs.writeback,
+                   knobs.plane_probe_bytes, knobs.plane_max_ratio, knobs.incremental)
+
+
+class Piece(NamedTuple):
+    """One frame of the file: its raw length, its stored bytes encoded here or a committed
+    frame to reference, and its xxh3_128 (incremental saves, else None)."""
+
+    raw_length: int
+    stored: Union[Encoded, Target]
+    wide: Union[int, None]
+
+
+class _Ready(NamedTuple):
+    """A submitted chunk, waiting for its turn to be appended."""
+
+    pieces: Union[list[Piece], None]  # None: dropped (an error, or closing)
+    raw_length: int
+    done: Union[Done, None]           # still to call once written (the pieces alias it)
+    seconds: float                    # spent encoding
+    pooled: bool                      # holds a pool credit
+
+
+class _Order:
+    """Chunks numbered as submitted, finished in any order, handed to the one appender
+    strictly in number order. `cond` guards the writer's counters too."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.pending = 0   # numbered, not yet written or dropped
+        self.closing = False
+        self._issued = 0
+        self._next = 0     # the number the appender takes next
+        self._ready: dict[int, _Ready] = {}
+
+    def issue(self) -> int:
+        """A number for the next chunk (counted pending until `finished`)."""
+        with self.cond:
+            index = self._issued
+            self._issued += 1
+            self.pending += 1
+            return index
+
+    def put(self, index: int, item: _Ready) -> None:
+        with self.cond:
+            self._ready[index] = item
+            if index == self._next:
+                self.cond.notify_all()
+
+    def take(self) -> _Ready | None:
+        """The next chunk in order, waiting for it; None once closing with none pending."""
+        with self.cond:
+            while self._next not in self._ready and not (self.closing and not self.pending):
+                self.cond.wait()
+            item = self._ready.pop(self._next, None)
+            if item is not None:
+                self._next += 1
+            return item
+
+    def finished(self) -> None:
+        with self.cond:
+            self.pending -= 1
+            if self.pending == 0:
+                self.cond.notify_all()
+
+    def wait_idle(self) -> None:
+        with self.cond:
+            while self.pending:
+                self.cond.wait()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+
+class Cuts:
+    """Where frames are cut inside a chunk: nowhere, or (incremental) at the start and
+    end of every tensor of at least `CUT_BYTES`."""
+
+    def __init__(self, tensors: list[TensorSpec], incremental: bool) -> None:
+        self._at = sorted({x for t in tensors if t.end - t.begin >= CUT_BYTES
+                           for x in (t.begin, t.end)}) if incremental else []
+
+    def within(self, begin: int, end: int) -> list[tuple[int, int]]:
+        """Stream bytes `begin`..`end` as (begin, end) per frame."""
+        cuts = self._at[bisect.bisect_right(self._at, begin):bisect.bisect_left(self._at, end)]
+        return list(zip([begin, *cuts], [*cuts, end]))
+
+
+class Splicer:
+    """The unchanged tensors a rank does not send: where their frames go in the stream.
+
+    Args:
+        unchanged: the stream offset of each such tensor -> its frames in a committed step.
+    """
+
+    def __init__(self, unchanged: dict[int, Unchanged]) -> None:
+        self._at = {offset: [(n, t, w) for n, t, w in frames]
+                    for offset, frames in unchanged.items()}
+
+    def runs(self, position: int, length: int) -> tuple[list[tuple[int, int]], int]:
+        """Where `length` bytes sent at stream `position` go: (start in the chunk, length)
+        per run of the stream between unchanged tensors, and the stream position after
+        them and the unchanged tensors they reach (for the caller's bound check)."""
+        runs, start = [], 0
+        upcoming = sorted(o for o in self._at if o >= position)
+        while True:
+            while upcoming and upcoming[0] == position:
+                position += sum(n for n, _, _ in self._at[upcoming.pop(0)])
+            if start == length:
+                break
+            take = min(length - start, (upcoming[0] if upcoming else 1 << 62) - position)
+            runs.append((start, take))
+            start += take
+            position += take
+        return runs, position
+
+    def take(self, position: int) -> list[Piece] | None:
+        """The frames of the unchanged tensor at stream `position`, once, as references."""
+        frames = self._at.pop(position, None)
+        return None if frames is None else [Piece(n, t, w) for n, t, w in frames]
 
 
 class RankFileWriter:
@@ -71,54 +224,51 @@ class RankFileWriter:
     bound every reader applies.
     """
 
-    def __init__(self, directory: Path, rank: int, codec: str, level: int,
-                 header: bytes, tensors: list[TensorSpec], flush_bytes: int, *,
-                 pool: FramePool, max_frame: int,
+    def __init__(self, settings: FileSettings, directory: Path, rank: int, codec: str,
+                 header: bytes, tensors: list[TensorSpec], *, max_frame: int,
                  on_error: Callable[[BaseException], None] | None = None,
-                 probe_bytes: int = 256 << 10, plane_max_ratio: float = 0.97,
-                 chooser: CodecChooser | None = None, incremental: bool = False,
-                 lookup: Lookup | None = None,
-                 unchanged: dict[int, Unchanged] | None = None,
-                 writeback: str = "range") -> None:
-        """With `incremental`, frames are cut at large tensors' boundaries and carry
-        their xxh3_128; `lookup` (if given) finds committed frames to reference;
-        `unchanged` maps the stream offset of each tensor the rank will not send to
-        its frames in a committed step. `flush_bytes` and `writeback` are the window
-        and mode of writeback.py."""
+                 chooser: CodecChooser | None = None, lookup: Lookup | None = None,
+                 unchanged: dict[int, Unchanged] | None = None) -> None:
+        """Args:
+            settings: the writer's (FileSettings).
+            directory: the step's tmp area, where the file `data_file_name(rank, codec)`
+                is made.
+            header, tensors: the stream's safetensors header and tensor table.
+            max_frame: the largest frame (the ring's slot size).
+            on_error: called once, from any thread, with the first error.
+            chooser: codec "auto"'s chooser.
+            lookup: finds committed frames to reference (incremental).
+            unchanged: the stream offset of each tensor the rank will not send -> its
+                frames in a committed step.
+        Raises:
+            OSError: the file cannot be made.
+        """
         self.rank = rank
         self.codec = codec
         self.path = directory / data_file_name(rank, codec)
         self.expected_size = tensors[-1].end if tensors else len(header)
-        self._encoder = FrameEncoder(codec, level, tensors, probe_bytes, plane_max_ratio,
-                                     chooser)
+        self._encoder = FrameEncoder(codec, settings.level, tensors, settings.probe_bytes,
+                                     settings.plane_max_ratio, chooser)
         self._tensors = tensors
-        self._incremental = incremental
+        self._incremental = settings.incremental
         self._lookup = lookup
         self._data_begin = tensors[0].begin if tensors else self.expected_size
-        self._cuts = sorted({x for t in tensors if t.end - t.begin >= CUT_BYTES
-                             for x in (t.begin, t.end)}) if incremental else []
+        self._cuts = Cuts(tensors, settings.incremental)
+        self._splicer = Splicer(unchanged or {})
         self.new_bytes = 0          # raw bytes of frames written to the file
         self.referenced_bytes = 0   # raw bytes of frames stored as references
-        self._pool = pool
+        self._pool = settings.pool
         self._on_error = on_error
-        self._lock = threading.Condition()
-        self._submitted = 0        # frames
+        self._order = _Order()
         self._raw_submitted = 0    # bytes
-        self._pending = 0          # submitted, not yet written or dropped
-        self._next = 0             # index of the next frame to append
-        # index -> (pieces, raw length, done, encode seconds, holds a pool credit)
-        self._ready: dict[int, tuple[list[_Piece] | None, int, Done | None, float, bool]] = {}
-        self._unchanged = {offset: [(n, t, w) for n, t, w in frames]
-                           for offset, frames in (unchanged or {}).items()}
-        self._closing = False
         self.error: BaseException | None = None
         self._frames: list[Frame] = []
         self._raw_size = 0
         self._stored_size = 0
         self.encode_seconds = 0.0
         self.write_seconds = 0.0
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        self._writeback = Writeback(self._fd, flush_bytes, writeback, self.path)
+        self._file = settings.storage.create_data_file(
+            directory, self.path.name, settings.flush_bytes, settings.writeback)
         self._appender = threading.Thread(target=self._append_loop, daemon=True,
                                           name=f"asyncckpt-append-{rank}")
         self._appender.start()
@@ -133,6 +283,8 @@ class RankFileWriter:
     def stored_size(self) -> int:
         return self._stored_size
 
+    # -- submitting (the session's thread) ---------------------------------------------
+
     def submit(self, raw: memoryview, done: Done | None = None) -> None:
         """Queue `raw` as the next bytes of the stream (one frame, or several around the
         unchanged tensors it skips over); `done()` is called (from any thread) once `raw`
@@ -142,52 +294,28 @@ class RankFileWriter:
             ValueError: more bytes than the stream's layout allows (nothing is queued;
                 `done` is not called).
         """
-        pieces = self._split(len(raw))
-        if len(pieces) > 1 and done is not None:
-            done = _after(len(pieces), done)
-        for start, length in pieces or [(0, 0)]:
+        runs, end = self._splicer.runs(self._raw_submitted, len(raw))
+        if end > self.expected_size:
+            raise ValueError(f"rank {self.rank} sent bytes up to {end}, its tensors "
+                             f"hold {self.expected_size}")
+        if len(runs) > 1 and done is not None:
+            done = _after(len(runs), done)
+        for start, length in runs or [(0, 0)]:
             self._splice_unchanged()
             self._submit_frame(raw[start:start + length], done)
         self._splice_unchanged()
 
-    def _split(self, length: int) -> list[tuple[int, int]]:
-        """Where `length` sent bytes go: (start in the chunk, length) per run of the
-        stream between unchanged tensors.
-
-        Raises:
-            ValueError: they overrun the layout.
-        """
-        pieces, start, position = [], 0, self._raw_submitted
-        upcoming = sorted(o for o in self._unchanged if o >= position)
-        while True:
-            while upcoming and upcoming[0] == position:
-                position += sum(n for n, _, _ in self._unchanged[upcoming.pop(0)])
-            if start == length:
-                break
-            take = min(length - start, (upcoming[0] if upcoming else 1 << 62) - position)
-            pieces.append((start, take))
-            start += take
-            position += take
-        if position > self.expected_size:
-            raise ValueError(f"rank {self.rank} sent bytes up to {position}, its tensors "
-                             f"hold {self.expected_size}")
-        return pieces
-
     def _splice_unchanged(self) -> None:
         """Queue the references of the unchanged tensor the stream has reached, if any."""
-        while (frames := self._unchanged.pop(self._raw_submitted, None)) is not None:
-            length = sum(n for n, _, _ in frames)
-            with self._lock:
-                index = self._submitted
-                self._submitted += 1
+        while (pieces := self._splicer.take(self._raw_submitted)) is not None:
+            length = sum(p.raw_length for p in pieces)
+            with self._order.cond:
+                index = self._order.issue()
                 self._raw_submitted += length
-                self._pending += 1
-                self._ready[index] = (list(frames), length, None, 0.0, False)
-                if index == self._next:
-                    self._lock.notify_all()
+                self._order.put(index, _Ready(pieces, length, None, 0.0, False))
 
     def _submit_frame(self, raw: memoryview, done: Done | None) -> None:
-        with self._lock:
+        with self._order.cond:
             if self._raw_submitted + len(raw) > self.expected_size:
                 raise ValueError(f"rank {self.rank} sent {self._raw_submitted + len(raw)} bytes, "
                                  f"its tensors hold {self.expected_size}")
@@ -195,80 +323,67 @@ class RankFileWriter:
                 if done:
                     done()
                 return
-            index, offset = self._submitted, self._raw_submitted
-            self._submitted += 1
+            index, offset = self._order.issue(), self._raw_submitted
             self._raw_submitted += len(raw)
-            self._pending += 1
 
         self._pool.submit(lambda context: self._encode(index, offset, raw, done, context))
 
+    # -- encoding (pool threads) -------------------------------------------------------
+
     def _encode(self, index: int, offset: int, raw: memoryview, done: Done | None,
                 context: dict) -> None:
-        encoded, seconds, raw_length = None, 0.0, len(raw)
-        if self.error is None and not self._closing:
+        pieces, seconds, raw_length = None, 0.0, len(raw)
+        if self.error is None and not self._order.closing:
             start = time.perf_counter()
             try:
-                encoded = self._pieces(offset, raw, context)
+                pieces = self._pieces(offset, raw, context)
             except Exception as e:  # a codec bug must fail the save, not hang it
                 self._set_error(e)
             seconds = time.perf_counter() - start
-        if done is not None and (encoded is None or not any(
-                isinstance(e, Encoded) and e.aliases_raw for _, e, _ in encoded)):
+        if done is not None and (pieces is None or not any(
+                isinstance(p.stored, Encoded) and p.stored.aliases_raw for p in pieces)):
             done()  # the slot is free for the rank while this frame waits its turn
             done = None
-        with self._lock:
-            self._ready[index] = (encoded, raw_length, done, seconds, True)
-            if index == self._next:
-                self._lock.notify_all()
+        self._order.put(index, _Ready(pieces, raw_length, done, seconds, True))
 
-    def _pieces(self, offset: int, raw: memoryview, context: dict) -> list[_Piece]:
-        """Cut the chunk at large tensors' boundaries (incremental only), then per piece
-        a committed frame to reference, or the piece encoded."""
-        end = offset + len(raw)
-        cuts = self._cuts[bisect.bisect_right(self._cuts, offset):bisect.bisect_left(self._cuts, end)]
-        out: list[_Piece] = []
-        for lo, hi in zip([offset, *cuts], [*cuts, end]):
+    def _pieces(self, offset: int, raw: memoryview, context: dict) -> list[Piece]:
+        """Per frame of the chunk (`Cuts`): a committed frame to reference, or the frame
+        encoded."""
+        out: list[Piece] = []
+        for lo, hi in self._cuts.within(offset, offset + len(raw)):
             piece = raw[lo - offset:hi - offset]
             wide = xxhash.xxh3_128_intdigest(piece) if self._incremental else None
             target = None
             if (wide is not None and self._lookup is not None and len(piece) >= MIN_BYTES
                     and lo >= self._data_begin):  # never the header (dedup.py)
                 target = self._lookup(wide, len(piece))
-            out.append((len(piece), target if target is not None
-                        else self._encoder.encode(lo, piece, context), wide))
+            out.append(Piece(len(piece), target if target is not None
+                             else self._encoder.encode(lo, piece, context), wide))
         return out
+
+    # -- appending (the appender thread) -----------------------------------------------
 
     def _append_loop(self) -> None:
         """The appender thread: write frames in order until closed and drained."""
-        while True:
-            with self._lock:
-                while self._next not in self._ready and not (self._closing and not self._pending):
-                    self._lock.wait()
-                item = self._ready.pop(self._next, None)
-                if item is None:  # closed, nothing left in flight
-                    self._close_fd()
-                    return
-                self._next += 1
-            encoded, raw_length, done, seconds, pooled = item
+        while (item := self._order.take()) is not None:
             try:
-                if encoded is not None and self.error is None and not self._closing:
-                    for length, piece, wide in encoded:
-                        if isinstance(piece, Encoded):
-                            self._write(piece, length, wide)
+                if item.pieces is not None and self.error is None and not self._order.closing:
+                    for piece in item.pieces:
+                        if isinstance(piece.stored, Encoded):
+                            self._write(piece.stored, piece.raw_length, piece.wide)
                         else:
-                            self._reference(piece, length, wide)
+                            self._reference(piece.stored, piece.raw_length, piece.wide)
             except Exception as e:
                 self._set_error(e)
             finally:
-                if done is not None:
-                    done()
-                if pooled:
+                if item.done is not None:
+                    item.done()
+                if item.pooled:
                     self._pool.release()
-                with self._lock:
-                    self.encode_seconds += seconds
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._lock.notify_all()
+                with self._order.cond:
+                    self.encode_seconds += item.seconds
+                    self._order.finished()
+        self._file.close()
 
     def _reference(self, target: Target, raw_length: int, wide: int | None) -> None:
         self._frames.append(Frame(self._raw_size, raw_length, self._stored_size, 0,
@@ -280,47 +395,37 @@ class RankFileWriter:
 
     def _write(self, encoded: Encoded, raw_length: int, wide: int | None = None) -> None:
         start = time.perf_counter()
-        pieces = [memoryview(p).cast("B") for p in encoded.pieces if len(p)]
-        while pieces:
-            faults.io("write", self.path)
-            n = os.writev(self._fd, pieces[:_IOV_MAX])
-            while pieces and n >= len(pieces[0]):
-                n -= len(pieces[0])
-                pieces.pop(0)
-            if n:
-                pieces[0] = pieces[0][n:]
-        faults.point("frame_written")
+        self._file.append(list(encoded.pieces))
         self._frames.append(Frame(self._raw_size, raw_length, self._stored_size,
                                   encoded.stored_length, encoded.codec, encoded.xxh3_raw,
                                   encoded.xxh3_stored, encoded.layout, wide))
         self._raw_size += raw_length
         self.new_bytes += raw_length
         self._stored_size += encoded.stored_length
-        self._writeback.written(self._stored_size)
         self.write_seconds += time.perf_counter() - start
 
     def _set_error(self, error: BaseException) -> None:
-        with self._lock:
+        with self._order.cond:
             first = self.error is None
             if first:
                 self.error = error
         if first and self._on_error is not None:
             self._on_error(error)
 
+    # -- ending ------------------------------------------------------------------------
+
     @property
     def busy(self) -> bool:
         """Frames submitted and not yet written or dropped."""
-        return self._pending > 0
+        return self._order.pending > 0
 
     def wait_idle(self) -> None:
         """Block until every submitted frame is written or dropped."""
-        with self._lock:
-            while self._pending:
-                self._lock.wait()
+        self._order.wait_idle()
 
     def finish(self, tree: object) -> RankPart:
-        """Wait for the frames in flight, fsync and close the file; return this rank's
-        manifest part.
+        """Wait for the frames in flight, make the file durable and close it; return this
+        rank's manifest part.
 
         Raises:
             OSError: a write or fsync failed.
@@ -335,10 +440,7 @@ class RankFileWriter:
             raise ValueError(f"rank {self.rank} ended after {self._raw_size} of "
                              f"{self.expected_size} bytes")
         start = time.perf_counter()
-        faults.io("fsync", self.path)
-        os.fsync(self._fd)
-        faults.point("data_fsynced")
-        self._writeback.done()
+        self._file.sync()
         self.write_seconds += time.perf_counter() - start
         self.close(wait=True)
         return RankPart(self.rank, self.path.name, self.codec, self._raw_size,
@@ -354,19 +456,9 @@ class RankFileWriter:
     def close(self, wait: bool = False) -> None:
         """Drop the frames still in flight; the appender closes the file once none is
         being written. With `wait`, return only after that (never from a callback)."""
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
+        self._order.close()
         if wait and threading.current_thread() is not self._appender:
             self._appender.join()
-
-    def _close_fd(self) -> None:  # with the lock held, by the appender
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-_IOV_MAX = 1024
 
 
 def _after(count: int, done: Done) -> Done:

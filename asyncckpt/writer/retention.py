@@ -24,20 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import secrets
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, SaveFailedError
-from asyncckpt.format.layout import parse_retired_dir, retired_dir_name, step_dir_name
+from asyncckpt.format.layout import step_dir_name
 from asyncckpt.format.manifest import Manifest, read_manifest
-from asyncckpt.format.stepdirs import committed_steps, step_dirs, step_file_size
 from asyncckpt.runtime import faults
-from asyncckpt.storage.durable import fsync_path
+from asyncckpt.storage.base import Storage
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -51,18 +46,13 @@ class Pruned:
     reclaimed: list[int] = field(default_factory=list)  # retired steps removed
 
 
-def retired_steps(root: Path) -> list[int]:
-    """Steps of the `step-N.retired` directories under `root`, oldest first."""
-    return step_dirs(root, parse_retired_dir)
-
-
-def is_retired(root: Path, step: int) -> bool:
+def is_retired(storage: Storage, step: int) -> bool:
     """`step` exists as `step-N.retired` (a new step N would make its references
     ambiguous, so the writer refuses to save it)."""
-    return os.path.lexists(root / retired_dir_name(step))
+    return storage.occupied(step, retired=True)
 
 
-def prune(root: Path, keep_last: int, keep_every: int = 0, *, newest: int | None = None,
+def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int | None = None,
           keep_from: int | None = None, index: Any = None) -> Pruned:
     """Apply retention: delete committed steps beyond the newest `keep_last` (except
     multiples of `keep_every`), retiring instead those a kept step or a save in flight
@@ -83,14 +73,14 @@ def prune(root: Path, keep_last: int, keep_every: int = 0, *, newest: int | None
         OSError: a rename failed (what was done before it stays done).
     """
     with index.lock if index is not None else contextlib.nullcontext():
-        steps = committed_steps(root)
+        steps = storage.committed_steps()
         counted = [s for s in steps if newest is None or s <= newest]
         doomed = [s for s in (counted[:-keep_last] if keep_last > 0 else [])
                   if not (keep_every > 0 and s % keep_every == 0)
                   and (keep_from is None or s < keep_from)]
         kept = [s for s in steps if s not in set(doomed)]
-        needed = _needed(root, kept, index)
-        retired_now = retired_steps(root)
+        needed = _needed(storage, kept, index)
+        retired_now = storage.retired_steps()
         result = Pruned(
             deleted=[s for s in doomed if needed is not None and s not in needed],
             retired=[s for s in doomed if needed is None or s in needed],
@@ -98,31 +88,28 @@ def prune(root: Path, keep_last: int, keep_every: int = 0, *, newest: int | None
         if index is not None:
             index.forget(result.deleted + result.reclaimed)
     for step in result.retired:
-        os.rename(root / step_dir_name(step), root / retired_dir_name(step))
-        fsync_path(root)
+        storage.retire(step)
         faults.point("retiring")
     for step in result.deleted:
-        _delete(root, step_dir_name(step), step, "pruning")
+        _delete(storage, step, False, "pruning")
     for step in result.reclaimed:
-        _delete(root, retired_dir_name(step), step, "retired_deleting")
+        _delete(storage, step, True, "retired_deleting")
     return result
 
 
-def _delete(root: Path, name: str, step: int, point: str) -> None:
-    victim = root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
-    os.rename(root / name, victim)
-    fsync_path(root)
+def _delete(storage: Storage, step: int, retired: bool, point: str) -> None:
+    victim = storage.unpublish(step, retired=retired)
     faults.point(point)
-    shutil.rmtree(victim, ignore_errors=True)
+    storage.discard(victim)
 
 
-def _needed(root: Path, kept: list[int], index: Any) -> set[int] | None:
+def _needed(storage: Storage, kept: list[int], index: Any) -> set[int] | None:
     """Steps the kept steps and the saves in flight reference; None when a kept step's
     manifest cannot be read (then nothing referenced could be told apart: keep all)."""
     needed = set(index.pinned()) if index is not None else set()
     for step in kept:
         try:
-            needed |= _references_of(root, step, index)
+            needed |= _references_of(storage, step, index)
         except CheckpointError as e:
             log.warning("retention: step %d unreadable (%s); retiring instead of deleting",
                         step, e.cause)
@@ -130,7 +117,7 @@ def _needed(root: Path, kept: list[int], index: Any) -> set[int] | None:
     return needed
 
 
-def _references_of(root: Path, step: int, index: Any) -> set[int] | frozenset[int]:
+def _references_of(storage: Storage, step: int, index: Any) -> set[int] | frozenset[int]:
     """The steps committed step `step` references: the index's, else its manifest's.
 
     Raises:
@@ -138,11 +125,11 @@ def _references_of(root: Path, step: int, index: Any) -> set[int] | frozenset[in
     """
     refs = index.references(step) if index is not None else None
     if refs is None:
-        refs = read_manifest(root / step_dir_name(step), ReadLimits()).referenced_steps
+        refs = read_manifest(storage.root / step_dir_name(step), ReadLimits()).referenced_steps
     return refs
 
 
-def check_replaceable(root: Path, step: int, index: Any = None) -> None:
+def check_replaceable(storage: Storage, step: int, index: Any = None) -> None:
     """Before step `step` is replaced by a new save of it (if it is committed): no other
     committed step and no save in flight references its bytes, which would then resolve
     to the new step's files and fail their checksums. (The index has skipped the step
@@ -153,13 +140,13 @@ def check_replaceable(root: Path, step: int, index: Any = None) -> None:
             read to tell.
     """
     with index.lock if index is not None else contextlib.nullcontext():
-        steps = committed_steps(root)
+        steps = storage.committed_steps()
         if step not in steps:
             return
         users: list[int] = []
         for other in (s for s in steps if s != step):
             try:
-                if step in _references_of(root, other, index):
+                if step in _references_of(storage, other, index):
                     users.append(other)
             except CheckpointError as e:
                 raise SaveFailedError(f"cannot replace step {step}: step {other}'s manifest "
@@ -172,12 +159,12 @@ def check_replaceable(root: Path, step: int, index: Any = None) -> None:
             raise SaveFailedError(
                 f"cannot replace step {step}: its bytes are referenced by {' and '.join(what)} "
                 "(incremental saves), which would no longer load; delete those steps first or "
-                "save into another root", step=step, file=str(root))
+                "save into another root", step=step, file=str(storage.root))
 
 
-def check_references(root: Path, manifest: Manifest) -> None:
+def check_references(storage: Storage, manifest: Manifest) -> None:
     """Before a step is published: every (step, file) its frames reference exists in
-    the root (committed or retired, by the reader's rule: stepdirs.py) and is long
+    the root (committed or retired, by the reader's rule: storage/posix.py) and is long
     enough. Several nodes may reference while only the leader deletes, so this is what
     rules out a dangling reference.
 
@@ -191,10 +178,10 @@ def check_references(root: Path, manifest: Manifest) -> None:
                 key = (f.ref.step, f.ref.file)
                 ends[key] = max(ends.get(key, 0), f.ref.offset + f.ref.length)
     for (step, name), end in sorted(ends.items()):
-        size = step_file_size(root, step, name)
+        size = storage.step_file_size(step, name)
         if size is None or size < end:
             raise SaveFailedError(f"a frame references {name} of step {step}, which is "
                                   f"{'gone' if size is None else 'too short'} (deleted by "
                                   "retention meanwhile?); nothing was committed",
-                                  step=manifest.step, file=str(root))
+                                  step=manifest.step, file=str(storage.root))
 

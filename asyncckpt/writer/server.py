@@ -30,6 +30,7 @@ from asyncckpt.format.tiling import global_tensors
 from asyncckpt.ipc import protocol
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.runtime.procstat import PeakSampler
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex
@@ -59,29 +60,31 @@ class WriterServer:
                                                max_frame_bytes=self.knobs.max_frame_bytes)
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.storage = PosixStorage(self.root)
         self._lock = commit.RootLock(self.root, job)
         self.root_id = commit.root_id(self.root)
         self.owner = OwnerMark(self.root)
         for name in sweep_dead(self.root):  # writers of this job that are gone
             log.info("removed %s, left by a writer that is gone", name)
         if self._lock.first:  # nobody else of the job writes here yet
-            for name in commit.remove_stale_tmp(self.root):
+            for name in self.storage.sweep_tmp():
                 log.info("removed abandoned %s", name)
-            for name in commit.restore_replaced(self.root):
+            for name in self.storage.restore_replaced():
                 log.info("a crash interrupted the replacement of a step: settled %s", name)
-        commit.update_latest(self.root)
+        commit.update_latest(self.storage)
         self._sock, self.address, self._authkey = protocol.create_endpoint(address)
         self.rss = PeakSampler()
         self.pool = FramePool(self.knobs.encode_threads, self.knobs.frames_in_flight)
         self.buffers = Buffers(self.knobs.frames_in_flight + self.knobs.encode_threads)
         self.chooser = CodecChooser(self.knobs.encode_threads, self.knobs.auto_trial_every)
-        self.index = DedupIndex(self.root, self.knobs.max_frame_bytes) if self.knobs.incremental else None
+        self.index = (DedupIndex(self.storage, self.knobs.max_frame_bytes)
+                      if self.knobs.incremental else None)
         if self.index is not None:
             log.info("incremental: %d committed frames indexed", len(self.index))
         self.steps = Steps(self.root, (self.knobs.keep_last, self.knobs.keep_every),
                            choose_codec=self._choose_codec, check=self._check_manifest,
                            on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
-                           index=self.index, owner=self.owner)
+                           index=self.index, owner=self.owner, storage=self.storage)
         self.context = WriterContext(self.knobs, self.root, self.root_id, self.steps, self.pool,
                                      self.buffers, self.chooser, self.index, self.rss)
         self._sessions: set[Session] = set()

@@ -42,7 +42,7 @@ from asyncckpt.format.layout import TensorSpec, layout
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.ipc.messages import MAX_SLOTS, ProtocolError
 from asyncckpt.writer import commit
-from asyncckpt.writer.pipeline import RankFileWriter, Unchanged
+from asyncckpt.writer.pipeline import FileSettings, RankFileWriter, Unchanged
 
 if TYPE_CHECKING:
     from asyncckpt.config import WriterKnobs
@@ -241,13 +241,12 @@ class Session:
             save.stats["auto"] = current.choice
         try:
             save.file = RankFileWriter(
-                current.tmp_dir, self.rank, current.codec, knobs.zstd_level, header, specs,
-                knobs.flush_bytes, pool=self.writer.pool, max_frame=self.ring_slot_size,
+                FileSettings.from_knobs(knobs, self.writer.steps.storage, self.writer.pool),
+                current.tmp_dir, self.rank, current.codec, header, specs,
+                max_frame=self.ring_slot_size,
                 on_error=lambda e: self._fail(save, self._as_error(save, e)),
-                probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio,
                 chooser=self.writer.chooser if current.choice is not None else None,
-                incremental=knobs.incremental, lookup=self._lookup(step),
-                unchanged=unchanged, writeback=knobs.writeback)
+                lookup=self._lookup(step), unchanged=unchanged)
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
             return

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import threading
 import time
@@ -47,9 +46,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from asyncckpt.errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.format.layout import MAX_STEP, retired_dir_name, step_dir_name
+from asyncckpt.format.layout import MAX_STEP, retired_dir_name
 from asyncckpt.format.manifest import Manifest, RankPart
 from asyncckpt.runtime import faults
+from asyncckpt.storage.base import Storage
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit, owners
 from asyncckpt.writer import retention as lifetimes
 from asyncckpt.writer.dedup import DedupIndex
@@ -94,8 +95,9 @@ class Steps:
                  check: Check | None = None,
                  on_commit: Callable[[Manifest, Step], None] | None = None,
                  max_frame_bytes: int = 256 << 20, index: DedupIndex | None = None,
-                 owner: OwnerMark | None = None) -> None:
+                 owner: OwnerMark | None = None, storage: Storage | None = None) -> None:
         self.root = root
+        self.storage = storage or PosixStorage(root)
         self._owner = owner
         self._index = index
         self._max_frame_bytes = max_frame_bytes
@@ -155,11 +157,11 @@ class Steps:
             current = self._open.get(step)
             if current is None:
                 if step in self._committing or (
-                        not replace and os.path.lexists(self.root / step_dir_name(step))):
+                        not replace and self.storage.occupied(step)):
                     raise StepAlreadyCommittedError(
                         "this step is already committed; a save replaces a checkpoint only "
                         "when asked to (replace=True)", step=step, rank=rank)
-                if lifetimes.is_retired(self.root, step):
+                if lifetimes.is_retired(self.storage, step):
                     raise StepAlreadyCommittedError(
                         "this step was deleted by retention but its data is still referenced "
                         f"({retired_dir_name(step)}): save under another step number",
@@ -170,7 +172,7 @@ class Steps:
                     self._index.open(step)
                     if replace:  # no later save on this node may reference the old step
                         self._index.replacing(step)
-                tmp_dir = commit.make_tmp_dir(self.root, step, self._owner)
+                tmp_dir = commit.make_tmp_dir(self.storage, step, self._owner)
                 current = Step(step, world_size, codec, tmp_dir, choice,
                                coordinated=durable is not None, replace=replace)
                 self._open[step] = current
@@ -251,7 +253,7 @@ class Steps:
             self._idle.notify_all()
         self._release(step)
         if not committed:  # and what writers that died in it left (several nodes)
-            commit.discard(current.tmp_dir)
+            self.storage.discard(current.tmp_dir)
             self._sweep_dead()
 
     def fail(self, step: int, error: CheckpointError) -> None:
@@ -271,7 +273,7 @@ class Steps:
             self._idle.notify_all()
         log.warning("step %d failed: %s", step, error)
         self._release(step)
-        commit.discard(current.tmp_dir)
+        self.storage.discard(current.tmp_dir)
         _tell(current.waiting.values(), error)
 
     def refuse(self, step: int, rank: int, world_size: int, error: CheckpointError) -> None:
@@ -390,15 +392,15 @@ class Steps:
             data = manifest.to_bytes()
             if self._check is not None:
                 self._check(data, manifest)
-            lifetimes.check_references(self.root, manifest)
+            lifetimes.check_references(self.storage, manifest)
             if current.replace:
-                lifetimes.check_replaceable(self.root, current.step, self._index)
-            path = commit.publish(self.root, current.tmp_dir, current.step, data,
+                lifetimes.check_replaceable(self.storage, current.step, self._index)
+            path = commit.publish(self.storage, current.tmp_dir, current.step, data,
                                   replace=current.replace)
         except Exception as e:  # whatever it is, every rank of the step must hear of it
             error = e if isinstance(e, CheckpointError) else SaveFailedError(
                 f"commit failed: {type(e).__name__}: {e}", step=current.step)
-            commit.discard(current.tmp_dir)
+            self.storage.discard(current.tmp_dir)
             self._release(current.step)
             log.warning("step %d failed at commit: %s", current.step, error)
             _tell(tell, error)
@@ -427,7 +429,7 @@ class Steps:
     def _prune(self, current: Step) -> None:
         keep_last, keep_every = current.retention or self.retention
         try:
-            done = lifetimes.prune(self.root, keep_last, keep_every, newest=current.step,
+            done = lifetimes.prune(self.storage, keep_last, keep_every, newest=current.step,
                                    keep_from=current.keep_from, index=self._index)
         except Exception as e:  # retention is best effort; the new step is already durable
             log.warning("retention failed: %s: %s", type(e).__name__, e)

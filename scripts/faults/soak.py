@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 
 import asyncckpt
-from asyncckpt.format import stepdirs
 from asyncckpt.read.verification import verify_checkpoint
 from asyncckpt.runtime.procstat import read_status, ring_mappings
+from asyncckpt.storage.posix import PosixStorage
 
 RANK = """
 import sys, torch, asyncckpt
@@ -55,7 +55,7 @@ def soak(ranks: int, saves: int, root: Path) -> dict:
                 warm = writer_reading(writer.pid)
         codes = [p.wait(600) for p in procs]
         end = writer_reading(writer.pid)
-        kept = stepdirs.committed_steps(root)
+        kept = PosixStorage(root).committed_steps()
         bad = [s for s in kept if not verify_checkpoint(root / f"step-{s:08d}").ok]
     finally:
         writer.stop()

@@ -40,11 +40,11 @@ import torch  # noqa: E402
 from torture_rank import expected_state  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt.format import stepdirs
 from asyncckpt.format.manifest import read_manifest  # noqa: E402
 from asyncckpt.read.verification import verify_checkpoint  # noqa: E402
 from asyncckpt.runtime import faults  # noqa: E402
 from asyncckpt.runtime.procstat import ring_mappings  # noqa: E402
+from asyncckpt.storage.posix import PosixStorage
 
 
 class Job:
@@ -69,7 +69,7 @@ class Job:
             raise RuntimeError("writer did not start")
 
     def start_ranks(self) -> None:
-        steps = stepdirs.committed_steps(self.root)
+        steps = PosixStorage(self.root).committed_steps()
         start = (steps[-1] if steps else 0) + 1
         self.ranks = [subprocess.Popen([sys.executable, str(HERE / "torture_rank.py"),
                                         self.address, str(r), str(self.world), str(start)],
@@ -95,7 +95,7 @@ def check(root: Path, world: int, damaged: set[int] = frozenset()) -> int:  # ty
     """Verify and load every committed checkpoint but the `damaged` ones (an attack
     damaged them); returns how many were checked."""
     checked = 0
-    for step in stepdirs.committed_steps(root):
+    for step in PosixStorage(root).committed_steps():
         if step in damaged:
             continue
         directory = root / f"step-{step:08d}"
@@ -112,8 +112,8 @@ def check(root: Path, world: int, damaged: set[int] = frozenset()) -> int:  # ty
             assert loaded["opt"][0]["exp_avg"].equal(want["opt"][0]["exp_avg"]), (step, rank)
             assert loaded["frozen"].equal(want["frozen"]), (step, rank)
         checked += 1
-    latest = stepdirs.read_latest(root)
-    assert latest is None or latest in stepdirs.committed_steps(root), f"latest names {latest}"
+    latest = PosixStorage(root).read_latest()
+    assert latest is None or latest in PosixStorage(root).committed_steps(), f"latest names {latest}"
     return checked
 
 
@@ -124,7 +124,7 @@ def retired_now(root: Path) -> list[str]:
 def references(root: Path) -> int:
     """Committed steps that reference older ones (a step pruned meanwhile is skipped)."""
     count = 0
-    for step in stepdirs.committed_steps(root):
+    for step in PosixStorage(root).committed_steps():
         try:
             count += bool(read_manifest(root / f"step-{step:08d}").referenced_steps)
         except asyncckpt.CheckpointError:
@@ -135,7 +135,7 @@ def references(root: Path) -> int:
 def attack(root: Path, elsewhere: Path, rng: random.Random) -> tuple[str, set[int]]:
     """Link a referenced or retired step back from `elsewhere`, or flip a byte the newest
     step references. Returns (what was done, the committed steps that do not verify now)."""
-    steps = stepdirs.committed_steps(root)
+    steps = PosixStorage(root).committed_steps()
     if not steps:
         return "", set()
     try:
@@ -163,7 +163,7 @@ def attack(root: Path, elsewhere: Path, rng: random.Random) -> tuple[str, set[in
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x10]))
         what = f"flipped a byte of {name}/{ref.file}"
-    damaged = {s for s in stepdirs.committed_steps(root)
+    damaged = {s for s in PosixStorage(root).committed_steps()
                if not verify_checkpoint(root / f"step-{s:08d}").ok}
     return what, damaged
 
@@ -201,14 +201,14 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
                 job.start_writer(crash_at)
                 tmp = [p.name for p in root.iterdir() if ".tmp-" in p.name]
                 assert not tmp, f"writer start left tmp dirs {tmp}"
-                assert stepdirs.read_latest(root) == (stepdirs.committed_steps(root) or [None])[-1]
+                assert PosixStorage(root).read_latest() == (PosixStorage(root).committed_steps() or [None])[-1]
             else:
                 time.sleep(0.2)  # let the writer fail the step the dead rank was in
                 rings = ring_mappings(job.writer.pid)
                 assert rings <= ranks, f"the writer maps {rings} rings for {ranks} ranks"
             checked += check(root, ranks, damaged)
             if attacked_at is not None:
-                after_attack |= {s for s in stepdirs.committed_steps(root)
+                after_attack |= {s for s in PosixStorage(root).committed_steps()
                                  if s > attacked_at and s not in damaged}
             if rng.random() < 0.1 and job.writer.poll() is None:
                 what, hit = attack(root, root.parent / "elsewhere", rng)
@@ -216,7 +216,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
                     attacks += 1
                     damaged |= hit
                     if attacked_at is None:
-                        attacked_at = (stepdirs.committed_steps(root) or [0])[-1]
+                        attacked_at = (PosixStorage(root).committed_steps() or [0])[-1]
                     if verbose:
                         print(f"attack: {what}; damaged steps {sorted(hit)}", flush=True)
             referencing += references(root)
@@ -224,7 +224,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:22s} committed "
-                      f"{stepdirs.committed_steps(root)}", flush=True)
+                      f"{PosixStorage(root).committed_steps()}", flush=True)
     finally:
         code = job.stop()
     result = {"kills_survived": survived, "writer_kills": writer_kills,
@@ -232,7 +232,7 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
               "referencing_steps_verified": referencing,
               "retired_seen": len(retired_seen), "retired_now": len(retired_now(root)),
               "crash_point_deaths": armed_deaths, "checkpoints_verified": checked,
-              "last_step": (stepdirs.committed_steps(root) or [0])[-1],
+              "last_step": (PosixStorage(root).committed_steps() or [0])[-1],
               "writer_exit": code, "seconds": round(time.monotonic() - started, 1)}
     return result
 

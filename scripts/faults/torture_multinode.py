@@ -105,11 +105,11 @@ def check(root: Path, latest_may_lag: bool = False) -> int:
     from torture_rank import expected_state
 
     import asyncckpt
-    from asyncckpt.format import stepdirs
     from asyncckpt.read.verification import verify_checkpoint
+    from asyncckpt.storage.posix import PosixStorage
 
     checked = 0
-    for step in stepdirs.committed_steps(root):
+    for step in PosixStorage(root).committed_steps():
         directory = root / f"step-{step:08d}"
         report = verify_checkpoint(directory)
         if not report.ok:
@@ -123,8 +123,8 @@ def check(root: Path, latest_may_lag: bool = False) -> int:
             assert loaded["w"].view(torch.int16).equal(want["w"].view(torch.int16)), (step, rank)
             assert loaded["opt"][0]["exp_avg"].equal(want["opt"][0]["exp_avg"]), (step, rank)
         checked += 1
-    latest = stepdirs.read_latest(root)
-    steps = stepdirs.committed_steps(root)
+    latest = PosixStorage(root).read_latest()
+    steps = PosixStorage(root).committed_steps()
     assert latest is None and (not steps or latest_may_lag) or latest in steps, \
         f"latest names {latest}; committed {steps}"
     return checked
@@ -163,9 +163,9 @@ def stop_job(cluster) -> dict[str, int]:
 def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
     from multinode import Cluster, ring_mapping_pids, wait_for
 
-    from asyncckpt.format import stepdirs
     from asyncckpt.format.layout import tmp_step_of
     from asyncckpt.runtime import faults
+    from asyncckpt.storage.posix import PosixStorage
 
     rng = random.Random(seed)
     roots = [base / "actor", base / "critic"]
@@ -181,7 +181,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
         survived = 0
         while survived < kills:
             stale = {root: tmp_dirs(root) for root in roots}
-            before = {root: stepdirs.committed_steps(root) for root in roots}
+            before = {root: PosixStorage(root).committed_steps() for root in roots}
             node_env: dict[int, dict[str, str]] = {}
             armed = None
             if rng.random() < 0.25:
@@ -230,7 +230,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
             assert not rings, f"processes still map rings after the job stopped: {rings}"
             lagging = bool(armed and armed[1] == "step_renamed")
             for root in roots:
-                after = stepdirs.committed_steps(root)
+                after = PosixStorage(root).committed_steps()
                 figures["checkpoints_verified"] += check(root, lagging)
                 if after and (not before[root] or after[-1] > before[root][-1]):
                     figures["rounds_committing"] += 1
@@ -240,7 +240,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
                                      f"left stale {sorted(left)}"
                 figures["max_committed_kept"] = max(figures["max_committed_kept"], len(after))
                 figures["max_tmp_dirs"] = max(figures["max_tmp_dirs"], len(tmp_dirs(root)))
-            after = {root.name: stepdirs.committed_steps(root) for root in roots}
+            after = {root.name: PosixStorage(root).committed_steps() for root in roots}
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:24s} "
@@ -252,7 +252,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
             shutil.rmtree(d, ignore_errors=True)
     figures["writer_starts_refused"] = len(list(base.glob("lock-refused-*")))
     return {"kills_survived": survived, **{f"killed[{k}]": v for k, v in sorted(victims.items())},
-            **figures, **{f"last_step[{root.name}]": (stepdirs.committed_steps(root) or [0])[-1]
+            **figures, **{f"last_step[{root.name}]": (PosixStorage(root).committed_steps() or [0])[-1]
                           for root in roots},
             "seconds": round(time.monotonic() - started, 1)}
 

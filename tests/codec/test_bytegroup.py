@@ -450,7 +450,8 @@ def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
     import time
 
     from asyncckpt.runtime.pool import FramePool
-    from asyncckpt.writer.pipeline import RankFileWriter
+    from asyncckpt.storage.posix import PosixStorage
+    from asyncckpt.writer.pipeline import FileSettings, RankFileWriter
 
     rng = torch.Generator().manual_seed(5)
     n_frames, size = 40, 8192
@@ -465,8 +466,8 @@ def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
                 outstanding[0] -= 1
         return done
 
-    writer = RankFileWriter(tmp_path, 0, "bytegroup", 1, header, specs, 0, pool=pool,
-                            max_frame=size)
+    writer = RankFileWriter(FileSettings(PosixStorage(tmp_path), pool, 1, 0), tmp_path, 0,
+                            "bytegroup", header, specs, max_frame=size)
     for i in range(n_frames):
         with lock:
             outstanding[0] += 1
@@ -490,16 +491,16 @@ def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
 
 def test_a_write_error_fails_the_file_and_drains_the_frames(tmp_path, monkeypatch):
     from asyncckpt.runtime.pool import FramePool
-    from asyncckpt.writer import pipeline
-    from asyncckpt.writer.pipeline import RankFileWriter
+    from asyncckpt.storage import posix
+    from asyncckpt.writer.pipeline import FileSettings, RankFileWriter
 
     header, specs = layout([("w", "U8", (50_000,))])
     errors: list[BaseException] = []
     pool = FramePool(threads=2, max_inflight=2)
-    writer = RankFileWriter(tmp_path, 0, "zstd", 1, header, specs, 0, pool=pool,
-                            max_frame=5000, on_error=errors.append)
+    writer = RankFileWriter(FileSettings(posix.PosixStorage(tmp_path), pool, 1, 0), tmp_path, 0,
+                            "zstd", header, specs, max_frame=5000, on_error=errors.append)
     calls = [0]
-    real = pipeline.os.writev
+    real = posix.os.writev
 
     def failing(fd, buffers):
         calls[0] += 1
@@ -507,7 +508,7 @@ def test_a_write_error_fails_the_file_and_drains_the_frames(tmp_path, monkeypatc
             raise OSError(5, "injected EIO")
         return real(fd, buffers)
 
-    monkeypatch.setattr(pipeline.os, "writev", failing)
+    monkeypatch.setattr(posix.os, "writev", failing)
     freed = []
     payload = os.urandom(50_000)
     for i in range(0, 50_000, 5000):

@@ -7,7 +7,7 @@ import torch
 from conftest import assert_same, shm_segments
 
 import asyncckpt
-from asyncckpt.format import stepdirs
+from asyncckpt.storage.posix import PosixStorage
 
 
 def start(root, tmp_path, monkeypatch, **env):
@@ -41,7 +41,7 @@ def test_writer_killed_at_each_crash_point(root, tmp_path, monkeypatch, where):
     new_state, error = save(writer, 3, 3)
     assert isinstance(error, asyncckpt.WriterUnavailableError)
     assert writer._proc.wait(10) == -9
-    committed = stepdirs.committed_steps(root)
+    committed = PosixStorage(root).committed_steps()
     if where in ("step_renamed", "pruning"):   # the rename is the commit point
         assert committed[-1] == 3
         assert_same(new_state, asyncckpt.load(root))
@@ -53,7 +53,7 @@ def test_writer_killed_at_each_crash_point(root, tmp_path, monkeypatch, where):
     writer = start(root, tmp_path, monkeypatch)  # a new writer sweeps and repairs
     try:
         assert not any(".tmp-" in p.name for p in root.iterdir())
-        assert stepdirs.read_latest(root) == stepdirs.committed_steps(root)[-1]
+        assert PosixStorage(root).read_latest() == PosixStorage(root).committed_steps()[-1]
         assert save(writer, 4, 4)[1] is None
     finally:
         writer.stop()
@@ -72,7 +72,7 @@ def test_io_error_fails_that_save_only(root, tmp_path, monkeypatch, fault, messa
         _, error = save(writer, 2, 2)
         assert isinstance(error, asyncckpt.SaveFailedError) and message in str(error)
         assert "step 2" in str(error)
-        assert stepdirs.committed_steps(root) == [1]
+        assert PosixStorage(root).committed_steps() == [1]
         assert not any(".tmp-" in p.name for p in root.iterdir())
         assert_same(first, asyncckpt.load(root))
         later, error = save(writer, 3, 3)  # the fault fired once; the writer serves on
@@ -92,7 +92,7 @@ def test_checkpointer_retention_survives_a_crash_between_commit_and_deletion(roo
             ckpt.save(step, extra={"x": torch.full((4,), float(step))}).wait(30)
         with pytest.raises(asyncckpt.WriterUnavailableError):
             ckpt.save(3, extra={"x": torch.full((4,), 3.0)}).wait(30)  # committed, then died pruning
-    assert stepdirs.committed_steps(root) == [2, 3]  # step 1 was renamed away, not yet deleted
+    assert PosixStorage(root).committed_steps() == [2, 3]  # step 1 was renamed away, not yet deleted
     writer = start(root, tmp_path, monkeypatch)
     try:
         with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:

@@ -16,8 +16,8 @@ from conftest import assert_same
 from torch.distributed import TCPStore
 
 import asyncckpt
-from asyncckpt.format import stepdirs
 from asyncckpt.format.manifest import read_manifest
+from asyncckpt.storage.posix import PosixStorage
 
 WORLD, PER_NODE = 4, 2
 
@@ -149,7 +149,7 @@ def test_a_node_on_another_root_fails_the_first_save_everywhere_naming_both(tmp_
     assert all(isinstance(e, asyncckpt.SaveFailedError) for e in done), done
     message = str(done[1])
     assert str(other) in message and str(tmp_path / "ckpt") in message and "rank 2" in message
-    assert stepdirs.committed_steps(tmp_path / "ckpt") == [] == stepdirs.committed_steps(other)
+    assert PosixStorage(tmp_path / "ckpt").committed_steps() == [] == PosixStorage(other).committed_steps()
     # each writer discards its files when told the outcome; one stopped before its ranks
     # told it leaves a tmp directory, which the next writer to take the root sweeps
     for root in (tmp_path / "ckpt", other):
@@ -165,7 +165,7 @@ def test_a_rank_that_never_saves_fails_the_step_on_every_node_after_the_timeout(
         done = outcomes([c.save(2, state(c.rank, 2)) for c in clients[:3]])  # rank 3 hangs
         assert 1.5 < time.monotonic() - started < 15
         assert all("rank 3 did not make its part durable" in str(e) for e in done), done
-    assert stepdirs.committed_steps(root) == [1] and stepdirs.read_latest(root) == 1
+    assert PosixStorage(root).committed_steps() == [1] and PosixStorage(root).read_latest() == 1
     assert asyncckpt.verify(root).ok
 
 
@@ -185,7 +185,7 @@ def test_a_local_failure_on_one_node_fails_every_rank_at_once(tmp_path, store):
         assert all(isinstance(e, asyncckpt.SaveFailedError) for e in done), done
         # the next step commits
         assert outcomes([c.save(2, state(c.rank, 2)) for c in clients]) == [root / "step-00000002"] * 4
-    assert stepdirs.committed_steps(root) == [2]
+    assert PosixStorage(root).committed_steps() == [2]
     assert not [p for p in root.iterdir() if ".tmp-" in p.name]
 
 
@@ -200,11 +200,11 @@ def test_the_leader_writer_killed_before_the_rename_leaves_nothing_visible(tmp_p
         writers[0]._proc.wait(10)  # killed at its crash point; reaped shortly
         # the writer that lives sweeps what the dead one left, once its ranks tell it
         assert wait_until(lambda: not [p for p in root.iterdir() if ".tmp-" in p.name])
-    assert stepdirs.committed_steps(root) == [1] and asyncckpt.verify(root).ok
+    assert PosixStorage(root).committed_steps() == [1] and asyncckpt.verify(root).ok
     with nodes(tmp_path) as writers:  # a restarted job
         with ranks(writers, TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)) as clients:
             assert outcomes([c.save(3, state(c.rank, 3)) for c in clients])[0] == root / "step-00000003"
-    assert stepdirs.committed_steps(root) == [1, 3]
+    assert PosixStorage(root).committed_steps() == [1, 3]
 
 
 def test_writers_of_another_job_and_gc_are_refused_while_a_job_holds_the_root(tmp_path):
@@ -276,7 +276,7 @@ def test_a_leader_whose_commit_outlasts_the_others_patience_is_not_contradicted(
             ranks(writers, store, node_timeout=1) as clients:
         done = outcomes([c.save(1, state(c.rank, 1)) for c in clients])
         assert done == [root / "step-00000001"] * WORLD, done
-    assert stepdirs.committed_steps(root) == [1] and asyncckpt.verify(root).ok
+    assert PosixStorage(root).committed_steps() == [1] and asyncckpt.verify(root).ok
 
 
 @pytest.mark.parametrize("node", [0, 1])
@@ -298,4 +298,4 @@ def test_a_failed_step_leaves_no_key_in_the_store_and_nothing_in_the_root(tmp_pa
         assert wait_until(lambda: stored(store) <= clean), (stored(store), clean)
         if node == 1:  # the leader's writer lives: it sweeps what the dead one left
             assert wait_until(lambda: not [p for p in root.iterdir() if ".tmp-" in p.name])
-    assert stepdirs.committed_steps(root) == [1] and asyncckpt.verify(root).ok
+    assert PosixStorage(root).committed_steps() == [1] and asyncckpt.verify(root).ok

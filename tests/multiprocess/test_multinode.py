@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from multinode import Cluster, ring_mapping_pids, wait_for
 
-from asyncckpt.format import stepdirs
 from asyncckpt.format.layout import tmp_step_of
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 
 WORKER = Path(__file__).with_name("multinode_worker.py")
@@ -108,8 +108,8 @@ def test_two_nodes_commit_every_step_on_every_rank(saved):
             assert entry["path"] == str(out / "ckpt" / f"step-{int(step):08d}")
         assert r.get("writer_exit", 0) == 0
     root = out / "ckpt"
-    assert stepdirs.committed_steps(root) == [2, 5]
-    assert stepdirs.read_latest(root) == 5
+    assert PosixStorage(root).committed_steps() == [2, 5]
+    assert PosixStorage(root).read_latest() == 5
     assert tmp_dirs(root) == []
     check = verify_exit(root)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -171,7 +171,7 @@ def test_node_on_another_root_fails_first_save_everywhere(tmp_path):
         assert entry["t_done"] - entry["t_save"] < 15, entry
     assert elapsed < 60 + 30
     for r in (root, other):
-        assert stepdirs.committed_steps(r) == [] and stepdirs.read_latest(r) is None
+        assert PosixStorage(r).committed_steps() == [] and PosixStorage(r).read_latest() is None
         assert not any(p.name.startswith("step-") and ".tmp-" not in p.name
                        for p in r.iterdir()) if r.exists() else True
 
@@ -204,8 +204,8 @@ def test_whole_node_killed_mid_save_fails_the_step_on_the_other_node(tmp_path):
         assert entry["error"] in ("SaveFailedError", "WriterUnavailableError"), entry
         assert re.search(r"rank\s*3\b|node\s*1\b", entry["message"], re.I), entry["message"]
         assert entry["t_done"] - killed_at < NODE_TIMEOUT + 10, (entry, killed_at)
-    assert stepdirs.committed_steps(root) == [2]
-    assert stepdirs.read_latest(root) == 2
+    assert PosixStorage(root).committed_steps() == [2]
+    assert PosixStorage(root).read_latest() == 2
     assert not (root / "step-00000004").exists()
     check = verify_exit(root)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -229,7 +229,7 @@ def test_leader_writer_killed_between_gather_and_rename(tmp_path):
         entry = r["steps"]["4"]
         assert not entry["ok"], f"rank {rank}: step 4 committed though the leader died: {entry}"
         assert entry["t_done"] - entry["t_save"] < NODE_TIMEOUT + 15, (rank, entry)
-    assert stepdirs.committed_steps(root) == [2] and stepdirs.read_latest(root) == 2
+    assert PosixStorage(root).committed_steps() == [2] and PosixStorage(root).read_latest() == 2
     # the dead leader's tmp dir of step 4 goes when node 1's writer, which lives, hears
     # of the failure before the job ends (owners.py), else at the restart below
     assert all(tmp_step_of(name) == 4 for name in tmp_dirs(root)), tmp_dirs(root)
@@ -239,7 +239,7 @@ def test_leader_writer_killed_between_gather_and_rename(tmp_path):
     run(tmp_path, "restart", 2, 2, "save", root, env={**env, "MN_STEPS": "6"})
     res = results(tmp_path, "restart", 4)
     assert all(r["steps"]["6"]["ok"] for r in res.values()), res
-    assert stepdirs.committed_steps(root) == [2, 6] and stepdirs.read_latest(root) == 6
+    assert PosixStorage(root).committed_steps() == [2, 6] and PosixStorage(root).read_latest() == 6
     assert tmp_dirs(root) == [], "the new leader did not sweep the dead leader's tmp dir"
     check = verify_exit(root)
     assert check.returncode == 0, check.stdout + check.stderr

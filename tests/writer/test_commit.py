@@ -7,9 +7,9 @@ import os
 import pytest
 
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError, WriterLockedError
-from asyncckpt.format import stepdirs
 from asyncckpt.format.manifest import Manifest, RankPart, parse_manifest
 from asyncckpt.storage import durable
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 from asyncckpt.writer import retention as lifetimes
 
@@ -20,17 +20,18 @@ def empty_manifest(step: int) -> bytes:
 
 
 def publish(root, step: int):
-    return commit.publish(root, commit.make_tmp_dir(root, step), step, empty_manifest(step))
+    storage = PosixStorage(root)
+    return commit.publish(storage, commit.make_tmp_dir(storage, step), step, empty_manifest(step))
 
 
 def test_publish_renames_writes_manifest_and_latest(tmp_path):
-    tmp = commit.make_tmp_dir(tmp_path, 5)
+    tmp = commit.make_tmp_dir(PosixStorage(tmp_path), 5)
     assert tmp.name.startswith("step-00000005.tmp-")
-    final = commit.publish(tmp_path, tmp, 5, empty_manifest(5))
+    final = commit.publish(PosixStorage(tmp_path), tmp, 5, empty_manifest(5))
     assert final == tmp_path / "step-00000005" and not tmp.exists()
     assert parse_manifest((final / "manifest.json").read_bytes(), max_frame_bytes=1 << 20).step == 5
     assert (tmp_path / "latest").read_text() == "step-00000005\n"
-    assert stepdirs.committed_steps(tmp_path) == [5]
+    assert PosixStorage(tmp_path).committed_steps() == [5]
     with pytest.raises(StepAlreadyCommittedError, match="already exists"):
         publish(tmp_path, 5)
 
@@ -38,24 +39,24 @@ def test_publish_renames_writes_manifest_and_latest(tmp_path):
 def test_latest_follows_the_disk_not_memory(tmp_path):
     for step in (3, 9, 7):
         publish(tmp_path, step)
-    assert stepdirs.read_latest(tmp_path) == 9
+    assert PosixStorage(tmp_path).read_latest() == 9
     (tmp_path / "step-00000009" / "manifest.json").unlink()  # no manifest: not a checkpoint
-    commit.update_latest(tmp_path)
-    assert stepdirs.read_latest(tmp_path) == 7
+    commit.update_latest(PosixStorage(tmp_path))
+    assert PosixStorage(tmp_path).read_latest() == 7
     os.mkdir(tmp_path / "step-00000100")  # a bare directory is not a checkpoint either
-    commit.update_latest(tmp_path)
-    assert stepdirs.committed_steps(tmp_path) == [3, 7]
+    commit.update_latest(PosixStorage(tmp_path))
+    assert PosixStorage(tmp_path).committed_steps() == [3, 7]
 
 
 def test_remove_stale_tmp_only_touches_tmp_dirs(tmp_path):
     publish(tmp_path, 1)
-    stale = commit.make_tmp_dir(tmp_path, 2)
+    stale = commit.make_tmp_dir(PosixStorage(tmp_path), 2)
     (stale / "rank-00000.safetensors").write_bytes(b"partial")
     (tmp_path / "notes.txt").write_text("keep me")
     (tmp_path / ".latest.tmp-0badf00d").write_text("step-00000002\n")  # killed mid-write
     (tmp_path / ".bashrc.tmp-0badf00d").write_text("not ours")  # a name we never make
     (tmp_path / "step-00000003.tmp-beef").write_text("a file, not our tmp directory")
-    assert commit.remove_stale_tmp(tmp_path) == [".latest.tmp-0badf00d", stale.name]
+    assert PosixStorage(tmp_path).sweep_tmp() == [".latest.tmp-0badf00d", stale.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".bashrc.tmp-0badf00d", "latest", "notes.txt", "step-00000001", "step-00000003.tmp-beef"]
 
@@ -77,10 +78,10 @@ def test_write_atomic_leaves_no_tmp_file(tmp_path):
 def test_prune_keeps_the_newest_and_leaves_no_half_deleted_step(tmp_path):
     for step in (10, 20, 30, 40):
         publish(tmp_path, step)
-    assert lifetimes.prune(tmp_path, keep_last=2).deleted == [10, 20]
+    assert lifetimes.prune(PosixStorage(tmp_path), keep_last=2).deleted == [10, 20]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000030", "step-00000040"]
-    assert lifetimes.prune(tmp_path, keep_last=0).deleted == []
-    assert stepdirs.committed_steps(tmp_path) == [30, 40]
+    assert lifetimes.prune(PosixStorage(tmp_path), keep_last=0).deleted == []
+    assert PosixStorage(tmp_path).committed_steps() == [30, 40]
 
 
 def test_root_lock_never_follows_a_planted_symlink(tmp_path):
@@ -112,9 +113,9 @@ def test_read_latest_refuses_what_is_not_a_small_regular_file(tmp_path, kind):
             f.truncate(1 << 30)
     else:
         latest.symlink_to(tmp_path / "nowhere")
-    assert stepdirs.read_latest(tmp_path) is None
-    commit.update_latest(tmp_path)  # replaces it with a real pointer
-    assert stepdirs.read_latest(tmp_path) == 4
+    assert PosixStorage(tmp_path).read_latest() is None
+    commit.update_latest(PosixStorage(tmp_path))  # replaces it with a real pointer
+    assert PosixStorage(tmp_path).read_latest() == 4
 
 
 def test_the_writer_never_commits_a_manifest_over_the_readers_size_bound(tmp_path, monkeypatch):
@@ -131,6 +132,6 @@ def test_the_writer_never_commits_a_manifest_over_the_readers_size_bound(tmp_pat
             with pytest.raises(SaveFailedError, match="over the 8192 bytes a reader accepts"):
                 client.save(2, many).wait(30)
             client.save(3, small).wait(30)  # the writer goes on
-    assert stepdirs.committed_steps(root) == [1, 3]
+    assert PosixStorage(root).committed_steps() == [1, 3]
     assert not [p for p in root.iterdir() if ".tmp-" in p.name]
     assert torch.equal(asyncckpt.load(root)["w"], small["w"])

@@ -17,10 +17,10 @@ from conftest import assert_same
 import asyncckpt
 from asyncckpt.cli import main as cli
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.format import stepdirs
 from asyncckpt.format.manifest import Manifest, read_manifest
 from asyncckpt.read.reader import RankReader
 from asyncckpt.read.verification import verify
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import retention as lifetimes
 
 SLOT = {"slot_size": 64 << 10, "ring_size": 256 << 10}
@@ -100,13 +100,13 @@ def test_retention_retires_the_referenced_step_and_deletes_the_rest(root):
     save_all(root, states, keep_last=2)
     names = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
     assert names == ["step-00000001.retired", "step-00000003", "step-00000004"]
-    assert stepdirs.committed_steps(root) == [3, 4]
+    assert PosixStorage(root).committed_steps() == [3, 4]
     for step in (3, 4):
         assert_same(states[step], asyncckpt.load(root, step=step))
     with pytest.raises(asyncckpt.CheckpointNotFoundError):
         asyncckpt.load(root, step=1)  # retired: data only, not a checkpoint
     assert verify(root).ok
-    assert stepdirs.read_latest(root) == 4
+    assert PosixStorage(root).read_latest() == 4
 
 
 def test_gc_reclaims_a_retired_step_once_nothing_references_it(root):
@@ -136,17 +136,17 @@ def test_writer_retention_reclaims_retired_steps(root):
 def test_a_save_in_flight_pins_what_it_references(root):
     from asyncckpt.writer.dedup import DedupIndex
     save_all(root, {1: state(7, 1), 2: state(8, 2)})  # step 2 references nothing of step 1
-    index = DedupIndex(root)
+    index = DedupIndex(PosixStorage(root))
     frame = max(read_manifest(root / "step-00000001").ranks[0].frames, key=lambda f: f.raw_length)
     index.open(5)
     assert index.lookup(frame.xxh3_128, frame.raw_length, 5).step == 1
     assert index.lookup(frame.xxh3_128, frame.raw_length, 6) is None  # step 6 is not open
     with index.lock:
         assert index.pinned() == {1}
-    done = lifetimes.prune(root, keep_last=1, index=index)
+    done = lifetimes.prune(PosixStorage(root), keep_last=1, index=index)
     assert done.retired == [1] and (root / "step-00000001.retired").is_dir()
     index.release(5)
-    done = lifetimes.prune(root, keep_last=1, index=index)
+    done = lifetimes.prune(PosixStorage(root), keep_last=1, index=index)
     assert done.reclaimed == [1] and not (root / "step-00000001.retired").exists()
     index.open(7)
     assert index.lookup(frame.xxh3_128, frame.raw_length, 7) is None  # forgotten
@@ -155,12 +155,12 @@ def test_a_save_in_flight_pins_what_it_references(root):
 def test_commit_refuses_a_reference_to_a_step_that_is_gone(root):
     save_all(root, {1: state(7, 1), 2: state(7, 2)})
     m = read_manifest(root / "step-00000002")
-    lifetimes.check_references(root, m)  # present: fine
+    lifetimes.check_references(PosixStorage(root), m)  # present: fine
     os.rename(root / "step-00000001", root / "step-00000001.retired")
-    lifetimes.check_references(root, m)  # retired: still fine
+    lifetimes.check_references(PosixStorage(root), m)  # retired: still fine
     shutil.rmtree(root / "step-00000001.retired")
     with pytest.raises(SaveFailedError, match="references rank-00000.safetensors.zst of step 1"):
-        lifetimes.check_references(root, m)
+        lifetimes.check_references(PosixStorage(root), m)
 
 
 def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
@@ -169,7 +169,7 @@ def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
     from asyncckpt.writer.steps import Steps
     root = tmp_path / "ckpt"
     save_all(root, {1: state(7, 1)})
-    index = DedupIndex(root)
+    index = DedupIndex(PosixStorage(root))
     heard = []
     steps = Steps(root, index=index)
     try:
@@ -188,7 +188,7 @@ def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
         steps.close(1)
     (error, path), = heard
     assert isinstance(error, SaveFailedError) and "of step 1" in str(error) and path is None
-    assert stepdirs.committed_steps(root) == []
+    assert PosixStorage(root).committed_steps() == []
     with index.lock:
         assert index.pinned() == set()
 
@@ -208,9 +208,9 @@ def test_writer_killed_at_each_new_crash_point(root, monkeypatch, where):
         with pytest.raises(asyncckpt.WriterUnavailableError):
             client.save(4 if where == "retired_deleting" else 3, later).wait(60)
     assert writer._proc.wait(10) == -9
-    newest = stepdirs.committed_steps(root)[-1]
+    newest = PosixStorage(root).committed_steps()[-1]
     assert_same(later, asyncckpt.load(root, step=newest))  # committed before retention ran
-    for step in stepdirs.committed_steps(root):
+    for step in PosixStorage(root).committed_steps():
         assert verify(root / f"step-{step:08d}").ok
     names = {p.name for p in root.iterdir()}
     if where == "retiring":
@@ -327,7 +327,7 @@ def test_the_index_skips_damaged_or_misnamed_steps(root):
     save_all(root, {1: state(7, 1), 2: state(8, 2)})
     os.rename(root / "step-00000001", root / "step-00000005.retired")  # says step 1 inside
     (root / "step-00000002" / "rank-00000.safetensors.zst").unlink()
-    index = DedupIndex(root)
+    index = DedupIndex(PosixStorage(root))
     assert len(index) == 0
     index.refresh()  # and they are not read again while they stay
     assert index._unusable == {2, 5}

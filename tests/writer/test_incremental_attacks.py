@@ -92,13 +92,13 @@ def test_damage_after_a_writer_indexed_the_step_is_caught_at_the_next_lookup(roo
 
 
 def test_a_step_linked_in_from_another_root_is_none_of_this_roots_steps(root, tmp_path):
-    """Listed, loaded, restored, retained: the same rule as for references (stepdirs.py)."""
-    from asyncckpt.format import stepdirs
+    """Listed, loaded, restored, retained: the same rule as for references (storage/posix.py)."""
+    from asyncckpt.storage.posix import PosixStorage
     foreign = tmp_path / "foreign"
     save_all(foreign, {9: state(3, 9)})
     save_all(root, {1: state(7, 1), 2: state(7, 2)})
     os.symlink(foreign / "step-00000009", root / "step-00000009")
-    assert stepdirs.committed_steps(root) == [1, 2]
+    assert PosixStorage(root).committed_steps() == [1, 2]
     assert_same(state(7, 2), asyncckpt.load(root))
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="is a symlink"):
         asyncckpt.load(root, step=9)
@@ -106,7 +106,7 @@ def test_a_step_linked_in_from_another_root_is_none_of_this_roots_steps(root, tm
     assert ckpt.latest_step() == 2
     save_all(root, {3: state(7, 3)}, keep_last=1)
     assert os.path.islink(root / "step-00000009")  # never renamed nor deleted by retention
-    assert stepdirs.committed_steps(root) == [3] and verify(root).ok
+    assert PosixStorage(root).committed_steps() == [3] and verify(root).ok
     assert_same(state(3, 9), asyncckpt.load(foreign))
 
 

@@ -15,8 +15,9 @@ from test_commit import empty_manifest
 
 import asyncckpt
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.format import stepdirs
 from asyncckpt.read.verification import verify
+from asyncckpt.storage import posix
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 
 
@@ -45,7 +46,7 @@ def test_a_replacing_save_takes_the_step_and_the_old_one_goes(root):
     assert_same(state(3), asyncckpt.load(root, step=1))
     assert_same(state(2), asyncckpt.load(root))  # latest still names the newest step
     assert verify(root).ok and leftovers(root) == []
-    assert stepdirs.read_latest(root) == 2
+    assert PosixStorage(root).read_latest() == 2
 
 
 def test_replacing_a_step_that_does_not_exist_is_an_ordinary_save(root):
@@ -88,24 +89,26 @@ def test_without_an_atomic_swap_a_crash_between_the_renames_is_undone_at_start(t
                                                                             monkeypatch):
     """Where renameat2(RENAME_EXCHANGE) is refused (NFS), the old step is set aside first;
     a crash before the new one is in leaves it aside, and the next start puts it back."""
-    root = tmp_path
-    commit.publish(root, commit.make_tmp_dir(root, 3), 3, empty_manifest(3))
+    root, storage = tmp_path, PosixStorage(tmp_path)
+    commit.publish(storage, commit.make_tmp_dir(storage, 3), 3, empty_manifest(3))
     old = (root / "step-00000003" / "manifest.json").read_bytes()
-    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(posix, "_exchange", lambda a, b: False)
 
     def crash(name: str) -> None:
         if name == "set_aside":
             raise KeyboardInterrupt("killed")
-    monkeypatch.setattr(commit.faults, "point", crash)
-    new = commit.make_tmp_dir(root, 3)
+    monkeypatch.setattr(posix.faults, "point", crash)
+    new = commit.make_tmp_dir(storage, 3)
     with pytest.raises(KeyboardInterrupt):
-        commit.publish(root, new, 3, empty_manifest(3), replace=True)
+        commit.publish(storage, new, 3, empty_manifest(3), replace=True)
     assert not (root / "step-00000003").exists()
     assert [p.name for p in root.iterdir() if ".replaced-" in p.name]
-    assert [name.split(".replaced-")[0] for name in commit.restore_replaced(root)] == ["step-00000003"]
+    restored = storage.restore_replaced()
+    assert [name.split(".replaced-")[0] for name in restored] == ["step-00000003"]
     assert (root / "step-00000003" / "manifest.json").read_bytes() == old
-    monkeypatch.setattr(commit.faults, "point", lambda name: None)
-    commit.publish(root, commit.make_tmp_dir(root, 3), 3, empty_manifest(3), replace=True)
+    monkeypatch.setattr(posix.faults, "point", lambda name: None)
+    commit.publish(storage, commit.make_tmp_dir(storage, 3), 3, empty_manifest(3),
+                   replace=True)
     assert sorted(os.listdir(root)) == sorted({"latest", "step-00000003", new.name})
 
 
@@ -113,9 +116,9 @@ def test_keep_from_protects_steps_from_retention(root):
     for step in (1, 2, 3):
         save(root, step, state(step))
     save(root, 4, state(4), keep_last=1, keep_from=2)
-    assert stepdirs.committed_steps(root) == [2, 3, 4]
+    assert PosixStorage(root).committed_steps() == [2, 3, 4]
     save(root, 5, state(5), keep_last=1)
-    assert stepdirs.committed_steps(root) == [5]
+    assert PosixStorage(root).committed_steps() == [5]
     with pytest.raises(ValueError, match="keep_from"):
         save(root, 6, state(6), keep_from=-1)
 

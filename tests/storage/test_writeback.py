@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from asyncckpt.writer import writeback
-from asyncckpt.writer.writeback import Writeback
+from asyncckpt.storage import writeback
+from asyncckpt.storage.writeback import Writeback
 from benchmarks.stagespeed import resident_bytes
 
 MiB = 1 << 20
@@ -113,36 +113,3 @@ def test_a_write_error_reported_by_sync_file_range_is_raised(tmp_path, monkeypat
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="mode"):
         Writeback(0, WINDOW, "direct")
-
-
-@pytest.mark.parametrize("codec", ["raw", "bytegroup"])
-def test_a_rank_file_is_fsynced_once_at_the_end_and_leaves_no_page_cache(tmp_path, monkeypatch,
-                                                                           codec):
-    import torch
-
-    from asyncckpt.format.layout import layout
-    from asyncckpt.runtime.pool import FramePool
-    from asyncckpt.writer import pipeline
-    from asyncckpt.writer.pipeline import RankFileWriter
-
-    frame = 2 * MiB
-    numel = 24 * MiB // 2
-    header, specs = layout([("w", "BF16", (numel,))])
-    data = (torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
-    raw = data.view(torch.uint8).numpy().tobytes()
-    fsynced = []
-    real_fsync = pipeline.os.fsync
-    monkeypatch.setattr(pipeline.os, "fsync", lambda fd: fsynced.append(fd) or real_fsync(fd))
-    pool = FramePool(threads=2, max_inflight=4)
-    writer = RankFileWriter(tmp_path, 0, codec, 1, header, specs, WINDOW, pool=pool,
-                            max_frame=frame)
-    peak = 0
-    for i in range(0, len(raw), frame):
-        writer.submit(memoryview(raw)[i:i + frame])
-        peak = max(peak, resident_bytes(writer.path))
-    part = writer.finish({"tensor": "w"})
-    pool.close()
-    assert len(fsynced) == 1  # the final fsync, before the part is reported
-    assert resident_bytes(tmp_path / part.file) == 0
-    assert peak <= 3 * WINDOW + 4 * frame
-    assert (tmp_path / part.file).stat().st_size == part.stored_size
