@@ -1,6 +1,9 @@
 """Shared fixtures: a writer per test, small rings that force chunking, and a check that
 no ring outlives the test that made it. The fault tools (scripts/faults: the hostile rank,
-torture, soak, corruption, fuzz) are importable from every test."""
+torture, soak, corruption, fuzz) are importable from every test.
+
+Tests that start a process are marked `process` at collection (tests/tiers.py reads their
+code and fixtures): `make test-fast` runs the rest (`-m "not process"`), `make test` all."""
 
 from __future__ import annotations
 
@@ -22,6 +25,16 @@ sys.path[:0] = [str(_TESTS.parent / "scripts" / "faults")] + sorted(
     str(d) for d in _TESTS.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
 
 SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
+
+from tiers import (  # noqa: E402,F401 (the tier hooks; tiers is importable once the path is set)
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    pytest_unconfigure,
+)
+
+pytest_plugins = ("pytester",)
 
 
 def shm_segments() -> list[str]:
