@@ -30,7 +30,7 @@ sys.path[:0] = [str(_TESTS.parent / "scripts" / "faults")] + sorted(
 
 SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 
-from tiers import (  # noqa: E402,F401 (the tier hooks; tiers is importable once the path is set)
+from tiers import (  # noqa: F401 (the tier hooks, importable once the path above is set)
     pytest_collection_modifyitems,
     pytest_configure,
     pytest_runtest_setup,

@@ -88,8 +88,8 @@ def test_a_process_the_reading_missed_fails_the_test_outside_the_tier(pytester: 
     """)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*test_hidden started 1 process(es) but is not in the "
-                                 "`process` tier*mark it @pytest.mark.process*"])
+    result.stdout.fnmatch_lines([("*test_hidden started 1 process(es) but is not in the "
+                                  "`process` tier*mark it @pytest.mark.process*")])
     assert pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "not process"
                                         ).ret == pytest.ExitCode.TESTS_FAILED
 

@@ -24,7 +24,8 @@ import os
 import subprocess
 import types
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,7 @@ _verdicts: dict[int, bool] = {}  # id of a function, class or module read -> sta
 _modules: dict[str, types.ModuleType | None] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _own_file(path: str) -> bool:
     resolved = Path(path).resolve()
     return resolved.is_relative_to(REPO) and not resolved.is_relative_to(PACKAGE)
@@ -115,7 +116,7 @@ def starts_process(obj: Any, seen: set[int] | None = None) -> bool:
 
 
 def _reads_as_starting(obj: Any, seen: set[int]) -> bool:
-    if isinstance(obj, type) or isinstance(obj, types.ModuleType):
+    if isinstance(obj, (type, types.ModuleType)):
         return any(starts_process(v, seen) for v in vars(obj).values()
                    if (inspect.isfunction(v) or isinstance(v, type)) and _own_code(v))
     code = getattr(obj, "__code__", None)
