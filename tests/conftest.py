@@ -119,8 +119,9 @@ class SharedWriter:
     Starting a writer costs more than most tests that use one, so the tests that need no
     root of their own share one per codec. Each takes its steps from `step()`, above every
     step any test saved before, so the root's newest step is the one it saved last. A test
-    that lists or counts the root's steps, sets retention, reads the writer's log, or stops
-    or kills the writer uses `writer` (a fresh root) instead.
+    that lists or counts the root's steps, sets retention, reads the writer's log, stops or
+    kills the writer, or checks stored sizes (the writer stores bytes another test already
+    saved as references to that test's step) uses `writer`, a root of its own, instead.
     """
 
     _steps = itertools.count(1)  # one count for every codec's root

@@ -13,14 +13,13 @@ from asyncckpt.format import stepdirs
 
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
-def test_inspect_reports_tensors_and_ratio_per_dtype(shared, capsys):
-    root, step = shared.root, shared.step()
+def test_inspect_reports_tensors_and_ratio_per_dtype(client, root, capsys):
     state = {"w": torch.zeros(1_000_000, dtype=torch.bfloat16), "r": torch.randn(20_000),
              "opt": {0: {"m": torch.zeros(10)}}}
-    shared.client.save(step, state).wait(30)
+    client.save(5, state).wait(30)
     assert main(["inspect", str(root), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["step"] == step and out["codecs"] == ["zstd"]
+    assert out["step"] == 5 and out["codecs"] == ["zstd"]
     names = {t["name"]: t for t in out["tensors"]}
     assert names["w"]["shape"] == [1_000_000] and names["w"]["bytes"] == 2_000_000
     assert names["opt.0.m"]["dtype"] == "F32"
