@@ -23,8 +23,8 @@ import inspect
 import os
 import subprocess
 import types
-from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +34,7 @@ PACKAGE = REPO / "asyncckpt"
 PROCESS_NAMES = frozenset({
     "start_writer", "running_writer", "subprocess", "Popen", "multiprocessing", "torchrun",
     "fork", "forkpty", "posix_spawn", "posix_spawnp", "spawn", "system", "small_tmpfs",
+    "runpytest_subprocess",
 })
 # folders whose tests start processes inside library code the reading does not follow
 # (verl's manager starts its writer) or in every test (torchrun workers)
@@ -86,7 +87,7 @@ def _imported_here(code: types.CodeType) -> dict[str, types.ModuleType]:
 def _own_module(name: str) -> types.ModuleType | None:
     try:
         spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None or not _own_file(spec.origin):
+        if spec is None or not spec.has_location or not _own_file(spec.origin):
             return None
         return importlib.import_module(name)
     except Exception:  # noqa: BLE001 (a helper that cannot be imported here is not followed)
@@ -218,8 +219,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    yield
+    # counted in setup and call only: this teardown also finalizes the fixtures of its
+    # module or session, which other tests set up
     started = item.config.stash[_GUARD].started
+    yield
     if started and item.get_closest_marker(MARKER) is None:
         pytest.fail(f"{item.nodeid} started {started} process(es) but is not in the "
                     f"`{MARKER}` tier (tests/tiers.py did not see how): mark it "
