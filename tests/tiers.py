@@ -4,7 +4,7 @@
 subprocess): they need seconds, where the whole suite needs minutes. Marking by hand would
 drift; a marker per folder would put the pure tests of `read/` with the writer's. So a test
 is in the `process` tier when its own code, a fixture it uses (directly or through another
-fixture), or a helper either calls, names one of `PROCESS_NAMES`; helpers are followed into
+fixture), or a helper any of them calls names one of `PROCESS_NAMES`; helpers are followed into
 the repository's own code outside the package (tests, scripts, benchmarks), never into
 `asyncckpt/` or other libraries, whose only process start is `start_writer`. The reading is
 static and can miss a start hidden behind an attribute it cannot resolve, so `ProcessGuard`
