@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 VERL_VENV   ?= $(VENV)-verl
 VERL_SPEC   ?= verl==0.9.1
 
-.PHONY: setup verl-setup test test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage
+.PHONY: setup verl-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,11 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup verl-setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The tests that start no process (no writer, torchrun or subprocess): tests/tiers.py marks
+# the others `process` at collection.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not process" $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/python examples/demo.py

@@ -1,10 +1,16 @@
-"""Shared fixtures: a writer per test, small rings that force chunking, and a check that
-no ring outlives the test that made it. The fault tools (scripts/faults: the hostile rank,
-torture, soak, corruption, fuzz) are importable from every test."""
+"""Shared fixtures: a writer per test (`writer`, a root of its own) or one per codec for the
+session (`shared`, for tests that only save and load), small rings that force chunking,
+and a check that no ring outlives the test that made it. The fault tools (scripts/faults: the hostile rank,
+torture, soak, corruption, fuzz) are importable from every test.
+
+Tests that start a process are marked `process` at collection (tests/tiers.py reads their
+code and fixtures): `make test-fast` runs the rest (`-m "not process"`), `make test` all."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +20,7 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt.ipc.protocol import ADDRESS_ENV
 
 _TESTS = Path(__file__).resolve().parent
 # a test may use another folder's helpers by module name (test_sharded's save_ranks), and
@@ -22,6 +29,16 @@ sys.path[:0] = [str(_TESTS.parent / "scripts" / "faults")] + sorted(
     str(d) for d in _TESTS.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
 
 SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
+
+from tiers import (  # noqa: F401 (the tier hooks, importable once the path above is set)
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    pytest_unconfigure,
+)
+
+pytest_plugins = ("pytester",)
 
 
 def shm_segments() -> list[str]:
@@ -94,6 +111,79 @@ def writer(tmp_path: Path, codec: str) -> Iterator[asyncckpt.WriterProcess]:
 def client(writer: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Client]:
     with small_ring_client(writer) as c:
         yield c
+
+
+class SharedWriter:
+    """The session's writer of one codec, for a test that only saves and loads states.
+
+    Starting a writer costs more than most tests that use one, so the tests that need no
+    root of their own share one per codec. Each takes its steps from `step()`, above every
+    step any test saved before, so the root's newest step is the one it saved last. A test
+    that lists or counts the root's steps, sets retention, reads the writer's log, stops or
+    kills the writer, or checks stored sizes (the writer stores bytes another test already
+    saved as references to that test's step) uses `writer`, a root of its own, instead.
+    """
+
+    _steps = itertools.count(1)  # one count for every codec's root
+
+    def __init__(self, writer: asyncckpt.WriterProcess) -> None:
+        self.writer = writer
+        self._client: asyncckpt.Client | None = None
+
+    @property
+    def root(self) -> Path:
+        return self.writer.root
+
+    @property
+    def address(self) -> str:
+        return self.writer.address
+
+    @property
+    def client(self) -> asyncckpt.Client:
+        """Rank 0 of 1 with 64 KiB slots (as the `client` fixture), closed after the test."""
+        if self._client is None:
+            self._client = asyncckpt.connect(self.address, rank=0, world_size=1, **SMALL_RING)
+        return self._client
+
+    def step(self) -> int:
+        """A step number no test of this session has used."""
+        return next(self._steps)
+
+    def close_client(self) -> None:
+        if self._client is not None:
+            self._client.close(timeout=30)
+            self._client = None
+
+
+@pytest.fixture(scope="session")
+def _shared_writers(tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[dict[str, asyncckpt.WriterProcess]]:
+    """Writers by codec, each started by the first test that asks for it."""
+    writers: dict[str, asyncckpt.WriterProcess] = {}
+    yield writers
+    for w in writers.values():
+        w.stop(timeout=30)
+
+
+@pytest.fixture
+def shared(codec: str, _shared_writers: dict[str, asyncckpt.WriterProcess],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWriter]:
+    """The session's `codec` writer (see SharedWriter); it leaves ASYNCCKPT_ADDRESS as it was."""
+    if codec not in _shared_writers:
+        before = os.environ.get(ADDRESS_ENV)
+        base = tmp_path_factory.mktemp(f"shared-{codec}")
+        _shared_writers[codec] = asyncckpt.start_writer(base / "ckpt", codec=codec,
+                                                        log_file=base / "writer.log")
+        if before is None:
+            os.environ.pop(ADDRESS_ENV, None)
+        else:
+            os.environ[ADDRESS_ENV] = before
+    assert _shared_writers[codec].alive(), "a test stopped the shared writer: use `writer`"
+    shared = SharedWriter(_shared_writers[codec])
+    try:
+        yield shared
+    finally:
+        shared.close_client()
 
 
 def sample_state(seed: int = 0) -> dict:

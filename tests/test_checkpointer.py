@@ -1,4 +1,7 @@
-"""Checkpointer: interval, contents, retention from disk, busy policy, fence, restore."""
+"""Checkpointer: interval, contents, retention from disk, busy policy, fence, restore.
+
+Tests that set retention or list the root's steps have a writer of their own (`writer`);
+the others save their own steps through the session's writer (`shared`)."""
 
 from __future__ import annotations
 
@@ -57,14 +60,15 @@ def test_restore_with_nothing_committed_returns_none(tmp_path):
 
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
-def test_fence_keeps_the_optimizer_from_tearing_a_save(writer, root):
+def test_fence_keeps_the_optimizer_from_tearing_a_save(shared):
+    root, torn, fenced = shared.root, shared.step(), shared.step()
     model, opt = make_model(width=1024)  # 4 MiB of weights through a 64 KiB ring
-    client = asyncckpt.connect(writer.address, rank=0, world_size=1,
+    client = asyncckpt.connect(shared.address, rank=0, world_size=1,
                                slot_size=16 << 10, ring_size=64 << 10)
     ckpt = Checkpointer(root, model=model, optimizer=opt, client=client, fence=False,
                         options=CheckpointerOptions(save_interval=1, contents=("model",)))
     train_step(model, opt, 1)
-    handle = ckpt.save(1)
+    handle = ckpt.save(torn)
     with torch.no_grad():  # no fence: an update lands while staging runs (at once, so
         for p in model.parameters():  # that a fast writer cannot finish staging first)
             p.mul_(0.5)
@@ -73,36 +77,37 @@ def test_fence_keeps_the_optimizer_from_tearing_a_save(writer, root):
 
     ckpt.install_fence()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = ckpt.save(3)
+    handle = ckpt.save(fenced)
     train_step(model, opt, 4)  # the fence holds optimizer.step() until staging is done
-    assert handle.wait(60).name == "step-00000003"
+    assert handle.wait(60).name == f"step-{fenced:08d}"
     assert ckpt.fence_blocked_seconds > 0
-    assert_same(before, asyncckpt.load(root, step=3)["model"])
+    assert_same(before, asyncckpt.load(root, step=fenced)["model"])
     ckpt.close()
     client.close()
 
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
-def test_busy_policies(writer, root):
-    client = asyncckpt.connect(writer.address, rank=0, world_size=1,
+def test_busy_policies(shared):
+    root, steps = shared.root, [shared.step() for _ in range(7)]
+    client = asyncckpt.connect(shared.address, rank=0, world_size=1,
                                slot_size=16 << 10, ring_size=32 << 10)
     big = {"w": torch.randn(2 << 20)}
     skip = Checkpointer(root, client=client, options=CheckpointerOptions(save_interval=1, on_busy="skip"))
-    assert skip.save(1, extra=big) is not None
-    with pytest.warns(UserWarning, match="skipping the save of step 2"):
-        assert skip.save(2, extra=big) is None
+    assert skip.save(steps[0], extra=big) is not None
+    with pytest.warns(UserWarning, match=f"skipping the save of step {steps[1]}"):
+        assert skip.save(steps[1], extra=big) is None
     skip.wait_until_finished()
     block = Checkpointer(root, client=client, options=CheckpointerOptions(save_interval=1))
-    first = block.save(3, extra=big)
-    block.save(4, extra=big)
-    assert first.done()  # "block" waited for step 3 before starting step 4
+    first = block.save(steps[2], extra=big)
+    block.save(steps[3], extra=big)
+    assert first.done()  # "block" waited for the 3rd step before starting the 4th
     queue = Checkpointer(root, client=client,
                          options=CheckpointerOptions(save_interval=1, on_busy="queue", max_in_flight=3))
-    handles = [queue.save(s, extra=big) for s in (5, 6, 7)]
+    handles = [queue.save(s, extra=big) for s in steps[4:]]
     queue.close()
     block.close()
     assert all(h.done() and h.exception() is None for h in handles)
-    assert asyncckpt.load(root)["step"] == 7
+    assert asyncckpt.load(root)["step"] == steps[6]
     client.close()
 
 
@@ -202,11 +207,11 @@ def test_restore_when_no_step_loads_raises(three_steps):
 
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
-def test_blocked_seconds_include_collecting_the_state(writer, root, monkeypatch):
+def test_blocked_seconds_include_collecting_the_state(shared, monkeypatch):
     """Regression: blocked_seconds counted only Client.save, not get_*_state_dict."""
     model, opt = make_model()
-    client = asyncckpt.connect(writer.address, rank=0, world_size=1)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, client=client)
+    client = asyncckpt.connect(shared.address, rank=0, world_size=1)
+    ckpt = Checkpointer(shared.root, model=model, optimizer=opt, client=client)
     collect = ckpt._state_dicts
 
     def slow_collect():
@@ -214,7 +219,7 @@ def test_blocked_seconds_include_collecting_the_state(writer, root, monkeypatch)
         time.sleep(0.3)
         return collect()
     monkeypatch.setattr(ckpt, "_state_dicts", slow_collect)
-    handle = ckpt.save(1, force=True)
+    handle = ckpt.save(shared.step(), force=True)
     assert handle.stats.blocked_seconds >= 0.3
     handle.wait(60)
     assert handle.stats.blocked_seconds >= 0.3  # the writer's figures do not replace it
@@ -249,10 +254,11 @@ def test_auto_ring_size_rules():
 
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
-def test_own_client_ring_sized_from_the_state(writer, root, monkeypatch, caplog):
+def test_own_client_ring_sized_from_the_state(shared, monkeypatch, caplog):
     """A Checkpointer's own client gets a ring the size of the state (memory allowing);
     ring_size= and ASYNCCKPT_RING_SIZE still win."""
-    monkeypatch.setenv("ASYNCCKPT_ADDRESS", writer.address)
+    root = shared.root
+    monkeypatch.setenv("ASYNCCKPT_ADDRESS", shared.address)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("ASYNCCKPT_RING_SIZE", raising=False)
@@ -260,28 +266,29 @@ def test_own_client_ring_sized_from_the_state(writer, root, monkeypatch, caplog)
     train_step(model, opt, 1)
     with caplog.at_level("INFO", logger="asyncckpt.checkpointer"):
         with Checkpointer(root, model=model, optimizer=opt) as ckpt:
-            ckpt.save(1, force=True).wait(60)
+            ckpt.save(shared.step(), force=True).wait(60)
             assert ckpt.client.knobs.ring_size == 16 << 20  # 12 MiB + a bit, in 4 MiB slots
     assert any("ring of 16 MiB" in r.getMessage() for r in caplog.records)
     with Checkpointer(root, model=model, optimizer=opt, ring_size=8 << 20) as ckpt:
-        ckpt.save(2, force=True).wait(60)
+        ckpt.save(shared.step(), force=True).wait(60)
         assert ckpt.client.knobs.ring_size == 8 << 20
     monkeypatch.setenv("ASYNCCKPT_RING_SIZE", str(4 << 20))
     with Checkpointer(root, model=model, optimizer=opt) as ckpt:
-        ckpt.save(3, force=True).wait(60)
+        ckpt.save(shared.step(), force=True).wait(60)
         assert ckpt.client.knobs.ring_size == 4 << 20
 
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
-def test_restore_reads_only_the_contents_asked_for(writer, root, monkeypatch):
+def test_restore_reads_only_the_contents_asked_for(shared, monkeypatch):
     """Regression: restoring only the model still read (and allocated) the saved optimizer
     state, as full tensors for a sharded one."""
     from asyncckpt.read import loader
+    root, step = shared.root, shared.step()
     model, opt = make_model()
     train_step(model, opt, 1)
     with Checkpointer(root, model=model, optimizer=opt,
-                      client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
-        ckpt.save(1, extra={"seen": 8}, force=True).wait(60)
+                      client=asyncckpt.connect(shared.address, rank=0, world_size=1)) as ckpt:
+        ckpt.save(step, extra={"seen": 8}, force=True).wait(60)
         ckpt.client.close()
     planned = []
     plan = loader._plan
@@ -289,7 +296,7 @@ def test_restore_reads_only_the_contents_asked_for(writer, root, monkeypatch):
     fresh, fresh_opt = make_model(seed=3)
     only_model = Checkpointer(root, model=fresh, optimizer=fresh_opt, fence=False,
                               options=CheckpointerOptions(contents=("model", "extra")))
-    assert only_model.restore() == 1 and only_model.extra == {"seen": 8}
+    assert only_model.restore() == step and only_model.extra == {"seen": 8}
     assert planned and all(path[0] == "model" for path in planned), planned
     assert_same(model.state_dict(), fresh.state_dict())
     assert fresh_opt.state_dict()["state"] == {}

@@ -113,12 +113,13 @@ def test_one_gib_tensor_through_a_32_mib_ring(tmp_path):
 
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
-def test_pipelined_saves_commit_in_order(client, root):
-    handles = [client.save(s, {"s": torch.full((1000,), float(s))}) for s in range(1, 6)]
+def test_pipelined_saves_commit_in_order(shared):
+    root, steps = shared.root, [shared.step() for _ in range(5)]
+    handles = [shared.client.save(s, {"s": torch.full((1000,), float(s))}) for s in steps]
     paths = [h.wait(60) for h in handles]
-    assert [p.name for p in paths] == [f"step-{s:08d}" for s in range(1, 6)]
-    assert (root / "latest").read_text() == "step-00000005\n"
-    assert asyncckpt.load(root)["s"][0] == 5
+    assert [p.name for p in paths] == [f"step-{s:08d}" for s in steps]
+    assert (root / "latest").read_text() == f"step-{steps[-1]:08d}\n"
+    assert asyncckpt.load(root)["s"][0] == steps[-1]
 
 
 def test_cli_writer_foreground(tmp_path):

@@ -1,4 +1,7 @@
-"""`asyncckpt export`: a Hugging Face directory that safetensors and transformers load."""
+"""`asyncckpt export`: a Hugging Face directory that safetensors and transformers load.
+
+Most tests save to the session's writer of their codec (`shared`) and export their own
+newest step or name it."""
 
 from __future__ import annotations
 
@@ -29,11 +32,11 @@ def assert_same_outputs(model, reloaded) -> None:
 
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
-def test_export_loads_in_transformers_with_identical_outputs(client, root, tmp_path, capsys):
+def test_export_loads_in_transformers_with_identical_outputs(shared, tmp_path, capsys):
     transformers, config, model = tiny_bert()
-    client.save(3, {"model": model.state_dict(), "optim": {"lr": 0.1}, "step": 3}).wait(60)
+    shared.client.save(shared.step(), {"model": model.state_dict(), "optim": {"lr": 0.1}, "step": 3}).wait(60)
     out = tmp_path / "hf"
-    assert main(["export", str(root), "--out", str(out), "--max-shard-size", "40KiB", "--json"]) == 0
+    assert main(["export", str(shared.root), "--out", str(out), "--max-shard-size", "40KiB", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert len(summary["shards"]) > 1
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -46,9 +49,10 @@ def test_export_loads_in_transformers_with_identical_outputs(client, root, tmp_p
 
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
-def test_export_dtype_and_contents(client, root, tmp_path):
+def test_export_dtype_and_contents(shared, tmp_path):
+    root = shared.root
     state = {"model": {"w": torch.randn(100, 10), "ids": torch.arange(5)}, "other": {"x": torch.ones(2)}}
-    client.save(1, state).wait(30)
+    shared.client.save(shared.step(), state).wait(30)
     asyncckpt_export = __import__("asyncckpt.read.export", fromlist=["export_hf"]).export_hf
     index = asyncckpt_export(root, tmp_path / "out", dtype=torch.bfloat16)
     assert set(index["weight_map"]) == {"w", "ids"}
@@ -88,9 +92,10 @@ def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
 @pytest.mark.parametrize("rank", [1, 5, -1])
-def test_export_rank_out_of_range_is_a_usage_error(client, root, tmp_path, capsys, rank):
+def test_export_rank_out_of_range_is_a_usage_error(shared, tmp_path, capsys, rank):
     """Regression: --rank 5 ended in an IndexError traceback, --rank -1 exported the last rank."""
-    client.save(1, {"model": {"w": torch.ones(3)}}).wait(30)
+    root, step = shared.root, shared.step()
+    shared.client.save(step, {"model": {"w": torch.ones(3)}}).wait(30)
     rc = main(["export", str(root), "--out", str(tmp_path / "out"), f"--rank={rank}"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
@@ -98,7 +103,7 @@ def test_export_rank_out_of_range_is_a_usage_error(client, root, tmp_path, capsy
     assert not (tmp_path / "out").exists()
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match=r"ranks 0\.\.0") as info:
         asyncckpt.export_hf(root, tmp_path / "out", rank=rank)
-    assert info.value.rank == rank and info.value.step == 1
+    assert info.value.rank == rank and info.value.step == step
 
 
 def tiny_gpt2():
@@ -119,17 +124,18 @@ def logits(model, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
-def test_tied_embeddings_are_stored_once_and_come_back_tied(client, root, tmp_path):
+def test_tied_embeddings_are_stored_once_and_come_back_tied(shared, tmp_path):
     transformers, config, model = tiny_gpt2()
+    root, first, second = shared.root, shared.step(), shared.step()
     state = model.state_dict()
     wte = state["transformer.wte.weight"]
-    client.save(1, {"model": state}).wait(60)
-    client.save(2, {"model": {k: v.clone() for k, v in state.items()}}).wait(60)  # untied copy
+    shared.client.save(first, {"model": state}).wait(60)
+    shared.client.save(second, {"model": {k: v.clone() for k, v in state.items()}}).wait(60)  # untied copy
     from asyncckpt.format.manifest import read_manifest  # raw streams: step 2 is incremental
-    tied, untied = (read_manifest(root / f"step-0000000{s}").raw_size for s in (1, 2))
+    tied, untied = (read_manifest(root / f"step-{s:08d}").raw_size for s in (first, second))
     assert untied - tied >= wte.numel() * wte.element_size()  # the tied copy is not written
 
-    out = asyncckpt.load(root, step=1)["model"]
+    out = asyncckpt.load(root, step=first)["model"]
     head, emb = out["lm_head.weight"], out["transformer.wte.weight"]
     assert head.data_ptr() == emb.data_ptr() and torch.equal(head, wte)
     emb[0, 0] = 123.0
@@ -138,16 +144,16 @@ def test_tied_embeddings_are_stored_once_and_come_back_tied(client, root, tmp_pa
     torch.manual_seed(7)
     fresh = transformers.GPT2LMHeadModel(config).eval()
     assert not torch.equal(logits(fresh), logits(model))
-    asyncckpt.load(root, step=1, into={"model": fresh.state_dict()})
+    asyncckpt.load(root, step=first, into={"model": fresh.state_dict()})
     assert fresh.lm_head.weight is fresh.transformer.wte.weight
     assert torch.equal(logits(fresh), logits(model))
 
     untied_target = {k: torch.zeros_like(v) for k, v in state.items()}  # separate memories
-    asyncckpt.load(root, step=1, into={"model": untied_target})
+    asyncckpt.load(root, step=first, into={"model": untied_target})
     assert torch.equal(untied_target["lm_head.weight"], wte)
     assert untied_target["lm_head.weight"].data_ptr() != untied_target["transformer.wte.weight"].data_ptr()
 
-    index = asyncckpt.export_hf(root, tmp_path / "hf", step=1)
+    index = asyncckpt.export_hf(root, tmp_path / "hf", step=first)
     assert set(index["weight_map"]) == set(state) - {"lm_head.weight"}  # once, as HF saves it
     config.save_pretrained(tmp_path / "hf")
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
@@ -180,7 +186,7 @@ def local_tokenizer(directory):
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
 @pytest.mark.parametrize("build,dtype", [(tiny_llama, None), (tiny_gpt2, None),
                                          (tiny_llama, "bfloat16")])
-def test_checkpointer_export_opens_with_from_pretrained_unchanged(writer, root, tmp_path, capsys,
+def test_checkpointer_export_opens_with_from_pretrained_unchanged(shared, tmp_path, capsys,
                                                                   build, dtype):
     """The Checkpointer stores the config; export writes config.json (with the dtype it
     wrote), generation_config.json, the tokenizer, each tied weight once; from_pretrained
@@ -188,9 +194,10 @@ def test_checkpointer_export_opens_with_from_pretrained_unchanged(writer, root, 
     transformers, config, model = build()
     model.generation_config.max_new_tokens = 7
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    root = shared.root
     with asyncckpt.Checkpointer(root, model=model, optimizer=opt,
-                                client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
-        ckpt.save(5, force=True).wait(60)
+                                client=asyncckpt.connect(shared.address, rank=0, world_size=1)) as ckpt:
+        ckpt.save(shared.step(), force=True).wait(60)
         ckpt.client.close()
     tokenizer = local_tokenizer(tmp_path / "tok")
     out = tmp_path / "hf"
@@ -222,21 +229,22 @@ def test_checkpointer_export_opens_with_from_pretrained_unchanged(writer, root, 
 
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
-def test_explicit_config_and_plain_models(writer, root, tmp_path):
+def test_explicit_config_and_plain_models(shared, tmp_path):
     """A config passed by the user is stored for any module; a plain module stores none
     (nothing extra is written on export) and a non-config is refused up front."""
     transformers, config, model = tiny_llama()
-    client = asyncckpt.connect(writer.address, rank=0, world_size=1)
+    root, first, second = shared.root, shared.step(), shared.step()
+    client = asyncckpt.connect(shared.address, rank=0, world_size=1)
     plain = torch.nn.Linear(4, 4)
     assert asyncckpt.Checkpointer(root, model=plain, client=client).hf_metadata is None
     with pytest.raises(TypeError, match="config object or a mapping"):
         asyncckpt.Checkpointer(root, model=plain, client=client, hf_config=3)
     inner = torch.nn.ModuleDict({"m": model})  # not a PreTrainedModel: config passed by hand
     with asyncckpt.Checkpointer(root, model=inner, client=client, hf_config=config) as ckpt:
-        ckpt.save(1, force=True).wait(60)
-        ckpt.save(2, extra={"x": 1}, force=True).wait(60)
-    assert json.loads(asyncckpt.load(root, step=1)["hf"]["config"])["hidden_size"] == 64
-    index = asyncckpt.export_hf(root, tmp_path / "hf", step=2)
+        ckpt.save(first, force=True).wait(60)
+        ckpt.save(second, extra={"x": 1}, force=True).wait(60)
+    assert json.loads(asyncckpt.load(root, step=first)["hf"]["config"])["hidden_size"] == 64
+    index = asyncckpt.export_hf(root, tmp_path / "hf", step=second)
     assert index["files"] == ["config.json"]
     assert all(k.startswith("m.") for k in index["weight_map"])
     with pytest.raises(ValueError, match="does not exist"):

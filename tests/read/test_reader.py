@@ -294,19 +294,20 @@ def test_hand_made_checkpoint_loads(tmp_path):
     assert asyncckpt.load(d) == {"lr": 0.5, 3: (None, float("-inf"))}
 
 
-def test_multi_rank_checkpoint(writer, root, codec, monkeypatch):
+def test_multi_rank_checkpoint(shared, codec, monkeypatch):
     """Two ranks of one step: each loads its own part; the default rank comes from RANK."""
+    root, step = shared.root, shared.step()
     states = [{"w": torch.full((1000,), float(r)), "rank": r, "shared": {"k": [r]}} for r in (0, 1)]
-    clients = [asyncckpt.connect(writer.address, rank=r, world_size=2, slot_size=4096, ring_size=16384)
+    clients = [asyncckpt.connect(shared.address, rank=r, world_size=2, slot_size=4096, ring_size=16384)
                for r in (0, 1)]
     try:
-        handles = [c.save(5, s) for c, s in zip(clients, states)]
+        handles = [c.save(step, s) for c, s in zip(clients, states)]
         paths = {h.wait(60) for h in handles}
     finally:
         for c in clients:
             c.close(timeout=30)
-    assert paths == {root.resolve() / "step-00000005"}
-    manifest = read_manifest(root / "step-00000005")
+    assert paths == {root.resolve() / f"step-{step:08d}"}
+    manifest = read_manifest(root / f"step-{step:08d}")
     assert manifest.world_size == 2 and [p.file for p in manifest.ranks] == [
         data_file_name(0, codec), data_file_name(1, codec)]
     for r in (0, 1):
