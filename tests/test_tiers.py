@@ -103,3 +103,13 @@ def test_the_guard_counts_every_route_and_restores_them():
     finally:
         guard.uninstall()
     assert os.fork is real_fork and guard.started == 0
+
+
+def test_only_the_repositorys_tests_scripts_and_benchmarks_are_followed():
+    """A virtualenv inside the checkout is library code, not ours: reading torch or pytest
+    as our own would put every test in the process tier."""
+    from tiers import REPO, _own_file
+    assert _own_file(str(REPO / "tests" / "conftest.py"))
+    assert _own_file(str(REPO / "scripts" / "faults" / "torture.py"))
+    assert not _own_file(str(REPO / ".venv" / "lib" / "python3.11" / "site-packages" / "x.py"))
+    assert not _own_file(str(REPO / "asyncckpt" / "rank" / "launch.py"))

@@ -30,7 +30,6 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE = REPO / "asyncckpt"
 PROCESS_NAMES = frozenset({
     "start_writer", "running_writer", "subprocess", "Popen", "multiprocessing", "torchrun",
     "fork", "forkpty", "posix_spawn", "posix_spawnp", "spawn", "system", "small_tmpfs",
@@ -44,10 +43,14 @@ _verdicts: dict[int, bool] = {}  # id of a function, class or module read -> sta
 _modules: dict[str, types.ModuleType | None] = {}
 
 
+OWN_FOLDERS = tuple(REPO / name for name in ("tests", "scripts", "benchmarks"))
+
+
 @functools.cache
 def _own_file(path: str) -> bool:
+    """In the repository's tests, scripts or benchmarks (not the package, not a venv)."""
     resolved = Path(path).resolve()
-    return resolved.is_relative_to(REPO) and not resolved.is_relative_to(PACKAGE)
+    return any(resolved.is_relative_to(folder) for folder in OWN_FOLDERS)
 
 
 def _own_code(obj: Any) -> bool:
