@@ -24,6 +24,7 @@ from asyncckpt.codec.registry import (
 )
 
 MiB = 1 << 20
+MAX_FRAME_BYTES = 256 * MiB  # the largest frame a writer accepts and a reader allows
 _K = TypeVar("_K", bound="_FromEnv")
 
 
@@ -92,7 +93,7 @@ class ClientKnobs(_FromEnv):
     def __post_init__(self) -> None:
         _require(self.slot_size >= 4096 and self.slot_size % 4096 == 0, "slot_size",
                  "a multiple of 4096 bytes, at least 4096", self.slot_size)
-        _require(self.slot_size <= 256 * MiB, "slot_size", "at most 256 MiB (a frame)",
+        _require(self.slot_size <= MAX_FRAME_BYTES, "slot_size", "at most 256 MiB (a frame)",
                  self.slot_size)
         _require(self.ring_size >= self.slot_size and self.ring_size % self.slot_size == 0,
                  "ring_size", f"a positive multiple of slot_size ({self.slot_size})",
@@ -171,7 +172,7 @@ class WriterKnobs(_FromEnv):
     absent_rank_timeout: float = 60.0
     keep_last: int = 0
     keep_every: int = 0
-    max_frame_bytes: int = 256 * MiB
+    max_frame_bytes: int = MAX_FRAME_BYTES
     incremental: bool = True
     stage_first: bool = True
 
@@ -214,7 +215,7 @@ class ReadLimits(_FromEnv):
     """
 
     max_manifest_bytes: int = 512 * MiB
-    max_frame_bytes: int = 256 * MiB
+    max_frame_bytes: int = MAX_FRAME_BYTES
     read_threads: int = 2
 
     def __post_init__(self) -> None:
