@@ -49,12 +49,12 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCh
 from asyncckpt.format import stepdirs
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
-from asyncckpt.rank.ringsize import (auto_ring_size, local_world_size, mem_available,
-                                     state_bytes)
+from asyncckpt.rank.ringsize import auto_ring_size, state_bytes
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.runtime.procstat import mem_available
 from asyncckpt.torchutil.dtensor import is_dtensor
-from asyncckpt.torchutil.ranks import resolve_rank
+from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 
 __all__ = ["Checkpointer", "CheckpointerOptions", "is_sharded_model", "load_parts", "unwrapped"]
 
@@ -226,8 +226,8 @@ class Checkpointer:
         if os.environ.get("ASYNCCKPT_RING_SIZE"):
             return None  # the knob, as the user set it
         slot = ClientKnobs.from_env().slot_size
-        size, why = auto_ring_size(state_bytes(state), slot, local_world_size(),
-                                   mem_available())
+        local_ranks = local_world_size(resolve_rank()[1])
+        size, why = auto_ring_size(state_bytes(state), slot, local_ranks, mem_available())
         log.info("asyncckpt: ring of %.0f MiB for this rank: %s (ring_size= or "
                  "ASYNCCKPT_RING_SIZE sets it)", size / MiB, why)
         return size

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncckpt.errors import WriterUnavailableError
+from asyncckpt.runtime import procstat
 
 Message = dict[str, Any]
 # The largest message either side accepts. A begin carries the rank's tensor table and
@@ -103,7 +104,7 @@ def _sweep_dead_endpoints(directory: Path) -> None:
     """Remove socket and key files left by writers that were killed (pid in the name)."""
     for path in directory.glob("writer-*-*.*"):
         pid = path.name.split("-")[1]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if pid.isdigit() and not procstat.pid_alive(pid):
             path.unlink(missing_ok=True)
 
 

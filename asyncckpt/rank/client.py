@@ -47,7 +47,7 @@ from asyncckpt.rank.coordination import Agreement, StoreCoordinator
 from asyncckpt.rank.flatten import flatten
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.stager import DeviceCopies, ready_event, stage
-from asyncckpt.torchutil.ranks import resolve_rank
+from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
 
@@ -472,8 +472,7 @@ def _store_for(coordination: str, world_size: int) -> Any:
         return None
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        if coordination == "store" or local < world_size:
+        if coordination == "store" or local_world_size(world_size) < world_size:
             return dist.distributed_c10d._get_default_store()
     if coordination == "store":
         raise ValueError('coordination "store" needs torch.distributed initialized, or a '
