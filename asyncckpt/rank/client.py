@@ -42,6 +42,7 @@ from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import (SaveFailedError, UnsupportedStateError, WriterUnavailableError,
                               error_class)
 from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.format.tree import show_path
 from asyncckpt.ipc import protocol, ring
 from asyncckpt.rank.coordination import Agreement, StoreCoordinator
 from asyncckpt.rank.flatten import flatten
@@ -76,7 +77,7 @@ def _unmodified(pending: "_PendingSave") -> Iterator[torch.Tensor]:
             continue
         yield entry.tensor
         if _version(entry.tensor) != version:  # resumed only once its bytes are all copied
-            raise _Torn(f"state{''.join(f'[{p!r}]' for p in entry.path)} was modified in place "
+            raise _Torn(f"{show_path(entry.path)} was modified in place "
                         "while it was being staged; wait for handle.staged() before changing "
                         "the state (e.g. call handle.wait_staged() before optimizer.step())")
 

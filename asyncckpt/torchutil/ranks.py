@@ -39,7 +39,7 @@ def local_world_size(world_size: int) -> int:
         world_size: the ranks of the job (at least 1).
     """
     try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
     except ValueError:
         local = world_size
     return min(max(1, local), max(1, world_size))
