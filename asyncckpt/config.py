@@ -125,12 +125,6 @@ class WriterKnobs(_FromEnv):
         encode_threads: the frame threads (copy, hash, encode), shared by all ranks.
         frames_in_flight: frames taken from rings and not yet written, at most (writer
             memory: this many private copies and encoded frames); >= encode_threads.
-        plane_probe_bytes: bytes of a tensor's first frame compressed plane by plane to
-            decide which of its byte planes the bytegroup codec compresses.
-        plane_max_ratio: a plane is compressed when the probe shrinks it to this
-            fraction of its size or less.
-        auto_trial_every: with codec "auto", the first MiB of one frame in this many
-            is also encoded with the other codecs to keep their estimates current.
         flush_bytes: the writeback window of each data file: its writeback is started
             every this many bytes and waited for and dropped from the page cache one
             window later (0: only the final fsync; page cache then grows by the file).
@@ -162,9 +156,6 @@ class WriterKnobs(_FromEnv):
     zstd_level: int = 1
     encode_threads: int = 2
     frames_in_flight: int = 8
-    plane_probe_bytes: int = 256 << 10
-    plane_max_ratio: float = 0.97
-    auto_trial_every: int = 32
     flush_bytes: int = 16 * MiB
     writeback: str = "range"
     connect_timeout: float = 30.0
@@ -185,12 +176,6 @@ class WriterKnobs(_FromEnv):
                  self.encode_threads)
         _require(self.frames_in_flight >= self.encode_threads, "frames_in_flight",
                  f"at least encode_threads ({self.encode_threads})", self.frames_in_flight)
-        _require(self.plane_probe_bytes >= 4096, "plane_probe_bytes", "at least 4096",
-                 self.plane_probe_bytes)
-        _require(0 < self.plane_max_ratio <= 1, "plane_max_ratio", "in (0, 1]",
-                 self.plane_max_ratio)
-        _require(self.auto_trial_every >= 1, "auto_trial_every", "at least 1",
-                 self.auto_trial_every)
         _require(-7 <= self.zstd_level <= 22, "zstd_level", "between -7 and 22",
                  self.zstd_level)
         _require(self.keep_last >= 0, "keep_last", "0 (keep all) or more", self.keep_last)

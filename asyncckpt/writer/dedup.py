@@ -57,7 +57,7 @@ from typing import NamedTuple
 import xxhash
 
 from asyncckpt.codec.registry import PlaneLayout
-from asyncckpt.config import ReadLimits
+from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Frame, Manifest, read_manifest
@@ -90,7 +90,7 @@ class DedupIndex:
     """(xxh3_128, raw length) -> Target over the committed steps of one root.
     Thread-safe."""
 
-    def __init__(self, root: Path, max_frame_bytes: int = 256 << 20) -> None:
+    def __init__(self, root: Path, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.root = root
         self.lock = threading.Lock()
         self._limits = ReadLimits(max_frame_bytes=max_frame_bytes)

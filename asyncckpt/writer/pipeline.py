@@ -44,6 +44,7 @@ from typing import Callable, Union
 
 import xxhash
 
+from asyncckpt.codec.registry import PLANE_MAX_RATIO, PLANE_PROBE_BYTES
 from asyncckpt.format.encoding import Encoded, FrameEncoder
 from asyncckpt.format.layout import TensorSpec, data_file_name
 from asyncckpt.format.manifest import Frame, RankPart, Ref
@@ -75,7 +76,7 @@ class RankFileWriter:
                  header: bytes, tensors: list[TensorSpec], flush_bytes: int, *,
                  pool: FramePool, max_frame: int,
                  on_error: Callable[[BaseException], None] | None = None,
-                 probe_bytes: int = 256 << 10, plane_max_ratio: float = 0.97,
+                 probe_bytes: int = PLANE_PROBE_BYTES, plane_max_ratio: float = PLANE_MAX_RATIO,
                  chooser: CodecChooser | None = None, incremental: bool = False,
                  lookup: Lookup | None = None,
                  unchanged: dict[int, Unchanged] | None = None,

@@ -258,7 +258,6 @@ class Session:
                 current.tmp_dir, self.rank, current.codec, knobs.zstd_level, header, specs,
                 knobs.flush_bytes, pool=self.writer.pool, max_frame=self.ring_slot_size,
                 on_error=lambda e: self._fail(save, self._as_error(save, e)),
-                probe_bytes=knobs.plane_probe_bytes, plane_max_ratio=knobs.plane_max_ratio,
                 chooser=self.writer.chooser if current.choice is not None else None,
                 incremental=knobs.incremental, lookup=self._lookup(step),
                 unchanged=unchanged, writeback=knobs.writeback)

@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 import asyncckpt
-from asyncckpt.codec import planes
+from asyncckpt.codec import planes, registry
 from asyncckpt.codec.registry import CODECS, REGISTRY
 from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
 from asyncckpt.errors import CorruptCheckpointError
@@ -209,5 +209,5 @@ def test_the_stated_limits_and_thresholds_are_the_defaults():
     assert f"`max_manifest_bytes` ({limits.max_manifest_bytes >> 20} MiB)" in DOC
     assert f"`max_frame_bytes` ({limits.max_frame_bytes >> 20} MiB)" in DOC
     assert f"tensor of at least {pipeline.CUT_BYTES >> 10} KiB" in DOC
-    assert f"shrink to {knobs.plane_max_ratio} or less" in DOC
+    assert f"shrink to {registry.PLANE_MAX_RATIO} or less" in DOC
     assert knobs.incremental and "`incremental`, on by default" in DOC
