@@ -25,6 +25,7 @@ from asyncckpt.codec.registry import (
 
 MiB = 1 << 20
 MAX_FRAME_BYTES = 256 * MiB  # the largest frame a writer accepts and a reader allows
+KEEP_ALL = 0  # keep_last (everywhere: knob, save, wire): no step is deleted for age
 _K = TypeVar("_K", bound="_FromEnv")
 
 
@@ -136,7 +137,8 @@ class WriterKnobs(_FromEnv):
         absent_rank_timeout: a step fails when one of its ranks has had no connection
             to the writer for this long after the step began (it died before saving).
         keep_last: keep this many newest committed steps and delete older ones after
-            each commit (0: keep all). Derived from the disk.
+            each commit (`KEEP_ALL`, 0: keep all). Derived from the disk. A save that
+            names its own keep_last (0 too) overrides this for the deletions after it.
         keep_every: with keep_last, steps that are multiples of this are kept too.
         max_frame_bytes: the largest ring slot (frame) a rank may announce; readers
             apply the same bound (`ReadLimits`).
@@ -161,7 +163,7 @@ class WriterKnobs(_FromEnv):
     connect_timeout: float = 30.0
     shutdown_timeout: float = 120.0
     absent_rank_timeout: float = 60.0
-    keep_last: int = 0
+    keep_last: int = KEEP_ALL
     keep_every: int = 0
     max_frame_bytes: int = MAX_FRAME_BYTES
     incremental: bool = True

@@ -245,7 +245,8 @@ class Client:
         numpy views) cannot be seen.
         The step is committed once every rank of the world has saved it. With
         `keep_last`, the writer then deletes all but the newest `keep_last` committed
-        steps (except multiples of `keep_every`), judged from the disk; `keep_from`
+        steps (except multiples of `keep_every`; 0 keeps all), judged from the disk;
+        None leaves it to the writer's own `keep_last` knob; `keep_from`
         protects every step from that one on from that deletion (a step something
         outside the root still points at).
         With `replace`, a committed step `step` is replaced by this save: it stays
