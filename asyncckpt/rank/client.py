@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import (SaveFailedError, UnsupportedStateError, WriterUnavailableError,
                               error_class)
-from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.format.layout import CUT_BYTES, MAX_STEP
 from asyncckpt.format.tree import show_path
 from asyncckpt.ipc import protocol, ring
 from asyncckpt.rank.coordination import Agreement, StoreCoordinator
@@ -51,10 +51,6 @@ from asyncckpt.rank.stager import DeviceCopies, ready_event, stage
 from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
-
-# smaller tensors are not worth a reference (the writer cuts frames at the edges of
-# tensors this large, so only they fill whole frames of their own)
-SKIP_MIN_BYTES = 64 << 10
 
 Fingerprint = tuple
 Basis = tuple[int, dict[str, Fingerprint]]  # a committed step, its tensors' fingerprints
@@ -125,7 +121,7 @@ class _PendingSave:
         self.unchanged = [] if basis is None else [
             i for i, (e, fp) in enumerate(zip(self.entries, self.fingerprints))
             if fp is not None and basis[1].get(e.name) == fp
-            and e.tensor.numel() * e.tensor.element_size() >= SKIP_MIN_BYTES]
+            and e.tensor.numel() * e.tensor.element_size() >= CUT_BYTES]
         self.skipped: set[int] = set()  # what the writer took from the basis step
         self.planned = threading.Event()
         optional: dict[str, Any] = {"since": basis[0], "unchanged": self.unchanged} \

@@ -46,7 +46,7 @@ import xxhash
 
 from asyncckpt.codec.registry import PLANE_MAX_RATIO, PLANE_PROBE_BYTES
 from asyncckpt.format.encoding import Encoded, FrameEncoder
-from asyncckpt.format.layout import TensorSpec, data_file_name
+from asyncckpt.format.layout import CUT_BYTES, TensorSpec, data_file_name
 from asyncckpt.format.manifest import Frame, RankPart, Ref
 from asyncckpt.runtime import faults
 from asyncckpt.runtime.pool import FramePool
@@ -56,7 +56,6 @@ from asyncckpt.writer.writeback import Writeback
 
 Done = Callable[[], None]
 Lookup = Callable[[int, int], Union[Target, None]]  # (xxh3_128, raw length) -> target
-CUT_BYTES = 64 << 10
 # one piece of a chunk: encoded (with its xxh3_128, or None) or a reference
 _Piece = tuple[int, Union[Encoded, Target], Union[int, None]]
 # a tensor's frames in a committed step, as (raw length, target, xxh3_128)
