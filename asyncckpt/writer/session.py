@@ -286,7 +286,7 @@ class Session:
         index = self.writer.index
         if index is None:
             return None
-        return lambda wide, length: index.lookup(wide, length, step)
+        return lambda xxh3_128, length: index.lookup(xxh3_128, length, step)
 
     @property
     def ring_slot_size(self) -> int:
