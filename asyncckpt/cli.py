@@ -26,7 +26,7 @@ from asyncckpt.format import stepdirs
 from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
 from asyncckpt.rank.launch import default_job
 from asyncckpt.writer import commit
-from asyncckpt.writer import retention as lifetimes
+from asyncckpt.writer import retention
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,14 +372,14 @@ def _gc(args: argparse.Namespace) -> int:
         return 3
     try:
         removed_tmp = commit.remove_stale_tmp(root)
-        pruned = lifetimes.prune(root, args.keep_last, args.keep_every)
+        pruned = retention.prune(root, args.keep_last, args.keep_every)
         commit.update_latest(root)
     finally:
         lock.release()
     result = {"deleted_steps": pruned.deleted, "retired_steps": pruned.retired,
               "reclaimed_steps": pruned.reclaimed, "removed_tmp": removed_tmp,
               "kept_steps": stepdirs.committed_steps(root),
-              "still_referenced": lifetimes.retired_steps(root)}
+              "still_referenced": retention.retired_steps(root)}
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()

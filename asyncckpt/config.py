@@ -145,7 +145,7 @@ class WriterKnobs(_FromEnv):
         incremental: store a frame whose raw bytes (XXH3-128 and length) a committed
             step of the root already holds as a reference to it instead of writing it
             again (dedup.py); retention then retires referenced steps instead of
-            deleting them (lifetimes.py). Off: every save writes every byte (its frames
+            deleting them (writer/retention.py). Off: every save writes every byte (its frames
             still never reference anything), and no index is kept.
         stage_first: copy a rank's filled slots out of its ring only once it has
             staged the whole save or waits for a free slot, so that its copy into the

@@ -31,8 +31,8 @@ from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.writer import commit, owners
-from asyncckpt.writer import retention as lifetimes
 from asyncckpt.writer.dedup import DedupIndex
+from asyncckpt.writer.retention import check_references, check_replaceable, prune
 
 if TYPE_CHECKING:
     from asyncckpt.writer.steps import Notify, Step
@@ -138,9 +138,9 @@ class Committer:
         data = manifest.to_bytes()
         if self._check is not None:
             self._check(data, manifest)
-        lifetimes.check_references(self.root, manifest)
+        check_references(self.root, manifest)
         if current.replace:
-            lifetimes.check_replaceable(self.root, current.number, self._index)
+            check_replaceable(self.root, current.number, self._index)
         path = commit.publish(self.root, current.tmp_dir, current.number, data,
                               replace=current.replace)
         return manifest, path
@@ -160,7 +160,7 @@ class Committer:
     def _prune(self, current: Step) -> None:
         keep_last, keep_every = current.retention or self.retention
         try:
-            done = lifetimes.prune(self.root, keep_last, keep_every, newest=current.number,
+            done = prune(self.root, keep_last, keep_every, newest=current.number,
                                    keep_from=current.keep_from, index=self._index)
         except Exception as e:  # retention is best effort; the new step is already durable
             log.warning("retention failed: %s: %s", type(e).__name__, e)

@@ -20,7 +20,7 @@ asked, until that step commits or fails: a save in flight never references a ste
 being deleted.
 
 Only tensor frames of at least `MIN_BYTES` are referenced, never the safetensors header:
-retention keeps a referenced step's whole directory (lifetimes.py), so a header or a
+retention keeps a referenced step's whole directory (retention.py), so a header or a
 small buffer that happens to repeat would keep an otherwise dead step on disk to save a
 few KiB. (A frozen tensor of at least that size does keep its step: that is the point.)
 

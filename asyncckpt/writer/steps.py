@@ -42,10 +42,10 @@ from asyncckpt.format.layout import MAX_STEP, retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Manifest, RankPart
 from asyncckpt.runtime import faults
 from asyncckpt.writer import commit
-from asyncckpt.writer import retention as lifetimes
 from asyncckpt.writer.committer import Check, Committer, abandon, release, sweep_dead
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.owners import OwnerMark
+from asyncckpt.writer.retention import is_retired
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -193,7 +193,7 @@ class Steps:
             raise StepAlreadyCommittedError(
                 "this step is already committed; a save replaces a checkpoint only "
                 "when asked to (replace=True)", step=step, rank=rank)
-        if lifetimes.is_retired(self.root, step):
+        if is_retired(self.root, step):
             raise StepAlreadyCommittedError(
                 "this step was deleted by retention but its data is still referenced "
                 f"({retired_dir_name(step)}): save under another step number",
