@@ -25,8 +25,7 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLoc
 from asyncckpt.format import stepdirs
 from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
 from asyncckpt.rank.launch import default_job
-from asyncckpt.writer import commit
-from asyncckpt.writer import retention
+from asyncckpt.writer import commit, retention
 
 
 def main(argv: list[str] | None = None) -> int:

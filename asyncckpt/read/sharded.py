@@ -21,7 +21,6 @@ from asyncckpt.format.layout import DTYPE_SIZES
 from asyncckpt.format.tiling import Box, GlobalTensor, intersect, runs
 from asyncckpt.read.reader import RankReader, tensor_bytes
 
-
 TEMP_BYTES = 256 << 20  # a plan's temporaries, at most, before it reads what it has
 
 

@@ -23,9 +23,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError

@@ -20,7 +20,8 @@ from asyncckpt.codec.registry import CODECS, REGISTRY
 from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format import manifest
-from asyncckpt.format.layout import CUT_BYTES, DTYPE_SIZES, MANIFEST_NAME, data_file_name, layout
+from asyncckpt.format.layout import (CUT_BYTES, DTYPE_SIZES, MANIFEST_NAME, data_file_name,
+                                     layout)
 from asyncckpt.format.manifest import admitted_codecs, parse_manifest
 from asyncckpt.torchutil import dtypes
 
