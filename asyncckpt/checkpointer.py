@@ -44,17 +44,17 @@ from typing import Any, Literal
 
 import torch
 
-from asyncckpt.config import ClientKnobs, MiB
+from asyncckpt.config import KEEP_ALL, ClientKnobs, MiB
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
-from asyncckpt.rank.ringsize import (auto_ring_size, local_world_size, mem_available,
-                                     state_bytes)
+from asyncckpt.rank.ringsize import auto_ring_size, state_bytes
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.runtime.procstat import mem_available
 from asyncckpt.torchutil.dtensor import is_dtensor
-from asyncckpt.torchutil.ranks import resolve_rank
+from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 
 __all__ = ["Checkpointer", "CheckpointerOptions", "is_sharded_model", "load_parts", "unwrapped"]
 
@@ -68,7 +68,9 @@ class CheckpointerOptions:
 
     Attributes:
         save_interval: `should_save(step)` is true every this many steps.
-        keep_last: keep the newest this many committed steps (None: keep all).
+        keep_last: keep the newest this many committed steps, or every one with
+            `KEEP_ALL` (0). None (the default): this Checkpointer names no retention
+            and the writer's own `keep_last` knob applies (which keeps all unless set).
         keep_every: also keep steps that are multiples of this (0: none).
         contents: which of "model", "optimizer", "extra" go into a checkpoint.
         on_busy: a save asked for while earlier ones are still in flight: "block" waits
@@ -92,7 +94,8 @@ class CheckpointerOptions:
             if not ok:
                 raise ValueError(f"{name} must be {rule}; got {getattr(self, name)!r}")
         require(self.save_interval >= 1, "save_interval", "at least 1")
-        require(self.keep_last is None or self.keep_last >= 1, "keep_last", "None or at least 1")
+        require(self.keep_last is None or self.keep_last >= KEEP_ALL, "keep_last",
+                "None, 0 (keep all) or more")
         require(self.keep_every >= 0, "keep_every", "0 or more")
         require(set(self.contents) <= set(CONTENTS) and bool(self.contents), "contents",
                 f"a non-empty subset of {CONTENTS}")
@@ -226,8 +229,8 @@ class Checkpointer:
         if os.environ.get("ASYNCCKPT_RING_SIZE"):
             return None  # the knob, as the user set it
         slot = ClientKnobs.from_env().slot_size
-        size, why = auto_ring_size(state_bytes(state), slot, local_world_size(),
-                                   mem_available())
+        local_ranks = local_world_size(resolve_rank()[1])
+        size, why = auto_ring_size(state_bytes(state), slot, local_ranks, mem_available())
         log.info("asyncckpt: ring of %.0f MiB for this rank: %s (ring_size= or "
                  "ASYNCCKPT_RING_SIZE sets it)", size / MiB, why)
         return size

@@ -25,8 +25,7 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLoc
 from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
 from asyncckpt.rank.launch import default_job
 from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.writer import commit
-from asyncckpt.writer import retention as lifetimes
+from asyncckpt.writer import commit, retention
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,11 +206,42 @@ def _inspect(args: argparse.Namespace) -> int:
     from asyncckpt.read.checkpoint import Checkpoint
     try:
         with Checkpoint.open(args.path) as ckpt:
-            directory, m, globals_ = ckpt.directory, ckpt.manifest, ckpt.sharded
-            views = sum(leaf.view is not None for r in range(m.world_size) for leaf in ckpt.leaves(r))
+            summary = _inspect_summary(ckpt)
     except CheckpointError as e:
         print(f"asyncckpt inspect: {e}", file=sys.stderr)
         return 2
+    if args.json:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+        return 0
+    _print_overview(summary)
+    _print_frames(summary["frames"])
+    _print_dtypes(summary["by_dtype"])
+    _print_sharded(summary["sharded"])
+    _print_tensors(summary["tensors"])
+    return 0
+
+
+def _inspect_summary(ckpt) -> dict:  # type: ignore[no-untyped-def]
+    """What `inspect --json` prints for an open Checkpoint (the text form shows the same)."""
+    m, globals_ = ckpt.manifest, ckpt.sharded
+    views = sum(leaf.view is not None for r in range(m.world_size) for leaf in ckpt.leaves(r))
+    tensors, by_dtype = _tensor_rows(m, globals_)
+    return {"path": str(ckpt.directory), "step": m.step, "world_size": m.world_size,
+            "format_version": m.format_version, **_incremental(m),
+            "codecs": sorted({p.codec for p in m.ranks}), "frames": codec_summary(m)["frames"],
+            "raw_bytes": m.raw_size,
+            "stored_bytes": m.stored_size, "ratio": round(m.stored_size / max(m.raw_size, 1), 4),
+            "writer_version": m.writer_version, "by_dtype": by_dtype, "tensors": tensors,
+            "views": views,
+            "sharded": [{"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
+                         "placements": g.placements, "boxes": len(g.boxes)}
+                        for g in globals_.values()]}
+
+
+def _tensor_rows(m, globals_: dict) -> tuple[list[dict], dict[str, dict]]:  # type: ignore[no-untyped-def]
+    """One row per saved tensor (with its offsets in a sharded tensor, if it is a box of
+    one), and the totals and stored/raw ratio per dtype."""
     offsets = {(b.rank, g.name): list(b.offsets) for g in globals_.values() for b in g.boxes}
     tensors, by_dtype = [], {}
     for part in m.ranks:
@@ -227,53 +257,60 @@ def _inspect(args: argparse.Namespace) -> int:
             row["stored_bytes"] += round(stored[t.name])
     for row in by_dtype.values():
         row["ratio"] = round(row["stored_bytes"] / max(row["bytes"], 1), 4)
-    frames = codec_summary(m)["frames"]
+    return tensors, by_dtype
+
+
+def _incremental(m) -> dict:  # type: ignore[no-untyped-def]
+    """How much of the step is new, and how much it references from earlier steps."""
     referenced = m.referenced_size
-    incremental = {"new_bytes": m.raw_size - referenced, "referenced_bytes": referenced,
-                   "referenced_stored_bytes": sum(f.encoded_length for p in m.ranks
-                                                  for f in p.frames if f.ref is not None),
-                   "referenced_steps": sorted(m.referenced_steps)}
-    summary = {"path": str(directory), "step": m.step, "world_size": m.world_size,
-               "format_version": m.format_version, **incremental,
-               "codecs": sorted({p.codec for p in m.ranks}), "frames": frames,
-               "raw_bytes": m.raw_size,
-               "stored_bytes": m.stored_size, "ratio": round(m.stored_size / max(m.raw_size, 1), 4),
-               "writer_version": m.writer_version, "by_dtype": by_dtype, "tensors": tensors,
-               "views": views,
-               "sharded": [{"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
-                            "placements": g.placements, "boxes": len(g.boxes)}
-                           for g in globals_.values()]}
-    if args.json:
-        json.dump(summary, sys.stdout, indent=1)
-        print()
-        return 0
-    print(f"{directory}: step {m.step}, {m.world_size} rank(s), codec {'/'.join(summary['codecs'])}, "
-          f"{m.raw_size / 2**20:.1f} MiB -> {m.stored_size / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})"
+    return {"new_bytes": m.raw_size - referenced, "referenced_bytes": referenced,
+            "referenced_stored_bytes": sum(f.encoded_length for p in m.ranks
+                                           for f in p.frames if f.ref is not None),
+            "referenced_steps": sorted(m.referenced_steps)}
+
+
+def _print_overview(summary: dict) -> None:
+    views, referenced = summary["views"], summary["referenced_bytes"]
+    print(f"{summary['path']}: step {summary['step']}, {summary['world_size']} rank(s), "
+          f"codec {'/'.join(summary['codecs'])}, {summary['raw_bytes'] / 2**20:.1f} MiB -> "
+          f"{summary['stored_bytes'] / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})"
           + (f", {views} view(s) of saved tensors (tied, stored once)" if views else ""))
     if referenced:
-        print(f"incremental: {incremental['new_bytes'] / 2**20:.1f} MiB new in this step, "
+        print(f"incremental: {summary['new_bytes'] / 2**20:.1f} MiB new in this step, "
               f"{referenced / 2**20:.1f} MiB referenced "
-              f"({incremental['referenced_stored_bytes'] / 2**20:.1f} MiB stored) from steps "
-              f"{incremental['referenced_steps']}")
+              f"({summary['referenced_stored_bytes'] / 2**20:.1f} MiB stored) from steps "
+              f"{summary['referenced_steps']}")
+
+
+def _print_frames(frames: dict[str, dict]) -> None:
     print(f"\n{'FRAMES':12} {'COUNT':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}  PLANES")
     for codec, row in sorted(frames.items()):
         print(f"{codec:12} {row['count']:>8} {row['bytes'] / 2**20:>10.2f} "
               f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}  {row.get('planes', '')}")
+
+
+def _print_dtypes(by_dtype: dict[str, dict]) -> None:
     print(f"\n{'DTYPE':12} {'TENSORS':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}")
     for dtype, row in sorted(by_dtype.items()):
         print(f"{dtype:12} {row['tensors']:>8} {row['bytes'] / 2**20:>10.2f} "
               f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}")
-    if summary["sharded"]:
-        print(f"\n{'SHARDED TENSOR':40} {'DTYPE':8} {'GLOBAL SHAPE':>18} {'BOXES':>6}  PLACEMENTS")
-        for g in summary["sharded"]:
-            print(f"{g['name'][:40]:40} {g['dtype']:8} {str(tuple(g['shape'])):>18} {g['boxes']:>6}  "
-                  f"{','.join(g['placements'])}")
+
+
+def _print_sharded(sharded: list[dict]) -> None:
+    if not sharded:
+        return
+    print(f"\n{'SHARDED TENSOR':40} {'DTYPE':8} {'GLOBAL SHAPE':>18} {'BOXES':>6}  PLACEMENTS")
+    for g in sharded:
+        print(f"{g['name'][:40]:40} {g['dtype']:8} {str(tuple(g['shape'])):>18} {g['boxes']:>6}  "
+              f"{','.join(g['placements'])}")
+
+
+def _print_tensors(tensors: list[dict]) -> None:
     print(f"\n{'RANK':>4} {'TENSOR':40} {'DTYPE':8} {'SHAPE':>18} {'BYTES':>12}  AT")
     for t in tensors:
         at = str(tuple(t["offsets"])) if t["offsets"] is not None else ""
         print(f"{t['rank']:>4} {t['name'][:40]:40} {t['dtype']:8} {str(tuple(t['shape'])):>18} "
               f"{t['bytes']:>12}  {at}")
-    return 0
 
 
 def codec_summary(m) -> dict:  # type: ignore[no-untyped-def]
@@ -336,7 +373,7 @@ def _gc(args: argparse.Namespace) -> int:
     storage = PosixStorage(root)
     try:
         removed_tmp = storage.sweep_tmp()
-        pruned = lifetimes.prune(storage, args.keep_last, args.keep_every)
+        pruned = retention.prune(storage, args.keep_last, args.keep_every)
         commit.update_latest(storage)
     finally:
         lock.release()

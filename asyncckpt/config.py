@@ -24,6 +24,8 @@ from asyncckpt.codec.registry import (
 )
 
 MiB = 1 << 20
+MAX_FRAME_BYTES = 256 * MiB  # the largest frame a writer accepts and a reader allows
+KEEP_ALL = 0  # keep_last (everywhere: knob, save, wire): no step is deleted for age
 _K = TypeVar("_K", bound="_FromEnv")
 
 
@@ -92,7 +94,7 @@ class ClientKnobs(_FromEnv):
     def __post_init__(self) -> None:
         _require(self.slot_size >= 4096 and self.slot_size % 4096 == 0, "slot_size",
                  "a multiple of 4096 bytes, at least 4096", self.slot_size)
-        _require(self.slot_size <= 256 * MiB, "slot_size", "at most 256 MiB (a frame)",
+        _require(self.slot_size <= MAX_FRAME_BYTES, "slot_size", "at most 256 MiB (a frame)",
                  self.slot_size)
         _require(self.ring_size >= self.slot_size and self.ring_size % self.slot_size == 0,
                  "ring_size", f"a positive multiple of slot_size ({self.slot_size})",
@@ -124,12 +126,6 @@ class WriterKnobs(_FromEnv):
         encode_threads: the frame threads (copy, hash, encode), shared by all ranks.
         frames_in_flight: frames taken from rings and not yet written, at most (writer
             memory: this many private copies and encoded frames); >= encode_threads.
-        plane_probe_bytes: bytes of a tensor's first frame compressed plane by plane to
-            decide which of its byte planes the bytegroup codec compresses.
-        plane_max_ratio: a plane is compressed when the probe shrinks it to this
-            fraction of its size or less.
-        auto_trial_every: with codec "auto", the first MiB of one frame in this many
-            is also encoded with the other codecs to keep their estimates current.
         flush_bytes: the writeback window of each data file: its writeback is started
             every this many bytes and waited for and dropped from the page cache one
             window later (0: only the final fsync; page cache then grows by the file).
@@ -141,14 +137,15 @@ class WriterKnobs(_FromEnv):
         absent_rank_timeout: a step fails when one of its ranks has had no connection
             to the writer for this long after the step began (it died before saving).
         keep_last: keep this many newest committed steps and delete older ones after
-            each commit (0: keep all). Derived from the disk.
+            each commit (`KEEP_ALL`, 0: keep all). Derived from the disk. A save that
+            names its own keep_last (0 too) overrides this for the deletions after it.
         keep_every: with keep_last, steps that are multiples of this are kept too.
         max_frame_bytes: the largest ring slot (frame) a rank may announce; readers
             apply the same bound (`ReadLimits`).
         incremental: store a frame whose raw bytes (XXH3-128 and length) a committed
             step of the root already holds as a reference to it instead of writing it
             again (dedup.py); retention then retires referenced steps instead of
-            deleting them (lifetimes.py). Off: every save writes every byte (its frames
+            deleting them (writer/retention.py). Off: every save writes every byte (its frames
             still never reference anything), and no index is kept.
         stage_first: copy a rank's filled slots out of its ring only once it has
             staged the whole save or waits for a free slot, so that its copy into the
@@ -161,17 +158,14 @@ class WriterKnobs(_FromEnv):
     zstd_level: int = 1
     encode_threads: int = 2
     frames_in_flight: int = 8
-    plane_probe_bytes: int = 256 << 10
-    plane_max_ratio: float = 0.97
-    auto_trial_every: int = 32
     flush_bytes: int = 16 * MiB
     writeback: str = "range"
     connect_timeout: float = 30.0
     shutdown_timeout: float = 120.0
     absent_rank_timeout: float = 60.0
-    keep_last: int = 0
+    keep_last: int = KEEP_ALL
     keep_every: int = 0
-    max_frame_bytes: int = 256 * MiB
+    max_frame_bytes: int = MAX_FRAME_BYTES
     incremental: bool = True
     stage_first: bool = True
 
@@ -184,12 +178,6 @@ class WriterKnobs(_FromEnv):
                  self.encode_threads)
         _require(self.frames_in_flight >= self.encode_threads, "frames_in_flight",
                  f"at least encode_threads ({self.encode_threads})", self.frames_in_flight)
-        _require(self.plane_probe_bytes >= 4096, "plane_probe_bytes", "at least 4096",
-                 self.plane_probe_bytes)
-        _require(0 < self.plane_max_ratio <= 1, "plane_max_ratio", "in (0, 1]",
-                 self.plane_max_ratio)
-        _require(self.auto_trial_every >= 1, "auto_trial_every", "at least 1",
-                 self.auto_trial_every)
         _require(-7 <= self.zstd_level <= 22, "zstd_level", "between -7 and 22",
                  self.zstd_level)
         _require(self.keep_last >= 0, "keep_last", "0 (keep all) or more", self.keep_last)
@@ -214,7 +202,7 @@ class ReadLimits(_FromEnv):
     """
 
     max_manifest_bytes: int = 512 * MiB
-    max_frame_bytes: int = 256 * MiB
+    max_frame_bytes: int = MAX_FRAME_BYTES
     read_threads: int = 2
 
     def __post_init__(self) -> None:

@@ -137,6 +137,25 @@ def test_checkpointer_without_keep_last_leaves_the_writers_retention_on(tmp_path
             ckpt.client.close()
 
 
+def test_keep_last_0_keeps_every_step_against_the_writers_knob(tmp_path):
+    """One "keep all": keep_last 0, as for the writer's knob and a client's save; None
+    alone means the writer's knob applies."""
+    from asyncckpt.config import KEEP_ALL
+    assert KEEP_ALL == 0 and CheckpointerOptions(keep_last=KEEP_ALL).keep_last == 0
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointerOptions(keep_last=-1)
+    model, opt = make_model(width=8)
+    with asyncckpt.start_writer(tmp_path / "ckpt", codec="raw", keep_last=1) as writer:
+        with Checkpointer(tmp_path / "ckpt", model=model, optimizer=opt,
+                          options=CheckpointerOptions(save_interval=1, keep_last=KEEP_ALL),
+                          client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as ckpt:
+            for step in range(1, 4):
+                ckpt.save(step)
+                ckpt.wait_until_finished()
+            assert ckpt.all_steps() == [1, 2, 3]
+            ckpt.client.close()
+
+
 # -- restore from a root whose newest steps are damaged ---------------------------------------
 
 @pytest.fixture

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from asyncckpt.config import ClientKnobs, MiB, ReadLimits, WriterKnobs, parse_size
+from asyncckpt.config import (MAX_FRAME_BYTES, ClientKnobs, MiB, ReadLimits, WriterKnobs,
+                              parse_size)
+from asyncckpt.writer.dedup import DedupIndex
 
 SETS = (ClientKnobs, WriterKnobs, ReadLimits)
 FIELDS = {f.name for cls in SETS for f in dataclasses.fields(cls)}
@@ -163,3 +168,19 @@ def test_writer_cli_rejects_bad_knobs_with_exit_2(tmp_path):
 def test_negative_zstd_level_from_env(env):
     env.setenv("ASYNCCKPT_ZSTD_LEVEL", "-3")
     assert WriterKnobs.from_env().zstd_level == -3
+
+
+def test_the_readme_knob_table_lists_exactly_the_knobs():
+    """Every knob (and its environment variable) is documented, and nothing the table
+    lists is a constant that no longer reads ASYNCCKPT_<NAME>."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("| set (where it goes) | knob | default | meaning |", 1)[1]
+    table = table.split("\n\n", 1)[0]
+    listed = {name for row in table.splitlines() if row.startswith("|")
+              for name in re.findall(r"`(\w+)`", row.split("|")[2])}
+    assert listed == FIELDS
+
+
+def test_defaults_shared_with_other_modules_come_from_config():
+    assert WriterKnobs().max_frame_bytes == ReadLimits().max_frame_bytes == MAX_FRAME_BYTES
+    assert inspect.signature(DedupIndex).parameters["max_frame_bytes"].default == MAX_FRAME_BYTES

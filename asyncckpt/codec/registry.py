@@ -59,6 +59,8 @@ from asyncckpt.errors import CorruptCheckpointError
 Buffer = bytes | bytearray | memoryview
 RAW = "raw"
 PLANE_CODECS = (RAW, "zstd")
+PLANE_PROBE_BYTES = 256 << 10  # of a tensor's first frame, compressed plane by plane
+PLANE_MAX_RATIO = 0.97  # a plane is compressed when it shrinks to this fraction or less
 
 
 class PlaneLayout(NamedTuple):
@@ -236,7 +238,8 @@ class BytegroupCodec:
 
     name = "bytegroup"
 
-    def __init__(self, level: int = 1, probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
+    def __init__(self, level: int = 1, probe_bytes: int = PLANE_PROBE_BYTES,
+                 max_ratio: float = PLANE_MAX_RATIO,
                  compressor: literals.Compressor | None = None,
                  rotate: bool | None = None, probe_planes: bool = False) -> None:
         self._compressor = compressor or plane_compressor(level)
@@ -368,12 +371,12 @@ def _pieces(out: memoryview | list[memoryview]) -> list[memoryview]:
 
 @dataclasses.dataclass(frozen=True)
 class CodecParams:
-    """The writer's settings that codec objects take (see `WriterKnobs`); a reader's codecs
-    need none of them."""
+    """The settings that codec objects take (the level is the writer's `zstd_level`
+    knob); a reader's codecs need none of them."""
 
     level: int = 1
-    probe_bytes: int = 256 << 10
-    plane_max_ratio: float = 0.97
+    probe_bytes: int = PLANE_PROBE_BYTES
+    plane_max_ratio: float = PLANE_MAX_RATIO
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,9 @@ from typing import NamedTuple, Protocol
 
 import xxhash
 
-from asyncckpt.codec.registry import (CODECS, Buffer, Codec, CodecParams, FrameHints,
-                                      PlaneChoice, PlaneLayout, make_codec, xxh3_of)
+from asyncckpt.codec.registry import (CODECS, PLANE_MAX_RATIO, PLANE_PROBE_BYTES, Buffer, Codec,
+                                      CodecParams, FrameHints, PlaneChoice, PlaneLayout,
+                                      make_codec, xxh3_of)
 from asyncckpt.format.layout import TensorSpec, element_size
 
 
@@ -56,7 +57,7 @@ class FrameEncoder:
     calling thread's `context`; the probe cache is a dict (a race only probes twice)."""
 
     def __init__(self, codec: str, level: int, tensors: list[TensorSpec],
-                 probe_bytes: int = 256 << 10, max_ratio: float = 0.97,
+                 probe_bytes: int = PLANE_PROBE_BYTES, max_ratio: float = PLANE_MAX_RATIO,
                  chooser: CostObserver | None = None) -> None:
         self.codec = codec
         self.chooser = chooser  # codec="auto": told every frame's cost, plus trials

@@ -39,6 +39,9 @@ DTYPE_SIZES: dict[str, int] = {
 
 MAX_STEP = (1 << 62) - 1  # the manifest's integer bound
 MAX_WORLD = 1 << 20  # the manifest's bound on world_size
+# incremental saves cut frames at both edges of every tensor this large, so only such a
+# tensor fills frames of its own that a later step can reference (or a client skip)
+CUT_BYTES = 64 << 10
 
 _STEP_DIR = re.compile(r"step-([0-9]{8,})")
 _RETIRED_DIR = re.compile(r"step-([0-9]{8,})\.retired")

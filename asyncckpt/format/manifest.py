@@ -333,11 +333,11 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step:
     for f in doc["frames"]:
         (ro, rl), (so, sl) = f["raw"], f["stored"]
         where = f"rank {rank} frame {len(frames)}"
-        wide = f.get("xxh3_128")
+        xxh3_128 = f.get("xxh3_128")
         frame = Frame(_int(ro, "raw offset"), _int(rl, "raw length"), _int(so, "stored offset"),
                       _int(sl, "stored length"), f["codec"], _hex(f["xxh3_raw"]),
                       _hex(f["xxh3_stored"]), _layout_from_json(f, where),
-                      None if wide is None else _hex(wide, _HEX32),
+                      None if xxh3_128 is None else _hex(xxh3_128, _HEX32),
                       _ref_from_json(f.get("ref"), where, step, refs_allowed))
         _check(frame.codec in CODECS, f"{where}: unknown codec {frame.codec!r}")
         _check(frame.raw_offset == raw_pos and frame.stored_offset == stored_pos,

@@ -77,6 +77,12 @@ class View:
         return base.as_strided(self.shape, self.stride, base.storage_offset() + self.offset)
 
 
+def show_path(path: tuple[Any, ...]) -> str:
+    """A key path as Python would index the state: `state['model']['w'][0]`. Every
+    message that names a place in a state (saving, staging, loading) spells it so."""
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
 def parse_view(body: Any) -> View:
     """A view node's body, its fields checked for type and bounds (not against its base).
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from asyncckpt.errors import WriterUnavailableError
 from asyncckpt.ipc.messages import Message, decode, dumps, parse
+from asyncckpt.runtime import procstat
 
 # The largest message either side accepts. A begin carries the rank's tensor table and
 # tree; parsing it costs the writer ~18 bytes of memory per byte of JSON, so this bound
@@ -92,7 +93,7 @@ def _sweep_dead_endpoints(directory: Path) -> None:
     """Remove socket and key files left by writers that were killed (pid in the name)."""
     for path in directory.glob("writer-*-*.*"):
         pid = path.name.split("-")[1]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if pid.isdigit() and not procstat.pid_alive(pid):
             path.unlink(missing_ok=True)
 
 

@@ -41,19 +41,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import (SaveFailedError, UnsupportedStateError, WriterUnavailableError,
                               error_class)
-from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.format.layout import CUT_BYTES, MAX_STEP
+from asyncckpt.format.tree import show_path
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.rank.coordination import Agreement, StoreCoordinator
 from asyncckpt.rank.flatten import flatten
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.stager import DeviceCopies, ready_event, stage
-from asyncckpt.torchutil.ranks import resolve_rank
+from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
-
-# smaller tensors are not worth a reference (the writer cuts frames at the edges of
-# tensors this large, so only they fill whole frames of their own)
-SKIP_MIN_BYTES = 64 << 10
 
 Fingerprint = tuple
 Basis = tuple[int, dict[str, Fingerprint]]  # a committed step, its tensors' fingerprints
@@ -76,7 +73,7 @@ def _unmodified(pending: "_PendingSave") -> Iterator[torch.Tensor]:
             continue
         yield entry.tensor
         if _version(entry.tensor) != version:  # resumed only once its bytes are all copied
-            raise _Torn(f"state{''.join(f'[{p!r}]' for p in entry.path)} was modified in place "
+            raise _Torn(f"{show_path(entry.path)} was modified in place "
                         "while it was being staged; wait for handle.staged() before changing "
                         "the state (e.g. call handle.wait_staged() before optimizer.step())")
 
@@ -124,7 +121,7 @@ class _PendingSave:
         self.unchanged = [] if basis is None else [
             i for i, (e, fp) in enumerate(zip(self.entries, self.fingerprints))
             if fp is not None and basis[1].get(e.name) == fp
-            and e.tensor.numel() * e.tensor.element_size() >= SKIP_MIN_BYTES]
+            and e.tensor.numel() * e.tensor.element_size() >= CUT_BYTES]
         self.skipped: set[int] = set()  # what the writer took from the basis step
         self.planned = threading.Event()
         since = basis[0] if basis is not None and self.unchanged else None
@@ -258,7 +255,8 @@ class Client:
         numpy views) cannot be seen.
         The step is committed once every rank of the world has saved it. With
         `keep_last`, the writer then deletes all but the newest `keep_last` committed
-        steps (except multiples of `keep_every`), judged from the disk; `keep_from`
+        steps (except multiples of `keep_every`; 0 keeps all), judged from the disk;
+        None leaves it to the writer's own `keep_last` knob; `keep_from`
         protects every step from that one on from that deletion (a step something
         outside the root still points at).
         With `replace`, a committed step `step` is replaced by this save: it stays
@@ -510,8 +508,7 @@ def _store_for(coordination: str, world_size: int) -> Any:
         return None
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        if coordination == "store" or local < world_size:
+        if coordination == "store" or local_world_size(world_size) < world_size:
             return dist.distributed_c10d._get_default_store()
     if coordination == "store":
         raise ValueError('coordination "store" needs torch.distributed initialized, or a '

@@ -67,6 +67,7 @@ from typing import Any, Callable
 
 from asyncckpt.errors import SaveFailedError, error_class
 from asyncckpt.ipc import messages
+from asyncckpt.torchutil.ranks import local_world_size
 
 Outcome = dict[str, Any]
 CLAIM: Outcome = {"committing": True}
@@ -180,7 +181,7 @@ class StoreCoordinator:
             self._welcome(keys)
             if time.monotonic() > deadline:
                 missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
-                raise SaveFailedError(_missing(missing, self.timeout))
+                raise SaveFailedError(_missing(missing, self.timeout, self.world_size))
             idle()
             time.sleep(delay)
             delay = min(2 * delay, 0.02)
@@ -257,10 +258,10 @@ class StoreCoordinator:
                 self.store.delete_key(f"{prefix}/{name}")
 
 
-def _missing(missing: list[int], timeout: float) -> str:
+def _missing(missing: list[int], timeout: float, world_size: int) -> str:
     shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
-    if per_node > 0:
+    per_node = local_world_size(world_size)
+    if per_node < world_size:  # several nodes: say which
         nodes = sorted({r // per_node for r in missing})
         shown += f" (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes[:8]))})"
     plural = len(missing) > 1

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from asyncckpt.errors import UnsupportedStateError
-from asyncckpt.format.tree import JSON, MAX_DEPTH, MAX_INT_BITS, View
+from asyncckpt.format.tree import JSON, MAX_DEPTH, MAX_INT_BITS, View, show_path
 from asyncckpt.torchutil import dtensor
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
@@ -50,7 +50,7 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
     def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
         if dtensor.is_global(node):
             name = _unique_name(path, names)
-            local, body = dtensor.describe(node, name, _show(path))
+            local, body = dtensor.describe(node, name, show_path(path))
             if local is not None:
                 check_tensor(local, path)
                 entries.append(TensorEntry(name, path, local.detach()))
@@ -70,18 +70,18 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             return node
         if isinstance(node, int):
             if node.bit_length() > MAX_INT_BITS:
-                raise UnsupportedStateError(f"{_show(path)}: int of {node.bit_length()} bits is too large")
+                raise UnsupportedStateError(f"{show_path(path)}: int of {node.bit_length()} bits is too large")
             return node
         if isinstance(node, float):
             return node if math.isfinite(node) else {"float": repr(node)}
         if not isinstance(node, (dict, list, tuple)):
             raise UnsupportedStateError(
-                f"{_show(path)}: cannot save a {type(node).__name__}; only tensors, "
+                f"{show_path(path)}: cannot save a {type(node).__name__}; only tensors, "
                 "dict/list/tuple, str, int, float, bool and None are saved (never pickle)")
         if id(node) in active:
-            raise UnsupportedStateError(f"{_show(path)}: the state contains a cycle")
+            raise UnsupportedStateError(f"{show_path(path)}: the state contains a cycle")
         if len(path) >= MAX_DEPTH:
-            raise UnsupportedStateError(f"{_show(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
+            raise UnsupportedStateError(f"{show_path(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
         active.add(id(node))
         try:
             if isinstance(node, dict):
@@ -89,12 +89,12 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
                 for key, value in node.items():
                     if isinstance(key, bool) or not isinstance(key, (str, int)):
                         raise UnsupportedStateError(
-                            f"{_show(path)}: dict key {key!r} is a {type(key).__name__}; "
+                            f"{show_path(path)}: dict key {key!r} is a {type(key).__name__}; "
                             "keys must be str or int")
                     if isinstance(key, str) and not _is_utf8(key):
-                        raise UnsupportedStateError(f"{_show(path)}: dict key {key!r} is not valid Unicode")
+                        raise UnsupportedStateError(f"{show_path(path)}: dict key {key!r} is not valid Unicode")
                     if isinstance(key, int) and key.bit_length() > MAX_INT_BITS:
-                        raise UnsupportedStateError(f"{_show(path)}: int key is too large")
+                        raise UnsupportedStateError(f"{show_path(path)}: int key is too large")
                     items.append([key, visit(value, path + (key,))])
                 return {"dict": items}
             kind = "list" if isinstance(node, list) else "tuple"
@@ -142,7 +142,7 @@ def check_tensor(t: torch.Tensor, path: tuple[str | int, ...]) -> None:
         problem = (f"dtype {t.dtype} has no safetensors name; supported: "
                    f"{', '.join(str(d).removeprefix('torch.') for d in DTYPE_NAMES)}")
     if problem:
-        raise UnsupportedStateError(f"{_show(path)}: {problem}")
+        raise UnsupportedStateError(f"{show_path(path)}: {problem}")
 
 
 def _unique_name(path: tuple[str | int, ...], taken: set[str]) -> str:
@@ -160,7 +160,3 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _show(path: tuple[str | int, ...]) -> str:
-    return "state" + "".join(f"[{p!r}]" for p in path)

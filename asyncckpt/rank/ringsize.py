@@ -9,7 +9,6 @@ choice is logged.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -69,22 +68,3 @@ def state_bytes(state: Any) -> int:
 
     visit(state)
     return total
-
-
-def local_world_size() -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def mem_available() -> int | None:
-    """/proc/meminfo's MemAvailable in bytes, or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -25,7 +25,7 @@ import torch
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, StateMismatchError
-from asyncckpt.format.tree import unflatten
+from asyncckpt.format.tree import show_path, unflatten
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.reader import READ_AHEAD
 from asyncckpt.torchutil import dtensor
@@ -128,7 +128,7 @@ def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
 def _fill_from(target: torch.Tensor, view: torch.Tensor, path: TreePath) -> torch.Tensor:
     """Copy `view` into `target` unless `target` already is that memory."""
     if dtensor.is_global(target):
-        local, offsets = dtensor.local_box(target, _show(path))
+        local, offsets = dtensor.local_box(target, show_path(path))
         if local is not None and local.numel():
             local.copy_(view[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))])
         return target
@@ -151,7 +151,7 @@ def _plan(plan: "ReadPlan", g: "GlobalTensor", target: torch.Tensor | None, step
         plan.add(g, (0,) * len(g.shape), target)
         return target
     if dtensor.is_global(target):
-        local, offsets = dtensor.local_box(target, _show(g.path))
+        local, offsets = dtensor.local_box(target, show_path(g.path))
         if local is not None and local.numel():
             plan.add(g, offsets, local)
         return target
@@ -167,11 +167,11 @@ def _match_targets(into: Any, leaves: list[Leaf], strict: bool, step: int,
         leaf = by_path.get(target_path)
         if leaf is None:
             if strict:
-                problems.append(f"{_show(target_path)} is not in the checkpoint")
+                problems.append(f"{show_path(target_path)} is not in the checkpoint")
             continue
         shape, dtype = dtensor.shape_and_dtype(tensor)
         if shape != leaf.shape or dtype != leaf.dtype:
-            problems.append(f"{_show(target_path)}: target {dtype} {shape}, "
+            problems.append(f"{show_path(target_path)}: target {dtype} {shape}, "
                             f"saved {leaf.dtype} {leaf.shape}")
         targets[target_path] = tensor
     if problems:
@@ -188,8 +188,3 @@ def _tensor_leaves(node: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tenso
     if isinstance(node, (list, tuple)):
         return [leaf for i, v in enumerate(node) for leaf in _tensor_leaves(v, path + (i,))]
     return []
-
-
-def _show(path: tuple) -> str:
-    return "state" + "".join(f"[{p!r}]" for p in path)
-

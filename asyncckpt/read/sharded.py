@@ -21,11 +21,14 @@ from asyncckpt.format.layout import DTYPE_SIZES
 from asyncckpt.format.tiling import Box, GlobalTensor, intersect, runs
 from asyncckpt.read.reader import RankReader, tensor_bytes
 
+TEMP_BYTES = 256 << 20  # a plan's temporaries, at most, before it reads what it has
+
 
 class ReadPlan:
     """Box reads batched per saved rank, flushed when temporaries reach `temp_bytes`."""
 
-    def __init__(self, open_reader: Callable[[int], RankReader], temp_bytes: int = 256 << 20) -> None:
+    def __init__(self, open_reader: Callable[[int], RankReader],
+                 temp_bytes: int = TEMP_BYTES) -> None:
         self._open = open_reader
         self._temp_limit = temp_bytes
         self._ranges: dict[int, list[tuple[int, int, memoryview, str | None]]] = {}

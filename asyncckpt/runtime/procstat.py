@@ -1,11 +1,15 @@
-"""Memory readings from /proc: the writer's own accounting, and leak checks of its rings.
+"""Every reading of /proc: memory, rings mapped, whether a process lives.
 
-RssAnon is the private memory of a process (heap, stacks); the ring is shared memory
-and shows in RssShmem, so the writer's bounded-memory promise is stated in RssAnon.
+One home, at the lowest layer, so that each part (the writer's own accounting, the
+rank's ring sizing, the sweep of endpoints left by dead writers) reads the same files
+the same way. RssAnon is the private memory of a process (heap, stacks); the ring is
+shared memory and shows in RssShmem, so the writer's bounded-memory promise is stated
+in RssAnon.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 
@@ -19,6 +23,23 @@ def read_status(pid: int | str = "self") -> dict[str, int]:
             if len(parts) == 2 and parts[1] == "kB":
                 out[key] = int(parts[0]) * 1024
     return out
+
+
+def mem_available() -> int | None:
+    """/proc/meminfo's MemAvailable in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def pid_alive(pid: int | str) -> bool:
+    """Whether process `pid` exists on this machine (its /proc entry does)."""
+    return os.path.exists(f"/proc/{pid}")
 
 
 def ring_mappings(pid: int | str = "self") -> int:

@@ -1,7 +1,10 @@
-"""Which rank this process is, without importing the socket client.
+"""Which rank this process is, and how many share its node, without the socket client.
 
 Loading needs the rank (whose part of a checkpoint to read) but must not pull in the
-client and its rings and threads, so the lookup lives here, shared by both.
+client and its rings and threads, so the lookup lives here, shared by both. The ranks
+per node are read here too, once, so that every part (whether to coordinate across
+nodes, how to share memory between rings, which node a missing rank is on) assumes the
+same thing when the launcher does not say.
 """
 
 from __future__ import annotations
@@ -25,3 +28,18 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     return rank, world_size
+
+
+def local_world_size(world_size: int) -> int:
+    """How many ranks of a `world_size` world run on this node: LOCAL_WORLD_SIZE (set
+    by torchrun), clamped to 1..world_size; when it is unset or not a number, the
+    whole world (one node).
+
+    Args:
+        world_size: the ranks of the job (at least 1).
+    """
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    except ValueError:
+        local = world_size
+    return min(max(1, local), max(1, world_size))

@@ -46,6 +46,7 @@ from asyncckpt.codec.registry import CODECS, REGISTRY
 
 # (ratio, encode thread-seconds per byte) before anything is measured
 _PRIORS = {name: (spec.prior[0], 1 / spec.prior[1]) for name, spec in REGISTRY.items()}
+TRIAL_EVERY = 32  # frames per trial encode with the other codecs (of their first MiB)
 _PRIOR_DISK = 1.3e9  # bytes/s
 _PRIOR_WEIGHT = 8 << 20  # priors count as this many bytes of evidence
 
@@ -89,7 +90,7 @@ class CodecChooser:
     """Thread-safe estimates for one writer (all its ranks share disk and cores)."""
 
     threads: int
-    trial_every: int = 32
+    trial_every: int = TRIAL_EVERY
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     _codecs: dict[str, _Evidence] = field(default_factory=lambda: {
         c: _Evidence(_PRIOR_WEIGHT, _PRIOR_WEIGHT * r, _PRIOR_WEIGHT * s)

@@ -20,7 +20,7 @@ asked, until that step commits or fails: a save in flight never references a ste
 being deleted.
 
 Only tensor frames of at least `MIN_BYTES` are referenced, never the safetensors header:
-retention keeps a referenced step's whole directory (lifetimes.py), so a header or a
+retention keeps a referenced step's whole directory (retention.py), so a header or a
 small buffer that happens to repeat would keep an otherwise dead step on disk to save a
 few KiB. (A frozen tensor of at least that size does keep its step: that is the point.)
 
@@ -56,7 +56,7 @@ from typing import NamedTuple
 import xxhash
 
 from asyncckpt.codec.registry import PlaneLayout
-from asyncckpt.config import ReadLimits
+from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Frame, Manifest, read_manifest
@@ -87,7 +87,7 @@ class DedupIndex:
     """(xxh3_128, raw length) -> Target over the committed steps of one root.
     Thread-safe."""
 
-    def __init__(self, storage: Storage, max_frame_bytes: int = 256 << 20) -> None:
+    def __init__(self, storage: Storage, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.storage = storage
         self.lock = threading.Lock()
         self._limits = ReadLimits(max_frame_bytes=max_frame_bytes)

@@ -50,7 +50,7 @@ import xxhash
 
 from asyncckpt.config import WriterKnobs
 from asyncckpt.format.encoding import Encoded, FrameEncoder
-from asyncckpt.format.layout import TensorSpec, data_file_name
+from asyncckpt.format.layout import CUT_BYTES, TensorSpec, data_file_name
 from asyncckpt.format.manifest import Frame, RankPart, Ref
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import Storage
@@ -59,7 +59,6 @@ from asyncckpt.writer.dedup import MIN_BYTES, Target
 
 Done = Callable[[], None]
 Lookup = Callable[[int, int], Union[Target, None]]  # (xxh3_128, raw length) -> target
-CUT_BYTES = 64 << 10
 # a tensor's frames in a committed step, as (raw length, target, xxh3_128)
 Unchanged = list[tuple[int, Target, int]]
 
@@ -75,7 +74,6 @@ class FileSettings:
         level: the zstd level.
         flush_bytes: the writeback window (storage/writeback.py; 0: none before the fsync).
         writeback: the writeback mode ("range" or "fdatasync").
-        probe_bytes, plane_max_ratio: the plane probe (codec/planes.py).
         incremental: cut frames at large tensors' boundaries and give them an xxh3_128.
     """
 
@@ -84,15 +82,13 @@ class FileSettings:
     level: int
     flush_bytes: int
     writeback: str = WriterKnobs.writeback
-    probe_bytes: int = WriterKnobs.plane_probe_bytes
-    plane_max_ratio: float = WriterKnobs.plane_max_ratio
     incremental: bool = False
 
     @classmethod
     def from_knobs(cls, knobs: WriterKnobs, storage: Storage, pool: FramePool
                    ) -> "FileSettings":
         return cls(storage, pool, knobs.zstd_level, knobs.flush_bytes, knobs.writeback,
-                   knobs.plane_probe_bytes, knobs.plane_max_ratio, knobs.incremental)
+                   knobs.incremental)
 
 
 class Piece(NamedTuple):
@@ -101,7 +97,7 @@ class Piece(NamedTuple):
 
     raw_length: int
     stored: Union[Encoded, Target]
-    wide: Union[int, None]
+    xxh3_128: Union[int, None]
 
 
 class _Ready(NamedTuple):
@@ -247,8 +243,7 @@ class RankFileWriter:
         self.codec = codec
         self.path = directory / data_file_name(rank, codec)
         self.expected_size = tensors[-1].end if tensors else len(header)
-        self._encoder = FrameEncoder(codec, settings.level, tensors, settings.probe_bytes,
-                                     settings.plane_max_ratio, chooser)
+        self._encoder = FrameEncoder(codec, settings.level, tensors, chooser=chooser)
         self._tensors = tensors
         self._incremental = settings.incremental
         self._lookup = lookup
@@ -352,13 +347,13 @@ class RankFileWriter:
         out: list[Piece] = []
         for lo, hi in self._cuts.within(offset, offset + len(raw)):
             piece = raw[lo - offset:hi - offset]
-            wide = xxhash.xxh3_128_intdigest(piece) if self._incremental else None
+            xxh3_128 = xxhash.xxh3_128_intdigest(piece) if self._incremental else None
             target = None
-            if (wide is not None and self._lookup is not None and len(piece) >= MIN_BYTES
+            if (xxh3_128 is not None and self._lookup is not None and len(piece) >= MIN_BYTES
                     and lo >= self._data_begin):  # never the header (dedup.py)
-                target = self._lookup(wide, len(piece))
+                target = self._lookup(xxh3_128, len(piece))
             out.append(Piece(len(piece), target if target is not None
-                             else self._encoder.encode(lo, piece, context), wide))
+                             else self._encoder.encode(lo, piece, context), xxh3_128))
         return out
 
     # -- appending (the appender thread) -----------------------------------------------
@@ -370,9 +365,9 @@ class RankFileWriter:
                 if item.pieces is not None and self.error is None and not self._order.closing:
                     for piece in item.pieces:
                         if isinstance(piece.stored, Encoded):
-                            self._write(piece.stored, piece.raw_length, piece.wide)
+                            self._write(piece.stored, piece.raw_length, piece.xxh3_128)
                         else:
-                            self._reference(piece.stored, piece.raw_length, piece.wide)
+                            self._reference(piece.stored, piece.raw_length, piece.xxh3_128)
             except Exception as e:
                 self._set_error(e)
             finally:
@@ -385,20 +380,20 @@ class RankFileWriter:
                     self._order.finished()
         self._file.close()
 
-    def _reference(self, target: Target, raw_length: int, wide: int | None) -> None:
+    def _reference(self, target: Target, raw_length: int, xxh3_128: int | None) -> None:
         self._frames.append(Frame(self._raw_size, raw_length, self._stored_size, 0,
                                   target.codec, target.xxh3_raw, target.xxh3_stored,
-                                  target.layout, wide,
+                                  target.layout, xxh3_128,
                                   Ref(target.step, target.file, target.offset, target.length)))
         self._raw_size += raw_length
         self.referenced_bytes += raw_length
 
-    def _write(self, encoded: Encoded, raw_length: int, wide: int | None = None) -> None:
+    def _write(self, encoded: Encoded, raw_length: int, xxh3_128: int | None = None) -> None:
         start = time.perf_counter()
         self._file.append(list(encoded.pieces))
         self._frames.append(Frame(self._raw_size, raw_length, self._stored_size,
                                   encoded.stored_length, encoded.codec, encoded.xxh3_raw,
-                                  encoded.xxh3_stored, encoded.layout, wide))
+                                  encoded.xxh3_stored, encoded.layout, xxh3_128))
         self._raw_size += raw_length
         self.new_bytes += raw_length
         self._stored_size += encoded.stored_length

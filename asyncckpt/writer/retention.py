@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncckpt.config import ReadLimits
+from asyncckpt.config import KEEP_ALL, ReadLimits
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.layout import step_dir_name
 from asyncckpt.format.manifest import Manifest, read_manifest
@@ -56,8 +56,8 @@ def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int 
           keep_from: int | None = None, index: Any = None) -> Pruned:
     """Apply retention: delete committed steps beyond the newest `keep_last` (except
     multiples of `keep_every`), retiring instead those a kept step or a save in flight
-    references, and delete retired steps nothing references any more. keep_last=0
-    keeps every committed step (retired ones are still reclaimed).
+    references, and delete retired steps nothing references any more. keep_last
+    `KEEP_ALL` (0) keeps every committed step (retired ones are still reclaimed).
 
     Args:
         newest: the step just committed: steps above it are not counted (a directory
@@ -75,7 +75,7 @@ def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int 
     with index.lock if index is not None else contextlib.nullcontext():
         steps = storage.committed_steps()
         counted = [s for s in steps if newest is None or s <= newest]
-        doomed = [s for s in (counted[:-keep_last] if keep_last > 0 else [])
+        doomed = [s for s in (counted[:-keep_last] if keep_last > KEEP_ALL else [])
                   if not (keep_every > 0 and s % keep_every == 0)
                   and (keep_from is None or s < keep_from)]
         kept = [s for s in steps if s not in set(doomed)]

@@ -76,7 +76,7 @@ class WriterServer:
         self.rss = PeakSampler()
         self.pool = FramePool(self.knobs.encode_threads, self.knobs.frames_in_flight)
         self.buffers = Buffers(self.knobs.frames_in_flight + self.knobs.encode_threads)
-        self.chooser = CodecChooser(self.knobs.encode_threads, self.knobs.auto_trial_every)
+        self.chooser = CodecChooser(self.knobs.encode_threads)
         self.index = (DedupIndex(self.storage, self.knobs.max_frame_bytes)
                       if self.knobs.incremental else None)
         if self.index is not None:

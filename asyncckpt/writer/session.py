@@ -89,7 +89,7 @@ class _RankSave:
     tree: Any
     failed: bool = False
     stats: dict = field(default_factory=dict)
-    streaming: bool = False  # its rank waited for a slot: copy its chunks out at once
+    copy_at_once: bool = False  # its rank waited for a slot: stage first no longer
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,8 @@ class Session:
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._outbox_limit = _OUTBOX_SPARE
         self._sender: threading.Thread | None = None
-        self._defer = False  # stage first (the knob, and a rank that says need_slot)
-        self._deferred: list[messages.Chunk] = []  # chunks not yet copied out, in order
+        self._stage_first = False  # the knob, for a rank that says need_slot
+        self._held: list[messages.Chunk] = []  # chunks left in the ring until then, in order
         self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
             messages.Begin: self._on_begin, messages.Chunk: self._on_chunk,
             messages.End: self._on_end, messages.Abort: self._on_abort,
@@ -194,7 +194,7 @@ class Session:
             raise
         protocol.set_recv_timeout(self.conn, 0)
         self.rank = m.rank
-        self._defer = self.writer.knobs.stage_first and m.need_slot
+        self._stage_first = self.writer.knobs.stage_first and m.need_slot
         self._outbox_limit = m.slots + _OUTBOX_SPARE
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"asyncckpt-reply-{m.rank}")
@@ -270,7 +270,7 @@ class Session:
         index = self.writer.index
         if index is None:
             return None
-        return lambda wide, length: index.lookup(wide, length, step)
+        return lambda xxh3_128, length: index.lookup(xxh3_128, length, step)
 
     @property
     def ring_slot_size(self) -> int:
@@ -288,25 +288,25 @@ class Session:
 
     def _on_chunk(self, m: messages.Chunk) -> None:
         save = self._save(m.save)
-        if not self._defer or save.streaming:
+        if not self._stage_first or save.copy_at_once:
             self._copy_out(save, m)
             return
         assert self.ring is not None
-        self._deferred.append(m)
-        if len(self._deferred) >= self.ring.slots:  # it holds none: it must be waiting
-            save.streaming = True
-            self._copy_out_deferred()
+        self._held.append(m)
+        if len(self._held) >= self.ring.slots:  # it holds none: it must be waiting
+            save.copy_at_once = True
+            self._copy_out_held()
 
     def _on_need_slot(self, m: messages.NeedSlot) -> None:
         """The rank waits for a slot: its ring is smaller than its save, so copying
         out after the rank would only stall it; its open saves stream from now on."""
         for save in self._saves.values():
-            save.streaming = True
-        self._copy_out_deferred()
+            save.copy_at_once = True
+        self._copy_out_held()
 
-    def _copy_out_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for m in deferred:
+    def _copy_out_held(self) -> None:
+        held, self._held = self._held, []
+        for m in held:
             self._copy_out(self._save(m.save), m)
 
     def _copy_out(self, save: _RankSave, m: messages.Chunk) -> None:
@@ -332,7 +332,7 @@ class Session:
             self._fail(save, SaveFailedError(str(e), step=save.step, rank=self.rank))
 
     def _on_end(self, m: messages.End) -> None:
-        self._copy_out_deferred()
+        self._copy_out_held()
         save = self._save(m.save)
         del self._saves[m.save]
         if save.failed or save.file is None:
@@ -352,7 +352,7 @@ class Session:
         self.writer.steps.end(save.step, part, stats)
 
     def _on_abort(self, m: messages.Abort) -> None:
-        self._copy_out_deferred()
+        self._copy_out_held()
         save = self._save(m.save)
         del self._saves[m.save]
         if save.file:

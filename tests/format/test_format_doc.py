@@ -15,15 +15,15 @@ import torch
 import xxhash
 
 import asyncckpt
-from asyncckpt.codec import planes
+from asyncckpt.codec import planes, registry
 from asyncckpt.codec.registry import CODECS, REGISTRY
 from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format import manifest
-from asyncckpt.format.layout import DTYPE_SIZES, MANIFEST_NAME, data_file_name, layout
+from asyncckpt.format.layout import (CUT_BYTES, DTYPE_SIZES, MANIFEST_NAME, data_file_name,
+                                     layout)
 from asyncckpt.format.manifest import admitted_codecs, parse_manifest
 from asyncckpt.torchutil import dtypes
-from asyncckpt.writer import pipeline
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md").read_text()
 MAX_FRAME = 256 << 20
@@ -208,6 +208,6 @@ def test_the_stated_limits_and_thresholds_are_the_defaults():
     limits, knobs = ReadLimits(), WriterKnobs()
     assert f"`max_manifest_bytes` ({limits.max_manifest_bytes >> 20} MiB)" in DOC
     assert f"`max_frame_bytes` ({limits.max_frame_bytes >> 20} MiB)" in DOC
-    assert f"tensor of at least {pipeline.CUT_BYTES >> 10} KiB" in DOC
-    assert f"shrink to {knobs.plane_max_ratio} or less" in DOC
+    assert f"tensor of at least {CUT_BYTES >> 10} KiB" in DOC
+    assert f"shrink to {registry.PLANE_MAX_RATIO} or less" in DOC
     assert knobs.incremental and "`incremental`, on by default" in DOC

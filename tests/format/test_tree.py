@@ -409,3 +409,9 @@ def test_too_deep_list_is_unsupported_state():
         state = [state]
     with pytest.raises(UnsupportedStateError):
         flatten(state)
+
+
+def test_show_path_spells_a_key_path_as_python_indexes_the_state():
+    from asyncckpt.format.tree import show_path
+    assert show_path(()) == "state"
+    assert show_path(("model", 0, "w.x")) == "state['model'][0]['w.x']"

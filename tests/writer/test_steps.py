@@ -194,3 +194,19 @@ def test_close_fails_steps_waiting_on_unconnected_ranks_at_once(steps):
     steps.close(timeout=60)
     assert time.monotonic() - started < 5
     assert "rank 1 not connected" in str(inbox.got[0][0])
+
+
+def test_failed_steps_tell_each_pending_rank_once_and_stay_bounded():
+    from asyncckpt.writer.steps import _MAX_FAILED_RECORDS, FailedSteps
+    failed, error = FailedSteps(), SaveFailedError("boom", step=1)
+    failed.note(1, error, set())  # nobody to tell: nothing kept
+    assert failed.claim(1, 0) is None
+    failed.note(1, error, {0, 1, 2})
+    assert failed.claim(1, 0) is error and failed.claim(1, 0) is None
+    failed.forget_rank(1)  # gone: a new process when it comes back
+    assert failed.claim(1, 1) is None and failed.claim(1, 2) is error
+    assert failed.claim(1, 2) is None
+    for step in range(_MAX_FAILED_RECORDS + 1):
+        failed.note(step, error, {0})
+    assert failed.claim(0, 0) is None  # the oldest record went
+    assert failed.claim(_MAX_FAILED_RECORDS, 0) is error

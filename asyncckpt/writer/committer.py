@@ -1,0 +1,173 @@
+"""Making a completed step visible, on one thread, one step at a time.
+
+The commit (manifest, rename, `latest`, retention) runs on one committer thread, not on
+the session thread of whichever rank ended last: that rank's connection keeps serving
+(its next save's chunks, its slot credits) while the step is made visible and old steps
+are deleted, and commits happen one at a time in the order steps completed. Before
+anything is published the manifest is parsed back with the reader's own rules, so the
+writer never commits a checkpoint that `load` or `verify` would reject, and retention
+never deletes a good step on the strength of a bad one. Any exception in that sequence
+fails the step for all its ranks and discards its files, exactly as a failure before
+the commit does (`abandon`, shared with the step table).
+
+With incremental saves the committer keeps the writer's dedup index in step: a step is
+checked before publishing for references to steps that are gone, is added to the index
+once committed, and is released once it ends either way; retention asks the index which
+steps kept ones reference. Only the writer that commits a coordinated step sweeps what
+dead writers left: housekeeping happens once, on the leader.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncckpt.config import MAX_FRAME_BYTES
+from asyncckpt.errors import CheckpointError, SaveFailedError
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.storage.base import Storage
+from asyncckpt.writer import commit, owners
+from asyncckpt.writer.dedup import DedupIndex
+from asyncckpt.writer.retention import check_references, check_replaceable, prune
+
+if TYPE_CHECKING:
+    from asyncckpt.writer.steps import Notify, Step
+
+log = logging.getLogger("asyncckpt.writer")
+
+# check(manifest bytes, manifest): raises CheckpointError if a reader would refuse it
+Check = Callable[[bytes, Manifest], None]
+
+
+def abandon(storage: Storage, current: Step, error: CheckpointError, tell: Iterable[Notify],
+            index: DedupIndex | None) -> None:
+    """End a failed step: release its dedup pins, discard its files, tell `tell`."""
+    release(current.number, index)
+    storage.discard(current.tmp_dir)
+    for notify in list(tell):
+        notify(error, None, {})
+
+
+def release(step: int, index: DedupIndex | None) -> None:
+    """Unpin the steps `step`'s lookups referenced (it ended, either way)."""
+    if index is not None:
+        index.release(step)
+
+
+def sweep_dead(root: Path) -> None:
+    """Remove what writers that are gone left under `root`."""
+    for name in owners.sweep_dead(root):
+        log.info("removed %s, left by a writer that is gone", name)
+
+
+class Committer:
+    """The committer thread of one writer: `submit` a completed step, `stop` at the end.
+
+    `done(step)` is called on the thread after each step, committed or not.
+    """
+
+    def __init__(self, storage: Storage, retention: tuple[int, int], *, done: Callable[[int], None],
+                 check: Check | None = None,
+                 on_commit: Callable[[Manifest, Step], None] | None = None,
+                 max_frame_bytes: int = MAX_FRAME_BYTES,
+                 index: DedupIndex | None = None) -> None:
+        self.storage = storage
+        self.root = storage.root
+        self.retention = retention  # (keep_last, keep_every) unless a save names its own
+        self._done = done
+        self._check = check
+        self._on_commit = on_commit
+        self._max_frame_bytes = max_frame_bytes
+        self._index = index
+        self._ready: queue.SimpleQueue[Step | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="asyncckpt-commit")
+        self._thread.start()
+
+    def submit(self, current: Step) -> None:
+        """Queue `current`, whose parts are all durable, for commit."""
+        self._ready.put(current)
+
+    def stop(self, timeout: float) -> None:
+        """Commit what is queued, then stop the thread (waiting up to `timeout` + 1 s)."""
+        self._ready.put(None)
+        self._thread.join(max(0.0, timeout) + 1)
+
+    def _loop(self) -> None:
+        while (current := self._ready.get()) is not None:
+            try:
+                self._commit(current)
+            except Exception:  # the thread must outlive any bug, or every later step hangs
+                log.exception("committer: step %d", current.number)
+            finally:
+                self._done(current.number)
+
+    def _commit(self, current: Step) -> None:
+        tell = [current.requester] if current.requester else list(current.waiting.values())
+        try:
+            manifest, path = self._publish(current)
+        except Exception as e:  # whatever it is, every rank of the step must hear of it
+            error = e if isinstance(e, CheckpointError) else SaveFailedError(
+                f"commit failed: {type(e).__name__}: {e}", step=current.number)
+            log.warning("step %d failed at commit: %s", current.number, error)
+            abandon(self.storage, current, error, tell, self._index)
+            return
+        if self._index is not None:
+            self._index.add(manifest)
+        release(current.number, self._index)
+        self._prune(current)
+        if current.announced is not None:  # what writers that are gone left
+            sweep_dead(self.root)
+        if self._on_commit:
+            try:
+                self._on_commit(manifest, current)
+            except Exception:
+                log.exception("commit hook failed")
+        self._tell_committed(current, manifest, path)
+
+    def _publish(self, current: Step) -> tuple[Manifest, Path]:
+        """Gather the parts, check the manifest as a reader would, and publish the step."""
+        if current.announced is not None:
+            parts = commit.gather_parts(self.root, current.tmp_dir, current.number,
+                                        current.announced, self._max_frame_bytes)
+        else:
+            parts = [current.parts[r] for r in range(current.world_size)]
+        manifest = Manifest(step=current.number, world_size=current.world_size, ranks=parts)
+        data = manifest.to_bytes()
+        if self._check is not None:
+            self._check(data, manifest)
+        check_references(self.storage, manifest)
+        if current.replace:
+            check_replaceable(self.storage, current.number, self._index)
+        path = commit.publish(self.storage, current.tmp_dir, current.number, data,
+                              replace=current.replace)
+        return manifest, path
+
+    @staticmethod
+    def _tell_committed(current: Step, manifest: Manifest, path: Path) -> None:
+        stats = {"raw_bytes": manifest.raw_size, "stored_bytes": manifest.stored_size,
+                 "new_bytes": manifest.raw_size - manifest.referenced_size,
+                 "referenced_bytes": manifest.referenced_size,
+                 "seconds": time.monotonic() - current.started}
+        if current.requester is not None:
+            current.requester(None, path, {**stats, **current.stats.get(0, {})})
+            return
+        for rank, notify in current.waiting.items():
+            notify(None, path, {**stats, **current.stats.get(rank, {})})
+
+    def _prune(self, current: Step) -> None:
+        keep_last, keep_every = current.retention or self.retention
+        try:
+            done = prune(self.storage, keep_last, keep_every, newest=current.number,
+                                   keep_from=current.keep_from, index=self._index)
+        except Exception as e:  # retention is best effort; the new step is already durable
+            log.warning("retention failed: %s: %s", type(e).__name__, e)
+            return
+        if done.deleted or done.retired or done.reclaimed:
+            log.info("retention (keep_last=%d, keep_every=%d) deleted steps %s, retired %s "
+                     "(still referenced), reclaimed retired %s", keep_last, keep_every,
+                     done.deleted, done.retired, done.reclaimed)
