@@ -33,112 +33,24 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from asyncckpt.config import ClientKnobs
-from asyncckpt.errors import (SaveFailedError, UnsupportedStateError, WriterUnavailableError,
+from asyncckpt.errors import (SaveFailedError, WriterUnavailableError,
                               error_class)
-from asyncckpt.format.layout import CUT_BYTES, MAX_STEP
-from asyncckpt.format.tree import show_path
+from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.rank.coordination import Agreement, StoreCoordinator
-from asyncckpt.rank.flatten import flatten
 from asyncckpt.rank.handle import SaveHandle
-from asyncckpt.rank.stager import DeviceCopies, ready_event, stage
+from asyncckpt.rank.pending import Basis, PendingSave, Torn, unmodified
+from asyncckpt.rank.stager import DeviceCopies, stage
 from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
 
-Fingerprint = tuple
-Basis = tuple[int, dict[str, Fingerprint]]  # a committed step, its tensors' fingerprints
-
-
 class _Cancelled(Exception):
     pass
-
-
-class _Torn(Exception):
-    pass
-
-
-def _unmodified(pending: "_PendingSave") -> Iterator[torch.Tensor]:
-    """The save's tensors, each checked not to have been modified in place (its version
-    counter) between `save()` and the end of its own copy: a torn tensor fails the save
-    rather than landing in a checkpoint. Changes after a tensor's copy are harmless."""
-    for i, (entry, version) in enumerate(zip(pending.entries, pending.versions)):
-        if i in pending.skipped:
-            continue
-        yield entry.tensor
-        if _version(entry.tensor) != version:  # resumed only once its bytes are all copied
-            raise _Torn(f"{show_path(entry.path)} was modified in place "
-                        "while it was being staged; wait for handle.staged() before changing "
-                        "the state (e.g. call handle.wait_staged() before optimizer.step())")
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """In-place writes bump it (optimizer steps too); writes through `.data`, numpy or
-    another process do not, and inference-mode tensors have none: those go undetected."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-def _fingerprint(t: torch.Tensor) -> Fingerprint | None:
-    """Equal for two looks at a tensor only if its bytes cannot have changed in between,
-    short of writes that bypass the version counter. The storage is named by a weak
-    reference: while it is held, the storage's address cannot be reused by another one."""
-    version = _version(t)
-    if version is None:
-        return None
-    storage = t.untyped_storage()
-    return (StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), t.storage_offset(),
-            tuple(t.shape), t.stride(), t.dtype, t.device, version)
-
-
-class _PendingSave:
-    """A save between `save()` and its result; the begin message is encoded up front so
-    that anything JSON cannot carry fails in `save()` itself."""
-
-    def __init__(self, save_id: int, step: int, world_size: int, state: Any,
-                 handle: SaveHandle, retention: tuple[int, int] | None,
-                 key: str | None = None, skip_unchanged: bool = False,
-                 basis: Basis | None = None, replace: bool = False,
-                 keep_from: int | None = None) -> None:
-        self.id = save_id
-        self.step = step
-        self.handle = handle
-        self.key = key  # the name of a save coordinated across nodes (coordination.py)
-        self.settled = False         # coordinated: the outcome is known and acted on
-        tree, self.entries = flatten(state)
-        self.versions = [_version(e.tensor) for e in self.entries]
-        self.ready = ready_event(e.tensor for e in self.entries)
-        self.fingerprints = [_fingerprint(e.tensor) if skip_unchanged else None
-                             for e in self.entries]
-        self.unchanged = [] if basis is None else [
-            i for i, (e, fp) in enumerate(zip(self.entries, self.fingerprints))
-            if fp is not None and basis[1].get(e.name) == fp
-            and e.tensor.numel() * e.tensor.element_size() >= CUT_BYTES]
-        self.skipped: set[int] = set()  # what the writer took from the basis step
-        self.planned = threading.Event()
-        since = basis[0] if basis is not None and self.unchanged else None
-        try:
-            self.begin = messages.Begin(
-                save_id, step, world_size,
-                tuple((e.name, e.dtype_name, tuple(e.tensor.shape)) for e in self.entries), tree,
-                retention=retention, coordinated=key is not None, since=since,
-                unchanged=None if since is None else tuple(self.unchanged), replace=replace,
-                keep_from=keep_from).encode()
-        except (ValueError, RecursionError) as e:
-            raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
-        if len(self.begin) > protocol.MAX_MESSAGE:
-            raise UnsupportedStateError(
-                f"the state's tensor table and objects take {len(self.begin)} bytes as JSON, "
-                f"over the {protocol.MAX_MESSAGE}-byte message bound ({len(self.entries)} "
-                "tensors); save fewer, larger tensors or split the state", step=step)
 
 
 class Client:
@@ -176,11 +88,11 @@ class Client:
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
         self._cond = threading.Condition()
-        self._pending: dict[int, _PendingSave] = {}
+        self._pending: dict[int, PendingSave] = {}
         self._ids = itertools.count(1)
         self._basis: Basis | None = None  # with skip_unchanged: the newest committed save
         self._broken: WriterUnavailableError | None = None
-        self._queue: queue.Queue[_PendingSave | None] = queue.Queue()
+        self._queue: queue.Queue[PendingSave | None] = queue.Queue()
         self._closed = False
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
@@ -283,7 +195,7 @@ class Client:
         handle = SaveHandle(step)
         retention = None if keep_last is None else (keep_last, keep_every)
         skip = self.knobs.skip_unchanged
-        pending = _PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
+        pending = PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
                                retention, self._agreement.key(step) if self._agreement else None,
                                skip, self._basis if skip else None, replace=bool(replace),
                                keep_from=keep_from)
@@ -340,7 +252,7 @@ class Client:
                 pending.handle._set_failed(SaveFailedError(
                     f"staging failed: {type(e).__name__}: {e}", step=pending.step, rank=self.rank))
 
-    def _stage_one(self, pending: _PendingSave) -> None:
+    def _stage_one(self, pending: PendingSave) -> None:
         started = time.perf_counter()
         handle = pending.handle
         self._outbox.put(pending.begin)
@@ -366,7 +278,7 @@ class Client:
             while pending.unchanged and not pending.planned.wait(0.05):
                 if handle.done() or self._broken is not None:
                     raise _Cancelled
-            nbytes = stage(_unmodified(pending), self._ring, acquire, emit, self._release,
+            nbytes = stage(unmodified(pending), self._ring, acquire, emit, self._release,
                            self._device, pending.ready)
         except _Cancelled:
             self._send(messages.End(pending.id))
@@ -374,7 +286,7 @@ class Client:
         except OSError:
             raise
         except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
-            cause = str(e) if isinstance(e, _Torn) else f"staging failed: {type(e).__name__}: {e}"
+            cause = str(e) if isinstance(e, Torn) else f"staging failed: {type(e).__name__}: {e}"
             error = SaveFailedError(cause, step=pending.step, rank=self.rank)
             self._send(messages.Abort(pending.id, str(error)))
             handle._set_failed(error)
@@ -398,12 +310,12 @@ class Client:
         except (OSError, EOFError):
             self._on_broken("writer connection lost while sending")
 
-    def _forget(self, pending: _PendingSave) -> None:
+    def _forget(self, pending: PendingSave) -> None:
         """A coordinated save is over (its outcome came through the store)."""
         with self._cond:
             self._pending.pop(pending.id, None)
 
-    def _remember(self, pending: _PendingSave) -> None:
+    def _remember(self, pending: PendingSave) -> None:
         """`pending` committed: its tensors as they were are the basis of later saves."""
         with self._cond:
             if self._basis is None or pending.step > self._basis[0]:

@@ -1,0 +1,111 @@
+"""A save between `save()` and its result, and the checks that keep its bytes whole.
+
+A rank's tensors stay the training loop's own while they are staged: nothing is copied
+in `save()`. So each tensor's version counter is taken at `save()` and checked after its
+own copy (`unmodified`): a tensor changed in place meanwhile fails the save instead of
+landing torn in a checkpoint. With `skip_unchanged`, the same counter plus the storage's
+identity (`fingerprint`) say which tensors cannot have changed since the newest
+committed save, so the writer may reference their frames instead of receiving them.
+The begin message is encoded here, up front, so that a state JSON cannot carry fails in
+`save()` itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from asyncckpt.errors import UnsupportedStateError
+from asyncckpt.format.layout import CUT_BYTES
+from asyncckpt.format.tree import show_path
+from asyncckpt.ipc import messages, protocol
+from asyncckpt.rank.flatten import flatten
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.stager import ready_event
+
+Fingerprint = tuple
+Basis = tuple[int, dict[str, Fingerprint]]  # a committed step, its tensors' fingerprints
+
+
+class Torn(Exception):
+    """A tensor was modified in place while it was being staged."""
+
+
+def unmodified(pending: "PendingSave") -> Iterator[torch.Tensor]:
+    """The save's tensors, each checked not to have been modified in place (its version
+    counter) between `save()` and the end of its own copy: a torn tensor fails the save
+    rather than landing in a checkpoint. Changes after a tensor's copy are harmless."""
+    for i, (entry, version) in enumerate(zip(pending.entries, pending.versions)):
+        if i in pending.skipped:
+            continue
+        yield entry.tensor
+        if _version(entry.tensor) != version:  # resumed only once its bytes are all copied
+            raise Torn(f"{show_path(entry.path)} was modified in place "
+                        "while it was being staged; wait for handle.staged() before changing "
+                        "the state (e.g. call handle.wait_staged() before optimizer.step())")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """In-place writes bump it (optimizer steps too); writes through `.data`, numpy or
+    another process do not, and inference-mode tensors have none: those go undetected."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def fingerprint(t: torch.Tensor) -> Fingerprint | None:
+    """Equal for two looks at a tensor only if its bytes cannot have changed in between,
+    short of writes that bypass the version counter. The storage is named by a weak
+    reference: while it is held, the storage's address cannot be reused by another one."""
+    version = _version(t)
+    if version is None:
+        return None
+    storage = t.untyped_storage()
+    return (StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), t.storage_offset(),
+            tuple(t.shape), t.stride(), t.dtype, t.device, version)
+
+
+class PendingSave:
+    """A save between `save()` and its result; the begin message is encoded up front so
+    that anything JSON cannot carry fails in `save()` itself."""
+
+    def __init__(self, save_id: int, step: int, world_size: int, state: Any,
+                 handle: SaveHandle, retention: tuple[int, int] | None,
+                 key: str | None = None, skip_unchanged: bool = False,
+                 basis: Basis | None = None, replace: bool = False,
+                 keep_from: int | None = None) -> None:
+        self.id = save_id
+        self.step = step
+        self.handle = handle
+        self.key = key  # the name of a save coordinated across nodes (coordination.py)
+        self.settled = False         # coordinated: the outcome is known and acted on
+        tree, self.entries = flatten(state)
+        self.versions = [_version(e.tensor) for e in self.entries]
+        self.ready = ready_event(e.tensor for e in self.entries)
+        self.fingerprints = [fingerprint(e.tensor) if skip_unchanged else None
+                             for e in self.entries]
+        self.unchanged = [] if basis is None else [
+            i for i, (e, fp) in enumerate(zip(self.entries, self.fingerprints))
+            if fp is not None and basis[1].get(e.name) == fp
+            and e.tensor.numel() * e.tensor.element_size() >= CUT_BYTES]
+        self.skipped: set[int] = set()  # what the writer took from the basis step
+        self.planned = threading.Event()
+        since = basis[0] if basis is not None and self.unchanged else None
+        try:
+            self.begin = messages.Begin(
+                save_id, step, world_size,
+                tuple((e.name, e.dtype_name, tuple(e.tensor.shape)) for e in self.entries), tree,
+                retention=retention, coordinated=key is not None, since=since,
+                unchanged=None if since is None else tuple(self.unchanged), replace=replace,
+                keep_from=keep_from).encode()
+        except (ValueError, RecursionError) as e:
+            raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
+        if len(self.begin) > protocol.MAX_MESSAGE:
+            raise UnsupportedStateError(
+                f"the state's tensor table and objects take {len(self.begin)} bytes as JSON, "
+                f"over the {protocol.MAX_MESSAGE}-byte message bound ({len(self.entries)} "
+                "tensors); save fewer, larger tensors or split the state", step=step)
