@@ -118,7 +118,7 @@ class WriterKnobs(_FromEnv):
             bandwidth and encode throughput say is durable soonest, see autocodec.py),
             "raw", "zstd" (level `zstd_level`, one frame per slot) or "bytegroup" (byte
             planes, each entropy-coded where that shrinks it: the smallest files for
-            floats, see codec.py). Plain zstd saves the least on floats at the lowest
+            floats, see codec/registry.py). Plain zstd saves the least on floats at the lowest
             throughput; it stays for states that are not floats.
         zstd_level: zstd compression level; 1 is the measured sweet spot for floats. At
             1 bytegroup codes its planes as Huffman literals (literals.py); at other

@@ -125,3 +125,22 @@ def test_writer_process_modules_load_without_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\n"
             "import asyncckpt.cli\nassert 'torch' not in sys.modules, 'the cli imports torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_code_map_names_every_module_in_its_folder():
+    """docs/CODE.md gives each module one line under its folder: a module added, moved or
+    removed without the map fails here."""
+    text = (PACKAGE.parent / "docs" / "CODE.md").read_text()
+    tree = text[text.index("```\nasyncckpt/"):].split("```")[1]
+    listed, folder = set(), ""
+    for line in tree.splitlines()[1:]:
+        name = line.split()[0] if line.strip() else ""
+        if name.endswith("/"):
+            folder = name
+        elif name.endswith(".py"):
+            listed.add(folder + name if line.startswith("    ") else name)
+    modules = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py", "_version.py")}
+    modules.add("__init__.py")
+    assert listed == modules, (f"missing from docs/CODE.md: {sorted(modules - listed)}; "
+                               f"listed but absent: {sorted(listed - modules)}")

@@ -26,7 +26,7 @@ other codecs from trial encodes of the first MiB of one frame in `trial_every` (
 frame thread; trying whole frames cost auto noticeably more time to durable against
 raw on 2 cores than trying the first MiB does); `disk_bandwidth` from the time spent in
 write and fsync calls. Estimates decay by half per save so they follow a change of
-machine load. Before any measurement each codec's prior from the registry (codec.py)
+machine load. Before any measurement each codec's prior from the registry (codec/registry.py)
 stands in, worth 8 MiB of evidence, and the disk is assumed to take `_PRIOR_DISK` (what
 write + fsync, flushed every 64 MiB, reached on a 2-core VM's virtio ext4 disk). The
 measurements: docs/design/autocodec.md.

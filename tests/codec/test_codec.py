@@ -1,4 +1,4 @@
-"""codec.py: raw and zstd frames, their round trip, and what decode_into refuses; the
+"""codec/registry.py: raw and zstd frames, their round trip, and what decode_into refuses; the
 one codec registry that the knob, the manifest, file names and codec="auto" follow."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""format.py: the safetensors stream layout and the names of steps, tmp dirs and data files."""
+"""format/layout.py: the safetensors stream layout and the names of steps, tmp dirs and data files."""
 
 from __future__ import annotations
 
