@@ -71,6 +71,29 @@ def start_node_writer(root: Path, out: Path) -> asyncckpt.WriterProcess | None:
     return writer
 
 
+def outlive_local_peers(out: Path, prefix: str, step: int, timeout: float = 30.0) -> None:
+    """After a failed save there is no closing barrier (a peer may be dead), but the rank
+    that started this node's writer must not stop it while a local peer still waits for
+    that save's result from it: wait (bounded) until every local peer has recorded how
+    the save ended for it, or is held (it never saves)."""
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    first = int(os.environ["GROUP_RANK"]) * local
+    peers = [r for r in range(first, first + local) if r != dist.get_rank()]
+    deadline = time.monotonic() + timeout
+
+    def ended(rank: int) -> bool:
+        if (out / f"hold-{step}-rank{rank}").exists():
+            return True  # it sleeps until its node is killed
+        try:
+            doc = json.loads((out / f"{prefix}-rank{rank}.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return str(step) in doc["steps"]
+
+    while not all(ended(r) for r in peers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def hold(step: int) -> set[int]:
     spec = os.environ.get("MN_HOLD", "")
     if not spec:
@@ -123,6 +146,8 @@ def save(out: Path) -> int:
     if not failed:
         dist.barrier()
     if writer is not None:
+        if failed:
+            outlive_local_peers(out, result_path.name.rsplit("-rank", 1)[0], step)
         result["writer_exit"] = writer.stop(timeout=60)
         write_json(result_path, result)
     print(f"OK rank {rank} node {node}: " + " ".join(
