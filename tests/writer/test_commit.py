@@ -11,7 +11,7 @@ from asyncckpt.format.manifest import Manifest, RankPart, parse_manifest
 from asyncckpt.storage import durable
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
-from asyncckpt.writer import retention as lifetimes
+from asyncckpt.writer import retention
 
 
 def empty_manifest(step: int) -> bytes:
@@ -78,9 +78,9 @@ def test_write_atomic_leaves_no_tmp_file(tmp_path):
 def test_prune_keeps_the_newest_and_leaves_no_half_deleted_step(tmp_path):
     for step in (10, 20, 30, 40):
         publish(tmp_path, step)
-    assert lifetimes.prune(PosixStorage(tmp_path), keep_last=2).deleted == [10, 20]
+    assert retention.prune(PosixStorage(tmp_path), keep_last=2).deleted == [10, 20]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000030", "step-00000040"]
-    assert lifetimes.prune(PosixStorage(tmp_path), keep_last=0).deleted == []
+    assert retention.prune(PosixStorage(tmp_path), keep_last=0).deleted == []
     assert PosixStorage(tmp_path).committed_steps() == [30, 40]
 
 

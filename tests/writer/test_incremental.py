@@ -21,7 +21,7 @@ from asyncckpt.format.manifest import Manifest, read_manifest
 from asyncckpt.read.reader import RankReader
 from asyncckpt.read.verification import verify
 from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.writer import retention as lifetimes
+from asyncckpt.writer import retention
 
 SLOT = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 
@@ -143,10 +143,10 @@ def test_a_save_in_flight_pins_what_it_references(root):
     assert index.lookup(frame.xxh3_128, frame.raw_length, 6) is None  # step 6 is not open
     with index.lock:
         assert index.pinned() == {1}
-    done = lifetimes.prune(PosixStorage(root), keep_last=1, index=index)
+    done = retention.prune(PosixStorage(root), keep_last=1, index=index)
     assert done.retired == [1] and (root / "step-00000001.retired").is_dir()
     index.release(5)
-    done = lifetimes.prune(PosixStorage(root), keep_last=1, index=index)
+    done = retention.prune(PosixStorage(root), keep_last=1, index=index)
     assert done.reclaimed == [1] and not (root / "step-00000001.retired").exists()
     index.open(7)
     assert index.lookup(frame.xxh3_128, frame.raw_length, 7) is None  # forgotten
@@ -155,12 +155,12 @@ def test_a_save_in_flight_pins_what_it_references(root):
 def test_commit_refuses_a_reference_to_a_step_that_is_gone(root):
     save_all(root, {1: state(7, 1), 2: state(7, 2)})
     m = read_manifest(root / "step-00000002")
-    lifetimes.check_references(PosixStorage(root), m)  # present: fine
+    retention.check_references(PosixStorage(root), m)  # present: fine
     os.rename(root / "step-00000001", root / "step-00000001.retired")
-    lifetimes.check_references(PosixStorage(root), m)  # retired: still fine
+    retention.check_references(PosixStorage(root), m)  # retired: still fine
     shutil.rmtree(root / "step-00000001.retired")
     with pytest.raises(SaveFailedError, match="references rank-00000.safetensors.zst of step 1"):
-        lifetimes.check_references(PosixStorage(root), m)
+        retention.check_references(PosixStorage(root), m)
 
 
 def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
