@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import warnings
 from pathlib import Path
@@ -44,17 +43,16 @@ from typing import Any, Literal
 
 import torch
 
-from asyncckpt.config import KEEP_ALL, ClientKnobs, MiB
+from asyncckpt.config import KEEP_ALL
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
-from asyncckpt.rank.ringsize import auto_ring_size, state_bytes
+from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.runtime.procstat import mem_available
 from asyncckpt.torchutil.dtensor import is_dtensor
-from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
+from asyncckpt.torchutil.ranks import resolve_rank
 
 __all__ = ["Checkpointer", "CheckpointerOptions", "is_sharded_model", "load_parts", "unwrapped"]
 
@@ -212,7 +210,7 @@ class Checkpointer:
         if "model" in state and self.hf_metadata is not None:
             state[hf.HF_KEY] = self.hf_metadata
         if self._client is None:
-            self._client = Client(self._address, ring_size=self._ring_size(state))
+            self._client = Client(self._address, ring_size=ring_for(state_bytes(state), self._ring_request))
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
                                    keep_every=self.options.keep_every, keep_from=keep_from,
@@ -220,20 +218,6 @@ class Checkpointer:
         handle.stats.blocked_seconds = time.perf_counter() - entered  # what the loop waited
         self._in_flight.append(handle)
         return handle
-
-    def _ring_size(self, state: Any) -> int | None:
-        """The ring for this rank's own client: the `ring_size` given (or the
-        ASYNCCKPT_RING_SIZE knob), else `ringsize.auto_ring_size` of the state; logged."""
-        if self._ring_request is not None:
-            return self._ring_request
-        if os.environ.get("ASYNCCKPT_RING_SIZE"):
-            return None  # the knob, as the user set it
-        slot = ClientKnobs.from_env().slot_size
-        local_ranks = local_world_size(resolve_rank()[1])
-        size, why = auto_ring_size(state_bytes(state), slot, local_ranks, mem_available())
-        log.info("asyncckpt: ring of %.0f MiB for this rank: %s (ring_size= or "
-                 "ASYNCCKPT_RING_SIZE sets it)", size / MiB, why)
-        return size
 
     def install_fence(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Make `optimizer.step()` wait until every save in flight is staged.

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"checkpointer"},
     {"integrations"},
     {"cli"},
-    {"__main__", "__init__"},
+    {"__main__", "__init__", "dcp"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 NO_TORCH = {"_version", "errors", "runtime", "codec", "config", "format", "ipc", "storage",

@@ -17,7 +17,10 @@ Tree nodes (see docs/FORMAT.md): a str, int, bool, null or finite float stands f
 itself; `{"float": "nan"|"inf"|"-inf"}`; `{"dict": [[key, node], ...]}` with str or int
 keys, none repeated (a reader that kept the first value and one that kept the last would
 rebuild two different states); `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor":
-name}`; and for a DTensor `{"dtensor": {"name", "dtype", "shape", "offsets",
+name}`; `{"bytes": name}`, a `bytes` value stored as the 1-D uint8 tensor `name`;
+`{"pickled": name}`, the same for an object that only a pickle could hold (PyTorch
+DCP serialises such objects with `torch.save`; no asyncckpt reader unpickles it, a
+load returns its bytes); and for a DTensor `{"dtensor": {"name", "dtype", "shape", "offsets",
 "placements"}}` (see `dtensor.py`): the global tensor `name`, of which this rank wrote the box at `offsets` under the same
 name, or nothing (`offsets` null: a replica another rank writes, or an empty shard); and
 `{"view": {"of", "dtype", "offset", "shape", "stride"}}` for a tensor whose memory lies
@@ -49,6 +52,7 @@ MAX_DEPTH = 100
 MAX_INT_BITS = 14000  # Python refuses to print ints beyond ~4300 digits
 MAX_VIEW_DIMS = 64
 _MAX_ELEMENTS = 1 << 62
+BYTES_KINDS = ("bytes", "pickled")  # nodes whose data is a 1-D uint8 tensor read as bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +111,13 @@ def parse_view(body: Any) -> View:
 
 
 def unflatten(tree: JSON, resolve: Callable[[str], Any],
-              resolve_view: Callable[[tuple[str | int, ...], View], Any] | None = None) -> Any:
+              resolve_view: Callable[[tuple[str | int, ...], View], Any] | None = None,
+              resolve_bytes: Callable[[str, str], Any] | None = None) -> Any:
     """Rebuild the saved structure; `resolve(name)` supplies each tensor and global
     (DTensor) one, `resolve_view(path, view)` each view (default: the view of
-    `resolve(view.of)`, which must then be a contiguous tensor).
+    `resolve(view.of)`, which must then be a contiguous tensor), `resolve_bytes(name, kind)`
+    each "bytes" and "pickled" value (default: the raw bytes of the CPU tensor
+    `resolve(name)`).
 
     Raises:
         CorruptCheckpointError: the tree is not well formed.
@@ -118,6 +125,9 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any],
     if resolve_view is None:
         def resolve_view(path: tuple[str | int, ...], view: View) -> Any:
             return view.of_tensor(resolve(view.of))
+    if resolve_bytes is None:
+        def resolve_bytes(name: str, kind: str) -> Any:
+            return resolve(name).numpy().tobytes()
 
     def visit(node: JSON, path: tuple[str | int, ...]) -> Any:
         if node is None or isinstance(node, (bool, int, str, float)):
@@ -126,6 +136,8 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any],
             (kind, body), = node.items()
             if kind == "tensor" and isinstance(body, str):
                 return resolve(body)
+            if kind in BYTES_KINDS and isinstance(body, str):
+                return resolve_bytes(body, kind)
             if kind == "dtensor" and isinstance(body, dict) and isinstance(body.get("name"), str):
                 return resolve(body["name"])
             if kind == "view":
@@ -171,10 +183,13 @@ def check_tree(tensors: list[tuple[str, str, tuple[int, ...]]], tree: JSON) -> d
     paths = tensor_paths(tree)
     if set(paths) != {name for name, _, _ in tensors}:
         raise CorruptCheckpointError("object tree and tensor table disagree")
-    unflatten(tree, lambda name: None, lambda path, view: None)
+    unflatten(tree, lambda name: None, lambda path, view: None, lambda name, kind: None)
     plain = {body for _, kind, body in walk(tree) if kind == "tensor"}
     specs = {name: (dtype, shape) for name, dtype, shape in tensors}
     for path, kind, body in walk(tree):
+        if kind in BYTES_KINDS and (specs[body][0] != "U8" or len(specs[body][1]) != 1):
+            raise CorruptCheckpointError(f"bytes at {list(path)!r:.80} is stored as "
+                                         f"{specs[body][0]} {tuple(specs[body][1])}, not 1-D U8")
         if kind != "view":
             continue
         if body.of not in plain:
@@ -200,7 +215,7 @@ def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
     for path, kind, body in walk(tree):
         if kind == "view":
             continue
-        name = body if kind == "tensor" else body.get("name") if body.get("offsets") is not None else None
+        name = body if kind == "tensor" or kind in BYTES_KINDS else body.get("name") if body.get("offsets") is not None else None
         if name is None:
             continue
         if name in out:
@@ -210,7 +225,7 @@ def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
 
 
 def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
-    """Every tensor leaf of `tree` as (path, "tensor", "dtensor" or "view", node body;
+    """Every tensor leaf of `tree` as (path, "tensor", "bytes", "pickled", "dtensor" or "view", node body;
     for a view its parsed `View`).
 
     Raises:
@@ -224,9 +239,9 @@ def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
             raise CorruptCheckpointError(f"tree nested deeper than {MAX_DEPTH} levels")
         if isinstance(node, dict) and len(node) == 1:
             (kind, body), = node.items()
-            if kind == "tensor":
+            if kind == "tensor" or kind in BYTES_KINDS:
                 if not isinstance(body, str):
-                    raise CorruptCheckpointError(f"malformed tensor node: {body!r:.80}")
+                    raise CorruptCheckpointError(f"malformed {kind} node: {body!r:.80}")
                 out.append((path, kind, body))
             elif kind == "dtensor":
                 if not isinstance(body, dict) or not isinstance(body.get("name"), str):

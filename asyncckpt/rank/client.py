@@ -84,6 +84,7 @@ class Client:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self._ring = ring.Ring.create(self.knobs.slot_size, self.knobs.ring_slots)
         welcome = self._handshake()
+        self.root = Path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))

@@ -5,7 +5,10 @@ cannot be saved (an object that is not JSON, an unnamed dtype, a cycle, a key th
 not str or int) fails there, before a byte is sent, with the key path in the message.
 Tensors that share memory with an earlier saved contiguous tensor become view nodes
 (see tree.py) and are neither staged nor written. Global tensors (DTensor, ShardedTensor)
-become "dtensor" nodes holding this rank's box (dtensor.py).
+become "dtensor" nodes holding this rank's box (dtensor.py), and so do `Chunk`s, boxes
+given explicitly (DCP's write items). A `bytes` value is saved as a 1-D uint8 tensor
+behind a "bytes" node (a `Pickled` one behind a "pickled" node): it is data, so it goes
+through the ring, not the JSON tree.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from asyncckpt.errors import UnsupportedStateError
 from asyncckpt.format.tree import JSON, MAX_DEPTH, MAX_INT_BITS, View, show_path
 from asyncckpt.torchutil import dtensor
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
+
+
+class Pickled(bytes):
+    """Bytes that are the pickle of an object (what PyTorch DCP makes of one it cannot
+    store otherwise): saved as a "pickled" node, returned as these bytes, never unpickled."""
 
 
 @dataclasses.dataclass
@@ -66,6 +74,12 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             if key and node.is_contiguous():
                 bases.setdefault(key, []).append((name, node))
             return {"tensor": name}
+        if isinstance(node, (bytes, bytearray, memoryview)):
+            name = _unique_name(path, names)
+            copy = bytearray(node)  # its own memory: the caller may reuse a bytearray
+            data = torch.frombuffer(copy, dtype=torch.uint8) if copy else torch.empty(0, dtype=torch.uint8)
+            entries.append(TensorEntry(name, path, data))
+            return {"pickled" if isinstance(node, Pickled) else "bytes": name}
         if node is None or isinstance(node, (bool, str)):
             return node
         if isinstance(node, int):
@@ -77,7 +91,7 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
         if not isinstance(node, (dict, list, tuple)):
             raise UnsupportedStateError(
                 f"{show_path(path)}: cannot save a {type(node).__name__}; only tensors, "
-                "dict/list/tuple, str, int, float, bool and None are saved (never pickle)")
+                "dict/list/tuple, str, bytes, int, float, bool and None are saved (never pickle)")
         if id(node) in active:
             raise UnsupportedStateError(f"{show_path(path)}: the state contains a cycle")
         if len(path) >= MAX_DEPTH:

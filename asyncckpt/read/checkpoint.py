@@ -43,7 +43,7 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCh
 from asyncckpt.format.layout import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
 from asyncckpt.format.manifest import Manifest, Ref, read_manifest
 from asyncckpt.format.tiling import GlobalTensor, global_tensors
-from asyncckpt.format.tree import View, check_tree, walk
+from asyncckpt.format.tree import BYTES_KINDS, View, check_tree, walk
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
 from asyncckpt.read.sharded import ReadPlan
 from asyncckpt.storage.posix import PosixStorage
@@ -56,8 +56,8 @@ TreePath = tuple[Any, ...]
 class Leaf:
     """A tensor leaf of a rank's tree: where it sits, what it is and where its data is.
 
-    kind "tensor" (a plain tensor of this rank), "dtensor" (a global tensor, all ranks'
-    boxes) or "view" (`view` of the plain tensor `tensor`, which holds the data).
+    kind "tensor" (a plain tensor of this rank), "bytes" or "pickled" (a bytes value
+    of this rank, or an object's pickle, stored as a uint8 tensor), "dtensor" (a global tensor, all ranks' boxes) or "view" (`view` of the plain tensor `tensor`, which holds the data).
     """
 
     path: TreePath
@@ -361,7 +361,7 @@ def _rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, Global
         specs = {t.name: t for t in tensors}
         leaves = []
         for path, kind, body in walk(tree):
-            if kind == "tensor":
+            if kind == "tensor" or kind in BYTES_KINDS:
                 leaves.append(Leaf(path, kind, GlobalTensor.whole(rank, specs[body], path)))
             elif kind == "dtensor":
                 leaves.append(Leaf(path, kind, sharded[body["name"]]))

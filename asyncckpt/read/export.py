@@ -31,6 +31,7 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import element_size, layout
 from asyncckpt.read import hf
+from asyncckpt.format.tree import BYTES_KINDS
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.reader import tensor_bytes
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
@@ -137,6 +138,8 @@ def _plan_items(ckpt: Checkpoint, rank: int, contents: str | None,
     items = []
     for leaf in ckpt.leaves(rank):
         key = leaf.path
+        if leaf.kind in BYTES_KINDS:  # an object's bytes, not a weight
+            continue
         if contents is not None:
             if not key or key[0] != contents:
                 continue

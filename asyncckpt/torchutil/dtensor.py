@@ -20,16 +20,32 @@ one kind saved the other loads (and `export` reads either):
   HYBRID_SHARD) every group holds a whole copy: the group that holds global rank 0
   writes, the others are replicas and write nothing. A rank may hold at most one local
   shard (FSDP1 never holds more): the format keeps one box per rank per tensor.
+
+A third kind, `Chunk`, is a box named explicitly: PyTorch DCP's planner has already
+decided which rank writes which box of every tensor (replicas included), so its write
+items are saved as they are planned.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from asyncckpt.errors import UnsupportedStateError
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The box of global tensor (`shape`, `dtype`) at `offsets` that this rank writes,
+    `local`; with `local` None this rank writes nothing of it (another rank does)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offsets: tuple[int, ...] = ()
+    local: torch.Tensor | None = None
 
 
 def is_dtensor(t: object) -> bool:
@@ -44,8 +60,8 @@ def is_sharded_tensor(t: object) -> bool:
 
 
 def is_global(t: object) -> bool:
-    """Whether `t` is saved as boxes of a global tensor (DTensor or ShardedTensor)."""
-    return is_dtensor(t) or is_sharded_tensor(t)
+    """Whether `t` is saved as boxes of a global tensor (DTensor, ShardedTensor, Chunk)."""
+    return isinstance(t, Chunk) or is_dtensor(t) or is_sharded_tensor(t)
 
 
 def describe(t: Any, name: str, where: str) -> tuple[torch.Tensor | None, dict[str, Any]]:
@@ -64,7 +80,7 @@ def describe(t: Any, name: str, where: str) -> tuple[torch.Tensor | None, dict[s
     body: dict[str, Any] = {"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape),
                             "offsets": None, "placements": placements(t)}
     local, offsets = local_box(t, where)
-    if local is None or local.numel() == 0 or _replica(t):
+    if local is None or local.numel() == 0 or (not isinstance(t, Chunk) and _replica(t)):
         return None, body
     body["offsets"] = list(offsets)
     return local, body
@@ -73,6 +89,8 @@ def describe(t: Any, name: str, where: str) -> tuple[torch.Tensor | None, dict[s
 def shape_and_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     """`t`'s (global) shape and dtype; a ShardedTensor's read from its metadata, since
     every torch function on one (`.shape` included) warns that it is deprecated."""
+    if isinstance(t, Chunk):
+        return tuple(t.shape), t.dtype
     if is_sharded_tensor(t):
         meta = t.metadata()  # type: ignore[attr-defined]
         return tuple(meta.size), meta.tensor_properties.dtype
@@ -81,6 +99,8 @@ def shape_and_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 
 def placements(t: Any) -> list[str]:
     """How `t` is laid out, for people reading a manifest (never used to load)."""
+    if isinstance(t, Chunk):
+        return ["chunk"]
     if is_dtensor(t):
         return [str(p) for p in t.placements]
     spec = getattr(t, "_sharding_spec", None)
@@ -98,6 +118,8 @@ def local_box(t: Any, where: str) -> tuple[torch.Tensor | None, tuple[int, ...]]
         UnsupportedStateError: a Partial or strided placement, a local tensor whose shape
             is not the box torch computes for it, or several local shards.
     """
+    if isinstance(t, Chunk):
+        return _chunk_box(t, where)
     if is_sharded_tensor(t):
         return _sharded_box(t, where)
     from torch.distributed.tensor import Replicate, Shard
@@ -126,6 +148,18 @@ def local_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     if is_sharded_tensor(t):
         return [shard.tensor for shard in t.local_shards()]  # type: ignore[attr-defined]
     return [t.to_local() if is_dtensor(t) else t]
+
+
+def _chunk_box(t: Chunk, where: str) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    if t.local is None:
+        return None, ()
+    local, offsets = t.local, tuple(t.offsets)
+    if (local.dtype != t.dtype or local.dim() != len(t.shape) or len(offsets) != len(t.shape)
+            or any(o < 0 or o + n > s for o, n, s in zip(offsets, local.shape, t.shape))):
+        raise UnsupportedStateError(
+            f"{where}: chunk {local.dtype} {tuple(local.shape)} at {list(offsets)} does not fit "
+            f"the global tensor {t.dtype} {tuple(t.shape)}")
+    return local, offsets
 
 
 def _sharded_box(t: Any, where: str) -> tuple[torch.Tensor | None, tuple[int, ...]]:

@@ -1,0 +1,235 @@
+"""asyncckpt as PyTorch DCP's storage layer, loading side: `dcp.load` of any asyncckpt
+checkpoint, whether DCP or asyncckpt's own API saved it.
+
+DCP's load planner matches the target state dict against the checkpoint's metadata by
+flattened key and reshards by chunks; so the metadata is built from the manifest: each
+tensor's saved boxes become its chunks, and every other value becomes a bytes item.
+Keys are what DCP's own flattening makes of the saved structure (`_nested_dict`, the
+running torch's rules), so a target flattens to the same keys whichever API saved it.
+A global tensor's boxes come from every rank; a plain tensor or an object from the
+lowest rank that saved one at that key (DCP has no rank-local values).
+
+Nothing unverified is returned: tensor ranges are read through the verified reader (the
+frames they overlap are checked), bytes values too, and objects come from the
+manifest, which is checksummed. An object asyncckpt saved (JSON) is handed to DCP as
+`torch.save` of it, which DCP's planner loads (with `weights_only`); bytes that DCP
+pickled go back as they were written.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CheckpointError
+from asyncckpt.format.tree import unflatten
+from asyncckpt.integrations.dcp_writer import _STEP_ID
+from asyncckpt.read.checkpoint import Checkpoint, Leaf
+
+
+class _Value:
+    """A placeholder for a leaf while DCP's flattening names the keys."""
+
+    def __init__(self, rank: int, leaf: Leaf | None = None, raw: str | None = None) -> None:
+        self.rank, self.leaf, self.raw = rank, leaf, raw
+
+
+class _Index:
+    """An opened checkpoint's values by DCP key: a tensor leaf, a bytes leaf or an object."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self.values: dict[str, Any] = {}
+        for rank in range(ckpt.world_size):
+            for key, value in _flat_rank(ckpt, rank).items():
+                self.values.setdefault(key, value)
+
+    def metadata(self) -> Metadata:
+        entries: dict[str, Any] = {}
+        for key, value in self.values.items():
+            leaf = value.leaf if isinstance(value, _Value) else None
+            if leaf is None or value.raw is not None:
+                entries[key] = BytesStorageMetadata()
+                continue
+            g = leaf.tensor
+            chunks = ([ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.spec.shape))
+                       for b in g.boxes] if leaf.view is None
+                      else [ChunkStorageMetadata(torch.Size([0] * len(leaf.shape)), torch.Size(leaf.shape))])
+            entries[key] = TensorStorageMetadata(TensorProperties(dtype=leaf.dtype),
+                                                 torch.Size(leaf.shape), chunks)
+        return Metadata(state_dict_metadata=entries)
+
+
+def _flat_rank(ckpt: Checkpoint, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s saved structure flattened as DCP flattens a state dict: DCP key ->
+    `_Value` for tensors and bytes, the object itself for anything else (tensors inside
+    a terminal object, e.g. a tuple, are `_Value`s too)."""
+    leaves = {leaf.path: leaf for leaf in ckpt.leaves(rank)}
+    by_name = {leaf.tensor.name: leaf for leaf in leaves.values() if leaf.view is None}
+
+    def tensor(leaf: Leaf) -> torch.Tensor:
+        meta = torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+        placeholders[id(meta)] = _Value(rank, leaf)
+        return meta
+
+    placeholders: dict[int, _Value] = {}
+    skeleton = unflatten(ckpt.tree(rank), lambda name: tensor(by_name[name]),
+                         lambda path, view: tensor(leaves[path]),
+                         lambda name, kind: _Value(rank, by_name[name], raw=kind))
+    if not isinstance(skeleton, dict):
+        raise CheckpointError("the saved state is not a dict: DCP loads only dicts",
+                              step=ckpt.step, rank=rank)
+    flat, _ = flatten_state_dict(skeleton)
+    return {key: _placeholders_in(value, placeholders) for key, value in flat.items()}
+
+
+def _placeholders_in(value: Any, placeholders: dict[int, _Value]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return placeholders[id(value)]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_placeholders_in(v, placeholders) for v in value)
+    if isinstance(value, dict):
+        return {k: _placeholders_in(v, placeholders) for k, v in value.items()}
+    return value
+
+
+class StorageReader(dcp.StorageReader):
+    """`dcp.load(sd, storage_reader=StorageReader(root, step))` loads an asyncckpt
+    checkpoint into `sd`, DCP's planner resharding, every byte verified."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
+                 limits: ReadLimits | None = None) -> None:
+        """Args:
+            root: a root (its newest step, or `step`) or a checkpoint directory; a
+                `checkpoint_id` given to `dcp.load` replaces it (ROOT/step-N, a root or
+                a step directory).
+            limits: reader limits (default `ReadLimits.from_env()`).
+        """
+        self.root = None if root is None else Path(os.fspath(root))
+        self.step = step
+        self.limits = limits
+        self._target: tuple[Path | None, int | None] = (self.root, step)
+        self._index: _Index | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_index": None}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._close()
+        if checkpoint_id is None:
+            self._target = (self.root, self.step)
+            return
+        path = Path(os.fspath(checkpoint_id))
+        m = _STEP_ID.fullmatch(path.name)
+        if m is not None and not path.is_dir():  # torchtitan's ROOT/step-N, unpadded
+            self._target = (path.parent, int(m.group(1)))
+        else:
+            self._target = (path, None)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._open().metadata()
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of `plan` (verified) into the planner's targets.
+
+        Raises:
+            CorruptCheckpointError: any byte fails its check; no target is committed
+                with unverified data (targets read so far may hold verified bytes).
+        """
+        index = self._open()
+        ckpt = index.ckpt
+        try:
+            with ckpt.reading():
+                reads = ckpt.plan()
+                tensors = []
+                for item in plan.items:
+                    value = index.values[item.storage_index.fqn]
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(_object_bytes(ckpt, value)))
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    leaf = value.leaf
+                    chunk = item.storage_index.offset or torch.Size([0] * len(leaf.shape))
+                    offsets = tuple(c + o for c, o in zip(chunk, item.storage_offsets))
+                    if leaf.view is None:
+                        reads.add(leaf.tensor, offsets, target)
+                    else:
+                        view = leaf.view.of_tensor(ckpt.read_full(leaf.tensor))
+                        target.copy_(view[tuple(slice(o, o + n) for o, n in zip(offsets, item.lengths))])
+                    tensors.append((item, target))
+                reads.flush()
+                for item, target in tensors:
+                    planner.commit_tensor(item, target)
+        finally:
+            self._close()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        path = Path(os.fspath(checkpoint_id))
+        return (path / "manifest.json").is_file() or (path.is_dir() and any(
+            _STEP_ID.fullmatch(p.name) for p in path.iterdir()))
+
+    def _open(self) -> _Index:
+        if self._index is None:
+            root, step = self._target
+            if root is None:
+                raise ValueError("StorageReader needs a root (or a checkpoint_id)")
+            self._index = _Index(Checkpoint.open(root, step, limits=self.limits))
+        return self._index
+
+    def _close(self) -> None:
+        if self._index is not None:
+            self._index.ckpt.close()
+            self._index = None
+
+
+def _object_bytes(ckpt: Checkpoint, value: Any) -> bytes:
+    """The bytes DCP's planner loads for a non-tensor value: an object DCP pickled, as
+    it was written; anything else `torch.save`d (its tensors read in full, verified)."""
+    if isinstance(value, _Value) and value.raw == "pickled":
+        assert value.leaf is not None
+        return ckpt.read_full(value.leaf.tensor).numpy().tobytes()
+    buffer = io.BytesIO()
+    torch.save(_materialised(ckpt, value), buffer)
+    return buffer.getvalue()
+
+
+def _materialised(ckpt: Checkpoint, value: Any) -> Any:
+    if isinstance(value, _Value):
+        leaf = value.leaf
+        assert leaf is not None
+        if value.raw is not None:
+            return ckpt.read_full(leaf.tensor).numpy().tobytes()
+        full = ckpt.read_full(leaf.tensor)
+        return full if leaf.view is None else leaf.view.of_tensor(full).clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialised(ckpt, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _materialised(ckpt, v) for k, v in value.items()}
+    return value
+

@@ -1,0 +1,388 @@
+"""asyncckpt as PyTorch DCP's storage layer, saving side: `dcp.save` and `dcp.async_save`
+through a node's writer.
+
+DCP plans a save (which rank writes which box of every tensor, replicas written once)
+and hands each rank its write items; this writer turns a rank's items into one ordinary
+asyncckpt save of the step: every tensor a `Chunk` of a global tensor, every object the
+bytes DCP serialised. So a step saved through DCP is verified, listed, retained,
+exported and deduplicated like any other, and `asyncckpt.load` reads it at any world
+size. Every rank's tree names every tensor of the checkpoint (the coordinator sends the
+catalogue with the plans), so any one rank's part rebuilds all tensors; an object is in
+the part of the rank that wrote it, which is the lowest rank holding it, as itself when
+asyncckpt can store it (JSON-like values, bytes, tensors), else as the pickle DCP made
+of it (a "pickled" node, which asyncckpt never unpickles).
+
+The commit is the writer's, as for any save: it happens once every rank's part is
+durable, and `finish()` on the coordinator waits for it, so `dcp.save` returns when the
+step is committed, or raises the writer's error on every rank.
+
+`async_save` stages through the ring instead of DCP's default copy into fresh memory:
+`stage()` runs DCP's planning and hands the items to the client, returning once they
+are in the ring (no second copy of the state in private memory); the background save
+DCP then runs only waits for the commit. The planning needs the collectives that
+`dcp.save` needs, on the default process group, in `stage()` on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import io
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import Future as ConcurrentFuture
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from asyncckpt.errors import CheckpointError, SaveFailedError, UnsupportedStateError
+from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.rank.client import Client
+from asyncckpt.rank.flatten import Pickled, flatten
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.ringsize import ring_for
+from asyncckpt.torchutil.dtensor import Chunk
+
+_STEP_ID = re.compile(r"step[-_]?(\d+)")
+_clients: dict[str, Client] = {}
+_clients_lock = threading.Lock()
+
+
+def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, int]:
+    """(root, step) of a DCP checkpoint id `ROOT/step-N` (torchtitan's form; `step_N`,
+    `stepN` and asyncckpt's `step-0000000N` too).
+
+    Raises:
+        ValueError: the id's last part names no step.
+    """
+    path = Path(os.fspath(checkpoint_id))
+    m = _STEP_ID.fullmatch(path.name)
+    if m is None or int(m.group(1)) > MAX_STEP:
+        raise ValueError(f"checkpoint_id {os.fspath(checkpoint_id)!r} names no step: asyncckpt "
+                         "takes ROOT/step-N (or StorageWriter(root, step) without an id)")
+    return path.parent, int(m.group(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Holds:
+    """A rank's local plan note: the objects (bytes items) it holds."""
+
+    objects: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Catalogue:
+    """Sent with every rank's final plan: each tensor of the checkpoint, (dtype, size)."""
+
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class StorageWriter(dcp.StorageWriter):
+    """`dcp.save(sd, storage_writer=StorageWriter(root, step))` commits `step` in the
+    writer's root as an asyncckpt checkpoint; `dcp.async_save` stages through the ring.
+
+    It is picklable (DCP's PROCESS async mode sends it to a helper process, which then
+    waits for the commit of the step this process staged).
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
+                 client: Client | None = None, address: str | None = None,
+                 ring_size: int | None = None, keep_last: int | None = None,
+                 keep_every: int = 0, staging_future: bool = False) -> None:
+        """Args:
+            root: the checkpoint root; it must be the root of the writer this rank
+                reaches (checked on the first save). None: the writer's root.
+            step: the step to commit; a `checkpoint_id` of the form `ROOT/step-N`
+                given to `dcp.save` overrides both.
+            client: this rank's connection; default one client per process and writer
+                address (ASYNCCKPT_ADDRESS, or `address`), made on the first save with a
+                ring sized from that save (`ring_size` sets it), closed at exit.
+            keep_last, keep_every: retention sent with each save (Client.save).
+            staging_future: `stage()` returns a future that completes once the state is
+                in the ring, instead of blocking until then (DCP's zero-overhead mode:
+                `async_save` then returns an AsyncSaveResponse; do not change the
+                tensors before its staging_completion).
+        Raises:
+            ValueError: a negative or non-int step.
+        """
+        if step is not None and (type(step) is not int or not 0 <= step <= MAX_STEP):
+            raise ValueError(f"step must be an int in 0..{MAX_STEP}; got {step!r}")
+        self.root = None if root is None else Path(os.fspath(root))
+        self.step = step
+        self.address = address
+        self.ring_size = ring_size
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.staging_future = staging_future
+        self._client = client
+        self._target: tuple[Path | None, int | None] = (self.root, step)
+        self._coordinator = True
+        self._staging = False
+        self._handle: SaveHandle | None = None      # this save's, or the staged one's
+        self._staged: SaveHandle | None = None      # staged by stage(), awaiting its commit
+        self._outcome: str | None = None            # PROCESS mode: where the outcome appears
+
+    # -- pickling (PROCESS mode) ---------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The copy waits for the staged step's outcome (published to a file), and this
+        object forgets it: the copy runs the background save, not this one."""
+        state = dict(self.__dict__)
+        outcome = None if self._staged is None else _publish_outcome(self._staged)
+        state.update(_client=None, _handle=None, _staged=None, _outcome=outcome)
+        self._staged = None
+        return state
+
+    # -- DCP's StorageWriter -------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        target = (self.root, self.step) if checkpoint_id is None else parse_checkpoint_id(checkpoint_id)
+        staged = self._staged or (self._outcome is not None)
+        if staged and checkpoint_id is not None and target[1] != self._target[1]:
+            raise ValueError(f"checkpoint_id {os.fspath(checkpoint_id)!r} names step {target[1]}, "
+                             f"but step {self._target[1]} was staged")
+        if not staged:
+            self._target = target
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        held = tuple(i.index.fqn for i in plan.items if i.type == WriteItemType.BYTE_IO)
+        return dataclasses.replace(plan, storage_data=_Holds(held))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for plan in plans:
+            for item in plan.items:
+                if item.tensor_data is not None:
+                    data = item.tensor_data
+                    tensors.setdefault(item.index.fqn, (data.properties.dtype, tuple(data.size)))
+        catalogue = _Catalogue(tensors)
+        return [dataclasses.replace(p, items=items, storage_data=catalogue)
+                for p, items in zip(plans, _objects_to_lowest_holder(plans))]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if not self._staging and (self._staged is not None or self._outcome is not None):
+            return self._await_staged(plan)
+        root, step = self._target
+        if step is None:
+            raise ValueError("StorageWriter has no step: give StorageWriter(root, step) or a "
+                             "checkpoint_id ROOT/step-N")
+        state, results = self._rank_state(plan, planner)
+        client = self._connect(root, sum(r.size_in_bytes for r in results))
+        handle = client.save(step, state, keep_last=self.keep_last, keep_every=self.keep_every)
+        self._handle = handle
+        future: Future[list[WriteResult]] = Future()
+        _when(handle, staged=True, then=lambda error: future.set_exception(error) if error
+              else future.set_result(results))
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._staging or self._handle is None:
+            return  # stage(): the commit is awaited by the background save
+        self._handle.wait()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            parse_checkpoint_id(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    # -- DCP's AsyncStager (a runtime-checked protocol: these names make it one) ------------
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> Any:
+        """Plan the save and put this rank's items in the ring; return `{}` (or, with
+        `staging_future`, a future of it) for DCP's background save, which only
+        waits for the commit.
+
+        Raises:
+            ValueError: no step (async_save learns the checkpoint_id only later).
+            CheckpointError: planning or handing the items to the client failed.
+        """
+        if self.step is None:
+            raise ValueError("dcp.async_save through asyncckpt needs StorageWriter(root, step): "
+                             "the step is staged before DCP passes the checkpoint_id")
+        self._staged, self._outcome, self._staging = None, None, True
+        try:
+            dcp.save(state_dict, storage_writer=self)
+        finally:
+            self._staging = False
+        handle = self._handle
+        assert handle is not None
+        self._staged = handle
+        if not self.staging_future:
+            return {}
+        staged: ConcurrentFuture[dict] = ConcurrentFuture()
+        _when(handle, staged=True, then=lambda error: staged.set_exception(error) if error
+              else staged.set_result({}))
+        return staged
+
+    def synchronize_staging(self) -> None:
+        if self._staged is not None:
+            self._staged.wait_staged()
+
+    def close(self) -> None:
+        """Nothing to release: the process's clients are closed at exit."""
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _rank_state(self, plan: SavePlan, planner: SavePlanner
+                    ) -> tuple[dict[str, Any], list[WriteResult]]:
+        """This rank's part of the step (a flat dict by DCP key) and DCP's results for it."""
+        catalogue = plan.storage_data if isinstance(plan.storage_data, _Catalogue) else _Catalogue({})
+        state: dict[str, Any] = {fqn: Chunk(size, dtype) for fqn, (dtype, size) in catalogue.tensors.items()}
+        mine: set[str] = set()
+        results = []
+        for item in plan.items:
+            fqn = item.index.fqn
+            if fqn in mine:
+                raise UnsupportedStateError(f"{fqn}: DCP planned several chunks of it on this rank; "
+                                            "asyncckpt keeps one box per rank per tensor")
+            mine.add(fqn)
+            if item.type == WriteItemType.BYTE_IO:
+                value = _object(planner, item)
+                state[fqn] = value
+                results.append(WriteResult(item.index, len(value) if isinstance(value, bytes) else 0, None))
+                continue
+            data = planner.resolve_data(item)
+            assert item.tensor_data is not None and isinstance(data, torch.Tensor)
+            td = item.tensor_data
+            state[fqn] = Chunk(tuple(td.size), td.properties.dtype, tuple(td.chunk.offsets),
+                               data.detach())
+            results.append(WriteResult(item.index, data.numel() * data.element_size(), None))
+        return state, results
+
+    def _connect(self, root: Path | None, nbytes: int) -> Client:
+        if self._client is None:
+            self._client = _client_for(self.address, ring_for(nbytes, self.ring_size))
+        if root is not None and root.resolve() != self._client.root.resolve():
+            raise CheckpointError(f"this rank's writer saves to {self._client.root}, not {root}: "
+                                  "start the writer on the root the checkpoint_id names",
+                                  step=self._target[1], rank=self._client.rank)
+        return self._client
+
+    def _await_staged(self, plan: SavePlan) -> Future[list[WriteResult]]:
+        """The background save after `stage()`: its result is the staged step's commit."""
+        future: Future[list[WriteResult]] = Future()
+        if self._staged is not None:
+            _when(self._staged, staged=False, then=lambda error: future.set_exception(error)
+                  if error else future.set_result([]))
+        else:
+            assert self._outcome is not None
+            outcome = self._outcome
+            threading.Thread(target=_relay_outcome, args=(outcome, future), daemon=True,
+                             name="asyncckpt-dcp-outcome").start()
+        self._staged, self._outcome = None, None
+        return future
+
+
+def _object(planner: SavePlanner, item: Any) -> Any:
+    """A bytes item's value as asyncckpt saves it: the object itself when it is one
+    asyncckpt stores natively (the planner can look it up; JSON-like values, bytes,
+    tensors), else the bytes DCP serialised, kept as `Pickled`."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is not None:
+        obj = lookup(item.index)
+        try:
+            flatten(obj)
+        except UnsupportedStateError:
+            pass
+        else:
+            return obj
+    data = planner.resolve_data(item)
+    return Pickled(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
+
+
+def _objects_to_lowest_holder(plans: list[SavePlan]) -> list[list[Any]]:
+    """Each plan's items, every object moved to the lowest rank that holds it, so that
+    rank 0's part has the objects every rank has (DCP spreads them for balance)."""
+    holders: dict[str, int] = {}
+    for rank, plan in enumerate(plans):
+        if isinstance(plan.storage_data, _Holds):
+            for fqn in plan.storage_data.objects:
+                holders.setdefault(fqn, rank)
+    items: list[list[Any]] = [[] for _ in plans]
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            owner = holders.get(item.index.fqn, rank) if item.type == WriteItemType.BYTE_IO else rank
+            items[owner].append(item)
+    return items
+
+
+def _when(handle: SaveHandle, *, staged: bool, then: Any) -> None:
+    """Call `then(error or None)` once `handle` is staged (or, with `staged` False,
+    done), on a thread of its own."""
+    def watch() -> None:
+        if staged:
+            handle.wait_staged()
+            if not handle.done() or handle.exception() is None:
+                then(None)
+                return
+        try:
+            handle.wait()
+        except BaseException as e:  # noqa: BLE001 - the save's error is the future's
+            then(e)
+            return
+        then(None)
+    threading.Thread(target=watch, daemon=True, name=f"asyncckpt-dcp-{handle.step}").start()
+
+
+def _client_for(address: str | None, ring_size: int | None) -> Client:
+    """The process's client for `address` (default ASYNCCKPT_ADDRESS), made on first use."""
+    key = address or os.environ.get("ASYNCCKPT_ADDRESS", "")
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None or client._closed or client._broken is not None:
+            client = Client(address, **({} if ring_size is None else {"ring_size": ring_size}))
+            _clients[key] = client
+            atexit.register(client.close)
+        return client
+
+
+def _publish_outcome(handle: SaveHandle) -> str:
+    """A file that will hold `handle`'s outcome, written once it is known (PROCESS mode:
+    the helper process that runs DCP's background save waits on it)."""
+    path = os.path.join(tempfile.gettempdir(), f"asyncckpt-dcp-{os.getpid()}-{uuid.uuid4().hex}.json")
+
+    def write() -> None:
+        try:
+            outcome = {"path": str(handle.wait())}
+        except BaseException as e:  # noqa: BLE001
+            outcome = {"error": str(e), "type": type(e).__name__}
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(outcome, f)
+        os.replace(tmp, path)
+    threading.Thread(target=write, daemon=True, name="asyncckpt-dcp-publish").start()
+    return path
+
+
+def _relay_outcome(path: str, future: Future[list[WriteResult]]) -> None:
+    while not os.path.exists(path):
+        time.sleep(0.02)
+    with open(path) as f:
+        outcome = json.load(f)
+    os.unlink(path)
+    if "error" in outcome:
+        future.set_exception(SaveFailedError(f"{outcome['type']}: {outcome['error']}"))
+    else:
+        future.set_result([])
