@@ -117,13 +117,16 @@ def test_type_checking_imports_and_torch_on_the_rank_side_are_allowed():
 
 def test_writer_process_modules_load_without_torch():
     """Importing every module of the parts the writer loads leaves torch unloaded (the
-    package's lazy `__init__` included)."""
+    package's lazy `__init__` included), and so do the commands that only read bytes
+    (verify, ls, inspect, copy: they start in a fraction of a second)."""
     modules = sorted(f"asyncckpt.{_module_name(p)}" for p in PACKAGE.rglob("*.py")
                      if part_of(_module_name(p)) in NO_TORCH and p.name != "__main__.py"
                      and _module_name(p))
     code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
-            "import asyncckpt.cli\nassert 'torch' not in sys.modules, 'the cli imports torch'")
+            "import asyncckpt.cli\nassert 'torch' not in sys.modules, 'the cli imports torch'\n"
+            "import asyncckpt.read.verification, asyncckpt.read.copying\n"
+            "assert 'torch' not in sys.modules, 'verify, ls, inspect or copy imports torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

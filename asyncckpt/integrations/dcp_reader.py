@@ -138,7 +138,10 @@ class StorageReader(dcp.StorageReader):
         else:
             self._target = (path, None)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self) -> Metadata:
+        """The checkpoint's metadata, built from its (verified) manifest. No `**kwargs`:
+        DCP would then retry a failed read as "rank-local metadata" without collectives.
+        DCP reports a failure here by message (an AssertionError), not by type."""
         return self._open().metadata()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,

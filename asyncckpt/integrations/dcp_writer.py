@@ -124,7 +124,7 @@ class StorageWriter(dcp.StorageWriter):
         self.ring_size = ring_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.staging_future = staging_future
-        self._client = client
+        self._client = self._given = client
         self._target: tuple[Path | None, int | None] = (self.root, step)
         self._coordinator = True
         self._staging = False
@@ -139,7 +139,7 @@ class StorageWriter(dcp.StorageWriter):
         object forgets it: the copy runs the background save, not this one."""
         state = dict(self.__dict__)
         outcome = None if self._staged is None else _publish_outcome(self._staged)
-        state.update(_client=None, _handle=None, _staged=None, _outcome=outcome)
+        state.update(_client=None, _given=None, _handle=None, _staged=None, _outcome=outcome)
         self._staged = None
         return state
 
@@ -241,7 +241,12 @@ class StorageWriter(dcp.StorageWriter):
             self._staged.wait_staged()
 
     def close(self) -> None:
-        """Nothing to release: the process's clients are closed at exit."""
+        """Wait for this writer's saves and close the process's client it used (not a
+        `client=` given to it, which stays the caller's); a later save makes a new one.
+        Without a call, the client is closed at exit."""
+        client, self._client = self._client, self._given
+        if client is not None and client is not self._given:
+            client.close()
 
     # -- internals -------------------------------------------------------------------------
 

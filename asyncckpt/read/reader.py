@@ -40,9 +40,8 @@ from __future__ import annotations
 import ctypes
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
 import xxhash
 
 from asyncckpt.codec.registry import make_codec, xxh3_of
@@ -53,6 +52,9 @@ from asyncckpt.format.manifest import Frame, Manifest, RankPart, Ref
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import ReadFile, Storage
 from asyncckpt.storage.posix import PosixStorage
+
+if TYPE_CHECKING:
+    import torch
 
 _Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengths, tensor)
 

@@ -27,12 +27,13 @@ from asyncckpt.format.layout import MANIFEST_NAME
 WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
 
 
-def run_world(world: int, mode: str, out: Path, env: dict[str, str]) -> list[str]:
+def run_world(world: int, mode: str, out: Path, env: dict[str, str],
+              worker: str = WORKER) -> list[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [subprocess.Popen(
-        [sys.executable, WORKER, mode, str(out)],
+        [sys.executable, worker, mode, str(out)],
         env={**os.environ, **env, "RANK": str(r), "WORLD_SIZE": str(world),
              "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
              "OMP_NUM_THREADS": "1"},

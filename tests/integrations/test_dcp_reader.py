@@ -1,0 +1,92 @@
+"""`dcp.load` through asyncckpt.dcp.StorageReader of checkpoints asyncckpt's own API
+saved: DCP's keys are what its flattening makes of the saved structure, objects come
+back through DCP's own unpickling of what the reader serialises, views (tied weights)
+and tuples holding tensors load too, and every byte read is verified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_same, sample_state
+from torch.distributed.checkpoint.api import CheckpointException
+
+from asyncckpt.dcp import StorageReader
+from asyncckpt.format.layout import step_dir_name
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def emptied(state: object) -> object:
+    """`state` with every tensor zeroed and every object replaced, as a fresh target."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: emptied(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [emptied(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(emptied(v) for v in state)
+    return None
+
+
+def test_a_state_saved_by_asyncckpt_loads_through_dcp(shared):
+    state = sample_state(seed=3)
+    step = shared.step()
+    shared.client.save(step, state).wait()
+    target = emptied(state)
+    dcp.load(target, storage_reader=StorageReader(shared.root, step))
+    assert_same(state, target)
+
+
+def test_tied_weights_and_tuples_of_tensors_load_through_dcp(shared):
+    weight = torch.randn(10, 4)
+    state = {"emb": weight, "head": weight, "window": weight[2:5], "pair": (torch.ones(3), 7)}
+    step = shared.step()
+    shared.client.save(step, state).wait()
+    target = {"emb": torch.zeros(10, 4), "head": torch.zeros(10, 4), "window": torch.zeros(3, 4),
+              "pair": None}
+    dcp.load(target, storage_reader=StorageReader(shared.root, step))
+    assert torch.equal(target["emb"], weight) and torch.equal(target["head"], weight)
+    assert torch.equal(target["window"], weight[2:5])
+    assert torch.equal(target["pair"][0], torch.ones(3)) and target["pair"][1] == 7
+
+
+def test_a_target_reads_a_region_of_a_saved_tensor(shared):
+    """DCP reads only the chunks it plans: a target key absent from the state is DCP's
+    error, a target shaped differently is too; neither reads a byte."""
+    step = shared.step()
+    shared.client.save(step, {"w": torch.arange(12.0).reshape(3, 4)}).wait()
+    with pytest.raises(CheckpointException):
+        dcp.load({"w": torch.zeros(3, 4), "missing": torch.zeros(1)},
+                 storage_reader=StorageReader(shared.root, step))
+    target = {"w": torch.zeros(3, 4)}
+    dcp.load(target, storage_reader=StorageReader(shared.root, step))
+    assert torch.equal(target["w"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_checkpoint_ids_name_a_root_a_step_directory_or_root_and_step(shared):
+    step = shared.step()
+    shared.client.save(step, {"w": torch.full((2,), float(step))}).wait()
+    for checkpoint_id in (shared.root, shared.root / step_dir_name(step), f"{shared.root}/step-{step}"):
+        target = {"w": torch.zeros(2)}
+        dcp.load(target, checkpoint_id=checkpoint_id, storage_reader=StorageReader())
+        assert torch.equal(target["w"], torch.full((2,), float(step))), checkpoint_id
+    assert StorageReader.validate_checkpoint_id(shared.root)
+    assert StorageReader.validate_checkpoint_id(shared.root / step_dir_name(step))
+
+
+def test_a_missing_step_is_not_found(shared):
+    """DCP turns a failed metadata read into an AssertionError carrying our message."""
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(2)}, storage_reader=StorageReader(shared.root, 10**9))
+    assert f"no committed checkpoint for step {10**9} in {shared.root}" in str(caught.value)
+
+
+def test_a_damaged_manifest_is_refused_before_dcp_plans(writer, client):
+    client.save(1, {"w": torch.ones(4)}).wait()
+    manifest = writer.root / step_dir_name(1) / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"w"', b'"v"', 1))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(4)}, storage_reader=StorageReader(writer.root, 1))
+    assert "manifest.json: manifest xxh3 mismatch" in str(caught.value)

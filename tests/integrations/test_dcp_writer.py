@@ -1,0 +1,215 @@
+"""`dcp.save` / `dcp.async_save` through asyncckpt.dcp.StorageWriter, in one process
+(tests/multiprocess/test_dcp.py runs FSDP2 over two ranks): what DCP saves is an
+ordinary asyncckpt step, async saves stage through the ring, failures reach DCP's
+future, a kill during an async save leaves no partial step."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import running_writer
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+import asyncckpt
+from asyncckpt.dcp import StorageReader, StorageWriter, parse_checkpoint_id
+from asyncckpt.errors import CheckpointError, CorruptCheckpointError, StepAlreadyCommittedError
+from asyncckpt.format.layout import step_dir_name
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def training_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    optim.step()
+    return {"model": model.state_dict(), "optim": optim.state_dict(),
+            "extra": {"epoch": 3, "blob": b"\x00\x01", "shape": (2, 5), "seen": {1, 2, 3}}}
+
+
+def target_like(state: dict) -> dict:
+    out = training_state(seed=99)
+    out["extra"] = {"epoch": 0, "blob": b"", "shape": (0,), "seen": set()}
+    return out
+
+
+def assert_same(want: object, got: object) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and want.dtype == got.dtype and torch.equal(want, got)
+    elif isinstance(want, dict):
+        assert set(want) == set(got)
+        for k in want:
+            assert_same(want[k], got[k])
+    elif isinstance(want, (list, tuple)):
+        assert type(want) is type(got) and len(want) == len(got)
+        for a, b in zip(want, got):
+            assert_same(a, b)
+    else:
+        assert want == got
+
+
+def failure(excinfo: pytest.ExceptionInfo) -> BaseException:
+    """What rank 0 raised inside DCP (DCP wraps it in a CheckpointException)."""
+    return excinfo.value.failures[0][0]
+
+
+def test_dcp_save_commits_an_asyncckpt_step_that_dcp_loads_bit_exact(writer, client):
+    state = training_state()
+    dcp.save(state, storage_writer=StorageWriter(writer.root, 7, client=client))
+    target = target_like(state)
+    dcp.load(target, storage_reader=StorageReader(writer.root))
+    assert_same(state, target)
+    cli = subprocess.run([sys.executable, "-m", "asyncckpt", "verify", str(writer.root)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    listed = subprocess.run([sys.executable, "-m", "asyncckpt", "ls", str(writer.root)],
+                            capture_output=True, text=True)
+    assert listed.returncode == 0 and "7" in listed.stdout.split(), listed.stdout
+
+
+def test_asyncckpt_load_of_a_dcp_step_returns_values_and_never_unpickles(writer, client):
+    state = training_state()
+    dcp.save(state, storage_writer=StorageWriter(writer.root, 1, client=client))
+    loaded = asyncckpt.load(writer.root)
+    for name, tensor in state["model"].items():
+        assert torch.equal(loaded[f"model.{name}"], tensor)
+    assert torch.equal(loaded["optim.state.0.exp_avg"], state["optim"]["state"][0]["exp_avg"])
+    assert (loaded["extra.epoch"], loaded["extra.blob"], loaded["extra.shape"]) == (3, b"\x00\x01", (2, 5))
+    # a set has no JSON form: it stays the bytes DCP made of it (DCP's reader unpickles them)
+    assert isinstance(loaded["extra.seen"], bytes)
+    assert torch.load(io.BytesIO(loaded["extra.seen"]), weights_only=False) == {1, 2, 3}
+
+
+def test_torchtitan_checkpoint_id_names_root_and_step(writer, client):
+    state = {"w": torch.arange(6.0)}
+    dcp.save(state, checkpoint_id=f"{writer.root}/step-12", storage_writer=StorageWriter(client=client))
+    assert (writer.root / step_dir_name(12) / "manifest.json").is_file()
+    target = {"w": torch.zeros(6)}
+    dcp.load(target, checkpoint_id=f"{writer.root}/step-12", storage_reader=StorageReader())
+    assert torch.equal(target["w"], state["w"])
+    assert parse_checkpoint_id("/x/step_5") == (Path("/x"), 5)
+    with pytest.raises(ValueError, match="names no step"):
+        parse_checkpoint_id("/x/latest")
+    with pytest.raises(ValueError, match="names no step"):
+        dcp.save(state, checkpoint_id=f"{writer.root}/final", storage_writer=StorageWriter(client=client))
+
+
+def test_a_root_other_than_the_writers_is_refused(writer, client, tmp_path):
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(tmp_path / "elsewhere", 1,
+                                                                   client=client))
+    assert isinstance(failure(caught), CheckpointError)
+    assert f"saves to {writer.root}, not {tmp_path / 'elsewhere'}" in str(failure(caught))
+    assert not list(writer.root.glob("step-*"))
+
+
+def test_async_save_stages_through_the_ring_and_returns_before_the_commit(writer, client):
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "n": 1}
+    storage = StorageWriter(writer.root, 3, client=client)
+    assert isinstance(storage, AsyncStager)  # DCP uses it instead of its own copy
+    future = dcp.async_save(state, storage_writer=storage)
+    state["w"].mul_(-1)  # the ring holds the state already: this change is not saved
+    metadata = future.result(timeout=60)
+    assert metadata.state_dict_metadata == {}  # DCP's background save staged nothing itself
+    assert torch.equal(asyncckpt.load(writer.root, step=3)["w"], torch.arange(1 << 16, dtype=torch.float32))
+
+
+def test_async_save_with_a_staging_future_is_dcps_zero_overhead_form(writer, client):
+    state = {"w": torch.ones(1000)}
+    response = dcp.async_save(state, storage_writer=StorageWriter(writer.root, 4, client=client,
+                                                                  staging_future=True))
+    assert isinstance(response, AsyncSaveResponse)
+    response.staging_completion.result(timeout=60)
+    response.upload_completion.result(timeout=60)
+    assert torch.equal(asyncckpt.load(writer.root, step=4)["w"], state["w"])
+
+
+def test_the_writers_error_reaches_dcp_on_save_and_on_the_async_future(writer, client):
+    dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(writer.root, 2, client=client))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(writer.root, 2, client=client))
+    assert isinstance(failure(caught), StepAlreadyCommittedError)
+    future = dcp.async_save({"w": torch.zeros(3)}, storage_writer=StorageWriter(writer.root, 2,
+                                                                                client=client))
+    with pytest.raises(CheckpointException) as caught:
+        future.result(timeout=60)
+    assert isinstance(failure(caught), StepAlreadyCommittedError)
+    assert torch.equal(asyncckpt.load(writer.root, step=2)["w"], torch.ones(3))
+
+
+def test_async_save_without_a_step_is_refused_before_anything_is_staged(writer, client):
+    with pytest.raises(ValueError, match="needs StorageWriter\\(root, step\\)"):
+        dcp.async_save({"w": torch.ones(2)}, checkpoint_id=f"{writer.root}/step-1",
+                       storage_writer=StorageWriter(client=client))
+
+
+def test_the_default_client_comes_from_the_environment_and_close_releases_it(writer, monkeypatch):
+    monkeypatch.setenv("ASYNCCKPT_ADDRESS", writer.address)
+    storage = StorageWriter(writer.root, 5)
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=storage)
+    storage.close()
+    assert torch.equal(asyncckpt.load(writer.root, step=5)["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("origin", ["dcp", "asyncckpt"])
+def test_a_flipped_byte_fails_dcp_load(writer, client, origin):
+    state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(1))}
+    if origin == "dcp":
+        dcp.save(state, storage_writer=StorageWriter(writer.root, 1, client=client))
+    else:
+        client.save(1, state).wait()
+    data = next((writer.root / step_dir_name(1)).glob("rank-*"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    target = {"w": torch.zeros(4096)}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(target, storage_reader=StorageReader(writer.root, 1))
+    assert isinstance(failure(caught), CorruptCheckpointError)
+
+
+KILLED_RANK = textwrap.dedent("""
+    import os, signal, sys, torch, warnings
+    import torch.distributed.checkpoint as dcp
+    from asyncckpt.dcp import StorageWriter
+    warnings.filterwarnings("ignore")
+    root = sys.argv[1]
+    dcp.save({"w": torch.ones(1 << 20)}, storage_writer=StorageWriter(root, 1))
+    dcp.async_save({"w": torch.full((1 << 20,), 2.0)}, storage_writer=StorageWriter(root, 2))
+    print("STAGED", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_rank_killed_during_async_save_leaves_the_previous_step_loadable(tmp_path, monkeypatch):
+    """The writer is slow to make data durable (3 s per file), so the rank dies while
+    step 2 is in flight: step 2 is then whole or absent, and DCP loads what is newest."""
+    monkeypatch.setenv("ASYNCCKPT_SLOW_AT", "data_fsynced:3")
+    with running_writer(tmp_path) as w:
+        monkeypatch.delenv("ASYNCCKPT_SLOW_AT")
+        child = subprocess.run([sys.executable, "-c", KILLED_RANK, str(w.root)],
+                               env={**os.environ, "ASYNCCKPT_ADDRESS": w.address},
+                               capture_output=True, text=True, timeout=120)
+        assert child.returncode == -signal.SIGKILL and "STAGED" in child.stdout, child.stderr
+        assert w.alive()
+        with asyncckpt.connect(w.address, rank=0, world_size=1) as c:  # the writer serves on
+            c.save(3, {"w": torch.full((4,), 3.0)}).wait()
+    report = asyncckpt.verify(w.root)
+    assert report.ok, report
+    steps = sorted(int(p.name.split("-")[1]) for p in w.root.glob("step-*"))
+    assert steps in ([1, 3], [1, 2, 3]), steps
+    target = {"w": torch.zeros(1 << 20)}
+    dcp.load(target, storage_reader=StorageReader(w.root, steps[-2]))
+    assert torch.equal(target["w"], torch.full((1 << 20,), float(steps[-2])))
