@@ -81,9 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     cp.add_argument("--out", required=True, help="the new directory (must not exist)")
     cp.add_argument("--json", action="store_true")
 
+    imp = sub.add_parser("import-dcp", help="commit a checkpoint dcp.save wrote (.metadata, "
+                                            "*.distcp) as a verified step of a root")
+    imp.add_argument("source", help="the DCP checkpoint directory (e.g. torchtitan's step-N)")
+    imp.add_argument("root", help="the asyncckpt root (a writer is started on it)")
+    imp.add_argument("--step", type=int, required=True)
+    imp.add_argument("--part-size", default="1G",
+                     help="most tensor bytes held in memory at once (default 1G)")
+    imp.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
     commands = {"writer": _writer, "verify": _verify, "ls": _ls, "inspect": _inspect, "gc": _gc,
-                "export": _export, "copy": _copy}
+                "export": _export, "copy": _copy, "import-dcp": _import_dcp}
     return commands[args.command](args)
 
 
@@ -441,6 +450,27 @@ def _copy(args: argparse.Namespace) -> int:
         print()
     else:
         print(f"wrote step {m.step} to {out}: {m.stored_size / 2**20:.1f} MiB, self-contained")
+    return 0
+
+
+def _import_dcp(args: argparse.Namespace) -> int:
+    from asyncckpt.config import parse_size
+    from asyncckpt.errors import CheckpointNotFoundError
+    from asyncckpt.format.manifest import read_manifest
+    from asyncckpt.integrations.dcp_import import import_dcp
+    try:
+        out = import_dcp(args.source, args.root, args.step, part_bytes=parse_size(args.part_size))
+    except (CheckpointError, ValueError) as e:
+        print(f"asyncckpt import-dcp: {e}", file=sys.stderr)
+        return 1 if isinstance(e, CheckpointNotFoundError) else 2
+    m = read_manifest(out)
+    if args.json:
+        json.dump({"out": str(out), "step": m.step, "bytes": m.stored_size, "raw_bytes": m.raw_size},
+                  sys.stdout, indent=1)
+        print()
+    else:
+        print(f"imported {args.source} as step {m.step}: {out} ({m.raw_size / 2**20:.1f} MiB, "
+              f"{m.stored_size / 2**20:.1f} MiB stored)")
     return 0
 
 

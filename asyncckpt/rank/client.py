@@ -208,21 +208,29 @@ class Client:
         handle.stats.blocked_seconds = time.perf_counter() - started
         return handle
 
-    def close(self, timeout: float | None = None) -> None:
-        """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring."""
+    def close(self, timeout: float | None = None, *, wait_results: bool = True) -> None:
+        """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring.
+
+        With `wait_results` False, pending saves are staged and sent but their results
+        not awaited: a save whose part is complete still commits once the other ranks'
+        parts arrive, and its handle never completes here (import_dcp hands a step to
+        the writer one part at a time this way).
+        """
         if self._closed:
             return
         self._closed = True
         self._queue.put(None)
-        self._stager.join(timeout)
-        for pending in list(self._pending.values()):
+        self._stager.join(timeout if wait_results else None)
+        for pending in list(self._pending.values()) if wait_results else []:
             pending.handle._done.wait(timeout)
         if self._agreement is not None:  # its last messages (commit, outcome) go out first
             self._agreement.close(timeout)
         self._outbox.put(None)
-        self._sender.join(timeout)
+        self._sender.join(timeout if wait_results else None)
         protocol.hang_up(self._conn)
         self._receiver.join(timeout)
+        with self._cond:
+            self._pending.clear()  # what is left will hear no result: let its state go
         self._device.close()
         try:
             self._ring.close()

@@ -17,6 +17,12 @@ from asyncckpt.format.layout import step_dir_name
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
+@pytest.fixture
+def codec() -> str:
+    """DCP meets the writer above the codec: one codec is enough here."""
+    return "zstd"
+
+
 def emptied(state: object) -> object:
     """`state` with every tensor zeroed and every object replaced, as a fresh target."""
     if isinstance(state, torch.Tensor):

@@ -29,6 +29,12 @@ from asyncckpt.format.layout import step_dir_name
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
+@pytest.fixture
+def codec() -> str:
+    """DCP meets the writer above the codec: one codec is enough here."""
+    return "zstd"
+
+
 def training_state(seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))

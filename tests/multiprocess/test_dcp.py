@@ -1,7 +1,7 @@
 """PyTorch DCP through asyncckpt under real process groups (gloo, CPU): two FSDP2 ranks
 save through `dcp.save`, `dcp.async_save` (THREAD, the weights changing meanwhile) and
 `dcp.async_save` (PROCESS) into one node's writer; the steps load bit-exact through
-`dcp.load` at world sizes 1, 2 and 3, and through `asyncckpt.load` in this process."""
+`dcp.load` at world sizes 1 and 3, and through `asyncckpt.load` in this process."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return base, w.root
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 3])
 def test_dcp_saves_load_through_dcp_at_world_size(saved, world):
     out, root = saved
     run_world(world, "load", out, {"CKPT_ROOT": str(root)}, worker=WORKER)
