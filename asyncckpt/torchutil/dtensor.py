@@ -12,9 +12,11 @@ one kind saved the other loads (and `export` reads either):
   mesh). Boxes come from torch's own `compute_local_shape_and_global_offset`, the
   function DCP uses, so uneven and nested sharding follow torch's semantics; the local
   tensor's shape is checked against it. A rank that holds a replica (a nonzero coordinate
-  on a mesh dimension with a `Replicate` placement) writes nothing for it. `Partial` and
-  `_StridedShard` placements (pending reductions, FSDP+TP strided layouts) hold no simple
-  box and are refused with a clear message.
+  on a mesh dimension with a `Replicate` placement) writes nothing for it. The
+  `_StridedShard` of FSDP2 over tensor parallelism (torchtitan's 2-D layouts) is a box
+  too: its split factor is the later mesh dims sharding the same tensor dim. `Partial`
+  (a pending reduction) and any other strided layout hold no box and are refused with a
+  clear message.
 - ShardedTensor (FSDP1's `SHARDED_STATE_DICT` without a device mesh). Its metadata names
   the box of each local shard. Over a process group smaller than the world (FSDP1's
   HYBRID_SHARD) every group holds a whole copy: the group that holds global rank 0
@@ -28,6 +30,7 @@ items are saved as they are planned.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,8 +129,9 @@ def local_box(t: Any, where: str) -> tuple[torch.Tensor | None, tuple[int, ...]]
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    for p in t.placements:
-        if isinstance(p, _StridedShard) or not isinstance(p, (Shard, Replicate)):
+    for i, p in enumerate(t.placements):
+        strided = isinstance(p, _StridedShard)
+        if not _strided_box(t, i) if strided else not isinstance(p, (Shard, Replicate)):
             raise UnsupportedStateError(
                 f"{where}: placement {type(p).__name__} ({p}) has no contiguous box; redistribute it to Shard/"
                 "Replicate placements (or call full_tensor()) before saving or loading")
@@ -140,6 +144,17 @@ def local_box(t: Any, where: str) -> tuple[torch.Tensor | None, tuple[int, ...]]
             f"{where}: local tensor has shape {tuple(local.shape)}, its placements "
             f"{list(t.placements)} give {tuple(shape)} (padded or uneven local storage?)")
     return local, tuple(int(o) for o in offsets)
+
+
+def _strided_box(t: Any, i: int) -> bool:
+    """Whether placement `i` of DTensor `t`, a `_StridedShard`, still leaves each rank a
+    box: FSDP2 over tensor parallelism shards dim d across data-parallel ranks after the
+    later mesh dims' `Shard(d)` split it into `split_factor` pieces, so a rank's rows are
+    one block of dim d cut into (dp x split_factor) blocks, at the offset torch computes."""
+    from torch.distributed.tensor import Shard
+    p = t.placements[i]
+    later = [j for j, q in enumerate(t.placements) if j > i and type(q) is Shard and q.dim == p.dim]
+    return bool(later) and math.prod(t.device_mesh.size(j) for j in later) == p.split_factor
 
 
 def local_tensors(t: torch.Tensor) -> list[torch.Tensor]:
