@@ -13,8 +13,11 @@ PYTEST_ARGS ?=
 # sees this venv's packages (torch, ...) behind its own through a .pth file.
 VERL_VENV   ?= $(VENV)-verl
 VERL_SPEC   ?= verl==0.9.1
+# torchtitan's test runs in a venv of its own in the same way (its pins: spmd_types==0.2.3).
+TITAN_VENV  ?= $(VENV)-titan
+TITAN_SPEC  ?= torchtitan==0.3.0
 
-.PHONY: setup verl-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage
+.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage
 
 setup: $(VENV)/.installed
 
@@ -25,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
-test: setup verl-setup
+test: setup verl-setup titan-setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The tests that start no process (no writer, torchrun or subprocess): tests/tiers.py marks
@@ -131,6 +134,17 @@ $(VERL_VENV)/.installed: $(VENV)/.installed pyproject.toml
 	  "$$($(VERL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-asyncckpt-base.pth"
 	$(VERL_VENV)/bin/pip install -q --no-deps "$(VERL_SPEC)"
 	$(VERL_VENV)/bin/pip install -q -e ".[verl]"
+	touch $@
+
+# The torchtitan venv: torchtitan with --no-deps, plus the `torchtitan` extra, over this venv.
+titan-setup: $(TITAN_VENV)/.installed
+
+$(TITAN_VENV)/.installed: $(VENV)/.installed pyproject.toml
+	test -x $(TITAN_VENV)/bin/python || $(BIN)/python -m venv $(TITAN_VENV)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	  "$$($(TITAN_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-asyncckpt-base.pth"
+	$(TITAN_VENV)/bin/pip install -q --no-deps "$(TITAN_SPEC)"
+	$(TITAN_VENV)/bin/pip install -q -e ".[torchtitan]"
 	touch $@
 
 # 2 FSDP2 ranks (CPU, gloo) save a Llama through the drop-in and through verl's own manager,

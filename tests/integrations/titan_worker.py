@@ -1,0 +1,117 @@
+"""torchtitan's real CheckpointManager (0.3.0, CPU, gloo world of 1) through asyncckpt:
+model, optimizer, lr scheduler and dataloader saved at steps 1-4 with keep_latest_k=2,
+then a fresh job resumes and must hold the same state bit for bit.
+
+    python titan_worker.py ROOT ASYNC_MODE     (disabled | async | async_with_pinned_mem)
+
+Run with the titan venv's python (`make titan-setup`). Prints "OK" on success.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import IterableDataset
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+import asyncckpt
+from asyncckpt.integrations.torchtitan import CheckpointManager
+from asyncckpt.storage.posix import PosixStorage
+
+
+class Numbers(IterableDataset):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for i in range(10_000):
+            yield torch.randn(8, generator=g), torch.tensor(i % 4)
+
+
+def build(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model.register_buffer("table", torch.arange(65536, dtype=torch.float32) * seed)
+    optim = OptimizersContainer(OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                       optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})],
+        implementation="for-loop"), model_parts=[model])
+    lr = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optim, training_steps=10)
+    loader = ParallelAwareDataloader(Numbers(), dp_rank=0, dp_world_size=1, batch_size=2)
+    return model, optim, lr, loader
+
+
+def manager(root: str, mode: str, model, optim, lr, loader) -> CheckpointManager:
+    config = CheckpointManager.Config(enable=True, folder=root, interval=1, keep_latest_k=2,
+                                      async_mode=mode, last_save_model_only=False)
+    return CheckpointManager(config, dataloader=loader, model_parts=[model], optimizers=optim,
+                             lr_schedulers=lr, states={}, sd_adapter=None, base_folder="")
+
+
+def snapshot(model, optim, lr) -> dict:
+    return copy.deepcopy({"model": model.state_dict(), "optim": optim.state_dict(),
+                          "lr": lr.state_dict()})
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def main() -> None:
+    root, mode = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    writer = asyncckpt.start_writer(root, log_file=os.path.join(os.path.dirname(root), "w.log"))
+    os.environ["ASYNCCKPT_ADDRESS"] = writer.address
+    model, optim, lr, loader = build(seed=1)
+    ckpt = manager(root, mode, model, optim, lr, loader)
+    assert ckpt.load() is False  # nothing to resume from yet
+    batches = iter(loader)
+    for step in range(1, 5):
+        x, y = next(batches)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optim.step()
+        lr.step()
+        optim.zero_grad()
+        ckpt.save(step)
+        ckpt.maybe_wait_for_staging()
+    ckpt.maybe_wait_for_saving()
+    want, want_loader = snapshot(model, optim, lr), loader.state_dict()
+    ckpt.close()
+
+    model2, optim2, lr2, loader2 = build(seed=2)
+    assert not same(snapshot(model2, optim2, lr2), want)
+    given: dict = {}
+    original = loader2.load_state_dict
+    loader2.load_state_dict = lambda sd: (given.update(sd), original(sd))[1]
+    resumed = manager(root, mode, model2, optim2, lr2, loader2)
+    assert resumed.load() is True
+    assert same(snapshot(model2, optim2, lr2), want), "model/optimizer/lr scheduler differ"
+    assert {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in given.items()} == \
+        {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in want_loader.items()}
+    x, y = next(batches)
+    x2, y2 = next(iter(loader2))
+    assert torch.equal(x, x2) and torch.equal(y, y2), "the dataloader does not resume"
+    resumed.close()
+    # keep_latest_k=2; step 1 stays as step-1.retired while steps 3 and 4 reference its
+    # frames (the unchanged `table`): torchtitan's own purge would rmtree it and break them
+    assert PosixStorage(root).committed_steps() == [3, 4], os.listdir(root)
+    assert asyncckpt.verify(root).ok
+    assert writer.stop() == 0
+    dist.destroy_process_group()
+    print("OK", mode)
+
+
+if __name__ == "__main__":
+    main()
