@@ -17,6 +17,8 @@ Environment:
     MN_HOLD     "STEP:RANK,RANK": those ranks do not save STEP; they write the marker
                 hold-<STEP>-rank<R> and sleep until killed (a node that never announces)
     MN_KEEP_LAST  retention passed to the Checkpointer (default: keep all)
+    MN_VIA      "dcp": save through dcp.save with asyncckpt's StorageWriter and load through
+                dcp.load with its StorageReader, instead of the Checkpointer / asyncckpt.load
 
 Local rank 0 of each node starts the node's writer (its own ASYNCCKPT_RUNTIME_DIR comes
 from the launcher) and publishes the address under a per-node key of the job's store.
@@ -36,6 +38,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_worker import _assert_same, build, full_state, leave, train  # noqa: E402
 
 import asyncckpt  # noqa: E402
+from asyncckpt.dcp import StorageReader, StorageWriter  # noqa: E402
 
 
 def write_json(path: Path, doc: dict) -> None:
@@ -126,13 +131,19 @@ def save(out: Path) -> int:
             time.sleep(3600)  # until its node is killed
         t_save = time.time()
         try:
-            handle = ckpt.save(step, force=True)
-            handle.wait_staged(60)
-            (out / f"saving-{step}-rank{rank}").touch()
-            path = handle.wait(300)
+            if os.environ.get("MN_VIA") == "dcp":
+                model_sd, optim_sd = get_state_dict(model, optim)
+                dcp.save({"step": step, "model": model_sd, "optimizer": optim_sd},
+                         storage_writer=StorageWriter(root, step))
+                path = root / f"step-{step:08d}"
+            else:
+                handle = ckpt.save(step, force=True)
+                handle.wait_staged(60)
+                (out / f"saving-{step}-rank{rank}").touch()
+                path = handle.wait(300)
             result["steps"][step] = {"ok": True, "path": str(path), "t_save": t_save,
                                      "t_done": time.time()}
-        except (asyncckpt.CheckpointError, TimeoutError) as e:
+        except (asyncckpt.CheckpointError, TimeoutError, CheckpointException) as e:
             result["steps"][step] = {"ok": False, "error": type(e).__name__, "message": str(e),
                                      "t_save": t_save, "t_done": time.time()}
             failed = True
@@ -166,8 +177,11 @@ def load(out: Path) -> int:
             continue
         model, optim = build(seed=1)  # other values: everything must come from the load
         model_sd, optim_sd = get_state_dict(model, optim)
-        loaded = asyncckpt.load(directory, into={"step": 0, "model": model_sd,
-                                                 "optimizer": optim_sd})
+        loaded = {"step": 0, "model": model_sd, "optimizer": optim_sd}
+        if os.environ.get("MN_VIA") == "dcp":
+            dcp.load(loaded, storage_reader=StorageReader(directory))
+        else:
+            loaded = asyncckpt.load(directory, into=loaded)
         assert loaded["step"] == step, (loaded["step"], step)
         set_state_dict(model, optim, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])

@@ -145,6 +145,20 @@ def test_two_node_checkpoint_loads_bit_exact_at_other_layouts(saved, nodes, per_
         assert r["checked"] == [2, 5] and r["world"] == nodes * per_node
 
 
+def test_two_nodes_save_through_dcp_and_load_at_another_layout(tmp_path):
+    """dcp.save with asyncckpt's StorageWriter on 2 nodes x 2 ranks commits through the
+    job's store like any save; dcp.load at 1 x 3 reads it back bit-exact."""
+    root = tmp_path / "ckpt"
+    run(tmp_path, "dcp-save", 2, 2, "save", root,
+        env={"MN_STEPS": "3", "MN_VIA": "dcp", "ASYNCCKPT_CODEC": "zstd"})
+    res = results(tmp_path, "dcp-save", 4)
+    assert sorted(res) == [0, 1, 2, 3] and all(r["steps"]["3"]["ok"] for r in res.values()), res
+    assert PosixStorage(root).committed_steps() == [3] and tmp_dirs(root) == []
+    assert manifest(root / "step-00000003")["world_size"] == 4
+    run(tmp_path, "dcp-load", 1, 3, "load", root, env={"MN_VIA": "dcp"})
+    assert all(r["checked"] == [3] for r in results(tmp_path, "dcp-load", 3).values())
+
+
 def test_node_on_another_root_fails_first_save_everywhere(tmp_path):
     root, other = tmp_path / "shared", tmp_path / "node-local"
     started = time.monotonic()
