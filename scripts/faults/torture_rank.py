@@ -14,6 +14,7 @@ references to a step it must keep.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -35,7 +36,18 @@ def expected_state(rank: int, step: int) -> dict:
 
 
 def main() -> int:
-    address, rank, world, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    return run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+
+
+def serve(address: str, rank: int, world: int, step: int) -> None:
+    """`run` in a process forked by torture.py's launcher, its output discarded."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    sys.exit(run(address, rank, world, step))
+
+
+def run(address: str, rank: int, world: int, step: int) -> int:
     deadline = time.monotonic() + 60
     while True:
         try:
