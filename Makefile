@@ -17,7 +17,7 @@ VERL_SPEC   ?= verl==0.9.1
 TITAN_VENV  ?= $(VENV)-titan
 TITAN_SPEC  ?= torchtitan==0.3.0
 
-.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage
+.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage bench-dcp
 
 setup: $(VENV)/.installed
 
@@ -120,6 +120,13 @@ fuzz-protocol: setup
 # page-cache growth per codec (1 GiB state, interleaved medians; `--gib 4` for the large case).
 bench-stage: setup
 	$(BIN)/python -m benchmarks.stagespeed --gib 1 --reps 5
+
+# asyncckpt's DCP StorageWriter (dcp.save, dcp.async_save) next to DCP's FileSystemWriter
+# (sync, async default stager, async reused shared-memory stager) and torch-checkpointing,
+# 1 and 4 GiB, with memcpy and write+fsync limits of the same run (results/dcp.md + .json).
+bench-dcp: setup
+	$(BIN)/pip install -q -e ".[dcpbench]"
+	$(BIN)/python -m benchmarks.dcp --gib 1,4 --reps 3 --out benchmarks/results/dcp.md
 
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup
