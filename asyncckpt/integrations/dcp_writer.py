@@ -216,11 +216,16 @@ class StorageWriter(dcp.StorageWriter):
 
         Raises:
             ValueError: no step (async_save learns the checkpoint_id only later).
+            RuntimeError: a save staged by this writer has not been picked up yet.
             CheckpointError: planning or handing the items to the client failed.
         """
         if self.step is None:
             raise ValueError("dcp.async_save through asyncckpt needs StorageWriter(root, step): "
                              "the step is staged before DCP passes the checkpoint_id")
+        if self._staged is not None:
+            raise RuntimeError(f"this StorageWriter still holds staged step {self._staged.step}, "
+                               "whose background save has not started: use one StorageWriter "
+                               "per async_save")
         self._staged, self._outcome, self._staging = None, None, True
         try:
             dcp.save(state_dict, storage_writer=self)
