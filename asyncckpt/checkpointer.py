@@ -210,7 +210,7 @@ class Checkpointer:
         if "model" in state and self.hf_metadata is not None:
             state[hf.HF_KEY] = self.hf_metadata
         if self._client is None:
-            self._client = Client(self._address, ring_size=ring_for(state_bytes(state), self._ring_request))
+            self._client = Client(self._address, ring_size=ring_for(state_bytes(state), self._ring_request, log))
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
                                    keep_every=self.options.keep_every, keep_from=keep_from,

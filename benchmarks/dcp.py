@@ -45,7 +45,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import limits, measure, workloads
+from . import dcp_fsdp, limits, measure, workloads
+from .dcp_report import ASYNCCKPT, markdown, size_md  # noqa: F401 (ASYNCCKPT: read here by its test)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -156,15 +157,21 @@ class _AsyncCkpt(Method):
     def setup(self, root: Path) -> None:
         super().setup(root)
         import asyncckpt
-        self.writer = asyncckpt.start_writer(root, codec=self.codec, incremental=self.incremental,
-                                             log_file=root.parent / "writer.log")
-        os.environ["ASYNCCKPT_ADDRESS"] = self.writer.address
+        import torch.distributed as dist
+        self.writer = None  # one per node: rank 0's, shared with the others through the store
+        if dcp_fsdp.rank() == 0:
+            self.writer = asyncckpt.start_writer(root, codec=self.codec, incremental=self.incremental,
+                                                 log_file=root.parent / "writer.log")
+        address = self.writer.address if self.writer else None
+        if dist.is_initialized():
+            address = dcp_fsdp.share("bench-dcp-writer", address)
+        os.environ["ASYNCCKPT_ADDRESS"] = address  # type: ignore[assignment]
         self.storage: Any = None
 
     def storage_writer(self, step: int) -> Any:
+        """A StorageWriter per save, as torchtitan makes them; they share the process's
+        client (its ring made and touched by the warm-up save), as a training job's do."""
         from asyncckpt.dcp import StorageWriter
-        if self.storage is not None:
-            self.storage.close()
         self.storage = StorageWriter(self.root, step)
         return self.storage
 
@@ -178,9 +185,13 @@ class _AsyncCkpt(Method):
         dcp.load(target, storage_reader=StorageReader(self.root, step))
 
     def close(self) -> None:
+        import torch.distributed as dist
         if self.storage is not None:
             self.storage.close()
-        self.writer.stop()
+        if dist.is_initialized():
+            dist.barrier()  # every rank is done with the writer
+        if self.writer is not None:
+            self.writer.stop()
 
 
 class AsyncCkptSave(_AsyncCkpt):
@@ -249,8 +260,8 @@ METHODS: dict[str, Callable[[], Method]] = {
     "asyncckpt.save": AsyncCkptSave, "asyncckpt.async": AsyncCkptAsync,
     "torch-checkpointing": TorchCheckpointing,
 }
-ASYNCCKPT = ("asyncckpt.save", "asyncckpt.async")
 LIMITS = "limits"
+FSDP_METHODS = ("dcp.save", "dcp.async", "asyncckpt.save", "asyncckpt.async")
 
 
 def _copy_into(target: Any, loaded: Any) -> None:
@@ -275,11 +286,19 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             workloads.synthetic(spec["bytes"])), 1)
     method = METHODS[spec["method"]]()
     import torch.distributed.checkpoint  # noqa: F401  (imports are not the save's memory)
-    state = state_for(spec["bytes"])
-    target = workloads.empty_like_state(state)
-    for _, t in workloads.tensor_items(target):
-        t.zero_()  # touched: its pages are in the baseline, not in the load
-    nbytes = workloads.state_bytes(state)
+    ranked = spec.get("ranks", 1) > 1
+    if ranked:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        state = dcp_fsdp.model_state(spec["bytes"], seed=0)
+        target = dcp_fsdp.model_state(spec["bytes"], seed=1)  # touched, other values
+        nbytes = dcp_fsdp.local_bytes(state)  # this rank's share: what its memory is held to
+    else:
+        state = state_for(spec["bytes"])
+        target = workloads.empty_like_state(state)
+        for _, t in workloads.tensor_items(target):
+            t.zero_()  # touched: its pages are in the baseline, not in the load
+        nbytes = workloads.state_bytes(state)
     root = Path(spec["workdir"]) / "ckpt"
     gc.collect()
     probe = measure.MemoryProbe()
@@ -292,6 +311,11 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         out["warmup"] = method.save(1, state)
         out["blocked"], out["durable"] = method.save(2, state)
         memory = probe.stop()
+        if ranked:  # the worst rank's
+            out["blocked"], out["durable"] = (dcp_fsdp.worst(out["blocked"]),
+                                              dcp_fsdp.worst(out["durable"]))
+            memory["train_extra_anon_sampled"] = dcp_fsdp.worst(memory["train_extra_anon_sampled"])
+            out["ranks"] = spec["ranks"]
         out["private_extra"] = memory["train_extra_anon_sampled"]
         out["rss_hwm_extra"] = memory["train_extra_rss"]
         out["shm_extra"] = memory["shm_extra"]
@@ -303,20 +327,31 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             out["flip"] = flip_check(method, 2, state, target)
     finally:
         method.close()
+        if ranked:
+            dist.destroy_process_group()
     return out
 
 
 def timed_load(method: Method, step: int, state: dict[str, Any],
                target: dict[str, Any]) -> dict[str, Any]:
     """Cold load into the preallocated `target`: seconds, share resident before, equal."""
-    for _, t in workloads.tensor_items(target):
-        t.zero_()
+    import torch.distributed as dist
+    ranked = dist.is_initialized()
+    if not ranked:
+        for _, t in workloads.tensor_items(target):
+            t.zero_()
     resident = measure.cold(method.output(step))
+    if ranked:
+        dist.barrier()
     start = time.perf_counter()
     method.load(step, target)
     seconds = time.perf_counter() - start
-    return {"load": seconds, "load_resident_before": resident,
-            "load_equal": workloads.equal_states(state, target)}
+    if ranked:
+        seconds = dcp_fsdp.worst(seconds)
+        equal = dcp_fsdp.all_equal(dcp_fsdp.local_equal(state, target))
+    else:
+        equal = workloads.equal_states(state, target)
+    return {"load": seconds, "load_resident_before": resident, "load_equal": equal}
 
 
 def largest_file(path: Path) -> Path:
@@ -327,15 +362,19 @@ def flip_check(method: Method, step: int, state: dict[str, Any],
                target: dict[str, Any]) -> dict[str, Any]:
     """Flip one byte in the middle of the checkpoint's largest file, load it: caught if
     the load raises; otherwise whether the loaded state differs (silent corruption)."""
+    import torch.distributed as dist
     path = largest_file(method.output(step))
     offset = path.stat().st_size // 2
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-        f.flush()
-        os.fsync(f.fileno())
+    if dcp_fsdp.rank() == 0:
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+            f.flush()
+            os.fsync(f.fileno())
+    if dist.is_initialized():
+        dist.barrier()
     measure.drop_cache(method.output(step))
     result: dict[str, Any] = {"file": path.name, "offset": offset}
     from torch.distributed.checkpoint.api import CheckpointException
@@ -344,7 +383,11 @@ def flip_check(method: Method, step: int, state: dict[str, Any],
     # any error on load is the corruption caught (DCP wraps a rank's in a BaseException)
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         return {**result, "caught": True, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-    return {**result, "caught": False, "loaded_differs": not workloads.equal_states(state, target)}
+    if dist.is_initialized():
+        differs = not dcp_fsdp.all_equal(dcp_fsdp.local_equal(state, target))
+    else:
+        differs = not workloads.equal_states(state, target)
+    return {**result, "caught": False, "loaded_differs": differs}
 
 
 def worker_main(spec_path: str, out_path: str) -> int:
@@ -368,15 +411,23 @@ def spawn(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("ASYNCCKPT_ADDRESS", None)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.dcp", "--worker", str(spec_path),
-                               str(out_path)], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=WORKER_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return {"method": spec["method"], "error": f"worker timed out after {WORKER_TIMEOUT} s"}
+    ranks = spec.get("ranks", 1)
+    outs = [out_path] + [workdir / f"result-rank{r}.json" for r in range(1, ranks)]
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.dcp", "--worker", str(spec_path),
+                               str(outs[r])], cwd=REPO, env={**env, **rank_env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, rank_env in enumerate(dcp_fsdp.rank_envs(ranks) if ranks > 1 else [{}])]
+    errors = []
+    for p in procs:
+        try:
+            errors.append(p.communicate(timeout=WORKER_TIMEOUT)[1])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return {"method": spec["method"], "error": f"worker timed out after {WORKER_TIMEOUT} s"}
     if not out_path.exists():
         return {"method": spec["method"],
-                "error": f"worker exited {proc.returncode}: {proc.stderr[-2000:]}"}
+                "error": f"worker exited {procs[0].returncode}: {errors[0][-2000:]}"}
     return json.loads(out_path.read_text())
 
 
@@ -385,12 +436,15 @@ def rotation(names: list[str], rep: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def run_size(nbytes: int, reps: int, methods: list[str], tmp: Path) -> dict[str, Any]:
-    """Every method and the limits, `reps` times each, interleaved; raw results."""
+def run_size(nbytes: int, reps: int, methods: list[str], tmp: Path,
+             ranks: int = 1) -> dict[str, Any]:
+    """Every method and the limits, `reps` times each, interleaved; raw results. With
+    `ranks` > 1, the FSDP2 state of `nbytes` in all, sharded over that many ranks."""
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in [*methods, LIMITS]}
     for rep in range(reps):
         for name in rotation([*methods, LIMITS], rep):
-            spec = {"method": name, "bytes": nbytes, "flip": rep == reps - 1}
+            spec = {"method": name, "bytes": nbytes // ranks if name == LIMITS else nbytes,
+                    "flip": rep == reps - 1, "ranks": 1 if name == LIMITS else ranks}
             started = time.perf_counter()
             result = spawn(spec, tmp / f"{name}-{rep}")
             result["loadavg"] = measure.loadavg()
@@ -443,141 +497,6 @@ def summarise(raw: dict[str, list[dict[str, Any]]], nbytes: int) -> dict[str, An
             "limits": summarise_limits(raw[LIMITS])}
 
 
-def checks(summary: dict[str, Any]) -> list[tuple[str, bool, str]]:
-    """The four done-criteria of the DCP issue: (name, met, the numbers behind it). A
-    missing input is a miss."""
-    m, state = summary["methods"], summary["bytes"]
-    ours, dcp = m.get("asyncckpt.async", {}), m.get("dcp.async", {})
-
-    def num(row: dict[str, Any], key: str) -> float | None:
-        return None if "error" in row else row.get(key)
-
-    out = []
-    a, b = num(ours, "blocked"), num(dcp, "blocked")
-    out.append(("asyncckpt async_save blocked <= DCP async_save (default stager) blocked",
-                a is not None and b is not None and a <= b, f"{_s(a)} vs {_s(b)}"))
-    a, b = num(ours, "durable"), num(dcp, "durable")
-    out.append(("asyncckpt async_save time to durable <= DCP async_save (default stager)",
-                a is not None and b is not None and a <= b, f"{_s(a)} vs {_s(b)}"))
-    rows = [m.get(name, {}) for name in ASYNCCKPT]
-    privs = [num(r, "private_extra") for r in rows]
-    dcp_priv = num(dcp, "private_extra")
-    met = all(p is not None and p < 0.5 * state for p in privs)
-    out.append(("asyncckpt extra private RSS of the rank < 0.5x state (both rows)", met,
-                ", ".join(f"{_x(p, state)}" for p in privs)
-                + f" of the state; DCP default stager {_x(dcp_priv, state)}"))
-    flips = [r.get("flip") if "error" not in r else None for r in rows]
-    dcp_flips = [m[n].get("flip") for n in m if n not in ASYNCCKPT and "error" not in m[n]]
-    met = all(f is not None and f["caught"] for f in flips)
-    out.append(("flipped byte caught on load by asyncckpt (both rows)", met,
-                "asyncckpt " + "/".join(_caught(f) for f in flips) + "; others "
-                + "/".join(_caught(f) for f in dcp_flips)))
-    return out
-
-
-def _s(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f} s"
-
-
-def _x(b: float | None, state: int) -> str:
-    return "n/a" if b is None else f"{b / state:.2f}x"
-
-
-def _mib(b: float | None) -> str:
-    return "n/a" if b is None else f"{b / MiB:.0f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "n/a" if a is None or not b else f"{a / b:.2f}"
-
-
-def _caught(flip: dict[str, Any] | None) -> str:
-    if flip is None:
-        return "n/a"
-    if flip["caught"]:
-        return "yes"
-    return "no (silently wrong data)" if flip.get("loaded_differs") else "no (data unaffected)"
-
-
-COLUMNS = ("method", "blocked s", "x memcpy", "durable s", "x write+fsync",
-           "rank extra private MiB", "private x state", "shm MiB", "helper private MiB",
-           "helper peak RSS MiB", "disk MiB", "disk x state", "cold load s", "x cold read",
-           "flipped byte caught")
-
-
-def table(summary: dict[str, Any]) -> list[str]:
-    lim, state = summary["limits"], summary["bytes"]
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for name, row in summary["methods"].items():
-        if "error" in row:
-            lines.append(f"| {name} | not measured: {row['error'][:300]} |" + " |" * (len(COLUMNS) - 2))
-            continue
-        cells = [name, f"{row['blocked']:.3f}", _ratio(row["blocked"], lim.get("memcpy")),
-                 f"{row['durable']:.3f}", _ratio(row["durable"], lim.get("write_fsync")),
-                 _mib(row["private_extra"]), _ratio(row["private_extra"], state),
-                 _mib(row["shm_extra"]), _mib(row["helper_private"]), _mib(row["helper_hwm"]),
-                 _mib(row["disk_bytes"]), _ratio(row["disk_bytes"], state),
-                 f"{row['load']:.3f}" + ("" if row["load_equal"] else " (NOT EQUAL)"),
-                 _ratio(row["load"], lim.get("read_cold")), _caught(row["flip"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def size_md(summary: dict[str, Any]) -> list[str]:
-    lim, state = summary["limits"], summary["bytes"]
-    out = [f"## {state / MiB:.0f} MiB state", ""]
-    if "error" in lim:
-        out += [f"Limits not measured: {lim['error']}", ""]
-    else:
-        out += [f"Limits, same run: memcpy {lim['memcpy']:.3f} s ({state / lim['memcpy'] / 1e9:.2f} GB/s; "
-                f"one thread {lim['memcpy_1thread']:.3f} s), write + fsync {lim['write_fsync']:.3f} s "
-                f"({state / lim['write_fsync'] / 1e9:.2f} GB/s), cold sequential read "
-                f"{lim['read_cold']:.3f} s.", ""]
-    out += table(summary) + [""]
-    out += [f"- {'PASS' if met else 'MISS'}: {name} ({why})" for name, met, why in checks(summary)]
-    out += [""] + [f"- {name}: fsync by {row['fsyncs']}; load verifies: {row['checksum']}"
-                   + (f"; {len(row['failed_reps'])} failed rep(s): {row['failed_reps'][0][:200]}"
-                      if row["failed_reps"] else "")
-                   for name, row in summary["methods"].items() if "error" not in row]
-    return out + [""]
-
-
-HOW = """How measured. Each method and repetition runs in a fresh process (`python -m benchmarks.dcp
---worker`), methods interleaved in a rotating order within each repetition, the machine's limits
-(benchmarks.limits: memcpy of the same bytes between touched buffers, a sequential write + fsync of
-them to the same disk, a cold sequential read) one more entry of the rotation; figures are medians
-over repetitions. A worker builds the state (a transformer-like state dict: bf16 weights, fp32
-Adam moments, non-tensor optimizer fields; benchmarks.workloads), a touched load target, imports
-DCP, takes its memory baseline, sets the method up, saves once to warm it and once timed. Single
-process, no torch.distributed init (DCP runs no_dist). "Blocked" is until the call returns
-(torch-checkpointing: until `manager.lock()` can be entered, i.e. staging done); "durable" until the
-call or its future completes (DCP fsyncs its files but not the directory; asyncckpt fsyncs data,
-manifest and directory and commits; torch-checkpointing does not fsync). "Rank extra private" is
-the peak RssAnon of the saving process over the baseline (sampled every 10 ms, warm-up and timed
-save), "shm" the shared memory (ring, shared-memory stager) the process and its helpers mapped,
-"helper" the summed RssAnon and the largest VmHWM of its helper processes (asyncckpt's writer,
-torch-checkpointing's subprocess). The cold load drops the checkpoint's files from the page cache
-(posix_fadvise DONTNEED) and loads into the preallocated target: dcp.load with FileSystemReader,
-with asyncckpt's StorageReader, or CheckpointManager.load(into=). The flipped byte (XOR 0xFF in the
-middle of the checkpoint's largest file) is tested once per method, in the last repetition.
-Ratios: blocked / memcpy (torch copy_, default threads), durable / write + fsync, cold load /
-cold sequential read, memory and disk / the state's tensor bytes. asyncckpt's writer runs on its
-defaults (codec auto) except incremental=False, so the timed save writes every byte as the
-others do. torch-checkpointing is measured single-rank only (a multi-rank save on CPU fails on a
-hard-coded device="cuda" in its metadata_manager.py), with use_direct_io=False (its O_DIRECT
-default fails on ext4)."""
-
-
-def markdown(result: dict[str, Any]) -> str:
-    lines = ["# asyncckpt as DCP's storage layer, next to DCP's FileSystemWriter and torch-checkpointing",
-             "", f"`{result['command']}`; {result['reps']} repetitions; torch {result['torch']}; "
-             f"{result['cpus']} CPUs; load average {result['loadavg_before']} before, "
-             f"{result['loadavg_after']} after.", ""]
-    for summary in result["sizes"]:
-        lines += size_md(summary)
-    return "\n".join(lines + [HOW, ""])
-
-
 def parse_sizes(args: argparse.Namespace) -> list[int]:
     if args.mib:
         return [int(float(x) * MiB) for x in args.mib.split(",")]
@@ -589,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", default="1,4", help="state sizes in GiB, comma-separated")
     ap.add_argument("--mib", default="", help="state sizes in MiB (overrides --gib)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fsdp2-gib", default="", help="also an FSDP2 model state of this many GiB "
+                    f"over 2 ranks (methods {', '.join(FSDP_METHODS)})")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", default="benchmarks/results/dcp.md")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a tmp dir in .)")
@@ -611,6 +532,18 @@ def main(argv: list[str] | None = None) -> int:
             measured = next((r["bytes"] for runs in raw.values() for r in runs if "bytes" in r
                              and isinstance(r["bytes"], int)), nbytes)
             summary = summarise(raw, measured)
+            result["sizes"].append(summary)
+            result["raw"].append(raw)
+            print("\n".join(size_md(summary)), flush=True)
+        for gib in filter(None, args.fsdp2_gib.split(",")):
+            nbytes = int(float(gib) * GiB)
+            fsdp_methods = [m for m in methods if m in FSDP_METHODS]
+            print(f"FSDP2 state of {nbytes / MiB:.0f} MiB on 2 ranks: {', '.join(fsdp_methods)} "
+                  f"+ limits, {args.reps} reps", flush=True)
+            raw = run_size(nbytes, args.reps, fsdp_methods, Path(d), ranks=2)
+            measured = next((r["bytes"] for name, runs in raw.items() if name != LIMITS
+                             for r in runs if isinstance(r.get("bytes"), int)), nbytes // 2)
+            summary = {**summarise(raw, measured), "ranks": 2}
             result["sizes"].append(summary)
             result["raw"].append(raw)
             print("\n".join(size_md(summary)), flush=True)

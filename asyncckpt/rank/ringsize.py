@@ -20,7 +20,7 @@ from asyncckpt.runtime.procstat import mem_available
 from asyncckpt.torchutil.dtensor import local_tensors
 from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 
-log = logging.getLogger("asyncckpt")
+log = logging.getLogger("asyncckpt.ringsize")
 
 MEM_SHARE = 0.25  # of MemAvailable, split between the node's ranks, for the rings
 DEFAULT_RING = ClientKnobs().ring_size  # the floor: the ring a client gets by default
@@ -51,17 +51,18 @@ def auto_ring_size(state_bytes: int, slot_size: int, local_ranks: int,
     return size, why
 
 
-def ring_for(nbytes: int, requested: int | None = None) -> int | None:
+def ring_for(nbytes: int, requested: int | None = None,
+             logger: logging.Logger = log) -> int | None:
     """The ring of a client made for a rank whose saves are `nbytes`: `requested` when
     given, None (the ASYNCCKPT_RING_SIZE knob) when that is set, else `auto_ring_size`
-    (logged, with how to override it)."""
+    (logged at INFO on `logger`, with how to override it)."""
     if requested is not None:
         return requested
     if os.environ.get("ASYNCCKPT_RING_SIZE"):
         return None
     slot = ClientKnobs.from_env().slot_size
     size, why = auto_ring_size(nbytes, slot, local_world_size(resolve_rank()[1]), mem_available())
-    log.info("asyncckpt: ring of %.0f MiB for this rank: %s (ring_size= or "
+    logger.info("asyncckpt: ring of %.0f MiB for this rank: %s (ring_size= or "
              "ASYNCCKPT_RING_SIZE sets it)", size / MiB, why)
     return size
 

@@ -83,7 +83,7 @@ def test_the_dtype_table_is_the_format_and_torch_names():
 def test_the_tree_table_names_every_node_kind_unflatten_knows():
     kinds = {re.match(r'`\{"(\w+)"', r[0]).group(1) for r in table("| node | meaning |")
              if r[0].startswith('`{"')}
-    assert kinds == {"float", "dict", "list", "tensor", "dtensor", "view"}  # tuple: with list
+    assert kinds == {"float", "dict", "list", "tensor", "bytes", "pickled", "dtensor", "view"}  # tuple: with list
 
 
 # -- examples -------------------------------------------------------------------------------------

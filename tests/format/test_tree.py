@@ -246,7 +246,7 @@ def _cyclic_dict() -> object:
 UNSUPPORTED = {
     "set": (lambda: {"opt": {"ids": {1, 2}}}, ["state['opt']['ids']", "set"]),
     "custom_object": (lambda: {"cfg": [1, Opaque()]}, ["state['cfg'][1]", "Opaque"]),
-    "bytes": (lambda: {"blob": b"\x00\x01"}, ["state['blob']", "bytes"]),
+    "complex_number": (lambda: {"z": [0, 1j]}, ["state['z'][1]", "complex"]),
     "torch_dtype": (lambda: {"amp": {"dtype": torch.bfloat16}}, ["state['amp']['dtype']", "dtype"]),
     "complex_tensor": (lambda: {"w": {"c": torch.zeros(2, dtype=torch.complex64)}},
                        ["state['w']['c']", "complex64"]),
@@ -322,6 +322,27 @@ def test_tricky_state_round_trips_through_a_real_writer(mclient, mwriter):
     names = [t.name for t in read_manifest(path).ranks[0].tensors]
     assert len(names) == len(set(names)) == 5 and "__metadata__" not in names
     assert "optim.state.0.step" in names and "a.b.c" in names
+
+
+def test_bytes_values_round_trip_as_bytes_through_a_real_writer(mclient):
+    state = {"blob": b"\x00\x01\xff", "empty": b"", "mutable": bytearray(b"xy"),
+             "view": memoryview(b"abc"), "nested": [b"a", {"k": b"b"}], "t": torch.ones(2)}
+    loaded = asyncckpt.load(mclient.save(51, state).wait(30))
+    assert loaded["blob"] == b"\x00\x01\xff" and loaded["empty"] == b""
+    assert loaded["mutable"] == b"xy" and loaded["view"] == b"abc"
+    assert loaded["nested"] == [b"a", {"k": b"b"}] and all(
+        type(v) is bytes for v in (loaded["blob"], loaded["mutable"], loaded["view"]))
+
+
+def test_bytes_nodes_are_uint8_vectors_of_the_table():
+    tree, entries = flatten({"b": b"hi"})
+    assert tree == {"dict": [["b", {"bytes": "b"}]]}
+    assert entries[0].tensor.dtype == torch.uint8 and entries[0].tensor.tolist() == [104, 105]
+    check_tree([("b", "U8", (2,))], {"bytes": "b"})
+    check_tree([("b", "U8", (2,))], {"pickled": "b"})
+    for table in ([("b", "F32", (2,))], [("b", "U8", (1, 2))]):
+        with pytest.raises(CorruptCheckpointError, match="not 1-D U8"):
+            check_tree(table, {"bytes": "b"})
 
 
 # -- unflatten of malformed trees -------------------------------------------------------
