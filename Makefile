@@ -126,7 +126,7 @@ bench-stage: setup
 # 1 and 4 GiB, with memcpy and write+fsync limits of the same run (results/dcp.md + .json).
 bench-dcp: setup
 	$(BIN)/pip install -q -e ".[dcpbench]"
-	$(BIN)/python -m benchmarks.dcp --gib 1,4 --reps 3 --out benchmarks/results/dcp.md
+	$(BIN)/python -m benchmarks.dcp --gib 1,4 --fsdp2-gib 1 --reps 3 --out benchmarks/results/dcp.md
 
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup

@@ -35,8 +35,8 @@ def model_state(nbytes: int, seed: int) -> dict[str, Any]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)  # a step without a forward pass: moments, no activations
+    for p in model.parameters():  # a step without a forward pass: moments, no activations;
+        p.grad = torch.randn_like(p)  # random, as gradients are (not compressible)
     optim.step()
     optim.zero_grad()
     model_sd, optim_sd = get_state_dict(model, optim)
