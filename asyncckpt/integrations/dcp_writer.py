@@ -109,10 +109,11 @@ class StorageWriter(dcp.StorageWriter):
                 address (ASYNCCKPT_ADDRESS, or `address`), made on the first save with a
                 ring sized from that save (`ring_size` sets it), closed at exit.
             keep_last, keep_every: retention sent with each save (Client.save).
-            staging_future: `stage()` returns a future that completes once the state is
-                in the ring, instead of blocking until then (DCP's zero-overhead mode:
-                `async_save` then returns an AsyncSaveResponse; do not change the
-                tensors before its staging_completion).
+            staging_future: `stage()` returns once the save is planned and handed to the
+                client, with a future that completes once the state is in the ring
+                (DCP's zero-overhead mode: `async_save` then returns an
+                AsyncSaveResponse; do not change the tensors before its
+                staging_completion).
         Raises:
             ValueError: a negative or non-int step.
         """
@@ -184,8 +185,11 @@ class StorageWriter(dcp.StorageWriter):
         handle = client.save(step, state, keep_last=self.keep_last, keep_every=self.keep_every)
         self._handle = handle
         future: Future[list[WriteResult]] = Future()
-        _when(handle, staged=True, then=lambda error: future.set_exception(error) if error
-              else future.set_result(results))
+        if self._staging and self.staging_future:
+            future.set_result(results)  # handed over; stage()'s future reports the copy
+        else:
+            _when(handle, staged=True, then=lambda error: future.set_exception(error) if error
+                  else future.set_result(results))
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
