@@ -132,27 +132,28 @@ bench-dcp: setup
 bench-memory: setup
 	$(BIN)/python -m benchmarks.writer_memory --state-gib 4 --ring-mib 256
 
-# The verl venv: verl with --no-deps, plus the `verl` extra, over this venv's packages.
+# A venv of its own for a package whose pins clash with this venv's: the package with
+# --no-deps, plus our extra of the modules it imports, over this venv's packages (a .pth
+# file), so torch is not installed twice. $(1) the venv, $(2) the package, $(3) the extra.
+define side_venv
+	test -x $(1)/bin/python || $(BIN)/python -m venv $(1)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	  "$$($(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-asyncckpt-base.pth"
+	$(1)/bin/pip install -q --no-deps "$(2)"
+	$(1)/bin/pip install -q -e ".[$(3)]"
+	touch $(1)/.installed
+endef
+
+# verl (it pins transformers < 5.11) and torchtitan (spmd_types==0.2.3).
 verl-setup: $(VERL_VENV)/.installed
 
 $(VERL_VENV)/.installed: $(VENV)/.installed pyproject.toml
-	test -x $(VERL_VENV)/bin/python || $(BIN)/python -m venv $(VERL_VENV)
-	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
-	  "$$($(VERL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-asyncckpt-base.pth"
-	$(VERL_VENV)/bin/pip install -q --no-deps "$(VERL_SPEC)"
-	$(VERL_VENV)/bin/pip install -q -e ".[verl]"
-	touch $@
+	$(call side_venv,$(VERL_VENV),$(VERL_SPEC),verl)
 
-# The torchtitan venv: torchtitan with --no-deps, plus the `torchtitan` extra, over this venv.
 titan-setup: $(TITAN_VENV)/.installed
 
 $(TITAN_VENV)/.installed: $(VENV)/.installed pyproject.toml
-	test -x $(TITAN_VENV)/bin/python || $(BIN)/python -m venv $(TITAN_VENV)
-	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
-	  "$$($(TITAN_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-asyncckpt-base.pth"
-	$(TITAN_VENV)/bin/pip install -q --no-deps "$(TITAN_SPEC)"
-	$(TITAN_VENV)/bin/pip install -q -e ".[torchtitan]"
-	touch $@
+	$(call side_venv,$(TITAN_VENV),$(TITAN_SPEC),torchtitan)
 
 # 2 FSDP2 ranks (CPU, gloo) save a Llama through the drop-in and through verl's own manager,
 # resume bit-exact from each, and from the drop-in's at world size 1; verl's own

@@ -57,6 +57,16 @@ TC_SPEC = "torch-checkpointing==0.1.1"
 
 # -- the methods -----------------------------------------------------------------------------
 
+def timed(call: Callable[[], Any]) -> tuple[float, float]:
+    """(seconds `call` blocked, seconds until its result, or its future's, is done)."""
+    start = time.perf_counter()
+    result = call()
+    blocked = time.perf_counter() - start
+    if hasattr(result, "result"):  # a future: durable when it completes
+        result.result()
+    return blocked, time.perf_counter() - start
+
+
 class Method:
     """One way of saving through DCP (or its peer): setup, save, load, close."""
 
@@ -99,10 +109,7 @@ class DcpSave(_Dcp):
 
     def save(self, step: int, state: dict[str, Any]) -> tuple[float, float]:
         import torch.distributed.checkpoint as dcp
-        start = time.perf_counter()
-        dcp.save(state, storage_writer=self.writer(step))
-        seconds = time.perf_counter() - start
-        return seconds, seconds
+        return timed(lambda: dcp.save(state, storage_writer=self.writer(step)))
 
 
 class DcpAsyncDefault(_Dcp):
@@ -113,11 +120,7 @@ class DcpAsyncDefault(_Dcp):
 
     def save(self, step: int, state: dict[str, Any]) -> tuple[float, float]:
         import torch.distributed.checkpoint as dcp
-        start = time.perf_counter()
-        future = dcp.async_save(state, storage_writer=self.writer(step))
-        blocked = time.perf_counter() - start
-        future.result()  # type: ignore[union-attr]
-        return blocked, time.perf_counter() - start
+        return timed(lambda: dcp.async_save(state, storage_writer=self.writer(step)))
 
 
 class DcpAsyncShm(_Dcp):
@@ -135,11 +138,7 @@ class DcpAsyncShm(_Dcp):
 
     def save(self, step: int, state: dict[str, Any]) -> tuple[float, float]:
         import torch.distributed.checkpoint as dcp
-        start = time.perf_counter()
-        future = dcp.async_save(state, storage_writer=self.writer(step), async_stager=self.stager)
-        blocked = time.perf_counter() - start
-        future.result()  # type: ignore[union-attr]
-        return blocked, time.perf_counter() - start
+        return timed(lambda: dcp.async_save(state, storage_writer=self.writer(step), async_stager=self.stager))
 
     def close(self) -> None:
         self.stager.close()
@@ -199,10 +198,7 @@ class AsyncCkptSave(_AsyncCkpt):
 
     def save(self, step: int, state: dict[str, Any]) -> tuple[float, float]:
         import torch.distributed.checkpoint as dcp
-        start = time.perf_counter()
-        dcp.save(state, storage_writer=self.storage_writer(step))
-        seconds = time.perf_counter() - start
-        return seconds, seconds
+        return timed(lambda: dcp.save(state, storage_writer=self.storage_writer(step)))
 
 
 class AsyncCkptAsync(_AsyncCkpt):
@@ -210,11 +206,7 @@ class AsyncCkptAsync(_AsyncCkpt):
 
     def save(self, step: int, state: dict[str, Any]) -> tuple[float, float]:
         import torch.distributed.checkpoint as dcp
-        start = time.perf_counter()
-        future = dcp.async_save(state, storage_writer=self.storage_writer(step))
-        blocked = time.perf_counter() - start
-        future.result()  # type: ignore[union-attr]
-        return blocked, time.perf_counter() - start
+        return timed(lambda: dcp.async_save(state, storage_writer=self.storage_writer(step)))
 
 
 class TorchCheckpointing(Method):

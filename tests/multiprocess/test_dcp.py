@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import running_writer
-from test_fsdp import run_world
+from worlds import run_world, saved_by_world
 
 import asyncckpt
 from asyncckpt.format.layout import step_dir_name
@@ -21,16 +20,13 @@ WORKER = str(Path(__file__).with_name("dcp_worker.py"))
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("dcp")
-    with running_writer(base, codec="zstd") as w:
-        run_world(2, "save", base, {"ASYNCCKPT_ADDRESS": w.address, "CKPT_ROOT": str(w.root)},
-                  worker=WORKER)
-    return base, w.root
+    return base, saved_by_world(base, 2, WORKER)
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_dcp_saves_load_through_dcp_at_world_size(saved, world):
     out, root = saved
-    run_world(world, "load", out, {"CKPT_ROOT": str(root)}, worker=WORKER)
+    run_world(world, "load", out, {"CKPT_ROOT": str(root)}, WORKER)
 
 
 @pytest.mark.parametrize("step", [3, 4, 5])

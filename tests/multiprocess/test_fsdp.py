@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import running_writer
+import worlds
 
 import asyncckpt
 from asyncckpt.format.layout import MANIFEST_NAME
@@ -27,21 +26,8 @@ from asyncckpt.format.layout import MANIFEST_NAME
 WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
 
 
-def run_world(world: int, mode: str, out: Path, env: dict[str, str],
-              worker: str = WORKER) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen(
-        [sys.executable, worker, mode, str(out)],
-        env={**os.environ, **env, "RANK": str(r), "WORLD_SIZE": str(world),
-             "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-             "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0 and "OK" in text, f"{mode} rank {r}/{world} failed:\n{text[-3000:]}"
-    return outputs
+def run_world(world: int, mode: str, out: Path, env: dict[str, str]) -> list[str]:
+    return worlds.run_world(world, mode, out, env, WORKER)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +38,8 @@ def saved_by(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], t
     def save(kind: str, via: str = "save") -> tuple[Path, Path]:
         if (kind, via) not in made:
             base = tmp_path_factory.mktemp(f"{kind}-{via}")
-            with running_writer(base, codec="zstd") as w:
-                run_world(2, "save", base, {"ASYNCCKPT_ADDRESS": w.address, "FSDP_KIND": kind,
-                                            "VIA": via, "CKPT_ROOT": str(w.root)})
-            made[kind, via] = base, w.root
+            root = worlds.saved_by_world(base, 2, WORKER, {"FSDP_KIND": kind, "VIA": via})
+            made[kind, via] = base, root
         return made[kind, via]
     return save
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import running_writer
-from test_fsdp import run_world
+from worlds import run_world, saved_by_world
 
 WORKER = str(Path(__file__).with_name("strided_worker.py"))
 
@@ -16,13 +15,10 @@ WORKER = str(Path(__file__).with_name("strided_worker.py"))
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("strided")
-    with running_writer(base, codec="zstd") as w:
-        run_world(4, "save", base, {"ASYNCCKPT_ADDRESS": w.address, "CKPT_ROOT": str(w.root)},
-                  worker=WORKER)
-    return base, w.root
+    return base, saved_by_world(base, 4, WORKER)
 
 
 @pytest.mark.parametrize("world", [4, 1, 2])
 def test_strided_shards_reshard_bit_exact(saved, world):
     out, root = saved
-    run_world(world, "load", out, {"CKPT_ROOT": str(root)}, worker=WORKER)
+    run_world(world, "load", out, {"CKPT_ROOT": str(root)}, WORKER)
