@@ -50,7 +50,7 @@ from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
-from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.posix import PosixStorage, local_path
 from asyncckpt.torchutil.dtensor import is_dtensor
 from asyncckpt.torchutil.ranks import resolve_rank
 
@@ -145,7 +145,7 @@ class Checkpointer:
         Raises:
             TypeError: a config that is not JSON.
         """
-        self.root = Path(root)
+        self.root = local_path(root)
         self.model = model
         self.optimizer = optimizer
         self.options = options or CheckpointerOptions()

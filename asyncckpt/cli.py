@@ -24,7 +24,7 @@ from asyncckpt.config import CODECS, WriterKnobs, parse_knob
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
 from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
 from asyncckpt.rank.launch import default_job
-from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.posix import PosixStorage, local_path
 from asyncckpt.writer import commit, retention
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("writer", help="run a writer in the foreground")
-    w.add_argument("--root", required=True, help="checkpoint root directory")
+    w.add_argument("--root", required=True, type=_local, help="checkpoint root directory")
     w.add_argument("--codec", choices=list(CODECS), default=None)
     w.add_argument("--address", default=None, help="socket path (default: a private runtime dir)")
     w.add_argument("--job", default=None,
@@ -47,26 +47,26 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--log-level", default="INFO")
 
     v = sub.add_parser("verify", help="verify a checkpoint, or every checkpoint under a root")
-    v.add_argument("path")
+    v.add_argument("path", type=_local)
     v.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("ls", help="list committed and in-progress checkpoints under a root")
-    ls.add_argument("root")
+    ls.add_argument("root", type=_local)
     ls.add_argument("--json", action="store_true")
 
     ins = sub.add_parser("inspect", help="tensors, shapes, dtypes, bytes and ratio per dtype")
-    ins.add_argument("path", help="a checkpoint directory, or a root (its newest step)")
+    ins.add_argument("path", type=_local, help="a checkpoint directory, or a root (its newest step)")
     ins.add_argument("--json", action="store_true")
 
     gc = sub.add_parser("gc", help="delete old checkpoints and abandoned tmp directories")
-    gc.add_argument("root")
+    gc.add_argument("root", type=_local)
     gc.add_argument("--keep-last", type=int, required=True)
     gc.add_argument("--keep-every", type=int, default=0)
     gc.add_argument("--json", action="store_true")
 
     ex = sub.add_parser("export", help="write a Hugging Face model directory (safetensors shards)")
-    ex.add_argument("path", help="a checkpoint directory, or a root (its newest step)")
-    ex.add_argument("--out", required=True)
+    ex.add_argument("path", type=_local, help="a checkpoint directory, or a root (its newest step)")
+    ex.add_argument("--out", required=True, type=_local)
     ex.add_argument("--contents", default="model", help='top-level key to export ("" for all)')
     ex.add_argument("--rank", type=int, default=0)
     ex.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
@@ -76,15 +76,15 @@ def main(argv: list[str] | None = None) -> int:
 
     cp = sub.add_parser("copy", help="write one step as a self-contained checkpoint directory "
                                      "(every referenced byte materialised)")
-    cp.add_argument("path", help="a root (with --step, else its newest step) or a checkpoint")
+    cp.add_argument("path", type=_local, help="a root (with --step, else its newest step) or a checkpoint")
     cp.add_argument("--step", type=int, default=None)
-    cp.add_argument("--out", required=True, help="the new directory (must not exist)")
+    cp.add_argument("--out", required=True, type=_local, help="the new directory (must not exist)")
     cp.add_argument("--json", action="store_true")
 
     imp = sub.add_parser("import-dcp", help="commit a checkpoint dcp.save wrote (.metadata, "
                                             "*.distcp) as a verified step of a root")
-    imp.add_argument("source", help="the DCP checkpoint directory (e.g. torchtitan's step-N)")
-    imp.add_argument("root", help="the asyncckpt root (a writer is started on it)")
+    imp.add_argument("source", type=_local, help="the DCP checkpoint directory (e.g. torchtitan's step-N)")
+    imp.add_argument("root", type=_local, help="the asyncckpt root (a writer is started on it)")
     imp.add_argument("--step", type=int, required=True)
     imp.add_argument("--part-size", default="1G",
                      help="most tensor bytes held in memory at once (default 1G)")
@@ -472,6 +472,15 @@ def _import_dcp(args: argparse.Namespace) -> int:
         print(f"imported {args.source} as step {m.step}: {out} ({m.raw_size / 2**20:.1f} MiB, "
               f"{m.stored_size / 2**20:.1f} MiB stored)")
     return 0
+
+
+def _local(text: str) -> str:
+    """A path argument, refused at parse time if it is a URL (argparse prints why)."""
+    try:
+        local_path(text)
+    except CheckpointError as e:
+        raise argparse.ArgumentTypeError(e.cause) from None
+    return text
 
 
 def _age(seconds: float) -> str:

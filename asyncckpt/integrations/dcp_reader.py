@@ -37,6 +37,7 @@ from asyncckpt.errors import CheckpointError
 from asyncckpt.format.tree import unflatten
 from asyncckpt.integrations.dcp_writer import _STEP_ID
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
+from asyncckpt.storage.posix import local_path
 
 
 class _Value:
@@ -117,7 +118,7 @@ class StorageReader(dcp.StorageReader):
                 a step directory).
             limits: reader limits (default `ReadLimits.from_env()`).
         """
-        self.root = None if root is None else Path(os.fspath(root))
+        self.root = None if root is None else local_path(root)
         self.step = step
         self.limits = limits
         self._target: tuple[Path | None, int | None] = (self.root, step)
@@ -131,7 +132,7 @@ class StorageReader(dcp.StorageReader):
         if checkpoint_id is None:
             self._target = (self.root, self.step)
             return
-        path = Path(os.fspath(checkpoint_id))
+        path = local_path(checkpoint_id)
         m = _STEP_ID.fullmatch(path.name)
         if m is not None and not path.is_dir():  # torchtitan's ROOT/step-N, unpadded
             self._target = (path.parent, int(m.group(1)))

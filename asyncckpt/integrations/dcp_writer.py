@@ -52,6 +52,7 @@ from asyncckpt.rank.client import Client
 from asyncckpt.rank.flatten import Pickled, flatten
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.ringsize import ring_for
+from asyncckpt.storage.posix import local_path
 from asyncckpt.torchutil.dtensor import Chunk
 
 _STEP_ID = re.compile(r"step[-_]?(\d+)")
@@ -66,7 +67,7 @@ def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, in
     Raises:
         ValueError: the id's last part names no step.
     """
-    path = Path(os.fspath(checkpoint_id))
+    path = local_path(checkpoint_id)
     m = _STEP_ID.fullmatch(path.name)
     if m is None or int(m.group(1)) > MAX_STEP:
         raise ValueError(f"checkpoint_id {os.fspath(checkpoint_id)!r} names no step: asyncckpt "
@@ -119,7 +120,7 @@ class StorageWriter(dcp.StorageWriter):
         """
         if step is not None and (type(step) is not int or not 0 <= step <= MAX_STEP):
             raise ValueError(f"step must be an int in 0..{MAX_STEP}; got {step!r}")
-        self.root = None if root is None else Path(os.fspath(root))
+        self.root = None if root is None else local_path(root)
         self.step = step
         self.address = address
         self.ring_size = ring_size

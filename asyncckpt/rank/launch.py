@@ -18,6 +18,7 @@ from typing import Any
 
 from asyncckpt.errors import WriterLockedError, WriterUnavailableError
 from asyncckpt.ipc.protocol import ADDRESS_ENV
+from asyncckpt.storage.posix import local_path
 
 READY_PREFIX = "ASYNCCKPT_READY "
 JOB_ENV = "ASYNCCKPT_JOB"
@@ -98,7 +99,7 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         WriterLockedError: another writer holds `root`.
         WriterUnavailableError: the writer did not start within `timeout` seconds.
     """
-    root = Path(root).resolve()
+    root = local_path(root).resolve()
     cmd = [sys.executable, "-m", "asyncckpt", "writer", "--root", str(root),
            "--parent-pid", str(os.getpid()), "--ready-line"]
     if codec is not None:

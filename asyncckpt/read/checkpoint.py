@@ -45,7 +45,7 @@ from asyncckpt.format.manifest import Manifest, Ref, read_manifest
 from asyncckpt.format.tiling import GlobalTensor, global_tensors
 from asyncckpt.format.tree import BYTES_KINDS, View, check_tree, walk
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
-from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.posix import PosixStorage, local_path
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +124,7 @@ class Checkpoint:
         """
         limits = limits or ReadLimits.from_env()
         for _ in range(_RESOLVE_TRIES):
-            directory, root = _resolve(Path(path), step)
+            directory, root = _resolve(local_path(path), step)
             opened, problems = cls.examine(directory, limits=limits)
             if not problems or root is None or os.path.lexists(directory):
                 break
@@ -148,7 +148,7 @@ class Checkpoint:
             A checkpoint with problems may still be read rank by rank, except the ranks
             in `unreadable_ranks`.
         """
-        directory = Path(directory)
+        directory = local_path(directory)
         if directory.is_symlink():  # opened where it lies: its references name steps of
             directory = Path(os.path.realpath(directory))  # its own root, not the link's
         limits = limits or ReadLimits.from_env()

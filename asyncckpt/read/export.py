@@ -30,8 +30,8 @@ import torch
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import element_size, layout
-from asyncckpt.read import hf
 from asyncckpt.format.tree import BYTES_KINDS
+from asyncckpt.read import hf
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.reader import tensor_bytes
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES

@@ -26,7 +26,7 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
 from asyncckpt.format.layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
 from asyncckpt.format.manifest import Frame
 from asyncckpt.read.checkpoint import Checkpoint
-from asyncckpt.storage.posix import PosixStorage, read_small_file
+from asyncckpt.storage.posix import PosixStorage, local_path, read_small_file
 
 Progress = Callable[[str, int, int], None]
 """Called after each frame: (checkpoint path, stored bytes verified, stored bytes to verify)."""
@@ -113,7 +113,7 @@ def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | 
     Raises:
         CheckpointNotFoundError: `path` is neither a checkpoint nor a root holding one.
     """
-    path = Path(path)
+    path = local_path(path)
     if (path / MANIFEST_NAME).is_file() or parse_step_dir(path.name) is not None:
         return [path], None
     # a step-N without a manifest is reported, not skipped

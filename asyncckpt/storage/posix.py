@@ -26,16 +26,25 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import secrets
 import shutil
 import stat
 from pathlib import Path
 from typing import Callable
 
-from asyncckpt.errors import StepAlreadyCommittedError
-from asyncckpt.format.layout import (LATEST_NAME, MANIFEST_NAME, is_atomic_tmp_file,
-                                     is_tmp_dir, parse_replaced_dir, parse_retired_dir,
-                                     parse_step_dir, retired_dir_name, step_dir_name)
+from asyncckpt.errors import CheckpointError, StepAlreadyCommittedError
+from asyncckpt.format.layout import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    is_atomic_tmp_file,
+    is_tmp_dir,
+    parse_replaced_dir,
+    parse_retired_dir,
+    parse_step_dir,
+    retired_dir_name,
+    step_dir_name,
+)
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import DataFile, ReadFile, Storage
 from asyncckpt.storage.durable import fsync_path, write_atomic
@@ -109,11 +118,31 @@ class PosixDataFile(DataFile):
 _IOV_MAX = 1024
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """`path` as a path of this machine's filesystem.
+
+    Raises:
+        CheckpointError: `path` is a URL (`s3://bucket/run`, `gs://`, `file://`...). Taken
+            as a path it would be a relative directory named `s3:` quietly written in
+            the working directory: refused instead, wherever a root or step is given.
+    """
+    text = os.fspath(path)
+    if isinstance(text, str) and _URL.match(text):
+        scheme = text.split("://", 1)[0]
+        raise CheckpointError(f"{text!r} is a {scheme}:// URL: a root is a directory of a local "
+                              f"or mounted filesystem here ({scheme}:// roots are not supported)",
+                              file=text)
+    return Path(text)
+
+
 class PosixStorage(Storage):
     """A root that is a directory of this machine's filesystem (local or NFS)."""
 
     def __init__(self, root: Path | str) -> None:
-        self.root = Path(root)
+        self.root = local_path(root)
 
     def __repr__(self) -> str:
         return f"PosixStorage({str(self.root)!r})"

@@ -30,7 +30,7 @@ from asyncckpt.format.tiling import global_tensors
 from asyncckpt.ipc import protocol
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.runtime.procstat import PeakSampler
-from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.posix import PosixStorage, local_path
 from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex
@@ -58,7 +58,7 @@ class WriterServer:
         self.knobs = knobs or WriterKnobs.from_env()
         self.read_limits = dataclasses.replace(ReadLimits.from_env(),
                                                max_frame_bytes=self.knobs.max_frame_bytes)
-        self.root = Path(root).resolve()
+        self.root = local_path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.storage = PosixStorage(self.root)
         self._lock = commit.RootLock(self.root, job)
