@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import dcp as bench  # noqa: E402
+from benchmarks import dcp_report  # noqa: E402
 
 POSITIVE = ("blocked", "durable", "disk_bytes", "load")
 
@@ -85,11 +86,11 @@ def test_checks_pass_on_better_numbers_and_miss_on_worse_or_missing() -> None:
         "dcp.async": _row(private_extra=100.0),
         "asyncckpt.save": _row(blocked=3.0, durable=3.0, flip={"caught": True}),
         "asyncckpt.async": _row(blocked=0.5, durable=1.5, flip={"caught": True})}}
-    assert [met for _, met, _ in bench.checks(good)] == [True, True, True, True]
+    assert [met for _, met, _ in dcp_report.checks(good)] == [True, True, True, True]
     worse = json.loads(json.dumps(good))
     worse["methods"]["asyncckpt.async"].update(blocked=1.5, private_extra=50.0,
                                                flip={"caught": False})
-    assert [met for _, met, _ in bench.checks(worse)] == [False, True, False, False]
+    assert [met for _, met, _ in dcp_report.checks(worse)] == [False, True, False, False]
     missing = {"bytes": state, "methods": {"dcp.async": _row(),
                                            "asyncckpt.async": {"error": "boom"}}}
-    assert not any(met for _, met, _ in bench.checks(missing))
+    assert not any(met for _, met, _ in dcp_report.checks(missing))

@@ -147,9 +147,9 @@ def test_the_writers_error_reaches_dcp_on_save_and_on_the_async_future(writer, c
     with pytest.raises(CheckpointException) as caught:
         dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(writer.root, 2, client=client))
     assert isinstance(failure(caught), StepAlreadyCommittedError)
-    future = dcp.async_save({"w": torch.zeros(3)}, storage_writer=StorageWriter(writer.root, 2,
-                                                                                client=client))
-    with pytest.raises(CheckpointException) as caught:
+    with pytest.raises(CheckpointException) as caught:  # from async_save itself when the
+        future = dcp.async_save({"w": torch.zeros(3)},  # refusal comes while it stages
+                                storage_writer=StorageWriter(writer.root, 2, client=client))
         future.result(timeout=60)
     assert isinstance(failure(caught), StepAlreadyCommittedError)
     assert torch.equal(asyncckpt.load(writer.root, step=2)["w"], torch.ones(3))
