@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'asyncckpt' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
 def connect(address: str | None = None, *, rank: int | None = None,
             world_size: int | None = None, **knobs: Any) -> "Client":
     """Connect this rank to a writer; see `Client` for the arguments and errors."""

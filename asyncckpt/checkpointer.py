@@ -311,6 +311,9 @@ class Checkpointer:
             return self._apply(state)
         candidates = PosixStorage(self.root).step_dirs()
         if not candidates:
+            why = "holds no checkpoint" if self.root.exists() else "does not exist"
+            log.warning("asyncckpt: restore() found nothing to resume from: %s %s, so "
+                        "training starts from scratch", self.root, why)
             return None
         skipped = []
         for candidate in reversed(candidates):

@@ -365,3 +365,20 @@ def test_restore_skips_a_step_that_retention_deletes_while_it_looks(three_steps,
     assert_same(states[2], dict(model.state_dict()))
     assert any("skips step 3" in r.getMessage() and "deleted while" in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_restore_from_nothing_warns_that_training_starts_from_scratch(tmp_path, caplog, made):
+    """A mistyped root used to resume from nothing silently."""
+    root = tmp_path / "runrot"
+    if made:
+        root.mkdir()
+    model, opt = make_model()
+    ckpt = Checkpointer(root, model=model, optimizer=opt, fence=False)
+    with caplog.at_level("WARNING", logger="asyncckpt.checkpointer"):
+        assert ckpt.restore() is None
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    why = "holds no checkpoint" if made else "does not exist"
+    assert any(f"{root} {why}" in m and "starts from scratch" in m for m in said), said
+    ckpt.close()
+

@@ -147,3 +147,10 @@ def test_the_code_map_names_every_module_in_its_folder():
     modules.add("__init__.py")
     assert listed == modules, (f"missing from docs/CODE.md: {sorted(modules - listed)}; "
                                f"listed but absent: {sorted(listed - modules)}")
+
+
+def test_dir_of_the_package_is_its_public_api():
+    import asyncckpt
+    assert dir(asyncckpt) == sorted(asyncckpt.__all__)
+    assert {"load", "verify", "Checkpointer", "CheckpointerOptions", "export_hf"} <= set(dir(asyncckpt))
+    assert not {"Any", "TYPE_CHECKING", "annotations", "importlib"} & set(dir(asyncckpt))

@@ -140,6 +140,14 @@ def test_verify_single_checkpoint_directory(saved, capsys):
     assert rc == 0 and lines(out) == [lines(out)[0]] and str(saved.step_dir(1)) in out
 
 
+@pytest.mark.parametrize("name", ["nowhere", "step-00000031"])
+def test_verify_of_a_path_that_does_not_exist_says_so_and_exits_2(saved, capsys, name):
+    """Never CORRUPT: a mistyped root or step is a usage error."""
+    rc, out, err = run(capsys, "verify", str(saved.root / name))
+    assert rc == 2 and "CORRUPT" not in out + err
+    assert f"{saved.root / name} does not exist" in err
+
+
 def test_verify_flipped_byte(saved, own, capsys):
     index = damage_tensor_frame(saved, own / "step-00000002")
     rc, out, _ = run(capsys, "verify", str(own))
@@ -242,7 +250,8 @@ def test_verify_non_checkpoint_exits_2(tmp_path, capsys, what):
         (path / "step-00000001.tmp-abcd").mkdir(parents=True)
     rc, out, err = run(capsys, "verify", str(path))
     assert rc == 2 and out == ""
-    assert err.startswith("asyncckpt verify: ") and "holds no committed checkpoint" in err
+    said = "does not exist" if what == "missing" else "holds no committed checkpoint"
+    assert err.startswith("asyncckpt verify: ") and said in err
 
 
 def test_verify_random_file_exits_2(tmp_path, capsys):

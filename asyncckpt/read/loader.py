@@ -17,6 +17,7 @@ memory is filled by copying from the view of the base.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import gc
 import os
 from typing import TYPE_CHECKING, Any, Iterator
@@ -176,6 +177,14 @@ def _match_targets(into: Any, leaves: list[Leaf], strict: bool, step: int,
         targets[target_path] = tensor
     if problems:
         shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        missing = [p for p, _ in _tensor_leaves(into) if p not in by_path]
+        if missing:
+            saved = sorted({show_path(p) for p in by_path})
+            near = difflib.get_close_matches(show_path(missing[0]), saved, n=3, cutoff=0.5)
+            tops = sorted({str(p[0]) for p in by_path if p})
+            shown += (f" (the checkpoint holds top-level keys {tops[:20]}"
+                      + (f"; nearest to {show_path(missing[0])}: {', '.join(near)}" if near else "")
+                      + ")")
         raise StateMismatchError(shown, step=step, rank=rank)
     return targets
 

@@ -111,9 +111,12 @@ def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | 
     """(the checkpoint directories `path` stands for, the root if it is one).
 
     Raises:
-        CheckpointNotFoundError: `path` is neither a checkpoint nor a root holding one.
+        CheckpointNotFoundError: `path` does not exist, or is neither a checkpoint nor
+            a root holding one.
     """
     path = local_path(path)
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError(f"{path} does not exist", file=str(path))
     if (path / MANIFEST_NAME).is_file() or parse_step_dir(path.name) is not None:
         return [path], None
     # a step-N without a manifest is reported, not skipped

@@ -384,6 +384,18 @@ def test_strict_missing_key(saved):
     assert "extra" not in out["model"] and 1 not in out["optim"]["state"]
 
 
+def test_a_missing_key_names_what_the_checkpoint_holds(saved):
+    """A target under another top-level name (`optimizer` for `optim`) says which top-level
+    keys the checkpoint has and the nearest saved paths, not only what is missing."""
+    target = zeros_like_state(saved.states[2])
+    target["optimizer"] = target.pop("optim")
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(saved.root, into=target)
+    message = str(info.value)
+    assert "the checkpoint holds top-level keys ['mask', 'model', 'optim']" in message
+    assert "nearest to state['optimizer']" in message and "state['optim']" in message
+
+
 def test_int_and_str_keys_are_different_targets(saved):
     target = {"optim": {"state": {"0": {"exp_avg": torch.zeros(128)}}}}  # str "0", saved int 0
     with pytest.raises(StateMismatchError, match=r"\['0'\]"):
