@@ -43,8 +43,8 @@ from asyncckpt.storage.posix import local_path
 class _Value:
     """A placeholder for a leaf while DCP's flattening names the keys."""
 
-    def __init__(self, rank: int, leaf: Leaf | None = None, raw: str | None = None) -> None:
-        self.rank, self.leaf, self.raw = rank, leaf, raw
+    def __init__(self, leaf: Leaf, raw: str | None = None) -> None:
+        self.leaf, self.raw = leaf, raw  # raw: "bytes" or "pickled" for a bytes leaf
 
 
 class _Index:
@@ -60,10 +60,10 @@ class _Index:
     def metadata(self) -> Metadata:
         entries: dict[str, Any] = {}
         for key, value in self.values.items():
-            leaf = value.leaf if isinstance(value, _Value) else None
-            if leaf is None or value.raw is not None:
+            if not isinstance(value, _Value) or value.raw is not None:
                 entries[key] = BytesStorageMetadata()
                 continue
+            leaf = value.leaf
             g = leaf.tensor
             chunks = ([ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.spec.shape))
                        for b in g.boxes] if leaf.view is None
@@ -82,13 +82,13 @@ def _flat_rank(ckpt: Checkpoint, rank: int) -> dict[str, Any]:
 
     def tensor(leaf: Leaf) -> torch.Tensor:
         meta = torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
-        placeholders[id(meta)] = _Value(rank, leaf)
+        placeholders[id(meta)] = _Value(leaf)
         return meta
 
     placeholders: dict[int, _Value] = {}
     skeleton = unflatten(ckpt.tree(rank), lambda name: tensor(by_name[name]),
                          lambda path, view: tensor(leaves[path]),
-                         lambda name, kind: _Value(rank, by_name[name], raw=kind))
+                         lambda name, kind: _Value(by_name[name], raw=kind))
     if not isinstance(skeleton, dict):
         raise CheckpointError("the saved state is not a dict: DCP loads only dicts",
                               step=ckpt.step, rank=rank)
@@ -216,7 +216,6 @@ def _object_bytes(ckpt: Checkpoint, value: Any) -> bytes:
     """The bytes DCP's planner loads for a non-tensor value: an object DCP pickled, as
     it was written; anything else `torch.save`d (its tensors read in full, verified)."""
     if isinstance(value, _Value) and value.raw == "pickled":
-        assert value.leaf is not None
         return ckpt.read_full(value.leaf.tensor).numpy().tobytes()
     buffer = io.BytesIO()
     torch.save(_materialised(ckpt, value), buffer)
@@ -226,7 +225,6 @@ def _object_bytes(ckpt: Checkpoint, value: Any) -> bytes:
 def _materialised(ckpt: Checkpoint, value: Any) -> Any:
     if isinstance(value, _Value):
         leaf = value.leaf
-        assert leaf is not None
         if value.raw is not None:
             return ckpt.read_full(leaf.tensor).numpy().tobytes()
         full = ckpt.read_full(leaf.tensor)

@@ -128,7 +128,6 @@ class StorageWriter(dcp.StorageWriter):
         self.staging_future = staging_future
         self._client = self._given = client
         self._target: tuple[Path | None, int | None] = (self.root, step)
-        self._coordinator = True
         self._staging = False
         self._handle: SaveHandle | None = None      # this save's, or the staged one's
         self._staged: SaveHandle | None = None      # staged by stage(), awaiting its commit
@@ -157,7 +156,8 @@ class StorageWriter(dcp.StorageWriter):
             self._target = target
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._coordinator = is_coordinator
+        """Nothing to set up: every rank hands its part to its writer alike, and only the
+        coordinator is called to `finish()`, where it waits for the commit."""
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         held = tuple(i.index.fqn for i in plan.items if i.type == WriteItemType.BYTE_IO)
