@@ -58,9 +58,9 @@ def test_tied_weights_and_tuples_of_tensors_load_through_dcp(shared):
     assert torch.equal(target["pair"][0], torch.ones(3)) and target["pair"][1] == 7
 
 
-def test_a_target_reads_a_region_of_a_saved_tensor(shared):
-    """DCP reads only the chunks it plans: a target key absent from the state is DCP's
-    error, a target shaped differently is too; neither reads a byte."""
+def test_a_target_key_the_checkpoint_lacks_is_dcps_error_and_the_rest_loads(shared):
+    """A target key absent from the checkpoint makes DCP's planner refuse the load; the
+    same target without it loads bit-exact."""
     step = shared.step()
     shared.client.save(step, {"w": torch.arange(12.0).reshape(3, 4)}).wait()
     with pytest.raises(CheckpointException):
