@@ -50,7 +50,7 @@ from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
-from asyncckpt.storage.posix import PosixStorage, local_path
+from asyncckpt.storage.location import exists, root_path, storage_for
 from asyncckpt.torchutil.dtensor import is_dtensor
 from asyncckpt.torchutil.ranks import resolve_rank
 
@@ -145,7 +145,7 @@ class Checkpointer:
         Raises:
             TypeError: a config that is not JSON.
         """
-        self.root = local_path(root)
+        self.root = root_path(root)
         self.model = model
         self.optimizer = optimizer
         self.options = options or CheckpointerOptions()
@@ -273,7 +273,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Committed steps on disk, oldest first."""
-        return PosixStorage(self.root).committed_steps()
+        return storage_for(self.root).committed_steps()
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -301,7 +301,7 @@ class Checkpointer:
         """
         strict = self.options.strict_restore if strict is None else strict
         if step is not None or strict:
-            if step is None and not PosixStorage(self.root).step_dirs():
+            if step is None and not storage_for(self.root).step_dirs():
                 return None
             state, error = self._try_load(step, rank)
             verdict = _agree(_outcome(error))
@@ -309,9 +309,9 @@ class Checkpointer:
                 kind = CorruptCheckpointError if verdict == 1 else CheckpointError
                 raise error or kind("another rank failed to restore this step", step=step)
             return self._apply(state)
-        candidates = PosixStorage(self.root).step_dirs()
+        candidates = storage_for(self.root).step_dirs()
         if not candidates:
-            why = "holds no checkpoint" if self.root.exists() else "does not exist"
+            why = "holds no checkpoint" if exists(self.root) else "does not exist"
             log.warning("asyncckpt: restore() found nothing to resume from: %s %s, so "
                         "training starts from scratch", self.root, why)
             return None
@@ -319,7 +319,7 @@ class Checkpointer:
         for candidate in reversed(candidates):
             state, error = self._try_load(candidate, rank)
             if (isinstance(error, CheckpointNotFoundError)
-                    and candidate not in PosixStorage(self.root).step_dirs()):
+                    and candidate not in storage_for(self.root).step_dirs()):
                 error = CorruptCheckpointError("deleted while restore listed it (retention of "
                                                "a writer running on this root?)", step=candidate)
             verdict = _agree(_outcome(error))

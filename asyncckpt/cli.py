@@ -24,6 +24,7 @@ from asyncckpt.config import CODECS, WriterKnobs, parse_knob
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
 from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
 from asyncckpt.rank.launch import default_job
+from asyncckpt.storage.location import ObjectPath, root_path, storage_for
 from asyncckpt.storage.posix import PosixStorage, local_path
 from asyncckpt.writer import commit, retention
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("writer", help="run a writer in the foreground")
-    w.add_argument("--root", required=True, type=_local, help="checkpoint root directory")
+    w.add_argument("--root", required=True, type=_root,
+                   help="checkpoint root: a directory, or s3://bucket/prefix")
     w.add_argument("--codec", choices=list(CODECS), default=None)
     w.add_argument("--address", default=None, help="socket path (default: a private runtime dir)")
     w.add_argument("--job", default=None,
@@ -47,15 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--log-level", default="INFO")
 
     v = sub.add_parser("verify", help="verify a checkpoint, or every checkpoint under a root")
-    v.add_argument("path", type=_local)
+    v.add_argument("path", type=_root)
     v.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("ls", help="list committed and in-progress checkpoints under a root")
-    ls.add_argument("root", type=_local)
+    ls.add_argument("root", type=_root)
     ls.add_argument("--json", action="store_true")
 
     ins = sub.add_parser("inspect", help="tensors, shapes, dtypes, bytes and ratio per dtype")
-    ins.add_argument("path", type=_local, help="a checkpoint directory, or a root (its newest step)")
+    ins.add_argument("path", type=_root, help="a checkpoint directory, or a root (its newest step)")
     ins.add_argument("--json", action="store_true")
 
     gc = sub.add_parser("gc", help="delete old checkpoints and abandoned tmp directories")
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.add_argument("--json", action="store_true")
 
     ex = sub.add_parser("export", help="write a Hugging Face model directory (safetensors shards)")
-    ex.add_argument("path", type=_local, help="a checkpoint directory, or a root (its newest step)")
+    ex.add_argument("path", type=_root, help="a checkpoint directory, or a root (its newest step)")
     ex.add_argument("--out", required=True, type=_local)
     ex.add_argument("--contents", default="model", help='top-level key to export ("" for all)')
     ex.add_argument("--rank", type=int, default=0)
@@ -100,6 +102,8 @@ def _writer(args: argparse.Namespace) -> int:
     from asyncckpt.writer.server import WriterServer
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s asyncckpt-writer[%(process)d] %(levelname)s %(message)s")
+    for noisy in ("botocore", "boto3", "urllib3"):  # an s3:// root: its client logs each request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     overrides = dict(kv.split("=", 1) for kv in args.knob)
     try:
         knobs = WriterKnobs.from_env(**{k: parse_knob(WriterKnobs, k, v) for k, v in overrides.items()},
@@ -110,6 +114,8 @@ def _writer(args: argparse.Namespace) -> int:
         return 3
     except (ValueError, CheckpointError) as e:  # a bad knob, an unusable root or lock file
         print(f"asyncckpt writer: {e}", file=sys.stderr)
+        if args.ready_line:
+            print(f"ASYNCCKPT_FAILED {' '.join(str(e).split())}", flush=True)
         return 2
 
     def shutdown(*_: object) -> None:
@@ -152,7 +158,7 @@ def _verify(args: argparse.Namespace) -> int:
                 detail = (f"{report.frames} frames, {report.stored_bytes / 2**20:.1f} MiB, "
                           f"{report.seconds:.2f} s") if report.ok else "; ".join(report.problems)
                 print(f"{status:7} {report.path}  {detail}")
-    except CheckpointNotFoundError as e:
+    except (CheckpointNotFoundError, OSError) as e:  # OSError: an object store unreachable
         print(f"asyncckpt verify: {e}", file=sys.stderr)
         return 2
     ok = all(r.ok for r in reports)
@@ -171,15 +177,20 @@ def _dir_size(directory: Path) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from asyncckpt.read.checkpoint import Checkpoint
-    root = Path(args.root)
-    if not root.is_dir():
+    root = root_path(args.root)
+    if not isinstance(root, ObjectPath) and not root.is_dir():
         print(f"asyncckpt ls: {root} is not a directory", file=sys.stderr)
         return 2
     now = time.time()
-    storage = PosixStorage(root)
-    latest = storage.read_latest()
+    try:
+        storage = storage_for(root)
+        latest = storage.read_latest()
+        steps = storage.step_dirs()
+    except OSError as e:
+        print(f"asyncckpt ls: {e}", file=sys.stderr)
+        return 2
     rows = []
-    for step in storage.step_dirs():  # a step-N failing its checks is listed as damaged
+    for step in steps:  # a step-N failing its checks is listed as damaged
         directory = root / step_dir_name(step)
         try:
             with Checkpoint.open(directory) as ckpt:
@@ -191,7 +202,7 @@ def _ls(args: argparse.Namespace) -> int:
         except CheckpointError as e:
             rows.append({"step": step, "state": "damaged", "path": str(directory),
                          "error": str(e), "latest": step == latest})
-    for name in sorted(os.listdir(root)):
+    for name in [] if isinstance(root, ObjectPath) else sorted(os.listdir(root)):
         if is_tmp_dir(name):
             path = root / name
             rows.append({"step": tmp_step_of(name), "state": "in-progress", "path": str(path),
@@ -472,6 +483,16 @@ def _import_dcp(args: argparse.Namespace) -> int:
         print(f"imported {args.source} as step {m.step}: {out} ({m.raw_size / 2**20:.1f} MiB, "
               f"{m.stored_size / 2**20:.1f} MiB stored)")
     return 0
+
+
+def _root(text: str) -> str:
+    """A root or checkpoint argument that may be s3://bucket/prefix; another URL scheme
+    is refused at parse time."""
+    try:
+        root_path(text)
+    except CheckpointError as e:
+        raise argparse.ArgumentTypeError(e.cause) from None
+    return text
 
 
 def _local(text: str) -> str:

@@ -1,9 +1,10 @@
 """Tuning knobs, in one place, split by who applies them.
 
-Three sets, because three different processes act on them: `ClientKnobs` (a rank's ring
+Four sets, because different processes act on them: `ClientKnobs` (a rank's ring
 and how long it waits for the writer), `WriterKnobs` (codec, threads, flushing,
-retention, timeouts of the writer process) and `ReadLimits` (the bounds and threads of
-whoever reads a checkpoint). Keeping them apart makes a mistake loud: a writer knob
+retention, timeouts of the writer process), `ReadLimits` (the bounds and threads of
+whoever reads a checkpoint) and `ObjectStoreKnobs` (parts, retries and timeouts of
+whoever opens an `s3://` root). Keeping them apart makes a mistake loud: a writer knob
 passed to `connect()` is an error naming where it belongs, not a value silently ignored
 by a process that never uses it.
 
@@ -213,10 +214,47 @@ class ReadLimits(_FromEnv):
                  self.read_threads)
 
 
-_SETS: tuple[type, ...] = (ClientKnobs, WriterKnobs, ReadLimits)
+@dataclasses.dataclass(frozen=True)
+class ObjectStoreKnobs(_FromEnv):
+    """How an object-store root (`s3://bucket/prefix`) is written and read, by whoever
+    opens one (the writer, a reader, the CLI). Endpoint and credentials are not knobs:
+    they come from the standard AWS environment (storage/s3.py).
+
+    Attributes:
+        part_size: bytes per multipart part of a data file (S3's minimum is 5 MiB).
+        parts_in_flight: parts of one data file uploading at once (each a buffer of
+            `part_size`: the writer's memory for a file is about (1 + this) parts).
+        max_attempts: attempts per request, transient errors retried with backoff.
+        connect_timeout, read_timeout: seconds for a connection, and for a response.
+        sweep_age: seconds after which a writer taking the root removes an unfinished
+            multipart upload or a step's data without a manifest (another writer's save
+            may still be under way before that).
+    """
+
+    part_size: int = 8 * MiB
+    parts_in_flight: int = 4
+    max_attempts: int = 4
+    connect_timeout: float = 5.0
+    read_timeout: float = 60.0
+    sweep_age: float = 3600.0
+
+    def __post_init__(self) -> None:
+        _require(5 * MiB <= self.part_size <= 5 << 30, "part_size", "between 5 MiB and 5 GiB",
+                 self.part_size)
+        _require(1 <= self.parts_in_flight <= 64, "parts_in_flight", "between 1 and 64",
+                 self.parts_in_flight)
+        _require(1 <= self.max_attempts <= 20, "max_attempts", "between 1 and 20",
+                 self.max_attempts)
+        for name in ("connect_timeout", "read_timeout"):
+            _require(getattr(self, name) > 0, name, "positive", getattr(self, name))
+        _require(self.sweep_age >= 0, "sweep_age", "at least 0", self.sweep_age)
+
+
+_SETS: tuple[type, ...] = (ClientKnobs, WriterKnobs, ReadLimits, ObjectStoreKnobs)
 _WHERE = {ClientKnobs: "connect()/Client (a rank knob)",
           WriterKnobs: "start_writer()/`asyncckpt writer --knob` (a writer knob)",
-          ReadLimits: "load(limits=)/ReadLimits (a reader limit)"}
+          ReadLimits: "load(limits=)/ReadLimits (a reader limit)",
+          ObjectStoreKnobs: "ASYNCCKPT_* environment of an s3:// root (an object-store knob)"}
 
 
 def _unknown(cls: type, names: list[str]) -> str:

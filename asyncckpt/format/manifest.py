@@ -285,11 +285,22 @@ def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest
             data = f.read(min(st.st_size, limits.max_manifest_bytes) + 1)  # not a 512 MiB buffer
     finally:
         os.close(fd)
+    return manifest_from_bytes(data, directory.name, where, limits)
+
+
+def manifest_from_bytes(data: bytes, directory_name: str, where: str,
+                        limits: ReadLimits) -> Manifest:
+    """Parse and validate manifest bytes read from checkpoint directory `directory_name`
+    (named `where` in errors): its step must be the directory's, if that names one.
+
+    Raises:
+        CorruptCheckpointError: invalid.
+    """
     try:
         manifest = parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(e.cause, file=where) from None
-    named = parse_step_dir(directory.name)
+    named = parse_step_dir(directory_name)
     if named is not None and named != manifest.step:
         raise CorruptCheckpointError(f"manifest is for step {manifest.step}, the directory "
                                      f"for step {named}", file=where)

@@ -32,10 +32,10 @@ import os
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 
+from asyncckpt.storage.location import root_path
 from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import (SaveFailedError, WriterUnavailableError,
                               error_class)
@@ -84,7 +84,7 @@ class Client:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self._ring = ring.Ring.create(self.knobs.slot_size, self.knobs.ring_slots)
         welcome = self._handshake()
-        self.root = Path(welcome.root)  # the writer's checkpoint root
+        self.root = root_path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
@@ -387,7 +387,7 @@ class Client:
                         else (None, {})
                     self._agreement.result(pending, error, path, stats)
                 elif isinstance(m, messages.Committed):
-                    pending.handle._set_committed(Path(m.path), m.stats)
+                    pending.handle._set_committed(root_path(m.path), m.stats)
                 else:
                     pending.handle._set_failed(error)
             self._cond.notify_all()

@@ -62,11 +62,11 @@ import secrets
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from asyncckpt.errors import SaveFailedError, error_class
 from asyncckpt.ipc import messages
+from asyncckpt.storage.location import root_path
 from asyncckpt.torchutil.ranks import local_world_size
 
 Outcome = dict[str, Any]
@@ -459,7 +459,7 @@ class Agreement:
         self._over(pending)
         self._send(messages.Outcome(pending.step, bool(outcome.get("ok"))))
         if outcome.get("ok"):
-            pending.handle._set_committed(Path(outcome["path"]), stats)
+            pending.handle._set_committed(root_path(outcome["path"]), stats)
         else:
             cls = error_class(outcome.get("error", ""))
             pending.handle._set_failed(cls(outcome.get("message", "save failed")))

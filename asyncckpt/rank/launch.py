@@ -18,9 +18,10 @@ from typing import Any
 
 from asyncckpt.errors import WriterLockedError, WriterUnavailableError
 from asyncckpt.ipc.protocol import ADDRESS_ENV
-from asyncckpt.storage.posix import local_path
+from asyncckpt.storage.location import root_path
 
 READY_PREFIX = "ASYNCCKPT_READY "
+FAILED_PREFIX = "ASYNCCKPT_FAILED "  # then why, on the same line, before the writer exits
 JOB_ENV = "ASYNCCKPT_JOB"
 
 
@@ -87,7 +88,9 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
     """Start a writer process that owns `root` and return once it accepts ranks.
 
     Args:
-        root: the checkpoint root directory (created if missing).
+        root: the checkpoint root: a directory (created if missing), or an object-store
+            prefix `s3://bucket/prefix` (endpoint and credentials from the AWS
+            environment; the bucket must exist).
         codec: "auto" (default), "raw", "zstd" or "bytegroup" (see WriterKnobs.codec).
         log_file: where the writer logs (default: inherit stderr).
         job: the job id of the writers of several nodes that share `root` (default:
@@ -99,7 +102,7 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         WriterLockedError: another writer holds `root`.
         WriterUnavailableError: the writer did not start within `timeout` seconds.
     """
-    root = local_path(root).resolve()
+    root = root_path(root).resolve()
     cmd = [sys.executable, "-m", "asyncckpt", "writer", "--root", str(root),
            "--parent-pid", str(os.getpid()), "--ready-line"]
     if codec is not None:
@@ -127,6 +130,9 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
             code = proc.wait()
         if code == 3:
             raise WriterLockedError(f"another writer holds {root}", file=str(root))
+        if line.startswith(FAILED_PREFIX):
+            raise WriterUnavailableError(f"writer did not start: {line[len(FAILED_PREFIX):].strip()}",
+                                         file=str(root))
         raise WriterUnavailableError(f"writer did not start (exit code {code}); see its log",
                                      file=str(root))
     address = line[len(READY_PREFIX):].strip()

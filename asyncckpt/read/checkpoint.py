@@ -41,11 +41,21 @@ from typing import TYPE_CHECKING, Any, Iterator
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
-from asyncckpt.format.manifest import Manifest, Ref, read_manifest
+from asyncckpt.format.manifest import Manifest, Ref
 from asyncckpt.format.tiling import GlobalTensor, global_tensors
 from asyncckpt.format.tree import BYTES_KINDS, View, check_tree, walk
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
-from asyncckpt.storage.posix import PosixStorage, local_path
+from asyncckpt.storage.location import (
+    Location,
+    ObjectPath,
+    exists,
+    is_dir,
+    is_file,
+    list_names,
+    read_manifest_at,
+    root_path,
+    storage_for,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -94,10 +104,10 @@ class Checkpoint:
             reference frames name are opened.
     """
 
-    def __init__(self, directory: Path, manifest: Manifest, limits: ReadLimits) -> None:
+    def __init__(self, directory: Location, manifest: Manifest, limits: ReadLimits) -> None:
         self.directory, self.manifest, self.limits = directory, manifest, limits
-        self.storage = PosixStorage(directory.parent)
-        self.root: Path | None = None
+        self.storage = storage_for(directory.parent)
+        self.root: Location | None = None
         self.problems: list[CheckpointError] = []
         self.unreadable_ranks: set[int] = set()
         self.sharded: dict[str, GlobalTensor] = {}
@@ -124,9 +134,9 @@ class Checkpoint:
         """
         limits = limits or ReadLimits.from_env()
         for _ in range(_RESOLVE_TRIES):
-            directory, root = _resolve(local_path(path), step)
+            directory, root = _resolve(root_path(path), step)
             opened, problems = cls.examine(directory, limits=limits)
-            if not problems or root is None or os.path.lexists(directory):
+            if not problems or root is None or exists(directory):
                 break
             # the newest step went between the listing and its manifest: a running
             # writer committed a newer one and its retention deleted or retired this one
@@ -148,17 +158,18 @@ class Checkpoint:
             A checkpoint with problems may still be read rank by rank, except the ranks
             in `unreadable_ranks`.
         """
-        directory = local_path(directory)
-        if directory.is_symlink():  # opened where it lies: its references name steps of
-            directory = Path(os.path.realpath(directory))  # its own root, not the link's
+        directory = root_path(directory)
+        if not isinstance(directory, ObjectPath) and directory.is_symlink():
+            # opened where it lies: its references name steps of its own root, not the link's
+            directory = Path(os.path.realpath(directory))
         limits = limits or ReadLimits.from_env()
-        if not os.path.lexists(directory / MANIFEST_NAME):
+        if not exists(directory / MANIFEST_NAME):
             return None, [CorruptCheckpointError(
                 f"{directory.name} has no {MANIFEST_NAME}: not a checkpoint (its manifest was "
                 "deleted, or it was never committed)", step=parse_step_dir(directory.name),
                 file=str(directory))]
         try:
-            manifest = read_manifest(directory, limits)
+            manifest = read_manifest_at(directory, limits)
         except CheckpointError as e:
             return None, [e]
         opened = cls(directory, manifest, limits)
@@ -168,10 +179,10 @@ class Checkpoint:
         step = self.manifest.step
         expected = {MANIFEST_NAME} | {p.file for p in self.manifest.ranks}
         try:
-            present = set(os.listdir(self.directory))
+            present = list_names(self.directory)
         except OSError as e:
             present = set()
-            self.problems.append(CorruptCheckpointError(f"cannot list: {e.strerror}", step=step,
+            self.problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}", step=step,
                                                         file=str(self.directory)))
         for name in sorted(expected - present):
             self.problems.append(CorruptCheckpointError(f"missing file {name!r}", step=step,
@@ -282,23 +293,23 @@ class Checkpoint:
         self.close()
 
 
-def _resolve(path: Path, step: int | None) -> tuple[Path, Path | None]:
+def _resolve(path: Location, step: int | None) -> tuple[Location, Location | None]:
     """(the checkpoint directory, the root when it was chosen as the root's newest)."""
     named = parse_step_dir(path.name)
-    if path.is_dir() and (named is not None or (path / MANIFEST_NAME).is_file()):
+    if is_dir(path) and (named is not None or is_file(path / MANIFEST_NAME)):
         if step is not None and named is not None and named != step:
             raise CheckpointNotFoundError(f"{path} is step {named}, not {step}", step=step,
                                           file=str(path))
         return path, None
     if step is not None:
-        if PosixStorage(path).has_step(step):
+        if storage_for(path).has_step(step):
             return path / step_dir_name(step), None
-        linked = os.path.islink(path / step_dir_name(step))
+        linked = not isinstance(path, ObjectPath) and os.path.islink(path / step_dir_name(step))
         raise CheckpointNotFoundError(
             f"no committed checkpoint for step {step} in {path}" + (
                 f" ({step_dir_name(step)} is a symlink: not a step of this root; open the "
                 "directory it points to instead)" if linked else ""), step=step, file=str(path))
-    steps = PosixStorage(path).step_dirs()
+    steps = storage_for(path).step_dirs()
     if not steps:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
     return path / step_dir_name(steps[-1]), path
@@ -306,7 +317,7 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, Path | None]:
 
 _RESOLVE_TRIES = 3  # listings of a root whose newest step vanished before it was examined
 
-def _damaged_newest(root: Path, directory: Path, problem: CheckpointError,
+def _damaged_newest(root: Location, directory: Location, problem: CheckpointError,
                     limits: ReadLimits) -> CorruptCheckpointError:
     """The error for a root's damaged newest step, naming the newest intact step.
 
@@ -318,11 +329,11 @@ def _damaged_newest(root: Path, directory: Path, problem: CheckpointError,
     """
     damaged = parse_step_dir(directory.name)
     failed: Ref | None = problem.detail.get("stored_at")
-    steps = PosixStorage(root).step_dirs()
+    steps = storage_for(root).step_dirs()
     newer = [s for s in steps if damaged is not None and s > damaged]
     intact = next((s for s in reversed(steps) if s != damaged
                    and _intact(root / step_dir_name(s), limits, failed)), None)
-    if not os.path.lexists(directory):
+    if not exists(directory):
         state = (f"step {damaged} was the newest step of {root} when this load began and is "
                  "gone now (a running writer's retention removes steps once newer ones commit)")
     elif newer:
@@ -341,7 +352,7 @@ def _damaged_newest(root: Path, directory: Path, problem: CheckpointError,
         file=problem.file, newest_intact=intact)
 
 
-def _intact(directory: Path, limits: ReadLimits, failed: Ref | None) -> bool:
+def _intact(directory: Location, limits: ReadLimits, failed: Ref | None) -> bool:
     """`directory` passes `examine`, and none of its frames is stored at `failed`."""
     opened, problems = Checkpoint.examine(directory, limits=limits)
     if opened is None or problems:

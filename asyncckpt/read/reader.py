@@ -51,7 +51,7 @@ from asyncckpt.format.layout import layout
 from asyncckpt.format.manifest import Frame, Manifest, RankPart, Ref
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import ReadFile, Storage
-from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.location import storage_for
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,7 @@ class RankReader:
     def __init__(self, directory: Path, manifest: Manifest, rank: int,
                  threads: int | None = None, pool: FramePool | None = None,
                  storage: Storage | None = None) -> None:
-        storage = storage or PosixStorage(directory.parent)
+        storage = storage or storage_for(directory.parent)
         self.part: RankPart = manifest.ranks[rank]
         self.step = manifest.step
         self.rank = rank

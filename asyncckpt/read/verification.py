@@ -26,7 +26,8 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
 from asyncckpt.format.layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
 from asyncckpt.format.manifest import Frame
 from asyncckpt.read.checkpoint import Checkpoint
-from asyncckpt.storage.posix import PosixStorage, local_path, read_small_file
+from asyncckpt.storage.location import ObjectPath, exists, is_file, root_path, storage_for
+from asyncckpt.storage.posix import read_small_file
 
 Progress = Callable[[str, int, int], None]
 """Called after each frame: (checkpoint path, stored bytes verified, stored bytes to verify)."""
@@ -114,13 +115,13 @@ def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | 
         CheckpointNotFoundError: `path` does not exist, or is neither a checkpoint nor
             a root holding one.
     """
-    path = local_path(path)
-    if not os.path.lexists(path):
+    path = root_path(path)
+    if not exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist", file=str(path))
-    if (path / MANIFEST_NAME).is_file() or parse_step_dir(path.name) is not None:
+    if is_file(path / MANIFEST_NAME) or parse_step_dir(path.name) is not None:
         return [path], None
     # a step-N without a manifest is reported, not skipped
-    steps = PosixStorage(path).step_dirs()
+    steps = storage_for(path).step_dirs()
     if not steps:
         raise CheckpointNotFoundError(f"{path} is not a checkpoint (no {MANIFEST_NAME}) "
                                       "and holds no committed checkpoint", file=str(path))
@@ -168,12 +169,12 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None, *,
 def verify_root_pointer(root: Path) -> CheckpointReport | None:
     """A problem report if `root/latest` exists but names no committed step."""
     latest = root / LATEST_NAME
-    if not os.path.lexists(latest):
+    if not exists(latest):
         return None
-    storage = PosixStorage(root)
+    storage = storage_for(root)
     report = CheckpointReport(str(latest), storage.read_latest())
     if report.step is None or report.step not in storage.committed_steps():
-        text = read_small_file(latest, 64)
+        text = None if isinstance(latest, ObjectPath) else read_small_file(latest, 64)
         shown = (repr(text.decode(errors="replace").strip()) if text is not None
                  else "something that is not a regular file of at most 64 bytes")
         report.problem(f"{LATEST_NAME} names {shown}, "

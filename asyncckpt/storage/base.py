@@ -108,7 +108,7 @@ class Storage(ABC):
         root: the root (a local directory for `PosixStorage`).
     """
 
-    root: Path
+    root: Path  # an ObjectPath (storage.location) for an object store
 
     # -- what the root holds ---------------------------------------------------------
 
@@ -235,3 +235,6 @@ class Storage(ABC):
     def restore_replaced(self) -> list[str]:
         """Settle a replacement a crash interrupted; returns the names restored or
         removed."""
+
+    def close(self) -> None:
+        """Release what the storage holds (threads, connections); idempotent."""

@@ -29,9 +29,10 @@ from asyncckpt.errors import (CorruptCheckpointError, DiskFullError, SaveFailedE
                               WriterLockedError)
 from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, is_tmp_dir,
                                      step_dir_name, tmp_step_of)
-from asyncckpt.format.manifest import RankPart, parse_part, part_to_bytes, read_manifest
+from asyncckpt.format.manifest import RankPart, parse_part, part_to_bytes
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
+from asyncckpt.storage.location import read_manifest_at
 from asyncckpt.storage.posix import read_small_file
 from asyncckpt.writer.owners import OwnerMark
 
@@ -157,7 +158,7 @@ def update_latest(storage: Storage, trusted: int | None = None) -> None:
 
 def _manifest_parses(directory: Path) -> bool:
     try:
-        read_manifest(directory)
+        read_manifest_at(directory)
     except CorruptCheckpointError:
         return False
     return True

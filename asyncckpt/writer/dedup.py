@@ -59,8 +59,9 @@ from asyncckpt.codec.registry import PlaneLayout
 from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import retired_dir_name, step_dir_name
-from asyncckpt.format.manifest import Frame, Manifest, read_manifest
+from asyncckpt.format.manifest import Frame, Manifest
 from asyncckpt.storage.base import Storage
+from asyncckpt.storage.location import read_manifest_at
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -192,7 +193,7 @@ class DedupIndex:
                 continue
             name = retired_dir_name(step) if retired else step_dir_name(step)
             try:
-                manifest = read_manifest(self.storage.root / name, self._limits)
+                manifest = read_manifest_at(self.storage.root / name, self._limits)
             except (CheckpointError, OSError):
                 continue
             if manifest.step == step:
@@ -268,7 +269,7 @@ class DedupIndex:
             skipped = self._unusable | self._replacing
         for step in sorted(set(present) - known - skipped):
             try:
-                manifest = read_manifest(present[step], self._limits)
+                manifest = read_manifest_at(present[step], self._limits)
             except CheckpointError as e:
                 log.warning("incremental: step %d is not a dedup target: %s", step, e)
                 self._unusable.add(step)

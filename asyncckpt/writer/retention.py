@@ -30,9 +30,10 @@ from typing import Any
 from asyncckpt.config import KEEP_ALL, ReadLimits
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.layout import step_dir_name
-from asyncckpt.format.manifest import Manifest, read_manifest
+from asyncckpt.format.manifest import Manifest
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
+from asyncckpt.storage.location import read_manifest_at
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -125,7 +126,7 @@ def _references_of(storage: Storage, step: int, index: Any) -> set[int] | frozen
     """
     refs = index.references(step) if index is not None else None
     if refs is None:
-        refs = read_manifest(storage.root / step_dir_name(step), ReadLimits()).referenced_steps
+        refs = read_manifest_at(storage.root / step_dir_name(step), ReadLimits()).referenced_steps
     return refs
 
 

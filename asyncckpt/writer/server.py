@@ -30,7 +30,9 @@ from asyncckpt.format.tiling import global_tensors
 from asyncckpt.ipc import protocol
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.runtime.procstat import PeakSampler
-from asyncckpt.storage.posix import PosixStorage, local_path
+from asyncckpt.storage.location import ObjectPath, root_path
+from asyncckpt.storage.s3 import S3Storage
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex
@@ -58,19 +60,13 @@ class WriterServer:
         self.knobs = knobs or WriterKnobs.from_env()
         self.read_limits = dataclasses.replace(ReadLimits.from_env(),
                                                max_frame_bytes=self.knobs.max_frame_bytes)
-        self.root = local_path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.storage = PosixStorage(self.root)
-        self._lock = commit.RootLock(self.root, job)
-        self.root_id = commit.root_id(self.root)
-        self.owner = OwnerMark(self.root)
-        for name in sweep_dead(self.root):  # writers of this job that are gone
-            log.info("removed %s, left by a writer that is gone", name)
-        if self._lock.first:  # nobody else of the job writes here yet
-            for name in self.storage.sweep_tmp():
-                log.info("removed abandoned %s", name)
-            for name in self.storage.restore_replaced():
-                log.info("a crash interrupted the replacement of a step: settled %s", name)
+        self.root = root_path(root).resolve()
+        if isinstance(self.root, ObjectPath):
+            self.storage, self._lock, self.owner = self._take_bucket(job)
+            self.root_id = self.storage.identity()  # type: ignore[union-attr]
+        else:
+            self.storage, self._lock, self.owner = self._take_directory(job)
+            self.root_id = commit.root_id(self.root)
         commit.update_latest(self.storage)
         self._sock, self.address, self._authkey = protocol.create_endpoint(address)
         self.rss = PeakSampler()
@@ -93,6 +89,38 @@ class WriterServer:
         self._stop_lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
+
+    def _take_directory(self, job: str | None) -> tuple[PosixStorage, commit.RootLock,
+                                                       OwnerMark]:
+        """Lock a local root, mark this writer in it and sweep what writers gone left."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        storage = PosixStorage(self.root)
+        lock = commit.RootLock(self.root, job)
+        owner = OwnerMark(self.root)
+        for name in sweep_dead(self.root):  # writers of this job that are gone
+            log.info("removed %s, left by a writer that is gone", name)
+        if lock.first:  # nobody else of the job writes here yet
+            for name in storage.sweep_tmp():
+                log.info("removed abandoned %s", name)
+            for name in storage.restore_replaced():
+                log.info("a crash interrupted the replacement of a step: settled %s", name)
+        return storage, lock, owner
+
+    def _take_bucket(self, job: str | None) -> tuple[S3Storage, None, None]:
+        """Reach an object-store root (a clear error now if it cannot be) and sweep what
+        is old enough to be abandoned; no lock (storage/s3.py)."""
+        if job is not None:
+            raise SaveFailedError("several nodes committing one step to an object-store root "
+                                  "are not supported yet: give each node a root of its own, "
+                                  "or use a shared filesystem", file=str(self.root))
+        storage = S3Storage(self.root)
+        try:
+            storage.check()
+            for name in storage.sweep_tmp():
+                log.info("removed abandoned %s", name)
+        except OSError as e:
+            raise SaveFailedError(str(e), file=str(self.root)) from None
+        return storage, None, None
 
     def serve_forever(self) -> None:
         """Accept ranks until stop() is called."""
@@ -132,8 +160,11 @@ class WriterServer:
         protocol.remove_endpoint(self.address)
         self.pool.close()
         self.rss.stop()
-        self.owner.release()
-        self._lock.release()
+        if self.owner is not None:
+            self.owner.release()
+        if self._lock is not None:
+            self._lock.release()
+        self.storage.close()
         log.info("writer stopped")
 
     def _watch_absent(self) -> None:

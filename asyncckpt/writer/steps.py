@@ -41,6 +41,7 @@ from asyncckpt.format.layout import MAX_STEP, retired_dir_name
 from asyncckpt.format.manifest import Manifest, RankPart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
+from asyncckpt.storage.location import is_object
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 from asyncckpt.writer.committer import Check, Committer, abandon, release, sweep_dead
@@ -190,6 +191,10 @@ class Steps:
     def _open_step(self, step: int, rank: int, world_size: int, coordinated: bool,
                    replace: bool) -> Step:
         """A new open step (its codec chosen, its tmp directory made); under the lock."""
+        if replace and is_object(self.root):
+            raise SaveFailedError("replacing a committed step is not supported on an "
+                                  "object-store root: save under another step number",
+                                  step=step, rank=rank)
         if step in self._committing or (
                 not replace and self.storage.occupied(step)):
             raise StepAlreadyCommittedError(

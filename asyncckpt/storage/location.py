@@ -1,0 +1,173 @@
+"""Where a root is: a local directory or an object-store prefix, and its `Storage`.
+
+A root or step is named by text, and the text decides the backend: `s3://bucket/prefix`
+is an object-store location, a path without a scheme is a directory of this machine,
+and any other `scheme://` is refused (taken as a path it would quietly become a local
+directory named `gs:`). Object-store locations are `ObjectPath`s: pure paths, so the
+code that joins step and file names onto a root is the same for both; but never
+`os.fspath`-able, so a local file call handed one by mistake fails loudly instead of
+writing `./s3:/bucket` in the working directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from asyncckpt.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from asyncckpt.config import ReadLimits
+    from asyncckpt.format.manifest import Manifest
+    from asyncckpt.storage.base import Storage
+
+SCHEMES = ("s3",)
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
+
+
+class ObjectPath(PurePosixPath):
+    """`s3://bucket/key/...`, held as the pure path `/bucket/key/...`."""
+
+    def __str__(self) -> str:
+        return "s3:/" + super().__str__()
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    def __fspath__(self) -> str:
+        raise TypeError(f"{self} is an object-store location, not a local path")
+
+    @property
+    def bucket(self) -> str:
+        return self.parts[1]
+
+    @property
+    def key(self) -> str:
+        """The object key (or key prefix, without a trailing slash) in the bucket."""
+        return "/".join(self.parts[2:])
+
+    def resolve(self) -> "ObjectPath":  # a pure path has nothing to resolve
+        return self
+
+    def absolute(self) -> "ObjectPath":
+        return self
+
+
+Location = Path | ObjectPath
+
+
+def root_path(path: str | os.PathLike[str]) -> Location:
+    """`path` as a location: an `ObjectPath` for `s3://bucket[/prefix]`, else a local path.
+
+    Raises:
+        CheckpointError: a URL of another scheme, or an `s3://` URL without a bucket or
+            with an empty, `.` or `..` segment.
+    """
+    if isinstance(path, ObjectPath):
+        return path
+    text = os.fspath(path)
+    match = _URL.match(text) if isinstance(text, str) else None
+    if match is None:
+        return Path(text)
+    scheme, rest = match.group(1), match.group(2)
+    if scheme.lower() not in SCHEMES:
+        raise CheckpointError(f"{text!r} is a {scheme}:// URL: a root is a local or mounted "
+                              f"directory, or s3://bucket/prefix ({scheme}:// roots are not "
+                              "supported)", file=text)
+    segments = rest.rstrip("/").split("/")
+    if not segments[0] or any(s in ("", ".", "..") for s in segments):
+        raise CheckpointError(f"{text!r} is not s3://bucket/prefix (a bucket, then segments "
+                              "without empty, '.' or '..' parts)", file=text)
+    return ObjectPath("/", *segments)
+
+
+def is_object(path: object) -> bool:
+    return isinstance(path, ObjectPath)
+
+
+def storage_for(root: str | os.PathLike[str]) -> Storage:
+    """The `Storage` of root `root` (an object store's client is made on first use).
+
+    Raises:
+        CheckpointError: `root` is a URL of a scheme not supported (`root_path`).
+    """
+    location = root_path(root)
+    if isinstance(location, ObjectPath):
+        from asyncckpt.storage.s3 import S3Storage
+        return S3Storage(location)
+    from asyncckpt.storage.posix import PosixStorage
+    return PosixStorage(location)
+
+
+def read_manifest_at(directory: Location, limits: ReadLimits | None = None) -> Manifest:
+    """Read, size-check, checksum and validate the manifest of checkpoint `directory`,
+    local or in an object store.
+
+    Raises:
+        CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
+    """
+    from asyncckpt.format.manifest import read_manifest
+    if not isinstance(directory, ObjectPath):
+        return read_manifest(directory, limits)
+    from asyncckpt.config import ReadLimits
+    from asyncckpt.format.layout import MANIFEST_NAME
+    from asyncckpt.format.manifest import manifest_from_bytes
+    from asyncckpt.errors import CorruptCheckpointError
+    limits = limits or ReadLimits.from_env()
+    where = str(directory / MANIFEST_NAME)
+    storage = storage_for(directory.parent)
+    try:
+        with storage.open_file(directory, MANIFEST_NAME) as f:
+            if f.size > limits.max_manifest_bytes:
+                raise CorruptCheckpointError(f"manifest is larger than "
+                                             f"{limits.max_manifest_bytes} bytes", file=where)
+            data = bytearray(f.size)
+            got = f.read_into(0, [memoryview(data)]) if f.size else 0
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot open manifest: {e.strerror or e}",
+                                     file=where) from None
+    if got != len(data):
+        raise CorruptCheckpointError("manifest read short", file=where)
+    return manifest_from_bytes(bytes(data), directory.name, where, limits)
+
+
+# -- what is at a location, for either kind (the read side's questions) ----------------
+
+def exists(path: Location) -> bool:
+    """Anything is at `path` (a symlink counts, unfollowed; for an object store: an
+    object, or objects under it)."""
+    if isinstance(path, ObjectPath):
+        return _s3_of(path).exists(path)
+    return os.path.lexists(path)
+
+
+def is_file(path: Location) -> bool:
+    """`path` is a file (followed, like Path.is_file) or an object."""
+    if isinstance(path, ObjectPath):
+        return _s3_of(path).is_object(path)
+    return path.is_file()
+
+
+def is_dir(path: Location) -> bool:
+    """`path` is a directory (for an object store: a prefix with objects under it)."""
+    if isinstance(path, ObjectPath):
+        return _s3_of(path).exists(path) and not _s3_of(path).is_object(path)
+    return path.is_dir()
+
+
+def list_names(directory: Location) -> set[str]:
+    """The names directly in `directory` (files and, locally, subdirectories).
+
+    Raises:
+        OSError: it cannot be listed.
+    """
+    if isinstance(directory, ObjectPath):
+        return _s3_of(directory).names(directory)
+    return set(os.listdir(directory))
+
+
+def _s3_of(path: ObjectPath):  # type: ignore[no-untyped-def]
+    from asyncckpt.storage.s3 import S3Storage
+    return S3Storage(path.parent if path.key else path)

@@ -1,0 +1,609 @@
+"""The storage seam on an S3-compatible object store: the manifest object is the commit.
+
+An object store has no rename and no directories, so nothing can be written aside and
+moved into place. A step's data objects are written at their final keys,
+`PREFIX/step-N/<file>`, each a multipart upload fed by the writer's pipeline as frames
+arrive (parts of `part_size`, a few in flight, each request retried with backoff), and
+the manifest `PREFIX/step-N/manifest.json` is put last with `If-None-Match: *`: one write
+that makes the step a checkpoint, refused if the step is already one. A step without its
+manifest is never listed, loaded or named by `latest`; its objects are garbage that the
+step's next attempt clears before it writes, and that a writer taking the root sweeps
+once they are `sweep_age` old (with unfinished multipart uploads).
+
+`latest` is replaced by a conditional put (`If-Match` on the ETag read just before, or
+`If-None-Match` when there is none), so two writers never interleave a read and a write;
+one that loses the race re-reads and keeps the newer step. Retiring a step puts a marker
+object `PREFIX/step-N.retired` holding its manifest, then deletes the manifest: the
+marker is the one write that makes it retired (a step with both is retired). Deleting
+a step deletes its manifest (or marker) first, so what a crash leaves is garbage, never
+a checkpoint with missing data.
+
+Objects are read by ranged GETs. Endpoint and credentials come from the standard AWS
+environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+`AWS_REGION`, profiles); a plain-http endpoint must be allowed with `AWS_ALLOW_HTTP=true`
+(credentials would cross the network in the clear). The client is boto3: it is the
+one of the candidates measured here (benchmarks/s3_clients.py) that exposes the whole
+multipart protocol (list and abort unfinished uploads, per-part retry) and conditional
+puts; obstore uploads faster but cannot list or abort an upload a crash left.
+
+One writer per root: an object store has no lock a crashed writer releases, so unlike a
+local root, two jobs writing one prefix are not refused (their commits still cannot
+both claim a step). Replacing a committed step and several nodes committing one step are
+not supported on object-store roots yet; both are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import logging
+import os
+import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator
+
+from asyncckpt.config import ObjectStoreKnobs
+from asyncckpt.errors import CheckpointError, StepAlreadyCommittedError
+from asyncckpt.format.layout import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    ROOT_ID_NAME,
+    parse_retired_dir,
+    parse_step_dir,
+    retired_dir_name,
+    step_dir_name,
+)
+from asyncckpt.runtime import faults
+from asyncckpt.storage.base import DataFile, ReadFile, Storage
+from asyncckpt.storage.location import ObjectPath
+
+log = logging.getLogger("asyncckpt.storage")
+_LATEST_MAX = 64
+
+
+class ObjectStoreError(OSError):
+    """A request to the object store failed (after its retries): the message names the
+    endpoint, the object and the store's answer."""
+
+
+def _endpoint() -> str:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+
+
+_clients: dict[tuple[str, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client(knobs: ObjectStoreKnobs) -> Any:
+    """This process's boto3 S3 client for the current environment (thread-safe, shared).
+
+    Raises:
+        CheckpointError: boto3 is not installed (`pip install asyncckpt[s3]`), or a
+            plain-http endpoint without AWS_ALLOW_HTTP=true.
+    """
+    endpoint = _endpoint()
+    if endpoint.startswith("http://") and os.environ.get(
+            "AWS_ALLOW_HTTP", "").strip().lower() not in ("1", "true", "yes"):
+        raise CheckpointError(f"endpoint {endpoint} is plain http: set AWS_ALLOW_HTTP=true to "
+                              "allow it (credentials and data cross the network unencrypted)")
+    key = (endpoint, repr(knobs), *(os.environ.get(name, "") for name in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+        "AWS_PROFILE")))
+    with _clients_lock:
+        if key not in _clients:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise CheckpointError("s3:// roots need boto3: pip install 'asyncckpt[s3]'") from None
+            config = Config(retries={"max_attempts": knobs.max_attempts, "mode": "standard"},
+                            connect_timeout=knobs.connect_timeout,
+                            read_timeout=knobs.read_timeout,
+                            max_pool_connections=max(16, 4 * knobs.parts_in_flight),
+                            request_checksum_calculation="when_required",
+                            response_checksum_validation="when_required")
+            _clients[key] = boto3.session.Session().client(
+                "s3", region_name=os.environ.get("AWS_REGION") or "us-east-1", config=config)
+        return _clients[key]
+
+
+def _code(e: BaseException) -> str:
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _failure(e: BaseException, what: str, location: str) -> ObjectStoreError:
+    """`e` (botocore's) as an ObjectStoreError that says what to do about it."""
+    code = _code(e)
+    endpoint = _endpoint()
+    if code in ("NoSuchBucket",):
+        cause = f"bucket does not exist at {endpoint}"
+        number = errno.ENOENT
+    elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
+                  "InvalidToken", "ExpiredToken"):
+        cause = f"{endpoint} refused the credentials ({code}): check AWS_ACCESS_KEY_ID, " \
+                "AWS_SECRET_ACCESS_KEY and the bucket's policy"
+        number = errno.EACCES
+    elif code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
+        cause = "no such object"
+        number = errno.ENOENT
+    elif code:
+        cause = f"{endpoint} answered {code}: {e}"
+        number = errno.EIO
+    else:
+        cause = f"cannot reach {endpoint}: {type(e).__name__}: {e}"
+        number = errno.EIO
+    return ObjectStoreError(number, f"{what} {location}: {cause}")
+
+
+def _missing(e: BaseException) -> bool:
+    return _code(e) in ("NoSuchKey", "404", "NotFound")
+
+
+def _precondition(e: BaseException) -> bool:
+    return _code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+
+
+class S3ReadFile(ReadFile):
+    """An object read by ranged GETs."""
+
+    def __init__(self, s3: Any, location: ObjectPath, size: int) -> None:
+        self._s3, self.location, self.size, self.regular = s3, location, size, True
+
+    def read_into(self, offset: int, outs: list[memoryview]) -> int:
+        want = sum(len(o) for o in outs)
+        end = min(offset + want, self.size)
+        if want == 0 or offset >= end:
+            return 0
+        try:
+            body = self._s3.get_object(Bucket=self.location.bucket, Key=self.location.key,
+                                       Range=f"bytes={offset}-{end - 1}")["Body"]
+            data = memoryview(body.read())
+        except Exception as e:
+            raise _failure(e, "reading", str(self.location)) from None
+        done = 0
+        for out in outs:
+            n = min(len(out), len(data) - done)
+            if n <= 0:
+                break
+            out[:n] = data[done:done + n]
+            done += n
+        return done
+
+    def will_need(self, offset: int, length: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class S3DataFile(DataFile):
+    """A data object written as a multipart upload, one part as soon as `part_size`
+    bytes have been appended, at most `parts_in_flight` uploading; `sync` completes the
+    upload (a small file is one PUT). Memory: about (1 + parts_in_flight) parts."""
+
+    def __init__(self, s3: Any, location: ObjectPath, knobs: ObjectStoreKnobs,
+                 pool: ThreadPoolExecutor) -> None:
+        self._s3, self.path, self._knobs, self._pool = s3, location, knobs, pool
+        self.size = 0
+        self._buffer = bytearray()
+        self._upload: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._slots = threading.Semaphore(knobs.parts_in_flight)
+        self._done = False
+
+    def append(self, pieces: list[memoryview]) -> None:
+        part = self._knobs.part_size
+        for piece in pieces:
+            piece = memoryview(piece).cast("B")
+            self.size += len(piece)
+            while len(piece):
+                take = min(len(piece), part - len(self._buffer))
+                self._buffer += piece[:take]
+                piece = piece[take:]
+                if len(self._buffer) == part:
+                    self._send_part()
+        faults.point("frame_written")
+
+    def _send_part(self) -> None:
+        faults.io("write", self.path)
+        if self._upload is None:
+            try:
+                self._upload = self._s3.create_multipart_upload(
+                    Bucket=self.path.bucket, Key=self.path.key)["UploadId"]
+            except Exception as e:
+                raise _failure(e, "starting the upload of", str(self.path)) from None
+        self._raise_failed()
+        body, self._buffer = bytes(self._buffer), bytearray()
+        number = len(self._parts) + 1
+        self._slots.acquire()
+        try:
+            self._parts.append(self._pool.submit(self._upload_part, number, body))
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
+        try:
+            answer = self._s3.upload_part(Bucket=self.path.bucket, Key=self.path.key,
+                                          UploadId=self._upload, PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+        except Exception as e:
+            raise _failure(e, f"uploading part {number} of", str(self.path)) from None
+        finally:
+            self._slots.release()
+
+    def _raise_failed(self) -> None:
+        for f in self._parts:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+
+    def sync(self) -> None:
+        """Upload what is left and complete the object (crash point `data_fsynced`)."""
+        faults.io("fsync", self.path)
+        if self._upload is None:
+            try:
+                self._s3.put_object(Bucket=self.path.bucket, Key=self.path.key,
+                                    Body=bytes(self._buffer))
+            except Exception as e:
+                raise _failure(e, "writing", str(self.path)) from None
+        else:
+            if self._buffer or not self._parts:
+                self._send_part()
+            parts = [f.result() for f in self._parts]
+            try:
+                self._s3.complete_multipart_upload(
+                    Bucket=self.path.bucket, Key=self.path.key, UploadId=self._upload,
+                    MultipartUpload={"Parts": parts})
+            except Exception as e:
+                raise _failure(e, "completing the upload of", str(self.path)) from None
+        self._buffer = bytearray()
+        self._done = True
+        faults.point("data_fsynced")
+
+    def close(self) -> None:
+        """Abort an upload that was not completed (best effort: a sweep finds it later)."""
+        if self._upload is not None and not self._done:
+            for f in self._parts:
+                f.cancel()
+            for f in self._parts:
+                try:
+                    f.exception()
+                except Exception:
+                    pass
+            try:
+                self._s3.abort_multipart_upload(Bucket=self.path.bucket, Key=self.path.key,
+                                                UploadId=self._upload)
+            except Exception as e:
+                log.warning("could not abort the upload of %s: %s", self.path, e)
+            self._done = True
+        self._buffer = bytearray()
+
+
+class S3Storage(Storage):
+    """A root that is a prefix of a bucket (`s3://bucket/prefix`)."""
+
+    def __init__(self, root: ObjectPath, knobs: ObjectStoreKnobs | None = None) -> None:
+        self.root = root
+        self.knobs = knobs or ObjectStoreKnobs.from_env()
+        self._s3 = client(self.knobs)
+        self._prefix = f"{root.key}/" if root.key else ""
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __repr__(self) -> str:
+        return f"S3Storage({str(self.root)!r})"
+
+    # -- requests --------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.root.bucket}/{key}"
+
+    def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
+        try:
+            pages = self._s3.get_paginator("list_objects_v2").paginate(
+                Bucket=self.root.bucket, Prefix=prefix)
+            for page in pages:
+                yield from page.get("Contents", [])
+        except Exception as e:
+            raise _failure(e, "listing", self._where(prefix)) from None
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        try:
+            return self._s3.head_object(Bucket=self.root.bucket, Key=key)
+        except Exception as e:
+            if _missing(e):
+                return None
+            raise _failure(e, "reading", self._where(key)) from None
+
+    def _get(self, key: str, limit: int) -> tuple[bytes, str] | None:
+        """(bytes, ETag) of a small object, or None if it is missing or larger."""
+        head = self._head(key)
+        if head is None or head["ContentLength"] > limit:
+            return None
+        try:
+            answer = self._s3.get_object(Bucket=self.root.bucket, Key=key,
+                                         IfMatch=head["ETag"])
+            return answer["Body"].read(), answer["ETag"]
+        except Exception as e:
+            if _missing(e) or _precondition(e):
+                return None
+            raise _failure(e, "reading", self._where(key)) from None
+
+    def _put(self, key: str, body: bytes, **condition: str) -> bool:
+        """Put `body` at `key` under `condition` (IfNoneMatch / IfMatch); False if the
+        condition failed."""
+        try:
+            self._s3.put_object(Bucket=self.root.bucket, Key=key, Body=body, **condition)
+            return True
+        except Exception as e:
+            if condition and _precondition(e):
+                return False
+            raise _failure(e, "writing", self._where(key)) from None
+
+    def _delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[i:i + 1000]]
+            try:
+                self._s3.delete_objects(Bucket=self.root.bucket,
+                                        Delete={"Objects": batch, "Quiet": True})
+            except Exception as e:
+                raise _failure(e, "deleting objects under", str(self.root)) from None
+
+    def check(self) -> None:
+        """Reach the bucket now: a clear error at start rather than at the first save.
+
+        Raises:
+            ObjectStoreError: the endpoint is unreachable, the bucket missing, or the
+                credentials refused.
+        """
+        try:
+            self._s3.list_objects_v2(Bucket=self.root.bucket, Prefix=self._prefix, MaxKeys=1)
+        except Exception as e:
+            raise _failure(e, "opening", str(self.root)) from None
+
+    def identity(self) -> str:
+        """The root's id (`.asyncckpt.root`, 16 hex digits), made by the first writer
+        with If-None-Match so writers racing on one prefix agree.
+
+        Raises:
+            ObjectStoreError: it cannot be read or made, or is not ours.
+        """
+        key = self._key(ROOT_ID_NAME)
+        for _ in range(5):
+            got = self._get(key, 64)
+            if got is not None:
+                text = got[0].decode(errors="replace").strip()
+                if len(text) == 16 and all(c in "0123456789abcdef" for c in text):
+                    return text
+                raise ObjectStoreError(errno.EINVAL, f"{self._where(key)} is not a root id "
+                                       "(16 hex digits); remove it")
+            token = secrets.token_hex(8)
+            if self._put(key, f"{token}\n".encode(), IfNoneMatch="*"):
+                return token
+        raise ObjectStoreError(errno.EAGAIN, f"{self._where(key)} kept changing")
+
+    # -- what the root holds ---------------------------------------------------------
+
+    def _names(self) -> tuple[set[int], set[int]]:
+        """(steps with a manifest, retired steps) by one listing of the root."""
+        manifests, retired = set(), set()
+        for item in self._list(self._prefix):
+            rest = item["Key"][len(self._prefix):]
+            head, _, tail = rest.partition("/")
+            if tail == MANIFEST_NAME and (step := parse_step_dir(head)) is not None:
+                manifests.add(step)
+            elif not tail and (step := parse_retired_dir(head)) is not None:
+                retired.add(step)
+        return manifests - retired, retired
+
+    def step_dirs(self) -> list[int]:
+        """Committed steps: a step's data without its manifest is not a step here (it is
+        an attempt under way, or garbage), unlike a local step directory."""
+        return sorted(self._names()[0])
+
+    def committed_steps(self) -> list[int]:
+        return self.step_dirs()
+
+    def retired_steps(self) -> list[int]:
+        return sorted(self._names()[1])
+
+    def has_step(self, step: int, *, retired: bool = False) -> bool:
+        marker = self._head(self._key(retired_dir_name(step))) is not None
+        if retired:
+            return marker
+        return not marker and self._head(self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")) \
+            is not None
+
+    def occupied(self, step: int, *, retired: bool = False) -> bool:
+        return self.has_step(step, retired=retired)
+
+    def read_latest(self) -> int | None:
+        got = self._get(self._key(LATEST_NAME), _LATEST_MAX)
+        if got is None:
+            return None
+        try:
+            return parse_step_dir(got[0].decode("ascii").strip())
+        except UnicodeDecodeError:
+            return None
+
+    def _object_of(self, directory: ObjectPath, name: str) -> str:
+        """The key of file `name` of checkpoint `directory`: a retired step's files stay
+        under its step prefix, its manifest is its marker."""
+        step = parse_retired_dir(directory.name)
+        if step is not None and directory.parent == self.root:
+            if name == MANIFEST_NAME:
+                return self._key(retired_dir_name(step))
+            return self._key(f"{step_dir_name(step)}/{name}")
+        return (directory / name).key
+
+    def open_step_file(self, step: int, name: str) -> S3ReadFile | None:
+        if not (self.has_step(step) or self.has_step(step, retired=True)):
+            return None
+        key = self._key(f"{step_dir_name(step)}/{name}")
+        head = self._head(key)
+        if head is None:
+            return None
+        return S3ReadFile(self._s3, self._object(key), head["ContentLength"])
+
+    def open_file(self, directory: Any, name: str) -> S3ReadFile:
+        key = self._object_of(directory, name)
+        head = self._head(key)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no such object {self._where(key)}")
+        return S3ReadFile(self._s3, self._object(key), head["ContentLength"])
+
+    def _object(self, key: str) -> ObjectPath:
+        return ObjectPath("/", self.root.bucket, *key.split("/"))
+
+    def exists(self, path: ObjectPath) -> bool:
+        """An object at `path`, or objects under it."""
+        if self.is_object(path):
+            return True
+        prefix = f"{path.key}/" if path.key else ""
+        try:
+            answer = self._s3.list_objects_v2(Bucket=path.bucket, Prefix=prefix, MaxKeys=1)
+        except Exception as e:
+            raise _failure(e, "listing", str(path)) from None
+        return bool(answer.get("Contents"))
+
+    def is_object(self, path: ObjectPath) -> bool:
+        return bool(path.key) and self._head_at(path) is not None
+
+    def _head_at(self, path: ObjectPath) -> dict[str, Any] | None:
+        try:
+            return self._s3.head_object(Bucket=path.bucket, Key=path.key)
+        except Exception as e:
+            if _missing(e):
+                return None
+            raise _failure(e, "reading", str(path)) from None
+
+    def names(self, directory: ObjectPath) -> set[str]:
+        """The files of checkpoint `directory` (a step of this root)."""
+        prefix = f"{directory.key}/"
+        return {item["Key"][len(prefix):] for item in self._list(prefix)
+                if "/" not in item["Key"][len(prefix):]}
+
+    # -- writing a step --------------------------------------------------------------
+
+    def make_tmp(self, step: int, name: str | None = None) -> ObjectPath:
+        """The step's own prefix, cleared of what an earlier attempt left (the caller
+        has checked the step is not committed)."""
+        prefix = self._key(f"{step_dir_name(step)}/")
+        stale = [item["Key"] for item in self._list(prefix)]
+        if stale:
+            log.info("removing %d objects an unfinished save of step %d left", len(stale), step)
+            self._delete(stale)
+        return self._object(prefix.rstrip("/"))
+
+    def create_data_file(self, tmp: Any, name: str, window: int,
+                         writeback: str = "range") -> S3DataFile:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(2, self.knobs.parts_in_flight * 2),
+                                            thread_name_prefix="asyncckpt-s3")
+        return S3DataFile(self._s3, tmp / name, self.knobs, self._pool)
+
+    def publish(self, tmp: Any, step: int, manifest: bytes, *,
+                replace: bool = False) -> ObjectPath:
+        """Put the manifest with If-None-Match: the one write that commits the step."""
+        if replace:
+            raise ObjectStoreError(errno.EOPNOTSUPP, "replacing a committed step is not "
+                                   "supported on object-store roots", str(tmp))
+        faults.io("rename", tmp)
+        if not self._put(f"{tmp.key}/{MANIFEST_NAME}", manifest, IfNoneMatch="*"):
+            raise StepAlreadyCommittedError(f"{tmp} already has a manifest; a committed step "
+                                            "is never replaced", step=step)
+        faults.point("manifest_written")
+        faults.point("step_renamed")
+        return tmp
+
+    def discard(self, tmp: Any) -> None:
+        try:
+            self._delete([item["Key"] for item in self._list(f"{tmp.key}/")])
+        except OSError as e:
+            log.warning("could not delete %s: %s (swept later)", tmp, e)
+
+    def write_latest(self, step: int | None) -> None:
+        """A conditional put on the ETag just read; on a lost race, the newer of ours and
+        the one now there is kept."""
+        key = self._key(LATEST_NAME)
+        for _ in range(10):
+            got = self._get(key, _LATEST_MAX)
+            if step is None:
+                if got is not None:
+                    self._delete([key])
+                return
+            condition = {"IfMatch": got[1]} if got is not None else {"IfNoneMatch": "*"}
+            if self._put(key, f"{step_dir_name(step)}\n".encode(), **condition):
+                return
+            now = self.read_latest()
+            if now is not None and now >= step and self.has_step(now):
+                return
+        raise ObjectStoreError(errno.EAGAIN, "latest kept changing under us", self._where(key))
+
+    # -- retention -------------------------------------------------------------------
+
+    def retire(self, step: int) -> None:
+        """Marker (holding the manifest) first, then the manifest's deletion."""
+        manifest_key = self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+        got = self._get(manifest_key, 1 << 40)
+        if got is None:
+            raise ObjectStoreError(errno.ENOENT, "no manifest to retire", self._where(manifest_key))
+        self._put(self._key(retired_dir_name(step)), got[0])
+        self._delete([manifest_key])
+
+    def unpublish(self, step: int, *, retired: bool = False) -> ObjectPath:
+        """The manifest (and the marker) deleted first: what is left is garbage for
+        `discard`, never a step with missing files."""
+        keys = [self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")]
+        if retired:
+            keys.append(self._key(retired_dir_name(step)))
+        for key in keys:  # in order: a retired step must not become committed again
+            self._delete([key])
+        return self._object(self._key(step_dir_name(step)))
+
+    # -- recovery --------------------------------------------------------------------
+
+    def sweep_tmp(self) -> list[str]:
+        """Abort multipart uploads and delete step data without a manifest, both older
+        than `sweep_age` (a younger one may be another writer's save under way)."""
+        cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(
+            seconds=self.knobs.sweep_age)
+        removed = []
+        try:
+            pages = self._s3.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.root.bucket, Prefix=self._prefix)
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if upload["Initiated"] <= cutoff:
+                        self._s3.abort_multipart_upload(Bucket=self.root.bucket,
+                                                        Key=upload["Key"],
+                                                        UploadId=upload["UploadId"])
+                        removed.append(f"upload of {upload['Key'][len(self._prefix):]}")
+        except Exception as e:
+            raise _failure(e, "sweeping uploads under", str(self.root)) from None
+        committed, retired = self._names()
+        garbage: dict[int, list[dict[str, Any]]] = {}
+        for item in self._list(self._prefix):
+            head, _, tail = item["Key"][len(self._prefix):].partition("/")
+            step = parse_step_dir(head) if tail else None
+            if step is not None and step not in committed and step not in retired:
+                garbage.setdefault(step, []).append(item)
+        for step, items in sorted(garbage.items()):
+            if all(item["LastModified"] <= cutoff for item in items):
+                self._delete([item["Key"] for item in items])
+                removed.append(f"{step_dir_name(step)}/ ({len(items)} objects, no manifest)")
+        return removed
+
+    def restore_replaced(self) -> list[str]:
+        return []  # a step is never replaced here
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+

