@@ -34,17 +34,15 @@ import threading
 import time
 from typing import Any, Callable
 
-
-from asyncckpt.storage.location import root_path
 from asyncckpt.config import ClientKnobs
-from asyncckpt.errors import (SaveFailedError, WriterUnavailableError,
-                              error_class)
+from asyncckpt.errors import SaveFailedError, WriterUnavailableError, error_class
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.rank.coordination import Agreement, StoreCoordinator
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.pending import Basis, PendingSave, Torn, unmodified
 from asyncckpt.rank.stager import DeviceCopies, stage
+from asyncckpt.storage.location import root_path
 from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")

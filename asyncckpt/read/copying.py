@@ -36,6 +36,7 @@ from asyncckpt.format.manifest import Manifest, RankPart, admitted_codecs, check
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.reader import scratch_buffer
 from asyncckpt.storage.durable import fsync_path, write_atomic
+from asyncckpt.storage.posix import local_path
 
 
 def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: int | None = None,
@@ -54,7 +55,7 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
         FileExistsError: `out` exists.
         OSError: writing the copy failed (nothing is left at `out`).
     """
-    out = Path(out)
+    out = local_path(out)  # a stand-alone local directory (an s3:// output is refused)
     limits = limits or ReadLimits.from_env()
     if os.path.lexists(out):
         raise FileExistsError(f"{out} exists; a copy never replaces anything")

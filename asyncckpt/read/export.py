@@ -34,6 +34,7 @@ from asyncckpt.format.tree import BYTES_KINDS
 from asyncckpt.read import hf
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.reader import tensor_bytes
+from asyncckpt.storage.posix import local_path
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
 
 
@@ -86,6 +87,7 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
     all of a tensor exported before it is left out, and with a stored config, so is
     each weight the model class ties to another (`from_pretrained` ties them again).
     """
+    out = local_path(out)  # written with local files (an s3:// output is refused)
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ValueError(f"tokenizer directory {tokenizer} does not exist")
     with Checkpoint.open(path, step, limits=limits) as ckpt:
@@ -93,10 +95,10 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
         meta = hf.read_hf_metadata(ckpt.tree(rank)) if contents == "model" else {}
         items = _drop_tied(_plan_items(ckpt, rank, contents, dtype), meta)
         with ckpt.reading():
-            index = _write(ckpt, rank, items, Path(out), max_shard_size, progress)
-    files = hf.write_model_files(Path(out), meta, _written_dtype(items))
+            index = _write(ckpt, rank, items, out, max_shard_size, progress)
+    files = hf.write_model_files(out, meta, _written_dtype(items))
     if tokenizer is not None:
-        files += hf.copy_tokenizer(tokenizer, Path(out))
+        files += hf.copy_tokenizer(tokenizer, out)
     return {**index, "files": files}
 
 

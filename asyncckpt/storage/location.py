@@ -112,9 +112,9 @@ def read_manifest_at(directory: Location, limits: ReadLimits | None = None) -> M
     if not isinstance(directory, ObjectPath):
         return read_manifest(directory, limits)
     from asyncckpt.config import ReadLimits
+    from asyncckpt.errors import CorruptCheckpointError
     from asyncckpt.format.layout import MANIFEST_NAME
     from asyncckpt.format.manifest import manifest_from_bytes
-    from asyncckpt.errors import CorruptCheckpointError
     limits = limits or ReadLimits.from_env()
     where = str(directory / MANIFEST_NAME)
     storage = storage_for(directory.parent)

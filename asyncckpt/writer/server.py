@@ -31,8 +31,8 @@ from asyncckpt.ipc import protocol
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.runtime.procstat import PeakSampler
 from asyncckpt.storage.location import ObjectPath, root_path
-from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex

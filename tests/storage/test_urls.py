@@ -1,6 +1,9 @@
-"""A URL is never taken for a local root: `s3://bucket/run` as a path would be a relative
-directory `s3:/bucket/run` written in the working directory, every save reported as
-committed. Every entry point that takes a root or a step refuses it, and writes nothing."""
+"""A URL is never taken for a local path: `gs://bucket/run` as a path would be a relative
+directory `gs:/bucket/run` written in the working directory, every save reported as
+committed. A scheme we do not support is refused by every entry point; `s3://` is a root
+where object-store roots are supported (tests/storage/test_s3.py) and refused where a
+local directory is meant (an export's or copy's output) or not supported yet (DCP's
+checkpoint ids, `gc`). Nothing is ever written locally."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from asyncckpt.dcp import StorageReader, StorageWriter
 from asyncckpt.storage.posix import local_path
 
 URLS = ["s3://bucket/run1", "gs://bucket/run1", "file:///tmp/run1", "az://c/run"]
+UNSUPPORTED = URLS[1:]
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +35,7 @@ def test_local_path_refuses_urls_naming_the_scheme(url):
     assert local_path("runs/s3:/odd") == local_path("runs/s3:/odd")  # a colon alone is a path
 
 
+@pytest.mark.parametrize("url", UNSUPPORTED)
 @pytest.mark.parametrize("use", [
     lambda url: asyncckpt.start_writer(url),
     lambda url: asyncckpt.load(url),
@@ -43,14 +48,33 @@ def test_local_path_refuses_urls_naming_the_scheme(url):
     lambda url: StorageWriter().reset(f"{url}/step-3"),
 ], ids=["start_writer", "load", "verify", "copy_step", "export_hf", "Checkpointer",
         "StorageWriter", "StorageReader", "checkpoint_id"])
-def test_every_entry_point_refuses_an_s3_root(use):
+def test_every_entry_point_refuses_an_unsupported_scheme(use, url):
+    with pytest.raises(asyncckpt.CheckpointError, match="roots are not supported"):
+        use(url)
+
+
+@pytest.mark.parametrize("use", [
+    lambda tmp: asyncckpt.copy_step(tmp, "s3://bucket/out"),
+    lambda tmp: asyncckpt.export_hf(tmp, "s3://bucket/out"),
+    lambda tmp: StorageWriter("s3://bucket/run1", 1),
+    lambda tmp: StorageReader("s3://bucket/run1"),
+    lambda tmp: StorageWriter().reset("s3://bucket/run1/step-3"),
+], ids=["copy_step out", "export_hf out", "StorageWriter", "StorageReader", "checkpoint_id"])
+def test_s3_is_refused_where_a_local_directory_is_meant(use, tmp_path):
     with pytest.raises(asyncckpt.CheckpointError, match="s3:// URL"):
-        use("s3://bucket/run1")
+        use(tmp_path)
 
 
 @pytest.mark.parametrize("args", [["writer", "--root"], ["ls"], ["verify"], ["inspect"], ["gc"]])
-def test_the_cli_refuses_an_s3_root(args):
-    done = subprocess.run([sys.executable, "-m", "asyncckpt", *args, "s3://bucket/run1"],
+def test_the_cli_refuses_an_unsupported_scheme(args):
+    done = subprocess.run([sys.executable, "-m", "asyncckpt", *args, "gs://bucket/run1"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "s3:// URL" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and "gs:// roots are not supported" in done.stderr \
+        or "gs:// URL" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_gc_refuses_an_s3_root_it_cannot_lock():
+    done = subprocess.run([sys.executable, "-m", "asyncckpt", "gc", "s3://bucket/run1",
+                           "--keep-last", "1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "s3:// URL" in done.stderr, done.stderr[-2000:]

@@ -1,0 +1,163 @@
+"""A writer on an `s3://bucket/prefix` root, driven as a user would, against a real S3
+server (SeaweedFS on loopback): ranks save, the manifest object commits, and `load`,
+`verify`, `ls`, retention, incremental references and the Checkpointer work as on a
+local root; what an object store cannot do yet is refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt.errors import StepAlreadyCommittedError
+from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.storage.location import root_path, storage_for
+from conftest import SMALL_RING, use_s3
+
+MiB = 1 << 20
+
+
+def state(seed: int, mib: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(mib * MiB // 4, generator=g),
+            "h": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+            "step": seed, "name": f"s{seed}"}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (torch.equal(a["w"], b["w"]) and torch.equal(a["h"], b["h"])
+            and a["step"] == b["step"] and a["name"] == b["name"])
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "asyncckpt", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def object_keys(root: str) -> set[str]:
+    storage = storage_for(root)
+    prefix = storage._prefix  # type: ignore[attr-defined]
+    return {item["Key"][len(prefix):] for item in storage._list(prefix)}  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def s3_writer(s3_root, tmp_path):
+    w = asyncckpt.start_writer(s3_root, codec="zstd", log_file=tmp_path / "writer.log")
+    yield w
+    w.stop(timeout=60)
+
+
+def test_two_ranks_save_and_every_reader_gets_their_bytes_back(s3_root, s3_writer):
+    clients = [asyncckpt.connect(s3_writer.address, rank=r, world_size=2, **SMALL_RING)
+               for r in range(2)]
+    try:
+        for step in (1, 2):
+            handles = [c.save(step, state(10 * step + r)) for r, c in enumerate(clients)]
+            paths = {h.wait(timeout=120) for h in handles}
+            assert paths == {root_path(f"{s3_root}/step-{step:08d}")}
+    finally:
+        for c in clients:
+            c.close(timeout=60)
+    for step in (1, 2):
+        for r in range(2):
+            assert same(asyncckpt.load(s3_root, step=step, rank=r), state(10 * step + r))
+    assert same(asyncckpt.load(s3_root, rank=1), state(21))  # the newest step
+    assert storage_for(s3_root).read_latest() == 2
+    done = cli("verify", s3_root, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [c["step"] for c in json.loads(done.stdout)["checkpoints"]] == [1, 2]
+    listed = cli("ls", s3_root, "--json")
+    rows = json.loads(listed.stdout)
+    assert [(r["step"], r["state"], r["latest"]) for r in rows] == [
+        (1, "committed", False), (2, "committed", True)]
+    assert "Traceback" not in done.stderr + listed.stderr
+
+
+def test_retention_and_incremental_references_work_on_the_bucket(s3_root, s3_writer):
+    base = state(1)
+    with asyncckpt.connect(s3_writer.address, rank=0, world_size=1) as c:
+        for step in (1, 2, 3):
+            s = dict(base, step=step)  # the big tensor unchanged: stored once, referenced
+            c.save(step, s, keep_last=2).wait(timeout=120)
+    storage = storage_for(s3_root)
+    assert storage.committed_steps() == [2, 3]
+    assert storage.retired_steps() == [1]  # deleted by retention, its frames referenced
+    assert "step-00000001/manifest.json" not in object_keys(s3_root)
+    loaded = asyncckpt.load(s3_root, step=3)
+    assert torch.equal(loaded["w"], base["w"]) and loaded["step"] == 3
+    with Checkpoint.open(s3_root, 3) as ckpt:
+        assert 1 in ckpt.manifest.referenced_steps
+    assert cli("verify", s3_root).returncode == 0
+
+
+def test_the_checkpointer_saves_and_restores_through_the_bucket(s3_root, s3_writer):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    ckpt = asyncckpt.Checkpointer(s3_root, model=model, optimizer=opt,
+                                  address=s3_writer.address)
+    ckpt.save(5, force=True).wait(timeout=120)
+    ckpt.close()
+    fresh = torch.nn.Linear(64, 32)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    again = asyncckpt.Checkpointer(s3_root, model=fresh, optimizer=fresh_opt,
+                                   address=s3_writer.address)
+    assert again.restore() == 5
+    again.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 fresh.state_dict().values()))
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"],
+                       fresh_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_replacing_a_step_is_refused_clearly_and_the_step_survives(s3_root, s3_writer):
+    with asyncckpt.connect(s3_writer.address, rank=0, world_size=1) as c:
+        c.save(1, state(1)).wait(timeout=120)
+        with pytest.raises(asyncckpt.SaveFailedError, match="not supported on an object-store"):
+            c.save(1, state(2), replace=True).wait(timeout=120)
+        with pytest.raises(StepAlreadyCommittedError):
+            c.save(1, state(3)).wait(timeout=120)
+    assert same(asyncckpt.load(s3_root, step=1), state(1))
+
+
+def test_start_writer_fails_at_once_naming_a_missing_bucket_or_refused_credentials(
+        s3_server, monkeypatch, tmp_path):
+    use_s3(s3_server, monkeypatch, "x")
+    started = time.monotonic()
+    with pytest.raises(asyncckpt.WriterUnavailableError, match="bucket does not exist"):
+        asyncckpt.start_writer("s3://no-such-bucket/run", log_file=tmp_path / "a.log")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(asyncckpt.WriterUnavailableError, match="refused the credentials"):
+        asyncckpt.start_writer("s3://ckpt/run", log_file=tmp_path / "b.log")
+    assert time.monotonic() - started < 30
+
+
+def test_start_writer_fails_at_once_when_the_endpoint_is_unreachable(monkeypatch, tmp_path):
+    from benchmarks.s3server import free_port
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    for key, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true",
+                       "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                       "ASYNCCKPT_MAX_ATTEMPTS": "2"}.items():
+        monkeypatch.setenv(key, value)
+    started = time.monotonic()
+    with pytest.raises(asyncckpt.WriterUnavailableError, match=f"cannot reach {endpoint}"):
+        asyncckpt.start_writer("s3://ckpt/run", log_file=tmp_path / "w.log")
+    assert time.monotonic() - started < 30
+
+
+def test_unsupported_schemes_are_refused_everywhere_and_write_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for url in ("gs://b/run", "az://c/run", "file:///tmp/run"):
+        for use in (asyncckpt.start_writer, asyncckpt.load, asyncckpt.verify):
+            with pytest.raises(asyncckpt.CheckpointError, match="roots are not supported"):
+                use(url)
+        done = cli("verify", url)
+        assert done.returncode == 2 and "roots are not supported" in done.stderr
+    assert list(tmp_path.iterdir()) == []
