@@ -26,8 +26,7 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
 from asyncckpt.format.layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
 from asyncckpt.format.manifest import Frame
 from asyncckpt.read.checkpoint import Checkpoint
-from asyncckpt.storage.location import ObjectPath, exists, is_file, root_path, storage_for
-from asyncckpt.storage.posix import read_small_file
+from asyncckpt.storage.location import exists, is_file, root_path, storage_for
 
 Progress = Callable[[str, int, int], None]
 """Called after each frame: (checkpoint path, stored bytes verified, stored bytes to verify)."""
@@ -174,7 +173,7 @@ def verify_root_pointer(root: Path) -> CheckpointReport | None:
     storage = storage_for(root)
     report = CheckpointReport(str(latest), storage.read_latest())
     if report.step is None or report.step not in storage.committed_steps():
-        text = None if isinstance(latest, ObjectPath) else read_small_file(latest, 64)
+        text = storage.latest_bytes()
         shown = (repr(text.decode(errors="replace").strip()) if text is not None
                  else "something that is not a regular file of at most 64 bytes")
         report.problem(f"{LATEST_NAME} names {shown}, "

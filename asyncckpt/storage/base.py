@@ -138,6 +138,10 @@ class Storage(ABC):
         """The step `latest` names, or None if it is absent, unreadable or not ours."""
 
     @abstractmethod
+    def latest_bytes(self) -> bytes | None:
+        """What `latest` holds, if it is a file (an object) of at most 64 bytes."""
+
+    @abstractmethod
     def open_step_file(self, step: int, name: str) -> ReadFile | None:
         """File `name` of step `step`, committed else retired; None if in neither."""
 

@@ -134,7 +134,7 @@ def _failure(e: BaseException, what: str, location: str) -> ObjectStoreError:
         cause = f"{endpoint} answered {code}: {e}"
         number = errno.EIO
     else:
-        cause = f"cannot reach {endpoint}: {type(e).__name__}: {e}"
+        cause = f"cannot reach {endpoint} ({type(e).__name__})"
         number = errno.EIO
     return ObjectStoreError(number, f"{what} {location}: {cause}")
 
@@ -423,12 +423,16 @@ class S3Storage(Storage):
     def occupied(self, step: int, *, retired: bool = False) -> bool:
         return self.has_step(step, retired=retired)
 
-    def read_latest(self) -> int | None:
+    def latest_bytes(self) -> bytes | None:
         got = self._get(self._key(LATEST_NAME), _LATEST_MAX)
-        if got is None:
+        return None if got is None else got[0]
+
+    def read_latest(self) -> int | None:
+        text = self.latest_bytes()
+        if text is None:
             return None
         try:
-            return parse_step_dir(got[0].decode("ascii").strip())
+            return parse_step_dir(text.decode("ascii").strip())
         except UnicodeDecodeError:
             return None
 
