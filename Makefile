@@ -17,7 +17,7 @@ VERL_SPEC   ?= verl==0.9.1
 TITAN_VENV  ?= $(VENV)-titan
 TITAN_SPEC  ?= torchtitan==0.3.0
 
-.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage bench-dcp
+.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage bench-dcp bench-s3
 
 setup: $(VENV)/.installed
 
@@ -127,6 +127,14 @@ bench-stage: setup
 bench-dcp: setup
 	$(BIN)/pip install -q -e ".[dcpbench]"
 	$(BIN)/python -m benchmarks.dcp --gib 1,4 --fsdp2-gib 1 --reps 3 --out benchmarks/results/dcp.md
+
+# An object-store root against SeaweedFS on loopback: time to durable and cold load of a
+# 1 GiB state next to a plain multipart upload / ranged download of the same bytes and to
+# s3torchconnector's DCP writer and reader; then the S3 client comparison.
+bench-s3: setup
+	$(BIN)/pip install -q -e ".[s3bench]"
+	$(BIN)/python -m benchmarks.s3 --gib 1 --reps 3 --out benchmarks/results/s3
+	$(BIN)/python -m benchmarks.s3_clients --mib 256 --reps 3 --out benchmarks/results/s3_clients.md
 
 # Writer private memory while a 4 GiB state streams through a 256 MiB ring.
 bench-memory: setup

@@ -225,6 +225,8 @@ class ObjectStoreKnobs(_FromEnv):
         parts_in_flight: parts of one data file uploading at once (each a buffer of
             `part_size`: the writer's memory for a file is about (1 + this) parts).
         max_attempts: attempts per request, transient errors retried with backoff.
+        read_threads: threads reading (ranged GETs in flight), verifying and decoding
+            frames of a checkpoint in the store (its latency, not the CPU, bounds a read).
         connect_timeout, read_timeout: seconds for a connection, and for a response.
         sweep_age: seconds after which a writer taking the root removes an unfinished
             multipart upload or a step's data without a manifest (another writer's save
@@ -234,6 +236,7 @@ class ObjectStoreKnobs(_FromEnv):
     part_size: int = 8 * MiB
     parts_in_flight: int = 4
     max_attempts: int = 4
+    read_threads: int = 8
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
     sweep_age: float = 3600.0
@@ -245,6 +248,8 @@ class ObjectStoreKnobs(_FromEnv):
                  self.parts_in_flight)
         _require(1 <= self.max_attempts <= 20, "max_attempts", "between 1 and 20",
                  self.max_attempts)
+        _require(1 <= self.read_threads <= 256, "read_threads", "between 1 and 256",
+                 self.read_threads)
         for name in ("connect_timeout", "read_timeout"):
             _require(getattr(self, name) > 0, name, "positive", getattr(self, name))
         _require(self.sweep_age >= 0, "sweep_age", "at least 0", self.sweep_age)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from asyncckpt.errors import CheckpointError
 from asyncckpt.format.tree import unflatten
 from asyncckpt.integrations.dcp_writer import _STEP_ID
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
-from asyncckpt.storage.posix import local_path
+from asyncckpt.storage.location import Location, ObjectPath, is_dir, root_path
 
 
 class _Value:
@@ -118,10 +117,10 @@ class StorageReader(dcp.StorageReader):
                 a step directory).
             limits: reader limits (default `ReadLimits.from_env()`).
         """
-        self.root = None if root is None else local_path(root)
+        self.root = None if root is None else root_path(root)
         self.step = step
         self.limits = limits
-        self._target: tuple[Path | None, int | None] = (self.root, step)
+        self._target: tuple[Location | None, int | None] = (self.root, step)
         self._index: _Index | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,9 +131,9 @@ class StorageReader(dcp.StorageReader):
         if checkpoint_id is None:
             self._target = (self.root, self.step)
             return
-        path = local_path(checkpoint_id)
+        path = root_path(checkpoint_id)
         m = _STEP_ID.fullmatch(path.name)
-        if m is not None and not path.is_dir():  # torchtitan's ROOT/step-N, unpadded
+        if m is not None and not is_dir(path):  # torchtitan's ROOT/step-N, unpadded
             self._target = (path.parent, int(m.group(1)))
         else:
             self._target = (path, None)
@@ -194,7 +193,12 @@ class StorageReader(dcp.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        path = Path(os.fspath(checkpoint_id))
+        try:
+            path = root_path(checkpoint_id)
+        except CheckpointError:
+            return False
+        if isinstance(path, ObjectPath):
+            return True  # an s3:// id is ours to open (errors then say what is there)
         return (path / "manifest.json").is_file() or (path.is_dir() and any(
             _STEP_ID.fullmatch(p.name) for p in path.iterdir()))
 

@@ -36,7 +36,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future as ConcurrentFuture
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ from asyncckpt.rank.client import Client
 from asyncckpt.rank.flatten import Pickled, flatten
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.ringsize import ring_for
-from asyncckpt.storage.posix import local_path
+from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.dtensor import Chunk
 
 _STEP_ID = re.compile(r"step[-_]?(\d+)")
@@ -60,14 +59,14 @@ _clients: dict[str, Client] = {}
 _clients_lock = threading.Lock()
 
 
-def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, int]:
+def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Location, int]:
     """(root, step) of a DCP checkpoint id `ROOT/step-N` (torchtitan's form; `step_N`,
     `stepN` and asyncckpt's `step-0000000N` too).
 
     Raises:
         ValueError: the id's last part names no step.
     """
-    path = local_path(checkpoint_id)
+    path = root_path(checkpoint_id)
     m = _STEP_ID.fullmatch(path.name)
     if m is None or int(m.group(1)) > MAX_STEP:
         raise ValueError(f"checkpoint_id {os.fspath(checkpoint_id)!r} names no step: asyncckpt "
@@ -120,14 +119,14 @@ class StorageWriter(dcp.StorageWriter):
         """
         if step is not None and (type(step) is not int or not 0 <= step <= MAX_STEP):
             raise ValueError(f"step must be an int in 0..{MAX_STEP}; got {step!r}")
-        self.root = None if root is None else local_path(root)
+        self.root = None if root is None else root_path(root)
         self.step = step
         self.address = address
         self.ring_size = ring_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.staging_future = staging_future
         self._client = self._given = client
-        self._target: tuple[Path | None, int | None] = (self.root, step)
+        self._target: tuple[Location | None, int | None] = (self.root, step)
         self._staging = False
         self._handle: SaveHandle | None = None      # this save's, or the staged one's
         self._staged: SaveHandle | None = None      # staged by stage(), awaiting its commit
@@ -286,7 +285,7 @@ class StorageWriter(dcp.StorageWriter):
             results.append(WriteResult(item.index, data.numel() * data.element_size(), None))
         return state, results
 
-    def _connect(self, root: Path | None, nbytes: int) -> Client:
+    def _connect(self, root: Location | None, nbytes: int) -> Client:
         if self._client is None:
             self._client = _client_for(self.address, ring_for(nbytes, self.ring_size))
         if root is not None and root.resolve() != self._client.root.resolve():

@@ -251,7 +251,8 @@ class Checkpoint:
         """Rank `rank`'s verified reader (opened, and its header checked, on first use;
         then the kernel is asked to start reading its first `prefetch` raw bytes)."""
         if self._readers is None:
-            self._readers = Readers(self.directory, self.manifest, self.limits.read_threads,
+            self._readers = Readers(self.directory, self.manifest,
+                                    self.storage.read_threads or self.limits.read_threads,
                                     self.storage)
         return self._readers(self.check_rank(rank), prefetch)
 

@@ -109,6 +109,7 @@ class Storage(ABC):
     """
 
     root: Path  # an ObjectPath (storage.location) for an object store
+    read_threads: int | None = None  # frames read at once, if not the reader's own limit
 
     # -- what the root holds ---------------------------------------------------------
 

@@ -7,8 +7,8 @@ arrive (parts of `part_size`, a few in flight, each request retried with backoff
 the manifest `PREFIX/step-N/manifest.json` is put last with `If-None-Match: *`: one write
 that makes the step a checkpoint, refused if the step is already one. A step without its
 manifest is never listed, loaded or named by `latest`; its objects are garbage that the
-step's next attempt clears before it writes, and that a writer taking the root sweeps
-once they are `sweep_age` old (with unfinished multipart uploads).
+step's next attempt replaces or deletes, and that a writer taking the root sweeps once
+they are `sweep_age` old (with unfinished multipart uploads).
 
 `latest` is replaced by a conditional put (`If-Match` on the ETag read just before, or
 `If-None-Match` when there is none), so two writers never interleave a read and a write;
@@ -26,10 +26,15 @@ one of the candidates measured here (benchmarks/s3_clients.py) that exposes the 
 multipart protocol (list and abort unfinished uploads, per-part retry) and conditional
 puts; obstore uploads faster but cannot list or abort an upload a crash left.
 
-One writer per root: an object store has no lock a crashed writer releases, so unlike a
+Every data object is created, never written over: what an earlier attempt left at its
+key is deleted first and the new one completes with `If-None-Match: *`, so a lagging
+upload of a failed attempt cannot replace committed bytes. Several nodes write their
+ranks' files (and part objects) under the one step prefix; `publish` deletes whatever
+the manifest does not name before it puts the manifest.
+
+One job per root: an object store has no lock a crashed writer releases, so unlike a
 local root, two jobs writing one prefix are not refused (their commits still cannot
-both claim a step). Replacing a committed step and several nodes committing one step are
-not supported on object-store roots yet; both are refused with a clear error.
+both claim a step). Replacing a committed step is not supported here (refused).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
-from asyncckpt.config import ObjectStoreKnobs
+from asyncckpt.config import MAX_FRAME_BYTES, ObjectStoreKnobs
 from asyncckpt.errors import CheckpointError, StepAlreadyCommittedError
 from asyncckpt.format.layout import (
     LATEST_NAME,
@@ -54,6 +59,7 @@ from asyncckpt.format.layout import (
     retired_dir_name,
     step_dir_name,
 )
+from asyncckpt.format.manifest import parse_manifest
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import DataFile, ReadFile, Storage
 from asyncckpt.storage.location import ObjectPath
@@ -188,6 +194,10 @@ class S3DataFile(DataFile):
     def __init__(self, s3: Any, location: ObjectPath, knobs: ObjectStoreKnobs,
                  pool: ThreadPoolExecutor) -> None:
         self._s3, self.path, self._knobs, self._pool = s3, location, knobs, pool
+        try:  # an earlier attempt's file: the new one is created, never written over
+            s3.delete_object(Bucket=location.bucket, Key=location.key)
+        except Exception as e:
+            raise _failure(e, "clearing", str(location)) from None
         self.size = 0
         self._buffer = bytearray()
         self._upload: str | None = None
@@ -242,24 +252,29 @@ class S3DataFile(DataFile):
                 raise f.exception()  # type: ignore[misc]
 
     def sync(self) -> None:
-        """Upload what is left and complete the object (crash point `data_fsynced`)."""
+        """Upload what is left and complete the object, with If-None-Match: a stale
+        upload of an earlier attempt that completes late is refused, never written over
+        this one (and this one is refused if such an upload won). Crash point
+        `data_fsynced` after."""
         faults.io("fsync", self.path)
-        if self._upload is None:
-            try:
+        try:
+            if self._upload is None:
                 self._s3.put_object(Bucket=self.path.bucket, Key=self.path.key,
-                                    Body=bytes(self._buffer))
-            except Exception as e:
-                raise _failure(e, "writing", str(self.path)) from None
-        else:
-            if self._buffer or not self._parts:
-                self._send_part()
-            parts = [f.result() for f in self._parts]
-            try:
+                                    Body=bytes(self._buffer), IfNoneMatch="*")
+            else:
+                if self._buffer or not self._parts:
+                    self._send_part()
+                parts = [f.result() for f in self._parts]
                 self._s3.complete_multipart_upload(
                     Bucket=self.path.bucket, Key=self.path.key, UploadId=self._upload,
-                    MultipartUpload={"Parts": parts})
-            except Exception as e:
-                raise _failure(e, "completing the upload of", str(self.path)) from None
+                    MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        except ObjectStoreError:
+            raise
+        except Exception as e:
+            if _precondition(e):
+                raise ObjectStoreError(errno.EEXIST, f"{self.path} was created by another "
+                                       "upload meanwhile (a stale attempt at this step)") from None
+            raise _failure(e, "completing", str(self.path)) from None
         self._buffer = bytearray()
         self._done = True
         faults.point("data_fsynced")
@@ -289,6 +304,7 @@ class S3Storage(Storage):
     def __init__(self, root: ObjectPath, knobs: ObjectStoreKnobs | None = None) -> None:
         self.root = root
         self.knobs = knobs or ObjectStoreKnobs.from_env()
+        self.read_threads = self.knobs.read_threads
         self._s3 = client(self.knobs)
         self._prefix = f"{root.key}/" if root.key else ""
         self._pool: ThreadPoolExecutor | None = None
@@ -496,14 +512,14 @@ class S3Storage(Storage):
     # -- writing a step --------------------------------------------------------------
 
     def make_tmp(self, step: int, name: str | None = None) -> ObjectPath:
-        """The step's own prefix, cleared of what an earlier attempt left (the caller
-        has checked the step is not committed)."""
-        prefix = self._key(f"{step_dir_name(step)}/")
-        stale = [item["Key"] for item in self._list(prefix)]
-        if stale:
-            log.info("removing %d objects an unfinished save of step %d left", len(stale), step)
-            self._delete(stale)
-        return self._object(prefix.rstrip("/"))
+        """The step's own prefix, shared by every node's writer of the step (what an
+        earlier attempt left there is cleared file by file as the new one writes, and
+        the rest at `publish`)."""
+        return self._object(self._key(step_dir_name(step)))
+
+    def write_object(self, directory: ObjectPath, name: str, data: bytes) -> None:
+        """A small object `name` in `directory` (a node's part of a step), whole."""
+        self._put((directory / name).key, data)
 
     def create_data_file(self, tmp: Any, name: str, window: int,
                          writeback: str = "range") -> S3DataFile:
@@ -518,6 +534,12 @@ class S3Storage(Storage):
         if replace:
             raise ObjectStoreError(errno.EOPNOTSUPP, "replacing a committed step is not "
                                    "supported on object-store roots", str(tmp))
+        files = parse_manifest(manifest, max_frame_bytes=MAX_FRAME_BYTES).ranks
+        named = {MANIFEST_NAME} | {p.file for p in files}
+        stale = [item["Key"] for item in self._list(f"{tmp.key}/")
+                 if item["Key"][len(tmp.key) + 1:] not in named]
+        if stale:  # parts, and files an earlier attempt left: a step holds what it names
+            self._delete(stale)
         faults.io("rename", tmp)
         if not self._put(f"{tmp.key}/{MANIFEST_NAME}", manifest, IfNoneMatch="*"):
             raise StepAlreadyCommittedError(f"{tmp} already has a manifest; a committed step "

@@ -34,6 +34,7 @@ from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import read_manifest_at
 from asyncckpt.storage.posix import read_small_file
+from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.writer.owners import OwnerMark
 
 log = logging.getLogger("asyncckpt.writer")
@@ -75,18 +76,21 @@ def part_file_name(rank: int) -> str:
     return f"part-{rank:05d}.json"
 
 
-def write_part(tmp_dir: Path, step: int, part: RankPart) -> None:
+def write_part(storage: Storage, tmp_dir: Path, step: int, part: RankPart) -> None:
     """Write rank `part.rank`'s part of `step` beside its (already fsynced) data file, for
     the leader of a several-node commit to read. It needs no fsync of its own: the
     leader copies it into the manifest, which is made durable before anything is visible.
     """
     path = tmp_dir / part_file_name(part.rank)
     faults.io("write", path)
+    if isinstance(storage, S3Storage):
+        storage.write_object(tmp_dir, part_file_name(part.rank), part_to_bytes(step, part))
+        return
     with open(path, "xb") as f:
         f.write(part_to_bytes(step, part))
 
 
-def gather_parts(root: Path, tmp_dir: Path, step: int, announced: dict[int, str],
+def gather_parts(storage: Storage, tmp_dir: Path, step: int, announced: dict[int, str],
                  max_frame_bytes: int) -> list[RankPart]:
     """The leader's half of a several-node commit: read every rank's part file from the
     tmp directory it announced, check it with the manifest's rules and its data file's
@@ -102,6 +106,9 @@ def gather_parts(root: Path, tmp_dir: Path, step: int, announced: dict[int, str]
         SaveFailedError: a name that is not a tmp directory of `step`, a missing, corrupt
             or mismatched part or data file, or an I/O error.
     """
+    if isinstance(storage, S3Storage):
+        return _gather_objects(storage, tmp_dir, step, announced, max_frame_bytes)
+    root = storage.root
     parts = []
     try:
         for rank in range(len(announced)):
@@ -140,6 +147,41 @@ def gather_parts(root: Path, tmp_dir: Path, step: int, announced: dict[int, str]
 
 
 _MAX_PART = 512 << 20
+
+
+def _gather_objects(storage: S3Storage, tmp_dir: Path, step: int, announced: dict[int, str],
+                    max_frame_bytes: int) -> list[RankPart]:
+    """`gather_parts` on an object store: every node wrote its ranks' files under the
+    step's own prefix, so nothing moves; each part is read and checked against its data
+    object's size (the part objects are deleted when the step is published)."""
+    parts = []
+    try:
+        for rank in range(len(announced)):
+            if announced[rank] != tmp_dir.name:
+                raise SaveFailedError(f"rank {rank} announced {announced[rank]!r:.80}, not "
+                                      f"{tmp_dir.name}", step=step, rank=rank)
+            with storage.open_file(tmp_dir, part_file_name(rank)) as f:
+                if f.size > _MAX_PART:
+                    raise SaveFailedError(f"part of rank {rank} is {f.size} bytes", step=step,
+                                          rank=rank, file=str(tmp_dir))
+                data = bytearray(f.size)
+                f.read_into(0, [memoryview(data)])
+            part = parse_part(bytes(data), step=step, rank=rank, max_frame_bytes=max_frame_bytes)
+            with storage.open_file(tmp_dir, part.file) as f:
+                if f.size != part.stored_size:
+                    raise SaveFailedError(f"{part.file} has {f.size} bytes, its part says "
+                                          f"{part.stored_size}", step=step, rank=rank,
+                                          file=str(tmp_dir))
+            parts.append(part)
+    except FileNotFoundError as e:
+        raise SaveFailedError(f"a node's part or data file is missing: {e}", step=step,
+                              file=str(tmp_dir)) from None
+    except OSError as e:
+        raise io_error(e, step=step, file=str(tmp_dir)) from e
+    except CorruptCheckpointError as e:
+        raise SaveFailedError(f"a node's part is unusable: {e.cause}", step=step) from None
+    faults.point("parts_gathered")
+    return parts
 
 
 def update_latest(storage: Storage, trusted: int | None = None) -> None:

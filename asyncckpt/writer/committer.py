@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.manifest import Manifest
+from asyncckpt.storage.location import is_object
 from asyncckpt.storage.base import Storage
 from asyncckpt.writer import commit, owners
 from asyncckpt.writer.dedup import DedupIndex
@@ -60,7 +61,10 @@ def release(step: int, index: DedupIndex | None) -> None:
 
 
 def sweep_dead(root: Path) -> None:
-    """Remove what writers that are gone left under `root`."""
+    """Remove what writers that are gone left under `root` (a local root: an object
+    store's writers hold no owner files, their leftovers are swept by age)."""
+    if is_object(root):
+        return
     for name in owners.sweep_dead(root):
         log.info("removed %s, left by a writer that is gone", name)
 
@@ -132,7 +136,7 @@ class Committer:
     def _publish(self, current: Step) -> tuple[Manifest, Path]:
         """Gather the parts, check the manifest as a reader would, and publish the step."""
         if current.announced is not None:
-            parts = commit.gather_parts(self.root, current.tmp_dir, current.number,
+            parts = commit.gather_parts(self.storage, current.tmp_dir, current.number,
                                         current.announced, self._max_frame_bytes)
         else:
             parts = [current.parts[r] for r in range(current.world_size)]

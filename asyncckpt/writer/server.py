@@ -62,7 +62,7 @@ class WriterServer:
                                                max_frame_bytes=self.knobs.max_frame_bytes)
         self.root = root_path(root).resolve()
         if isinstance(self.root, ObjectPath):
-            self.storage, self._lock, self.owner = self._take_bucket(job)
+            self.storage, self._lock, self.owner = self._take_bucket()
             self.root_id = self.storage.identity()  # type: ignore[union-attr]
         else:
             self.storage, self._lock, self.owner = self._take_directory(job)
@@ -106,13 +106,9 @@ class WriterServer:
                 log.info("a crash interrupted the replacement of a step: settled %s", name)
         return storage, lock, owner
 
-    def _take_bucket(self, job: str | None) -> tuple[S3Storage, None, None]:
+    def _take_bucket(self) -> tuple[S3Storage, None, None]:
         """Reach an object-store root (a clear error now if it cannot be) and sweep what
         is old enough to be abandoned; no lock (storage/s3.py)."""
-        if job is not None:
-            raise SaveFailedError("several nodes committing one step to an object-store root "
-                                  "are not supported yet: give each node a root of its own, "
-                                  "or use a shared filesystem", file=str(self.root))
         storage = S3Storage(self.root)
         try:
             storage.check()

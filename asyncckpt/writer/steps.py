@@ -372,7 +372,7 @@ class Steps:
     def _part_durable(self, current: Step, part: RankPart) -> None:
         """Write the part file beside the rank's data, then tell the rank its tmp dir."""
         try:
-            commit.write_part(current.tmp_dir, current.number, part)
+            commit.write_part(self.storage, current.tmp_dir, current.number, part)
             faults.point("part_written")
         except Exception as e:
             self.fail(current.number, commit.io_error(e, step=current.number, rank=part.rank)

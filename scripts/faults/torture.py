@@ -19,6 +19,14 @@ back, or one byte of a frame that the newest step references flips. The steps th
 shared those bytes are damaged by the attack itself and are left out of the checks;
 every step committed after it must verify and load, so new saves never reference a
 linked or damaged step.
+
+With `--s3` the root is a prefix of a bucket on a SeaweedFS server started here, and the
+S3 server itself is among the victims (SIGKILLed and restarted while the writer runs).
+The same checks run after every kill, and a restarted writer (started with sweep_age 0:
+every earlier writer is dead) must leave no multipart upload and no step prefix without
+a manifest. The attacks on the root (a step linked back from elsewhere, a byte flipped in
+place) are local-file attacks and are not run there; tests/faults/test_s3_faults.py flips
+bytes in stored objects instead.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -46,7 +55,13 @@ from asyncckpt.format.manifest import read_manifest  # noqa: E402
 from asyncckpt.read.verification import verify_checkpoint  # noqa: E402
 from asyncckpt.runtime import faults  # noqa: E402
 from asyncckpt.runtime.procstat import ring_mappings  # noqa: E402
-from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.location import (  # noqa: E402
+    Location,
+    ObjectPath,
+    exists,
+    read_manifest_at,
+    storage_for,
+)
 
 
 # Ranks are forked from a server that has imported torch and asyncckpt once: a rank is
@@ -57,15 +72,16 @@ _LAUNCHER.set_forkserver_preload(["torch", "asyncckpt.rank.client", "torture_ran
 
 
 class Job:
-    def __init__(self, root: Path, ranks: int, rng: random.Random) -> None:
+    def __init__(self, root: Location, ranks: int, rng: random.Random, logs: Path) -> None:
         self.root, self.world, self.rng = root, ranks, rng
         self.address = str(Path(tempfile.mkdtemp(prefix="torture-")) / "w.sock")
-        self.log = open(root.parent / "writer.log", "ab")
+        self.log = open(logs / "writer.log", "ab")
         self.writer: subprocess.Popen | None = None
         self.ranks: list[multiprocessing.process.BaseProcess] = []
 
     def start_writer(self, crash_at: str | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_CRASH_AT"}
+        env["ASYNCCKPT_SWEEP_AGE"] = "0"  # an object store's leftovers: every writer before is dead
         if crash_at:
             env["ASYNCCKPT_CRASH_AT"] = crash_at
         self.writer = subprocess.Popen(
@@ -78,7 +94,7 @@ class Job:
             raise RuntimeError("writer did not start")
 
     def start_ranks(self) -> None:
-        steps = PosixStorage(self.root).committed_steps()
+        steps = storage_for(self.root).committed_steps()
         start = (steps[-1] if steps else 0) + 1
         self.ranks = [_LAUNCHER.Process(target=torture_rank.serve,
                                         args=(self.address, r, self.world, start))
@@ -101,17 +117,17 @@ class Job:
         return self.writer.wait(60)
 
 
-def check(root: Path, world: int, damaged: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+def check(root: Location, world: int, damaged: set[int] = frozenset()) -> int:  # type: ignore[assignment]
     """Verify and load every committed checkpoint but the `damaged` ones (an attack
     damaged them); returns how many were checked."""
     checked = 0
-    for step in PosixStorage(root).committed_steps():
+    for step in storage_for(root).committed_steps():
         if step in damaged:
             continue
         directory = root / f"step-{step:08d}"
         report = verify_checkpoint(directory)
         if not report.ok:
-            if not directory.exists():
+            if not exists(directory / "manifest.json"):
                 continue  # pruned by retention while we looked
             raise AssertionError(f"committed step {step} does not verify: {report.problems}")
         for rank in range(world):
@@ -122,21 +138,37 @@ def check(root: Path, world: int, damaged: set[int] = frozenset()) -> int:  # ty
             assert loaded["opt"][0]["exp_avg"].equal(want["opt"][0]["exp_avg"]), (step, rank)
             assert loaded["frozen"].equal(want["frozen"]), (step, rank)
         checked += 1
-    latest = PosixStorage(root).read_latest()
-    assert latest is None or latest in PosixStorage(root).committed_steps(), f"latest names {latest}"
+    latest = storage_for(root).read_latest()
+    assert latest is None or latest in storage_for(root).committed_steps(), f"latest names {latest}"
     return checked
 
 
-def retired_now(root: Path) -> list[str]:
-    return [p.name for p in root.iterdir() if p.name.endswith(".retired")]
+def retired_now(root: Location) -> list[str]:
+    return [f"step-{s:08d}.retired" for s in storage_for(root).retired_steps()]
 
 
-def references(root: Path) -> int:
+def leftovers(root: Location) -> list[str]:
+    """What a writer's start must have swept: tmp directories, or on an object store
+    unfinished uploads and step prefixes without a manifest."""
+    if not isinstance(root, ObjectPath):
+        return [p.name for p in root.iterdir() if ".tmp-" in p.name]
+    s = storage_for(root)
+    answer = s._s3.list_multipart_uploads(Bucket=root.bucket, Prefix=s._prefix)  # type: ignore[attr-defined]
+    left = [f"upload {u['Key']}" for u in answer.get("Uploads", [])]
+    known = set(s.committed_steps()) | set(s.retired_steps())
+    for item in s._list(s._prefix):  # type: ignore[attr-defined]
+        head, _, tail = item["Key"][len(s._prefix):].partition("/")  # type: ignore[attr-defined]
+        if tail and head.startswith("step-") and int(head[5:13]) not in known:
+            left.append(item["Key"])
+    return left
+
+
+def references(root: Location) -> int:
     """Committed steps that reference older ones (a step pruned meanwhile is skipped)."""
     count = 0
-    for step in PosixStorage(root).committed_steps():
+    for step in storage_for(root).committed_steps():
         try:
-            count += bool(read_manifest(root / f"step-{step:08d}").referenced_steps)
+            count += bool(read_manifest_at(root / f"step-{step:08d}").referenced_steps)
         except asyncckpt.CheckpointError:
             pass
     return count
@@ -145,7 +177,7 @@ def references(root: Path) -> int:
 def attack(root: Path, elsewhere: Path, rng: random.Random) -> tuple[str, set[int]]:
     """Link a referenced or retired step back from `elsewhere`, or flip a byte the newest
     step references. Returns (what was done, the committed steps that do not verify now)."""
-    steps = PosixStorage(root).committed_steps()
+    steps = storage_for(root).committed_steps()
     if not steps:
         return "", set()
     try:
@@ -173,16 +205,20 @@ def attack(root: Path, elsewhere: Path, rng: random.Random) -> tuple[str, set[in
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x10]))
         what = f"flipped a byte of {name}/{ref.file}"
-    damaged = {s for s in PosixStorage(root).committed_steps()
+    damaged = {s for s in storage_for(root).committed_steps()
                if not verify_checkpoint(root / f"step-{s:08d}").ok}
     return what, damaged
 
 
-def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> dict:
+def run(kills: int, ranks: int, seed: int, root: Location, verbose: bool = True, *,
+        logs: Path | None = None, server: Any = None) -> dict:
+    """`kills` kills of a job saving to `root`; with an object-store root, `server` (a
+    benchmarks.s3server.SeaweedServer) is killed and restarted among them."""
     rng = random.Random(seed)
-    job = Job(root, ranks, rng)
+    job = Job(root, ranks, rng, logs or root.parent)  # type: ignore[arg-type]
     job.start_writer()
     survived = checked = writer_kills = armed_deaths = referencing = attacks = 0
+    server_kills = 0
     retired_seen: set[str] = set()
     damaged: set[int] = set()   # committed steps an attack damaged: not checked
     attacked_at: int | None = None  # the newest step when the first attack came
@@ -196,6 +232,9 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
             if job.writer.poll() is not None:
                 armed_deaths += 1       # an armed crash point fired by itself
                 victim = "writer (crash point)"
+            elif server is not None and rng.random() < 0.1:
+                server.kill()
+                victim = "S3 server"
             elif rng.random() < 0.3:
                 job.writer.kill()
                 victim = "writer"
@@ -204,29 +243,33 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
                 job.ranks[rank].kill()
                 victim = f"rank {rank}"
             job.kill_ranks()
+            if victim == "S3 server":
+                server.start()
+                server_kills += 1
             if victim.startswith("writer"):
                 job.writer.wait()
                 writer_kills += 1
                 crash_at = rng.choice(faults.CRASH_POINTS) if rng.random() < 0.3 else None
                 job.start_writer(crash_at)
-                tmp = [p.name for p in root.iterdir() if ".tmp-" in p.name]
-                assert not tmp, f"writer start left tmp dirs {tmp}"
-                assert PosixStorage(root).read_latest() == (PosixStorage(root).committed_steps() or [None])[-1]
+                left = leftovers(root)
+                assert not left, f"writer start left {left}"
+                storage = storage_for(root)
+                assert storage.read_latest() == (storage.committed_steps() or [None])[-1]
             else:
                 time.sleep(0.2)  # let the writer fail the step the dead rank was in
                 rings = ring_mappings(job.writer.pid)
                 assert rings <= ranks, f"the writer maps {rings} rings for {ranks} ranks"
             checked += check(root, ranks, damaged)
             if attacked_at is not None:
-                after_attack |= {s for s in PosixStorage(root).committed_steps()
+                after_attack |= {s for s in storage_for(root).committed_steps()
                                  if s > attacked_at and s not in damaged}
-            if rng.random() < 0.1 and job.writer.poll() is None:
+            if server is None and rng.random() < 0.1 and job.writer.poll() is None:
                 what, hit = attack(root, root.parent / "elsewhere", rng)
                 if what:
                     attacks += 1
                     damaged |= hit
                     if attacked_at is None:
-                        attacked_at = (PosixStorage(root).committed_steps() or [0])[-1]
+                        attacked_at = (storage_for(root).committed_steps() or [0])[-1]
                     if verbose:
                         print(f"attack: {what}; damaged steps {sorted(hit)}", flush=True)
             referencing += references(root)
@@ -234,15 +277,16 @@ def run(kills: int, ranks: int, seed: int, root: Path, verbose: bool = True) -> 
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:22s} committed "
-                      f"{PosixStorage(root).committed_steps()}", flush=True)
+                      f"{storage_for(root).committed_steps()}", flush=True)
     finally:
         code = job.stop()
     result = {"kills_survived": survived, "writer_kills": writer_kills,
+              "server_kills": server_kills,
               "attacks": attacks, "steps_verified_after_an_attack": len(after_attack),
               "referencing_steps_verified": referencing,
               "retired_seen": len(retired_seen), "retired_now": len(retired_now(root)),
               "crash_point_deaths": armed_deaths, "checkpoints_verified": checked,
-              "last_step": (PosixStorage(root).committed_steps() or [0])[-1],
+              "last_step": (storage_for(root).committed_steps() or [0])[-1],
               "writer_exit": code, "seconds": round(time.monotonic() - started, 1)}
     return result
 
@@ -252,9 +296,19 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--s3", action="store_true",
+                        help="save to s3://ckpt/torture on a SeaweedFS server started here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="asyncckpt-torture-") as tmp:
-        result = run(args.kills, args.ranks, args.seed, Path(tmp) / "ckpt")
+        if args.s3:
+            sys.path.insert(0, str(HERE.parents[1]))
+            from benchmarks.s3server import SeaweedServer
+            with SeaweedServer(Path(tmp) / "s3") as server:
+                os.environ.update(server.env())
+                result = run(args.kills, args.ranks, args.seed, ObjectPath("/ckpt/torture"),
+                             logs=Path(tmp), server=server)
+        else:
+            result = run(args.kills, args.ranks, args.seed, Path(tmp) / "ckpt")
     print("torture:", " ".join(f"{k}={v}" for k, v in result.items()))
 
 

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_worker import _assert_same, build, full_state, leave, train  # noqa: E402
 
 import asyncckpt  # noqa: E402
+from asyncckpt.storage.location import exists, root_path  # noqa: E402
 from asyncckpt.dcp import StorageReader, StorageWriter  # noqa: E402
 
 
@@ -109,7 +110,7 @@ def hold(step: int) -> set[int]:
 
 def save(out: Path) -> int:
     rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
-    root = Path(os.environ["MN_ROOT"])
+    root = root_path(os.environ["MN_ROOT"])  # a directory, or s3://bucket/prefix
     steps = [int(s) for s in os.environ["MN_STEPS"].split(",")]
     keep_last = int(os.environ["MN_KEEP_LAST"]) if os.environ.get("MN_KEEP_LAST") else None
     result_path = out / f"result-{os.environ.get('MN_TAG', 'save')}-rank{rank}.json"
@@ -168,12 +169,12 @@ def save(out: Path) -> int:
 
 def load(out: Path) -> int:
     rank = dist.get_rank()
-    root = Path(os.environ["MN_ROOT"])
+    root = root_path(os.environ["MN_ROOT"])  # a directory, or s3://bucket/prefix
     checked = []
     for ref in sorted(out.glob("reference-*.pt"), key=lambda p: int(p.stem.split("-")[1])):
         step = int(ref.stem.split("-")[1])
         directory = root / f"step-{step:08d}"
-        if not directory.exists():
+        if not exists(directory / "manifest.json"):
             continue
         model, optim = build(seed=1)  # other values: everything must come from the load
         model_sd, optim_sd = get_state_dict(model, optim)

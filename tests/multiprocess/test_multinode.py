@@ -25,6 +25,7 @@ import pytest
 from multinode import Cluster, ring_mapping_pids, wait_for
 
 from asyncckpt.format.layout import tmp_step_of
+from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 
@@ -287,3 +288,25 @@ def test_second_writer_of_a_job_joins_while_the_first_downgrades_its_lock(tmp_pa
         lock.release()
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("via", ["checkpointer", "dcp"])
+def test_two_nodes_commit_one_step_to_one_bucket(tmp_path, s3_root, via):
+    """2 nodes x 2 ranks, each node's writer on the same s3:// prefix: every node's data
+    objects are written under the step's prefix, the leader reads every part object and
+    puts the one manifest; nothing but the manifest and the data files is left, and the
+    step loads bit-exact at another layout."""
+    env = {"MN_STEPS": "2,5", "ASYNCCKPT_CODEC": "zstd", **({"MN_VIA": "dcp"} if via == "dcp" else {})}
+    run(tmp_path, "s3-save", 2, 2, "save", s3_root, env=env)
+    res = results(tmp_path, "s3-save", 4)
+    assert sorted(res) == [0, 1, 2, 3] and all(
+        r["steps"][s]["ok"] for r in res.values() for s in ("2", "5")), res
+    storage = storage_for(s3_root)
+    assert storage.committed_steps() == [2, 5] and storage.read_latest() == 5
+    for step in (2, 5):
+        names = storage.names(root_path(s3_root) / f"step-{step:08d}")
+        assert names == {"manifest.json"} | {f"rank-{r:05d}.safetensors.zst" for r in range(4)}, names
+    check = verify_exit(s3_root)
+    assert check.returncode == 0, check.stdout + check.stderr
+    run(tmp_path, "s3-load", 1, 3, "load", s3_root, env={"MN_VIA": "dcp"} if via == "dcp" else {})
+    assert all(r["checked"] == [2, 5] for r in results(tmp_path, "s3-load", 3).values())

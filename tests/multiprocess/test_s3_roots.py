@@ -161,3 +161,17 @@ def test_unsupported_schemes_are_refused_everywhere_and_write_nothing(tmp_path, 
         done = cli("verify", url)
         assert done.returncode == 2 and "roots are not supported" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_dcp_saves_to_and_loads_from_the_bucket_by_a_torchtitan_checkpoint_id(s3_root, s3_writer):
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt.dcp import StorageReader, StorageWriter
+    model = {"w": torch.randn(256, 64), "b": torch.arange(7), "lr": 0.5}
+    with asyncckpt.connect(s3_writer.address, rank=0, world_size=1) as c:
+        dcp.save(model, checkpoint_id=f"{s3_root}/step-12", storage_writer=StorageWriter(client=c))
+    assert storage_for(s3_root).committed_steps() == [12]
+    into = {"w": torch.zeros(256, 64), "b": torch.zeros(7, dtype=torch.int64), "lr": 0.0}
+    dcp.load(into, checkpoint_id=f"{s3_root}/step-12", storage_reader=StorageReader())
+    assert torch.equal(into["w"], model["w"]) and torch.equal(into["b"], model["b"])
+    assert into["lr"] == 0.5

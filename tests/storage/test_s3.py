@@ -6,6 +6,7 @@ unreachable or refuse us is a clear error naming what to fix."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -14,6 +15,7 @@ import pytest
 import asyncckpt
 from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import StepAlreadyCommittedError
+from asyncckpt.format.manifest import Manifest, RankPart
 from asyncckpt.storage.location import ObjectPath, root_path, storage_for
 from asyncckpt.storage.s3 import ObjectStoreError, S3Storage
 
@@ -21,15 +23,25 @@ MiB = 1 << 20
 pytestmark = pytest.mark.process  # a SeaweedFS server runs for these tests
 
 
-def write_step(storage: S3Storage, step: int, files: dict[str, bytes],
-               manifest: bytes = b"{}") -> ObjectPath:
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def manifest(step: int, world: int = 1) -> bytes:
+    """A valid manifest naming `world` data files (what publish keeps under the step)."""
+    parts = [RankPart(r, rank_file(r), "raw", 0, 0, [], [], {"dict": []}) for r in range(world)]
+    return Manifest(step=step, world_size=world, ranks=parts).to_bytes()
+
+
+def write_step(storage: S3Storage, step: int, data: list[bytes]) -> ObjectPath:
+    """Step `step` with one data file per entry of `data`, committed."""
     tmp = storage.make_tmp(step)
-    for name, data in files.items():
-        f = storage.create_data_file(tmp, name, 0)
-        f.append([memoryview(data)])
+    for rank, body in enumerate(data):
+        f = storage.create_data_file(tmp, rank_file(rank), 0)
+        f.append([memoryview(body)])
         f.sync()
         f.close()
-    return storage.publish(tmp, step, manifest)
+    return storage.publish(tmp, step, manifest(step, len(data)))
 
 
 def keys(storage: S3Storage) -> set[str]:
@@ -70,7 +82,7 @@ def test_a_multipart_data_file_reads_back_by_ranges_bit_exact(storage):
     assert uploads(storage) and f.size == len(data)
     f.sync()
     f.close()
-    storage.publish(tmp, 1, b"{}")
+    storage.publish(tmp, 1, manifest(1))
     opened = storage.open_step_file(1, "rank-00000.safetensors")
     assert opened is not None and opened.size == len(data)
     a, b = bytearray(5 * MiB), bytearray(MiB)
@@ -94,28 +106,46 @@ def test_a_step_without_its_manifest_is_not_listed_and_a_closed_file_aborts_its_
 
 
 def test_publish_is_one_conditional_put_that_a_second_commit_cannot_win(storage):
-    write_step(storage, 4, {"a": b"x" * 10}, b"first")
+    write_step(storage, 4, [b"x" * 10])
     with pytest.raises(StepAlreadyCommittedError, match="already has a manifest"):
-        storage.publish(storage.root / "step-00000004", 4, b"second")
+        storage.publish(storage.root / "step-00000004", 4, manifest(4, 2))
     with storage.open_file(storage.root / "step-00000004", "manifest.json") as f:
         out = bytearray(f.size)
         f.read_into(0, [memoryview(out)])
-    assert bytes(out) == b"first"
+    assert json.loads(out)["manifest"]["world_size"] == 1  # the first commit's
 
 
-def test_a_new_attempt_at_a_step_clears_what_a_failed_one_left(storage):
+def test_a_new_attempt_at_a_step_holds_only_its_own_files(storage):
+    write_files = lambda tmp, bodies: [  # noqa: E731
+        (f := storage.create_data_file(tmp, rank_file(r), 0), f.append([memoryview(b)]),
+         f.sync()) for r, b in enumerate(bodies)]
+    write_files(storage.make_tmp(5), [b"old0", b"old1", b"old2"])  # a failed world of 3
     tmp = storage.make_tmp(5)
-    for name in ("rank-00000.safetensors", "rank-00001.safetensors"):
-        f = storage.create_data_file(tmp, name, 0)
-        f.append([memoryview(b"old")])
-        f.sync()
-    storage.make_tmp(5)  # the retry (one rank now): nothing of the old attempt remains
-    assert keys(storage) == set()
+    write_files(tmp, [b"new0"])  # the retry: one rank, its file created anew
+    storage.publish(tmp, 5, manifest(5))
+    assert keys(storage) == {"step-00000005/manifest.json", "step-00000005/" + rank_file(0)}
+    opened = storage.open_step_file(5, rank_file(0))
+    out = bytearray(4)
+    assert opened is not None and opened.read_into(0, [memoryview(out)]) == 4 and out == b"new0"
+
+
+def test_a_stale_upload_that_completes_late_never_overwrites_the_new_file(storage):
+    tmp = storage.make_tmp(6)
+    stale = storage.create_data_file(tmp, rank_file(0), 0)
+    stale.append([memoryview(os.urandom(9 * MiB))])  # an attempt whose writer lags behind
+    fresh = storage.create_data_file(tmp, rank_file(0), 0)
+    fresh.append([memoryview(b"fresh")])
+    fresh.sync()
+    with pytest.raises(ObjectStoreError, match="created by another upload meanwhile"):
+        stale.sync()
+    stale.close()
+    opened = storage.open_step_file(6, rank_file(0)) or storage.open_file(tmp, rank_file(0))
+    assert opened.size == 5 and uploads(storage) == []
 
 
 def test_latest_is_replaced_by_conditional_puts_and_never_moves_back(storage):
     for step in (1, 2, 3):
-        write_step(storage, step, {"a": b"x"})
+        write_step(storage, step, [b"x"])
     storage.write_latest(2)
     assert storage.read_latest() == 2
     errors: list[BaseException] = []
@@ -141,27 +171,29 @@ def test_latest_is_replaced_by_conditional_puts_and_never_moves_back(storage):
 
 
 def test_retire_then_delete_never_leaves_a_committed_step_with_missing_data(storage):
-    write_step(storage, 7, {"rank-00000.safetensors": b"data7"}, b"manifest7")
+    write_step(storage, 7, [b"data7"])
     storage.retire(7)
     assert storage.committed_steps() == [] and storage.retired_steps() == [7]
     assert not storage.has_step(7) and storage.has_step(7, retired=True)
     opened = storage.open_step_file(7, "rank-00000.safetensors")  # references still read
     assert opened is not None and opened.size == 5
     with storage.open_file(storage.root / "step-00000007.retired", "manifest.json") as f:
-        assert f.size == len(b"manifest7")
+        out = bytearray(f.size)
+        f.read_into(0, [memoryview(out)])
+    assert json.loads(out)["manifest"]["step"] == 7
     victim = storage.unpublish(7, retired=True)
     assert storage.retired_steps() == [] and storage.committed_steps() == []
     storage.discard(victim)
     assert keys(storage) == set()
-    write_step(storage, 8, {"a": b"x"})
+    write_step(storage, 8, [b"x"])
     storage.discard(storage.unpublish(8))
-    assert keys(storage) == set() and storage.open_step_file(8, "a") is None
+    assert keys(storage) == set() and storage.open_step_file(8, rank_file(0)) is None
 
 
 def test_a_retired_step_half_deleted_by_a_crash_is_still_not_a_checkpoint(storage):
-    write_step(storage, 9, {"a": b"x"}, b"m")
+    write_step(storage, 9, [b"x"])
     storage.retire(9)
-    storage._put(storage._key("step-00000009/manifest.json"), b"m")  # crash before the delete
+    storage._put(storage._key("step-00000009/manifest.json"), manifest(9))  # crash before the delete
     assert storage.committed_steps() == [] and storage.retired_steps() == [9]
     storage.discard(storage.unpublish(9, retired=True))
     assert storage.committed_steps() == [] and keys(storage) == set()
@@ -170,7 +202,7 @@ def test_a_retired_step_half_deleted_by_a_crash_is_still_not_a_checkpoint(storag
 def test_the_sweep_takes_old_uploads_and_manifestless_data_and_spares_young_ones(s3_root):
     young = S3Storage(root_path(s3_root))
     old = S3Storage(root_path(s3_root), ObjectStoreKnobs(sweep_age=0))
-    write_step(young, 1, {"a": b"kept"})
+    write_step(young, 1, [b"kept"])
     tmp = young.make_tmp(2)
     done = young.create_data_file(tmp, "done", 0)
     done.append([memoryview(b"orphan")])
@@ -181,7 +213,7 @@ def test_the_sweep_takes_old_uploads_and_manifestless_data_and_spares_young_ones
     removed = old.sweep_tmp()
     assert any("step-00000003/partial" in r for r in removed), removed
     assert any(r.startswith("step-00000002/") for r in removed), removed
-    assert uploads(young) == [] and keys(young) == {"step-00000001/a",
+    assert uploads(young) == [] and keys(young) == {"step-00000001/" + rank_file(0),
                                                     "step-00000001/manifest.json"}
 
 

@@ -2,8 +2,7 @@
 directory `gs:/bucket/run` written in the working directory, every save reported as
 committed. A scheme we do not support is refused by every entry point; `s3://` is a root
 where object-store roots are supported (tests/storage/test_s3.py) and refused where a
-local directory is meant (an export's or copy's output) or not supported yet (DCP's
-checkpoint ids, `gc`). Nothing is ever written locally."""
+local directory is meant (an export's or copy's output) or not supported yet (`gc`). Nothing is ever written locally."""
 
 from __future__ import annotations
 
@@ -56,10 +55,7 @@ def test_every_entry_point_refuses_an_unsupported_scheme(use, url):
 @pytest.mark.parametrize("use", [
     lambda tmp: asyncckpt.copy_step(tmp, "s3://bucket/out"),
     lambda tmp: asyncckpt.export_hf(tmp, "s3://bucket/out"),
-    lambda tmp: StorageWriter("s3://bucket/run1", 1),
-    lambda tmp: StorageReader("s3://bucket/run1"),
-    lambda tmp: StorageWriter().reset("s3://bucket/run1/step-3"),
-], ids=["copy_step out", "export_hf out", "StorageWriter", "StorageReader", "checkpoint_id"])
+], ids=["copy_step out", "export_hf out"])
 def test_s3_is_refused_where_a_local_directory_is_meant(use, tmp_path):
     with pytest.raises(asyncckpt.CheckpointError, match="s3:// URL"):
         use(tmp_path)
