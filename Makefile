@@ -17,7 +17,7 @@ VERL_SPEC   ?= verl==0.9.1
 TITAN_VENV  ?= $(VENV)-titan
 TITAN_SPEC  ?= torchtitan==0.3.0
 
-.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage bench-dcp bench-s3
+.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage bench-dcp bench-s3 torture-s3
 
 setup: $(VENV)/.installed
 
@@ -89,6 +89,12 @@ fsdp-demo: setup
 # kill -9 a random process of a saving job 300 times; check every checkpoint after each.
 torture: setup
 	$(BIN)/python scripts/faults/torture.py --kills 300 --ranks 3
+
+# The same torture on an object-store root (SeaweedFS on loopback), the S3 server among the
+# victims; the local-file attacks are left out there (tests/faults/test_s3_faults.py flips
+# bytes in stored objects).
+torture-s3: setup
+	$(BIN)/python scripts/faults/torture.py --s3 --kills 100 --ranks 3
 
 # 1,000 random damages to committed checkpoints; verify and load must catch every one.
 corruption: setup

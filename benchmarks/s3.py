@@ -29,14 +29,14 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 import asyncckpt
 from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.runtime.procstat import PeakSampler
-from asyncckpt.storage.s3 import client as s3_client
+from asyncckpt.storage.s3client import client as s3_client
 
 from .s3server import SeaweedServer
 

@@ -21,10 +21,8 @@ a checkpoint with missing data.
 Objects are read by ranged GETs. Endpoint and credentials come from the standard AWS
 environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 `AWS_REGION`, profiles); a plain-http endpoint must be allowed with `AWS_ALLOW_HTTP=true`
-(credentials would cross the network in the clear). The client is boto3: it is the
-one of the candidates measured here (benchmarks/s3_clients.py) that exposes the whole
-multipart protocol (list and abort unfinished uploads, per-part retry) and conditional
-puts; obstore uploads faster but cannot list or abort an upload a crash left.
+(credentials would cross the network in the clear). The requests themselves, the
+client and the data files are storage/s3client.py.
 
 Every data object is created, never written over: what an earlier attempt left at its
 key is deleted first and the new one completes with `If-None-Match: *`, so a lagging
@@ -37,19 +35,18 @@ local root, two jobs writing one prefix are not refused (their commits still can
 both claim a step). Replacing a committed step is not supported here (refused).
 """
 
+
 from __future__ import annotations
 
 import datetime
 import errno
 import logging
-import os
 import secrets
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from asyncckpt.config import MAX_FRAME_BYTES, ObjectStoreKnobs
-from asyncckpt.errors import CheckpointError, StepAlreadyCommittedError
+from asyncckpt.errors import StepAlreadyCommittedError
 from asyncckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -61,241 +58,20 @@ from asyncckpt.format.layout import (
 )
 from asyncckpt.format.manifest import parse_manifest
 from asyncckpt.runtime import faults
-from asyncckpt.storage.base import DataFile, ReadFile, Storage
+from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import ObjectPath
+from asyncckpt.storage.s3client import (
+    ObjectStoreError,
+    S3DataFile,
+    S3ReadFile,
+    client,
+    failure,
+    is_missing,
+    is_precondition,
+)
 
 log = logging.getLogger("asyncckpt.storage")
 _LATEST_MAX = 64
-
-
-class ObjectStoreError(OSError):
-    """A request to the object store failed (after its retries): the message names the
-    endpoint, the object and the store's answer."""
-
-
-def _endpoint() -> str:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
-
-
-_clients: dict[tuple[str, ...], Any] = {}
-_clients_lock = threading.Lock()
-
-
-def client(knobs: ObjectStoreKnobs) -> Any:
-    """This process's boto3 S3 client for the current environment (thread-safe, shared).
-
-    Raises:
-        CheckpointError: boto3 is not installed (`pip install asyncckpt[s3]`), or a
-            plain-http endpoint without AWS_ALLOW_HTTP=true.
-    """
-    endpoint = _endpoint()
-    if endpoint.startswith("http://") and os.environ.get(
-            "AWS_ALLOW_HTTP", "").strip().lower() not in ("1", "true", "yes"):
-        raise CheckpointError(f"endpoint {endpoint} is plain http: set AWS_ALLOW_HTTP=true to "
-                              "allow it (credentials and data cross the network unencrypted)")
-    key = (endpoint, repr(knobs), *(os.environ.get(name, "") for name in (
-        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
-        "AWS_PROFILE")))
-    with _clients_lock:
-        if key not in _clients:
-            try:
-                import boto3
-                from botocore.config import Config
-            except ImportError:
-                raise CheckpointError("s3:// roots need boto3: pip install 'asyncckpt[s3]'") from None
-            config = Config(retries={"max_attempts": knobs.max_attempts, "mode": "standard"},
-                            connect_timeout=knobs.connect_timeout,
-                            read_timeout=knobs.read_timeout,
-                            max_pool_connections=max(16, 4 * knobs.parts_in_flight),
-                            request_checksum_calculation="when_required",
-                            response_checksum_validation="when_required")
-            _clients[key] = boto3.session.Session().client(
-                "s3", region_name=os.environ.get("AWS_REGION") or "us-east-1", config=config)
-        return _clients[key]
-
-
-def _code(e: BaseException) -> str:
-    response = getattr(e, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
-def _failure(e: BaseException, what: str, location: str) -> ObjectStoreError:
-    """`e` (botocore's) as an ObjectStoreError that says what to do about it."""
-    code = _code(e)
-    endpoint = _endpoint()
-    if code in ("NoSuchBucket",):
-        cause = f"bucket does not exist at {endpoint}"
-        number = errno.ENOENT
-    elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
-                  "InvalidToken", "ExpiredToken"):
-        cause = f"{endpoint} refused the credentials ({code}): check AWS_ACCESS_KEY_ID, " \
-                "AWS_SECRET_ACCESS_KEY and the bucket's policy"
-        number = errno.EACCES
-    elif code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
-        cause = "no such object"
-        number = errno.ENOENT
-    elif code:
-        cause = f"{endpoint} answered {code}: {e}"
-        number = errno.EIO
-    else:
-        cause = f"cannot reach {endpoint} ({type(e).__name__})"
-        number = errno.EIO
-    return ObjectStoreError(number, f"{what} {location}: {cause}")
-
-
-def _missing(e: BaseException) -> bool:
-    return _code(e) in ("NoSuchKey", "404", "NotFound")
-
-
-def _precondition(e: BaseException) -> bool:
-    return _code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
-
-
-class S3ReadFile(ReadFile):
-    """An object read by ranged GETs."""
-
-    def __init__(self, s3: Any, location: ObjectPath, size: int) -> None:
-        self._s3, self.location, self.size, self.regular = s3, location, size, True
-
-    def read_into(self, offset: int, outs: list[memoryview]) -> int:
-        want = sum(len(o) for o in outs)
-        end = min(offset + want, self.size)
-        if want == 0 or offset >= end:
-            return 0
-        try:
-            body = self._s3.get_object(Bucket=self.location.bucket, Key=self.location.key,
-                                       Range=f"bytes={offset}-{end - 1}")["Body"]
-            data = memoryview(body.read())
-        except Exception as e:
-            raise _failure(e, "reading", str(self.location)) from None
-        done = 0
-        for out in outs:
-            n = min(len(out), len(data) - done)
-            if n <= 0:
-                break
-            out[:n] = data[done:done + n]
-            done += n
-        return done
-
-    def will_need(self, offset: int, length: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class S3DataFile(DataFile):
-    """A data object written as a multipart upload, one part as soon as `part_size`
-    bytes have been appended, at most `parts_in_flight` uploading; `sync` completes the
-    upload (a small file is one PUT). Memory: about (1 + parts_in_flight) parts."""
-
-    def __init__(self, s3: Any, location: ObjectPath, knobs: ObjectStoreKnobs,
-                 pool: ThreadPoolExecutor) -> None:
-        self._s3, self.path, self._knobs, self._pool = s3, location, knobs, pool
-        try:  # an earlier attempt's file: the new one is created, never written over
-            s3.delete_object(Bucket=location.bucket, Key=location.key)
-        except Exception as e:
-            raise _failure(e, "clearing", str(location)) from None
-        self.size = 0
-        self._buffer = bytearray()
-        self._upload: str | None = None
-        self._parts: list[Future[dict[str, Any]]] = []
-        self._slots = threading.Semaphore(knobs.parts_in_flight)
-        self._done = False
-
-    def append(self, pieces: list[memoryview]) -> None:
-        part = self._knobs.part_size
-        for piece in pieces:
-            piece = memoryview(piece).cast("B")
-            self.size += len(piece)
-            while len(piece):
-                take = min(len(piece), part - len(self._buffer))
-                self._buffer += piece[:take]
-                piece = piece[take:]
-                if len(self._buffer) == part:
-                    self._send_part()
-        faults.point("frame_written")
-
-    def _send_part(self) -> None:
-        faults.io("write", self.path)
-        if self._upload is None:
-            try:
-                self._upload = self._s3.create_multipart_upload(
-                    Bucket=self.path.bucket, Key=self.path.key)["UploadId"]
-            except Exception as e:
-                raise _failure(e, "starting the upload of", str(self.path)) from None
-        self._raise_failed()
-        body, self._buffer = bytes(self._buffer), bytearray()
-        number = len(self._parts) + 1
-        self._slots.acquire()
-        try:
-            self._parts.append(self._pool.submit(self._upload_part, number, body))
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
-        try:
-            answer = self._s3.upload_part(Bucket=self.path.bucket, Key=self.path.key,
-                                          UploadId=self._upload, PartNumber=number, Body=body)
-            return {"PartNumber": number, "ETag": answer["ETag"]}
-        except Exception as e:
-            raise _failure(e, f"uploading part {number} of", str(self.path)) from None
-        finally:
-            self._slots.release()
-
-    def _raise_failed(self) -> None:
-        for f in self._parts:
-            if f.done() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
-
-    def sync(self) -> None:
-        """Upload what is left and complete the object, with If-None-Match: a stale
-        upload of an earlier attempt that completes late is refused, never written over
-        this one (and this one is refused if such an upload won). Crash point
-        `data_fsynced` after."""
-        faults.io("fsync", self.path)
-        try:
-            if self._upload is None:
-                self._s3.put_object(Bucket=self.path.bucket, Key=self.path.key,
-                                    Body=bytes(self._buffer), IfNoneMatch="*")
-            else:
-                if self._buffer or not self._parts:
-                    self._send_part()
-                parts = [f.result() for f in self._parts]
-                self._s3.complete_multipart_upload(
-                    Bucket=self.path.bucket, Key=self.path.key, UploadId=self._upload,
-                    MultipartUpload={"Parts": parts}, IfNoneMatch="*")
-        except ObjectStoreError:
-            raise
-        except Exception as e:
-            if _precondition(e):
-                raise ObjectStoreError(errno.EEXIST, f"{self.path} was created by another "
-                                       "upload meanwhile (a stale attempt at this step)") from None
-            raise _failure(e, "completing", str(self.path)) from None
-        self._buffer = bytearray()
-        self._done = True
-        faults.point("data_fsynced")
-
-    def close(self) -> None:
-        """Abort an upload that was not completed (best effort: a sweep finds it later)."""
-        if self._upload is not None and not self._done:
-            for f in self._parts:
-                f.cancel()
-            for f in self._parts:
-                try:
-                    f.exception()
-                except Exception:
-                    pass
-            try:
-                self._s3.abort_multipart_upload(Bucket=self.path.bucket, Key=self.path.key,
-                                                UploadId=self._upload)
-            except Exception as e:
-                log.warning("could not abort the upload of %s: %s", self.path, e)
-            self._done = True
-        self._buffer = bytearray()
 
 
 class S3Storage(Storage):
@@ -327,15 +103,15 @@ class S3Storage(Storage):
             for page in pages:
                 yield from page.get("Contents", [])
         except Exception as e:
-            raise _failure(e, "listing", self._where(prefix)) from None
+            raise failure(e, "listing", self._where(prefix)) from None
 
     def _head(self, key: str) -> dict[str, Any] | None:
         try:
             return self._s3.head_object(Bucket=self.root.bucket, Key=key)
         except Exception as e:
-            if _missing(e):
+            if is_missing(e):
                 return None
-            raise _failure(e, "reading", self._where(key)) from None
+            raise failure(e, "reading", self._where(key)) from None
 
     def _get(self, key: str, limit: int) -> tuple[bytes, str] | None:
         """(bytes, ETag) of a small object, or None if it is missing or larger."""
@@ -347,9 +123,9 @@ class S3Storage(Storage):
                                          IfMatch=head["ETag"])
             return answer["Body"].read(), answer["ETag"]
         except Exception as e:
-            if _missing(e) or _precondition(e):
+            if is_missing(e) or is_precondition(e):
                 return None
-            raise _failure(e, "reading", self._where(key)) from None
+            raise failure(e, "reading", self._where(key)) from None
 
     def _put(self, key: str, body: bytes, **condition: str) -> bool:
         """Put `body` at `key` under `condition` (IfNoneMatch / IfMatch); False if the
@@ -358,9 +134,9 @@ class S3Storage(Storage):
             self._s3.put_object(Bucket=self.root.bucket, Key=key, Body=body, **condition)
             return True
         except Exception as e:
-            if condition and _precondition(e):
+            if condition and is_precondition(e):
                 return False
-            raise _failure(e, "writing", self._where(key)) from None
+            raise failure(e, "writing", self._where(key)) from None
 
     def _delete(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):
@@ -369,7 +145,7 @@ class S3Storage(Storage):
                 self._s3.delete_objects(Bucket=self.root.bucket,
                                         Delete={"Objects": batch, "Quiet": True})
             except Exception as e:
-                raise _failure(e, "deleting objects under", str(self.root)) from None
+                raise failure(e, "deleting objects under", str(self.root)) from None
 
     def check(self) -> None:
         """Reach the bucket now: a clear error at start rather than at the first save.
@@ -381,7 +157,7 @@ class S3Storage(Storage):
         try:
             self._s3.list_objects_v2(Bucket=self.root.bucket, Prefix=self._prefix, MaxKeys=1)
         except Exception as e:
-            raise _failure(e, "opening", str(self.root)) from None
+            raise failure(e, "opening", str(self.root)) from None
 
     def identity(self) -> str:
         """The root's id (`.asyncckpt.root`, 16 hex digits), made by the first writer
@@ -489,7 +265,7 @@ class S3Storage(Storage):
         try:
             answer = self._s3.list_objects_v2(Bucket=path.bucket, Prefix=prefix, MaxKeys=1)
         except Exception as e:
-            raise _failure(e, "listing", str(path)) from None
+            raise failure(e, "listing", str(path)) from None
         return bool(answer.get("Contents"))
 
     def is_object(self, path: ObjectPath) -> bool:
@@ -499,9 +275,9 @@ class S3Storage(Storage):
         try:
             return self._s3.head_object(Bucket=path.bucket, Key=path.key)
         except Exception as e:
-            if _missing(e):
+            if is_missing(e):
                 return None
-            raise _failure(e, "reading", str(path)) from None
+            raise failure(e, "reading", str(path)) from None
 
     def names(self, directory: ObjectPath) -> set[str]:
         """The files of checkpoint `directory` (a step of this root)."""
@@ -612,7 +388,7 @@ class S3Storage(Storage):
                                                         UploadId=upload["UploadId"])
                         removed.append(f"upload of {upload['Key'][len(self._prefix):]}")
         except Exception as e:
-            raise _failure(e, "sweeping uploads under", str(self.root)) from None
+            raise failure(e, "sweeping uploads under", str(self.root)) from None
         committed, retired = self._names()
         garbage: dict[int, list[dict[str, Any]]] = {}
         for item in self._list(self._prefix):

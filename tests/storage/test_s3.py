@@ -17,7 +17,8 @@ from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import StepAlreadyCommittedError
 from asyncckpt.format.manifest import Manifest, RankPart
 from asyncckpt.storage.location import ObjectPath, root_path, storage_for
-from asyncckpt.storage.s3 import ObjectStoreError, S3Storage
+from asyncckpt.storage.s3 import S3Storage
+from asyncckpt.storage.s3client import ObjectStoreError
 
 MiB = 1 << 20
 pytestmark = pytest.mark.process  # a SeaweedFS server runs for these tests

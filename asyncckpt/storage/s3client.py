@@ -1,0 +1,258 @@
+"""Requests to an S3-compatible store: the client, its errors, and a data file's two
+halves (a multipart upload written as frames arrive, ranged GETs to read it back).
+
+One boto3 client per process and environment, shared by threads: it is the candidate
+measured here (benchmarks/s3_clients.py) that exposes the whole multipart protocol
+(list and abort unfinished uploads, per-part retry) and conditional puts; obstore
+uploads faster but cannot list or abort an upload a crash left. Every failure becomes an
+`ObjectStoreError` (an OSError, so the writer's I/O paths treat it as one) that names
+the endpoint, the object and what to do: a missing bucket, refused credentials, an
+unreachable endpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from asyncckpt.config import ObjectStoreKnobs
+from asyncckpt.errors import CheckpointError
+from asyncckpt.runtime import faults
+from asyncckpt.storage.base import DataFile, ReadFile
+from asyncckpt.storage.location import ObjectPath
+
+log = logging.getLogger("asyncckpt.storage")
+
+
+class ObjectStoreError(OSError):
+    """A request to the object store failed (after its retries): the message names the
+    endpoint, the object and the store's answer."""
+
+
+def _endpoint() -> str:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+
+
+_clients: dict[tuple[str, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client(knobs: ObjectStoreKnobs) -> Any:
+    """This process's boto3 S3 client for the current environment (thread-safe, shared).
+
+    Raises:
+        CheckpointError: boto3 is not installed (`pip install asyncckpt[s3]`), or a
+            plain-http endpoint without AWS_ALLOW_HTTP=true.
+    """
+    endpoint = _endpoint()
+    if endpoint.startswith("http://") and os.environ.get(
+            "AWS_ALLOW_HTTP", "").strip().lower() not in ("1", "true", "yes"):
+        raise CheckpointError(f"endpoint {endpoint} is plain http: set AWS_ALLOW_HTTP=true to "
+                              "allow it (credentials and data cross the network unencrypted)")
+    key = (endpoint, repr(knobs), *(os.environ.get(name, "") for name in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+        "AWS_PROFILE")))
+    with _clients_lock:
+        if key not in _clients:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise CheckpointError("s3:// roots need boto3: pip install 'asyncckpt[s3]'") from None
+            config = Config(retries={"max_attempts": knobs.max_attempts, "mode": "standard"},
+                            connect_timeout=knobs.connect_timeout,
+                            read_timeout=knobs.read_timeout,
+                            max_pool_connections=max(16, 4 * knobs.parts_in_flight),
+                            request_checksum_calculation="when_required",
+                            response_checksum_validation="when_required")
+            _clients[key] = boto3.session.Session().client(
+                "s3", region_name=os.environ.get("AWS_REGION") or "us-east-1", config=config)
+        return _clients[key]
+
+
+def _code(e: BaseException) -> str:
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def failure(e: BaseException, what: str, location: str) -> ObjectStoreError:
+    """`e` (botocore's) as an ObjectStoreError that says what to do about it."""
+    code = _code(e)
+    endpoint = _endpoint()
+    if code in ("NoSuchBucket",):
+        cause = f"bucket does not exist at {endpoint}"
+        number = errno.ENOENT
+    elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
+                  "InvalidToken", "ExpiredToken"):
+        cause = f"{endpoint} refused the credentials ({code}): check AWS_ACCESS_KEY_ID, " \
+                "AWS_SECRET_ACCESS_KEY and the bucket's policy"
+        number = errno.EACCES
+    elif code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
+        cause = "no such object"
+        number = errno.ENOENT
+    elif code:
+        cause = f"{endpoint} answered {code}: {e}"
+        number = errno.EIO
+    else:
+        cause = f"cannot reach {endpoint} ({type(e).__name__})"
+        number = errno.EIO
+    return ObjectStoreError(number, f"{what} {location}: {cause}")
+
+
+def is_missing(e: BaseException) -> bool:
+    return _code(e) in ("NoSuchKey", "404", "NotFound")
+
+
+def is_precondition(e: BaseException) -> bool:
+    return _code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+
+
+class S3ReadFile(ReadFile):
+    """An object read by ranged GETs."""
+
+    def __init__(self, s3: Any, location: ObjectPath, size: int) -> None:
+        self._s3, self.location, self.size, self.regular = s3, location, size, True
+
+    def read_into(self, offset: int, outs: list[memoryview]) -> int:
+        want = sum(len(o) for o in outs)
+        end = min(offset + want, self.size)
+        if want == 0 or offset >= end:
+            return 0
+        try:
+            body = self._s3.get_object(Bucket=self.location.bucket, Key=self.location.key,
+                                       Range=f"bytes={offset}-{end - 1}")["Body"]
+            data = memoryview(body.read())
+        except Exception as e:
+            raise failure(e, "reading", str(self.location)) from None
+        done = 0
+        for out in outs:
+            n = min(len(out), len(data) - done)
+            if n <= 0:
+                break
+            out[:n] = data[done:done + n]
+            done += n
+        return done
+
+    def will_need(self, offset: int, length: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class S3DataFile(DataFile):
+    """A data object written as a multipart upload, one part as soon as `part_size`
+    bytes have been appended, at most `parts_in_flight` uploading; `sync` completes the
+    upload (a small file is one PUT). Memory: about (1 + parts_in_flight) parts."""
+
+    def __init__(self, s3: Any, location: ObjectPath, knobs: ObjectStoreKnobs,
+                 pool: ThreadPoolExecutor) -> None:
+        self._s3, self.path, self._knobs, self._pool = s3, location, knobs, pool
+        try:  # an earlier attempt's file: the new one is created, never written over
+            s3.delete_object(Bucket=location.bucket, Key=location.key)
+        except Exception as e:
+            raise failure(e, "clearing", str(location)) from None
+        self.size = 0
+        self._buffer = bytearray()
+        self._upload: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._slots = threading.Semaphore(knobs.parts_in_flight)
+        self._done = False
+
+    def append(self, pieces: list[memoryview]) -> None:
+        part = self._knobs.part_size
+        for piece in pieces:
+            piece = memoryview(piece).cast("B")
+            self.size += len(piece)
+            while len(piece):
+                take = min(len(piece), part - len(self._buffer))
+                self._buffer += piece[:take]
+                piece = piece[take:]
+                if len(self._buffer) == part:
+                    self._send_part()
+        faults.point("frame_written")
+
+    def _send_part(self) -> None:
+        faults.io("write", self.path)
+        if self._upload is None:
+            try:
+                self._upload = self._s3.create_multipart_upload(
+                    Bucket=self.path.bucket, Key=self.path.key)["UploadId"]
+            except Exception as e:
+                raise failure(e, "starting the upload of", str(self.path)) from None
+        self._raise_failed()
+        body, self._buffer = bytes(self._buffer), bytearray()
+        number = len(self._parts) + 1
+        self._slots.acquire()
+        try:
+            self._parts.append(self._pool.submit(self._upload_part, number, body))
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
+        try:
+            answer = self._s3.upload_part(Bucket=self.path.bucket, Key=self.path.key,
+                                          UploadId=self._upload, PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+        except Exception as e:
+            raise failure(e, f"uploading part {number} of", str(self.path)) from None
+        finally:
+            self._slots.release()
+
+    def _raise_failed(self) -> None:
+        for f in self._parts:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+
+    def sync(self) -> None:
+        """Upload what is left and complete the object, with If-None-Match: a stale
+        upload of an earlier attempt that completes late is refused, never written over
+        this one (and this one is refused if such an upload won). Crash point
+        `data_fsynced` after."""
+        faults.io("fsync", self.path)
+        try:
+            if self._upload is None:
+                self._s3.put_object(Bucket=self.path.bucket, Key=self.path.key,
+                                    Body=bytes(self._buffer), IfNoneMatch="*")
+            else:
+                if self._buffer or not self._parts:
+                    self._send_part()
+                parts = [f.result() for f in self._parts]
+                self._s3.complete_multipart_upload(
+                    Bucket=self.path.bucket, Key=self.path.key, UploadId=self._upload,
+                    MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        except ObjectStoreError:
+            raise
+        except Exception as e:
+            if is_precondition(e):
+                raise ObjectStoreError(errno.EEXIST, f"{self.path} was created by another "
+                                       "upload meanwhile (a stale attempt at this step)") from None
+            raise failure(e, "completing", str(self.path)) from None
+        self._buffer = bytearray()
+        self._done = True
+        faults.point("data_fsynced")
+
+    def close(self) -> None:
+        """Abort an upload that was not completed (best effort: a sweep finds it later)."""
+        if self._upload is not None and not self._done:
+            for f in self._parts:
+                f.cancel()
+            for f in self._parts:
+                try:
+                    f.exception()
+                except Exception:
+                    pass
+            try:
+                self._s3.abort_multipart_upload(Bucket=self.path.bucket, Key=self.path.key,
+                                                UploadId=self._upload)
+            except Exception as e:
+                log.warning("could not abort the upload of %s: %s", self.path, e)
+            self._done = True
+        self._buffer = bytearray()
