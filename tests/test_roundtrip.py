@@ -236,7 +236,8 @@ def test_no_garbage_collection_runs_during_a_load(saved_load, monkeypatch):
             finally:
                 inside[0] = False
         return wrapped
-    monkeypatch.setattr(checkpoint_module, "read_manifest", marking(checkpoint_module.read_manifest))
+    monkeypatch.setattr(checkpoint_module, "read_manifest_at",
+                        marking(checkpoint_module.read_manifest_at))
     monkeypatch.setattr(loader_module, "_load", marking(loader_module._load))
 
     def record(phase: str, info: dict) -> None:

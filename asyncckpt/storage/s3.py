@@ -42,6 +42,7 @@ import datetime
 import errno
 import logging
 import secrets
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -83,7 +84,9 @@ class S3Storage(Storage):
         self.read_threads = self.knobs.read_threads
         self._s3 = client(self.knobs)
         self._prefix = f"{root.key}/" if root.key else ""
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ThreadPoolExecutor(self.knobs.parts_in_flight,  # threads start on use
+                                        thread_name_prefix="asyncckpt-s3")
+        self._slots = threading.Semaphore(self.knobs.parts_in_flight)  # parts uploading
 
     def __repr__(self) -> str:
         return f"S3Storage({str(self.root)!r})"
@@ -299,10 +302,7 @@ class S3Storage(Storage):
 
     def create_data_file(self, tmp: Any, name: str, window: int,
                          writeback: str = "range") -> S3DataFile:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max(2, self.knobs.parts_in_flight * 2),
-                                            thread_name_prefix="asyncckpt-s3")
-        return S3DataFile(self._s3, tmp / name, self.knobs, self._pool)
+        return S3DataFile(self._s3, tmp / name, self.knobs, self._pool, self._slots)
 
     def publish(self, tmp: Any, step: int, manifest: bytes, *,
                 replace: bool = False) -> ObjectPath:
@@ -406,6 +406,5 @@ class S3Storage(Storage):
         return []  # a step is never replaced here
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -148,11 +148,13 @@ class S3ReadFile(ReadFile):
 
 class S3DataFile(DataFile):
     """A data object written as a multipart upload, one part as soon as `part_size`
-    bytes have been appended, at most `parts_in_flight` uploading; `sync` completes the
-    upload (a small file is one PUT). Memory: about (1 + parts_in_flight) parts."""
+    bytes have been appended; `sync` completes the upload (a small file is one PUT).
+    `slots` bounds the parts uploading at once across every file that shares it, so a
+    writer's memory is one filling part per open file plus `parts_in_flight` parts,
+    however many ranks it serves."""
 
     def __init__(self, s3: Any, location: ObjectPath, knobs: ObjectStoreKnobs,
-                 pool: ThreadPoolExecutor) -> None:
+                 pool: ThreadPoolExecutor, slots: threading.Semaphore) -> None:
         self._s3, self.path, self._knobs, self._pool = s3, location, knobs, pool
         try:  # an earlier attempt's file: the new one is created, never written over
             s3.delete_object(Bucket=location.bucket, Key=location.key)
@@ -162,7 +164,7 @@ class S3DataFile(DataFile):
         self._buffer = bytearray()
         self._upload: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
-        self._slots = threading.Semaphore(knobs.parts_in_flight)
+        self._slots = slots
         self._done = False
 
     def append(self, pieces: list[memoryview]) -> None:
