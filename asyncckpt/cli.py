@@ -24,8 +24,10 @@ from asyncckpt.config import CODECS, WriterKnobs, parse_knob
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
 from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
 from asyncckpt.rank.launch import default_job
+from asyncckpt.storage.lease import Lease
 from asyncckpt.storage.location import ObjectPath, root_path, storage_for
-from asyncckpt.storage.posix import PosixStorage, local_path
+from asyncckpt.storage.s3 import S3Storage
+from asyncckpt.storage.posix import local_path
 from asyncckpt.writer import commit, retention
 
 
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--json", action="store_true")
 
     gc = sub.add_parser("gc", help="delete old checkpoints and abandoned tmp directories")
-    gc.add_argument("root", type=_local)
+    gc.add_argument("root", type=_root)
     gc.add_argument("--keep-last", type=int, required=True)
     gc.add_argument("--keep-every", type=int, default=0)
     gc.add_argument("--json", action="store_true")
@@ -380,19 +382,24 @@ def _stored_per_tensor(part) -> dict[str, float]:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    root = Path(args.root)
-    if not root.is_dir() or args.keep_last < 1:
+    root = root_path(args.root)
+    if args.keep_last < 1 or not (isinstance(root, ObjectPath) or root.is_dir()):
         print("asyncckpt gc: need an existing root and --keep-last >= 1", file=sys.stderr)
         return 2
     try:
-        lock = commit.RootLock(root)
+        storage = storage_for(root)
+        lock = Lease(storage, None, exclusive=True) if isinstance(root, ObjectPath) \
+            else commit.RootLock(root)
     except WriterLockedError as e:
         print(f"asyncckpt gc: {e}; a running writer applies retention itself "
               "(writer knob keep_last, or Checkpointer options)", file=sys.stderr)
         return 3
-    storage = PosixStorage(root)
+    except OSError as e:  # an object store that cannot be reached
+        print(f"asyncckpt gc: {e}", file=sys.stderr)
+        return 2
     try:
-        removed_tmp = storage.sweep_tmp()
+        removed_tmp = storage.sweep_tmp(0) if isinstance(storage, S3Storage) \
+            else storage.sweep_tmp()
         pruned = retention.prune(storage, args.keep_last, args.keep_every)
         commit.update_latest(storage)
     finally:

@@ -228,9 +228,12 @@ class ObjectStoreKnobs(_FromEnv):
         read_threads: threads reading (ranged GETs in flight), verifying and decoding
             frames of a checkpoint in the store (its latency, not the CPU, bounds a read).
         connect_timeout, read_timeout: seconds for a connection, and for a response.
-        sweep_age: seconds after which a writer taking the root removes an unfinished
-            multipart upload or a step's data without a manifest (another writer's save
-            may still be under way before that).
+        sweep_age: seconds after which a writer taking the root while other writers
+            hold it (several nodes) removes an unfinished multipart upload or a step's
+            data without a manifest (another writer's save may be under way before that;
+            the root's first writer removes them whatever their age).
+        lease_renew: seconds between renewals of a writer's lease on the root
+            (storage/lease.py); a lease three periods old is a dead writer's.
     """
 
     part_size: int = 8 * MiB
@@ -240,6 +243,7 @@ class ObjectStoreKnobs(_FromEnv):
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
     sweep_age: float = 3600.0
+    lease_renew: float = 10.0
 
     def __post_init__(self) -> None:
         _require(5 * MiB <= self.part_size <= 5 << 30, "part_size", "between 5 MiB and 5 GiB",
@@ -253,6 +257,7 @@ class ObjectStoreKnobs(_FromEnv):
         for name in ("connect_timeout", "read_timeout"):
             _require(getattr(self, name) > 0, name, "positive", getattr(self, name))
         _require(self.sweep_age >= 0, "sweep_age", "at least 0", self.sweep_age)
+        _require(self.lease_renew > 0, "lease_renew", "positive", self.lease_renew)
 
 
 _SETS: tuple[type, ...] = (ClientKnobs, WriterKnobs, ReadLimits, ObjectStoreKnobs)

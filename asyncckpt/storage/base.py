@@ -27,6 +27,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from asyncckpt.format.layout import parse_step_dir
+
 
 class ReadFile(ABC):
     """A data file opened for reading by ranges.
@@ -134,9 +136,15 @@ class Storage(ABC):
         """Anything at all is at `step`'s name (in its retired form with `retired`):
         a name that a new step may not take, whether or not it is a step."""
 
-    @abstractmethod
     def read_latest(self) -> int | None:
         """The step `latest` names, or None if it is absent, unreadable or not ours."""
+        text = self.latest_bytes()
+        if text is None:
+            return None
+        try:
+            return parse_step_dir(text.decode("ascii").strip())
+        except UnicodeDecodeError:
+            return None
 
     @abstractmethod
     def latest_bytes(self) -> bytes | None:

@@ -165,18 +165,9 @@ class PosixStorage(Storage):
     def occupied(self, step: int, *, retired: bool = False) -> bool:
         return os.path.lexists(self.root / _dir_name(step, retired))
 
-    def read_latest(self) -> int | None:
+    def latest_bytes(self) -> bytes | None:
         """Read like a manifest: never through a symlink, never blocking (a FIFO planted
         there would hang every commit), a regular file only, at most a few bytes."""
-        text = self.latest_bytes()
-        if text is None:
-            return None
-        try:
-            return parse_step_dir(text.decode("ascii").strip())
-        except UnicodeDecodeError:
-            return None
-
-    def latest_bytes(self) -> bytes | None:
         return read_small_file(self.root / LATEST_NAME, _LATEST_MAX)
 
     def open_step_file(self, step: int, name: str) -> PosixReadFile | None:

@@ -150,6 +150,30 @@ class S3Storage(Storage):
             except Exception as e:
                 raise failure(e, "deleting objects under", str(self.root)) from None
 
+    # -- small objects by key, for the root's leases (storage/lease.py) ---------------
+
+    def key_of(self, name: str) -> str:
+        return self._key(name)
+
+    def put_key(self, key: str, body: bytes) -> None:
+        self._put(key, body)
+
+    def get_key(self, key: str) -> bytes | None:
+        got = self._get(key, 1 << 16)
+        return None if got is None else got[0]
+
+    def modified(self, key: str) -> datetime.datetime:
+        head = self._head(key)
+        if head is None:
+            raise ObjectStoreError(errno.ENOENT, f"{self._where(key)} vanished")
+        return head["LastModified"]
+
+    def keys_with_prefix(self, name: str) -> list[tuple[str, datetime.datetime]]:
+        return [(item["Key"], item["LastModified"]) for item in self._list(self._key(name))]
+
+    def delete_keys(self, keys: list[str]) -> None:
+        self._delete(keys)
+
     def check(self) -> None:
         """Reach the bucket now: a clear error at start rather than at the first save.
 
@@ -221,15 +245,6 @@ class S3Storage(Storage):
     def latest_bytes(self) -> bytes | None:
         got = self._get(self._key(LATEST_NAME), _LATEST_MAX)
         return None if got is None else got[0]
-
-    def read_latest(self) -> int | None:
-        text = self.latest_bytes()
-        if text is None:
-            return None
-        try:
-            return parse_step_dir(text.decode("ascii").strip())
-        except UnicodeDecodeError:
-            return None
 
     def _object_of(self, directory: ObjectPath, name: str) -> str:
         """The key of file `name` of checkpoint `directory`: a retired step's files stay
@@ -371,11 +386,15 @@ class S3Storage(Storage):
 
     # -- recovery --------------------------------------------------------------------
 
-    def sweep_tmp(self) -> list[str]:
+    def sweep_tmp(self, older_than: float | None = None) -> list[str]:
         """Abort multipart uploads and delete step data without a manifest, both older
-        than `sweep_age` (a younger one may be another writer's save under way)."""
-        cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(
-            seconds=self.knobs.sweep_age)
+        than `older_than` seconds (default `sweep_age`: a younger one may be another
+        writer's save under way; 0 for the root's first writer, when every earlier
+        writer is gone)."""
+        age = self.knobs.sweep_age if older_than is None else older_than
+        cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=age)
+        if age == 0:
+            cutoff += datetime.timedelta(days=1)  # the store's clock may run ahead of ours
         removed = []
         try:
             pages = self._s3.get_paginator("list_multipart_uploads").paginate(

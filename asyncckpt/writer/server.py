@@ -30,6 +30,7 @@ from asyncckpt.format.tiling import global_tensors
 from asyncckpt.ipc import protocol
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.runtime.procstat import PeakSampler
+from asyncckpt.storage.lease import Lease
 from asyncckpt.storage.location import ObjectPath, root_path
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.storage.s3 import S3Storage
@@ -62,7 +63,7 @@ class WriterServer:
                                                max_frame_bytes=self.knobs.max_frame_bytes)
         self.root = root_path(root).resolve()
         if isinstance(self.root, ObjectPath):
-            self.storage, self._lock, self.owner = self._take_bucket()
+            self.storage, self._lock, self.owner = self._take_bucket(job)
             self.root_id = self.storage.identity()  # type: ignore[union-attr]
         else:
             self.storage, self._lock, self.owner = self._take_directory(job)
@@ -106,17 +107,19 @@ class WriterServer:
                 log.info("a crash interrupted the replacement of a step: settled %s", name)
         return storage, lock, owner
 
-    def _take_bucket(self) -> tuple[S3Storage, None, None]:
-        """Reach an object-store root (a clear error now if it cannot be) and sweep what
-        is old enough to be abandoned; no lock (storage/s3.py)."""
+    def _take_bucket(self, job: str | None) -> tuple[S3Storage, Lease, None]:
+        """Reach an object-store root (a clear error now if it cannot be), take a lease
+        on it (storage/lease.py) and sweep what earlier writers left: everything if no
+        other writer holds it, else what is old enough to be abandoned."""
         storage = S3Storage(self.root)
         try:
             storage.check()
-            for name in storage.sweep_tmp():
+            lease = Lease(storage, job)
+            for name in storage.sweep_tmp(0 if lease.first else None):
                 log.info("removed abandoned %s", name)
         except OSError as e:
             raise SaveFailedError(str(e), file=str(self.root)) from None
-        return storage, None, None
+        return storage, lease, None
 
     def serve_forever(self) -> None:
         """Accept ranks until stop() is called."""

@@ -22,9 +22,9 @@ linked or damaged step.
 
 With `--s3` the root is a prefix of a bucket on a SeaweedFS server started here, and the
 S3 server itself is among the victims (SIGKILLed and restarted while the writer runs).
-The same checks run after every kill, and a restarted writer (started with sweep_age 0:
-every earlier writer is dead) must leave no multipart upload and no step prefix without
-a manifest. The attacks on the root (a step linked back from elsewhere, a byte flipped in
+The same checks run after every kill, and a restarted writer (the root's first: the dead
+writer's lease names a process that is gone) must leave no multipart upload and no step
+prefix without a manifest. The attacks on the root (a step linked back from elsewhere, a byte flipped in
 place) are local-file attacks and are not run there; tests/faults/test_s3_faults.py flips
 bytes in stored objects instead.
 """
@@ -81,7 +81,6 @@ class Job:
 
     def start_writer(self, crash_at: str | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_CRASH_AT"}
-        env["ASYNCCKPT_SWEEP_AGE"] = "0"  # an object store's leftovers: every writer before is dead
         if crash_at:
             env["ASYNCCKPT_CRASH_AT"] = crash_at
         self.writer = subprocess.Popen(

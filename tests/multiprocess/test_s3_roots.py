@@ -175,3 +175,45 @@ def test_dcp_saves_to_and_loads_from_the_bucket_by_a_torchtitan_checkpoint_id(s3
     dcp.load(into, checkpoint_id=f"{s3_root}/step-12", storage_reader=StorageReader())
     assert torch.equal(into["w"], model["w"]) and torch.equal(into["b"], model["b"])
     assert into["lr"] == 0.5
+
+
+def test_copy_and_export_read_a_bucket_step_into_local_directories(s3_root, s3_writer, tmp_path):
+    base = state(1)
+    with asyncckpt.connect(s3_writer.address, rank=0, world_size=1) as c:
+        c.save(1, base).wait(timeout=120)
+        c.save(2, dict(base, step=2)).wait(timeout=120)  # references step 1's frames
+    copied = asyncckpt.copy_step(s3_root, tmp_path / "copy", step=2)
+    assert same(asyncckpt.load(copied), dict(base, step=2))
+    assert cli("verify", str(copied)).returncode == 0
+    asyncckpt.export_hf(s3_root, tmp_path / "hf", step=2, contents=None)
+    from safetensors.torch import load_file
+    tensors = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    assert len(tensors) == 2 and any(torch.equal(t, base["w"]) for t in tensors.values()), \
+        sorted(tensors)
+
+
+def test_a_second_job_is_refused_while_a_writer_holds_the_bucket_root(s3_root, s3_writer,
+                                                                       tmp_path):
+    with pytest.raises(asyncckpt.WriterLockedError, match="another writer holds"):
+        asyncckpt.start_writer(s3_root, log_file=tmp_path / "second.log", job="another-job")
+    done = cli("gc", s3_root, "--keep-last", "1")
+    assert done.returncode == 3 and "another writer holds" in done.stderr, done.stderr
+
+
+def test_gc_prunes_a_bucket_root_once_no_writer_holds_it(s3_root, tmp_path):
+    w = asyncckpt.start_writer(s3_root, codec="raw", log_file=tmp_path / "w.log")
+    try:
+        with asyncckpt.connect(w.address, rank=0, world_size=1) as c:
+            for step in (1, 2, 3):
+                c.save(step, state(step, 1)).wait(timeout=120)
+    finally:
+        w.stop(timeout=60)
+    done = cli("gc", s3_root, "--keep-last", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["deleted_steps"] == [1, 2]
+    assert storage_for(s3_root).committed_steps() == [3]
+    assert {k.split("/")[0] for k in object_keys(s3_root)} == {
+        "step-00000003", "latest", ".asyncckpt.root"}
+    assert same(asyncckpt.load(s3_root), state(3, 1))

@@ -2,7 +2,7 @@
 directory `gs:/bucket/run` written in the working directory, every save reported as
 committed. A scheme we do not support is refused by every entry point; `s3://` is a root
 where object-store roots are supported (tests/storage/test_s3.py) and refused where a
-local directory is meant (an export's or copy's output) or not supported yet (`gc`). Nothing is ever written locally."""
+local directory is meant (an export's or copy's output). Nothing is ever written locally."""
 
 from __future__ import annotations
 
@@ -69,8 +69,3 @@ def test_the_cli_refuses_an_unsupported_scheme(args):
         or "gs:// URL" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
 
-
-def test_gc_refuses_an_s3_root_it_cannot_lock():
-    done = subprocess.run([sys.executable, "-m", "asyncckpt", "gc", "s3://bucket/run1",
-                           "--keep-last", "1"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "s3:// URL" in done.stderr, done.stderr[-2000:]
