@@ -7,8 +7,8 @@ arrive (parts of `part_size`, a few in flight, each request retried with backoff
 the manifest `PREFIX/step-N/manifest.json` is put last with `If-None-Match: *`: one write
 that makes the step a checkpoint, refused if the step is already one. A step without its
 manifest is never listed, loaded or named by `latest`; its objects are garbage that the
-step's next attempt replaces or deletes, and that a writer taking the root sweeps once
-they are `sweep_age` old (with unfinished multipart uploads).
+step's next attempt replaces or deletes, and that the root's first writer sweeps (with
+unfinished multipart uploads; a writer joining others, only those `sweep_age` old).
 
 `latest` is replaced by a conditional put (`If-Match` on the ETag read just before, or
 `If-None-Match` when there is none), so two writers never interleave a read and a write;
@@ -30,9 +30,8 @@ upload of a failed attempt cannot replace committed bytes. Several nodes write t
 ranks' files (and part objects) under the one step prefix; `publish` deletes whatever
 the manifest does not name before it puts the manifest.
 
-One job per root: an object store has no lock a crashed writer releases, so unlike a
-local root, two jobs writing one prefix are not refused (their commits still cannot
-both claim a step). Replacing a committed step is not supported here (refused).
+An object store has no lock a crashed writer releases; leases (storage/lease.py) stand
+in for the root's lock. Replacing a committed step is not supported here (refused).
 """
 
 
