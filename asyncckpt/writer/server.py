@@ -117,8 +117,8 @@ class WriterServer:
             lease = Lease(storage, job)
             for name in storage.sweep_tmp(0 if lease.first else None):
                 log.info("removed abandoned %s", name)
-        except OSError as e:
-            raise SaveFailedError(str(e), file=str(self.root)) from None
+        except OSError as e:  # its message names the root and the endpoint
+            raise SaveFailedError(e.strerror or str(e)) from None
         return storage, lease, None
 
     def serve_forever(self) -> None:
