@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from asyncckpt._version import __version__
 from asyncckpt.config import CODECS, WriterKnobs, parse_knob
@@ -226,9 +227,10 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from asyncckpt.read.checkpoint import Checkpoint
+    from asyncckpt.read.summary import inspect_summary
     try:
         with Checkpoint.open(args.path) as ckpt:
-            summary = _inspect_summary(ckpt)
+            summary = inspect_summary(ckpt)
     except CheckpointError as e:
         print(f"asyncckpt inspect: {e}", file=sys.stderr)
         return 2
@@ -242,53 +244,6 @@ def _inspect(args: argparse.Namespace) -> int:
     _print_sharded(summary["sharded"])
     _print_tensors(summary["tensors"])
     return 0
-
-
-def _inspect_summary(ckpt) -> dict:  # type: ignore[no-untyped-def]
-    """What `inspect --json` prints for an open Checkpoint (the text form shows the same)."""
-    m, globals_ = ckpt.manifest, ckpt.sharded
-    views = sum(leaf.view is not None for r in range(m.world_size) for leaf in ckpt.leaves(r))
-    tensors, by_dtype = _tensor_rows(m, globals_)
-    return {"path": str(ckpt.directory), "step": m.step, "world_size": m.world_size,
-            "format_version": m.format_version, **_incremental(m),
-            "codecs": sorted({p.codec for p in m.ranks}), "frames": codec_summary(m)["frames"],
-            "raw_bytes": m.raw_size,
-            "stored_bytes": m.stored_size, "ratio": round(m.stored_size / max(m.raw_size, 1), 4),
-            "writer_version": m.writer_version, "by_dtype": by_dtype, "tensors": tensors,
-            "views": views,
-            "sharded": [{"name": g.name, "dtype": g.dtype, "shape": list(g.shape),
-                         "placements": g.placements, "boxes": len(g.boxes)}
-                        for g in globals_.values()]}
-
-
-def _tensor_rows(m, globals_: dict) -> tuple[list[dict], dict[str, dict]]:  # type: ignore[no-untyped-def]
-    """One row per saved tensor (with its offsets in a sharded tensor, if it is a box of
-    one), and the totals and stored/raw ratio per dtype."""
-    offsets = {(b.rank, g.name): list(b.offsets) for g in globals_.values() for b in g.boxes}
-    tensors, by_dtype = [], {}
-    for part in m.ranks:
-        stored = _stored_per_tensor(part)
-        for t in part.tensors:
-            tensors.append({"rank": part.rank, "name": t.name, "dtype": t.dtype,
-                            "shape": list(t.shape), "bytes": t.end - t.begin,
-                            "stored_bytes": round(stored[t.name]),
-                            "offsets": offsets.get((part.rank, t.name))})
-            row = by_dtype.setdefault(t.dtype, {"tensors": 0, "bytes": 0, "stored_bytes": 0})
-            row["tensors"] += 1
-            row["bytes"] += t.end - t.begin
-            row["stored_bytes"] += round(stored[t.name])
-    for row in by_dtype.values():
-        row["ratio"] = round(row["stored_bytes"] / max(row["bytes"], 1), 4)
-    return tensors, by_dtype
-
-
-def _incremental(m) -> dict:  # type: ignore[no-untyped-def]
-    """How much of the step is new, and how much it references from earlier steps."""
-    referenced = m.referenced_size
-    return {"new_bytes": m.raw_size - referenced, "referenced_bytes": referenced,
-            "referenced_stored_bytes": sum(f.encoded_length for p in m.ranks
-                                           for f in p.frames if f.ref is not None),
-            "referenced_steps": sorted(m.referenced_steps)}
 
 
 def _print_overview(summary: dict) -> None:
@@ -333,52 +288,6 @@ def _print_tensors(tensors: list[dict]) -> None:
         at = str(tuple(t["offsets"])) if t["offsets"] is not None else ""
         print(f"{t['rank']:>4} {t['name'][:40]:40} {t['dtype']:8} {str(tuple(t['shape'])):>18} "
               f"{t['bytes']:>12}  {at}")
-
-
-def codec_summary(m) -> dict:  # type: ignore[no-untyped-def]
-    """Frames per codec (count, raw and stored bytes, ratio; for bytegroup frames how
-    often each plane was compressed) and stored/raw per dtype, over all ranks."""
-    frames: dict[str, dict] = {}
-    by_dtype: dict[str, list[float]] = {}
-    for part in m.ranks:
-        for f in part.frames:
-            row = frames.setdefault(f.codec, {"count": 0, "bytes": 0, "stored_bytes": 0})
-            row["count"] += 1
-            row["bytes"] += f.raw_length
-            row["stored_bytes"] += f.encoded_length
-            if f.layout is not None:
-                key = f"width {f.layout.width}: " + "".join(
-                    "z" if c == "zstd" else "-" for c, _ in f.layout.planes)
-                planes = row.setdefault("planes", {})
-                planes[key] = planes.get(key, 0) + 1
-        stored = _stored_per_tensor(part)
-        for t in part.tensors:
-            acc = by_dtype.setdefault(t.dtype, [0, 0])
-            acc[0] += t.end - t.begin
-            acc[1] += stored[t.name]
-    for row in frames.values():
-        row["ratio"] = round(row["stored_bytes"] / max(row["bytes"], 1), 4)
-    return {"frames": frames,
-            "by_dtype": {d: round(s / max(b, 1), 4) for d, (b, s) in by_dtype.items()},
-            "codecs": sorted({p.codec for p in m.ranks}),
-            "ratio": round(m.stored_size / max(m.raw_size, 1), 4)}
-
-
-def _stored_per_tensor(part) -> dict[str, float]:
-    """Each tensor's share of the stored bytes of the frames it overlaps."""
-    out = {t.name: 0.0 for t in part.tensors}
-    frames = iter(part.frames)
-    frame = next(frames, None)
-    for t in part.tensors:
-        pos = t.begin
-        while frame is not None and pos < t.end:
-            f_end = frame.raw_offset + frame.raw_length
-            overlap = min(t.end, f_end) - pos
-            out[t.name] += frame.encoded_length * overlap / frame.raw_length
-            pos += overlap
-            if pos >= f_end:
-                frame = next(frames, None)
-    return out
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -492,23 +401,20 @@ def _import_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _root(text: str) -> str:
-    """A root or checkpoint argument that may be s3://bucket/prefix; another URL scheme
-    is refused at parse time."""
-    try:
-        root_path(text)
-    except CheckpointError as e:
-        raise argparse.ArgumentTypeError(e.cause) from None
-    return text
+def _path_argument(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that refuses at parse time what `parse` refuses (argparse prints
+    why): a URL for a local path, an unsupported scheme for a root."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except CheckpointError as e:
+            raise argparse.ArgumentTypeError(e.cause) from None
+        return text
+    return check
 
 
-def _local(text: str) -> str:
-    """A path argument, refused at parse time if it is a URL (argparse prints why)."""
-    try:
-        local_path(text)
-    except CheckpointError as e:
-        raise argparse.ArgumentTypeError(e.cause) from None
-    return text
+_root = _path_argument(root_path)  # a directory, or s3://bucket/prefix
+_local = _path_argument(local_path)
 
 
 def _age(seconds: float) -> str:
