@@ -75,7 +75,11 @@ def test_two_ranks_save_and_every_reader_gets_their_bytes_back(s3_root, s3_write
     rows = json.loads(listed.stdout)
     assert [(r["step"], r["state"], r["latest"]) for r in rows] == [
         (1, "committed", False), (2, "committed", True)]
-    assert "Traceback" not in done.stderr + listed.stderr
+    inspected = cli("inspect", s3_root, "--json")
+    summary = json.loads(inspected.stdout)
+    assert (summary["step"], summary["world_size"]) == (2, 2), inspected.stderr
+    assert {t["name"] for t in summary["tensors"]} >= {"w", "h"}
+    assert "Traceback" not in done.stderr + listed.stderr + inspected.stderr
 
 
 def test_retention_and_incremental_references_work_on_the_bucket(s3_root, s3_writer):
