@@ -153,7 +153,8 @@ def is_file(path: Location) -> bool:
 def is_dir(path: Location) -> bool:
     """`path` is a directory (for an object store: a prefix with objects under it)."""
     if isinstance(path, ObjectPath):
-        return _s3_of(path).exists(path) and not _s3_of(path).is_object(path)
+        storage = _s3_of(path)
+        return not storage.is_object(path) and storage.has_objects_under(path)
     return path.is_dir()
 
 

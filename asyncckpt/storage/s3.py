@@ -66,6 +66,7 @@ from asyncckpt.storage.s3client import (
     S3ReadFile,
     client,
     failure,
+    is_code,
     is_missing,
     is_precondition,
 )
@@ -83,8 +84,8 @@ class S3Storage(Storage):
         self.read_threads = self.knobs.read_threads
         self._s3 = client(self.knobs)
         self._prefix = f"{root.key}/" if root.key else ""
-        self._pool = ThreadPoolExecutor(self.knobs.parts_in_flight,  # threads start on use
-                                        thread_name_prefix="asyncckpt-s3")
+        self._pool: ThreadPoolExecutor | None = None  # made by the first data file
+        self._pool_lock = threading.Lock()
         self._slots = threading.Semaphore(self.knobs.parts_in_flight)  # parts uploading
 
     def __repr__(self) -> str:
@@ -116,18 +117,20 @@ class S3Storage(Storage):
             raise failure(e, "reading", self._where(key)) from None
 
     def _get(self, key: str, limit: int) -> tuple[bytes, str] | None:
-        """(bytes, ETag) of a small object, or None if it is missing or larger."""
-        head = self._head(key)
-        if head is None or head["ContentLength"] > limit:
-            return None
+        """(bytes, ETag) of a small object, or None if it is missing or larger (one GET
+        of at most `limit` + 1 bytes: a larger object is never read whole)."""
         try:
             answer = self._s3.get_object(Bucket=self.root.bucket, Key=key,
-                                         IfMatch=head["ETag"])
-            return answer["Body"].read(), answer["ETag"]
+                                         Range=f"bytes=0-{limit}")
+            data = answer["Body"].read()
         except Exception as e:
-            if is_missing(e) or is_precondition(e):
+            if is_missing(e):
                 return None
+            if is_code(e, "InvalidRange"):  # an empty object has no byte 0
+                head = self._head(key)
+                return None if head is None else (b"", head["ETag"])
             raise failure(e, "reading", self._where(key)) from None
+        return None if len(data) > limit else (data, answer["ETag"])
 
     def _put(self, key: str, body: bytes, **condition: str) -> bool:
         """Put `body` at `key` under `condition` (IfNoneMatch / IfMatch); False if the
@@ -256,7 +259,9 @@ class S3Storage(Storage):
         return (directory / name).key
 
     def open_step_file(self, step: int, name: str) -> S3ReadFile | None:
-        if not (self.has_step(step) or self.has_step(step, retired=True)):
+        """A committed or retired step's file: one with a manifest or a marker."""
+        if (self._head(self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")) is None
+                and self._head(self._key(retired_dir_name(step))) is None):
             return None
         key = self._key(f"{step_dir_name(step)}/{name}")
         head = self._head(key)
@@ -276,8 +281,9 @@ class S3Storage(Storage):
 
     def exists(self, path: ObjectPath) -> bool:
         """An object at `path`, or objects under it."""
-        if self.is_object(path):
-            return True
+        return self.is_object(path) or self.has_objects_under(path)
+
+    def has_objects_under(self, path: ObjectPath) -> bool:
         prefix = f"{path.key}/" if path.key else ""
         try:
             answer = self._s3.list_objects_v2(Bucket=path.bucket, Prefix=prefix, MaxKeys=1)
@@ -310,12 +316,12 @@ class S3Storage(Storage):
         the rest at `publish`)."""
         return self._object(self._key(step_dir_name(step)))
 
-    def write_object(self, directory: ObjectPath, name: str, data: bytes) -> None:
-        """A small object `name` in `directory` (a node's part of a step), whole."""
-        self._put((directory / name).key, data)
-
     def create_data_file(self, tmp: Any, name: str, window: int,
                          writeback: str = "range") -> S3DataFile:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.knobs.parts_in_flight,
+                                                thread_name_prefix="asyncckpt-s3")
         return S3DataFile(self._s3, tmp / name, self.knobs, self._pool, self._slots)
 
     def publish(self, tmp: Any, step: int, manifest: bytes, *,
@@ -395,18 +401,30 @@ class S3Storage(Storage):
         if age == 0:
             cutoff += datetime.timedelta(days=1)  # the store's clock may run ahead of ours
         removed = []
+        uploads, garbage = self.unfinished()
+        try:
+            for upload in uploads:
+                if upload["Initiated"] <= cutoff:
+                    self._s3.abort_multipart_upload(Bucket=self.root.bucket, Key=upload["Key"],
+                                                    UploadId=upload["UploadId"])
+                    removed.append(f"upload of {upload['Key'][len(self._prefix):]}")
+        except Exception as e:
+            raise failure(e, "sweeping uploads under", str(self.root)) from None
+        for step, items in sorted(garbage.items()):
+            if all(item["LastModified"] <= cutoff for item in items):
+                self._delete([item["Key"] for item in items])
+                removed.append(f"{step_dir_name(step)}/ ({len(items)} objects, no manifest)")
+        return removed
+
+    def unfinished(self) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
+        """What saves left unfinished under the root: (multipart uploads not completed,
+        step -> the objects of each step prefix without a manifest)."""
         try:
             pages = self._s3.get_paginator("list_multipart_uploads").paginate(
                 Bucket=self.root.bucket, Prefix=self._prefix)
-            for page in pages:
-                for upload in page.get("Uploads", []):
-                    if upload["Initiated"] <= cutoff:
-                        self._s3.abort_multipart_upload(Bucket=self.root.bucket,
-                                                        Key=upload["Key"],
-                                                        UploadId=upload["UploadId"])
-                        removed.append(f"upload of {upload['Key'][len(self._prefix):]}")
+            uploads = [u for page in pages for u in page.get("Uploads", [])]
         except Exception as e:
-            raise failure(e, "sweeping uploads under", str(self.root)) from None
+            raise failure(e, "listing uploads under", str(self.root)) from None
         committed, retired = self._names()
         garbage: dict[int, list[dict[str, Any]]] = {}
         for item in self._list(self._prefix):
@@ -414,15 +432,12 @@ class S3Storage(Storage):
             step = parse_step_dir(head) if tail else None
             if step is not None and step not in committed and step not in retired:
                 garbage.setdefault(step, []).append(item)
-        for step, items in sorted(garbage.items()):
-            if all(item["LastModified"] <= cutoff for item in items):
-                self._delete([item["Key"] for item in items])
-                removed.append(f"{step_dir_name(step)}/ ({len(items)} objects, no manifest)")
-        return removed
+        return uploads, garbage
 
     def restore_replaced(self) -> list[str]:
         return []  # a step is never replaced here
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 

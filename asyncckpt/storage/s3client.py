@@ -105,6 +105,10 @@ def failure(e: BaseException, what: str, location: str) -> ObjectStoreError:
     return ObjectStoreError(number, f"{what} {location}: {cause}")
 
 
+def is_code(e: BaseException, code: str) -> bool:
+    return _code(e) == code
+
+
 def is_missing(e: BaseException) -> bool:
     return _code(e) in ("NoSuchKey", "404", "NotFound")
 

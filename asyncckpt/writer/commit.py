@@ -84,7 +84,7 @@ def write_part(storage: Storage, tmp_dir: Path, step: int, part: RankPart) -> No
     path = tmp_dir / part_file_name(part.rank)
     faults.io("write", path)
     if isinstance(storage, S3Storage):
-        storage.write_object(tmp_dir, part_file_name(part.rank), part_to_bytes(step, part))
+        storage.put_key(path.key, part_to_bytes(step, part))
         return
     with open(path, "xb") as f:
         f.write(part_to_bytes(step, part))

@@ -151,15 +151,9 @@ def leftovers(root: Location) -> list[str]:
     unfinished uploads and step prefixes without a manifest."""
     if not isinstance(root, ObjectPath):
         return [p.name for p in root.iterdir() if ".tmp-" in p.name]
-    s = storage_for(root)
-    answer = s._s3.list_multipart_uploads(Bucket=root.bucket, Prefix=s._prefix)  # type: ignore[attr-defined]
-    left = [f"upload {u['Key']}" for u in answer.get("Uploads", [])]
-    known = set(s.committed_steps()) | set(s.retired_steps())
-    for item in s._list(s._prefix):  # type: ignore[attr-defined]
-        head, _, tail = item["Key"][len(s._prefix):].partition("/")  # type: ignore[attr-defined]
-        if tail and head.startswith("step-") and int(head[5:13]) not in known:
-            left.append(item["Key"])
-    return left
+    uploads, manifestless = storage_for(root).unfinished()  # type: ignore[attr-defined]
+    return [f"upload {u['Key']}" for u in uploads] + [
+        item["Key"] for items in manifestless.values() for item in items]
 
 
 def references(root: Location) -> int:

@@ -30,9 +30,7 @@ def state(seed: int, mib: int) -> dict:
 
 
 def uploads(root: str) -> list[str]:
-    s = storage_for(root)
-    answer = s._s3.list_multipart_uploads(Bucket=s.root.bucket, Prefix=s._prefix)  # type: ignore[attr-defined]
-    return [u["Key"] for u in answer.get("Uploads", [])]
+    return [u["Key"] for u in storage_for(root).unfinished()[0]]  # type: ignore[attr-defined]
 
 
 def wait_for_upload(root: str, timeout: float = 60.0) -> None:

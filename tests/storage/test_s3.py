@@ -50,9 +50,7 @@ def keys(storage: S3Storage) -> set[str]:
 
 
 def uploads(storage: S3Storage) -> list[str]:
-    answer = storage._s3.list_multipart_uploads(Bucket=storage.root.bucket,
-                                                Prefix=storage._prefix)
-    return [u["Key"] for u in answer.get("Uploads", [])]
+    return [u["Key"] for u in storage.unfinished()[0]]
 
 
 @pytest.fixture
