@@ -13,6 +13,7 @@ directory: what the fault tests do to it.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,9 +35,17 @@ def weed_binary() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that binds now, below Linux's ephemeral range (32768-60999): a
+    port the kernel handed out for binding 0 is soon handed to some outgoing connection
+    too, and the server would then fail to bind it."""
+    while True:
+        port = random.randint(20000, 32767)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class SeaweedServer:
@@ -50,6 +59,7 @@ class SeaweedServer:
         self.port = free_port()
         self.ports = {flag: free_port() for flag in _PORTS}
         self.proc: subprocess.Popen[bytes] | None = None
+        self._served = False  # started once: clients know its S3 port
         self.log = self.data_dir.with_name(self.data_dir.name + ".log")
 
     @property
@@ -63,6 +73,23 @@ class SeaweedServer:
                 "AWS_ALLOW_HTTP": "true"}
 
     def start(self, timeout: float = 60.0) -> "SeaweedServer":
+        """Start the server; a port taken meanwhile by another process makes it exit at
+        once, and it is started again on fresh ones (3 tries; a restart keeps its S3
+        port, which its clients know)."""
+        for attempt in range(3):
+            try:
+                self._start(timeout)
+                self._served = True
+                return self
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+                self.ports = {flag: free_port() for flag in _PORTS}
+                if not self._served:
+                    self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         flags = [f"-{flag}={port}" for flag, port in self.ports.items()]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
@@ -74,7 +101,6 @@ class SeaweedServer:
                  f"-bucket={','.join(self.buckets)}", *flags],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._wait_ready(timeout)
-        return self
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
