@@ -53,6 +53,13 @@ The follow-up of a committed step (marker, `hf_model` export, tracker) either fi
 or fails loudly: an export that fails is logged at once, and raised as SaveFailedError
 on every rank by this save (sync) or the next one (async).
 
+`local_path` may be an object-store prefix (`s3://bucket/run/global_step_N/actor`, the
+AWS environment naming the endpoint and credentials): the root is then
+`s3://bucket/run/asyncckpt/actor`, the marker, tracker and `huggingface/` files are
+objects (written locally in a temporary directory first, then uploaded), and the writer
+logs to the worker's stderr. Replacing a committed step is refused there (no atomic
+replace without rename): save under a new step or into another prefix.
+
 The one change for a verl user: in `verl/workers/engine/fsdp/transformer_impl.py`,
 `from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager`
 becomes `from asyncckpt.integrations.verl import FSDPCheckpointManager` (and
@@ -68,8 +75,8 @@ import json
 import logging
 import os
 import queue
-import shutil
 import socket
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -81,11 +88,13 @@ from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions, unwrapped
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.integrations.verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate,
-                                               read_tracker, root_of, trainer_dir, writer_log)
+                                               read_tracker, relative_root, root_of,
+                                               trainer_dir, writer_log)
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.launch import start_writer
 from asyncckpt.read.export import export_hf
-from asyncckpt.storage.durable import write_atomic
+from asyncckpt.storage.location import (Location, exists, is_object, remove_tree, root_path,
+                                        upload_tree, write_bytes)
 
 __all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")
@@ -105,7 +114,7 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 @dataclasses.dataclass
 class _Job:
     step: int
-    local_path: Path
+    local_path: Location
     handle: SaveHandle
     hf_model: bool
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -150,7 +159,7 @@ class FSDPCheckpointManager:
         self.previous_global_step: int | None = None
         self.previous_saved_paths: list[str] = []  # rank 0: local_paths of kept steps
         self._saved: dict[str, int] = {}  # rank 0: those paths and their steps
-        self._root: Path | None = None
+        self._root: Location | None = None
         self._writer: Any = None
         self._ckpt: Checkpointer | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -204,9 +213,11 @@ class FSDPCheckpointManager:
         ckpt = self._checkpointer(root_of(path))
         ckpt.options = dataclasses.replace(ckpt.options, keep_last=keep)
         self.previous_global_step = global_step
-        path.mkdir(parents=True, exist_ok=True)
+        if not is_object(path):
+            path.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            self._save_hf_files(path / "huggingface")
+            with _local(path / "huggingface") as directory:
+                self._save_hf_files(directory)
         extra = self._extra() if self.should_save_extra else None
         handle = ckpt.save(global_step, extra=extra, force=True, replace=True, keep_from=keep_from)
         assert handle is not None  # on_busy "block": never skipped
@@ -226,14 +237,14 @@ class FSDPCheckpointManager:
                 raise SaveFailedError("; ".join(outcome[0]), step=global_step)
 
     def _agree(self, verb: str, local_path: str | None,
-               step: int | None) -> tuple[Path | None, int | None, list[str]]:
+               step: int | None) -> tuple[Location | None, int | None, list[str]]:
         """On every rank: rank 0's `local_path` (absolute; None when no rank passed
         one), the `keep_from` rank 0 computed, and rank 0's follow-up failures since the
         last save. One all_gather_object; raises on every rank alike (`agree`)."""
-        mine = None if local_path is None else str(Path(local_path).absolute())
+        mine = None if local_path is None else str(root_path(local_path).absolute())
         keep_from, failures = None, []
         if self.rank == 0 and verb == "save":
-            keep_from = self._keep_from(Path(mine)) if mine else None
+            keep_from = self._keep_from(root_path(mine)) if mine else None
             failures = self._take_failures()
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, (mine, step, keep_from, failures))
@@ -243,7 +254,7 @@ class FSDPCheckpointManager:
             log.warning("asyncckpt: %s; said once", differ)
         return path, everyone[0][2], everyone[0][3]
 
-    def _keep_from(self, local_path: Path) -> int | None:
+    def _keep_from(self, local_path: Location) -> int | None:
         """Rank 0: the oldest step retention must keep: the one the tracker names (a
         kill before the trainer moves it resumes from there) or one whose follow-up
         is still running (its export reads it)."""
@@ -286,7 +297,7 @@ class FSDPCheckpointManager:
             self._writer.stop()
             self._writer = None
 
-    def _checkpointer(self, root: Path) -> Checkpointer:
+    def _checkpointer(self, root: Location) -> Checkpointer:
         if self._ckpt is not None:
             if root != self._root:
                 raise ValueError(f"this manager saves under {self._root}; {root} is another "
@@ -303,7 +314,7 @@ class FSDPCheckpointManager:
                                   fence=self.optimizer is not None)
         return self._ckpt
 
-    def _start_node_writer(self, root: Path) -> str:
+    def _start_node_writer(self, root: Location) -> str:
         """The first rank of each host starts that host's writer on `root`; every rank
         learns its host's address through the process group's store."""
         host = socket.gethostname()
@@ -313,7 +324,8 @@ class FSDPCheckpointManager:
         store = dist.distributed_c10d._get_default_store()
         key = f"asyncckpt-verl:{root}:{host}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
         if leader:
-            root.mkdir(parents=True, exist_ok=True)
+            if not is_object(root):
+                root.mkdir(parents=True, exist_ok=True)
             job = None if len(set(hosts)) == 1 else f"verl {os.environ.get('MASTER_ADDR')}:" \
                                                       f"{os.environ.get('MASTER_PORT')}"
             self._writer = start_writer(root, job=job, log_file=writer_log(root))
@@ -370,28 +382,30 @@ class FSDPCheckpointManager:
         except CheckpointError as e:  # every rank's save_checkpoint (or the next) raises it
             log.error("asyncckpt: step %d was not committed (%s): the tracker keeps the "
                       "last committed step", job.step, e)
-            if not (job.local_path / MARKER).exists():  # it describes no step: what this
-                shutil.rmtree(job.local_path / "huggingface", ignore_errors=True)  # save wrote
-                with contextlib.suppress(OSError):
-                    job.local_path.rmdir()  # only if nothing else is in it
+            if not exists(job.local_path / MARKER):  # it describes no step: what this
+                remove_tree(job.local_path / "huggingface")  # save wrote
+                if not is_object(job.local_path):
+                    with contextlib.suppress(OSError):
+                        job.local_path.rmdir()  # only if nothing else is in it
             return
-        write_atomic(job.local_path / MARKER, (json.dumps(
-            {"root": os.path.relpath(self._root, job.local_path), "step": job.step}) + "\n").encode())
+        write_bytes(job.local_path / MARKER, (json.dumps(
+            {"root": relative_root(self._root, job.local_path), "step": job.step}) + "\n").encode())
         self._saved.pop(str(job.local_path), None)  # saved again: now the newest
         self._saved[str(job.local_path)] = job.step
         try:
             if job.hf_model:
-                export_hf(self._root, job.local_path / "huggingface", step=job.step)
+                with _local(job.local_path / "huggingface") as directory:
+                    export_hf(self._root, directory, step=job.step)
         except Exception as e:  # noqa: BLE001 - the step is committed: the tracker moves on
             job.failure = (f"step {job.step} is committed but its hf_model export to "
                            f"{job.local_path / 'huggingface'} failed: {type(e).__name__}: {e}")
         base = trainer_dir(job.local_path)
         if self.async_save and base is not None:
-            write_atomic(base / TRACKER, str(job.step).encode())
+            write_bytes(base / TRACKER, str(job.step).encode())
         kept = set(self._ckpt.all_steps())  # what retention left, judged from the disk
         for old, step in list(self._saved.items()):
-            if step not in kept and not holds(Path(old), self._root):
-                shutil.rmtree(old, ignore_errors=True)
+            if step not in kept and not holds(root_path(old), self._root):
+                remove_tree(root_path(old))
                 del self._saved[old]
         self.previous_saved_paths = list(self._saved)
 
@@ -427,7 +441,7 @@ class FSDPCheckpointManager:
         dist.broadcast_object_list(found, src=0)
         if isinstance(found[0], str):
             raise CheckpointNotFoundError(found[0], file=str(path))
-        root, step = Path(found[0][0]), found[0][1]
+        root, step = root_path(found[0][0]), found[0][1]
         contents = tuple(c for c in ("model", "optimizer", "extra")
                          if c in self.checkpoint_load_contents)
         if not contents:
@@ -446,3 +460,14 @@ class FSDPCheckpointManager:
                 self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         dist.barrier()
 
+
+@contextlib.contextmanager
+def _local(directory: Location) -> Any:
+    """A local directory to write `directory`'s files into: `directory` itself, or for
+    an object-store prefix a temporary one, uploaded when the block ends without error."""
+    if not is_object(directory):
+        yield directory
+        return
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-verl-") as scratch:
+        yield Path(scratch)
+        upload_tree(Path(scratch), directory)

@@ -9,6 +9,10 @@ step, so steps can reference each other's bytes and retention sees them all. Any
 inside itself, `local_path/asyncckpt`; there is no trainer layout, so no tracker file.
 The writer's log sits beside its root (`<root>.writer.log`), never inside it.
 
+The directory may be an object-store prefix (`s3://bucket/run/global_step_N/actor`):
+the same layout, with objects for the marker, the tracker and `huggingface/` (written
+locally, then uploaded), and the writer's log on the worker's stderr.
+
 One path per save. The ranks of one save (or load) may name different `local_path`s:
 verl's test calls `tempfile.mkdtemp()` on every rank, and verl's manager copes because
 each rank writes its own files into its own path. An asyncckpt step is one root written
@@ -26,10 +30,13 @@ detected by the writers' coordination).
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from pathlib import Path
 
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
+from asyncckpt.storage.location import (Location, ObjectPath, is_dir, is_object, read_bytes,
+                                        root_path)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "asyncckpt.json"
@@ -40,7 +47,7 @@ _STEP_DIR = re.compile(r"global_step_(\d+)")
 Gathered = tuple[str | None, int | None, int | None, list[str]]
 
 
-def agree(verb: str, everyone: list[Gathered]) -> tuple[Path | None, str]:
+def agree(verb: str, everyone: list[Gathered]) -> tuple[Location | None, str]:
     """What the ranks of one save (`verb` "save") or load agree on, from each rank's
     (absolute local_path or None, step, anything): rank 0's path (None when no rank
     has one), and a description of the paths that differ from it ("" when none do).
@@ -65,10 +72,10 @@ def agree(verb: str, everyone: list[Gathered]) -> tuple[Path | None, str]:
         return None, ""
     differ = [(r, entry[0]) for r, entry in enumerate(everyone) if entry[0] != first]
     if not differ:
-        return Path(first), ""
+        return root_path(first), ""
     shown = "; ".join(f"rank {r}: {p}" for r, p in differ[:3])
     more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-    return Path(first), (f"the ranks name different local paths for one {verb} ({shown}{more}); "
+    return root_path(first), (f"the ranks name different local paths for one {verb} ({shown}{more}); "
                          f"every rank uses rank 0's, {first}")
 
 
@@ -76,13 +83,13 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
-def trainer_dir(local_path: Path) -> Path | None:
+def trainer_dir(local_path: Location) -> Location | None:
     """verl's `default_local_dir` (DIR) of `DIR/global_step_N/<role>`, else None."""
     local_path = local_path.absolute()
     return local_path.parent.parent if _STEP_DIR.fullmatch(local_path.parent.name) else None
 
 
-def root_of(local_path: Path) -> Path:
+def root_of(local_path: Location) -> Location:
     """The asyncckpt root a save to `local_path` writes (absolute): `DIR/asyncckpt/<role>`
     for verl's `DIR/global_step_N/<role>`, else `local_path/asyncckpt`."""
     local_path = local_path.absolute()
@@ -90,12 +97,30 @@ def root_of(local_path: Path) -> Path:
     return base / ROOTS / local_path.name if base is not None else local_path / ROOTS
 
 
-def writer_log(root: Path) -> Path:
-    """The log of the writer on `root`: beside it, inside the directory the user gave."""
-    return root.parent / f"{root.name}.writer.log"
+def writer_log(root: Location) -> Path | None:
+    """The log of the writer on `root`: beside it, inside the directory the user gave
+    (None for an object-store root: the writer logs to its parent's stderr)."""
+    return None if is_object(root) else root.parent / f"{root.name}.writer.log"
 
 
-def locate(local_path: Path) -> tuple[Path, int | None]:
+def relative_root(root: Location, local_path: Location) -> str:
+    """`root` as the marker in `local_path` names it: relative, so that the directory
+    can be moved with its root."""
+    return posixpath.relpath(_posix(root), _posix(local_path))
+
+
+def _posix(path: Location) -> str:
+    return "/" + "/".join(path.parts[1:]) if is_object(path) else str(path)
+
+
+def _joined(local_path: Location, relative: str) -> Location:
+    if is_object(local_path):
+        joined = posixpath.normpath(posixpath.join(_posix(local_path), relative))
+        return ObjectPath("/", *joined.strip("/").split("/"))
+    return (local_path / relative).resolve()
+
+
+def locate(local_path: Location) -> tuple[Location, int | None]:
     """The root and step `local_path` stands for: its marker, else the layout's rule
     (step None: the root's newest, for a directory not named DIR/global_step_N/<role>).
 
@@ -104,24 +129,25 @@ def locate(local_path: Path) -> tuple[Path, int | None]:
             marker that does not parse.
     """
     marker = local_path / MARKER
-    if marker.is_file():
+    text = read_bytes(marker)
+    if text is not None:
         try:
-            body = json.loads(marker.read_text())
-            return (local_path / body["root"]).resolve(), int(body["step"])
+            body = json.loads(text)
+            return _joined(local_path, body["root"]), int(body["step"])
         except (OSError, ValueError, KeyError, TypeError) as e:  # one message on every rank
             raise CheckpointNotFoundError(f"{marker} is not an asyncckpt marker ({type(e).__name__}: "
                                           f"{e})", file=str(marker)) from None
     match = _STEP_DIR.fullmatch(local_path.absolute().parent.name)
     if match is not None:
         return root_of(local_path), int(match.group(1))
-    if (local_path / ROOTS).is_dir():
+    if is_dir(local_path / ROOTS):
         return root_of(local_path), None
     raise CheckpointNotFoundError(f"{local_path} holds no asyncckpt-saved verl step (no {MARKER}, "
                                   f"no {ROOTS}/) and is not named DIR/global_step_N/<role>",
                                   file=str(local_path))
 
 
-def holds(path: Path, root: Path | None) -> bool:
+def holds(path: Location, root: Location | None) -> bool:
     """Whether removing `path` would remove `root` (it is the root or above it)."""
     if root is None:
         return False
@@ -129,11 +155,12 @@ def holds(path: Path, root: Path | None) -> bool:
     return path == root or path in root.parents
 
 
-def read_tracker(local_path: Path) -> int | None:
+def read_tracker(local_path: Location) -> int | None:
     """The step verl's tracker file beside `local_path`'s step names, if it names one."""
     base = trainer_dir(local_path)
     try:
-        return int((base / TRACKER).read_text().strip()) if base is not None else None
+        text = read_bytes(base / TRACKER) if base is not None else None
+        return int(text.decode().strip()) if text is not None else None
     except (OSError, ValueError):
         return None
 

@@ -169,6 +169,86 @@ def list_names(directory: Location) -> set[str]:
     return set(os.listdir(directory))
 
 
+# -- small files beside a root (markers, trackers, exported files), for either kind ---
+
+def write_bytes(path: Location, body: bytes) -> None:
+    """Put `body` at `path` whole or not at all: locally tmp + fsync + rename (the
+    directory made first), on an object store one PUT.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    if isinstance(path, ObjectPath):
+        _s3_of(path).put_key(path.key, body)
+        return
+    from asyncckpt.storage.durable import write_atomic
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, body)
+
+
+def read_bytes(path: Location, limit: int = 1 << 16) -> bytes | None:
+    """The bytes of the small file or object at `path`, None if there is none (or it
+    is larger than `limit`: never read whole).
+
+    Raises:
+        OSError: it cannot be read.
+    """
+    if isinstance(path, ObjectPath):
+        return _s3_of(path).get_key(path.key) if path.key else None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    return data if len(data) <= limit else None
+
+
+def remove_tree(path: Location) -> None:
+    """Remove `path` and everything under it, if anything is there (best effort
+    locally; on an object store every object under the prefix, and one at `path`).
+
+    Raises:
+        OSError: (object store) the objects cannot be listed or deleted.
+    """
+    if isinstance(path, ObjectPath):
+        if not path.key:
+            raise ValueError(f"{path} is a whole bucket: not removed")
+        storage = _s3_of(path)
+        keys = [key for key, _ in storage.keys_with_prefix(path.name + "/")]
+        storage.delete_keys(keys + [path.key])
+        return
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def upload_tree(directory: Path, dest: Location) -> None:
+    """Copy the files under local `directory` to `dest` (an object store: each file a
+    multipart upload of bounded memory; locally: a plain copy of the tree).
+
+    Raises:
+        OSError: a file cannot be read or written.
+    """
+    if not isinstance(dest, ObjectPath):
+        import shutil
+        shutil.copytree(directory, dest, dirs_exist_ok=True)
+        return
+    storage = _s3_of(dest / "x")
+    chunk = storage.knobs.part_size
+    try:
+        for source in sorted(p for p in directory.rglob("*") if p.is_file()):
+            target = dest.joinpath(*source.relative_to(directory).parts)
+            out = storage.create_data_file(target.parent, target.name, 0)
+            try:
+                with open(source, "rb") as f:
+                    while block := f.read(chunk):
+                        out.append([memoryview(block)])
+                out.sync()
+            finally:
+                out.close()
+    finally:
+        storage.close()
+
+
 def _s3_of(path: ObjectPath):  # type: ignore[no-untyped-def]
     from asyncckpt.storage.s3 import S3Storage
     return S3Storage(path.parent if path.key else path)

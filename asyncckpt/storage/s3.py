@@ -31,7 +31,8 @@ ranks' files (and part objects) under the one step prefix; `publish` deletes wha
 the manifest does not name before it puts the manifest.
 
 An object store has no lock a crashed writer releases; leases (storage/lease.py) stand
-in for the root's lock. Replacing a committed step is not supported here (refused).
+in for the root's lock. Replacing a committed step is not supported here: a save with
+`replace` is refused if the step is committed, and is a plain save if it is not.
 """
 
 
@@ -326,10 +327,9 @@ class S3Storage(Storage):
 
     def publish(self, tmp: Any, step: int, manifest: bytes, *,
                 replace: bool = False) -> ObjectPath:
-        """Put the manifest with If-None-Match: the one write that commits the step."""
-        if replace:
-            raise ObjectStoreError(errno.EOPNOTSUPP, "replacing a committed step is not "
-                                   "supported on object-store roots", str(tmp))
+        """Put the manifest with If-None-Match: the one write that commits the step.
+        `replace` changes nothing: a committed step is never replaced here (the writer
+        refuses such a save before it begins; one committed meanwhile wins)."""
         files = parse_manifest(manifest, max_frame_bytes=MAX_FRAME_BYTES).ranks
         named = {MANIFEST_NAME} | {p.file for p in files}
         stale = [item["Key"] for item in self._list(f"{tmp.key}/")

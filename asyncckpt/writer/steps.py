@@ -191,10 +191,10 @@ class Steps:
     def _open_step(self, step: int, rank: int, world_size: int, coordinated: bool,
                    replace: bool) -> Step:
         """A new open step (its codec chosen, its tmp directory made); under the lock."""
-        if replace and is_object(self.root):
-            raise SaveFailedError("replacing a committed step is not supported on an "
-                                  "object-store root: save under another step number",
-                                  step=step, rank=rank)
+        if replace and is_object(self.root) and self.storage.occupied(step):
+            raise SaveFailedError("this step is committed, and an object-store root cannot "
+                                  "replace a step atomically: save under another step number "
+                                  "or into another prefix", step=step, rank=rank)
         if step in self._committing or (
                 not replace and self.storage.occupied(step)):
             raise StepAlreadyCommittedError(

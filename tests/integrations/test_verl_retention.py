@@ -1,7 +1,8 @@
 """The verl drop-in's retention against verl's tracker file, with a real writer and a
 one-rank gloo group in this process (the drop-in needs no verl): a kill at any moment
 leaves the tracker naming a step that loads, every committed step's hf_model export
-finishes, and the directories of deleted steps go."""
+finishes, and the directories of deleted steps go; the same on an s3:// prefix (a real
+SeaweedFS server), where a committed step is never replaced."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from typing import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load as load_safetensors
 
 import asyncckpt
 from asyncckpt.integrations import verl
+from asyncckpt.storage.location import exists, list_names, read_bytes, root_path
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,3 +145,47 @@ def test_loading_a_directory_whose_root_holds_no_step_raises(group, tmp_path):
     m = manager(model, optim, sched, async_save=False)
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="holds no committed step"):
         m.load_checkpoint(str(local))
+
+
+@pytest.mark.process
+def test_an_s3_prefix_holds_steps_marker_tracker_and_hf_files_and_resumes(group, s3_root):
+    """verl's layout under `s3://bucket/run`: the root `run/asyncckpt/actor`, each kept
+    step's marker and huggingface/ objects, the tracker object; deleted steps' prefixes
+    go; a committed step is not replaced (refused clearly), and a resume is bit-exact."""
+    base = root_path(s3_root)
+    model, optim, sched = model_and_optimizer()
+    m = manager(model, optim, sched, async_save=True, hf_model=True)
+    try:
+        for step in (1, 2, 3):
+            train(model, optim, sched)
+            m.save_checkpoint(f"{s3_root}/global_step_{step}/actor", None, step, 2)
+            m.wait_until_finished()  # so that retention keeps no step for an export
+        assert m._take_failures() == []
+    finally:
+        m.close()
+    assert read_bytes(base / verl.TRACKER) == b"3"
+    assert asyncckpt.Checkpointer(f"{s3_root}/asyncckpt/actor").all_steps() == [2, 3]
+    assert not exists(base / "global_step_1" / "actor")
+    local = base / "global_step_3" / "actor"
+    marker = json.loads(read_bytes(local / verl.MARKER))
+    assert marker == {"root": "../../asyncckpt/actor", "step": 3}
+    names = list_names(local / "huggingface")
+    shards = sorted(n for n in names if n.endswith(".safetensors"))
+    assert "config.json" in names and "model.safetensors.index.json" in names and shards
+    weights = {}
+    for shard in shards:
+        weights.update(load_safetensors(read_bytes(local / "huggingface" / shard,
+                                                   limit=1 << 26)))
+    assert torch.equal(weights["lm_head.weight"], model.state_dict()["lm_head.weight"])
+
+    fresh_model, fresh_optim, fresh_sched = model_and_optimizer()
+    again = manager(fresh_model, fresh_optim, fresh_sched, async_save=False)
+    try:
+        with pytest.raises(asyncckpt.SaveFailedError, match="cannot replace a step atomically"):
+            again.save_checkpoint(str(local), None, 3)
+        again.load_checkpoint(str(local))
+    finally:
+        again.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 fresh_model.state_dict().values()))
+    assert fresh_sched.state_dict() == sched.state_dict()

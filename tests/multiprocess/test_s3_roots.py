@@ -1,7 +1,8 @@
 """A writer on an `s3://bucket/prefix` root, driven as a user would, against a real S3
 server (SeaweedFS on loopback): ranks save, the manifest object commits, and `load`,
 `verify`, `ls`, retention, incremental references and the Checkpointer work as on a
-local root; what an object store cannot do yet is refused with a clear error."""
+local root; what an object store cannot do (replace a committed step) is refused with
+a clear error."""
 
 from __future__ import annotations
 
@@ -121,10 +122,11 @@ def test_the_checkpointer_saves_and_restores_through_the_bucket(s3_root, s3_writ
                        fresh_opt.state_dict()["state"][0]["exp_avg"])
 
 
-def test_replacing_a_step_is_refused_clearly_and_the_step_survives(s3_root, s3_writer):
+def test_replacing_a_committed_step_is_refused_clearly_and_the_step_survives(s3_root,
+                                                                             s3_writer):
     with asyncckpt.connect(s3_writer.address, rank=0, world_size=1) as c:
-        c.save(1, state(1)).wait(timeout=120)
-        with pytest.raises(asyncckpt.SaveFailedError, match="not supported on an object-store"):
+        c.save(1, state(1), replace=True).wait(timeout=120)  # nothing to replace: a save
+        with pytest.raises(asyncckpt.SaveFailedError, match="cannot replace a step atomically"):
             c.save(1, state(2), replace=True).wait(timeout=120)
         with pytest.raises(StepAlreadyCommittedError):
             c.save(1, state(3)).wait(timeout=120)
