@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     ex.add_argument("--max-shard-size", default="5GiB")
     ex.add_argument("--tokenizer", default=None, help="copy this directory's tokenizer files")
+    ex.add_argument("--jobs", type=int, default=1,
+                    help="processes writing shards side by side on this host (default 1)")
+    ex.add_argument("--part", type=_part, default=(0, 1), metavar="I/N",
+                    help="write the I-th of N shares of the shards (0-based), for one "
+                         "export split over N hosts sharing --out; the last to finish "
+                         "writes the index")
     ex.add_argument("--json", action="store_true")
 
     cp = sub.add_parser("copy", help="write one step as a self-contained checkpoint directory "
@@ -340,7 +346,8 @@ def _export(args: argparse.Namespace) -> int:
                           dtype=getattr(torch, args.dtype) if args.dtype else None,
                           max_shard_size=parse_size(args.max_shard_size),
                           progress=(lambda done, total: bar.update("export", done, total))
-                          if bar else None, tokenizer=args.tokenizer)
+                          if bar else None, tokenizer=args.tokenizer, jobs=args.jobs,
+                          part=args.part)
     except (CheckpointError, ValueError) as e:
         print(f"asyncckpt export: {e}", file=sys.stderr)
         return 1 if isinstance(e, CorruptCheckpointError) else 2
@@ -349,14 +356,29 @@ def _export(args: argparse.Namespace) -> int:
             bar.finish()
     shards = sorted(set(index["weight_map"].values()))
     if args.json:
-        json.dump({"out": args.out, "shards": shards, **index["metadata"],
+        json.dump({"out": args.out, "shards": shards, "written": index["shards"],
+                   "complete": index["complete"], **index["metadata"],
                    "tensors": len(index["weight_map"]), "files": index["files"]}, sys.stdout, indent=1)
         print()
-    else:
+    elif index["complete"]:
         print(f"wrote {len(index['weight_map'])} tensors, {index['metadata']['total_size'] / 2**20:.1f} "
               f"MiB, in {len(shards)} shard(s) to {args.out}"
               + (f", with {', '.join(index['files'])}" if index["files"] else ""))
+    else:
+        print(f"wrote {len(index['shards'])} of {len(shards)} shards to {args.out}; the part "
+              "that writes the last one writes the index")
     return 0
+
+
+def _part(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    try:
+        part = int(i), int(n)
+    except ValueError:
+        part = (-1, 0)
+    if not 0 <= part[0] < part[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N with 0 <= I < N")
+    return part
 
 
 def _copy(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import functools
 import itertools
 import logging
@@ -72,7 +73,12 @@ class Client:
                 (LOCAL_WORLD_SIZE < WORLD_SIZE), else none (the node's writer sees
                 every rank).
             knobs: slot_size, ring_size, connect_timeout, coordination, node_timeout
-                (see ClientKnobs).
+                (see ClientKnobs). Without ring_size (argument or ASYNCCKPT_RING_SIZE),
+                the client starts with the 64 MiB default and its first save sizes
+                the ring from that save's state as a Checkpointer does (up to the whole
+                state, within a share of MemAvailable; logged at INFO), so staging is
+                a memory copy rather than disk-speed by default. Hazard: that much
+                shared memory stays mapped per rank until `close()`.
         Raises:
             ValueError: an unknown knob (a writer knob is named as one).
             WriterUnavailableError: no address, no writer there, or authentication failed.
@@ -80,8 +86,11 @@ class Client:
         self.knobs = ClientKnobs.from_env(**knobs)
         self.address = _writer_address(address)
         self.rank, self.world_size = resolve_rank(rank, world_size)
+        # no ring size asked for: the first save sizes the ring from its state
+        self._size_ring = knobs.get("ring_size") is None and not os.environ.get(
+            "ASYNCCKPT_RING_SIZE")
         self._ring = ring.Ring.create(self.knobs.slot_size, self.knobs.ring_slots)
-        welcome = self._handshake()
+        self._conn, welcome = self._handshake(self._ring)
         self.root = root_path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
         self._device = DeviceCopies(self._ring)
@@ -94,44 +103,81 @@ class Client:
         self._queue: queue.Queue[PendingSave | None] = queue.Queue()
         self._closed = False
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._replacing = False
+        self._resize_lock = threading.Lock()
         self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
             messages.Free: self._on_free, messages.Unchanged: self._on_unchanged,
             messages.Durable: self._on_durable, messages.Committed: self._on_result,
             messages.Failed: self._on_result}
         self._start_threads()
 
-    def _handshake(self) -> messages.Welcome:
-        """Dial the writer, say hello and pass the ring; the writer's welcome.
+    def _handshake(self, new: ring.Ring) -> tuple[Any, messages.Welcome]:
+        """Dial the writer, say hello and pass ring `new`; the connection and welcome.
 
         Raises:
             WriterUnavailableError: no writer, a failed authentication or handshake, or
-                a refusal (the ring is closed then).
+                a refusal (`new` is closed then).
         """
+        conn = None
         try:
-            self._conn = protocol.dial(self.address, protocol.read_authkey(self.address),
-                                       self.knobs.connect_timeout)
-            protocol.send_message(self._conn, messages.Hello(
-                self.rank, self._ring.slot_size, self._ring.slots, world_size=self.world_size,
+            conn = protocol.dial(self.address, protocol.read_authkey(self.address),
+                                 self.knobs.connect_timeout)
+            protocol.send_message(conn, messages.Hello(
+                self.rank, new.slot_size, new.slots, world_size=self.world_size,
                 pid=os.getpid(), need_slot=True))
-            protocol.send_fd(self._conn, self._ring.fileno())
-            if not self._conn.poll(self.knobs.connect_timeout):
+            protocol.send_fd(conn, new.fileno())
+            if not conn.poll(self.knobs.connect_timeout):
                 raise WriterUnavailableError(f"writer at {self.address} did not welcome us")
-            reply = protocol.receive(self._conn)
+            reply = protocol.receive(conn)
         except (OSError, EOFError, ValueError) as e:
-            self._ring.close()
+            new.close()
             raise WriterUnavailableError(f"writer at {self.address} closed the connection during "
                                          f"the handshake: {e}", rank=self.rank) from None
         except BaseException:
-            self._ring.close()
+            new.close()
             raise
         finally:
-            self._ring.release_fd()  # the writer holds its own descriptor now
+            new.release_fd()  # the writer holds its own descriptor now
         if not isinstance(reply, messages.Welcome):
-            self._ring.close()
+            new.close()
             reason = reply.reason if isinstance(reply, messages.Refused) else reply.OP
             raise WriterUnavailableError(f"writer at {self.address} refused this rank: "
                                          f"{reason[:500]}", rank=self.rank)
-        return reply
+        return conn, reply
+
+    def _resize_ring(self, state_dict: Any) -> None:
+        """Before the first save (nothing in flight): a ring sized for its state, as a
+        Checkpointer's (ringsize.py, logged), through a second connection; the first,
+        with the default ring, is closed once the writer has welcomed the second."""
+        from asyncckpt.rank.ringsize import ring_for, state_bytes
+        size = ring_for(state_bytes(state_dict), None, log)
+        if size is None or size <= self._ring.size:
+            return
+        try:
+            bigger = ring.Ring.create(self.knobs.slot_size, size // self.knobs.slot_size)
+        except OSError as e:
+            log.warning("asyncckpt: kept the %d MiB ring (a %d MiB one could not be made: "
+                        "%s)", self._ring.size >> 20, size >> 20, e)
+            return
+        conn, _ = self._handshake(bigger)
+        old_conn, old_ring = self._conn, self._ring
+        self._replacing = True
+        self._outbox.put(None)
+        self._sender.join()
+        protocol.hang_up(old_conn)
+        self._receiver.join()
+        self._replacing = False
+        self._device.close()
+        self._conn, self._ring = conn, bigger
+        self.knobs = dataclasses.replace(self.knobs, ring_size=bigger.size)
+        self._device = DeviceCopies(bigger)
+        with self._cond:
+            self._free = collections.deque(range(bigger.slots))
+        try:
+            old_ring.close()
+        except BufferError:
+            pass
+        self._start_threads(stager=False)
 
     def _agreement_for(self, store: Any, welcome: messages.Welcome) -> Agreement | None:
         """How the nodes agree on each commit: through `store` (or the one the
@@ -143,16 +189,17 @@ class Client:
         return Agreement(coordinator, self._send, welcome.root, welcome.root_id,
                          lambda: self._broken is not None, self._forget)
 
-    def _start_threads(self) -> None:
-        self._receiver = threading.Thread(target=self._receive, daemon=True,
+    def _start_threads(self, stager: bool = True) -> None:
+        self._receiver = threading.Thread(target=self._receive, args=(self._conn,), daemon=True,
                                           name=f"asyncckpt-recv-{self.rank}")
-        self._stager = threading.Thread(target=self._stage_loop, daemon=True,
-                                        name=f"asyncckpt-stage-{self.rank}")
-        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+        self._sender = threading.Thread(target=self._send_loop, args=(self._conn,), daemon=True,
                                         name=f"asyncckpt-send-{self.rank}")
         self._receiver.start()
-        self._stager.start()
         self._sender.start()
+        if stager:
+            self._stager = threading.Thread(target=self._stage_loop, daemon=True,
+                                            name=f"asyncckpt-stage-{self.rank}")
+            self._stager.start()
 
     def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
              keep_every: int = 0, keep_from: int | None = None,
@@ -191,6 +238,16 @@ class Client:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         if self._broken is not None:
             raise self._broken
+        if self._size_ring:
+            with self._resize_lock:  # a save on another thread waits for the new ring
+                if self._size_ring:
+                    with self._cond:
+                        idle = not self._pending
+                    try:
+                        if idle:
+                            self._resize_ring(state_dict)
+                    finally:
+                        self._size_ring = False
         handle = SaveHandle(step)
         retention = None if keep_last is None else (keep_last, keep_every)
         skip = self.knobs.skip_unchanged
@@ -310,10 +367,10 @@ class Client:
     def _send(self, message: messages.Message) -> None:
         self._outbox.put(message.encode())
 
-    def _send_loop(self) -> None:
+    def _send_loop(self, conn: Any) -> None:
         try:
             while (data := self._outbox.get()) is not None:
-                self._conn.send_bytes(data)
+                conn.send_bytes(data)
         except (OSError, EOFError):
             self._on_broken("writer connection lost while sending")
 
@@ -337,10 +394,10 @@ class Client:
 
     # -- receiver thread -------------------------------------------------------------
 
-    def _receive(self) -> None:
+    def _receive(self, conn: Any) -> None:
         try:
             while True:
-                data = protocol.recv(self._conn)
+                data = protocol.recv(conn)
                 if data["op"] not in messages.MESSAGES:
                     continue  # a reply of a newer writer that this client does not use
                 message = messages.parse(data)
@@ -349,6 +406,8 @@ class Client:
                     handler(message)
         except Exception as e:  # whatever ends this thread must fail the pending handles,
             # or their wait() would hang: a lost writer, a closed client, a bad message
+            if self._replacing:
+                return  # the connection of the ring `_resize_ring` replaced
             if self._closed:
                 self._on_broken("the client was closed")
             elif isinstance(e, (EOFError, OSError)):
