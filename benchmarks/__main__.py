@@ -47,16 +47,19 @@ MODES: dict[str, dict[str, Any]] = {
     "tiny": {"sizes": [8 * MiB], "reps": 1, "load_reps": 1, "target_reps": 1,
              "throughput_seconds": 0.2, "minilm": False, "methods": ALL,
              "whole_plane_reference": False,
-             "contest": {"source": "synthetic", "cap_bytes": 2 * MiB, "reps": 1}},
+             "contest": {"source": "synthetic", "cap_bytes": 2 * MiB, "reps": 1},
+             "export": {"gib": 1 / 64, "tensors": 4, "reps": 1}},
     # under 5 minutes on 2 cores: one size, every peer, no extra variants
     "quick": {"sizes": [1 * GiB], "reps": 3, "load_reps": 1, "target_reps": 5,
               "throughput_seconds": 0.5, "minilm": False, "whole_plane_reference": False,
               "methods": [m for m in ALL if "ring" not in m],
-              "contest": {"source": "synthetic", "cap_bytes": 64 * MiB, "reps": 5}},
+              "contest": {"source": "synthetic", "cap_bytes": 64 * MiB, "reps": 5},
+              "export": {"gib": 2, "tensors": 32, "reps": 3}},
     "full": {"sizes": [1 * GiB, 4 * GiB], "reps": 5, "load_reps": 3, "target_reps": 5,
              "throughput_seconds": 1.0, "minilm": True, "methods": ALL,
              "whole_plane_reference": True,
-             "contest": {"source": "minilm", "cap_bytes": 256 * MiB, "reps": 5}},
+             "contest": {"source": "minilm", "cap_bytes": 256 * MiB, "reps": 5},
+             "export": {"gib": 4, "tensors": 64, "reps": 3}},
 }
 
 
@@ -100,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "workdir": str(work / "codecs")}, args.in_process)
             result["codec_contest"] = raw
             result["contest_targets"] = report.contest_targets(raw)
+        if not args.no_export:
+            result["export"] = _export(mode["export"], work / "export")
+            result["export_targets"] = report.export_targets(result["export"])
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -119,6 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out_dir / tag}.json, .md{'' if args.no_chart else ', .png'} "
           f"in {(time.time() - started) / 60:.1f} min", file=sys.stderr)
     return 0
+
+
+def _export(settings: dict[str, Any], work: Path) -> dict[str, Any]:
+    """`asyncckpt export` next to a plain copy of the same bytes (export_speed.py); the
+    commands it times are fresh processes already."""
+    from . import export_speed
+    started = time.perf_counter()
+    try:
+        result = export_speed.run(settings["gib"], settings["tensors"], settings["reps"], "raw", work)
+    except Exception as e:  # noqa: BLE001 - reported in the table, the rest still written
+        result = {"error": f"{type(e).__name__}: {e}"}
+    text = result.get("error") or (f"export {result['median']['export']:.2f} s, plain copy "
+                                   f"{result['median']['plain']:.2f} s")
+    print(f"[export] {text}  ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    return result
 
 
 def _run_workload(workload: workloads.Workload, methods: list[str], mode: dict[str, Any],
@@ -254,6 +275,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work directory (worker logs)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib needed)")
     p.add_argument("--no-contest", action="store_true", help="skip the codec contest (ZipNN)")
+    p.add_argument("--no-export", action="store_true",
+                   help="skip the export-against-the-disk comparison")
     return p.parse_args(argv)
 
 

@@ -275,6 +275,28 @@ class AsyncCkpt(Method):
         self.writer.stop()
 
 
+class AsyncCkptDefaults(AsyncCkpt):
+    """A plain `connect()` with no knob: the ring is whatever the client picks (sized
+    from the first save's state), the codec the writer's default."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__({**options, "codec": "auto"})
+        self.name, self.label = "asyncckpt-defaults", "asyncckpt, plain connect(), default knobs"
+
+    def setup(self, root: Path, state: dict[str, Any]) -> None:
+        Method.setup(self, root, state)
+        import asyncckpt
+        self.writer = asyncckpt.start_writer(root, incremental=False,
+                                             log_file=root.parent / f"{self.name}.writer.log")
+        self.client = asyncckpt.connect(self.writer.address, rank=0, world_size=1)
+        self.facts.update(writer_pid=self.writer.pid)
+
+    def start(self, step: int, state: dict[str, Any]) -> Pending:
+        pending = super().start(step, state)
+        self.facts["ring_bytes"] = self.client.knobs.ring_size  # chosen at the first save
+        return pending
+
+
 METHODS: dict[str, tuple[type[Method], dict[str, Any]]] = {
     "torch.save": (TorchSave, {}),
     "safetensors": (SafetensorsSave, {}),
@@ -287,6 +309,7 @@ METHODS: dict[str, tuple[type[Method], dict[str, Any]]] = {
     "asyncckpt-zstd-ring64M": (AsyncCkpt, {"codec": "zstd", "ring_bytes": 64 * MiB}),
     "asyncckpt-bytegroup": (AsyncCkpt, {"codec": "bytegroup", "refs": ("load",)}),
     "asyncckpt-auto": (AsyncCkpt, {"codec": "auto"}),
+    "asyncckpt-defaults": (AsyncCkptDefaults, {}),
 }
 
 

@@ -195,12 +195,30 @@ def targets(summary: dict[str, Any], lim: dict[str, Any], workload: str = "") ->
     for name in [n for n in summary if n.startswith("asyncckpt") and "error" not in summary[n]]:
         add("writer peak private RSS <= 256 MiB", name, get(name, "helper_private"),
             256 * MiB, "B", "constant", group="standing")
+    plain = "asyncckpt-defaults"
+    if plain in summary and "error" not in summary[plain]:
+        add("plain client, default knobs: staging (save + wait_staged) < 0.5 x its time to "
+            "durable", plain, get(plain, "blocked", "median"),
+            times(0.5, get(plain, "durable", "median")), "s", "its own durable, same saves")
     auto_d = get("asyncckpt-auto", "durable", "median")
     raw_d = get(raw, "durable", "median")
     bg_d = get("asyncckpt-bytegroup", "durable", "median")
     if auto_d is not None and raw_d is not None and bg_d is not None:
         add("time to durable, auto <= 1.1 x min(raw, bytegroup)", "asyncckpt-auto", auto_d,
             1.1 * min(raw_d, bg_d), "s", "better of raw and bytegroup", group="standing")
+    return out
+
+
+def export_targets(export: dict[str, Any]) -> list[dict[str, Any]]:
+    """Export time over a plain cold read + write + fsync of the same data files."""
+    out: list[dict[str, Any]] = []
+    if "error" in export:
+        return out
+    add = _adder(out, f"export, {export['bytes'] / 2**30:.0f} GiB fp32")
+    median = export["median"]
+    add("asyncckpt export <= 1.3 x a plain cold read + write + fsync of the same bytes",
+        "asyncckpt export", median["export"], 1.3 * median["plain"], "s",
+        "plain copy, same run, interleaved", loadavg=export.get("loadavg"), group="issue 25")
     return out
 
 
@@ -267,7 +285,7 @@ def all_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     for wl in result.get("workloads", []):
         out += [{**t, "workload": t.get("workload") or wl["info"]["name"]}
                 for t in wl.get("targets", [])]
-    return out + list(result.get("contest_targets", []))
+    return out + list(result.get("contest_targets", [])) + list(result.get("export_targets", []))
 
 
 def _load(values: list[float] | None) -> str:
@@ -388,6 +406,8 @@ def markdown(result: dict[str, Any]) -> str:
     for wl in result["workloads"]:
         lines += _workload_md(wl)
     lines += _contest_md(result.get("codec_contest"))
+    if result.get("export") and "markdown" in result["export"]:
+        lines += result["export"]["markdown"].splitlines() + [""]
     lines += ["## Notes", "",
               "- **blocked**: wall time the training loop cannot proceed: the call's return, plus for "
               "asyncckpt `save()` + `handle.wait_staged()` and for DCP with a background stager "

@@ -119,12 +119,13 @@ def test_limits_targets_and_outputs(tiny_run: tuple[dict[str, Any], str, Path]) 
         assert _finite_positive(wl["limits"][key]["GBps"]), key
         assert _finite_positive(wl["limits"][key]["median"]), key
     verdicts = {(t["target"], t["method"]): t["met"] for t in wl["targets"]}
-    # staging x2, durable and two loads of raw, page cache of 5 asyncckpt methods,
-    # trainer RSS of raw/zstd/bytegroup, writer RSS of 5, auto
-    assert len(verdicts) == len(wl["targets"]) == 2 + 1 + 2 + 5 + 3 + 5 + 1
+    # staging x2, durable and two loads of raw, page cache of 6 asyncckpt methods,
+    # trainer RSS of raw/zstd/bytegroup, writer RSS of 6, auto, the plain client's staging
+    assert len(verdicts) == len(wl["targets"]) == 2 + 1 + 2 + 6 + 3 + 6 + 1 + 1
     assert all(met in (True, False) for met in verdicts.values()), verdicts
     assert {m for _, m in verdicts} == {"asyncckpt-raw", "asyncckpt-zstd", "asyncckpt-zstd-ring64M",
-                                        "asyncckpt-bytegroup", "asyncckpt-auto"}
+                                        "asyncckpt-bytegroup", "asyncckpt-auto",
+                                        "asyncckpt-defaults"}
     assert all(t["loadavg"] and len(t["loadavg"]) == 3 for t in wl["targets"])
     assert wl["summary"]["asyncckpt-bytegroup"]["codec_report"]["codecs"] == ["bytegroup"]
     assert result["meta"]["machine"]["cores"] >= 1
@@ -144,13 +145,20 @@ def test_limits_targets_and_outputs(tiny_run: tuple[dict[str, Any], str, Path]) 
     assert len(contest_verdicts) == 5 * len(peers.plane_codecs())
     assert all(met in (True, False) for met in contest_verdicts) or not zipnn
 
+    export = result["export"]
+    assert "error" not in export, export.get("error")
+    assert all(_finite_positive(export["median"][k]) for k in ("plain", "export", "export-jobs2"))
+    (export_target,) = result["export_targets"]
+    assert export_target["met"] in (True, False)
+    assert "## Export against the disk" in text
+
     for name, s in wl["summary"].items():
         assert s["label"] in text, name
     for line in ("memcpy into touched memory", "sequential write + fsync", "sequential read, cold"):
         assert line in text
     rows = [line for line in text.splitlines() if line.startswith("| ")
             and ("| **met** |" in line or "| **MISSED** |" in line or "| n/a |" in line)]
-    assert len(rows) == len(verdicts) + len(contest_verdicts)
+    assert len(rows) == len(verdicts) + len(contest_verdicts) + 1
     assert "## Targets" in text and "## Codec contest" in text
     assert "## Notes" in text and "blocked" in text
     png = out / "tiny.png"
