@@ -17,7 +17,7 @@ VERL_SPEC   ?= verl==0.9.1
 TITAN_VENV  ?= $(VENV)-titan
 TITAN_SPEC  ?= torchtitan==0.3.0
 
-.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage bench-dcp bench-s3 torture-s3
+.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
 
 setup: $(VENV)/.installed
 
@@ -55,9 +55,16 @@ bench-load: setup
 	$(BIN)/python -m benchmarks.loadspeed --mib 1024 --state synthetic --reps 5
 	$(BIN)/python -m benchmarks.loadspeed --mib 1024 --state large --reps 5 --codecs raw,zstd
 
-# Peak memory of exporting a 1 GiB sharded checkpoint to a Hugging Face directory.
+# Export: peak memory of a 1 GiB sharded checkpoint, then time against a plain cold
+# read + write + fsync of a 2 GiB one (with --jobs 2).
 bench-export: setup
 	$(BIN)/python -m benchmarks.export_memory --model-gib 1 --ranks 2
+	$(BIN)/python -m benchmarks.export_speed --gib 2 --tensors 32 --reps 3
+
+# One rank of a 512-rank Llama-70B job (real shapes, bf16 + fp32 master + Adam), measured,
+# then projected to the whole job on 8 and 64 hosts (benchmarks/results/llama70b.md).
+bench-70b: setup
+	$(BIN)/python -m benchmarks.llama70b --world 512 --reps 3
 
 # Blocked time per save in a training loop, with and without the optimizer fence.
 bench-fence: setup

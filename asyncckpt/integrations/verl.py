@@ -18,7 +18,8 @@ gave. For verl's `local_path` = `DIR/global_step_N/actor` (DIR: `default_local_d
     DIR/asyncckpt/actor.writer.log          that root's writer's log
     DIR/global_step_N/actor/huggingface/    config + tokenizer (rank 0, at save); with
                                             "hf_model", the weights too, exported from
-                                            the committed step one tensor at a time
+                                            the committed step, each rank writing its
+                                            share of the shards (the index comes last)
     DIR/global_step_N/actor/asyncckpt.json  {"root", "step"}: written once committed
     DIR/latest_checkpointed_iteration.txt   with async_save: written here once committed
 
@@ -46,12 +47,14 @@ the manager):
   on disk. The save is still one streaming pass, fsynced and atomic.
 - True: it returns once the state is handed over (staging overlaps what follows; the
   optimizer fence holds the next `optimizer.step()` until it is copied). Rank 0 writes
-  the tracker, exports `hf_model` and removes old `local_path`s after the commit, on a
-  thread of its own. A process that exits normally waits for the last save (atexit);
+  the marker and the tracker, and removes old `local_path`s after the commit, on a
+  thread of its own; each rank exports its share of `hf_model` on its own thread (the
+  tracker may name a step whose export is still running: the export is complete once
+  its index is there). A process that exits normally waits for the last save (atexit);
   one that is killed leaves the tracker at the last committed step.
 The follow-up of a committed step (marker, `hf_model` export, tracker) either finishes
-or fails loudly: an export that fails is logged at once, and raised as SaveFailedError
-on every rank by this save (sync) or the next one (async).
+or fails loudly: an export that fails (on any rank) is logged at once, and raised as
+SaveFailedError on every rank by this save (sync) or the next one (async).
 
 `local_path` may be an object-store prefix (`s3://bucket/run/global_step_N/actor`, the
 AWS environment naming the endpoint and credentials): the root is then
@@ -222,19 +225,20 @@ class FSDPCheckpointManager:
         handle = ckpt.save(global_step, extra=extra, force=True, replace=True, keep_from=keep_from)
         assert handle is not None  # on_busy "block": never skipped
         job = _Job(global_step, path, handle, self.should_save_hf_model and self.should_save_model)
-        if self.rank == 0:
+        queued = self.rank == 0 or (job.hf_model and self._shares_export(path))
+        if queued:
             self._start_thread()
             self._pending.append(job)
             self._jobs.put(job)
         if not self.async_save:
             handle.wait()
-            outcome: list[Any] = [None]
-            if self.rank == 0:
+            if queued:
                 job.done.wait()
-                outcome = [self._take_failures()]
-            dist.broadcast_object_list(outcome, src=0)  # and the barrier after the save
-            if outcome[0]:
-                raise SaveFailedError("; ".join(outcome[0]), step=global_step)
+            outcomes: list[Any] = [None] * self.world_size
+            dist.all_gather_object(outcomes, self._take_failures())  # and the barrier
+            failures = [f for outcome in outcomes for f in outcome]
+            if failures:
+                raise SaveFailedError("; ".join(failures), step=global_step)
 
     def _agree(self, verb: str, local_path: str | None,
                step: int | None) -> tuple[Location | None, int | None, list[str]]:
@@ -243,8 +247,9 @@ class FSDPCheckpointManager:
         last save. One all_gather_object; raises on every rank alike (`agree`)."""
         mine = None if local_path is None else str(root_path(local_path).absolute())
         keep_from, failures = None, []
-        if self.rank == 0 and verb == "save":
-            keep_from = self._keep_from(root_path(mine)) if mine else None
+        if verb == "save":
+            if self.rank == 0 and mine:
+                keep_from = self._keep_from(root_path(mine))
             failures = self._take_failures()
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, (mine, step, keep_from, failures))
@@ -252,7 +257,7 @@ class FSDPCheckpointManager:
         if differ and self.rank == 0 and not self._told_paths:
             self._told_paths = True
             log.warning("asyncckpt: %s; said once", differ)
-        return path, everyone[0][2], everyone[0][3]
+        return path, everyone[0][2], [f for entry in everyone for f in entry[3]]
 
     def _keep_from(self, local_path: Location) -> int | None:
         """Rank 0: the oldest step retention must keep: the one the tracker names (a
@@ -351,7 +356,27 @@ class FSDPCheckpointManager:
         scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         return {"lr_scheduler": scheduler, "rng": rng_state()}
 
-    # -- after the commit (rank 0) ------------------------------------------------------
+    # -- after the commit: rank 0's follow-up, and every rank's share of the export -------
+
+    def _shares_export(self, local_path: Location) -> bool:
+        """Whether every rank writes a share of the hf_model export (a local or shared
+        directory; into an object store rank 0 exports alone, then uploads)."""
+        return self.world_size > 1 and not is_object(local_path)
+
+    def _export_share(self, job: _Job) -> None:
+        """A rank other than 0, once `job`'s step is committed: its share of the shards
+        (the rank that writes the last one writes the index)."""
+        assert self._root is not None
+        try:
+            job.handle.wait()
+        except CheckpointError:
+            return  # not committed: nothing to export (rank 0 reports it)
+        try:
+            export_hf(self._root, Path(job.local_path) / "huggingface", step=job.step,
+                      part=(self.rank, self.world_size))
+        except Exception as e:  # noqa: BLE001 - raised on every rank by a save
+            job.failure = (f"step {job.step} is committed but rank {self.rank}'s share of its "
+                           f"hf_model export failed: {type(e).__name__}: {e}")
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -362,7 +387,7 @@ class FSDPCheckpointManager:
     def _follow_up(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                self._committed(job)
+                self._committed(job) if self.rank == 0 else self._export_share(job)
             except Exception as e:  # noqa: BLE001 - the thread must go on with the next job
                 job.failure = job.failure or f"step {job.step}: {type(e).__name__}: {e}"
             finally:
@@ -394,8 +419,9 @@ class FSDPCheckpointManager:
         self._saved[str(job.local_path)] = job.step
         try:
             if job.hf_model:
+                share = (0, self.world_size) if self._shares_export(job.local_path) else (0, 1)
                 with _local(job.local_path / "huggingface") as directory:
-                    export_hf(self._root, directory, step=job.step)
+                    export_hf(self._root, directory, step=job.step, part=share)
         except Exception as e:  # noqa: BLE001 - the step is committed: the tracker moves on
             job.failure = (f"step {job.step} is committed but its hf_model export to "
                            f"{job.local_path / 'huggingface'} failed: {type(e).__name__}: {e}")

@@ -74,7 +74,8 @@ def test_drop_in_resumes_at_another_world_size(trained):
 def test_layout_tracker_retention_and_hf_model(trained):
     """Async mode: the drop-in wrote the tracker (after the commit), kept 2 steps (the
     older step's directory removed after the newer commit), and exported hf_model
-    from the committed step into a directory from_pretrained opens as it is."""
+    from the committed step, one share of the shards per rank, into a directory
+    from_pretrained opens as it is."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
@@ -89,6 +90,9 @@ def test_layout_tracker_retention_and_hf_model(trained):
     assert (base / "global_step_4" / "actor" / marker["root"]).resolve() == (base / "asyncckpt" / "actor").resolve()
 
     hf_dir = base / "global_step_4" / "actor" / "huggingface"
+    shards = sorted(p.name for p in hf_dir.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert not list(hf_dir.glob(".model-*"))  # each rank wrote its share, renamed in whole
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
     assert json.loads((hf_dir / "config.json").read_text())["torch_dtype"] == "float32"
     expected = {k[len("model."):]: v for k, v in load_file(trained / "state-4.safetensors").items()
