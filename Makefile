@@ -62,7 +62,7 @@ bench-export: setup
 	$(BIN)/python -m benchmarks.export_speed --gib 2 --tensors 32 --reps 3
 
 # One rank of a 512-rank Llama-70B job (real shapes, bf16 + fp32 master + Adam), measured,
-# then projected to the whole job on 8 and 64 hosts (benchmarks/results/llama70b.md).
+# then projected to the whole job on 1, 8 and 64 hosts (benchmarks/results/llama70b.md).
 bench-70b: setup
 	$(BIN)/python -m benchmarks.llama70b --world 512 --reps 3
 

@@ -1,7 +1,8 @@
 """`python -m benchmarks --quick | --full | --tiny`: asyncckpt against what users would pick.
 
     make bench       # --quick: 1 GiB synthetic state, 3 saves each (5 where a target
-                     #   depends on it), codec contest on synthetic tensors; ~4 min quiet
+                     #   depends on it), codec contest on synthetic tensors, export against a plain
+                     #   copy; ~6 min quiet
     make bench-full  # --full: 1 GiB and 4 GiB (+ MiniLM), 5 saves each, codec contest on
                      #   real MiniLM weights and Adam moments; then the README table
 

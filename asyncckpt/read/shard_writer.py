@@ -99,8 +99,11 @@ class _Budget:
 
 
 def budget_for(items: list[Item]) -> int:
-    """Twice the largest tensor held: one being written, the next read meanwhile."""
-    return 2 * max((i.held for i in items), default=0)
+    """Twice the largest stored tensor: one being written while the next is read (a
+    conversion's two copies of one tensor fit too, e.g. fp32 read + bf16 made while the
+    previous bf16 is written)."""
+    return 2 * max((i.held - (i.nbytes if i.dtype != i.leaf.tensor.dtype else 0)
+                    for i in items), default=0)
 
 
 def write_shards(ckpt: Checkpoint, shards: list[tuple[str, list[Item]]], out: Path,
