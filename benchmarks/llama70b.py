@@ -90,7 +90,7 @@ def tensor_bytes(state: Any) -> int:
     return 0
 
 
-def measure_run(world: int, reps: int, work: Path) -> dict[str, Any]:
+def measure_run(world: int, reps: int, work: Path, export_world: int = 1) -> dict[str, Any]:
     state = rank_state(world)
     nbytes, model_bytes = tensor_bytes(state), tensor_bytes(state["model"])
     tensors = list(_tensors(state))
@@ -126,7 +126,7 @@ def measure_run(world: int, reps: int, work: Path) -> dict[str, Any]:
     del loaded
     count = len(tensors)
     del state, tensors
-    export = measure_export(work / "layer", root_of_layer=work / "layer-root")
+    export = measure_export(work / "layer", work / "layer-root", export_world)
     timed = saves[1:]
     med = {key: statistics.median(s[key] for s in timed) for key in ("blocked", "durable")}
     return {"world": world, "bytes": nbytes, "model_bytes": model_bytes, "tensors": count,
@@ -138,13 +138,14 @@ def measure_run(world: int, reps: int, work: Path) -> dict[str, Any]:
             "load": load_s, **export, "loadavg": measure.loadavg()}
 
 
-def measure_export(out: Path, root_of_layer: Path) -> dict[str, float]:
+def measure_export(out: Path, root_of_layer: Path, world: int = 1) -> dict[str, float]:
     """Export of whole tensors, as each host exports its share of the full model: one
-    decoder layer at its real shapes (bf16, 9 tensors, 1.7 GB) saved raw, then
-    `export_hf` timed in this process from a cold cache, and the command (its interpreter
-    and imports included) for reference."""
+    decoder layer at its real shapes (bf16, 9 tensors, 1.7 GB; sliced by `world` for a
+    smoke test) saved raw, then `export_hf` timed in this process from a cold cache, and
+    the command (its interpreter and imports included) for reference."""
     g = torch.Generator().manual_seed(1)
-    layer = {name: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    layer = {name: (torch.randn((math.ceil(shape[0] / world), *shape[1:]), generator=g)
+                    * 0.02).to(torch.bfloat16)
              for name, shape in shapes().items() if name.startswith("model.layers.0.")}
     nbytes = tensor_bytes(layer)
     writer = asyncckpt.start_writer(root_of_layer, codec="raw", log_file=out.parent / "layer.log")
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=512, help="ranks the state is sliced for")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--export-world", type=int, default=1,
+                        help="slice the exported layer too (1: whole tensors; tests only)")
     parser.add_argument("--workdir", default=str(HERE / "results" / "tmp" / "llama70b"))
     parser.add_argument("--out", default=str(HERE / "results" / "llama70b"))
     args = parser.parse_args(argv)
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        m = measure_run(args.world, args.reps, work)
+        m = measure_run(args.world, args.reps, work, args.export_world)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     proj = projection(m)
