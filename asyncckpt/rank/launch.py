@@ -111,6 +111,8 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         cmd += ["--job", job or default_job()]  # type: ignore[list-item]
     for name, value in knobs.items():
         cmd += ["--knob", f"{name}={value}"]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     stderr = open(log_file, "ab") if log_file else None
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,

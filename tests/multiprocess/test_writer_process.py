@@ -154,3 +154,15 @@ def test_writer_retention_keeps_last_n(tmp_path):
         assert asyncckpt.load(root)["s"].item() == 5
     finally:
         writer.stop()
+
+
+def test_a_log_file_in_a_directory_not_made_yet_is_made(tmp_path):
+    """A newcomer's `log_file="logs/writer.log"` once ended in a bare FileNotFoundError."""
+    log = tmp_path / "logs" / "today" / "writer.log"
+    w = asyncckpt.start_writer(tmp_path / "ckpt", log_file=log)
+    try:
+        with asyncckpt.connect(w.address, rank=0, world_size=1) as c:
+            c.save(1, {"x": torch.ones(3)}).wait(60)
+    finally:
+        w.stop(timeout=30)
+    assert "committed step 1" in log.read_text()
