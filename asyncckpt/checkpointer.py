@@ -26,6 +26,8 @@ different steps even when the damage lies in data that only some of them read.
 a restore of a given step fails on every rank when any rank's reads fail (no rank goes on
 into the state-dict collectives alone).
 
+Given no writer (no address, no ASYNCCKPT_ADDRESS), the first due save starts the
+node's writer (rank/node_writer.py) and `close()` stops it: a loop needs no writer code.
 The client a Checkpointer makes for itself gets a ring sized from the first state it
 saves (ringsize.py: as large as the state when a bounded share of MemAvailable allows,
 logged). A `transformers` model's config travels with each step (integrations/hf.py), so
@@ -36,17 +38,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from asyncckpt.config import KEEP_ALL
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from asyncckpt.ipc.protocol import ADDRESS_ENV
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.launch import WriterProcess
+from asyncckpt.rank.node_writer import given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
@@ -134,7 +141,11 @@ class Checkpointer:
                 MemAvailable allows, so staging is one memcpy and the fence barely
                 waits). Ignored with `client`, whose ring already exists.
             address: the writer the client made here connects to (default:
-                ASYNCCKPT_ADDRESS).
+                ASYNCCKPT_ADDRESS). With neither, the first due save starts the node's
+                writer (rank/node_writer.py: the first rank of each host starts it,
+                every rank of the job taking part, its log beside the root) and
+                `close()` stops it once every rank is done; `writer` is it, on the rank
+                that started it.
             fence: install the optimizer fence (see `install_fence`) when an optimizer
                 is given. Without it, wait for `handle.staged()` yourself before
                 `optimizer.step()`, or saves fail as torn.
@@ -153,7 +164,10 @@ class Checkpointer:
         self._own_client = client is None
         self._ring_request = ring_size
         self._address = address
+        self.writer: WriterProcess | None = None  # the node's writer, if started here
         self._told_interval = False
+        self._not_due = 0  # save() calls that saved nothing because the step was not due
+        self._saves = 0
         self._in_flight: list[SaveHandle] = []
         self._fence: Any = None
         self.fence_blocked_seconds = 0.0
@@ -188,6 +202,7 @@ class Checkpointer:
         """
         entered = time.perf_counter()
         if not (force or self.should_save(step)):
+            self._not_due += 1
             if not self._told_interval:
                 self._told_interval = True
                 log.info("asyncckpt: save(%d) saves nothing: step %d is not a multiple of "
@@ -210,13 +225,17 @@ class Checkpointer:
         if "model" in state and self.hf_metadata is not None:
             state[hf.HF_KEY] = self.hf_metadata
         if self._client is None:
-            self._client = Client(self._address, ring_size=ring_for(state_bytes(state), self._ring_request, log))
+            address = given_address(self._address)
+            if address is None:
+                address, self.writer = node_writer(self.root)
+            self._client = Client(address, ring_size=ring_for(state_bytes(state), self._ring_request, log))
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
                                    keep_every=self.options.keep_every, keep_from=keep_from,
                                    replace=replace)
         handle.stats.blocked_seconds = time.perf_counter() - entered  # what the loop waited
         self._in_flight.append(handle)
+        self._saves += 1
         return handle
 
     def install_fence(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -246,7 +265,14 @@ class Checkpointer:
             handle.wait()
 
     def close(self) -> None:
-        """Wait for saves in flight, remove the fence, close the client if we made it."""
+        """Wait for saves in flight, remove the fence, close the client if we made it
+        and stop the writer if we started it. Warns when `save()` was called but no
+        step was ever due (a save_interval larger than the run)."""
+        if self._not_due and not self._saves:
+            log.warning("asyncckpt: %d save() call(s) and no checkpoint written: no step was a "
+                        "multiple of save_interval=%d (pass force=True, or a smaller "
+                        "save_interval)", self._not_due, self.options.save_interval)
+            self._not_due = 0
         try:
             self.wait_until_finished()
         finally:
@@ -256,6 +282,13 @@ class Checkpointer:
             if self._own_client and self._client is not None:
                 self._client.close()
                 self._client = None
+            if self.writer is not None:
+                if dist.is_available() and dist.is_initialized():
+                    dist.barrier()  # every rank's client is closed before the writer stops
+                self.writer.stop()
+                if os.environ.get(ADDRESS_ENV) == self.writer.address:
+                    del os.environ[ADDRESS_ENV]  # start_writer exported it: now stale
+                self.writer = None
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -451,7 +484,6 @@ def _outcome(error: Exception | None) -> int:
 def _agree(outcome: int) -> int:
     """The worst outcome over all ranks (0 loaded, 1 damaged, 2 other error); this
     rank's own without an initialized torch.distributed group."""
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return outcome
     outcomes: list[Any] = [None] * dist.get_world_size()

@@ -33,14 +33,27 @@ from asyncckpt.writer import commit, retention
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    commands = {"writer": _writer, "verify": _verify, "ls": _ls, "inspect": _inspect, "gc": _gc,
+                "export": _export, "copy": _copy, "import-dcp": _import_dcp}
+    return commands[args.command](args)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: every subcommand, option, and exit status (in its --help)."""
     parser = argparse.ArgumentParser(prog="asyncckpt", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"asyncckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    w = sub.add_parser("writer", help="run a writer in the foreground")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=EXIT_STATUS[name],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    w = command("writer", "run a writer in the foreground")
     w.add_argument("--root", required=True, type=_root,
                    help="checkpoint root: a directory, or s3://bucket/prefix")
-    w.add_argument("--codec", choices=list(CODECS), default=None)
+    w.add_argument("--codec", choices=list(CODECS), default=None,
+                   help="how frames are stored (default: the codec knob, auto)")
     w.add_argument("--address", default=None, help="socket path (default: a private runtime dir)")
     w.add_argument("--job", default=None,
                    help="job id shared by the writers of several nodes on one root (default: "
@@ -49,33 +62,38 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a knob, e.g. zstd_level=3 (repeatable)")
     w.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     w.add_argument("--ready-line", action="store_true", help=argparse.SUPPRESS)
-    w.add_argument("--log-level", default="INFO")
+    w.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING, ERROR")
 
-    v = sub.add_parser("verify", help="verify a checkpoint, or every checkpoint under a root")
-    v.add_argument("path", type=_root)
-    v.add_argument("--json", action="store_true")
+    v = command("verify", "verify a checkpoint, or every checkpoint under a root")
+    v.add_argument("path", type=_root, help="a checkpoint directory, or a root (every step)")
+    v.add_argument("--json", action="store_true", help=JSON)
 
-    ls = sub.add_parser("ls", help="list committed and in-progress checkpoints under a root")
-    ls.add_argument("root", type=_root)
-    ls.add_argument("--json", action="store_true")
+    ls = command("ls", "list committed and in-progress checkpoints under a root")
+    ls.add_argument("root", type=_root, help="a root: a directory, or s3://bucket/prefix")
+    ls.add_argument("--json", action="store_true", help=JSON)
 
-    ins = sub.add_parser("inspect", help="tensors, shapes, dtypes, bytes and ratio per dtype")
+    ins = command("inspect", "tensors, shapes, dtypes, bytes and ratio per dtype")
     ins.add_argument("path", type=_root, help="a checkpoint directory, or a root (its newest step)")
-    ins.add_argument("--json", action="store_true")
+    ins.add_argument("--json", action="store_true", help=JSON + " (names not cut)")
 
-    gc = sub.add_parser("gc", help="delete old checkpoints and abandoned tmp directories")
-    gc.add_argument("root", type=_root)
-    gc.add_argument("--keep-last", type=int, required=True)
-    gc.add_argument("--keep-every", type=int, default=0)
-    gc.add_argument("--json", action="store_true")
+    gc = command("gc", "delete old checkpoints and abandoned tmp directories")
+    gc.add_argument("root", type=_root, help="a root no writer is running on")
+    gc.add_argument("--keep-last", type=int, required=True, help="keep the newest N steps (N >= 1)")
+    gc.add_argument("--keep-every", type=int, default=0,
+                    help="also keep every step that is a multiple of K (default 0: none)")
+    gc.add_argument("--json", action="store_true", help=JSON)
 
-    ex = sub.add_parser("export", help="write a Hugging Face model directory (safetensors shards)")
+    ex = command("export", "write a Hugging Face model directory (safetensors shards)")
     ex.add_argument("path", type=_root, help="a checkpoint directory, or a root (its newest step)")
-    ex.add_argument("--out", required=True, type=_local)
+    ex.add_argument("--out", required=True, type=_local, help="the model directory (local)")
     ex.add_argument("--contents", default="model", help='top-level key to export ("" for all)')
-    ex.add_argument("--rank", type=int, default=0)
-    ex.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    ex.add_argument("--max-shard-size", default="5GiB")
+    ex.add_argument("--rank", type=int, default=0,
+                    help="whose tree, for keys only some ranks saved (default 0)")
+    ex.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                    help="convert floating-point tensors (default: as saved)")
+    ex.add_argument("--max-shard-size", default="5GiB",
+                    help="bytes per shard at most: a number with an optional unit, e.g. "
+                         "500MB, 5GiB (default 5GiB)")
     ex.add_argument("--tokenizer", default=None, help="copy this directory's tokenizer files")
     ex.add_argument("--jobs", type=int, default=1,
                     help="processes writing shards side by side on this host (default 1)")
@@ -83,28 +101,41 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the I-th of N shares of the shards (0-based), for one "
                          "export split over N hosts sharing --out; the last to finish "
                          "writes the index")
-    ex.add_argument("--json", action="store_true")
+    ex.add_argument("--json", action="store_true", help=JSON)
 
-    cp = sub.add_parser("copy", help="write one step as a self-contained checkpoint directory "
-                                     "(every referenced byte materialised)")
+    cp = command("copy", "write one step as a self-contained checkpoint directory "
+                         "(every referenced byte materialised)")
     cp.add_argument("path", type=_local, help="a root (with --step, else its newest step) or a checkpoint")
-    cp.add_argument("--step", type=int, default=None)
+    cp.add_argument("--step", type=int, default=None, help="the step of a root (default: newest)")
     cp.add_argument("--out", required=True, type=_local, help="the new directory (must not exist)")
-    cp.add_argument("--json", action="store_true")
+    cp.add_argument("--json", action="store_true", help=JSON)
 
-    imp = sub.add_parser("import-dcp", help="commit a checkpoint dcp.save wrote (.metadata, "
-                                            "*.distcp) as a verified step of a root")
+    imp = command("import-dcp", "commit a checkpoint dcp.save wrote (.metadata, *.distcp) "
+                                "as a verified step of a root")
     imp.add_argument("source", type=_local, help="the DCP checkpoint directory (e.g. torchtitan's step-N)")
     imp.add_argument("root", type=_local, help="the asyncckpt root (a writer is started on it)")
-    imp.add_argument("--step", type=int, required=True)
+    imp.add_argument("--step", type=int, required=True, help="the step number it becomes")
     imp.add_argument("--part-size", default="1G",
                      help="most tensor bytes held in memory at once (default 1G)")
-    imp.add_argument("--json", action="store_true")
+    imp.add_argument("--json", action="store_true", help=JSON)
 
-    args = parser.parse_args(argv)
-    commands = {"writer": _writer, "verify": _verify, "ls": _ls, "inspect": _inspect, "gc": _gc,
-                "export": _export, "copy": _copy, "import-dcp": _import_dcp}
-    return commands[args.command](args)
+    return parser
+
+
+JSON = "print the result as JSON on stdout"
+_USAGE = "2 a usage error, or a path that does not exist or holds no checkpoint"
+EXIT_STATUS = {
+    "writer": "exit status: 0 stopped cleanly (SIGTERM/SIGINT, or its parent gone), 2 a bad "
+              "knob or an unusable root, 3 the root is locked by another writer",
+    "verify": f"exit status: 0 every byte checked, 1 corruption found, {_USAGE}",
+    "ls": f"exit status: 0 listed (damaged steps are rows, not errors), {_USAGE}",
+    "inspect": f"exit status: 0 shown, {_USAGE}",
+    "gc": f"exit status: 0 done, {_USAGE}, 3 a writer holds the root",
+    "export": f"exit status: 0 written (or this part's share), 1 corruption found, {_USAGE}",
+    "copy": f"exit status: 0 copied, 1 corruption found, {_USAGE}",
+    "import-dcp": "exit status: 0 committed, 1 the source is not a DCP checkpoint, 2 a usage "
+                  "error or a failed save",
+}
 
 
 def _writer(args: argparse.Namespace) -> int:

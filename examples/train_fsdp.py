@@ -15,10 +15,11 @@ the other node's ranks fail in their next collective, and both nodes are started
 
 What happens (CPU and gloo, about a minute on 2 cores):
 
-1. local rank 0 of each node starts that node's writer on `--dir` (wiped first on a
-   fresh run) and shares its address with its node's ranks through the process group's
-   store, under a key of its own node (GROUP_RANK): every rank talks to its own node's
-   writer, and the writers agree on each commit through the same store;
+1. no writer code: the `Checkpointer`'s first save starts each node's writer on `--dir`
+   (wiped first on a fresh run; the first rank of each node starts it, the node's
+   ranks learn its address through a gather), every rank talks to its own node's
+   writer, the writers agree on each commit through the job's store, and
+   `ckpt.close()` stops them;
 2. the ranks train a small MLP sharded with `fully_shard` (FSDP2) and AdamW. A
    `Checkpointer` saves model + optimizer (DTensor shards: each rank writes its own)
    every `--save-interval` steps; `save()` returns at once and its fence makes only the
@@ -46,7 +47,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -98,29 +98,6 @@ def node_layout() -> tuple[int, int]:
     return int(os.environ.get("GROUP_RANK", 0)), max(1, dist.get_world_size() // local)
 
 
-def start_node_writer(root: Path, restarts: int) -> asyncckpt.WriterProcess | None:
-    """Local rank 0 of each node starts its node's writer; every rank learns its own
-    node's writer address from the store (one key per node and attempt)."""
-    store = dist.distributed_c10d._get_default_store()
-    node, nodes = node_layout()
-    key = f"asyncckpt-address-{restarts}-node{node}"  # the store outlives torchrun's restarts
-    log_name = f"{root.name}.writer.log" if nodes == 1 else f"{root.name}.writer-node{node}.log"
-    writer = None
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        deadline = time.monotonic() + 60
-        while True:  # a writer from the attempt before may still be releasing the root
-            try:
-                writer = asyncckpt.start_writer(root, log_file=root.parent / log_name)
-                break
-            except asyncckpt.WriterLockedError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-        store.set(key, writer.address)
-    os.environ["ASYNCCKPT_ADDRESS"] = store.get(key).decode()
-    return writer
-
-
 def kill_this_node(writer: asyncckpt.WriterProcess | None, agent: int) -> None:
     """A node dying at once: its writer, its torchrun agent and every one of its ranks
     (each rank of the node runs this at the same step)."""
@@ -144,7 +121,7 @@ def main() -> int:
     agent = os.getppid()  # torchrun's agent: dies with this node in the multi-node crash
     # a bound on collectives: after a node dies, the other node's ranks must not wait 30 min
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank, restarts = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    rank = dist.get_rank()
     root = Path(args.dir).resolve()
     log = root.parent / f"{root.name}.losses.jsonl"
     fresh = not root.exists() or not asyncckpt.Checkpointer(root).all_steps()
@@ -155,7 +132,6 @@ def main() -> int:
         json.loads(line)["attempt"] for line in log.read_text().splitlines())
     dist.barrier()
 
-    writer = start_node_writer(root, restarts)
     model, optim = build_model(seed=0)
     options = asyncckpt.CheckpointerOptions(save_interval=args.save_interval, keep_last=3)
     ckpt = asyncckpt.Checkpointer(root, model=model, optimizer=optim, options=options)
@@ -177,15 +153,12 @@ def main() -> int:
             if nodes == 1 and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif nodes > 1 and node == nodes - 1:
-                kill_this_node(writer, agent)
+                kill_this_node(ckpt.writer, agent)
     ckpt.close()
     ok = True
     if rank == 0:
         print(f"trained to step {args.steps}; save() blocked {1e3 * max(blocked, default=0):.2f} ms "
               f"at most, the fence {1e3 * ckpt.fence_blocked_seconds:.1f} ms in all", flush=True)
-    dist.barrier()
-    if writer is not None:
-        writer.stop()
     ok = check_losses(log, args.steps, rank) and ok
     if rank == 0:
         verify = subprocess.run([sys.executable, "-m", "asyncckpt", "verify", str(root)])

@@ -382,3 +382,51 @@ def test_restore_from_nothing_warns_that_training_starts_from_scratch(tmp_path, 
     assert any(f"{root} {why}" in m and "starts from scratch" in m for m in said), said
     ckpt.close()
 
+
+
+def test_the_readme_loop_needs_no_writer_code(tmp_path, monkeypatch, caplog):
+    """No address, no ASYNCCKPT_ADDRESS: the first due save starts the writer (its log
+    beside the root, said once), `close()` stops it and forgets its address, and the
+    next run of the same loop resumes from the last save."""
+    import logging
+    monkeypatch.delenv("ASYNCCKPT_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    def run(steps: int) -> tuple[int, Checkpointer, torch.nn.Module]:
+        model, opt = make_model(seed=1)
+        ckpt = Checkpointer("ckpts/run1", model=model, optimizer=opt,
+                            options=CheckpointerOptions(save_interval=2, keep_last=3))
+        start = ckpt.restore() or 0
+        for step in range(start + 1, steps + 1):
+            train_step(model, opt, step)
+            ckpt.save(step, extra={"loader": step})
+        return start, ckpt, model
+
+    with caplog.at_level(logging.INFO, logger="asyncckpt.checkpointer"):
+        start, ckpt, model = run(6)
+    writer = ckpt.writer
+    assert start == 0 and writer is not None and writer.alive()
+    assert any("started this node's writer" in r.getMessage() and "run1.writer.log" in
+               r.getMessage() for r in caplog.records)
+    ckpt.close()
+    assert not writer.alive() and "ASYNCCKPT_ADDRESS" not in __import__("os").environ
+    assert "committed step 6" in (tmp_path / "ckpts" / "run1.writer.log").read_text()
+    assert ckpt.all_steps() == [2, 4, 6]
+    start, again, resumed = run(8)
+    again.close()
+    assert start == 6 and again.all_steps() == [4, 6, 8]
+    assert again.extra == {"loader": 6}
+
+
+def test_a_run_that_never_reached_save_interval_is_told_at_close(tmp_path, caplog):
+    """50 save() calls under the default interval of 1000 wrote nothing, silently."""
+    model, opt = make_model()
+    ckpt = Checkpointer(tmp_path / "never", model=model, optimizer=opt)
+    for step in range(1, 51):
+        assert ckpt.save(step) is None
+    with caplog.at_level("WARNING", logger="asyncckpt.checkpointer"):
+        ckpt.close()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "50 save() call(s) and no checkpoint written" in said[0]
+    assert "save_interval=1000" in said[0] and ckpt.writer is None
+    assert not (tmp_path / "never").exists()  # no writer was started for nothing

@@ -48,3 +48,16 @@ def test_gc_keeps_last_and_every_and_refuses_a_live_writer(tmp_path, capsys):
     assert PosixStorage(root).committed_steps() == out["kept_steps"] == [30, 60, 70]
     assert not (root / "step-00000099.tmp-ab").exists()
     assert PosixStorage(root).read_latest() == 70
+
+
+def test_every_option_says_what_it_does_and_every_command_its_exit_status():
+    import argparse
+
+    from asyncckpt.cli import EXIT_STATUS, parser
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) == set(EXIT_STATUS)
+    for name, sub in commands.choices.items():
+        assert sub.epilog.startswith("exit status: 0 "), name
+        for action in sub._actions:
+            if action.help != argparse.SUPPRESS:
+                assert action.help, f"asyncckpt {name} {action.dest}: no help text"

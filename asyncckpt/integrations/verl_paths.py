@@ -11,7 +11,7 @@ The writer's log sits beside its root (`<root>.writer.log`), never inside it.
 
 The directory may be an object-store prefix (`s3://bucket/run/global_step_N/actor`):
 the same layout, with objects for the marker, the tracker and `huggingface/` (written
-locally, then uploaded), and the writer's log on the worker's stderr.
+locally, then uploaded), and the writer's log in the temporary directory.
 
 One path per save. The ranks of one save (or load) may name different `local_path`s:
 verl's test calls `tempfile.mkdtemp()` on every rank, and verl's manager copes because
@@ -99,7 +99,8 @@ def root_of(local_path: Location) -> Location:
 
 def writer_log(root: Location) -> Path | None:
     """The log of the writer on `root`: beside it, inside the directory the user gave
-    (None for an object-store root: the writer logs to its parent's stderr)."""
+    (None for an object-store root: `start_writer`'s default, in the temporary
+    directory)."""
     return None if is_object(root) else root.parent / f"{root.name}.writer.log"
 
 

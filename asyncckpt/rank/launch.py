@@ -8,21 +8,24 @@ flight and exits, so nothing outlives the job and no committed checkpoint is los
 
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from asyncckpt.errors import WriterLockedError, WriterUnavailableError
 from asyncckpt.ipc.protocol import ADDRESS_ENV
-from asyncckpt.storage.location import root_path
+from asyncckpt.storage.location import is_object, root_path
 
 READY_PREFIX = "ASYNCCKPT_READY "
 FAILED_PREFIX = "ASYNCCKPT_FAILED "  # then why, on the same line, before the writer exits
 JOB_ENV = "ASYNCCKPT_JOB"
+log = logging.getLogger("asyncckpt")
 
 
 class WriterProcess:
@@ -33,13 +36,16 @@ class WriterProcess:
             to this process's environment, so child ranks inherit it).
         root: the checkpoint root it owns.
         pid: its process id.
+        log_file: where it logs (None: this process's stderr).
     """
 
-    def __init__(self, proc: subprocess.Popen, address: str, root: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, address: str, root: Path,
+                 log_file: Path | None = None) -> None:
         self._proc = proc
         self.address = address
         self.root = root
         self.pid = proc.pid
+        self.log_file = log_file
 
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -82,6 +88,16 @@ def default_job() -> str | None:
     return None
 
 
+def default_log_file(root: str | os.PathLike[str], node: str | None = None) -> Path:
+    """`<root>.writer.log` beside a local root (`<root>.writer-<node>.log` for one of
+    several nodes' writers); for an object-store root, in the temporary directory."""
+    location = root_path(root)
+    suffix = f".writer-{node}.log" if node else ".writer.log"
+    if is_object(location):
+        return Path(tempfile.gettempdir()) / f"asyncckpt-{location.bucket}-{location.name}{suffix}"
+    return Path(location).absolute().parent / f"{Path(location).name}{suffix}"
+
+
 def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
                  log_file: str | os.PathLike[str] | None = None, timeout: float = 60.0,
                  job: str | None = None, **knobs: Any) -> WriterProcess:
@@ -92,7 +108,10 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
             prefix `s3://bucket/prefix` (endpoint and credentials from the AWS
             environment; the bucket must exist).
         codec: "auto" (default), "raw", "zstd" or "bytegroup" (see WriterKnobs.codec).
-        log_file: where the writer logs (default: inherit stderr).
+        log_file: where the writer logs (one line per commit, every failure). Default
+            `default_log_file(root)`: `<root>.writer.log` beside a local root, so the
+            training's stderr gets none of it (the path is logged once at INFO on
+            logger "asyncckpt"); "-" inherits this process's stderr.
         job: the job id of the writers of several nodes that share `root` (default:
             `default_job()`); writers of one job share the root, others are refused.
         knobs: other writer knobs (zstd_level, shutdown_timeout, ...); see WriterKnobs.
@@ -111,9 +130,12 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         cmd += ["--job", job or default_job()]  # type: ignore[list-item]
     for name, value in knobs.items():
         cmd += ["--knob", f"{name}={value}"]
-    if log_file:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-    stderr = open(log_file, "ab") if log_file else None
+    log_path = None if log_file == "-" else Path(log_file or default_log_file(root))
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        if log_file is None:
+            log.info("asyncckpt: the writer of %s logs to %s", root, log_path)
+    stderr = open(log_path, "ab") if log_path is not None else None
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
                                 text=True, start_new_session=True)
@@ -135,8 +157,8 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         if line.startswith(FAILED_PREFIX):
             raise WriterUnavailableError(f"writer did not start: {line[len(FAILED_PREFIX):].strip()}",
                                          file=str(root))
-        raise WriterUnavailableError(f"writer did not start (exit code {code}); see its log",
-                                     file=str(root))
+        raise WriterUnavailableError(f"writer did not start (exit code {code}); see its log"
+                                     + (f", {log_path}" if log_path else ""), file=str(root))
     address = line[len(READY_PREFIX):].strip()
     os.environ[ADDRESS_ENV] = address
-    return WriterProcess(proc, address, root)
+    return WriterProcess(proc, address, root, log_path)

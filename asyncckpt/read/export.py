@@ -7,8 +7,9 @@ process that computes it: that is what splits one export over processes (`jobs`)
 hosts (`part`) without any messages. Each process writes its share of the shards
 (shard_writer.py: reads, verification and conversion overlap the writes, memory is
 twice the largest tensor, never the model), each shard renamed into place whole; the
-process that finds every shard in place once its own are done writes the config,
-tokenizer and index, the index last, so a directory with an index is complete. A
+process that finds every share's marker in place once its own are done writes the
+config, tokenizer and index, the index last, so a directory with an index is complete
+(shards an earlier export left there never count: a marker names its export). A
 sharded (DTensor) tensor is assembled from every rank's boxes into one full tensor.
 
 Processes rather than threads for `jobs`: a shard's bytes are checksummed, decompressed
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from asyncckpt import errors
 from asyncckpt.config import ReadLimits, WriterKnobs
@@ -77,7 +79,7 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
         jobs: processes of this host writing this call's shards side by side.
         part: (i, n): write only the i-th of n shares of the shards, for one export
             split over n hosts (or launches) that share `out` and are given the same
-            arguments but `part`. The part that finds every shard in place once its
+            arguments but `part`. The part that finds every other share done once its
             own are written finishes the directory (config, tokenizer, index last).
     Returns:
         The index (metadata.total_size and weight_map), plus "files": the config,
@@ -111,6 +113,7 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
     shares = [part[0] * jobs + k for k in range(jobs)]  # this call's, of request.parts
     with Checkpoint.open(path, step, limits=limits) as ckpt:
         meta, items, shards = _plan(ckpt, request)
+        token = _token(ckpt, request)
         ours = [shards[s] for share in shares for s in _assigned(shards, request.parts, share)]
         total = sum(i.nbytes for _, shard in ours for i in shard)
         out.mkdir(parents=True, exist_ok=True)
@@ -125,7 +128,7 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
             helpers.wait(lambda: advance(0))
     index = {"metadata": {"total_size": sum(i.nbytes for i in items)},
              "weight_map": {i.export_name: name for name, shard in shards for i in shard}}
-    files = _finish(out, [name for name, _ in shards], index, meta, items, tokenizer)
+    files = _finish(out, token, request.parts, index, meta, items, tokenizer)
     return {**index, "files": files or [], "complete": files is not None,
             "shards": sorted(name for name, _ in ours)}
 
@@ -183,22 +186,40 @@ def _assigned(shards: Shards, parts: int, share: int) -> list[int]:
 
 def _write_share(ckpt: Checkpoint, request: _Request, shards: Shards, share: int,
                  progress: Callable[[int], None]) -> None:
+    """Write share `share`'s shards, then its marker: done, for this export."""
     mine = [shards[s] for s in _assigned(shards, request.parts, share)]
     with ckpt.reading():
         write_shards(ckpt, mine, request.out, WriterKnobs.from_env().flush_bytes, progress)
+    write_atomic(_marker(request.out, _token(ckpt, request), share, request.parts), b"")
 
 
-def _finish(out: Path, names: list[str], index: dict, meta: dict[str, str], items: list[Item],
-            tokenizer: str | os.PathLike[str] | None) -> list[str] | None:
-    """Once every shard is in place (else None): config, generation config, tokenizer,
-    then the index, each renamed into place (a part finishing at the same moment
-    writes the same bytes)."""
-    if not all((out / name).is_file() for name in names):
+def _token(ckpt: Checkpoint, request: _Request) -> str:
+    """What names one export: the step (as committed: a replaced step is another) and
+    everything that shapes the shards. Markers of another export, or shards a previous
+    export left in `out`, never count as this one's."""
+    what = (ckpt.step, ckpt.manifest.created, request.rank, request.contents, str(request.dtype),
+            request.max_shard_size, request.parts)
+    return xxhash.xxh3_64_hexdigest(repr(what).encode())
+
+
+def _marker(out: Path, token: str, share: int, parts: int) -> Path:
+    return out / f".asyncckpt-export-{token}-{share}-of-{parts}"
+
+
+def _finish(out: Path, token: str, parts: int, index: dict, meta: dict[str, str],
+            items: list[Item], tokenizer: str | os.PathLike[str] | None) -> list[str] | None:
+    """Once every share of this export has its marker (else None): config, generation
+    config, tokenizer, then the index, each renamed into place (a part finishing at the
+    same moment writes the same bytes); then the markers go."""
+    markers = [_marker(out, token, share, parts) for share in range(parts)]
+    if not all(m.is_file() for m in markers):
         return None
     files = hf.write_model_files(out, meta, _written_dtype(items))
     if tokenizer is not None:
         files += hf.copy_tokenizer(tokenizer, out)
     write_atomic(out / INDEX_NAME, json.dumps(index, indent=2).encode())
+    for m in markers:
+        m.unlink(missing_ok=True)
     return files
 
 

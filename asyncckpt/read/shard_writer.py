@@ -12,7 +12,7 @@ twice the largest tensor, never in tensors: memory stays flat in model size.
 
 Each shard is written as `.name.tmp-<hex>`, fsynced, and renamed into place, so a shard
 name in the output is always a whole shard (what lets several processes or hosts share
-one export: whoever sees every shard in place writes the index, see export.py). Its
+one export: whoever sees every share done writes the index, see export.py). Its
 pages are written back and dropped window by window (storage/writeback.py), as the
 writer does with data files, so a 280 GB export does not fill the page cache.
 """
@@ -123,7 +123,7 @@ def write_shards(ckpt: Checkpoint, shards: list[tuple[str, list[Item]]], out: Pa
                               name="asyncckpt-export-read", daemon=True)
     reader.start()
     try:
-        got = iter(lambda: ready.get(), None)
+        got = iter(ready.get, None)
         for name, shard in shards:
             _write_one(out, name, shard, _tensors(got, len(shard), budget), window, progress)
     finally:

@@ -34,6 +34,12 @@ measurements: docs/design/autocodec.md.
 A save is decided when it begins (the data file's name depends on its codec), so a
 change takes effect on the next save. Users who want the smallest files choose
 codec="bytegroup" directly.
+
+Saves too small to measure change nothing: a save of under `MIN_MEASURED` bytes times
+fsync latency, not bandwidth (a 0.1 MiB save "measured" the disk at 0.03 GB/s and
+flipped the codec every save), so it neither adds disk evidence nor decays the old.
+And the choice moves off the current codec only when another is predicted at least
+`SWITCH_MARGIN` faster: estimates within noise of each other keep the current one.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ _PRIORS = {name: (spec.prior[0], 1 / spec.prior[1]) for name, spec in REGISTRY.i
 TRIAL_EVERY = 32  # frames per trial encode with the other codecs (of their first MiB)
 _PRIOR_DISK = 1.3e9  # bytes/s
 _PRIOR_WEIGHT = 8 << 20  # priors count as this many bytes of evidence
+MIN_MEASURED = 16 << 20  # a save below this (bytes written) measures latency, not the disk
+SWITCH_MARGIN = 0.1  # another codec must be predicted this much faster to replace the current
 
 
 @dataclass
@@ -98,6 +106,7 @@ class CodecChooser:
     _disk: _Evidence = field(default_factory=lambda: _Evidence(
         0, _PRIOR_WEIGHT, _PRIOR_WEIGHT / _PRIOR_DISK))
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _current: str | None = None
 
     def choose(self) -> Choice:
         with self._lock:
@@ -107,6 +116,11 @@ class CodecChooser:
         predicted = {c: 1e9 * max(cost[c] / self.threads, ratio[c] / disk,
                                   (cost[c] + ratio[c] / disk) / self.cores) for c in CODECS}
         best = min(CODECS, key=lambda c: (predicted[c], ratio[c]))
+        with self._lock:
+            current = self._current
+            if current is not None and predicted[best] > (1 - SWITCH_MARGIN) * predicted[current]:
+                best = current  # not clearly better: keep the codec in use
+            self._current = best
         return Choice(best, predicted, ratio, {c: 1e-9 / cost[c] for c in CODECS},
                       disk / 1e9, self.threads)
 
@@ -116,13 +130,17 @@ class CodecChooser:
             self._codecs[codec].add(raw, stored, seconds)
 
     def written(self, stored: int, seconds: float) -> None:
-        """A save wrote and synced `stored` bytes in `seconds` of write/fsync calls."""
-        if seconds > 0 and stored > 0:
+        """A save wrote and synced `stored` bytes in `seconds` of write/fsync calls
+        (ignored under `MIN_MEASURED`)."""
+        if seconds > 0 and stored >= MIN_MEASURED:
             with self._lock:
                 self._disk.add(0, stored, seconds)
 
-    def save_done(self) -> None:
-        """Halve the weight of what was measured so far."""
+    def save_done(self, raw: int | None = None) -> None:
+        """Halve the weight of what was measured so far, unless the save (`raw` bytes)
+        was too small to have measured anything."""
+        if raw is not None and raw < MIN_MEASURED:
+            return
         with self._lock:
             for e in (*self._codecs.values(), self._disk):
                 e.decay(0.5)

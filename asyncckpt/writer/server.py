@@ -211,7 +211,7 @@ class WriterServer:
         if step.choice is not None:  # auto: learn once per step, from all its ranks
             self.chooser.written(manifest.stored_size,
                                  sum(s.get("write_seconds", 0.0) for s in step.stats.values()))
-            self.chooser.save_done()
+            self.chooser.save_done(manifest.raw_size)
         raw, stored = manifest.raw_size, manifest.stored_size
         referenced = manifest.referenced_size
         log.info("committed step %d: %d ranks, %.1f MiB -> %.1f MiB (ratio %.3f, codec %s); "

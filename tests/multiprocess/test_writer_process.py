@@ -166,3 +166,43 @@ def test_a_log_file_in_a_directory_not_made_yet_is_made(tmp_path):
     finally:
         w.stop(timeout=30)
     assert "committed step 1" in log.read_text()
+
+
+TRAINER_KILLED_AFTER_STAGING = """
+import os, signal, sys, torch, asyncckpt
+torch.manual_seed(0)
+model = torch.nn.Linear(8192, 8192)   # 256 MiB of weights
+ckpt = asyncckpt.Checkpointer(sys.argv[1], model=model,
+                              options=asyncckpt.CheckpointerOptions(save_interval=1))
+handle = ckpt.save(1)
+handle.wait_staged(120)
+print(ckpt.writer.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)   # the trainer dies with the save staged, not committed
+"""
+
+
+def test_a_trainer_killed_once_staged_still_gets_its_checkpoint(tmp_path):
+    """The writer a Checkpointer started itself (no address, no ASYNCCKPT_ADDRESS)
+    commits a save that was wholly staged when the trainer died, then exits."""
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", TRAINER_KILLED_AFTER_STAGING,
+                           str(tmp_path / "ckpt")], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    writer_pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (tmp_path / "ckpt" / "step-00000001").exists():
+        time.sleep(0.2)
+    loaded = asyncckpt.load(tmp_path / "ckpt", step=1)
+    torch.manual_seed(0)
+    assert torch.equal(loaded["model"]["weight"], torch.nn.Linear(8192, 8192).weight.detach())
+    assert loaded["step"] == 1
+    while time.monotonic() < deadline:
+        try:
+            os.kill(writer_pid, 0)
+        except ProcessLookupError:
+            break  # it exited with its trainer, after the commit
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the writer {writer_pid} outlived its trainer")
+    assert "committed step 1" in (tmp_path / "ckpt.writer.log").read_text()

@@ -118,7 +118,23 @@ def test_a_corrupt_tensor_in_a_helpers_share_fails_the_export_typed(step, tmp_pa
     out = tmp_path / "hf"
     with pytest.raises(asyncckpt.CorruptCheckpointError, match="mismatch.*'model.layer7.w'"):
         asyncckpt.export_hf(damaged, out, jobs=2)
-    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "model-00001-of-00002.safetensors"]
+    assert not list(out.glob(".model-*"))  # no partial shard
     assert set(load_file(out / "model-00001-of-00002.safetensors")) == {
         f"layer{i}.w" for i in range(4)}
     assert main(["export", str(damaged), "--out", str(tmp_path / "cli"), "--jobs", "2"]) == 1
+
+
+def test_shards_an_earlier_export_left_never_complete_a_new_one(step, tmp_path):
+    """A rerun into an old directory: the other part's shard from the last export is
+    there, but this export's other part has not run, so there is no index yet."""
+    out = tmp_path / "hf"
+    assert asyncckpt.export_hf(step, out, part=(0, 2))["complete"] is False
+    assert asyncckpt.export_hf(step, out, part=(1, 2))["complete"] is True
+    (out / INDEX_NAME).unlink()  # a new export of the same step begins
+    again = asyncckpt.export_hf(step, out, part=(1, 2))
+    assert again["complete"] is False and not (out / INDEX_NAME).exists()
+    assert asyncckpt.export_hf(step, out, part=(0, 2))["complete"] is True
+    assert_model(exported(out))
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []

@@ -114,3 +114,29 @@ def test_trials_price_the_other_codecs_on_the_first_mib_of_a_frame():
         else:
             assert added == encoding._TRIAL_BYTES < frame
             assert 0 < stored < added / 100
+
+
+def test_saves_too_small_to_measure_never_flip_the_codec():
+    """0.1 MiB saves 'measured' the disk at 0.03 GB/s (fsync latency) and the choice
+    flipped between raw, zstd and bytegroup every save."""
+    chooser = measured(2, 5.0, CPU, RATIO)
+    assert chooser.choose().codec == "raw"
+    for _ in range(50):
+        chooser.written(100 << 10, 0.003)  # 0.03 GB/s
+        chooser.save_done(100 << 10)
+        assert chooser.choose().codec == "raw"
+
+
+def test_the_current_codec_stays_unless_another_is_clearly_faster():
+    rates = {"raw": 10.0, "zstd": 0.6, "bytegroup": 1.0}
+    chooser = measured(2, 2.5, rates, RATIO)  # raw 0.4 s/GB, bytegroup 0.5 s/GB
+    assert chooser.choose().codec == "raw"
+    for _ in range(3):  # the disk slows so that bytegroup is 5% faster: noise, kept
+        chooser.save_done()
+        chooser.written(int(100 * GB), 100 / 1.9)
+    choice = chooser.choose()
+    assert choice.predicted["bytegroup"] < choice.predicted["raw"] and choice.codec == "raw"
+    for _ in range(5):  # much slower: bytegroup clearly wins
+        chooser.save_done()
+        chooser.written(int(100 * GB), 100 / 0.5)
+    assert chooser.choose().codec == "bytegroup"
