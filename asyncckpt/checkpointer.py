@@ -165,6 +165,7 @@ class Checkpointer:
         self._ring_request = ring_size
         self._address = address
         self.writer: WriterProcess | None = None  # the node's writer, if started here
+        self._node_writers = False  # this job's ranks started their nodes' writers
         self._told_interval = False
         self._not_due = 0  # save() calls that saved nothing because the step was not due
         self._saves = 0
@@ -228,6 +229,7 @@ class Checkpointer:
             address = given_address(self._address)
             if address is None:
                 address, self.writer = node_writer(self.root)
+                self._node_writers = True  # every rank: close() meets the others
             self._client = Client(address, ring_size=ring_for(state_bytes(state), self._ring_request, log))
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
@@ -282,9 +284,10 @@ class Checkpointer:
             if self._own_client and self._client is not None:
                 self._client.close()
                 self._client = None
+            if self._node_writers and dist.is_available() and dist.is_initialized():
+                self._node_writers = False
+                dist.barrier()  # every rank's client is closed before the writers stop
             if self.writer is not None:
-                if dist.is_available() and dist.is_initialized():
-                    dist.barrier()  # every rank's client is closed before the writer stops
                 self.writer.stop()
                 if os.environ.get(ADDRESS_ENV) == self.writer.address:
                     del os.environ[ADDRESS_ENV]  # start_writer exported it: now stale

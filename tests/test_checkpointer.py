@@ -384,6 +384,7 @@ def test_restore_from_nothing_warns_that_training_starts_from_scratch(tmp_path, 
 
 
 
+@pytest.mark.process  # the Checkpointer starts the writer itself
 def test_the_readme_loop_needs_no_writer_code(tmp_path, monkeypatch, caplog):
     """No address, no ASYNCCKPT_ADDRESS: the first due save starts the writer (its log
     beside the root, said once), `close()` stops it and forgets its address, and the

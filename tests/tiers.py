@@ -6,7 +6,8 @@ drift; a marker per folder would put the pure tests of `read/` with the writer's
 is in the `process` tier when its own code, a fixture it uses (directly or through another
 fixture), or a helper any of them calls names one of `PROCESS_NAMES`; helpers are followed into
 the repository's own code outside the package (tests, scripts, benchmarks), never into
-`asyncckpt/` or other libraries, whose only process start is `start_writer`. The reading is
+`asyncckpt/` or other libraries, whose process starts are `start_writer`, a Checkpointer's
+first save without a writer, and `export_hf(jobs > 1)`. The reading is
 static and can miss a start hidden behind an attribute it cannot resolve, so `ProcessGuard`
 counts every process actually started: a test outside the tier that starts one fails, in
 `make test` too, saying to mark it `@pytest.mark.process`.
