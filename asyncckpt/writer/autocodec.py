@@ -36,8 +36,9 @@ change takes effect on the next save. Users who want the smallest files choose
 codec="bytegroup" directly.
 
 Saves too small to measure change nothing: a save of under `MIN_MEASURED` bytes times
-fsync latency, not bandwidth (a 0.1 MiB save "measured" the disk at 0.03 GB/s and
-flipped the codec every save), so it neither adds disk evidence nor decays the old.
+fsync latency, not bandwidth (a tiny save "measured" the disk a hundred times slower
+than it is and flipped the codec every save), so it neither adds disk evidence nor
+decays the old.
 And the choice moves off the current codec only when another is predicted at least
 `SWITCH_MARGIN` faster: estimates within noise of each other keep the current one.
 """
