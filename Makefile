@@ -161,11 +161,14 @@ define side_venv
 	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
 	  "$$($(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-asyncckpt-base.pth"
 	$(1)/bin/pip install -q --no-deps "$(2)"
-	$(1)/bin/pip install -q -e ".[$(3)]"
+	$(1)/bin/pip install -q --no-warn-conflicts -e ".[$(3)]"
 	touch $(1)/.installed
 endef
 
-# verl (it pins transformers < 5.11) and torchtitan (spmd_types==0.2.3).
+# verl (it pins transformers < 5.11) and torchtitan (spmd_types==0.2.3). Each is installed
+# --no-deps (its full requirements are not what the tests need), so pip's resolver would
+# print an "ERROR" about them after the second install: --no-warn-conflicts keeps that
+# known noise out of a passing `make test`.
 verl-setup: $(VERL_VENV)/.installed
 
 $(VERL_VENV)/.installed: $(VENV)/.installed pyproject.toml

@@ -315,7 +315,7 @@ def _print_sharded(sharded: list[dict]) -> None:
         return
     print(f"\n{'SHARDED TENSOR':40} {'DTYPE':8} {'GLOBAL SHAPE':>18} {'BOXES':>6}  PLACEMENTS")
     for g in sharded:
-        print(f"{g['name'][:40]:40} {g['dtype']:8} {str(tuple(g['shape'])):>18} {g['boxes']:>6}  "
+        print(f"{_cut(g['name'], 40):40} {g['dtype']:8} {str(tuple(g['shape'])):>18} {g['boxes']:>6}  "
               f"{','.join(g['placements'])}")
 
 
@@ -323,7 +323,7 @@ def _print_tensors(tensors: list[dict]) -> None:
     print(f"\n{'RANK':>4} {'TENSOR':40} {'DTYPE':8} {'SHAPE':>18} {'BYTES':>12}  AT")
     for t in tensors:
         at = str(tuple(t["offsets"])) if t["offsets"] is not None else ""
-        print(f"{t['rank']:>4} {t['name'][:40]:40} {t['dtype']:8} {str(tuple(t['shape'])):>18} "
+        print(f"{t['rank']:>4} {_cut(t['name'], 40):40} {t['dtype']:8} {str(tuple(t['shape'])):>18} "
               f"{t['bytes']:>12}  {at}")
 
 
@@ -399,6 +399,11 @@ def _export(args: argparse.Namespace) -> int:
         print(f"wrote {len(index['shards'])} of {len(shards)} shards to {args.out}; the part "
               "that writes the last one writes the index")
     return 0
+
+
+def _cut(name: str, width: int) -> str:
+    """`name` in `width` characters, an ellipsis saying when it was cut (--json has it whole)."""
+    return name if len(name) <= width else name[:width - 1] + "…"
 
 
 def _part(text: str) -> tuple[int, int]:

@@ -61,3 +61,13 @@ def test_every_option_says_what_it_does_and_every_command_its_exit_status():
         for action in sub._actions:
             if action.help != argparse.SUPPRESS:
                 assert action.help, f"asyncckpt {name} {action.dest}: no help text"
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_inspect_marks_a_name_it_cuts(client, root, capsys):
+    long = "model.layers.17.self_attention.query_key_value.weight"  # 53 characters
+    client.save(1, {long: torch.ones(4), "short": torch.ones(2)}).wait(30)
+    assert main(["inspect", str(root)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert any(f" {long[:39]}… " in row for row in rows)
+    assert any(" short " in row and "…" not in row for row in rows)
