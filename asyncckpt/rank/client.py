@@ -102,7 +102,7 @@ class Client:
         self._broken: WriterUnavailableError | None = None
         self._queue: queue.Queue[PendingSave | None] = queue.Queue()
         self._closed = False
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[bytes | Callable[[], None] | None] = queue.SimpleQueue()
         self._replacing = False
         self._resize_lock = threading.Lock()
         self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
@@ -360,7 +360,9 @@ class Client:
                                            for i in pending.skipped)
         handle.stats.staging_seconds = time.perf_counter() - started
         self._send(messages.End(pending.id))
-        handle._set_staged()
+        # staged once End is on the socket, not merely queued: a trainer killed the
+        # moment wait_staged() returns has handed the writer the whole save
+        self._outbox.put(handle._set_staged)
 
     # -- sender thread ---------------------------------------------------------------
 
@@ -370,6 +372,9 @@ class Client:
     def _send_loop(self, conn: Any) -> None:
         try:
             while (data := self._outbox.get()) is not None:
+                if callable(data):  # a handle to mark staged, now that its End is sent
+                    data()
+                    continue
                 conn.send_bytes(data)
         except (OSError, EOFError):
             self._on_broken("writer connection lost while sending")

@@ -87,7 +87,9 @@ class SaveHandle:
         self._on_commit: Callable[[], None] | None = None
 
     def staged(self) -> bool:
-        """True once the source tensors are no longer read (copied, or the save failed)."""
+        """True once the source tensors are no longer read (copied, or the save failed);
+        copied also means the writer has been sent the whole save, so a trainer that dies
+        from here on still gets it committed."""
         return self._staged.is_set()
 
     def done(self) -> bool:

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 from collections import defaultdict
 from fnmatch import fnmatch
@@ -211,6 +212,8 @@ def _config_json(config: Any, architecture: str | None) -> str:
 
 
 def _write_json(path: Path, body: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    """Write `body` to `path` by rename (a unique tmp: two export parts that finish at
+    once write the same file side by side)."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
