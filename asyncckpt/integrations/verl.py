@@ -93,7 +93,7 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFaile
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.integrations.verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate,
                                                read_tracker, relative_root, root_of,
-                                               trainer_dir, writer_log)
+                                               trainer_dir)
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.launch import start_writer
 from asyncckpt.read.export import export_hf
@@ -334,7 +334,7 @@ class FSDPCheckpointManager:
                 root.mkdir(parents=True, exist_ok=True)
             job = None if len(set(hosts)) == 1 else f"verl {os.environ.get('MASTER_ADDR')}:" \
                                                       f"{os.environ.get('MASTER_PORT')}"
-            self._writer = start_writer(root, job=job, log_file=writer_log(root))
+            self._writer = start_writer(root, job=job)  # its log: <root>.writer.log
             store.set(key, self._writer.address)
         return store.get(key).decode()
 

@@ -7,7 +7,8 @@ For verl's trainer layout, `local_path` = `DIR/global_step_N/<role>` (DIR is ver
 step, so steps can reference each other's bytes and retention sees them all. Any other
 `local_path` (verl's own test saves to `tempfile.mkdtemp()/checkpoint`) holds its root
 inside itself, `local_path/asyncckpt`; there is no trainer layout, so no tracker file.
-The writer's log sits beside its root (`<root>.writer.log`), never inside it.
+The writer's log sits beside its root (`<root>.writer.log`, `start_writer`'s default),
+never inside it.
 
 The directory may be an object-store prefix (`s3://bucket/run/global_step_N/actor`):
 the same layout, with objects for the marker, the tracker and `huggingface/` (written
@@ -32,7 +33,6 @@ from __future__ import annotations
 import json
 import posixpath
 import re
-from pathlib import Path
 
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.storage.location import (Location, ObjectPath, is_dir, is_object, read_bytes,
@@ -95,13 +95,6 @@ def root_of(local_path: Location) -> Location:
     local_path = local_path.absolute()
     base = trainer_dir(local_path)
     return base / ROOTS / local_path.name if base is not None else local_path / ROOTS
-
-
-def writer_log(root: Location) -> Path | None:
-    """The log of the writer on `root`: beside it, inside the directory the user gave
-    (None for an object-store root: `start_writer`'s default, in the temporary
-    directory)."""
-    return None if is_object(root) else root.parent / f"{root.name}.writer.log"
 
 
 def relative_root(root: Location, local_path: Location) -> str:

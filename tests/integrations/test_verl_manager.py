@@ -95,7 +95,8 @@ def test_a_path_outside_the_trainer_layout_holds_its_root_and_is_never_removed(t
     tracker is written (not even beside it), and retention never removes it."""
     local = tmp_path / "tmpabc" / "checkpoint"
     assert verl.root_of(local) == local / "asyncckpt"
-    assert verl_paths.writer_log(verl.root_of(local)) == local / "asyncckpt.writer.log"
+    from asyncckpt.rank.launch import default_log_file
+    assert default_log_file(verl.root_of(local)) == local / "asyncckpt.writer.log"
     m = manager(verl.root_of(local))
     (local / "huggingface").mkdir(parents=True)
     for step in (0, 1):
