@@ -31,7 +31,10 @@ def leases(storage: S3Storage) -> list[str]:
     return [k for k, _ in storage.keys_with_prefix(LEASE_PREFIX)]
 
 
-def test_a_live_lease_refuses_another_job_and_gc_and_shares_with_its_own_job(storage):
+def test_a_live_lease_refuses_another_job_and_gc_and_shares_with_its_own_job(s3_root):
+    # a 1 s period: an object's LastModified has whole seconds, so with 0.3 s (dead after
+    # 0.9 s) a live lease could read as dead on a loaded machine (CI saw it)
+    storage = S3Storage(root_path(s3_root), ObjectStoreKnobs(lease_renew=1.0))
     first = Lease(storage, "job-a")
     try:
         assert first.first and leases(storage) == [first.key]
@@ -44,7 +47,7 @@ def test_a_live_lease_refuses_another_job_and_gc_and_shares_with_its_own_job(sto
         second = Lease(storage, "job-a")  # the job's writer of another node
         assert not second.first and len(leases(storage)) == 2
         second.release()
-        time.sleep(1.2)  # renewals keep the first alive past three periods
+        time.sleep(3.5)  # renewals keep the first alive past three periods
         with pytest.raises(WriterLockedError):
             Lease(storage, "job-b")
     finally:
