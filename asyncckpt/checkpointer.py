@@ -53,7 +53,7 @@ from asyncckpt.ipc.protocol import ADDRESS_ENV
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.launch import WriterProcess
-from asyncckpt.rank.node_writer import given_address, node_writer
+from asyncckpt.rank.node_writer import check_reachable, given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read import hf, loader
 from asyncckpt.read.checkpoint import Checkpoint
@@ -141,7 +141,8 @@ class Checkpointer:
                 MemAvailable allows, so staging is one memcpy and the fence barely
                 waits). Ignored with `client`, whose ring already exists.
             address: the writer the client made here connects to (default:
-                ASYNCCKPT_ADDRESS). With neither, the first due save starts the node's
+                ASYNCCKPT_ADDRESS), at once: a writer that is not there fails here, not
+                at the first due save. With neither, the first due save starts the node's
                 writer (rank/node_writer.py: the first rank of each host starts it,
                 every rank of the job taking part, its log beside the root) and
                 `close()` stops it once every rank is done; `writer` is it, on the rank
@@ -155,6 +156,8 @@ class Checkpointer:
                 directory `from_pretrained` opens as it is.
         Raises:
             TypeError: a config that is not JSON.
+            WriterUnavailableError: an address given (or in the environment) where no
+                writer answers.
         """
         self.root = root_path(root)
         self.model = model
@@ -174,6 +177,8 @@ class Checkpointer:
         self.fence_blocked_seconds = 0.0
         self.extra: Any = None
         self.hf_metadata = hf.hf_metadata(unwrapped(model), hf_config, generation_config)
+        if client is None and given_address(address) is not None:
+            check_reachable(given_address(address))  # now, not at the first due save
         if fence and optimizer is not None:
             self.install_fence()
 

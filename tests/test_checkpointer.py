@@ -11,7 +11,7 @@ from conftest import assert_same
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointerOptions
-from asyncckpt.errors import StepAlreadyCommittedError
+from asyncckpt.errors import StepAlreadyCommittedError, WriterUnavailableError
 
 
 def make_model(seed: int = 0, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -417,6 +417,20 @@ def test_the_readme_loop_needs_no_writer_code(tmp_path, monkeypatch, caplog):
     again.close()
     assert start == 6 and again.all_steps() == [4, 6, 8]
     assert again.extra == {"loader": 6}
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_a_writer_that_is_not_there_fails_the_construction(tmp_path, monkeypatch, how):
+    """An address where nothing listens (a writer that died, a mistyped path) is an
+    error when the Checkpointer is built, not 1000 steps later at its first due save."""
+    gone = str(tmp_path / "writer.sock")
+    monkeypatch.setenv("ASYNCCKPT_CONNECT_TIMEOUT", "0.5")
+    model, opt = make_model()
+    if how == "environment":
+        monkeypatch.setenv("ASYNCCKPT_ADDRESS", gone)
+    with pytest.raises(WriterUnavailableError, match="writer.sock"):
+        Checkpointer(tmp_path / "ckpts", model=model, optimizer=opt,
+                     address=gone if how == "argument" else None)
 
 
 def test_a_run_that_never_reached_save_interval_is_told_at_close(tmp_path, caplog):

@@ -50,6 +50,8 @@ from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.flatten import Pickled, flatten
 from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.launch import WriterProcess
+from asyncckpt.rank.node_writer import given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for
 from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.dtensor import Chunk
@@ -57,6 +59,8 @@ from asyncckpt.torchutil.dtensor import Chunk
 _STEP_ID = re.compile(r"step[-_]?(\d+)")
 _clients: dict[str, Client] = {}
 _clients_lock = threading.Lock()
+_started: dict[str, str] = {}  # root -> address of the node writer started for it here
+_writers: list[WriterProcess] = []
 
 
 def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Location, int]:
@@ -155,8 +159,21 @@ class StorageWriter(dcp.StorageWriter):
             self._target = target
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Nothing to set up: every rank hands its part to its writer alike, and only the
-        coordinator is called to `finish()`, where it waits for the commit."""
+        """Find the writer: every rank hands its part to its node's writer alike, and
+        only the coordinator is called to `finish()`, where it waits for the commit.
+
+        Given no writer (no client, no address, no ASYNCCKPT_ADDRESS), the first save
+        to a root starts the node's writer on it (rank/node_writer.py: DCP calls this
+        on every rank, on the thread that plans, so every rank takes part); later saves
+        to that root in this process reuse it. The writer is a child of the rank that
+        started it and exits with it, after committing every save it holds whole.
+
+        Raises:
+            CheckpointError: no writer and no root to start one on.
+            WriterUnavailableError: the node's writer could not start (on every rank).
+        """
+        if self._client is None and given_address(self.address) is None:
+            self.address = _started_writer(self._target[0])
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         held = tuple(i.index.fqn for i in plan.items if i.type == WriteItemType.BYTE_IO)
@@ -358,6 +375,22 @@ def _when(handle: SaveHandle, *, staged: bool, then: Any) -> None:
             return
         then(None)
     threading.Thread(target=watch, daemon=True, name=f"asyncckpt-dcp-{handle.step}").start()
+
+
+def _started_writer(root: Location | None) -> str:
+    """The address of the node's writer this process's ranks started on `root`,
+    starting it on the first call (every rank calls it together)."""
+    if root is None:
+        raise CheckpointError("no writer to save to and no root to start one on: give "
+                              "StorageWriter a root (or a checkpoint_id ROOT/step-N), an "
+                              "address, or set ASYNCCKPT_ADDRESS")
+    key = str(root)
+    if key not in _started:
+        address, writer = node_writer(root)
+        _started[key] = address
+        if writer is not None:
+            _writers.append(writer)  # referenced for the process's life: it exits with it
+    return _started[key]
 
 
 def _client_for(address: str | None, ring_size: int | None) -> Client:

@@ -90,7 +90,7 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             return node if math.isfinite(node) else {"float": repr(node)}
         if not isinstance(node, (dict, list, tuple)):
             raise UnsupportedStateError(
-                f"{show_path(path)}: cannot save a {type(node).__name__}; only tensors, "
+                f"{show_path(path)}: cannot save {_described(node)}; only tensors, "
                 "dict/list/tuple, str, bytes, int, float, bool and None are saved (never pickle)")
         if id(node) in active:
             raise UnsupportedStateError(f"{show_path(path)}: the state contains a cycle")
@@ -174,3 +174,14 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _described(node: object) -> str:
+    """What `node` is, with the conversion a user wants for numpy's types (whose
+    scalars print like Python numbers)."""
+    kind = type(node)
+    if kind.__module__ == "numpy":
+        if hasattr(node, "shape") and getattr(node, "ndim", 0):
+            return f"a numpy.{kind.__name__} (pass torch.from_numpy(x))"
+        return f"a numpy.{kind.__name__}, a numpy scalar (pass x.item() or torch.tensor(x))"
+    return f"a {kind.__name__}"

@@ -39,6 +39,19 @@ def given_address(address: str | None) -> str | None:
     return address or os.environ.get(ADDRESS_ENV) or None
 
 
+def check_reachable(address: str) -> None:
+    """Dial the writer at `address` and hang up (the writer ignores a connection that
+    says no hello).
+
+    Raises:
+        WriterUnavailableError: nothing listening there, or a key that is not its.
+    """
+    from asyncckpt.config import ClientKnobs
+    from asyncckpt.ipc import protocol
+    timeout = ClientKnobs.from_env().connect_timeout
+    protocol.hang_up(protocol.dial(address, protocol.read_authkey(address), timeout))
+
+
 def node_writer(root: Location, timeout: float = 60.0) -> tuple[str, WriterProcess | None]:
     """The address of this host's writer on `root`, and the writer if this rank
     started it. Every rank of the job calls it together.

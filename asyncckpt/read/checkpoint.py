@@ -309,11 +309,26 @@ def _resolve(path: Location, step: int | None) -> tuple[Location, Location | Non
         raise CheckpointNotFoundError(
             f"no committed checkpoint for step {step} in {path}" + (
                 f" ({step_dir_name(step)} is a symlink: not a step of this root; open the "
-                "directory it points to instead)" if linked else ""), step=step, file=str(path))
+                "directory it points to instead)" if linked else f" ({_holds(path)})"),
+            step=step, file=str(path))
     steps = storage_for(path).step_dirs()
     if not steps:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
     return path / step_dir_name(steps[-1]), path
+
+
+def _holds(root: Location) -> str:
+    """What `root` holds instead, for an error: its committed steps (the first and the
+    newest few of a long list), none, or that it does not exist."""
+    if not is_dir(root):
+        return "it does not exist"
+    steps = storage_for(root).step_dirs()
+    if not steps:
+        return "it holds no committed step"
+    shown = [str(s) for s in steps] if len(steps) <= 8 else (
+        [str(steps[0]), "..."] + [str(s) for s in steps[-6:]])
+    return f"its committed steps: {', '.join(shown)}" + (
+        f" ({len(steps)} in all)" if len(steps) > 8 else "")
 
 
 _RESOLVE_TRIES = 3  # listings of a root whose newest step vanished before it was examined

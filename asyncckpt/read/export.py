@@ -27,6 +27,7 @@ once (the name `save_pretrained` keeps), so `from_pretrained(out)` opens it as i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import signal
@@ -51,6 +52,8 @@ from asyncckpt.read.shard_writer import Item, write_shards
 from asyncckpt.storage.durable import write_atomic
 from asyncckpt.storage.posix import local_path
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
+
+log = logging.getLogger("asyncckpt.export")
 
 INDEX_NAME = "model.safetensors.index.json"
 Shards = list[tuple[str, list[Item]]]
@@ -129,6 +132,11 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
     index = {"metadata": {"total_size": sum(i.nbytes for i in items)},
              "weight_map": {i.export_name: name for name, shard in shards for i in shard}}
     files = _finish(out, token, request.parts, index, meta, items, tokenizer)
+    if files is not None and contents == "model" and "config" not in meta:
+        log.warning("asyncckpt export: step %d holds no Hugging Face config, so %s has "
+                    "weights and an index but no config.json (from_pretrained needs one: "
+                    "copy the model's in, or save through a Checkpointer given a transformers "
+                    "model or hf_config=)", ckpt.step, out)
     return {**index, "files": files or [], "complete": files is not None,
             "shards": sorted(name for name, _ in ours)}
 

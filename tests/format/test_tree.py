@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 from conftest import SMALL_RING, assert_same, running_writer, small_ring_client
@@ -261,6 +262,11 @@ UNSUPPORTED = {
     "none_key": (lambda: {"n": {None: 1}}, ["state['n']", "None"]),
     "cycle_list": (_cyclic_list, ["state['c'][1]['back']", "cycle"]),
     "cycle_dict": (_cyclic_dict, ["state['top']['self']", "cycle"]),
+    # numpy's scalars print as numbers: the message says what they are and what to pass
+    "numpy_scalar": (lambda: {"loss": np.float32(1.5)},
+                     ["state['loss']", "numpy.float32, a numpy scalar", "x.item()"]),
+    "numpy_array": (lambda: {"mask": np.zeros(3)},
+                    ["state['mask']", "numpy.ndarray", "torch.from_numpy(x)"]),
 }
 
 

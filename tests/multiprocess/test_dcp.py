@@ -42,3 +42,20 @@ def test_dcp_saves_are_asyncckpt_checkpoints(saved, step):
             assert torch.equal(got[f"model.{name}"], tensor), (step, rank, name)
     objects = asyncckpt.load(root, step=step, rank=0)  # the lowest rank holding each object
     assert (objects["extra.step"], objects["extra.tag"], objects["extra.shape"]) == (step, b"rank-0", (3, 4))
+
+
+def test_dcp_ranks_given_no_writer_start_their_nodes_own(tmp_path):
+    """No address anywhere: the first `dcp.save` starts the node's writer (its log
+    beside the root), the async saves after it reuse it, and every step is whole."""
+    root = tmp_path / "ckpt"
+    run_world(2, "save", tmp_path, {"ASYNCCKPT_ADDRESS": "", "CKPT_ROOT": str(root)}, WORKER)
+    assert sorted(p.name for p in root.glob("step-*")) == [step_dir_name(s) for s in (3, 4, 5)]
+    log = (tmp_path / "ckpt.writer.log").read_text()
+    assert all(f"committed step {s}" in log for s in (3, 4, 5)), log[-2000:]
+    assert log.count(" serving ") == 1  # one writer for the node, not one per save
+    for step in (3, 4, 5):
+        assert asyncckpt.verify(root / step_dir_name(step)).ok
+        want = torch.load(tmp_path / f"ref-{step}.pt", weights_only=False)["model"]
+        got = asyncckpt.load(root, step=step)
+        for name, tensor in want.items():
+            assert torch.equal(got[f"model.{name}"], tensor), (step, name)

@@ -63,6 +63,21 @@ def test_export_dtype_and_contents(shared, tmp_path):
         asyncckpt_export(root, tmp_path / "none", contents="nothing")
 
 
+def test_an_export_without_a_config_says_so(shared, tmp_path, caplog):
+    """A checkpoint saved without a Hugging Face config exports weights and an index but
+    no config.json: said once at WARNING, naming the directory; not for other contents."""
+    step = shared.step()
+    shared.client.save(step, {"model": {"w": torch.ones(3)}, "other": {"x": torch.ones(2)}}).wait(30)
+    with caplog.at_level("WARNING", logger="asyncckpt.export"):
+        index = asyncckpt.export_hf(shared.root, tmp_path / "out", step=step)
+        asyncckpt.export_hf(shared.root, tmp_path / "other", step=step, contents="other")
+    said = [r.getMessage() for r in caplog.records if r.name == "asyncckpt.export"]
+    assert index["files"] == [] and not (tmp_path / "out" / "config.json").exists()
+    assert len(said) == 1, said
+    assert f"step {step} holds no Hugging Face config" in said[0]
+    assert str(tmp_path / "out") in said[0] and "no config.json" in said[0]
+
+
 def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
     """Two ranks save a BERT as DTensors (Shard(0) and Shard(1) mixed, the embeddings
     replicated); the export assembles every tensor and transformers gets identical outputs."""

@@ -221,6 +221,22 @@ def test_empty_root_and_missing_paths_are_not_found(saved, tmp_path):
     assert "no older step is intact" in str(info.value)
 
 
+def test_a_step_that_is_not_there_lists_the_steps_that_are(saved, tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match=r"step 999 .*its committed steps: 1, 2\)$"):
+        asyncckpt.load(saved.root, step=999)
+    with pytest.raises(CheckpointNotFoundError, match=r"\(it does not exist\)"):
+        asyncckpt.load(tmp_path / "runrot", step=999)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=r"\(it holds no committed step\)"):
+        asyncckpt.load(tmp_path / "empty", step=1)
+    many = tmp_path / "many"
+    for step in range(1, 21):
+        (many / f"step-{step:08d}").mkdir(parents=True)
+    with pytest.raises(CheckpointNotFoundError,
+                       match=r"its committed steps: 1, \.\.\., 15, 16, 17, 18, 19, 20 \(20 in all\)"):
+        asyncckpt.load(many, step=99)
+
+
 def test_rank_out_of_range(saved):
     for rank in (1, 5, -1):
         with pytest.raises(CheckpointNotFoundError, match=r"ranks 0\.\.0") as info:
