@@ -136,10 +136,12 @@ bench-stage: setup
 
 # asyncckpt's DCP StorageWriter (dcp.save, dcp.async_save) next to DCP's FileSystemWriter
 # (sync, async default stager, async reused shared-memory stager) and torch-checkpointing,
-# 1 and 4 GiB, with memcpy and write+fsync limits of the same run (results/dcp.md + .json).
+# 1 and 4 GiB, with memcpy and write+fsync limits of the same run (results/dcp.md + .json);
+# then a warm resharded FSDP2 load next to torch-checkpointing's (results/warm_load.md).
 bench-dcp: setup
 	$(BIN)/pip install -q -e ".[dcpbench]"
 	$(BIN)/python -m benchmarks.dcp --gib 1,4 --fsdp2-gib 1 --reps 3 --out benchmarks/results/dcp.md
+	$(BIN)/python -m benchmarks.warm_load --reps 5 --out benchmarks/results/warm_load.md
 
 # An object-store root against SeaweedFS on loopback: time to durable and cold load of a
 # 1 GiB state next to a plain multipart upload / ranged download of the same bytes and to

@@ -77,9 +77,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import queue
-import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -95,7 +93,7 @@ from asyncckpt.integrations.verl_paths import (MARKER, ROOTS, TRACKER, agree, ho
                                                read_tracker, relative_root, root_of,
                                                trainer_dir)
 from asyncckpt.rank.handle import SaveHandle
-from asyncckpt.rank.launch import start_writer
+from asyncckpt.rank.node_writer import node_writer
 from asyncckpt.read.export import export_hf
 from asyncckpt.storage.location import (Location, exists, is_object, remove_tree, root_path,
                                         upload_tree, write_bytes)
@@ -310,7 +308,7 @@ class FSDPCheckpointManager:
                                  "root (one manager per role)")
             return self._ckpt
         self._root = root
-        address = self._start_node_writer(root)
+        address, self._writer = node_writer(root)  # the first rank of each node starts it
         contents = tuple(c for c in ("model", "optimizer", "extra")
                          if c in self.checkpoint_save_contents)
         options = CheckpointerOptions(save_interval=1, contents=contents or ("extra",),
@@ -319,24 +317,6 @@ class FSDPCheckpointManager:
                                   options=options, address=address,
                                   fence=self.optimizer is not None)
         return self._ckpt
-
-    def _start_node_writer(self, root: Location) -> str:
-        """The first rank of each host starts that host's writer on `root`; every rank
-        learns its host's address through the process group's store."""
-        host = socket.gethostname()
-        hosts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(hosts, host)
-        leader = hosts.index(host) == self.rank
-        store = dist.distributed_c10d._get_default_store()
-        key = f"asyncckpt-verl:{root}:{host}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-        if leader:
-            if not is_object(root):
-                root.mkdir(parents=True, exist_ok=True)
-            job = None if len(set(hosts)) == 1 else f"verl {os.environ.get('MASTER_ADDR')}:" \
-                                                      f"{os.environ.get('MASTER_PORT')}"
-            self._writer = start_writer(root, job=job)  # its log: <root>.writer.log
-            store.set(key, self._writer.address)
-        return store.get(key).decode()
 
     def _save_hf_files(self, directory: Path) -> None:
         """Rank 0: the model's config (and generation config) and the tokenizer, as verl

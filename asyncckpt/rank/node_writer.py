@@ -23,12 +23,13 @@ import logging
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from asyncckpt.errors import CheckpointError, WriterLockedError, WriterUnavailableError
 from asyncckpt.ipc.protocol import ADDRESS_ENV
-from asyncckpt.rank.launch import WriterProcess, default_log_file, start_writer
+from asyncckpt.rank.launch import WriterProcess, default_job, default_log_file, start_writer
 from asyncckpt.storage.location import Location
 
 log = logging.getLogger("asyncckpt.checkpointer")
@@ -65,14 +66,18 @@ def node_writer(root: Location, timeout: float = 60.0) -> tuple[str, WriterProce
         writer = _start(root, default_log_file(root), timeout)
         return writer.address, writer
     host = _node_name()
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, host)
+    named: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(named, (host, uuid.uuid4().hex))
+    hosts = [h for h, _ in named]
     first = hosts.index(host) == dist.get_rank()
     several = len(set(hosts)) > 1
+    # the nodes' writers share the root as one job: the launcher's id, else rank 0's
+    job = (default_job() or f"asyncckpt {named[0][1]}") if several else None
     writer, failure = None, None
     if first:
         try:
-            writer = _start(root, default_log_file(root, host if several else None), timeout)
+            writer = _start(root, default_log_file(root, host if several else None), timeout,
+                            job)
         except (CheckpointError, OSError) as e:
             failure = f"{host}: {e}"
     answers: list[Any] = [None] * dist.get_world_size()
@@ -93,11 +98,12 @@ def _node_name() -> str:
     return socket.gethostname() + (f"-node{group}" if group is not None else "")
 
 
-def _start(root: Location, log_file: Path, timeout: float) -> WriterProcess:
+def _start(root: Location, log_file: Path, timeout: float,
+           job: str | None = None) -> WriterProcess:
     deadline = time.monotonic() + timeout
     while True:  # the previous attempt's writer may still be releasing the root
         try:
-            writer = start_writer(root, log_file=log_file)
+            writer = start_writer(root, log_file=log_file, job=job)
             break
         except WriterLockedError:
             if time.monotonic() > deadline:
