@@ -113,6 +113,7 @@ class Checkpoint:
         self.sharded: dict[str, GlobalTensor] = {}
         self._leaves: dict[int, list[Leaf]] = {}
         self._readers: Readers | None = None
+        self._scratch: Any = None  # the temporaries of plans given temp_bytes
         self._check()
 
     # -- opening ----------------------------------------------------------------------
@@ -256,18 +257,28 @@ class Checkpoint:
                                     self.storage)
         return self._readers(self.check_rank(rank), prefetch)
 
-    def plan(self) -> ReadPlan:
-        """A read plan over this checkpoint's readers; `flush()` it to read."""
-        from asyncckpt.read.sharded import ReadPlan
-        return ReadPlan(self.reader)
+    def plan(self, temp_bytes: int | None = None) -> ReadPlan:
+        """A read plan over this checkpoint's readers; `flush()` it to read. Its
+        temporaries hold `temp_bytes` at most (default `sharded.TEMP_BYTES`); given
+        `temp_bytes`, plans share one buffer for them, so use one such plan at a time."""
+        from asyncckpt.read.sharded import TEMP_BYTES, ReadPlan
+        if temp_bytes is None:
+            return ReadPlan(self.reader, TEMP_BYTES)
+        import torch
+        if self._scratch is None or self._scratch.numel() < temp_bytes:
+            self._scratch = torch.empty(temp_bytes, dtype=torch.uint8)
+        return ReadPlan(self.reader, temp_bytes, self._scratch)  # one plan at a time
 
-    def read_full(self, g: GlobalTensor) -> torch.Tensor:
-        """All of tensor `g`, assembled from its boxes into a new CPU tensor."""
+    def read_full(self, g: GlobalTensor, dtype: torch.dtype | None = None,
+                  temp_bytes: int | None = None) -> torch.Tensor:
+        """All of tensor `g`, assembled from its boxes into a new CPU tensor of `dtype`
+        (default its own; another converts piece by piece, through temporaries of
+        `temp_bytes` at most, never through a whole copy in the saved dtype)."""
         import torch
 
         from asyncckpt.torchutil.dtypes import DTYPES
-        full = torch.empty(g.shape, dtype=DTYPES[g.dtype])
-        plan = self.plan()
+        full = torch.empty(g.shape, dtype=dtype or DTYPES[g.dtype])
+        plan = self.plan(temp_bytes)
         plan.add(g, (0,) * len(g.shape), full)
         plan.flush()
         return full

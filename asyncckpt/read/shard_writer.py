@@ -8,7 +8,10 @@ model: 4.2 s reading then 4.0 s writing, no overlap). So a reader thread reads,
 verifies and converts the next tensors while the calling thread writes the previous
 ones; both spend their time in the kernel or in C (preadv, decompression, hashing,
 `write`) with the GIL released. What the reader may hold ahead is bounded in bytes,
-twice the largest tensor, never in tensors: memory stays flat in model size.
+twice the largest tensor, never in tensors: memory stays flat in model size. A
+tensor exported in another dtype is assembled straight in that dtype, its stored
+values passing through temporaries of 16 MiB, so a bf16 export of an fp32 checkpoint
+holds bf16 tensors only.
 
 Each shard is written as `.name.tmp-<hex>`, fsynced, and renamed into place, so a shard
 name in the output is always a whole shard (what lets several processes or hosts share
@@ -38,6 +41,7 @@ from asyncckpt.storage.writeback import Writeback
 from asyncckpt.torchutil.dtypes import DTYPES
 
 WRITE_CHUNK = 16 << 20  # bytes per write call: the writeback window sees each one
+CONVERT_TEMP = 16 << 20  # stored bytes a converting read holds at once, at most
 
 
 @dataclass
@@ -59,13 +63,20 @@ class Item:
         return element_size(self.dtype) * n
 
     @property
+    def converted(self) -> bool:
+        return self.dtype != self.leaf.tensor.dtype
+
+    @property
     def held(self) -> int:
-        """Bytes held while it is read and converted: the stored tensor, and the
-        converted one beside it while it is made."""
+        """Bytes held from its read until it is written: the exported tensor (a whole
+        tensor converted as it is assembled, see `_read_ahead`); for a view of a
+        converted tensor, its base in the stored dtype and the converted view beside it."""
+        if self.converted and self.leaf.view is None:
+            return self.nbytes
         source = element_size(self.leaf.tensor.dtype)
         for d in self.leaf.tensor.shape:
             source *= d
-        return source + (self.nbytes if self.dtype != self.leaf.tensor.dtype else 0)
+        return source + (self.nbytes if self.converted else 0)
 
 
 class _Budget:
@@ -99,11 +110,8 @@ class _Budget:
 
 
 def budget_for(items: list[Item]) -> int:
-    """Twice the largest stored tensor: one being written while the next is read (a
-    conversion's two copies of one tensor fit too, e.g. fp32 read + bf16 made while the
-    previous bf16 is written)."""
-    return 2 * max((i.held - (i.nbytes if i.dtype != i.leaf.tensor.dtype else 0)
-                    for i in items), default=0)
+    """Twice the largest tensor held: one being written while the next is read."""
+    return 2 * max((i.held for i in items), default=0)
 
 
 def write_shards(ckpt: Checkpoint, shards: list[tuple[str, list[Item]]], out: Path,
@@ -149,12 +157,18 @@ def _read_ahead(ckpt: Checkpoint, items: list[Item], budget: _Budget, ready: que
         for item in items:
             if not budget.acquire(item.held):
                 return
+            if item.converted and item.leaf.view is None:
+                # assembled straight in the exported dtype: the stored values pass
+                # through bounded temporaries, never a whole copy of the tensor
+                ready.put((item, ckpt.read_full(item.leaf.tensor, DTYPES[item.dtype],
+                                                CONVERT_TEMP), item.held))
+                continue
             tensor = ckpt.read_full(item.leaf.tensor)
             if item.leaf.view is not None:
                 tensor = item.leaf.view.of_tensor(tensor)
             converted = tensor.to(DTYPES[item.dtype]).contiguous()
             kept = item.held
-            if item.dtype != item.leaf.tensor.dtype:  # the stored tensor goes now
+            if item.converted:  # the stored tensor goes now
                 del tensor
                 budget.release(item.held - item.nbytes)
                 kept = item.nbytes

@@ -20,6 +20,7 @@ import torch
 from asyncckpt.format.layout import DTYPE_SIZES
 from asyncckpt.format.tiling import Box, GlobalTensor, intersect, runs
 from asyncckpt.read.reader import RankReader, tensor_bytes
+from asyncckpt.torchutil.dtypes import DTYPES
 
 TEMP_BYTES = 256 << 20  # a plan's temporaries, at most, before it reads what it has
 
@@ -28,18 +29,23 @@ class ReadPlan:
     """Box reads batched per saved rank, flushed when temporaries reach `temp_bytes`."""
 
     def __init__(self, open_reader: Callable[[int], RankReader],
-                 temp_bytes: int = TEMP_BYTES) -> None:
+                 temp_bytes: int = TEMP_BYTES, scratch: torch.Tensor | None = None) -> None:
+        """`scratch`: a uint8 buffer of at least `temp_bytes` for the temporaries, which
+        plans made one after the other may share (default: made when first needed)."""
         self._open = open_reader
         self._temp_limit = temp_bytes
         self._ranges: dict[int, list[tuple[int, int, memoryview, str | None]]] = {}
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._keep: list[torch.Tensor] = []
         self._temp = 0
+        self._scratch = scratch  # the temporaries' memory, reused
 
     def add(self, g: GlobalTensor, offsets: tuple[int, ...], out: torch.Tensor) -> None:
-        """Fill `out` (a tensor of `g`'s dtype shaped like the box at `offsets`) from the
+        """Fill `out` (a tensor shaped like the box at `offsets`; of `g`'s dtype, or of
+        another that the saved values are converted to, through temporaries) from the
         saved boxes that intersect it, when the plan is flushed."""
-        if len(g.boxes) == 1 and out.device.type == "cpu" and out.is_contiguous():
+        same = out.dtype == DTYPES[g.dtype]
+        if same and len(g.boxes) == 1 and out.device.type == "cpu" and out.is_contiguous():
             box = g.boxes[0]
             if tuple(out.shape) == box.spec.shape and not any(offsets) and not any(box.offsets):
                 # a whole plain tensor into its own memory (a load's common case): one range
@@ -67,11 +73,11 @@ class ReadPlan:
             sub_size = (min(rows, size[0] - first),) + size[1:] if size else ()
             sub_start = (start[0] + first,) + start[1:] if size else ()
             piece = dest[first:first + sub_size[0]] if size else dest
-            direct = piece.device.type == "cpu" and piece.is_contiguous()
-            target = piece if direct else torch.empty(sub_size, dtype=piece.dtype)
+            saved = DTYPES[box.spec.dtype]
+            direct = piece.device.type == "cpu" and piece.is_contiguous() and piece.dtype == saved
+            target = piece if direct else self._temporary(sub_size, saved, itemsize)
             if not direct:
                 self._copies.append((piece, target))
-                self._temp += target.numel() * itemsize
             self._keep.append(target)
             view, pos = tensor_bytes(target), 0
             ranges = self._ranges.setdefault(box.rank, [])
@@ -81,6 +87,22 @@ class ReadPlan:
                 pos += end - begin
             if self._temp >= self._temp_limit:
                 self.flush()
+
+    def _temporary(self, shape: tuple[int, ...], dtype: torch.dtype, itemsize: int) -> torch.Tensor:
+        """A temporary carved from one buffer of `temp_bytes` that every flush frees
+        whole: allocating each anew lets glibc's adaptive mmap threshold keep the freed
+        ones in its heap, which then grows (a converting export of 64 MiB tensors
+        peaked at 6 x the largest tensor that way)."""
+        need = -(-math.prod(shape) * itemsize // 64) * 64
+        if need > self._temp_limit:  # one row larger than the limit: its own memory
+            self._temp += need
+            return torch.empty(shape, dtype=dtype)
+        if self._temp + need > self._temp_limit:
+            self.flush()
+        if self._scratch is None:
+            self._scratch = torch.empty(self._temp_limit, dtype=torch.uint8)  # touched as used
+        start, self._temp = self._temp, self._temp + need
+        return self._scratch[start:start + need].view(dtype)[:math.prod(shape)].view(shape)
 
     def flush(self) -> None:
         """Read every pending range (verified) and copy temporaries into place."""
