@@ -17,7 +17,7 @@ VERL_SPEC   ?= verl==0.9.1
 TITAN_VENV  ?= $(VENV)-titan
 TITAN_SPEC  ?= torchtitan==0.3.0
 
-.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
+.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
 
 setup: $(VENV)/.installed
 
@@ -123,6 +123,13 @@ multinode-demo: setup
 # Commit latency (last rank staged -> committed): 2 nodes x 2 ranks next to 1 node x 4 ranks.
 bench-commit: setup
 	$(BIN)/python -m benchmarks.commit_latency --saves 15 --kib 256
+
+# The several-node commit simulated at 8 to 256 nodes x 8 ranks (threads with the real
+# coordination and TCPStore, real part files, gather and publish; 1000 tensors per rank),
+# then a node and the leader's writer killed mid-save (results/scale.md).
+bench-scale: setup
+	$(BIN)/python -m benchmarks.scale --nodes 8,64,256 --per-node 8 --tensors 1000 --saves 3 \
+		--kill node,leader-writer --kill-nodes 256 --out benchmarks/results/scale.md
 
 # A misbehaving authenticated rank sends 10,000+ random messages next to two ordinary
 # ranks saving for real: writer alive, every save committed and verifying, no growth.

@@ -72,6 +72,7 @@ from asyncckpt.torchutil.ranks import local_world_size
 Outcome = dict[str, Any]
 CLAIM: Outcome = {"committing": True}
 HEARTBEAT = 1.0  # seconds between the leader's heartbeats while its writer commits
+_WAKE = object()  # queued after a result: the agreement thread handles it at once
 log = logging.getLogger("asyncckpt.rank")
 
 
@@ -294,7 +295,7 @@ class Agreement:
         self._last_beat = 0.0
         self._idling = False  # `_idle` runs inside the leader's polls: never inside itself
         self._lock = threading.Lock()
-        self._parts: "queue.SimpleQueue[tuple[Any, str] | None]" = queue.SimpleQueue()
+        self._parts: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # (pending, tmp), _WAKE, None
         self._results: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"asyncckpt-agree-{coordinator.rank}")
@@ -317,12 +318,14 @@ class Agreement:
         """The writer's last word on `pending`: a local failure, or (the leader) the
         commit it was asked for."""
         self._results.put((pending, error, path, stats))
+        self._parts.put(_WAKE)  # handled now, not at the thread's next timeout
 
     def broken(self, pending: Any, error: BaseException) -> None:
         """The writer is gone (the handle has failed already): publish the failure, so
         other nodes need not wait (what the dead writer left in the root, the writers
         that live sweep: owners.py)."""
         self._results.put((pending, error, None, None))
+        self._parts.put(_WAKE)
 
     def close(self, timeout: float | None = None) -> None:
         self._parts.put(None)
@@ -338,6 +341,8 @@ class Agreement:
             if item is None:
                 self._idle()
                 return
+            if item is _WAKE:
+                continue  # a result queued: `_idle` handles it
             pending, tmp = item
             try:
                 self._on_durable(pending, tmp)
