@@ -18,6 +18,7 @@ measured it, since the machine is shared.
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,6 +30,14 @@ BUSY = 0.10  # share of the CPUs used by other processes above which a row is fl
 NOT_COLD = 0.05  # share of a checkpoint's bytes still cached before a load: not cold
 PAGE_CACHE_BOUND = 256 * MiB
 MIXED = "bf16 weights + fp32 Adam moments"  # the contest case the speed targets use
+
+
+def write_results(out: Path, text: str, data: Any) -> None:
+    """A benchmark's report `out` (Markdown) and its figures beside it (`.json`); the
+    report is printed too."""
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    print(text)
 
 
 def spread(values: Sequence[float]) -> dict[str, float] | None:

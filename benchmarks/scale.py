@@ -62,6 +62,8 @@ from asyncckpt.storage.location import read_manifest_at
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 
+from .report import write_results
+
 HERE = Path(__file__).resolve().parent
 METADATA_CALLS = ("open", "stat", "lstat", "rename", "replace", "unlink", "rmdir", "mkdir",
                   "fsync", "listdir", "scandir")
@@ -417,11 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             small_part, small_data = template(work / "small", 10)
         failures = [run_failure(work, args.kill_nodes, args.per_node, small_part, small_data,
                                 args.timeout, what) for what in args.kill.split(",") if what]
-    text = report(rows, failures, argv)
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps({"rows": rows, "failures": failures},
-                                                        indent=1) + "\n")
-    print(text)
+    write_results(args.out, report(rows, failures, argv), {"rows": rows, "failures": failures})
     return 0
 
 

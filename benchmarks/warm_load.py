@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from . import dcp_fsdp, limits, measure
+from .report import write_results
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -250,10 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="asyncckpt-warm-", dir=os.environ.get("BENCH_DIR")) as work:
         result = measure_all(Path(work), args.reps)
     text, targets = report(result, args.reps, before, measure.loadavg())
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps({"result": result, "targets": targets},
-                                                        indent=1) + "\n")
-    print(text)
+    write_results(args.out, text, {"result": result, "targets": targets})
     return 0
 
 
