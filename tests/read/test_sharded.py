@@ -28,6 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import asyncckpt
+from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.format.tiling import runs
 
@@ -178,6 +179,23 @@ def test_full_tensors_from_a_sharded_save(writer):
     asyncckpt.load(path, into={"model": plain}, strict=False)
     for k, v in fulls.items():
         assert torch.equal(plain[k], v)
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)])
+def test_a_converting_read_assembles_in_the_target_dtype_through_small_temporaries(writer,
+                                                                                  placement):
+    """What a bf16 export does: each tensor assembled straight in bf16 from the fp32
+    boxes, its temporaries (4 KiB here: many flushes) carved from one shared buffer."""
+    g = torch.Generator().manual_seed(3)
+    fulls = {"w": torch.randn(64, 48, generator=g), "v": torch.randn(30, 7, generator=g)}
+    path = save_world(writer, fulls, (2,), (placement,))
+    with Checkpoint.open(path) as ckpt:
+        for leaf in ckpt.leaves(0):
+            if leaf.path[:1] == ("model",):
+                got = ckpt.read_full(leaf.tensor, torch.bfloat16, 4096)
+                want = fulls[leaf.path[1]].to(torch.bfloat16)
+                assert got.dtype == torch.bfloat16 and torch.equal(got, want), leaf.path
+        assert ckpt._scratch is not None and ckpt._scratch.numel() == 4096  # one, reused
 
 
 def test_dtensor_targets_from_a_plain_save(writer):
