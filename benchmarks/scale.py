@@ -403,8 +403,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="verify the last step of shapes of at most this many nodes")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scale.md")
     args = parser.parse_args(argv)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a socket per simulated rank
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:  # two sockets per simulated rank (its client's and the server's end)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, 1 << 16),) * 2)
+    except (ValueError, OSError):  # not root: what the hard limit allows
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(256 << 10)
     with tempfile.TemporaryDirectory(prefix="asyncckpt-scale-", dir=os.environ.get("BENCH_DIR")) as d:
         work = Path(d)
