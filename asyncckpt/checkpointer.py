@@ -177,8 +177,9 @@ class Checkpointer:
         self.fence_blocked_seconds = 0.0
         self.extra: Any = None
         self.hf_metadata = hf.hf_metadata(unwrapped(model), hf_config, generation_config)
-        if client is None and given_address(address) is not None:
-            check_reachable(given_address(address))  # now, not at the first due save
+        given = given_address(address) if client is None else None
+        if given is not None:
+            check_reachable(given)  # now, not at the first due save
         if fence and optimizer is not None:
             self.install_fence()
 
