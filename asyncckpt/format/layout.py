@@ -23,8 +23,10 @@ from asyncckpt.codec.registry import REGISTRY, codec_spec
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 1        # what a manifest without references is written as
 FORMAT_VERSION_REFS = 2   # a manifest holding reference frames (incremental saves)
-READABLE_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_REFS)
+FORMAT_VERSION_PARTS = 3  # a root manifest whose ranks are in node parts (format/parts.py)
+READABLE_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_REFS, FORMAT_VERSION_PARTS)
 MANIFEST_NAME = "manifest.json"
+NODE_PART_NAME = "part.json"  # in each node directory of a step in parts
 LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
 ROOT_ID_NAME = ".asyncckpt.root"
@@ -48,8 +50,9 @@ _RETIRED_DIR = re.compile(r"step-([0-9]{8,})\.retired")
 RETIRED_SUFFIX = ".retired"
 _TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
 _REPLACED_DIR = re.compile(r"step-([0-9]{8,})\.replaced-[0-9a-f]+")
-_DATA_FILE = re.compile(r"rank-[0-9]{5,}\.safetensors(%s)" % "|".join(
+_DATA_FILE = re.compile(r"(?:(node-[0-9]{5,})/)?rank-([0-9]{5,})\.safetensors(%s)" % "|".join(
     re.escape(spec.suffix) for spec in REGISTRY.values()))
+_NODE_DIR = re.compile(r"node-([0-9]{5,})")
 _SUFFIX_CODECS = {spec.suffix: spec.name for spec in REGISTRY.values()}
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
 
@@ -116,17 +119,58 @@ def data_file_name(rank: int, codec: str) -> str:
     return f"rank-{rank:05d}.safetensors" + codec_spec(codec).suffix
 
 
+def node_dir_name(first: int) -> str:
+    """`node-00008`: the directory of a step in parts holding the node part whose first
+    rank is `first`, and that part's data files."""
+    return f"node-{first:05d}"
+
+
+def parse_node_dir(name: str) -> int | None:
+    """The first rank of a node directory name `node_dir_name` could have made, else None
+    (`node-000008`, with a zero `node_dir_name` would not write, is None)."""
+    m = _NODE_DIR.fullmatch(name)
+    if m is None:
+        return None
+    first = int(m.group(1))
+    return first if node_dir_name(first) == name else None
+
+
+def is_node_dir_name(name: str) -> bool:
+    """A name `node_dir_name` could have made."""
+    return parse_node_dir(name) is not None
+
+
+def node_data_file_name(first: int, rank: int, codec: str) -> str:
+    """`node-00008/rank-00009.safetensors.zst`: rank `rank`'s data file in the node
+    directory of the part beginning at rank `first`, relative to the step directory.
+
+    Raises:
+        CorruptCheckpointError: `codec` is not a stored codec.
+    """
+    return f"{node_dir_name(first)}/{data_file_name(rank, codec)}"
+
+
 def is_data_file_name(name: str) -> bool:
-    """A name `data_file_name` could have made (any rank, any stored codec): a plain
-    name, never a path."""
+    """A name a step's data file can have, relative to its step directory: one
+    `data_file_name` could have made (any rank, any stored codec), or one
+    `node_data_file_name` could have (one node directory, holding only ranks from its
+    first on). Never any other path: no `..`, no absolute path, no other folder."""
     return data_file_codec(name) is not None
 
 
 def data_file_codec(name: str) -> str | None:
-    """The codec a data file name's suffix stands for (`rank-00000.safetensors.bg`:
-    bytegroup), or None if `data_file_name` could not have made it."""
+    """The codec a data file name's suffix stands for (`rank-00000.safetensors.bg`,
+    `node-00008/rank-00009.safetensors.bg`: bytegroup), or None if it is not a name
+    `is_data_file_name` accepts."""
     m = _DATA_FILE.fullmatch(name)
-    return None if m is None else _SUFFIX_CODECS[m.group(1)]
+    if m is None:
+        return None
+    node = m.group(1)
+    if node is not None:
+        first = parse_node_dir(node)
+        if first is None or int(m.group(2)) < first:
+            return None
+    return _SUFFIX_CODECS[m.group(3)]
 
 
 def element_size(dtype_name: str) -> int:

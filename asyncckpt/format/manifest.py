@@ -25,6 +25,9 @@ informational ones.
 A data file's suffix says what the file is as a whole, so a step's own frames must have
 a codec that suffix admits (`admitted_codecs`). A reference frame keeps the codec of
 the bytes it points to, and is checked against the referenced file's suffix instead.
+
+A step saved by several nodes has a root manifest (format_version 3) whose rank entries
+lie in node part files, read one part at a time: format/parts.py.
 """
 
 from __future__ import annotations
@@ -32,27 +35,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
-import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import xxhash
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from asyncckpt._version import __version__
 from asyncckpt.codec.registry import CODECS, RAW, REGISTRY, PlaneLayout, codec_spec
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.envelope import seal as _seal
+from asyncckpt.format.envelope import unseal as _unseal
 from asyncckpt.format.layout import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION,
-                                     FORMAT_VERSION_REFS, MANIFEST_NAME, READABLE_VERSIONS,
-                                     TensorSpec, data_file_codec, data_file_name, element_size,
-                                     is_data_file_name, parse_step_dir)
+                                     FORMAT_VERSION_PARTS, FORMAT_VERSION_REFS, MANIFEST_NAME,
+                                     READABLE_VERSIONS, TensorSpec, data_file_codec,
+                                     data_file_name, element_size, is_data_file_name,
+                                     parse_step_dir)
 
-_PREFIX = b'{"xxh3":"'
-_MIDDLE = b'","manifest":'
-_SUFFIX = b"}\n"
+if TYPE_CHECKING:
+    from asyncckpt.format.parts import PartEntry, ReadPart
+
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _MAX_INT = 1 << 62
@@ -141,6 +144,15 @@ class RankPart:
     def has_refs(self) -> bool:
         return any(f.ref is not None for f in self.frames)
 
+    @property
+    def referenced_size(self) -> int:
+        """Raw bytes of its reference frames (stored in older steps)."""
+        return sum(f.raw_length for f in self.frames if f.ref is not None)
+
+    @property
+    def referenced_steps(self) -> set[int]:
+        return {f.ref.step for f in self.frames if f.ref is not None}
+
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "file": self.file, "codec": self.codec,
                 "raw_size": self.raw_size, "stored_size": self.stored_size,
@@ -152,52 +164,82 @@ class RankPart:
 
 @dataclasses.dataclass
 class Manifest:
+    """A step's manifest. With `parts` (format_version 3), it is a root: `ranks` is then
+    read part by part (`parts.PartedRanks`; a writer building a root may leave it
+    empty) and the sizes and referenced steps come from the parts' entries."""
+
     step: int
     world_size: int
-    ranks: list[RankPart]
+    ranks: Sequence[RankPart]
     created: float = dataclasses.field(default_factory=time.time)
     writer_version: str = __version__
     format_version: int = FORMAT_VERSION
+    parts: list[PartEntry] | None = None
+    root_size: int = dataclasses.field(default=0, compare=False, repr=False)  # bytes parsed
+
+    @property
+    def bytes_read(self) -> int:
+        """Manifest bytes read: the file parsed and, of a root, the part files read."""
+        return self.root_size + getattr(self.ranks, "bytes_read", 0)
+
+    @property
+    def _sums(self) -> Sequence[RankPart] | list[PartEntry]:
+        """What the sizes sum over: a root's part entries (no part read), else the ranks."""
+        return self.ranks if self.parts is None else self.parts
 
     @property
     def raw_size(self) -> int:
-        return sum(p.raw_size for p in self.ranks)
+        return sum(p.raw_size for p in self._sums)
 
     @property
     def stored_size(self) -> int:
-        return sum(p.stored_size for p in self.ranks)
+        return sum(p.stored_size for p in self._sums)
 
     @property
     def referenced_size(self) -> int:
         """Raw bytes of reference frames (stored in older steps)."""
-        return sum(f.raw_length for p in self.ranks for f in p.frames if f.ref is not None)
+        return sum(p.referenced_size for p in self._sums)
 
     @property
     def referenced_steps(self) -> set[int]:
-        return {f.ref.step for p in self.ranks for f in p.frames if f.ref is not None}
+        return {s for p in self._sums for s in p.referenced_steps}
 
     def to_bytes(self) -> bytes:
-        version = FORMAT_VERSION_REFS if any(p.has_refs for p in self.ranks) else self.format_version
-        body = json.dumps({
+        if self.parts is not None:
+            version, key, value = FORMAT_VERSION_PARTS, "parts", [e.to_json() for e in self.parts]
+        else:  # a single file: version 2 with references, else as made (never 3)
+            version = (FORMAT_VERSION_REFS if any(p.has_refs for p in self.ranks) else
+                       self.format_version if self.format_version == FORMAT_VERSION_REFS
+                       else FORMAT_VERSION)
+            key, value = "ranks", [p.to_json() for p in self.ranks]
+        return _seal(json.dumps({
             "format": FORMAT_NAME, "format_version": version,
             "writer_version": self.writer_version, "step": self.step,
-            "world_size": self.world_size, "created": self.created,
-            "ranks": [p.to_json() for p in self.ranks],
-        }, separators=(",", ":"), allow_nan=False).encode()
-        return _seal(body)
+            "world_size": self.world_size, "created": self.created, key: value,
+        }, separators=(",", ":"), allow_nan=False).encode())
 
 
-def parse_manifest(data: bytes, *, max_frame_bytes: int) -> Manifest:
+def parse_manifest(data: bytes, *, max_frame_bytes: int, max_part_bytes: int | None = None,
+                   read: ReadPart | None = None, directory: str = "") -> Manifest:
     """Check and parse manifest bytes.
 
+    Args:
+        max_part_bytes: a root's largest acceptable part file (default: the default
+            `ReadLimits.max_manifest_bytes`).
+        read: how a root's parts are read (`parts.ReadPart`); without it, they cannot be.
+        directory: the step directory, as errors about a part name it.
     Raises:
-        CorruptCheckpointError: bad checksum, bad JSON, or any field breaking its rule.
+        CorruptCheckpointError: bad checksum, bad JSON, or any field breaking its rule
+            (of a root: of the root itself; its parts are checked when read).
     """
     doc = _unseal(data, "manifest")
     try:
-        return _manifest_from_json(doc, max_frame_bytes)
+        manifest = _manifest_from_json(doc, max_frame_bytes, read, directory, (
+            ReadLimits().max_manifest_bytes if max_part_bytes is None else max_part_bytes))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"manifest field invalid: {type(e).__name__}: {e}") from None
+    manifest.root_size = len(data)
+    return manifest
 
 
 def part_to_bytes(step: int, part: RankPart) -> bytes:
@@ -226,33 +268,12 @@ def parse_part(data: bytes, *, step: int, rank: int, max_frame_bytes: int) -> Ra
         raise CorruptCheckpointError(f"part field invalid: {type(e).__name__}: {e}") from None
 
 
-def _seal(body: bytes) -> bytes:
-    digest = f"{xxhash.xxh3_64_intdigest(body):016x}".encode()
-    return _PREFIX + digest + _MIDDLE + body + _SUFFIX
-
-
-def _unseal(data: bytes, what: str) -> Any:
-    """The JSON document inside the checksummed envelope."""
-    head = len(_PREFIX) + 16 + len(_MIDDLE)
-    if (len(data) < head + len(_SUFFIX) or not data.startswith(_PREFIX)
-            or data[len(_PREFIX) + 16:head] != _MIDDLE or not data.endswith(_SUFFIX)):
-        raise CorruptCheckpointError(f"{what} does not have the checksummed envelope")
-    digest = data[len(_PREFIX):len(_PREFIX) + 16].decode("ascii", "replace")
-    body = data[head:-len(_SUFFIX)]
-    actual = f"{xxhash.xxh3_64_intdigest(body):016x}"
-    if digest != actual:
-        raise CorruptCheckpointError(f"{what} xxh3 mismatch (recorded {digest}, actual {actual})")
-    try:
-        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{what} is not valid JSON: {e}") from None
-
-
-def check_readable(data: bytes, limits: ReadLimits) -> Manifest:
+def check_readable(data: bytes, limits: ReadLimits, read: ReadPart | None = None) -> Manifest:
     """Parse manifest bytes about to be written as a reader will take them: within its
     size bound (`limits.max_manifest_bytes`) and its rules. Whatever writes a manifest
     (the writer's commit, `asyncckpt copy`) asks this first, so nothing is committed
-    that `load` refuses.
+    that `load` refuses. A root (format_version 3) is checked on its own, its entries
+    against the same bound; given `read`, every part is read and checked too.
 
     Raises:
         CorruptCheckpointError: over the bound, or a rule broken.
@@ -261,7 +282,12 @@ def check_readable(data: bytes, limits: ReadLimits) -> Manifest:
         raise CorruptCheckpointError(f"the manifest would be {len(data)} bytes, over the "
                                      f"{limits.max_manifest_bytes} bytes a reader accepts "
                                      "(max_manifest_bytes)")
-    return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)
+    manifest = parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
+                              max_part_bytes=limits.max_manifest_bytes, read=read)
+    if read is not None and manifest.parts is not None:
+        for index in range(len(manifest.parts)):
+            manifest.ranks.load(index)  # type: ignore[attr-defined]
+    return manifest
 
 
 def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest:
@@ -270,34 +296,34 @@ def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest
     Raises:
         CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
     """
+    from asyncckpt.format.parts import read_local
     limits = limits or ReadLimits.from_env()
     where = str(directory / MANIFEST_NAME)
     try:
-        fd = os.open(directory / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        data = read_local(directory, MANIFEST_NAME, limits.max_manifest_bytes)
     except OSError as e:
         raise CorruptCheckpointError(f"cannot open manifest: {e.strerror}", file=where) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limits.max_manifest_bytes:
-            raise CorruptCheckpointError(f"manifest is not a regular file of at most "
-                                         f"{limits.max_manifest_bytes} bytes", file=where)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(min(st.st_size, limits.max_manifest_bytes) + 1)  # not a 512 MiB buffer
-    finally:
-        os.close(fd)
-    return manifest_from_bytes(data, directory.name, where, limits)
+    except CorruptCheckpointError:
+        raise CorruptCheckpointError(f"manifest is not a regular file of at most "
+                                     f"{limits.max_manifest_bytes} bytes", file=where) from None
+    return manifest_from_bytes(data, directory.name, where, limits,
+                               lambda name, limit: read_local(directory, name, limit))
 
 
-def manifest_from_bytes(data: bytes, directory_name: str, where: str,
-                        limits: ReadLimits) -> Manifest:
+def manifest_from_bytes(data: bytes, directory_name: str, where: str, limits: ReadLimits,
+                        read: ReadPart | None = None) -> Manifest:
     """Parse and validate manifest bytes read from checkpoint directory `directory_name`
-    (named `where` in errors): its step must be the directory's, if that names one.
+    (its manifest named `where` in errors): its step must be the directory's, if that
+    names one. A root's parts are read through `read` when asked for, each bounded by
+    `limits.max_manifest_bytes`.
 
     Raises:
         CorruptCheckpointError: invalid.
     """
     try:
-        manifest = parse_manifest(data, max_frame_bytes=limits.max_frame_bytes)
+        manifest = parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
+                                  max_part_bytes=limits.max_manifest_bytes, read=read,
+                                  directory=where.rpartition("/")[0])
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(e.cause, file=where) from None
     named = parse_step_dir(directory_name)
@@ -307,7 +333,8 @@ def manifest_from_bytes(data: bytes, directory_name: str, where: str,
     return manifest
 
 
-def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int) -> Manifest:
+def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int, read: ReadPart | None,
+                        directory: str, max_part_bytes: int) -> Manifest:
     _check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME, "not an asyncckpt manifest")
     version = _int(doc["format_version"], "format_version")
     _check(version in READABLE_VERSIONS,
@@ -316,27 +343,37 @@ def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int) -> Manifest:
     step = _int(doc["step"], "step")
     world = _int(doc["world_size"], "world_size")
     _check(1 <= world <= 1 << 20, f"world_size {world} out of range")
-    ranks_json = doc["ranks"]
-    _check(isinstance(ranks_json, list) and len(ranks_json) == world,
-           f"manifest lists {len(ranks_json)} ranks, world_size is {world}")
     created = doc["created"]
     _check(isinstance(created, (int, float)) and math.isfinite(created), "created is not a time")
     _check(isinstance(doc["writer_version"], str), "writer_version is not a string")
+    made = {"step": step, "world_size": world, "created": float(created),
+            "writer_version": doc["writer_version"], "format_version": version}
+    if version == FORMAT_VERSION_PARTS:
+        from asyncckpt.format.parts import PartedRanks, root_parts
+        entries = root_parts(doc["parts"], step=step, world_size=world,
+                             max_part_bytes=max_part_bytes)
+        return Manifest(**made, parts=entries, ranks=PartedRanks(
+            step, entries, read, max_frame_bytes=max_frame_bytes, directory=directory))
+    ranks_json = doc["ranks"]
+    _check(isinstance(ranks_json, list) and len(ranks_json) == world,
+           f"manifest lists {len(ranks_json)} ranks, world_size is {world}")
     ranks = [_rank_from_json(r, i, max_frame_bytes, step, version == FORMAT_VERSION_REFS)
              for i, r in enumerate(ranks_json)]
-    return Manifest(step=step, world_size=world, ranks=ranks,
-                    created=float(created), writer_version=doc["writer_version"],
-                    format_version=version)
+    return Manifest(**made, ranks=ranks)
 
 
 def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step: int,
-                    refs_allowed: bool) -> RankPart:
+                    refs_allowed: bool, directory: str = "") -> RankPart:
+    """Rank `index`'s entry, checked; its data file is in `directory` of the step (a node
+    part's) if given."""
     rank = _int(doc["rank"], "rank")
     _check(rank == index, f"rank entry {index} says rank {rank}")
     codec = doc["codec"]
     _check(codec in CODECS, f"rank {rank}: unknown codec {codec!r}")
     file = doc["file"]
-    _check(file == data_file_name(rank, codec), f"rank {rank}: unexpected file name {file!r}")
+    expected = data_file_name(rank, codec)
+    _check(file == (f"{directory}/{expected}" if directory else expected),
+           f"rank {rank}: unexpected file name {file!r:.120}")
     raw_size, stored_size = _int(doc["raw_size"], "raw_size"), _int(doc["stored_size"], "stored_size")
 
     own_codecs = admitted_codecs(codec)
@@ -456,19 +493,3 @@ def _hex(value: Any, pattern: re.Pattern = _HEX16) -> int:
     _check(isinstance(value, str) and pattern.match(value) is not None,
            f"checksum {value!r:.40} is not {16 if pattern is _HEX16 else 32} hex digits")
     return int(value, 16)
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object as a dict, refused if it repeats a key."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"an object repeats the key {key!r:.80}")
-            seen.add(key)
-    return out

@@ -14,7 +14,13 @@ this rank's state", and the checks run once per open instead of once per caller:
    `ReadPlan` that fills any box of any tensor from the saved boxes.
 
 Everything in 2-4 reads only the manifest and a directory listing, so it is cheap; the
-data is verified frame by frame as it is read (or all of it by `verify`). torch is
+data is verified frame by frame as it is read (or all of it by `verify`). A step saved
+by several nodes has a root manifest whose ranks lie in node parts (format/parts.py):
+opening one checks the root and lists the step directory's node directories, and the
+checks of 3-4 run for a node part when one of its ranks is first used, so loading one
+rank reads one part, lists one node directory and opens no other part's file. A rank
+holding global (DTensor) tensors needs every rank's boxes, so it reads every part;
+`examine` (what `verify` uses) checks every part at once. torch is
 imported only where a tensor is made (a dtype, a read plan), so `verify`, `ls`, `inspect`
 and `copy` never import it: they start in a fraction of a second instead of two.
 
@@ -34,16 +40,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from asyncckpt.format.layout import MANIFEST_NAME, TensorSpec, parse_step_dir, step_dir_name
-from asyncckpt.format.manifest import Manifest, Ref
+from asyncckpt.format.layout import MANIFEST_NAME, NODE_PART_NAME, parse_step_dir, step_dir_name
+from asyncckpt.format.manifest import Manifest, RankPart, Ref
 from asyncckpt.format.tiling import GlobalTensor, global_tensors
-from asyncckpt.format.tree import BYTES_KINDS, View, check_tree, walk
+from asyncckpt.read.leaves import Leaf, holds_global, rank_leaves
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
 from asyncckpt.storage.location import (
     Location,
@@ -51,6 +56,7 @@ from asyncckpt.storage.location import (
     exists,
     is_dir,
     is_file,
+    list_entries,
     list_names,
     read_manifest_at,
     root_path,
@@ -61,32 +67,6 @@ if TYPE_CHECKING:
     import torch
 
     from asyncckpt.read.sharded import ReadPlan
-
-TreePath = tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """A tensor leaf of a rank's tree: where it sits, what it is and where its data is.
-
-    kind "tensor" (a plain tensor of this rank), "bytes" or "pickled" (a bytes value
-    of this rank, or an object's pickle, stored as a uint8 tensor), "dtensor" (a global tensor, all ranks' boxes) or "view" (`view` of the plain tensor `tensor`, which holds the data).
-    """
-
-    path: TreePath
-    kind: str
-    tensor: GlobalTensor
-    view: View | None = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        from asyncckpt.torchutil.dtypes import DTYPES
-        return DTYPES[self.tensor.dtype]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.view.shape if self.view is not None else self.tensor.shape
-
 
 class Checkpoint:
     """An opened checkpoint. Use `Checkpoint.open` (or `examine`), then read; close it
@@ -99,22 +79,32 @@ class Checkpoint:
         sharded: the global (DTensor) tensors by name, their boxes checked to tile.
         root: the root it was found in when opened as "the newest step of a root" (then
             corruption found while reading names the newest intact step), else None.
-        problems: what `examine` found wrong (empty for an opened checkpoint).
+        problems: what `examine` found wrong (empty for an opened checkpoint; of a
+            manifest in parts opened lazily, what the parts checked so far found).
         storage: the root holding `directory`, where its files and the files its
             reference frames name are opened.
     """
 
-    def __init__(self, directory: Location, manifest: Manifest, limits: ReadLimits) -> None:
+    def __init__(self, directory: Location, manifest: Manifest, limits: ReadLimits, *,
+                 whole: bool = True) -> None:
+        """Check `manifest`'s checkpoint `directory`; of a manifest in parts, only the
+        root and the step directory unless `whole` (its parts are checked on first use)."""
         self.directory, self.manifest, self.limits = directory, manifest, limits
         self.storage = storage_for(directory.parent)
         self.root: Location | None = None
         self.problems: list[CheckpointError] = []
         self.unreadable_ranks: set[int] = set()
-        self.sharded: dict[str, GlobalTensor] = {}
+        self._sharded: dict[str, GlobalTensor] | None = None
         self._leaves: dict[int, list[Leaf]] = {}
         self._readers: Readers | None = None
         self._scratch: Any = None  # the temporaries of plans given temp_bytes
-        self._check()
+        self._lazy = manifest.parts is not None and not whole
+        self._part_checked: set[int] = set()  # node parts (indexes) checked
+        self._part_problems: dict[int, list[CheckpointError]] = {}
+        if manifest.parts is None:
+            self._check()
+        else:
+            self._check_root(whole)
 
     # -- opening ----------------------------------------------------------------------
 
@@ -136,7 +126,7 @@ class Checkpoint:
         limits = limits or ReadLimits.from_env()
         for _ in range(_RESOLVE_TRIES):
             directory, root = _resolve(root_path(path), step)
-            opened, problems = cls.examine(directory, limits=limits)
+            opened, problems = cls.examine(directory, limits=limits, whole=False)
             if not problems or root is None or exists(directory):
                 break
             # the newest step went between the listing and its manifest: a running
@@ -150,10 +140,13 @@ class Checkpoint:
         return opened
 
     @classmethod
-    def examine(cls, directory: str | os.PathLike[str], *, limits: ReadLimits | None = None
-                ) -> tuple["Checkpoint | None", list[CheckpointError]]:
+    def examine(cls, directory: str | os.PathLike[str], *, limits: ReadLimits | None = None,
+                whole: bool = True) -> tuple["Checkpoint | None", list[CheckpointError]]:
         """Read and check `directory` as a checkpoint, collecting every problem found.
 
+        Args:
+            whole: check every node part of a manifest in parts now (else each when
+                one of its ranks is first used, raising what it finds then).
         Returns:
             (the checkpoint, or None when its manifest cannot be used; the problems).
             A checkpoint with problems may still be read rank by rank, except the ranks
@@ -173,47 +166,168 @@ class Checkpoint:
             manifest = read_manifest_at(directory, limits)
         except CheckpointError as e:
             return None, [e]
-        opened = cls(directory, manifest, limits)
+        opened = cls(directory, manifest, limits, whole=whole)
         return opened, opened.problems
 
     def _check(self) -> None:
-        step = self.manifest.step
-        expected = {MANIFEST_NAME} | {p.file for p in self.manifest.ranks}
+        """A single-file manifest's checks, all at once."""
+        ranks = list(self.manifest.ranks)
+        self.problems += self._check_files(self.directory, {MANIFEST_NAME}, ranks, "")
+        self.problems += self._check_refs(ranks)
         try:
-            present = list_names(self.directory)
+            self._sharded = global_tensors(self.manifest)
+        except CheckpointError as e:
+            self.problems.append(e)
+            self._sharded = {}
+        self.problems += self._check_leaves(ranks, MANIFEST_NAME)
+
+    def _check_root(self, whole: bool) -> None:
+        """A root manifest's checks: the step directory holds exactly it and its node
+        directories; with `whole`, every part's checks (`_check_part`) too."""
+        parts = self.manifest.parts or []
+        expected = {MANIFEST_NAME} | {e.dir for e in parts}
+        try:
+            present = list_entries(self.directory)
+        except OSError as e:
+            present = set(expected)
+            self.problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}",
+                                                        step=self.step, file=str(self.directory)))
+        self.problems += self._unexpected(expected, present, self.directory)
+        for index, entry in enumerate(parts):
+            if entry.dir not in present:
+                missing = CorruptCheckpointError(
+                    f"missing node directory {entry.dir!r} (ranks {entry.first}.."
+                    f"{entry.first + entry.count - 1})", step=self.step, file=str(self.directory))
+                self.problems.append(missing)
+                self._part_problems[index] = [missing]
+                self._part_checked.add(index)
+                self.unreadable_ranks.update(entry.ranks)
+        if not whole:
+            return
+        ranks = self.manifest.ranks
+        for index in range(len(parts)):
+            if index not in self._part_checked:
+                try:
+                    ranks.load(index)  # type: ignore[attr-defined]
+                except CheckpointError as e:
+                    self._fail_part(index, e)
+        self._sharded = {}
+        if not self.unreadable_ranks:
+            try:
+                self._sharded = global_tensors(self.manifest)
+            except CheckpointError as e:
+                self.problems.append(e)
+        for index in range(len(parts)):
+            self._check_part(index)
+
+    def _fail_part(self, index: int, problem: CheckpointError) -> None:
+        self.problems.append(problem)
+        self._part_problems[index] = [problem]
+        self._part_checked.add(index)
+        self.unreadable_ranks.update(self.manifest.parts[index].ranks)  # type: ignore[index]
+
+    def _check_part(self, index: int) -> None:
+        """Node part `index`'s checks, once: its part file (read and checked against the
+        root), its node directory holding exactly it and its ranks' data files, the
+        files its reference frames name, its ranks' trees."""
+        if index in self._part_checked:
+            return
+        self._part_checked.add(index)
+        entry = self.manifest.parts[index]  # type: ignore[index]
+        try:
+            ranks = [self.manifest.ranks[r] for r in entry.ranks]
+        except CheckpointError as e:
+            self._fail_part(index, e)
+            return
+        problems = self._check_files(self.directory / entry.dir, {NODE_PART_NAME}, ranks,
+                                     entry.dir + "/")
+        problems += self._check_refs(ranks)
+        problems += self._check_leaves(ranks, f"{entry.dir}/{NODE_PART_NAME}")
+        self._part_problems[index] = problems
+        self.problems += problems
+
+    def _check_files(self, directory: Location, others: set[str], ranks: list[RankPart],
+                     prefix: str) -> list[CheckpointError]:
+        """`directory` holds exactly `others` and the data files of `ranks` (named
+        `prefix` + the file's name in it); a rank whose file is missing is unreadable."""
+        step, problems = self.step, []
+        expected = others | {p.file.removeprefix(prefix) for p in ranks}
+        try:
+            present = list_names(directory)
         except OSError as e:
             present = set()
-            self.problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}", step=step,
-                                                        file=str(self.directory)))
-        for name in sorted(expected - present):
-            self.problems.append(CorruptCheckpointError(f"missing file {name!r}", step=step,
-                                                        file=str(self.directory)))
-        for name in sorted(present - expected):
-            self.problems.append(CorruptCheckpointError(
-                f"unexpected file {name!r} in the checkpoint directory", step=step,
-                file=str(self.directory)))
-        self.unreadable_ranks = {p.rank for p in self.manifest.ranks if p.file not in present}
-        for part in self.manifest.ranks:  # incremental: the older steps' files it references
+            problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}", step=step,
+                                                   file=str(directory)))
+        for part in ranks:
+            if part.file.removeprefix(prefix) not in present:
+                problems.append(CorruptCheckpointError(f"missing file {part.file!r}", step=step,
+                                                       rank=part.rank, file=str(directory)))
+                self.unreadable_ranks.add(part.rank)
+        for name in sorted(others - present):
+            problems.append(CorruptCheckpointError(f"missing file {prefix + name!r}", step=step,
+                                                   file=str(directory)))
+        return problems + self._unexpected(expected, present, directory)
+
+    def _unexpected(self, expected: set[str], present: set[str],
+                    directory: Location) -> list[CheckpointError]:
+        return [CorruptCheckpointError(f"unexpected file {name!r} in the checkpoint directory",
+                                       step=self.step, file=str(directory))
+                for name in sorted(present - expected)]
+
+    def _check_refs(self, ranks: list[RankPart]) -> list[CheckpointError]:
+        """Incremental saves: the older steps' files `ranks` reference are in the root."""
+        problems = []
+        for part in ranks:
             for step_, name in referenced_files(part):
                 try:
                     open_referenced(self.storage, step_, name,
                                     lambda cause: CorruptCheckpointError(
-                                        cause, step=step, rank=part.rank,
+                                        cause, step=self.step, rank=part.rank,
                                         file=str(self.directory))).close()
                 except CorruptCheckpointError as e:
-                    self.problems.append(e)
+                    problems.append(e)
                     self.unreadable_ranks.add(part.rank)
-        try:
-            self.sharded = global_tensors(self.manifest)
-        except CheckpointError as e:
-            self.problems.append(e)
-        for part in self.manifest.ranks:
+        return problems
+
+    def _check_leaves(self, ranks: list[RankPart], file: str) -> list[CheckpointError]:
+        """Each rank's tree against its tensor table, its leaves kept; a rank holding
+        global tensors needs `sharded` (of a lazily opened root: every part read)."""
+        problems = []
+        for part in ranks:
             try:
-                self._leaves[part.rank] = _rank_leaves(part.tensors, part.tree, self.sharded,
-                                                       part.rank, step)
+                sharded = self._sharded
+                if sharded is None:
+                    sharded = self.sharded if holds_global(part.tree) else {}
+                self._leaves[part.rank] = rank_leaves(part.tensors, part.tree, sharded,
+                                                       part.rank, self.step, file)
             except CheckpointError as e:
-                self.problems.append(e)
+                problems.append(e)
                 self.unreadable_ranks.add(part.rank)
+        return problems
+
+    def _ready(self, rank: int) -> int:
+        """`rank`, its node part checked (of a root opened lazily: raising the part's
+        first problem, one of this rank's if any)."""
+        ranks = self.manifest.ranks
+        if self.manifest.parts is not None:
+            index = ranks.part_of(rank)  # type: ignore[attr-defined]
+            self._check_part(index)
+            problems = self._part_problems.get(index)
+            if self._lazy and problems:
+                raise next((p for p in problems if p.rank == rank), problems[0])
+        return rank
+
+    @property
+    def sharded(self) -> dict[str, GlobalTensor]:
+        """The global (DTensor) tensors by name, their boxes checked to tile (of a root
+        opened lazily: computed on first use, reading every part).
+
+        Raises:
+            CorruptCheckpointError: (a root opened lazily) a part or the tiling fails.
+        """
+        if self._sharded is None:
+            self._sharded = global_tensors(self.manifest)
+        return self._sharded
 
     # -- what it holds ----------------------------------------------------------------
 
@@ -241,10 +355,10 @@ class Checkpoint:
 
     def leaves(self, rank: int) -> list[Leaf]:
         """Rank `rank`'s tensor leaves, in tree order."""
-        return self._leaves[self.check_rank(rank)]
+        return self._leaves[self._ready(self.check_rank(rank))]
 
     def tree(self, rank: int) -> Any:
-        return self.manifest.ranks[self.check_rank(rank)].tree
+        return self.manifest.ranks[self._ready(self.check_rank(rank))].tree
 
     # -- reading ----------------------------------------------------------------------
 
@@ -255,7 +369,7 @@ class Checkpoint:
             self._readers = Readers(self.directory, self.manifest,
                                     self.storage.read_threads or self.limits.read_threads,
                                     self.storage)
-        return self._readers(self.check_rank(rank), prefetch)
+        return self._readers(self._ready(self.check_rank(rank)), prefetch)
 
     def plan(self, temp_bytes: int | None = None) -> ReadPlan:
         """A read plan over this checkpoint's readers; `flush()` it to read. Its
@@ -388,35 +502,3 @@ def _intact(directory: Location, limits: ReadLimits, failed: Ref | None) -> bool
     return failed is None or not any(
         (f.ref or Ref(step, part.file, f.stored_offset, f.stored_length)) == failed
         for part in opened.manifest.ranks for f in part.frames)
-
-
-def _rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, GlobalTensor],
-                 rank: int, step: int) -> list[Leaf]:
-    """Check rank `rank`'s tree against its tensor table; return its leaves.
-
-    The tree must be well formed, reference each listed tensor exactly once, and every
-    view must lie inside a plain tensor of its own dtype.
-    """
-    def bad(cause: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(cause, step=step, rank=rank, file=MANIFEST_NAME)
-    try:
-        try:
-            paths = check_tree([(t.name, t.dtype, t.shape) for t in tensors], tree)
-        except CorruptCheckpointError as e:
-            raise bad(e.cause) from None
-        specs = {t.name: t for t in tensors}
-        leaves = []
-        for path, kind, body in walk(tree):
-            if kind == "tensor" or kind in BYTES_KINDS:
-                leaves.append(Leaf(path, kind, GlobalTensor.whole(rank, specs[body], path)))
-            elif kind == "dtensor":
-                leaves.append(Leaf(path, kind, sharded[body["name"]]))
-            else:
-                if body.of in sharded:
-                    raise bad(f"view at {list(path)!r:.80} of {body.of!r:.80}, not a tensor "
-                              "this rank saved")
-                leaves.append(Leaf(path, kind, GlobalTensor.whole(rank, specs[body.of],
-                                                                  paths[body.of]), body))
-        return leaves
-    except KeyError as e:  # a dtensor node whose global tensor failed its own checks
-        raise bad(f"global tensor {e.args[0]!r:.80} is not usable") from None

@@ -4,7 +4,7 @@ A step of an incremental save references frames of older steps in its root, so i
 directory alone is not a checkpoint that can be moved to another machine or bucket.
 `copy_step` writes every frame's stored bytes -- its own and the referenced ones --
 into new data files, so the copy holds no reference and is a format-1 checkpoint (any
-asyncckpt reader of either version reads it). Each frame is verified on the way
+asyncckpt reader of any version reads it; a step saved in parts stays one, below). Each frame is verified on the way
 (stored checksum, then decoded and checked against the raw checksum), and the directory
 appears in one rename, complete or not at all.
 
@@ -18,6 +18,10 @@ keeps its codec and file name rather than getting a codec that admits every fram
 there is not always one (raw and zstd frames share no file), and a raw step's copy is
 then what a raw file promises, a safetensors file any tool opens. Re-encoding uses the
 codecs' default settings, not those of the save (a manifest does not record them).
+
+A step saved in parts (format_version 3) is copied in parts: the same node directories
+and ranks, each part file written again (its frames' places change) and the root with
+new entries, so a copy of a step too large for one manifest file stays readable.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import FORMAT_VERSION, MANIFEST_NAME
 from asyncckpt.format.manifest import Manifest, RankPart, admitted_codecs, check_readable
+from asyncckpt.format.parts import PartEntry, node_part_to_bytes, part_entry, read_local
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.reader import scratch_buffer
 from asyncckpt.storage.durable import fsync_path, write_atomic
@@ -64,12 +69,18 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
     tmp.mkdir()
     try:
         with Checkpoint.open(path, step, limits=limits) as ckpt:
-            parts = [_copy_rank(ckpt, rank, tmp) for rank in range(ckpt.world_size)]
             m = ckpt.manifest
+            if m.parts is None:
+                parts = [_copy_rank(ckpt, rank, tmp) for rank in range(ckpt.world_size)]
+                entries = None
+            else:
+                parts, entries = [], [_copy_part(ckpt, entry, tmp) for entry in m.parts]
             manifest = Manifest(m.step, m.world_size, parts, created=m.created,
-                                writer_version=m.writer_version, format_version=FORMAT_VERSION)
+                                writer_version=m.writer_version, format_version=FORMAT_VERSION,
+                                parts=entries)
         data = manifest.to_bytes()
-        check_readable(data, limits)  # re-encoded frames make it larger: still within bounds
+        # re-encoded frames make it larger: still within bounds (every part read back)
+        check_readable(data, limits, lambda name, limit: read_local(tmp, name, limit))
         write_atomic(tmp / MANIFEST_NAME, data)
         os.rename(tmp, out)
         fsync_path(out.parent)
@@ -77,6 +88,16 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _copy_part(ckpt: Checkpoint, entry: PartEntry, directory: Path) -> PartEntry:
+    """Node part `entry` copied into `directory`: its node directory, data files and part
+    file; returns its new root entry."""
+    (directory / entry.dir).mkdir()
+    ranks = [_copy_rank(ckpt, rank, directory) for rank in entry.ranks]
+    data = node_part_to_bytes(ckpt.step, ranks)
+    write_atomic(directory / entry.name, data)
+    return part_entry(ranks, data)
 
 
 def _copy_rank(ckpt: Checkpoint, rank: int, directory: Path) -> RankPart:

@@ -12,9 +12,10 @@ tensors decode once into a one-frame scratch buffer.
 
 A reference frame (incremental saves) is read from the data file of an older step of
 the same root, named by (step, file name) in the manifest and opened here as
-ROOT/step-N/NAME or ROOT/step-N.retired/NAME: the step directory is opened without
-following a symlink and the file relative to it, so no reference leads outside the
-root. Its bytes are verified against *this* manifest's checksums, like its own.
+ROOT/step-N/NAME or ROOT/step-N.retired/NAME (NAME may be in a node directory of a step
+saved in parts): the step directory is opened without following a symlink and the file
+relative to it, and a node directory that is a symlink is refused, so no reference leads
+outside the root. Its bytes are verified against *this* manifest's checksums, like its own.
 
 Speed: past the disk, a load pays three CPU costs per byte -- the kernel's copy out of
 the page cache (the price of reading into the caller's memory rather than returning a
@@ -47,11 +48,11 @@ import xxhash
 from asyncckpt.codec.registry import make_codec, xxh3_of
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.layout import layout
+from asyncckpt.format.layout import layout, retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Frame, Manifest, RankPart, Ref
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import ReadFile, Storage
-from asyncckpt.storage.location import storage_for
+from asyncckpt.storage.location import is_link, storage_for
 
 if TYPE_CHECKING:
     import torch
@@ -409,6 +410,12 @@ def open_referenced(storage: Storage, step: int, name: str,
     Raises:
         CorruptCheckpointError: (made by `corrupt`) it is in neither place.
     """
+    if "/" in name:  # in a node directory, which must be one, not a link out
+        node = name.split("/", 1)[0]
+        for directory in (step_dir_name(step), retired_dir_name(step)):
+            if is_link(storage.root / directory / node):
+                raise corrupt(f"references {name} of step {step}, whose {node} in {directory} "
+                              "is a symlink, not a directory of the step")
     opened = storage.open_step_file(step, name)
     if opened is None:
         raise corrupt(f"references {name} of step {step}, which is not in {storage.root} ("

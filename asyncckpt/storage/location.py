@@ -103,7 +103,8 @@ def storage_for(root: str | os.PathLike[str]) -> Storage:
 
 def read_manifest_at(directory: Location, limits: ReadLimits | None = None) -> Manifest:
     """Read, size-check, checksum and validate the manifest of checkpoint `directory`,
-    local or in an object store.
+    local or in an object store. A root manifest (format_version 3) reads its node parts
+    from the same place when asked for, each bounded by `limits.max_manifest_bytes`.
 
     Raises:
         CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
@@ -118,19 +119,26 @@ def read_manifest_at(directory: Location, limits: ReadLimits | None = None) -> M
     limits = limits or ReadLimits.from_env()
     where = str(directory / MANIFEST_NAME)
     storage = storage_for(directory.parent)
-    try:
-        with storage.open_file(directory, MANIFEST_NAME) as f:
-            if f.size > limits.max_manifest_bytes:
-                raise CorruptCheckpointError(f"manifest is larger than "
-                                             f"{limits.max_manifest_bytes} bytes", file=where)
+
+    def read(name: str, limit: int) -> bytes:
+        with storage.open_file(directory, name) as f:
+            if f.size > limit:
+                raise CorruptCheckpointError(f"{name} is larger than {limit} bytes")
             data = bytearray(f.size)
             got = f.read_into(0, [memoryview(data)]) if f.size else 0
+        if got != len(data):
+            raise CorruptCheckpointError(f"{name} read short")
+        return bytes(data)
+
+    try:
+        data = read(MANIFEST_NAME, limits.max_manifest_bytes)
     except OSError as e:
         raise CorruptCheckpointError(f"cannot open manifest: {e.strerror or e}",
                                      file=where) from None
-    if got != len(data):
-        raise CorruptCheckpointError("manifest read short", file=where)
-    return manifest_from_bytes(bytes(data), directory.name, where, limits)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(e.cause.replace(MANIFEST_NAME, "manifest", 1),
+                                     file=where) from None
+    return manifest_from_bytes(data, directory.name, where, limits, read)
 
 
 # -- what is at a location, for either kind (the read side's questions) ----------------
@@ -150,6 +158,13 @@ def is_file(path: Location) -> bool:
     return path.is_file()
 
 
+def is_link(path: Location) -> bool:
+    """`path` is a symlink (never, on an object store: it has none)."""
+    if isinstance(path, ObjectPath):
+        return False
+    return os.path.islink(path)
+
+
 def is_dir(path: Location) -> bool:
     """`path` is a directory (for an object store: a prefix with objects under it)."""
     if isinstance(path, ObjectPath):
@@ -166,6 +181,21 @@ def list_names(directory: Location) -> set[str]:
     """
     if isinstance(directory, ObjectPath):
         return _s3_of(directory).names(directory)
+    return set(os.listdir(directory))
+
+
+def list_entries(directory: Location) -> set[str]:
+    """The names directly in `directory`, files and subdirectories (for an object store:
+    objects, and the first segment of every longer key under it).
+
+    Raises:
+        OSError: it cannot be listed.
+    """
+    if isinstance(directory, ObjectPath):
+        prefix = directory.key + "/"
+        keys = _s3_of(directory).keys_with_prefix(directory.name + "/")
+        return {key[len(prefix):].split("/", 1)[0] for key, _ in keys
+                if key.startswith(prefix) and len(key) > len(prefix)}
     return set(os.listdir(directory))
 
 

@@ -5,6 +5,7 @@ from what asyncckpt writes and accepts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,10 +20,12 @@ from asyncckpt.codec import planes, registry
 from asyncckpt.codec.registry import CODECS, REGISTRY
 from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format import manifest
-from asyncckpt.format.layout import (CUT_BYTES, DTYPE_SIZES, MANIFEST_NAME, data_file_name,
-                                     layout)
-from asyncckpt.format.manifest import admitted_codecs, parse_manifest
+from asyncckpt.format import envelope
+from asyncckpt.format.layout import (CUT_BYTES, DTYPE_SIZES, FORMAT_VERSION_PARTS, MANIFEST_NAME,
+                                     NODE_PART_NAME, data_file_name, is_data_file_name,
+                                     is_node_dir_name, layout, node_dir_name)
+from asyncckpt.format.manifest import Manifest, admitted_codecs, parse_manifest
+from asyncckpt.format.parts import node_part_to_bytes, part_entry
 from asyncckpt.torchutil import dtypes
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md").read_text()
@@ -199,9 +202,9 @@ def test_the_byte_plane_split_is_what_planes_does(width):
 # -- stated literals and bounds -------------------------------------------------------------------
 
 def test_the_envelope_literals_are_the_parser_s():
-    assert f"the prefix `{manifest._PREFIX.decode()}`" in DOC
-    assert f"the literal `{manifest._MIDDLE.decode()}`" in DOC
-    assert "the\nsuffix `}\\n`" in DOC and manifest._SUFFIX == b"}\n"
+    assert f"the prefix `{envelope.PREFIX.decode()}`" in DOC
+    assert f"the literal `{envelope.MIDDLE.decode()}`" in DOC
+    assert "the\nsuffix `}\\n`" in DOC and envelope.SUFFIX == b"}\n"
 
 
 def test_the_stated_limits_and_thresholds_are_the_defaults():
@@ -211,3 +214,49 @@ def test_the_stated_limits_and_thresholds_are_the_defaults():
     assert f"tensor of at least {CUT_BYTES >> 10} KiB" in DOC
     assert f"shrink to {registry.PLANE_MAX_RATIO} or less" in DOC
     assert knobs.incremental and "`incremental`, on by default" in DOC
+
+
+# -- a manifest in parts (format_version 3) -------------------------------------------------------
+
+def root_example() -> dict:
+    (example,) = [b for b in code_blocks("json") if '"parts"' in b]
+    return json.loads(example)
+
+
+def test_the_root_example_parses_and_round_trips():
+    doc = root_example()
+    parsed = parse_manifest(seal(doc), max_frame_bytes=MAX_FRAME)
+    assert parsed.format_version == FORMAT_VERSION_PARTS and parsed.world_size == 16
+    assert [e.to_json() for e in parsed.parts] == doc["parts"]
+    assert body_of(parsed.to_bytes()) == doc
+    assert parsed.referenced_steps == {100, 200} and parsed.raw_size == 2 * 268437600
+    assert all(e.referenced_size <= e.raw_size for e in parsed.parts)
+
+
+def test_the_root_example_s_keys_are_what_the_writer_writes():
+    doc = root_example()
+    ranks = [dataclasses.replace(manifest_example_part(), rank=r,
+                                 file=f"node-00000/{data_file_name(r, 'zstd')}") for r in (0, 1)]
+    data = node_part_to_bytes(300, ranks)
+    written = body_of(Manifest(300, 2, [], parts=[part_entry(ranks, data)]).to_bytes())
+    assert list(written) == list(doc) and list(written["parts"][0]) == list(doc["parts"][0])
+    stated = re.search(r'^\{"format":"asyncckpt","format_version":3,"step":.*?"ranks":', DOC,
+                       re.M | re.S).group(0)
+    assert re.findall(r'"(\w+)":', stated) == list(body_of(data))
+
+
+def manifest_example_part():
+    return parse_manifest(seal(manifest_example()), max_frame_bytes=MAX_FRAME).ranks[0]
+
+
+def test_the_names_table_gives_the_node_directory_and_part_names():
+    rows = {r[0]: r[1] for r in table("| name | rule |")}
+    assert "`node-00008`" in rows["node directory"] and node_dir_name(8) == "node-00008"
+    assert "`node-000008` is none" in rows["node directory"] and not is_node_dir_name("node-000008")
+    assert ticked(rows["node part"])[0] == NODE_PART_NAME
+
+
+def test_a_reference_may_name_a_node_directory_file_as_stated():
+    assert "`node-MMMMM/rank-NNNNN.safetensors[.zst|.bg]`" in DOC and "`NNNNN >= MMMMM`" in DOC
+    assert is_data_file_name("node-00008/rank-00008.safetensors.bg")
+    assert not is_data_file_name("node-00008/rank-00007.safetensors.bg")

@@ -228,7 +228,7 @@ FIELD_CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     "world-size-zero": (lambda d: d.update(world_size=0, ranks=[]), "world_size 0 out of range"),
     "world-size-bool": (lambda d: d.__setitem__("world_size", True), "not a valid size"),
     "world-size-huge": (lambda d: d.__setitem__("world_size", 1 << 21), "out of range"),
-    "format-version": (lambda d: d.__setitem__("format_version", 3), "format_version 3 is not 1 or 2"),
+    "format-version": (lambda d: d.__setitem__("format_version", 4), "format_version 4 is not 1 or 2 or 3"),
     "format-name": (lambda d: d.__setitem__("format", "dcp"), "not an asyncckpt manifest"),
     "created-string": (lambda d: d.__setitem__("created", "yesterday"), "created"),
     "writer-version-int": (lambda d: d.__setitem__("writer_version", 1), "writer_version"),

@@ -1,0 +1,532 @@
+"""parts.py and the root manifest (format_version 3): bytes, lazy reading, and every rule.
+
+Field checks are made on re-signed bodies whose root entry is updated to the edited
+part's size and checksum, so each case proves the rule itself, not merely a checksum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import xxhash
+from test_manifest import ENVELOPE, make_part, resign
+
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.layout import (FORMAT_VERSION_PARTS, MANIFEST_NAME, NODE_PART_NAME,
+                                     READABLE_VERSIONS, data_file_codec, data_file_name,
+                                     is_data_file_name, is_node_dir_name, node_data_file_name,
+                                     node_dir_name, parse_node_dir)
+from asyncckpt.format.manifest import (Manifest, RankPart, Ref, check_readable,
+                                       parse_manifest, read_manifest)
+from asyncckpt.format.parts import (PartEntry, PartedRanks, node_part_to_bytes, parse_node_part,
+                                    part_entry)
+
+MAX_FRAME = 1 << 20
+STEP = 1200
+
+
+def in_node(part: RankPart, first: int) -> RankPart:
+    return dataclasses.replace(part, file=f"{node_dir_name(first)}/{part.file}")
+
+
+def node(first: int, count: int, codec: str = "zstd") -> list[RankPart]:
+    return [in_node(make_part(r, codec, 48 + r), first) for r in range(first, first + count)]
+
+
+class Store:
+    """Part files by name, read through `read` (the `ReadPart` a reader gives), counted."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+        self.reads: list[str] = []
+
+    def read(self, name: str, limit: int) -> bytes:
+        self.reads.append(name)
+        if name not in self.files:
+            raise FileNotFoundError(2, "No such file", name)
+        data = self.files[name]
+        if len(data) > limit:
+            raise CorruptCheckpointError(f"{name} is larger than {limit} bytes")
+        return data
+
+
+def parted(sizes: list[int], step: int = STEP, codec: str = "zstd") -> tuple[Manifest, Store]:
+    """A root of parts of `sizes` ranks, its part files in a Store."""
+    store, entries, first = Store(), [], 0
+    for size in sizes:
+        ranks = node(first, size, codec)
+        data = node_part_to_bytes(step, ranks)
+        entry = part_entry(ranks, data)
+        store.files[entry.name] = data
+        entries.append(entry)
+        first += size
+    return Manifest(step, first, [], created=1_700_000_000.5, parts=entries), store
+
+
+def body(data: bytes) -> dict[str, Any]:
+    m = ENVELOPE.match(data)
+    assert m is not None
+    return json.loads(m.group(2))
+
+
+def parse_root(data: bytes, store: Store | None = None, **kw: Any) -> Manifest:
+    return parse_manifest(data, max_frame_bytes=MAX_FRAME, read=store.read if store else None,
+                          directory="/ckpt/step-00001200", **kw)
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+def test_node_directory_names():
+    assert node_dir_name(0) == "node-00000" and node_dir_name(8) == "node-00008"
+    assert node_dir_name(123456) == "node-123456"
+    assert parse_node_dir("node-00008") == 8 and parse_node_dir("node-123456") == 123456
+    for bad in ("node-0008", "node-000008", "node-00008/", "node-0000a", "Node-00008",
+                "node-00008\n", "node--0008", "", "node-", "../node-00008"):
+        assert parse_node_dir(bad) is None and not is_node_dir_name(bad), bad
+    assert node_data_file_name(8, 9, "zstd") == "node-00008/rank-00009.safetensors.zst"
+
+
+@pytest.mark.parametrize("name, codec", [
+    ("rank-00003.safetensors.zst", "zstd"),
+    ("rank-00003.safetensors", "raw"),
+    ("node-00000/rank-00003.safetensors.bg", "bytegroup"),
+    ("node-00003/rank-00003.safetensors", "raw"),
+    ("node-00008/rank-00015.safetensors.zst", "zstd"),
+])
+def test_data_file_names_flat_and_in_a_node_directory(name, codec):
+    assert is_data_file_name(name) and data_file_codec(name) == codec
+
+
+@pytest.mark.parametrize("name", [
+    "../rank-00003.safetensors", "/rank-00003.safetensors", "node-00000/../../x",
+    "node-00000/../rank-00000.safetensors", "node-00000/node-00000/rank-00000.safetensors",
+    "./rank-00000.safetensors", "other/rank-00000.safetensors", "node-0000/rank-00000.safetensors",
+    "node-000008/rank-00009.safetensors", "node-00008/rank-00003.safetensors.zst",
+    "node-00008//rank-00009.safetensors", "node-00008/rank-00009.safetensors/x",
+    "step-00000001/rank-00000.safetensors", "node-00000/part.json", "node-00000",
+    "node-00000/rank-00000.safetensors.gz",
+])
+def test_paths_that_are_not_data_file_names(name):
+    assert not is_data_file_name(name) and data_file_codec(name) is None
+
+
+def test_version_3_is_readable():
+    assert FORMAT_VERSION_PARTS == 3 and 3 in READABLE_VERSIONS and 1 in READABLE_VERSIONS
+    assert NODE_PART_NAME == "part.json"
+
+
+# -- a node part: bytes and entry -----------------------------------------------------------------
+
+def test_a_node_part_is_the_envelope_around_its_ranks():
+    ranks = node(8, 2)
+    data = node_part_to_bytes(STEP, ranks)
+    doc = body(data)
+    assert list(doc) == ["format", "format_version", "step", "first", "ranks"]
+    assert doc["format"] == "asyncckpt" and doc["format_version"] == 3 and doc["step"] == STEP
+    assert doc["first"] == 8 and doc["ranks"] == [p.to_json() for p in ranks]
+    assert doc["ranks"][1]["file"] == "node-00008/rank-00009.safetensors.zst"
+    assert data.startswith(b'{"xxh3":"%016x","manifest":{"format":"asyncckpt","format_version":3,'
+                           b'"step":1200,"first":8,"ranks":[{"rank":8,"file":"node-00008/'
+                           % xxhash.xxh3_64_intdigest(data[38:-2]))
+    assert parse_node_part(data, step=STEP, entry=part_entry(ranks, data),
+                           max_frame_bytes=MAX_FRAME) == ranks
+
+
+def referencing(part: RankPart, step: int, file: str) -> RankPart:
+    """`part` with its last frame a reference to 10 bytes of `file` of `step`."""
+    last = part.frames[-1]
+    frames = part.frames[:-1] + [dataclasses.replace(last, stored_length=0,
+                                                     ref=Ref(step, file, 0, 10))]
+    return dataclasses.replace(part, frames=frames, stored_size=part.stored_size - last.stored_length)
+
+
+def test_the_entry_sums_its_ranks_and_checksums_the_whole_file():
+    ranks = node(0, 3)
+    ranks[1] = referencing(ranks[1], 7, "node-00000/rank-00001.safetensors.zst")
+    data = node_part_to_bytes(STEP, ranks)
+    entry = part_entry(ranks, data)
+    assert entry == PartEntry("node-00000", 0, 3, len(data), xxhash.xxh3_64_intdigest(data),
+                              sum(p.raw_size for p in ranks), sum(p.stored_size for p in ranks),
+                              ranks[1].frames[-1].raw_length, (7,))
+    assert entry.to_json() == {
+        "dir": "node-00000", "first": 0, "count": 3, "size": len(data),
+        "xxh3": f"{xxhash.xxh3_64_intdigest(data):016x}", "raw_size": entry.raw_size,
+        "stored_size": entry.stored_size, "referenced_size": entry.referenced_size,
+        "referenced_steps": [7]}
+    assert PartEntry.from_json(entry.to_json(), step=STEP, max_size=1 << 20) == entry
+
+
+def test_a_node_part_holds_consecutive_ranks():
+    with pytest.raises(ValueError, match="consecutive"):
+        node_part_to_bytes(STEP, [node(0, 1)[0], in_node(make_part(2, "zstd"), 0)])
+    with pytest.raises(ValueError):
+        node_part_to_bytes(STEP, [])
+
+
+# -- a node part: every rule ----------------------------------------------------------------------
+
+def edited(edit: Callable[[dict], None], first: int = 8) -> tuple[bytes, PartEntry]:
+    """A part of ranks first, first+1 edited and re-signed, and the entry for those bytes
+    (what the root would say of exactly these bytes)."""
+    ranks = node(first, 2)
+    doc = body(node_part_to_bytes(STEP, ranks))
+    edit(doc)
+    data = resign(doc)
+    return data, dataclasses.replace(part_entry(ranks, data), size=len(data),
+                                     xxh3=xxhash.xxh3_64_intdigest(data))
+
+
+def set_file(rank: int, name: str) -> Callable[[dict], None]:
+    return lambda d: d["ranks"][rank].__setitem__("file", name)
+
+
+PART_RULES = {
+    "wrong-step": (lambda d: d.__setitem__("step", STEP - 1), "part of step 1199, not 1200"),
+    "wrong-first": (lambda d: d.__setitem__("first", 9), "part of ranks from 9"),
+    "fewer-ranks": (lambda d: d["ranks"].pop(), "lists 1 ranks, the manifest says 2"),
+    "ranks-swapped": (lambda d: d["ranks"].reverse(), "rank entry 8 says rank 9"),
+    "version-1": (lambda d: d.__setitem__("format_version", 1), "not an asyncckpt node part"),
+    "not-asyncckpt": (lambda d: d.__setitem__("format", "dcp"), "not an asyncckpt node part"),
+    "flat-file-name": (set_file(0, "rank-00008.safetensors.zst"), "unexpected file name"),
+    "escapes": (set_file(0, "../x"), "unexpected file name '../x'"),
+    "escapes-through-node": (set_file(0, "node-00008/../../x"), "unexpected file name"),
+    "other-node": (set_file(1, "node-00000/rank-00009.safetensors.zst"), "unexpected file name"),
+    "absolute": (set_file(0, "/node-00008/rank-00008.safetensors.zst"), "unexpected file name"),
+    "missing-ranks": (lambda d: d.pop("ranks"), "KeyError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PART_RULES))
+def test_a_node_part_breaking_a_rule_is_corrupt(case):
+    edit, match = PART_RULES[case]
+    data, entry = edited(edit)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(match)) as info:
+        parse_node_part(data, step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
+    assert "node-00008/part.json" in str(info.value)
+
+
+def test_a_node_part_repeating_a_key_is_corrupt():
+    data = node_part_to_bytes(STEP, node(8, 2))
+    text = data.decode()
+    forged_body = text[38:-2].replace('"step":1200', '"step":1200,"step":1199', 1).encode()
+    forged = b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(forged_body) + forged_body + b"}\n"
+    entry = dataclasses.replace(part_entry(node(8, 2), data), size=len(forged),
+                                xxh3=xxhash.xxh3_64_intdigest(forged))
+    with pytest.raises(CorruptCheckpointError, match="repeats the key 'step'"):
+        parse_node_part(forged, step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
+
+
+def test_a_node_part_must_be_the_bytes_the_root_names():
+    ranks = node(8, 2)
+    data = node_part_to_bytes(STEP, ranks)
+    entry = part_entry(ranks, data)
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 1
+    with pytest.raises(CorruptCheckpointError, match="node-00008/part.json: xxh3 mismatch"):
+        parse_node_part(bytes(flipped), step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
+    with pytest.raises(CorruptCheckpointError, match="has 10 bytes, the manifest says"):
+        parse_node_part(data[:10], step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
+    other = node_part_to_bytes(STEP, node(8, 2, "raw"))  # a valid part, not this one
+    with pytest.raises(CorruptCheckpointError, match="node-00008/part.json"):
+        parse_node_part(other, step=STEP, entry=dataclasses.replace(entry, size=len(other)),
+                        max_frame_bytes=MAX_FRAME)
+
+
+def test_sums_that_disagree_with_the_entry_are_corrupt():
+    ranks = node(8, 2)
+    data = node_part_to_bytes(STEP, ranks)
+    entry = part_entry(ranks, data)
+    for field, value in (("raw_size", entry.raw_size + 1), ("stored_size", entry.stored_size - 1),
+                         ("referenced_size", 5), ("referenced_steps", (3,))):
+        bad = dataclasses.replace(entry, **{field: value})
+        with pytest.raises(CorruptCheckpointError, match="its ranks sum to"):
+            parse_node_part(data, step=STEP, entry=bad, max_frame_bytes=MAX_FRAME)
+
+
+@pytest.mark.parametrize("file, ok", [
+    ("node-00000/rank-00001.safetensors.zst", True),
+    ("node-00008/rank-00009.safetensors.zst", True),
+    ("rank-00001.safetensors.zst", True),
+    ("node-00000/../../x", False), ("../step-00000007/rank-00001.safetensors.zst", False),
+    ("node-00000/../rank-00001.safetensors.zst", False), ("/etc/passwd", False),
+    ("node-00008/rank-00001.safetensors.zst", False),
+])
+def test_a_reference_into_a_node_directory(file, ok):
+    ranks = node(8, 2)
+    ranks[0] = referencing(ranks[0], 7, file)
+    data = node_part_to_bytes(STEP, ranks)
+    entry = part_entry(ranks, data)
+    if ok:
+        parsed = parse_node_part(data, step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
+        assert parsed == ranks and parsed[0].frames[-1].ref == Ref(7, file, 0, 10)
+    else:
+        with pytest.raises(CorruptCheckpointError, match="not a data file name") as info:
+            parse_node_part(data, step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
+        assert "node-00008/part.json" in str(info.value)
+
+
+def test_a_single_file_manifest_may_reference_a_node_directory_file():
+    """A step saved on one node after steps saved on several references their files."""
+    for file, ok in (("node-00008/rank-00008.safetensors.zst", True),
+                     ("node-00008/../rank-00008.safetensors.zst", False)):
+        m = Manifest(STEP, 1, [referencing(make_part(0, "zstd"), 7, file)])
+        assert body(m.to_bytes())["format_version"] == 2
+        if ok:
+            assert parse_manifest(m.to_bytes(), max_frame_bytes=MAX_FRAME).ranks[0] == m.ranks[0]
+        else:
+            with pytest.raises(CorruptCheckpointError, match="not a data file name"):
+                parse_manifest(m.to_bytes(), max_frame_bytes=MAX_FRAME)
+
+
+# -- the root --------------------------------------------------------------------------------------
+
+def test_the_root_is_small_and_names_its_parts():
+    m, store = parted([2, 3, 1])
+    data = m.to_bytes()
+    doc = body(data)
+    assert list(doc) == ["format", "format_version", "writer_version", "step", "world_size",
+                         "created", "parts"]
+    assert doc["format_version"] == 3 and doc["world_size"] == 6 and "ranks" not in doc
+    assert doc["parts"] == [e.to_json() for e in m.parts]
+    assert [p["dir"] for p in doc["parts"]] == ["node-00000", "node-00002", "node-00005"]
+    parsed = parse_root(data, store)
+    assert parsed.parts == m.parts and parsed.format_version == 3 and store.reads == []
+    assert parsed.to_bytes() == data  # a parsed root writes the same bytes
+    assert parsed.raw_size == sum(e.raw_size for e in m.parts) and store.reads == []
+    assert parsed.stored_size == sum(e.stored_size for e in m.parts)
+    assert parsed.referenced_size == 0 and parsed.referenced_steps == set()
+    assert parsed.bytes_read == len(data)
+
+
+def test_ranks_of_a_root_are_read_one_part_at_a_time():
+    m, store = parted([2, 3, 1])
+    data = m.to_bytes()
+    parsed = parse_root(data, store)
+    assert isinstance(parsed.ranks, PartedRanks) and len(parsed.ranks) == 6
+    assert parsed.ranks[3].file == "node-00002/rank-00003.safetensors.zst"
+    assert store.reads == ["node-00002/part.json"]
+    assert parsed.bytes_read == len(data) + len(store.files["node-00002/part.json"])
+    assert parsed.ranks[2].rank == 2 and parsed.ranks[-2].rank == 4
+    assert store.reads == ["node-00002/part.json"]  # read once, kept
+    assert [p.rank for p in parsed.ranks] == list(range(6))
+    assert store.reads == ["node-00002/part.json", "node-00000/part.json", "node-00005/part.json"]
+    assert parsed.bytes_read == len(data) + sum(len(d) for d in store.files.values())
+    assert [p.rank for p in parsed.ranks[1:4]] == [1, 2, 3]
+    with pytest.raises(IndexError):
+        parsed.ranks[6]
+
+
+def test_sums_come_from_the_entries():
+    m, store = parted([2, 2])
+    ranks = node(2, 2)
+    ranks[0] = referencing(ranks[0], 9, "node-00000/rank-00000.safetensors.zst")
+    data = node_part_to_bytes(STEP, ranks)
+    m.parts[1] = part_entry(ranks, data)
+    store.files[m.parts[1].name] = data
+    parsed = parse_root(m.to_bytes(), store)
+    assert parsed.referenced_steps == {9} and parsed.referenced_size == ranks[0].frames[-1].raw_length
+    assert store.reads == []
+    whole = Manifest(STEP, 4, list(parsed.ranks))
+    assert (whole.raw_size, whole.stored_size, whole.referenced_size, whole.referenced_steps) == (
+        parsed.raw_size, parsed.stored_size, parsed.referenced_size, parsed.referenced_steps)
+
+
+def test_a_bad_part_is_corrupt_naming_its_file_and_others_still_read():
+    m, store = parted([2, 2])
+    store.files["node-00002/part.json"] = b"x" + store.files["node-00002/part.json"][1:]
+    parsed = parse_root(m.to_bytes(), store)
+    assert parsed.ranks[1].rank == 1
+    for _ in range(2):  # the same error each time, read once
+        with pytest.raises(CorruptCheckpointError, match="xxh3 mismatch") as info:
+            parsed.ranks[2]
+        assert info.value.file == "/ckpt/step-00001200/node-00002/part.json"
+        assert info.value.step == STEP
+    assert store.reads == ["node-00000/part.json", "node-00002/part.json"]
+    del store.files["node-00000/part.json"]
+    again = parse_root(m.to_bytes(), store)
+    with pytest.raises(CorruptCheckpointError, match="cannot read node-00000/part.json") as info:
+        again.ranks[0]
+    assert info.value.file.endswith("node-00000/part.json")
+
+
+def test_a_part_larger_than_its_entry_is_never_read_whole():
+    m, store = parted([1])
+    store.files["node-00000/part.json"] += b" " * 100
+    with pytest.raises(CorruptCheckpointError, match="larger than"):
+        parse_root(m.to_bytes(), store).ranks[0]
+
+
+def test_without_a_way_to_read_parts_the_root_still_parses():
+    m, _ = parted([2, 2])
+    parsed = parse_manifest(m.to_bytes(), max_frame_bytes=MAX_FRAME)
+    assert parsed.world_size == 4 and parsed.raw_size == m.raw_size
+    with pytest.raises(RuntimeError, match="without a way to read its parts"):
+        parsed.ranks[0]
+
+
+def test_check_readable_takes_a_root_alone_or_with_its_parts():
+    m, store = parted([2, 2])
+    data = m.to_bytes()
+    limits = ReadLimits()
+    assert check_readable(data, limits).parts == m.parts
+    assert check_readable(data, limits, store.read).bytes_read == len(data) + sum(
+        len(d) for d in store.files.values())
+    store.files["node-00002/part.json"] = store.files["node-00000/part.json"]
+    with pytest.raises(CorruptCheckpointError, match="node-00002/part.json"):
+        check_readable(data, limits, store.read)
+    with pytest.raises(CorruptCheckpointError, match="over the 64 bytes"):
+        check_readable(data, ReadLimits(max_manifest_bytes=64))
+
+
+def test_a_part_over_the_reader_bound_is_refused_by_the_root():
+    m, _ = parted([2, 2])
+    data = m.to_bytes()
+    assert m.parts[0].size > len(data)
+    with pytest.raises(CorruptCheckpointError, match=r"part.json of \d+ bytes, outside 1\.\.\d+ "
+                       r"\(max_manifest_bytes\)"):
+        check_readable(data, ReadLimits(max_manifest_bytes=len(data)))
+
+
+def entries_edit(edit: Callable[[list], None]) -> bytes:
+    m, _ = parted([2, 3, 1])
+    doc = body(m.to_bytes())
+    edit(doc["parts"])
+    return resign(doc)
+
+
+def set_entry(index: int, **fields: Any) -> Callable[[list], None]:
+    return lambda parts: parts[index].update(fields)
+
+
+def overlapping(parts: list) -> None:
+    parts[1].update(first=1, dir="node-00001", count=4)
+
+
+def gap(parts: list) -> None:
+    parts[1].update(first=3, dir="node-00003", count=2)
+
+
+ROOT_RULES = {
+    "no-parts": (lambda p: p.clear(), "parts is not a list of 1 or more"),
+    "overlap": (overlapping, "begins at rank 1, not 2"),
+    "gap": (gap, "begins at rank 3, not 2"),
+    "out-of-order": (lambda p: p.insert(0, p.pop(1)), "begins at rank 2, not 0"),
+    "duplicate": (lambda p: p.insert(1, dict(p[0])), "begins at rank 0, not 2"),
+    "dir-not-first": (set_entry(1, dir="node-00003"), "not node-00002"),
+    "dir-escapes": (set_entry(1, dir="../node-00002"), "not node-00002"),
+    "short": (lambda p: p.pop(), "parts end at rank 5, world_size is 6"),
+    "beyond-world": (set_entry(2, count=2), "goes beyond world_size 6"),
+    "empty-part": (set_entry(2, count=0), "part of 0 ranks"),
+    "zero-size": (set_entry(0, size=0), "outside 1.."),
+    "negative-size": (set_entry(0, size=-1), "not a valid size"),
+    "bool-first": (set_entry(0, first=False), "not a valid size"),
+    "bad-xxh3": (set_entry(0, xxh3="XYZ"), "not 16 hex digits"),
+    "newer-step": (set_entry(0, referenced_steps=[STEP], referenced_size=1), "not all older"),
+    "unsorted-steps": (set_entry(0, referenced_steps=[5, 3], referenced_size=1), "ascending"),
+    "repeated-steps": (set_entry(0, referenced_steps=[3, 3], referenced_size=1), "ascending"),
+    "referenced-without-steps": (set_entry(0, referenced_size=1), "does not go with"),
+    "steps-without-bytes": (set_entry(0, referenced_steps=[3]), "does not go with"),
+    "missing-size": (lambda p: p[0].pop("size"), "KeyError"),
+    "not-an-object": (lambda p: p.__setitem__(0, "node-00000"), "is not an object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROOT_RULES))
+def test_a_root_breaking_a_rule_is_corrupt(case):
+    edit, match = ROOT_RULES[case]
+    with pytest.raises(CorruptCheckpointError, match=re.escape(match)):
+        parse_manifest(entries_edit(edit), max_frame_bytes=MAX_FRAME)
+
+
+def test_a_root_repeating_a_key_is_corrupt():
+    m, _ = parted([1, 1])
+    data = m.to_bytes()
+    forged_body = data[38:-2].replace(b'"first":1,', b'"first":1,"first":0,', 1)
+    with pytest.raises(CorruptCheckpointError, match="repeats the key 'first'"):
+        parse_manifest(b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(forged_body)
+                       + forged_body + b"}\n", max_frame_bytes=MAX_FRAME)
+
+
+def test_a_version_3_manifest_with_ranks_but_no_parts_is_corrupt():
+    m = Manifest(STEP, 1, [make_part(0, "raw")])
+    doc = body(m.to_bytes())
+    doc["format_version"] = 3
+    with pytest.raises(CorruptCheckpointError, match="KeyError: 'parts'"):
+        parse_manifest(resign(doc), max_frame_bytes=MAX_FRAME)
+
+
+def test_a_single_file_manifest_is_never_written_as_version_3():
+    m = Manifest(STEP, 1, [make_part(0, "raw")], format_version=3)
+    assert body(m.to_bytes())["format_version"] == 1
+
+
+# -- on disk ---------------------------------------------------------------------------------------
+
+def on_disk(tmp_path: Path, sizes: list[int]) -> tuple[Path, Manifest]:
+    m, store = parted(sizes)
+    d = tmp_path / "step-00001200"
+    for name, data in store.files.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(data)
+    (d / MANIFEST_NAME).write_bytes(m.to_bytes())
+    return d, m
+
+
+def test_read_manifest_reads_parts_from_their_node_directories(tmp_path):
+    d, m = on_disk(tmp_path, [2, 2])
+    parsed = read_manifest(d)
+    assert parsed.parts == m.parts and parsed.bytes_read == (d / MANIFEST_NAME).stat().st_size
+    assert parsed.ranks[3].file == "node-00002/rank-00003.safetensors.zst"
+    assert parsed.bytes_read == sum(p.stat().st_size for p in (
+        d / MANIFEST_NAME, d / "node-00002" / "part.json"))
+
+
+@pytest.mark.parametrize("how", ["dir-symlink", "file-symlink", "directory", "fifo", "grown"])
+def test_read_manifest_refuses_a_part_that_is_not_a_plain_file_in_a_real_directory(tmp_path, how):
+    d, _ = on_disk(tmp_path, [2, 2])
+    node2, part = d / "node-00002", d / "node-00002" / "part.json"
+    if how == "dir-symlink":
+        os.rename(node2, tmp_path / "elsewhere")
+        node2.symlink_to(tmp_path / "elsewhere")
+    elif how == "file-symlink":
+        os.rename(part, tmp_path / "part.json")
+        part.symlink_to(tmp_path / "part.json")
+    elif how == "directory":
+        part.unlink()
+        part.mkdir()
+    elif how == "fifo":
+        part.unlink()
+        os.mkfifo(part)
+    else:
+        part.write_bytes(part.read_bytes() + b" ")
+    parsed = read_manifest(d)
+    assert parsed.ranks[0].rank == 0
+    with pytest.raises(CorruptCheckpointError) as info:
+        parsed.ranks[2]
+    assert info.value.file == str(part)
+
+
+def test_a_root_must_be_in_its_own_step_directory(tmp_path):
+    d, m = on_disk(tmp_path, [1])
+    os.rename(d, tmp_path / "step-00001201")
+    with pytest.raises(CorruptCheckpointError, match="for step 1200, the directory for step 1201"):
+        read_manifest(tmp_path / "step-00001201")
+
+
+def test_the_root_stays_small_as_ranks_grow():
+    """Bounded per node part, whatever the ranks hold: 1000 parts of 8 ranks."""
+    entry = PartEntry("node-99992", 99992, 8, 123456789, 0xFFFFFFFFFFFFFFFF, 1 << 40, 1 << 39,
+                      1 << 38, (99990, 99991))
+    m = Manifest(100000, 8 * 1000, [], parts=[dataclasses.replace(
+        entry, dir=node_dir_name(8 * i), first=8 * i) for i in range(1000)])
+    data = m.to_bytes()
+    assert len(data) < 300 * 1000
+    assert parse_manifest(data, max_frame_bytes=MAX_FRAME).world_size == 8000
+    assert data_file_name(0, "raw") == "rank-00000.safetensors"
