@@ -73,9 +73,11 @@ class ClientKnobs(_FromEnv):
             torch.distributed store, see coordination.py) or "auto" (the default:
             "store" when torch.distributed runs over several nodes, LOCAL_WORLD_SIZE
             < WORLD_SIZE, else "local").
-        node_timeout: with "store", seconds the leader waits for every rank's part once
-            its own is durable (then the step fails, naming the missing ranks), and the
-            others wait twice that for the leader's outcome.
+        node_timeout: with "store", how long a node may be silent: each node's lead
+            rank beats every quarter of it, and a node that has not made its part durable
+            and was not heard for this long (since the step began, for one never heard)
+            fails the step, naming its ranks; the nodes fail it the same way when the
+            leader goes silent. A live node is waited for however slow its save.
         skip_unchanged: do not copy into the ring a tensor (of at least 64 KiB) whose
             storage and version counter are those it had in this client's newest
             committed save; the writer references its frames in that step instead (needs
@@ -89,7 +91,7 @@ class ClientKnobs(_FromEnv):
     ring_size: int = 64 * MiB
     connect_timeout: float = 30.0
     coordination: str = "auto"
-    node_timeout: float = 60.0
+    node_timeout: float = 8.0
     skip_unchanged: bool = False
 
     def __post_init__(self) -> None:
@@ -136,7 +138,9 @@ class WriterKnobs(_FromEnv):
         connect_timeout: seconds a connecting rank has to authenticate and say hello.
         shutdown_timeout: seconds a stopping writer waits for in-flight steps to commit.
         absent_rank_timeout: a step fails when one of its ranks has had no connection
-            to the writer for this long after the step began (it died before saving).
+            to the writer for this long after the step began (it died before saving); a
+            step saved across nodes, when a rank of this writer's node has not begun it
+            by then (connected or not).
         keep_last: keep this many newest committed steps and delete older ones after
             each commit (`KEEP_ALL`, 0: keep all). Derived from the disk. A save that
             names its own keep_last (0 too) overrides this for the deletions after it.

@@ -19,21 +19,21 @@ this copy differs; each class's docstring says what its message means):
     rank -> writer:
         hello(rank, slot_size, slots; optional world_size, pid, need_slot)
         begin(save, step, world_size, tensors, tree; optional retention, coordinated,
-              since, unchanged, replace, keep_from)
+              since, unchanged, replace, keep_from, node)
         chunk(save, slot, length)
         end(save)
         abort(save, reason)
         need_slot()
-        commit(save, step, world_size, parts)
-        outcome(step, committed)
+        commit(save, step, world_size, nodes)
+        outcome(step, committed; optional error, message)
     writer -> rank:
         welcome(pid, version, root, root_id)
         refused(reason)
         free(slot)
         unchanged(save, tensors)
-        durable(save, step, tmp)
+        durable(save, step, tmp; optional part)
         committed(save, step, path, stats)
-        failed(save, step, error, message)
+        failed(save, step, error, message; optional relayed, ask)
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class Begin(Message):
     on the commit through a store (the writer says `durable`, then waits for `commit`);
     `since` + `unchanged`: the tensors (indices into `tensors`) the rank claims are
     unchanged since its step `since`; `replace` a committed step; `keep_from`: retention
-    deletes no step from this one on.
+    deletes no step from this one on; `node` [first rank, count]: the ranks of this
+    rank's node (coordinated saves: the writer makes their parts durable as one).
 
     `refused` is not sent: parse() sets it when the table or tree breaks the reader's
     rules, which fails the step for every rank (the connection itself is sound)."""
@@ -154,6 +155,7 @@ class Begin(Message):
     unchanged: tuple[int, ...] | None = None
     replace: bool = False
     keep_from: int | None = None
+    node: tuple[int, int] | None = None
     refused: str | None = field(default=None, metadata={"wire": False})
 
     @classmethod
@@ -162,7 +164,8 @@ class Begin(Message):
         options = {"retention": _retention(m.get("retention")),
                    "coordinated": m.get("coordinated") is True,
                    "replace": m.get("replace") is True,
-                   "keep_from": None if m.get("keep_from") is None else _int(m, "keep_from")}
+                   "keep_from": None if m.get("keep_from") is None else _int(m, "keep_from"),
+                   "node": _node(m.get("node"))}
         tree_json = m.get("tree")
         try:
             table = _tensor_table(m.get("tensors"))
@@ -223,41 +226,53 @@ class NeedSlot(Message):
     SENDER: ClassVar[str] = "rank"
 
 
+NodePart = tuple[int, int, str, dict[str, Any]]  # first rank, count, tmp dir name, part entry
+
+
 @dataclass(frozen=True)
 class Commit(Message):
-    """The leader rank of coordinated step `step`: every rank of the world announced its
-    part durable; `parts` names each rank's tmp directory, [[rank, name]]."""
+    """The leader rank of coordinated step `step`: every node of the world announced its
+    part durable; `nodes` says, per node, [first rank, count, tmp directory name, the
+    root manifest's entry for its part] (the writer checks that they tile the world)."""
 
     OP: ClassVar[str] = "commit"
     SENDER: ClassVar[str] = "rank"
     save: int
     step: int
     world_size: int
-    parts: tuple[tuple[int, str], ...]
+    nodes: tuple[NodePart, ...]
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Commit:
         save, step, world = _int(m, "save"), _int(m, "step"), _int(m, "world_size")
-        parts = m.get("parts")
-        if (not isinstance(parts, list) or len(parts) != world or not 1 <= world <= MAX_WORLD
-                or not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int
-                           and isinstance(p[1], str) for p in parts)):
-            raise ProtocolError("commit needs parts: [[rank, tmp dir name]] for the whole world")
-        return cls(save, step, world, tuple((r, name) for r, name in parts))
+        nodes = m.get("nodes")
+        if (not isinstance(nodes, list) or not 1 <= len(nodes) <= world <= MAX_WORLD
+                or not all(isinstance(n, list) and len(n) == 4 and type(n[0]) is int
+                           and type(n[1]) is int and isinstance(n[2], str)
+                           and isinstance(n[3], dict) for n in nodes)):
+            raise ProtocolError("commit needs nodes: [[first, count, tmp dir name, part]], "
+                                "at most one per rank of the world")
+        return cls(save, step, world, tuple((a, b, c, d) for a, b, c, d in nodes))
 
 
 @dataclass(frozen=True)
 class Outcome(Message):
-    """How coordinated step `step` ended, as the ranks learned it through their store."""
+    """How coordinated step `step` ended, as the node's lead rank learned it through
+    the store (`error`, `message`: the failure); the writer tells the node's other ranks."""
 
     OP: ClassVar[str] = "outcome"
     SENDER: ClassVar[str] = "rank"
     step: int
     committed: bool
+    error: str = ""
+    message: str = ""
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Outcome:
-        return cls(_int(m, "step"), m.get("committed") is True)
+        error, message = m.get("error", ""), m.get("message", "")
+        return cls(_int(m, "step"), m.get("committed") is True,
+                   error if isinstance(error, str) else "",
+                   message if isinstance(message, str) else str(message))
 
 
 # writer -> rank
@@ -314,14 +329,23 @@ class Unchanged(Message):
 
 @dataclass(frozen=True)
 class Durable(Message):
-    """Coordinated save `save`: this rank's part of `step` is durable in tmp directory
-    `tmp`, waiting for the leader's commit."""
+    """Coordinated save `save` (sent to the node's lead rank): every part of the node
+    is durable in tmp directory `tmp`; `part` is the root manifest's entry for the
+    node's part file, waiting for the leader's commit."""
 
     OP: ClassVar[str] = "durable"
     SENDER: ClassVar[str] = "writer"
     save: int
     step: int
     tmp: str
+    part: dict[str, Any] | None = None
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Durable:
+        part = m.get("part")
+        if part is not None and not isinstance(part, dict):
+            raise ProtocolError(f"part {_show(part)} is not an object")
+        return cls(_int(m, "save"), _int(m, "step"), _str(m, "tmp"), part)
 
 
 @dataclass(frozen=True)
@@ -345,7 +369,11 @@ class Committed(Message):
 
 @dataclass(frozen=True)
 class Failed(Message):
-    """Step `step` of save `save` failed: `error` names the CheckpointError class."""
+    """Step `step` of save `save` failed: `error` names the CheckpointError class.
+    `relayed`: a coordinated step's agreed outcome, passed on from the node's lead rank
+    (otherwise a failure on this node, which the lead tells the other nodes). `ask`: the
+    node's lead is gone after its part was announced: this rank is to learn the outcome
+    from the store and tell the writer, in the lead's place."""
 
     OP: ClassVar[str] = "failed"
     SENDER: ClassVar[str] = "writer"
@@ -353,6 +381,13 @@ class Failed(Message):
     step: int
     error: str
     message: str
+    relayed: bool = False
+    ask: bool = False
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Failed:
+        return cls(_int(m, "save"), _int(m, "step"), _str(m, "error"), _str(m, "message"),
+                   m.get("relayed") is True, m.get("ask") is True)
 
 
 
@@ -418,6 +453,16 @@ def _str(m: dict[str, Any], key: str) -> str:
 
 
 _REQUIRED = {"int": _int, "str": _str}  # a field's annotation -> its check
+
+
+def _node(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(type(v) is int for v in value) or not 0 <= value[0] < MAX_WORLD
+            or not 1 <= value[1] <= MAX_WORLD):
+        raise ProtocolError(f"node {_show(value)} is not [first rank, count]")
+    return value[0], value[1]
 
 
 def _retention(value: Any) -> tuple[int, int] | None:

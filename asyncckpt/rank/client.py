@@ -39,12 +39,13 @@ from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import SaveFailedError, WriterUnavailableError, error_class
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import messages, protocol, ring
-from asyncckpt.rank.coordination import Agreement, StoreCoordinator
+from asyncckpt.rank.agreement import Agreement
+from asyncckpt.rank.coordination import StoreCoordinator
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.pending import Basis, PendingSave, Torn, unmodified
 from asyncckpt.rank.stager import DeviceCopies, stage
 from asyncckpt.storage.location import root_path
-from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
+from asyncckpt.torchutil.ranks import local_world_size, node_of, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
 
@@ -185,7 +186,8 @@ class Client:
         store = _store_for(self.knobs.coordination, self.world_size) if store is None else store
         if store is None:
             return None
-        coordinator = StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout)
+        coordinator = StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout,
+                                       node_of(self.rank, self.world_size))
         return Agreement(coordinator, self._send, welcome.root, welcome.root_id,
                          lambda: self._broken is not None, self._forget)
 
@@ -254,7 +256,8 @@ class Client:
         pending = PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
                                retention, self._agreement.key(step) if self._agreement else None,
                                skip, self._basis if skip else None, replace=bool(replace),
-                               keep_from=keep_from)
+                               keep_from=keep_from,
+                               node=self._agreement.coordinator.node if self._agreement else None)
         if skip:
             handle._on_commit = functools.partial(self._remember, pending)
         with self._cond:
@@ -435,7 +438,7 @@ class Client:
         with self._cond:
             pending = self._pending.get(m.save)
         if pending is not None and self._agreement is not None:
-            self._agreement.durable(pending, m.tmp)
+            self._agreement.durable(pending, m.tmp, m.part or {})
 
     def _on_result(self, m: messages.Committed | messages.Failed) -> None:
         with self._cond:
@@ -447,7 +450,9 @@ class Client:
                     assert self._agreement is not None
                     path, stats = (m.path, m.stats) if isinstance(m, messages.Committed) \
                         else (None, {})
-                    self._agreement.result(pending, error, path, stats)
+                    relayed = isinstance(m, messages.Committed) or m.relayed
+                    ask = isinstance(m, messages.Failed) and m.ask
+                    self._agreement.result(pending, error, path, stats, relayed=relayed, ask=ask)
                 elif isinstance(m, messages.Committed):
                     pending.handle._set_committed(root_path(m.path), m.stats)
                 else:

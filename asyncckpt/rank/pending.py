@@ -77,7 +77,7 @@ class PendingSave:
                  handle: SaveHandle, retention: tuple[int, int] | None,
                  key: str | None = None, skip_unchanged: bool = False,
                  basis: Basis | None = None, replace: bool = False,
-                 keep_from: int | None = None) -> None:
+                 keep_from: int | None = None, node: tuple[int, int] | None = None) -> None:
         self.id = save_id
         self.step = step
         self.handle = handle
@@ -101,7 +101,7 @@ class PendingSave:
                 tuple((e.name, e.dtype_name, tuple(e.tensor.shape)) for e in self.entries), tree,
                 retention=retention, coordinated=key is not None, since=since,
                 unchanged=None if since is None else tuple(self.unchanged), replace=replace,
-                keep_from=keep_from).encode()
+                keep_from=keep_from, node=node if key is not None else None).encode()
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
         if len(self.begin) > protocol.MAX_MESSAGE:

@@ -330,10 +330,15 @@ class S3Storage(Storage):
         """Put the manifest with If-None-Match: the one write that commits the step.
         `replace` changes nothing: a committed step is never replaced here (the writer
         refuses such a save before it begins; one committed meanwhile wins)."""
-        files = parse_manifest(manifest, max_frame_bytes=MAX_FRAME_BYTES).ranks
-        named = {MANIFEST_NAME} | {p.file for p in files}
+        parsed = parse_manifest(manifest, max_frame_bytes=MAX_FRAME_BYTES)
+        if parsed.parts is not None:  # a root: its nodes' folders hold their parts and files
+            folders = {f"{e.dir}/" for e in parsed.parts}
+            named = {MANIFEST_NAME}
+        else:
+            folders, named = set(), {MANIFEST_NAME} | {p.file for p in parsed.ranks}
         stale = [item["Key"] for item in self._list(f"{tmp.key}/")
-                 if item["Key"][len(tmp.key) + 1:] not in named]
+                 if (name := item["Key"][len(tmp.key) + 1:]) not in named
+                 and name[:name.find("/") + 1] not in folders]
         if stale:  # parts, and files an earlier attempt left: a step holds what it names
             self._delete(stale)
         faults.io("rename", tmp)

@@ -43,3 +43,20 @@ def local_world_size(world_size: int) -> int:
     except ValueError:
         local = world_size
     return min(max(1, local), max(1, world_size))
+
+
+def node_of(rank: int, world_size: int) -> tuple[int, int]:
+    """The ranks that share `rank`'s node, as (first rank, count): torchrun numbers a
+    node's ranks consecutively, so LOCAL_RANK and LOCAL_WORLD_SIZE give them. Without
+    both (or where they do not fit the world) the rank is a node of its own, (rank, 1):
+    always correct, only costlier to coordinate.
+    """
+    try:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return rank, 1
+    first = rank - local_rank
+    if not 0 <= local_rank < local or first < 0 or first + local > world_size:
+        return rank, 1
+    return first, local

@@ -11,7 +11,10 @@ step that is not there.
 
 Object stores have no atomic directory rename; their `publish` writes the manifest last
 as the commit marker instead (docs/FORMAT.md). For several nodes the same sequence runs
-once, by the leader, after every node's part has arrived.
+once, by the leader, after every node's part has arrived: each node's files sit in a
+folder of its own, so the leader moves one folder a node, never a file a rank, and
+writes a root manifest that lists the node parts instead of every rank's tables
+(`gather_nodes`): its work grows with nodes, and a reader reads only the parts it needs.
 """
 
 from __future__ import annotations
@@ -24,15 +27,20 @@ import secrets
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 from asyncckpt.errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
                               WriterLockedError)
-from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, is_tmp_dir,
-                                     step_dir_name, tmp_step_of)
-from asyncckpt.format.manifest import RankPart, parse_part, part_to_bytes
+from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits
+from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, NODE_PART_NAME, ROOT_ID_NAME,
+                                     is_tmp_dir, step_dir_name, tmp_step_of)
+from asyncckpt.format.manifest import RankPart
+from asyncckpt.format.parts import PartEntry, node_part_to_bytes, parse_node_part, part_entry
+from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import read_manifest_at
+from asyncckpt.storage.durable import write_atomic
 from asyncckpt.storage.posix import read_small_file
 from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.writer.owners import OwnerMark
@@ -72,116 +80,102 @@ def publish(storage: Storage, tmp_dir: Path, step: int, manifest: bytes, *,
     return final
 
 
-def part_file_name(rank: int) -> str:
-    return f"part-{rank:05d}.json"
+def write_node_part(storage: Storage, tmp_dir: Path, step: int,
+                    parts: list[RankPart]) -> dict[str, Any]:
+    """Write the part file of a node's ranks `parts` (consecutive, their data files
+    already fsynced in the node's folder) and return the root manifest's entry for it,
+    as JSON, for the node's lead rank to announce.
 
+    The file is parsed back with the reader's rules first, so a node never announces
+    what `load` would refuse. It is fsynced: the leader does not read it, it only lists
+    it (size and checksum) in the root manifest, which is made durable before the step
+    is visible.
 
-def write_part(storage: Storage, tmp_dir: Path, step: int, part: RankPart) -> None:
-    """Write rank `part.rank`'s part of `step` beside its (already fsynced) data file, for
-    the leader of a several-node commit to read. It needs no fsync of its own: the
-    leader copies it into the manifest, which is made durable before anything is visible.
+    Raises:
+        CorruptCheckpointError: the part breaks a reader's rule.
+        OSError: it cannot be written.
     """
-    path = tmp_dir / part_file_name(part.rank)
-    faults.io("write", path)
+    data = node_part_to_bytes(step, parts)
+    entry = part_entry(parts, data)
+    limits = ReadLimits.from_env()
+    if len(data) > limits.max_manifest_bytes:
+        raise CorruptCheckpointError(f"the node's part would be {len(data)} bytes, over the "
+                                     f"{limits.max_manifest_bytes} bytes a reader accepts "
+                                     "(max_manifest_bytes)")
+    parse_node_part(data, step=step, entry=entry, max_frame_bytes=limits.max_frame_bytes)
+    name = f"{entry.dir}/{NODE_PART_NAME}"
+    faults.io("write", tmp_dir / name)
     if isinstance(storage, S3Storage):
-        storage.put_key(path.key, part_to_bytes(step, part))
-        return
-    with open(path, "xb") as f:
-        f.write(part_to_bytes(step, part))
+        storage.put_key((tmp_dir / name).key, data)
+    else:
+        write_atomic(tmp_dir / name, data)
+    return entry.to_json()
 
 
-def gather_parts(storage: Storage, tmp_dir: Path, step: int, announced: dict[int, str],
-                 max_frame_bytes: int) -> list[RankPart]:
-    """The leader's half of a several-node commit: read every rank's part file from the
-    tmp directory it announced, check it with the manifest's rules and its data file's
-    size, and move that data file into `tmp_dir` (one rename each: the nodes share the
-    filesystem). Part files are then removed, and emptied tmp directories with them.
+def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
+                 nodes: tuple[NodePart, ...]) -> list[PartEntry]:
+    """The leader's half of a several-node commit: check that the announced nodes tile
+    the world, and move each other node's folder into `tmp_dir` (one rename a node, then
+    the emptied tmp directory goes; the nodes share the file system). A node's part file
+    is not read: its size is checked (one stat) and its checksum goes into the root
+    manifest, which the reader checks the part against. On an object store every node
+    wrote under the step's own prefix, so nothing moves.
 
     Args:
-        announced: rank -> the name (not a path) of the tmp directory holding its part,
-            for every rank of the world.
+        nodes: per node (first rank, count, its tmp directory's name, its part entry).
     Returns:
-        The parts in rank order.
+        The root manifest's part entries, in rank order.
     Raises:
-        SaveFailedError: a name that is not a tmp directory of `step`, a missing, corrupt
-            or mismatched part or data file, or an I/O error.
+        SaveFailedError: nodes that do not tile the world, a name that is not a tmp
+            directory of `step`, an entry that is not its node's, a missing or
+            mismatched part file, or an I/O error.
     """
-    if isinstance(storage, S3Storage):
-        return _gather_objects(storage, tmp_dir, step, announced, max_frame_bytes)
-    root = storage.root
-    parts = []
+    entries, end = [], 0
+    limit = ReadLimits.from_env().max_manifest_bytes
     try:
-        for rank in range(len(announced)):
-            name = announced[rank]
+        for first, count, name, doc in sorted(nodes, key=lambda node: node[0]):
+            entry = PartEntry.from_json(doc, step=step, max_size=limit)
+            if first != end or entry.first != first or entry.count != count or count < 1:
+                raise SaveFailedError(f"the nodes do not tile ranks 0..{world_size - 1}: node "
+                                      f"[{first}, {count}] (its part says [{entry.first}, "
+                                      f"{entry.count}]) after rank {end - 1}", step=step,
+                                      rank=first)
+            end = first + count
             if not is_tmp_dir(name) or tmp_step_of(name) != step:
-                raise SaveFailedError(f"rank {rank} announced {name!r:.80}, not a tmp directory "
-                                      f"of step {step}", step=step, rank=rank)
-            source = root / name
-            data = read_small_file(source / part_file_name(rank), _MAX_PART)
-            if data is None:
-                raise SaveFailedError(f"no part file of rank {rank} in {source}", step=step,
-                                      rank=rank, file=str(source))
-            part = parse_part(data, step=step, rank=rank, max_frame_bytes=max_frame_bytes)
-            size = os.lstat(source / part.file)
-            if not stat.S_ISREG(size.st_mode) or size.st_size != part.stored_size:
-                raise SaveFailedError(f"{part.file} has {size.st_size} bytes, its part says "
-                                      f"{part.stored_size}", step=step, rank=rank,
-                                      file=str(source))
-            if source != tmp_dir:
-                faults.io("rename", tmp_dir / part.file)
-                os.rename(source / part.file, tmp_dir / part.file)
-            parts.append(part)
-        for rank, name in announced.items():
-            (root / name / part_file_name(rank)).unlink()
-        for name in set(announced.values()) - {tmp_dir.name}:
-            try:
-                os.rmdir(root / name)
-            except OSError:
-                pass  # not empty (a node's other step?): swept with the stale ones
-    except OSError as e:
-        raise io_error(e, step=step, file=str(e.filename)) from e
-    except CorruptCheckpointError as e:
-        raise SaveFailedError(f"a node's part is unusable: {e.cause}", step=step) from None
-    faults.point("parts_gathered")
-    return parts
-
-
-_MAX_PART = 512 << 20
-
-
-def _gather_objects(storage: S3Storage, tmp_dir: Path, step: int, announced: dict[int, str],
-                    max_frame_bytes: int) -> list[RankPart]:
-    """`gather_parts` on an object store: every node wrote its ranks' files under the
-    step's own prefix, so nothing moves; each part is read and checked against its data
-    object's size (the part objects are deleted when the step is published)."""
-    parts = []
-    try:
-        for rank in range(len(announced)):
-            if announced[rank] != tmp_dir.name:
-                raise SaveFailedError(f"rank {rank} announced {announced[rank]!r:.80}, not "
-                                      f"{tmp_dir.name}", step=step, rank=rank)
-            with storage.open_file(tmp_dir, part_file_name(rank)) as f:
-                if f.size > _MAX_PART:
-                    raise SaveFailedError(f"part of rank {rank} is {f.size} bytes", step=step,
-                                          rank=rank, file=str(tmp_dir))
-                data = bytearray(f.size)
-                f.read_into(0, [memoryview(data)])
-            part = parse_part(bytes(data), step=step, rank=rank, max_frame_bytes=max_frame_bytes)
-            with storage.open_file(tmp_dir, part.file) as f:
-                if f.size != part.stored_size:
-                    raise SaveFailedError(f"{part.file} has {f.size} bytes, its part says "
-                                          f"{part.stored_size}", step=step, rank=rank,
-                                          file=str(tmp_dir))
-            parts.append(part)
+                raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, not a tmp "
+                                      f"directory of step {step}", step=step, rank=first)
+            if isinstance(storage, S3Storage):
+                if name != tmp_dir.name:
+                    raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, not "
+                                          f"{tmp_dir.name}", step=step, rank=first)
+                with storage.open_file(tmp_dir, f"{entry.dir}/{NODE_PART_NAME}") as f:
+                    size = f.size
+            else:
+                if name != tmp_dir.name:
+                    faults.io("rename", tmp_dir / entry.dir)
+                    os.rename(storage.root / name / entry.dir, tmp_dir / entry.dir)
+                    try:
+                        os.rmdir(storage.root / name)
+                    except OSError:
+                        pass  # not empty (a node's other step?): swept with the stale ones
+                size = os.lstat(tmp_dir / entry.dir / NODE_PART_NAME).st_size
+            if size != entry.size:
+                raise SaveFailedError(f"{entry.dir}/{NODE_PART_NAME} has {size} bytes, its "
+                                      f"announcement says {entry.size}", step=step, rank=first,
+                                      file=str(tmp_dir))
+            entries.append(entry)
+        if end != world_size:
+            raise SaveFailedError(f"the nodes cover ranks 0..{end - 1} of {world_size}",
+                                  step=step)
     except FileNotFoundError as e:
-        raise SaveFailedError(f"a node's part or data file is missing: {e}", step=step,
+        raise SaveFailedError(f"a node's folder or part file is missing: {e}", step=step,
                               file=str(tmp_dir)) from None
     except OSError as e:
-        raise io_error(e, step=step, file=str(tmp_dir)) from e
+        raise io_error(e, step=step, file=str(e.filename or tmp_dir)) from e
     except CorruptCheckpointError as e:
-        raise SaveFailedError(f"a node's part is unusable: {e.cause}", step=step) from None
+        raise SaveFailedError(f"a node's part entry is unusable: {e.cause}", step=step) from None
     faults.point("parts_gathered")
-    return parts
+    return entries
 
 
 def update_latest(storage: Storage, trusted: int | None = None) -> None:

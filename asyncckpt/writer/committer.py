@@ -120,11 +120,11 @@ class Committer:
             log.warning("step %d failed at commit: %s", current.number, error)
             abandon(self.storage, current, error, tell, self._index)
             return
-        if self._index is not None:
+        if self._index is not None and manifest.parts is None:  # a root's: read at refresh
             self._index.add(manifest)
         release(current.number, self._index)
         self._prune(current)
-        if current.announced is not None:  # what writers that are gone left
+        if current.nodes is not None:  # what writers that are gone left
             sweep_dead(self.root)
         if self._on_commit:
             try:
@@ -135,12 +135,14 @@ class Committer:
 
     def _publish(self, current: Step) -> tuple[Manifest, Path]:
         """Gather the parts, check the manifest as a reader would, and publish the step."""
-        if current.announced is not None:
-            parts = commit.gather_parts(self.storage, current.tmp_dir, current.number,
-                                        current.announced, self._max_frame_bytes)
+        if current.nodes is not None:
+            entries = commit.gather_nodes(self.storage, current.tmp_dir, current.number,
+                                          current.world_size, current.nodes)
+            manifest = Manifest(step=current.number, world_size=current.world_size, ranks=[],
+                                parts=entries)
         else:
-            parts = [current.parts[r] for r in range(current.world_size)]
-        manifest = Manifest(step=current.number, world_size=current.world_size, ranks=parts)
+            manifest = Manifest(step=current.number, world_size=current.world_size,
+                                ranks=[current.parts[r] for r in range(current.world_size)])
         data = manifest.to_bytes()
         if self._check is not None:
             self._check(data, manifest)

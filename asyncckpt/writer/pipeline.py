@@ -224,11 +224,11 @@ class RankFileWriter:
                  header: bytes, tensors: list[TensorSpec], *, max_frame: int,
                  on_error: Callable[[BaseException], None] | None = None,
                  chooser: CodecChooser | None = None, lookup: Lookup | None = None,
-                 unchanged: dict[int, Unchanged] | None = None) -> None:
+                 unchanged: dict[int, Unchanged] | None = None, folder: str = "") -> None:
         """Args:
             settings: the writer's (FileSettings).
             directory: the step's tmp area, where the file `data_file_name(rank, codec)`
-                is made.
+                is made (in its `folder`, if given: a coordinated step's node folder).
             header, tensors: the stream's safetensors header and tensor table.
             max_frame: the largest frame (the ring's slot size).
             on_error: called once, from any thread, with the first error.
@@ -241,7 +241,8 @@ class RankFileWriter:
         """
         self.rank = rank
         self.codec = codec
-        self.path = directory / data_file_name(rank, codec)
+        self.name = f"{folder}/{data_file_name(rank, codec)}" if folder else data_file_name(rank, codec)
+        self.path = directory / self.name
         self.expected_size = tensors[-1].end if tensors else len(header)
         self._encoder = FrameEncoder(codec, settings.level, tensors, chooser=chooser)
         self._tensors = tensors
@@ -263,7 +264,7 @@ class RankFileWriter:
         self.encode_seconds = 0.0
         self.write_seconds = 0.0
         self._file = settings.storage.create_data_file(
-            directory, self.path.name, settings.flush_bytes, settings.writeback)
+            directory, self.name, settings.flush_bytes, settings.writeback)
         self._appender = threading.Thread(target=self._append_loop, daemon=True,
                                           name=f"asyncckpt-append-{rank}")
         self._appender.start()
@@ -438,7 +439,7 @@ class RankFileWriter:
         self._file.sync()
         self.write_seconds += time.perf_counter() - start
         self.close(wait=True)
-        return RankPart(self.rank, self.path.name, self.codec, self._raw_size,
+        return RankPart(self.rank, self.name, self.codec, self._raw_size,
                         self._stored_size, self._tensors, self._frames, tree)
 
     def frame_counts(self) -> dict[str, int]:

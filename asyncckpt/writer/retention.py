@@ -172,6 +172,13 @@ def check_references(storage: Storage, manifest: Manifest) -> None:
     Raises:
         SaveFailedError: a referenced file is missing or too short.
     """
+    if manifest.parts is not None:  # a root manifest: each part lists the steps it uses
+        for step in sorted(manifest.referenced_steps):
+            if not storage.occupied(step) and not is_retired(storage, step):
+                raise SaveFailedError(f"a frame references step {step}, which is gone (deleted "
+                                      "by retention meanwhile?); nothing was committed",
+                                      step=manifest.step, file=str(storage.root))
+        return
     ends: dict[tuple[int, str], int] = {}
     for part in manifest.ranks:
         for f in part.frames:

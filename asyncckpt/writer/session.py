@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from asyncckpt._version import __version__
-from asyncckpt.errors import CheckpointError, SaveFailedError
+from asyncckpt.errors import CheckpointError, SaveFailedError, error_class
 from asyncckpt.format.layout import TensorSpec, layout
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.ipc.messages import MAX_SLOTS, ProtocolError
@@ -224,7 +224,8 @@ class Session:
             header, specs = layout(table)
             durable = functools.partial(self._durable, save_id, step) if m.coordinated else None
             current = self.writer.steps.begin(step, self.rank, m.world_size, notify, m.retention,
-                                              durable, replace=m.replace, keep_from=m.keep_from)
+                                              durable, replace=m.replace, keep_from=m.keep_from,
+                                              node=m.node)
             unchanged = self._unchanged(m, table, specs)
         except CheckpointError as error:
             save.failed = True
@@ -246,7 +247,7 @@ class Session:
                 max_frame=self.ring_slot_size,
                 on_error=lambda e: self._fail(save, self._as_error(save, e)),
                 chooser=self.writer.chooser if current.choice is not None else None,
-                lookup=self._lookup(step), unchanged=unchanged)
+                lookup=self._lookup(step), unchanged=unchanged, folder=current.folder(self.rank))
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
             return
@@ -278,10 +279,12 @@ class Session:
         return self.ring.slot_size
 
     def _notifier(self, save: _RankSave, save_id: int) -> Callable[..., None]:
-        def notify(error: CheckpointError | None, path: Path | None, stats: dict) -> None:
+        def notify(error: CheckpointError | None, path: Path | None, stats: dict, *,
+                   relayed: bool = False, ask: bool = False) -> None:
             if error is not None:
                 save.failed = True
-                self.send(messages.Failed(save_id, save.step, type(error).__name__, str(error)))
+                self.send(messages.Failed(save_id, save.step, type(error).__name__, str(error),
+                                          relayed, ask))
             else:
                 self.send(messages.Committed(save_id, save.step, str(path), stats))
         return notify
@@ -361,17 +364,19 @@ class Session:
             self._fail(save, SaveFailedError(f"aborted by the rank: {m.reason[:500]}",
                                              step=save.step, rank=self.rank))
 
-    def _durable(self, save_id: int, step: int, tmp: str) -> None:
-        self.send(messages.Durable(save_id, step, tmp))
+    def _durable(self, save_id: int, step: int, tmp: str, part: dict) -> None:
+        self.send(messages.Durable(save_id, step, tmp, part))
 
     def _on_commit(self, m: messages.Commit) -> None:
-        """The leader rank: every rank of coordinated step `step` announced its part."""
+        """The leader rank: every node of coordinated step `step` announced its part."""
         notify = self._notifier(_RankSave(m.step, None, None), m.save)
-        self.writer.steps.commit_parts(m.step, m.world_size, dict(m.parts), notify)
+        self.writer.steps.commit_nodes(m.step, m.world_size, m.nodes, notify)
 
     def _on_outcome(self, m: messages.Outcome) -> None:
-        """How a coordinated step ended (as the ranks learned it through their store)."""
-        self.writer.steps.outcome(m.step, m.committed)
+        """How a coordinated step ended (as a rank of this node learned it through the
+        store): the node's other ranks hear it from here."""
+        error = None if m.committed else error_class(m.error)(m.message or "save failed")
+        self.writer.steps.outcome(m.step, error, sender=self.rank)
 
     def _save(self, save_id: int) -> _RankSave:
         save = self._saves.get(save_id)

@@ -8,15 +8,19 @@ failed step learn of the failure when they do, instead of waiting for peers that
 never come (`FailedSteps`). A completed step goes to the committer (committer.py),
 which publishes it or fails it the same way.
 
-Across several nodes (a *coordinated* step: the ranks say so in their begin), a writer
-sees only its own node's ranks. It makes each rank's part durable (data file fsynced,
-then a part file beside it) and tells that rank, which announces it to the others
-through the job's store (coordination.py); when every rank of the world has announced,
-the ranks' leader asks its writer to commit, and that writer gathers every node's parts
-into its tmp directory and runs the same committer. A node learns the outcome from its
-ranks (`outcome`), and then forgets the step or discards its files. The two kinds share
-one table of open steps, because every rank event (begin, disconnect, shutdown) must
-see both; what only one kind does is in its own methods.
+Across several nodes (a *coordinated* step: the ranks say so in their begin, with the
+ranks of their node), a writer sees only its own node's ranks. Their data files go into
+a node folder of its tmp directory; once every rank of the node has ended, the writer
+writes the node's part file there and tells the node's lead rank (its first), which
+announces the node to the others through the job's store (coordination.py). When every
+node has announced, the leader rank asks its writer to commit, and that writer moves
+every node's folder into its tmp directory (one rename a node) and commits a root
+manifest that lists the parts. The node's lead learns the outcome through the store and
+tells its writer (`outcome`), which passes it on to the node's other ranks and then
+forgets the step or discards its files: the other ranks never touch the store unless
+something fails on their node. The two kinds share one table of open steps, because
+every rank event (begin, disconnect, shutdown) must see both; what only one kind does
+is in its own methods.
 
 With incremental saves a step opens in the writer's dedup index (its lookups pin the
 steps they reference) and is released once it ends either way.
@@ -37,8 +41,9 @@ from typing import Any, Callable
 
 from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.format.layout import MAX_STEP, retired_dir_name
+from asyncckpt.format.layout import MAX_STEP, node_dir_name, retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import is_object
@@ -51,8 +56,8 @@ from asyncckpt.writer.retention import is_retired
 
 log = logging.getLogger("asyncckpt.writer")
 
-# notify(error or None, path or None, stats) reaches one rank's client
-Notify = Callable[[CheckpointError | None, Path | None, dict], None]
+# notify(error or None, path or None, stats; relayed=) reaches one rank's client
+Notify = Callable[..., None]
 MAX_WORLD = 1 << 20  # the manifest's bound
 _MAX_FAILED_RECORDS = 4096
 
@@ -72,9 +77,20 @@ class Step:
     keep_from: int | None = None              # retention deletes no step from this one on
     replace: bool = False                     # a committed step of this number is replaced
     coordinated: bool = False
-    durable: dict[int, Callable[[str], None]] = field(default_factory=dict)  # coordinated
-    announced: dict[int, str] | None = None   # leader: rank -> tmp dir name of its part
+    # coordinated: the nodes whose ranks this writer serves, first rank -> count (one in
+    # a job; a test may run several nodes' ranks against one writer), those whose part
+    # file is written, and each rank's node
+    nodes_here: dict[int, int] = field(default_factory=dict)
+    durable_nodes: set[int] = field(default_factory=set)
+    node_of: dict[int, int] = field(default_factory=dict)
+    durable: dict[int, Callable[[str, dict], None]] = field(default_factory=dict)
+    nodes: tuple[NodePart, ...] | None = None  # leader: every node's announcement
     requester: Notify | None = None           # leader: the save that asked for the commit
+
+    def folder(self, rank: int) -> str:
+        """Where in the tmp directory `rank`'s files go: its node's folder ("" for a
+        local step)."""
+        return node_dir_name(self.node_of[rank]) if self.coordinated else ""
 
 
 class FailedSteps:
@@ -127,6 +143,7 @@ class Steps:
         self._lock = threading.Lock()
         self._open: dict[int, Step] = {}
         self._committing: dict[int, Step] = {}
+        self._relaying: dict[int, Step] = {}  # leader: committed or not, its outcome to relay
         self._failed = FailedSteps()
         self._live: collections.Counter[int] = collections.Counter()
         self._closing = False
@@ -137,15 +154,16 @@ class Steps:
 
     def begin(self, step: int, rank: int, world_size: int, notify: Notify,
               retention: tuple[int, int] | None = None,
-              durable: Callable[[str], None] | None = None, *, replace: bool = False,
-              keep_from: int | None = None) -> Step:
+              durable: Callable[[str, dict], None] | None = None, *, replace: bool = False,
+              keep_from: int | None = None, node: tuple[int, int] | None = None) -> Step:
         """Register `rank`'s part of `step`, opening the step on its first rank (which
         also fixes the step's codec).
 
         `retention` (keep_last, keep_every), if given, replaces the writer's own policy
         for the deletions that follow this step's commit. With `durable`, the step is
-        coordinated across nodes: once the rank's part is durable, `durable(tmp dir
-        name)` is called instead of waiting here for the whole world. With `replace`, a
+        coordinated across nodes, `node` (first rank, count) naming the ranks of this
+        node: once all their parts are durable, the lead's (the first's) `durable(tmp dir
+        name, part entry)` is called instead of waiting here for the whole world. With `replace`, a
         committed step of this number is replaced once the new one is durable (every
         rank must say so). `keep_from`: the retention after this step's commit deletes
         no step from that one on.
@@ -162,6 +180,12 @@ class Steps:
         if not 1 <= world_size <= MAX_WORLD or not 0 <= rank < world_size:
             raise SaveFailedError(f"rank {rank} / world size {world_size} out of range "
                                   f"(world size 1..{MAX_WORLD})", step=step, rank=rank)
+        if durable is not None:
+            node = node or (rank, 1)
+            if not node[0] <= rank < node[0] + node[1] <= world_size:
+                raise SaveFailedError(f"node {list(node)} (first rank, count) does not hold "
+                                      f"rank {rank} in a world of {world_size}", step=step,
+                                      rank=rank)
         with self._lock:
             if self._closing:
                 raise SaveFailedError("the writer is shutting down", step=step, rank=rank)
@@ -179,6 +203,8 @@ class Steps:
                                       "committed step and others not", step=step, rank=rank)
             elif rank in current.waiting:
                 raise SaveFailedError("this rank is already saving this step", step=step, rank=rank)
+            if node is not None:
+                self._join_node(current, rank, node)
             current.waiting[rank] = notify
             if durable is not None:
                 current.durable[rank] = durable
@@ -212,10 +238,30 @@ class Steps:
             if replace:  # no later save on this node may reference the old step
                 self._index.replacing(step)
         tmp_dir = commit.make_tmp_dir(self.storage, step, self._owner)
-        current = Step(step, world_size, codec, tmp_dir, choice,
-                       coordinated=coordinated, replace=replace)
+        current = Step(step, world_size, codec, tmp_dir, choice, coordinated=coordinated,
+                       replace=replace)
         self._open[step] = current
         return current
+
+    def _join_node(self, current: Step, rank: int, node: tuple[int, int]) -> None:
+        """Place `rank` in its node (first, count) of coordinated `current`, making the
+        node's folder on its first rank; under the lock.
+
+        Raises:
+            SaveFailedError: the node overlaps another node of the step.
+            OSError: the folder cannot be made.
+        """
+        first, count = node
+        if current.nodes_here.get(first) != count:
+            if first in current.nodes_here or any(
+                    f < first + count and first < f + c for f, c in current.nodes_here.items()):
+                raise SaveFailedError(f"node {list(node)} (first rank, count) overlaps another "
+                                      f"node of the step, {sorted(current.nodes_here.items())}",
+                                      step=current.number, rank=rank)
+            if not is_object(self.root):
+                (current.tmp_dir / node_dir_name(first)).mkdir()
+            current.nodes_here[first] = count
+        current.node_of[rank] = first
 
     def end(self, step: int, part: RankPart, stats: dict) -> None:
         """Record a rank's finished, fsynced part. A local step is queued for commit
@@ -276,41 +322,58 @@ class Steps:
             gone = self._live[rank] <= 0
             doomed = {s.number for step in began if (s := self._open.get(step)) is not None
                       and rank in s.waiting and rank not in s.parts}
+            orphaned = []
             if gone:
                 del self._live[rank]
                 self._failed.forget_rank(rank)
                 doomed |= {s.number for s in self._open.values()
                            if rank < s.world_size and rank not in s.waiting and not s.coordinated}
+                orphaned = [s for s in self._open.values() if rank in s.durable_nodes]
             self._drop_unheard(doomed)
         for step in sorted(doomed):
             self.fail(step, SaveFailedError("rank disconnected before ending its save",
                                             step=step, rank=rank))
+        for s in orphaned:  # another rank learns the outcome from the store in its place
+            others = sorted(r for r in s.waiting if s.node_of.get(r) == rank and r != rank)
+            if others:
+                s.waiting[others[0]](SaveFailedError(
+                    f"this node's lead rank {rank} is gone while the step was being agreed",
+                    step=s.number, rank=rank), None, {}, ask=True)
 
     def fail_absent(self, timeout: float) -> None:
-        """Fail local steps open for over `timeout` s that wait on a rank with no
-        connection (one that died before it began the step, or never started)."""
+        """Fail steps open for over `timeout` s that wait on a rank: for a local step, a
+        rank of the world with no connection (one that died before it began the step, or
+        never started); for a coordinated one, any rank of this writer's nodes that has
+        not begun it (connected or not: a live node whose rank skips a save would
+        otherwise be waited for without end, its lead's heartbeat keeping it alive)."""
         now = time.monotonic()
         with self._lock:
             live = {r for r, n in self._live.items() if n > 0}
             doomed = []
             for s in self._open.values():
-                if now - s.started < timeout or s.coordinated:  # its ranks are mostly remote
+                if now - s.started < timeout:
                     continue
-                present = len(s.waiting) + sum(1 for r in live
-                                               if r < s.world_size and r not in s.waiting)
-                if present < s.world_size:
-                    doomed.append((s.number, s.world_size, set(s.waiting)))
-        for step, world, waiting in doomed:
+                if s.coordinated:  # its node's ranks, connected or not, must all begin
+                    nodes = list(s.nodes_here.items())
+                    present = len(s.waiting)
+                else:
+                    nodes = [(0, s.world_size)]
+                    present = len(s.waiting) + sum(1 for r in live if r not in s.waiting
+                                                   and r < s.world_size)
+                if present < sum(count for _, count in nodes):
+                    doomed.append((s.number, nodes, set(s.waiting), s.coordinated))
+        for step, nodes, waiting, coordinated in doomed:
             absent = []
-            for r in range(world):  # outside the lock; stops at the first few
-                if r not in waiting and r not in live:
+            for r in (r for f, c in nodes for r in range(f, f + c)):  # stops at the first few
+                if r not in waiting and (coordinated or r not in live):
                     absent.append(r)
                     if len(absent) > 8:
                         break
             names = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8 else "")
+            what = ("of this node did not begin the step" if coordinated else "not connected")
             self.fail(step, SaveFailedError(
-                f"rank{'s' if len(absent) > 1 else ''} {names} not connected {timeout:g} s after "
-                "the step began (dead or never started)", step=step))
+                f"rank{'s' if len(absent) > 1 else ''} {names} {what} {timeout:g} s after the "
+                "step began (dead, never started, or not saving this step)", step=step))
 
     def close(self, timeout: float) -> None:
         """Refuse new steps; wait up to `timeout` s for open and committing ones, then
@@ -334,53 +397,69 @@ class Steps:
 
     # -- coordinated steps (several nodes) ---------------------------------------------
 
-    def commit_parts(self, step: int, world_size: int, announced: dict[int, str],
+    def commit_nodes(self, step: int, world_size: int, nodes: tuple[NodePart, ...],
                      requester: Notify) -> None:
-        """Commit coordinated `step` from the parts every rank announced (the leader's
+        """Commit coordinated `step` from the parts every node announced (the leader's
         writer, asked by the leader rank); `requester` hears the result."""
         with self._lock:
             current = self._open.get(step)
             if (current is None or not current.coordinated or current.world_size != world_size
-                    or set(announced) != set(range(world_size))):
-                error = SaveFailedError("cannot commit: this writer has no such coordinated step "
-                                        "open, or the announced ranks are not the world",
-                                        step=step)
+                    or current.durable_nodes != set(current.nodes_here)):
+                error: CheckpointError | None = SaveFailedError(
+                    "cannot commit: this writer has no such coordinated step open with its "
+                    "node's part durable", step=step)
             else:
                 error = None
                 del self._open[step]
-                self._committing[step] = current
-                current.announced, current.requester = announced, requester
+                self._committing[step] = self._relaying[step] = current
+                current.nodes, current.requester = nodes, requester
         if error is not None:
             requester(error, None, {})
             return
         self._committer.submit(current)
 
-    def outcome(self, step: int, committed: bool) -> None:
-        """How a coordinated step ended elsewhere: forget it, and discard its files if it
-        failed (if it committed, the leader took them)."""
+    def outcome(self, step: int, error: CheckpointError | None, sender: int) -> None:
+        """How coordinated `step` ended, as rank `sender` of this node learned it through
+        the store: the node's other ranks hear it, then the step is forgotten, its files
+        discarded if it failed (if it committed, the leader took them)."""
         with self._lock:
-            current = self._open.get(step)
-            if current is None or not current.coordinated:
-                return
-            del self._open[step]
+            current = self._relaying.pop(step, None)
+            if current is None:
+                current = self._open.get(step)
+                if current is None or not current.coordinated:
+                    return
+                del self._open[step]
             self._idle.notify_all()
+        path = None if error else self.storage.root / step_dir_name(step)
+        for rank, notify in current.waiting.items():
+            if rank != sender:
+                notify(error, path, current.stats.get(rank, {}), relayed=True)
         release(step, self._index)
-        if not committed:  # and what writers that died in it left (several nodes)
+        if error is not None:  # and what writers that died in it left (several nodes)
             self.storage.discard(current.tmp_dir)
             sweep_dead(self.root)
 
     def _part_durable(self, current: Step, part: RankPart) -> None:
-        """Write the part file beside the rank's data, then tell the rank its tmp dir."""
+        """Once every rank of the node has ended: write the node's part file beside
+        their data, then tell the node's lead rank its tmp dir and part."""
+        first = current.node_of[part.rank]
+        count = current.nodes_here[first]
+        with self._lock:
+            if (first in current.durable_nodes or self._open.get(current.number) is not current
+                    or any(r not in current.parts for r in range(first, first + count))):
+                return
+            current.durable_nodes.add(first)
         try:
-            commit.write_part(self.storage, current.tmp_dir, current.number, part)
+            entry = commit.write_node_part(self.storage, current.tmp_dir, current.number,
+                                           [current.parts[r] for r in range(first, first + count)])
             faults.point("part_written")
         except Exception as e:
             self.fail(current.number, commit.io_error(e, step=current.number, rank=part.rank)
                       if isinstance(e, OSError) else SaveFailedError(
-                          f"part not written: {type(e).__name__}: {e}", step=current.number,
-                          rank=part.rank))
+                          f"node part not written: {type(e).__name__}: {e}",
+                          step=current.number, rank=part.rank))
             return
-        current.durable[part.rank](current.tmp_dir.name)
+        current.durable[first](current.tmp_dir.name, entry)
 
     def _drop_unheard(self, failing: set[int]) -> None:
         """Forget coordinated steps (other than `failing`) none of whose ranks is

@@ -71,14 +71,18 @@ def begins(draw: Any) -> Begin:
     return Begin(draw(any_int), draw(any_int), draw(any_int), table, tree,
                  retention=draw(st.none() | st.tuples(step, step)),
                  coordinated=draw(st.booleans()), since=since, unchanged=unchanged,
-                 replace=draw(st.booleans()), keep_from=draw(st.none() | any_int))
+                 replace=draw(st.booleans()), keep_from=draw(st.none() | any_int),
+                 node=draw(st.none() | st.tuples(st.integers(0, MAX_WORLD - 1),
+                                                 st.integers(1, MAX_WORLD))))
 
 
 @st.composite
 def commits(draw: Any) -> messages.Commit:
     world = draw(st.integers(1, 6))
-    parts = tuple((draw(any_int), draw(text)) for _ in range(world))
-    return messages.Commit(draw(any_int), draw(any_int), world, parts)
+    nodes = tuple((draw(any_int), draw(any_int), draw(text),
+                   draw(st.dictionaries(text, json_value, max_size=3)))
+                  for _ in range(draw(st.integers(1, world))))
+    return messages.Commit(draw(any_int), draw(any_int), world, nodes)
 
 
 valid = st.one_of(
@@ -91,15 +95,16 @@ valid = st.one_of(
     st.builds(messages.Abort, any_int, text),
     st.builds(messages.NeedSlot),
     commits(),
-    st.builds(messages.Outcome, any_int, st.booleans()),
+    st.builds(messages.Outcome, any_int, st.booleans(), text, text),
     st.builds(messages.Welcome, any_int, text, text, text),
     st.builds(messages.Refused, text),
     st.builds(messages.Free, any_int),
     st.builds(messages.Unchanged, any_int, st.lists(any_int, max_size=5).map(tuple)),
-    st.builds(messages.Durable, any_int, any_int, text),
+    st.builds(messages.Durable, any_int, any_int, text,
+              st.none() | st.dictionaries(text, json_value, max_size=3)),
     st.builds(messages.Committed, any_int, any_int, text,
               st.dictionaries(text, json_value, max_size=4)),
-    st.builds(messages.Failed, any_int, any_int, text, text),
+    st.builds(messages.Failed, any_int, any_int, text, text, st.booleans(), st.booleans()),
 )
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncckpt.rank.coordination import _missing
-from asyncckpt.torchutil.ranks import local_world_size
+from asyncckpt.torchutil.ranks import local_world_size, node_of
 
 
 @pytest.mark.parametrize("env, world, expected", [
@@ -20,10 +19,16 @@ def test_local_world_size_reads_the_env_or_assumes_one_node(monkeypatch, env, wo
     assert local_world_size(world) == expected
 
 
-def test_missing_ranks_name_their_nodes_only_when_there_are_several(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert "(nodes 1, 2)" in _missing([3, 5], 5, 6)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert "node" not in _missing([3, 5], 5, 6).split("durable")[0]
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
-    assert _missing([1], 5, 2).startswith("rank 1 did not")
+@pytest.mark.parametrize("local_rank, local, rank, world, expected", [
+    ("1", "4", 5, 8, (4, 4)), ("0", "4", 0, 8, (0, 4)), (None, "4", 5, 8, (5, 1)),
+    ("1", None, 5, 8, (5, 1)), ("x", "4", 5, 8, (5, 1)), ("4", "4", 5, 8, (5, 1)),
+    ("3", "4", 1, 8, (1, 1)), ("0", "4", 6, 8, (6, 1)),
+])
+def test_a_node_is_its_launchers_consecutive_ranks_or_the_rank_alone(
+        monkeypatch, local_rank, local, rank, world, expected):
+    for name, value in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert node_of(rank, world) == expected
