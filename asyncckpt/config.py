@@ -91,7 +91,7 @@ class ClientKnobs(_FromEnv):
     ring_size: int = 64 * MiB
     connect_timeout: float = 30.0
     coordination: str = "auto"
-    node_timeout: float = 8.0
+    node_timeout: float = 6.0
     skip_unchanged: bool = False
 
     def __post_init__(self) -> None:

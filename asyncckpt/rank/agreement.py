@@ -113,6 +113,11 @@ class Agreement:
                 log.debug("heartbeat failed: %s", e)
 
     def _run(self) -> None:
+        if self.coordinator.is_lead:  # meet the leader now, not in the first save
+            try:
+                self.coordinator.join()
+            except Exception as e:  # it is not up yet: the first save asks again
+                log.debug("rank %d: no session yet: %s", self.coordinator.rank, e)
         while True:
             self._idle()
             try:

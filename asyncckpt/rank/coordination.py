@@ -56,9 +56,11 @@ of its client (one request a node per period, whatever the saves), and the leade
 `leader`. While it waits for the nodes, the leader fails the step when a node that has
 not announced has been silent -- no beat -- for `timeout` (measured from the step's
 begin for a node never heard from): a dead node is noticed within seconds, a live node
-that is slow to start is waited for. A node's lead that waits for the outcome fails the
-step the same way when the leader's counter stops for `timeout`; once the leader has
-claimed the commit that failure is only its own (the step may have landed whole).
+that is slow to start is waited for. A node's lead that waits for the outcome looks at
+the leader's counter every `2 * timeout` and fails the step the same way when it stopped
+(a dead leader *process* is reported at once: its writer asks another rank of its node
+to speak for it); once the leader has claimed the commit that failure is only its own
+(the step may have landed whole).
 """
 
 from __future__ import annotations
@@ -330,22 +332,27 @@ class StoreCoordinator:
 
     def wait(self, prefix: str) -> Outcome:
         """The save's final outcome, waited for as long as the leader beats; once it has
-        been silent for `timeout`, a failure (published, unless the leader claimed the
-        commit first: then only ours, since the step may have landed)."""
+        been silent for over twice `timeout`, a failure (published, unless the leader
+        claimed the commit first: then only ours, since the step may have landed). The
+        leader is looked at only every `2 * timeout` of waiting, so a node waiting for
+        slower ones costs the store a request every few seconds, not a poll: a leader
+        whose process dies is reported at once by the rank its writer asks to speak for
+        its node; only a leader's whole node lost waits for this.
+        """
         beat, since = -1, time.monotonic()
-        while not self._wait_key(f"{prefix}/final", self.timeout / 2):
+        while not self._wait_key(f"{prefix}/final", 2 * self.timeout):
             count = self.store.add(f"{self.base}/leader", 0)
             if count != beat:
                 beat, since = count, time.monotonic()
-            elif time.monotonic() - since > self.timeout:
+            elif time.monotonic() - since > 2 * self.timeout:
                 held = self.decide(prefix, failure(SaveFailedError(
-                    f"the leader (rank 0) was silent for {self.timeout:g} s while this node "
-                    "waited for the save's outcome (its process is gone)")))
+                    f"the leader (rank 0) was silent for {2 * self.timeout:g} s while this "
+                    "node waited for the save's outcome (its node is gone)")))
                 if not held.get("committing"):
                     return held
                 return failure(SaveFailedError(
-                    f"the leader's commit made no progress for {self.timeout:g} s (its rank "
-                    "or writer is gone); the step may have landed whole, or not at all"))
+                    f"the leader's commit made no progress for {2 * self.timeout:g} s (its "
+                    "rank or writer is gone); the step may have landed whole, or not at all"))
         return json.loads(self.store.get(f"{prefix}/final"))
 
     def _wait_key(self, key: str, seconds: float) -> bool:

@@ -32,6 +32,7 @@ Nothing here iterates over a world size: a rank may claim any world up to
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -283,8 +284,11 @@ class Steps:
         else:
             self._committer.submit(current)
 
-    def fail(self, step: int, error: CheckpointError) -> None:
-        """Fail `step` for every rank: notify them, forget the step, discard its files."""
+    def fail(self, step: int, error: CheckpointError, gone: int | None = None) -> None:
+        """Fail `step` for every rank: notify them, forget the step, discard its files.
+        If rank `gone` (which died) was a node's lead in a coordinated step, the node's
+        next rank is told to speak for the node in the store (`ask`): the lead would
+        have, and the other nodes need not wait for its silence to be noticed."""
         with self._lock:
             current = self._open.pop(step, None)
             if current is None:
@@ -295,7 +299,20 @@ class Steps:
                                                            set(current.waiting)))
             self._idle.notify_all()
         log.warning("step %d failed: %s", step, error)
-        abandon(self.storage, current, error, current.waiting.values(), self._index)
+        tell = dict(current.waiting)
+        speaker = self._speaker(current, gone) if gone is not None else None
+        if speaker is not None:
+            tell[speaker] = functools.partial(tell[speaker], ask=True)
+        abandon(self.storage, current, error, tell.values(), self._index)
+
+    @staticmethod
+    def _speaker(current: Step, lead: int) -> int | None:
+        """Who speaks for `lead`'s node in coordinated `current` now that `lead` is gone:
+        the node's lowest other waiting rank (None if `lead` led no node here)."""
+        if current.node_of.get(lead) != lead:
+            return None
+        return min((r for r in current.waiting if current.node_of.get(r) == lead and r != lead),
+                   default=None)
 
     def refuse(self, step: int, rank: int, world_size: int, error: CheckpointError) -> None:
         """`rank`'s begin of `step` was refused (its state cannot become a readable
@@ -332,11 +349,11 @@ class Steps:
             self._drop_unheard(doomed)
         for step in sorted(doomed):
             self.fail(step, SaveFailedError("rank disconnected before ending its save",
-                                            step=step, rank=rank))
+                                            step=step, rank=rank), gone=rank)
         for s in orphaned:  # another rank learns the outcome from the store in its place
-            others = sorted(r for r in s.waiting if s.node_of.get(r) == rank and r != rank)
-            if others:
-                s.waiting[others[0]](SaveFailedError(
+            speaker = self._speaker(s, rank)
+            if speaker is not None:
+                s.waiting[speaker](SaveFailedError(
                     f"this node's lead rank {rank} is gone while the step was being agreed",
                     step=s.number, rank=rank), None, {}, ask=True)
 
