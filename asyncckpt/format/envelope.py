@@ -1,7 +1,7 @@
-"""The checksummed envelope of manifests and node parts, and the strict JSON inside it.
+"""The checksummed envelope of manifests and rank parts, and the strict JSON inside it.
 
-Every file that describes a checkpoint (a manifest, a root manifest, a node part, the
-writer's per-rank parts) is one line `{"xxh3":"<16 hex digits>","manifest":<body>}\\n`
+Every file that describes a checkpoint (a manifest, a root manifest, a rank's part file
+in a node directory, the writer's per-rank parts) is one line `{"xxh3":"<16 hex digits>","manifest":<body>}\\n`
 whose checksum covers the exact bytes of the body, not a re-serialisation: any language
 checks it without canonical JSON, and a torn or edited file is caught before anything it
 says is used. The body is strict JSON: no `NaN`/`Infinity`, and no object repeating a key
@@ -33,7 +33,7 @@ def unseal(data: bytes, what: str) -> Any:
     """The JSON document inside the envelope `data`.
 
     Args:
-        what: what the file is, for errors ("manifest", "node-00008/part.json").
+        what: what the file is, for errors ("manifest", "node-00008/rank-00009.json").
     Raises:
         CorruptCheckpointError: not the envelope, a checksum mismatch, not strict JSON,
             or an object repeating a key.

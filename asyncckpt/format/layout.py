@@ -23,10 +23,10 @@ from asyncckpt.codec.registry import REGISTRY, codec_spec
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 1        # what a manifest without references is written as
 FORMAT_VERSION_REFS = 2   # a manifest holding reference frames (incremental saves)
-FORMAT_VERSION_PARTS = 3  # a root manifest whose ranks are in node parts (format/parts.py)
+FORMAT_VERSION_PARTS = 3  # a root manifest whose ranks are in rank parts (format/parts.py)
 READABLE_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_REFS, FORMAT_VERSION_PARTS)
 MANIFEST_NAME = "manifest.json"
-NODE_PART_NAME = "part.json"  # in each node directory of a step in parts
+RANK_PART_SUFFIX = ".json"  # a rank's part file in its node directory: rank-00009.json
 LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
 ROOT_ID_NAME = ".asyncckpt.root"
@@ -53,6 +53,8 @@ _REPLACED_DIR = re.compile(r"step-([0-9]{8,})\.replaced-[0-9a-f]+")
 _DATA_FILE = re.compile(r"(?:(node-[0-9]{5,})/)?rank-([0-9]{5,})\.safetensors(%s)" % "|".join(
     re.escape(spec.suffix) for spec in REGISTRY.values()))
 _NODE_DIR = re.compile(r"node-([0-9]{5,})")
+_NODE_ENTRY = re.compile(r"rank-([0-9]{5,})(%s|\.safetensors(?:%s))" % (
+    re.escape(RANK_PART_SUFFIX), "|".join(re.escape(spec.suffix) for spec in REGISTRY.values())))
 _SUFFIX_CODECS = {spec.suffix: spec.name for spec in REGISTRY.values()}
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
 
@@ -121,7 +123,7 @@ def data_file_name(rank: int, codec: str) -> str:
 
 def node_dir_name(first: int) -> str:
     """`node-00008`: the directory of a step in parts holding the node part whose first
-    rank is `first`, and that part's data files."""
+    rank is `first`: its ranks' part files and data files."""
     return f"node-{first:05d}"
 
 
@@ -148,6 +150,24 @@ def node_data_file_name(first: int, rank: int, codec: str) -> str:
         CorruptCheckpointError: `codec` is not a stored codec.
     """
     return f"{node_dir_name(first)}/{data_file_name(rank, codec)}"
+
+
+def rank_part_name(rank: int) -> str:
+    """`rank-00009.json`: rank `rank`'s part file (its tables) in its node directory."""
+    return f"rank-{rank:05d}{RANK_PART_SUFFIX}"
+
+
+def parse_node_entry(name: str) -> tuple[int, bool] | None:
+    """(rank, is its part file) of a name that may lie in a node directory: a rank's part
+    file (`rank_part_name`) or data file (`data_file_name`, any stored codec), its rank
+    written as those functions write it; else None (`rank-000009.json` is None)."""
+    m = _NODE_ENTRY.fullmatch(name)
+    if m is None:
+        return None
+    rank = int(m.group(1))
+    if m.group(1) != f"{rank:05d}":
+        return None
+    return rank, m.group(2) == RANK_PART_SUFFIX
 
 
 def is_data_file_name(name: str) -> bool:

@@ -27,7 +27,7 @@ a codec that suffix admits (`admitted_codecs`). A reference frame keeps the code
 the bytes it points to, and is checked against the referenced file's suffix instead.
 
 A step saved by several nodes has a root manifest (format_version 3) whose rank entries
-lie in node part files, read one part at a time: format/parts.py.
+lie in rank part files in node directories, read one rank at a time: format/parts.py.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class RankPart:
 @dataclasses.dataclass
 class Manifest:
     """A step's manifest. With `parts` (format_version 3), it is a root: `ranks` is then
-    read part by part (`parts.PartedRanks`; a writer building a root may leave it
+    read rank by rank (`parts.PartedRanks`; a writer building a root may leave it
     empty) and the sizes and referenced steps come from the parts' entries."""
 
     step: int
@@ -179,7 +179,7 @@ class Manifest:
 
     @property
     def bytes_read(self) -> int:
-        """Manifest bytes read: the file parsed and, of a root, the part files read."""
+        """Manifest bytes read: the file parsed and, of a root, the rank part files read."""
         return self.root_size + getattr(self.ranks, "bytes_read", 0)
 
     @property
@@ -273,7 +273,8 @@ def check_readable(data: bytes, limits: ReadLimits, read: ReadPart | None = None
     size bound (`limits.max_manifest_bytes`) and its rules. Whatever writes a manifest
     (the writer's commit, `asyncckpt copy`) asks this first, so nothing is committed
     that `load` refuses. A root (format_version 3) is checked on its own, its entries
-    against the same bound; given `read`, every part is read and checked too.
+    against the same bound; given `read`, every rank part file is read and checked too,
+    and every node's sums.
 
     Raises:
         CorruptCheckpointError: over the bound, or a rule broken.
@@ -314,8 +315,8 @@ def manifest_from_bytes(data: bytes, directory_name: str, where: str, limits: Re
                         read: ReadPart | None = None) -> Manifest:
     """Parse and validate manifest bytes read from checkpoint directory `directory_name`
     (its manifest named `where` in errors): its step must be the directory's, if that
-    names one. A root's parts are read through `read` when asked for, each bounded by
-    `limits.max_manifest_bytes`.
+    names one. A root's rank part files are read through `read` when asked for, each
+    bounded by `limits.max_manifest_bytes`.
 
     Raises:
         CorruptCheckpointError: invalid.

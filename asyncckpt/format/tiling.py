@@ -6,10 +6,17 @@ every rank, each box inside the global shape and equal to its table entry. The r
 checks it before anything is read, and the writer checks it before it commits (so it
 never commits a checkpoint the reader refuses), which is why this module does not
 import torch: the writer process never does. Reading boxes back is sharded.py.
+
+The rule is about every rank's boxes, so checking it reads every rank's tables: of a
+step in parts, every rank's part file. A load that reads only boxes of one rank (the
+same-world resume, each rank reading back the shard it saved) needs no other rank's
+boxes: `rank_globals` gives one rank's, checked as far as one rank can be, and `covers`
+says whether they hold a region.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -17,7 +24,7 @@ from typing import Any
 
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import DTYPE_SIZES, TensorSpec
-from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.manifest import Manifest, RankPart
 from asyncckpt.format.tree import walk
 
 
@@ -50,7 +57,8 @@ class GlobalTensor:
 
 
 def global_tensors(manifest: Manifest) -> dict[str, GlobalTensor]:
-    """The manifest's global tensors by name, their boxes checked to tile each exactly.
+    """The manifest's global tensors by name, their boxes checked to tile each exactly
+    (every rank read: of a root manifest, every rank part file).
 
     Raises:
         CorruptCheckpointError: ranks disagree on a tensor, a box is out of bounds, does
@@ -58,37 +66,66 @@ def global_tensors(manifest: Manifest) -> dict[str, GlobalTensor]:
     """
     out: dict[str, GlobalTensor] = {}
     for part in manifest.ranks:
-        specs = {s.name: s for s in part.tensors}
-        for path, kind, body in walk(part.tree):
-            if kind != "dtensor":
-                continue
-            name = body["name"]
-
-            def bad(problem: str) -> CorruptCheckpointError:
-                return CorruptCheckpointError(f"global tensor {name!r:.80}: {problem}",
-                                              step=manifest.step, rank=part.rank)
-            dtype, shape, offsets = body.get("dtype"), body.get("shape"), body.get("offsets")
-            placements = body.get("placements")
-            if (not isinstance(dtype, str) or dtype not in DTYPE_SIZES or not _dims(shape)
-                    or not isinstance(placements, list)
-                    or not all(isinstance(p, str) for p in placements)):
-                raise bad("bad dtype, shape or placements")
-            g = out.setdefault(name, GlobalTensor(name, path, dtype, tuple(shape), placements))
-            if (g.path, g.dtype, g.shape) != (path, dtype, tuple(shape)):
-                raise bad(f"ranks disagree on its path, dtype or shape ({g.dtype} {g.shape} at "
-                          f"{g.path} vs {dtype} {tuple(shape)} at {path})")
-            if offsets is None:
-                continue
-            spec = specs.get(name)
-            if (spec is None or not _dims(offsets) or len(offsets) != len(shape)
-                    or spec.dtype != dtype or len(spec.shape) != len(shape)
-                    or any(o + n > s for o, n, s in zip(offsets, spec.shape, shape))):
-                raise bad(f"box at {offsets} does not fit the global shape {tuple(shape)} "
-                          "or its table entry")
-            g.boxes.append(Box(part.rank, spec, tuple(offsets)))
+        for name, mine in rank_globals(part, manifest.step).items():
+            g = out.setdefault(name, dataclasses.replace(mine, boxes=[]))
+            if (g.path, g.dtype, g.shape) != (mine.path, mine.dtype, mine.shape):
+                raise CorruptCheckpointError(
+                    f"global tensor {name!r:.80}: ranks disagree on its path, dtype or shape "
+                    f"({g.dtype} {g.shape} at {g.path} vs {mine.dtype} {mine.shape} at "
+                    f"{mine.path})", step=manifest.step, rank=part.rank)
+            g.boxes += mine.boxes
     for g in out.values():
         _check_tiling(g, manifest.step)
     return out
+
+
+def rank_globals(part: RankPart, step: int) -> dict[str, GlobalTensor]:
+    """The global tensors rank `part` took part in, by name, each with only the boxes
+    this rank saved (none where it wrote nothing): checked as far as one rank can be, each
+    node well formed and each box inside the global shape and equal to its table entry.
+    Whether the boxes of every rank tile the global shapes is `global_tensors`' check.
+
+    Raises:
+        CorruptCheckpointError: a dtensor node or a box of this rank breaks a rule.
+    """
+    out: dict[str, GlobalTensor] = {}
+    specs = {s.name: s for s in part.tensors}
+    for path, kind, body in walk(part.tree):
+        if kind != "dtensor":
+            continue
+        name = body["name"]
+
+        def bad(problem: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"global tensor {name!r:.80}: {problem}",
+                                          step=step, rank=part.rank)
+        dtype, shape, offsets = body.get("dtype"), body.get("shape"), body.get("offsets")
+        placements = body.get("placements")
+        if (not isinstance(dtype, str) or dtype not in DTYPE_SIZES or not _dims(shape)
+                or not isinstance(placements, list)
+                or not all(isinstance(p, str) for p in placements)):
+            raise bad("bad dtype, shape or placements")
+        g = out.setdefault(name, GlobalTensor(name, path, dtype, tuple(shape), placements))
+        if (g.path, g.dtype, g.shape) != (path, dtype, tuple(shape)):
+            raise bad(f"ranks disagree on its path, dtype or shape ({g.dtype} {g.shape} at "
+                      f"{g.path} vs {dtype} {tuple(shape)} at {path})")
+        if offsets is None:
+            continue
+        spec = specs.get(name)
+        if (spec is None or not _dims(offsets) or len(offsets) != len(shape)
+                or spec.dtype != dtype or len(spec.shape) != len(shape)
+                or any(o + n > s for o, n, s in zip(offsets, spec.shape, shape))):
+            raise bad(f"box at {offsets} does not fit the global shape {tuple(shape)} "
+                      "or its table entry")
+        g.boxes.append(Box(part.rank, spec, tuple(offsets)))
+    return out
+
+
+def covers(g: GlobalTensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """One box of `g` holds all of the box `shape` at `offsets` (an empty box: always)."""
+    return any(n == 0 for n in shape) or any(
+        all(b <= o and o + n <= b + m for o, n, b, m in zip(offsets, shape, box.offsets,
+                                                             box.spec.shape))
+        for box in g.boxes)
 
 
 def _dims(value: Any) -> bool:

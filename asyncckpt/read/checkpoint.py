@@ -15,12 +15,15 @@ this rank's state", and the checks run once per open instead of once per caller:
 
 Everything in 2-4 reads only the manifest and a directory listing, so it is cheap; the
 data is verified frame by frame as it is read (or all of it by `verify`). A step saved
-by several nodes has a root manifest whose ranks lie in node parts (format/parts.py):
-opening one checks the root and lists the step directory's node directories, and the
-checks of 3-4 run for a node part when one of its ranks is first used, so loading one
-rank reads one part, lists one node directory and opens no other part's file. A rank
-holding global (DTensor) tensors needs every rank's boxes, so it reads every part;
-`examine` (what `verify` uses) checks every part at once. torch is
+by several nodes has a root manifest whose ranks' tables lie in a part file a rank, in
+node directories (format/parts.py): opening one checks the root and lists the step
+directory's node directories, and the checks of 3-4 run for a rank when it is first
+used, so loading one rank reads its own part file, lists its node directory and opens
+no other rank's file. A rank holding global (DTensor) tensors knows the boxes it saved
+at once; every rank's boxes, and the tiling check, are read when something needs them
+(a box the rank did not save: a load at another world size, or of full tensors), and a
+load reading back only its own shards (the same-world resume: read/loader.py) never
+does. `examine` (what `verify` uses) checks every rank part at once. torch is
 imported only where a tensor is made (a dtype, a read plan), so `verify`, `ls`, `inspect`
 and `copy` never import it: they start in a fraction of a second instead of two.
 
@@ -45,9 +48,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from asyncckpt.format.layout import MANIFEST_NAME, NODE_PART_NAME, parse_step_dir, step_dir_name
+from asyncckpt.format.layout import MANIFEST_NAME, parse_node_entry, parse_step_dir, step_dir_name
 from asyncckpt.format.manifest import Manifest, RankPart, Ref
-from asyncckpt.format.tiling import GlobalTensor, global_tensors
+from asyncckpt.format.tiling import GlobalTensor, global_tensors, rank_globals
 from asyncckpt.read.leaves import Leaf, holds_global, rank_leaves
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
 from asyncckpt.storage.location import (
@@ -80,7 +83,7 @@ class Checkpoint:
         root: the root it was found in when opened as "the newest step of a root" (then
             corruption found while reading names the newest intact step), else None.
         problems: what `examine` found wrong (empty for an opened checkpoint; of a
-            manifest in parts opened lazily, what the parts checked so far found).
+            manifest in parts opened lazily, what the ranks checked so far found).
         storage: the root holding `directory`, where its files and the files its
             reference frames name are opened.
     """
@@ -88,7 +91,7 @@ class Checkpoint:
     def __init__(self, directory: Location, manifest: Manifest, limits: ReadLimits, *,
                  whole: bool = True) -> None:
         """Check `manifest`'s checkpoint `directory`; of a manifest in parts, only the
-        root and the step directory unless `whole` (its parts are checked on first use)."""
+        root and the step directory unless `whole` (each rank is checked on first use)."""
         self.directory, self.manifest, self.limits = directory, manifest, limits
         self.storage = storage_for(directory.parent)
         self.root: Location | None = None
@@ -99,8 +102,9 @@ class Checkpoint:
         self._readers: Readers | None = None
         self._scratch: Any = None  # the temporaries of plans given temp_bytes
         self._lazy = manifest.parts is not None and not whole
-        self._part_checked: set[int] = set()  # node parts (indexes) checked
-        self._part_problems: dict[int, list[CheckpointError]] = {}
+        self._rank_problems: dict[int, list[CheckpointError]] = {}  # ranks of a root checked
+        # node directories (by part index) listed: the names in it, what is wrong there
+        self._nodes: dict[int, tuple[set[str], list[CheckpointError]]] = {}
         if manifest.parts is None:
             self._check()
         else:
@@ -145,8 +149,8 @@ class Checkpoint:
         """Read and check `directory` as a checkpoint, collecting every problem found.
 
         Args:
-            whole: check every node part of a manifest in parts now (else each when
-                one of its ranks is first used, raising what it finds then).
+            whole: check every rank part of a manifest in parts now (else each rank
+                when it is first used, raising what it finds then).
         Returns:
             (the checkpoint, or None when its manifest cannot be used; the problems).
             A checkpoint with problems may still be read rank by rank, except the ranks
@@ -183,7 +187,8 @@ class Checkpoint:
 
     def _check_root(self, whole: bool) -> None:
         """A root manifest's checks: the step directory holds exactly it and its node
-        directories; with `whole`, every part's checks (`_check_part`) too."""
+        directories; with `whole`, every rank's checks (`_check_rank`) and every
+        node's sums too."""
         parts = self.manifest.parts or []
         expected = {MANIFEST_NAME} | {e.dir for e in parts}
         try:
@@ -199,73 +204,127 @@ class Checkpoint:
                     f"missing node directory {entry.dir!r} (ranks {entry.first}.."
                     f"{entry.first + entry.count - 1})", step=self.step, file=str(self.directory))
                 self.problems.append(missing)
-                self._part_problems[index] = [missing]
-                self._part_checked.add(index)
+                self._nodes[index] = (set(), [missing])
                 self.unreadable_ranks.update(entry.ranks)
         if not whole:
             return
         ranks = self.manifest.ranks
-        for index in range(len(parts)):
-            if index not in self._part_checked:
+        for index, entry in enumerate(parts):
+            if index in self._nodes:
+                continue  # missing
+            self._node(index)
+            for rank in entry.ranks:
                 try:
-                    ranks.load(index)  # type: ignore[attr-defined]
+                    ranks[rank]
                 except CheckpointError as e:
-                    self._fail_part(index, e)
+                    self.problems.append(e)
+                    self._rank_problems[rank] = [e]
+                    self.unreadable_ranks.add(rank)
+            if not self.unreadable_ranks.intersection(entry.ranks):
+                try:
+                    ranks.load(index)  # type: ignore[attr-defined]  # the node's sums
+                except CheckpointError as e:
+                    self.problems.append(e)
         self._sharded = {}
         if not self.unreadable_ranks:
-            try:
-                self._sharded = global_tensors(self.manifest)
+            try:  # of the ranks read (a node whose sums fail still has them)
+                self._sharded = global_tensors(Manifest(self.step, self.world_size, [
+                    ranks[r] for r in range(self.world_size)]))
             except CheckpointError as e:
                 self.problems.append(e)
-        for index in range(len(parts)):
-            self._check_part(index)
+        for rank in range(self.world_size):
+            self._check_rank(rank)
 
-    def _fail_part(self, index: int, problem: CheckpointError) -> None:
-        self.problems.append(problem)
-        self._part_problems[index] = [problem]
-        self._part_checked.add(index)
-        self.unreadable_ranks.update(self.manifest.parts[index].ranks)  # type: ignore[index]
-
-    def _check_part(self, index: int) -> None:
-        """Node part `index`'s checks, once: its part file (read and checked against the
-        root), its node directory holding exactly it and its ranks' data files, the
-        files its reference frames name, its ranks' trees."""
-        if index in self._part_checked:
-            return
-        self._part_checked.add(index)
+    def _node(self, index: int) -> tuple[set[str], list[CheckpointError]]:
+        """Node directory `index` listed, once: the names in it, and what is wrong there
+        (a name that is none of its ranks' part and data files, a rank with several data
+        files). Each rank's own files are its own check (`_check_rank`): together they
+        make the rule that a node directory holds exactly its ranks' part and data files,
+        while a reader of one rank looks at no other rank's file."""
+        known = self._nodes.get(index)
+        if known is not None:
+            return known
         entry = self.manifest.parts[index]  # type: ignore[index]
+        directory = self.directory / entry.dir
+        problems: list[CheckpointError] = []
         try:
-            ranks = [self.manifest.ranks[r] for r in entry.ranks]
-        except CheckpointError as e:
-            self._fail_part(index, e)
-            return
-        problems = self._check_files(self.directory / entry.dir, {NODE_PART_NAME}, ranks,
-                                     entry.dir + "/")
-        problems += self._check_refs(ranks)
-        problems += self._check_leaves(ranks, f"{entry.dir}/{NODE_PART_NAME}")
-        self._part_problems[index] = problems
+            names = list_names(directory)
+        except OSError as e:
+            names = set()
+            problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}",
+                                                   step=self.step, file=str(directory)))
+        data: dict[int, list[str]] = {}
+        plausible = set()
+        for name in names:
+            parsed = parse_node_entry(name)
+            if parsed is not None and parsed[0] in entry.ranks:
+                plausible.add(name)
+                if not parsed[1]:
+                    data.setdefault(parsed[0], []).append(name)
+        problems += self._unexpected(plausible, names, directory)
+        for rank, files in sorted(data.items()):
+            if len(files) > 1:
+                problems.append(CorruptCheckpointError(
+                    f"unexpected file: rank {rank} has {len(files)} data files in the checkpoint "
+                    f"directory ({', '.join(repr(f) for f in sorted(files))}), one a rank",
+                    step=self.step, file=str(directory)))
         self.problems += problems
+        self._nodes[index] = (names, problems)
+        return names, problems
+
+    def _check_rank(self, rank: int) -> None:
+        """Rank `rank`'s checks (of a root), once: its node directory's (`_node`), its
+        part file (read and checked against the root), its data file in its node
+        directory, the files its reference frames name, its tree."""
+        if rank in self._rank_problems:
+            return
+        index = self.manifest.ranks.part_of(rank)  # type: ignore[attr-defined]
+        entry = self.manifest.parts[index]  # type: ignore[index]
+        names, problems = self._node(index)
+        problems = list(problems)
+        self._rank_problems[rank] = problems
+        if not names and problems:  # its node directory is missing, or cannot be listed
+            self.unreadable_ranks.add(rank)
+            return
+        try:
+            part = self.manifest.ranks[rank]
+        except CheckpointError as e:
+            problems.append(e)
+            self.problems.append(e)
+            self.unreadable_ranks.add(rank)
+            return
+        own = self._check_files(self.directory / entry.dir, set(), [part], entry.dir + "/", names)
+        own += self._check_refs([part])
+        own += self._check_leaves([part], entry.name(rank))
+        problems += own
+        self.problems += own
 
     def _check_files(self, directory: Location, others: set[str], ranks: list[RankPart],
-                     prefix: str) -> list[CheckpointError]:
+                     prefix: str, present: set[str] | None = None) -> list[CheckpointError]:
         """`directory` holds exactly `others` and the data files of `ranks` (named
-        `prefix` + the file's name in it); a rank whose file is missing is unreadable."""
+        `prefix` + the file's name in it); a rank whose file is missing is unreadable.
+        Given `present` (what a node directory holds, listed and checked by `_node`),
+        only that `ranks`' data files are among it."""
         step, problems = self.step, []
-        expected = others | {p.file.removeprefix(prefix) for p in ranks}
-        try:
-            present = list_names(directory)
-        except OSError as e:
-            present = set()
-            problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}", step=step,
-                                                   file=str(directory)))
+        listed = present is not None
+        if present is None:
+            try:
+                present = list_names(directory)
+            except OSError as e:
+                present = set()
+                problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}",
+                                                       step=step, file=str(directory)))
         for part in ranks:
             if part.file.removeprefix(prefix) not in present:
                 problems.append(CorruptCheckpointError(f"missing file {part.file!r}", step=step,
                                                        rank=part.rank, file=str(directory)))
                 self.unreadable_ranks.add(part.rank)
+        if listed:
+            return problems
         for name in sorted(others - present):
             problems.append(CorruptCheckpointError(f"missing file {prefix + name!r}", step=step,
                                                    file=str(directory)))
+        expected = others | {p.file.removeprefix(prefix) for p in ranks}
         return problems + self._unexpected(expected, present, directory)
 
     def _unexpected(self, expected: set[str], present: set[str],
@@ -290,29 +349,33 @@ class Checkpoint:
         return problems
 
     def _check_leaves(self, ranks: list[RankPart], file: str) -> list[CheckpointError]:
-        """Each rank's tree against its tensor table, its leaves kept; a rank holding
-        global tensors needs `sharded` (of a lazily opened root: every part read)."""
+        """Each rank's tree against its tensor table, its leaves kept. Those of a global
+        tensor hold every rank's boxes if `sharded` is known, else (a root opened
+        lazily) this rank's, and ask for every rank's (`sharded`) when used whole."""
         problems = []
         for part in ranks:
             try:
-                sharded = self._sharded
+                sharded, whole = self._sharded, None
                 if sharded is None:
-                    sharded = self.sharded if holds_global(part.tree) else {}
+                    sharded = rank_globals(part, self.step) if holds_global(part.tree) else {}
+                    whole = self._every_box
                 self._leaves[part.rank] = rank_leaves(part.tensors, part.tree, sharded,
-                                                       part.rank, self.step, file)
+                                                       part.rank, self.step, file, whole)
             except CheckpointError as e:
-                problems.append(e)
+                problems.append(e if e.file is not None else CorruptCheckpointError(
+                    e.cause, step=self.step, rank=part.rank, file=file))
                 self.unreadable_ranks.add(part.rank)
         return problems
 
+    def _every_box(self, name: str) -> GlobalTensor:
+        return self.sharded[name]
+
     def _ready(self, rank: int) -> int:
-        """`rank`, its node part checked (of a root opened lazily: raising the part's
-        first problem, one of this rank's if any)."""
-        ranks = self.manifest.ranks
+        """`rank`, checked (of a root opened lazily: raising the first problem found,
+        one of this rank's if any)."""
         if self.manifest.parts is not None:
-            index = ranks.part_of(rank)  # type: ignore[attr-defined]
-            self._check_part(index)
-            problems = self._part_problems.get(index)
+            self._check_rank(rank)
+            problems = self._rank_problems[rank]
             if self._lazy and problems:
                 raise next((p for p in problems if p.rank == rank), problems[0])
         return rank
@@ -320,10 +383,10 @@ class Checkpoint:
     @property
     def sharded(self) -> dict[str, GlobalTensor]:
         """The global (DTensor) tensors by name, their boxes checked to tile (of a root
-        opened lazily: computed on first use, reading every part).
+        opened lazily: computed on first use, reading every rank's part file).
 
         Raises:
-            CorruptCheckpointError: (a root opened lazily) a part or the tiling fails.
+            CorruptCheckpointError: (a root opened lazily) a part file or the tiling fails.
         """
         if self._sharded is None:
             self._sharded = global_tensors(self.manifest)
@@ -354,7 +417,9 @@ class Checkpoint:
         return rank
 
     def leaves(self, rank: int) -> list[Leaf]:
-        """Rank `rank`'s tensor leaves, in tree order."""
+        """Rank `rank`'s tensor leaves, in tree order (a global tensor's: this rank's
+        boxes at once, `Leaf.tensor` every rank's, read and checked to tile if they are
+        not yet: see `Leaf`)."""
         return self._leaves[self._ready(self.check_rank(rank))]
 
     def tree(self, rank: int) -> Any:

@@ -20,8 +20,8 @@ then what a raw file promises, a safetensors file any tool opens. Re-encoding us
 codecs' default settings, not those of the save (a manifest does not record them).
 
 A step saved in parts (format_version 3) is copied in parts: the same node directories
-and ranks, each part file written again (its frames' places change) and the root with
-new entries, so a copy of a step too large for one manifest file stays readable.
+and ranks, each rank's part file written again (its frames' places change) and the root
+with new entries, so a copy of a step too large for one manifest file stays readable.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import FORMAT_VERSION, MANIFEST_NAME
 from asyncckpt.format.manifest import Manifest, RankPart, admitted_codecs, check_readable
-from asyncckpt.format.parts import PartEntry, node_part_to_bytes, part_entry, read_local
+from asyncckpt.format.parts import PartEntry, node_part, read_local
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.reader import scratch_buffer
 from asyncckpt.storage.durable import fsync_path, write_atomic
@@ -73,7 +73,8 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
             if m.parts is None:
                 parts = [_copy_rank(ckpt, rank, tmp) for rank in range(ckpt.world_size)]
                 entries = None
-            else:
+            else:  # every rank's tables read, and global tensors checked to tile
+                ckpt.sharded  # noqa: B018
                 parts, entries = [], [_copy_part(ckpt, entry, tmp) for entry in m.parts]
             manifest = Manifest(m.step, m.world_size, parts, created=m.created,
                                 writer_version=m.writer_version, format_version=FORMAT_VERSION,
@@ -91,13 +92,14 @@ def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: i
 
 
 def _copy_part(ckpt: Checkpoint, entry: PartEntry, directory: Path) -> PartEntry:
-    """Node part `entry` copied into `directory`: its node directory, data files and part
-    file; returns its new root entry."""
+    """Node part `entry` copied into `directory`: its node directory, its ranks' data
+    files and part files; returns its new root entry."""
     (directory / entry.dir).mkdir()
     ranks = [_copy_rank(ckpt, rank, directory) for rank in entry.ranks]
-    data = node_part_to_bytes(ckpt.step, ranks)
-    write_atomic(directory / entry.name, data)
-    return part_entry(ranks, data)
+    new, files = node_part(ckpt.step, ranks)
+    for name, data in files.items():
+        write_atomic(directory / name, data)
+    return new
 
 
 def _copy_rank(ckpt: Checkpoint, rank: int, directory: Path) -> RankPart:

@@ -5,12 +5,17 @@ the saved structure, which saved tensor (or which boxes of a global one) holds i
 and, for a view, its window on its base. The checks are the rules every reader applies
 (docs/FORMAT.md): a well-formed tree referencing each listed tensor exactly once, views
 only inside a plain tensor of the rank and of its dtype, no view of a global tensor.
+
+A leaf of a global tensor knows the boxes its own rank saved at once; all of the
+tensor's boxes (every rank's, checked to tile) may come later, on first use: of a step
+in parts opened for one rank, they are every rank's part file, which a rank reading back
+only the shard it saved never needs (read/loader.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, TensorSpec
@@ -28,22 +33,35 @@ class Leaf:
     """A tensor leaf of a rank's tree: where it sits, what it is and where its data is.
 
     kind "tensor" (a plain tensor of this rank), "bytes" or "pickled" (a bytes value
-    of this rank, or an object's pickle, stored as a uint8 tensor), "dtensor" (a global tensor, all ranks' boxes) or "view" (`view` of the plain tensor `tensor`, which holds the data).
+    of this rank, or an object's pickle, stored as a uint8 tensor), "dtensor" (a global
+    tensor) or "view" (`view` of the plain tensor `tensor`, which holds the data).
+
+    `own` is what this rank saved of it: the tensor itself, or of a global tensor the
+    boxes this rank saved (name, path, dtype and global shape are those of the whole).
+    `tensor` is all of it: of a global tensor every rank's boxes, checked to tile. Where
+    those are not known yet (`resolve` set: a step in parts opened lazily), asking for
+    `tensor` reads every rank's part file and checks the tiling, raising
+    CorruptCheckpointError if that fails.
     """
 
     path: TreePath
     kind: str
-    tensor: GlobalTensor
+    own: GlobalTensor
     view: View | None = None
+    resolve: Callable[[], GlobalTensor] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def tensor(self) -> GlobalTensor:
+        return self.own if self.resolve is None else self.resolve()
 
     @property
     def dtype(self) -> torch.dtype:
         from asyncckpt.torchutil.dtypes import DTYPES
-        return DTYPES[self.tensor.dtype]
+        return DTYPES[self.own.dtype]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.view.shape if self.view is not None else self.tensor.shape
+        return self.view.shape if self.view is not None else self.own.shape
 
 
 def holds_global(tree: Any) -> bool:
@@ -55,7 +73,8 @@ def holds_global(tree: Any) -> bool:
 
 
 def rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, GlobalTensor],
-                rank: int, step: int, file: str = MANIFEST_NAME) -> list[Leaf]:
+                rank: int, step: int, file: str = MANIFEST_NAME,
+                whole: Callable[[str], GlobalTensor] | None = None) -> list[Leaf]:
     """Check rank `rank`'s tree (described in `file`) against its tensor table; return
     its leaves.
 
@@ -63,7 +82,9 @@ def rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, GlobalT
     view must lie inside a plain tensor of its own dtype.
 
     Args:
-        sharded: the checkpoint's global tensors (the boxes of this rank's dtensor nodes).
+        sharded: the global tensors of this rank's dtensor nodes: the checkpoint's (every
+            rank's boxes), or, with `whole`, this rank's (`tiling.rank_globals`).
+        whole: a global tensor's every box by name, asked for when a leaf's `tensor` is.
     Returns:
         The leaves, in tree order.
     Raises:
@@ -83,7 +104,9 @@ def rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, GlobalT
             if kind == "tensor" or kind in BYTES_KINDS:
                 leaves.append(Leaf(path, kind, GlobalTensor.whole(rank, specs[body], path)))
             elif kind == "dtensor":
-                leaves.append(Leaf(path, kind, sharded[body["name"]]))
+                name = body["name"]
+                leaves.append(Leaf(path, kind, sharded[name], resolve=None if whole is None
+                                   else (lambda name=name: whole(name))))
             else:
                 if body.of in sharded:
                     raise bad(f"view at {list(path)!r:.80} of {body.of!r:.80}, not a tensor "

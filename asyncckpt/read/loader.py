@@ -8,6 +8,13 @@ whichever kind saved them); a plain target, or no target, gets the full tensor.
 Everything is matched and checked against the targets before a byte is read, so a
 mismatch leaves the targets untouched.
 
+A target whose local box lies inside a box the loaded rank saved (the same-world resume
+of an FSDP or tensor-parallel job: rank r reads back the shard it wrote) is filled from
+that box alone: of a step saved in parts, no other rank's part file is read and the
+tiling of every rank's boxes is not checked, as nothing of them is used. Any other
+global target (another world size or placement), a plain target, or none, reads every
+rank's boxes, their tiling checked first (`Checkpoint.sharded`).
+
 Views (tensors saved as a window on an earlier tensor, e.g. tied weights) read no data
 of their own: without a target a view comes back as the same view of its loaded base,
 so aliasing survives the round trip; a target at a view's path that is not already that
@@ -26,6 +33,7 @@ import torch
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, StateMismatchError
+from asyncckpt.format.tiling import GlobalTensor, covers
 from asyncckpt.format.tree import show_path, unflatten
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.reader import READ_AHEAD
@@ -34,7 +42,6 @@ from asyncckpt.torchutil.dtypes import DTYPES
 from asyncckpt.torchutil.ranks import resolve_rank
 
 if TYPE_CHECKING:
-    from asyncckpt.format.tiling import GlobalTensor
     from asyncckpt.read.sharded import ReadPlan
 
 TreePath = tuple[Any, ...]
@@ -106,11 +113,11 @@ def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
     loaded: dict[str, Any] = {}
     for leaf in leaves:
         if leaf.view is None:
-            loaded[leaf.tensor.name] = _plan(plan, leaf.tensor, targets.get(leaf.path),
-                                             ckpt.step, rank)
+            target = targets.get(leaf.path)
+            loaded[leaf.own.name] = _plan(plan, _source(leaf, target), target, ckpt.step, rank)
     sources: dict[str, torch.Tensor] = {}  # views' bases as contiguous CPU/CUDA tensors
     for leaf in leaves:
-        name = leaf.tensor.name
+        name = leaf.own.name
         if leaf.view is not None and name not in sources:
             base = loaded[name]
             plain = not dtensor.is_global(base) and base.is_contiguous()
@@ -120,7 +127,7 @@ def _load(ckpt: Checkpoint, rank: int, into: Any, strict: bool) -> Any:
     with torch.no_grad():
         for leaf in leaves:
             if leaf.view is not None:
-                view = leaf.view.of_tensor(sources[leaf.tensor.name])
+                view = leaf.view.of_tensor(sources[leaf.own.name])
                 target = targets.get(leaf.path)
                 views[leaf.path] = view if target is None else _fill_from(target, view, leaf.path)
     return unflatten(ckpt.tree(rank), loaded.__getitem__, lambda path, _: views[path])
@@ -138,6 +145,17 @@ def _fill_from(target: torch.Tensor, view: torch.Tensor, path: TreePath) -> torc
     if not same:
         target.copy_(view)
     return target
+
+
+def _source(leaf: Leaf, target: torch.Tensor | None) -> GlobalTensor:
+    """What `target` is filled from: the boxes the rank saved where they hold all of the
+    target's local box (a global target: its own shard), else all of the tensor (every
+    rank's boxes, read and checked to tile if they were not yet)."""
+    if leaf.resolve is not None and target is not None and dtensor.is_global(target):
+        local, offsets = dtensor.local_box(target, show_path(leaf.path))
+        if local is None or covers(leaf.own, offsets, tuple(local.shape)):
+            return leaf.own
+    return leaf.tensor
 
 
 def _plan(plan: "ReadPlan", g: "GlobalTensor", target: torch.Tensor | None, step: int,

@@ -103,7 +103,7 @@ def storage_for(root: str | os.PathLike[str]) -> Storage:
 
 def read_manifest_at(directory: Location, limits: ReadLimits | None = None) -> Manifest:
     """Read, size-check, checksum and validate the manifest of checkpoint `directory`,
-    local or in an object store. A root manifest (format_version 3) reads its node parts
+    local or in an object store. A root manifest (format_version 3) reads its rank parts
     from the same place when asked for, each bounded by `limits.max_manifest_bytes`.
 
     Raises:

@@ -32,15 +32,15 @@ from typing import Any
 from asyncckpt.errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
                               WriterLockedError)
 from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits
-from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, NODE_PART_NAME, ROOT_ID_NAME,
-                                     is_tmp_dir, step_dir_name, tmp_step_of)
+from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, is_tmp_dir,
+                                     parse_node_entry, step_dir_name, tmp_step_of)
 from asyncckpt.format.manifest import RankPart
-from asyncckpt.format.parts import PartEntry, node_part_to_bytes, parse_node_part, part_entry
+from asyncckpt.format.parts import PartEntry, node_part, parse_rank_part
 from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import read_manifest_at
-from asyncckpt.storage.durable import write_atomic
+from asyncckpt.storage.durable import fsync_path
 from asyncckpt.storage.posix import read_small_file
 from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.writer.owners import OwnerMark
@@ -82,44 +82,64 @@ def publish(storage: Storage, tmp_dir: Path, step: int, manifest: bytes, *,
 
 def write_node_part(storage: Storage, tmp_dir: Path, step: int,
                     parts: list[RankPart]) -> dict[str, Any]:
-    """Write the part file of a node's ranks `parts` (consecutive, their data files
-    already fsynced in the node's folder) and return the root manifest's entry for it,
-    as JSON, for the node's lead rank to announce.
+    """Write the part files of a node's ranks `parts` (consecutive, their data files
+    already fsynced in the node's folder), one a rank (`node-00008/rank-00009.json`),
+    and return the root manifest's entry for the node, as JSON, for the node's lead rank
+    to announce.
 
-    The file is parsed back with the reader's rules first, so a node never announces
-    what `load` would refuse. It is fsynced: the leader does not read it, it only lists
-    it (size and checksum) in the root manifest, which is made durable before the step
-    is visible.
+    Each file is parsed back with the reader's rules first, so a node never announces
+    what `load` would refuse. They are made durable (each fsynced, then the node's
+    folder): the leader does not read them, it only lists them, and their sizes and
+    checksums go into the root manifest, which is made durable before the step is visible.
 
     Raises:
-        CorruptCheckpointError: the part breaks a reader's rule.
-        OSError: it cannot be written.
+        CorruptCheckpointError: a rank's part breaks a reader's rule.
+        OSError: they cannot be written.
     """
-    data = node_part_to_bytes(step, parts)
-    entry = part_entry(parts, data)
+    entry, files = node_part(step, parts)
     limits = ReadLimits.from_env()
-    if len(data) > limits.max_manifest_bytes:
-        raise CorruptCheckpointError(f"the node's part would be {len(data)} bytes, over the "
-                                     f"{limits.max_manifest_bytes} bytes a reader accepts "
-                                     "(max_manifest_bytes)")
-    parse_node_part(data, step=step, entry=entry, max_frame_bytes=limits.max_frame_bytes)
-    name = f"{entry.dir}/{NODE_PART_NAME}"
-    faults.io("write", tmp_dir / name)
-    if isinstance(storage, S3Storage):
-        storage.put_key((tmp_dir / name).key, data)
-    else:
-        write_atomic(tmp_dir / name, data)
+    for part, (name, data) in zip(parts, files.items()):
+        if len(data) > limits.max_manifest_bytes:
+            raise CorruptCheckpointError(f"{name} would be {len(data)} bytes, over the "
+                                         f"{limits.max_manifest_bytes} bytes a reader accepts "
+                                         "(max_manifest_bytes)", step=step, rank=part.rank)
+        parse_rank_part(data, step=step, entry=entry, rank=part.rank,
+                        max_frame_bytes=limits.max_frame_bytes)
+    for name, data in files.items():
+        faults.io("write", tmp_dir / name)
+        if isinstance(storage, S3Storage):
+            storage.put_key((tmp_dir / name).key, data)
+        else:
+            _write_new(tmp_dir / name, data)
+    if not isinstance(storage, S3Storage):
+        fsync_path(tmp_dir / entry.dir)
     return entry.to_json()
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Create `path` (it must not exist: a node's folder is new for each save) holding
+    `data`, fsynced (its directory is fsynced by the caller, once for all its files)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        faults.io("fsync", path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
                  nodes: tuple[NodePart, ...]) -> list[PartEntry]:
     """The leader's half of a several-node commit: check that the announced nodes tile
     the world, and move each other node's folder into `tmp_dir` (one rename a node, then
-    the emptied tmp directory goes; the nodes share the file system). A node's part file
-    is not read: its size is checked (one stat) and its checksum goes into the root
-    manifest, which the reader checks the part against. On an object store every node
-    wrote under the step's own prefix, so nothing moves.
+    the emptied tmp directory goes; the nodes share the file system). A node's part files
+    are not read: its folder is listed once, to check that it holds a part file and one
+    data file for each of its ranks and nothing else, and their sizes and checksums go
+    into the root manifest, which the reader checks each file against. On an object
+    store every node wrote under the step's own prefix, so nothing moves (the folder's
+    listing is one LIST request).
 
     Args:
         nodes: per node (first rank, count, its tmp directory's name, its part entry).
@@ -127,8 +147,9 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
         The root manifest's part entries, in rank order.
     Raises:
         SaveFailedError: nodes that do not tile the world, a name that is not a tmp
-            directory of `step`, an entry that is not its node's, a missing or
-            mismatched part file, or an I/O error.
+            directory of `step` (on an object store: not the step's prefix), an entry
+            that is not its node's, a node folder missing or not holding its ranks'
+            files, or an I/O error.
     """
     entries, end = [], 0
     limit = ReadLimits.from_env().max_manifest_bytes
@@ -141,34 +162,29 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
                                       f"{entry.count}]) after rank {end - 1}", step=step,
                                       rank=first)
             end = first + count
-            if not is_tmp_dir(name) or tmp_step_of(name) != step:
-                raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, not a tmp "
-                                      f"directory of step {step}", step=step, rank=first)
-            if isinstance(storage, S3Storage):
+            if isinstance(storage, S3Storage):  # every node's "tmp" is the step's prefix
                 if name != tmp_dir.name:
                     raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, not "
                                           f"{tmp_dir.name}", step=step, rank=first)
-                with storage.open_file(tmp_dir, f"{entry.dir}/{NODE_PART_NAME}") as f:
-                    size = f.size
-            else:
-                if name != tmp_dir.name:
-                    faults.io("rename", tmp_dir / entry.dir)
-                    os.rename(storage.root / name / entry.dir, tmp_dir / entry.dir)
-                    try:
-                        os.rmdir(storage.root / name)
-                    except OSError:
-                        pass  # not empty (a node's other step?): swept with the stale ones
-                size = os.lstat(tmp_dir / entry.dir / NODE_PART_NAME).st_size
-            if size != entry.size:
-                raise SaveFailedError(f"{entry.dir}/{NODE_PART_NAME} has {size} bytes, its "
-                                      f"announcement says {entry.size}", step=step, rank=first,
-                                      file=str(tmp_dir))
+            elif not is_tmp_dir(name) or tmp_step_of(name) != step:
+                raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, not a tmp "
+                                      f"directory of step {step}", step=step, rank=first)
+            elif name != tmp_dir.name:
+                faults.io("rename", tmp_dir / entry.dir)
+                os.rename(storage.root / name / entry.dir, tmp_dir / entry.dir)
+                try:
+                    os.rmdir(storage.root / name)
+                except OSError:
+                    pass  # not empty (a node's other step?): swept with the stale ones
+            folder = tmp_dir / entry.dir
+            _check_node_folder(entry, storage.names(folder) if isinstance(storage, S3Storage)
+                               else set(os.listdir(folder)), step, tmp_dir)
             entries.append(entry)
         if end != world_size:
             raise SaveFailedError(f"the nodes cover ranks 0..{end - 1} of {world_size}",
                                   step=step)
     except FileNotFoundError as e:
-        raise SaveFailedError(f"a node's folder or part file is missing: {e}", step=step,
+        raise SaveFailedError(f"a node's folder is missing: {e}", step=step,
                               file=str(tmp_dir)) from None
     except OSError as e:
         raise io_error(e, step=step, file=str(e.filename or tmp_dir)) from e
@@ -176,6 +192,35 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
         raise SaveFailedError(f"a node's part entry is unusable: {e.cause}", step=step) from None
     faults.point("parts_gathered")
     return entries
+
+
+def _check_node_folder(entry: PartEntry, names: set[str], step: int, tmp_dir: Path) -> None:
+    """A node's folder holds, for each of its ranks, its part file and one data file,
+    and nothing else (what a reader accepts: it checks each file's size, checksum and
+    codec).
+
+    Raises:
+        SaveFailedError: it does not.
+    """
+    parts, data, other = set(), {r: 0 for r in entry.ranks}, []
+    for name in names:
+        parsed = parse_node_entry(name)
+        if parsed is None or parsed[0] not in data:
+            other.append(name)
+        elif parsed[1]:
+            parts.add(parsed[0])
+        else:
+            data[parsed[0]] += 1
+    missing = [r for r in entry.ranks if r not in parts or data[r] != 1]
+    if missing or other:
+        rank = missing[0] if missing else entry.first
+        raise SaveFailedError(
+            f"{entry.dir} does not hold a part file and one data file for each of ranks "
+            f"{entry.first}..{entry.first + entry.count - 1} and nothing else"
+            + (f": rank {rank} has {'a' if rank in parts else 'no'} part file and "
+               f"{data[rank]} data files" if missing else "")
+            + (f"; it holds {sorted(other)[:5]!r}" if other else ""),
+            step=step, rank=rank, file=str(tmp_dir / entry.dir))
 
 
 def update_latest(storage: Storage, trusted: int | None = None) -> None:

@@ -1,7 +1,7 @@
 """Steps in parts (format_version 3) made by hand from single-file steps, for tests.
 
 A real writer saves a several-rank step as one manifest; `to_parts` rewrites it in place
-as the root manifest, node directories and part files a several-node save writes, using
+as the root manifest, node directories and rank part files a several-node save writes, using
 the format's own functions (so what is tested is what a writer would produce), and
 rewrites references into steps already rewritten so they name their node directories.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from asyncckpt.format.layout import MANIFEST_NAME, node_dir_name
 from asyncckpt.format.manifest import Manifest, RankPart, read_manifest
-from asyncckpt.format.parts import PartEntry, node_part_to_bytes, part_entry
+from asyncckpt.format.parts import PartEntry, node_part
 
 
 def firsts(sizes: list[int]) -> list[int]:
@@ -48,9 +48,10 @@ def to_parts(step_dir: Path, sizes: list[int],
         group = ranks[first:first + size]
         for flat, part in zip(m.ranks[first:first + size], group):
             (step_dir / flat.file).rename(step_dir / part.file)
-        data = node_part_to_bytes(m.step, group)
-        (node / "part.json").write_bytes(data)
-        entries.append(part_entry(group, data))
+        entry, files = node_part(m.step, group)
+        for name, data in files.items():
+            (step_dir / name).write_bytes(data)
+        entries.append(entry)
     root = Manifest(m.step, m.world_size, [], created=m.created,
                     writer_version=m.writer_version, parts=entries)
     (step_dir / MANIFEST_NAME).write_bytes(root.to_bytes())

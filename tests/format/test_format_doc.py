@@ -22,10 +22,10 @@ from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format import envelope
 from asyncckpt.format.layout import (CUT_BYTES, DTYPE_SIZES, FORMAT_VERSION_PARTS, MANIFEST_NAME,
-                                     NODE_PART_NAME, data_file_name, is_data_file_name,
-                                     is_node_dir_name, layout, node_dir_name)
+                                     data_file_name, is_data_file_name, is_node_dir_name,
+                                     layout, node_dir_name, rank_part_name)
 from asyncckpt.format.manifest import Manifest, admitted_codecs, parse_manifest
-from asyncckpt.format.parts import node_part_to_bytes, part_entry
+from asyncckpt.format.parts import node_part
 from asyncckpt.torchutil import dtypes
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md").read_text()
@@ -231,29 +231,31 @@ def test_the_root_example_parses_and_round_trips():
     assert body_of(parsed.to_bytes()) == doc
     assert parsed.referenced_steps == {100, 200} and parsed.raw_size == 2 * 268437600
     assert all(e.referenced_size <= e.raw_size for e in parsed.parts)
+    assert all(len(e.sizes) == len(e.xxh3s) == e.count == 8 for e in parsed.parts)
 
 
 def test_the_root_example_s_keys_are_what_the_writer_writes():
     doc = root_example()
     ranks = [dataclasses.replace(manifest_example_part(), rank=r,
                                  file=f"node-00000/{data_file_name(r, 'zstd')}") for r in (0, 1)]
-    data = node_part_to_bytes(300, ranks)
-    written = body_of(Manifest(300, 2, [], parts=[part_entry(ranks, data)]).to_bytes())
+    entry, files = node_part(300, ranks)
+    written = body_of(Manifest(300, 2, [], parts=[entry]).to_bytes())
     assert list(written) == list(doc) and list(written["parts"][0]) == list(doc["parts"][0])
-    stated = re.search(r'^\{"format":"asyncckpt","format_version":3,"step":.*?"ranks":', DOC,
+    stated = re.search(r'^\{"format":"asyncckpt","format_version":3,"step":.*?"part":', DOC,
                        re.M | re.S).group(0)
-    assert re.findall(r'"(\w+)":', stated) == list(body_of(data))
+    assert re.findall(r'"(\w+)":', stated) == list(body_of(files["node-00000/rank-00001.json"]))
 
 
 def manifest_example_part():
     return parse_manifest(seal(manifest_example()), max_frame_bytes=MAX_FRAME).ranks[0]
 
 
-def test_the_names_table_gives_the_node_directory_and_part_names():
+def test_the_names_table_gives_the_node_directory_and_rank_part_names():
     rows = {r[0]: r[1] for r in table("| name | rule |")}
     assert "`node-00008`" in rows["node directory"] and node_dir_name(8) == "node-00008"
     assert "`node-000008` is none" in rows["node directory"] and not is_node_dir_name("node-000008")
-    assert ticked(rows["node part"])[0] == NODE_PART_NAME
+    assert ticked(rows["rank part"]) == ["rank-", ".json", "node-00008/rank-00009.json"]
+    assert f"node-00008/{rank_part_name(9)}" == "node-00008/rank-00009.json"
 
 
 def test_a_reference_may_name_a_node_directory_file_as_stated():

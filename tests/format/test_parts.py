@@ -1,12 +1,13 @@
 """parts.py and the root manifest (format_version 3): bytes, lazy reading, and every rule.
 
 Field checks are made on re-signed bodies whose root entry is updated to the edited
-part's size and checksum, so each case proves the rule itself, not merely a checksum.
+rank part's size and checksum, so each case proves the rule itself, not merely a checksum.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -17,16 +18,18 @@ import pytest
 import xxhash
 from test_manifest import ENVELOPE, make_part, resign
 
+from asyncckpt.codec.registry import PlaneLayout
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.layout import (FORMAT_VERSION_PARTS, MANIFEST_NAME, NODE_PART_NAME,
-                                     READABLE_VERSIONS, data_file_codec, data_file_name,
-                                     is_data_file_name, is_node_dir_name, node_data_file_name,
-                                     node_dir_name, parse_node_dir)
-from asyncckpt.format.manifest import (Manifest, RankPart, Ref, check_readable,
+from asyncckpt.format.layout import (FORMAT_VERSION_PARTS, MANIFEST_NAME, READABLE_VERSIONS,
+                                     data_file_codec, is_data_file_name,
+                                     is_node_dir_name, layout, node_data_file_name,
+                                     node_dir_name, parse_node_dir, parse_node_entry,
+                                     rank_part_name)
+from asyncckpt.format.manifest import (Frame, Manifest, RankPart, Ref, check_readable,
                                        parse_manifest, read_manifest)
-from asyncckpt.format.parts import (PartEntry, PartedRanks, node_part_to_bytes, parse_node_part,
-                                    part_entry)
+from asyncckpt.format.parts import (PartEntry, PartedRanks, check_sums, node_part,
+                                    parse_rank_part, part_entry, rank_part_to_bytes)
 
 MAX_FRAME = 1 << 20
 STEP = 1200
@@ -41,7 +44,7 @@ def node(first: int, count: int, codec: str = "zstd") -> list[RankPart]:
 
 
 class Store:
-    """Part files by name, read through `read` (the `ReadPart` a reader gives), counted."""
+    """Rank part files by name, read through `read` (the `ReadPart` a reader gives), counted."""
 
     def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
@@ -58,16 +61,20 @@ class Store:
 
 
 def parted(sizes: list[int], step: int = STEP, codec: str = "zstd") -> tuple[Manifest, Store]:
-    """A root of parts of `sizes` ranks, its part files in a Store."""
+    """A root of parts of `sizes` ranks, its rank part files in a Store."""
     store, entries, first = Store(), [], 0
     for size in sizes:
-        ranks = node(first, size, codec)
-        data = node_part_to_bytes(step, ranks)
-        entry = part_entry(ranks, data)
-        store.files[entry.name] = data
+        entry, files = node_part(step, node(first, size, codec))
+        store.files.update(files)
         entries.append(entry)
         first += size
     return Manifest(step, first, [], created=1_700_000_000.5, parts=entries), store
+
+
+def rank_file(rank: int, sizes: list[int]) -> str:
+    """Rank `rank`'s part file name when parts hold `sizes` ranks."""
+    first = max(f for f in [0, *itertools.accumulate(sizes)][:-1] if f <= rank)
+    return f"{node_dir_name(first)}/{rank_part_name(rank)}"
 
 
 def body(data: bytes) -> dict[str, Any]:
@@ -111,7 +118,7 @@ def test_data_file_names_flat_and_in_a_node_directory(name, codec):
     "node-000008/rank-00009.safetensors", "node-00008/rank-00003.safetensors.zst",
     "node-00008//rank-00009.safetensors", "node-00008/rank-00009.safetensors/x",
     "step-00000001/rank-00000.safetensors", "node-00000/part.json", "node-00000",
-    "node-00000/rank-00000.safetensors.gz",
+    "node-00000/rank-00000.safetensors.gz", "node-00000/rank-00000.json", "rank-00000.json",
 ])
 def test_paths_that_are_not_data_file_names(name):
     assert not is_data_file_name(name) and data_file_codec(name) is None
@@ -119,24 +126,40 @@ def test_paths_that_are_not_data_file_names(name):
 
 def test_version_3_is_readable():
     assert FORMAT_VERSION_PARTS == 3 and 3 in READABLE_VERSIONS and 1 in READABLE_VERSIONS
-    assert NODE_PART_NAME == "part.json"
+    assert rank_part_name(9) == "rank-00009.json" and rank_part_name(123456) == "rank-123456.json"
 
 
-# -- a node part: bytes and entry -----------------------------------------------------------------
+@pytest.mark.parametrize("name, parsed", [
+    ("rank-00009.json", (9, True)), ("rank-123456.json", (123456, True)),
+    ("rank-00009.safetensors", (9, False)), ("rank-00009.safetensors.zst", (9, False)),
+    ("rank-00009.safetensors.bg", (9, False)),
+    ("rank-000009.json", None), ("rank-0009.json", None), ("rank-00009.JSON", None),
+    ("rank-00009.json.tmp", None), ("part.json", None), ("rank-00009.safetensors.gz", None),
+    ("node-00008/rank-00009.json", None), (".rank-00009.json.tmp-1234", None), ("", None),
+])
+def test_what_a_node_directory_may_hold(name, parsed):
+    assert parse_node_entry(name) == parsed
 
-def test_a_node_part_is_the_envelope_around_its_ranks():
+
+# -- a rank part: bytes and entry -----------------------------------------------------------------
+
+def test_a_rank_part_is_the_envelope_around_its_entry():
     ranks = node(8, 2)
-    data = node_part_to_bytes(STEP, ranks)
+    entry, files = node_part(STEP, ranks)
+    assert list(files) == ["node-00008/rank-00008.json", "node-00008/rank-00009.json"]
+    data = files["node-00008/rank-00009.json"]
+    assert data == rank_part_to_bytes(STEP, ranks[1])
     doc = body(data)
-    assert list(doc) == ["format", "format_version", "step", "first", "ranks"]
+    assert list(doc) == ["format", "format_version", "step", "part"]
     assert doc["format"] == "asyncckpt" and doc["format_version"] == 3 and doc["step"] == STEP
-    assert doc["first"] == 8 and doc["ranks"] == [p.to_json() for p in ranks]
-    assert doc["ranks"][1]["file"] == "node-00008/rank-00009.safetensors.zst"
+    assert doc["part"] == ranks[1].to_json()
+    assert doc["part"]["file"] == "node-00008/rank-00009.safetensors.zst"
     assert data.startswith(b'{"xxh3":"%016x","manifest":{"format":"asyncckpt","format_version":3,'
-                           b'"step":1200,"first":8,"ranks":[{"rank":8,"file":"node-00008/'
+                           b'"step":1200,"part":{"rank":9,"file":"node-00008/'
                            % xxhash.xxh3_64_intdigest(data[38:-2]))
-    assert parse_node_part(data, step=STEP, entry=part_entry(ranks, data),
-                           max_frame_bytes=MAX_FRAME) == ranks
+    for rank, name in zip((8, 9), files):
+        assert parse_rank_part(files[name], step=STEP, entry=entry, rank=rank,
+                               max_frame_bytes=MAX_FRAME) == ranks[rank - 8]
 
 
 def referencing(part: RankPart, step: int, file: str) -> RankPart:
@@ -147,107 +170,126 @@ def referencing(part: RankPart, step: int, file: str) -> RankPart:
     return dataclasses.replace(part, frames=frames, stored_size=part.stored_size - last.stored_length)
 
 
-def test_the_entry_sums_its_ranks_and_checksums_the_whole_file():
+def test_the_entry_sums_its_ranks_and_checksums_each_file():
     ranks = node(0, 3)
     ranks[1] = referencing(ranks[1], 7, "node-00000/rank-00001.safetensors.zst")
-    data = node_part_to_bytes(STEP, ranks)
-    entry = part_entry(ranks, data)
-    assert entry == PartEntry("node-00000", 0, 3, len(data), xxhash.xxh3_64_intdigest(data),
+    entry, files = node_part(STEP, ranks)
+    datas = list(files.values())
+    digests = tuple(xxhash.xxh3_64_intdigest(d) for d in datas)
+    assert entry == PartEntry("node-00000", 0, 3, tuple(len(d) for d in datas), digests,
                               sum(p.raw_size for p in ranks), sum(p.stored_size for p in ranks),
                               ranks[1].frames[-1].raw_length, (7,))
+    assert entry == part_entry(ranks, datas)
     assert entry.to_json() == {
-        "dir": "node-00000", "first": 0, "count": 3, "size": len(data),
-        "xxh3": f"{xxhash.xxh3_64_intdigest(data):016x}", "raw_size": entry.raw_size,
+        "dir": "node-00000", "first": 0, "count": 3, "sizes": [len(d) for d in datas],
+        "xxh3": "".join(f"{x:016x}" for x in digests), "raw_size": entry.raw_size,
         "stored_size": entry.stored_size, "referenced_size": entry.referenced_size,
         "referenced_steps": [7]}
     assert PartEntry.from_json(entry.to_json(), step=STEP, max_size=1 << 20) == entry
+    assert (entry.name(2), entry.size(2), entry.xxh3(2)) == (
+        "node-00000/rank-00002.json", len(datas[2]), digests[2])
 
 
 def test_a_node_part_holds_consecutive_ranks():
     with pytest.raises(ValueError, match="consecutive"):
-        node_part_to_bytes(STEP, [node(0, 1)[0], in_node(make_part(2, "zstd"), 0)])
+        node_part(STEP, [node(0, 1)[0], in_node(make_part(2, "zstd"), 0)])
     with pytest.raises(ValueError):
-        node_part_to_bytes(STEP, [])
+        node_part(STEP, [])
+    with pytest.raises(ValueError, match="one file each"):
+        part_entry(node(0, 2), [b"x"])
 
 
-# -- a node part: every rule ----------------------------------------------------------------------
+# -- a rank part: every rule ----------------------------------------------------------------------
 
-def edited(edit: Callable[[dict], None], first: int = 8) -> tuple[bytes, PartEntry]:
-    """A part of ranks first, first+1 edited and re-signed, and the entry for those bytes
-    (what the root would say of exactly these bytes)."""
-    ranks = node(first, 2)
-    doc = body(node_part_to_bytes(STEP, ranks))
+def edited(edit: Callable[[dict], None], rank: int = 8) -> tuple[bytes, PartEntry]:
+    """Rank `rank`'s part file (of a node of ranks 8, 9) edited and re-signed, and the
+    entry for those bytes (what the root would say of exactly these bytes)."""
+    ranks = node(8, 2)
+    entry, files = node_part(STEP, ranks)
+    doc = body(files[entry.name(rank)])
     edit(doc)
     data = resign(doc)
-    return data, dataclasses.replace(part_entry(ranks, data), size=len(data),
-                                     xxh3=xxhash.xxh3_64_intdigest(data))
+    i = rank - entry.first
+    return data, dataclasses.replace(
+        entry, sizes=entry.sizes[:i] + (len(data),) + entry.sizes[i + 1:],
+        xxh3s=entry.xxh3s[:i] + (xxhash.xxh3_64_intdigest(data),) + entry.xxh3s[i + 1:])
 
 
-def set_file(rank: int, name: str) -> Callable[[dict], None]:
-    return lambda d: d["ranks"][rank].__setitem__("file", name)
+def set_file(name: str) -> Callable[[dict], None]:
+    return lambda d: d["part"].__setitem__("file", name)
+
+
+def other_rank(doc: dict) -> None:
+    doc["part"] = in_node(make_part(9, "zstd", 57), 8).to_json()
 
 
 PART_RULES = {
     "wrong-step": (lambda d: d.__setitem__("step", STEP - 1), "part of step 1199, not 1200"),
-    "wrong-first": (lambda d: d.__setitem__("first", 9), "part of ranks from 9"),
-    "fewer-ranks": (lambda d: d["ranks"].pop(), "lists 1 ranks, the manifest says 2"),
-    "ranks-swapped": (lambda d: d["ranks"].reverse(), "rank entry 8 says rank 9"),
-    "version-1": (lambda d: d.__setitem__("format_version", 1), "not an asyncckpt node part"),
-    "not-asyncckpt": (lambda d: d.__setitem__("format", "dcp"), "not an asyncckpt node part"),
-    "flat-file-name": (set_file(0, "rank-00008.safetensors.zst"), "unexpected file name"),
-    "escapes": (set_file(0, "../x"), "unexpected file name '../x'"),
-    "escapes-through-node": (set_file(0, "node-00008/../../x"), "unexpected file name"),
-    "other-node": (set_file(1, "node-00000/rank-00009.safetensors.zst"), "unexpected file name"),
-    "absolute": (set_file(0, "/node-00008/rank-00008.safetensors.zst"), "unexpected file name"),
-    "missing-ranks": (lambda d: d.pop("ranks"), "KeyError"),
+    "bool-step": (lambda d: d.__setitem__("step", True), "part of step True"),
+    "other-rank": (other_rank, "rank entry 8 says rank 9"),
+    "version-1": (lambda d: d.__setitem__("format_version", 1), "not an asyncckpt rank part"),
+    "version-2": (lambda d: d.__setitem__("format_version", 2), "not an asyncckpt rank part"),
+    "not-asyncckpt": (lambda d: d.__setitem__("format", "dcp"), "not an asyncckpt rank part"),
+    "flat-file-name": (set_file("rank-00008.safetensors.zst"), "unexpected file name"),
+    "escapes": (set_file("../x"), "unexpected file name '../x'"),
+    "escapes-through-node": (set_file("node-00008/../../x"), "unexpected file name"),
+    "other-node": (set_file("node-00000/rank-00008.safetensors.zst"), "unexpected file name"),
+    "absolute": (set_file("/node-00008/rank-00008.safetensors.zst"), "unexpected file name"),
+    "other-rank-file": (set_file("node-00008/rank-00009.safetensors.zst"), "unexpected file name"),
+    "missing-part": (lambda d: d.pop("part"), "KeyError"),
+    "part-not-object": (lambda d: d.__setitem__("part", []), "part is not an object"),
+    "a-node-part": (lambda d: d.update(part=None, first=8, ranks=[d["part"]]),
+                    "part is not an object"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(PART_RULES))
-def test_a_node_part_breaking_a_rule_is_corrupt(case):
+def test_a_rank_part_breaking_a_rule_is_corrupt(case):
     edit, match = PART_RULES[case]
     data, entry = edited(edit)
     with pytest.raises(CorruptCheckpointError, match=re.escape(match)) as info:
-        parse_node_part(data, step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
-    assert "node-00008/part.json" in str(info.value)
+        parse_rank_part(data, step=STEP, entry=entry, rank=8, max_frame_bytes=MAX_FRAME)
+    assert "node-00008/rank-00008.json" in str(info.value)
 
 
-def test_a_node_part_repeating_a_key_is_corrupt():
-    data = node_part_to_bytes(STEP, node(8, 2))
-    text = data.decode()
-    forged_body = text[38:-2].replace('"step":1200', '"step":1200,"step":1199', 1).encode()
+def test_a_rank_part_repeating_a_key_is_corrupt():
+    data = rank_part_to_bytes(STEP, node(8, 1)[0])
+    forged_body = data[38:-2].replace(b'"step":1200', b'"step":1200,"step":1199', 1)
     forged = b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(forged_body) + forged_body + b"}\n"
-    entry = dataclasses.replace(part_entry(node(8, 2), data), size=len(forged),
-                                xxh3=xxhash.xxh3_64_intdigest(forged))
+    entry = part_entry(node(8, 1), [forged])
     with pytest.raises(CorruptCheckpointError, match="repeats the key 'step'"):
-        parse_node_part(forged, step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
+        parse_rank_part(forged, step=STEP, entry=entry, rank=8, max_frame_bytes=MAX_FRAME)
 
 
-def test_a_node_part_must_be_the_bytes_the_root_names():
+def test_a_rank_part_must_be_the_bytes_the_root_names():
     ranks = node(8, 2)
-    data = node_part_to_bytes(STEP, ranks)
-    entry = part_entry(ranks, data)
+    entry, files = node_part(STEP, ranks)
+    data = files["node-00008/rank-00009.json"]
     flipped = bytearray(data)
     flipped[len(flipped) // 2] ^= 1
-    with pytest.raises(CorruptCheckpointError, match="node-00008/part.json: xxh3 mismatch"):
-        parse_node_part(bytes(flipped), step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
+    with pytest.raises(CorruptCheckpointError, match="node-00008/rank-00009.json: xxh3 mismatch"):
+        parse_rank_part(bytes(flipped), step=STEP, entry=entry, rank=9, max_frame_bytes=MAX_FRAME)
     with pytest.raises(CorruptCheckpointError, match="has 10 bytes, the manifest says"):
-        parse_node_part(data[:10], step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
-    other = node_part_to_bytes(STEP, node(8, 2, "raw"))  # a valid part, not this one
-    with pytest.raises(CorruptCheckpointError, match="node-00008/part.json"):
-        parse_node_part(other, step=STEP, entry=dataclasses.replace(entry, size=len(other)),
-                        max_frame_bytes=MAX_FRAME)
+        parse_rank_part(data[:10], step=STEP, entry=entry, rank=9, max_frame_bytes=MAX_FRAME)
+    swapped = files["node-00008/rank-00008.json"]  # a valid file of this node, not rank 9's
+    with pytest.raises(CorruptCheckpointError, match="node-00008/rank-00009.json"):
+        parse_rank_part(swapped, step=STEP, entry=dataclasses.replace(
+            entry, sizes=(entry.sizes[0], len(swapped))), rank=9, max_frame_bytes=MAX_FRAME)
+    other = rank_part_to_bytes(STEP, in_node(make_part(9, "raw"), 8))  # valid, not this one
+    with pytest.raises(CorruptCheckpointError, match="node-00008/rank-00009.json: xxh3"):
+        parse_rank_part(other, step=STEP, entry=dataclasses.replace(
+            entry, sizes=(entry.sizes[0], len(other))), rank=9, max_frame_bytes=MAX_FRAME)
 
 
 def test_sums_that_disagree_with_the_entry_are_corrupt():
     ranks = node(8, 2)
-    data = node_part_to_bytes(STEP, ranks)
-    entry = part_entry(ranks, data)
+    entry, _ = node_part(STEP, ranks)
+    check_sums(entry, ranks)
     for field, value in (("raw_size", entry.raw_size + 1), ("stored_size", entry.stored_size - 1),
                          ("referenced_size", 5), ("referenced_steps", (3,))):
         bad = dataclasses.replace(entry, **{field: value})
-        with pytest.raises(CorruptCheckpointError, match="its ranks sum to"):
-            parse_node_part(data, step=STEP, entry=bad, max_frame_bytes=MAX_FRAME)
+        with pytest.raises(CorruptCheckpointError, match="node-00008: its ranks sum to"):
+            check_sums(bad, ranks)
 
 
 @pytest.mark.parametrize("file, ok", [
@@ -261,15 +303,15 @@ def test_sums_that_disagree_with_the_entry_are_corrupt():
 def test_a_reference_into_a_node_directory(file, ok):
     ranks = node(8, 2)
     ranks[0] = referencing(ranks[0], 7, file)
-    data = node_part_to_bytes(STEP, ranks)
-    entry = part_entry(ranks, data)
+    entry, files = node_part(STEP, ranks)
+    data = files["node-00008/rank-00008.json"]
     if ok:
-        parsed = parse_node_part(data, step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
-        assert parsed == ranks and parsed[0].frames[-1].ref == Ref(7, file, 0, 10)
+        parsed = parse_rank_part(data, step=STEP, entry=entry, rank=8, max_frame_bytes=MAX_FRAME)
+        assert parsed == ranks[0] and parsed.frames[-1].ref == Ref(7, file, 0, 10)
     else:
         with pytest.raises(CorruptCheckpointError, match="not a data file name") as info:
-            parse_node_part(data, step=STEP, entry=entry, max_frame_bytes=MAX_FRAME)
-        assert "node-00008/part.json" in str(info.value)
+            parse_rank_part(data, step=STEP, entry=entry, rank=8, max_frame_bytes=MAX_FRAME)
+        assert "node-00008/rank-00008.json" in str(info.value)
 
 
 def test_a_single_file_manifest_may_reference_a_node_directory_file():
@@ -305,18 +347,20 @@ def test_the_root_is_small_and_names_its_parts():
     assert parsed.bytes_read == len(data)
 
 
-def test_ranks_of_a_root_are_read_one_part_at_a_time():
+def test_ranks_of_a_root_are_read_one_rank_at_a_time():
     m, store = parted([2, 3, 1])
     data = m.to_bytes()
     parsed = parse_root(data, store)
     assert isinstance(parsed.ranks, PartedRanks) and len(parsed.ranks) == 6
     assert parsed.ranks[3].file == "node-00002/rank-00003.safetensors.zst"
-    assert store.reads == ["node-00002/part.json"]
-    assert parsed.bytes_read == len(data) + len(store.files["node-00002/part.json"])
-    assert parsed.ranks[2].rank == 2 and parsed.ranks[-2].rank == 4
-    assert store.reads == ["node-00002/part.json"]  # read once, kept
+    assert store.reads == ["node-00002/rank-00003.json"]
+    assert parsed.bytes_read == len(data) + len(store.files["node-00002/rank-00003.json"])
+    assert parsed.ranks[3].rank == 3 and parsed.ranks[-3].rank == 3
+    assert store.reads == ["node-00002/rank-00003.json"]  # read once, kept
+    assert parsed.ranks.is_loaded(3) and not parsed.ranks.is_loaded(2)
     assert [p.rank for p in parsed.ranks] == list(range(6))
-    assert store.reads == ["node-00002/part.json", "node-00000/part.json", "node-00005/part.json"]
+    assert store.reads == ["node-00002/rank-00003.json"] + [
+        rank_file(r, [2, 3, 1]) for r in (0, 1, 2, 4, 5)]
     assert parsed.bytes_read == len(data) + sum(len(d) for d in store.files.values())
     assert [p.rank for p in parsed.ranks[1:4]] == [1, 2, 3]
     with pytest.raises(IndexError):
@@ -327,9 +371,8 @@ def test_sums_come_from_the_entries():
     m, store = parted([2, 2])
     ranks = node(2, 2)
     ranks[0] = referencing(ranks[0], 9, "node-00000/rank-00000.safetensors.zst")
-    data = node_part_to_bytes(STEP, ranks)
-    m.parts[1] = part_entry(ranks, data)
-    store.files[m.parts[1].name] = data
+    m.parts[1], files = node_part(STEP, ranks)
+    store.files.update(files)
     parsed = parse_root(m.to_bytes(), store)
     assert parsed.referenced_steps == {9} and parsed.referenced_size == ranks[0].frames[-1].raw_length
     assert store.reads == []
@@ -338,27 +381,46 @@ def test_sums_come_from_the_entries():
         parsed.raw_size, parsed.stored_size, parsed.referenced_size, parsed.referenced_steps)
 
 
-def test_a_bad_part_is_corrupt_naming_its_file_and_others_still_read():
+def test_sums_are_checked_once_every_rank_of_a_node_is_read():
     m, store = parted([2, 2])
-    store.files["node-00002/part.json"] = b"x" + store.files["node-00002/part.json"][1:]
+    m.parts[1] = dataclasses.replace(m.parts[1], raw_size=m.parts[1].raw_size + 1)
     parsed = parse_root(m.to_bytes(), store)
-    assert parsed.ranks[1].rank == 1
+    assert parsed.ranks[2].rank == 2 and parsed.ranks[3].rank == 3  # one rank: no sums
+    assert [p.rank for p in parsed.ranks.load(0)] == [0, 1]
+    for _ in range(2):
+        with pytest.raises(CorruptCheckpointError, match="node-00002: its ranks sum to") as info:
+            parsed.ranks.load(1)
+        assert info.value.file == "/ckpt/step-00001200/manifest.json"
+    with pytest.raises(CorruptCheckpointError, match="node-00002: its ranks sum to"):
+        list(parse_root(m.to_bytes(), store).ranks)
+
+
+def test_a_bad_rank_part_is_corrupt_naming_its_file_and_others_still_read():
+    m, store = parted([2, 2])
+    name = "node-00002/rank-00003.json"
+    store.files[name] = b"x" + store.files[name][1:]
+    parsed = parse_root(m.to_bytes(), store)
+    assert parsed.ranks[1].rank == 1 and parsed.ranks[2].rank == 2  # its node's other rank too
     for _ in range(2):  # the same error each time, read once
         with pytest.raises(CorruptCheckpointError, match="xxh3 mismatch") as info:
-            parsed.ranks[2]
-        assert info.value.file == "/ckpt/step-00001200/node-00002/part.json"
-        assert info.value.step == STEP
-    assert store.reads == ["node-00000/part.json", "node-00002/part.json"]
-    del store.files["node-00000/part.json"]
+            parsed.ranks[3]
+        assert info.value.file == f"/ckpt/step-00001200/{name}"
+        assert info.value.step == STEP and info.value.rank == 3
+    assert store.reads == ["node-00000/rank-00001.json", "node-00002/rank-00002.json", name]
+    with pytest.raises(CorruptCheckpointError, match="xxh3 mismatch"):
+        parsed.ranks.load(1)
+    del store.files["node-00000/rank-00000.json"]
     again = parse_root(m.to_bytes(), store)
-    with pytest.raises(CorruptCheckpointError, match="cannot read node-00000/part.json") as info:
+    with pytest.raises(CorruptCheckpointError,
+                       match="cannot read node-00000/rank-00000.json") as info:
         again.ranks[0]
-    assert info.value.file.endswith("node-00000/part.json")
+    assert info.value.file.endswith("node-00000/rank-00000.json")
+    assert again.ranks[1].rank == 1
 
 
-def test_a_part_larger_than_its_entry_is_never_read_whole():
+def test_a_rank_part_larger_than_its_entry_is_never_read_whole():
     m, store = parted([1])
-    store.files["node-00000/part.json"] += b" " * 100
+    store.files["node-00000/rank-00000.json"] += b" " * 100
     with pytest.raises(CorruptCheckpointError, match="larger than"):
         parse_root(m.to_bytes(), store).ranks[0]
 
@@ -378,8 +440,8 @@ def test_check_readable_takes_a_root_alone_or_with_its_parts():
     assert check_readable(data, limits).parts == m.parts
     assert check_readable(data, limits, store.read).bytes_read == len(data) + sum(
         len(d) for d in store.files.values())
-    store.files["node-00002/part.json"] = store.files["node-00000/part.json"]
-    with pytest.raises(CorruptCheckpointError, match="node-00002/part.json"):
+    store.files["node-00002/rank-00003.json"] = store.files["node-00002/rank-00002.json"]
+    with pytest.raises(CorruptCheckpointError, match="node-00002/rank-00003.json"):
         check_readable(data, limits, store.read)
     with pytest.raises(CorruptCheckpointError, match="over the 64 bytes"):
         check_readable(data, ReadLimits(max_manifest_bytes=64))
@@ -388,8 +450,8 @@ def test_check_readable_takes_a_root_alone_or_with_its_parts():
 def test_a_part_over_the_reader_bound_is_refused_by_the_root():
     m, _ = parted([2, 2])
     data = m.to_bytes()
-    assert m.parts[0].size > len(data)
-    with pytest.raises(CorruptCheckpointError, match=r"part.json of \d+ bytes, outside 1\.\.\d+ "
+    assert m.parts[0].size(0) > len(data)
+    with pytest.raises(CorruptCheckpointError, match=r"rank-00000.json of \d+ bytes, outside 1\.\.\d+ "
                        r"\(max_manifest_bytes\)"):
         check_readable(data, ReadLimits(max_manifest_bytes=len(data)))
 
@@ -405,12 +467,22 @@ def set_entry(index: int, **fields: Any) -> Callable[[list], None]:
     return lambda parts: parts[index].update(fields)
 
 
+def ranks_of(entry: dict, first: int, count: int) -> None:
+    """`entry` made a node of ranks first..first+count-1, its sizes and checksums too."""
+    entry.update(first=first, dir=node_dir_name(first), count=count, sizes=[100] * count,
+                 xxh3="0123456789abcdef" * count)
+
+
 def overlapping(parts: list) -> None:
-    parts[1].update(first=1, dir="node-00001", count=4)
+    ranks_of(parts[1], 1, 4)
 
 
 def gap(parts: list) -> None:
-    parts[1].update(first=3, dir="node-00003", count=2)
+    ranks_of(parts[1], 3, 2)
+
+
+def sizes(index: int, edit: Callable[[list], Any]) -> Callable[[list], None]:
+    return lambda parts: edit(parts[index]["sizes"])
 
 
 ROOT_RULES = {
@@ -422,18 +494,28 @@ ROOT_RULES = {
     "dir-not-first": (set_entry(1, dir="node-00003"), "not node-00002"),
     "dir-escapes": (set_entry(1, dir="../node-00002"), "not node-00002"),
     "short": (lambda p: p.pop(), "parts end at rank 5, world_size is 6"),
-    "beyond-world": (set_entry(2, count=2), "goes beyond world_size 6"),
-    "empty-part": (set_entry(2, count=0), "part of 0 ranks"),
-    "zero-size": (set_entry(0, size=0), "outside 1.."),
-    "negative-size": (set_entry(0, size=-1), "not a valid size"),
+    "beyond-world": (lambda p: ranks_of(p[2], 5, 2), "goes beyond world_size 6"),
+    "empty-part": (lambda p: ranks_of(p[2], 5, 0), "part of 0 ranks"),
+    "zero-size": (sizes(0, lambda s: s.__setitem__(1, 0)), "rank-00001.json of 0 bytes, outside 1.."),
+    "negative-size": (sizes(0, lambda s: s.__setitem__(0, -1)), "not a valid size"),
+    "float-size": (sizes(0, lambda s: s.__setitem__(0, 10.0)), "not a valid size"),
     "bool-first": (set_entry(0, first=False), "not a valid size"),
-    "bad-xxh3": (set_entry(0, xxh3="XYZ"), "not 16 hex digits"),
+    "count-without-sizes": (set_entry(1, count=2), "sizes is not a list of 2 sizes"),
+    "fewer-sizes": (sizes(1, lambda s: s.pop()), "sizes is not a list of 3 sizes"),
+    "more-sizes": (sizes(1, lambda s: s.append(5)), "sizes is not a list of 3 sizes"),
+    "sizes-not-a-list": (set_entry(0, sizes=100), "sizes is not a list"),
+    "bad-xxh3": (set_entry(0, xxh3="XYZ" * 2), "not 2 checksums of 16 hex digits"),
+    "short-xxh3": (lambda p: p[1].update(xxh3=p[1]["xxh3"][:-1]), "not 3 checksums"),
+    "long-xxh3": (lambda p: p[1].update(xxh3=p[1]["xxh3"] + "0" * 16), "not 3 checksums"),
+    "upper-xxh3": (lambda p: p[1].update(xxh3=p[1]["xxh3"].upper()), "not 3 checksums"),
+    "xxh3-list": (lambda p: p[1].update(xxh3=["0" * 16] * 3), "not 3 checksums"),
     "newer-step": (set_entry(0, referenced_steps=[STEP], referenced_size=1), "not all older"),
     "unsorted-steps": (set_entry(0, referenced_steps=[5, 3], referenced_size=1), "ascending"),
     "repeated-steps": (set_entry(0, referenced_steps=[3, 3], referenced_size=1), "ascending"),
     "referenced-without-steps": (set_entry(0, referenced_size=1), "does not go with"),
     "steps-without-bytes": (set_entry(0, referenced_steps=[3]), "does not go with"),
-    "missing-size": (lambda p: p[0].pop("size"), "KeyError"),
+    "missing-sizes": (lambda p: p[0].pop("sizes"), "KeyError"),
+    "missing-xxh3": (lambda p: p[0].pop("xxh3"), "KeyError"),
     "not-an-object": (lambda p: p.__setitem__(0, "node-00000"), "is not an object"),
 }
 
@@ -485,19 +567,19 @@ def test_read_manifest_reads_parts_from_their_node_directories(tmp_path):
     assert parsed.parts == m.parts and parsed.bytes_read == (d / MANIFEST_NAME).stat().st_size
     assert parsed.ranks[3].file == "node-00002/rank-00003.safetensors.zst"
     assert parsed.bytes_read == sum(p.stat().st_size for p in (
-        d / MANIFEST_NAME, d / "node-00002" / "part.json"))
+        d / MANIFEST_NAME, d / "node-00002" / "rank-00003.json"))
 
 
 @pytest.mark.parametrize("how", ["dir-symlink", "file-symlink", "directory", "fifo", "grown"])
 def test_read_manifest_refuses_a_part_that_is_not_a_plain_file_in_a_real_directory(tmp_path, how):
     d, _ = on_disk(tmp_path, [2, 2])
-    node2, part = d / "node-00002", d / "node-00002" / "part.json"
+    node2, part = d / "node-00002", d / "node-00002" / "rank-00002.json"
     if how == "dir-symlink":
         os.rename(node2, tmp_path / "elsewhere")
         node2.symlink_to(tmp_path / "elsewhere")
     elif how == "file-symlink":
-        os.rename(part, tmp_path / "part.json")
-        part.symlink_to(tmp_path / "part.json")
+        os.rename(part, tmp_path / "rank-00002.json")
+        part.symlink_to(tmp_path / "rank-00002.json")
     elif how == "directory":
         part.unlink()
         part.mkdir()
@@ -520,13 +602,58 @@ def test_a_root_must_be_in_its_own_step_directory(tmp_path):
         read_manifest(tmp_path / "step-00001201")
 
 
-def test_the_root_stays_small_as_ranks_grow():
-    """Bounded per node part, whatever the ranks hold: 1000 parts of 8 ranks."""
-    entry = PartEntry("node-99992", 99992, 8, 123456789, 0xFFFFFFFFFFFFFFFF, 1 << 40, 1 << 39,
-                      1 << 38, (99990, 99991))
-    m = Manifest(100000, 8 * 1000, [], parts=[dataclasses.replace(
-        entry, dir=node_dir_name(8 * i), first=8 * i) for i in range(1000)])
-    data = m.to_bytes()
-    assert len(data) < 300 * 1000
-    assert parse_manifest(data, max_frame_bytes=MAX_FRAME).world_size == 8000
-    assert data_file_name(0, "raw") == "rank-00000.safetensors"
+# -- at scale ---------------------------------------------------------------------------------------
+
+LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+         "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+
+
+def fsdp_rank(rank: int, world: int, tensors: int) -> RankPart:
+    """What rank `rank` of an FSDP job of `world` ranks saves of a model of `tensors`
+    tensors: its Shard(0) box of each (a dtensor node), one bytegroup frame a tensor (the
+    richest frame entry: plane layout, every checksum), its data file in its node's
+    directory."""
+    keys = ["embed_tokens.weight"] + [f"layers.{i // len(LAYER)}.{LAYER[i % len(LAYER)]}"
+                                      for i in range(tensors - 1)]
+    shapes = {k: (151936 if k.startswith("embed") else 4096,) + (
+        (4096,) if k.endswith("proj.weight") or k.startswith("embed") else ()) for k in keys}
+    rows = {k: -(-shapes[k][0] // world) for k in keys}
+    prefix, specs = layout([(f"model.{k}", "BF16", (rows[k],) + shapes[k][1:]) for k in keys])
+    frames, raw, stored = [], 0, 0
+    for i, length in enumerate([len(prefix)] + [t.end - t.begin for t in specs]):
+        half, planes = length // 2, length - length // 2 - length // 7
+        digest = xxhash.xxh3_128_intdigest(b"%d/%d" % (rank, i))
+        frames.append(Frame(raw, length, stored, half + planes, "bytegroup", digest >> 64,
+                            digest & ((1 << 64) - 1), PlaneLayout(2, 0, (("raw", half),
+                                                                         ("zstd", planes))),
+                            digest))
+        raw, stored = raw + length, stored + half + planes
+    tree = {"dict": [["model", {"dict": [[k, {"dtensor": {
+        "name": t.name, "dtype": "BF16", "shape": list(shapes[k]),
+        "offsets": [rank * rows[k]] + [0] * (len(shapes[k]) - 1), "placements": ["S(0)"]}}]
+        for k, t in zip(keys, specs)]}], ["step", 123456]]}
+    first = rank - rank % 8
+    return RankPart(rank, node_data_file_name(first, rank, "bytegroup"), "bytegroup", raw,
+                    stored, specs, frames, tree)
+
+
+def test_a_one_rank_load_reads_under_a_mebibyte_of_manifest_at_1000_nodes():
+    """1000 nodes x 8 ranks x 1000 tensors a rank: the root and one rank's part file (what
+    a one-rank load reads) stay under 1 MiB; a file a node would be 4 MB of tables."""
+    nodes, step, world = 1000, 123456, 8000
+    ranks = [fsdp_rank(r, world, 1000) for r in range(8 * 417, 8 * 418)]
+    entry, files = node_part(step, ranks)
+    assert entry.first == 8 * 417 and len(ranks[3].tensors) == 1000
+    entries = [dataclasses.replace(entry, dir=node_dir_name(8 * i), first=8 * i,
+                                   raw_size=8 * 18 << 30, stored_size=8 * 12 << 30,
+                                   referenced_size=8 * 9 << 30, referenced_steps=(122000, 123000))
+               for i in range(nodes)]
+    root = Manifest(step, world, [], created=1_796_112_367.25, parts=entries).to_bytes()
+    one = files[entry.name(8 * 417 + 3)]
+    assert len(root) + len(one) < 1 << 20, (len(root), len(one))
+    assert len(root) < 400 * nodes  # a constant per node, whatever the ranks hold
+    assert sum(len(d) for d in files.values()) > 3 << 20  # what one file a node made a rank read
+    parsed = parse_manifest(root, max_frame_bytes=MAX_FRAME, read=lambda name, limit: files[name])
+    assert parsed.world_size == world and parsed.ranks[8 * 417 + 3] == ranks[3]
+    assert parsed.bytes_read == len(root) + len(one)
