@@ -259,10 +259,12 @@ class World:
                                 parts=entries).to_bytes()
                 self.manifest_bytes = len(data)
                 path = commit.publish(self.storage, tmp_dir, m.step, data)
+                self.leader_seconds = time.perf_counter() - start
+                commit.drop_emptied(self.storage, tmp_dir, m.nodes)  # after, as the writer does
             error = None
         except Exception as e:  # handed to the leader rank, as the writer would
             error, path = e, None
-        self.leader_seconds = time.perf_counter() - start
+            self.leader_seconds = time.perf_counter() - start
         self.node_list[0].agreement.result(pending, error, str(path) if path else None, {})
 
     def _node_writer(self, node: Node, step: int, pending: Any, durable_at: list[float]) -> None:

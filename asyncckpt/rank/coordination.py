@@ -135,6 +135,7 @@ class StoreCoordinator:
         self._hellos_seen = 0        # leader: the hello counter when last read
         self._hellos_read = 0        # leader: bytes of the hellos key answered
         self._heard: dict[int, tuple[int, float]] = {}  # leader: node first -> (count, when)
+        self._names: dict[int, str] = {}  # leader: node first -> its GROUP_RANK
 
     # -- the session handshake ----------------------------------------------------------
 
@@ -178,7 +179,8 @@ class StoreCoordinator:
         if self.rank == 0:
             self.beat_store.add(f"{self.base}/leader", 1)
         else:
-            self.beat_store.append(f"{self.base}/beats", f"{self.node[0]}:{self.node[1]} ")
+            self.beat_store.append(f"{self.base}/beats",
+                                   f"{self.node[0]}:{self.node[1]}:{self.node_name} ")
 
     def listen(self) -> None:
         """The leader: take the beats sent since the last look."""
@@ -190,9 +192,10 @@ class StoreCoordinator:
         self.store.delete_key(key)  # a beat appended in between is lost: the next one comes
         now = time.monotonic()
         for word in data.decode(errors="replace").split():
-            first, _, count = word.partition(":")
+            first, count, name = (word.split(":", 2) + ["", ""])[:3]
             if first.isdigit() and count.isdigit():
                 self._heard[int(first)] = (int(count), now)
+                self._names[int(first)] = name[:40]
 
     def silent(self, announced: list[tuple[int, int]], began: float) -> str | None:
         """The leader: which ranks, of those not in the `announced` (first, count) nodes,
@@ -219,11 +222,12 @@ class StoreCoordinator:
                 r += max(count, 1)
         if not dead:
             return None
-        shown = ", ".join(f"{a}..{b - 1}" if b - a > 1 else str(a) for a, b, _ in dead[:8])
-        return (f"rank{'s' if len(dead) > 1 or dead[0][1] - dead[0][0] > 1 else ''} {shown}"
-                f"{', ...' if len(dead) > 8 else ''} did not make their part durable and "
-                f"their node was silent for over {self.timeout:g} s (dead, or its writer or "
-                "ranks never started)")
+        shown = "; ".join(
+            (f"node {self._names[a]} " if self._names.get(a) not in (None, "", "?") else "")
+            + (f"(ranks {a}..{b - 1})" if b - a > 1 else f"(rank {a})") for a, b, _ in dead[:8])
+        return (f"{shown}{'; ...' if len(dead) > 8 else ''}: no part made durable and "
+                f"silent for over {self.timeout:g} s (a node dead, or its writer or ranks "
+                "never started)")
 
     # -- one save ----------------------------------------------------------------------
 
@@ -307,11 +311,11 @@ class StoreCoordinator:
             end += info["count"]
             if info.get("root_id") != root_id:
                 raise SaveFailedError(
-                    f"the node of rank {info['first']} ({info.get('node')}, {info.get('host')}) "
-                    f"writes to {info.get('root')!r}, which is not the leader's root {root!r} "
-                    f"(node {self.node_name}, {self.host}): every node's writer must use one "
-                    "directory that all nodes mount (a node-local disk cannot hold a shared "
-                    "checkpoint)", rank=info["first"])
+                    f"node {info.get('node')} ({info.get('host')}, ranks {info['first']}.."
+                    f"{end - 1}) writes to {info.get('root')!r}, which is not the leader's "
+                    f"root {root!r} (node {self.node_name}, {self.host}): every node's writer "
+                    "must use one directory that all nodes mount (a node-local disk cannot "
+                    "hold a shared checkpoint)", rank=info["first"])
         return infos
 
     def decide(self, prefix: str, outcome: Outcome) -> Outcome:

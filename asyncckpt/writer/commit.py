@@ -26,6 +26,7 @@ import os
 import secrets
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -133,8 +134,9 @@ def _write_new(path: Path, data: bytes) -> None:
 def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
                  nodes: tuple[NodePart, ...]) -> list[PartEntry]:
     """The leader's half of a several-node commit: check that the announced nodes tile
-    the world, and move each other node's folder into `tmp_dir` (one rename a node, then
-    the emptied tmp directory goes; the nodes share the file system). A node's part files
+    the world, and move each other node's folder into `tmp_dir` (one rename a node; the
+    nodes share the file system; `drop_emptied` removes their emptied tmp directories
+    after the commit, off its critical path). A node's part files
     are not read: its folder is listed once, to check that it holds a part file and one
     data file for each of its ranks and nothing else, and their sizes and checksums go
     into the root manifest, which the reader checks each file against. On an object
@@ -151,7 +153,7 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
             that is not its node's, a node folder missing or not holding its ranks'
             files, or an I/O error.
     """
-    entries, end = [], 0
+    plan, end = [], 0
     limit = ReadLimits.from_env().max_manifest_bytes
     try:
         for first, count, name, doc in sorted(nodes, key=lambda node: node[0]):
@@ -169,20 +171,27 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
             elif not is_tmp_dir(name) or tmp_step_of(name) != step:
                 raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, not a tmp "
                                       f"directory of step {step}", step=step, rank=first)
-            elif name != tmp_dir.name:
-                faults.io("rename", tmp_dir / entry.dir)
-                os.rename(storage.root / name / entry.dir, tmp_dir / entry.dir)
-                try:
-                    os.rmdir(storage.root / name)
-                except OSError:
-                    pass  # not empty (a node's other step?): swept with the stale ones
-            folder = tmp_dir / entry.dir
-            _check_node_folder(entry, storage.names(folder) if isinstance(storage, S3Storage)
-                               else set(os.listdir(folder)), step, tmp_dir)
-            entries.append(entry)
+            plan.append((entry, name))
         if end != world_size:
             raise SaveFailedError(f"the nodes cover ranks 0..{end - 1} of {world_size}",
                                   step=step)
+
+        def move_and_list(item: tuple[PartEntry, str]) -> set[str]:
+            entry, name = item
+            folder = tmp_dir / entry.dir
+            if isinstance(storage, S3Storage):
+                return storage.names(folder)
+            if name != tmp_dir.name:
+                faults.io("rename", folder)
+                os.rename(storage.root / name / entry.dir, folder)
+            return set(os.listdir(folder))
+
+        # one node's two calls wait on the file system (a network round trip each on NFS
+        # or Lustre), not on us: a few nodes at a time
+        with ThreadPoolExecutor(min(16, len(plan)), thread_name_prefix="asyncckpt-gather") as pool:
+            listings = list(pool.map(move_and_list, plan))
+        for (entry, _), names in zip(plan, listings):
+            _check_node_folder(entry, names, step, tmp_dir)
     except FileNotFoundError as e:
         raise SaveFailedError(f"a node's folder is missing: {e}", step=step,
                               file=str(tmp_dir)) from None
@@ -191,7 +200,20 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
     except CorruptCheckpointError as e:
         raise SaveFailedError(f"a node's part entry is unusable: {e.cause}", step=step) from None
     faults.point("parts_gathered")
-    return entries
+    return [entry for entry, _ in plan]
+
+
+def drop_emptied(storage: Storage, tmp_dir: Path, nodes: tuple[NodePart, ...]) -> None:
+    """After the commit (off its critical path): remove the other nodes' tmp directories
+    that `gather_nodes` emptied. One that is not empty (or gone) stays for the sweep."""
+    if isinstance(storage, S3Storage):
+        return
+    for name in {node[2] for node in nodes} - {tmp_dir.name}:
+        if is_tmp_dir(name):
+            try:
+                os.rmdir(storage.root / name)
+            except OSError:
+                pass
 
 
 def _check_node_folder(entry: PartEntry, names: set[str], step: int, tmp_dir: Path) -> None:

@@ -151,6 +151,8 @@ class Committer:
             check_replaceable(self.storage, current.number, self._index)
         path = commit.publish(self.storage, current.tmp_dir, current.number, data,
                               replace=current.replace)
+        if current.nodes is not None:
+            commit.drop_emptied(self.storage, current.tmp_dir, current.nodes)
         return manifest, path
 
     @staticmethod

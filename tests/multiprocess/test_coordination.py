@@ -130,8 +130,9 @@ def test_two_nodes_commit_one_checkpoint_whose_parts_equal_a_single_node_ones(tm
     step = root / "step-00000002"
     assert sorted(os.listdir(step)) == ["manifest.json", "node-00000", "node-00002"]
     for first in (0, 2):
-        assert sorted(os.listdir(step / f"node-{first:05d}")) == ["part.json"] + [
-            f"rank-{r:05d}.safetensors.zst" for r in (first, first + 1)]
+        assert sorted(os.listdir(step / f"node-{first:05d}")) == sorted(
+            [f"rank-{r:05d}.json" for r in (first, first + 1)]
+            + [f"rank-{r:05d}.safetensors.zst" for r in (first, first + 1)])
     assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
     # the root lists the parts, not the ranks' tables
     root_doc = json.loads((step / "manifest.json").read_bytes())["manifest"]
@@ -320,3 +321,17 @@ def test_a_failed_step_leaves_no_key_in_the_store_and_nothing_in_the_root(tmp_pa
             assert wait_until(lambda: not [p for p in root.iterdir() if ".tmp-" in p.name])
     assert PosixStorage(root).committed_steps() == [1] and asyncckpt.verify(root).ok
 
+
+
+def test_a_node_that_starts_its_save_late_is_waited_for_while_it_beats(tmp_path, store):
+    """node_timeout bounds a node's silence, not its slowness: node 1 begins the save
+    three node_timeouts after node 0 and the step still commits; the leader's wait costs
+    the store no request per rank."""
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path) as writers, ranks(writers, store, node_timeout=1) as clients:
+        save_and_commit(clients, root, (1,))
+        early = [c.save(2, state(c.rank, 2)) for c in clients[:PER_NODE]]
+        time.sleep(3)
+        late = [c.save(2, state(c.rank, 2)) for c in clients[PER_NODE:]]
+        assert outcomes(early + late) == [root / "step-00000002"] * WORLD
+    assert_holds(root, 2)

@@ -25,6 +25,7 @@ import pytest
 from multinode import Cluster, ring_mapping_pids, wait_for
 
 from asyncckpt.format.layout import tmp_step_of
+from asyncckpt.format.manifest import read_manifest
 from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
@@ -116,23 +117,24 @@ def test_two_nodes_commit_every_step_on_every_rank(saved):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_two_node_layout_equals_single_node_layout(saved):
+def test_two_node_steps_hold_what_single_node_steps_hold(saved):
+    """The same training at the same world size: the same steps, and per rank the same
+    tensors, bytes and tree; two nodes keep each node's files in a folder of its own and
+    a root manifest that lists the node parts."""
     multi, single = saved["multi"] / "ckpt", saved["single"] / "ckpt"
     assert sorted(p.name for p in multi.iterdir() if not p.name.startswith(".")) == \
         sorted(p.name for p in single.iterdir() if not p.name.startswith("."))
     for step in (2, 5):
         a, b = multi / f"step-{step:08d}", single / f"step-{step:08d}"
-        assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
-        assert [p.name for p in a.iterdir() if p.name.startswith("manifest")] == ["manifest.json"]
-        ma, mb = manifest(a), manifest(b)
-        assert ma["world_size"] == mb["world_size"] == 4
-        assert [r["rank"] for r in ma["ranks"]] == [0, 1, 2, 3]
-        # same training at the same world size: the same tensors, bytes and tree per rank
-        for ra, rb in zip(ma["ranks"], mb["ranks"]):
-            assert (ra["file"], ra["tensors"], ra["raw_size"], ra["tree"]) == \
-                (rb["file"], rb["tensors"], rb["raw_size"], rb["tree"])
-            assert [f["xxh3_raw"] for f in ra["frames"]] == [f["xxh3_raw"] for f in rb["frames"]]
-        assert set(ma) == set(mb)
+        assert sorted(p.name for p in a.iterdir()) == ["manifest.json", "node-00000", "node-00002"]
+        root = manifest(a)
+        assert root["world_size"] == 4 and "ranks" not in root
+        assert [(p["first"], p["count"]) for p in root["parts"]] == [(0, 2), (2, 2)]
+        ma, mb = read_manifest(a), read_manifest(b)
+        for ra, rb in zip(ma.ranks, mb.ranks):
+            assert ra.file == f"node-{ra.rank // 2 * 2:05d}/{rb.file}"
+            assert (ra.tensors, ra.raw_size, ra.tree) == (rb.tensors, rb.raw_size, rb.tree)
+            assert [f.xxh3_raw for f in ra.frames] == [f.xxh3_raw for f in rb.frames]
 
 
 @pytest.mark.parametrize("nodes,per_node", [(1, 3), (2, 1)])
@@ -293,9 +295,9 @@ def test_second_writer_of_a_job_joins_while_the_first_downgrades_its_lock(tmp_pa
 @pytest.mark.parametrize("via", ["checkpointer", "dcp"])
 def test_two_nodes_commit_one_step_to_one_bucket(tmp_path, s3_root, via):
     """2 nodes x 2 ranks, each node's writer on the same s3:// prefix: every node's data
-    objects are written under the step's prefix, the leader reads every part object and
-    puts the one manifest; nothing but the manifest and the data files is left, and the
-    step loads bit-exact at another layout."""
+    objects are written under the step's prefix, in a folder per node, and the leader
+    puts the root manifest; nothing but the manifest, the parts and the data files is
+    left, and the step loads bit-exact at another layout."""
     env = {"MN_STEPS": "2,5", "ASYNCCKPT_CODEC": "zstd", **({"MN_VIA": "dcp"} if via == "dcp" else {})}
     run(tmp_path, "s3-save", 2, 2, "save", s3_root, env=env)
     res = results(tmp_path, "s3-save", 4)
@@ -304,8 +306,12 @@ def test_two_nodes_commit_one_step_to_one_bucket(tmp_path, s3_root, via):
     storage = storage_for(s3_root)
     assert storage.committed_steps() == [2, 5] and storage.read_latest() == 5
     for step in (2, 5):
-        names = storage.names(root_path(s3_root) / f"step-{step:08d}")
-        assert names == {"manifest.json"} | {f"rank-{r:05d}.safetensors.zst" for r in range(4)}, names
+        step_dir = root_path(s3_root) / f"step-{step:08d}"
+        assert storage.names(step_dir) == {"manifest.json"}
+        for first in (0, 2):  # each node's folder: its ranks' parts and data, nothing else
+            names = storage.names(step_dir / f"node-{first:05d}")
+            assert names == {f"rank-{r:05d}{suffix}" for r in (first, first + 1)
+                             for suffix in (".json", ".safetensors.zst")}, names
     check = verify_exit(s3_root)
     assert check.returncode == 0, check.stdout + check.stderr
     run(tmp_path, "s3-load", 1, 3, "load", s3_root, env={"MN_VIA": "dcp"} if via == "dcp" else {})
