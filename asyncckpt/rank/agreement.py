@@ -104,13 +104,15 @@ class Agreement:
 
     def _beat(self) -> None:
         c = self.coordinator
-        while not self._stop.wait(c.beat_period):
+        while True:  # the first beat at once: the leader knows the node from the start
             try:
                 c.beat()
                 if (gathering := self._gathering) is not None:
                     c.tick(gathering)
             except Exception as e:  # the store is gone: the job is ending
                 log.debug("heartbeat failed: %s", e)
+            if self._stop.wait(c.beat_period):
+                return
 
     def _run(self) -> None:
         if self.coordinator.is_lead:  # meet the leader now, not in the first save
