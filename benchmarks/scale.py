@@ -10,7 +10,10 @@ threads and their own clients (two: the heartbeat has its own connection) of one
 and the node's part (the writer's own `write_node_part`, a synthetic rank part of
 `--tensors` tensors) on a real directory, tells the lead, and on the lead's outcome
 completes the handles of the node's other ranks, as the writer relays it (those ranks
-send the store nothing when nothing fails). The leader's writer runs the real
+send the store nothing when nothing fails). One process writes every node's files in
+turn, so they are all written first and then every node's lead is told at once, as
+nodes writing in parallel finish together; a node that waits longer for the others
+adds two requests (a look at the leader) per `2 x node_timeout` of waiting. The leader's writer runs the real
 `gather_nodes` and `publish` when rank 0's Agreement asks it to commit, so the step it
 commits is a real checkpoint (the run verifies it). Measured per save:
 
@@ -267,8 +270,8 @@ class World:
             self.leader_seconds = time.perf_counter() - start
         self.node_list[0].agreement.result(pending, error, str(path) if path else None, {})
 
-    def _node_writer(self, node: Node, step: int, pending: Any, durable_at: list[float]) -> None:
-        """The node's writer: its ranks' data files and the node's part, then the lead."""
+    def _node_writer(self, node: Node, step: int) -> dict[str, Any]:
+        """The node's writer: its ranks' data files and parts; the entry for its lead."""
         tmp = node.tmp = self.storage.make_tmp(step)
         folder = node_dir_name(node.first)
         (tmp / folder).mkdir()
@@ -277,9 +280,7 @@ class World:
             name = f"{folder}/{data_file_name(rank, self.part.codec)}"
             (tmp / name).write_bytes(self.data)
             parts.append(dataclasses.replace(self.part, rank=rank, file=name))
-        entry = commit.write_node_part(self.storage, tmp, step, parts)
-        durable_at[node.first // self.per_node] = time.perf_counter()
-        node.agreement.durable(pending, tmp.name, entry)
+        return commit.write_node_part(self.storage, tmp, step, parts)
 
     def save(self, step: int, dead_node: int | None = None, verify: bool = True) -> SaveResult:
         """One save of `step` by every node; every live rank's handle is awaited; the
@@ -299,11 +300,16 @@ class World:
         self._pending[pendings[0].id] = pendings[0]
         if dead_node is not None:
             self.node_list[dead_node].kill()
-        durable_at = [0.0] * self.nodes
+        # every node writes, then every node's lead hears at once: nodes finish together,
+        # as nodes of a job writing in parallel do (here one process writes them in turn)
+        live = [n for n in range(self.nodes) if n != dead_node]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda n: self._node_writer(self.node_list[n], step, pendings[n],
-                                                       durable_at),
-                          [n for n in range(self.nodes) if n != dead_node]))
+            entries = list(pool.map(lambda n: self._node_writer(self.node_list[n], step), live))
+        for n, entry in zip(live, entries):
+            node = self.node_list[n]
+            assert node.tmp is not None
+            node.agreement.durable(pendings[n], node.tmp.name, entry)
+        durable_at = [time.perf_counter()]
         failed, error = 0, ""
         for handle in handles:
             try:

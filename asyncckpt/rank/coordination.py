@@ -277,7 +277,7 @@ class StoreCoordinator:
         wake = f"{prefix}/wake"
         ticked = self.beat_store is not self.store  # else the tick waits behind our wait
         while True:
-            self._wait_key(wake, 4 * self.timeout if ticked else self.beat_period)
+            self._wait_key(wake, 4 * self.timeout if ticked else self.beat_period, look=False)
             self.store.delete_key(wake)  # a node's wake set after this is seen below
             if self.store.check([f"{prefix}/outcome"]):
                 raise SaveFailedError(self.outcome(prefix).get("message", "failed elsewhere"))
@@ -344,7 +344,7 @@ class StoreCoordinator:
         its node; only a leader's whole node lost waits for this.
         """
         beat, since = -1, time.monotonic()
-        while not self._wait_key(f"{prefix}/final", 2 * self.timeout):
+        while not self._wait_key(f"{prefix}/final", 2 * self.timeout, look=False):
             count = self.store.add(f"{self.base}/leader", 0)
             if count != beat:
                 beat, since = count, time.monotonic()
@@ -359,13 +359,15 @@ class StoreCoordinator:
                     "rank or writer is gone); the step may have landed whole, or not at all"))
         return json.loads(self.store.get(f"{prefix}/final"))
 
-    def _wait_key(self, key: str, seconds: float) -> bool:
-        """Whether `key` is set within `seconds` (the store wakes us as it is set)."""
+    def _wait_key(self, key: str, seconds: float, look: bool = True) -> bool:
+        """Whether `key` is set within `seconds` (the store wakes us as it is set);
+        without `look`, a wait that timed out is not followed by a second look (a caller
+        that waits again anyway)."""
         try:
             self.store.wait([key], datetime.timedelta(seconds=seconds))
             return True
         except Exception:  # the store's timeout error; its class varies across versions
-            return self.store.check([key])
+            return look and self.store.check([key])
 
     # -- cleanup ----------------------------------------------------------------------
 
