@@ -139,18 +139,13 @@ class Agreement:
                 self._fail_locally(pending, e)
 
     def _idle(self) -> None:
-        """Handle the queued results; the leader also answers hellos and hears beats."""
+        """Handle the queued results (the leader's heartbeat thread answers hellos and
+        hears the nodes' beats)."""
         if self._idling:
             return
         self._idling = True
         try:
             self._handle_results()
-            if self.coordinator.rank == 0:
-                try:
-                    self.coordinator.welcome()
-                    self.coordinator.listen()
-                except Exception as e:
-                    log.debug("store unavailable: %s", e)
         finally:
             self._idling = False
 

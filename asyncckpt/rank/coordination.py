@@ -161,35 +161,40 @@ class StoreCoordinator:
     def welcome(self) -> None:
         """The leader: answer the hellos said since the last look (one counter read when
         there are none)."""
-        count = self.store.add(f"{self.base}/hello_count", 0)
+        store = self.beat_store
+        count = store.add(f"{self.base}/hello_count", 0)
         if count == self._hellos_seen:
             return
         self._hellos_seen = count
-        data = self.store.get(f"{self.base}/hellos")
+        data = store.get(f"{self.base}/hellos")
         for line in data[self._hellos_read:].decode(errors="replace").splitlines():
             _, _, token = line.partition(":")
             if len(token) == 32:
-                self.store.set(f"{self.base}/welcome/{token}", self.session)
+                store.set(f"{self.base}/welcome/{token}", self.session)
         self._hellos_read = len(data)
 
     # -- liveness --------------------------------------------------------------------
 
     def beat(self) -> None:
-        """One heartbeat: the leader's counter, or this node's line."""
+        """One heartbeat (the heartbeat thread's, on its own connection): the leader
+        bumps its counter, answers hellos and hears the nodes' beats; a node's lead
+        sends its line."""
         if self.rank == 0:
             self.beat_store.add(f"{self.base}/leader", 1)
+            self.welcome()
+            self.listen()
         else:
             self.beat_store.append(f"{self.base}/beats",
                                    f"{self.node[0]}:{self.node[1]}:{self.node_name} ")
 
     def listen(self) -> None:
         """The leader: take the beats sent since the last look."""
-        key = f"{self.base}/beats"
+        key, store = f"{self.base}/beats", self.beat_store
         self._heard[self.node[0]] = (self.node[1], time.monotonic())  # its own node is here
-        if not self.store.check([key]):
+        if not store.check([key]):
             return
-        data = self.store.get(key)
-        self.store.delete_key(key)  # a beat appended in between is lost: the next one comes
+        data = store.get(key)
+        store.delete_key(key)  # a beat appended in between is lost: the next one comes
         now = time.monotonic()
         for word in data.decode(errors="replace").split():
             first, count, name = (word.split(":", 2) + ["", ""])[:3]
@@ -202,6 +207,7 @@ class StoreCoordinator:
         have been silent for `timeout` (since `began` for a node never heard from), as a
         message; None if every missing rank's node beat lately."""
         now = time.monotonic()
+        self._heard[self.node[0]] = (self.node[1], now)  # the leader's own node is here
         covered = sorted(announced)
         missing, end = [], 0
         for first, count in covered + [(self.world_size, 0)]:
@@ -265,7 +271,7 @@ class StoreCoordinator:
                idle: Callable[[], None],
                cancelled: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
         """The leader: every node's announcement, in rank order, once they cover the
-        world. `idle()` runs between waits (its results, hellos, beats). While it runs,
+        world. `idle()` runs between waits (the writer's results). While it runs,
         `tick(prefix)` must be called every beat period (the leader's heartbeat thread
         does): the wait then never times out, which the store would log every time.
 
@@ -288,7 +294,6 @@ class StoreCoordinator:
             if cancelled():
                 raise SaveFailedError("the leader's writer is gone")
             idle()
-            self.listen()
             quiet = self.silent([(i["first"], i["count"]) for i in self.announced(prefix)], began)
             if quiet is not None:
                 raise SaveFailedError(quiet)
