@@ -414,7 +414,8 @@ def node_tmps(root: Path, step: int, source: Path) -> tuple[PosixStorage, list[t
 
 def test_node_parts_written_and_gathered_make_a_step_that_loads(own, monkeypatch):
     """write_node_part writes a part file a rank and announces the node's root entry;
-    gather_nodes moves one folder a node, lists it once and stats no rank's file."""
+    gather_nodes moves one folder a node, lists it once and stats no rank's file; the
+    emptied tmp directory goes after the commit."""
     storage, nodes = node_tmps(own, 3, step_dir(own, 2))
     leader = own / nodes[0][2]
     calls: list[str] = []
@@ -424,10 +425,14 @@ def test_node_parts_written_and_gathered_make_a_step_that_loads(own, monkeypatch
             calls.append(_name), _real(*a, **k))[1])
     entries = commit.gather_nodes(storage, leader, 3, WORLD, tuple(reversed(nodes)))
     monkeypatch.undo()
-    assert sorted(calls) == ["listdir", "listdir", "rename", "rmdir"]  # two nodes
+    assert sorted(calls) == ["listdir", "listdir", "rename"]  # two nodes
     assert [e.to_json() for e in entries] == [n[3] for n in nodes]
     data = Manifest(3, WORLD, [], parts=entries).to_bytes()
     commit.publish(storage, leader, 3, data)
+    emptied = own / nodes[1][2]
+    assert emptied.is_dir() and not os.listdir(emptied)
+    commit.drop_emptied(storage, leader, tuple(nodes))
+    assert not emptied.exists()
     assert sorted(os.listdir(step_dir(own, 3))) == [MANIFEST_NAME, "node-00000", "node-00003"]
     assert asyncckpt.verify(step_dir(own, 3)).ok
     for rank in range(WORLD):
