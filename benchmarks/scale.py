@@ -414,9 +414,10 @@ def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: lis
     base = next((r for r in rows if r["ranks"] == 4), rows[0])
     lines = ["# The several-node commit, simulated", "",
              f"`python -m benchmarks.scale {' '.join(argv)}` (`make bench-scale`); "
-             f"{os.cpu_count()} CPUs; medians per save. Every simulated rank is a thread of "
-             "this one process (real StoreCoordinator, Agreement and TCPStore; real part "
-             "files, gather and publish), so latency at many nodes includes their contention.",
+             f"{os.cpu_count()} CPUs; medians per save. Every simulated node's lead rank is two "
+             "threads of this one process (real StoreCoordinator, Agreement and TCPStore; real "
+             "part files, gather and publish), so latency at many nodes includes their "
+             "contention. Heartbeats are per second, not per save: counted apart.",
              "", "| nodes x ranks | store requests / save | per node | heartbeats / save | "
              "store KiB | leader metadata ops | per node | latency after last part s | x 2x2 "
              "| leader commit s | root manifest MiB | one-rank load reads MiB | last step |",
