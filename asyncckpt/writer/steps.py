@@ -345,7 +345,8 @@ class Steps:
                 self._failed.forget_rank(rank)
                 doomed |= {s.number for s in self._open.values()
                            if rank < s.world_size and rank not in s.waiting and not s.coordinated}
-                orphaned = [s for s in self._open.values() if rank in s.durable_nodes]
+                orphaned = [s for s in [*self._open.values(), *self._relaying.values()]
+                            if rank in s.durable_nodes]
             self._drop_unheard(doomed)
         for step in sorted(doomed):
             self.fail(step, SaveFailedError("rank disconnected before ending its save",
@@ -446,13 +447,14 @@ class Steps:
                 if current is None or not current.coordinated:
                     return
                 del self._open[step]
+            committing = step in self._committing  # its files are the committer's
             self._idle.notify_all()
         path = None if error else self.storage.root / step_dir_name(step)
         for rank, notify in current.waiting.items():
             if rank != sender:
                 notify(error, path, current.stats.get(rank, {}), relayed=True)
         release(step, self._index)
-        if error is not None:  # and what writers that died in it left (several nodes)
+        if error is not None and not committing:  # and what dead writers left (several nodes)
             self.storage.discard(current.tmp_dir)
             sweep_dead(self.root)
 

@@ -325,13 +325,12 @@ def test_a_failed_step_leaves_no_key_in_the_store_and_nothing_in_the_root(tmp_pa
 
 def test_a_node_that_starts_its_save_late_is_waited_for_while_it_beats(tmp_path, store):
     """node_timeout bounds a node's silence, not its slowness: node 1 begins the save
-    three node_timeouts after node 0 and the step still commits; the leader's wait costs
-    the store no request per rank."""
+    two and a half node_timeouts after node 0 and the step still commits."""
     root = tmp_path / "ckpt"
-    with nodes(tmp_path) as writers, ranks(writers, store, node_timeout=1) as clients:
+    with nodes(tmp_path) as writers, ranks(writers, store, node_timeout=2) as clients:
         save_and_commit(clients, root, (1,))
         early = [c.save(2, state(c.rank, 2)) for c in clients[:PER_NODE]]
-        time.sleep(3)
+        time.sleep(5)
         late = [c.save(2, state(c.rank, 2)) for c in clients[PER_NODE:]]
         assert outcomes(early + late) == [root / "step-00000002"] * WORLD
     assert_holds(root, 2)
