@@ -247,7 +247,9 @@ def test_the_store_does_not_grow_with_the_saves(tmp_path, store):
         for step in range(2, 7):
             assert outcomes([c.save(step, state(c.rank, step)) for c in clients]) == \
                 [root / f"step-{step:08d}"] * WORLD
-        assert stored(store) <= after_one  # announcements and older outcomes are deleted
+        # every save's keys go once every node announced the next one (at most one more
+        # key: the leader's heartbeat may tick the newest save's wake as it is claimed)
+        assert stored(store) <= after_one + 1
 
 
 def stored(store: TCPStore) -> int:
