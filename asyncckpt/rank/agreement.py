@@ -255,8 +255,10 @@ class Agreement:
             return None
 
     def _leave(self) -> None:
+        if not self.coordinator.is_lead:
+            return
         try:
-            self.coordinator.leave(*self._last) if self.coordinator.is_lead else None
+            self.coordinator.leave(*self._last)
         except Exception as e:
             log.debug("store cleanup failed: %s", e)
 

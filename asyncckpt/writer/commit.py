@@ -32,7 +32,7 @@ from typing import Any
 
 from asyncckpt.errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
                               WriterLockedError)
-from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits
+from asyncckpt.config import ReadLimits
 from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, is_tmp_dir,
                                      parse_node_entry, step_dir_name, tmp_step_of)
 from asyncckpt.format.manifest import RankPart

@@ -37,7 +37,7 @@ from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.retention import check_references, check_replaceable, prune
 
 if TYPE_CHECKING:
-    from asyncckpt.writer.steps import Notify, Step
+    from asyncckpt.writer.step import Notify, Step
 
 log = logging.getLogger("asyncckpt.writer")
 

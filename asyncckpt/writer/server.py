@@ -39,7 +39,8 @@ from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.owners import OwnerMark, sweep_dead
 from asyncckpt.writer.session import Buffers, Session, WriterContext
-from asyncckpt.writer.steps import Step, Steps
+from asyncckpt.writer.step import Step
+from asyncckpt.writer.steps import Steps
 
 log = logging.getLogger("asyncckpt.writer")
 _REPLY_GRACE = 5.0  # seconds a stopping writer gives all sessions to send queued replies

@@ -36,7 +36,6 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,78 +50,14 @@ from asyncckpt.storage.location import is_object
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 from asyncckpt.writer.committer import Check, Committer, abandon, release, sweep_dead
+from asyncckpt.writer.step import FailedSteps, Notify, Step
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.owners import OwnerMark
 from asyncckpt.writer.retention import is_retired
 
 log = logging.getLogger("asyncckpt.writer")
 
-# notify(error or None, path or None, stats; relayed=) reaches one rank's client
-Notify = Callable[..., None]
 MAX_WORLD = 1 << 20  # the manifest's bound
-_MAX_FAILED_RECORDS = 4096
-
-
-@dataclass
-class Step:
-    number: int
-    world_size: int
-    codec: str
-    tmp_dir: Path
-    choice: dict[str, Any] | None = None  # codec "auto": what the chooser saw
-    started: float = field(default_factory=time.monotonic)
-    waiting: dict[int, Notify] = field(default_factory=dict)   # rank -> how to tell it
-    parts: dict[int, RankPart] = field(default_factory=dict)
-    stats: dict[int, dict] = field(default_factory=dict)
-    retention: tuple[int, int] | None = None
-    keep_from: int | None = None              # retention deletes no step from this one on
-    replace: bool = False                     # a committed step of this number is replaced
-    coordinated: bool = False
-    # coordinated: the nodes whose ranks this writer serves, first rank -> count (one in
-    # a job; a test may run several nodes' ranks against one writer), those whose part
-    # file is written, and each rank's node
-    nodes_here: dict[int, int] = field(default_factory=dict)
-    durable_nodes: set[int] = field(default_factory=set)
-    node_of: dict[int, int] = field(default_factory=dict)
-    durable: dict[int, Callable[[str, dict], None]] = field(default_factory=dict)
-    nodes: tuple[NodePart, ...] | None = None  # leader: every node's announcement
-    requester: Notify | None = None           # leader: the save that asked for the commit
-
-    def folder(self, rank: int) -> str:
-        """Where in the tmp directory `rank`'s files go: its node's folder ("" for a
-        local step)."""
-        return node_dir_name(self.node_of[rank]) if self.coordinated else ""
-
-
-class FailedSteps:
-    """Failed steps that some connected ranks have not begun yet: each such rank hears
-    the step's error at its begin, once. Bounded; not thread-safe (the table's lock)."""
-
-    def __init__(self) -> None:
-        self._records: dict[int, tuple[CheckpointError, set[int]]] = {}
-
-    def note(self, step: int, error: CheckpointError, pending: set[int]) -> None:
-        """Remember that ranks `pending` are still to hear that `step` failed."""
-        if not pending:
-            return
-        if len(self._records) >= _MAX_FAILED_RECORDS:
-            self._records.pop(next(iter(self._records)))
-        self._records[step] = (error, pending)
-
-    def claim(self, step: int, rank: int) -> CheckpointError | None:
-        """The error `rank` is to hear at its begin of `step` (then forgotten for it)."""
-        record = self._records.get(step)
-        if record is None or rank not in record[1]:
-            return None
-        record[1].discard(rank)
-        if not record[1]:
-            del self._records[step]
-        return record[0]
-
-    def forget_rank(self, rank: int) -> None:
-        """`rank` has no connection left: it is a new process when it comes back."""
-        for _, pending in self._records.values():
-            pending.discard(rank)
 
 
 class Steps:
@@ -204,8 +139,8 @@ class Steps:
                                       "committed step and others not", step=step, rank=rank)
             elif rank in current.waiting:
                 raise SaveFailedError("this rank is already saving this step", step=step, rank=rank)
-            if node is not None:
-                self._join_node(current, rank, node)
+            if node is not None and current.join_node(rank, node) and not is_object(self.root):
+                (current.tmp_dir / node_dir_name(node[0])).mkdir()
             current.waiting[rank] = notify
             if durable is not None:
                 current.durable[rank] = durable
@@ -244,26 +179,6 @@ class Steps:
         self._open[step] = current
         return current
 
-    def _join_node(self, current: Step, rank: int, node: tuple[int, int]) -> None:
-        """Place `rank` in its node (first, count) of coordinated `current`, making the
-        node's folder on its first rank; under the lock.
-
-        Raises:
-            SaveFailedError: the node overlaps another node of the step.
-            OSError: the folder cannot be made.
-        """
-        first, count = node
-        if current.nodes_here.get(first) != count:
-            if first in current.nodes_here or any(
-                    f < first + count and first < f + c for f, c in current.nodes_here.items()):
-                raise SaveFailedError(f"node {list(node)} (first rank, count) overlaps another "
-                                      f"node of the step, {sorted(current.nodes_here.items())}",
-                                      step=current.number, rank=rank)
-            if not is_object(self.root):
-                (current.tmp_dir / node_dir_name(first)).mkdir()
-            current.nodes_here[first] = count
-        current.node_of[rank] = first
-
     def end(self, step: int, part: RankPart, stats: dict) -> None:
         """Record a rank's finished, fsynced part. A local step is queued for commit
         once its last rank ended; a coordinated one makes the part durable for the rank
@@ -300,19 +215,10 @@ class Steps:
             self._idle.notify_all()
         log.warning("step %d failed: %s", step, error)
         tell = dict(current.waiting)
-        speaker = self._speaker(current, gone) if gone is not None else None
+        speaker = current.speaker(gone) if gone is not None else None
         if speaker is not None:
             tell[speaker] = functools.partial(tell[speaker], ask=True)
         abandon(self.storage, current, error, tell.values(), self._index)
-
-    @staticmethod
-    def _speaker(current: Step, lead: int) -> int | None:
-        """Who speaks for `lead`'s node in coordinated `current` now that `lead` is gone:
-        the node's lowest other waiting rank (None if `lead` led no node here)."""
-        if current.node_of.get(lead) != lead:
-            return None
-        return min((r for r in current.waiting if current.node_of.get(r) == lead and r != lead),
-                   default=None)
 
     def refuse(self, step: int, rank: int, world_size: int, error: CheckpointError) -> None:
         """`rank`'s begin of `step` was refused (its state cannot become a readable
@@ -352,7 +258,7 @@ class Steps:
             self.fail(step, SaveFailedError("rank disconnected before ending its save",
                                             step=step, rank=rank), gone=rank)
         for s in orphaned:  # another rank learns the outcome from the store in its place
-            speaker = self._speaker(s, rank)
+            speaker = s.speaker(rank)
             if speaker is not None:
                 s.waiting[speaker](SaveFailedError(
                     f"this node's lead rank {rank} is gone while the step was being agreed",

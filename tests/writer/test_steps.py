@@ -197,7 +197,7 @@ def test_close_fails_steps_waiting_on_unconnected_ranks_at_once(steps):
 
 
 def test_failed_steps_tell_each_pending_rank_once_and_stay_bounded():
-    from asyncckpt.writer.steps import _MAX_FAILED_RECORDS, FailedSteps
+    from asyncckpt.writer.step import _MAX_FAILED_RECORDS, FailedSteps
     failed, error = FailedSteps(), SaveFailedError("boom", step=1)
     failed.note(1, error, set())  # nobody to tell: nothing kept
     assert failed.claim(1, 0) is None
