@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from asyncckpt.errors import SaveFailedError, error_class
 from asyncckpt.ipc import messages
-from asyncckpt.rank.coordination import CLAIM, Outcome, StoreCoordinator, failure
+from asyncckpt.rank.coordination import CLAIM, HELLO_PERIOD, Outcome, StoreCoordinator, failure
 from asyncckpt.storage.location import root_path
 
 _WAKE = object()  # queued after a result: the agreement thread handles it at once
@@ -52,7 +52,7 @@ class Agreement:
         self._began: dict[str, float] = {}     # save key -> when this rank began it
         self._committing: dict[int, str] = {}  # leader: save id -> prefix, commit claimed
         self._spent: list[str] = []            # leader: prefixes no node reads any more
-        self._last: tuple[str | None, int | None] = (None, None)  # last prefix, its nodes
+        self._unread: str | None = None  # lead: the last save not yet counted as read
         self._idling = False  # `_idle` runs inside the leader's waits: never inside itself
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -104,14 +104,20 @@ class Agreement:
 
     def _beat(self) -> None:
         c = self.coordinator
-        while True:  # the first beat at once: the leader knows the node from the start
+        period = min(c.beat_period, HELLO_PERIOD) if c.rank == 0 else c.beat_period
+        due = 0.0  # the first beat at once: the leader knows the node from the start
+        while True:
             try:
-                c.beat()
-                if (gathering := self._gathering) is not None:
-                    c.tick(gathering)
+                if time.monotonic() >= due:
+                    due = time.monotonic() + c.beat_period
+                    c.beat()
+                    if (gathering := self._gathering) is not None:
+                        c.tick(gathering)
+                else:  # the leader, between beats: a rank's first save waits for this
+                    c.welcome()
             except Exception as e:  # the store is gone: the job is ending
                 log.debug("heartbeat failed: %s", e)
-            if self._stop.wait(c.beat_period):
+            if self._stop.wait(period):
                 return
 
     def _run(self) -> None:
@@ -177,7 +183,7 @@ class Agreement:
         c.announce(prefix, tmp, part, self._root, self._root_id)
         if c.rank != 0:
             outcome = c.wait(prefix)
-            self._last = (prefix, outcome.get("nodes"))
+            self._unread = prefix
             self._finish(pending, outcome, {}, prefix)
             return
         began = self._began.get(pending.key, time.monotonic())
@@ -195,7 +201,7 @@ class Agreement:
             self._finish(pending, held, {}, prefix)
             return
         self._committing[pending.id] = prefix
-        self._last = (prefix, len(nodes))
+        self._unread = prefix
         self._send(messages.Commit(pending.id, pending.step, c.world_size, tuple(
             (n["first"], n["count"], n["tmp"], n["part"]) for n in nodes)))
         for old in self._spent:  # every node announced this save: none reads those
@@ -209,8 +215,7 @@ class Agreement:
         c = self.coordinator
         prefix = self._committing.pop(pending.id, None)
         if prefix is not None:  # the leader's claimed commit: its result is final
-            outcome = failure(error) if error else {"ok": True, "path": path,
-                                                    "nodes": self._last[1]}
+            outcome = failure(error) if error else {"ok": True, "path": path}
             c.settle(prefix, outcome)
             self._spent.append(prefix)
             self._finish(pending, outcome, stats, prefix)
@@ -258,20 +263,20 @@ class Agreement:
         if not self.coordinator.is_lead:
             return
         try:
-            self.coordinator.leave(*self._last)
+            self.coordinator.leave(self._unread)
         except Exception as e:
             log.debug("store cleanup failed: %s", e)
 
     def _done_with(self, prefix: str | None, failed: bool, speaker: bool) -> None:
         """The rank that speaks for its node is done with a failed save: the last node
         deletes its keys (a committed save's are deleted by the leader once every node
-        announced the next)."""
-        c = self.coordinator
+        announced the next, or at close)."""
         if not failed or prefix is None or not speaker:
             return
+        if self._unread == prefix:
+            self._unread = None  # counted now: not again at close
         try:
-            if c.store.add(f"{prefix}/read", c.node[1]) >= c.world_size:
-                c.forget(prefix)
+            self.coordinator.done_with(prefix)
         except Exception as e:
             log.debug("store cleanup of %s failed: %s", prefix, e)
 

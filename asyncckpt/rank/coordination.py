@@ -25,7 +25,8 @@ order), not by root id, so that a node whose writer took another directory still
 the leader's session and is named with both roots instead of never being heard from:
 
     asyncckpt/<restart>/c<k>/hellos           "<rank>:<token>" lines, appended by joiners
-    asyncckpt/<restart>/c<k>/hello_count      bumped after each hello
+    asyncckpt/<restart>/c<k>/hello_count      bumped after each hello; read by the leader
+                                              every HELLO_PERIOD, which then answers
     asyncckpt/<restart>/c<k>/welcome/<token>  the session, set by the leader for that token
     asyncckpt/<restart>/c<k>/beats            "<first>:<count> " appended by each node's lead
                                               every beat period; the leader reads and clears it
@@ -43,7 +44,9 @@ Keys of one save of `step` (its `attempt`-th by this client) under
               rank with a failure
     final     the outcome for good: a failure as it is decided, or after the claim the
               leader's {"ok": true, "path", "nodes"} or {"ok": false, "error", "message"}
-    read      at close, bumped by each node's lead; the last deletes the save's keys
+    read      the ranks done with the save: each node's lead (or the rank speaking
+              for it) adds its node's count once it read a failure, or at close; the
+              last deletes the save's keys
 
 A save costs each node four requests (append, add, wait and get of `final`), the leader
 a handful more, and the leader deletes a save's keys once every node has announced the
@@ -78,6 +81,8 @@ from asyncckpt.errors import SaveFailedError
 
 Outcome = dict[str, Any]
 CLAIM: Outcome = {"committing": True}
+HELLO_PERIOD = 0.25  # the leader answers hellos this often (one counter read when none)
+_ABSENT = "\0absent"  # the answer of `_read`'s compare_set where the key is absent
 _SAVE_KEYS = ("nodes", "ranks", "wake", "outcome", "final", "read")
 
 
@@ -285,8 +290,8 @@ class StoreCoordinator:
         while True:
             self._wait_key(wake, 4 * self.timeout if ticked else self.beat_period, look=False)
             self.store.delete_key(wake)  # a node's wake set after this is seen below
-            if self.store.check([f"{prefix}/outcome"]):
-                raise SaveFailedError(self.outcome(prefix).get("message", "failed elsewhere"))
+            if (held := self._read(f"{prefix}/outcome")) is not None:
+                raise SaveFailedError(held.get("message", "failed elsewhere"))
             if self.store.add(f"{prefix}/ranks", 0) >= self.world_size:
                 infos = self.announced(prefix)
                 if sum(i["count"] for i in infos) >= self.world_size:
@@ -336,9 +341,6 @@ class StoreCoordinator:
         """The leader, after its claim: the final outcome."""
         self.store.set(f"{prefix}/final", json.dumps(outcome))
 
-    def outcome(self, prefix: str) -> Outcome:
-        return json.loads(self.store.get(f"{prefix}/outcome"))
-
     def wait(self, prefix: str) -> Outcome:
         """The save's final outcome, waited for as long as the leader beats; once it has
         been silent for over twice `timeout`, a failure (published, unless the leader
@@ -362,7 +364,19 @@ class StoreCoordinator:
                 return failure(SaveFailedError(
                     f"the leader's commit made no progress for {2 * self.timeout:g} s (its "
                     "rank or writer is gone); the step may have landed whole, or not at all"))
-        return json.loads(self.store.get(f"{prefix}/final"))
+        held = self._read(f"{prefix}/final")
+        if held is None:  # every node counted as done with the save: not this one
+            return failure(SaveFailedError("the save's keys were deleted from the store "
+                                           "before this node read its outcome"))
+        return held
+
+    def _read(self, key: str) -> Outcome | None:
+        """The JSON value of `key`, or None if it is absent, without blocking (a `get`
+        of an absent key waits for the store's whole timeout): a compare_set whose
+        expected value is not empty sets nothing where the key is absent and answers
+        that expected value."""
+        value = self.store.compare_set(key, _ABSENT, _ABSENT)
+        return None if value == _ABSENT.encode() else json.loads(value)
 
     def _wait_key(self, key: str, seconds: float, look: bool = True) -> bool:
         """Whether `key` is set within `seconds` (the store wakes us as it is set);
@@ -381,12 +395,19 @@ class StoreCoordinator:
         for name in _SAVE_KEYS:
             self.store.delete_key(f"{prefix}/{name}")
 
-    def leave(self, prefix: str | None, nodes: int | None) -> None:
-        """At close: this node is done with its last save `prefix` (of `nodes` nodes, if
-        known); the last node deletes its keys, and the leader its session's."""
-        if prefix is not None and nodes is not None:
-            if self.store.add(f"{prefix}/read", 1) >= nodes:
-                self.forget(prefix)
+    def done_with(self, prefix: str) -> None:
+        """This node has read save `prefix`'s outcome and will not look at its keys
+        again (its lead, or the rank speaking for it, once per save); the last node to
+        say so deletes them. Counted in ranks, so that a node counts the same whoever
+        speaks for it."""
+        if self.store.add(f"{prefix}/read", self.node[1]) >= self.world_size:
+            self.forget(prefix)
+
+    def leave(self, prefix: str | None) -> None:
+        """At close: this node is done with its last save `prefix` (if it has not said
+        so yet); the leader deletes its session's keys too."""
+        if prefix is not None:
+            self.done_with(prefix)
         if self.rank == 0:
             for name in ("hellos", "hello_count", "beats", "leader"):
                 self.store.delete_key(f"{self.base}/{name}")

@@ -30,6 +30,7 @@ JSON document: {"rank", "node", "steps": {step: {"ok", "path" | "error", "messag
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -199,6 +200,8 @@ def load(out: Path) -> int:
 
 def main() -> int:
     mode, out = sys.argv[1], Path(os.environ["MN_OUT"])
+    # a rank still running near the launch's bound shows where every thread stands
+    faulthandler.dump_traceback_later(float(os.environ.get("MN_STACKS_AFTER", "120")))
     dist.init_process_group("gloo")
     return save(out) if mode == "save" else load(out)
 

@@ -73,14 +73,16 @@ def store() -> Iterator[TCPStore]:
 
 
 @contextlib.contextmanager
-def ranks(writers, store, node_timeout: float = 20) -> Iterator[list[asyncckpt.Client]]:
-    """WORLD clients, PER_NODE on each writer, each with its own store client."""
+def ranks(writers, store, node_timeout: float = 20, stores: dict | None = None
+          ) -> Iterator[list[asyncckpt.Client]]:
+    """WORLD clients, PER_NODE on each writer, each with its own store client (or the
+    one `stores` gives for its rank)."""
     clients = []
     for r in range(WORLD):
         with _env({"LOCAL_RANK": str(r % PER_NODE), "LOCAL_WORLD_SIZE": str(PER_NODE)}):
             clients.append(asyncckpt.connect(
                 writers[r // PER_NODE].address, rank=r, world_size=WORLD,
-                store=TCPStore("127.0.0.1", store.port, is_master=False),
+                store=(stores or {}).get(r) or TCPStore("127.0.0.1", store.port, is_master=False),
                 node_timeout=node_timeout, slot_size=4096, ring_size=16384))
     try:
         yield clients
@@ -338,3 +340,54 @@ def test_a_node_that_starts_its_save_late_is_waited_for_while_it_beats(tmp_path,
         late = [c.save(2, state(c.rank, 2)) for c in clients[PER_NODE:]]
         assert outcomes(early + late) == [root / "step-00000002"] * WORLD
     assert_holds(root, 2)
+
+
+class SlowReader:
+    """A store client whose reads of a save's outcome come `delay` seconds late (a node
+    descheduled between the store's wake-up and its read)."""
+
+    def __init__(self, store: TCPStore, delay: float) -> None:
+        self._store, self._delay = store, delay
+
+    def _late(self, key: str) -> None:
+        if key.endswith("/final"):
+            time.sleep(self._delay)
+
+    def get(self, key: str):
+        self._late(key)
+        return self._store.get(key)
+
+    def compare_set(self, key: str, expected, desired):
+        self._late(key)
+        return self._store.compare_set(key, expected, desired)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def test_a_leader_that_leaves_after_a_failed_commit_keeps_the_outcome_until_all_read_it(
+        tmp_path, store):
+    """The leader's writer dies in its commit; the leader publishes the failure and its
+    process closes its client at once, while node 1's lead is slow to read the outcome.
+    The leader's node must count as done with the save once (it once counted at the
+    failure and again at close, deleted the keys, and node 1 then waited out the store's
+    timeout in a `get` of the deleted outcome)."""
+    root = tmp_path / "ckpt"
+    slow = SlowReader(TCPStore("127.0.0.1", store.port, is_master=False), delay=1.5)
+    with nodes(tmp_path, crash_at="parts_gathered:1") as writers, \
+            ranks(writers, store, node_timeout=5, stores={PER_NODE: slow}) as clients:
+        handles = [c.save(1, state(c.rank, 1)) for c in clients]
+        leaders = outcomes(handles[:PER_NODE])
+        assert all(isinstance(e, asyncckpt.CheckpointError) for e in leaders), leaders
+        started = time.monotonic()
+        for c in clients[:PER_NODE]:
+            c.close(timeout=30)
+        others = outcomes(handles[PER_NODE:])
+        assert time.monotonic() - started < 10
+        assert all(isinstance(e, asyncckpt.CheckpointError) for e in others), others
+        assert not any("deleted" in str(e) for e in others), others
+        # node 1 counted last: the save's keys are gone
+        prefix = f"asyncckpt/{clients[0]._agreement.coordinator.session}/1.1"
+        assert wait_until(lambda: not store.check([f"{prefix}/final"]))
+    assert PosixStorage(root).committed_steps() == []
+

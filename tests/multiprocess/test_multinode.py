@@ -162,8 +162,6 @@ def test_two_nodes_save_through_dcp_and_load_at_another_layout(tmp_path):
     assert all(r["checked"] == [3] for r in results(tmp_path, "dcp-load", 3).values())
 
 
-@pytest.mark.xfail(strict=False, reason="the last fresh-clone CI run took 15.01 s (bound 15 s) "
-                   "under load on the new protocol; to be looked at (see the closing note)")
 def test_node_on_another_root_fails_first_save_everywhere(tmp_path):
     root, other = tmp_path / "shared", tmp_path / "node-local"
     started = time.monotonic()
@@ -230,9 +228,6 @@ def test_whole_node_killed_mid_save_fails_the_step_on_the_other_node(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-@pytest.mark.xfail(strict=False, reason="hangs now and then on the new protocol (node 1's "
-                   "ranks outlive the 150 s launch bound after the leader's writer dies); "
-                   "open in issue 27, see the closing note")
 def test_leader_writer_killed_between_gather_and_rename(tmp_path):
     root = tmp_path / "ckpt"
     env = {"MN_STEPS": "2,4", "ASYNCCKPT_NODE_TIMEOUT": str(NODE_TIMEOUT)}
