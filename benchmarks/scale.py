@@ -114,10 +114,12 @@ def _size(value: Any) -> int:
 
 class CountingStore:
     """A TCPStore client that counts each request it makes (kind, key and value bytes);
-    its clone (the heartbeat's connection) counts into `beats`."""
+    its clone (the heartbeat's connection) counts into `beats`. `seen(kind, key, result)`
+    is told of each request as it returns (the clock marks of a save)."""
 
-    def __init__(self, store: TCPStore, counts: Counts, beats: Counts | None = None) -> None:
-        self._store, self._counts, self._beats = store, counts, beats
+    def __init__(self, store: TCPStore, counts: Counts, beats: Counts | None = None,
+                 seen: Any = None) -> None:
+        self._store, self._counts, self._beats, self._seen = store, counts, beats, seen
 
     def clone(self) -> "CountingStore":
         return CountingStore(self._store.clone(), self._beats or self._counts)
@@ -129,6 +131,8 @@ class CountingStore:
             result = method(*args)
             self._counts.add(name, _size(args[:2]) + _size(result if name in (
                 "get", "multi_get", "compare_set") else b""))
+            if self._seen is not None:
+                self._seen(name, args[0] if args else "", result)
             return result
         return counted
 
@@ -176,6 +180,9 @@ class SaveResult:
     beat_requests: int
     leader_os_calls: dict[str, int]
     last_part_to_done: float
+    announced: float   # the last lead told -> the announcement that completes the world
+    published: float   # -> the outcome set in the store (the leader's whole commit)
+    fanned_out: float  # -> the last rank's handle done
     leader_commit: float
     manifest_bytes: int
     one_rank_bytes: int
@@ -190,7 +197,8 @@ class Node:
 
     def __init__(self, world: "World", first: int, client: TCPStore, timeout: float) -> None:
         self.world, self.first = world, first
-        coordinator = StoreCoordinator(CountingStore(client, world.counts, world.beats), first,
+        coordinator = StoreCoordinator(CountingStore(client, world.counts, world.beats,
+                                                     world.seen), first,
                                        world.world, timeout, (first, world.per_node))
         coordinator.node_name = str(first // world.per_node)
         self.agreement = Agreement(coordinator, self._writer_hears, str(world.root), "root-id",
@@ -235,6 +243,7 @@ class World:
         self.manifest_bytes = 0
         self.kill_leader_writer = False
         self._pending: dict[int, Any] = {}
+        self.marks: dict[str, float] = {}  # "complete", "final": when, this save
         self._ids = iter(range(1, 1 << 30))
         coordination._ordinals.clear()  # one process per rank in a job: each its first client
         with concurrent.futures.ThreadPoolExecutor(64) as pool:  # a client takes ~0.1 s to connect
@@ -250,6 +259,14 @@ class World:
             if time.monotonic() > deadline:
                 raise TimeoutError("the leads did not meet the leader")
             time.sleep(0.1)
+
+    def seen(self, kind: str, key: str, result: Any) -> None:
+        """A lead's request returned: mark the announcement that completes the world
+        and the outcome's publication."""
+        if kind == "add" and key.endswith("/ranks") and result >= self.world:
+            self.marks.setdefault("complete", time.perf_counter())
+        elif kind == "set" and key.endswith("/final"):
+            self.marks.setdefault("final", time.perf_counter())
 
     def leader_asked(self, m: messages.Commit) -> None:
         if self.kill_leader_writer:  # it dies as it is asked: the rank sees its socket close
@@ -301,6 +318,7 @@ class World:
         self.counts.take()
         self.beats.take()
         self.leader_calls.clear()
+        self.marks.clear()
         pendings, handles = [], []
         for node in self.node_list:
             pending = SimpleNamespace(id=next(self._ids), step=step, settled=False,
@@ -339,8 +357,12 @@ class World:
             manifest = read_manifest_at(step_dir)
             manifest.ranks[self.world // 2]  # noqa: B018 -- what a one-rank load reads
             one_rank = manifest.bytes_read
+        told = max(durable_at)
+        complete = self.marks.get("complete", done)
+        final = self.marks.get("final", done)
         return SaveResult(self.nodes, self.per_node, requests, nbytes, sum(beats.values()),
-                          dict(self.leader_calls), done - max(durable_at), self.leader_seconds,
+                          dict(self.leader_calls), done - told, complete - told,
+                          final - complete, done - final, self.leader_seconds,
                           self.manifest_bytes, one_rank, verified, failed, error)
 
     def close(self) -> None:
@@ -401,6 +423,9 @@ def summarise(results: list[SaveResult], verify: bool = True) -> dict[str, Any]:
             "leader_metadata_ops": statistics.median(sum(r.leader_os_calls.values()) for r in results),
             "leader_ops_by_kind": results[-1].leader_os_calls,
             "latency_s": statistics.median(r.last_part_to_done for r in results),
+            "announced_s": statistics.median(r.announced for r in results),
+            "published_s": statistics.median(r.published for r in results),
+            "fanned_out_s": statistics.median(r.fanned_out for r in results),
             "leader_commit_s": statistics.median(r.leader_commit for r in results),
             "beat_requests": statistics.median(r.beat_requests for r in results),
             "manifest_bytes": results[-1].manifest_bytes,
@@ -433,6 +458,19 @@ def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: lis
             f"{r['one_rank_load_reads'] / 2**20:.2f} | "
             f"{('yes' if r.get('verify_run', True) else 'committed, not verified') if r['verified'] else 'NO'}"
             + (f"; {r['failed']} rank-saves failed" if r.get("failed") else "") + " |")
+    lines += ["", "Where the latency after the last part goes (s; x 2x2 in brackets): the "
+              "announcements landing (every lead's append and add, here through one "
+              "interpreter; on a cluster in parallel, serialised only by the store's one "
+              "thread), the commit itself (from the announcement that completes the world "
+              "to the outcome set in the store: the leader's gather, claim, its writer's "
+              "gather and publish), and the outcome reaching every rank (a store wake-up and "
+              "read per node, here through one interpreter again).", "",
+              "| nodes x ranks | announcements land | commit | of which leader writer "
+              "| outcome reaches the ranks |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(" | ".join([f"| {r['nodes']} x {r['per_node']}"] + [
+            f"{r[k]:.3f} ({r[k] / max(base[k], 1e-6):.1f})" for k in (
+                "announced_s", "published_s", "leader_commit_s", "fanned_out_s")]) + " |")
     big = rows[-1]
     n = big["nodes"]
     checks = [

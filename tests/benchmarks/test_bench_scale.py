@@ -32,6 +32,10 @@ def test_a_simulated_world_commits_verifiable_steps_and_counts_its_work(template
         # the leader's claim, and each node's read of the outcome (a get that never blocks)
         assert r.requests.get("compare_set", 0) == 1 + 3
         assert r.leader_os_calls.get("rename", 0) >= 2  # the other nodes' folders moved in
+        # the latency's three stretches follow each other: each seen, none negative
+        stretches = (r.announced, r.published, r.fanned_out)
+        assert min(stretches) >= 0 and r.published >= r.leader_commit > 0
+        assert sum(stretches) == pytest.approx(r.last_part_to_done)
         assert 0 < r.manifest_bytes < 3 * 1024  # the root lists nodes, not tensors
         assert 0 < r.one_rank_bytes < r.manifest_bytes + 20 * 400  # the root and one part
     summary = scale.summarise(results)
@@ -53,7 +57,8 @@ def test_the_verdicts_follow_the_figures():
         return {"nodes": nodes, "per_node": 8, "ranks": nodes * 8, "store_requests": requests,
                 "beat_requests": 0,
                 "store_bytes": 0, "leader_metadata_ops": ops, "latency_s": latency,
-                "leader_commit_s": 0.0, "manifest_bytes": manifest, "one_rank_load_reads": manifest,
+                "leader_commit_s": 0.0, "announced_s": 0.0, "published_s": latency,
+                "fanned_out_s": 0.0, "manifest_bytes": manifest, "one_rank_load_reads": manifest,
                 "verified": True, "requests_by_kind": {}, "leader_ops_by_kind": {}}
     base = dict(row(2, 10, 10, 0.1, 100), per_node=2, ranks=4)
     text = scale.report([base, row(1000, 4064, 5000, 0.9, 2 << 20)], [], ["--nodes", "1000"])
