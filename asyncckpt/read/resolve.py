@@ -1,0 +1,113 @@
+"""Which checkpoint a path names, and what to say when a root's newest one is damaged.
+
+A root opened without a step means its newest `step-N` directory, and a newest step that
+is damaged is an error, not a reason to load an older one quietly: a resume that
+silently repeats hours of training is worse than one that stops. The error names the
+damaged step and the newest intact one, which `Checkpointer.restore()` falls back to on
+its own (with a warning). A name there is advice to load that step, so it must be one:
+a step directory of the root by the reader's rule (storage/posix.py; a `step-N` linked in
+from elsewhere may hold a state this root never saved), whose manifest and files check,
+and which does not share the bytes that failed (with incremental saves other steps
+reference the same frames; a frame's error says where its stored bytes lie). It may be
+newer than the damaged step: a writer still running commits steps while a load reads,
+and its retention deletes older ones.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from asyncckpt.format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
+from asyncckpt.format.manifest import Ref
+from asyncckpt.storage.location import Location, ObjectPath, exists, is_dir, is_file, storage_for
+
+# Checkpoint.examine: (directory, limits=...) -> (the checkpoint or None, its problems)
+Examine = Callable[..., "tuple[Any, list[CheckpointError]]"]
+RESOLVE_TRIES = 3  # listings of a root whose newest step vanished before it was examined
+
+
+def resolve(path: Location, step: int | None) -> tuple[Location, Location | None]:
+    """(the checkpoint directory, the root when it was chosen as the root's newest)."""
+    named = parse_step_dir(path.name)
+    if is_dir(path) and (named is not None or is_file(path / MANIFEST_NAME)):
+        if step is not None and named is not None and named != step:
+            raise CheckpointNotFoundError(f"{path} is step {named}, not {step}", step=step,
+                                          file=str(path))
+        return path, None
+    if step is not None:
+        if storage_for(path).has_step(step):
+            return path / step_dir_name(step), None
+        linked = not isinstance(path, ObjectPath) and os.path.islink(path / step_dir_name(step))
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint for step {step} in {path}" + (
+                f" ({step_dir_name(step)} is a symlink: not a step of this root; open the "
+                "directory it points to instead)" if linked else f" ({_holds(path)})"),
+            step=step, file=str(path))
+    steps = storage_for(path).step_dirs()
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
+    return path / step_dir_name(steps[-1]), path
+
+
+def _holds(root: Location) -> str:
+    """What `root` holds instead, for an error: its committed steps (the first and the
+    newest few of a long list), none, or that it does not exist."""
+    if not is_dir(root):
+        return "it does not exist"
+    steps = storage_for(root).step_dirs()
+    if not steps:
+        return "it holds no committed step"
+    shown = [str(s) for s in steps] if len(steps) <= 8 else (
+        [str(steps[0]), "..."] + [str(s) for s in steps[-6:]])
+    return f"its committed steps: {', '.join(shown)}" + (
+        f" ({len(steps)} in all)" if len(steps) > 8 else "")
+
+
+def damaged_newest(root: Location, directory: Location, problem: CheckpointError,
+                   limits: ReadLimits, examine: Examine) -> CorruptCheckpointError:
+    """The error for a root's damaged newest step, naming the newest intact step.
+
+    The candidates are listed now, not when the load began, so a step a running writer
+    committed meanwhile is one, and steps its retention removed are not. A candidate
+    must pass `examine` (Checkpoint.examine) and, when the damage was found in a frame's stored bytes
+    (`problem.detail["stored_at"]`), hold no frame stored there: with incremental saves
+    older and newer steps reference the same bytes, and would fail on them too.
+    """
+    damaged = parse_step_dir(directory.name)
+    failed: Ref | None = problem.detail.get("stored_at")
+    steps = storage_for(root).step_dirs()
+    newer = [s for s in steps if damaged is not None and s > damaged]
+    intact = next((s for s in reversed(steps) if s != damaged
+                   and _intact(root / step_dir_name(s), limits, failed, examine)), None)
+    if not exists(directory):
+        state = (f"step {damaged} was the newest step of {root} when this load began and is "
+                 "gone now (a running writer's retention removes steps once newer ones commit)")
+    elif newer:
+        state = (f"step {damaged} was the newest step of {root} when this load began (step "
+                 f"{newer[-1]} is now) and it is damaged")
+    else:
+        state = f"step {damaged} is the newest step of {root} and it is damaged"
+    checks = "its manifest and files check" + (
+        ", and it does not share the bytes that failed" if failed else "")
+    hint = (f"the newest intact step is {intact} ({checks}): load it with step={intact}, or "
+            "let Checkpointer.restore() fall back to it" if intact is not None
+            else f"no {'other' if newer else 'older'} step is intact")
+    return CorruptCheckpointError(
+        f"{problem.cause}; {state}: {hint}",
+        step=damaged if problem.step is None else problem.step, rank=problem.rank,
+        file=problem.file, newest_intact=intact)
+
+
+def _intact(directory: Location, limits: ReadLimits, failed: Ref | None,
+            examine: Examine) -> bool:
+    """`directory` passes `examine`, and none of its frames is stored at `failed`."""
+    opened, problems = examine(directory, limits=limits)
+    if opened is None or problems:
+        return False
+    step = opened.step
+    return failed is None or not any(
+        (f.ref or Ref(step, part.file, f.stored_offset, f.stored_length)) == failed
+        for part in opened.manifest.ranks for f in part.frames)
