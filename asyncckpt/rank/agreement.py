@@ -62,6 +62,7 @@ class Agreement:
                                         name=f"asyncckpt-agree-{coordinator.rank}")
         self._thread.start()
         self._gathering: str | None = None    # leader: the save whose nodes it waits for
+        self._awaiting: str | None = None     # lead: the save whose outcome it waits for
         self._beater: threading.Thread | None = None
         if coordinator.is_lead:
             self._beater = threading.Thread(target=self._beat, daemon=True,
@@ -113,6 +114,8 @@ class Agreement:
                     c.beat()
                     if (gathering := self._gathering) is not None:
                         c.tick(gathering)
+                    if (awaiting := self._awaiting) is not None:
+                        c.watch(awaiting)
                 else:  # the leader, between beats: a rank's first save waits for this
                     c.welcome()
             except Exception as e:  # the store is gone: the job is ending
@@ -182,7 +185,11 @@ class Agreement:
         prefix = c.prefix(pending.key)
         c.announce(prefix, tmp, part, self._root, self._root_id)
         if c.rank != 0:
-            outcome = c.wait(prefix)
+            self._awaiting = prefix
+            try:
+                outcome = c.wait(prefix, watched=True)
+            finally:
+                self._awaiting = None
             self._unread = prefix
             self._finish(pending, outcome, {}, prefix)
             return

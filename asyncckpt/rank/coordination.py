@@ -59,11 +59,14 @@ of its client (one request a node per period, whatever the saves), and the leade
 `leader`. While it waits for the nodes, the leader fails the step when a node that has
 not announced has been silent -- no beat -- for `timeout` (measured from the step's
 begin for a node never heard from): a dead node is noticed within seconds, a live node
-that is slow to start is waited for. A node's lead that waits for the outcome looks at
-the leader's counter every `2 * timeout` and fails the step the same way when it stopped
-(a dead leader *process* is reported at once: its writer asks another rank of its node
-to speak for it); once the leader has claimed the commit that failure is only its own
-(the step may have landed whole).
+that is slow to start is waited for. While a node's lead waits for the outcome, its
+heartbeat thread also reads the leader's counter at each beat (`watch`) and, once it
+has not moved for `2 * timeout`, publishes the failure for every node (a dead leader
+*process* is reported at once: its writer asks another rank of its node to speak for
+it). Once the leader has claimed the commit, that failure says the step may have landed
+whole, or not at all; a leader that lives and settles later overwrites it. The wait
+itself is then never left to time out: a TCPStore wait that times out prints two c10d
+warnings, and a node that finished early may wait a long time for the slowest.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ from asyncckpt.errors import SaveFailedError
 
 Outcome = dict[str, Any]
 CLAIM: Outcome = {"committing": True}
+WATCHED_LOOKS = 30  # a watched wait looks at the leader itself every this many timeouts
 HELLO_PERIOD = 0.25  # the leader answers hellos this often (one counter read when none)
 _ABSENT = "\0absent"  # the answer of `_read`'s compare_set where the key is absent
 _SAVE_KEYS = ("nodes", "ranks", "wake", "outcome", "final", "read")
@@ -141,6 +145,7 @@ class StoreCoordinator:
         self._hellos_read = 0        # leader: bytes of the hellos key answered
         self._heard: dict[int, tuple[int, float]] = {}  # leader: node first -> (count, when)
         self._names: dict[int, str] = {}  # leader: node first -> its GROUP_RANK
+        self._watched: tuple[str, int, float] = ("", -1, 0.0)  # (save, leader count, since)
 
     # -- the session handshake ----------------------------------------------------------
 
@@ -328,30 +333,34 @@ class StoreCoordinator:
                     "hold a shared checkpoint)", rank=info["first"])
         return infos
 
-    def decide(self, prefix: str, outcome: Outcome) -> Outcome:
+    def decide(self, prefix: str, outcome: Outcome, store: Any = None) -> Outcome:
         """Set the save's outcome unless one is set already; return the one that holds.
-        A failure that wins is final at once, and wakes the leader."""
-        held = json.loads(self.store.compare_set(f"{prefix}/outcome", "", json.dumps(outcome)))
+        A failure that wins is final at once, and wakes the leader. `store`: the
+        connection to use (the heartbeat's, while the other waits)."""
+        store = store or self.store
+        held = json.loads(store.compare_set(f"{prefix}/outcome", "", json.dumps(outcome)))
         if held == outcome and not held.get("committing"):
-            self.store.set(f"{prefix}/final", json.dumps(held))
-            self.store.set(f"{prefix}/wake", "1")
+            store.set(f"{prefix}/final", json.dumps(held))
+            store.set(f"{prefix}/wake", "1")
         return held
 
     def settle(self, prefix: str, outcome: Outcome) -> None:
         """The leader, after its claim: the final outcome."""
         self.store.set(f"{prefix}/final", json.dumps(outcome))
 
-    def wait(self, prefix: str) -> Outcome:
+    def wait(self, prefix: str, watched: bool = False) -> Outcome:
         """The save's final outcome, waited for as long as the leader beats; once it has
         been silent for over twice `timeout`, a failure (published, unless the leader
         claimed the commit first: then only ours, since the step may have landed). The
-        leader is looked at only every `2 * timeout` of waiting, so a node waiting for
-        slower ones costs the store a request every few seconds, not a poll: a leader
-        whose process dies is reported at once by the rank its writer asks to speak for
-        its node; only a leader's whole node lost waits for this.
+        leader is looked at every `2 * timeout` of waiting (a request every few seconds,
+        not a poll), or, when this node's heartbeat thread `watch`es it meanwhile, only
+        as a backstop every `WATCHED_LOOKS * timeout`. A leader whose process dies is
+        reported at once by the rank its writer asks to speak for its node; only a
+        leader's whole node lost waits for this.
         """
         beat, since = -1, time.monotonic()
-        while not self._wait_key(f"{prefix}/final", 2 * self.timeout, look=False):
+        look = (WATCHED_LOOKS if watched else 2) * self.timeout
+        while not self._wait_key(f"{prefix}/final", look, look=False):
             count = self.store.add(f"{self.base}/leader", 0)
             if count != beat:
                 beat, since = count, time.monotonic()
@@ -369,6 +378,27 @@ class StoreCoordinator:
             return failure(SaveFailedError("the save's keys were deleted from the store "
                                            "before this node read its outcome"))
         return held
+
+    def watch(self, prefix: str) -> None:
+        """A waiting lead's heartbeat thread, at each beat: publish the failure of save
+        `prefix` once the leader's counter has not moved for `2 * timeout`; if the
+        leader has claimed the commit, as the final outcome unless one is set (the
+        leader that lives overwrites it when it settles)."""
+        store, now = self.beat_store, time.monotonic()
+        count = store.add(f"{self.base}/leader", 0)
+        if self._watched[:2] != (prefix, count):
+            self._watched = (prefix, count, now)
+            return
+        quiet = now - self._watched[2]
+        if quiet <= 2 * self.timeout:
+            return
+        held = self.decide(prefix, failure(SaveFailedError(
+            f"the leader (rank 0) was silent for {quiet:.0f} s while node {self.node_name} "
+            "waited for the save's outcome (its node is gone)")), store)
+        if held.get("committing"):
+            store.compare_set(f"{prefix}/final", "", json.dumps(failure(SaveFailedError(
+                f"the leader's commit made no progress for {quiet:.0f} s (its rank or "
+                "writer is gone); the step may have landed whole, or not at all"))))
 
     def _read(self, key: str) -> Outcome | None:
         """The JSON value of `key`, or None if it is absent, without blocking (a `get`

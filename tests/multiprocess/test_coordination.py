@@ -391,3 +391,27 @@ def test_a_leader_that_leaves_after_a_failed_commit_keeps_the_outcome_until_all_
         assert wait_until(lambda: not store.check([f"{prefix}/final"]))
     assert PosixStorage(root).committed_steps() == []
 
+
+
+def test_a_node_waiting_on_a_silent_leader_fails_without_store_wait_timeouts(
+        tmp_path, store, capfd):
+    """The leader claimed the commit, then went silent (its heartbeat stopped) while its
+    writer takes 6 s to gather. Node 1's heartbeat thread notices the silence after
+    2 x node_timeout and publishes that the step may have landed; node 1's wait for the
+    outcome never timed out in the store (each timed-out wait prints c10d warnings). The
+    leader lives, and its commit lands: its own handle says so."""
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path, leader_env={"ASYNCCKPT_SLOW_AT": "parts_gathered:6"}) as writers, \
+            ranks(writers, store, node_timeout=1) as clients:
+        handles = [c.save(1, state(c.rank, 1)) for c in clients]
+        claim = f"asyncckpt/{clients[0]._agreement.coordinator.session}/1.1/outcome"
+        assert wait_until(lambda: store.check([claim]))  # the leader claimed the commit
+        clients[0]._agreement._stop.set()  # its heartbeat stops: silent from now on
+        started = time.monotonic()
+        others = outcomes(handles[PER_NODE:])
+        assert time.monotonic() - started < 5, others
+        assert all(isinstance(e, asyncckpt.CheckpointError) and "may have landed" in str(e)
+                   for e in others), others
+        assert outcomes(handles[:PER_NODE]) == [root / "step-00000001"] * PER_NODE
+    assert PosixStorage(root).committed_steps() == [1] and asyncckpt.verify(root).ok
+    assert "waitForInput" not in capfd.readouterr().err
