@@ -81,6 +81,7 @@ import time
 from typing import Any, Callable
 
 from asyncckpt.errors import SaveFailedError
+from asyncckpt.torchutil.ranks import local_world_size
 
 Outcome = dict[str, Any]
 CLAIM: Outcome = {"committing": True}
@@ -96,6 +97,20 @@ def _clone(store: Any) -> Any:
         return store.clone()
     except Exception:  # no clone (an older torch, a store of another kind)
         return store
+
+
+def job_store(coordination: str, world_size: int) -> Any:
+    """The store to coordinate commits through, per the `coordination` knob."""
+    if coordination == "local":
+        return None
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        if coordination == "store" or local_world_size(world_size) < world_size:
+            return dist.distributed_c10d._get_default_store()
+    if coordination == "store":
+        raise ValueError('coordination "store" needs torch.distributed initialized, or a '
+                         "store passed to Client(store=...)")
+    return None
 
 
 def failure(error: BaseException) -> Outcome:
@@ -349,42 +364,31 @@ class StoreCoordinator:
         self.store.set(f"{prefix}/final", json.dumps(outcome))
 
     def wait(self, prefix: str, watched: bool = False) -> Outcome:
-        """The save's final outcome, waited for as long as the leader beats; once it has
-        been silent for over twice `timeout`, a failure (published, unless the leader
-        claimed the commit first: then only ours, since the step may have landed). The
-        leader is looked at every `2 * timeout` of waiting (a request every few seconds,
-        not a poll), or, when this node's heartbeat thread `watch`es it meanwhile, only
-        as a backstop every `WATCHED_LOOKS * timeout`. A leader whose process dies is
-        reported at once by the rank its writer asks to speak for its node; only a
-        leader's whole node lost waits for this.
+        """The save's final outcome, waited for as long as the leader beats. The leader
+        is `watch`ed by this node's heartbeat thread meanwhile (`watched`), else by this
+        wait every `2 * timeout` (a request every few seconds, not a poll; a wait that
+        times out prints c10d warnings, so a watched one looks only every
+        `WATCHED_LOOKS * timeout`). A leader whose process dies is reported at once by
+        the rank its writer asks to speak for its node; only a leader's whole node lost
+        waits for `watch`.
         """
-        beat, since = -1, time.monotonic()
         look = (WATCHED_LOOKS if watched else 2) * self.timeout
         while not self._wait_key(f"{prefix}/final", look, look=False):
-            count = self.store.add(f"{self.base}/leader", 0)
-            if count != beat:
-                beat, since = count, time.monotonic()
-            elif time.monotonic() - since > 2 * self.timeout:
-                held = self.decide(prefix, failure(SaveFailedError(
-                    f"the leader (rank 0) was silent for {2 * self.timeout:g} s while this "
-                    "node waited for the save's outcome (its node is gone)")))
-                if not held.get("committing"):
-                    return held
-                return failure(SaveFailedError(
-                    f"the leader's commit made no progress for {2 * self.timeout:g} s (its "
-                    "rank or writer is gone); the step may have landed whole, or not at all"))
+            if not watched:
+                self.watch(prefix, self.store)
         held = self._read(f"{prefix}/final")
         if held is None:  # every node counted as done with the save: not this one
             return failure(SaveFailedError("the save's keys were deleted from the store "
                                            "before this node read its outcome"))
         return held
 
-    def watch(self, prefix: str) -> None:
-        """A waiting lead's heartbeat thread, at each beat: publish the failure of save
-        `prefix` once the leader's counter has not moved for `2 * timeout`; if the
+    def watch(self, prefix: str, store: Any = None) -> None:
+        """While this node waits for save `prefix`'s outcome, now and then (a lead's
+        heartbeat thread at each beat, on its own connection unless `store`): once the
+        leader's counter has not moved for `2 * timeout`, publish the failure; if the
         leader has claimed the commit, as the final outcome unless one is set (the
         leader that lives overwrites it when it settles)."""
-        store, now = self.beat_store, time.monotonic()
+        store, now = store or self.beat_store, time.monotonic()
         count = store.add(f"{self.base}/leader", 0)
         if self._watched[:2] != (prefix, count):
             self._watched = (prefix, count, now)
