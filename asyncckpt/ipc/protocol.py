@@ -268,3 +268,17 @@ def _set_recv_timeout(fd: int, seconds: float) -> None:
                      struct.pack("ll", whole, int((seconds - whole) * 1e6)))
     finally:
         s.detach()
+
+
+def writer_address(address: str | None) -> str:
+    """`address`, else ASYNCCKPT_ADDRESS.
+
+    Raises:
+        WriterUnavailableError: neither is set.
+    """
+    address = address or os.environ.get(ADDRESS_ENV)
+    if not address:
+        raise WriterUnavailableError(
+            f"no writer address: pass one or set {ADDRESS_ENV} "
+            "(start a writer with asyncckpt.start_writer() or `asyncckpt writer`)")
+    return address

@@ -40,12 +40,12 @@ from asyncckpt.errors import SaveFailedError, WriterUnavailableError, error_clas
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.rank.agreement import Agreement
-from asyncckpt.rank.coordination import StoreCoordinator
+from asyncckpt.rank.coordination import StoreCoordinator, job_store
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.pending import Basis, PendingSave, Torn, unmodified
 from asyncckpt.rank.stager import DeviceCopies, stage
 from asyncckpt.storage.location import root_path
-from asyncckpt.torchutil.ranks import local_world_size, node_of, resolve_rank
+from asyncckpt.torchutil.ranks import node_of, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
 
@@ -85,7 +85,7 @@ class Client:
             WriterUnavailableError: no address, no writer there, or authentication failed.
         """
         self.knobs = ClientKnobs.from_env(**knobs)
-        self.address = _writer_address(address)
+        self.address = protocol.writer_address(address)
         self.rank, self.world_size = resolve_rank(rank, world_size)
         # no ring size asked for: the first save sizes the ring from its state
         self._size_ring = knobs.get("ring_size") is None and not os.environ.get(
@@ -183,7 +183,7 @@ class Client:
     def _agreement_for(self, store: Any, welcome: messages.Welcome) -> Agreement | None:
         """How the nodes agree on each commit: through `store` (or the one the
         coordination knob picks), else not at all (this node's writer sees every rank)."""
-        store = _store_for(self.knobs.coordination, self.world_size) if store is None else store
+        store = job_store(self.knobs.coordination, self.world_size) if store is None else store
         if store is None:
             return None
         coordinator = StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout,
@@ -472,36 +472,8 @@ class Client:
             pending.handle._set_failed(self._broken)
 
 
-def _writer_address(address: str | None) -> str:
-    """`address`, else ASYNCCKPT_ADDRESS.
-
-    Raises:
-        WriterUnavailableError: neither is set.
-    """
-    address = address or os.environ.get(protocol.ADDRESS_ENV)
-    if not address:
-        raise WriterUnavailableError(
-            f"no writer address: pass one or set {protocol.ADDRESS_ENV} "
-            "(start a writer with asyncckpt.start_writer() or `asyncckpt writer`)")
-    return address
-
-
 def _is_step(value: Any) -> bool:
     return type(value) is int and 0 <= value <= MAX_STEP
-
-
-def _store_for(coordination: str, world_size: int) -> Any:
-    """The store to coordinate commits through, per the `coordination` knob."""
-    if coordination == "local":
-        return None
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        if coordination == "store" or local_world_size(world_size) < world_size:
-            return dist.distributed_c10d._get_default_store()
-    if coordination == "store":
-        raise ValueError('coordination "store" needs torch.distributed initialized, or a '
-                         "store passed to Client(store=...)")
-    return None
 
 
 _default: Client | None = None
