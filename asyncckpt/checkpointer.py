@@ -55,13 +55,12 @@ from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import check_reachable, given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for, state_bytes
-from asyncckpt.read import hf, loader
-from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.read import hf
+from asyncckpt.read.loader import load_parts
 from asyncckpt.storage.location import exists, root_path, storage_for
-from asyncckpt.torchutil.dtensor import is_dtensor
-from asyncckpt.torchutil.ranks import resolve_rank
+from asyncckpt.torchutil.dtensor import is_sharded_model, unwrapped
 
-__all__ = ["Checkpointer", "CheckpointerOptions", "is_sharded_model", "load_parts", "unwrapped"]
+__all__ = ["Checkpointer", "CheckpointerOptions"]
 
 CONTENTS = ("model", "optimizer", "extra")
 log = logging.getLogger("asyncckpt.checkpointer")
@@ -422,67 +421,6 @@ class Checkpointer:
         if want_optim:
             out["optimizer"] = self.optimizer.state_dict()  # type: ignore[union-attr]
         return out
-
-
-def is_sharded_model(model: torch.nn.Module) -> bool:
-    """Whether `model` saves through DCP's state-dict functions: DTensor parameters
-    (FSDP2, tensor parallel) or an FSDP1 module anywhere in it."""
-    if any(is_dtensor(p) for p in model.parameters()):
-        return True
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # torch built without distributed
-        return False
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
-
-
-def unwrapped(model: torch.nn.Module | None) -> torch.nn.Module | None:
-    """The module FSDP1 wraps (its config is the model's), else `model` itself."""
-    inner = getattr(model, "_fsdp_wrapped_module", None)
-    return inner if isinstance(inner, torch.nn.Module) else model
-
-
-def load_parts(root: Path, step: int | None, rank: int | None, into: Any,
-               keys: set[str]) -> dict[str, Any]:
-    """`load(root, step=step, rank=rank, into=into)` of the top-level `keys` only.
-
-    The tensors under other keys are never read nor allocated: restoring only the model
-    of a checkpoint that also holds optimizer state must not build that state (as full
-    tensors, for a sharded one) to throw it away.
-    Raises:
-        As `load`.
-    """
-    with Checkpoint.open(root, step) as ckpt:
-        if rank is None:
-            rank = resolve_rank()[0] if ckpt.world_size > 1 else 0
-            rank = 0 if rank >= ckpt.world_size and ckpt.sharded else rank
-        rank = ckpt.check_rank(rank)
-        with ckpt.reading():
-            return loader._load(_Only(ckpt, keys), rank, into, True)
-
-
-class _Only:
-    """An opened checkpoint seen through its top-level `keys` (plus the bases of the
-    views kept, which may sit under another key)."""
-
-    def __init__(self, ckpt: Checkpoint, keys: set[str]) -> None:
-        self._ckpt, self._keys = ckpt, keys
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ckpt, name)
-
-    def leaves(self, rank: int) -> list[Any]:
-        every = self._ckpt.leaves(rank)
-        kept = [leaf for leaf in every if leaf.path[:1] and leaf.path[0] in self._keys]
-        bases = {leaf.tensor.name for leaf in kept if leaf.view is not None}
-        return kept + [leaf for leaf in every if leaf.view is None and leaf.kind == "tensor"
-                       and leaf.tensor.name in bases and leaf not in kept]
-
-    def tree(self, rank: int) -> Any:
-        tree = self._ckpt.tree(rank)
-        if isinstance(tree, dict) and isinstance(tree.get("dict"), list):
-            return {"dict": [item for item in tree["dict"] if item[0] in self._keys]}
-        return tree
 
 
 def _outcome(error: Exception | None) -> int:

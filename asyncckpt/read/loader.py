@@ -77,12 +77,57 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
         UnsupportedStateError: a DTensor target with a Partial or strided placement.
     """
     with _collector_paused(), Checkpoint.open(path, step, limits=limits) as ckpt:
-        if rank is None:
-            rank = resolve_rank()[0] if ckpt.world_size > 1 else 0
-            rank = 0 if rank >= ckpt.world_size and ckpt.sharded else rank
-        rank = ckpt.check_rank(rank)
+        rank = _rank_to_load(ckpt, rank)
         with ckpt.reading():
             return _load(ckpt, rank, into, strict)
+
+
+def _rank_to_load(ckpt: Checkpoint, rank: int | None) -> int:
+    """`rank`, or this process's (rank 0's beyond the saved world, for global tensors)."""
+    if rank is None:
+        rank = resolve_rank()[0] if ckpt.world_size > 1 else 0
+        rank = 0 if rank >= ckpt.world_size and ckpt.sharded else rank
+    return ckpt.check_rank(rank)
+
+
+def load_parts(root: str | os.PathLike[str], step: int | None, rank: int | None, into: Any,
+               keys: set[str]) -> dict[str, Any]:
+    """`load(root, step=step, rank=rank, into=into)` of the top-level `keys` only.
+
+    The tensors under other keys are never read nor allocated: restoring only the model
+    of a checkpoint that also holds optimizer state must not build that state (as full
+    tensors, for a sharded one) to throw it away.
+    Raises:
+        As `load`.
+    """
+    with _collector_paused(), Checkpoint.open(root, step) as ckpt:
+        rank = _rank_to_load(ckpt, rank)
+        with ckpt.reading():
+            return _load(_Only(ckpt, keys), rank, into, True)  # type: ignore[arg-type]
+
+
+class _Only:
+    """An opened checkpoint seen through its top-level `keys` (plus the bases of the
+    views kept, which may sit under another key)."""
+
+    def __init__(self, ckpt: Checkpoint, keys: set[str]) -> None:
+        self._ckpt, self._keys = ckpt, keys
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ckpt, name)
+
+    def leaves(self, rank: int) -> list[Any]:
+        every = self._ckpt.leaves(rank)
+        kept = [leaf for leaf in every if leaf.path[:1] and leaf.path[0] in self._keys]
+        bases = {leaf.tensor.name for leaf in kept if leaf.view is not None}
+        return kept + [leaf for leaf in every if leaf.view is None and leaf.kind == "tensor"
+                       and leaf.tensor.name in bases and leaf not in kept]
+
+    def tree(self, rank: int) -> Any:
+        tree = self._ckpt.tree(rank)
+        if isinstance(tree, dict) and isinstance(tree.get("dict"), list):
+            return {"dict": [item for item in tree["dict"] if item[0] in self._keys]}
+        return tree
 
 
 @contextlib.contextmanager

@@ -210,3 +210,21 @@ def _replica(t: Any) -> bool:
     if dist.get_world_size(group) == dist.get_world_size():
         return False
     return 0 not in dist.get_process_group_ranks(group)
+
+
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """Whether `model` saves through DCP's state-dict functions: DTensor parameters
+    (FSDP2, tensor parallel) or an FSDP1 module anywhere in it."""
+    if any(is_dtensor(p) for p in model.parameters()):
+        return True
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def unwrapped(model: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The module FSDP1 wraps (its config is the model's), else `model` itself."""
+    inner = getattr(model, "_fsdp_wrapped_module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model

@@ -27,7 +27,7 @@ from torch.distributed.tensor import Shard
 
 import asyncckpt
 from asyncckpt import cli
-from asyncckpt.checkpointer import load_parts
+from asyncckpt.read.loader import load_parts
 from asyncckpt.errors import CorruptCheckpointError, SaveFailedError
 from asyncckpt.format import parts as parts_module
 from asyncckpt.format.layout import MANIFEST_NAME
