@@ -77,26 +77,24 @@ import contextlib
 import dataclasses
 import json
 import logging
-import queue
-import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions, unwrapped
+from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
+from asyncckpt.torchutil.dtensor import unwrapped
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.integrations.rng import rng_state, set_rng_state
+from asyncckpt.integrations.verl_followup import FollowUps, Job, local_dir
 from asyncckpt.integrations.verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate,
                                                read_tracker, relative_root, root_of,
                                                trainer_dir)
-from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.node_writer import node_writer
 from asyncckpt.read.export import export_hf
 from asyncckpt.storage.location import (Location, exists, is_object, remove_tree, root_path,
-                                        upload_tree, write_bytes)
+                                        write_bytes)
 
 __all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")
@@ -111,16 +109,6 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     else:
         value = getattr(config, name, default)
     return default if value is None else value
-
-
-@dataclasses.dataclass
-class _Job:
-    step: int
-    local_path: Location
-    handle: SaveHandle
-    hf_model: bool
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    failure: str | None = None  # a follow-up that failed after the commit
 
 
 class FSDPCheckpointManager:
@@ -164,11 +152,7 @@ class FSDPCheckpointManager:
         self._root: Location | None = None
         self._writer: Any = None
         self._ckpt: Checkpointer | None = None
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._pending: list[_Job] = []
-        self._failures: list[str] = []  # rank 0: follow-ups failed since the last save
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._follow = FollowUps(self._committed if self.rank == 0 else self._export_share)
         self._told_paths = False
         atexit.register(self.wait_until_finished)
 
@@ -218,23 +202,21 @@ class FSDPCheckpointManager:
         if not is_object(path):
             path.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            with _local(path / "huggingface") as directory:
+            with local_dir(path / "huggingface") as directory:
                 self._save_hf_files(directory)
         extra = self._extra() if self.should_save_extra else None
         handle = ckpt.save(global_step, extra=extra, force=True, replace=True, keep_from=keep_from)
         assert handle is not None  # on_busy "block": never skipped
-        job = _Job(global_step, path, handle, self.should_save_hf_model and self.should_save_model)
+        job = Job(global_step, path, handle, self.should_save_hf_model and self.should_save_model)
         queued = self.rank == 0 or (job.hf_model and self._shares_export(path))
         if queued:
-            self._start_thread()
-            self._pending.append(job)
-            self._jobs.put(job)
+            self._follow.add(job)
         if not self.async_save:
             handle.wait()
             if queued:
                 job.done.wait()
             outcomes: list[Any] = [None] * self.world_size
-            dist.all_gather_object(outcomes, self._take_failures())  # and the barrier
+            dist.all_gather_object(outcomes, self._follow.take_failures())  # and the barrier
             failures = [f for outcome in outcomes for f in outcome]
             if failures:
                 raise SaveFailedError("; ".join(failures), step=global_step)
@@ -249,7 +231,7 @@ class FSDPCheckpointManager:
         if verb == "save":
             if self.rank == 0 and mine:
                 keep_from = self._keep_from(root_path(mine))
-            failures = self._take_failures()
+            failures = self._follow.take_failures()
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, (mine, step, keep_from, failures))
         path, differ = agree(verb, everyone)
@@ -262,14 +244,9 @@ class FSDPCheckpointManager:
         """Rank 0: the oldest step retention must keep: the one the tracker names (a
         kill before the trainer moves it resumes from there) or one whose follow-up
         is still running (its export reads it)."""
-        pending = [job.step for job in self._pending if not job.done.is_set()]
-        candidates = [s for s in [read_tracker(local_path), *pending] if s is not None]
+        running = self._follow.running_steps()
+        candidates = [s for s in [read_tracker(local_path), *running] if s is not None]
         return min(candidates) if candidates else None
-
-    def _take_failures(self) -> list[str]:
-        with self._lock:
-            failures, self._failures = self._failures, []
-        return failures
 
     def wait_until_finished(self) -> None:
         """Block until every save in flight is committed and its follow-up (tracker,
@@ -279,8 +256,7 @@ class FSDPCheckpointManager:
                 self._ckpt.wait_until_finished()
             except CheckpointError as e:
                 log.error("asyncckpt: a save failed: %s", e)
-        for job in list(self._pending):
-            job.done.wait()
+        self._follow.wait()
 
     def close(self) -> None:
         """Wait as `wait_until_finished`, then close this rank's client and stop the
@@ -288,10 +264,7 @@ class FSDPCheckpointManager:
         exit, and a writer whose parent is gone finishes its commits and exits too."""
         self.wait_until_finished()
         atexit.unregister(self.wait_until_finished)
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+        self._follow.close()
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
@@ -344,7 +317,7 @@ class FSDPCheckpointManager:
         directory; into an object store rank 0 exports alone, then uploads)."""
         return self.world_size > 1 and not is_object(local_path)
 
-    def _export_share(self, job: _Job) -> None:
+    def _export_share(self, job: Job) -> None:
         """A rank other than 0, once `job`'s step is committed: its share of the shards
         (the rank that writes the last one writes the index)."""
         assert self._root is not None
@@ -359,27 +332,7 @@ class FSDPCheckpointManager:
             job.failure = (f"step {job.step} is committed but rank {self.rank}'s share of its "
                            f"hf_model export failed: {type(e).__name__}: {e}")
 
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._follow_up, name="asyncckpt-verl",
-                                            daemon=True)
-            self._thread.start()
-
-    def _follow_up(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                self._committed(job) if self.rank == 0 else self._export_share(job)
-            except Exception as e:  # noqa: BLE001 - the thread must go on with the next job
-                job.failure = job.failure or f"step {job.step}: {type(e).__name__}: {e}"
-            finally:
-                if job.failure:
-                    log.error("asyncckpt: %s", job.failure)
-                    with self._lock:
-                        self._failures.append(job.failure)
-                job.done.set()
-                self._pending.remove(job)
-
-    def _committed(self, job: _Job) -> None:
+    def _committed(self, job: Job) -> None:
         """Rank 0, once `job`'s step is committed: marker, hf_model export, tracker,
         then the `local_path`s of steps the writer's retention deleted."""
         assert self._root is not None and self._ckpt is not None
@@ -401,7 +354,7 @@ class FSDPCheckpointManager:
         try:
             if job.hf_model:
                 share = (0, self.world_size) if self._shares_export(job.local_path) else (0, 1)
-                with _local(job.local_path / "huggingface") as directory:
+                with local_dir(job.local_path / "huggingface") as directory:
                     export_hf(self._root, directory, step=job.step, part=share)
         except Exception as e:  # noqa: BLE001 - the step is committed: the tracker moves on
             job.failure = (f"step {job.step} is committed but its hf_model export to "
@@ -466,15 +419,3 @@ class FSDPCheckpointManager:
             if extra.get("lr_scheduler") is not None and self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         dist.barrier()
-
-
-@contextlib.contextmanager
-def _local(directory: Location) -> Any:
-    """A local directory to write `directory`'s files into: `directory` itself, or for
-    an object-store prefix a temporary one, uploaded when the block ends without error."""
-    if not is_object(directory):
-        yield directory
-        return
-    with tempfile.TemporaryDirectory(prefix="asyncckpt-verl-") as scratch:
-        yield Path(scratch)
-        upload_tree(Path(scratch), directory)

@@ -12,6 +12,7 @@ import pytest
 
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.integrations import verl, verl_paths
+from asyncckpt.integrations.verl_followup import FollowUps, Job
 
 
 class Handle:
@@ -36,18 +37,18 @@ class Steps:
 
 def manager(root: Path) -> verl.FSDPCheckpointManager:
     m = object.__new__(verl.FSDPCheckpointManager)  # no process group needed for this part
-    m.async_save, m.previous_saved_paths, m._saved, m._failures = True, [], {}, []
-    m._root, m._ckpt, m._pending = root, Steps(), []
+    m.async_save, m.previous_saved_paths, m._saved = True, [], {}
+    m._root, m._ckpt, m._follow = root, Steps(), FollowUps(m._committed)
     return m
 
 
-def job(tmp_path: Path, step: int, handle: Handle) -> verl._Job:
+def job(tmp_path: Path, step: int, handle: Handle) -> Job:
     path = tmp_path / "run" / f"global_step_{step}" / "actor"
     (path / "huggingface").mkdir(parents=True)
-    return verl._Job(step, path, handle, hf_model=False)
+    return Job(step, path, handle, hf_model=False)
 
 
-def commit(m: verl.FSDPCheckpointManager, j: verl._Job, kept: list[int]) -> None:
+def commit(m: verl.FSDPCheckpointManager, j: Job, kept: list[int]) -> None:
     m._ckpt.kept = kept  # what the writer left after committing j
     m._committed(j)
 
@@ -76,7 +77,7 @@ def test_tracker_only_after_the_commit_and_dirs_go_with_their_steps(tmp_path):
 def test_a_failed_save_keeps_the_directory_of_the_step_it_would_have_replaced(tmp_path):
     m = manager(tmp_path / "run" / "asyncckpt" / "actor")
     commit(m, job(tmp_path, 5, Handle()), [5])
-    again = verl._Job(5, tmp_path / "run" / "global_step_5" / "actor",
+    again = Job(5, tmp_path / "run" / "global_step_5" / "actor",
                       Handle(SaveFailedError("writer gone", step=5)), hf_model=False)
     commit(m, again, [5])
     assert json.loads((again.local_path / verl.MARKER).read_text())["step"] == 5
@@ -100,7 +101,7 @@ def test_a_path_outside_the_trainer_layout_holds_its_root_and_is_never_removed(t
     m = manager(verl.root_of(local))
     (local / "huggingface").mkdir(parents=True)
     for step in (0, 1):
-        commit(m, verl._Job(step, local, Handle(), hf_model=False), [step])
+        commit(m, Job(step, local, Handle(), hf_model=False), [step])
     assert local.is_dir() and json.loads((local / verl.MARKER).read_text()) == {
         "root": "asyncckpt", "step": 1}
     assert sorted(p.name for p in tmp_path.rglob("*")) == [
@@ -147,8 +148,8 @@ def test_keep_from_is_the_tracker_or_a_pending_follow_up(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / verl.TRACKER).write_text("7")
     assert m._keep_from(local) == 7
-    m._pending = [verl._Job(5, local, Handle(), hf_model=True), verl._Job(8, local, Handle(), True)]
+    m._follow.pending = [Job(5, local, Handle(), hf_model=True), Job(8, local, Handle(), True)]
     assert m._keep_from(local) == 5
-    m._pending[0].done.set()
+    m._follow.pending[0].done.set()
     assert m._keep_from(local) == 7
     assert m._keep_from(tmp_path / "elsewhere") == 8  # no trainer layout: no tracker
