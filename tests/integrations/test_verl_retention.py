@@ -105,7 +105,7 @@ def test_async_exports_of_every_committed_step_finish_and_nothing_is_left(group,
             train(model, optim, sched)
             m.save_checkpoint(str(tmp_path / f"global_step_{step}" / "actor"), None, step, 1)
         m.wait_until_finished()
-        assert m._take_failures() == []
+        assert m._follow.take_failures() == []
     finally:
         m.close()
     assert (tmp_path / verl.TRACKER).read_text() == "4"
@@ -160,7 +160,7 @@ def test_an_s3_prefix_holds_steps_marker_tracker_and_hf_files_and_resumes(group,
             train(model, optim, sched)
             m.save_checkpoint(f"{s3_root}/global_step_{step}/actor", None, step, 2)
             m.wait_until_finished()  # so that retention keeps no step for an export
-        assert m._take_failures() == []
+        assert m._follow.take_failures() == []
     finally:
         m.close()
     assert read_bytes(base / verl.TRACKER) == b"3"
