@@ -56,12 +56,15 @@ def test_a_live_lease_refuses_another_job_and_gc_and_shares_with_its_own_job(s3_
     Lease(storage, None, exclusive=True).release()
 
 
-def test_a_lease_not_renewed_for_three_periods_is_a_dead_writers(storage):
+def test_a_lease_not_renewed_for_three_periods_is_a_dead_writers(s3_root):
+    # a 1 s period, as above: with 0.3 s, two puts a few ms apart across a second
+    # boundary differ by a whole second of LastModified, and the fresh lease read as dead
+    storage = S3Storage(root_path(s3_root), ObjectStoreKnobs(lease_renew=1.0))
     stale = Lease(storage, "job-a")
     stale._stop.set()  # the writer hangs or its host is gone: no more renewals
     with pytest.raises(WriterLockedError):
         Lease(storage, "job-b")
-    time.sleep(1.5)
+    time.sleep(4.5)  # over three periods, whatever the seconds' rounding
     taken = Lease(storage, "job-b")
     assert taken.first
     taken.release()
