@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dcp_worker import compare
-from fsdp_worker import full_state
+from fsdp_worker import full_state, leave
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
@@ -97,8 +97,8 @@ def main() -> None:
             problems = compare(want, full_state(fresh, fresh_optim), ())
             assert not problems, f"step {step}: {problems[:5]}"
     dist.barrier()
-    dist.destroy_process_group()
     print("OK", mode)
+    leave()  # gloo's teardown sometimes aborts after a clean barrier (CI saw it here)
 
 
 if __name__ == "__main__":
