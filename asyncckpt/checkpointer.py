@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import warnings
 from pathlib import Path
@@ -49,9 +48,8 @@ import torch.distributed as dist
 
 from asyncckpt.config import KEEP_ALL
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from asyncckpt.ipc.protocol import ADDRESS_ENV
 from asyncckpt.rank.client import Client
-from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.handle import SaveHandle, raise_untaken, settle
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import check_reachable, given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for, state_bytes
@@ -204,7 +202,11 @@ class Checkpointer:
                 still names). As `Client.save`.
         Raises:
             UnsupportedStateError, WriterUnavailableError: as `Client.save`.
-            SaveFailedError: with on_busy="block", an earlier save's failure.
+            SaveFailedError (or its subclass, e.g. StepAlreadyCommittedError): an
+                earlier save failed and its error has not reached the caller (no
+                `handle.wait()`/`exception()` took it): raised once, naming that save's
+                step, before anything of this one is done; or, with on_busy="block", the
+                failure of the save this one waited for.
         """
         entered = time.perf_counter()
         if not (force or self.should_save(step)):
@@ -216,6 +218,7 @@ class Checkpointer:
                          "framework decides when to save); said once", step, step,
                          self.options.save_interval)
             return None
+        raise_untaken(self._in_flight)  # a failed save is never dropped silently
         self._in_flight = [h for h in self._in_flight if not h.done()]
         if self._in_flight:
             if self.options.on_busy == "skip":
@@ -266,15 +269,25 @@ class Checkpointer:
         self._fence = optimizer.register_step_pre_hook(hook)
 
     def wait_until_finished(self) -> None:
-        """Block until every save in flight is committed; raise the first failure."""
-        handles, self._in_flight = self._in_flight, []
-        for handle in handles:
-            handle.wait()
+        """Block until every save in flight is done; raise the first failure that has
+        not reached the caller yet (once: a failure `handle.wait()` raised, or that an
+        earlier call raised, is not raised again; a second one is left for the next
+        call)."""
+        handles = self._in_flight
+        settle(handles)
+        self._in_flight = [h for h in handles if h._untaken()]
+        raise_untaken(handles)
 
     def close(self) -> None:
         """Wait for saves in flight, remove the fence, close the client if we made it
         and stop the writer if we started it. Warns when `save()` was called but no
-        step was ever due (a save_interval larger than the run)."""
+        step was ever due (a save_interval larger than the run).
+
+        Raises:
+            SaveFailedError (or a subclass), WriterUnavailableError: a save that
+                failed and whose error has not reached the caller (as
+                `wait_until_finished`), after everything above is done.
+        """
         if self._not_due and not self._saves:
             log.warning("asyncckpt: %d save() call(s) and no checkpoint written: no step was a "
                         "multiple of save_interval=%d (pass force=True, or a smaller "
@@ -282,20 +295,32 @@ class Checkpointer:
             self._not_due = 0
         try:
             self.wait_until_finished()
-        finally:
-            if self._fence is not None:
-                self._fence.remove()
-                self._fence = None
+        except BaseException:
+            self._release(quiet=True)
+            raise
+        self._release(quiet=False)
+
+    def _release(self, quiet: bool) -> None:
+        """Remove the fence, close our client, meet the other ranks and stop our
+        writer, whatever fails. `quiet`: an error is already on its way, so a further
+        failure the client raises at close is not (each was logged when it failed)."""
+        if self._fence is not None:
+            self._fence.remove()
+            self._fence = None
+        try:
             if self._own_client and self._client is not None:
-                self._client.close()
-                self._client = None
+                client, self._client = self._client, None
+                try:
+                    client.close()
+                except CheckpointError:
+                    if not quiet:
+                        raise
+        finally:
             if self._node_writers and dist.is_available() and dist.is_initialized():
                 self._node_writers = False
                 dist.barrier()  # every rank's client is closed before the writers stop
             if self.writer is not None:
                 self.writer.stop()
-                if os.environ.get(ADDRESS_ENV) == self.writer.address:
-                    del os.environ[ADDRESS_ENV]  # start_writer exported it: now stale
                 self.writer = None
 
     def __enter__(self) -> "Checkpointer":

@@ -445,3 +445,65 @@ def test_a_run_that_never_reached_save_interval_is_told_at_close(tmp_path, caplo
     assert len(said) == 1 and "50 save() call(s) and no checkpoint written" in said[0]
     assert "save_interval=1000" in said[0] and ckpt.writer is None
     assert not (tmp_path / "never").exists()  # no writer was started for nothing
+
+
+def _failed_resave(ckpt: Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer):
+    """Step 1 committed, then saved again (a framework resuming from an older step): a
+    save that fails while nobody waits for it."""
+    ckpt.save(1).wait(60)
+    train_step(model, opt, 2)
+    handle = ckpt.save(1)
+    assert handle._done.wait(60)  # done, its error not taken
+    return handle
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_a_failed_save_is_raised_by_the_next_save_once_and_logged(writer, root, caplog):
+    """The next save() used to drop a failed handle: the root then mixed two timelines."""
+    import logging
+    model, opt = make_model()
+    ckpt = Checkpointer(root, model=model, optimizer=opt, fence=False,
+                        client=asyncckpt.connect(writer.address, rank=0, world_size=1),
+                        options=CheckpointerOptions(save_interval=1))
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.ERROR):
+        _failed_resave(ckpt, model, opt)
+    assert any(r.levelno == logging.ERROR and "step 1" in r.getMessage()
+               and "StepAlreadyCommittedError" in r.getMessage() for r in caplog.records)
+    with pytest.raises(StepAlreadyCommittedError, match="step 1") as raised:
+        ckpt.save(2)
+    assert raised.value.step == 1
+    ckpt.save(2).wait(60)  # told once: the next save goes ahead
+    ckpt.close()
+    assert ckpt.all_steps() == [1, 2]
+    assert_same(first, asyncckpt.load(root, step=1)["model"])
+    ckpt.client.close()
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+@pytest.mark.parametrize("then", ["close", "wait_until_finished"])
+def test_close_and_wait_until_finished_raise_a_failed_save(writer, root, then):
+    model, opt = make_model()
+    client = asyncckpt.connect(writer.address, rank=0, world_size=1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, client=client,
+                        options=CheckpointerOptions(save_interval=1))
+    _failed_resave(ckpt, model, opt)
+    with pytest.raises(StepAlreadyCommittedError, match="step 1"):
+        getattr(ckpt, then)()
+    ckpt.close()  # raised once: not again
+    assert ckpt._fence is None  # close() finished its work
+    client.close()
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+def test_a_failure_the_caller_took_is_not_raised_again(writer, root):
+    model, opt = make_model()
+    ckpt = Checkpointer(root, model=model, optimizer=opt, fence=False,
+                        client=asyncckpt.connect(writer.address, rank=0, world_size=1),
+                        options=CheckpointerOptions(save_interval=1))
+    handle = _failed_resave(ckpt, model, opt)
+    with pytest.raises(StepAlreadyCommittedError):
+        handle.wait()
+    ckpt.save(2).wait(60)
+    ckpt.close()
+    ckpt.client.close()

@@ -200,6 +200,9 @@ class StorageWriter(dcp.StorageWriter):
         state, results = self._rank_state(plan, planner)
         client = self._connect(root, sum(r.size_in_bytes for r in results))
         handle = client.save(step, state, keep_last=self.keep_last, keep_every=self.keep_every)
+        # DCP tells the outcome itself (finish() on the coordinator raises on every rank,
+        # the async future): the client's next save must not raise it a second time
+        handle._taken = True
         self._handle = handle
         future: Future[list[WriteResult]] = Future()
         if self._staging and self.staging_future:

@@ -13,6 +13,8 @@ slots: with blocking sends, staging ran at the disk's speed instead of the copy'
 (docs/design/staging.md). The queue of unsent messages is bounded by the ring
 (at most one chunk message per slot). If the writer goes away, every pending handle fails with WriterUnavailableError
 at once and later saves raise it immediately: nothing waits forever on a dead writer.
+A save that failed while nobody waited for it is raised by the next `save()` or by
+`close()` (once: handle.py), so a training loop that never waits still hears of it.
 
 With `skip_unchanged`, a save first names the tensors whose storage and version counter
 are those of this client's newest committed save, and waits for the writer to say which
@@ -41,7 +43,7 @@ from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.rank.agreement import Agreement
 from asyncckpt.rank.coordination import StoreCoordinator, job_store
-from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.handle import SaveHandle, raise_untaken
 from asyncckpt.rank.pending import Basis, PendingSave, Torn, unmodified
 from asyncckpt.rank.stager import DeviceCopies, stage
 from asyncckpt.storage.location import root_path
@@ -98,6 +100,7 @@ class Client:
         self._free = collections.deque(range(self._ring.slots))
         self._cond = threading.Condition()
         self._pending: dict[int, PendingSave] = {}
+        self._handles: list[SaveHandle] = []  # saves not known to be settled and told
         self._ids = itertools.count(1)
         self._basis: Basis | None = None  # with skip_unchanged: the newest committed save
         self._broken: WriterUnavailableError | None = None
@@ -231,6 +234,11 @@ class Client:
             UnsupportedStateError: a value that cannot be saved (named by its key path).
             WriterUnavailableError: the writer is gone.
             ValueError: a negative or non-int step or keep_from.
+            SaveFailedError (or its subclass: StepAlreadyCommittedError,
+                DiskFullError, ...), WriterUnavailableError: an earlier save of this
+                client failed and its error has not reached the caller (no `wait()`,
+                no `exception()`); raised once, naming that save's step, and this
+                save is not made.
         """
         started = time.perf_counter()
         for name, value in (("step", step), ("keep_from", keep_from)):
@@ -238,6 +246,7 @@ class Client:
                 raise ValueError(f"{name} must be an int in 0..{MAX_STEP}; got {value!r}")
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
+        self._raise_untaken()
         if self._broken is not None:
             raise self._broken
         if self._size_ring:
@@ -262,6 +271,7 @@ class Client:
             handle._on_commit = functools.partial(self._remember, pending)
         with self._cond:
             self._pending[pending.id] = pending
+            self._handles.append(handle)
         self._queue.put(pending)
         handle.stats.blocked_seconds = time.perf_counter() - started
         return handle
@@ -273,6 +283,11 @@ class Client:
         not awaited: a save whose part is complete still commits once the other ranks'
         parts arrive, and its handle never completes here (import_dcp hands a step to
         the writer one part at a time this way).
+
+        Raises:
+            SaveFailedError (or a subclass), WriterUnavailableError: a save that failed
+                and whose error has not reached the caller (as `save`), once the
+                client is closed; a second `close()` raises nothing.
         """
         if self._closed:
             return
@@ -294,6 +309,15 @@ class Client:
             self._ring.close()
         except BufferError:
             pass  # a view is still referenced; the mapping goes with the process
+        self._raise_untaken()
+
+    def _raise_untaken(self) -> None:
+        """Raise the first failure of an earlier save that the caller has not been
+        told of (handle.py), once; forget the saves that are settled."""
+        with self._cond:
+            handles = self._handles
+            self._handles = [h for h in handles if not h.done() or h._untaken()]
+        raise_untaken(handles)
 
     def __enter__(self) -> "Client":
         return self
@@ -446,6 +470,8 @@ class Client:
             if pending is not None:
                 error = None if isinstance(m, messages.Committed) else \
                     error_class(m.error)(m.message)
+                if error is not None:  # the writer's message names them; keep them as fields
+                    error.step, error.rank = pending.step, self.rank
                 if pending.key is not None:
                     assert self._agreement is not None
                     path, stats = (m.path, m.stats) if isinstance(m, messages.Committed) \

@@ -4,16 +4,24 @@ Two moments matter to a training loop and they are far apart: *staged* (every so
 byte has been copied into the ring, so the tensors may change again: the next optimizer
 step can run) and *done* (the writer committed the step durably, or it failed). Keeping
 them separate is what lets the save run in the background without a torn checkpoint.
+
+A failure is never dropped silently: it is logged at ERROR when it happens, and a handle
+remembers whether its failure has reached the caller (`wait()` raised it, `exception()`
+returned it). One that has not is raised by the next call of whoever made the save
+(`raise_untaken`: the client's next `save()` or `close()`, a Checkpointer's too), once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from asyncckpt.errors import CheckpointError
+
+log = logging.getLogger("asyncckpt.rank")
 
 
 @dataclasses.dataclass
@@ -84,6 +92,7 @@ class SaveHandle:
         self._staged = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._taken = False  # the failure reached the caller (raised or returned once)
         self._on_commit: Callable[[], None] | None = None
 
     def staged(self) -> bool:
@@ -113,13 +122,22 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"step {self.step}: save not finished after {timeout} s")
         if self._error is not None:
+            self._taken = True
             raise self._error
         assert self.path is not None
         return self.path
 
     def exception(self) -> BaseException | None:
-        """The save's error once done (None while running or after success)."""
+        """The save's error once done (None while running or after success). A failure
+        returned here counts as told: no later call raises it again."""
+        if self._error is not None:
+            self._taken = True
         return self._error
+
+    def _untaken(self) -> bool:
+        """True when the save failed and neither `wait()` nor `exception()` (nor a
+        later call, see `raise_untaken`) has handed its error to the caller yet."""
+        return self._done.is_set() and self._error is not None and not self._taken
 
     def __repr__(self) -> str:
         state = ("failed" if self._error else "committed") if self.done() else (
@@ -142,6 +160,35 @@ class SaveHandle:
 
     def _set_failed(self, error: CheckpointError) -> None:
         if not self._done.is_set():
+            log.error("asyncckpt: the save of step %d failed: %s: %s", self.step,
+                      type(error).__name__, error)
             self._error = error
             self._staged.set()
             self._done.set()
+
+
+def raise_untaken(handles: Iterable[SaveHandle]) -> None:
+    """Raise the error of the first handle of `handles` whose failure nobody took (see
+    `SaveHandle._untaken`), marking it told on every handle that failed with that same
+    error (a lost writer fails all pending saves with one), so it is raised once.
+
+    Raises:
+        The failed save's own error (SaveFailedError, DiskFullError,
+        StepAlreadyCommittedError, WriterUnavailableError, ...), naming its step.
+    """
+    handles = list(handles)
+    for handle in handles:
+        if handle._untaken():
+            error = handle._error
+            for other in handles:
+                if other._error is error:
+                    other._taken = True
+            assert error is not None
+            raise error
+
+
+def settle(handles: Iterable[SaveHandle]) -> None:
+    """Block until every handle is done, taking none of their failures (so that
+    `raise_untaken` still tells them)."""
+    for handle in handles:
+        handle._done.wait()
