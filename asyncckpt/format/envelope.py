@@ -4,7 +4,8 @@ Every file that describes a checkpoint (a manifest, a root manifest, a rank's pa
 in a node directory, the writer's per-rank parts) is one line `{"xxh3":"<16 hex digits>","manifest":<body>}\\n`
 whose checksum covers the exact bytes of the body, not a re-serialisation: any language
 checks it without canonical JSON, and a torn or edited file is caught before anything it
-says is used. The body is strict JSON: no `NaN`/`Infinity`, and no object repeating a key
+says is used. The body is strict JSON: no `NaN`/`Infinity` (nor a number beyond a double,
+such as `1e400`, which Python would read as one), and no object repeating a key
 (Python's parser keeps the last value where another reader may keep the first, and one
 checkpoint must never read as two).
 """
@@ -12,6 +13,7 @@ checkpoint must never read as two).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import xxhash
@@ -48,13 +50,23 @@ def unseal(data: bytes, what: str) -> Any:
     if digest != actual:
         raise CorruptCheckpointError(f"{what} xxh3 mismatch (recorded {digest}, actual {actual})")
     try:
-        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{what} is not valid JSON: {e}") from None
 
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent, refused where it overflows a double:
+    `1e400` is an infinity by another name, which strict JSON has not."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text:.40} is not finite as a double")
+    return value
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

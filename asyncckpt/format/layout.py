@@ -27,6 +27,7 @@ FORMAT_VERSION_PARTS = 3  # a root manifest whose ranks are in rank parts (forma
 READABLE_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_REFS, FORMAT_VERSION_PARTS)
 MANIFEST_NAME = "manifest.json"
 RANK_PART_SUFFIX = ".json"  # a rank's part file in its node directory: rank-00009.json
+METADATA_KEY = "__metadata__"  # the safetensors header's first key; never a tensor name
 LATEST_NAME = "latest"
 LOCK_NAME = ".asyncckpt.lock"
 ROOT_ID_NAME = ".asyncckpt.root"
@@ -45,15 +46,22 @@ MAX_WORLD = 1 << 20  # the manifest's bound on world_size
 # tensor fills frames of its own that a later step can reference (or a client skip)
 CUT_BYTES = 64 << 10
 
-_STEP_DIR = re.compile(r"step-([0-9]{8,})")
-_RETIRED_DIR = re.compile(r"step-([0-9]{8,})\.retired")
+# Every number in a name is written one way: zero-padded to a width (8 digits for a
+# step, 5 for a rank), and past that width in plain decimal, no leading zero. A name
+# spelling a number another way (`step-000000100`), or one beyond the number's bound
+# (a step from 2^62, a rank from 2^20), is not a name asyncckpt makes, so it is none of
+# these things: otherwise two directories would be one step.
+_STEP = r"([0-9]{8}|[1-9][0-9]{8,18})"
+_RANK = r"([0-9]{5}|[1-9][0-9]{5,6})"
+_STEP_DIR = re.compile(r"step-%s" % _STEP)
+_RETIRED_DIR = re.compile(r"step-%s\.retired" % _STEP)
 RETIRED_SUFFIX = ".retired"
-_TMP_DIR = re.compile(r"step-([0-9]{8,})\.tmp-[0-9a-f]+")
-_REPLACED_DIR = re.compile(r"step-([0-9]{8,})\.replaced-[0-9a-f]+")
-_DATA_FILE = re.compile(r"(?:(node-[0-9]{5,})/)?rank-([0-9]{5,})\.safetensors(%s)" % "|".join(
-    re.escape(spec.suffix) for spec in REGISTRY.values()))
-_NODE_DIR = re.compile(r"node-([0-9]{5,})")
-_NODE_ENTRY = re.compile(r"rank-([0-9]{5,})(%s|\.safetensors(?:%s))" % (
+_TMP_DIR = re.compile(r"step-%s\.tmp-[0-9a-f]+" % _STEP)
+_REPLACED_DIR = re.compile(r"step-%s\.replaced-[0-9a-f]+" % _STEP)
+_DATA_FILE = re.compile(r"(?:(node-[0-9]{5,})/)?rank-%s\.safetensors(%s)" % (_RANK, "|".join(
+    re.escape(spec.suffix) for spec in REGISTRY.values())))
+_NODE_DIR = re.compile(r"node-%s" % _RANK)
+_NODE_ENTRY = re.compile(r"rank-%s(%s|\.safetensors(?:%s))" % (_RANK,
     re.escape(RANK_PART_SUFFIX), "|".join(re.escape(spec.suffix) for spec in REGISTRY.values())))
 _SUFFIX_CODECS = {spec.suffix: spec.name for spec in REGISTRY.values()}
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
@@ -74,9 +82,17 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a committed directory name, else None."""
-    m = _STEP_DIR.fullmatch(name)
-    return int(m.group(1)) if m else None
+    """The step of a committed directory name (one `step_dir_name` makes), else None."""
+    return _number(_STEP_DIR.fullmatch(name), MAX_STEP)
+
+
+def _number(m: re.Match[str] | None, bound: int) -> int | None:
+    """The number a name's first group spells, if the pattern matched and it is within
+    `bound` (the patterns admit only the one spelling of each number)."""
+    if m is None:
+        return None
+    number = int(m.group(1))
+    return number if number <= bound else None
 
 
 def retired_dir_name(step: int) -> str:
@@ -86,8 +102,7 @@ def retired_dir_name(step: int) -> str:
 
 def parse_retired_dir(name: str) -> int | None:
     """The step of a retired directory name, else None."""
-    m = _RETIRED_DIR.fullmatch(name)
-    return int(m.group(1)) if m else None
+    return _number(_RETIRED_DIR.fullmatch(name), MAX_STEP)
 
 
 def is_atomic_tmp_file(name: str) -> bool:
@@ -99,17 +114,15 @@ def parse_replaced_dir(name: str) -> int | None:
     """The step of a `step-N.replaced-<hex>` directory: a committed step set aside while
     a new save of the same step takes its name (only where the filesystem cannot swap
     two directories in one rename), else None."""
-    m = _REPLACED_DIR.fullmatch(name)
-    return int(m.group(1)) if m else None
+    return _number(_REPLACED_DIR.fullmatch(name), MAX_STEP)
 
 
 def is_tmp_dir(name: str) -> bool:
-    return _TMP_DIR.fullmatch(name) is not None
+    return tmp_step_of(name) is not None
 
 
 def tmp_step_of(name: str) -> int | None:
-    m = _TMP_DIR.fullmatch(name)
-    return int(m.group(1)) if m else None
+    return _number(_TMP_DIR.fullmatch(name), MAX_STEP)
 
 
 def data_file_name(rank: int, codec: str) -> str:
@@ -130,11 +143,7 @@ def node_dir_name(first: int) -> str:
 def parse_node_dir(name: str) -> int | None:
     """The first rank of a node directory name `node_dir_name` could have made, else None
     (`node-000008`, with a zero `node_dir_name` would not write, is None)."""
-    m = _NODE_DIR.fullmatch(name)
-    if m is None:
-        return None
-    first = int(m.group(1))
-    return first if node_dir_name(first) == name else None
+    return _number(_NODE_DIR.fullmatch(name), MAX_WORLD - 1)
 
 
 def is_node_dir_name(name: str) -> bool:
@@ -162,10 +171,8 @@ def parse_node_entry(name: str) -> tuple[int, bool] | None:
     file (`rank_part_name`) or data file (`data_file_name`, any stored codec), its rank
     written as those functions write it; else None (`rank-000009.json` is None)."""
     m = _NODE_ENTRY.fullmatch(name)
-    if m is None:
-        return None
-    rank = int(m.group(1))
-    if m.group(1) != f"{rank:05d}":
+    rank = _number(m, MAX_WORLD - 1)
+    if m is None or rank is None:
         return None
     return rank, m.group(2) == RANK_PART_SUFFIX
 
@@ -185,10 +192,13 @@ def data_file_codec(name: str) -> str | None:
     m = _DATA_FILE.fullmatch(name)
     if m is None:
         return None
+    rank = int(m.group(2))
     node = m.group(1)
+    if rank >= MAX_WORLD:
+        return None
     if node is not None:
         first = parse_node_dir(node)
-        if first is None or int(m.group(2)) < first:
+        if first is None or rank < first:
             return None
     return _SUFFIX_CODECS[m.group(3)]
 
@@ -207,7 +217,7 @@ def layout(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, 
         offsets in the stream).
     """
     items = list(tensors)
-    header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": FORMAT_NAME}}
+    header: dict[str, object] = {METADATA_KEY: {"format": "pt", "writer": FORMAT_NAME}}
     offset = 0
     for name, dtype, shape in items:
         size = element_size(dtype)

@@ -49,6 +49,7 @@ from asyncckpt.format.envelope import seal as _seal
 from asyncckpt.format.envelope import unseal as _unseal
 from asyncckpt.format.layout import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION,
                                      FORMAT_VERSION_PARTS, FORMAT_VERSION_REFS, MANIFEST_NAME,
+                                     METADATA_KEY,
                                      READABLE_VERSIONS, TensorSpec, data_file_codec,
                                      data_file_name, element_size, is_data_file_name,
                                      parse_step_dir)
@@ -344,11 +345,14 @@ def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int, read: ReadPar
     step = _int(doc["step"], "step")
     world = _int(doc["world_size"], "world_size")
     _check(1 <= world <= 1 << 20, f"world_size {world} out of range")
-    created = doc["created"]
-    _check(isinstance(created, (int, float)) and math.isfinite(created), "created is not a time")
-    _check(isinstance(doc["writer_version"], str), "writer_version is not a string")
-    made = {"step": step, "world_size": world, "created": float(created),
+    made = {"step": step, "world_size": world, "created": _time(doc["created"]),
             "writer_version": doc["writer_version"], "format_version": version}
+    _check(isinstance(made["writer_version"], str), "writer_version is not a string")
+    # one list of ranks, where the version says: a reader looking in the other place would
+    # read another state
+    _check("ranks" not in doc if version == FORMAT_VERSION_PARTS else "parts" not in doc,
+           "a root (format_version 3) has no ranks" if version == FORMAT_VERSION_PARTS
+           else f"a manifest of format_version {version} has no parts")
     if version == FORMAT_VERSION_PARTS:
         from asyncckpt.format.parts import PartedRanks, root_parts
         entries = root_parts(doc["parts"], step=step, world_size=world,
@@ -428,6 +432,8 @@ def _rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step:
     for t in doc["tensors"]:
         name, dtype, shape = t["name"], t["dtype"], t["shape"]
         _check(isinstance(name, str) and name not in names, f"rank {rank}: bad or repeated tensor name")
+        _check(name != METADATA_KEY, f"rank {rank}: tensor name {METADATA_KEY!r} is reserved "
+               "(the safetensors header's metadata)")
         _check(dtype in DTYPE_SIZES, f"rank {rank}: tensor {name!r} has unknown dtype {dtype!r}")
         _check(isinstance(shape, list) and len(shape) <= 64, f"tensor {name!r}: bad shape")
         nbytes = element_size(dtype)
@@ -478,6 +484,17 @@ def _layout_from_json(doc: dict[str, Any], where: str) -> PlaneLayout | None:
     _check(isinstance(rotated, bool), f"{where}: bad plane rotation {rotated!r:.40}")
     return PlaneLayout(_int(planes["width"], "plane width"), _int(planes["phase"], "plane phase"),
                        tuple(stored), rotated)
+
+
+def _time(value: Any) -> float:
+    """`created`: a JSON number (not a boolean) that is a finite double."""
+    _check(type(value) in (int, float), f"created is not a time: {value!r:.40}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    _check(math.isfinite(seconds), f"created is not a time: {value!r:.40} is not finite")
+    return seconds
 
 
 def _check(ok: bool, message: str) -> None:

@@ -12,8 +12,10 @@ import torch
 
 from asyncckpt.codec.registry import CODECS
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
-from asyncckpt.format.layout import (DTYPE_SIZES, data_file_name, element_size, is_tmp_dir,
-                                     layout, parse_step_dir, step_dir_name, tmp_step_of)
+from asyncckpt.format.layout import (DTYPE_SIZES, data_file_codec, data_file_name, element_size,
+                                     is_data_file_name, is_tmp_dir, layout, parse_replaced_dir,
+                                     parse_retired_dir, parse_step_dir, retired_dir_name,
+                                     step_dir_name, tmp_step_of)
 from asyncckpt.rank.flatten import flatten
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
 
@@ -170,6 +172,35 @@ def test_tmp_dir_names(name, step):
                                   "step-00000200.tmp-xyz", "step-200.tmp-ab", "step-00000200.tmp"])
 def test_not_tmp_dir_names(name):
     assert not is_tmp_dir(name) and tmp_step_of(name) is None
+
+
+@pytest.mark.parametrize("name", [
+    "step-000000100", "step-0100000000", "step-000000000", "step-0000000001",
+    f"step-{1 << 62}", f"step-{10 ** 30}",
+])
+def test_a_step_name_with_more_digits_than_the_writer_makes_is_none(name):
+    """One step, one name: `step-000000100` is not step 100 (two directories would be one
+    step, listed twice, retained twice), nor is a step no manifest can hold (>= 2^62)."""
+    assert parse_step_dir(name) is None and parse_retired_dir(name + ".retired") is None
+    assert not is_tmp_dir(name + ".tmp-ab") and tmp_step_of(name + ".tmp-ab") is None
+    assert parse_replaced_dir(name + ".replaced-ab") is None
+
+
+@pytest.mark.parametrize("step", [0, 7, 99_999_999, 100_000_000, (1 << 62) - 1])
+def test_every_step_name_parses_back_to_its_step(step):
+    name = step_dir_name(step)
+    assert parse_step_dir(name) == step and parse_retired_dir(retired_dir_name(step)) == step
+    assert tmp_step_of(name + ".tmp-0a") == step and parse_replaced_dir(name + ".replaced-0a") == step
+
+
+@pytest.mark.parametrize("name", [
+    "rank-000003.safetensors", "rank-0100000.safetensors.zst", "node-00000/rank-000003.safetensors.bg",
+    "rank-0000000.safetensors", f"rank-{1 << 20}.safetensors",
+])
+def test_a_data_file_name_with_more_digits_than_the_writer_makes_is_none(name):
+    """A reference names the file the referenced rank has, `rank-00003...`, never another
+    spelling of its rank; nor a rank beyond the world bound (2^20 ranks)."""
+    assert data_file_codec(name) is None and not is_data_file_name(name)
 
 
 def test_data_file_names():

@@ -232,6 +232,14 @@ FIELD_CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     "format-name": (lambda d: d.__setitem__("format", "dcp"), "not an asyncckpt manifest"),
     "created-string": (lambda d: d.__setitem__("created", "yesterday"), "created"),
     "writer-version-int": (lambda d: d.__setitem__("writer_version", 1), "writer_version"),
+    "writer-version-missing": (lambda d: d.pop("writer_version"), "KeyError: 'writer_version'"),
+    "created-missing": (lambda d: d.pop("created"), "KeyError: 'created'"),
+    "created-bool": (lambda d: d.__setitem__("created", True), "created is not a time"),
+    "created-null": (lambda d: d.__setitem__("created", None), "created is not a time"),
+    "created-beyond-a-float": (lambda d: d.__setitem__("created", 10 ** 400), "created is not a time"),
+    "parts-in-a-single-file": (lambda d: d.__setitem__("parts", []), "has no parts"),
+    "tensor-named-metadata": (lambda d: tensors(d)[0].__setitem__("name", "__metadata__"),
+                              "reserved"),
     "missing-ranks": (lambda d: d.pop("ranks"), "invalid"),
     "missing-frames": (lambda d: d["ranks"][1].pop("frames"), "invalid"),
     "frame-not-object": (lambda d: frames(d).__setitem__(0, [0, 1]), "invalid"),
@@ -289,6 +297,19 @@ def test_nan_inside_tree_is_rejected(doc):
     body = json.dumps(doc, separators=(",", ":")).replace('["lr",0.001]', '["lr",NaN]')
     assert "NaN" in body
     with pytest.raises(CorruptCheckpointError, match="constant"):
+        parse(sign(body.encode()))
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "1E999"])
+def test_a_number_beyond_a_double_is_refused_as_not_finite(doc, number):
+    """Strict JSON has no infinity: a literal that overflows a double is one by another name
+    (Python's parser reads it as inf), in the tree or in `created`."""
+    body = json.dumps(doc, separators=(",", ":")).replace('["lr",0.001]', f'["lr",{number}]')
+    with pytest.raises(CorruptCheckpointError, match="not finite"):
+        parse(sign(body.encode()))
+    doc["created"] = 0.5
+    body = json.dumps(doc, separators=(",", ":")).replace('"created":0.5', f'"created":{number}')
+    with pytest.raises(CorruptCheckpointError, match="not finite"):
         parse(sign(body.encode()))
 
 

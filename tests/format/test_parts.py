@@ -540,7 +540,20 @@ def test_a_version_3_manifest_with_ranks_but_no_parts_is_corrupt():
     m = Manifest(STEP, 1, [make_part(0, "raw")])
     doc = body(m.to_bytes())
     doc["format_version"] = 3
+    with pytest.raises(CorruptCheckpointError, match="has no ranks"):
+        parse_manifest(resign(doc), max_frame_bytes=MAX_FRAME)
+    del doc["ranks"]
     with pytest.raises(CorruptCheckpointError, match="KeyError: 'parts'"):
+        parse_manifest(resign(doc), max_frame_bytes=MAX_FRAME)
+
+
+@pytest.mark.parametrize("ranks", [[], None, "node-00000"])
+def test_a_root_that_also_has_ranks_is_corrupt(ranks):
+    """"The root has no `ranks`": a reader that looked for them would read another state."""
+    m, _ = parted([1, 1])
+    doc = body(m.to_bytes())
+    doc["ranks"] = ranks
+    with pytest.raises(CorruptCheckpointError, match="a root .format_version 3. has no ranks"):
         parse_manifest(resign(doc), max_frame_bytes=MAX_FRAME)
 
 
