@@ -12,6 +12,17 @@ config, tokenizer and index, the index last, so a directory with an index is com
 (shards an earlier export left there never count: a marker names its export). A
 sharded (DTensor) tensor is assembled from every rank's boxes into one full tensor.
 
+An export into a directory holding an earlier one must never leave a directory that
+`from_pretrained` opens as a mix of the two: it reads the index (or a single
+`model.safetensors`, which it prefers) and then whichever shards those names hold. So
+before its first shard each process of an export removes the old index, a single-file
+`model.safetensors`, and the shards of other plans, and makes that durable; until the
+new index is renamed in, the directory holds no model at all, whether the export fails,
+runs, or is killed. The processes of one export must split it the same way: each host
+leaves a layout marker (`-layout-<shares>`) before it writes, and a host that finds
+another's with a different number of shares (a different `--jobs` or `N`) fails at once
+with a usage error instead of writing shards that the others' plan never completes.
+
 Processes rather than threads for `jobs`: a shard's bytes are checksummed, decompressed
 and converted in C, but the per-tensor work between is Python under one GIL, and a
 process per share scales across cores and hosts alike. Each costs an interpreter and a
@@ -30,6 +41,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -49,13 +61,15 @@ from asyncckpt.format.tree import BYTES_KINDS
 from asyncckpt.read import hf
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.shard_writer import Item, write_shards
-from asyncckpt.storage.durable import write_atomic
+from asyncckpt.storage.durable import fsync_path, write_atomic
 from asyncckpt.storage.posix import local_path
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
 
 log = logging.getLogger("asyncckpt.export")
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"  # save_pretrained's one-file model, preferred by from_pretrained
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 Shards = list[tuple[str, list[Item]]]
 
 
@@ -98,8 +112,16 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
         CheckpointError: nothing to export under `contents`, or two keys flatten to
             one name.
         ValueError: `tokenizer` is not a directory holding tokenizer files, `jobs` < 1,
-            or not 0 <= i < n (all checked before anything is written).
+            or not 0 <= i < n (all checked before anything is written); or another
+            host exports the same step into `out` split into another number of shares
+            (its `jobs` or `n` differ from this call's), found before this call
+            writes a shard.
     A process of `jobs` that fails raises its error here (the others are stopped).
+
+    Hazard: `out` holds no model from this call's first shard until the index is
+    written: an earlier export's index, `model.safetensors` and shards of other names
+    are removed first, so a failed, running or killed export never leaves a directory
+    that loads as a mix of two exports.
 
     A tied weight is exported once, as safetensors holds no aliasing: a view that is
     all of a tensor exported before it is left out, and with a stored config, so is
@@ -120,6 +142,7 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str], *, step
         ours = [shards[s] for share in shares for s in _assigned(shards, request.parts, share)]
         total = sum(i.nbytes for _, shard in ours for i in shard)
         out.mkdir(parents=True, exist_ok=True)
+        _prepare(out, token, request.parts, shards, alone=part[1] == 1)
         with _Helpers(request, shares[1:]) as helpers:
             done = [0]
 
@@ -206,12 +229,63 @@ def _token(ckpt: Checkpoint, request: _Request) -> str:
     everything that shapes the shards. Markers of another export, or shards a previous
     export left in `out`, never count as this one's."""
     what = (ckpt.step, ckpt.manifest.created, request.rank, request.contents, str(request.dtype),
-            request.max_shard_size, request.parts)
+            request.max_shard_size)  # the shares are in each marker's name
     return xxhash.xxh3_64_hexdigest(repr(what).encode())
 
 
 def _marker(out: Path, token: str, share: int, parts: int) -> Path:
     return out / f".asyncckpt-export-{token}-{share}-of-{parts}"
+
+
+def _layout_marker(out: Path, token: str, parts: int) -> Path:
+    return out / f".asyncckpt-export-{token}-layout-{parts}"
+
+
+def _prepare(out: Path, token: str, parts: int, shards: Shards, *, alone: bool) -> None:
+    """Before this host's first shard: claim the split (`_claim_layout`), then remove
+    what `from_pretrained` would open in `out` besides this export's shards -- the index
+    first, a single-file model, shards of other plans -- and make the removal durable.
+
+    Raises:
+        ValueError: another host splits this export into a different number of shares.
+        OSError: they cannot be removed.
+    """
+    _claim_layout(out, token, parts, alone)
+    (out / INDEX_NAME).unlink(missing_ok=True)
+    (out / SINGLE_NAME).unlink(missing_ok=True)
+    planned = {name for name, _ in shards}
+    for name in os.listdir(out):
+        if _SHARD.fullmatch(name) and name not in planned:
+            (out / name).unlink(missing_ok=True)
+    fsync_path(out)
+
+
+def _claim_layout(out: Path, token: str, parts: int, alone: bool) -> None:
+    """Leave this host's layout marker, then look for another host's of this export
+    with another number of shares (written first, looked for second: of two hosts
+    starting at once, at least one sees the other). With `alone` (part (0, 1): no other
+    host may share this export) such markers are a killed run's, and are removed.
+
+    Raises:
+        ValueError: one is there (this host's own marker is taken back).
+    """
+    mine = _layout_marker(out, token, parts)
+    write_atomic(mine, b"")
+    pattern = re.compile(rf"\.asyncckpt-export-{token}-(?:layout-(\d+)|\d+-of-(\d+))")
+    for name in sorted(os.listdir(out)):
+        match = pattern.fullmatch(name)
+        if match is None or int(match.group(1) or match.group(2)) == parts:
+            continue
+        if alone:
+            (out / name).unlink(missing_ok=True)
+            continue
+        mine.unlink(missing_ok=True)
+        theirs = int(match.group(1) or match.group(2))
+        raise ValueError(
+            f"another host exports this step into {out} split into {theirs} shares, this one "
+            f"into {parts} (--part I/N with --jobs J makes N x J shares): give every host the "
+            f"same N and --jobs (if no other export is running, remove {out / name}, left by "
+            "an export that was killed)")
 
 
 def _finish(out: Path, token: str, parts: int, index: dict, meta: dict[str, str],
@@ -225,8 +299,8 @@ def _finish(out: Path, token: str, parts: int, index: dict, meta: dict[str, str]
     files = hf.write_model_files(out, meta, _written_dtype(items))
     if tokenizer is not None:
         files += hf.copy_tokenizer(tokenizer, out)
-    write_atomic(out / INDEX_NAME, json.dumps(index, indent=2).encode())
-    for m in markers:
+    write_atomic(out / INDEX_NAME, json.dumps(index, indent=2).encode())  # last: complete now
+    for m in [*markers, _layout_marker(out, token, parts)]:
         m.unlink(missing_ok=True)
     return files
 

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 from collections import defaultdict
 from fnmatch import fnmatch
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
+
+from asyncckpt.storage.durable import fsync_path, write_atomic
 
 HF_KEY = "hf"
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
@@ -123,6 +124,7 @@ def copy_tokenizer(source: str | os.PathLike[str], out: Path) -> list[str]:
         raise ValueError(f"{source} holds no tokenizer file (looked for {', '.join(TOKENIZER_PATTERNS)})")
     for name in names:
         shutil.copyfile(source / name, out / name)
+        fsync_path(out / name)  # durable before the index that makes `out` complete
     return names
 
 
@@ -212,8 +214,7 @@ def _config_json(config: Any, architecture: str | None) -> str:
 
 
 def _write_json(path: Path, body: Any) -> None:
-    """Write `body` to `path` by rename (a unique tmp: two export parts that finish at
-    once write the same file side by side)."""
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Write `body` to `path` durably, by rename (a unique tmp: two export parts that
+    finish at once write the same file side by side), before the index that makes the
+    directory complete."""
+    write_atomic(path, (json.dumps(body, indent=2, sort_keys=True) + "\n").encode())
