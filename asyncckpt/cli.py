@@ -100,7 +100,8 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--part", type=_part, default=(0, 1), metavar="I/N",
                     help="write the I-th of N shares of the shards (0-based), for one "
                          "export split over N hosts sharing --out; the last to finish "
-                         "writes the index")
+                         "writes the index (every host needs the same N and --jobs: a "
+                         "host that finds another's split differ exits with status 2)")
     ex.add_argument("--json", action="store_true", help=JSON)
 
     cp = command("copy", "write one step as a self-contained checkpoint directory "
@@ -131,7 +132,8 @@ EXIT_STATUS = {
     "ls": f"exit status: 0 listed (damaged steps are rows, not errors), {_USAGE}",
     "inspect": f"exit status: 0 shown, {_USAGE}",
     "gc": f"exit status: 0 done, {_USAGE}, 3 a writer holds the root",
-    "export": f"exit status: 0 written (or this part's share), 1 corruption found, {_USAGE}",
+    "export": f"exit status: 0 written (or this part's share), 1 corruption found, {_USAGE}, "
+              "or hosts splitting one export differently (--part N, --jobs)",
     "copy": f"exit status: 0 copied, 1 corruption found, {_USAGE}",
     "import-dcp": "exit status: 0 committed, 1 the source is not a DCP checkpoint, 2 a usage "
                   "error or a failed save",
