@@ -1,32 +1,111 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
-# Both create the virtualenv first. torch is installed only when the venv lacks it, as
-# the CPU build (TORCH_SPEC; set TORCH_INDEX to a CPU wheel index where the default
-# index would serve a CUDA build, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu).
+# Both build the virtualenv first, from a lock: every environment the Makefile builds (the
+# main test venv, the benchmarks' extras, the verl and torchtitan venvs) installs exactly
+# the versions in locks/*.txt, synced by uv (which removes what the lock does not list).
+# `make lock` refreshes the locks; `make test-latest` runs the suite on the newest releases
+# to report drift (not in CI). The package's own dependencies stay ranges (pyproject.toml).
+#
+# torch is the CPU build (torch==2.13.0+cpu in the locks). uv finds it through pip's
+# find-links on this machine kind (FIND_LINKS), or through TORCH_INDEX, a CPU wheel index
+# (e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu) where the default index would
+# serve a CUDA build.
 
+SHELL       := /bin/bash
 PYTHON      ?= python3
 VENV        ?= .venv
 BIN         := $(VENV)/bin
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
-# verl's tests and benchmark run in a venv of their own (verl pins transformers < 5.11) that
-# sees this venv's packages (torch, ...) behind its own through a .pth file.
+# uv resolves (make lock) and installs (uv pip sync: exactly the lock, nothing else, in
+# seconds from its cache); it lives in a venv of its own so that no sync removes it.
+UV_VERSION  ?= 0.13.9
+UV_VENV     ?= .venv-uv
+UV          := $(UV_VENV)/bin/uv
+FIND_LINKS  ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+UV_SOURCES  := $(foreach d,$(FIND_LINKS),--find-links $(d)) \
+               $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
+LOCKS       := locks
+# verl's tests and benchmark run in a venv of their own (verl pins transformers < 5.11),
+# resolved as a whole (its lock holds torch and everything it imports; it sees nothing of
+# the main venv).
 VERL_VENV   ?= $(VENV)-verl
 VERL_SPEC   ?= verl==0.9.1
 # torchtitan's test runs in a venv of its own in the same way (its pins: spmd_types==0.2.3).
 TITAN_VENV  ?= $(VENV)-titan
 TITAN_SPEC  ?= torchtitan==0.3.0
+# make test-latest: the newest releases (torch stays LATEST_TORCH, a CPU build)
+LATEST      ?= .venv-latest
+LATEST_TORCH ?= $(TORCH_SPEC)
 
-.PHONY: setup verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
+.PHONY: setup bench-setup lock test-latest verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
 
-setup: $(VENV)/.installed
+setup: $(UV)
+	$(call sync_venv,$(VENV),$(LOCKS)/test.txt)
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || \
-	  $(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
-	touch $@
+# The main venv with the benchmarks' extras too (their lock is the test lock plus them).
+bench-setup: $(UV)
+	$(call sync_venv,$(VENV),$(LOCKS)/bench.txt)
+
+$(UV):
+	test -x $(UV_VENV)/bin/python || $(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/pip install -q "uv==$(UV_VERSION)"
+
+# A venv synced to a lock: $(1) the venv, $(2) the lock. asyncckpt itself comes editable
+# (locks/project.txt), built against the lock's setuptools. A venv made by an older Makefile
+# saw the main venv through a .pth file: that file goes.
+define sync_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	rm -f $(1)/lib/python*/site-packages/zz-asyncckpt-base.pth
+	$(UV) pip sync -q --python $(1)/bin/python $(UV_SOURCES) --no-build-isolation $(2) $(LOCKS)/project.txt
+	touch $(1)/.installed
+endef
+
+# $(1) the lock to write, $(2) what it holds (extras of pyproject.toml and other flags),
+# $(3) the directory of the torch pin. --upgrade: the newest releases within the ranges.
+define compile_lock
+	$(UV) pip compile -q --upgrade --python-version 3.11 $(UV_SOURCES) \
+	  --custom-compile-command "make lock" pyproject.toml $(3)/torch.in $(2) -o $(1)
+endef
+
+# A package installed without its dependencies (its full requirements pull wandb, hydra,
+# tensorboard, ... that none of the modules the tests import need): appended to its lock.
+define append_no_deps
+	printf '%s\n' "" "# installed without its dependencies (its extra above is what it imports)" "$(2)" >> $(1)
+endef
+
+BENCH_EXTRAS := --extra test --extra s3 --extra bench --extra realweights --extra dcpbench \
+                --extra s3bench --extra incremental
+
+# $(1) the output directory, $(2) the directory of the torch pin
+define write_locks
+	$(call compile_lock,$(1)/test.txt,--extra test,$(2))
+	$(call compile_lock,$(1)/bench.txt,$(BENCH_EXTRAS) -c $(1)/test.txt,$(2))
+	$(call compile_lock,$(1)/verl.txt,--extra verl,$(2))
+	$(call append_no_deps,$(1)/verl.txt,$(VERL_SPEC))
+	$(call compile_lock,$(1)/titan.txt,--extra torchtitan,$(2))
+	$(call append_no_deps,$(1)/titan.txt,$(TITAN_SPEC))
+endef
+
+# Refresh every lock from pyproject.toml's ranges (then run `make test` and commit them).
+lock: $(UV)
+	printf '%s\n' "# torch as the tests run it: the CPU build (TORCH_SPEC in the Makefile)" "$(TORCH_SPEC)" > $(LOCKS)/torch.in
+	$(call write_locks,$(LOCKS),$(LOCKS))
+
+# The suite against the newest releases (fresh locks in $(LATEST)-locks, venvs $(LATEST)*),
+# after a list of every pin that moved: a report of drift, not part of CI.
+test-latest: $(UV)
+	rm -rf $(LATEST)-locks && mkdir -p $(LATEST)-locks
+	printf '%s\n' "$(LATEST_TORCH)" > $(LATEST)-locks/torch.in
+	$(call write_locks,$(LATEST)-locks,$(LATEST)-locks)
+	-for f in test verl titan; do echo "== $$f: locked -> newest"; \
+	  diff <(grep -E '^[A-Za-z0-9]' $(LOCKS)/$$f.txt) <(grep -E '^[A-Za-z0-9]' $(LATEST)-locks/$$f.txt) | grep '^[<>]'; done
+	$(call sync_venv,$(LATEST),$(LATEST)-locks/test.txt)
+	$(call sync_venv,$(LATEST)-verl,$(LATEST)-locks/verl.txt)
+	$(call sync_venv,$(LATEST)-titan,$(LATEST)-locks/titan.txt)
+	ASYNCCKPT_VERL_PYTHON=$(CURDIR)/$(LATEST)-verl/bin/python \
+	ASYNCCKPT_TITAN_PYTHON=$(CURDIR)/$(LATEST)-titan/bin/python \
+	  $(LATEST)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 test: setup verl-setup titan-setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -40,12 +119,10 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 # Side-by-side benchmark against torch.save, safetensors and DCP, with the machine's limits.
-bench: setup
-	$(BIN)/pip install -q -e ".[bench]"
+bench: bench-setup
 	$(BIN)/python -m benchmarks --quick
 
-bench-full: setup
-	$(BIN)/pip install -q -e ".[bench,realweights]"
+bench-full: bench-setup
 	$(BIN)/python -m benchmarks --full
 	$(BIN)/python -m benchmarks.readme_table
 
@@ -71,14 +148,12 @@ bench-fence: setup
 	$(BIN)/python -m benchmarks.fence --params-mib 256 --saves 5 --batches 512,16
 
 # Float compression: byte-plane codec candidates vs ZipNN on MiniLM weights and Adam moments.
-bench-codecs: setup
-	$(BIN)/pip install -q -e ".[bench,realweights]"
+bench-codecs: bench-setup
 	$(BIN)/python -m benchmarks.codecs --reps 5
 
 # Incremental saves of a PEFT LoRA and a full fine-tune (CPU, a Llama built from a config):
 # bytes written and referenced, time to durable per save, next to full saves and DCP save.
-bench-incremental: setup
-	$(BIN)/pip install -q -e ".[bench,incremental]"
+bench-incremental: bench-setup
 	$(BIN)/python -m benchmarks.incremental --hidden 1024 --layers 8 --saves 6 \
 	  --out benchmarks/results/incremental.md
 
@@ -146,16 +221,14 @@ bench-stage: setup
 # (sync, async default stager, async reused shared-memory stager) and torch-checkpointing,
 # 1 and 4 GiB, with memcpy and write+fsync limits of the same run (results/dcp.md + .json);
 # then a warm resharded FSDP2 load next to torch-checkpointing's (results/warm_load.md).
-bench-dcp: setup
-	$(BIN)/pip install -q -e ".[dcpbench]"
+bench-dcp: bench-setup
 	$(BIN)/python -m benchmarks.dcp --gib 1,4 --fsdp2-gib 1 --reps 3 --out benchmarks/results/dcp.md
 	$(BIN)/python -m benchmarks.warm_load --reps 5 --out benchmarks/results/warm_load.md
 
 # An object-store root against SeaweedFS on loopback: time to durable and cold load of a
 # 1 GiB state next to a plain multipart upload / ranged download of the same bytes and to
 # s3torchconnector's DCP writer and reader; then the S3 client comparison.
-bench-s3: setup
-	$(BIN)/pip install -q -e ".[s3bench]"
+bench-s3: bench-setup
 	$(BIN)/python -m benchmarks.s3 --gib 1 --reps 3 --out benchmarks/results/s3
 	$(BIN)/python -m benchmarks.s3_clients --mib 256 --reps 3 --out benchmarks/results/s3_clients.md
 
@@ -163,31 +236,14 @@ bench-s3: setup
 bench-memory: setup
 	$(BIN)/python -m benchmarks.writer_memory --state-gib 4 --ring-mib 256
 
-# A venv of its own for a package whose pins clash with this venv's: the package with
-# --no-deps, plus our extra of the modules it imports, over this venv's packages (a .pth
-# file), so torch is not installed twice. $(1) the venv, $(2) the package, $(3) the extra.
-define side_venv
-	test -x $(1)/bin/python || $(BIN)/python -m venv $(1)
-	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
-	  "$$($(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-asyncckpt-base.pth"
-	$(1)/bin/pip install -q --no-deps "$(2)"
-	$(1)/bin/pip install -q --no-warn-conflicts -e ".[$(3)]"
-	touch $(1)/.installed
-endef
+# verl (it pins transformers < 5.11) and torchtitan (spmd_types==0.2.3): each in a venv of
+# its own, synced to its own lock (the package itself without its dependencies; see
+# append_no_deps).
+verl-setup: $(UV)
+	$(call sync_venv,$(VERL_VENV),$(LOCKS)/verl.txt)
 
-# verl (it pins transformers < 5.11) and torchtitan (spmd_types==0.2.3). Each is installed
-# --no-deps (its full requirements are not what the tests need), so pip's resolver would
-# print an "ERROR" about them after the second install: --no-warn-conflicts keeps that
-# known noise out of a passing `make test`.
-verl-setup: $(VERL_VENV)/.installed
-
-$(VERL_VENV)/.installed: $(VENV)/.installed pyproject.toml
-	$(call side_venv,$(VERL_VENV),$(VERL_SPEC),verl)
-
-titan-setup: $(TITAN_VENV)/.installed
-
-$(TITAN_VENV)/.installed: $(VENV)/.installed pyproject.toml
-	$(call side_venv,$(TITAN_VENV),$(TITAN_SPEC),torchtitan)
+titan-setup: $(UV)
+	$(call sync_venv,$(TITAN_VENV),$(LOCKS)/titan.txt)
 
 # 2 FSDP2 ranks (CPU, gloo) save a Llama through the drop-in and through verl's own manager,
 # resume bit-exact from each, and from the drop-in's at world size 1; verl's own
@@ -201,4 +257,4 @@ bench-verl: setup verl-setup
 	$(BIN)/python -m benchmarks.verl --out benchmarks/results/verl.md
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) checkpoints fsdp-ckpt fsdp-ckpt.* multinode-ckpt multinode-ckpt.* .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(TITAN_VENV) $(UV_VENV) $(LATEST) $(LATEST)-verl $(LATEST)-titan $(LATEST)-locks checkpoints fsdp-ckpt fsdp-ckpt.* multinode-ckpt multinode-ckpt.* .pytest_cache .hypothesis
