@@ -52,12 +52,13 @@ $(UV):
 	$(UV_VENV)/bin/pip install -q "uv==$(UV_VERSION)"
 
 # A venv synced to a lock: $(1) the venv, $(2) the lock. asyncckpt itself comes editable
-# (locks/project.txt), built against the lock's setuptools. A venv made by an older Makefile
-# saw the main venv through a .pth file: that file goes.
+# (locks/project.txt), built in isolation by the setuptools of locks/build.txt. A venv made
+# by an older Makefile saw the main venv through a .pth file: that file goes.
 define sync_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	rm -f $(1)/lib/python*/site-packages/zz-asyncckpt-base.pth
-	$(UV) pip sync -q --python $(1)/bin/python $(UV_SOURCES) --no-build-isolation $(2) $(LOCKS)/project.txt
+	$(UV) pip sync -q --python $(1)/bin/python $(UV_SOURCES) --build-constraints $(LOCKS)/build.txt \
+	  $(2) $(LOCKS)/project.txt
 	touch $(1)/.installed
 endef
 
@@ -79,6 +80,8 @@ BENCH_EXTRAS := --extra test --extra s3 --extra bench --extra realweights --extr
 
 # $(1) the output directory, $(2) the directory of the torch pin
 define write_locks
+	printf '%s\n' "setuptools>=64" | $(UV) pip compile -q --upgrade --python-version 3.11 \
+	  --custom-compile-command "make lock" - -o $(1)/build.txt
 	$(call compile_lock,$(1)/test.txt,--extra test,$(2))
 	$(call compile_lock,$(1)/bench.txt,$(BENCH_EXTRAS) -c $(1)/test.txt,$(2))
 	$(call compile_lock,$(1)/verl.txt,--extra verl,$(2))

@@ -71,6 +71,15 @@ def test_lock_pins_every_requirement_within_its_range(lock):
             f"{req} (run `make lock`)")
 
 
+def test_build_lock_pins_the_build_backend_within_its_range():
+    """asyncckpt's editable install is built by locks/build.txt's setuptools, not whatever
+    the venv or the index has that day (python -m venv's setuptools cannot build it)."""
+    build = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    for req in map(Requirement, build):
+        version = pins("build")[canonicalize_name(req.name)]
+        assert req.specifier.contains(Version(version)), f"locks/build.txt: {req.name}=={version}"
+
+
 def test_every_lock_pins_the_torch_the_makefile_names():
     makefile = (REPO / "Makefile").read_text()
     spec = re.search(r"^TORCH_SPEC\s*\?=\s*(\S+)", makefile, re.M)[1]
