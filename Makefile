@@ -106,7 +106,7 @@ test-latest: $(UV)
 	$(call sync_venv,$(LATEST),$(LATEST)-locks/test.txt)
 	$(call sync_venv,$(LATEST)-verl,$(LATEST)-locks/verl.txt)
 	$(call sync_venv,$(LATEST)-titan,$(LATEST)-locks/titan.txt)
-	ASYNCCKPT_VERL_PYTHON=$(CURDIR)/$(LATEST)-verl/bin/python \
+	ASYNCCKPT_UNLOCKED=1 ASYNCCKPT_VERL_PYTHON=$(CURDIR)/$(LATEST)-verl/bin/python \
 	ASYNCCKPT_TITAN_PYTHON=$(CURDIR)/$(LATEST)-titan/bin/python \
 	  $(LATEST)/bin/python -m pytest -q $(PYTEST_ARGS)
 
