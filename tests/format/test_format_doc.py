@@ -9,6 +9,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,12 +22,17 @@ from asyncckpt.codec.registry import CODECS, REGISTRY
 from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format import envelope
-from asyncckpt.format.layout import (CUT_BYTES, DTYPE_SIZES, FORMAT_VERSION_PARTS, MANIFEST_NAME,
-                                     data_file_name, is_data_file_name, is_node_dir_name,
-                                     layout, node_dir_name, rank_part_name)
+from asyncckpt.format.layout import (CUT_BYTES, DTYPE_SIZES, FORMAT_VERSION_PARTS, LATEST_NAME,
+                                     LOCK_NAME, MANIFEST_NAME, MAX_STEP, MAX_WORLD, METADATA_KEY,
+                                     ROOT_ID_NAME, data_file_codec, data_file_name,
+                                     is_data_file_name, is_node_dir_name, layout, node_dir_name,
+                                     parse_node_dir, parse_node_entry, parse_replaced_dir,
+                                     parse_retired_dir, parse_step_dir, rank_part_name,
+                                     step_dir_name, tmp_step_of)
 from asyncckpt.format.manifest import Manifest, admitted_codecs, parse_manifest
 from asyncckpt.format.parts import node_part
 from asyncckpt.torchutil import dtypes
+from asyncckpt.writer.owners import OWNER_PREFIX
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md").read_text()
 MAX_FRAME = 256 << 20
@@ -254,7 +260,8 @@ def test_the_names_table_gives_the_node_directory_and_rank_part_names():
     rows = {r[0]: r[1] for r in table("| name | rule |")}
     assert "`node-00008`" in rows["node directory"] and node_dir_name(8) == "node-00008"
     assert "`node-000008` is none" in rows["node directory"] and not is_node_dir_name("node-000008")
-    assert ticked(rows["rank part"]) == ["rank-", ".json", "node-00008/rank-00009.json"]
+    assert ticked(rows["rank part"]) == ["rank-", ".json", "node-00008/rank-00009.json",
+                                         "node-00008/rank-000009.json"]
     assert f"node-00008/{rank_part_name(9)}" == "node-00008/rank-00009.json"
 
 
@@ -262,3 +269,178 @@ def test_a_reference_may_name_a_node_directory_file_as_stated():
     assert "`node-MMMMM/rank-NNNNN.safetensors[.zst|.bg]`" in DOC and "`NNNNN >= MMMMM`" in DOC
     assert is_data_file_name("node-00008/rank-00008.safetensors.bg")
     assert not is_data_file_name("node-00008/rank-00007.safetensors.bg")
+
+
+# -- the safetensors header a rank's table implies ------------------------------------------------
+
+NAMES = ["model.w", "", "a/b", 'q"uote\\back', "tab\t\n\r\b\f", "nul\x00 unit\x1f del\x7f",
+         "ünï.cødé ☃", "emoji 😀", "\u2028\u2029", "lone\udc80", "x" * 300, "~1"]
+
+
+def doc_header() -> Any:
+    (code,) = [b for b in code_blocks("python") if "def header(" in b]
+    scope: dict[str, Any] = {}
+    exec(code, scope)
+    return scope["header"]
+
+
+def table_of(specs: list) -> list[tuple]:
+    return [(s.name, s.dtype, s.shape, (s.begin, s.end)) for s in specs]
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, len(NAMES)])
+def test_the_header_definition_is_the_bytes_layout_makes(count):
+    header = doc_header()
+    dtypes = list(DTYPE_SIZES)
+    tensors = [(name, dtypes[i % len(dtypes)], [(i, 3, 1), (), (0,), (7,)][i % 4])
+               for i, name in enumerate(NAMES[:count])]
+    prefix, specs = layout(tensors)
+    assert header(table_of(specs)) == prefix
+    for width in range(0, 24):  # every padding, 0 to 7 spaces
+        prefix, specs = layout([("n" * width or "t", "U8", (width,))])
+        assert header(table_of(specs)) == prefix
+        assert int.from_bytes(prefix[:8], "little") % 8 == 0
+
+
+def test_the_metadata_key_is_reserved_as_stated():
+    assert "`__metadata__` is never a tensor name" in DOC
+    assert layout([])[0][8:].rstrip(b" ") == b'{"%s":{"format":"pt","writer":"asyncckpt"}}' % (
+        METADATA_KEY.encode())
+    doc = manifest_example()
+    doc["ranks"][0]["tensors"][0]["name"] = METADATA_KEY
+    with pytest.raises(CorruptCheckpointError, match="reserved"):
+        parse_manifest(seal(doc), max_frame_bytes=MAX_FRAME)
+
+
+def test_every_reader_checks_the_header_as_stated():
+    assert "5. The first `8 + N` bytes of a rank's raw stream are exactly `header(tensors)`" in DOC
+    assert "by `load`,\n   `Checkpointer.restore()`, DCP's `StorageReader`" in DOC
+    # the one check (tests/format/test_format_doc_steps.py shows `load` refusing)
+    assert '"safetensors header differs from the manifest\'s tensor table"' in DOC
+
+
+# -- names -----------------------------------------------------------------------------------------
+
+def parses(row: str, name: str) -> bool:
+    """Whether `name` is a name of the kind the names table's `row` describes."""
+    if row in ("step directory", "retired step", "tmp directory", "set-aside step"):
+        return {"step directory": parse_step_dir, "retired step": parse_retired_dir,
+                "tmp directory": tmp_step_of,
+                "set-aside step": parse_replaced_dir}[row](name) is not None
+    if row == "data file":
+        return is_data_file_name(name) and "/" not in name
+    if row == "node directory":
+        return is_node_dir_name(name)
+    if row == "rank part":
+        node, _, leaf = name.partition("/")
+        entry = parse_node_entry(leaf)
+        return is_node_dir_name(node) and entry is not None and entry[1]
+    raise AssertionError(row)
+
+
+def test_every_example_of_the_names_table_is_as_stated():
+    checked = 0
+    for row, rule in table("| name | rule |"):
+        if row in ("manifest", "root files", "interrupted atomic write"):
+            continue
+        examples = re.search(r"\(([^()]*`[^()]*)\)$", rule).group(1)  # the last parenthesis
+        good, _, bad = examples.partition(";")  # names, then "`X` is none, nor is `Y`"
+        for name, ok in [(n, True) for n in ticked(good)] + [(n, False) for n in ticked(bad)]:
+            assert parses(row, name) is ok, (row, name)
+            checked += 1
+    assert checked >= 18
+
+
+def test_the_number_spelling_is_the_parsers():
+    assert "zero-padded to 8 digits; from 100000000 on" in DOC and "2^62 - 1" in DOC
+    assert "zero-padded to 5 digits; from 100000 on" in DOC and "2^20 - 1" in DOC
+    assert MAX_STEP == 2**62 - 1 and MAX_WORLD - 1 == 2**20 - 1
+    for step in (0, 99_999_999, 100_000_000, MAX_STEP):
+        name = step_dir_name(step)
+        assert parse_step_dir(name) == step and len(name) == 5 + max(8, len(str(step)))
+        assert parse_step_dir("step-0" + name[5:]) is None
+    assert parse_step_dir(f"step-{MAX_STEP + 1}") is None
+    for rank in (0, 99_999, 100_000, MAX_WORLD - 1):
+        assert data_file_codec(data_file_name(rank, "raw")) == "raw"
+        assert parse_node_dir(node_dir_name(rank)) == rank
+        assert parse_node_entry(rank_part_name(rank)) == (rank, True)
+        assert data_file_codec("rank-0" + data_file_name(rank, "raw")[5:]) is None
+        assert parse_node_dir("node-0" + node_dir_name(rank)[5:]) is None
+    assert data_file_codec(data_file_name(MAX_WORLD, "raw")) is None
+
+
+def test_the_root_files_table_names_the_writer_s_files():
+    rows = {ticked(r[0])[0]: r for r in table("| file | bytes | who |")}
+    assert set(rows) == {LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, ".asyncckpt.writer-<id>"}
+    assert OWNER_PREFIX == ".asyncckpt.writer-"
+
+
+# -- the manifest's top level ----------------------------------------------------------------------
+
+def test_every_top_level_key_of_the_example_is_required():
+    assert "Every key of the example's top level is required" in DOC
+    doc = manifest_example()
+    for key in doc:
+        with pytest.raises(CorruptCheckpointError,
+                           match=re.escape(repr(key)) if key != "format" else "not an asyncckpt"):
+            parse_manifest(seal({k: v for k, v in doc.items() if k != key}), max_frame_bytes=MAX_FRAME)
+
+
+@pytest.mark.parametrize("key, value, ok", [
+    ("writer_version", "", True), ("writer_version", "9.9.9+local", True),
+    ("writer_version", 1, False), ("writer_version", None, False),
+    ("created", 0, True), ("created", -5, True), ("created", 1796112367.0338922, True),
+    ("created", True, False), ("created", False, False), ("created", "1796112367", False),
+    ("created", None, False), ("created", 10**400, False),
+])
+def test_writer_version_and_created_have_the_stated_types(key, value, ok):
+    assert "`writer_version` a string" in DOC
+    assert "`created` a JSON number, integer or not but\n  never `true`/`false`, finite as a double" in DOC
+    doc = {**manifest_example(), key: value}
+    if ok:
+        parsed = parse_manifest(seal(doc), max_frame_bytes=MAX_FRAME)
+        assert getattr(parsed, key) == value
+    else:
+        with pytest.raises(CorruptCheckpointError, match=key):
+            parse_manifest(seal(doc), max_frame_bytes=MAX_FRAME)
+
+
+def test_a_root_has_no_ranks_and_a_single_file_no_parts_as_stated():
+    assert "The root has no `ranks` key, and a manifest of version 1 or 2 has no `parts` key" in DOC
+    root = root_example()
+    with pytest.raises(CorruptCheckpointError, match="has no ranks"):
+        parse_manifest(seal({**root, "ranks": []}), max_frame_bytes=MAX_FRAME)
+    single = manifest_example()
+    with pytest.raises(CorruptCheckpointError, match="has no parts"):
+        parse_manifest(seal({**single, "parts": root["parts"]}), max_frame_bytes=MAX_FRAME)
+
+
+def test_referenced_steps_are_strictly_ascending_as_stated():
+    assert "strictly ascending order (`[100,200]`; `[200,100]` and `[100,100]` are corrupt)" in DOC
+    root = root_example()
+    for steps, ok in (([100, 200], True), ([200, 100], False), ([100, 100], False)):
+        root["parts"][1]["referenced_steps"] = steps
+        if ok:
+            assert parse_manifest(seal(root), max_frame_bytes=MAX_FRAME).parts[1].referenced_steps == (100, 200)
+        else:
+            with pytest.raises(CorruptCheckpointError, match="ascending"):
+                parse_manifest(seal(root), max_frame_bytes=MAX_FRAME)
+
+
+# -- zstd ------------------------------------------------------------------------------------------
+
+def test_the_zstd_note_is_what_python_zstandard_does():
+    import zstandard
+    assert ("and so does `ZstdDecompressor().decompressobj()`\n(it stops at the end of the "
+            "first frame and leaves the rest in its `unused_data`)") in DOC
+    assert "only `decompressobj(read_across_frames=True)`" in DOC
+    frames = [zstandard.ZstdCompressor(write_content_size=True).compress(bytes([i]) * 100)
+              for i in range(3)]
+    stream, whole = b"".join(frames), b"".join(bytes([i]) * 100 for i in range(3))
+    d = zstandard.ZstdDecompressor()
+    assert d.decompress(stream) == whole[:100]
+    first = d.decompressobj()
+    assert first.decompress(stream) == whole[:100] and first.unused_data == b"".join(frames[1:])
+    assert d.decompressobj(read_across_frames=True).decompress(stream) == whole
+    import io
+    assert d.stream_reader(io.BytesIO(stream), read_across_frames=True).read() == whole
