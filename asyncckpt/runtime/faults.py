@@ -6,7 +6,9 @@ uses its storage plugin for):
 
     ASYNCCKPT_CRASH_AT=<point>[:<n>]       SIGKILL ourselves the n-th time (default 1st)
                                            <point> is reached
-    ASYNCCKPT_FAIL_IO=<op>:<ERRNO>[:<n>]   the n-th <op> (write, fsync, rename) raises
+    ASYNCCKPT_FAIL_IO=<op>:<ERRNO>[:<n>]   the n-th <op> (write, fsync, rename, or
+                                           fsync_root: the root directory's fsync after
+                                           a step is renamed or swapped in) raises
                                            OSError(ERRNO), e.g. fsync:EIO or rename:EROFS
     ASYNCCKPT_SLOW_AT=<point>:<seconds>    sleep that long each time <point> is reached
                                            (a slow disk or a huge world, without either)
@@ -61,7 +63,8 @@ def point(name: str) -> None:
 
 
 def io(op: str, path: object = None) -> None:
-    """Called before each write/fsync/rename; raises if ASYNCCKPT_FAIL_IO arms `op`."""
+    """Called before each write/fsync/rename (and fsync_root); raises if
+    ASYNCCKPT_FAIL_IO arms `op`."""
     if _fail and _fail[0] == op:
         key = "io:" + op
         _seen[key] = _seen.get(key, 0) + 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import re
 import secrets
@@ -49,6 +50,8 @@ from asyncckpt.runtime import faults
 from asyncckpt.storage.base import DataFile, ReadFile, Storage
 from asyncckpt.storage.durable import fsync_path, write_atomic
 from asyncckpt.storage.writeback import Writeback
+
+log = logging.getLogger("asyncckpt.storage")
 
 
 class PosixReadFile(ReadFile):
@@ -213,8 +216,13 @@ class PosixStorage(Storage):
     def publish(self, tmp: Path, step: int, manifest: bytes, *, replace: bool = False) -> Path:
         """The manifest (tmp file, fsync, rename), crash point `manifest_written`, the
         directory's rename (or swap: `_swap_in`), crash point `step_renamed`, the root's
-        fsync (a new step whose fsync fails is renamed back rather than claimed), then
-        the replaced step's deletion after crash point `replaced`."""
+        fsync (fault `fsync_root`), then the replaced step's deletion after crash point
+        `replaced`.
+
+        A root whose fsync fails has the new step taken back rather than claimed: renamed
+        back to `tmp`, or, where it replaced a step, swapped back (`_swap_back`), so that
+        `tmp` again holds the new step and the caller's discard of `tmp` never deletes
+        the step it replaced (after the swap, `tmp` is where the old one sits)."""
         final = self.root / step_dir_name(step)
         exists = os.path.lexists(final)
         if exists and not replace:
@@ -230,10 +238,13 @@ class PosixStorage(Storage):
             os.rename(tmp, final)
         faults.point("step_renamed")
         try:
+            faults.io("fsync_root", self.root)
             fsync_path(self.root)
         except OSError:
             if old is None:
                 os.rename(final, tmp)  # not durable: take it back rather than claim it
+            else:
+                self._swap_back(tmp, final, old)
             raise
         if old is not None:
             faults.point("replaced")
@@ -252,7 +263,12 @@ class PosixStorage(Storage):
             return tmp
         aside = final.with_name(f"{final.name}.replaced-{secrets.token_hex(4)}")
         os.rename(final, aside)
-        fsync_path(self.root)
+        try:
+            faults.io("fsync_root", self.root)
+            fsync_path(self.root)
+        except OSError:
+            os.rename(aside, final)  # the old step stays where it was
+            raise
         faults.point("set_aside")
         try:
             os.rename(tmp, final)
@@ -260,6 +276,31 @@ class PosixStorage(Storage):
             os.rename(aside, final)
             raise
         return aside
+
+    def _swap_back(self, tmp: Path, final: Path, old: Path) -> None:
+        """Undo `_swap_in` (the root's fsync failed): the replaced step back at `final`,
+        the new one at `tmp`, for the caller to discard. Where that fails too, the new
+        step stays committed and whole at `final` (and the old one, at `tmp`, goes with
+        the caller's discard): one of the two is always there whole."""
+        try:
+            if old == tmp:
+                if not _exchange(tmp, final):
+                    raise OSError(errno.ENOTSUP, "cannot swap the steps back", str(final))
+            else:
+                os.rename(final, tmp)
+                try:
+                    os.rename(old, final)
+                except OSError:
+                    os.rename(tmp, final)
+                    raise
+        except OSError as e:
+            log.warning("step %s: the root's fsync failed after a replacing rename, and the "
+                        "replaced step could not be put back (%s): the new one stays", final.name, e)
+            return
+        try:
+            fsync_path(self.root)
+        except OSError:
+            pass  # the caller reports the first failure; the names are as before the save
 
     def discard(self, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)

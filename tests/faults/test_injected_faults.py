@@ -101,3 +101,30 @@ def test_checkpointer_retention_survives_a_crash_between_commit_and_deletion(roo
             "step-00000003", "step-00000004"]
     finally:
         writer.stop()
+
+
+def test_a_failed_root_fsync_after_a_replacing_swap_keeps_the_committed_step(root, tmp_path,
+                                                                             monkeypatch):
+    """replace=True swaps the new step in; the root's fsync then fails. The save is
+    reported failed, and the step it was to replace is still there whole (the tmp area
+    the committer discards held the old step after the swap)."""
+    from asyncckpt.cli import main
+    writer = start(root, tmp_path, monkeypatch)
+    first, _ = save(writer, 1, 1)
+    writer.stop()
+    writer = start(root, tmp_path, monkeypatch, ASYNCCKPT_FAIL_IO="fsync_root:EIO")
+    try:
+        state = {"w": torch.randn(300_000, generator=torch.Generator().manual_seed(9)), "step": 1}
+        with asyncckpt.connect(writer.address, rank=0, world_size=1,
+                               slot_size=256 << 10, ring_size=1 << 20) as client:
+            with pytest.raises(asyncckpt.SaveFailedError, match="step 1.*Input/output error"):
+                client.save(1, state, replace=True).wait(60)
+        assert PosixStorage(root).committed_steps() == [1]
+        assert not any(".tmp-" in p.name or ".replaced-" in p.name for p in root.iterdir())
+        assert_same(first, asyncckpt.load(root, step=1))
+        assert main(["verify", str(root / "step-00000001")]) == 0
+        later, error = save(writer, 2, 2)  # the fault fired once; the writer serves on
+        assert error is None
+        assert_same(later, asyncckpt.load(root))
+    finally:
+        writer.stop()
