@@ -101,8 +101,9 @@ test-latest: $(UV)
 	rm -rf $(LATEST)-locks && mkdir -p $(LATEST)-locks
 	printf '%s\n' "$(LATEST_TORCH)" > $(LATEST)-locks/torch.in
 	$(call write_locks,$(LATEST)-locks,$(LATEST)-locks)
-	-for f in test verl titan; do echo "== $$f: locked -> newest"; \
-	  diff <(grep -E '^[A-Za-z0-9]' $(LOCKS)/$$f.txt) <(grep -E '^[A-Za-z0-9]' $(LATEST)-locks/$$f.txt) | grep '^[<>]'; done
+	for f in test verl titan; do echo "== $$f: locked (<) -> newest (>)"; \
+	  diff <(grep -E '^[A-Za-z0-9]' $(LOCKS)/$$f.txt) <(grep -E '^[A-Za-z0-9]' $(LATEST)-locks/$$f.txt) \
+	  | grep '^[<>]' || echo "   no pin moved"; done
 	$(call sync_venv,$(LATEST),$(LATEST)-locks/test.txt)
 	$(call sync_venv,$(LATEST)-verl,$(LATEST)-locks/verl.txt)
 	$(call sync_venv,$(LATEST)-titan,$(LATEST)-locks/titan.txt)
