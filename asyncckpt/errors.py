@@ -73,6 +73,13 @@ class WriterLockedError(CheckpointError):
     """Another writer already holds the checkpoint root."""
 
 
+class LeaseLostError(SaveFailedError):
+    """This writer's lease on an object-store root lapsed or was taken over (the writer
+    was paused, or cut off from the store, for longer than the lease lasts): another
+    writer may hold the root now, so this one publishes and deletes nothing more. The
+    message names the root, the holder now (when known) and the step."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint exists where one was asked for."""
 

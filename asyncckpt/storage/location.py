@@ -174,7 +174,8 @@ def is_dir(path: Location) -> bool:
 
 
 def list_names(directory: Location) -> set[str]:
-    """The names directly in `directory` (files and, locally, subdirectories).
+    """The names directly in `directory` (files and, locally, subdirectories; a step of
+    an object-store root: its files as its manifest sees them, storage/s3keys.py).
 
     Raises:
         OSError: it cannot be listed.
@@ -186,16 +187,14 @@ def list_names(directory: Location) -> set[str]:
 
 def list_entries(directory: Location) -> set[str]:
     """The names directly in `directory`, files and subdirectories (for an object store:
-    objects, and the first segment of every longer key under it).
+    objects, and the first segment of every longer key under it; a step's as its
+    manifest sees them, storage/s3keys.py).
 
     Raises:
         OSError: it cannot be listed.
     """
     if isinstance(directory, ObjectPath):
-        prefix = directory.key + "/"
-        keys = _s3_of(directory).keys_with_prefix(directory.name + "/")
-        return {key[len(prefix):].split("/", 1)[0] for key, _ in keys
-                if key.startswith(prefix) and len(key) > len(prefix)}
+        return _s3_of(directory).entries(directory)
     return set(os.listdir(directory))
 
 

@@ -1,22 +1,24 @@
 """The storage seam on an S3-compatible object store: the manifest object is the commit.
 
 An object store has no rename and no directories, so nothing can be written aside and
-moved into place. A step's data objects are written at their final keys,
-`PREFIX/step-N/<file>`, each a multipart upload fed by the writer's pipeline as frames
-arrive (parts of `part_size`, a few in flight, each request retried with backoff), and
-the manifest `PREFIX/step-N/manifest.json` is put last with `If-None-Match: *`: one write
+moved into place. A step's data objects are written in its attempt's own folder,
+`PREFIX/step-N/attempt-<writer><random>/<file>` (storage/s3keys.py), each a multipart
+upload fed by the writer's pipeline as frames arrive (parts of `part_size`, a few in
+flight, each request retried with backoff), and the manifest `PREFIX/step-N/manifest.json`
+is put last with `If-None-Match: *`, its metadata naming the attempt's folder: one write
 that makes the step a checkpoint, refused if the step is already one. A step without its
-manifest is never listed, loaded or named by `latest`; its objects are garbage that the
-step's next attempt replaces or deletes, and that the root's first writer sweeps (with
-unfinished multipart uploads; a writer joining others, only those `sweep_age` old).
+manifest is never listed, loaded or named by `latest`; an attempt that fails deletes its
+own folder, never anything else (another attempt at the step may be the committed one),
+and what a dead writer left is swept (storage/s3sweep.py).
 
 `latest` is replaced by a conditional put (`If-Match` on the ETag read just before, or
 `If-None-Match` when there is none), so two writers never interleave a read and a write;
 one that loses the race re-reads and keeps the newer step. Retiring a step puts a marker
-object `PREFIX/step-N.retired` holding its manifest, then deletes the manifest: the
-marker is the one write that makes it retired (a step with both is retired). Deleting
-a step deletes its manifest (or marker) first, so what a crash leaves is garbage, never
-a checkpoint with missing data.
+object `PREFIX/step-N.retired` holding its manifest (and its metadata), then deletes the
+manifest: the marker is the one write that makes it retired (a step with both is
+retired). Deleting a step deletes its manifest (or marker) first, on condition that it is
+the one just read, then the folder it named: what a crash leaves is garbage, never a
+checkpoint with missing data.
 
 Objects are read by ranged GETs. Endpoint and credentials come from the standard AWS
 environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
@@ -24,34 +26,27 @@ environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 (credentials would cross the network in the clear). The requests themselves, the
 client and the data files are storage/s3client.py.
 
-Every data object is created, never written over: what an earlier attempt left at its
-key is deleted first and the new one completes with `If-None-Match: *`, so a lagging
-upload of a failed attempt cannot replace committed bytes. Several nodes write their
-ranks' files (and part objects) under the one step prefix; `publish` deletes whatever
-the manifest does not name before it puts the manifest.
-
 An object store has no lock a crashed writer releases; leases (storage/lease.py) stand
-in for the root's lock. Replacing a committed step is not supported here: a save with
-`replace` is refused if the step is committed, and is a plain save if it is not.
+in for the root's lock. A writer's storage holds its lease (`hold`), and every mutation
+(a step's data, its manifest, `latest`, each delete) first passes the lease's fence: a
+writer that lost its lease publishes and deletes nothing more. Replacing a committed step
+is not supported here: a save with `replace` is refused if the step is committed, and is
+a plain save if it is not.
 """
-
 
 from __future__ import annotations
 
-import datetime
 import errno
 import logging
-import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 from asyncckpt.config import MAX_FRAME_BYTES, ObjectStoreKnobs
-from asyncckpt.errors import StepAlreadyCommittedError
+from asyncckpt.errors import LeaseLostError, StepAlreadyCommittedError
 from asyncckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
-    ROOT_ID_NAME,
     parse_retired_dir,
     parse_step_dir,
     retired_dir_name,
@@ -59,156 +54,30 @@ from asyncckpt.format.layout import (
 )
 from asyncckpt.format.manifest import parse_manifest
 from asyncckpt.runtime import faults
+from asyncckpt.storage import s3keys
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import ObjectPath
-from asyncckpt.storage.s3client import (
-    ObjectStoreError,
-    S3DataFile,
-    S3ReadFile,
-    client,
-    failure,
-    is_code,
-    is_missing,
-    is_precondition,
-)
+from asyncckpt.storage.s3client import ObjectStoreError, S3DataFile, S3ReadFile, failure, is_missing
+from asyncckpt.storage.s3objects import S3Objects
 
 log = logging.getLogger("asyncckpt.storage")
 _LATEST_MAX = 64
 
 
-class S3Storage(Storage):
+class S3Storage(S3Objects, Storage):
     """A root that is a prefix of a bucket (`s3://bucket/prefix`)."""
 
     def __init__(self, root: ObjectPath, knobs: ObjectStoreKnobs | None = None) -> None:
-        self.root = root
-        self.knobs = knobs or ObjectStoreKnobs.from_env()
+        super().__init__(root, knobs)
         self.read_threads = self.knobs.read_threads
-        self._s3 = client(self.knobs)
-        self._prefix = f"{root.key}/" if root.key else ""
         self._pool: ThreadPoolExecutor | None = None  # made by the first data file
         self._pool_lock = threading.Lock()
         self._slots = threading.Semaphore(self.knobs.parts_in_flight)  # parts uploading
+        self._gathered: dict[str, dict[str, str]] = {}  # attempt key -> other nodes' folders
+        self._node_maps: dict[tuple[int, str], dict[str, str]] = {}
 
     def __repr__(self) -> str:
         return f"S3Storage({str(self.root)!r})"
-
-    # -- requests --------------------------------------------------------------------
-
-    def _key(self, name: str) -> str:
-        return self._prefix + name
-
-    def _where(self, key: str) -> str:
-        return f"s3://{self.root.bucket}/{key}"
-
-    def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
-        try:
-            pages = self._s3.get_paginator("list_objects_v2").paginate(
-                Bucket=self.root.bucket, Prefix=prefix)
-            for page in pages:
-                yield from page.get("Contents", [])
-        except Exception as e:
-            raise failure(e, "listing", self._where(prefix)) from None
-
-    def _head(self, key: str) -> dict[str, Any] | None:
-        try:
-            return self._s3.head_object(Bucket=self.root.bucket, Key=key)
-        except Exception as e:
-            if is_missing(e):
-                return None
-            raise failure(e, "reading", self._where(key)) from None
-
-    def _get(self, key: str, limit: int) -> tuple[bytes, str] | None:
-        """(bytes, ETag) of a small object, or None if it is missing or larger (one GET
-        of at most `limit` + 1 bytes: a larger object is never read whole)."""
-        try:
-            answer = self._s3.get_object(Bucket=self.root.bucket, Key=key,
-                                         Range=f"bytes=0-{limit}")
-            data = answer["Body"].read()
-        except Exception as e:
-            if is_missing(e):
-                return None
-            if is_code(e, "InvalidRange"):  # an empty object has no byte 0
-                head = self._head(key)
-                return None if head is None else (b"", head["ETag"])
-            raise failure(e, "reading", self._where(key)) from None
-        return None if len(data) > limit else (data, answer["ETag"])
-
-    def _put(self, key: str, body: bytes, **condition: str) -> bool:
-        """Put `body` at `key` under `condition` (IfNoneMatch / IfMatch); False if the
-        condition failed."""
-        try:
-            self._s3.put_object(Bucket=self.root.bucket, Key=key, Body=body, **condition)
-            return True
-        except Exception as e:
-            if condition and is_precondition(e):
-                return False
-            raise failure(e, "writing", self._where(key)) from None
-
-    def _delete(self, keys: list[str]) -> None:
-        for i in range(0, len(keys), 1000):
-            batch = [{"Key": k} for k in keys[i:i + 1000]]
-            try:
-                self._s3.delete_objects(Bucket=self.root.bucket,
-                                        Delete={"Objects": batch, "Quiet": True})
-            except Exception as e:
-                raise failure(e, "deleting objects under", str(self.root)) from None
-
-    # -- small objects by key, for the root's leases (storage/lease.py) ---------------
-
-    def key_of(self, name: str) -> str:
-        return self._key(name)
-
-    def put_key(self, key: str, body: bytes) -> None:
-        self._put(key, body)
-
-    def get_key(self, key: str) -> bytes | None:
-        got = self._get(key, 1 << 16)
-        return None if got is None else got[0]
-
-    def modified(self, key: str) -> datetime.datetime:
-        head = self._head(key)
-        if head is None:
-            raise ObjectStoreError(errno.ENOENT, f"{self._where(key)} vanished")
-        return head["LastModified"]
-
-    def keys_with_prefix(self, name: str) -> list[tuple[str, datetime.datetime]]:
-        return [(item["Key"], item["LastModified"]) for item in self._list(self._key(name))]
-
-    def delete_keys(self, keys: list[str]) -> None:
-        self._delete(keys)
-
-    def check(self) -> None:
-        """Reach the bucket now: a clear error at start rather than at the first save.
-
-        Raises:
-            ObjectStoreError: the endpoint is unreachable, the bucket missing, or the
-                credentials refused.
-        """
-        try:
-            self._s3.list_objects_v2(Bucket=self.root.bucket, Prefix=self._prefix, MaxKeys=1)
-        except Exception as e:
-            raise failure(e, "opening", str(self.root)) from None
-
-    def identity(self) -> str:
-        """The root's id (`.asyncckpt.root`, 16 hex digits), made by the first writer
-        with If-None-Match so writers racing on one prefix agree.
-
-        Raises:
-            ObjectStoreError: it cannot be read or made, or is not ours.
-        """
-        key = self._key(ROOT_ID_NAME)
-        for _ in range(5):
-            got = self._get(key, 64)
-            if got is not None:
-                text = got[0].decode(errors="replace").strip()
-                if len(text) == 16 and all(c in "0123456789abcdef" for c in text):
-                    return text
-                raise ObjectStoreError(errno.EINVAL, f"{self._where(key)} is not a root id "
-                                       "(16 hex digits); remove it")
-            token = secrets.token_hex(8)
-            if self._put(key, f"{token}\n".encode(), IfNoneMatch="*"):
-                return token
-        raise ObjectStoreError(errno.EAGAIN, f"{self._where(key)} kept changing")
 
     # -- what the root holds ---------------------------------------------------------
 
@@ -239,8 +108,7 @@ class S3Storage(Storage):
         marker = self._head(self._key(retired_dir_name(step))) is not None
         if retired:
             return marker
-        return not marker and self._head(self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")) \
-            is not None
+        return not marker and self._head(self._manifest_key(step)) is not None
 
     def occupied(self, step: int, *, retired: bool = False) -> bool:
         return self.has_step(step, retired=retired)
@@ -249,26 +117,90 @@ class S3Storage(Storage):
         got = self._get(self._key(LATEST_NAME), _LATEST_MAX)
         return None if got is None else got[0]
 
-    def _object_of(self, directory: ObjectPath, name: str) -> str:
-        """The key of file `name` of checkpoint `directory`: a retired step's files stay
-        under its step prefix, its manifest is its marker."""
+    # -- where a step's files are (storage/s3keys.py) ---------------------------------
+
+    def _manifest_key(self, step: int) -> str:
+        return self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+
+    def _commit_head(self, step: int) -> dict[str, Any] | None:
+        """The HEAD of step `step`'s manifest, else of its retired marker, else None."""
+        return self._head(self._manifest_key(step)) or self._head(
+            self._key(retired_dir_name(step)))
+
+    def _folder_of(self, step: int, head: dict[str, Any]) -> str:
+        """The key prefix (with its slash) of the folder holding `step`'s files, by the
+        metadata of its manifest or marker (`head`).
+
+        Raises:
+            ObjectStoreError: the metadata names no attempt folder.
+        """
+        try:
+            folder = s3keys.data_folder(head.get("Metadata"))
+        except ValueError as e:
+            raise ObjectStoreError(errno.EINVAL, f"{self._where(self._manifest_key(step))}: "
+                                   f"{e}") from None
+        base = self._key(step_dir_name(step)) + "/"
+        return base if folder is None else f"{base}{folder}/"
+
+    def _file_key(self, step: int, folder: str, name: str) -> str:
+        """The key of file `name` (relative to the step) of `step` whose folder is
+        `folder`: a node directory's files may be in another node's attempt folder."""
+        node, _, _ = name.partition("/")
+        nodes = self._nodes(step, folder) if "/" in name else {}
+        if node in nodes:
+            return f"{self._key(step_dir_name(step))}/{nodes[node]}/{name}"
+        return folder + name
+
+    def _nodes(self, step: int, folder: str) -> dict[str, str]:
+        """The node map in attempt `folder` of `step` ({} if there is none)."""
+        name = folder.rstrip("/").rsplit("/", 1)[-1]
+        if s3keys.attempt_writer(name) is None:
+            return {}
+        cached = self._node_maps.get((step, name))
+        if cached is None:
+            got = self._get(folder + s3keys.NODES_NAME, 1 << 24)
+            try:
+                cached = {} if got is None else s3keys.parse_nodes(got[0])
+            except ValueError as e:
+                raise ObjectStoreError(errno.EINVAL, f"{self._where(folder + s3keys.NODES_NAME)}"
+                                       f": {e}") from None
+            self._node_maps[(step, name)] = cached
+        return cached
+
+    def _step_of_dir(self, directory: Any) -> tuple[int, bool] | None:
+        """(step, retired) if `directory` is a step (or retired step) of this root."""
+        if not isinstance(directory, ObjectPath) or directory.parent != self.root:
+            return None
+        step = parse_step_dir(directory.name)
+        if step is not None:
+            return step, False
         step = parse_retired_dir(directory.name)
-        if step is not None and directory.parent == self.root:
-            if name == MANIFEST_NAME:
-                return self._key(retired_dir_name(step))
+        return None if step is None else (step, True)
+
+    def _object_of(self, directory: ObjectPath, name: str) -> str:
+        """The key of file `name` of checkpoint `directory`: a step's files lie in the
+        folder its manifest names, a retired step's manifest is its marker."""
+        found = self._step_of_dir(directory)
+        if found is None:
+            return (directory / name).key
+        step, retired = found
+        if name == MANIFEST_NAME:
+            return self._key(retired_dir_name(step)) if retired else self._manifest_key(step)
+        head = self._commit_head(step)
+        if head is None:
             return self._key(f"{step_dir_name(step)}/{name}")
-        return (directory / name).key
+        return self._file_key(step, self._folder_of(step, head), name)
 
     def open_step_file(self, step: int, name: str) -> S3ReadFile | None:
         """A committed or retired step's file: one with a manifest or a marker."""
-        if (self._head(self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")) is None
-                and self._head(self._key(retired_dir_name(step))) is None):
-            return None
-        key = self._key(f"{step_dir_name(step)}/{name}")
-        head = self._head(key)
+        head = self._commit_head(step)
         if head is None:
             return None
-        return S3ReadFile(self._s3, self._object(key), head["ContentLength"])
+        key = self._file_key(step, self._folder_of(step, head), name)
+        found = self._head(key)
+        if found is None:
+            return None
+        return S3ReadFile(self._s3, self._object(key), found["ContentLength"])
 
     def open_file(self, directory: Any, name: str) -> S3ReadFile:
         key = self._object_of(directory, name)
@@ -303,19 +235,60 @@ class S3Storage(Storage):
                 return None
             raise failure(e, "reading", str(path)) from None
 
+    def _view(self, step: int, retired: bool) -> set[str]:
+        """The names (relative to the step) of the files of step `step` as its manifest
+        (or marker) sees them: the manifest, and what its folder (and its nodes' folders)
+        hold; other attempts' objects are not the step's."""
+        head = self._commit_head(step)
+        base = self._key(step_dir_name(step)) + "/"
+        folder = base if head is None else self._folder_of(step, head)
+        names = {MANIFEST_NAME} if head is not None else set()
+        for item in self._list(folder):
+            name = item["Key"][len(folder):]
+            if folder == base:  # an earlier layout: the files are in the step's prefix
+                own = s3keys.own_key(step_dir_name(step) + "/" + name)
+                if own is not None and own.folder is not None:
+                    continue  # another attempt's
+            elif name == s3keys.NODES_NAME:
+                continue
+            names.add(name)
+        for node, other in self._nodes(step, folder).items():
+            names |= {item["Key"][len(base) + len(other) + 1:]
+                      for item in self._list(f"{base}{other}/{node}/")}
+        return names
+
     def names(self, directory: ObjectPath) -> set[str]:
-        """The files of checkpoint `directory` (a step of this root)."""
+        """The files of checkpoint `directory` (a step of this root, one of its node
+        directories, or an attempt's folder)."""
+        found = self._step_of_dir(directory)
+        if found is not None:
+            return {n for n in self._view(*found) if "/" not in n}
+        parent = self._step_of_dir(directory.parent)
+        if parent is not None:
+            prefix = directory.name + "/"
+            return {n[len(prefix):] for n in self._view(*parent)
+                    if n.startswith(prefix) and "/" not in n[len(prefix):]}
         prefix = f"{directory.key}/"
         return {item["Key"][len(prefix):] for item in self._list(prefix)
                 if "/" not in item["Key"][len(prefix):]}
 
+    def entries(self, directory: ObjectPath) -> set[str]:
+        """The names directly in `directory`: objects and the first segment of every
+        longer key (a step of this root: as its manifest sees it)."""
+        found = self._step_of_dir(directory)
+        if found is not None:
+            return {n.split("/", 1)[0] for n in self._view(*found)}
+        prefix = f"{directory.key}/"
+        return {item["Key"][len(prefix):].split("/", 1)[0] for item in self._list(prefix)
+                if len(item["Key"]) > len(prefix)}
+
     # -- writing a step --------------------------------------------------------------
 
     def make_tmp(self, step: int, name: str | None = None) -> ObjectPath:
-        """The step's own prefix, shared by every node's writer of the step (what an
-        earlier attempt left there is cleared file by file as the new one writes, and
-        the rest at `publish`)."""
-        return self._object(self._key(step_dir_name(step)))
+        """A new attempt folder of this writer in the step's prefix (`name` is ignored:
+        it is a local tmp directory's name)."""
+        self.fence(step)
+        return self._object(self._key(f"{step_dir_name(step)}/{s3keys.attempt_name(self.owner)}"))
 
     def create_data_file(self, tmp: Any, name: str, window: int,
                          writeback: str = "range") -> S3DataFile:
@@ -323,35 +296,81 @@ class S3Storage(Storage):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.knobs.parts_in_flight,
                                                 thread_name_prefix="asyncckpt-s3")
-        return S3DataFile(self._s3, tmp / name, self.knobs, self._pool, self._slots)
+        own = s3keys.attempt_writer(tmp.name) is not None  # a new key: nothing to clear
+        return S3DataFile(self._s3, tmp / name, self.knobs, self._pool, self._slots,
+                          fence=self._fence_io, clear=not own)
+
+    def node_folder(self, tmp: ObjectPath, name: str, node_dir: str) -> ObjectPath:
+        """Where the node that announced attempt folder `name` wrote node directory
+        `node_dir` of the step whose attempt `tmp` commits it (remembered for `publish`).
+
+        Raises:
+            ValueError: `name` is not an attempt folder name.
+        """
+        if s3keys.attempt_writer(name) is None:
+            raise ValueError(f"{name!r:.80} is not an attempt folder of {tmp.parent}")
+        if name != tmp.name:
+            self._gathered.setdefault(tmp.key, {})[node_dir] = name
+        return tmp.parent / name / node_dir
 
     def publish(self, tmp: Any, step: int, manifest: bytes, *,
                 replace: bool = False) -> ObjectPath:
-        """Put the manifest with If-None-Match: the one write that commits the step.
-        `replace` changes nothing: a committed step is never replaced here (the writer
-        refuses such a save before it begins; one committed meanwhile wins)."""
+        """Put the manifest with If-None-Match, naming attempt folder `tmp`: the one
+        write that commits the step. `replace` changes nothing: a committed step is never
+        replaced here (the writer refuses such a save before it begins; one committed
+        meanwhile wins). Nothing outside `tmp` is ever deleted.
+
+        Raises:
+            StepAlreadyCommittedError: the step has a manifest already.
+            LeaseLostError: this writer no longer holds the root.
+            OSError: the store failed; nothing was committed.
+        """
+        if s3keys.attempt_writer(tmp.name) is None or tmp.parent.name != step_dir_name(step):
+            raise ObjectStoreError(errno.EINVAL, f"{tmp} is not an attempt folder of step {step}")
         parsed = parse_manifest(manifest, max_frame_bytes=MAX_FRAME_BYTES)
+        nodes = self._gathered.pop(tmp.key, {})
         if parsed.parts is not None:  # a root: its nodes' folders hold their parts and files
             folders = {f"{e.dir}/" for e in parsed.parts}
-            named = {MANIFEST_NAME}
+            named = {s3keys.NODES_NAME}
         else:
-            folders, named = set(), {MANIFEST_NAME} | {p.file for p in parsed.ranks}
+            folders, named = set(), {p.file for p in parsed.ranks}
         stale = [item["Key"] for item in self._list(f"{tmp.key}/")
                  if (name := item["Key"][len(tmp.key) + 1:]) not in named
                  and name[:name.find("/") + 1] not in folders]
-        if stale:  # parts, and files an earlier attempt left: a step holds what it names
+        if stale:  # in this attempt's own folder only: a step holds what it names
             self._delete(stale)
+        if nodes:
+            self.fence(step)
+            self._put(f"{tmp.key}/{s3keys.NODES_NAME}", s3keys.nodes_bytes(nodes))
         faults.io("rename", tmp)
-        if not self._put(f"{tmp.key}/{MANIFEST_NAME}", manifest, IfNoneMatch="*"):
-            raise StepAlreadyCommittedError(f"{tmp} already has a manifest; a committed step "
-                                            "is never replaced", step=step)
+        self.fence(step)
+        final = self._object(self._manifest_key(step))
+        if not self._put(final.key, manifest, {s3keys.DATA_META: tmp.name}, IfNoneMatch="*"):
+            raise StepAlreadyCommittedError(f"{final.parent} already has a manifest; a "
+                                            "committed step is never replaced", step=step)
         faults.point("manifest_written")
         faults.point("step_renamed")
-        return tmp
+        return final.parent
 
     def discard(self, tmp: Any) -> None:
+        """Delete attempt folder `tmp` (and the folders its node map names), or, for a
+        step of an earlier layout (`tmp` the step's prefix), the step's own files: never
+        another attempt's. A writer that lost its lease deletes nothing."""
         try:
-            self._delete([item["Key"] for item in self._list(f"{tmp.key}/")])
+            self.fence()
+            prefix = f"{tmp.key}/"
+            if s3keys.attempt_writer(tmp.name) is not None:
+                step = parse_step_dir(tmp.parent.name)
+                folders = [prefix] + [f"{tmp.parent.key}/{other}/{node}/" for node, other in (
+                    self._nodes(step, prefix).items() if step is not None else ())]
+                keys = [item["Key"] for folder in folders for item in self._list(folder)]
+            else:
+                keys = [item["Key"] for item in self._list(prefix)
+                        if (own := s3keys.own_key(item["Key"][len(self._prefix):])) is not None
+                        and own.folder is None]
+            self._delete(keys)
+        except LeaseLostError as e:
+            log.warning("%s: %s not deleted", e, tmp)
         except OSError as e:
             log.warning("could not delete %s: %s (swept later)", tmp, e)
 
@@ -361,6 +380,7 @@ class S3Storage(Storage):
         key = self._key(LATEST_NAME)
         for _ in range(10):
             got = self._get(key, _LATEST_MAX)
+            self.fence(step)
             if step is None:
                 if got is not None:
                     self._delete([key])
@@ -376,68 +396,51 @@ class S3Storage(Storage):
     # -- retention -------------------------------------------------------------------
 
     def retire(self, step: int) -> None:
-        """Marker (holding the manifest) first, then the manifest's deletion."""
-        manifest_key = self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")
-        got = self._get(manifest_key, 1 << 40)
+        """Marker (holding the manifest and its metadata) first, then the manifest's
+        deletion, on condition that it is the one copied."""
+        manifest_key = self._manifest_key(step)
+        got = self._get_meta(manifest_key, 1 << 40)
         if got is None:
             raise ObjectStoreError(errno.ENOENT, "no manifest to retire", self._where(manifest_key))
-        self._put(self._key(retired_dir_name(step)), got[0])
-        self._delete([manifest_key])
+        self.fence(step)
+        self._put(self._key(retired_dir_name(step)), got[0], got[2])
+        self.fence(step)
+        if not self.delete_key_if(manifest_key, got[1]):
+            raise ObjectStoreError(errno.EAGAIN, "the manifest changed while it was retired",
+                                   self._where(manifest_key))
 
     def unpublish(self, step: int, *, retired: bool = False) -> ObjectPath:
-        """The manifest (and the marker) deleted first: what is left is garbage for
-        `discard`, never a step with missing files."""
-        keys = [self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")]
+        """The manifest (and the marker) deleted first, each on condition that it is the
+        one read: what is left is the folder it named, returned for `discard`, never a
+        step with missing files (and never another attempt's folder)."""
+        keys = [self._manifest_key(step)]
         if retired:
             keys.append(self._key(retired_dir_name(step)))
-        for key in keys:  # in order: a retired step must not become committed again
-            self._delete([key])
-        return self._object(self._key(step_dir_name(step)))
+        heads = [(key, self._head(key)) for key in keys]
+        named = next((h for _, h in reversed(heads) if h is not None), None)
+        folder = self._key(step_dir_name(step)) + "/" if named is None \
+            else self._folder_of(step, named)
+        for key, head in heads:  # in order: a retired step must not become committed again
+            if head is not None:
+                self.fence(step)
+                self.delete_key_if(key, head["ETag"])
+        return self._object(folder.rstrip("/"))
 
     # -- recovery --------------------------------------------------------------------
 
     def sweep_tmp(self, older_than: float | None = None) -> list[str]:
-        """Abort multipart uploads and delete step data without a manifest, both older
-        than `older_than` seconds (default `sweep_age`: a younger one may be another
-        writer's save under way; 0 for the root's first writer, when every earlier
-        writer is gone)."""
-        age = self.knobs.sweep_age if older_than is None else older_than
-        cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=age)
-        if age == 0:
-            cutoff += datetime.timedelta(days=1)  # the store's clock may run ahead of ours
-        removed = []
-        uploads, garbage = self.unfinished()
-        try:
-            for upload in uploads:
-                if upload["Initiated"] <= cutoff:
-                    self._s3.abort_multipart_upload(Bucket=self.root.bucket, Key=upload["Key"],
-                                                    UploadId=upload["UploadId"])
-                    removed.append(f"upload of {upload['Key'][len(self._prefix):]}")
-        except Exception as e:
-            raise failure(e, "sweeping uploads under", str(self.root)) from None
-        for step, items in sorted(garbage.items()):
-            if all(item["LastModified"] <= cutoff for item in items):
-                self._delete([item["Key"] for item in items])
-                removed.append(f"{step_dir_name(step)}/ ({len(items)} objects, no manifest)")
-        return removed
+        """Abort the unfinished uploads and delete the attempt folders that asyncckpt's
+        writers left and no live writer owns (storage/s3sweep.py); keys of an earlier
+        layout by age (`older_than` seconds, default `sweep_age`)."""
+        from asyncckpt.storage.s3sweep import sweep
+        return sweep(self, self.knobs.sweep_age if older_than is None else older_than)
 
     def unfinished(self) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
-        """What saves left unfinished under the root: (multipart uploads not completed,
-        step -> the objects of each step prefix without a manifest)."""
-        try:
-            pages = self._s3.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.root.bucket, Prefix=self._prefix)
-            uploads = [u for page in pages for u in page.get("Uploads", [])]
-        except Exception as e:
-            raise failure(e, "listing uploads under", str(self.root)) from None
-        committed, retired = self._names()
-        garbage: dict[int, list[dict[str, Any]]] = {}
-        for item in self._list(self._prefix):
-            head, _, tail = item["Key"][len(self._prefix):].partition("/")
-            step = parse_step_dir(head) if tail else None
-            if step is not None and step not in committed and step not in retired:
-                garbage.setdefault(step, []).append(item)
-        return uploads, garbage
+        """What saves left unfinished under the root, of asyncckpt's layout only:
+        (multipart uploads not completed, step -> the objects that are no committed
+        step's)."""
+        from asyncckpt.storage.s3sweep import leftovers
+        return leftovers(self)
 
     def restore_replaced(self) -> list[str]:
         return []  # a step is never replaced here
@@ -445,4 +448,3 @@ class S3Storage(Storage):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-

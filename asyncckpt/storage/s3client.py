@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import CheckpointError
@@ -158,12 +158,22 @@ class S3DataFile(DataFile):
     however many ranks it serves."""
 
     def __init__(self, s3: Any, location: ObjectPath, knobs: ObjectStoreKnobs,
-                 pool: ThreadPoolExecutor, slots: threading.Semaphore) -> None:
+                 pool: ThreadPoolExecutor, slots: threading.Semaphore, *,
+                 fence: Callable[[], None] = lambda: None, clear: bool = True) -> None:
+        """Args:
+            fence: called before the upload starts and before it completes; raises
+                (an OSError) once the writer no longer holds the root.
+            clear: delete what is at the key first (an upload to a place of the
+                user's); a step's data file is a new key of its attempt's own folder.
+        """
         self._s3, self.path, self._knobs, self._pool = s3, location, knobs, pool
-        try:  # an earlier attempt's file: the new one is created, never written over
-            s3.delete_object(Bucket=location.bucket, Key=location.key)
-        except Exception as e:
-            raise failure(e, "clearing", str(location)) from None
+        self._fence = fence
+        fence()
+        if clear:  # the new object is created, never written over
+            try:
+                s3.delete_object(Bucket=location.bucket, Key=location.key)
+            except Exception as e:
+                raise failure(e, "clearing", str(location)) from None
         self.size = 0
         self._buffer = bytearray()
         self._upload: str | None = None
@@ -223,6 +233,7 @@ class S3DataFile(DataFile):
         this one (and this one is refused if such an upload won). Crash point
         `data_fsynced` after."""
         faults.io("fsync", self.path)
+        self._fence()
         try:
             if self._upload is None:
                 self._s3.put_object(Bucket=self.path.bucket, Key=self.path.key,
@@ -239,7 +250,7 @@ class S3DataFile(DataFile):
         except Exception as e:
             if is_precondition(e):
                 raise ObjectStoreError(errno.EEXIST, f"{self.path} was created by another "
-                                       "upload meanwhile (a stale attempt at this step)") from None
+                                       "upload meanwhile") from None
             raise failure(e, "completing", str(self.path)) from None
         self._buffer = bytearray()
         self._done = True

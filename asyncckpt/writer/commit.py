@@ -44,6 +44,7 @@ from asyncckpt.storage.location import read_manifest_at
 from asyncckpt.storage.durable import fsync_path
 from asyncckpt.storage.posix import read_small_file
 from asyncckpt.storage.s3 import S3Storage
+from asyncckpt.storage.s3keys import is_attempt_name
 from asyncckpt.writer.owners import OwnerMark
 
 log = logging.getLogger("asyncckpt.writer")
@@ -140,8 +141,9 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
     are not read: its folder is listed once, to check that it holds a part file and one
     data file for each of its ranks and nothing else, and their sizes and checksums go
     into the root manifest, which the reader checks each file against. On an object
-    store every node wrote under the step's own prefix, so nothing moves (the folder's
-    listing is one LIST request).
+    store every node wrote in its own attempt folder of the step, so nothing moves: the
+    folder's listing is one LIST request, and the committing attempt's folder maps each node
+    to its folder (storage/s3keys.py).
 
     Args:
         nodes: per node (first rank, count, its tmp directory's name, its part entry).
@@ -164,10 +166,11 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
                                       f"{entry.count}]) after rank {end - 1}", step=step,
                                       rank=first)
             end = first + count
-            if isinstance(storage, S3Storage):  # every node's "tmp" is the step's prefix
-                if name != tmp_dir.name:
+            if isinstance(storage, S3Storage):  # every node's "tmp": its attempt folder
+                if not is_attempt_name(name):
                     raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, not "
-                                          f"{tmp_dir.name}", step=step, rank=first)
+                                          f"an attempt folder of {tmp_dir.parent}", step=step,
+                                          rank=first)
             elif not is_tmp_dir(name) or tmp_step_of(name) != step:
                 raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, not a tmp "
                                       f"directory of step {step}", step=step, rank=first)
@@ -180,7 +183,7 @@ def gather_nodes(storage: Storage, tmp_dir: Path, step: int, world_size: int,
             entry, name = item
             folder = tmp_dir / entry.dir
             if isinstance(storage, S3Storage):
-                return storage.names(folder)
+                return storage.names(storage.node_folder(tmp_dir, name, entry.dir))
             if name != tmp_dir.name:
                 faults.io("rename", folder)
                 os.rename(storage.root / name / entry.dir, folder)

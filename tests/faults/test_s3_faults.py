@@ -115,11 +115,18 @@ def flip(root: str, key: str, offset: int) -> bytes:
     """Flip one byte of object `key` (relative to the root); return the original bytes."""
     s = storage_for(root)
     full = s._key(key)  # type: ignore[attr-defined]
-    original = s._s3.get_object(Bucket=s.root.bucket, Key=full)["Body"].read()  # type: ignore[attr-defined]
+    got = s._s3.get_object(Bucket=s.root.bucket, Key=full)  # type: ignore[attr-defined]
+    original = got["Body"].read()
     damaged = bytearray(original)
     damaged[offset % len(damaged)] ^= 0x40
-    s._s3.put_object(Bucket=s.root.bucket, Key=full, Body=bytes(damaged))  # type: ignore[attr-defined]
+    put(root, key, bytes(damaged), got["Metadata"])  # the manifest's names its data folder
     return original
+
+
+def put(root: str, key: str, body: bytes, metadata: dict[str, str]) -> None:
+    s = storage_for(root)
+    s._s3.put_object(Bucket=s.root.bucket, Key=s._key(key), Body=body,  # type: ignore[attr-defined]
+                     Metadata=metadata)
 
 
 def test_every_flipped_byte_in_a_stored_object_is_caught_and_never_loaded(s3_root, tmp_path):
@@ -133,12 +140,14 @@ def test_every_flipped_byte_in_a_stored_object_is_caught_and_never_loaded(s3_roo
         writer.stop(timeout=60)
     s = storage_for(s3_root)
     name = next(n for n in s.names(s.root / "step-00000002") if n.startswith("rank-"))
-    data = f"step-00000002/{name}"
+    data = s._object_of(s.root / "step-00000002", name)[len(s._prefix):]  # type: ignore[attr-defined]
+    assert "/attempt-" in data  # the folder the manifest names
     size = s.step_file_size(2, name)
     assert size
     caught = 0
     for key, offset in [(data, o) for o in (0, 9, 200, size // 3, size // 2, size - 1)] + [
             ("step-00000002/manifest.json", o) for o in (0, 50, 400, -2)]:
+        metadata = s._s3.head_object(Bucket=s.root.bucket, Key=s._key(key))["Metadata"]  # type: ignore[attr-defined]
         original = flip(s3_root, key, offset)
         try:
             done = verify(s3_root)
@@ -148,7 +157,7 @@ def test_every_flipped_byte_in_a_stored_object_is_caught_and_never_loaded(s3_roo
             assert failed.value.step == 2 or "step-00000002" in str(failed.value)
             caught += 1
         finally:
-            s._s3.put_object(Bucket=s.root.bucket, Key=s._key(key), Body=original)  # type: ignore[attr-defined]
+            put(s3_root, key, original, metadata)
     assert caught == 10 and verify(s3_root).returncode == 0
 
 

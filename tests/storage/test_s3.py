@@ -107,7 +107,7 @@ def test_a_step_without_its_manifest_is_not_listed_and_a_closed_file_aborts_its_
 def test_publish_is_one_conditional_put_that_a_second_commit_cannot_win(storage):
     write_step(storage, 4, [b"x" * 10])
     with pytest.raises(StepAlreadyCommittedError, match="already has a manifest"):
-        storage.publish(storage.root / "step-00000004", 4, manifest(4, 2))
+        storage.publish(storage.make_tmp(4), 4, manifest(4, 2))
     with storage.open_file(storage.root / "step-00000004", "manifest.json") as f:
         out = bytearray(f.size)
         f.read_into(0, [memoryview(out)])
@@ -122,7 +122,7 @@ def test_a_new_attempt_at_a_step_holds_only_its_own_files(storage):
     tmp = storage.make_tmp(5)
     write_files(tmp, [b"new0"])  # the retry: one rank, its file created anew
     storage.publish(tmp, 5, manifest(5))
-    assert keys(storage) == {"step-00000005/manifest.json", "step-00000005/" + rank_file(0)}
+    assert storage.names(storage.root / "step-00000005") == {"manifest.json", rank_file(0)}
     opened = storage.open_step_file(5, rank_file(0))
     out = bytearray(4)
     assert opened is not None and opened.read_into(0, [memoryview(out)]) == 4 and out == b"new0"
@@ -198,24 +198,6 @@ def test_a_retired_step_half_deleted_by_a_crash_is_still_not_a_checkpoint(storag
     assert storage.committed_steps() == [] and keys(storage) == set()
 
 
-def test_the_sweep_takes_old_uploads_and_manifestless_data_and_spares_young_ones(s3_root):
-    young = S3Storage(root_path(s3_root))
-    old = S3Storage(root_path(s3_root), ObjectStoreKnobs(sweep_age=0))
-    write_step(young, 1, [b"kept"])
-    tmp = young.make_tmp(2)
-    done = young.create_data_file(tmp, "done", 0)
-    done.append([memoryview(b"orphan")])
-    done.sync()
-    open_upload = young.create_data_file(young.make_tmp(3), "partial", 0)
-    open_upload.append([memoryview(os.urandom(9 * MiB))])
-    assert young.sweep_tmp() == []  # younger than an hour: another writer's save
-    removed = old.sweep_tmp()
-    assert any("step-00000003/partial" in r for r in removed), removed
-    assert any(r.startswith("step-00000002/") for r in removed), removed
-    assert uploads(young) == [] and keys(young) == {"step-00000001/" + rank_file(0),
-                                                    "step-00000001/manifest.json"}
-
-
 def test_the_root_id_is_made_once_and_shared(storage, s3_root):
     first = storage.identity()
     assert len(first) == 16 and S3Storage(root_path(s3_root)).identity() == first
@@ -255,3 +237,52 @@ def test_a_plain_http_endpoint_must_be_allowed(monkeypatch):
     monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
     with pytest.raises(asyncckpt.CheckpointError, match="set AWS_ALLOW_HTTP=true"):
         S3Storage(root_path("s3://ckpt/run"))
+
+
+def test_a_failed_attempt_at_a_committed_step_deletes_nothing_of_the_committed_one(s3_root):
+    # two writers of one job save step 5 (a restarted attempt while the old writer still
+    # finishes): B begins and writes first, A commits, B's commit is refused and B cleans up
+    a, b = S3Storage(root_path(s3_root)), S3Storage(root_path(s3_root))
+    b_tmp = b.make_tmp(5)
+    b_file = b.create_data_file(b_tmp, rank_file(0), 0)
+    b_file.append([memoryview(b"B's bytes")])
+    b_file.sync()
+    b_file.close()
+    a_bytes = os.urandom(9 * MiB + 5)  # a multipart upload, completed while B's exists
+    write_step(a, 5, [a_bytes])
+    a.write_latest(5)
+    with pytest.raises(StepAlreadyCommittedError, match="already has a manifest"):
+        b.publish(b_tmp, 5, manifest(5))
+    b.discard(b_tmp)
+    assert a.committed_steps() == [5] and a.read_latest() == 5
+    opened = a.open_step_file(5, rank_file(0))
+    assert opened is not None and opened.size == len(a_bytes)
+    out = bytearray(len(a_bytes))
+    assert opened.read_into(0, [memoryview(out)]) == len(a_bytes) and out == a_bytes
+    assert a.names(a.root / "step-00000005") == {"manifest.json", rank_file(0)}
+    assert not any(b_tmp.name in k for k in keys(a))  # B's own objects are gone
+
+
+def test_a_stale_publish_deletes_only_inside_its_own_attempt(s3_root):
+    # a lagging attempt whose manifest names fewer files than another attempt wrote
+    a, b = S3Storage(root_path(s3_root)), S3Storage(root_path(s3_root))
+    a_tmp = a.make_tmp(6)
+    for r in range(2):
+        f = a.create_data_file(a_tmp, rank_file(r), 0)
+        f.append([memoryview(b"a%d" % r)])
+        f.sync()
+    write_step(b, 6, [b"b0"])  # B's manifest names one file; A's two stay A's
+    assert {k for k in keys(a) if a_tmp.name in k} == {
+        f"step-00000006/{a_tmp.name}/{rank_file(r)}" for r in range(2)}
+    with pytest.raises(StepAlreadyCommittedError):
+        a.publish(a_tmp, 6, manifest(6, 2))
+    opened = a.open_step_file(6, rank_file(0))
+    out = bytearray(2)
+    assert opened is not None and opened.read_into(0, [memoryview(out)]) == 2 and out == b"b0"
+
+
+def test_a_manifest_naming_a_folder_outside_its_step_is_refused(storage):
+    write_step(storage, 7, [b"x"])
+    storage._put(storage._manifest_key(8), manifest(8), {"asyncckpt-data": "../step-00000007"})
+    with pytest.raises(ObjectStoreError, match="is not an attempt folder"):
+        storage.open_step_file(8, rank_file(0))

@@ -1,0 +1,114 @@
+"""What a sweep of an object-store root removes (SeaweedFS on loopback): the attempts of
+writers that are gone, at once; never a live writer's attempt, whatever its age; and
+never a key outside asyncckpt's layout, under the prefix or at a bucket root: another
+tool's objects and multipart uploads survive a writer's start and `asyncckpt gc`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.storage.lease import Lease
+from asyncckpt.storage.location import root_path
+from asyncckpt.storage.s3 import S3Storage
+
+MiB = 1 << 20
+pytestmark = pytest.mark.process  # a SeaweedFS server runs for these tests
+
+
+def manifest(step: int) -> bytes:
+    part = RankPart(0, "rank-00000.safetensors", "raw", 0, 0, [], [], {"dict": []})
+    return Manifest(step=step, world_size=1, ranks=[part]).to_bytes()
+
+
+def attempt(storage: S3Storage, step: int, *, done: bool = True, commit: bool = False) -> str:
+    """An attempt at `step`: a completed data file (committed with `commit`), or an
+    upload left open; returns its folder's name."""
+    tmp = storage.make_tmp(step)
+    f = storage.create_data_file(tmp, "rank-00000.safetensors", 0)
+    f.append([memoryview(os.urandom(9 * MiB if not done else 16))])
+    if done:
+        f.sync()
+    if commit:
+        storage.publish(tmp, step, manifest(step))
+    return tmp.name
+
+
+def foreign_upload(storage: S3Storage, key: str) -> str:
+    """Someone else's multipart upload at `key` (relative to the root), left open."""
+    full = storage._key(key)
+    upload = storage._s3.create_multipart_upload(Bucket=storage.root.bucket, Key=full)["UploadId"]
+    storage._s3.upload_part(Bucket=storage.root.bucket, Key=full, UploadId=upload,
+                            PartNumber=1, Body=b"theirs" * 1000)
+    return full
+
+
+def open_uploads(storage: S3Storage) -> set[str]:
+    return {u["Key"] for u in storage.uploads()}
+
+
+def keys(storage: S3Storage) -> set[str]:
+    return {item["Key"][len(storage._prefix):] for item in storage._list(storage._prefix)}
+
+
+def gc(root: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "asyncckpt", "gc", root, "--keep-last", "1"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_dead_writers_attempts_go_at_once_and_a_live_ones_stay_whatever_their_age(s3_root):
+    live, dead = S3Storage(root_path(s3_root)), S3Storage(root_path(s3_root))
+    lease = Lease(live, "job")
+    try:
+        committed = attempt(dead, 1, commit=True)  # its folder is the step: kept
+        still_open = attempt(live, 3, done=False)
+        kept = {attempt(live, 2), still_open}
+        gone = {attempt(dead, 2), attempt(dead, 4, done=False)}
+        removed = live.sweep_tmp(3600)  # an hour's age does not matter for attempts
+        assert sorted(r.split("/")[1] for r in removed) == sorted(gone), removed
+        left = keys(live)
+        assert all(any(f in k for k in left) for f in (kept - {still_open}) | {committed})
+        assert not any(f in k for k in left for f in gone)
+        assert [k.split("/")[-2] for k in open_uploads(live)] == [still_open]
+        assert live.committed_steps() == [1] and live.open_step_file(1, "rank-00000.safetensors")
+    finally:
+        lease.release()
+
+
+def test_an_earlier_layouts_leftovers_go_by_age(s3_root):
+    s = S3Storage(root_path(s3_root))
+    s._put(s._key("step-00000002/rank-00000.safetensors"), b"an old writer's, no manifest")
+    assert s.sweep_tmp(3600) == []
+    assert s.sweep_tmp(0) == ["step-00000002/ (1 objects, no manifest)"]
+
+
+@pytest.mark.parametrize("where", ["prefix", "bucket root"])
+def test_foreign_keys_and_uploads_survive_a_writer_start_and_gc(s3_root, where, tmp_path):
+    import asyncckpt
+    if where == "bucket root":  # a bucket of its own, the root at its top
+        bucket = "sweep-" + os.urandom(4).hex()
+        S3Storage(root_path(s3_root))._s3.create_bucket(Bucket=bucket)
+        s3_root = f"s3://{bucket}"
+    s = S3Storage(root_path(s3_root))
+    theirs = {foreign_upload(s, name) for name in (
+        "their-data/big.bin", "step-00000003/notes.bin", "step-00000003.tmp-x/a.bin",
+        "step-00000003/attempt-x/rank-00000.safetensors")}
+    planted = {"README", "step-00000003/notes.txt", "step-00000007/attempt-nothex/rank-00000.safetensors"}
+    for name in planted:
+        s._put(s._key(name), b"not asyncckpt's")
+    ours = attempt(s, 2, done=False)  # a writer without a lease: gone
+    writer = asyncckpt.start_writer(s3_root, codec="raw", log_file=tmp_path / "w.log")
+    writer.stop(timeout=60)
+    assert "removed abandoned upload of step-00000002/" + ours in (tmp_path / "w.log").read_text()
+    assert open_uploads(s) >= theirs and not any(ours in k for k in open_uploads(s))
+    assert planted <= keys(s)
+    ours = attempt(s, 4, done=False)
+    done = gc(s3_root)
+    assert done.returncode == 0, done.stderr
+    assert open_uploads(s) >= theirs and not any(ours in k for k in open_uploads(s))
+    assert planted <= keys(s)
+
