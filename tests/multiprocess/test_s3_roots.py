@@ -223,3 +223,63 @@ def test_gc_prunes_a_bucket_root_once_no_writer_holds_it(s3_root, tmp_path):
     assert {k.split("/")[0] for k in object_keys(s3_root)} == {
         "step-00000003", "latest", ".asyncckpt.root"}
     assert same(asyncckpt.load(s3_root), state(3, 1))
+
+
+def test_a_second_attempt_at_a_committed_step_fails_and_the_step_stays_whole(
+        s3_root, tmp_path, monkeypatch):
+    # two writers of one job save step 5 (a restarted attempt while the old writer still
+    # finishes): B's data is durable first, but B is held at its data's last point until
+    # A has committed; B's commit is then refused, and its cleanup must not touch A's step
+    monkeypatch.setenv("ASYNCCKPT_SLOW_AT", "data_fsynced:6")
+    b = asyncckpt.start_writer(s3_root, codec="raw", log_file=tmp_path / "b.log", job="j")
+    monkeypatch.delenv("ASYNCCKPT_SLOW_AT")
+    a = asyncckpt.start_writer(s3_root, codec="zstd", log_file=tmp_path / "a.log", job="j")
+    try:
+        with asyncckpt.connect(b.address, rank=0, world_size=1) as cb, \
+                asyncckpt.connect(a.address, rank=0, world_size=1) as ca:
+            late = cb.save(5, state(50, 2))
+            ca.save(5, state(5, 2)).wait(timeout=120)  # B still sleeps past its data
+            with pytest.raises(StepAlreadyCommittedError, match="already has a manifest"):
+                late.wait(timeout=120)
+    finally:
+        a.stop(timeout=60)
+        b.stop(timeout=60)
+    assert storage_for(s3_root).committed_steps() == [5]
+    assert storage_for(s3_root).read_latest() == 5
+    assert same(asyncckpt.load(s3_root, step=5), state(5, 2))
+    assert cli("verify", s3_root).returncode == 0
+
+
+def test_a_writer_stopped_past_its_lease_wakes_to_refused_saves_and_deletes_nothing(
+        s3_root, tmp_path, monkeypatch):
+    import os
+    import signal
+    monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW", "0.5")
+    a = asyncckpt.start_writer(s3_root, codec="raw", log_file=tmp_path / "a.log", job="a",
+                               keep_last=1)
+    b = None
+    try:
+        with asyncckpt.connect(a.address, rank=0, world_size=1) as ca:
+            ca.save(1, state(1, 1)).wait(timeout=120)
+            os.kill(a.pid, signal.SIGSTOP)  # a long GC pause, a partition: no renewal
+            try:
+                time.sleep(3.2)  # three periods and a second, by the store's clock
+                b = asyncckpt.start_writer(s3_root, codec="raw", log_file=tmp_path / "b.log",
+                                           job="b")
+                with asyncckpt.connect(b.address, rank=0, world_size=1) as cb:
+                    for step in (2, 3):
+                        cb.save(step, state(step, 1)).wait(timeout=120)
+                before = object_keys(s3_root)
+            finally:
+                os.kill(a.pid, signal.SIGCONT)
+            with pytest.raises(asyncckpt.SaveFailedError, match="lost its lease") as lost:
+                ca.save(4, state(4, 1)).wait(timeout=120)  # would prune 1..3 (keep_last=1)
+            assert "job b on" in str(lost.value) and "step 4" in str(lost.value)
+        assert object_keys(s3_root) == before
+    finally:
+        a.stop(timeout=60)
+        if b is not None:
+            b.stop(timeout=60)
+    assert storage_for(s3_root).committed_steps() == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert same(asyncckpt.load(s3_root, step=step), state(step, 1))
