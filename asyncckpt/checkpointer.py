@@ -47,7 +47,9 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt.config import KEEP_ALL
-from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from asyncckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                              WriterRootMismatchError)
+from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle, raise_untaken, settle
 from asyncckpt.rank.launch import WriterProcess
@@ -202,6 +204,8 @@ class Checkpointer:
                 still names). As `Client.save`.
         Raises:
             UnsupportedStateError, WriterUnavailableError: as `Client.save`.
+            WriterRootMismatchError: the writer reached (the address given,
+                ASYNCCKPT_ADDRESS, the client given) serves another root.
             SaveFailedError (or its subclass, e.g. StepAlreadyCommittedError): an
                 earlier save failed and its error has not reached the caller (no
                 `handle.wait()`/`exception()` took it): raised once, naming that save's
@@ -238,7 +242,10 @@ class Checkpointer:
             if address is None:
                 address, self.writer = node_writer(self.root)
                 self._node_writers = True  # every rank: close() meets the others
-            self._client = Client(address, ring_size=ring_for(state_bytes(state), self._ring_request, log))
+            self._client = Client(address, root=self.root,  # the writer must serve it
+                                  ring_size=ring_for(state_bytes(state), self._ring_request, log))
+        elif not self._own_client:
+            self._check_root(self._client)
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
                                    keep_every=self.options.keep_every, keep_from=keep_from,
@@ -332,8 +339,17 @@ class Checkpointer:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self._address)
+            self._client = Client(self._address, root=self.root)
         return self._client
+
+    def _check_root(self, client: Client) -> None:
+        """A client given to this Checkpointer must reach the writer of its root."""
+        mine = str(self.root.resolve())
+        if not same_root(mine, str(client.root)):
+            raise WriterRootMismatchError(
+                f"the client given reaches the writer of {client.root}, not {mine}: give a "
+                f"client of a writer on {mine} (or none: the Checkpointer then starts "
+                "one)", rank=client.rank)
 
     # -- reading --------------------------------------------------------------------
 

@@ -69,6 +69,12 @@ class WriterUnavailableError(CheckpointError):
     """The writer cannot be reached: not started, gone, refused authentication."""
 
 
+class WriterRootMismatchError(WriterUnavailableError):
+    """The writer reached (an address given, ASYNCCKPT_ADDRESS, a client given) serves
+    another checkpoint root than the one the save names: it refused this rank, and
+    nothing was saved. The message names both roots."""
+
+
 class WriterLockedError(CheckpointError):
     """Another writer already holds the checkpoint root."""
 

@@ -507,3 +507,60 @@ def test_a_failure_the_caller_took_is_not_raised_again(writer, root):
     ckpt.save(2).wait(60)
     ckpt.close()
     ckpt.client.close()
+
+
+@pytest.mark.process  # each Checkpointer starts its root's writer itself
+def test_two_checkpointers_on_two_roots_each_save_and_restore_their_own(tmp_path, monkeypatch):
+    """A policy and a critic in one process: the first auto-start exported its address,
+    so the second Checkpointer saved into the first one's root."""
+    import os
+    import subprocess
+    import sys
+    monkeypatch.delenv("ASYNCCKPT_ADDRESS", raising=False)
+    options = CheckpointerOptions(save_interval=1)
+    (policy, popt), (critic, copt) = make_model(seed=1), make_model(seed=2, width=32)
+    first = Checkpointer(tmp_path / "policy", model=policy, optimizer=popt, options=options)
+    second = Checkpointer(tmp_path / "critic", model=critic, optimizer=copt, options=options)
+    for step in (1, 2):
+        train_step(policy, popt, step)
+        train_step(critic, copt, step)
+        first.save(step)
+        assert "ASYNCCKPT_ADDRESS" not in os.environ  # the user's environment is untouched
+        second.save(step)
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('ASYNCCKPT_ADDRESS'))"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "None"  # a process spawned now inherits no address
+    assert first.writer.root != second.writer.root
+    first.close()
+    second.close()
+    for root, want, seed, width in ((tmp_path / "policy", policy, 5, 64),
+                                    (tmp_path / "critic", critic, 6, 32)):
+        fresh, fresh_opt = make_model(seed=seed, width=width)
+        restorer = Checkpointer(root, model=fresh, optimizer=fresh_opt, fence=False)
+        assert restorer.restore() == 2 and restorer.all_steps() == [1, 2]
+        assert_same(dict(want.state_dict()), dict(fresh.state_dict()))
+
+
+@pytest.mark.parametrize("codec", ["raw"], indirect=True)
+@pytest.mark.parametrize("how", ["environment", "client"])
+def test_a_writer_of_another_root_is_refused_naming_both(writer, root, tmp_path, monkeypatch, how):
+    """ASYNCCKPT_ADDRESS (or a client) pointing at another root's writer: a typed error,
+    not a save into the wrong root."""
+    from asyncckpt.errors import WriterRootMismatchError
+    other = tmp_path / "other"
+    model, opt = make_model()
+    client = None
+    if how == "environment":
+        monkeypatch.setenv("ASYNCCKPT_ADDRESS", writer.address)
+    else:
+        client = asyncckpt.connect(writer.address, rank=0, world_size=1)
+    ckpt = Checkpointer(other, model=model, optimizer=opt, client=client,
+                        options=CheckpointerOptions(save_interval=1))
+    with pytest.raises(WriterRootMismatchError) as raised:
+        ckpt.save(1)
+    assert str(root) in str(raised.value) and str(other) in str(raised.value)
+    assert isinstance(raised.value, WriterUnavailableError)
+    assert not list(root.glob("step-*")) and ckpt.writer is None
+    ckpt.close()
+    if client is not None:
+        client.close()

@@ -17,7 +17,7 @@ The messages, as `message_list()` writes them from the dataclasses (a test fails
 this copy differs; each class's docstring says what its message means):
 
     rank -> writer:
-        hello(rank, slot_size, slots; optional world_size, pid, need_slot)
+        hello(rank, slot_size, slots; optional world_size, pid, need_slot, root)
         begin(save, step, world_size, tensors, tree; optional retention, coordinated,
               since, unchanged, replace, keep_from, node)
         chunk(save, slot, length)
@@ -28,7 +28,7 @@ this copy differs; each class's docstring says what its message means):
         outcome(step, committed; optional error, message)
     writer -> rank:
         welcome(pid, version, root, root_id)
-        refused(reason)
+        refused(reason; optional root)
         free(slot)
         unchanged(save, tensors)
         durable(save, step, tmp; optional part)
@@ -51,6 +51,7 @@ from asyncckpt.format.tree import check_tree
 
 MAX_SLOTS = 1 << 16  # a rank's ring: at most this many slots
 MAX_DIMS = 64        # a tensor's shape: at most this many dimensions
+MAX_ROOT = 4096      # a checkpoint root named in a hello: at most this many characters
 
 TensorEntry = tuple[str, str, tuple[int, ...]]  # name, dtype, shape: one tensor of a begin
 
@@ -105,7 +106,8 @@ class Hello(Message):
     """A rank's first message, followed by its ring's sealed memfd (one byte with
     SCM_RIGHTS; ring.py). With `need_slot` the rank says when it waits for a free slot,
     so the writer may leave its slots unread until then (stage first). `world_size` and
-    `pid` are for the log only."""
+    `pid` are for the log only. `root`: the checkpoint root the rank saves to; a writer
+    of another root refuses the rank (a writer started for a root serves that root)."""
 
     OP: ClassVar[str] = "hello"
     SENDER: ClassVar[str] = "rank"
@@ -115,6 +117,7 @@ class Hello(Message):
     world_size: int | None = None
     pid: int | None = None
     need_slot: bool = False
+    root: str | None = None
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Hello:
@@ -124,8 +127,13 @@ class Hello(Message):
         if slot_size <= 0 or not 0 < slots <= MAX_SLOTS:
             raise ProtocolError(f"a ring of {slots} slots of {slot_size} bytes is refused "
                                 f"(slots 1..{MAX_SLOTS}, slot_size > 0)")
+        root = m.get("root")
+        if root is not None and not isinstance(root, str):
+            raise ProtocolError(f"root {_show(root)} is not a str")
+        if root is not None and len(root) > MAX_ROOT:
+            raise ProtocolError(f"root of {len(root)} characters (at most {MAX_ROOT})")
         return cls(rank, slot_size, slots, _loose_int(m, "world_size"), _loose_int(m, "pid"),
-                   m.get("need_slot") is True)
+                   m.get("need_slot") is True, root)
 
 
 @dataclass(frozen=True)
@@ -293,11 +301,18 @@ class Welcome(Message):
 
 @dataclass(frozen=True)
 class Refused(Message):
-    """The writer refused the rank's hello (`reason`) and hangs up."""
+    """The writer refused the rank's hello (`reason`) and hangs up. `root`: set when it
+    refused because it serves another root than the rank's, to this writer's root."""
 
     OP: ClassVar[str] = "refused"
     SENDER: ClassVar[str] = "writer"
     reason: str
+    root: str | None = None
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Refused:
+        root = m.get("root")
+        return cls(_str(m, "reason"), root if isinstance(root, str) else None)
 
 
 @dataclass(frozen=True)

@@ -270,6 +270,21 @@ def _set_recv_timeout(fd: int, seconds: float) -> None:
         s.detach()
 
 
+def same_root(a: str, b: str) -> bool:
+    """Whether two spellings of a checkpoint root name one root: equal as written, or
+    two local paths of one directory (a symlink, a relative path, a bind mount). An
+    object-store root (`s3://...`) matches only as written; a local path that does not
+    exist matches only its own absolute spelling."""
+    if a == b:
+        return True
+    if "://" in a or "://" in b:
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
 def writer_address(address: str | None) -> str:
     """`address`, else ASYNCCKPT_ADDRESS.
 

@@ -38,7 +38,8 @@ import time
 from typing import Any, Callable
 
 from asyncckpt.config import ClientKnobs
-from asyncckpt.errors import SaveFailedError, WriterUnavailableError, error_class
+from asyncckpt.errors import (SaveFailedError, WriterRootMismatchError, WriterUnavailableError,
+                              error_class)
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.rank.agreement import Agreement
@@ -62,7 +63,8 @@ class Client:
     """
 
     def __init__(self, address: str | None = None, *, rank: int | None = None,
-                 world_size: int | None = None, store: Any = None, **knobs: Any) -> None:
+                 world_size: int | None = None, store: Any = None,
+                 root: str | os.PathLike[str] | None = None, **knobs: Any) -> None:
         """Create this rank's ring and connect to the writer.
 
         Args:
@@ -75,6 +77,10 @@ class Client:
                 the default process group's store when the job spans several nodes
                 (LOCAL_WORLD_SIZE < WORLD_SIZE), else none (the node's writer sees
                 every rank).
+            root: the checkpoint root this rank saves to. The writer at `address`
+                must serve it (any spelling of the same directory), or it refuses this
+                rank in the handshake. None: whatever root the writer serves (`root`
+                tells which once connected).
             knobs: slot_size, ring_size, connect_timeout, coordination, node_timeout
                 (see ClientKnobs). Without ring_size (argument or ASYNCCKPT_RING_SIZE),
                 the client starts with the 64 MiB default and its first save sizes
@@ -85,9 +91,12 @@ class Client:
         Raises:
             ValueError: an unknown knob (a writer knob is named as one).
             WriterUnavailableError: no address, no writer there, or authentication failed.
+            WriterRootMismatchError: `root` given, and the writer serves another root
+                (e.g. ASYNCCKPT_ADDRESS names the writer of another job's root).
         """
         self.knobs = ClientKnobs.from_env(**knobs)
         self.address = protocol.writer_address(address)
+        self._asked_root = None if root is None else str(root_path(root).resolve())
         self.rank, self.world_size = resolve_rank(rank, world_size)
         # no ring size asked for: the first save sizes the ring from its state
         self._size_ring = knobs.get("ring_size") is None and not os.environ.get(
@@ -128,7 +137,7 @@ class Client:
                                  self.knobs.connect_timeout)
             protocol.send_message(conn, messages.Hello(
                 self.rank, new.slot_size, new.slots, world_size=self.world_size,
-                pid=os.getpid(), need_slot=True))
+                pid=os.getpid(), need_slot=True, root=self._asked_root))
             protocol.send_fd(conn, new.fileno())
             if not conn.poll(self.knobs.connect_timeout):
                 raise WriterUnavailableError(f"writer at {self.address} did not welcome us")
@@ -142,6 +151,16 @@ class Client:
             raise
         finally:
             new.release_fd()  # the writer holds its own descriptor now
+        served = reply.root if isinstance(reply, (messages.Welcome, messages.Refused)) else None
+        if (self._asked_root is not None and served is not None
+                and not protocol.same_root(self._asked_root, served)):
+            protocol.hang_up(conn)  # a writer too old to check the hello's root welcomes it
+            new.close()
+            raise WriterRootMismatchError(
+                f"the writer at {self.address} serves {served}, not {self._asked_root}: start "
+                f"a writer on {self._asked_root}, or give no address (and unset "
+                "ASYNCCKPT_ADDRESS) so that the Checkpointer or StorageWriter starts its "
+                "own", rank=self.rank)
         if not isinstance(reply, messages.Welcome):
             new.close()
             reason = reply.reason if isinstance(reply, messages.Refused) else reply.OP
@@ -296,6 +315,9 @@ class Client:
         self._stager.join(timeout if wait_results else None)
         for pending in list(self._pending.values()) if wait_results else []:
             pending.handle._done.wait(timeout)
+        if not wait_results:  # results not awaited: their handles end failed ("closed")
+            with self._cond:  # below, and nobody asked to hear of it
+                self._handles = [h for h in self._handles if h.done()]
         if self._agreement is not None:  # its last messages (commit, outcome) go out first
             self._agreement.close(timeout)
         self._outbox.put(None)

@@ -33,15 +33,17 @@ class WriterProcess:
 
     Attributes:
         address: what clients pass to `connect()` (also exported as ASYNCCKPT_ADDRESS
-            to this process's environment, so child ranks inherit it).
+            to this process's environment when started with `export`, so child ranks
+            inherit it).
         root: the checkpoint root it owns.
         pid: its process id.
         log_file: where it logs (None: this process's stderr).
     """
 
     def __init__(self, proc: subprocess.Popen, address: str, root: Path,
-                 log_file: Path | None = None) -> None:
+                 log_file: Path | None = None, exported: bool = False) -> None:
         self._proc = proc
+        self._exported = exported  # ASYNCCKPT_ADDRESS was set by us, not by the user
         self.address = address
         self.root = root
         self.pid = proc.pid
@@ -53,7 +55,9 @@ class WriterProcess:
     def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM the writer (it finishes in-flight commits), wait, return its exit code.
 
-        Kills it if it has not exited after `timeout` seconds.
+        Kills it if it has not exited after `timeout` seconds. ASYNCCKPT_ADDRESS goes
+        too when `start_writer` exported it and it still names this writer (a value
+        the user set is left alone).
         """
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
@@ -62,8 +66,9 @@ class WriterProcess:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        if os.environ.get(ADDRESS_ENV) == self.address:
+        if self._exported and os.environ.get(ADDRESS_ENV) == self.address:
             del os.environ[ADDRESS_ENV]
+        self._exported = False
         return self._proc.returncode
 
     def __enter__(self) -> "WriterProcess":
@@ -100,7 +105,7 @@ def default_log_file(root: str | os.PathLike[str], node: str | None = None) -> P
 
 def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
                  log_file: str | os.PathLike[str] | None = None, timeout: float = 60.0,
-                 job: str | None = None, **knobs: Any) -> WriterProcess:
+                 job: str | None = None, export: bool = True, **knobs: Any) -> WriterProcess:
     """Start a writer process that owns `root` and return once it accepts ranks.
 
     Args:
@@ -114,9 +119,15 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
             logger "asyncckpt"); "-" inherits this process's stderr.
         job: the job id of the writers of several nodes that share `root` (default:
             `default_job()`); writers of one job share the root, others are refused.
+        export: set ASYNCCKPT_ADDRESS in this process's environment to the writer's
+            address (child ranks inherit it; `stop()` removes it again if unchanged).
+            Writers started on the caller's behalf (a Checkpointer's, a DCP
+            StorageWriter's) pass False: they hand the address to their own client
+            only, so a second root in the process, or a process spawned later, never
+            picks up a writer that is not its own.
         knobs: other writer knobs (zstd_level, shutdown_timeout, ...); see WriterKnobs.
     Returns:
-        A WriterProcess; its address is also exported as ASYNCCKPT_ADDRESS.
+        A WriterProcess; with `export`, its address is also ASYNCCKPT_ADDRESS.
     Raises:
         WriterLockedError: another writer holds `root`.
         WriterUnavailableError: the writer did not start within `timeout` seconds.
@@ -160,5 +171,6 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         raise WriterUnavailableError(f"writer did not start (exit code {code}); see its log"
                                      + (f", {log_path}" if log_path else ""), file=str(root))
     address = line[len(READY_PREFIX):].strip()
-    os.environ[ADDRESS_ENV] = address
-    return WriterProcess(proc, address, root, log_path)
+    if export:
+        os.environ[ADDRESS_ENV] = address
+    return WriterProcess(proc, address, root, log_path, exported=export)

@@ -103,7 +103,8 @@ def _start(root: Location, log_file: Path, timeout: float,
     deadline = time.monotonic() + timeout
     while True:  # the previous attempt's writer may still be releasing the root
         try:
-            writer = start_writer(root, log_file=log_file, job=job)
+            # not exported: the caller hands the address to its own client only
+            writer = start_writer(root, log_file=log_file, job=job, export=False)
             break
         except WriterLockedError:
             if time.monotonic() > deadline:

@@ -108,6 +108,15 @@ class WriterContext:
     rss: PeakSampler
 
 
+class _OtherRoot(ProtocolError):
+    """A rank's hello names another root than this writer's: it is refused (`root`:
+    this writer's, sent back so the rank raises WriterRootMismatchError)."""
+
+    def __init__(self, root: str, theirs: str) -> None:
+        super().__init__(f"this writer serves {root}, not {theirs}")
+        self.root = root
+
+
 class Session:
     """One rank's connection: hello (and its ring), then begin/chunk/end per save."""
 
@@ -185,10 +194,15 @@ class Session:
             if m.slot_size > max_slot:
                 raise ProtocolError(f"a ring of {m.slots} slots of {m.slot_size} bytes is refused "
                                     f"(slots 1..{MAX_SLOTS}, slot_size 1..{max_slot})")
-            self.ring = ring.Ring.attach(protocol.recv_fd(self.conn), m.slot_size, m.slots)
+            fd = protocol.recv_fd(self.conn)  # taken first: the rank is still sending it
+            if m.root is not None and not protocol.same_root(m.root, str(self.writer.root)):
+                os.close(fd)
+                raise _OtherRoot(str(self.writer.root), m.root)  # before it counts as a rank
+            self.ring = ring.Ring.attach(fd, m.slot_size, m.slots)
         except ValueError as e:  # tell the rank why before hanging up
             try:
-                protocol.send_message(self.conn, messages.Refused(str(e)))
+                protocol.send_message(self.conn, messages.Refused(
+                    str(e), root=e.root if isinstance(e, _OtherRoot) else None))
             except OSError:
                 pass
             raise
