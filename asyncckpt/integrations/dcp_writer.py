@@ -9,8 +9,9 @@ exported and deduplicated like any other, and `asyncckpt.load` reads it at any w
 size. Every rank's tree names every tensor of the checkpoint (the coordinator sends the
 catalogue with the plans), so any one rank's part rebuilds all tensors; an object is in
 the part of the rank that wrote it, which is the lowest rank holding it, as itself when
-asyncckpt can store it (JSON-like values, bytes, tensors), else as the pickle DCP made
-of it (a "pickled" node, which asyncckpt never unpickles).
+asyncckpt stores exactly its type (JSON-like values, bytes, tensors; a subclass such as
+a namedtuple or an IntEnum would come back as its base type), else as the pickle DCP
+made of it (a "pickled" node, which asyncckpt's own load never unpickles).
 
 The commit is the writer's, as for any save: it happens once every rank's part is
 durable, and `finish()` on the coordinator waits for it, so `dcp.save` returns when the
@@ -45,10 +46,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from asyncckpt.errors import CheckpointError, SaveFailedError, UnsupportedStateError
+from asyncckpt import errors
+from asyncckpt.errors import (CheckpointError, SaveFailedError, UnsupportedStateError,
+                              WriterRootMismatchError)
 from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.ipc.protocol import ADDRESS_ENV, same_root
 from asyncckpt.rank.client import Client
-from asyncckpt.rank.flatten import Pickled, flatten
+from asyncckpt.rank.flatten import Pickled, flatten, kept_exactly
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import given_address, node_writer
@@ -307,11 +311,13 @@ class StorageWriter(dcp.StorageWriter):
 
     def _connect(self, root: Location | None, nbytes: int) -> Client:
         if self._client is None:
-            self._client = _client_for(self.address, ring_for(nbytes, self.ring_size))
-        if root is not None and root.resolve() != self._client.root.resolve():
-            raise CheckpointError(f"this rank's writer saves to {self._client.root}, not {root}: "
-                                  "start the writer on the root the checkpoint_id names",
-                                  step=self._target[1], rank=self._client.rank)
+            self._client = _client_for(self.address, ring_for(nbytes, self.ring_size), root)
+        if root is not None and not same_root(str(root.resolve()), str(self._client.root)):
+            raise WriterRootMismatchError(
+                f"this rank's writer serves {self._client.root}, not {root.resolve()}: start "
+                "the writer on the root the checkpoint_id names (or give no client and no "
+                "address: the StorageWriter then starts one)", step=self._target[1],
+                rank=self._client.rank)
         return self._client
 
     def _await_staged(self, plan: SavePlan) -> Future[list[WriteResult]]:
@@ -330,18 +336,21 @@ class StorageWriter(dcp.StorageWriter):
 
 
 def _object(planner: SavePlanner, item: Any) -> Any:
-    """A bytes item's value as asyncckpt saves it: the object itself when it is one
-    asyncckpt stores natively (the planner can look it up; JSON-like values, bytes,
-    tensors), else the bytes DCP serialised, kept as `Pickled`."""
+    """A bytes item's value as asyncckpt saves it: the object itself when a load gives it
+    back as it is (the planner can look it up; every part exactly a dict, list, tuple,
+    str, int, float, bool, None, bytes or tensor: `kept_exactly`), else the bytes DCP
+    serialised, kept as `Pickled` (a namedtuple, an IntEnum, a bytearray, a torch.Size
+    stay themselves through DCP's reader, as with DCP's own storage)."""
     lookup = getattr(planner, "lookup_object", None)
     if lookup is not None:
         obj = lookup(item.index)
-        try:
-            flatten(obj)
-        except UnsupportedStateError:
-            pass
-        else:
-            return obj
+        if kept_exactly(obj):
+            try:
+                flatten(obj)
+            except UnsupportedStateError:
+                pass
+            else:
+                return obj
     data = planner.resolve_data(item)
     return Pickled(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
 
@@ -396,13 +405,15 @@ def _started_writer(root: Location | None) -> str:
     return _started[key]
 
 
-def _client_for(address: str | None, ring_size: int | None) -> Client:
-    """The process's client for `address` (default ASYNCCKPT_ADDRESS), made on first use."""
-    key = address or os.environ.get("ASYNCCKPT_ADDRESS", "")
+def _client_for(address: str | None, ring_size: int | None, root: Location | None) -> Client:
+    """The process's client for `address` (default ASYNCCKPT_ADDRESS), made on first use;
+    the writer there must serve `root` (None: any)."""
+    key = address or os.environ.get(ADDRESS_ENV, "")
     with _clients_lock:
         client = _clients.get(key)
         if client is None or client._closed or client._broken is not None:
-            client = Client(address, **({} if ring_size is None else {"ring_size": ring_size}))
+            client = Client(address, root=root,
+                            **({} if ring_size is None else {"ring_size": ring_size}))
             _clients[key] = client
             atexit.register(client.close)
         return client
@@ -415,9 +426,10 @@ def _publish_outcome(handle: SaveHandle) -> str:
 
     def write() -> None:
         try:
-            outcome = {"path": str(handle.wait())}
+            outcome: dict[str, Any] = {"path": str(handle.wait())}
         except BaseException as e:  # noqa: BLE001
-            outcome = {"error": str(e), "type": type(e).__name__}
+            outcome = {"error": str(e), "type": type(e).__name__,
+                       **{f: getattr(e, f, None) for f in _ERROR_FIELDS}}
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(outcome, f)
@@ -433,6 +445,28 @@ def _relay_outcome(path: str, future: Future[list[WriteResult]]) -> None:
         outcome = json.load(f)
     os.unlink(path)
     if "error" in outcome:
-        future.set_exception(SaveFailedError(f"{outcome['type']}: {outcome['error']}"))
+        future.set_exception(_rebuilt(outcome))
     else:
         future.set_result([])
+
+
+_ERROR_FIELDS = ("cause", "step", "rank", "file")
+
+
+def _rebuilt(outcome: dict[str, Any]) -> CheckpointError:
+    """The error a published outcome names, as its own type (DiskFullError stays one,
+    with its step, rank and file): only asyncckpt's error classes are made by name,
+    anything else arrives as a SaveFailedError naming its type. Nothing is unpickled."""
+    cls = getattr(errors, str(outcome.get("type")), None)
+    message = str(outcome.get("error"))
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        return SaveFailedError(f"{outcome.get('type')}: {message}")
+    error = cls(message)  # the message as raised; then its fields as they were
+    for name in _ERROR_FIELDS:
+        value = outcome.get(name)
+        if name == "cause" and not isinstance(value, str):
+            continue
+        if name != "cause" and not (value is None or isinstance(value, (int, str))):
+            continue
+        setattr(error, name, value)
+    return error

@@ -9,6 +9,11 @@ become "dtensor" nodes holding this rank's box (dtensor.py), and so do `Chunk`s,
 given explicitly (DCP's write items). A `bytes` value is saved as a 1-D uint8 tensor
 behind a "bytes" node (a `Pickled` one behind a "pickled" node): it is data, so it goes
 through the ring, not the JSON tree.
+
+What comes back from a load is a dict, list, tuple, str, int, float, bool, None, bytes
+or tensor: a subclass (an OrderedDict, a namedtuple, an IntEnum, a torch.Size) or a
+bytearray is saved as its base type. `kept_exactly` says when that loses nothing, for
+callers that have another way to keep an object as itself (DCP's pickle of it).
 """
 
 from __future__ import annotations
@@ -117,6 +122,37 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             active.discard(id(node))
 
     return visit(state, ()), entries
+
+
+_EXACT = frozenset({dict, list, tuple, str, int, float, bool, type(None), bytes})
+
+
+def kept_exactly(obj: Any) -> bool:
+    """True when a load gives `obj` back as it is, types included: every part of it is
+    exactly a dict (keys exactly str or int), list, tuple, str, int, float, bool, None,
+    bytes or plain torch.Tensor. False for anything `flatten` would store as another
+    type (a subclass of one of these, a bytearray or memoryview) and for what it refuses."""
+    active: set[int] = set()
+
+    def exact(node: Any, depth: int) -> bool:
+        kind = type(node)
+        if kind is torch.Tensor:
+            return True
+        if kind not in _EXACT:
+            return False
+        if kind not in (dict, list, tuple):
+            return True
+        if depth >= MAX_DEPTH or id(node) in active:
+            return False
+        active.add(id(node))
+        try:
+            if kind is dict:
+                return all(type(k) in (str, int) and exact(v, depth + 1) for k, v in node.items())
+            return all(exact(v, depth + 1) for v in node)
+        finally:
+            active.discard(id(node))
+
+    return exact(obj, 0)
 
 
 def _storage_key(t: torch.Tensor) -> tuple | None:

@@ -5,12 +5,16 @@ future, a kill during an async save leaves no partial step."""
 
 from __future__ import annotations
 
+import collections
+import enum
 import io
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import typing
 from pathlib import Path
 
 import pytest
@@ -23,7 +27,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter, parse_checkpoint_id
-from asyncckpt.errors import CheckpointError, CorruptCheckpointError, StepAlreadyCommittedError
+from asyncckpt.errors import (CheckpointError, CorruptCheckpointError, StepAlreadyCommittedError,
+                              WriterRootMismatchError)
 from asyncckpt.format.layout import step_dir_name
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -112,13 +117,48 @@ def test_torchtitan_checkpoint_id_names_root_and_step(writer, client):
         dcp.save(state, checkpoint_id=f"{writer.root}/final", storage_writer=StorageWriter(client=client))
 
 
-def test_a_root_other_than_the_writers_is_refused(writer, client, tmp_path):
+@pytest.mark.parametrize("how", ["client", "environment"])
+def test_a_root_other_than_the_writers_is_refused(writer, client, tmp_path, monkeypatch, how):
+    """A client given, or ASYNCCKPT_ADDRESS, naming another root's writer: a typed error
+    naming both roots, and nothing saved into the writer's root."""
+    if how == "environment":
+        monkeypatch.setenv("ASYNCCKPT_ADDRESS", writer.address)
+    storage = StorageWriter(tmp_path / "elsewhere", 1, client=client if how == "client" else None)
     with pytest.raises(CheckpointException) as caught:
-        dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(tmp_path / "elsewhere", 1,
-                                                                   client=client))
-    assert isinstance(failure(caught), CheckpointError)
-    assert f"saves to {writer.root}, not {tmp_path / 'elsewhere'}" in str(failure(caught))
+        dcp.save({"w": torch.ones(2)}, storage_writer=storage)
+    assert isinstance(failure(caught), WriterRootMismatchError)
+    assert f"serves {writer.root}, not {tmp_path / 'elsewhere'}" in str(failure(caught))
     assert not list(writer.root.glob("step-*"))
+    storage.close()
+
+
+@pytest.mark.process  # each root's writer is started by the StorageWriter
+def test_dcp_saves_to_two_roots_in_one_process_each_start_their_writer(tmp_path, monkeypatch):
+    """The first auto-start exported its address: a save to a second root was then
+    refused ("this rank's writer saves to ...") and later processes inherited it."""
+    from asyncckpt.integrations import dcp_writer
+    monkeypatch.delenv("ASYNCCKPT_ADDRESS", raising=False)
+    for name, empty in (("_started", {}), ("_writers", []), ("_clients", {})):
+        monkeypatch.setattr(dcp_writer, name, empty)
+    values = {"a": 1.0, "b": 2.0}
+    try:
+        for name, value in values.items():
+            storage = StorageWriter(tmp_path / name, 1)
+            dcp.save({"w": torch.full((4,), value)}, storage_writer=storage)
+            storage.close()
+            assert "ASYNCCKPT_ADDRESS" not in os.environ
+        child = subprocess.run([sys.executable, "-c",
+                                "import os; print(os.environ.get('ASYNCCKPT_ADDRESS'))"],
+                               capture_output=True, text=True, check=True)
+        assert child.stdout.strip() == "None"
+    finally:
+        for w in dcp_writer._writers:
+            w.stop(timeout=30)
+    for name, value in values.items():
+        target = {"w": torch.zeros(4)}
+        dcp.load(target, storage_reader=StorageReader(tmp_path / name, 1))
+        assert torch.equal(target["w"], torch.full((4,), value))
+        assert sorted(p.name for p in (tmp_path / name).glob("step-*")) == [step_dir_name(1)]
 
 
 def test_async_save_stages_through_the_ring_and_returns_before_the_commit(writer, client):
@@ -219,3 +259,69 @@ def test_a_rank_killed_during_async_save_leaves_the_previous_step_loadable(tmp_p
     target = {"w": torch.zeros(1 << 20)}
     dcp.load(target, storage_reader=StorageReader(w.root, steps[-2]))
     assert torch.equal(target["w"], torch.full((1 << 20,), float(steps[-2])))
+
+
+class Point(typing.NamedTuple):
+    x: int
+    y: float
+
+
+class Color(enum.IntEnum):
+    RED = 1
+    BLUE = 2
+
+
+def objects_in_tree(root: Path, step: int) -> dict:
+    """Rank 0's tree nodes by DCP key (DCP flattens dicts and lists: leaves only), as
+    the manifest holds them."""
+    manifest = json.loads((root / step_dir_name(step) / "manifest.json").read_text())
+    return dict(manifest["manifest"]["ranks"][0]["tree"]["dict"])
+
+
+def hollow(value: object) -> object:
+    """`value`'s dicts and lists (what DCP flattens) with None for every leaf."""
+    if isinstance(value, dict):
+        return type(value)((k, hollow(v)) for k, v in value.items())
+    if type(value) is list:
+        return [hollow(v) for v in value]
+    return None
+
+
+def leaves(value: object, path: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in leaves(sub, f"{path}{key}.").items()}
+    if type(value) is list:
+        return {k: v for i, sub in enumerate(value) for k, v in leaves(sub, f"{path}{i}.").items()}
+    return {path[:-1]: value}
+
+
+def test_dcp_objects_come_back_as_the_type_they_were_saved_as(writer, client):
+    """A namedtuple came back a tuple, an IntEnum an int, a bytearray bytes, a
+    torch.Size a tuple: only an object whose every part is exactly a type asyncckpt
+    stores is kept as itself (a JSON node, readable without unpickling); any other keeps
+    the bytes DCP made of it (a "pickled" node)."""
+    exotic = {"point": Point(3, 0.5), "color": Color.BLUE, "buffer": bytearray(b"\x00\x07"),
+              "size": torch.Size([2, 3]), "pairs": (1, Color.RED), "ordered": collections.OrderedDict(b=1),
+              "nested": [1, {"c": Color.RED}], "flag": True}
+    plain = {"epoch": 3, "names": ["a", "b"], "pair": (1, 2.5), "blob": b"\x01",
+             "cfg": {"lr": 0.1, "none": None}}
+    state = {"w": torch.arange(4.0), "exotic": exotic, "plain": plain}
+    dcp.save(state, storage_writer=StorageWriter(writer.root, 9, client=client))
+    nodes = objects_in_tree(writer.root, 9)
+    for key in ("point", "color", "buffer", "size", "pairs", "nested.1.c"):
+        assert set(nodes[f"exotic.{key}"]) == {"pickled"}, (key, nodes[f"exotic.{key}"])
+    assert (nodes["exotic.flag"], nodes["exotic.nested.0"], nodes["exotic.ordered.b"]) == (True, 1, 1)
+    assert nodes["plain.epoch"] == 3 and nodes["plain.names"] == {"list": ["a", "b"]}
+    assert nodes["plain.pair"] == {"tuple": [1, 2.5]} and set(nodes["plain.blob"]) == {"bytes"}
+    assert (nodes["plain.cfg.lr"], nodes["plain.cfg.none"]) == (0.1, None)
+    target = {"w": torch.zeros(4), "exotic": hollow(exotic), "plain": hollow(plain)}
+    # Point and Color are this module's classes: a reader that loads pickles safely
+    # (weights_only) admits them only when trusted, as here
+    with torch.serialization.safe_globals([Point, Color]):
+        dcp.load(target, storage_reader=StorageReader(writer.root, 9))
+    got = leaves({"exotic": target["exotic"], "plain": target["plain"]})
+    want = leaves({"exotic": exotic, "plain": plain})
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert type(got[key]) is type(value) and got[key] == value, (key, got[key])
+    assert type(got["exotic.pairs"][1]) is Color

@@ -8,6 +8,10 @@ storage layer.
     python dcp_worker.py load OUT_DIR    fresh model at this world size; dcp.load each
                                          step into its DTensor state and compare the
                                          full state with the reference bit for bit
+    python dcp_worker.py diskfull OUT_DIR  dcp.async_save (PROCESS) of more than the
+                                         root's filesystem holds: the failure must
+                                         reach the caller as DiskFullError, with its
+                                         step
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ASYNCCKPT_ADDRESS (save),
 CKPT_ROOT. Prints "OK" on success; any failure raises (non-zero exit).
@@ -80,6 +84,24 @@ def load(out: Path, root: Path) -> None:
         assert sd["extra"]["tag"] == b"rank-0", sd["extra"]["tag"]
 
 
+def disk_full(out: Path, root: Path) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from asyncckpt.errors import DiskFullError
+    huge = {"w": torch.randn(8 << 20, generator=torch.Generator().manual_seed(1))}  # 32 MiB
+    future = dcp.async_save(huge, storage_writer=StorageWriter(root, 7),
+                            async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    try:
+        future.result()
+    except CheckpointException as e:  # DCP's, from its helper process, pickled
+        caught = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+    else:
+        raise AssertionError("a save larger than the filesystem committed")
+    assert caught and all(type(c) is DiskFullError for c in caught), caught
+    assert all(c.step == 7 and "disk full" in str(c) for c in caught), caught
+    print("caught", [f"{type(c).__name__}: {c}" for c in caught])
+
+
 def compare(want: object, got: object, path: tuple) -> list[str]:
     if isinstance(want, torch.Tensor):
         ok = isinstance(got, torch.Tensor) and want.dtype == got.dtype and torch.equal(want, got)
@@ -98,7 +120,7 @@ def compare(want: object, got: object, path: tuple) -> list[str]:
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
-    (save if mode == "save" else load)(out, Path(os.environ["CKPT_ROOT"]))
+    {"save": save, "load": load, "diskfull": disk_full}[mode](out, Path(os.environ["CKPT_ROOT"]))
     dist.barrier()
     print("OK", mode, dist.get_rank())
     leave()  # gloo's teardown sometimes aborts after a clean barrier

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_tmpfs
 from worlds import run_world, saved_by_world
 
 import asyncckpt
@@ -59,3 +60,17 @@ def test_dcp_ranks_given_no_writer_start_their_nodes_own(tmp_path):
         got = asyncckpt.load(root, step=step)
         for name, tensor in want.items():
             assert torch.equal(got[f"model.{name}"], tensor), (step, name)
+
+
+def test_async_save_in_process_mode_keeps_the_error_type(tmp_path):
+    """DCP's PROCESS mode waits for the commit in a helper process: a DiskFullError
+    arrived as SaveFailedError("DiskFullError: ...")."""
+    with small_tmpfs(tmp_path, "12m") as mount:
+        writer = asyncckpt.start_writer(mount / "ckpt", codec="raw",
+                                        log_file=tmp_path / "writer.log")
+        try:
+            out = run_world(1, "diskfull", tmp_path, {"ASYNCCKPT_ADDRESS": writer.address,
+                                                      "CKPT_ROOT": str(writer.root)}, WORKER)
+        finally:
+            writer.stop(timeout=30)
+    assert "caught ['DiskFullError: step 7" in out[0], out[0][-2000:]
