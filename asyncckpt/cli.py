@@ -135,8 +135,8 @@ EXIT_STATUS = {
     "export": f"exit status: 0 written (or this part's share), 1 corruption found, {_USAGE}, "
               "or hosts splitting one export differently (--part N, --jobs)",
     "copy": f"exit status: 0 copied, 1 corruption found, {_USAGE}",
-    "import-dcp": "exit status: 0 committed, 1 the source is not a DCP checkpoint, 2 a usage "
-                  "error or a failed save",
+    "import-dcp": "exit status: 0 committed, 1 the source is not a DCP checkpoint, or is "
+                  "damaged or hostile (one line names the file), 2 a usage error or a failed save",
 }
 
 
@@ -442,14 +442,16 @@ def _copy(args: argparse.Namespace) -> int:
 
 def _import_dcp(args: argparse.Namespace) -> int:
     from asyncckpt.config import parse_size
-    from asyncckpt.errors import CheckpointNotFoundError
+    from asyncckpt.errors import (CheckpointNotFoundError, CorruptCheckpointError,
+                                  UntrustedPickleError)
     from asyncckpt.format.manifest import read_manifest
     from asyncckpt.integrations.dcp_import import import_dcp
     try:
         out = import_dcp(args.source, args.root, args.step, part_bytes=parse_size(args.part_size))
     except (CheckpointError, ValueError) as e:
         print(f"asyncckpt import-dcp: {e}", file=sys.stderr)
-        return 1 if isinstance(e, CheckpointNotFoundError) else 2
+        source_error = (CheckpointNotFoundError, CorruptCheckpointError, UntrustedPickleError)
+        return 1 if isinstance(e, source_error) else 2
     m = read_manifest(out)
     if args.json:
         json.dump({"out": str(out), "step": m.step, "bytes": m.stored_size, "raw_bytes": m.raw_size},

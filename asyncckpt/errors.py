@@ -97,6 +97,13 @@ class CorruptCheckpointError(CheckpointError):
     """
 
 
+class UntrustedPickleError(CheckpointError):
+    """A pickle in a checkpoint or a source (a DCP `.metadata`, an object DCP pickled)
+    needs a global that the safe unpickler does not admit. Nothing of it was run: the
+    global is refused by name before it is looked up. The message names the file or
+    the key, and the global when known."""
+
+
 class StateMismatchError(CheckpointError):
     """`load(..., into=...)` found a target whose key, shape or dtype disagrees."""
 

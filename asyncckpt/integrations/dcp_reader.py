@@ -11,15 +11,24 @@ lowest rank that saved one at that key (DCP has no rank-local values).
 
 Nothing unverified is returned: tensor ranges are read through the verified reader (the
 frames they overlap are checked), bytes values too, and objects come from the
-manifest, which is checksummed. An object asyncckpt saved (JSON) is handed to DCP as
-`torch.save` of it, which DCP's planner loads (with `weights_only`); bytes that DCP
-pickled go back as they were written.
+manifest, which is checksummed. DCP's planner takes every object as bytes and loads
+them with `torch.load(weights_only=False)`, which runs whatever a pickle names; so no
+byte of the checkpoint reaches it. An object asyncckpt saved (JSON) is handed over as
+`torch.save` of it. An object DCP pickled (a "pickled" node) is first loaded here with
+torch's `weights_only` unpickler, which builds only plain values and tensors (plus any
+class the user admitted with `torch.serialization.add_safe_globals`) and never runs
+code, and handed over as `torch.save` of what it built. One that needs more (a class
+of the user's own, a namedtuple, an enum) is an `UntrustedPickleError` naming its key,
+raised before the planner sees a byte of it: it loads only with
+`StorageReader(..., trust_pickles=True)`, which hands its pickle to the planner as it
+was written, running its code, and is for checkpoints whose every writer is trusted.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 from typing import Any
 
 import torch
@@ -32,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from asyncckpt.config import ReadLimits
-from asyncckpt.errors import CheckpointError
+from asyncckpt.errors import CheckpointError, UntrustedPickleError
 from asyncckpt.format.tree import unflatten
 from asyncckpt.integrations.dcp_writer import _STEP_ID
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
@@ -110,16 +119,22 @@ class StorageReader(dcp.StorageReader):
     checkpoint into `sd`, DCP's planner resharding, every byte verified."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
-                 limits: ReadLimits | None = None) -> None:
+                 limits: ReadLimits | None = None, trust_pickles: bool = False) -> None:
         """Args:
             root: a root (its newest step, or `step`) or a checkpoint directory; a
                 `checkpoint_id` given to `dcp.load` replaces it (ROOT/step-N, a root or
                 a step directory).
             limits: reader limits (default `ReadLimits.from_env()`).
+            trust_pickles: hand objects DCP pickled to the planner as they were
+                written (its `torch.load(weights_only=False)` runs their code). Only for
+                checkpoints whose every writer you trust. Default: they are loaded with
+                torch's `weights_only` unpickler, and one that needs more is an
+                `UntrustedPickleError` naming its key (inside DCP's CheckpointException).
         """
         self.root = None if root is None else root_path(root)
         self.step = step
         self.limits = limits
+        self.trust_pickles = trust_pickles
         self._target: tuple[Location | None, int | None] = (self.root, step)
         self._index: _Index | None = None
 
@@ -160,6 +175,8 @@ class StorageReader(dcp.StorageReader):
         Raises:
             CorruptCheckpointError: any byte fails its check; no target is committed
                 with unverified data (targets read so far may hold verified bytes).
+            UntrustedPickleError: an object DCP pickled needs more than torch's
+                `weights_only` unpickler builds (and `trust_pickles` is False).
         """
         index = self._open()
         ckpt = index.ckpt
@@ -170,7 +187,8 @@ class StorageReader(dcp.StorageReader):
                 for item in plan.items:
                     value = index.values[item.storage_index.fqn]
                     if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(_object_bytes(ckpt, value)))
+                        data = _object_bytes(ckpt, value, item.storage_index.fqn, self.trust_pickles)
+                        planner.load_bytes(item, io.BytesIO(data))
                         continue
                     target = planner.resolve_tensor(item).detach()
                     leaf = value.leaf
@@ -216,14 +234,38 @@ class StorageReader(dcp.StorageReader):
             self._index = None
 
 
-def _object_bytes(ckpt: Checkpoint, value: Any) -> bytes:
-    """The bytes DCP's planner loads for a non-tensor value: an object DCP pickled, as
-    it was written; anything else `torch.save`d (its tensors read in full, verified)."""
+def _object_bytes(ckpt: Checkpoint, value: Any, key: str, trust_pickles: bool) -> bytes:
+    """The bytes DCP's planner loads (running any code they name) for a non-tensor value:
+    `torch.save` of it (its tensors read in full, verified); of an object DCP pickled,
+    what torch's `weights_only` unpickler builds of it, or, trusted, its pickle as
+    written."""
     if isinstance(value, _Value) and value.raw == "pickled":
-        return ckpt.read_full(value.leaf.tensor).numpy().tobytes()
+        data = ckpt.read_full(value.leaf.tensor).numpy().tobytes()
+        if trust_pickles:
+            return data
+        obj = _safe_object(data, key, ckpt)
+    else:
+        obj = _materialised(ckpt, value)
     buffer = io.BytesIO()
-    torch.save(_materialised(ckpt, value), buffer)
+    torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def _safe_object(data: bytes, key: str, ckpt: Checkpoint) -> Any:
+    """The object DCP pickled into `data`, built by torch's `weights_only` unpickler."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the unpickler's refusal, or bytes it cannot read
+        text = " ".join(str(e).split())
+        named = re.search(r"GLOBAL ([\w.]+)", text)
+        why = (f"it needs {named.group(1)}, which torch's weights_only unpickler does not build"
+               if named else f"torch's weights_only unpickler refused it ({type(e).__name__}: "
+               f"{text[-160:]})")
+        raise UntrustedPickleError(
+            f"object {key!r:.120}: {why}; nothing of it was run. Load it with "
+            "StorageReader(..., trust_pickles=True) only if you trust every writer of this "
+            "checkpoint (or admit its classes with torch.serialization.add_safe_globals)",
+            step=ckpt.step, file=str(ckpt.directory), key=key) from None
 
 
 def _materialised(ckpt: Checkpoint, value: Any) -> Any:

@@ -13,16 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncckpt
 from asyncckpt.dcp import StorageReader
+from asyncckpt.errors import UntrustedPickleError
 from asyncckpt.format.manifest import read_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 class Opaque:
-    """An object only a pickle holds: it must come back through DCP, never be run here."""
+    """An object only a pickle holds: it comes back through DCP only when trusted, and is
+    never run here."""
 
     def __init__(self, value: int) -> None:
         self.value = value
@@ -65,7 +68,11 @@ def test_a_dcp_checkpoint_imports_as_a_verified_step(tmp_path):
     for t in torch.utils._pytree.tree_leaves(target):
         if isinstance(t, torch.Tensor):
             t.zero_()
-    dcp.load(target, storage_reader=StorageReader(tmp_path / "root"))
+    with pytest.raises(CheckpointException) as caught:  # an object of a class: only if trusted
+        dcp.load(target, storage_reader=StorageReader(tmp_path / "root"))
+    assert isinstance(caught.value.failures[0][0], UntrustedPickleError)
+    assert "object 'extra.opaque': it needs test_dcp_import.Opaque" in str(caught.value)
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "root", trust_pickles=True))
     assert target["extra"] == state["extra"]
     assert torch.equal(target["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
 

@@ -5,6 +5,8 @@ and tuples holding tensors load too, and every byte read is verified."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -12,7 +14,9 @@ from conftest import assert_same, sample_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncckpt.dcp import StorageReader
+from asyncckpt.errors import UntrustedPickleError
 from asyncckpt.format.layout import step_dir_name
+from asyncckpt.rank.flatten import Pickled
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -96,3 +100,41 @@ def test_a_damaged_manifest_is_refused_before_dcp_plans(writer, client):
     with pytest.raises(CheckpointException) as caught:
         dcp.load({"w": torch.zeros(4)}, storage_reader=StorageReader(writer.root, 1))
     assert "manifest.json: manifest xxh3 mismatch" in str(caught.value)
+
+
+class Opaque:
+    """A class of the user's own: only a code-running unpickler builds it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.value == self.value
+
+
+def pickled(obj: object) -> Pickled:
+    """`obj` as DCP keeps an object it serialises (a "pickled" node: torch.save's bytes)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return Pickled(buffer.getvalue())
+
+
+def test_a_pickled_object_loads_only_as_plain_values_unless_trusted(shared):
+    """Objects DCP pickled reach DCP's planner (torch.load(weights_only=False)) only as
+    what torch's safe loader built of them; one that needs a class is an error naming
+    its key, and loads as itself only with trust_pickles=True."""
+    step = shared.step()
+    shared.client.save(step, {"w": torch.ones(2), "seen": pickled({1, 2}),
+                              "opaque": pickled(Opaque(3))}).wait()
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(2), "seen": None, "opaque": None},
+                 storage_reader=StorageReader(shared.root, step))
+    error = caught.value.failures[0][0]
+    assert isinstance(error, UntrustedPickleError) and error.step == step
+    assert "object 'opaque': it needs test_dcp_reader.Opaque" in str(error)
+    target = {"w": torch.zeros(2), "seen": None}
+    dcp.load(target, storage_reader=StorageReader(shared.root, step))
+    assert target["seen"] == {1, 2} and torch.equal(target["w"], torch.ones(2))
+    target = {"w": torch.zeros(2), "seen": None, "opaque": None}
+    dcp.load(target, storage_reader=StorageReader(shared.root, step, trust_pickles=True))
+    assert target["opaque"] == Opaque(3) and target["seen"] == {1, 2}
