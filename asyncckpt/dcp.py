@@ -9,7 +9,11 @@
 
 A step saved this way is an ordinary asyncckpt checkpoint (`asyncckpt verify`, `ls`,
 `export`, retention, `asyncckpt.load` at any world size), and `StorageReader` loads any
-asyncckpt checkpoint into a DCP state dict, resharding, every byte verified.
+asyncckpt checkpoint into a DCP state dict, resharding, every byte verified. No byte of
+a checkpoint reaches code-running pickle: an object DCP could only pickle loads through
+torch's `weights_only` unpickler, and one that needs more raises `UntrustedPickleError`
+naming its key unless `StorageReader(..., trust_pickles=True)` says its writers are
+trusted.
 """
 
 from asyncckpt.integrations.dcp_reader import StorageReader
