@@ -26,7 +26,10 @@ The same checks run after every kill, and a restarted writer (the root's first: 
 writer's lease names a process that is gone) must leave no multipart upload and no step
 prefix without a manifest. The attacks on the root (a step linked back from elsewhere, a byte flipped in
 place) are local-file attacks and are not run there; tests/faults/test_s3_faults.py flips
-bytes in stored objects instead.
+bytes in stored objects instead. Between kills the object-store cases of torture_s3.py
+run: two writers of one job saving the same steps, a writer SIGSTOPped past its lease
+while another takes the root over, and another tool's uploads under the prefix that
+every writer start must leave alone.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 import torture_rank  # noqa: E402
+import torture_s3  # noqa: E402
 from torture_rank import expected_state  # noqa: E402
 
 import asyncckpt  # noqa: E402
@@ -72,10 +76,13 @@ _LAUNCHER.set_forkserver_preload(["torch", "asyncckpt.rank.client", "torture_ran
 
 
 class Job:
-    def __init__(self, root: Location, ranks: int, rng: random.Random, logs: Path) -> None:
+    def __init__(self, root: Location, ranks: int, rng: random.Random, logs: Path, *,
+                 name: str = "writer", job: str | None = None, keep_last: int = 3) -> None:
         self.root, self.world, self.rng = root, ranks, rng
         self.address = str(Path(tempfile.mkdtemp(prefix="torture-")) / "w.sock")
-        self.log = open(logs / "writer.log", "ab")
+        self.log = open(logs / f"{name}.log", "ab")
+        self.log_path = logs / f"{name}.log"
+        self.job, self.keep_last = job, keep_last
         self.writer: subprocess.Popen | None = None
         self.ranks: list[multiprocessing.process.BaseProcess] = []
 
@@ -85,8 +92,9 @@ class Job:
             env["ASYNCCKPT_CRASH_AT"] = crash_at
         self.writer = subprocess.Popen(
             [sys.executable, "-m", "asyncckpt", "writer", "--root", str(self.root),
-             "--address", self.address, "--knob", "keep_last=3",
-             "--knob", "absent_rank_timeout=5", "--ready-line"],
+             "--address", self.address, "--knob", f"keep_last={self.keep_last}",
+             "--knob", "absent_rank_timeout=5", "--ready-line",
+             *(["--job", self.job] if self.job else [])],
             stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
         assert self.writer.stdout is not None
         if not self.writer.stdout.readline().startswith("ASYNCCKPT_READY"):
@@ -204,11 +212,20 @@ def attack(root: Path, elsewhere: Path, rng: random.Random) -> tuple[str, set[in
 
 
 def run(kills: int, ranks: int, seed: int, root: Location, verbose: bool = True, *,
-        logs: Path | None = None, server: Any = None) -> dict:
+        logs: Path | None = None, server: Any = None, case_rate: float = 0.14) -> dict:
     """`kills` kills of a job saving to `root`; with an object-store root, `server` (a
     benchmarks.s3server.SeaweedServer) is killed and restarted among them."""
     rng = random.Random(seed)
-    job = Job(root, ranks, rng, logs or root.parent)  # type: ignore[arg-type]
+    logs = logs or root.parent  # type: ignore[assignment]
+
+    def make_job(name: str = "writer", keep_last: int = 3) -> Job:
+        return Job(root, ranks, rng, logs, name=name, keep_last=keep_last,  # type: ignore[arg-type]
+                   job=torture_s3.JOB if server is not None else None)
+    job = make_job()
+    if server is not None:  # another tool's uploads and objects under the prefix
+        torture_s3.plant_foreign(storage_for(root))
+    cases = {"two_writers": 0, "stalled_holder": 0}
+    armed: str | None = None
     job.start_writer()
     survived = checked = writer_kills = armed_deaths = referencing = attacks = 0
     server_kills = 0
@@ -244,6 +261,7 @@ def run(kills: int, ranks: int, seed: int, root: Location, verbose: bool = True,
                 writer_kills += 1
                 crash_at = rng.choice(faults.CRASH_POINTS) if rng.random() < 0.3 else None
                 job.start_writer(crash_at)
+                armed = crash_at
                 left = leftovers(root)
                 assert not left, f"writer start left {left}"
                 storage = storage_for(root)
@@ -253,6 +271,17 @@ def run(kills: int, ranks: int, seed: int, root: Location, verbose: bool = True,
                 rings = ring_mappings(job.writer.pid)
                 assert rings <= ranks, f"the writer maps {rings} rings for {ranks} ranks"
             checked += check(root, ranks, damaged)
+            if server is not None:
+                missing = torture_s3.foreign_missing(storage_for(root))
+                assert not missing, f"another tool's keys were swept: {missing}"
+                pick = rng.random()
+                if armed is None and job.writer.poll() is None and pick < case_rate:
+                    case = "two_writers" if pick < case_rate / 2 else "stalled_holder"
+                    what = getattr(torture_s3, case)(job, make_job, rng)
+                    cases[case] += 1
+                    checked += check(root, ranks, damaged)
+                    if verbose:
+                        print(f"case: {what}", flush=True)
             if attacked_at is not None:
                 after_attack |= {s for s in storage_for(root).committed_steps()
                                  if s > attacked_at and s not in damaged}
@@ -274,7 +303,7 @@ def run(kills: int, ranks: int, seed: int, root: Location, verbose: bool = True,
     finally:
         code = job.stop()
     result = {"kills_survived": survived, "writer_kills": writer_kills,
-              "server_kills": server_kills,
+              "server_kills": server_kills, **cases,
               "attacks": attacks, "steps_verified_after_an_attack": len(after_attack),
               "referencing_steps_verified": referencing,
               "retired_seen": len(retired_seen), "retired_now": len(retired_now(root)),
@@ -291,6 +320,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--s3", action="store_true",
                         help="save to s3://ckpt/torture on a SeaweedFS server started here")
+    parser.add_argument("--case-rate", type=float, default=0.14,
+                        help="with --s3: the chance, after each kill, of one of the "
+                             "object-store cases (torture_s3.py)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="asyncckpt-torture-") as tmp:
         if args.s3:
@@ -298,8 +330,9 @@ def main() -> None:
             from benchmarks.s3server import SeaweedServer
             with SeaweedServer(Path(tmp) / "s3") as server:
                 os.environ.update(server.env())
+                os.environ["ASYNCCKPT_LEASE_RENEW"] = str(torture_s3.LEASE_RENEW)
                 result = run(args.kills, args.ranks, args.seed, ObjectPath("/ckpt/torture"),
-                             logs=Path(tmp), server=server)
+                             logs=Path(tmp), server=server, case_rate=args.case_rate)
         else:
             result = run(args.kills, args.ranks, args.seed, Path(tmp) / "ckpt")
     print("torture:", " ".join(f"{k}={v}" for k, v in result.items()))
