@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import email.utils
 import errno
-import logging
 import secrets
 from typing import Any, Iterator
 
@@ -23,8 +22,6 @@ from asyncckpt.format.layout import ROOT_ID_NAME
 from asyncckpt.storage.location import ObjectPath
 from asyncckpt.storage.s3client import (ObjectStoreError, client, failure, is_code, is_missing,
                                         is_precondition)
-
-log = logging.getLogger("asyncckpt.storage")
 
 
 class S3Objects:
