@@ -70,10 +70,13 @@ def two_writers(job: Any, make_job: Any, rng: Any) -> str:
         other.start_ranks()
         time.sleep(rng.uniform(1.5, 3.0))
     finally:
+        before = job.log_path.read_text(errors="replace").count("already has a manifest")
         job.kill_ranks()
         other.stop()
-    lost = other.log_path.read_text(errors="replace").count("already has a manifest")
-    return f"two writers of one job saved the same steps (the second lost {lost} races)"
+    lost = (other.log_path.read_text(errors="replace").count("already has a manifest"),
+            job.log_path.read_text(errors="replace").count("already has a manifest"))
+    return (f"two writers of one job saved the same steps (commits refused: the second's "
+            f"{lost[0]} in all, the job's {lost[1] - before} now)")
 
 
 def stalled_holder(job: Any, make_job: Any, rng: Any) -> str:
