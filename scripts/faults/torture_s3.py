@@ -65,12 +65,12 @@ def two_writers(job: Any, make_job: Any, rng: Any) -> str:
     """The job's ranks and a second writer's ranks save the same steps for a while."""
     other = make_job("writer-second", keep_last=0)  # retention stays with the job's writer
     other.start_writer()
+    before = job.log_path.read_text(errors="replace").count("already has a manifest")
     try:
         job.start_ranks()
         other.start_ranks()
         time.sleep(rng.uniform(1.5, 3.0))
     finally:
-        before = job.log_path.read_text(errors="replace").count("already has a manifest")
         job.kill_ranks()
         other.stop()
     lost = (other.log_path.read_text(errors="replace").count("already has a manifest"),
