@@ -83,7 +83,8 @@ class _CheckedReader(dcp.FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
         for name, items in per_file.items():
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()

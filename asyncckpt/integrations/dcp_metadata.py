@@ -103,7 +103,8 @@ def _admitted() -> dict[tuple[str, str], Any]:
         table["torch.distributed.checkpoint.filesystem", "_StorageInfo"] = _StorageInfo
         table["torch", "Size"] = torch.Size
         table["torch.serialization", "_get_layout"] = _layout  # how torch pickles a layout
-        table.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+        table.update({("torch", n): v for n, v in vars(torch).items()
+                      if isinstance(v, torch.dtype)})
         for module in ("pathlib", "pathlib._local"):  # the checkpoint id (3.13 moved the classes)
             for name in ("PosixPath", "PurePosixPath"):
                 table[module, name] = pathlib.PurePosixPath
@@ -136,7 +137,8 @@ def _check(md: Any, path: Path) -> None:
             raise bad(f"a storage key {index!r:.120}")
         if (type(info) is not _StorageInfo or type(info.relative_path) is not str
                 or not _plain_name(info.relative_path)
-                or not all(type(v) is int and 0 <= v < 1 << 62 for v in (info.offset, info.length))):
+                or not all(type(v) is int and 0 <= v < 1 << 62
+                           for v in (info.offset, info.length))):
             raise bad(f"{index.fqn!r:.80}: a storage entry {info!r:.160}")
         if info.transform_descriptors:
             raise bad(f"{index.fqn!r:.80} is stored through DCP's stream transforms "
@@ -159,9 +161,11 @@ def _check(md: Any, path: Path) -> None:
                     or not _is_size(chunk.sizes)
                     or not len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
                     or any(o + n > m for o, n, m in zip(chunk.offsets, chunk.sizes, entry.size))):
-                raise bad(f"tensor {key!r:.80} of shape {tuple(entry.size)}: a chunk {chunk!r:.160}")
+                raise bad(f"tensor {key!r:.80} of shape {tuple(entry.size)}: "
+                          f"a chunk {chunk!r:.160}")
             if dcp_md.MetadataIndex(key, chunk.offsets) not in md.storage_data:
-                raise bad(f"tensor {key!r:.80}: its chunk at {tuple(chunk.offsets)} has no storage entry")
+                raise bad(f"tensor {key!r:.80}: its chunk at {tuple(chunk.offsets)} "
+                          "has no storage entry")
         _check_tiling(key, entry, bad)
 
 

@@ -187,7 +187,8 @@ class StorageReader(dcp.StorageReader):
                 for item in plan.items:
                     value = index.values[item.storage_index.fqn]
                     if item.type == LoadItemType.BYTE_IO:
-                        data = _object_bytes(ckpt, value, item.storage_index.fqn, self.trust_pickles)
+                        data = _object_bytes(ckpt, value, item.storage_index.fqn,
+                                             self.trust_pickles)
                         planner.load_bytes(item, io.BytesIO(data))
                         continue
                     target = planner.resolve_tensor(item).detach()
