@@ -40,8 +40,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from asyncckpt.config import ReadLimits
-from asyncckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                              WriterUnavailableError)
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.integrations.dcp_metadata import METADATA_NAME, read_metadata
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.flatten import Pickled, flatten
@@ -132,7 +131,7 @@ def import_dcp(source: str | os.PathLike[str], root: str | os.PathLike[str], ste
                if isinstance(v, TensorStorageMetadata)}
     objects = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
     parts = _parts(tensors, part_bytes)
-    writer = None if address is not None else start_writer(root)
+    writer = None if address is not None else start_writer(root, export=False)
     try:
         catalogue = {k: Chunk(tuple(v.size), v.properties.dtype) for k, v in tensors.items()}
         last = None
@@ -170,14 +169,9 @@ def import_dcp(source: str | os.PathLike[str], root: str | os.PathLike[str], ste
 
 def _hand_over(client: Client) -> None:
     """Disconnect a part's client once its part is sent: the last part's client hears
-    the step's outcome. Closed unheard, this one's save reports the disconnect itself
-    ("the client was closed"), which is no failure of the import; a failure the writer
-    sent before (the step already committed...) is raised."""
-    try:
-        client.close(wait_results=False)
-    except WriterUnavailableError as e:
-        if "the client was closed" not in str(e):
-            raise
+    the step's outcome; a failure the writer sent before (the step already
+    committed...) is raised."""
+    client.close(wait_results=False)
 
 
 def _load(wanted: dict[str, Any], source: Path, metadata: Metadata,

@@ -322,6 +322,9 @@ class Client:
             self._agreement.close(timeout)
         self._outbox.put(None)
         self._sender.join(timeout if wait_results else None)
+        if not wait_results:
+            with self._cond:  # unawaited saves hear nothing: none is failed by the hang-up
+                self._pending.clear()
         protocol.hang_up(self._conn)
         self._receiver.join(timeout)
         with self._cond:
