@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from asyncckpt._version import __version__
 from asyncckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                              DiskFullError, SaveFailedError, StateMismatchError,
-                              UnsupportedStateError, WriterLockedError, WriterUnavailableError)
+                              DiskFullError, LeaseLostError, SaveFailedError,
+                              StateMismatchError, StepAlreadyCommittedError,
+                              UnsupportedStateError, UntrustedPickleError, WriterLockedError,
+                              WriterRootMismatchError, WriterUnavailableError)
 from asyncckpt.rank.launch import WriterProcess, start_writer
 
 if TYPE_CHECKING:
@@ -65,6 +67,7 @@ __all__ = [
     "SaveHandle",
     "Checkpointer", "CheckpointerOptions",
     "WriterProcess", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "DiskFullError", "SaveFailedError", "StateMismatchError", "UnsupportedStateError",
-    "WriterLockedError", "WriterUnavailableError",
+    "DiskFullError", "LeaseLostError", "SaveFailedError", "StateMismatchError",
+    "StepAlreadyCommittedError", "UnsupportedStateError", "UntrustedPickleError",
+    "WriterLockedError", "WriterRootMismatchError", "WriterUnavailableError",
 ]
