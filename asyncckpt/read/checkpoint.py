@@ -4,7 +4,8 @@
 answer to "which directory", "is this manifest to be trusted" and "which tensors make up
 this rank's state", and the checks run once per open instead of once per caller:
 
-1. resolve the path: a checkpoint directory, a root and a step, or a root's newest step;
+1. resolve the path: a checkpoint directory, a root and a step, or a root's newest step,
+   and hold the directory open (`Storage.open_checkpoint_dir`);
 2. read the manifest (size-bounded, checksummed, every field validated);
 3. check the directory holds exactly the manifest and the data files it names, and
    that the older steps' files its reference frames name are in the root;
@@ -29,6 +30,14 @@ and `copy` never import it: they start in a fraction of a second instead of two.
 
 A root opened without a step means its newest `step-N` directory; a damaged newest step
 is an error naming the newest intact one (read/resolve.py says why and which).
+
+Every read of 2-5 goes through the one directory handle of 1, never by path again: a
+save with `replace=True` exchanges a step's directory under its name while loads may be
+reading it, and a load that read the manifest of one version and then opened the data
+files of the other failed a healthy step as corrupt (and `Checkpointer.restore()` fell
+back to an older step). On POSIX the handle is a directory descriptor and every file is
+opened relative to it (openat), so a load reads the version it opened, whole, even after
+that version is renamed away and deleted.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -46,21 +55,24 @@ from asyncckpt.format.tiling import GlobalTensor, global_tensors, rank_globals
 from asyncckpt.read.leaves import Leaf, holds_global, rank_leaves
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
 from asyncckpt.read.resolve import RESOLVE_TRIES, damaged_newest, resolve
-from asyncckpt.storage.location import (
-    Location,
-    ObjectPath,
-    exists,
-    list_entries,
-    list_names,
-    read_manifest_at,
-    root_path,
-    storage_for,
-)
+from asyncckpt.storage.base import CheckpointDir
+from asyncckpt.storage.location import (Location, ObjectPath, exists, is_link, root_path,
+                                        storage_for)
 
 if TYPE_CHECKING:
     import torch
 
     from asyncckpt.read.sharded import ReadPlan
+
+T = TypeVar("T")
+
+
+def _replaced_back(directory: Location) -> bool:
+    """Step `directory`, found absent, is there now (once a replacing save that set it
+    aside renamed its new one in: `Storage.wait_for_step` waits a moment for that)."""
+    step = parse_step_dir(directory.name)
+    return exists(directory) if step is None else storage_for(directory.parent).wait_for_step(step)
+
 
 class Checkpoint:
     """An opened checkpoint. Use `Checkpoint.open` (or `examine`), then read; close it
@@ -80,11 +92,14 @@ class Checkpoint:
     """
 
     def __init__(self, directory: Location, manifest: Manifest, limits: ReadLimits, *,
-                 whole: bool = True) -> None:
+                 whole: bool = True, files: CheckpointDir | None = None) -> None:
         """Check `manifest`'s checkpoint `directory`; of a manifest in parts, only the
-        root and the step directory unless `whole` (each rank is checked on first use)."""
+        root and the step directory unless `whole` (each rank is checked on first use).
+        `files`: the directory as the manifest was read from it (default: opened now);
+        the checkpoint closes it."""
         self.directory, self.manifest, self.limits = directory, manifest, limits
         self.storage = storage_for(directory.parent)
+        self._files = files or self.storage.open_checkpoint_dir(directory)
         self.root: Location | None = None
         self.problems: list[CheckpointError] = []
         self.unreadable_ranks: set[int] = set()
@@ -121,12 +136,18 @@ class Checkpoint:
         limits = limits or ReadLimits.from_env()
         for _ in range(RESOLVE_TRIES):
             directory, root = resolve(root_path(path), step)
-            opened, problems = cls.examine(directory, limits=limits, whole=False)
-            if not problems or root is None or exists(directory):
+            opened, problems, replaced = cls._examine(directory, limits, whole=False)
+            if not problems or not (replaced or root is not None and not exists(directory)):
                 break
-            # the newest step went between the listing and its manifest: a running
-            # writer committed a newer one and its retention deleted or retired this one
+            # a replacing save swapped another version in while this one was read (or
+            # set it aside, and its new one is in now); or the newest step went between
+            # the listing and its manifest: a running writer committed a newer one and
+            # its retention deleted or retired this one
+            if opened is not None:
+                opened.close()
         if problems:
+            if opened is not None:
+                opened.close()
             if root is not None:
                 raise damaged_newest(root, directory, problems[0], limits, cls.examine)
             raise problems[0]
@@ -145,24 +166,41 @@ class Checkpoint:
         Returns:
             (the checkpoint, or None when its manifest cannot be used; the problems).
             A checkpoint with problems may still be read rank by rank, except the ranks
-            in `unreadable_ranks`.
+            in `unreadable_ranks`. Close it after use.
         """
+        opened, problems, _ = cls._examine(directory, limits or ReadLimits.from_env(), whole)
+        return opened, problems
+
+    @classmethod
+    def _examine(cls, directory: str | os.PathLike[str], limits: ReadLimits, whole: bool
+                 ) -> tuple["Checkpoint | None", list[CheckpointError], bool]:
+        """`examine`, and whether a replacing save swapped the directory while it was
+        read (so that its problems may be that, not damage)."""
         directory = root_path(directory)
         if not isinstance(directory, ObjectPath) and directory.is_symlink():
             # opened where it lies: its references name steps of its own root, not the link's
             directory = Path(os.path.realpath(directory))
-        limits = limits or ReadLimits.from_env()
-        if not exists(directory / MANIFEST_NAME):
-            return None, [CorruptCheckpointError(
-                f"{directory.name} has no {MANIFEST_NAME}: not a checkpoint (its manifest was "
-                "deleted, or it was never committed)", step=parse_step_dir(directory.name),
-                file=str(directory))]
         try:
-            manifest = read_manifest_at(directory, limits)
+            files = storage_for(directory.parent).open_checkpoint_dir(directory)
+            vanished = False
+        except OSError as e:
+            files, vanished = None, isinstance(e, FileNotFoundError)
+        try:
+            if files is None or not files.has(MANIFEST_NAME):
+                return None, [CorruptCheckpointError(
+                    f"{directory.name} has no {MANIFEST_NAME}: not a checkpoint (its manifest "
+                    "was deleted, or it was never committed)",
+                    step=parse_step_dir(directory.name), file=str(directory))], (
+                        files.replaced() if files is not None
+                        else vanished and _replaced_back(directory))
+            manifest = files.read_manifest(limits)
+            opened = cls(directory, manifest, limits, whole=whole, files=files)
         except CheckpointError as e:
-            return None, [e]
-        opened = cls(directory, manifest, limits, whole=whole)
-        return opened, opened.problems
+            return None, [e], files.replaced()  # type: ignore[union-attr]
+        finally:
+            if files is not None and "opened" not in locals():
+                files.close()
+        return opened, opened.problems, bool(opened.problems) and files.replaced()
 
     def _check(self) -> None:
         """A single-file manifest's checks, all at once."""
@@ -183,7 +221,7 @@ class Checkpoint:
         parts = self.manifest.parts or []
         expected = {MANIFEST_NAME} | {e.dir for e in parts}
         try:
-            present = list_entries(self.directory)
+            present = self._files.entries()
         except OSError as e:
             present = set(expected)
             self.problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}",
@@ -239,11 +277,12 @@ class Checkpoint:
         directory = self.directory / entry.dir
         problems: list[CheckpointError] = []
         try:
-            names = list_names(directory)
+            names = self._files.names(entry.dir)
         except OSError as e:
             names = set()
-            problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}",
-                                                   step=self.step, file=str(directory)))
+            problems.append(CorruptCheckpointError(
+                "a symlink, not a directory of the step" if is_link(directory)
+                else f"cannot list: {e.strerror or e}", step=self.step, file=str(directory)))
         data: dict[int, list[str]] = {}
         plausible = set()
         for name in names:
@@ -298,9 +337,9 @@ class Checkpoint:
         only that `ranks`' data files are among it."""
         step, problems = self.step, []
         listed = present is not None
-        if present is None:
+        if present is None:  # the checkpoint directory itself
             try:
-                present = list_names(directory)
+                present = self._files.names()
             except OSError as e:
                 present = set()
                 problems.append(CorruptCheckpointError(f"cannot list: {e.strerror or e}",
@@ -424,7 +463,7 @@ class Checkpoint:
         if self._readers is None:
             self._readers = Readers(self.directory, self.manifest,
                                     self.storage.read_threads or self.limits.read_threads,
-                                    self.storage)
+                                    self.storage, self._files)
         return self._readers(self._ready(self.check_rank(rank)), prefetch)
 
     def plan(self, temp_bytes: int | None = None) -> ReadPlan:
@@ -453,24 +492,55 @@ class Checkpoint:
         plan.flush()
         return full
 
+    def swapped(self) -> bool:
+        """Another version of the step is at its name now than the one this checkpoint
+        holds (a replacing save committed meanwhile), or none: what failed reading it
+        may succeed on a new open (`read_retrying`)."""
+        return self._files.replaced()
+
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
-        """Corruption found while reading a root's newest step names the newest intact one."""
+        """Corruption found while reading a root's newest step names the newest intact one
+        (unless the step was swapped meanwhile: see `read_retrying`)."""
         try:
             yield
         except CorruptCheckpointError as e:
-            if self.root is None:
+            if self.root is None or self.swapped():
                 raise
             raise damaged_newest(self.root, self.directory, e, self.limits,
                                  self.examine) from None
 
     def close(self) -> None:
+        """Close its data files, threads and directory (idempotent). A root manifest's
+        rank parts not read by then are read by path if asked for later."""
         if self._readers is not None:
             self._readers.close()
             self._readers = None
+        self._files.close()
 
     def __enter__(self) -> "Checkpoint":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_retrying(path: str | os.PathLike[str], step: int | None, limits: ReadLimits | None,
+                  work: Callable[[Checkpoint], T]) -> T:
+    """`work(checkpoint)` on `Checkpoint.open(path, step)`, inside `reading()`; opened and
+    run again when it fails because a replacing save swapped the step while it read (a
+    data file of the version it opened already deleted), `RESOLVE_TRIES` times at most.
+
+    Raises:
+        As `Checkpoint.open` and `work`.
+    """
+    for attempt in range(RESOLVE_TRIES):
+        with Checkpoint.open(path, step, limits=limits) as ckpt:
+            try:
+                with ckpt.reading():
+                    return work(ckpt)
+            except CorruptCheckpointError:
+                if attempt + 1 < RESOLVE_TRIES and ckpt.swapped():
+                    continue
+                raise
+    raise AssertionError("unreachable")

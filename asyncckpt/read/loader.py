@@ -35,7 +35,7 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, StateMismatchError
 from asyncckpt.format.tiling import GlobalTensor, covers
 from asyncckpt.format.tree import show_path, unflatten
-from asyncckpt.read.checkpoint import Checkpoint, Leaf
+from asyncckpt.read.checkpoint import Checkpoint, Leaf, read_retrying
 from asyncckpt.read.reader import READ_AHEAD
 from asyncckpt.torchutil import dtensor
 from asyncckpt.torchutil.dtypes import DTYPES
@@ -76,10 +76,9 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
         StateMismatchError: `into` disagrees with the checkpoint (checked before reading).
         UnsupportedStateError: a DTensor target with a Partial or strided placement.
     """
-    with _collector_paused(), Checkpoint.open(path, step, limits=limits) as ckpt:
-        rank = _rank_to_load(ckpt, rank)
-        with ckpt.reading():
-            return _load(ckpt, rank, into, strict)
+    with _collector_paused():
+        return read_retrying(path, step, limits,
+                             lambda ckpt: _load(ckpt, _rank_to_load(ckpt, rank), into, strict))
 
 
 def _rank_to_load(ckpt: Checkpoint, rank: int | None) -> int:
@@ -100,10 +99,9 @@ def load_parts(root: str | os.PathLike[str], step: int | None, rank: int | None,
     Raises:
         As `load`.
     """
-    with _collector_paused(), Checkpoint.open(root, step) as ckpt:
-        rank = _rank_to_load(ckpt, rank)
-        with ckpt.reading():
-            return _load(_Only(ckpt, keys), rank, into, True)  # type: ignore[arg-type]
+    with _collector_paused():
+        return read_retrying(root, step, None, lambda ckpt: _load(
+            _Only(ckpt, keys), _rank_to_load(ckpt, rank), into, True))  # type: ignore[arg-type]
 
 
 class _Only:

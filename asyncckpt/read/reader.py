@@ -51,7 +51,7 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import layout, retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Frame, Manifest, RankPart, Ref
 from asyncckpt.runtime.pool import FramePool
-from asyncckpt.storage.base import ReadFile, Storage
+from asyncckpt.storage.base import CheckpointDir, ReadFile, Storage
 from asyncckpt.storage.location import is_link, storage_for
 
 if TYPE_CHECKING:
@@ -63,11 +63,13 @@ _Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengt
 class RankReader:
     """Verified access to one rank's data file. Not thread-safe (its methods use one
     set of codecs and buffers), but `read_ranges` fans out to `threads` threads.
-    Files are opened through `storage` (default: the POSIX root holding `directory`)."""
+    Files are opened through `storage` (default: the POSIX root holding `directory`),
+    its own data file through `files` if given (the directory as its manifest was read
+    from it: see checkpoint.py)."""
 
     def __init__(self, directory: Path, manifest: Manifest, rank: int,
                  threads: int | None = None, pool: FramePool | None = None,
-                 storage: Storage | None = None) -> None:
+                 storage: Storage | None = None, files: CheckpointDir | None = None) -> None:
         storage = storage or storage_for(directory.parent)
         self.part: RankPart = manifest.ranks[rank]
         self.step = manifest.step
@@ -82,7 +84,8 @@ class RankReader:
         self._header: bytes | None = None
         self._file: ReadFile | None = None
         try:
-            self._file = storage.open_file(directory, self.part.file)
+            self._file = (files.open(self.part.file) if files is not None
+                          else storage.open_file(directory, self.part.file))
         except OSError as e:
             raise self._corrupt(f"cannot open data file: {e.strerror}") from None
         if not self._file.regular or self._file.size != self.part.stored_size:
@@ -354,9 +357,9 @@ class Readers:
     use and all closed together: `readers(rank)`. They share one pool of frame threads."""
 
     def __init__(self, directory: Path, manifest: Manifest, threads: int,
-                 storage: Storage | None = None) -> None:
+                 storage: Storage | None = None, files: CheckpointDir | None = None) -> None:
         self._directory, self._manifest = directory, manifest
-        self._storage = storage
+        self._storage, self._files = storage, files
         self._open: dict[int, RankReader] = {}
         self._threads = threads
         self._pool = load_pool(self._threads) if self._threads > 1 else None
@@ -366,7 +369,7 @@ class Readers:
         its stream are asked for (`RankReader.prefetch`) before its header is read."""
         if rank not in self._open:
             reader = RankReader(self._directory, self._manifest, rank, self._threads,
-                                self._pool, self._storage)
+                                self._pool, self._storage, self._files)
             self._open[rank] = reader
             reader.prefetch(0, prefetch)
             reader.check_header()

@@ -11,6 +11,12 @@ and which does not share the bytes that failed (with incremental saves other ste
 reference the same frames; a frame's error says where its stored bytes lie). It may be
 newer than the damaged step: a writer still running commits steps while a load reads,
 and its retention deletes older ones.
+
+A step being replaced (`replace=True`) is exchanged under its name in one rename where
+the filesystem can; where it cannot (NFS) the old directory is first renamed aside
+(`step-N.replaced-<hex>`) and the new one renamed in after, so for a moment the step is
+absent: a load that finds it so waits a moment for the new one (`Storage.wait_for_step`,
+`newest_step`) rather than calling the step missing or taking an older step as the newest.
 """
 
 from __future__ import annotations
@@ -26,19 +32,22 @@ from asyncckpt.storage.location import Location, ObjectPath, exists, is_dir, is_
 
 # Checkpoint.examine: (directory, limits=...) -> (the checkpoint or None, its problems)
 Examine = Callable[..., "tuple[Any, list[CheckpointError]]"]
-RESOLVE_TRIES = 3  # listings of a root whose newest step vanished before it was examined
+# opens of a step that went (the newest, deleted by retention) or was replaced while read
+RESOLVE_TRIES = 8
 
 
 def resolve(path: Location, step: int | None) -> tuple[Location, Location | None]:
     """(the checkpoint directory, the root when it was chosen as the root's newest)."""
     named = parse_step_dir(path.name)
+    if named is not None and not is_dir(path):
+        storage_for(path.parent).wait_for_step(named)
     if is_dir(path) and (named is not None or is_file(path / MANIFEST_NAME)):
         if step is not None and named is not None and named != step:
             raise CheckpointNotFoundError(f"{path} is step {named}, not {step}", step=step,
                                           file=str(path))
         return path, None
     if step is not None:
-        if storage_for(path).has_step(step):
+        if storage_for(path).wait_for_step(step):
             return path / step_dir_name(step), None
         linked = not isinstance(path, ObjectPath) and os.path.islink(path / step_dir_name(step))
         raise CheckpointNotFoundError(
@@ -46,10 +55,10 @@ def resolve(path: Location, step: int | None) -> tuple[Location, Location | None
                 f" ({step_dir_name(step)} is a symlink: not a step of this root; open the "
                 "directory it points to instead)" if linked else f" ({_holds(path)})"),
             step=step, file=str(path))
-    steps = storage_for(path).step_dirs()
-    if not steps:
+    newest = storage_for(path).newest_step()
+    if newest is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
-    return path / step_dir_name(steps[-1]), path
+    return path / step_dir_name(newest), path
 
 
 def _holds(root: Location) -> str:
@@ -105,9 +114,12 @@ def _intact(directory: Location, limits: ReadLimits, failed: Ref | None,
             examine: Examine) -> bool:
     """`directory` passes `examine`, and none of its frames is stored at `failed`."""
     opened, problems = examine(directory, limits=limits)
-    if opened is None or problems:
+    if opened is None:
         return False
-    step = opened.step
-    return failed is None or not any(
-        (f.ref or Ref(step, part.file, f.stored_offset, f.stored_length)) == failed
-        for part in opened.manifest.ranks for f in part.frames)
+    with opened:
+        if problems:
+            return False
+        step = opened.step
+        return failed is None or not any(
+            (f.ref or Ref(step, part.file, f.stored_offset, f.stored_length)) == failed
+            for part in opened.manifest.ranks for f in part.frames)

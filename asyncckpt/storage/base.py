@@ -17,6 +17,9 @@ lets a store without rename or directories (an object store) implement them late
 - `retire` and `unpublish` + `discard`: retention's moves, each atomic on its own.
 - `open_step_file`, `open_file`: a read handle on a committed or retired step's file,
   read by ranges (`ReadFile.read_into`).
+- `open_checkpoint_dir`: a checkpoint directory held open for one load, so that its
+  manifest, listings and files are all of one version of the step even while a
+  replacing save swaps another in (POSIX: every read relative to one directory fd).
 
 docs/FORMAT.md ("Storage operations") says which operations are atomic and what an object
 store does instead of each rename. The POSIX implementation is `storage.posix`.
@@ -26,8 +29,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncckpt.format.layout import parse_step_dir
+
+if TYPE_CHECKING:
+    from asyncckpt.config import ReadLimits
+    from asyncckpt.format.manifest import Manifest
 
 
 class ReadFile(ABC):
@@ -103,6 +111,79 @@ class DataFile(ABC):
         """Release the file without making anything durable (idempotent)."""
 
 
+class CheckpointDir:
+    """A checkpoint directory as one load reads it: its manifest, its listings and its
+    files, each by name relative to the directory.
+
+    This base reads by path (`Storage.open_file`, the listing helpers of
+    storage.location): what an object store does, whose steps are never replaced. A
+    backend whose directories can be swapped under a reader (POSIX `replace`) holds the
+    directory open instead, so that every read is of the one version it opened.
+
+    Attributes:
+        path: the directory (named in errors).
+    """
+
+    def __init__(self, storage: "Storage", path: Path) -> None:
+        self.storage, self.path = storage, path
+
+    def has(self, name: str) -> bool:
+        """Anything is at `name` in the directory (a symlink counts, unfollowed)."""
+        from asyncckpt.storage.location import exists
+        return exists(self.path / name)
+
+    def read_manifest(self, limits: "ReadLimits") -> "Manifest":
+        """The directory's manifest, read and checked (storage.location.read_manifest_at).
+
+        Raises:
+            CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
+        """
+        from asyncckpt.storage.location import read_manifest_at
+        return read_manifest_at(self.path, limits)
+
+    def names(self, folder: str = "") -> set[str]:
+        """The names directly in the directory, or in its subfolder `folder`.
+
+        Raises:
+            OSError: it cannot be listed.
+        """
+        from asyncckpt.storage.location import list_names
+        return list_names(self.path / folder if folder else self.path)
+
+    def entries(self) -> set[str]:
+        """The names directly in the directory, files and subdirectories (on an object
+        store also the first segment of each longer key under it).
+
+        Raises:
+            OSError: it cannot be listed.
+        """
+        from asyncckpt.storage.location import list_entries
+        return list_entries(self.path)
+
+    def open(self, name: str) -> ReadFile:
+        """File `name` (possibly in a subfolder: `node-00000/rank-00000...`) for reading.
+
+        Raises:
+            OSError: it cannot be opened (missing, a symlink).
+        """
+        return self.storage.open_file(self.path, name)
+
+    def replaced(self) -> bool:
+        """The directory under `path` is no longer the one held (a replacing save swapped
+        another in, or it was deleted): a read that failed may succeed if started again.
+        Read by path, it can never tell: False."""
+        return False
+
+    def close(self) -> None:
+        """Release the directory (idempotent); files opened from it stay open."""
+
+    def __enter__(self) -> "CheckpointDir":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Storage(ABC):
     """One checkpoint root's operations.
 
@@ -162,6 +243,27 @@ class Storage(ABC):
         Raises:
             OSError: it cannot be opened (missing, a symlink).
         """
+
+    def open_checkpoint_dir(self, directory: Path) -> CheckpointDir:
+        """Checkpoint `directory` (a step of this root, or a checkpoint opened by its own
+        path), held for one load's reads (by path here; see `CheckpointDir`).
+
+        Raises:
+            OSError: (a backend that opens it) it cannot be opened.
+        """
+        return CheckpointDir(self, directory)
+
+    def newest_step(self) -> int | None:
+        """The newest step present, as a reader opening "the newest" should take it (a
+        backend whose replace leaves the step's name briefly empty waits for it here
+        rather than answering an older step), or None."""
+        steps = self.step_dirs()
+        return steps[-1] if steps else None
+
+    def wait_for_step(self, step: int) -> bool:
+        """`step` is present (`has_step`), after waiting a moment if a replacing save has
+        its name empty for an instant (where a replace takes two renames)."""
+        return self.has_step(step)
 
     def step_file_size(self, step: int, name: str) -> int | None:
         """The size of what `open_step_file` would open, or None."""

@@ -31,6 +31,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -47,30 +48,12 @@ from asyncckpt.format.layout import (
     step_dir_name,
 )
 from asyncckpt.runtime import faults
-from asyncckpt.storage.base import DataFile, ReadFile, Storage
+from asyncckpt.storage.base import DataFile, Storage
 from asyncckpt.storage.durable import fsync_path, write_atomic
+from asyncckpt.storage.posix_read import PosixCheckpointDir, PosixReadFile
 from asyncckpt.storage.writeback import Writeback
 
 log = logging.getLogger("asyncckpt.storage")
-
-
-class PosixReadFile(ReadFile):
-    """An open file descriptor read with preadv."""
-
-    def __init__(self, fd: int, size: int, regular: bool) -> None:
-        self.fd, self.size, self.regular = fd, size, regular
-
-    def read_into(self, offset: int, outs: list[memoryview]) -> int:
-        return os.preadv(self.fd, outs, offset)
-
-    def will_need(self, offset: int, length: int) -> None:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_WILLNEED)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class PosixDataFile(DataFile):
@@ -201,6 +184,42 @@ class PosixStorage(Storage):
                      os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         st = os.fstat(fd)
         return PosixReadFile(fd, st.st_size, stat.S_ISREG(st.st_mode))
+
+    def open_checkpoint_dir(self, directory: Path) -> PosixCheckpointDir:
+        """Held by a directory descriptor (`PosixCheckpointDir`)."""
+        return PosixCheckpointDir(self, directory)
+
+    def newest_step(self) -> int | None:
+        """The newest listed step, or the one `latest` names if that is newer and present:
+        a listing taken while a replace without an exchange renames the newest step aside
+        and back may miss it (a name renamed during a directory scan can be in neither
+        place), while `latest` keeps naming it and is read whole."""
+        steps = self.step_dirs()
+        newest = steps[-1] if steps else None
+        latest = self.read_latest()
+        if latest is not None and (newest is None or latest > newest) and self.wait_for_step(latest):
+            return latest
+        return newest
+
+    def wait_for_step(self, step: int) -> bool:
+        """While `step-N.replaced-<hex>` is there (`_swap_in` without an exchange, between
+        its two renames), wait for the new `step-N` (`REPLACE_WAIT` s at most)."""
+        deadline = time.monotonic() + REPLACE_WAIT
+        while not self.has_step(step):
+            if step not in self._replacing():
+                return self.has_step(step)  # absent, or its replace finished meanwhile
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def _replacing(self) -> set[int]:
+        """Steps set aside as `step-N.replaced-<hex>`."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return set()
+        return {step for name in names if (step := parse_replaced_dir(name)) is not None}
 
     # -- writing a step --------------------------------------------------------------
 
@@ -386,6 +405,7 @@ def _exchange(a: Path, b: Path) -> bool:
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 _LATEST_MAX = 64
+REPLACE_WAIT = 1.0  # seconds a reader waits for a step set aside by a replace to come back
 
 
 def _dir_name(step: int, retired: bool) -> str:

@@ -29,7 +29,6 @@ import asyncckpt
 from asyncckpt import cli
 from asyncckpt.read.loader import load_parts
 from asyncckpt.errors import CorruptCheckpointError, SaveFailedError
-from asyncckpt.format import parts as parts_module
 from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.format.manifest import Manifest, RankPart, read_manifest
 from asyncckpt.format.parts import node_part
@@ -37,6 +36,7 @@ from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.copying import copy_step
 from asyncckpt.read.summary import inspect_summary
 from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.posix_read import PosixCheckpointDir
 from asyncckpt.writer import commit
 
 WORLD = 4
@@ -91,12 +91,12 @@ def own(base: Path, tmp_path: Path) -> Path:
 def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Every manifest and part file read (directory name / file name)."""
     seen: list[str] = []
-    real = parts_module.read_local
+    real = PosixCheckpointDir.read  # a load reads them through its directory's handle
 
-    def spy(directory: Path, name: str, limit: int) -> bytes:
-        seen.append(f"{Path(directory).name}/{name}")
-        return real(directory, name, limit)
-    monkeypatch.setattr(parts_module, "read_local", spy)
+    def spy(self: PosixCheckpointDir, name: str, limit: int) -> bytes:
+        seen.append(f"{self.path.name}/{name}")
+        return real(self, name, limit)
+    monkeypatch.setattr(PosixCheckpointDir, "read", spy)
     yield seen
 
 
@@ -289,7 +289,8 @@ def test_a_node_directory_that_is_a_symlink_is_refused(own, tmp_path):
     (d / "node-00003").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(CorruptCheckpointError) as info:
         asyncckpt.load(own, step=2, rank=3)
-    assert info.value.file == str(d / "node-00003" / "rank-00003.json")
+    assert info.value.file == str(d / "node-00003")  # refused as it is listed
+    assert "a symlink, not a directory of the step" in info.value.cause
     assert not asyncckpt.verify(d).ok
 
 

@@ -123,14 +123,14 @@ def test_the_newest_step_pruned_as_the_load_opens_it_is_not_called_damaged(root,
         with asyncckpt.connect(writer.address, rank=0, world_size=1, **SLOT) as client:
             client.save(1, state(7, 1)).wait(60)
             client.save(2, state(7, 2)).wait(60)
-            examine = Checkpoint.examine
+            examine = Checkpoint._examine
             saves = iter([3])
 
-            def save_meanwhile(directory, **kwargs):  # type: ignore[no-untyped-def]
+            def save_meanwhile(cls, directory, *args, **kwargs):  # type: ignore[no-untyped-def]
                 for step in saves:
                     client.save(step, state(7, step)).wait(60)
-                return examine(directory, **kwargs)
-            monkeypatch.setattr(Checkpoint, "examine", save_meanwhile)
+                return examine(directory, *args, **kwargs)
+            monkeypatch.setattr(Checkpoint, "_examine", classmethod(save_meanwhile))
             loaded = asyncckpt.load(root)
     assert not step_dir(root, 2).exists()
     assert_same(state(7, 3), loaded)

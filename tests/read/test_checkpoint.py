@@ -1,0 +1,130 @@
+"""Opening a checkpoint while its step is replaced (`replace=True`): a load reads one
+version of the step whole, never the manifest of one and the files of the other."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt.format.layout import MANIFEST_NAME, step_dir_name
+from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.storage import posix
+from asyncckpt.storage.posix import PosixStorage
+from conftest import running_writer
+
+STEP = 3
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"w{i}": torch.randn(4096, generator=g) for i in range(6)},
+            "seed": seed}
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Two committed versions of step STEP (seeds 1 and 2), kept as directories to swap in."""
+    base = tmp_path_factory.mktemp("replace-versions")
+    kept = {}
+    with running_writer(base, codec="zstd") as w, \
+            asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=16 << 10,
+                              ring_size=64 << 10) as c:
+        for seed in (1, 2):
+            c.save(STEP, state(seed), replace=seed > 1).wait(60)
+            kept[seed] = base / f"version-{seed}"
+            shutil.copytree(base / "ckpt" / step_dir_name(STEP), kept[seed])
+    return kept
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["seed"] == b["seed"] and all(torch.equal(a["model"][k], v)
+                                          for k, v in b["model"].items())
+
+
+def replace_in_a_loop(root: Path, versions: dict[int, Path], stop: threading.Event,
+                      swaps: list[int]) -> None:
+    """What the writer's commit of a replacing save does: the new version in a tmp
+    directory, manifest last, swapped in by `publish(replace=True)`, the old deleted."""
+    storage = PosixStorage(root)
+    seed = 1
+    while not stop.is_set():
+        seed = 3 - seed
+        tmp = storage.make_tmp(STEP)
+        for f in versions[seed].iterdir():
+            if f.name != MANIFEST_NAME:
+                shutil.copyfile(f, tmp / f.name)
+        storage.publish(tmp, STEP, (versions[seed] / MANIFEST_NAME).read_bytes(), replace=True)
+        swaps.append(seed)
+
+
+@pytest.mark.parametrize("how", ["exchange", "aside"])
+@pytest.mark.parametrize("newest", [False, True])
+def test_loads_during_a_replace_read_one_version_whole(versions, tmp_path, monkeypatch, how,
+                                                       newest):
+    """A thread replaces the step again and again (both versions valid, different bytes)
+    while loads read it by number (and as the root's newest): each returns one version
+    whole, none raises. Where the filesystem cannot exchange two directories (`aside`:
+    the old step renamed away, then the new one in), the name is briefly absent."""
+    if how == "aside":
+        monkeypatch.setattr(posix, "_exchange", lambda a, b: False)
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(versions[1], root / step_dir_name(STEP))
+    PosixStorage(root).write_latest(STEP)  # as the writer leaves it
+    expected = {seed: state(seed) for seed in (1, 2)}
+    stop, swaps, failures, seen = threading.Event(), [], [], {1: 0, 2: 0}
+    thread = threading.Thread(target=replace_in_a_loop, args=(root, versions, stop, swaps))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            try:
+                loaded = asyncckpt.load(root) if newest else asyncckpt.load(root, step=STEP)
+            except asyncckpt.CheckpointError as e:
+                failures.append(e)
+                continue
+            assert same(loaded, expected[loaded["seed"]])
+            seen[loaded["seed"]] += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert len(swaps) > 20, "the replacing thread barely ran"
+    assert failures == []
+    assert seen[1] and seen[2]
+
+
+def test_a_checkpoint_reads_the_version_it_opened_after_a_replace(versions, tmp_path):
+    """Opened before a replace and read after it (its readers made before or after the
+    swap, the replaced directory deleted meanwhile): it reads the version it opened,
+    whole and verified, and `swapped()` says a newer one is at its name."""
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(versions[1], root / step_dir_name(STEP))
+    with Checkpoint.open(root, STEP) as early, Checkpoint.open(root, STEP) as late:
+        early.reader(0)
+        assert not early.swapped()
+        swaps: list[int] = []
+        replace_in_a_loop(root, versions, _stop_after_one(), swaps)
+        assert swaps == [2] and [p.name for p in root.iterdir()] == [step_dir_name(STEP)]
+        assert early.swapped() and late.swapped()
+        for ckpt in (early, late):
+            tensors = {leaf.path[-1]: ckpt.read_full(leaf.tensor) for leaf in ckpt.leaves(0)}
+            assert all(torch.equal(tensors[k], v) for k, v in state(1)["model"].items())
+    assert asyncckpt.load(root, step=STEP)["seed"] == 2
+
+
+class _stop_after_one:
+    """An Event-like stop that lets `replace_in_a_loop` make exactly one swap."""
+
+    def __init__(self) -> None:
+        self._calls = 0
+
+    def is_set(self) -> bool:
+        self._calls += 1
+        return self._calls > 1
