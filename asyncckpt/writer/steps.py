@@ -58,6 +58,7 @@ from asyncckpt.writer.retention import is_retired
 log = logging.getLogger("asyncckpt.writer")
 
 MAX_WORLD = 1 << 20  # the manifest's bound
+UNSEEN_FRACTION = 6  # a never-connected rank fails a step after absent_rank_timeout / this
 
 
 class Steps:
@@ -82,6 +83,7 @@ class Steps:
         self._relaying: dict[int, Step] = {}  # leader: committed or not, its outcome to relay
         self._failed = FailedSteps()
         self._live: collections.Counter[int] = collections.Counter()
+        self._seen: set[int] = set()  # ranks that ever said hello to this writer
         self._closing = False
         self._idle = threading.Condition(self._lock)
         self._committer = Committer(self.storage, retention, done=self._committed, check=check,
@@ -233,6 +235,7 @@ class Steps:
     def rank_joined(self, rank: int) -> None:
         with self._lock:
             self._live[rank] += 1
+            self._seen.add(rank)
 
     def rank_gone(self, rank: int, began: set[int]) -> None:
         """A connection of `rank` closed: fail the open steps *it* began and had not
@@ -269,35 +272,38 @@ class Steps:
         rank of the world with no connection (one that died before it began the step, or
         never started); for a coordinated one, any rank of this writer's nodes that has
         not begun it (connected or not: a live node whose rank skips a save would
-        otherwise be waited for without end, its lead's heartbeat keeping it alive)."""
+        otherwise be waited for without end, its lead's heartbeat keeping it alive).
+
+        A local step waiting on a rank that never said hello to this writer fails sooner,
+        after `timeout` / `UNSEEN_FRACTION` s: on one node the ranks of a job that all
+        save connect within moments of each other (a client connects at its first save),
+        so a rank still unheard of by then is most likely one that never saves -- only
+        some ranks saving (Lightning's DDP saves on rank 0 only) -- and the error says
+        so, and what to do.
+        """
         now = time.monotonic()
         with self._lock:
             live = {r for r, n in self._live.items() if n > 0}
             doomed = []
             for s in self._open.values():
-                if now - s.started < timeout:
-                    continue
+                age = now - s.started
                 if s.coordinated:  # its node's ranks, connected or not, must all begin
                     nodes = list(s.nodes_here.items())
                     present = len(s.waiting)
+                    unseen = False
                 else:
                     nodes = [(0, s.world_size)]
                     present = len(s.waiting) + sum(1 for r in live if r not in s.waiting
                                                    and r < s.world_size)
-                if present < sum(count for _, count in nodes):
-                    doomed.append((s.number, nodes, set(s.waiting), s.coordinated))
-        for step, nodes, waiting, coordinated in doomed:
-            absent = []
-            for r in (r for f, c in nodes for r in range(f, f + c)):  # stops at the first few
-                if r not in waiting and (coordinated or r not in live):
-                    absent.append(r)
-                    if len(absent) > 8:
-                        break
-            names = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8 else "")
-            what = ("of this node did not begin the step" if coordinated else "not connected")
-            self.fail(step, SaveFailedError(
-                f"rank{'s' if len(absent) > 1 else ''} {names} {what} {timeout:g} s after the "
-                "step began (dead, never started, or not saving this step)", step=step))
+                    unseen = sum(1 for r in self._seen if r < s.world_size) < s.world_size
+                if present >= sum(count for _, count in nodes):
+                    continue
+                if age >= timeout or (unseen and age >= timeout / UNSEEN_FRACTION):
+                    doomed.append((s, nodes, set(s.waiting), set(self._seen) if unseen else None,
+                                   age))
+        for s, nodes, waiting, seen, age in doomed:
+            self.fail(s.number, SaveFailedError(_absence(s, nodes, waiting, live, seen, age),
+                                                step=s.number))
 
     def close(self, timeout: float) -> None:
         """Refuse new steps; wait up to `timeout` s for open and committing ones, then
@@ -407,3 +413,31 @@ class Steps:
         with self._lock:
             self._committing.pop(step, None)
             self._idle.notify_all()
+
+
+def _absence(s: Step, nodes: list[tuple[int, int]], waiting: set[int], live: set[int],
+             seen: set[int] | None, age: float) -> str:
+    """Why step `s` fails for its absent ranks (the first few named), `age` s after it
+    began; `seen`: the ranks that ever connected, when some rank of the world never did."""
+    absent = []
+    for r in (r for f, c in nodes for r in range(f, f + c)):  # stops at the first few
+        if r not in waiting and (s.coordinated or r not in live) and (
+                seen is None or r not in seen):
+            absent.append(r)
+            if len(absent) > 8:
+                break
+    names = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8 else "")
+    ranks = f"rank{'s' if len(absent) > 1 else ''} {names}"
+    if s.coordinated:
+        return f"{ranks} of this node did not begin the step {age:.1f} s after it began " \
+               "(dead, never started, or not saving this step)"
+    if seen is None:
+        return f"{ranks} not connected {age:.1f} s after the step began (dead, never " \
+               "started, or not saving this step)"
+    saving = sorted(waiting)
+    shown = ", ".join(map(str, saving[:8])) + (", ..." if len(saving) > 8 else "")
+    return (f"{ranks} not connected: never connected to this writer, {age:.1f} s after the "
+            f"step began (rank{'s' if len(saving) > 1 else ''} {shown} of a world of "
+            f"{s.world_size} saved it). If only some ranks save (Lightning's DDP saves on "
+            "rank 0 only), use world_size=1 on the saving rank; otherwise the missing ranks "
+            "never started or save to another writer")

@@ -129,6 +129,57 @@ def test_absent_rank_times_out(steps):
     assert "rank 1 not connected" in str(inbox.got[0][0])
 
 
+def test_a_rank_that_never_connected_fails_the_step_soon_and_says_why(steps):
+    """World of 2, only rank 0 saves (Lightning's DDP saves on rank 0 only), rank 1 never
+    said hello: the step fails after a sixth of the timeout, with advice."""
+    inbox = Inbox()
+    steps.rank_joined(0)
+    steps.begin(4, 0, 2, inbox.notify(0))
+    time.sleep(0.2)
+    steps.fail_absent(timeout=60)
+    assert inbox.got == {}
+    steps.fail_absent(timeout=0.9)  # 0.9 / 6 < 0.2
+    error = inbox.got[0][0]
+    assert isinstance(error, SaveFailedError) and error.step == 4
+    text = str(error)
+    assert "rank 1 not connected: never connected to this writer" in text
+    assert "rank 0 of a world of 2 saved it" in text
+    assert "use world_size=1 on the saving rank" in text
+    assert 0.2 <= float(text.split("writer, ")[1].split(" s after")[0]) < 5
+
+
+def test_a_rank_that_connected_before_is_waited_for_the_whole_timeout(steps):
+    """Rank 1 said hello once and left before the step began (a restart, a slow
+    rejoin): it may come back, so only the full timeout fails the step, without the
+    advice meant for ranks that never save."""
+    inbox = Inbox()
+    steps.rank_joined(0)
+    steps.rank_joined(1)
+    steps.rank_gone(1, began=set())
+    steps.begin(6, 0, 2, inbox.notify(0))
+    time.sleep(0.2)
+    steps.fail_absent(timeout=0.9)
+    assert inbox.got == {}
+    steps.fail_absent(timeout=0.1)
+    text = str(inbox.got[0][0])
+    assert "rank 1 not connected" in text and "world_size=1" not in text
+
+
+def test_the_time_in_an_absence_is_the_steps_age(steps):
+    """A writer that stops fails a step waiting on an absent rank at once, and says how
+    long the step had been waiting (not the timeout it was given: 0)."""
+    inbox = Inbox()
+    steps.rank_joined(0)
+    steps.rank_joined(1)
+    steps.rank_gone(1, began=set())
+    steps.begin(9, 0, 2, inbox.notify(0))
+    time.sleep(0.3)
+    steps.close(timeout=0.1)
+    text = str(inbox.got[0][0])
+    assert "rank 1 not connected" in text and "never connected" not in text
+    assert 0.3 <= float(text.split("not connected ")[1].split(" s after")[0]) < 5
+
+
 def test_committed_steps_are_never_overwritten(steps):
     inbox = Inbox()
     steps.begin(5, 0, 1, inbox.notify(0))
