@@ -141,8 +141,9 @@ class WriterKnobs(_FromEnv):
             to the writer for this long after the step began (it died before saving); a
             step saved across nodes, when a rank of this writer's node has not begun it
             by then (connected or not). A rank that never connected to this writer at
-            all fails a one-node step after a sixth of this (10 s by default): most
-            likely only some ranks save (then use world_size=1 on the saving rank).
+            all fails a one-node step after a sixth of this (10 s by default; 5 s at
+            least): most likely only some ranks save (then use world_size=1 on the
+            saving rank).
         keep_last: keep this many newest committed steps and delete older ones after
             each commit (`KEEP_ALL`, 0: keep all). Derived from the disk. A save that
             names its own keep_last (0 too) overrides this for the deletions after it.

@@ -58,7 +58,9 @@ from asyncckpt.writer.retention import is_retired
 log = logging.getLogger("asyncckpt.writer")
 
 MAX_WORLD = 1 << 20  # the manifest's bound
-UNSEEN_FRACTION = 6  # a never-connected rank fails a step after absent_rank_timeout / this
+# a never-connected rank fails a step after absent_rank_timeout / UNSEEN_FRACTION, but no
+# sooner than UNSEEN_FLOOR s: ranks started together may reach their first save seconds apart
+UNSEEN_FRACTION, UNSEEN_FLOOR = 6, 5.0
 
 
 class Steps:
@@ -275,13 +277,15 @@ class Steps:
         otherwise be waited for without end, its lead's heartbeat keeping it alive).
 
         A local step waiting on a rank that never said hello to this writer fails sooner,
-        after `timeout` / `UNSEEN_FRACTION` s: on one node the ranks of a job that all
-        save connect within moments of each other (a client connects at its first save),
+        after `timeout` / `UNSEEN_FRACTION` s (`UNSEEN_FLOOR` s at least, `timeout` at
+        most): on one node the ranks of a job that all save connect within seconds of
+        each other (a client connects at its first save),
         so a rank still unheard of by then is most likely one that never saves -- only
         some ranks saving (Lightning's DDP saves on rank 0 only) -- and the error says
         so, and what to do.
         """
         now = time.monotonic()
+        unseen_after = min(timeout, max(timeout / UNSEEN_FRACTION, UNSEEN_FLOOR))
         with self._lock:
             live = {r for r, n in self._live.items() if n > 0}
             doomed = []
@@ -298,7 +302,7 @@ class Steps:
                     unseen = sum(1 for r in self._seen if r < s.world_size) < s.world_size
                 if present >= sum(count for _, count in nodes):
                     continue
-                if age >= timeout or (unseen and age >= timeout / UNSEEN_FRACTION):
+                if age >= timeout or (unseen and age >= unseen_after):
                     doomed.append((s, nodes, set(s.waiting), set(self._seen) if unseen else None,
                                    age))
         for s, nodes, waiting, seen, age in doomed:

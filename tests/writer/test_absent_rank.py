@@ -15,7 +15,7 @@ pytestmark = pytest.mark.process  # the writer runs in its own process
 
 
 def test_only_rank_0_saving_a_world_of_2_fails_soon_with_advice(tmp_path):
-    timeout = 6.0  # absent_rank_timeout; a never-connected rank fails the step at a sixth
+    timeout = 30.0  # absent_rank_timeout: a never-connected rank fails the step at 5 s
     with asyncckpt.start_writer(tmp_path / "ckpt", log_file=tmp_path / "w.log",
                                 absent_rank_timeout=timeout) as writer, \
             asyncckpt.connect(writer.address, rank=0, world_size=2) as client:
@@ -24,7 +24,7 @@ def test_only_rank_0_saving_a_world_of_2_fails_soon_with_advice(tmp_path):
         with pytest.raises(asyncckpt.SaveFailedError) as info:
             handle.wait(30)
         waited = time.monotonic() - started
-    assert waited < timeout / 2, f"failed only after {waited:.1f} s"
+    assert waited < timeout / 3, f"failed only after {waited:.1f} s"
     text = str(info.value)
     assert "step 1" in text and "rank 1 not connected: never connected to this writer" in text
     assert "use world_size=1 on the saving rank" in text

@@ -9,6 +9,7 @@ import pytest
 
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
 from asyncckpt.format.manifest import RankPart
+from asyncckpt.writer import steps as steps_module
 from asyncckpt.writer.steps import MAX_WORLD, Steps
 
 
@@ -129,9 +130,10 @@ def test_absent_rank_times_out(steps):
     assert "rank 1 not connected" in str(inbox.got[0][0])
 
 
-def test_a_rank_that_never_connected_fails_the_step_soon_and_says_why(steps):
+def test_a_rank_that_never_connected_fails_the_step_soon_and_says_why(steps, monkeypatch):
     """World of 2, only rank 0 saves (Lightning's DDP saves on rank 0 only), rank 1 never
     said hello: the step fails after a sixth of the timeout, with advice."""
+    monkeypatch.setattr(steps_module, "UNSEEN_FLOOR", 0.0)  # seconds, not the 5 s floor
     inbox = Inbox()
     steps.rank_joined(0)
     steps.begin(4, 0, 2, inbox.notify(0))
@@ -148,10 +150,11 @@ def test_a_rank_that_never_connected_fails_the_step_soon_and_says_why(steps):
     assert 0.2 <= float(text.split("writer, ")[1].split(" s after")[0]) < 5
 
 
-def test_a_rank_that_connected_before_is_waited_for_the_whole_timeout(steps):
+def test_a_rank_that_connected_before_is_waited_for_the_whole_timeout(steps, monkeypatch):
     """Rank 1 said hello once and left before the step began (a restart, a slow
     rejoin): it may come back, so only the full timeout fails the step, without the
     advice meant for ranks that never save."""
+    monkeypatch.setattr(steps_module, "UNSEEN_FLOOR", 0.0)
     inbox = Inbox()
     steps.rank_joined(0)
     steps.rank_joined(1)
