@@ -235,10 +235,9 @@ class ObjectStoreKnobs(_FromEnv):
         read_threads: threads reading (ranged GETs in flight), verifying and decoding
             frames of a checkpoint in the store (its latency, not the CPU, bounds a read).
         connect_timeout, read_timeout: seconds for a connection, and for a response.
-        sweep_age: seconds after which a writer taking the root while other writers
-            hold it (several nodes) removes an unfinished multipart upload or a step's
-            data without a manifest (another writer's save may be under way before that;
-            the root's first writer removes them whatever their age).
+        sweep_age: seconds after which a writer removes step files of the earlier
+            object-store layout (no attempt folder) that no manifest names; an attempt
+            folder goes once its writer's lease is dead, whatever its age.
         lease_renew: seconds between renewals of a writer's lease on the root
             (storage/lease.py); a lease three periods old is a dead writer's.
     """
