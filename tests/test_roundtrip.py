@@ -21,10 +21,10 @@ import asyncckpt
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.manifest import read_manifest
-from asyncckpt.read import checkpoint as checkpoint_module
 from asyncckpt.read import loader as loader_module
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.runtime import procstat
+from asyncckpt.storage.posix_read import PosixCheckpointDir
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
 
@@ -236,8 +236,8 @@ def test_no_garbage_collection_runs_during_a_load(saved_load, monkeypatch):
             finally:
                 inside[0] = False
         return wrapped
-    monkeypatch.setattr(checkpoint_module, "read_manifest_at",
-                        marking(checkpoint_module.read_manifest_at))
+    monkeypatch.setattr(PosixCheckpointDir, "read_manifest",
+                        marking(PosixCheckpointDir.read_manifest))
     monkeypatch.setattr(loader_module, "_load", marking(loader_module._load))
 
     def record(phase: str, info: dict) -> None:

@@ -115,7 +115,7 @@ class PosixCheckpointDir(CheckpointDir):
             if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 raise CorruptCheckpointError(f"{name} is not a regular file of at most "
                                              f"{limit} bytes")
-            data = _pread_upto(fd, limit + 1)  # one more: a file that grew reads longer
+            data = _pread_upto(fd, st.st_size + 1)  # one more: a file that grew reads longer
         finally:
             os.close(fd)
         if len(data) > limit:
