@@ -69,6 +69,8 @@ class PosixCheckpointDir(CheckpointDir):
         try:
             with os.scandir(self._fd) as entries:
                 regular = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+            if len(regular) > _EARLY_MAX:  # not a step (checked later): descriptors are few
+                regular = [n for n in regular if n == MANIFEST_NAME]
             for name in regular:
                 try:
                     self._early[name] = os.open(name, _READ_FLAGS, dir_fd=self._fd)
@@ -191,6 +193,7 @@ class PosixCheckpointDir(CheckpointDir):
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_EARLY_MAX = 256  # files a directory may hold for all of them to be opened at once
 
 
 def _pread_upto(fd: int, n: int) -> bytes:
