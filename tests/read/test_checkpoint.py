@@ -42,6 +42,51 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     return kept
 
 
+@pytest.fixture(scope="module")
+def restorable(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Two versions of step STEP as a Checkpointer saves them (model, step, extra)."""
+    base = tmp_path_factory.mktemp("replace-restorable")
+    kept = {}
+    with running_writer(base, codec="zstd") as w, \
+            asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=16 << 10,
+                              ring_size=64 << 10) as c:
+        for seed in (1, 2):
+            c.save(STEP, {"model": state(seed)["model"], "step": STEP, "extra": {"seed": seed}},
+                   replace=seed > 1).wait(60)
+            kept[seed] = base / f"version-{seed}"
+            shutil.copytree(base / "ckpt" / step_dir_name(STEP), kept[seed])
+    return kept
+
+
+def test_restore_during_a_replace_never_falls_back(restorable, tmp_path, caplog):
+    """Checkpointer.restore() while the step is replaced again and again: it restores
+    that step every time, one version whole, and never skips it as damaged."""
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(restorable[1], root / step_dir_name(STEP))
+    PosixStorage(root).write_latest(STEP)
+    model = torch.nn.ParameterDict({f"w{i}": torch.nn.Parameter(torch.zeros(4096))
+                                    for i in range(6)})
+    ckpt = asyncckpt.Checkpointer(root, model=model)
+    assert ckpt.restore() == STEP  # warm: what a first restore imports
+    stop, swaps, restores = threading.Event(), [], 0
+    thread = threading.Thread(target=replace_in_a_loop, args=(root, restorable, stop, swaps))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            assert ckpt.restore() == STEP
+            expected = state(ckpt.extra["seed"])["model"]
+            assert all(torch.equal(model[k].data, v) for k, v in expected.items())
+            restores += 1
+    finally:
+        stop.set()
+        thread.join()
+        ckpt.close()
+    assert len(swaps) > 10 and restores > 10
+    assert "restore skips" not in caplog.text
+
+
 def same(a: dict, b: dict) -> bool:
     return a["seed"] == b["seed"] and all(torch.equal(a["model"][k], v)
                                           for k, v in b["model"].items())
