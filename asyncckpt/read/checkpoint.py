@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -63,8 +63,6 @@ if TYPE_CHECKING:
     import torch
 
     from asyncckpt.read.sharded import ReadPlan
-
-T = TypeVar("T")
 
 
 def _replaced_back(directory: Location) -> bool:
@@ -524,23 +522,3 @@ class Checkpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def read_retrying(path: str | os.PathLike[str], step: int | None, limits: ReadLimits | None,
-                  work: Callable[[Checkpoint], T]) -> T:
-    """`work(checkpoint)` on `Checkpoint.open(path, step)`, inside `reading()`; opened and
-    run again when it fails because a replacing save swapped the step while it read (a
-    data file of the version it opened already deleted), `RESOLVE_TRIES` times at most.
-
-    Raises:
-        As `Checkpoint.open` and `work`.
-    """
-    for attempt in range(RESOLVE_TRIES):
-        with Checkpoint.open(path, step, limits=limits) as ckpt:
-            try:
-                with ckpt.reading():
-                    return work(ckpt)
-            except CorruptCheckpointError:
-                if attempt + 1 < RESOLVE_TRIES and ckpt.swapped():
-                    continue
-                raise
-    raise AssertionError("unreachable")

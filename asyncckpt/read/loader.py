@@ -27,16 +27,17 @@ import contextlib
 import difflib
 import gc
 import os
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
 
 from asyncckpt.config import ReadLimits
-from asyncckpt.errors import CheckpointError, StateMismatchError
+from asyncckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from asyncckpt.format.tiling import GlobalTensor, covers
 from asyncckpt.format.tree import show_path, unflatten
-from asyncckpt.read.checkpoint import Checkpoint, Leaf, read_retrying
+from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.reader import READ_AHEAD
+from asyncckpt.read.resolve import RESOLVE_TRIES
 from asyncckpt.torchutil import dtensor
 from asyncckpt.torchutil.dtypes import DTYPES
 from asyncckpt.torchutil.ranks import resolve_rank
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from asyncckpt.read.sharded import ReadPlan
 
 TreePath = tuple[Any, ...]
+T = TypeVar("T")
 
 
 def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | None = None,
@@ -127,6 +129,27 @@ class _Only:
             return {"dict": [item for item in tree["dict"] if item[0] in self._keys]}
         return tree
 
+
+
+def read_retrying(path: str | os.PathLike[str], step: int | None, limits: ReadLimits | None,
+                  work: Callable[[Checkpoint], T]) -> T:
+    """`work(checkpoint)` on `Checkpoint.open(path, step)`, inside `reading()`; opened and
+    run again when it fails because a replacing save swapped the step while it read (a
+    data file of the version it opened already deleted), `RESOLVE_TRIES` times at most.
+
+    Raises:
+        As `Checkpoint.open` and `work`.
+    """
+    for attempt in range(RESOLVE_TRIES):
+        with Checkpoint.open(path, step, limits=limits) as ckpt:
+            try:
+                with ckpt.reading():
+                    return work(ckpt)
+            except CorruptCheckpointError:
+                if attempt + 1 < RESOLVE_TRIES and ckpt.swapped():
+                    continue
+                raise
+    raise AssertionError("unreachable")
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
