@@ -279,5 +279,12 @@ def upload_tree(directory: Path, dest: Location) -> None:
 
 
 def _s3_of(path: ObjectPath):  # type: ignore[no-untyped-def]
+    """The storage of the root `path` lies in: the parent of the step (or retired step)
+    it is or is inside (a node folder's files are found through its step's manifest),
+    else of `path` itself."""
+    from asyncckpt.format.layout import parse_retired_dir, parse_step_dir
     from asyncckpt.storage.s3 import S3Storage
+    for ancestor in (path, *path.parents):
+        if parse_step_dir(ancestor.name) is not None or parse_retired_dir(ancestor.name) is not None:
+            return S3Storage(ancestor.parent)
     return S3Storage(path.parent if path.key else path)
