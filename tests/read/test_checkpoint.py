@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,35 +28,31 @@ def state(seed: int) -> dict:
             "seed": seed}
 
 
-@pytest.fixture(scope="module")
-def versions(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Two committed versions of step STEP (seeds 1 and 2), kept as directories to swap in."""
-    base = tmp_path_factory.mktemp("replace-versions")
+def save_two_versions(base: Path, make: Callable[[int], dict]) -> dict[int, Path]:
+    """Step STEP saved as `make(1)`, then replaced by `make(2)`, each committed version
+    copied aside as a directory to swap in: {seed: directory}."""
     kept = {}
     with running_writer(base, codec="zstd") as w, \
             asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=16 << 10,
                               ring_size=64 << 10) as c:
         for seed in (1, 2):
-            c.save(STEP, state(seed), replace=seed > 1).wait(60)
+            c.save(STEP, make(seed), replace=seed > 1).wait(60)
             kept[seed] = base / f"version-{seed}"
             shutil.copytree(base / "ckpt" / step_dir_name(STEP), kept[seed])
     return kept
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Two committed versions of step STEP (seeds 1 and 2), kept as directories to swap in."""
+    return save_two_versions(tmp_path_factory.mktemp("replace-versions"), state)
 
 
 @pytest.fixture(scope="module")
 def restorable(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """Two versions of step STEP as a Checkpointer saves them (model, step, extra)."""
-    base = tmp_path_factory.mktemp("replace-restorable")
-    kept = {}
-    with running_writer(base, codec="zstd") as w, \
-            asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=16 << 10,
-                              ring_size=64 << 10) as c:
-        for seed in (1, 2):
-            c.save(STEP, {"model": state(seed)["model"], "step": STEP, "extra": {"seed": seed}},
-                   replace=seed > 1).wait(60)
-            kept[seed] = base / f"version-{seed}"
-            shutil.copytree(base / "ckpt" / step_dir_name(STEP), kept[seed])
-    return kept
+    return save_two_versions(tmp_path_factory.mktemp("replace-restorable"), lambda seed: {
+        "model": state(seed)["model"], "step": STEP, "extra": {"seed": seed}})
 
 
 def test_restore_during_a_replace_never_falls_back(restorable, tmp_path, caplog):

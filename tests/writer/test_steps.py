@@ -150,16 +150,23 @@ def test_a_rank_that_never_connected_fails_the_step_soon_and_says_why(steps, mon
     assert 0.2 <= float(text.split("writer, ")[1].split(" s after")[0]) < 5
 
 
+def begin_after_rank_1_left(steps, step: int) -> "Inbox":
+    """Ranks 0 and 1 said hello, rank 1 left before it began anything, then rank 0
+    begins `step` of a world of 2: rank 0's inbox."""
+    inbox = Inbox()
+    steps.rank_joined(0)
+    steps.rank_joined(1)
+    steps.rank_gone(1, began=set())
+    steps.begin(step, 0, 2, inbox.notify(0))
+    return inbox
+
+
 def test_a_rank_that_connected_before_is_waited_for_the_whole_timeout(steps, monkeypatch):
     """Rank 1 said hello once and left before the step began (a restart, a slow
     rejoin): it may come back, so only the full timeout fails the step, without the
     advice meant for ranks that never save."""
     monkeypatch.setattr(steps_module, "UNSEEN_FLOOR", 0.0)
-    inbox = Inbox()
-    steps.rank_joined(0)
-    steps.rank_joined(1)
-    steps.rank_gone(1, began=set())
-    steps.begin(6, 0, 2, inbox.notify(0))
+    inbox = begin_after_rank_1_left(steps, 6)
     time.sleep(0.2)
     steps.fail_absent(timeout=0.9)
     assert inbox.got == {}
@@ -171,11 +178,7 @@ def test_a_rank_that_connected_before_is_waited_for_the_whole_timeout(steps, mon
 def test_the_time_in_an_absence_is_the_steps_age(steps):
     """A writer that stops fails a step waiting on an absent rank at once, and says how
     long the step had been waiting (not the timeout it was given: 0)."""
-    inbox = Inbox()
-    steps.rank_joined(0)
-    steps.rank_joined(1)
-    steps.rank_gone(1, began=set())
-    steps.begin(9, 0, 2, inbox.notify(0))
+    inbox = begin_after_rank_1_left(steps, 9)
     time.sleep(0.3)
     steps.close(timeout=0.1)
     text = str(inbox.got[0][0])
