@@ -38,7 +38,7 @@ TITAN_SPEC  ?= torchtitan==0.3.0
 LATEST      ?= .venv-latest
 LATEST_TORCH ?= $(TORCH_SPEC)
 
-.PHONY: setup bench-setup lock test-latest verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
+.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
 
 setup: $(UV)
 	$(call sync_venv,$(VENV),$(LOCKS)/test.txt)
@@ -75,14 +75,14 @@ define append_no_deps
 	printf '%s\n' "" "# installed without its dependencies (its extra above is what it imports)" "$(2)" >> $(1)
 endef
 
-BENCH_EXTRAS := --extra test --extra s3 --extra bench --extra realweights --extra dcpbench \
+BENCH_EXTRAS := --extra test --extra lint --extra s3 --extra bench --extra realweights --extra dcpbench \
                 --extra s3bench --extra incremental
 
 # $(1) the output directory, $(2) the directory of the torch pin
 define write_locks
 	printf '%s\n' "setuptools>=64" | $(UV) pip compile -q --upgrade --python-version 3.11 \
 	  --custom-compile-command "make lock" - -o $(1)/build.txt
-	$(call compile_lock,$(1)/test.txt,--extra test,$(2))
+	$(call compile_lock,$(1)/test.txt,--extra test --extra lint,$(2))
 	$(call compile_lock,$(1)/bench.txt,$(BENCH_EXTRAS) -c $(1)/test.txt,$(2))
 	$(call compile_lock,$(1)/verl.txt,--extra verl,$(2))
 	$(call append_no_deps,$(1)/verl.txt,$(VERL_SPEC))
@@ -110,6 +110,11 @@ test-latest: $(UV)
 	ASYNCCKPT_UNLOCKED=1 ASYNCCKPT_VERL_PYTHON=$(CURDIR)/$(LATEST)-verl/bin/python \
 	ASYNCCKPT_TITAN_PYTHON=$(CURDIR)/$(LATEST)-titan/bin/python \
 	  $(LATEST)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# ruff (pyproject's rules and line length) and mypy (pyproject's config) on the package.
+lint: setup
+	$(BIN)/ruff check asyncckpt tests benchmarks examples scripts
+	$(BIN)/mypy
 
 test: setup verl-setup titan-setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -14,11 +14,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from asyncckpt._version import __version__
-from asyncckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                              DiskFullError, LeaseLostError, SaveFailedError,
-                              StateMismatchError, StepAlreadyCommittedError,
-                              UnsupportedStateError, UntrustedPickleError, WriterLockedError,
-                              WriterRootMismatchError, WriterUnavailableError)
+from asyncckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DiskFullError,
+    LeaseLostError,
+    SaveFailedError,
+    StateMismatchError,
+    StepAlreadyCommittedError,
+    UnsupportedStateError,
+    UntrustedPickleError,
+    WriterLockedError,
+    WriterRootMismatchError,
+    WriterUnavailableError,
+)
 from asyncckpt.rank.launch import WriterProcess, start_writer
 
 if TYPE_CHECKING:
@@ -46,13 +56,13 @@ def __dir__() -> list[str]:
 
 
 def connect(address: str | None = None, *, rank: int | None = None,
-            world_size: int | None = None, **knobs: Any) -> "Client":
+            world_size: int | None = None, **knobs: Any) -> Client:
     """Connect this rank to a writer; see `Client` for the arguments and errors."""
     from asyncckpt.rank.client import Client
     return Client(address, rank=rank, world_size=world_size, **knobs)
 
 
-def save(step: int, state_dict: Any) -> "SaveHandle":
+def save(step: int, state_dict: Any) -> SaveHandle:
     """`Client.save` on the process-wide client built from the environment.
 
     The first call connects to ASYNCCKPT_ADDRESS as RANK of WORLD_SIZE (or the

@@ -47,8 +47,12 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt.config import KEEP_ALL
-from asyncckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                              WriterRootMismatchError)
+from asyncckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    WriterRootMismatchError,
+)
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle, raise_untaken, settle
@@ -330,7 +334,7 @@ class Checkpointer:
                 self.writer.stop()
                 self.writer = None
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:

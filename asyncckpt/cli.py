@@ -17,8 +17,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from asyncckpt._version import __version__
 from asyncckpt.config import CODECS, WriterKnobs, parse_knob
@@ -27,8 +27,8 @@ from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
 from asyncckpt.rank.launch import default_job
 from asyncckpt.storage.lease import Lease
 from asyncckpt.storage.location import ObjectPath, root_path, storage_for
-from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.storage.posix import local_path
+from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.writer import commit, retention
 
 
@@ -442,8 +442,11 @@ def _copy(args: argparse.Namespace) -> int:
 
 def _import_dcp(args: argparse.Namespace) -> int:
     from asyncckpt.config import parse_size
-    from asyncckpt.errors import (CheckpointNotFoundError, CorruptCheckpointError,
-                                  UntrustedPickleError)
+    from asyncckpt.errors import (
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        UntrustedPickleError,
+    )
     from asyncckpt.format.manifest import read_manifest
     from asyncckpt.integrations.dcp_import import import_dcp
     try:

@@ -38,16 +38,16 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import zstandard
 
 from asyncckpt.codec import literals, planes
-from asyncckpt.codec.registry import (BytegroupCodec, FrameHints, PlaneLayout,
-                                      matches_compressor)
+from asyncckpt.codec.registry import BytegroupCodec, FrameHints, PlaneLayout, matches_compressor
 from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import TensorSpec
 

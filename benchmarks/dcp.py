@@ -40,8 +40,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -155,8 +156,9 @@ class _AsyncCkpt(Method):
 
     def setup(self, root: Path) -> None:
         super().setup(root)
-        import asyncckpt
         import torch.distributed as dist
+
+        import asyncckpt
         self.writer = None  # one per node: rank 0's, shared with the others through the store
         if dcp_fsdp.rank() == 0:
             self.writer = asyncckpt.start_writer(root, codec=self.codec, incremental=self.incremental,
@@ -180,6 +182,7 @@ class _AsyncCkpt(Method):
 
     def load(self, step: int, target: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
+
         from asyncckpt.dcp import StorageReader
         dcp.load(target, storage_reader=StorageReader(self.root, step))
 

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -30,9 +30,10 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,11 +53,11 @@ class Pending:
         self.wait = wait
 
     @classmethod
-    def finished(cls) -> "Pending":
+    def finished(cls) -> Pending:
         return cls(lambda: True, lambda: None)
 
     @classmethod
-    def of_future(cls, future: Future) -> "Pending":
+    def of_future(cls, future: Future) -> Pending:
         return cls(future.done, future.result)
 
 
@@ -266,8 +267,8 @@ class AsyncCkpt(Method):
 
     def codec_report(self, step: int) -> dict[str, Any]:
         """Stored/raw per dtype and frames per codec of a committed step (asyncckpt inspect)."""
-        from asyncckpt.read.summary import codec_summary
         from asyncckpt.format.manifest import read_manifest
+        from asyncckpt.read.summary import codec_summary
         return codec_summary(read_manifest(self.output(step)))
 
     def close(self) -> None:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 MiB = 1 << 20
 ASYNC_FULL_RING = ("asyncckpt-raw", "asyncckpt-zstd", "asyncckpt-bytegroup")

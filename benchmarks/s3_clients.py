@@ -48,11 +48,13 @@ def run_one(client: str, mib: int, bucket: str) -> dict[str, float]:
         import obstore
         from obstore.store import S3Store
     elif client == "boto3":
+        from concurrent.futures import ThreadPoolExecutor
+
         import boto3
-        from concurrent.futures import ThreadPoolExecutor
     else:
-        import s3fs
         from concurrent.futures import ThreadPoolExecutor
+
+        import s3fs
     imported = time.perf_counter() - start
     size = mib * MiB
     part = bytearray(os.urandom(PART))

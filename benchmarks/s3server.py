@@ -72,7 +72,7 @@ class SeaweedServer:
                 "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": REGION,
                 "AWS_ALLOW_HTTP": "true"}
 
-    def start(self, timeout: float = 60.0) -> "SeaweedServer":
+    def start(self, timeout: float = 60.0) -> SeaweedServer:
         """Start the server; a port taken meanwhile by another process makes it exit at
         once, and it is started again on fresh ones (3 tries; a restart keeps its S3
         port, which its clients know)."""
@@ -146,7 +146,7 @@ class SeaweedServer:
         self.kill()
         self.start()
 
-    def __enter__(self) -> "SeaweedServer":
+    def __enter__(self) -> SeaweedServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

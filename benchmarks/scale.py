@@ -54,17 +54,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.distributed import TCPStore
 
 import asyncckpt
 from asyncckpt.config import ClientKnobs
-from asyncckpt.errors import WriterUnavailableError
-from asyncckpt.errors import error_class
+from asyncckpt.errors import WriterUnavailableError, error_class
 from asyncckpt.format.layout import data_file_name, node_dir_name, step_dir_name
 from asyncckpt.format.manifest import Manifest, RankPart
 from asyncckpt.ipc import messages
@@ -121,7 +121,7 @@ class CountingStore:
                  seen: Any = None) -> None:
         self._store, self._counts, self._beats, self._seen = store, counts, beats, seen
 
-    def clone(self) -> "CountingStore":
+    def clone(self) -> CountingStore:
         return CountingStore(self._store.clone(), self._beats or self._counts)
 
     def __getattr__(self, name: str) -> Any:
@@ -195,7 +195,7 @@ class Node:
     """One simulated node: its lead rank's real Agreement, and a writer that relays the
     lead's outcome to the node's other ranks."""
 
-    def __init__(self, world: "World", first: int, client: TCPStore, timeout: float) -> None:
+    def __init__(self, world: World, first: int, client: TCPStore, timeout: float) -> None:
         self.world, self.first = world, first
         coordinator = StoreCoordinator(CountingStore(client, world.counts, world.beats,
                                                      world.seen), first,

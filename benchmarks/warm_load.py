@@ -97,10 +97,11 @@ def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def load_all(root: Path, peer: Path, reps: int) -> dict[str, Any]:
     """At world size 1: each method's warm load times, checked, and the limits."""
-    import asyncckpt
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch_checkpointing import CheckpointManager
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    import asyncckpt
 
     torch.distributed.init_process_group("gloo")
     saved, saved_optim = build(0)  # the weights both checkpoints hold

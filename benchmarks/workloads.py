@@ -28,9 +28,10 @@ import concurrent.futures
 import importlib.util
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -83,7 +83,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x @ _TEACHER).argmax(dim=1)
 
 
-def _hash_tensor(h: "xxhash.xxh3_64", t: torch.Tensor) -> None:
+def _hash_tensor(h: xxhash.xxh3_64, t: torch.Tensor) -> None:
     t = t.detach().contiguous()
     n = t.numel() * t.element_size()
     if n:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt.config import (MAX_FRAME_BYTES, ClientKnobs, MiB, ReadLimits, WriterKnobs,
-                              parse_size)
+from asyncckpt.config import MAX_FRAME_BYTES, ClientKnobs, MiB, ReadLimits, WriterKnobs, parse_size
 from asyncckpt.writer.dedup import DedupIndex
 
 SETS = (ClientKnobs, WriterKnobs, ReadLimits)

@@ -46,7 +46,8 @@ entropy. The measurements, with the command and commit of each: docs/design/code
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import xxhash

@@ -27,9 +27,19 @@ from typing import NamedTuple, Protocol
 
 import xxhash
 
-from asyncckpt.codec.registry import (CODECS, PLANE_MAX_RATIO, PLANE_PROBE_BYTES, Buffer, Codec,
-                                      CodecParams, FrameHints, PlaneChoice, PlaneLayout,
-                                      make_codec, xxh3_of)
+from asyncckpt.codec.registry import (
+    CODECS,
+    PLANE_MAX_RATIO,
+    PLANE_PROBE_BYTES,
+    Buffer,
+    Codec,
+    CodecParams,
+    FrameHints,
+    PlaneChoice,
+    PlaneLayout,
+    make_codec,
+    xxh3_of,
+)
 from asyncckpt.format.layout import TensorSpec, element_size
 
 

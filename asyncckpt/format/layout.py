@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import re
 import struct
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from asyncckpt.codec.registry import REGISTRY, codec_spec
 

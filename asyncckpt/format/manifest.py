@@ -47,12 +47,22 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.envelope import seal as _seal
 from asyncckpt.format.envelope import unseal as _unseal
-from asyncckpt.format.layout import (DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION,
-                                     FORMAT_VERSION_PARTS, FORMAT_VERSION_REFS, MANIFEST_NAME,
-                                     METADATA_KEY,
-                                     READABLE_VERSIONS, TensorSpec, data_file_codec,
-                                     data_file_name, element_size, is_data_file_name,
-                                     parse_step_dir)
+from asyncckpt.format.layout import (
+    DTYPE_SIZES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FORMAT_VERSION_PARTS,
+    FORMAT_VERSION_REFS,
+    MANIFEST_NAME,
+    METADATA_KEY,
+    READABLE_VERSIONS,
+    TensorSpec,
+    data_file_codec,
+    data_file_name,
+    element_size,
+    is_data_file_name,
+    parse_step_dir,
+)
 
 if TYPE_CHECKING:
     from asyncckpt.format.parts import PartEntry, ReadPart

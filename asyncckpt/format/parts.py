@@ -36,16 +36,22 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, overload
+from typing import Any, overload
 
 import xxhash
 
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.envelope import seal, unseal
-from asyncckpt.format.layout import (FORMAT_NAME, FORMAT_VERSION_PARTS, MANIFEST_NAME, MAX_WORLD,
-                                     node_dir_name, rank_part_name)
+from asyncckpt.format.layout import (
+    FORMAT_NAME,
+    FORMAT_VERSION_PARTS,
+    MANIFEST_NAME,
+    MAX_WORLD,
+    node_dir_name,
+    rank_part_name,
+)
 from asyncckpt.format.manifest import RankPart, _check, _int, _rank_from_json
 
 ReadPart = Callable[[str, int], bytes]
@@ -92,7 +98,7 @@ class PartEntry:
                 "referenced_steps": list(self.referenced_steps)}
 
     @classmethod
-    def from_json(cls, doc: Any, *, step: int, max_size: int) -> "PartEntry":
+    def from_json(cls, doc: Any, *, step: int, max_size: int) -> PartEntry:
         """A root entry, checked on its own (`root_parts` checks how entries tile).
 
         Args:

@@ -27,7 +27,6 @@ from asyncckpt.format.layout import DTYPE_SIZES, TensorSpec
 from asyncckpt.format.manifest import Manifest, RankPart
 from asyncckpt.format.tree import walk
 
-
 Path = tuple[Any, ...]
 
 
@@ -50,7 +49,7 @@ class GlobalTensor:
     boxes: list[Box] = field(default_factory=list)
 
     @classmethod
-    def whole(cls, rank: int, spec: TensorSpec, path: Path = ()) -> "GlobalTensor":
+    def whole(cls, rank: int, spec: TensorSpec, path: Path = ()) -> GlobalTensor:
         """A plain saved tensor as a global tensor of one box (rank `rank`'s entry)."""
         return cls(spec.name, path, spec.dtype, spec.shape,
                    boxes=[Box(rank, spec, (0,) * len(spec.shape))])

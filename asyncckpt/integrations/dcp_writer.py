@@ -47,8 +47,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from asyncckpt import errors
-from asyncckpt.errors import (CheckpointError, SaveFailedError, UnsupportedStateError,
-                              WriterRootMismatchError)
+from asyncckpt.errors import (
+    CheckpointError,
+    SaveFailedError,
+    UnsupportedStateError,
+    WriterRootMismatchError,
+)
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc.protocol import ADDRESS_ENV, same_root
 from asyncckpt.rank.client import Client

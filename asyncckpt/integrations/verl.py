@@ -84,17 +84,32 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
-from asyncckpt.torchutil.dtensor import unwrapped
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.integrations.verl_followup import FollowUps, Job, local_dir
-from asyncckpt.integrations.verl_paths import (MARKER, ROOTS, TRACKER, agree, holds, locate,
-                                               read_tracker, relative_root, root_of,
-                                               trainer_dir)
+from asyncckpt.integrations.verl_paths import (
+    MARKER,
+    ROOTS,
+    TRACKER,
+    agree,
+    holds,
+    locate,
+    read_tracker,
+    relative_root,
+    root_of,
+    trainer_dir,
+)
 from asyncckpt.rank.node_writer import node_writer
 from asyncckpt.read.export import export_hf
-from asyncckpt.storage.location import (Location, exists, is_object, remove_tree, root_path,
-                                        write_bytes)
+from asyncckpt.storage.location import (
+    Location,
+    exists,
+    is_object,
+    remove_tree,
+    root_path,
+    write_bytes,
+)
+from asyncckpt.torchutil.dtensor import unwrapped
 
 __all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")

@@ -16,8 +16,9 @@ import logging
 import queue
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.storage.location import Location, is_object, upload_tree

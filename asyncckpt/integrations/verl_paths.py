@@ -35,8 +35,14 @@ import posixpath
 import re
 
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
-from asyncckpt.storage.location import (Location, ObjectPath, is_dir, is_object, read_bytes,
-                                        root_path)
+from asyncckpt.storage.location import (
+    Location,
+    ObjectPath,
+    is_dir,
+    is_object,
+    read_bytes,
+    root_path,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "asyncckpt.json"

@@ -27,6 +27,7 @@ import fcntl
 import mmap
 import os
 import stat
+
 MEMFD_NAME = "asyncckpt-ring"  # shows in /proc/PID/maps as /memfd:asyncckpt-ring
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap module
@@ -49,7 +50,7 @@ class Ring:
         return self.slot_size * self.slots
 
     @classmethod
-    def create(cls, slot_size: int, slots: int) -> "Ring":
+    def create(cls, slot_size: int, slots: int) -> Ring:
         """Create, size, seal and pre-touch a new ring owned by this process.
 
         Raises:
@@ -73,7 +74,7 @@ class Ring:
         return cls(mapping, slot_size, slots, fd)
 
     @classmethod
-    def attach(cls, fd: int, slot_size: int, slots: int) -> "Ring":
+    def attach(cls, fd: int, slot_size: int, slots: int) -> Ring:
         """Map a ring another process passed us; takes ownership of `fd` (closes it).
 
         Raises:

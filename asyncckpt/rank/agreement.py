@@ -18,7 +18,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncckpt.errors import SaveFailedError, error_class
 from asyncckpt.ipc import messages
@@ -56,8 +57,8 @@ class Agreement:
         self._idling = False  # `_idle` runs inside the leader's waits: never inside itself
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._parts: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # (pending, tmp, part), _WAKE, None
-        self._results: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._parts: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (pending, tmp, part), _WAKE, None
+        self._results: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"asyncckpt-agree-{coordinator.rank}")
         self._thread.start()

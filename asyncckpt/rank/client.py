@@ -35,11 +35,16 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncckpt.config import ClientKnobs
-from asyncckpt.errors import (SaveFailedError, WriterRootMismatchError, WriterUnavailableError,
-                              error_class)
+from asyncckpt.errors import (
+    SaveFailedError,
+    WriterRootMismatchError,
+    WriterUnavailableError,
+    error_class,
+)
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.rank.agreement import Agreement
@@ -344,7 +349,7 @@ class Client:
             self._handles = [h for h in handles if not h.done() or h._untaken()]
         raise_untaken(handles)
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:

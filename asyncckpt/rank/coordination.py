@@ -78,7 +78,8 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncckpt.errors import SaveFailedError
 from asyncckpt.torchutil.ranks import local_world_size

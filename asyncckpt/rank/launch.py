@@ -71,7 +71,7 @@ class WriterProcess:
         self._exported = False
         return self._proc.returncode
 
-    def __enter__(self) -> "WriterProcess":
+    def __enter__(self) -> WriterProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,7 +13,8 @@ The begin message is encoded here, up front, so that a state JSON cannot carry f
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -34,7 +35,7 @@ class Torn(Exception):
     """A tensor was modified in place while it was being staged."""
 
 
-def unmodified(pending: "PendingSave") -> Iterator[torch.Tensor]:
+def unmodified(pending: PendingSave) -> Iterator[torch.Tensor]:
     """The save's tensors, each checked not to have been modified in place (its version
     counter) between `save()` and the end of its own copy: a torn tensor fails the save
     rather than landing in a checkpoint. Changes after a tensor's copy are harmless."""

@@ -55,7 +55,8 @@ import logging
 import os
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 

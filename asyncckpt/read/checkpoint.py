@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -56,8 +57,7 @@ from asyncckpt.read.leaves import Leaf, holds_global, rank_leaves
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
 from asyncckpt.read.resolve import RESOLVE_TRIES, damaged_newest, resolve
 from asyncckpt.storage.base import CheckpointDir
-from asyncckpt.storage.location import (Location, ObjectPath, exists, is_link, root_path,
-                                        storage_for)
+from asyncckpt.storage.location import Location, ObjectPath, exists, is_link, root_path, storage_for
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +118,7 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], step: int | None = None, *,
-             limits: ReadLimits | None = None) -> "Checkpoint":
+             limits: ReadLimits | None = None) -> Checkpoint:
         """Open the checkpoint `path` (a checkpoint directory or a root) and `step` name.
 
         Args:
@@ -155,7 +155,7 @@ class Checkpoint:
 
     @classmethod
     def examine(cls, directory: str | os.PathLike[str], *, limits: ReadLimits | None = None,
-                whole: bool = True) -> tuple["Checkpoint | None", list[CheckpointError]]:
+                whole: bool = True) -> tuple[Checkpoint | None, list[CheckpointError]]:
         """Read and check `directory` as a checkpoint, collecting every problem found.
 
         Args:
@@ -171,7 +171,7 @@ class Checkpoint:
 
     @classmethod
     def _examine(cls, directory: str | os.PathLike[str], limits: ReadLimits, whole: bool
-                 ) -> tuple["Checkpoint | None", list[CheckpointError], bool]:
+                 ) -> tuple[Checkpoint | None, list[CheckpointError], bool]:
         """`examine`, and whether a replacing save swapped the directory while it was
         read (so that its problems may be that, not damage)."""
         directory = root_path(directory)
@@ -516,7 +516,7 @@ class Checkpoint:
             self._readers = None
         self._files.close()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -23,9 +23,10 @@ import os
 import re
 import shutil
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 

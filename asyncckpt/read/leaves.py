@@ -14,8 +14,9 @@ only the shard it saved never needs (read/loader.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, TensorSpec

@@ -27,7 +27,8 @@ import contextlib
 import difflib
 import gc
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -224,7 +225,7 @@ def _source(leaf: Leaf, target: torch.Tensor | None) -> GlobalTensor:
     return leaf.tensor
 
 
-def _plan(plan: "ReadPlan", g: "GlobalTensor", target: torch.Tensor | None, step: int,
+def _plan(plan: ReadPlan, g: GlobalTensor, target: torch.Tensor | None, step: int,
           rank: int) -> torch.Tensor:
     """Schedule `target` (or a new full tensor) to be filled from `g`; return it."""
     if target is None:

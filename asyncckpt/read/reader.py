@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -116,7 +117,7 @@ class RankReader:
             opened.close()
         self._ref_files = {}
 
-    def __enter__(self) -> "RankReader":
+    def __enter__(self) -> RankReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -383,7 +384,7 @@ class Readers:
             self._pool.close()
             self._pool = None
 
-    def __enter__(self) -> "Readers":
+    def __enter__(self) -> Readers:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,7 +13,7 @@ small tensors are read and verified once per batch, not once per tensor.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -72,7 +72,7 @@ class ReadFile(ABC):
     def close(self) -> None:
         """Release the file (idempotent)."""
 
-    def __enter__(self) -> "ReadFile":
+    def __enter__(self) -> ReadFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -124,7 +124,7 @@ class CheckpointDir:
         path: the directory (named in errors).
     """
 
-    def __init__(self, storage: "Storage", path: Path) -> None:
+    def __init__(self, storage: Storage, path: Path) -> None:
         self.storage, self.path = storage, path
 
     def has(self, name: str) -> bool:
@@ -132,7 +132,7 @@ class CheckpointDir:
         from asyncckpt.storage.location import exists
         return exists(self.path / name)
 
-    def read_manifest(self, limits: "ReadLimits") -> "Manifest":
+    def read_manifest(self, limits: ReadLimits) -> Manifest:
         """The directory's manifest, read and checked (storage.location.read_manifest_at).
 
         Raises:
@@ -177,7 +177,7 @@ class CheckpointDir:
     def close(self) -> None:
         """Release the directory (idempotent); files opened from it stay open."""
 
-    def __enter__(self) -> "CheckpointDir":
+    def __enter__(self) -> CheckpointDir:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -40,7 +40,8 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncckpt.errors import LeaseLostError, WriterLockedError
 

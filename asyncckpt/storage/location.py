@@ -48,10 +48,10 @@ class ObjectPath(PurePosixPath):
         """The object key (or key prefix, without a trailing slash) in the bucket."""
         return "/".join(self.parts[2:])
 
-    def resolve(self) -> "ObjectPath":  # a pure path has nothing to resolve
+    def resolve(self) -> ObjectPath:  # a pure path has nothing to resolve
         return self
 
-    def absolute(self) -> "ObjectPath":
+    def absolute(self) -> ObjectPath:
         return self
 
 

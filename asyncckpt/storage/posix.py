@@ -32,8 +32,8 @@ import secrets
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from asyncckpt.errors import CheckpointError, StepAlreadyCommittedError
 from asyncckpt.format.layout import (

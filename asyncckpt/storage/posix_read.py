@@ -16,8 +16,9 @@ import errno
 import os
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME

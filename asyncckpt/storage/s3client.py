@@ -16,8 +16,9 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import CheckpointError

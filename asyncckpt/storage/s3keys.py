@@ -34,8 +34,13 @@ import re
 import secrets
 from typing import NamedTuple
 
-from asyncckpt.format.layout import (MANIFEST_NAME, is_data_file_name, parse_node_dir,
-                                     parse_node_entry, parse_step_dir)
+from asyncckpt.format.layout import (
+    MANIFEST_NAME,
+    is_data_file_name,
+    parse_node_dir,
+    parse_node_entry,
+    parse_step_dir,
+)
 
 ATTEMPT_PREFIX = "attempt-"
 DATA_META = "asyncckpt-data"  # user metadata of a manifest (or marker): its data folder

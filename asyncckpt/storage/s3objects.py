@@ -14,14 +14,21 @@ import datetime
 import email.utils
 import errno
 import secrets
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import LeaseLostError
 from asyncckpt.format.layout import ROOT_ID_NAME
 from asyncckpt.storage.location import ObjectPath
-from asyncckpt.storage.s3client import (ObjectStoreError, client, failure, is_code, is_missing,
-                                        is_precondition)
+from asyncckpt.storage.s3client import (
+    ObjectStoreError,
+    client,
+    failure,
+    is_code,
+    is_missing,
+    is_precondition,
+)
 
 
 class S3Objects:

@@ -39,7 +39,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from asyncckpt.runtime import faults
 

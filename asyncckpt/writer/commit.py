@@ -30,18 +30,29 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from asyncckpt.errors import (CorruptCheckpointError, DiskFullError, SaveFailedError,
-                              WriterLockedError)
 from asyncckpt.config import ReadLimits
-from asyncckpt.format.layout import (LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, is_tmp_dir,
-                                     parse_node_entry, step_dir_name, tmp_step_of)
+from asyncckpt.errors import (
+    CorruptCheckpointError,
+    DiskFullError,
+    SaveFailedError,
+    WriterLockedError,
+)
+from asyncckpt.format.layout import (
+    LATEST_NAME,
+    LOCK_NAME,
+    ROOT_ID_NAME,
+    is_tmp_dir,
+    parse_node_entry,
+    step_dir_name,
+    tmp_step_of,
+)
 from asyncckpt.format.manifest import RankPart
 from asyncckpt.format.parts import PartEntry, node_part, parse_rank_part
 from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
-from asyncckpt.storage.location import read_manifest_at
 from asyncckpt.storage.durable import fsync_path
+from asyncckpt.storage.location import read_manifest_at
 from asyncckpt.storage.posix import read_small_file
 from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.storage.s3keys import is_attempt_name

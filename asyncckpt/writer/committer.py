@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.manifest import Manifest
-from asyncckpt.storage.location import is_object
 from asyncckpt.storage.base import Storage
+from asyncckpt.storage.location import is_object
 from asyncckpt.writer import commit, owners
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.retention import check_references, check_replaceable, prune

@@ -42,9 +42,10 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple, Union
+from typing import NamedTuple
 
 import xxhash
 
@@ -58,7 +59,7 @@ from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import MIN_BYTES, Target
 
 Done = Callable[[], None]
-Lookup = Callable[[int, int], Union[Target, None]]  # (xxh3_128, raw length) -> target
+Lookup = Callable[[int, int], Target | None]  # (xxh3_128, raw length) -> target
 # a tensor's frames in a committed step, as (raw length, target, xxh3_128)
 Unchanged = list[tuple[int, Target, int]]
 
@@ -86,7 +87,7 @@ class FileSettings:
 
     @classmethod
     def from_knobs(cls, knobs: WriterKnobs, storage: Storage, pool: FramePool
-                   ) -> "FileSettings":
+                   ) -> FileSettings:
         return cls(storage, pool, knobs.zstd_level, knobs.flush_bytes, knobs.writeback,
                    knobs.incremental)
 
@@ -96,16 +97,16 @@ class Piece(NamedTuple):
     frame to reference, and its xxh3_128 (incremental saves, else None)."""
 
     raw_length: int
-    stored: Union[Encoded, Target]
-    xxh3_128: Union[int, None]
+    stored: Encoded | Target
+    xxh3_128: int | None
 
 
 class _Ready(NamedTuple):
     """A submitted chunk, waiting for its turn to be appended."""
 
-    pieces: Union[list[Piece], None]  # None: dropped (an error, or closing)
+    pieces: list[Piece] | None  # None: dropped (an error, or closing)
     raw_length: int
-    done: Union[Done, None]           # still to call once written (the pieces alias it)
+    done: Done | None           # still to call once written (the pieces alias it)
     seconds: float                    # spent encoding
     pooled: bool                      # holds a pool credit
 

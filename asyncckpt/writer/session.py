@@ -31,10 +31,11 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from asyncckpt._version import __version__
 from asyncckpt.errors import CheckpointError, SaveFailedError, error_class

@@ -9,9 +9,10 @@ node whose lead rank is gone. The table's lock guards every field.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.layout import node_dir_name

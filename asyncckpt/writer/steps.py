@@ -36,8 +36,9 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
@@ -50,10 +51,10 @@ from asyncckpt.storage.location import is_object
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 from asyncckpt.writer.committer import Check, Committer, abandon, release, sweep_dead
-from asyncckpt.writer.step import FailedSteps, Notify, Step
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.owners import OwnerMark
 from asyncckpt.writer.retention import is_retired
+from asyncckpt.writer.step import FailedSteps, Notify, Step
 
 log = logging.getLogger("asyncckpt.writer")
 

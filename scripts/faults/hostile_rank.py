@@ -27,8 +27,9 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from asyncckpt.ipc import protocol, ring
 
@@ -223,7 +224,7 @@ class HostileRank:
         if self._shm is not None:
             self._shm.unlink(missing_ok=True)
 
-    def __enter__(self) -> "HostileRank":
+    def __enter__(self) -> HostileRank:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -252,7 +253,7 @@ class Resources:
     hwm: int
 
     @classmethod
-    def of(cls, pid: int) -> "Resources":
+    def of(cls, pid: int) -> Resources:
         fds = os.listdir(f"/proc/{pid}/fd")
         sockets = 0
         for fd in fds:
@@ -268,7 +269,7 @@ class Resources:
         return cls(len(os.listdir(f"/proc/{pid}/task")), len(fds), sockets, maps,
                    int(status["VmRSS"][0]) << 10, int(status["VmHWM"][0]) << 10)
 
-    def exceeds(self, base: "Resources", thread_slack: int = 0, fd_slack: int = 0) -> list[str]:
+    def exceeds(self, base: Resources, thread_slack: int = 0, fd_slack: int = 0) -> list[str]:
         """What grew beyond `base` (plus slack), as readable lines."""
         out = []
         for name, slack in (("threads", thread_slack), ("fds", fd_slack),

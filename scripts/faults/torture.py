@@ -67,7 +67,6 @@ from asyncckpt.storage.location import (  # noqa: E402
     storage_for,
 )
 
-
 # Ranks are forked from a server that has imported torch and asyncckpt once: a rank is
 # saving within ~0.1 s of its start instead of spending 2 s importing torch, so the kills
 # land while ranks save, not while they start.

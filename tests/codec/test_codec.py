@@ -11,8 +11,15 @@ import pytest
 import zstandard
 
 from asyncckpt import config
-from asyncckpt.codec.registry import (AUTO, CODECS, REGISTRY, FrameHints, RawCodec, ZstdCodec,
-                                      make_codec)
+from asyncckpt.codec.registry import (
+    AUTO,
+    CODECS,
+    REGISTRY,
+    FrameHints,
+    RawCodec,
+    ZstdCodec,
+    make_codec,
+)
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.writer import autocodec
 

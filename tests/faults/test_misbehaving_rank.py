@@ -21,16 +21,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 from conftest import small_tmpfs
-
-import asyncckpt
-from asyncckpt.ipc import protocol
-
 from hostile_rank import (  # noqa: E402
     FD_PASSING,
     HostileRank,
@@ -43,6 +40,9 @@ from hostile_rank import (  # noqa: E402
     tmp_leftovers,
     u8_table,
 )
+
+import asyncckpt
+from asyncckpt.ipc import protocol
 
 needs_fd_passing = pytest.mark.skipif(not FD_PASSING, reason="the ring is passed by name here")
 SLOT = 64 << 10

@@ -14,11 +14,11 @@ import time
 
 import pytest
 import torch
+from conftest import use_s3
 
 import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.storage.location import storage_for
-from conftest import use_s3
 
 MiB = 1 << 20
 pytestmark = pytest.mark.process  # a SeaweedFS server and a writer run for these tests

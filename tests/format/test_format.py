@@ -12,10 +12,21 @@ import torch
 
 from asyncckpt.codec.registry import CODECS
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
-from asyncckpt.format.layout import (DTYPE_SIZES, data_file_codec, data_file_name, element_size,
-                                     is_data_file_name, is_tmp_dir, layout, parse_replaced_dir,
-                                     parse_retired_dir, parse_step_dir, retired_dir_name,
-                                     step_dir_name, tmp_step_of)
+from asyncckpt.format.layout import (
+    DTYPE_SIZES,
+    data_file_codec,
+    data_file_name,
+    element_size,
+    is_data_file_name,
+    is_tmp_dir,
+    layout,
+    parse_replaced_dir,
+    parse_retired_dir,
+    parse_step_dir,
+    retired_dir_name,
+    step_dir_name,
+    tmp_step_of,
+)
 from asyncckpt.rank.flatten import flatten
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
 

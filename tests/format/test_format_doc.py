@@ -22,13 +22,32 @@ from asyncckpt.codec.registry import CODECS, REGISTRY
 from asyncckpt.config import ClientKnobs, ReadLimits, WriterKnobs
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format import envelope
-from asyncckpt.format.layout import (CUT_BYTES, DTYPE_SIZES, FORMAT_VERSION_PARTS, LATEST_NAME,
-                                     LOCK_NAME, MANIFEST_NAME, MAX_STEP, MAX_WORLD, METADATA_KEY,
-                                     ROOT_ID_NAME, data_file_codec, data_file_name,
-                                     is_data_file_name, is_node_dir_name, layout, node_dir_name,
-                                     parse_node_dir, parse_node_entry, parse_replaced_dir,
-                                     parse_retired_dir, parse_step_dir, rank_part_name,
-                                     step_dir_name, tmp_step_of)
+from asyncckpt.format.layout import (
+    CUT_BYTES,
+    DTYPE_SIZES,
+    FORMAT_VERSION_PARTS,
+    LATEST_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    MAX_STEP,
+    MAX_WORLD,
+    METADATA_KEY,
+    ROOT_ID_NAME,
+    data_file_codec,
+    data_file_name,
+    is_data_file_name,
+    is_node_dir_name,
+    layout,
+    node_dir_name,
+    parse_node_dir,
+    parse_node_entry,
+    parse_replaced_dir,
+    parse_retired_dir,
+    parse_step_dir,
+    rank_part_name,
+    step_dir_name,
+    tmp_step_of,
+)
 from asyncckpt.format.manifest import Manifest, admitted_codecs, parse_manifest
 from asyncckpt.format.parts import node_part
 from asyncckpt.torchutil import dtypes

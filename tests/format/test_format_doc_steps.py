@@ -25,8 +25,15 @@ from test_format_doc import DOC, doc_header, table, table_of, ticked
 
 import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.layout import (FORMAT_VERSION, FORMAT_VERSION_PARTS, LATEST_NAME,
-                                     LOCK_NAME, MANIFEST_NAME, ROOT_ID_NAME, step_dir_name)
+from asyncckpt.format.layout import (
+    FORMAT_VERSION,
+    FORMAT_VERSION_PARTS,
+    LATEST_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    ROOT_ID_NAME,
+    step_dir_name,
+)
 from asyncckpt.format.manifest import read_manifest
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.copying import copy_step

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 import xxhash
 from conftest import SMALL_RING, assert_same
+from hostile_rank import HostileRank  # noqa: E402
 
 import asyncckpt
 from asyncckpt.cli import main as cli
@@ -24,8 +25,6 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.format.manifest import parse_manifest, parse_part, part_to_bytes, read_manifest
 from asyncckpt.format.tree import check_tree
-
-from hostile_rank import HostileRank  # noqa: E402
 
 PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')
 

@@ -11,8 +11,9 @@ import itertools
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import xxhash
@@ -21,15 +22,38 @@ from test_manifest import ENVELOPE, make_part, resign
 from asyncckpt.codec.registry import PlaneLayout
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.layout import (FORMAT_VERSION_PARTS, MANIFEST_NAME, READABLE_VERSIONS,
-                                     data_file_codec, is_data_file_name,
-                                     is_node_dir_name, layout, node_data_file_name,
-                                     node_dir_name, parse_node_dir, parse_node_entry,
-                                     rank_part_name)
-from asyncckpt.format.manifest import (Frame, Manifest, RankPart, Ref, check_readable,
-                                       parse_manifest, read_manifest)
-from asyncckpt.format.parts import (PartEntry, PartedRanks, check_sums, node_part,
-                                    parse_rank_part, part_entry, rank_part_to_bytes)
+from asyncckpt.format.layout import (
+    FORMAT_VERSION_PARTS,
+    MANIFEST_NAME,
+    READABLE_VERSIONS,
+    data_file_codec,
+    is_data_file_name,
+    is_node_dir_name,
+    layout,
+    node_data_file_name,
+    node_dir_name,
+    parse_node_dir,
+    parse_node_entry,
+    rank_part_name,
+)
+from asyncckpt.format.manifest import (
+    Frame,
+    Manifest,
+    RankPart,
+    Ref,
+    check_readable,
+    parse_manifest,
+    read_manifest,
+)
+from asyncckpt.format.parts import (
+    PartedRanks,
+    PartEntry,
+    check_sums,
+    node_part,
+    parse_rank_part,
+    part_entry,
+    rank_part_to_bytes,
+)
 
 MAX_FRAME = 1 << 20
 STEP = 1200

@@ -27,8 +27,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter, parse_checkpoint_id
-from asyncckpt.errors import (CheckpointError, CorruptCheckpointError, StepAlreadyCommittedError,
-                              WriterRootMismatchError)
+from asyncckpt.errors import (
+    CorruptCheckpointError,
+    StepAlreadyCommittedError,
+    WriterRootMismatchError,
+)
 from asyncckpt.format.layout import step_dir_name
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -96,8 +96,7 @@ def tiny_tokenizer():
 
 def full_optimizer_state(model, optimizer):
     """Added: the whole optimizer state on every rank (a copy), to compare after the load."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)

@@ -36,8 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 REPO = Path(__file__).resolve().parents[2]
@@ -214,7 +214,7 @@ class Cluster:
         self.nodes: list[Node] = []
         self.port = 0
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         self.base.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         for i in range(self.n):
@@ -269,7 +269,7 @@ class Cluster:
             for d in self.runtime_dirs:
                 shutil.rmtree(d, ignore_errors=True)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start() if not self.nodes else self
 
     def __exit__(self, *exc: object) -> None:

@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_worker import _assert_same, build, full_state, leave, train  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt.storage.location import exists, root_path  # noqa: E402
 from asyncckpt.dcp import StorageReader, StorageWriter  # noqa: E402
+from asyncckpt.storage.location import exists, root_path  # noqa: E402
 
 
 def write_json(path: Path, doc: dict) -> None:

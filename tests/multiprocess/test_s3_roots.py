@@ -13,12 +13,12 @@ import time
 
 import pytest
 import torch
+from conftest import SMALL_RING, use_s3
 
 import asyncckpt
 from asyncckpt.errors import StepAlreadyCommittedError
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.location import root_path, storage_for
-from conftest import SMALL_RING, use_s3
 
 MiB = 1 << 20
 

@@ -8,11 +8,11 @@ import logging
 
 import pytest
 import torch
+from conftest import running_writer
 
 import asyncckpt
 from asyncckpt.errors import StepAlreadyCommittedError
 from asyncckpt.rank import client as client_module
-from conftest import running_writer
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 import torch
+from conftest import running_writer
 
 import asyncckpt
-from conftest import running_writer
 
 MiB = 1 << 20
 

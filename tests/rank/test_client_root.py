@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import running_writer
 
 import asyncckpt
 from asyncckpt.errors import WriterRootMismatchError, WriterUnavailableError
-from conftest import running_writer
 
 
 @pytest.fixture

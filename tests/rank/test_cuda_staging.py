@@ -11,7 +11,7 @@ producer, or a block freed before its copy ran shows as wrong values in some rep
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch

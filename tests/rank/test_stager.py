@@ -88,7 +88,7 @@ def test_slots_held_when_staging_stops_are_given_back():
 class LateEvent:
     """An event after the first `upto` queued copies; they run only when it is waited for."""
 
-    def __init__(self, device: "LateCopies", upto: int) -> None:
+    def __init__(self, device: LateCopies, upto: int) -> None:
         self.device, self.upto = device, upto
 
     def query(self) -> bool:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import running_writer
 
 import asyncckpt
 from asyncckpt.format.layout import MANIFEST_NAME, step_dir_name
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage import posix
 from asyncckpt.storage.posix import PosixStorage
-from conftest import running_writer
 
 STEP = 3
 

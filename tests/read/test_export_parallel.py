@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import running_writer
 from safetensors.torch import load_file
 
 import asyncckpt
 from asyncckpt.cli import main
 from asyncckpt.read.export import INDEX_NAME
-from conftest import running_writer
 
 pytestmark = pytest.mark.process  # jobs > 1 starts export processes
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import running_writer
 from safetensors.torch import load_file, save_file
 
 import asyncckpt
@@ -23,7 +24,6 @@ from asyncckpt.cli import main
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.export import INDEX_NAME
 from asyncckpt.read.hf import hf_metadata
-from conftest import running_writer
 
 pytestmark = pytest.mark.process  # the kill test runs an export in a process of its own
 

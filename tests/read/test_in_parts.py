@@ -13,8 +13,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,13 +28,13 @@ from torch.distributed.tensor import Shard
 
 import asyncckpt
 from asyncckpt import cli
-from asyncckpt.read.loader import load_parts
 from asyncckpt.errors import CorruptCheckpointError, SaveFailedError
 from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.format.manifest import Manifest, RankPart, read_manifest
 from asyncckpt.format.parts import node_part
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.copying import copy_step
+from asyncckpt.read.loader import load_parts
 from asyncckpt.read.summary import inspect_summary
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.storage.posix_read import PosixCheckpointDir

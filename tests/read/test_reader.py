@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,8 +21,7 @@ import xxhash
 from conftest import SMALL_RING, assert_same
 
 import asyncckpt
-from asyncckpt.errors import (CheckpointNotFoundError, CorruptCheckpointError,
-                              StateMismatchError)
+from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from asyncckpt.format.layout import MANIFEST_NAME, data_file_name, layout
 from asyncckpt.format.manifest import Frame, Manifest, RankPart, read_manifest
 from asyncckpt.read.checkpoint import Checkpoint

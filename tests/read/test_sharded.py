@@ -13,8 +13,8 @@ import contextlib
 import itertools
 import json
 import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -28,9 +28,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import asyncckpt
-from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.format.tiling import runs
+from asyncckpt.read.checkpoint import Checkpoint
 
 Placements = tuple  # of Shard / Replicate, one per mesh dimension
 
@@ -384,8 +384,10 @@ def test_sharded_tensor_replica_groups_write_once(writer):
 def test_sharded_tensor_with_two_local_shards_is_refused(writer):
     from torch.distributed._shard.sharded_tensor import Shard as LocalShard
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
-                                                                  TensorProperties)
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
     with as_rank(0, 2), asyncckpt.connect(writer.address, rank=0, world_size=2, **SMALL_RING) as c:
         shards = [LocalShard.from_tensor_and_offsets(torch.ones(2, 2), [o, 0], 0) for o in (0, 2)]
         meta = ShardedTensorMetadata([s.metadata for s in shards], torch.Size([4, 2]),

@@ -10,8 +10,7 @@ from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError, WriterL
 from asyncckpt.format.manifest import Manifest, RankPart, parse_manifest
 from asyncckpt.storage import durable
 from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.writer import commit
-from asyncckpt.writer import retention
+from asyncckpt.writer import commit, retention
 
 
 def empty_manifest(step: int) -> bytes:

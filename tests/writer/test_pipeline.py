@@ -11,8 +11,16 @@ import pytest
 from asyncckpt.format.layout import TensorSpec
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer.dedup import Target
-from asyncckpt.writer.pipeline import (CUT_BYTES, Cuts, FileSettings, Piece, RankFileWriter,
-                                       Splicer, _Order, _Ready)
+from asyncckpt.writer.pipeline import (
+    CUT_BYTES,
+    Cuts,
+    FileSettings,
+    Piece,
+    RankFileWriter,
+    Splicer,
+    _Order,
+    _Ready,
+)
 from benchmarks.stagespeed import resident_bytes
 
 MiB = 1 << 20

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
-
-import asyncckpt
-
 from conftest import assert_same  # noqa: E402
 from hostile_rank import HostileRank, Resources, u8_table  # noqa: E402
+
+import asyncckpt
 
 SLOT = 64 << 10
 NEEDS = {"need_slot": True}  # the hello of a rank that says when it waits for a slot

@@ -150,7 +150,7 @@ def test_a_rank_that_never_connected_fails_the_step_soon_and_says_why(steps, mon
     assert 0.2 <= float(text.split("writer, ")[1].split(" s after")[0]) < 5
 
 
-def begin_after_rank_1_left(steps, step: int) -> "Inbox":
+def begin_after_rank_1_left(steps, step: int) -> Inbox:
     """Ranks 0 and 1 said hello, rank 1 left before it began anything, then rank 0
     begins `step` of a world of 2: rank 0's inbox."""
     inbox = Inbox()
