@@ -1,9 +1,14 @@
-"""The package's layers: imports run one way, and the writer's side never imports torch.
+"""The package's layers: imports run one way, no module imports itself round a circle,
+only storage/ knows its backends, and the writer's side never imports torch.
 
 Each part of `asyncckpt/` (a folder, or a top-level module) has a layer; a module may
 import its own part and the parts of lower layers, never a peer of its layer or anything
-above. The parts that the writer process loads never import torch, not even inside a
-function (only under `if TYPE_CHECKING:`), so that the writer's memory stays small.
+above. Inside a part the modules form no circle either: an import inside a function
+counts, only one under `if TYPE_CHECKING:` does not. Outside `storage/` no module names a
+backend (a `Storage` subclass or a backend's own module) or tests a location's type: it
+opens storage by URL and calls `Storage` methods, so a new backend is one new module. The
+parts that the writer process loads never import torch, not even inside a function (only
+under `if TYPE_CHECKING:`), so that the writer's memory stays small.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,6 +90,123 @@ def violations(module: str, source: str) -> list[str]:
     return found
 
 
+def _module_file(module: str) -> Path | None:
+    """The file of `asyncckpt.<module>` (a package's `__init__.py`), or None."""
+    base = PACKAGE.joinpath(*module.split(".")) if module else PACKAGE
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported_modules(module: str, source: str,
+                     is_module: Callable[[str], bool] = lambda m: _module_file(m) is not None
+                     ) -> set[str]:
+    """The package's modules that `module` imports outside `if TYPE_CHECKING:` (dotted,
+    under asyncckpt; `from asyncckpt.x import y` names `x.y` when `is_module("x.y")`)."""
+    tree = ast.parse(source)
+    typing_only = _type_checking_nodes(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            names = [n if is_module(n[len("asyncckpt."):]) else node.module for n in names
+                     if n.startswith("asyncckpt.")]
+        else:
+            continue
+        found.update(n[len("asyncckpt."):] for n in names if n.startswith("asyncckpt."))
+    found.discard(module)
+    return found
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module in `graph` (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                members.append(top)
+                if top == node:
+                    break
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def backend_names() -> tuple[set[str], set[str]]:
+    """The backends' class names (every subclass of `Storage` defined in storage/, read from
+    the source, and `ObjectPath`, a backend's location type) and their modules."""
+    bases: dict[str, tuple[str, set[str]]] = {}
+    for path in sorted((PACKAGE / "storage").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = {ast.unparse(b).split(".")[-1].split("[")[0] for b in node.bases}
+                bases[node.name] = (f"storage.{path.stem}", names)
+    classes = {"Storage"}
+    while True:
+        more = {name for name, (_, parents) in bases.items() if parents & classes} - classes
+        if not more:
+            break
+        classes |= more
+    classes.discard("Storage")
+    modules = {bases[name][0] for name in classes}
+    return classes | {"ObjectPath"}, modules
+
+
+def backend_checks(module: str, source: str, classes: set[str],
+                   modules: set[str]) -> list[str]:
+    """Where `module`, outside storage/, names a backend class or imports a backend's module
+    (`s3*`, `posix*` and any module defining a `Storage` subclass)."""
+    if part_of(module) == "storage":
+        return []
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id in classes:
+            found.append(f"{module}:{node.lineno} names the backend {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in classes:
+            found.append(f"{module}:{node.lineno} names the backend {node.attr}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names
+                                            if _module_file(f"{node.module}.{a.name}"
+                                                            [len("asyncckpt."):])])
+            for name in names:
+                short = name[len("asyncckpt."):] if name.startswith("asyncckpt.") else ""
+                stem = short.split(".")[1] if short.startswith("storage.") and "." in short \
+                    else ""
+                if short in modules or stem.startswith(("s3", "posix")):
+                    found.append(f"{module}:{node.lineno} imports the backend module {name}")
+                if isinstance(node, ast.ImportFrom):
+                    found += [f"{module}:{node.lineno} imports the backend {a.name}"
+                              for a in node.names if a.name in classes]
+    return sorted(set(found))
+
+
 def test_every_part_has_a_layer():
     parts = {part_of(_module_name(p)) for p in PACKAGE.rglob("*.py")}
     assert parts <= set(LAYER_OF), f"parts without a layer: {parts - set(LAYER_OF)}"
@@ -93,6 +216,49 @@ def test_imports_follow_the_layers():
     found = [v for p in sorted(PACKAGE.rglob("*.py"))
              for v in violations(_module_name(p), p.read_text())]
     assert not found, "\n".join(found)
+
+
+def test_no_import_circles():
+    graph = {_module_name(p): imported_modules(_module_name(p), p.read_text())
+             for p in sorted(PACKAGE.rglob("*.py"))}
+    circles = import_circles(graph)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_only_storage_knows_its_backends():
+    classes, modules = backend_names()
+    assert {"PosixStorage", "S3Storage"} <= classes
+    found = [v for p in sorted(PACKAGE.rglob("*.py"))
+             for v in backend_checks(_module_name(p), p.read_text(), classes, modules)]
+    assert not found, "\n".join(found)
+
+
+def test_the_circle_check_catches():
+    def known(module: str) -> bool:
+        return module in {"format.a", "format.b", "format.c", "format.d"}
+
+    sources = {"format.a": "def f():\n    from asyncckpt.format import b\n",
+               "format.b": "from asyncckpt.format.a import X\n",
+               "format.c": "from typing import TYPE_CHECKING\n"
+                           "if TYPE_CHECKING:\n    from asyncckpt.format import b\n",
+               "format.d": "import asyncckpt.format.c\n"}
+    graph = {name: imported_modules(name, source, known) for name, source in sources.items()}
+    assert graph["format.a"] == {"format.b"} and graph["format.c"] == set()
+    assert import_circles(graph) == [["format.a", "format.b"]]
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from asyncckpt.storage.s3 import S3Storage\n", "imports the backend"),
+    ("import asyncckpt.storage.posix\n", "backend module"),
+    ("from asyncckpt.storage import s3client\n", "backend module"),
+    ("def f(x):\n    return isinstance(x, location.ObjectPath)\n", "names the backend"),
+    ("def f(s):\n    return type(s).__name__ == 'S3' or isinstance(s, PosixStorage)\n",
+     "names the backend PosixStorage"),
+])
+def test_the_backend_check_catches(source, expected):
+    classes, modules = backend_names()
+    assert any(expected in v for v in backend_checks("writer.commit", source, classes, modules))
+    assert not backend_checks("storage.location", source, classes, modules)
 
 
 @pytest.mark.parametrize("module, source, expected", [
@@ -152,5 +318,6 @@ def test_the_code_map_names_every_module_in_its_folder():
 def test_dir_of_the_package_is_its_public_api():
     import asyncckpt
     assert dir(asyncckpt) == sorted(asyncckpt.__all__)
-    assert {"load", "verify", "Checkpointer", "CheckpointerOptions", "export_hf"} <= set(dir(asyncckpt))
+    assert {"load", "verify", "Checkpointer", "CheckpointerOptions", "export_hf"} \
+        <= set(dir(asyncckpt))
     assert not {"Any", "TYPE_CHECKING", "annotations", "importlib"} & set(dir(asyncckpt))
