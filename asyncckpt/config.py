@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncckpt.codec.registry import (
     SETTINGS as CODECS,  # the writer's codec knob: stored codecs + "auto"
 )
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 MiB = 1 << 20
 MAX_FRAME_BYTES = 256 * MiB  # the largest frame a writer accepts and a reader allows
@@ -266,7 +269,8 @@ class ObjectStoreKnobs(_FromEnv):
         _require(self.lease_renew > 0, "lease_renew", "positive", self.lease_renew)
 
 
-_SETS: tuple[type, ...] = (ClientKnobs, WriterKnobs, ReadLimits, ObjectStoreKnobs)
+_SETS: tuple[type[DataclassInstance], ...] = (ClientKnobs, WriterKnobs, ReadLimits,
+                                              ObjectStoreKnobs)
 _WHERE = {ClientKnobs: "connect()/Client (a rank knob)",
           WriterKnobs: "start_writer()/`asyncckpt writer --knob` (a writer knob)",
           ReadLimits: "load(limits=)/ReadLimits (a reader limit)",

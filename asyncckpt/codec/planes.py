@@ -92,7 +92,7 @@ def split(raw: Buffer, width: int, phase: int, rotated: bool = False) -> Split:
     return Split(view[:head], planes, view[head + count * width:])
 
 
-def unrotate(planes: list[Buffer]) -> list[Buffer]:
+def unrotate(planes: list[np.ndarray]) -> list[np.ndarray]:
     """The byte planes that `planes`, split with `rotated`, stand for (new arrays for
     the top two, the others as they are)."""
     low, top = np.frombuffer(planes[-2], np.uint8), np.frombuffer(planes[-1], np.uint8)
@@ -116,7 +116,8 @@ def merge_into(head: Buffer, planes: list[Buffer], tail: Buffer, width: int, pha
     """
     total = sum(len(o) for o in outs)
     h, count, t = geometry(total, width, phase)
-    if len(head) != h or len(tail) != t or len(planes) != width or any(len(p) != count for p in planes):
+    if (len(head) != h or len(tail) != t or len(planes) != width
+            or any(len(p) != count for p in planes)):
         raise ValueError(f"planes do not fill {total} bytes as width {width} / phase {phase}")
     if rotated and width not in ROTATABLE:
         raise ValueError(f"no sign rotation for width {width}")

@@ -110,6 +110,10 @@ class FrameHints(NamedTuple):
     rotated: bool = False
 
 
+# The hints of a frame nobody knows more about (immutable: shared as a default argument).
+NO_HINTS = FrameHints()
+
+
 class Stored(NamedTuple):
     """One encoded frame: `codec` is the codec it is stored with (the byte-plane codec
     stores a frame whose planes do not compress as a raw frame), `pieces` concatenated
@@ -140,7 +144,7 @@ class Codec(Protocol):
         `PlaneChoice()` when there is nothing to decide)."""
         ...
 
-    def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
+    def encode(self, raw: Buffer, hints: FrameHints = NO_HINTS) -> Stored:
         """The stored form of one frame. Its pieces are either `raw` itself (see
         `Stored.as_is`) or refer to none of `raw`'s memory."""
         ...
@@ -163,7 +167,7 @@ class RawCodec:
     def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
         return PlaneChoice()
 
-    def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
+    def encode(self, raw: Buffer, hints: FrameHints = NO_HINTS) -> Stored:
         return Stored(RAW, [raw])
 
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
@@ -189,7 +193,7 @@ class ZstdCodec:
     def probe(self, sample: Buffer, width: int, phase: int) -> PlaneChoice:
         return PlaneChoice()
 
-    def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
+    def encode(self, raw: Buffer, hints: FrameHints = NO_HINTS) -> Stored:
         return Stored(self.name, [self._compressor.compress(raw)])
 
     def decode_into(self, stored: Buffer, out: memoryview | list[memoryview],
@@ -201,7 +205,8 @@ class ZstdCodec:
         except zstandard.ZstdError as e:
             raise CorruptCheckpointError(f"not a zstd frame: {e}") from None
         if declared != expected:
-            raise CorruptCheckpointError(f"zstd frame declares {declared} bytes, expected {expected}")
+            raise CorruptCheckpointError(f"zstd frame declares {declared} bytes, "
+                                         f"expected {expected}")
         filled = 0
         try:
             reader = self._decompressor.stream_reader(stored, read_across_frames=False)
@@ -261,7 +266,8 @@ class BytegroupCodec:
         sample = _spread(memoryview(sample).cast("B"), self._probe_bytes, width, phase)
         rotated = bool(self._rotate) and width in _planes.ROTATABLE
         if self._rotate is None and width in _planes.ROTATABLE:
-            sizes = [sum(self._packed(p) for p in _planes.split(sample, width, phase, r).planes[-2:])
+            sizes = [sum(self._packed(p)
+                         for p in _planes.split(sample, width, phase, r).planes[-2:])
                      for r in (False, True)]
             rotated = sizes[1] < sizes[0]
         if not self._probe_planes:
@@ -273,7 +279,7 @@ class BytegroupCodec:
     def _packed(self, plane: np.ndarray) -> int:
         return len(self._compressor.compress(plane)) if len(plane) else 0
 
-    def encode(self, raw: Buffer, hints: FrameHints = FrameHints()) -> Stored:
+    def encode(self, raw: Buffer, hints: FrameHints = NO_HINTS) -> Stored:
         """Head, planes and tail of `raw` as `hints` split it, the planes that
         `hints.planes` marks zstd-compressed where that shrinks them to `max_ratio` or
         better; `raw` itself, as a raw frame, when no plane ends up compressed."""
@@ -289,7 +295,7 @@ class BytegroupCodec:
                     pieces.append(packed)
                     layout.append(("zstd", len(packed)))
                     continue
-            pieces.append(memoryview(plane))
+            pieces.append(plane.data)
             layout.append((RAW, len(plane)))
         if not any(codec == "zstd" for codec, _ in layout):
             return Stored(RAW, [raw])

@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from asyncckpt.errors import UnsupportedStateError
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,10 @@ class Chunk:
     local: torch.Tensor | None = None
 
 
-def is_dtensor(t: object) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     """Whether `t` is a torch.distributed DTensor (without importing it when unused)."""
-    return isinstance(t, torch.Tensor) and type(t).__name__ == "DTensor" and hasattr(t, "placements")
+    return (isinstance(t, torch.Tensor) and type(t).__name__ == "DTensor"
+            and hasattr(t, "placements"))
 
 
 def is_sharded_tensor(t: object) -> bool:
@@ -133,8 +137,9 @@ def local_box(t: Any, where: str) -> tuple[torch.Tensor | None, tuple[int, ...]]
         strided = isinstance(p, _StridedShard)
         if not _strided_box(t, i) if strided else not isinstance(p, (Shard, Replicate)):
             raise UnsupportedStateError(
-                f"{where}: placement {type(p).__name__} ({p}) has no contiguous box; redistribute it to Shard/"
-                "Replicate placements (or call full_tensor()) before saving or loading")
+                f"{where}: placement {type(p).__name__} ({p}) has no contiguous box; "
+                "redistribute it to Shard/Replicate placements (or call full_tensor()) "
+                "before saving or loading")
     if t.device_mesh.get_coordinate() is None:
         return None, ()
     local = t.to_local()
