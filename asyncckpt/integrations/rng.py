@@ -13,10 +13,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncckpt.errors import UnsupportedStateError
+
 
 def rng_state() -> dict[str, Any]:
     """CPU, numpy, Python (and accelerator) RNG states as savable values (no pickle)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = np.random.get_state()
+    if not isinstance(numpy_state, tuple):  # the new form: a generator other than MT19937
+        raise UnsupportedStateError(f"numpy's global random state is of "
+                                    f"{numpy_state.get('bit_generator')!r}, not the MT19937 "
+                                    "tuple this checkpoint keeps")
+    name, keys, pos, has_gauss, gauss = numpy_state
     state: dict[str, Any] = {
         "cpu": torch.get_rng_state(),
         "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
