@@ -73,7 +73,8 @@ def save(step: int, state_dict: Any) -> SaveHandle:
 
 
 __all__ = [
-    "__version__", "save", "load", "verify", "export_hf", "copy_step", "connect", "start_writer", "Client",
+    "__version__", "save", "load", "verify", "export_hf", "copy_step", "connect", "start_writer",
+    "Client",
     "SaveHandle",
     "Checkpointer", "CheckpointerOptions",
     "WriterProcess", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",

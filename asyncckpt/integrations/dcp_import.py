@@ -52,6 +52,7 @@ from asyncckpt.torchutil.dtensor import Chunk
 
 PART_BYTES = 1 << 30
 _RING = 64 << 20  # one client at a time: each sends its part, the last hears the commit
+_STOP_TIMEOUT = 60.0  # seconds the last client, then the import's writer, get to finish
 
 
 class _PlainObjects(DefaultLoadPlanner):
@@ -132,9 +133,13 @@ def import_dcp(source: str | os.PathLike[str], root: str | os.PathLike[str], ste
     metadata = read_metadata(source, limits or ReadLimits.from_env())
     tensors = {k: v for k, v in metadata.state_dict_metadata.items()
                if isinstance(v, TensorStorageMetadata)}
-    objects = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    objects = [k for k, v in metadata.state_dict_metadata.items()
+               if isinstance(v, BytesStorageMetadata)]
     parts = _parts(tensors, part_bytes)
-    writer = None if address is not None else start_writer(root, export=False)
+    writer = None
+    if address is None:
+        writer = start_writer(root, export=False)
+        address = writer.address
     try:
         catalogue = {k: Chunk(tuple(v.size), v.properties.dtype) for k, v in tensors.items()}
         last = None
@@ -151,8 +156,8 @@ def import_dcp(source: str | os.PathLike[str], root: str | os.PathLike[str], ste
                 state[k] = Chunk(tuple(t.shape), t.dtype, (0,) * t.dim(), t)
             if rank == 0:
                 state.update(planner.objects)
-            client = Client(address or writer.address, rank=rank, world_size=len(parts),  # type: ignore[union-attr]
-                            ring_size=_RING, coordination="local")
+            client = Client(address, rank=rank, world_size=len(parts), ring_size=_RING,
+                            coordination="local")
             handle = client.save(step, state)
             if rank < len(parts) - 1:
                 _hand_over(client)
@@ -163,10 +168,10 @@ def import_dcp(source: str | os.PathLike[str], root: str | os.PathLike[str], ste
         try:
             path = handle.wait()
         finally:
-            last.close(timeout=60)
+            last.close(timeout=_STOP_TIMEOUT)
     finally:
         if writer is not None:
-            writer.stop(timeout=60)
+            writer.stop(timeout=_STOP_TIMEOUT)
     return path
 
 

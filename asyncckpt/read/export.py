@@ -70,6 +70,7 @@ log = logging.getLogger("asyncckpt.export")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"  # save_pretrained's one-file model, preferred by from_pretrained
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+HELPER_POLL = 0.2  # seconds between progress ticks while the export's helper processes run
 Shards = list[tuple[str, list[Item]]]
 
 
@@ -351,7 +352,7 @@ class _Helpers:
         """Until every helper exits; raises the first failure (typed as it was)."""
         for proc, thread in zip(self._procs, self._threads):
             while proc.poll() is None:
-                thread.join(0.2)
+                thread.join(HELPER_POLL)
                 tick()
             thread.join()
         tick()

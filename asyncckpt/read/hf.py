@@ -80,8 +80,8 @@ def read_hf_metadata(tree: Any) -> dict[str, str]:
         if isinstance(item, list) and len(item) == 2 and item[0] == HF_KEY:
             node = item[1]
             if isinstance(node, dict) and isinstance(node.get("dict"), list):
-                return {k: v for k, v in (i for i in node["dict"] if isinstance(i, list) and len(i) == 2)
-                        if isinstance(k, str) and isinstance(v, str)}
+                pairs = (i for i in node["dict"] if isinstance(i, list) and len(i) == 2)
+                return {k: v for k, v in pairs if isinstance(k, str) and isinstance(v, str)}
     return {}
 
 
@@ -122,7 +122,8 @@ def copy_tokenizer(source: str | os.PathLike[str], out: Path) -> list[str]:
     names = sorted(p.name for p in source.iterdir() if p.is_file()
                    and any(fnmatch(p.name, pattern) for pattern in TOKENIZER_PATTERNS))
     if not names:
-        raise ValueError(f"{source} holds no tokenizer file (looked for {', '.join(TOKENIZER_PATTERNS)})")
+        raise ValueError(f"{source} holds no tokenizer file "
+                         f"(looked for {', '.join(TOKENIZER_PATTERNS)})")
     for name in names:
         shutil.copyfile(source / name, out / name)
         fsync_path(out / name)  # durable before the index that makes `out` complete
@@ -204,8 +205,8 @@ def _config_json(config: Any, architecture: str | None) -> str:
     if isinstance(config, Mapping):
         body = dict(config)
     else:
-        body = json.loads(config.to_json_string(use_diff=False)) if hasattr(config, "to_json_string") \
-            else dict(config.to_dict())
+        body = (json.loads(config.to_json_string(use_diff=False))
+                if hasattr(config, "to_json_string") else dict(config.to_dict()))
     if architecture is not None and not body.get("architectures"):
         body["architectures"] = [architecture]
     try:

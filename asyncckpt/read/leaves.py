@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
@@ -107,7 +108,7 @@ def rank_leaves(tensors: list[TensorSpec], tree: Any, sharded: dict[str, GlobalT
             elif kind == "dtensor":
                 name = body["name"]
                 leaves.append(Leaf(path, kind, sharded[name], resolve=None if whole is None
-                                   else (lambda name=name: whole(name))))
+                                   else partial(whole, name)))
             else:
                 if body.of in sharded:
                     raise bad(f"view at {list(path)!r:.80} of {body.of!r:.80}, not a tensor "

@@ -62,7 +62,8 @@ def load(path: str | os.PathLike[str], *, step: int | None = None, rank: int | N
         into: an existing state dict whose tensors are filled in place. Plain targets
             must match the saved dtype and (global) shape; DTensor and ShardedTensor
             targets are filled with their own local box of the global tensor, any
-            placement and world size (resharding). CUDA and non-contiguous targets go through bounded temporaries.
+            placement and world size (resharding). CUDA and non-contiguous targets go
+            through bounded temporaries.
         strict: with `into`, every target tensor must be present in the checkpoint.
         limits: reader limits (default: `ReadLimits.from_env()`).
     Returns:
@@ -261,7 +262,8 @@ def _match_targets(into: Any, leaves: list[Leaf], strict: bool, step: int,
                             f"saved {leaf.dtype} {leaf.shape}")
         targets[target_path] = tensor
     if problems:
-        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more"
+                                            if len(problems) > 10 else "")
         missing = [p for p, _ in _tensor_leaves(into) if p not in by_path]
         if missing:
             saved = sorted({show_path(p) for p in by_path})

@@ -258,7 +258,8 @@ class RankReader:
             header, _ = layout((t.name, t.dtype, t.shape) for t in self.part.tensors)
             end = self.part.tensors[0].begin if self.part.tensors else self.part.raw_size
             if end != len(header):
-                raise self._corrupt(f"tensors start at byte {end}, the header ends at {len(header)}")
+                raise self._corrupt(f"tensors start at byte {end}, "
+                                    f"the header ends at {len(header)}")
             self._header = header
         return self._header
 
@@ -330,7 +331,8 @@ class RankReader:
         expected = frame.xxh3_raw if which == "raw" else frame.xxh3_stored
         if actual != expected:
             raise self._corrupt(
-                f"frame {index} (raw bytes {frame.raw_offset}..{frame.raw_offset + frame.raw_length}"
+                f"frame {index} (raw bytes {frame.raw_offset}.."
+                f"{frame.raw_offset + frame.raw_length}"
                 f"): xxh3 of {which} bytes mismatch (manifest {expected:016x}, file "
                 f"{actual:016x})", tensor, frame)
 
@@ -452,7 +454,7 @@ def _run_parallel(reader: RankReader, jobs: list[_Job]) -> None:
     left = [len(jobs)]
     finished = threading.Condition()
 
-    def job_for(job: _Job):  # type: ignore[no-untyped-def]
+    def job_for(job: _Job) -> Callable[[dict], None]:
         def run(context: dict) -> None:
             try:
                 if not errors:

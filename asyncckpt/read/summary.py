@@ -37,7 +37,8 @@ def tensor_rows(m: Manifest, globals_: dict) -> tuple[list[dict], dict[str, dict
     """One row per saved tensor (with its offsets in a sharded tensor, if it is a box of
     one), and the totals and stored/raw ratio per dtype."""
     offsets = {(b.rank, g.name): list(b.offsets) for g in globals_.values() for b in g.boxes}
-    tensors, by_dtype = [], {}
+    tensors: list[dict] = []
+    by_dtype: dict[str, dict] = {}
     for part in m.ranks:
         stored = _stored_per_tensor(part)
         for t in part.tensors:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import threading
 
+SAMPLE_INTERVAL = 0.02  # seconds between a PeakSampler's readings of RssAnon
+
 
 def read_status(pid: int | str = "self") -> dict[str, int]:
     """The kB fields of /proc/PID/status (VmRSS, VmHWM, RssAnon, RssShmem, ...), in bytes."""
@@ -55,7 +57,7 @@ def ring_mappings(pid: int | str = "self") -> int:
 class PeakSampler:
     """Samples a process's RssAnon every `interval` seconds in a daemon thread."""
 
-    def __init__(self, pid: int | str = "self", interval: float = 0.02) -> None:
+    def __init__(self, pid: int | str = "self", interval: float = SAMPLE_INTERVAL) -> None:
         self.pid = pid
         self.interval = interval
         self.peak_rss_anon = 0
