@@ -66,7 +66,8 @@ import asyncckpt
 from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import WriterUnavailableError, error_class
 from asyncckpt.format.layout import data_file_name, node_dir_name, step_dir_name
-from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import RankPart
 from asyncckpt.ipc import messages
 from asyncckpt.rank import coordination
 from asyncckpt.rank.agreement import Agreement

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 import asyncckpt
 from asyncckpt.codec.registry import make_codec
 from asyncckpt.format.layout import layout
-from asyncckpt.format.manifest import Frame, Manifest, RankPart, parse_manifest
+from asyncckpt.format.manifest import Manifest, parse_manifest
+from asyncckpt.format.records import Frame, RankPart
 from asyncckpt.format.tree import unflatten
 from asyncckpt.rank.flatten import flatten
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES

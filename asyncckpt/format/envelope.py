@@ -1,7 +1,10 @@
 """The checksummed envelope of manifests and rank parts, and the strict JSON inside it.
 
 Every file that describes a checkpoint (a manifest, a root manifest, a rank's part file
-in a node directory, the writer's per-rank parts) is one line `{"xxh3":"<16 hex digits>","manifest":<body>}\\n`
+in a node directory) is one line
+
+    {"xxh3":"<16 hex digits>","manifest":<body>}\\n
+
 whose checksum covers the exact bytes of the body, not a re-serialisation: any language
 checks it without canonical JSON, and a torn or edited file is caught before anything it
 says is used. The body is strict JSON: no `NaN`/`Infinity` (nor a number beyond a double,

@@ -42,7 +42,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 MAX_STEP = (1 << 62) - 1  # the manifest's integer bound
-MAX_WORLD = 1 << 20  # the manifest's bound on world_size
+# the bound on a step's world size (so on its ranks and nodes): a manifest, a message, a
+# rank or node directory name and the writer's step table all hold to this one name
+MAX_WORLD = 1 << 20
 # incremental saves cut frames at both edges of every tensor this large, so only such a
 # tensor fills frames of its own that a later step can reference (or a client skip)
 CUT_BYTES = 64 << 10
@@ -54,16 +56,17 @@ CUT_BYTES = 64 << 10
 # these things: otherwise two directories would be one step.
 _STEP = r"([0-9]{8}|[1-9][0-9]{8,18})"
 _RANK = r"([0-9]{5}|[1-9][0-9]{5,6})"
-_STEP_DIR = re.compile(r"step-%s" % _STEP)
-_RETIRED_DIR = re.compile(r"step-%s\.retired" % _STEP)
+_SUFFIXES = "|".join(re.escape(spec.suffix) for spec in REGISTRY.values())
+_STEP_DIR = re.compile(r"step-" + _STEP)
+_RETIRED_DIR = re.compile(r"step-" + _STEP + r"\.retired")
 RETIRED_SUFFIX = ".retired"
-_TMP_DIR = re.compile(r"step-%s\.tmp-[0-9a-f]+" % _STEP)
-_REPLACED_DIR = re.compile(r"step-%s\.replaced-[0-9a-f]+" % _STEP)
-_DATA_FILE = re.compile(r"(?:(node-[0-9]{5,})/)?rank-%s\.safetensors(%s)" % (_RANK, "|".join(
-    re.escape(spec.suffix) for spec in REGISTRY.values())))
-_NODE_DIR = re.compile(r"node-%s" % _RANK)
-_NODE_ENTRY = re.compile(r"rank-%s(%s|\.safetensors(?:%s))" % (_RANK,
-    re.escape(RANK_PART_SUFFIX), "|".join(re.escape(spec.suffix) for spec in REGISTRY.values())))
+_TMP_DIR = re.compile(r"step-" + _STEP + r"\.tmp-[0-9a-f]+")
+_REPLACED_DIR = re.compile(r"step-" + _STEP + r"\.replaced-[0-9a-f]+")
+_DATA_FILE = re.compile(r"(?:(node-[0-9]{5,})/)?rank-" + _RANK
+                        + r"\.safetensors(" + _SUFFIXES + ")")
+_NODE_DIR = re.compile(r"node-" + _RANK)
+_NODE_ENTRY = re.compile(r"rank-" + _RANK + "(" + re.escape(RANK_PART_SUFFIX)
+                         + r"|\.safetensors(?:" + _SUFFIXES + "))")
 _SUFFIX_CODECS = {spec.suffix: spec.name for spec in REGISTRY.values()}
 _ATOMIC_TMP = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
 
@@ -224,7 +227,8 @@ def layout(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, 
         size = element_size(dtype)
         for dim in shape:
             size *= dim
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)

@@ -52,7 +52,7 @@ from asyncckpt.format.layout import (
     node_dir_name,
     rank_part_name,
 )
-from asyncckpt.format.manifest import RankPart, _check, _int, _rank_from_json
+from asyncckpt.format.records import RankPart, as_int, check, rank_from_json
 
 ReadPart = Callable[[str, int], bytes]
 """`read(name, limit)`: the bytes of file `name` (`node-00008/rank-00009.json`, relative
@@ -108,34 +108,36 @@ class PartEntry:
             CorruptCheckpointError: a field is missing or breaks its rule.
         """
         try:
-            _check(isinstance(doc, dict), f"part entry {doc!r:.60} is not an object")
-            first, count = _int(doc["first"], "part first rank"), _int(doc["count"], "part count")
-            _check(1 <= count <= MAX_WORLD, f"part of {count} ranks")
-            _check(doc["dir"] == node_dir_name(first),
-                   f"part of ranks from {first} in {doc['dir']!r:.40}, not {node_dir_name(first)}")
+            check(isinstance(doc, dict), f"part entry {doc!r:.60} is not an object")
+            first = as_int(doc["first"], "part first rank")
+            count = as_int(doc["count"], "part count")
+            check(1 <= count <= MAX_WORLD, f"part of {count} ranks")
+            check(doc["dir"] == node_dir_name(first),
+                  f"part of ranks from {first} in {doc['dir']!r:.40}, not {node_dir_name(first)}")
             sizes, digests = doc["sizes"], doc["xxh3"]
-            _check(isinstance(sizes, list) and len(sizes) == count,
-                   f"{doc['dir']}: sizes is not a list of {count} sizes, one a rank")
+            check(isinstance(sizes, list) and len(sizes) == count,
+                  f"{doc['dir']}: sizes is not a list of {count} sizes, one a rank")
             for rank, size in zip(range(first, first + count), sizes):
-                _check(0 < _int(size, "part size") <= max_size,
-                       f"{doc['dir']}/{rank_part_name(rank)} of {size} bytes, outside "
-                       f"1..{max_size} (max_manifest_bytes)")
-            _check(isinstance(digests, str) and len(digests) == 16 * count
-                   and _HEX.fullmatch(digests) is not None,
-                   f"{doc['dir']}: xxh3 {digests!r:.40} is not {count} checksums of 16 hex "
-                   "digits, one a rank")
-            raw, stored = _int(doc["raw_size"], "raw_size"), _int(doc["stored_size"], "stored_size")
-            referenced = _int(doc["referenced_size"], "referenced_size")
+                check(0 < as_int(size, "part size") <= max_size,
+                      f"{doc['dir']}/{rank_part_name(rank)} of {size} bytes, outside "
+                      f"1..{max_size} (max_manifest_bytes)")
+            check(isinstance(digests, str) and len(digests) == 16 * count
+                  and _HEX.fullmatch(digests) is not None,
+                  f"{doc['dir']}: xxh3 {digests!r:.40} is not {count} checksums of 16 hex "
+                  "digits, one a rank")
+            raw = as_int(doc["raw_size"], "raw_size")
+            stored = as_int(doc["stored_size"], "stored_size")
+            referenced = as_int(doc["referenced_size"], "referenced_size")
             steps = doc["referenced_steps"]
-            _check(isinstance(steps, list), "referenced_steps is not a list")
-            steps = tuple(_int(s, "referenced step") for s in steps)
-            _check(all(a < b for a, b in zip(steps, steps[1:])),
-                   "referenced_steps not in ascending order, or repeated")
-            _check(all(s < step for s in steps), f"references steps {steps!r:.60}, "
-                   f"not all older than {step}")
-            _check(referenced <= raw and (referenced == 0) == (not steps),
-                   f"referenced_size {referenced} does not go with raw_size {raw} and "
-                   f"referenced steps {steps!r:.60}")
+            check(isinstance(steps, list), "referenced_steps is not a list")
+            steps = tuple(as_int(s, "referenced step") for s in steps)
+            check(all(a < b for a, b in zip(steps, steps[1:])),
+                  "referenced_steps not in ascending order, or repeated")
+            check(all(s < step for s in steps), f"references steps {steps!r:.60}, "
+                  f"not all older than {step}")
+            check(referenced <= raw and (referenced == 0) == (not steps),
+                  f"referenced_size {referenced} does not go with raw_size {raw} and "
+                  f"referenced steps {steps!r:.60}")
             return cls(doc["dir"], first, count, tuple(sizes),
                        tuple(int(digests[i:i + 16], 16) for i in range(0, 16 * count, 16)),
                        raw, stored, referenced, steps)
@@ -211,13 +213,13 @@ def parse_rank_part(data: bytes, *, step: int, entry: PartEntry, rank: int,
                                      f"file {actual:016x})")
     try:
         doc = unseal(data, name)
-        _check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
-               and doc.get("format_version") == FORMAT_VERSION_PARTS,
-               f"not an asyncckpt rank part of format_version {FORMAT_VERSION_PARTS}")
-        _check(doc["step"] == step and type(doc["step"]) is int,
-               f"part of step {doc['step']!r:.20}, not {step}")
-        _check(isinstance(doc["part"], dict), "part is not an object")
-        return _rank_from_json(doc["part"], rank, max_frame_bytes, step, True, entry.dir)
+        check(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
+              and doc.get("format_version") == FORMAT_VERSION_PARTS,
+              f"not an asyncckpt rank part of format_version {FORMAT_VERSION_PARTS}")
+        check(doc["step"] == step and type(doc["step"]) is int,
+              f"part of step {doc['step']!r:.20}, not {step}")
+        check(isinstance(doc["part"], dict), "part is not an object")
+        return rank_from_json(doc["part"], rank, max_frame_bytes, step, True, entry.dir)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"{name}: field invalid: {type(e).__name__}: {e}") from None
     except CorruptCheckpointError as e:
@@ -248,19 +250,19 @@ def root_parts(value: Any, *, step: int, world_size: int, max_part_bytes: int) -
     Raises:
         CorruptCheckpointError: they do not.
     """
-    _check(isinstance(value, list) and 1 <= len(value) <= MAX_WORLD,
-           "parts is not a list of 1 or more entries")
+    check(isinstance(value, list) and 1 <= len(value) <= MAX_WORLD,
+          "parts is not a list of 1 or more entries")
     entries: list[PartEntry] = []
     for doc in value:
         entry = PartEntry.from_json(doc, step=step, max_size=max_part_bytes)
         end = entries[-1].first + entries[-1].count if entries else 0
-        _check(entry.first == end, f"part {len(entries)} ({entry.dir}) begins at rank "
-               f"{entry.first}, not {end}: parts overlap, leave a gap or are out of order")
-        _check(entry.first + entry.count <= world_size,
-               f"part {entry.dir} of {entry.count} ranks goes beyond world_size {world_size}")
+        check(entry.first == end, f"part {len(entries)} ({entry.dir}) begins at rank "
+              f"{entry.first}, not {end}: parts overlap, leave a gap or are out of order")
+        check(entry.first + entry.count <= world_size,
+              f"part {entry.dir} of {entry.count} ranks goes beyond world_size {world_size}")
         entries.append(entry)
     end = entries[-1].first + entries[-1].count
-    _check(end == world_size, f"parts end at rank {end}, world_size is {world_size}")
+    check(end == world_size, f"parts end at rank {end}, world_size is {world_size}")
     return entries
 
 

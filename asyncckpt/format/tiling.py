@@ -24,7 +24,8 @@ from typing import Any
 
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import DTYPE_SIZES, TensorSpec
-from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import RankPart
 from asyncckpt.format.tree import walk
 
 Path = tuple[Any, ...]
@@ -94,7 +95,7 @@ def rank_globals(part: RankPart, step: int) -> dict[str, GlobalTensor]:
             continue
         name = body["name"]
 
-        def bad(problem: str) -> CorruptCheckpointError:
+        def bad(problem: str, name: str = name) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"global tensor {name!r:.80}: {problem}",
                                           step=step, rank=part.rank)
         dtype, shape, offsets = body.get("dtype"), body.get("shape"), body.get("offsets")

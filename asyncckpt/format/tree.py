@@ -20,9 +20,10 @@ rebuild two different states); `{"list": [...]}`; `{"tuple": [...]}`; `{"tensor"
 name}`; `{"bytes": name}`, a `bytes` value stored as the 1-D uint8 tensor `name`;
 `{"pickled": name}`, the same for an object that only a pickle could hold (PyTorch
 DCP serialises such objects with `torch.save`; no asyncckpt reader unpickles it, a
-load returns its bytes); and for a DTensor `{"dtensor": {"name", "dtype", "shape", "offsets",
-"placements"}}` (see `dtensor.py`): the global tensor `name`, of which this rank wrote the box at `offsets` under the same
-name, or nothing (`offsets` null: a replica another rank writes, or an empty shard); and
+load returns its bytes); and for a DTensor `{"dtensor": {"name", "dtype", "shape",
+"offsets", "placements"}}` (see `dtensor.py`): the global tensor `name`, of which this
+rank wrote the box at `offsets` under the same name, or nothing (`offsets` null: a
+replica another rank writes, or an empty shard); and
 `{"view": {"of", "dtype", "offset", "shape", "stride"}}` for a tensor whose memory lies
 inside an earlier saved tensor.
 
@@ -216,7 +217,10 @@ def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
     for path, kind, body in walk(tree):
         if kind == "view":
             continue
-        name = body if kind == "tensor" or kind in BYTES_KINDS else body.get("name") if body.get("offsets") is not None else None
+        if kind == "tensor" or kind in BYTES_KINDS:
+            name = body
+        else:  # a dtensor: its name, where this rank wrote a box of it
+            name = body.get("name") if body.get("offsets") is not None else None
         if name is None:
             continue
         if name in out:
@@ -226,8 +230,8 @@ def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
 
 
 def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:
-    """Every tensor leaf of `tree` as (path, "tensor", "bytes", "pickled", "dtensor" or "view", node body;
-    for a view its parsed `View`).
+    """Every tensor leaf of `tree` as (path, kind, node body): kind "tensor", "bytes",
+    "pickled", "dtensor" or "view", and for a view its parsed `View` as the body.
 
     Raises:
         CorruptCheckpointError: a leaf is malformed (a tensor name not a str, a dtensor

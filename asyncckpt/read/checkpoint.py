@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, parse_node_entry, parse_step_dir
-from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import RankPart
 from asyncckpt.format.tiling import GlobalTensor, global_tensors, rank_globals
 from asyncckpt.read.leaves import Leaf, holds_global, rank_leaves
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files

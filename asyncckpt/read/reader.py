@@ -50,7 +50,8 @@ from asyncckpt.codec.registry import make_codec, xxh3_of
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import layout, retired_dir_name, step_dir_name
-from asyncckpt.format.manifest import Frame, Manifest, RankPart, Ref
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import Frame, RankPart, Ref
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import CheckpointDir, ReadFile, Storage
 from asyncckpt.storage.location import is_link, storage_for

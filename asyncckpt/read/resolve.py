@@ -28,7 +28,7 @@ from typing import Any
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
-from asyncckpt.format.manifest import Ref
+from asyncckpt.format.records import Ref
 from asyncckpt.storage.location import Location, ObjectPath, exists, is_dir, is_file, storage_for
 
 # Checkpoint.examine: (directory, limits=...) -> (the checkpoint or None, its problems)

@@ -24,7 +24,7 @@ from pathlib import Path
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
 from asyncckpt.format.layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
-from asyncckpt.format.manifest import Frame
+from asyncckpt.format.records import Frame
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.location import exists, is_file, root_path, storage_for
 

@@ -115,7 +115,7 @@ def read_manifest_at(directory: Location, limits: ReadLimits | None = None) -> M
     from asyncckpt.config import ReadLimits
     from asyncckpt.errors import CorruptCheckpointError
     from asyncckpt.format.layout import MANIFEST_NAME
-    from asyncckpt.format.manifest import manifest_from_bytes
+    from asyncckpt.format.manifest import parse_manifest
     limits = limits or ReadLimits.from_env()
     where = str(directory / MANIFEST_NAME)
     storage = storage_for(directory.parent)
@@ -138,7 +138,9 @@ def read_manifest_at(directory: Location, limits: ReadLimits | None = None) -> M
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(e.cause.replace(MANIFEST_NAME, "manifest", 1),
                                      file=where) from None
-    return manifest_from_bytes(data, directory.name, where, limits, read)
+    return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
+                          max_part_bytes=limits.max_manifest_bytes, where=where,
+                          read=read)
 
 
 # -- what is at a location, for either kind (the read side's questions) ----------------

@@ -91,7 +91,7 @@ class PosixCheckpointDir(CheckpointDir):
 
     def read_manifest(self, limits: ReadLimits) -> Manifest:
         """As `format.manifest.read_manifest`, every file read through the descriptor."""
-        from asyncckpt.format.manifest import manifest_from_bytes
+        from asyncckpt.format.manifest import parse_manifest
         where = str(self.path / MANIFEST_NAME)
         try:
             data = self.read(MANIFEST_NAME, limits.max_manifest_bytes)
@@ -102,7 +102,9 @@ class PosixCheckpointDir(CheckpointDir):
             raise CorruptCheckpointError(f"manifest is not a regular file of at most "
                                          f"{limits.max_manifest_bytes} bytes",
                                          file=where) from None
-        return manifest_from_bytes(data, self.path.name, where, limits, self.read)
+        return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
+                              max_part_bytes=limits.max_manifest_bytes, where=where,
+                              read=self.read)
 
     def read(self, name: str, limit: int) -> bytes:
         """A `ReadPart` (format.parts): file `name`, regular and of at most `limit` bytes

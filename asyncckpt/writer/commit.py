@@ -46,8 +46,8 @@ from asyncckpt.format.layout import (
     step_dir_name,
     tmp_step_of,
 )
-from asyncckpt.format.manifest import RankPart
 from asyncckpt.format.parts import PartEntry, node_part, parse_rank_part
+from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage

@@ -59,7 +59,8 @@ from asyncckpt.codec.registry import PlaneLayout
 from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import retired_dir_name, step_dir_name
-from asyncckpt.format.manifest import Frame, Manifest
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import Frame
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import read_manifest_at
 

@@ -52,7 +52,7 @@ import xxhash
 from asyncckpt.config import WriterKnobs
 from asyncckpt.format.encoding import Encoded, FrameEncoder
 from asyncckpt.format.layout import CUT_BYTES, TensorSpec, data_file_name
-from asyncckpt.format.manifest import Frame, RankPart, Ref
+from asyncckpt.format.records import Frame, RankPart, Ref
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import Storage
 from asyncckpt.writer.autocodec import CodecChooser

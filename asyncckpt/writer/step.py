@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.layout import node_dir_name
-from asyncckpt.format.manifest import RankPart
+from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodePart
 
 # notify(error or None, path or None, stats; relayed=) reaches one rank's client

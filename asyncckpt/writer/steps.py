@@ -42,8 +42,15 @@ from typing import Any
 
 from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.format.layout import MAX_STEP, node_dir_name, retired_dir_name, step_dir_name
-from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.format.layout import (
+    MAX_STEP,
+    MAX_WORLD,
+    node_dir_name,
+    retired_dir_name,
+    step_dir_name,
+)
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
@@ -58,7 +65,6 @@ from asyncckpt.writer.step import FailedSteps, Notify, Step
 
 log = logging.getLogger("asyncckpt.writer")
 
-MAX_WORLD = 1 << 20  # the manifest's bound
 # a never-connected rank fails a step after absent_rank_timeout / UNSEEN_FRACTION, but no
 # sooner than UNSEEN_FLOOR s: ranks started together may reach their first save seconds apart
 UNSEEN_FRACTION, UNSEEN_FLOOR = 6, 5.0

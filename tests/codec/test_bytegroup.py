@@ -23,7 +23,8 @@ from asyncckpt.codec.registry import BytegroupCodec, FrameHints, PlaneLayout, ma
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import layout
-from asyncckpt.format.manifest import Frame, Manifest, RankPart, parse_manifest, read_manifest
+from asyncckpt.format.manifest import Manifest, parse_manifest, read_manifest
+from asyncckpt.format.records import Frame, RankPart
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
 # -- planes ---------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ import itertools
 from pathlib import Path
 
 from asyncckpt.format.layout import MANIFEST_NAME, node_dir_name
-from asyncckpt.format.manifest import Manifest, RankPart, read_manifest
+from asyncckpt.format.manifest import Manifest, read_manifest
 from asyncckpt.format.parts import PartEntry, node_part
+from asyncckpt.format.records import RankPart
 
 
 def firsts(sizes: list[int]) -> list[int]:

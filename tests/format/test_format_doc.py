@@ -48,8 +48,9 @@ from asyncckpt.format.layout import (
     step_dir_name,
     tmp_step_of,
 )
-from asyncckpt.format.manifest import Manifest, admitted_codecs, parse_manifest
+from asyncckpt.format.manifest import Manifest, parse_manifest
 from asyncckpt.format.parts import node_part
+from asyncckpt.format.records import admitted_codecs
 from asyncckpt.torchutil import dtypes
 from asyncckpt.writer.owners import OWNER_PREFIX
 

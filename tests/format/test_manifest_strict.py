@@ -8,6 +8,7 @@ parser the writer's pre-commit check and the several-node parts use.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -22,8 +23,9 @@ from hostile_rank import HostileRank  # noqa: E402
 import asyncckpt
 from asyncckpt.cli import main as cli
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.layout import MANIFEST_NAME
-from asyncckpt.format.manifest import parse_manifest, parse_part, part_to_bytes, read_manifest
+from asyncckpt.format.layout import MANIFEST_NAME, node_dir_name
+from asyncckpt.format.manifest import parse_manifest, read_manifest
+from asyncckpt.format.parts import node_part, parse_rank_part, part_entry
 from asyncckpt.format.tree import check_tree
 
 PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')
@@ -142,15 +144,19 @@ def test_a_nested_tree_dict_node_repeating_an_int_key_is_refused():
 
 
 def test_a_part_file_repeating_a_key_is_refused(roots):
-    """Several nodes: the leader parses each node's part with the same parser."""
-    part = read_manifest(roots / "raw" / "step-00000001").ranks[0]
-    data = part_to_bytes(1, part)
-    assert parse_part(data, step=1, rank=0, max_frame_bytes=1 << 20) == part
+    """Several nodes: the leader parses each node's rank part files with the same parser,
+    and a part file whose root entry names its exact bytes still may not repeat a key."""
+    saved = read_manifest(roots / "raw" / "step-00000001").ranks[0]
+    part = dataclasses.replace(saved, file=f"{node_dir_name(0)}/{saved.file}")
+    entry, files = node_part(1, [part])
+    data = files[entry.name(0)]
+    assert parse_rank_part(data, step=1, entry=entry, rank=0, max_frame_bytes=1 << 20) == part
     body = replace_once(data[PREFIX:-2].decode(), '"step":1,', '"step":1,"step":1,')
     raw = body.encode()
     bad = b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(raw) + raw + b"}\n"
     with pytest.raises(CorruptCheckpointError, match="repeats the key 'step'"):
-        parse_part(bad, step=1, rank=0, max_frame_bytes=1 << 20)
+        parse_rank_part(bad, step=1, entry=part_entry([part], [bad]), rank=0,
+                        max_frame_bytes=1 << 20)
 
 
 def test_the_writer_refuses_a_save_whose_tree_repeats_a_dict_key(tmp_path):

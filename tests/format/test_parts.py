@@ -36,15 +36,7 @@ from asyncckpt.format.layout import (
     parse_node_entry,
     rank_part_name,
 )
-from asyncckpt.format.manifest import (
-    Frame,
-    Manifest,
-    RankPart,
-    Ref,
-    check_readable,
-    parse_manifest,
-    read_manifest,
-)
+from asyncckpt.format.manifest import Manifest, check_readable, parse_manifest, read_manifest
 from asyncckpt.format.parts import (
     PartedRanks,
     PartEntry,
@@ -54,6 +46,7 @@ from asyncckpt.format.parts import (
     part_entry,
     rank_part_to_bytes,
 )
+from asyncckpt.format.records import Frame, RankPart, Ref
 
 MAX_FRAME = 1 << 20
 STEP = 1200
@@ -109,7 +102,7 @@ def body(data: bytes) -> dict[str, Any]:
 
 def parse_root(data: bytes, store: Store | None = None, **kw: Any) -> Manifest:
     return parse_manifest(data, max_frame_bytes=MAX_FRAME, read=store.read if store else None,
-                          directory="/ckpt/step-00001200", **kw)
+                          where="/ckpt/step-00001200/manifest.json", **kw)
 
 
 # -- names ----------------------------------------------------------------------------------------

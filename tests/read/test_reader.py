@@ -23,7 +23,8 @@ from conftest import SMALL_RING, assert_same
 import asyncckpt
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from asyncckpt.format.layout import MANIFEST_NAME, data_file_name, layout
-from asyncckpt.format.manifest import Frame, Manifest, RankPart, read_manifest
+from asyncckpt.format.manifest import Manifest, read_manifest
+from asyncckpt.format.records import Frame, RankPart
 from asyncckpt.read.checkpoint import Checkpoint
 
 SLOT = SMALL_RING["slot_size"]

@@ -16,7 +16,8 @@ import pytest
 
 from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import LeaseLostError, WriterLockedError
-from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import RankPart
 from asyncckpt.storage.lease import LEASE_PREFIX, Lease
 from asyncckpt.storage.location import root_path
 from asyncckpt.storage.s3 import S3Storage

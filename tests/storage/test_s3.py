@@ -15,7 +15,8 @@ import pytest
 import asyncckpt
 from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import StepAlreadyCommittedError
-from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import RankPart
 from asyncckpt.storage.location import ObjectPath, root_path, storage_for
 from asyncckpt.storage.s3 import S3Storage
 from asyncckpt.storage.s3client import ObjectStoreError

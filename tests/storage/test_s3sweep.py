@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from asyncckpt.format.manifest import Manifest, RankPart
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.format.records import RankPart
 from asyncckpt.storage.lease import Lease
 from asyncckpt.storage.location import root_path
 from asyncckpt.storage.s3 import S3Storage

@@ -223,7 +223,8 @@ _OPERATIONS = {name for name, member in inspect.getmembers(Storage)
 
 
 def test_the_commit_and_retention_go_through_the_storage(tmp_path):
-    from asyncckpt.format.manifest import Manifest, RankPart
+    from asyncckpt.format.manifest import Manifest
+    from asyncckpt.format.records import RankPart
     from asyncckpt.writer import commit
     from asyncckpt.writer import retention as lifetimes
 

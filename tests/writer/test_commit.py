@@ -7,7 +7,8 @@ import os
 import pytest
 
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError, WriterLockedError
-from asyncckpt.format.manifest import Manifest, RankPart, parse_manifest
+from asyncckpt.format.manifest import Manifest, parse_manifest
+from asyncckpt.format.records import RankPart
 from asyncckpt.storage import durable
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit, retention

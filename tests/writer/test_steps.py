@@ -8,7 +8,7 @@ import time
 import pytest
 
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.format.manifest import RankPart
+from asyncckpt.format.records import RankPart
 from asyncckpt.writer import steps as steps_module
 from asyncckpt.writer.steps import MAX_WORLD, Steps
 
