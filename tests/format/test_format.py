@@ -1,4 +1,5 @@
-"""format/layout.py: the safetensors stream layout and the names of steps, tmp dirs and data files."""
+"""format/layout.py: the safetensors stream layout and the names of steps, tmp dirs and data
+files."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def mixed_tensors() -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     shapes = [(3,), (2, 5), (), (0,), (7, 1, 3), (4, 0, 2)]
     for i, dtype in enumerate(DTYPE_NAMES):
-        out[f"model.layers.{i}.{DTYPE_NAMES[dtype].lower()}"] = random_tensor(dtype, shapes[i % len(shapes)], i)
+        out[f"model.layers.{i}.{DTYPE_NAMES[dtype].lower()}"] = random_tensor(
+            dtype, shapes[i % len(shapes)], i)
     out["ünï.cødé ☃"] = random_tensor(torch.float32, (3, 3), 99)
     out["a.b.c~1"] = random_tensor(torch.bfloat16, (1,), 100)
     out["emoji 😀.tab\t.nul\x00"] = random_tensor(torch.int16, (2,), 101)
@@ -91,7 +93,8 @@ def test_layout_file_opens_with_safe_open_and_metadata(mixed_tensors, tmp_path):
 
 
 def test_layout_specs_are_absolute_contiguous_ranges(mixed_tensors):
-    prefix, specs = layout([(n, DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in mixed_tensors.items()])
+    prefix, specs = layout([(n, DTYPE_NAMES[t.dtype], tuple(t.shape))
+                            for n, t in mixed_tensors.items()])
     assert [s.name for s in specs] == list(mixed_tensors)  # save order, not sorted
     pos = len(prefix)
     for spec, t in zip(specs, mixed_tensors.values()):
@@ -201,11 +204,13 @@ def test_a_step_name_with_more_digits_than_the_writer_makes_is_none(name):
 def test_every_step_name_parses_back_to_its_step(step):
     name = step_dir_name(step)
     assert parse_step_dir(name) == step and parse_retired_dir(retired_dir_name(step)) == step
-    assert tmp_step_of(name + ".tmp-0a") == step and parse_replaced_dir(name + ".replaced-0a") == step
+    assert tmp_step_of(name + ".tmp-0a") == step
+    assert parse_replaced_dir(name + ".replaced-0a") == step
 
 
 @pytest.mark.parametrize("name", [
-    "rank-000003.safetensors", "rank-0100000.safetensors.zst", "node-00000/rank-000003.safetensors.bg",
+    "rank-000003.safetensors", "rank-0100000.safetensors.zst",
+    "node-00000/rank-000003.safetensors.bg",
     "rank-0000000.safetensors", f"rank-{1 << 20}.safetensors",
 ])
 def test_a_data_file_name_with_more_digits_than_the_writer_makes_is_none(name):
@@ -231,7 +236,8 @@ def test_data_file_name_refuses_what_is_not_a_stored_codec(codec):
 
 # -- bugs -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["step-00000001\n", "step-\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668"])
+@pytest.mark.parametrize("name", ["step-00000001\n",
+                                  "step-\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668"])
 def test_parse_step_dir_accepts_only_ascii_names_without_newline(name):
     assert parse_step_dir(name) is None
 

@@ -112,7 +112,8 @@ def test_the_dtype_table_is_the_format_and_torch_names():
 def test_the_tree_table_names_every_node_kind_unflatten_knows():
     kinds = {re.match(r'`\{"(\w+)"', r[0]).group(1) for r in table("| node | meaning |")
              if r[0].startswith('`{"')}
-    assert kinds == {"float", "dict", "list", "tensor", "bytes", "pickled", "dtensor", "view"}  # tuple: with list
+    # tuple: with list
+    assert kinds == {"float", "dict", "list", "tensor", "bytes", "pickled", "dtensor", "view"}
 
 
 # -- examples -------------------------------------------------------------------------------------
@@ -403,7 +404,8 @@ def test_every_top_level_key_of_the_example_is_required():
     for key in doc:
         with pytest.raises(CorruptCheckpointError,
                            match=re.escape(repr(key)) if key != "format" else "not an asyncckpt"):
-            parse_manifest(seal({k: v for k, v in doc.items() if k != key}), max_frame_bytes=MAX_FRAME)
+            parse_manifest(seal({k: v for k, v in doc.items() if k != key}),
+                           max_frame_bytes=MAX_FRAME)
 
 
 @pytest.mark.parametrize("key, value, ok", [
@@ -415,7 +417,8 @@ def test_every_top_level_key_of_the_example_is_required():
 ])
 def test_writer_version_and_created_have_the_stated_types(key, value, ok):
     assert "`writer_version` a string" in DOC
-    assert "`created` a JSON number, integer or not but\n  never `true`/`false`, finite as a double" in DOC
+    assert ("`created` a JSON number, integer or not but\n  never `true`/`false`, finite as a "
+            "double") in DOC
     doc = {**manifest_example(), key: value}
     if ok:
         parsed = parse_manifest(seal(doc), max_frame_bytes=MAX_FRAME)
@@ -441,7 +444,8 @@ def test_referenced_steps_are_strictly_ascending_as_stated():
     for steps, ok in (([100, 200], True), ([200, 100], False), ([100, 100], False)):
         root["parts"][1]["referenced_steps"] = steps
         if ok:
-            assert parse_manifest(seal(root), max_frame_bytes=MAX_FRAME).parts[1].referenced_steps == (100, 200)
+            parsed = parse_manifest(seal(root), max_frame_bytes=MAX_FRAME)
+            assert parsed.parts[1].referenced_steps == (100, 200)
         else:
             with pytest.raises(CorruptCheckpointError, match="ascending"):
                 parse_manifest(seal(root), max_frame_bytes=MAX_FRAME)

@@ -170,7 +170,8 @@ def test_a_copy_of_a_step_in_parts_is_as_documented(root, tmp_path):
 # -- where references are read ---------------------------------------------------------------------
 
 def test_references_fall_back_to_retired_exactly_as_documented(root):
-    assert "`step-<ref.step>/` fails (as too short, or on its checksums) and `.retired` is not\n  tried then" in DOC
+    assert ("`step-<ref.step>/` fails (as too short, or on its checksums) and `.retired` is "
+            "not\n  tried then") in DOC
     one, retired = root / step_dir_name(1), root / (step_dir_name(1) + ".retired")
     two = root / step_dir_name(2)
     refs = [f.ref for f in read_manifest(two).ranks[0].frames if f.ref]
@@ -196,7 +197,8 @@ def test_references_fall_back_to_retired_exactly_as_documented(root):
 # -- committed and damaged -------------------------------------------------------------------------
 
 def test_a_step_directory_without_its_manifest_is_damaged_for_readers_and_not_committed(root):
-    assert "a root's newest step is its highest step directory, and a\n  step directory without a `manifest.json` is that step, damaged" in DOC
+    assert ("a root's newest step is its highest step directory, and a\n  step directory "
+            "without a `manifest.json` is that step, damaged") in DOC
     (root / step_dir_name(2) / MANIFEST_NAME).unlink()
     storage = PosixStorage(root)
     assert storage.step_dirs() == [1, 2] and storage.committed_steps() == [1]
@@ -294,7 +296,8 @@ def test_the_root_files_hold_exactly_the_documented_bytes(saved, tmp_path):
         shared.release()
     assert (tmp_path / LOCK_NAME).read_bytes() == b"job train-7\n"  # not cleared at exit
 
-    assert "exactly 16 lowercase hex digits and a newline (17 bytes)" in root_files_rule(ROOT_ID_NAME)
+    rule = root_files_rule(ROOT_ID_NAME)
+    assert "exactly 16 lowercase hex digits and a newline (17 bytes)" in rule
     ident = commit.root_id(tmp_path)
     assert re.fullmatch(rb"[0-9a-f]{16}\n", (tmp_path / ROOT_ID_NAME).read_bytes())
     assert (tmp_path / ROOT_ID_NAME).read_bytes() == ident.encode() + b"\n"

@@ -39,8 +39,8 @@ def make_part(rank: int, codec: str, frame_size: int = 64) -> RankPart:
         stored_hash = 0x1234 + i if codec == "raw" else 0xABCD00 + i  # raw frames: one hash
         frames.append(Frame(begin, length, stored, stored_len, codec, 0x1234 + i, stored_hash))
         stored += stored_len
-    tree = {"dict": [["model", {"dict": [["w", {"tensor": "model.w"}], ["b", {"tensor": "model.b"}]]}],
-                     ["step", {"tensor": "step"}], ["lr", 0.001]]}
+    model = {"dict": [["w", {"tensor": "model.w"}], ["b", {"tensor": "model.b"}]]}
+    tree = {"dict": [["model", model], ["step", {"tensor": "step"}], ["lr", 0.001]]}
     return RankPart(rank, f"rank-{rank:05d}.safetensors" + (".zst" if codec == "zstd" else ""),
                     codec, raw_size, stored, specs, frames, tree)
 
@@ -61,7 +61,8 @@ def doc(manifest: Manifest) -> dict[str, Any]:
 
 
 def sign(body: bytes) -> bytes:
-    return b'{"xxh3":"' + f"{xxhash.xxh3_64_intdigest(body):016x}".encode() + b'","manifest":' + body + b"}\n"
+    digest = f"{xxhash.xxh3_64_intdigest(body):016x}".encode()
+    return b'{"xxh3":"' + digest + b'","manifest":' + body + b"}\n"
 
 
 def resign(doc: dict[str, Any], **dumps: Any) -> bytes:
@@ -173,41 +174,57 @@ def set_file(name: str) -> Callable[[dict], None]:
 
 FIELD_CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     # frames
-    "raw-offset-gap": (lambda d: frames(d)[1]["raw"].__setitem__(0, frames(d)[1]["raw"][0] + 1), "not contiguous"),
-    "stored-offset-gap": (lambda d: frames(d)[2]["stored"].__setitem__(0, frames(d)[2]["stored"][0] + 1), "not contiguous"),
+    "raw-offset-gap": (lambda d: frames(d)[1]["raw"].__setitem__(0, frames(d)[1]["raw"][0] + 1),
+                       "not contiguous"),
+    "stored-offset-gap": (lambda d: frames(d)[2]["stored"].__setitem__(
+                              0, frames(d)[2]["stored"][0] + 1),
+                          "not contiguous"),
     "first-frame-not-at-zero": (lambda d: frames(d)[0]["raw"].__setitem__(0, 8), "not contiguous"),
     "frames-swapped": (lambda d: frames(d).reverse(), "not contiguous"),
     "frame-dropped": (lambda d: frames(d).pop(), "frames cover"),
-    "zero-raw-length": (lambda d: frames(d).append({**frames(d)[-1], "raw": [d["ranks"][0]["raw_size"], 0],
-                                                   "stored": [d["ranks"][0]["stored_size"], 1]}), "outside 1.."),
-    "zero-stored-length": (lambda d: shift_stored(d, 1, -frames(d)[1]["stored"][1]), "empty stored frame"),
+    "zero-raw-length": (lambda d: frames(d).append({
+                            **frames(d)[-1], "raw": [d["ranks"][0]["raw_size"], 0],
+                            "stored": [d["ranks"][0]["stored_size"], 1]}), "outside 1.."),
+    "zero-stored-length": (lambda d: shift_stored(d, 1, -frames(d)[1]["stored"][1]),
+                           "empty stored frame"),
     "frame-unknown-codec": (lambda d: frames(d)[0].__setitem__("codec", "lz4"), "unknown codec"),
     "checksum-short": (lambda d: frames(d)[0].__setitem__("xxh3_raw", "abc"), "16 hex digits"),
-    "checksum-upper": (lambda d: frames(d)[0].__setitem__("xxh3_stored", "ABCDEF0123456789"), "16 hex digits"),
+    "checksum-upper": (lambda d: frames(d)[0].__setitem__("xxh3_stored", "ABCDEF0123456789"),
+                       "16 hex digits"),
     "checksum-int": (lambda d: frames(d)[0].__setitem__("xxh3_raw", 1234), "16 hex digits"),
-    "raw-size-mismatch": (lambda d: d["ranks"][0].__setitem__("raw_size", d["ranks"][0]["raw_size"] + 1), "frames cover"),
-    "stored-size-mismatch": (lambda d: d["ranks"][0].__setitem__("stored_size", d["ranks"][0]["stored_size"] - 1), "frames cover"),
+    "raw-size-mismatch": (lambda d: d["ranks"][0].__setitem__(
+                              "raw_size", d["ranks"][0]["raw_size"] + 1),
+                          "frames cover"),
+    "stored-size-mismatch": (lambda d: d["ranks"][0].__setitem__(
+                                 "stored_size", d["ranks"][0]["stored_size"] - 1),
+                             "frames cover"),
     # tensors
     "shape-too-big": (lambda d: tensors(d)[0].__setitem__("shape", [4, 4]), "shape and dtype need"),
     "shape-too-small": (lambda d: tensors(d)[1].__setitem__("shape", [4]), "shape and dtype need"),
-    "dtype-size-differs": (lambda d: tensors(d)[0].__setitem__("dtype", "F64"), "shape and dtype need"),
+    "dtype-size-differs": (lambda d: tensors(d)[0].__setitem__("dtype", "F64"),
+                           "shape and dtype need"),
     "unknown-dtype": (lambda d: tensors(d)[0].__setitem__("dtype", "F128"), "unknown dtype"),
     "complex-dtype": (lambda d: tensors(d)[0].__setitem__("dtype", "C64"), "unknown dtype"),
-    "range-gap": (lambda d: [t["range"].__setitem__(i, t["range"][i] + 2) for t in tensors(d)[1:] for i in (0, 1)],
+    "range-gap": (lambda d: [t["range"].__setitem__(i, t["range"][i] + 2)
+                             for t in tensors(d)[1:] for i in (0, 1)],
                   "not contiguous"),
     "tensors-end-early": (lambda d: tensors(d).pop(), "tensors end at"),
-    "repeated-name": (lambda d: tensors(d)[1].__setitem__("name", "model.w"), "repeated tensor name"),
+    "repeated-name": (lambda d: tensors(d)[1].__setitem__("name", "model.w"),
+                      "repeated tensor name"),
     "name-not-str": (lambda d: tensors(d)[1].__setitem__("name", 7), "tensor name"),
     "shape-not-list": (lambda d: tensors(d)[0].__setitem__("shape", "12"), "bad shape"),
     "shape-65-dims": (lambda d: tensors(d)[2].__setitem__("shape", [1] * 65), "bad shape"),
-    "range-three-items": (lambda d: tensors(d)[0].__setitem__("range", tensors(d)[0]["range"] + [1]), "invalid"),
+    "range-three-items": (lambda d: tensors(d)[0].__setitem__(
+                              "range", tensors(d)[0]["range"] + [1]),
+                          "invalid"),
     # ranks, codec and file names
     "rank-unknown-codec": (lambda d: d["ranks"][0].__setitem__("codec", "lz4"), "unknown codec"),
     "file-dotdot": (set_file("../x"), "unexpected file name"),
     "file-absolute": (set_file("/etc/passwd"), "unexpected file name"),
     "file-other-rank": (set_file("rank-00001.safetensors"), "unexpected file name"),
     "file-other-rank-zst": (set_file("rank-00001.safetensors.zst"), "unexpected file name"),
-    "file-traversal": (set_file("rank-00000.safetensors/../../../etc/passwd"), "unexpected file name"),
+    "file-traversal": (set_file("rank-00000.safetensors/../../../etc/passwd"),
+                       "unexpected file name"),
     "file-subdir": (set_file("sub/rank-00000.safetensors"), "unexpected file name"),
     "file-manifest": (set_file("manifest.json"), "unexpected file name"),
     "file-not-str": (set_file(None), "unexpected file name"),  # type: ignore[arg-type]
@@ -215,7 +232,9 @@ FIELD_CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     # sizes that are not sizes
     "negative-raw-size": (lambda d: d["ranks"][0].__setitem__("raw_size", -1), "not a valid size"),
     "bool-raw-length": (lambda d: frames(d)[0]["raw"].__setitem__(1, True), "not a valid size"),
-    "float-stored-length": (lambda d: frames(d)[0]["stored"].__setitem__(1, float(frames(d)[0]["stored"][1])), "not a valid size"),
+    "float-stored-length": (lambda d: frames(d)[0]["stored"].__setitem__(
+                                1, float(frames(d)[0]["stored"][1])),
+                            "not a valid size"),
     "float-dimension": (lambda d: tensors(d)[0]["shape"].__setitem__(0, 4.0), "not a valid size"),
     "negative-dimension": (lambda d: tensors(d)[0]["shape"].__setitem__(0, -4), "not a valid size"),
     "bool-dimension": (lambda d: tensors(d)[2].__setitem__("shape", [True]), "not a valid size"),
@@ -230,7 +249,8 @@ FIELD_CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     "world-size-zero": (lambda d: d.update(world_size=0, ranks=[]), "world_size 0 out of range"),
     "world-size-bool": (lambda d: d.__setitem__("world_size", True), "not a valid size"),
     "world-size-huge": (lambda d: d.__setitem__("world_size", 1 << 21), "out of range"),
-    "format-version": (lambda d: d.__setitem__("format_version", 4), "format_version 4 is not 1 or 2 or 3"),
+    "format-version": (lambda d: d.__setitem__("format_version", 4),
+                       "format_version 4 is not 1 or 2 or 3"),
     "format-name": (lambda d: d.__setitem__("format", "dcp"), "not an asyncckpt manifest"),
     "created-string": (lambda d: d.__setitem__("created", "yesterday"), "created"),
     "writer-version-int": (lambda d: d.__setitem__("writer_version", 1), "writer_version"),
@@ -238,14 +258,16 @@ FIELD_CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     "created-missing": (lambda d: d.pop("created"), "KeyError: 'created'"),
     "created-bool": (lambda d: d.__setitem__("created", True), "created is not a time"),
     "created-null": (lambda d: d.__setitem__("created", None), "created is not a time"),
-    "created-beyond-a-float": (lambda d: d.__setitem__("created", 10 ** 400), "created is not a time"),
+    "created-beyond-a-float": (lambda d: d.__setitem__("created", 10 ** 400),
+                               "created is not a time"),
     "parts-in-a-single-file": (lambda d: d.__setitem__("parts", []), "has no parts"),
     "tensor-named-metadata": (lambda d: tensors(d)[0].__setitem__("name", "__metadata__"),
                               "reserved"),
     "missing-ranks": (lambda d: d.pop("ranks"), "invalid"),
     "missing-frames": (lambda d: d["ranks"][1].pop("frames"), "invalid"),
     "frame-not-object": (lambda d: frames(d).__setitem__(0, [0, 1]), "invalid"),
-    "ranks-not-list": (lambda d: d.__setitem__("ranks", {"0": d["ranks"][0], "1": d["ranks"][1]}), "ranks"),
+    "ranks-not-list": (lambda d: d.__setitem__("ranks", {"0": d["ranks"][0], "1": d["ranks"][1]}),
+                       "ranks"),
 }
 
 
@@ -257,18 +279,21 @@ def test_field_rule_violation_is_corrupt(doc, case):
     assert resign(bad) != resign(doc)
     with pytest.raises(CorruptCheckpointError) as info:
         parse(resign(bad))
-    assert "xxh3" not in str(info.value) or "16 hex" in str(info.value)  # the field rule, not the checksum
+    # the field rule, not the checksum
+    assert "xxh3" not in str(info.value) or "16 hex" in str(info.value)
     assert fragment in str(info.value), str(info.value)
 
 
 def test_raw_frame_with_different_stored_length(doc):
     if doc["ranks"][0]["codec"] != "raw":
         frames(doc)[0]["codec"] = "raw"  # a raw frame inside a zstd part
-        with pytest.raises(CorruptCheckpointError, match="raw frame whose stored length or checksum differ"):
+        with pytest.raises(CorruptCheckpointError,
+                           match="raw frame whose stored length or checksum differ"):
             parse(resign(doc))
         return
     shift_stored(doc, 1, 3)
-    with pytest.raises(CorruptCheckpointError, match="raw frame whose stored length or checksum differ"):
+    with pytest.raises(CorruptCheckpointError,
+                       match="raw frame whose stored length or checksum differ"):
         parse(resign(doc))
 
 
@@ -276,7 +301,8 @@ def test_frame_raw_length_above_max_frame_bytes(manifest):
     data = manifest.to_bytes()
     largest = max(f.raw_length for p in manifest.ranks for f in p.frames)
     assert parse(data, max_frame_bytes=largest) == manifest
-    with pytest.raises(CorruptCheckpointError, match=f"raw length {largest} outside 1..{largest - 1}"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=f"raw length {largest} outside 1..{largest - 1}"):
         parse(data, max_frame_bytes=largest - 1)
 
 
@@ -289,7 +315,8 @@ def test_codec_and_file_must_agree(doc):
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_nan_constants_are_rejected(doc, constant):
-    body = json.dumps(doc, separators=(",", ":")).replace('"created":1700000000.25', f'"created":{constant}')
+    body = json.dumps(doc, separators=(",", ":")).replace('"created":1700000000.25',
+                                                          f'"created":{constant}')
     assert constant in body
     with pytest.raises(CorruptCheckpointError, match="constant"):
         parse(sign(body.encode()))

@@ -68,8 +68,8 @@ def body_of(step_dir: Path) -> str:
 
 def write_body(step_dir: Path, body: str) -> None:
     raw = body.encode()
-    (step_dir / MANIFEST_NAME).write_bytes(b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(raw)
-                                           + raw + b"}\n")
+    head = b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(raw)
+    (step_dir / MANIFEST_NAME).write_bytes(head + raw + b"}\n")
 
 
 def replace_once(text: str, old: str, new: str) -> str:
@@ -140,7 +140,8 @@ def test_a_nested_tree_dict_node_repeating_an_int_key_is_refused():
     tree = {"dict": [["opt", {"dict": [[0, {"tensor": "a"}], ["0", 1], [0, 2]]}]]}
     with pytest.raises(CorruptCheckpointError, match=r"dict at \['opt'\] repeats the key 0"):
         check_tree(table, tree)
-    check_tree(table, {"dict": [["opt", {"dict": [[0, {"tensor": "a"}], ["0", 1]]}]]})  # 0 is not "0"
+    # 0 is not "0"
+    check_tree(table, {"dict": [["opt", {"dict": [[0, {"tensor": "a"}], ["0", 1]]}]]})
 
 
 def test_a_part_file_repeating_a_key_is_refused(roots):

@@ -184,7 +184,8 @@ def referencing(part: RankPart, step: int, file: str) -> RankPart:
     last = part.frames[-1]
     frames = part.frames[:-1] + [dataclasses.replace(last, stored_length=0,
                                                      ref=Ref(step, file, 0, 10))]
-    return dataclasses.replace(part, frames=frames, stored_size=part.stored_size - last.stored_length)
+    return dataclasses.replace(part, frames=frames,
+                               stored_size=part.stored_size - last.stored_length)
 
 
 def test_the_entry_sums_its_ranks_and_checksums_each_file():
@@ -272,7 +273,8 @@ def test_a_rank_part_breaking_a_rule_is_corrupt(case):
 def test_a_rank_part_repeating_a_key_is_corrupt():
     data = rank_part_to_bytes(STEP, node(8, 1)[0])
     forged_body = data[38:-2].replace(b'"step":1200', b'"step":1200,"step":1199', 1)
-    forged = b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(forged_body) + forged_body + b"}\n"
+    forged = (b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(forged_body)
+              + forged_body + b"}\n")
     entry = part_entry(node(8, 1), [forged])
     with pytest.raises(CorruptCheckpointError, match="repeats the key 'step'"):
         parse_rank_part(forged, step=STEP, entry=entry, rank=8, max_frame_bytes=MAX_FRAME)
@@ -391,7 +393,8 @@ def test_sums_come_from_the_entries():
     m.parts[1], files = node_part(STEP, ranks)
     store.files.update(files)
     parsed = parse_root(m.to_bytes(), store)
-    assert parsed.referenced_steps == {9} and parsed.referenced_size == ranks[0].frames[-1].raw_length
+    assert parsed.referenced_steps == {9}
+    assert parsed.referenced_size == ranks[0].frames[-1].raw_length
     assert store.reads == []
     whole = Manifest(STEP, 4, list(parsed.ranks))
     assert (whole.raw_size, whole.stored_size, whole.referenced_size, whole.referenced_steps) == (
@@ -468,8 +471,9 @@ def test_a_part_over_the_reader_bound_is_refused_by_the_root():
     m, _ = parted([2, 2])
     data = m.to_bytes()
     assert m.parts[0].size(0) > len(data)
-    with pytest.raises(CorruptCheckpointError, match=r"rank-00000.json of \d+ bytes, outside 1\.\.\d+ "
-                       r"\(max_manifest_bytes\)"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"rank-00000.json of \d+ bytes, outside 1\.\.\d+ "
+                             r"\(max_manifest_bytes\)"):
         check_readable(data, ReadLimits(max_manifest_bytes=len(data)))
 
 
@@ -513,7 +517,8 @@ ROOT_RULES = {
     "short": (lambda p: p.pop(), "parts end at rank 5, world_size is 6"),
     "beyond-world": (lambda p: ranks_of(p[2], 5, 2), "goes beyond world_size 6"),
     "empty-part": (lambda p: ranks_of(p[2], 5, 0), "part of 0 ranks"),
-    "zero-size": (sizes(0, lambda s: s.__setitem__(1, 0)), "rank-00001.json of 0 bytes, outside 1.."),
+    "zero-size": (sizes(0, lambda s: s.__setitem__(1, 0)),
+                  "rank-00001.json of 0 bytes, outside 1.."),
     "negative-size": (sizes(0, lambda s: s.__setitem__(0, -1)), "not a valid size"),
     "float-size": (sizes(0, lambda s: s.__setitem__(0, 10.0)), "not a valid size"),
     "bool-first": (set_entry(0, first=False), "not a valid size"),
@@ -632,7 +637,7 @@ def test_a_root_must_be_in_its_own_step_directory(tmp_path):
         read_manifest(tmp_path / "step-00001201")
 
 
-# -- at scale ---------------------------------------------------------------------------------------
+# -- at scale --------------------------------------------------------------------------------------
 
 LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",

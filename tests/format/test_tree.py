@@ -254,7 +254,8 @@ UNSUPPORTED = {
     "sparse_coo": (lambda: {"s": [torch.eye(2).to_sparse()]}, ["state['s'][0]", "layout"]),
     "sparse_csr": (lambda: {"s": torch.eye(2).to_sparse_csr()}, ["state['s']", "layout"]),
     "meta_tensor": (lambda: {"m": torch.empty(3, device="meta")}, ["state['m']", "meta"]),
-    "quantized": (lambda: {"q": {0: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)}},
+    "quantized": (lambda: {"q": {0: torch.quantize_per_tensor(torch.ones(2), 0.1, 0,
+                                                              torch.quint8)}},
                   ["state['q'][0]", "quantized"]),
     "bool_key": (lambda: {"x": {True: 1}}, ["state['x']", "True", "bool"]),
     "tuple_key": (lambda: {"x": {("a", "b"): 1}}, ["state['x']", "('a', 'b')", "tuple"]),
@@ -380,7 +381,8 @@ def test_unflatten_refuses_a_dict_node_repeating_a_key(items, key):
 
 
 def test_int_and_str_keys_that_print_alike_are_two_keys():
-    assert unflatten({"dict": [[1, "int"], ["1", "str"]]}, lambda name: None) == {1: "int", "1": "str"}
+    rebuilt = unflatten({"dict": [[1, "int"], ["1", "str"]]}, lambda name: None)
+    assert rebuilt == {1: "int", "1": "str"}
 
 
 def test_a_view_with_a_zero_dimension_has_no_offset_bound():
