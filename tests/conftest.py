@@ -1,10 +1,14 @@
 """Shared fixtures: a writer per test (`writer`, a root of its own) or one per codec for the
 session (`shared`, for tests that only save and load), small rings that force chunking,
-and a check that no ring outlives the test that made it. The fault tools (scripts/faults: the hostile rank,
-torture, soak, corruption, fuzz) are importable from every test.
+and a check that no ring outlives the test that made it. The fault tools (scripts/faults:
+the hostile rank, torture, soak, corruption, fuzz) are importable from every test.
 
-Tests that start a process are marked `process` at collection (tests/tiers.py reads their
-code and fixtures): `make test-fast` runs the rest (`-m "not process"`), `make test` all."""
+Each writer fixture comes twice: `writer`, `client` and `shared` start a writer process;
+`inproc_writer`, `inproc_client` and `inproc_shared` run the writer's own server on a
+thread of the test process (tests/inprocess.py), for tests that need committed
+checkpoints rather than a process. The first are `@process_fixture`s: a test using one is
+marked `process` at collection (tests/tiers.py), and `make test-fast` runs the rest
+(`-m "not process"`), `make test` all."""
 
 from __future__ import annotations
 
@@ -18,9 +22,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from inprocess import InProcessWriter, inprocess_writer
+from tiers import (  # noqa: F401 (the tier hooks: pytest finds them in this module)
+    process_fixture,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    pytest_unconfigure,
+)
 
 import asyncckpt
 from asyncckpt.ipc.protocol import ADDRESS_ENV
+from asyncckpt.rank.launch import WriterProcess
 from benchmarks.s3server import SeaweedServer, weed_binary
 
 _TESTS = Path(__file__).resolve().parent
@@ -31,13 +45,7 @@ sys.path[:0] = [str(_TESTS.parent / "scripts" / "faults")] + sorted(
 
 SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 
-from tiers import (  # noqa: F401 (the tier hooks, importable once the path above is set)
-    pytest_collection_modifyitems,
-    pytest_configure,
-    pytest_runtest_setup,
-    pytest_runtest_teardown,
-    pytest_unconfigure,
-)
+AnyWriter = WriterProcess | InProcessWriter  # what the writer helpers below take
 
 pytest_plugins = ("pytester",)
 
@@ -93,7 +101,7 @@ def running_writer(base: Path, codec: str = "zstd") -> Iterator[asyncckpt.Writer
 
 
 @contextlib.contextmanager
-def small_ring_client(writer: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Client]:
+def small_ring_client(writer: AnyWriter) -> Iterator[asyncckpt.Client]:
     """Rank 0 of 1 with 64 KiB slots, so that even small states cross frame boundaries."""
     c = asyncckpt.connect(writer.address, rank=0, world_size=1, **SMALL_RING)
     try:
@@ -103,6 +111,7 @@ def small_ring_client(writer: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Cli
 
 
 @pytest.fixture
+@process_fixture
 def writer(tmp_path: Path, codec: str) -> Iterator[asyncckpt.WriterProcess]:
     with running_writer(tmp_path, codec) as w:
         yield w
@@ -111,6 +120,20 @@ def writer(tmp_path: Path, codec: str) -> Iterator[asyncckpt.WriterProcess]:
 @pytest.fixture
 def client(writer: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Client]:
     with small_ring_client(writer) as c:
+        yield c
+
+
+@pytest.fixture
+def inproc_writer(tmp_path: Path, codec: str) -> Iterator[InProcessWriter]:
+    """As `writer`, served from a thread of this process (tests/inprocess.py)."""
+    with inprocess_writer(tmp_path, codec) as w:
+        yield w
+
+
+@pytest.fixture
+def inproc_client(inproc_writer: InProcessWriter) -> Iterator[asyncckpt.Client]:
+    """As `client`, of the in-process writer."""
+    with small_ring_client(inproc_writer) as c:
         yield c
 
 
@@ -127,7 +150,7 @@ class SharedWriter:
 
     _steps = itertools.count(1)  # one count for every codec's root
 
-    def __init__(self, writer: asyncckpt.WriterProcess) -> None:
+    def __init__(self, writer: AnyWriter) -> None:
         self.writer = writer
         self._client: asyncckpt.Client | None = None
 
@@ -157,34 +180,50 @@ class SharedWriter:
 
 
 @pytest.fixture(scope="session")
-def _shared_writers(tmp_path_factory: pytest.TempPathFactory
-                    ) -> Iterator[dict[str, asyncckpt.WriterProcess]]:
-    """Writers by codec, each started by the first test that asks for it."""
-    writers: dict[str, asyncckpt.WriterProcess] = {}
+def _shared_writers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, AnyWriter]]:
+    """Writers by kind and codec, each started by the first test that asks for it."""
+    writers: dict[str, AnyWriter] = {}
     yield writers
     for w in writers.values():
         w.stop(timeout=30)
 
 
-@pytest.fixture
-def shared(codec: str, _shared_writers: dict[str, asyncckpt.WriterProcess],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWriter]:
-    """The session's `codec` writer (see SharedWriter); it leaves ASYNCCKPT_ADDRESS as it was."""
-    if codec not in _shared_writers:
+def _shared_writer(writers: dict[str, AnyWriter], codec: str, in_process: bool,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWriter]:
+    """The session's `codec` writer of its kind (see SharedWriter); it leaves
+    ASYNCCKPT_ADDRESS as it was."""
+    key = f"{'inproc' if in_process else 'process'}-{codec}"
+    if key not in writers:
         before = os.environ.get(ADDRESS_ENV)
-        base = tmp_path_factory.mktemp(f"shared-{codec}")
-        _shared_writers[codec] = asyncckpt.start_writer(base / "ckpt", codec=codec,
-                                                        log_file=base / "writer.log")
+        base = tmp_path_factory.mktemp(f"shared-{key}")
+        writers[key] = (InProcessWriter(base / "ckpt", codec=codec) if in_process else
+                        asyncckpt.start_writer(base / "ckpt", codec=codec,
+                                               log_file=base / "writer.log"))
         if before is None:
             os.environ.pop(ADDRESS_ENV, None)
         else:
             os.environ[ADDRESS_ENV] = before
-    assert _shared_writers[codec].alive(), "a test stopped the shared writer: use `writer`"
-    shared = SharedWriter(_shared_writers[codec])
+    assert writers[key].alive(), "a test stopped the shared writer: use `writer`"
+    shared = SharedWriter(writers[key])
     try:
         yield shared
     finally:
         shared.close_client()
+
+
+@pytest.fixture
+@process_fixture
+def shared(codec: str, _shared_writers: dict[str, AnyWriter],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWriter]:
+    """The session's `codec` writer process (see SharedWriter)."""
+    yield from _shared_writer(_shared_writers, codec, False, tmp_path_factory)
+
+
+@pytest.fixture
+def inproc_shared(codec: str, _shared_writers: dict[str, AnyWriter],
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWriter]:
+    """As `shared`, served from a thread of this process (tests/inprocess.py)."""
+    yield from _shared_writer(_shared_writers, codec, True, tmp_path_factory)
 
 
 def sample_state(seed: int = 0) -> dict:
@@ -194,8 +233,10 @@ def sample_state(seed: int = 0) -> dict:
         "model": {"embed.weight": torch.randn(300, 64, generator=g).bfloat16(),
                   "layers.0.w": torch.randn(64, 64, generator=g),
                   "layers.0.b": torch.zeros(64)},
-        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 64, generator=g)},
-                            1: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, generator=g)}},
+        "optim": {"state": {0: {"step": torch.tensor(3.0),
+                                "exp_avg": torch.randn(64, 64, generator=g)},
+                            1: {"step": torch.tensor(3.0),
+                                "exp_avg": torch.randn(64, generator=g)}},
                   "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1]}]},
         "step": 3,
         "rng": {"seed": 1234, "note": None, "loss": float("nan"), "best": float("-inf")},
@@ -206,7 +247,8 @@ def assert_same(a: object, b: object, path: str = "state") -> None:
     """Exact equality of nested states: types, keys (with their types) and tensor bits."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
         if a.numel():
             assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
                                b.contiguous().view(-1).view(torch.uint8)), f"{path}: bytes differ"
@@ -225,6 +267,7 @@ def assert_same(a: object, b: object, path: str = "state") -> None:
 
 
 @pytest.fixture(scope="session")
+@process_fixture
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """One SeaweedFS server (S3 on a free loopback port, bucket `ckpt`) for the session."""
     with _seaweed(tmp_path_factory.mktemp("seaweed")) as server:
@@ -248,6 +291,7 @@ def _seaweed(base: Path) -> Iterator[SeaweedServer]:
 
 
 @pytest.fixture
+@process_fixture
 def own_s3_server(tmp_path: Path) -> Iterator[SeaweedServer]:
     """A SeaweedFS server of the test's own, for tests that kill or restart it."""
     with _seaweed(tmp_path) as server:

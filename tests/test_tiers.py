@@ -1,76 +1,101 @@
-"""The test tiers: which tests read as starting a process, and the guard that fails a test
-outside the `process` tier that starts one anyway."""
+"""The test tiers: which tests are in the `process` tier (their mark, the fixtures they use,
+their folder), and the guard that fails a test outside the tier that starts one anyway."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import running_writer
-from tiers import ProcessGuard, starts_process
+from tiers import REPO, ProcessGuard, in_process_folder, process_fixture
+
+_CONFTEST = """
+    from tiers import *  # noqa: F401,F403
+    from tiers import process_fixture
+    import pytest
+    import subprocess
+    import sys
+
+    @pytest.fixture(scope="module")
+    @process_fixture
+    def spawner():
+        return subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+    @pytest.fixture
+    def through(spawner):
+        return spawner
+
+    @pytest.fixture
+    def quiet(tmp_path):
+        return tmp_path
+"""
 
 
-def _quiet_helper() -> int:
-    return sum(range(3))
-
-
-def _runs_python() -> None:
-    subprocess.run([sys.executable, "-c", "pass"], check=True)
-
-
-def _calls_a_helper_that_runs_python() -> None:
-    _quiet_helper()
-    _runs_python()
-
-
-def _imports_its_helper() -> None:
-    from test_tiers import _runs_python as run
-    run()
-
-
-class _Saver:
-    def go(self, base) -> None:
-        with running_writer(base):
-            pass
-
-
-# in a table, so that the test reading them is not itself read as starting a process
-STARTING = [_runs_python, _calls_a_helper_that_runs_python, _imports_its_helper, _Saver,
-            lambda base: [running_writer(b) for b in base]]
-QUIET = [_quiet_helper, lambda: os.getpid()]
-
-
-def test_code_that_names_a_way_to_start_a_process_is_in_the_tier():
-    """Directly, through a helper, a helper imported inside the function, a helper class's
-    method, a comprehension."""
-    assert [starts_process(f) for f in STARTING] == [True] * len(STARTING)
-    assert [starts_process(f) for f in QUIET] == [False] * len(QUIET)
+def _collected(pytester: pytest.Pytester, *tier: str) -> list[str]:
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "--collect-only",
+                                          "-m", *tier)
+    return sorted(line for line in result.stdout.lines if "::" in line)
 
 
 def test_a_fixture_that_starts_a_process_puts_every_test_using_it_in_the_tier(
         pytester: pytest.Pytester):
-    pytester.makeconftest("""
-        from tiers import *  # noqa: F401,F403
-        import pytest
-        import subprocess
-
-        @pytest.fixture(scope="module")
-        def spawner():
-            return subprocess
-
-        @pytest.fixture
-        def through(spawner):
-            return spawner
-    """)
+    pytester.makeconftest(_CONFTEST)
     pytester.makepyfile(test_tiered="""
         def test_through_a_fixture(through): pass
         def test_quiet(tmp_path): pass
     """)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "--collect-only",
                                           "-m", "not process")
-    result.stdout.fnmatch_lines(["test_tiered.py::test_quiet", "1/2 tests collected (1 deselected)*"])
+    result.stdout.fnmatch_lines(["test_tiered.py::test_quiet",
+                                 "1/2 tests collected (1 deselected)*"])
+
+
+def test_a_mark_a_fixture_or_a_folder_puts_a_test_in_the_tier_and_nothing_else_does(
+        pytester: pytest.Pytester):
+    """By hand (the test or its module), directly or through another fixture, a folder of
+    PROCESS_FOLDERS; a fixture of the same name overridden by a quiet one in a folder's
+    conftest marks nothing there, and a quiet fixture using nothing that starts one
+    marks nothing."""
+    pytester.makeconftest(_CONFTEST)
+    pytester.makepyfile(test_one="""
+        import pytest
+        def test_direct(spawner): pass
+        def test_through(through): pass
+        def test_quiet(quiet): pass
+        @pytest.mark.process
+        def test_by_hand(): pass
+    """, test_all="""
+        import pytest
+        pytestmark = pytest.mark.process
+        def test_in_a_marked_module(): pass
+    """)
+    pytester.mkpydir("quiet_folder").joinpath("conftest.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef spawner():\n    return None\n")
+    pytester.path.joinpath("quiet_folder", "test_over.py").write_text(
+        "def test_overridden(through): pass\n")
+    marked = _collected(pytester, "process")
+    quiet = _collected(pytester, "not process")
+    assert marked == ["test_all.py::test_in_a_marked_module", "test_one.py::test_by_hand",
+                      "test_one.py::test_direct", "test_one.py::test_through"]
+    assert quiet == ["quiet_folder/test_over.py::test_overridden", "test_one.py::test_quiet"]
+
+
+def test_the_process_folders_put_their_tests_in_the_tier():
+    assert in_process_folder(REPO / "tests" / "multiprocess" / "test_fsdp.py")
+    assert in_process_folder(REPO / "tests" / "integrations" / "sub" / "test_x.py")
+    assert not in_process_folder(REPO / "tests" / "read" / "test_reader.py")
+    assert not in_process_folder(REPO / "tests" / "multiprocess.py")
+    assert not in_process_folder(REPO / "scripts" / "multiprocess" / "test_x.py")
+
+
+def test_process_fixture_goes_below_the_fixture_decorator():
+    """Above `@pytest.fixture` it would mark pytest's wrapper, which collection never sees:
+    refused, so that the mistake is not a test silently left in the fast tier."""
+    def fixture_function():
+        return None
+
+    assert process_fixture(fixture_function) is fixture_function
+    with pytest.raises(TypeError, match="below @pytest.fixture"):
+        process_fixture(pytest.fixture(lambda: None))
 
 
 @pytest.mark.process
@@ -94,6 +119,26 @@ def test_a_process_the_reading_missed_fails_the_test_outside_the_tier(pytester: 
                                         ).ret == pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.mark.process
+def test_a_process_fixture_left_unmarked_fails_the_tests_that_use_it(pytester: pytest.Pytester):
+    """A fixture that starts a process but is not declared: the test that set it up fails,
+    naming the decorator too."""
+    pytester.makeconftest("""
+        from tiers import *  # noqa: F401,F403
+        import pytest
+        import subprocess
+        import sys
+
+        @pytest.fixture
+        def undeclared():
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+    """)
+    pytester.makepyfile(test_undeclared="def test_uses_it(undeclared): pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*test_uses_it started 1 process(es)*@process_fixture*"])
+
+
 def test_the_guard_counts_every_route_and_restores_them():
     guard = ProcessGuard()
     real_fork = os.fork
@@ -103,13 +148,3 @@ def test_the_guard_counts_every_route_and_restores_them():
     finally:
         guard.uninstall()
     assert os.fork is real_fork and guard.started == 0
-
-
-def test_only_the_repositorys_tests_scripts_and_benchmarks_are_followed():
-    """A virtualenv inside the checkout is library code, not ours: reading torch or pytest
-    as our own would put every test in the process tier."""
-    from tiers import REPO, _own_file
-    assert _own_file(str(REPO / "tests" / "conftest.py"))
-    assert _own_file(str(REPO / "scripts" / "faults" / "torture.py"))
-    assert not _own_file(str(REPO / ".venv" / "lib" / "python3.11" / "site-packages" / "x.py"))
-    assert not _own_file(str(REPO / "asyncckpt" / "rank" / "launch.py"))

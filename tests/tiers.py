@@ -1,165 +1,82 @@
-"""Which tests start a process, found from their code so that nobody has to mark them.
+"""Which tests start a process: marked by the fixtures they use and by hand, and guarded.
 
 `make test-fast` runs the tests that start no process (no writer, no torchrun, no
-subprocess): they need seconds, where the whole suite needs minutes. Marking by hand would
-drift; a marker per folder would put the pure tests of `read/` with the writer's. So a test
-is in the `process` tier when its own code, a fixture it uses (directly or through another
-fixture), or a helper any of them calls names one of `PROCESS_NAMES`; helpers are followed into
-the repository's own code outside the package (tests, scripts, benchmarks), never into
-`asyncckpt/` or other libraries, whose process starts are `start_writer`, a Checkpointer's
-first save without a writer, and `export_hf(jobs > 1)`. The reading is
-static and can miss a start hidden behind an attribute it cannot resolve, so `ProcessGuard`
-counts every process actually started: a test outside the tier that starts one fails, in
-`make test` too, saying to mark it `@pytest.mark.process`.
+subprocess): they need seconds, where the whole suite needs minutes. A test is in the
+`process` tier when
+- it carries `@pytest.mark.process` (or its module's `pytestmark` does): the tests that
+  start a process in their own code or in a fixture of their module;
+- it uses, directly or through another fixture, a fixture decorated `@process_fixture`
+  (the writer, client and shared-writer fixtures, the S3 servers): the fixture that
+  applies to the test decides, so a folder that overrides one with a quiet fixture of the
+  same name is not marked by it;
+- it lives in a folder of `PROCESS_FOLDERS`, whose every test starts one (torchrun
+  workers, verl's manager starting its writer).
+A mark is a statement that can be wrong, so `ProcessGuard` counts every process actually
+started: a test outside the tier that starts one fails, in `make test` too, saying how to
+mark it. A test that only needs committed checkpoints uses the in-process writer
+(tests/inprocess.py) and stays out of the tier.
 """
 
 from __future__ import annotations
 
 import _posixsubprocess
-import dis
-import functools
-import importlib
-import importlib.util
 import inspect
 import os
 import subprocess
-import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PROCESS_NAMES = frozenset({
-    "start_writer", "running_writer", "subprocess", "Popen", "multiprocessing", "torchrun",
-    "fork", "forkpty", "posix_spawn", "posix_spawnp", "spawn", "system", "small_tmpfs",
-    "runpytest_subprocess",
-})
-# folders whose tests start processes inside library code the reading does not follow
-# (verl's manager starts its writer) or in every test (torchrun workers)
+# folders whose every test starts a process: torchrun workers, several writers, and library
+# code that starts the writer itself (verl's manager)
 PROCESS_FOLDERS = frozenset({"multiprocess", "integrations"})
 MARKER = "process"
-_verdicts: dict[int, bool] = {}  # id of a function, class or module read -> starts a process
-_modules: dict[str, types.ModuleType | None] = {}
+_STARTS = "_asyncckpt_starts_process"  # set on the function of a fixture that starts one
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-OWN_FOLDERS = tuple(REPO / name for name in ("tests", "scripts", "benchmarks"))
+def process_fixture(fn: _F) -> _F:
+    """Declare that fixture function `fn` starts a process: every test that uses it, itself
+    or through another fixture, is in the `process` tier. Put it below `@pytest.fixture`
+    (pytest keeps the function it wraps, which is what this marks).
 
-
-@functools.cache
-def _own_file(path: str) -> bool:
-    """In the repository's tests, scripts or benchmarks (not the package, not a venv)."""
-    resolved = Path(path).resolve()
-    return any(resolved.is_relative_to(folder) for folder in OWN_FOLDERS)
-
-
-def _own_code(obj: Any) -> bool:
-    """Whether `obj` is defined in this repository, outside the package."""
-    try:
-        return _own_file(inspect.getfile(obj))
-    except (TypeError, OSError):
-        return False
-
-
-def _unwrap(fn: Any) -> Any:
-    inner = getattr(getattr(fn, "hypothesis", None), "inner_test", None)  # @given
-    return inspect.unwrap(inner or fn)
-
-
-def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
-    """`code` and the code of every function, lambda and comprehension inside it."""
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _codes(const)
-
-
-def _imported_here(code: types.CodeType) -> dict[str, types.ModuleType]:
-    """The repository's own modules that `import` statements inside `code` load (a
-    helper imported in the function's body is in no global namespace)."""
-    found: dict[str, types.ModuleType] = {}
-    for ins in dis.get_instructions(code):
-        if ins.opname == "IMPORT_NAME":
-            if ins.argval not in _modules:
-                _modules[ins.argval] = _own_module(ins.argval)
-            if (module := _modules[ins.argval]) is not None:
-                found[ins.argval.rpartition(".")[2]] = module
-    return found
-
-
-def _own_module(name: str) -> types.ModuleType | None:
-    try:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.has_location or not _own_file(spec.origin):
-            return None
-        return importlib.import_module(name)
-    except Exception:  # noqa: BLE001 (a helper that cannot be imported here is not followed)
-        return None
-
-
-def starts_process(obj: Any, seen: set[int] | None = None) -> bool:
-    """Whether function, class or module `obj` names a way to start a process, itself or
-    through the repository's own helpers it uses.
-
-    Args:
-        obj: a test, a fixture's function, a helper class or module.
-        seen: ids being read further up this call (a cycle stops there).
-
-    Returns:
-        True where some code reachable from `obj` names one of PROCESS_NAMES.
+    Raises:
+        TypeError: `fn` is already a pytest fixture (the decorators are the wrong way up).
     """
-    seen = set() if seen is None else seen
-    obj = _unwrap(obj)
-    if id(obj) in _verdicts:
-        return _verdicts[id(obj)]
-    if id(obj) in seen:
-        return False
-    seen.add(id(obj))
-    _verdicts[id(obj)] = verdict = _reads_as_starting(obj, seen)
-    return verdict
+    if not inspect.isfunction(fn):
+        raise TypeError(f"@process_fixture goes below @pytest.fixture, on the function "
+                        f"itself (got {fn!r})")
+    setattr(fn, _STARTS, True)
+    return fn
 
 
-def _reads_as_starting(obj: Any, seen: set[int]) -> bool:
-    if isinstance(obj, (type, types.ModuleType)):
-        return any(starts_process(v, seen) for v in vars(obj).values()
-                   if (inspect.isfunction(v) or isinstance(v, type)) and _own_code(v))
-    code = getattr(obj, "__code__", None)
-    if code is None:
-        return False
-    codes = list(_codes(code))
-    names = {n for c in codes for n in c.co_names}
-    if names & PROCESS_NAMES:
-        return True
-    space = getattr(obj, "__globals__", {})
-    local = {k: v for c in codes for k, v in _imported_here(c).items()}
-    for name in names:
-        target = local.get(name, space.get(name))
-        if isinstance(target, types.ModuleType) and _own_code(target):
-            # `helpers.run(...)`: the attributes of an own module that the code names
-            targets = [getattr(target, n) for n in names if hasattr(target, n)]
-        else:
-            targets = [target]
-        for t in targets:
-            if (inspect.isfunction(t) or isinstance(t, type)) and _own_code(t) \
-                    and starts_process(t, seen):
-                return True
-    return False
+def in_process_folder(path: Path) -> bool:
+    """Whether test file `path` lies in one of the folders whose every test starts one."""
+    path = path.resolve()
+    tests = REPO / "tests"
+    return path.is_relative_to(tests) and bool(
+        PROCESS_FOLDERS & set(path.relative_to(tests).parts[:-1]))
+
+
+def process_fixtures(item: pytest.Item) -> list[str]:
+    """The fixtures of `item` (its own and those they use) that start a process, by the
+    definition that applies to it."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    defs = info.name2fixturedefs
+    return [name for name in getattr(item, "fixturenames", ())
+            if (d := defs.get(name)) and getattr(d[-1].func, _STARTS, False)]
 
 
 def item_starts_process(item: pytest.Item) -> bool:
-    """Whether collected test `item` starts a process (its folder, its code, its fixtures)."""
-    path = Path(str(item.path)).resolve()
-    if path.is_relative_to(REPO / "tests") and \
-            PROCESS_FOLDERS & set(path.relative_to(REPO / "tests").parts[:-1]):
-        return True
-    seen: set[int] = set()
-    if starts_process(getattr(item, "obj", None), seen):
-        return True
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs if info is not None else {}
-    return any(starts_process(d[-1].func, seen) for name in item.fixturenames
-               if (d := defs.get(name)))
+    """Whether collected test `item` is in the `process` tier: its mark, a fixture it uses,
+    its folder."""
+    return (item.get_closest_marker(MARKER) is not None or bool(process_fixtures(item))
+            or in_process_folder(Path(str(item.path))))
 
 
 class ProcessGuard:
@@ -200,7 +117,8 @@ _GUARD = pytest.StashKey[ProcessGuard]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MARKER}: starts a process (a writer, torchrun, a "
-                            "subprocess); set at collection, `make test-fast` leaves these out")
+                            "subprocess); set by hand or by a @process_fixture the test "
+                            "uses, `make test-fast` leaves these out")
     config.stash[_GUARD] = guard = ProcessGuard()
     guard.install()
 
@@ -229,5 +147,6 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     yield
     if started and item.get_closest_marker(MARKER) is None:
         pytest.fail(f"{item.nodeid} started {started} process(es) but is not in the "
-                    f"`{MARKER}` tier (tests/tiers.py did not see how): mark it "
-                    f"@pytest.mark.{MARKER} so that `make test-fast` leaves it out", pytrace=False)
+                    f"`{MARKER}` tier: mark it @pytest.mark.{MARKER}, or the fixture that "
+                    f"starts it @process_fixture (tests/tiers.py), so that `make test-fast` "
+                    f"leaves it out", pytrace=False)
