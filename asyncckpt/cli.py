@@ -19,16 +19,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from asyncckpt._version import __version__
 from asyncckpt.config import CODECS, WriterKnobs, parse_knob
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
-from asyncckpt.format.layout import is_tmp_dir, step_dir_name, tmp_step_of
+from asyncckpt.format.layout import step_dir_name
 from asyncckpt.rank.launch import default_job
-from asyncckpt.storage.lease import Lease
-from asyncckpt.storage.location import ObjectPath, root_path, storage_for
-from asyncckpt.storage.posix import local_path
-from asyncckpt.storage.s3 import S3Storage
+from asyncckpt.storage.paths import local_path
+from asyncckpt.storage.registry import open_storage
+from asyncckpt.storage.registry import parse as root_path
 from asyncckpt.writer import commit, retention
 
 
@@ -106,14 +106,16 @@ def parser() -> argparse.ArgumentParser:
 
     cp = command("copy", "write one step as a self-contained checkpoint directory "
                          "(every referenced byte materialised)")
-    cp.add_argument("path", type=_local, help="a root (with --step, else its newest step) or a checkpoint")
+    cp.add_argument("path", type=_local,
+                    help="a root (with --step, else its newest step) or a checkpoint")
     cp.add_argument("--step", type=int, default=None, help="the step of a root (default: newest)")
     cp.add_argument("--out", required=True, type=_local, help="the new directory (must not exist)")
     cp.add_argument("--json", action="store_true", help=JSON)
 
     imp = command("import-dcp", "commit a checkpoint dcp.save wrote (.metadata, *.distcp) "
                                 "as a verified step of a root")
-    imp.add_argument("source", type=_local, help="the DCP checkpoint directory (e.g. torchtitan's step-N)")
+    imp.add_argument("source", type=_local,
+                     help="the DCP checkpoint directory (e.g. torchtitan's step-N)")
     imp.add_argument("root", type=_local, help="the asyncckpt root (a writer is started on it)")
     imp.add_argument("--step", type=int, required=True, help="the step number it becomes")
     imp.add_argument("--part-size", default="1G",
@@ -143,13 +145,14 @@ EXIT_STATUS = {
 def _writer(args: argparse.Namespace) -> int:
     from asyncckpt.writer.server import WriterServer
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s asyncckpt-writer[%(process)d] %(levelname)s %(message)s")
+                        format="%(asctime)s asyncckpt-writer[%(process)d] %(levelname)s "
+                               "%(message)s")
     for noisy in ("botocore", "boto3", "urllib3"):  # an s3:// root: its client logs each request
         logging.getLogger(noisy).setLevel(logging.WARNING)
     overrides = dict(kv.split("=", 1) for kv in args.knob)
     try:
-        knobs = WriterKnobs.from_env(**{k: parse_knob(WriterKnobs, k, v) for k, v in overrides.items()},
-                               codec=args.codec)
+        knobs = WriterKnobs.from_env(**{k: parse_knob(WriterKnobs, k, v)
+                                        for k, v in overrides.items()}, codec=args.codec)
         server = WriterServer(args.root, knobs, args.address, job=args.job or default_job())
     except WriterLockedError as e:
         print(f"asyncckpt writer: {e}", file=sys.stderr)
@@ -166,7 +169,8 @@ def _writer(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, shutdown), daemon=True).start()
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, shutdown),
+                         daemon=True).start()
     if args.ready_line:
         print(f"ASYNCCKPT_READY {server.address}", flush=True)
     else:
@@ -210,28 +214,22 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _dir_size(directory: Path) -> int:
-    try:
-        return sum(f.stat().st_size for f in directory.iterdir())
-    except OSError:
-        return 0
-
-
 def _ls(args: argparse.Namespace) -> int:
     from asyncckpt.read.checkpoint import Checkpoint
     root = root_path(args.root)
-    if not isinstance(root, ObjectPath) and not root.is_dir():
-        print(f"asyncckpt ls: {root} is not a directory", file=sys.stderr)
-        return 2
     now = time.time()
     try:
-        storage = storage_for(root)
+        storage = open_storage(root)
+        if not storage.is_dir(root):
+            print(f"asyncckpt ls: {root} is not a directory", file=sys.stderr)
+            return 2
         latest = storage.read_latest()
         steps = storage.step_dirs()
+        under_way = storage.in_progress()
     except OSError as e:
         print(f"asyncckpt ls: {e}", file=sys.stderr)
         return 2
-    rows = []
+    rows: list[dict[str, Any]] = []
     for step in steps:  # a step-N failing its checks is listed as damaged
         directory = root / step_dir_name(step)
         try:
@@ -244,12 +242,10 @@ def _ls(args: argparse.Namespace) -> int:
         except CheckpointError as e:
             rows.append({"step": step, "state": "damaged", "path": str(directory),
                          "error": str(e), "latest": step == latest})
-    for name in [] if isinstance(root, ObjectPath) else sorted(os.listdir(root)):
-        if is_tmp_dir(name):
-            path = root / name
-            rows.append({"step": tmp_step_of(name), "state": "in-progress", "path": str(path),
-                         "stored_bytes": _dir_size(path),
-                         "age_seconds": now - path.stat().st_mtime, "latest": False})
+    for save in under_way:
+        rows.append({"step": save.step, "state": "in-progress", "path": str(save.path),
+                     "stored_bytes": save.stored_bytes, "age_seconds": now - save.modified,
+                     "latest": False})
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
@@ -317,27 +313,26 @@ def _print_sharded(sharded: list[dict]) -> None:
         return
     print(f"\n{'SHARDED TENSOR':40} {'DTYPE':8} {'GLOBAL SHAPE':>18} {'BOXES':>6}  PLACEMENTS")
     for g in sharded:
-        print(f"{_cut(g['name'], 40):40} {g['dtype']:8} {str(tuple(g['shape'])):>18} {g['boxes']:>6}  "
-              f"{','.join(g['placements'])}")
+        print(f"{_cut(g['name'], 40):40} {g['dtype']:8} {str(tuple(g['shape'])):>18} "
+              f"{g['boxes']:>6}  {','.join(g['placements'])}")
 
 
 def _print_tensors(tensors: list[dict]) -> None:
     print(f"\n{'RANK':>4} {'TENSOR':40} {'DTYPE':8} {'SHAPE':>18} {'BYTES':>12}  AT")
     for t in tensors:
         at = str(tuple(t["offsets"])) if t["offsets"] is not None else ""
-        print(f"{t['rank']:>4} {_cut(t['name'], 40):40} {t['dtype']:8} {str(tuple(t['shape'])):>18} "
-              f"{t['bytes']:>12}  {at}")
+        print(f"{t['rank']:>4} {_cut(t['name'], 40):40} {t['dtype']:8} "
+              f"{str(tuple(t['shape'])):>18} {t['bytes']:>12}  {at}")
 
 
 def _gc(args: argparse.Namespace) -> int:
     root = root_path(args.root)
-    if args.keep_last < 1 or not (isinstance(root, ObjectPath) or root.is_dir()):
-        print("asyncckpt gc: need an existing root and --keep-last >= 1", file=sys.stderr)
-        return 2
     try:
-        storage = storage_for(root)
-        lock = Lease(storage, None, exclusive=True) if isinstance(root, ObjectPath) \
-            else commit.RootLock(root)
+        storage = open_storage(root)
+        if args.keep_last < 1 or not storage.is_dir(root):
+            print("asyncckpt gc: need an existing root and --keep-last >= 1", file=sys.stderr)
+            return 2
+        lock = storage.take(None, exclusive=True)
     except WriterLockedError as e:
         print(f"asyncckpt gc: {e}; a running writer applies retention itself "
               "(writer knob keep_last, or Checkpointer options)", file=sys.stderr)
@@ -346,8 +341,7 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"asyncckpt gc: {e}", file=sys.stderr)
         return 2
     try:
-        removed_tmp = storage.sweep_tmp(0) if isinstance(storage, S3Storage) \
-            else storage.sweep_tmp()
+        removed_tmp = storage.sweep(alone=True)
         pruned = retention.prune(storage, args.keep_last, args.keep_every)
         commit.update_latest(storage)
     finally:
@@ -391,11 +385,13 @@ def _export(args: argparse.Namespace) -> int:
     if args.json:
         json.dump({"out": args.out, "shards": shards, "written": index["shards"],
                    "complete": index["complete"], **index["metadata"],
-                   "tensors": len(index["weight_map"]), "files": index["files"]}, sys.stdout, indent=1)
+                   "tensors": len(index["weight_map"]), "files": index["files"]}, sys.stdout,
+                  indent=1)
         print()
     elif index["complete"]:
-        print(f"wrote {len(index['weight_map'])} tensors, {index['metadata']['total_size'] / 2**20:.1f} "
-              f"MiB, in {len(shards)} shard(s) to {args.out}"
+        print(f"wrote {len(index['weight_map'])} tensors, "
+              f"{index['metadata']['total_size'] / 2**20:.1f} MiB, in {len(shards)} shard(s) "
+              f"to {args.out}"
               + (f", with {', '.join(index['files'])}" if index["files"] else ""))
     else:
         print(f"wrote {len(index['shards'])} of {len(shards)} shards to {args.out}; the part "
@@ -457,8 +453,8 @@ def _import_dcp(args: argparse.Namespace) -> int:
         return 1 if isinstance(e, source_error) else 2
     m = read_manifest(out)
     if args.json:
-        json.dump({"out": str(out), "step": m.step, "bytes": m.stored_size, "raw_bytes": m.raw_size},
-                  sys.stdout, indent=1)
+        json.dump({"out": str(out), "step": m.step, "bytes": m.stored_size,
+                   "raw_bytes": m.raw_size}, sys.stdout, indent=1)
         print()
     else:
         print(f"imported {args.source} as step {m.step}: {out} ({m.raw_size / 2**20:.1f} MiB, "

@@ -49,7 +49,8 @@ from asyncckpt.errors import CheckpointError, UntrustedPickleError
 from asyncckpt.format.tree import unflatten
 from asyncckpt.integrations.dcp_writer import _STEP_ID
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
-from asyncckpt.storage.location import Location, ObjectPath, is_dir, root_path
+from asyncckpt.storage.location import Location, is_dir, root_path
+from asyncckpt.storage.registry import storage_at
 
 
 class _Value:
@@ -79,7 +80,8 @@ class _Index:
             g = leaf.tensor
             chunks = ([ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.spec.shape))
                        for b in g.boxes] if leaf.view is None
-                      else [ChunkStorageMetadata(torch.Size([0] * len(leaf.shape)), torch.Size(leaf.shape))])
+                      else [ChunkStorageMetadata(torch.Size([0] * len(leaf.shape)),
+                                                 torch.Size(leaf.shape))])
             entries[key] = TensorStorageMetadata(TensorProperties(dtype=leaf.dtype),
                                                  torch.Size(leaf.shape), chunks)
         return Metadata(state_dict_metadata=entries)
@@ -203,7 +205,8 @@ class StorageReader(dcp.StorageReader):
                         reads.add(leaf.tensor, offsets, target)
                     else:
                         view = leaf.view.of_tensor(ckpt.read_full(leaf.tensor))
-                        target.copy_(view[tuple(slice(o, o + n) for o, n in zip(offsets, item.lengths))])
+                        target.copy_(view[tuple(slice(o, o + n)
+                                                for o, n in zip(offsets, item.lengths))])
                     tensors.append((item, target))
                 reads.flush()
                 for item, target in tensors:
@@ -220,10 +223,12 @@ class StorageReader(dcp.StorageReader):
             path = root_path(checkpoint_id)
         except CheckpointError:
             return False
-        if isinstance(path, ObjectPath):
-            return True  # an s3:// id is ours to open (errors then say what is there)
-        return (path / "manifest.json").is_file() or (path.is_dir() and any(
-            _STEP_ID.fullmatch(p.name) for p in path.iterdir()))
+        storage = storage_at(path)
+        try:
+            return storage.is_file(path / "manifest.json") or (storage.is_dir(path) and any(
+                _STEP_ID.fullmatch(name) for name in storage.entries(path)))
+        except OSError:
+            return True  # a store not reached now: ours to open (errors then say why)
 
     def _open(self) -> _Index:
         if self._index is None:

@@ -32,7 +32,8 @@ from torchtitan.components import checkpoint as titan
 from asyncckpt.format.layout import step_dir_name
 from asyncckpt.integrations.dcp_reader import StorageReader
 from asyncckpt.integrations.dcp_writer import StorageWriter, parse_checkpoint_id
-from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.registry import parse as root_path
+from asyncckpt.storage.registry import shared_storage
 
 
 class CheckpointManager(titan.CheckpointManager):
@@ -69,7 +70,8 @@ class CheckpointManager(titan.CheckpointManager):
 
     def _find_load_step(self, folder: str = "") -> int:
         folder = folder or self.folder
-        steps = PosixStorage(folder).committed_steps() if os.path.isdir(folder) else []
+        storage = shared_storage(root_path(folder))
+        steps = storage.committed_steps() if storage.is_dir(storage.root) else []
         return steps[-1] if steps else -1
 
     def _purge_stale_checkpoints(self) -> None:

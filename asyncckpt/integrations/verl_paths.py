@@ -33,16 +33,10 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+from pathlib import PurePosixPath
 
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
-from asyncckpt.storage.location import (
-    Location,
-    ObjectPath,
-    is_dir,
-    is_object,
-    read_bytes,
-    root_path,
-)
+from asyncckpt.storage.location import Location, is_dir, read_bytes, root_path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "asyncckpt.json"
@@ -81,12 +75,13 @@ def agree(verb: str, everyone: list[Gathered]) -> tuple[Location | None, str]:
         return root_path(first), ""
     shown = "; ".join(f"rank {r}: {p}" for r, p in differ[:3])
     more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-    return root_path(first), (f"the ranks name different local paths for one {verb} ({shown}{more}); "
-                         f"every rank uses rank 0's, {first}")
+    return root_path(first), (f"the ranks name different local paths for one {verb} "
+                              f"({shown}{more}); every rank uses rank 0's, {first}")
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    return ", ".join(map(str, ranks[:8])) + more
 
 
 def trainer_dir(local_path: Location) -> Location | None:
@@ -110,14 +105,11 @@ def relative_root(root: Location, local_path: Location) -> str:
 
 
 def _posix(path: Location) -> str:
-    return "/" + "/".join(path.parts[1:]) if is_object(path) else str(path)
+    return str(PurePosixPath(*path.parts))  # an object store's too: its bucket first
 
 
 def _joined(local_path: Location, relative: str) -> Location:
-    if is_object(local_path):
-        joined = posixpath.normpath(posixpath.join(_posix(local_path), relative))
-        return ObjectPath("/", *joined.strip("/").split("/"))
-    return (local_path / relative).resolve()
+    return (local_path / relative).resolve()  # an object store's: `..` taken lexically
 
 
 def locate(local_path: Location) -> tuple[Location, int | None]:
@@ -135,8 +127,8 @@ def locate(local_path: Location) -> tuple[Location, int | None]:
             body = json.loads(text)
             return _joined(local_path, body["root"]), int(body["step"])
         except (OSError, ValueError, KeyError, TypeError) as e:  # one message on every rank
-            raise CheckpointNotFoundError(f"{marker} is not an asyncckpt marker ({type(e).__name__}: "
-                                          f"{e})", file=str(marker)) from None
+            raise CheckpointNotFoundError(f"{marker} is not an asyncckpt marker "
+                                          f"({type(e).__name__}: {e})", file=str(marker)) from None
     match = _STEP_DIR.fullmatch(local_path.absolute().parent.name)
     if match is not None:
         return root_of(local_path), int(match.group(1))

@@ -20,7 +20,9 @@ from typing import Any
 
 from asyncckpt.errors import WriterLockedError, WriterUnavailableError
 from asyncckpt.ipc.protocol import ADDRESS_ENV
-from asyncckpt.storage.location import is_object, root_path
+from asyncckpt.storage.paths import Location
+from asyncckpt.storage.registry import parse as root_path
+from asyncckpt.storage.registry import shared_storage
 
 READY_PREFIX = "ASYNCCKPT_READY "
 FAILED_PREFIX = "ASYNCCKPT_FAILED "  # then why, on the same line, before the writer exits
@@ -40,7 +42,7 @@ class WriterProcess:
         log_file: where it logs (None: this process's stderr).
     """
 
-    def __init__(self, proc: subprocess.Popen, address: str, root: Path,
+    def __init__(self, proc: subprocess.Popen, address: str, root: Location,
                  log_file: Path | None = None, exported: bool = False) -> None:
         self._proc = proc
         self._exported = exported  # ASYNCCKPT_ADDRESS was set by us, not by the user
@@ -98,9 +100,11 @@ def default_log_file(root: str | os.PathLike[str], node: str | None = None) -> P
     several nodes' writers); for an object-store root, in the temporary directory."""
     location = root_path(root)
     suffix = f".writer-{node}.log" if node else ".writer.log"
-    if is_object(location):
-        return Path(tempfile.gettempdir()) / f"asyncckpt-{location.bucket}-{location.name}{suffix}"
-    return Path(location).absolute().parent / f"{Path(location).name}{suffix}"
+    local = shared_storage(location).local_dir()
+    if local is None:  # an object store's root: named by its bucket and its last segment
+        name = f"asyncckpt-{location.parts[1]}-{location.name}{suffix}"
+        return Path(tempfile.gettempdir()) / name
+    return local.absolute().parent / f"{local.name}{suffix}"
 
 
 def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
@@ -148,8 +152,8 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
             log.info("asyncckpt: the writer of %s logs to %s", root, log_path)
     stderr = open(log_path, "ab") if log_path is not None else None
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     finally:
         if stderr:
             stderr.close()
@@ -166,8 +170,8 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         if code == 3:
             raise WriterLockedError(f"another writer holds {root}", file=str(root))
         if line.startswith(FAILED_PREFIX):
-            raise WriterUnavailableError(f"writer did not start: {line[len(FAILED_PREFIX):].strip()}",
-                                         file=str(root))
+            raise WriterUnavailableError("writer did not start: "
+                                         f"{line[len(FAILED_PREFIX):].strip()}", file=str(root))
         raise WriterUnavailableError(f"writer did not start (exit code {code}); see its log"
                                      + (f", {log_path}" if log_path else ""), file=str(root))
     address = line[len(READY_PREFIX):].strip()

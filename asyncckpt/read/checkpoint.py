@@ -33,19 +33,15 @@ is an error naming the newest intact one (read/resolve.py says why and which).
 
 Every read of 2-5 goes through the one directory handle of 1, never by path again: a
 save with `replace=True` exchanges a step's directory under its name while loads may be
-reading it, and a load that read the manifest of one version and then opened the data
-files of the other failed a healthy step as corrupt (and `Checkpointer.restore()` fell
-back to an older step). On POSIX the handle is a directory descriptor and every file is
-opened relative to it (openat), so a load reads the version it opened, whole, even after
-that version is renamed away and deleted.
+reading it, and a load must read one version of it whole (storage/posix_read.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncckpt.config import ReadLimits
@@ -58,19 +54,13 @@ from asyncckpt.read.leaves import Leaf, holds_global, rank_leaves
 from asyncckpt.read.reader import RankReader, Readers, open_referenced, referenced_files
 from asyncckpt.read.resolve import RESOLVE_TRIES, damaged_newest, resolve
 from asyncckpt.storage.base import CheckpointDir
-from asyncckpt.storage.location import Location, ObjectPath, exists, is_link, root_path, storage_for
+from asyncckpt.storage.paths import Location
+from asyncckpt.storage.registry import hold_checkpoint_dir, parse, storage_at
 
 if TYPE_CHECKING:
     import torch
 
     from asyncckpt.read.sharded import ReadPlan
-
-
-def _replaced_back(directory: Location) -> bool:
-    """Step `directory`, found absent, is there now (once a replacing save that set it
-    aside renamed its new one in: `Storage.wait_for_step` waits a moment for that)."""
-    step = parse_step_dir(directory.name)
-    return exists(directory) if step is None else storage_for(directory.parent).wait_for_step(step)
 
 
 class Checkpoint:
@@ -97,8 +87,8 @@ class Checkpoint:
         `files`: the directory as the manifest was read from it (default: opened now);
         the checkpoint closes it."""
         self.directory, self.manifest, self.limits = directory, manifest, limits
-        self.storage = storage_for(directory.parent)
-        self._files = files or self.storage.open_checkpoint_dir(directory)
+        self._files = files or storage_at(directory).open_checkpoint_dir(directory)
+        self.storage = self._files.storage
         self.root: Location | None = None
         self.problems: list[CheckpointError] = []
         self.unreadable_ranks: set[int] = set()
@@ -134,9 +124,10 @@ class Checkpoint:
         """
         limits = limits or ReadLimits.from_env()
         for _ in range(RESOLVE_TRIES):
-            directory, root = resolve(root_path(path), step)
+            directory, root = resolve(parse(path), step)
             opened, problems, replaced = cls._examine(directory, limits, whole=False)
-            if not problems or not (replaced or root is not None and not exists(directory)):
+            if not problems or not (replaced or root is not None
+                                    and not storage_at(directory).exists(directory)):
                 break
             # a replacing save swapped another version in while this one was read (or
             # set it aside, and its new one is in now); or the newest step went between
@@ -175,23 +166,14 @@ class Checkpoint:
                  ) -> tuple[Checkpoint | None, list[CheckpointError], bool]:
         """`examine`, and whether a replacing save swapped the directory while it was
         read (so that its problems may be that, not damage)."""
-        directory = root_path(directory)
-        if not isinstance(directory, ObjectPath) and directory.is_symlink():
-            # opened where it lies: its references name steps of its own root, not the link's
-            directory = Path(os.path.realpath(directory))
-        try:
-            files = storage_for(directory.parent).open_checkpoint_dir(directory)
-            vanished = False
-        except OSError as e:
-            files, vanished = None, isinstance(e, FileNotFoundError)
+        directory, files, back = hold_checkpoint_dir(parse(directory))
         try:
             if files is None or not files.has(MANIFEST_NAME):
                 return None, [CorruptCheckpointError(
                     f"{directory.name} has no {MANIFEST_NAME}: not a checkpoint (its manifest "
                     "was deleted, or it was never committed)",
                     step=parse_step_dir(directory.name), file=str(directory))], (
-                        files.replaced() if files is not None
-                        else vanished and _replaced_back(directory))
+                        files.replaced() if files is not None else back)
             manifest = files.read_manifest(limits)
             opened = cls(directory, manifest, limits, whole=whole, files=files)
         except CheckpointError as e:
@@ -280,7 +262,7 @@ class Checkpoint:
         except OSError as e:
             names = set()
             problems.append(CorruptCheckpointError(
-                "a symlink, not a directory of the step" if is_link(directory)
+                "a symlink, not a directory of the step" if self.storage.is_link(directory)
                 else f"cannot list: {e.strerror or e}", step=self.step, file=str(directory)))
         data: dict[int, list[str]] = {}
         plausible = set()
@@ -334,8 +316,8 @@ class Checkpoint:
         `prefix` + the file's name in it); a rank whose file is missing is unreadable.
         Given `present` (what a node directory holds, listed and checked by `_node`),
         only that `ranks`' data files are among it."""
-        step, problems = self.step, []
-        listed = present is not None
+        step, listed = self.step, present is not None
+        problems: list[CheckpointError] = []
         if present is None:  # the checkpoint directory itself
             try:
                 present = self._files.names()
@@ -364,14 +346,13 @@ class Checkpoint:
 
     def _check_refs(self, ranks: list[RankPart]) -> list[CheckpointError]:
         """Incremental saves: the older steps' files `ranks` reference are in the root."""
-        problems = []
+        problems: list[CheckpointError] = []
         for part in ranks:
             for step_, name in referenced_files(part):
                 try:
-                    open_referenced(self.storage, step_, name,
-                                    lambda cause: CorruptCheckpointError(
-                                        cause, step=self.step, rank=part.rank,
-                                        file=str(self.directory))).close()
+                    open_referenced(self.storage, step_, name, functools.partial(
+                        CorruptCheckpointError, step=self.step, rank=part.rank,
+                        file=str(self.directory))).close()
                 except CorruptCheckpointError as e:
                     problems.append(e)
                     self.unreadable_ranks.add(part.rank)

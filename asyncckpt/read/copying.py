@@ -4,9 +4,9 @@ A step of an incremental save references frames of older steps in its root, so i
 directory alone is not a checkpoint that can be moved to another machine or bucket.
 `copy_step` writes every frame's stored bytes -- its own and the referenced ones --
 into new data files, so the copy holds no reference and is a format-1 checkpoint (any
-asyncckpt reader of any version reads it; a step saved in parts stays one, below). Each frame is verified on the way
-(stored checksum, then decoded and checked against the raw checksum), and the directory
-appears in one rename, complete or not at all.
+asyncckpt reader of any version reads it; a step saved in parts stays one, below). Each
+frame is verified on the way (stored checksum, then decoded and checked against the raw
+checksum), and the directory appears in one rename, complete or not at all.
 
 A referenced frame keeps the codec it was stored with, which need not be one the copy's
 file admits (docs/FORMAT.md: a raw file holds only raw frames, a zstd file only zstd
@@ -42,7 +42,7 @@ from asyncckpt.format.records import RankPart, admitted_codecs
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.reader import scratch_buffer
 from asyncckpt.storage.durable import fsync_path, write_atomic
-from asyncckpt.storage.posix import local_path
+from asyncckpt.storage.paths import local_path
 
 
 def copy_step(path: str | os.PathLike[str], out: str | os.PathLike[str], step: int | None = None,
@@ -115,7 +115,7 @@ def _copy_rank(ckpt: Checkpoint, rank: int, directory: Path) -> RankPart:
         for index, frame in enumerate(part.frames):
             if frame.codec in admitted:
                 with ckpt.reading():
-                    pieces = [reader.read_stored(index)]
+                    pieces: list[bytes | bytearray | memoryview] = [reader.read_stored(index)]
                 copied = dataclasses.replace(frame, stored_offset=position,
                                              stored_length=len(pieces[0]), ref=None)
             else:

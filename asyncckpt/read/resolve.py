@@ -21,7 +21,6 @@ absent: a load that finds it so waits a moment for the new one (`Storage.wait_fo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +28,8 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from asyncckpt.format.records import Ref
-from asyncckpt.storage.location import Location, ObjectPath, exists, is_dir, is_file, storage_for
+from asyncckpt.storage.paths import Location
+from asyncckpt.storage.registry import shared_storage, storage_at
 
 # Checkpoint.examine: (directory, limits=...) -> (the checkpoint or None, its problems)
 Examine = Callable[..., "tuple[Any, list[CheckpointError]]"]
@@ -40,23 +40,25 @@ RESOLVE_TRIES = 8
 def resolve(path: Location, step: int | None) -> tuple[Location, Location | None]:
     """(the checkpoint directory, the root when it was chosen as the root's newest)."""
     named = parse_step_dir(path.name)
-    if named is not None and not is_dir(path):
-        storage_for(path.parent).wait_for_step(named)
-    if is_dir(path) and (named is not None or is_file(path / MANIFEST_NAME)):
+    at = storage_at(path)
+    if named is not None and not at.is_dir(path):
+        shared_storage(path.parent).wait_for_step(named)
+    if at.is_dir(path) and (named is not None or at.is_file(path / MANIFEST_NAME)):
         if step is not None and named is not None and named != step:
             raise CheckpointNotFoundError(f"{path} is step {named}, not {step}", step=step,
                                           file=str(path))
         return path, None
+    root = shared_storage(path)
     if step is not None:
-        if storage_for(path).wait_for_step(step):
+        if root.wait_for_step(step):
             return path / step_dir_name(step), None
-        linked = not isinstance(path, ObjectPath) and os.path.islink(path / step_dir_name(step))
+        linked = root.linked_step(step)
         raise CheckpointNotFoundError(
             f"no committed checkpoint for step {step} in {path}" + (
                 f" ({step_dir_name(step)} is a symlink: not a step of this root; open the "
                 "directory it points to instead)" if linked else f" ({_holds(path)})"),
             step=step, file=str(path))
-    newest = storage_for(path).newest_step()
+    newest = root.newest_step()
     if newest is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
     return path / step_dir_name(newest), path
@@ -65,9 +67,10 @@ def resolve(path: Location, step: int | None) -> tuple[Location, Location | None
 def _holds(root: Location) -> str:
     """What `root` holds instead, for an error: its committed steps (the first and the
     newest few of a long list), none, or that it does not exist."""
-    if not is_dir(root):
+    storage = shared_storage(root)
+    if not storage.is_dir(root):
         return "it does not exist"
-    steps = storage_for(root).step_dirs()
+    steps = storage.step_dirs()
     if not steps:
         return "it holds no committed step"
     shown = [str(s) for s in steps] if len(steps) <= 8 else (
@@ -82,17 +85,17 @@ def damaged_newest(root: Location, directory: Location, problem: CheckpointError
 
     The candidates are listed now, not when the load began, so a step a running writer
     committed meanwhile is one, and steps its retention removed are not. A candidate
-    must pass `examine` (Checkpoint.examine) and, when the damage was found in a frame's stored bytes
-    (`problem.detail["stored_at"]`), hold no frame stored there: with incremental saves
+    must pass `examine` (Checkpoint.examine) and, when the damage was found in a frame's
+    stored bytes (`problem.detail["stored_at"]`), hold no frame stored there: with incremental saves
     older and newer steps reference the same bytes, and would fail on them too.
     """
     damaged = parse_step_dir(directory.name)
     failed: Ref | None = problem.detail.get("stored_at")
-    steps = storage_for(root).step_dirs()
+    steps = shared_storage(root).step_dirs()
     newer = [s for s in steps if damaged is not None and s > damaged]
     intact = next((s for s in reversed(steps) if s != damaged
                    and _intact(root / step_dir_name(s), limits, failed, examine)), None)
-    if not exists(directory):
+    if not storage_at(directory).exists(directory):
         state = (f"step {damaged} was the newest step of {root} when this load began and is "
                  "gone now (a running writer's retention removes steps once newer ones commit)")
     elif newer:

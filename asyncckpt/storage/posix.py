@@ -27,15 +27,15 @@ import ctypes
 import errno
 import logging
 import os
-import re
 import secrets
 import shutil
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from asyncckpt.errors import CheckpointError, StepAlreadyCommittedError
+from asyncckpt.errors import StepAlreadyCommittedError
 from asyncckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -50,8 +50,15 @@ from asyncckpt.format.layout import (
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import DataFile, Storage
 from asyncckpt.storage.durable import fsync_path, write_atomic
+from asyncckpt.storage.paths import Location, local_path
+from asyncckpt.storage.posix_files import PosixFiles, as_local, read_small_file
+from asyncckpt.storage.posix_lock import RootLock, root_id
 from asyncckpt.storage.posix_read import PosixCheckpointDir, PosixReadFile
 from asyncckpt.storage.writeback import Writeback
+
+if TYPE_CHECKING:
+    from asyncckpt.config import ReadLimits
+    from asyncckpt.format.manifest import Manifest
 
 log = logging.getLogger("asyncckpt.storage")
 
@@ -104,30 +111,12 @@ class PosixDataFile(DataFile):
 _IOV_MAX = 1024
 
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def local_path(path: str | os.PathLike[str]) -> Path:
-    """`path` as a path of this machine's filesystem.
-
-    Raises:
-        CheckpointError: `path` is a URL (`s3://bucket/run`, `gs://`, `file://`...). Taken
-            as a path it would be a relative directory named `s3:` quietly written in
-            the working directory: refused instead, wherever a root or step is given.
-    """
-    text = os.fspath(path)
-    if isinstance(text, str) and _URL.match(text):
-        scheme = text.split("://", 1)[0]
-        raise CheckpointError(f"{text!r} is a {scheme}:// URL: a root is a directory of a local "
-                              f"or mounted filesystem here ({scheme}:// roots are not supported)",
-                              file=text)
-    return Path(text)
-
-
-class PosixStorage(Storage):
+class PosixStorage(PosixFiles, Storage):
     """A root that is a directory of this machine's filesystem (local or NFS)."""
 
-    def __init__(self, root: Path | str) -> None:
+    root: Path
+
+    def __init__(self, root: Location | str) -> None:
         self.root = local_path(root)
 
     def __repr__(self) -> str:
@@ -178,16 +167,16 @@ class PosixStorage(Storage):
             os.close(fd)
         return None
 
-    def open_file(self, directory: Path, name: str) -> PosixReadFile:
+    def open_file(self, directory: Location, name: str) -> PosixReadFile:
         """Never through a symlink at `name`, never blocking on a FIFO there."""
-        fd = os.open(directory / name,
+        fd = os.open(as_local(directory) / name,
                      os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         st = os.fstat(fd)
         return PosixReadFile(fd, st.st_size, stat.S_ISREG(st.st_mode))
 
-    def open_checkpoint_dir(self, directory: Path) -> PosixCheckpointDir:
+    def open_checkpoint_dir(self, directory: Location) -> PosixCheckpointDir:
         """Held by a directory descriptor (`PosixCheckpointDir`)."""
-        return PosixCheckpointDir(self, directory)
+        return PosixCheckpointDir(self, as_local(directory))
 
     def newest_step(self) -> int | None:
         """The newest listed step, or the one `latest` names if that is newer and present:
@@ -197,7 +186,8 @@ class PosixStorage(Storage):
         steps = self.step_dirs()
         newest = steps[-1] if steps else None
         latest = self.read_latest()
-        if latest is not None and (newest is None or latest > newest) and self.wait_for_step(latest):
+        if latest is not None and (newest is None or latest > newest) \
+                and self.wait_for_step(latest):
             return latest
         return newest
 
@@ -210,7 +200,7 @@ class PosixStorage(Storage):
                 return self.has_step(step)  # absent, or its replace finished meanwhile
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.002)
+            time.sleep(REPLACE_POLL)
         return True
 
     def _replacing(self) -> set[int]:
@@ -228,11 +218,12 @@ class PosixStorage(Storage):
         path.mkdir()
         return path
 
-    def create_data_file(self, tmp: Path, name: str, window: int,
+    def create_data_file(self, tmp: Location, name: str, window: int,
                          writeback: str = "range") -> PosixDataFile:
-        return PosixDataFile(tmp / name, window, writeback)
+        return PosixDataFile(as_local(tmp) / name, window, writeback)
 
-    def publish(self, tmp: Path, step: int, manifest: bytes, *, replace: bool = False) -> Path:
+    def publish(self, tmp: Location, step: int, manifest: bytes, *,
+                replace: bool = False) -> Path:
         """The manifest (tmp file, fsync, rename), crash point `manifest_written`, the
         directory's rename (or swap: `_swap_in`), crash point `step_renamed`, the root's
         fsync (fault `fsync_root`), then the replaced step's deletion after crash point
@@ -242,6 +233,7 @@ class PosixStorage(Storage):
         back to `tmp`, or, where it replaced a step, swapped back (`_swap_back`), so that
         `tmp` again holds the new step and the caller's discard of `tmp` never deletes
         the step it replaced (after the swap, `tmp` is where the old one sits)."""
+        tmp = as_local(tmp)
         final = self.root / step_dir_name(step)
         exists = os.path.lexists(final)
         if exists and not replace:
@@ -314,15 +306,16 @@ class PosixStorage(Storage):
                     raise
         except OSError as e:
             log.warning("step %s: the root's fsync failed after a replacing rename, and the "
-                        "replaced step could not be put back (%s): the new one stays", final.name, e)
+                        "replaced step could not be put back (%s): the new one stays",
+                        final.name, e)
             return
         try:
             fsync_path(self.root)
         except OSError:
             pass  # the caller reports the first failure; the names are as before the save
 
-    def discard(self, tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
+    def discard(self, tmp: Location) -> None:
+        shutil.rmtree(as_local(tmp), ignore_errors=True)
 
     def write_latest(self, step: int | None) -> None:
         """tmp file, fsync, rename, fsync of the root; None unlinks it."""
@@ -388,6 +381,35 @@ class PosixStorage(Storage):
             done.append(name)
         return done
 
+    # -- the root ----------------------------------------------------------------------
+
+    def take(self, job: str | None, *, exclusive: bool = False) -> RootLock:
+        """The directory made if absent, then its flock (storage/posix_lock.py): shared
+        by the writers of `job`, else (or `exclusive`) exclusive."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return RootLock(self.root, None if exclusive else job)
+
+    def identity(self) -> str:
+        return root_id(self.root)
+
+    def local_dir(self) -> Path:
+        return self.root
+
+    def read_manifest(self, directory: Location, limits: ReadLimits | None = None) -> Manifest:
+        """Every file opened with O_NOFOLLOW, O_NONBLOCK, a regular file only."""
+        from asyncckpt.format.manifest import read_manifest
+        return read_manifest(as_local(directory), limits)
+
+    # -- the rule for what a step is ---------------------------------------------------
+
+    def linked_step(self, step: int) -> bool:
+        return os.path.islink(self.root / step_dir_name(step))
+
+    def real_location(self, directory: Location) -> Path:
+        """A symlinked checkpoint directory is opened where it lies."""
+        local = as_local(directory)
+        return Path(os.path.realpath(local)) if local.is_symlink() else local
+
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically; False where the system or filesystem cannot."""
@@ -406,6 +428,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 _LATEST_MAX = 64
 REPLACE_WAIT = 1.0  # seconds a reader waits for a step set aside by a replace to come back
+REPLACE_POLL = 0.002  # seconds between its looks
 
 
 def _dir_name(step: int, retired: bool) -> str:
@@ -432,24 +455,3 @@ def step_dirs(root: Path, parse: Callable[[str], int | None] = parse_step_dir) -
     return sorted(step for name in names
                   if (step := parse(name)) is not None and is_step_dir(root, name))
 
-
-def read_small_file(path: Path, limit: int) -> bytes | None:
-    """The bytes of regular file `path` if it holds at most `limit`; else None.
-
-    Opens with O_NOFOLLOW | O_NONBLOCK, so a symlink, FIFO or device there is refused
-    rather than followed or waited on.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        data = os.read(fd, limit + 1)
-        return data if len(data) <= limit else None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)

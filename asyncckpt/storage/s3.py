@@ -56,28 +56,37 @@ from asyncckpt.format.manifest import parse_manifest
 from asyncckpt.runtime import faults
 from asyncckpt.storage import s3keys
 from asyncckpt.storage.base import Storage
-from asyncckpt.storage.location import ObjectPath
-from asyncckpt.storage.s3client import ObjectStoreError, S3DataFile, S3ReadFile, failure, is_missing
-from asyncckpt.storage.s3objects import S3Objects
+from asyncckpt.storage.lease import Lease
+from asyncckpt.storage.paths import Location, ObjectPath
+from asyncckpt.storage.s3client import ObjectStoreError, S3DataFile, client_key
+from asyncckpt.storage.s3objects import as_object
+from asyncckpt.storage.s3view import S3View
 
 log = logging.getLogger("asyncckpt.storage")
 _LATEST_MAX = 64
 
 
-class S3Storage(S3Objects, Storage):
+class S3Storage(S3View, Storage):
     """A root that is a prefix of a bucket (`s3://bucket/prefix`)."""
 
-    def __init__(self, root: ObjectPath, knobs: ObjectStoreKnobs | None = None) -> None:
-        super().__init__(root, knobs)
+    root: ObjectPath
+    path_type = ObjectPath
+
+    def __init__(self, root: Location, knobs: ObjectStoreKnobs | None = None) -> None:
+        super().__init__(as_object(root), knobs)
         self.read_threads = self.knobs.read_threads
         self._pool: ThreadPoolExecutor | None = None  # made by the first data file
         self._pool_lock = threading.Lock()
         self._slots = threading.Semaphore(self.knobs.parts_in_flight)  # parts uploading
         self._gathered: dict[str, dict[str, str]] = {}  # attempt key -> other nodes' folders
-        self._node_maps: dict[tuple[int, str], dict[str, str]] = {}
 
     def __repr__(self) -> str:
         return f"S3Storage({str(self.root)!r})"
+
+    @classmethod
+    def shared_token(cls) -> str:
+        """The endpoint and credentials of the environment (storage/s3client.py)."""
+        return repr(client_key(ObjectStoreKnobs.from_env()))
 
     # -- what the root holds ---------------------------------------------------------
 
@@ -117,171 +126,6 @@ class S3Storage(S3Objects, Storage):
         got = self._get(self._key(LATEST_NAME), _LATEST_MAX)
         return None if got is None else got[0]
 
-    # -- where a step's files are (storage/s3keys.py) ---------------------------------
-
-    def _manifest_key(self, step: int) -> str:
-        return self._key(f"{step_dir_name(step)}/{MANIFEST_NAME}")
-
-    def _commit_head(self, step: int) -> dict[str, Any] | None:
-        """The HEAD of step `step`'s manifest, else of its retired marker, else None."""
-        return self._head(self._manifest_key(step)) or self._head(
-            self._key(retired_dir_name(step)))
-
-    def _folder_of(self, step: int, head: dict[str, Any]) -> str:
-        """The key prefix (with its slash) of the folder holding `step`'s files, by the
-        metadata of its manifest or marker (`head`).
-
-        Raises:
-            ObjectStoreError: the metadata names no attempt folder.
-        """
-        try:
-            folder = s3keys.data_folder(head.get("Metadata"))
-        except ValueError as e:
-            raise ObjectStoreError(errno.EINVAL, f"{self._where(self._manifest_key(step))}: "
-                                   f"{e}") from None
-        base = self._key(step_dir_name(step)) + "/"
-        return base if folder is None else f"{base}{folder}/"
-
-    def _file_key(self, step: int, folder: str, name: str) -> str:
-        """The key of file `name` (relative to the step) of `step` whose folder is
-        `folder`: a node directory's files may be in another node's attempt folder."""
-        node, _, _ = name.partition("/")
-        nodes = self._nodes(step, folder) if "/" in name else {}
-        if node in nodes:
-            return f"{self._key(step_dir_name(step))}/{nodes[node]}/{name}"
-        return folder + name
-
-    def _nodes(self, step: int, folder: str) -> dict[str, str]:
-        """The node map in attempt `folder` of `step` ({} if there is none)."""
-        name = folder.rstrip("/").rsplit("/", 1)[-1]
-        if s3keys.attempt_writer(name) is None:
-            return {}
-        cached = self._node_maps.get((step, name))
-        if cached is None:
-            got = self._get(folder + s3keys.NODES_NAME, 1 << 24)
-            try:
-                cached = {} if got is None else s3keys.parse_nodes(got[0])
-            except ValueError as e:
-                raise ObjectStoreError(errno.EINVAL, f"{self._where(folder + s3keys.NODES_NAME)}"
-                                       f": {e}") from None
-            self._node_maps[(step, name)] = cached
-        return cached
-
-    def _step_of_dir(self, directory: Any) -> tuple[int, bool] | None:
-        """(step, retired) if `directory` is a step (or retired step) of this root."""
-        if not isinstance(directory, ObjectPath) or directory.parent != self.root:
-            return None
-        step = parse_step_dir(directory.name)
-        if step is not None:
-            return step, False
-        step = parse_retired_dir(directory.name)
-        return None if step is None else (step, True)
-
-    def _object_of(self, directory: ObjectPath, name: str) -> str:
-        """The key of file `name` of checkpoint `directory`: a step's files lie in the
-        folder its manifest names, a retired step's manifest is its marker."""
-        found = self._step_of_dir(directory)
-        if found is None:
-            return (directory / name).key
-        step, retired = found
-        if name == MANIFEST_NAME:
-            return self._key(retired_dir_name(step)) if retired else self._manifest_key(step)
-        head = self._commit_head(step)
-        if head is None:
-            return self._key(f"{step_dir_name(step)}/{name}")
-        return self._file_key(step, self._folder_of(step, head), name)
-
-    def open_step_file(self, step: int, name: str) -> S3ReadFile | None:
-        """A committed or retired step's file: one with a manifest or a marker."""
-        head = self._commit_head(step)
-        if head is None:
-            return None
-        key = self._file_key(step, self._folder_of(step, head), name)
-        found = self._head(key)
-        if found is None:
-            return None
-        return S3ReadFile(self._s3, self._object(key), found["ContentLength"])
-
-    def open_file(self, directory: Any, name: str) -> S3ReadFile:
-        key = self._object_of(directory, name)
-        head = self._head(key)
-        if head is None:
-            raise FileNotFoundError(errno.ENOENT, f"no such object {self._where(key)}")
-        return S3ReadFile(self._s3, self._object(key), head["ContentLength"])
-
-    def _object(self, key: str) -> ObjectPath:
-        return ObjectPath("/", self.root.bucket, *key.split("/"))
-
-    def exists(self, path: ObjectPath) -> bool:
-        """An object at `path`, or objects under it."""
-        return self.is_object(path) or self.has_objects_under(path)
-
-    def has_objects_under(self, path: ObjectPath) -> bool:
-        prefix = f"{path.key}/" if path.key else ""
-        try:
-            answer = self._s3.list_objects_v2(Bucket=path.bucket, Prefix=prefix, MaxKeys=1)
-        except Exception as e:
-            raise failure(e, "listing", str(path)) from None
-        return bool(answer.get("Contents"))
-
-    def is_object(self, path: ObjectPath) -> bool:
-        return bool(path.key) and self._head_at(path) is not None
-
-    def _head_at(self, path: ObjectPath) -> dict[str, Any] | None:
-        try:
-            return self._s3.head_object(Bucket=path.bucket, Key=path.key)
-        except Exception as e:
-            if is_missing(e):
-                return None
-            raise failure(e, "reading", str(path)) from None
-
-    def _view(self, step: int, retired: bool) -> set[str]:
-        """The names (relative to the step) of the files of step `step` as its manifest
-        (or marker) sees them: the manifest, and what its folder (and its nodes' folders)
-        hold; other attempts' objects are not the step's."""
-        head = self._commit_head(step)
-        base = self._key(step_dir_name(step)) + "/"
-        folder = base if head is None else self._folder_of(step, head)
-        names = {MANIFEST_NAME} if head is not None else set()
-        for item in self._list(folder):
-            name = item["Key"][len(folder):]
-            if folder == base:  # an earlier layout: the files are in the step's prefix
-                own = s3keys.own_key(step_dir_name(step) + "/" + name)
-                if own is not None and own.folder is not None:
-                    continue  # another attempt's
-            elif name == s3keys.NODES_NAME:
-                continue
-            names.add(name)
-        for node, other in self._nodes(step, folder).items():
-            names |= {item["Key"][len(base) + len(other) + 1:]
-                      for item in self._list(f"{base}{other}/{node}/")}
-        return names
-
-    def names(self, directory: ObjectPath) -> set[str]:
-        """The files of checkpoint `directory` (a step of this root, one of its node
-        directories, or an attempt's folder)."""
-        found = self._step_of_dir(directory)
-        if found is not None:
-            return {n for n in self._view(*found) if "/" not in n}
-        parent = self._step_of_dir(directory.parent)
-        if parent is not None:
-            prefix = directory.name + "/"
-            return {n[len(prefix):] for n in self._view(*parent)
-                    if n.startswith(prefix) and "/" not in n[len(prefix):]}
-        prefix = f"{directory.key}/"
-        return {item["Key"][len(prefix):] for item in self._list(prefix)
-                if "/" not in item["Key"][len(prefix):]}
-
-    def entries(self, directory: ObjectPath) -> set[str]:
-        """The names directly in `directory`: objects and the first segment of every
-        longer key (a step of this root: as its manifest sees it)."""
-        found = self._step_of_dir(directory)
-        if found is not None:
-            return {n.split("/", 1)[0] for n in self._view(*found)}
-        prefix = f"{directory.key}/"
-        return {item["Key"][len(prefix):].split("/", 1)[0] for item in self._list(prefix)
-                if len(item["Key"]) > len(prefix)}
-
     # -- writing a step --------------------------------------------------------------
 
     def make_tmp(self, step: int, name: str | None = None) -> ObjectPath:
@@ -290,8 +134,9 @@ class S3Storage(S3Objects, Storage):
         self.fence(step)
         return self._object(self._key(f"{step_dir_name(step)}/{s3keys.attempt_name(self.owner)}"))
 
-    def create_data_file(self, tmp: Any, name: str, window: int,
+    def create_data_file(self, tmp: Location, name: str, window: int,
                          writeback: str = "range") -> S3DataFile:
+        tmp = as_object(tmp)
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.knobs.parts_in_flight,
@@ -313,7 +158,7 @@ class S3Storage(S3Objects, Storage):
             self._gathered.setdefault(tmp.key, {})[node_dir] = name
         return tmp.parent / name / node_dir
 
-    def publish(self, tmp: Any, step: int, manifest: bytes, *,
+    def publish(self, tmp: Location, step: int, manifest: bytes, *,
                 replace: bool = False) -> ObjectPath:
         """Put the manifest with If-None-Match, naming attempt folder `tmp`: the one
         write that commits the step. `replace` changes nothing: a committed step is never
@@ -325,6 +170,7 @@ class S3Storage(S3Objects, Storage):
             LeaseLostError: this writer no longer holds the root.
             OSError: the store failed; nothing was committed.
         """
+        tmp = as_object(tmp)
         if s3keys.attempt_writer(tmp.name) is None or tmp.parent.name != step_dir_name(step):
             raise ObjectStoreError(errno.EINVAL, f"{tmp} is not an attempt folder of step {step}")
         parsed = parse_manifest(manifest, max_frame_bytes=MAX_FRAME_BYTES)
@@ -345,17 +191,19 @@ class S3Storage(S3Objects, Storage):
         faults.io("rename", tmp)
         self.fence(step)
         final = self._object(self._manifest_key(step))
-        if not self._put(final.key, manifest, {s3keys.DATA_META: tmp.name}, IfNoneMatch="*"):
+        if not self._put(final.key, manifest, {s3keys.DATA_META: tmp.name},
+                         none_match=True):
             raise StepAlreadyCommittedError(f"{final.parent} already has a manifest; a "
                                             "committed step is never replaced", step=step)
         faults.point("manifest_written")
         faults.point("step_renamed")
         return final.parent
 
-    def discard(self, tmp: Any) -> None:
+    def discard(self, tmp: Location) -> None:
         """Delete attempt folder `tmp` (and the folders its node map names), or, for a
         step of an earlier layout (`tmp` the step's prefix), the step's own files: never
         another attempt's. A writer that lost its lease deletes nothing."""
+        tmp = as_object(tmp)
         try:
             self.fence()
             prefix = f"{tmp.key}/"
@@ -385,8 +233,8 @@ class S3Storage(S3Objects, Storage):
                 if got is not None:
                     self._delete([key])
                 return
-            condition = {"IfMatch": got[1]} if got is not None else {"IfNoneMatch": "*"}
-            if self._put(key, f"{step_dir_name(step)}\n".encode(), **condition):
+            if self._put(key, f"{step_dir_name(step)}\n".encode(),
+                         match=None if got is None else got[1], none_match=got is None):
                 return
             now = self.read_latest()
             if now is not None and now >= step and self.has_step(now):
@@ -445,6 +293,41 @@ class S3Storage(S3Objects, Storage):
     def restore_replaced(self) -> list[str]:
         return []  # a step is never replaced here
 
+    def sweep(self, alone: bool) -> list[str]:
+        """Everything abandoned when held `alone`, else only what is old enough
+        (`sweep_age`) or a dead writer's."""
+        return self.sweep_tmp(0 if alone else None)
+
+    # -- the root ----------------------------------------------------------------------
+
+    def take(self, job: str | None, *, exclusive: bool = False) -> Lease:
+        """The bucket reached (a clear error now if it cannot be), then a lease on the
+        root (storage/lease.py), which this storage holds from then on: every mutation
+        passes its fence."""
+        self.check()
+        return Lease(self, job, exclusive=exclusive)
+
+    # -- a several-node commit: nothing moves, each node wrote in its own folder -------
+
+    def write_node_part(self, tmp: Location, files: dict[str, bytes]) -> None:
+        """One PUT a file (a PUT is durable once it returns)."""
+        tmp = as_object(tmp)
+        for name, data in files.items():
+            faults.io("write", tmp / name)
+            self.put_key((tmp / name).key, data)
+
+    def check_node_tmp(self, tmp: Location, step: int, name: str) -> str | None:
+        if s3keys.is_attempt_name(name):
+            return None
+        return f"not an attempt folder of {tmp.parent}"
+
+    def gather_node(self, tmp: Location, name: str, node_dir: str) -> set[str]:
+        """Nothing moves: the node's folder is listed where it lies (one LIST), and
+        remembered for `publish`'s node map."""
+        return self.names(self.node_folder(as_object(tmp), name, node_dir))
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

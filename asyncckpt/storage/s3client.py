@@ -24,7 +24,7 @@ from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import CheckpointError
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import DataFile, ReadFile
-from asyncckpt.storage.location import ObjectPath
+from asyncckpt.storage.paths import ObjectPath
 
 log = logging.getLogger("asyncckpt.storage")
 
@@ -42,6 +42,14 @@ _clients: dict[tuple[str, ...], Any] = {}
 _clients_lock = threading.Lock()
 
 
+def client_key(knobs: ObjectStoreKnobs) -> tuple[str, ...]:
+    """What makes one client differ from another: the endpoint, the knobs and the
+    credentials of the environment."""
+    return (_endpoint(), repr(knobs), *(os.environ.get(name, "") for name in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+        "AWS_PROFILE")))
+
+
 def client(knobs: ObjectStoreKnobs) -> Any:
     """This process's boto3 S3 client for the current environment (thread-safe, shared).
 
@@ -54,16 +62,15 @@ def client(knobs: ObjectStoreKnobs) -> Any:
             "AWS_ALLOW_HTTP", "").strip().lower() not in ("1", "true", "yes"):
         raise CheckpointError(f"endpoint {endpoint} is plain http: set AWS_ALLOW_HTTP=true to "
                               "allow it (credentials and data cross the network unencrypted)")
-    key = (endpoint, repr(knobs), *(os.environ.get(name, "") for name in (
-        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
-        "AWS_PROFILE")))
+    key = client_key(knobs)
     with _clients_lock:
         if key not in _clients:
             try:
                 import boto3
                 from botocore.config import Config
             except ImportError:
-                raise CheckpointError("s3:// roots need boto3: pip install 'asyncckpt[s3]'") from None
+                raise CheckpointError("s3:// roots need boto3: pip install 'asyncckpt[s3]'"
+                                      ) from None
             config = Config(retries={"max_attempts": knobs.max_attempts, "mode": "standard"},
                             connect_timeout=knobs.connect_timeout,
                             read_timeout=knobs.read_timeout,
@@ -157,6 +164,8 @@ class S3DataFile(DataFile):
     `slots` bounds the parts uploading at once across every file that shares it, so a
     writer's memory is one filling part per open file plus `parts_in_flight` parts,
     however many ranks it serves."""
+
+    path: ObjectPath
 
     def __init__(self, s3: Any, location: ObjectPath, knobs: ObjectStoreKnobs,
                  pool: ThreadPoolExecutor, slots: threading.Semaphore, *,

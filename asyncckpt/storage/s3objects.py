@@ -20,7 +20,7 @@ from typing import Any
 from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import LeaseLostError
 from asyncckpt.format.layout import ROOT_ID_NAME
-from asyncckpt.storage.location import ObjectPath
+from asyncckpt.storage.paths import Location, ObjectPath
 from asyncckpt.storage.s3client import (
     ObjectStoreError,
     client,
@@ -29,6 +29,17 @@ from asyncckpt.storage.s3client import (
     is_missing,
     is_precondition,
 )
+
+
+def as_object(path: Location) -> ObjectPath:
+    """`path` as an object-store location.
+
+    Raises:
+        TypeError: it is a local path.
+    """
+    if not isinstance(path, ObjectPath):
+        raise TypeError(f"{path} is a local path, not an object-store location")
+    return path
 
 
 class S3Objects:
@@ -119,10 +130,15 @@ class S3Objects:
             raise failure(e, "reading", self._where(key)) from None
         return None if len(data) > limit else (data, answer["ETag"], answer.get("Metadata", {}))
 
-    def _put(self, key: str, body: bytes, metadata: dict[str, str] | None = None,
-             **condition: str) -> str | None:
-        """Put `body` at `key` under `condition` (IfNoneMatch / IfMatch); its ETag, or
-        None if the condition failed."""
+    def _put(self, key: str, body: bytes, metadata: dict[str, str] | None = None, *,
+             match: str | None = None, none_match: bool = False) -> str | None:
+        """Put `body` at `key`, if its ETag is `match` (or, with `none_match`, if it does
+        not exist); its ETag, or None if the condition failed."""
+        condition: dict[str, str] = {}
+        if match is not None:
+            condition["IfMatch"] = match
+        if none_match:
+            condition["IfNoneMatch"] = "*"
         try:
             answer = self._s3.put_object(Bucket=self.root.bucket, Key=key, Body=body,
                                          **({"Metadata": metadata} if metadata else {}),
@@ -160,6 +176,18 @@ class S3Objects:
     def key_of(self, name: str) -> str:
         return self._key(name)
 
+    def key_at(self, path: Location) -> str:
+        """The key of `path` ("" for the bucket itself).
+
+        Raises:
+            TypeError: it is a local path.
+            ValueError: it is in another bucket than the root's.
+        """
+        where = as_object(path)
+        if where.bucket != self.root.bucket:
+            raise ValueError(f"{where} is not in the bucket of {self.root}")
+        return where.key
+
     def put_key(self, key: str, body: bytes) -> None:
         self.fence()
         self._put(key, body)
@@ -169,8 +197,7 @@ class S3Objects:
         """Put `body` at `key` if its ETag is `match` (or, with `none_match`, if it does
         not exist); its new ETag, or None if the condition failed. Not fenced: the
         lease's own renewals are."""
-        return self._put(key, body, **({"IfMatch": match} if match is not None else {}),
-                         **({"IfNoneMatch": "*"} if none_match else {}))
+        return self._put(key, body, match=match, none_match=none_match)
 
     def get_key(self, key: str) -> bytes | None:
         got = self._get(key, 1 << 16)
@@ -201,7 +228,8 @@ class S3Objects:
         """(key, LastModified, ETag) of the objects directly under the root whose names
         begin with `name`."""
         return [(item["Key"], item["LastModified"], item.get("ETag", ""))
-                for item in self._list(self._key(name)) if "/" not in item["Key"][len(self._prefix):]]
+                for item in self._list(self._key(name))
+                if "/" not in item["Key"][len(self._prefix):]]
 
     def delete_keys(self, keys: list[str]) -> None:
         self._delete(keys)
@@ -236,7 +264,7 @@ class S3Objects:
                                        "(16 hex digits); remove it")
             token = secrets.token_hex(8)
             self.fence()
-            if self._put(key, f"{token}\n".encode(), IfNoneMatch="*"):
+            if self._put(key, f"{token}\n".encode(), none_match=True):
                 return token
         raise ObjectStoreError(errno.EAGAIN, f"{self._where(key)} kept changing")
 

@@ -33,7 +33,6 @@ from asyncckpt.format.layout import step_dir_name
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
-from asyncckpt.storage.location import read_manifest_at
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -126,7 +125,8 @@ def _references_of(storage: Storage, step: int, index: Any) -> set[int] | frozen
     """
     refs = index.references(step) if index is not None else None
     if refs is None:
-        refs = read_manifest_at(storage.root / step_dir_name(step), ReadLimits()).referenced_steps
+        directory = storage.root / step_dir_name(step)
+        refs = storage.read_manifest(directory, ReadLimits()).referenced_steps
     return refs
 
 

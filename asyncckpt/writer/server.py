@@ -30,10 +30,8 @@ from asyncckpt.format.tiling import global_tensors
 from asyncckpt.ipc import protocol
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.runtime.procstat import PeakSampler
-from asyncckpt.storage.lease import Lease
-from asyncckpt.storage.location import ObjectPath, root_path
-from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.storage.s3 import S3Storage
+from asyncckpt.storage.base import RootHold, Storage
+from asyncckpt.storage.registry import open_storage, parse
 from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex
@@ -62,13 +60,9 @@ class WriterServer:
         self.knobs = knobs or WriterKnobs.from_env()
         self.read_limits = dataclasses.replace(ReadLimits.from_env(),
                                                max_frame_bytes=self.knobs.max_frame_bytes)
-        self.root = root_path(root).resolve()
-        if isinstance(self.root, ObjectPath):
-            self.storage, self._lock, self.owner = self._take_bucket(job)
-            self.root_id = self.storage.identity()  # type: ignore[union-attr]
-        else:
-            self.storage, self._lock, self.owner = self._take_directory(job)
-            self.root_id = commit.root_id(self.root)
+        self.root = parse(root).resolve()
+        self.storage, self._lock, self.owner = self._take(job)
+        self.root_id = self.storage.identity()
         commit.update_latest(self.storage)
         self._sock, self.address, self._authkey = protocol.create_endpoint(address)
         self.rss = PeakSampler()
@@ -92,35 +86,30 @@ class WriterServer:
         self._closed = False
         threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
 
-    def _take_directory(self, job: str | None) -> tuple[PosixStorage, commit.RootLock,
-                                                       OwnerMark]:
-        """Lock a local root, mark this writer in it and sweep what writers gone left."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        storage = PosixStorage(self.root)
-        lock = commit.RootLock(self.root, job)
-        owner = OwnerMark(self.root)
-        for name in sweep_dead(self.root):  # writers of this job that are gone
-            log.info("removed %s, left by a writer that is gone", name)
-        if lock.first:  # nobody else of the job writes here yet
-            for name in storage.sweep_tmp():
-                log.info("removed abandoned %s", name)
-            for name in storage.restore_replaced():
-                log.info("a crash interrupted the replacement of a step: settled %s", name)
-        return storage, lock, owner
-
-    def _take_bucket(self, job: str | None) -> tuple[S3Storage, Lease, None]:
-        """Reach an object-store root (a clear error now if it cannot be), take a lease
-        on it (storage/lease.py) and sweep what earlier writers left: everything if no
-        other writer holds it, else what is old enough to be abandoned."""
-        storage = S3Storage(self.root)
+    def _take(self, job: str | None) -> tuple[Storage, RootHold, OwnerMark | None]:
+        """Take the root (its lock, or on an object store its lease: a clear error now if
+        it cannot be reached), mark this writer in a local root, and sweep what writers
+        gone left: everything if no other writer holds the root, else what they cannot
+        still commit (a local root: the tmp directories of this job's dead writers)."""
+        storage = open_storage(self.root)
+        hold: RootHold | None = None
         try:
-            storage.check()
-            lease = Lease(storage, job)
-            for name in storage.sweep_tmp(0 if lease.first else None):
+            hold = storage.take(job)
+            local = storage.local_dir()
+            owner = None if local is None else OwnerMark(local)
+            if local is not None:
+                for name in sweep_dead(local):  # writers of this job that are gone
+                    log.info("removed %s, left by a writer that is gone", name)
+            for name in storage.sweep(hold.first):
                 log.info("removed abandoned %s", name)
-        except OSError as e:  # its message names the root and the endpoint
+            for name in storage.restore_replaced() if hold.first else []:
+                log.info("a crash interrupted the replacement of a step: settled %s", name)
+        except OSError as e:  # its message names the root (and an object store's endpoint)
+            if hold is not None:
+                hold.release()
+            storage.close()
             raise SaveFailedError(e.strerror or str(e)) from None
-        return storage, lease, None
+        return storage, hold, owner
 
     def serve_forever(self) -> None:
         """Accept ranks until stop() is called."""
