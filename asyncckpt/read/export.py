@@ -62,7 +62,7 @@ from asyncckpt.read import hf
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.read.shard_writer import Item, write_shards
 from asyncckpt.storage.durable import fsync_path, write_atomic
-from asyncckpt.storage.posix import local_path
+from asyncckpt.storage.paths import local_path
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES, DTYPES
 
 log = logging.getLogger("asyncckpt.export")

@@ -41,11 +41,7 @@ from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.paths import Location
-from asyncckpt.storage.posix_lock import RootLock, root_id
 from asyncckpt.writer.owners import OwnerMark
-
-__all__ = ["RootLock", "drop_emptied", "gather_nodes", "io_error", "make_tmp_dir", "publish",
-           "root_id", "update_latest", "write_node_part"]
 
 log = logging.getLogger("asyncckpt.writer")
 

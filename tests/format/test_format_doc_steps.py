@@ -39,6 +39,7 @@ from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.copying import copy_step
 from asyncckpt.read.loader import load_parts
 from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.posix_lock import RootLock, root_id
 from asyncckpt.writer import commit
 from asyncckpt.writer.owners import OwnerMark
 
@@ -284,12 +285,12 @@ def root_files_rule(name: str) -> str:
 def test_the_root_files_hold_exactly_the_documented_bytes(saved, tmp_path):
     assert "exactly `pid <pid>\\n` (`pid 4242\\n`" in root_files_rule(LOCK_NAME)
     assert "exactly `job <job id>\\n` (`job train-7\\n`" in root_files_rule(LOCK_NAME)
-    alone = commit.RootLock(tmp_path)
+    alone = RootLock(tmp_path)
     try:
         assert (tmp_path / LOCK_NAME).read_bytes() == b"pid %d\n" % os.getpid()
     finally:
         alone.release()
-    shared = commit.RootLock(tmp_path, "train-7")
+    shared = RootLock(tmp_path, "train-7")
     try:  # written over by the next first holder, truncated first
         assert (tmp_path / LOCK_NAME).read_bytes() == b"job train-7\n"
     finally:
@@ -298,7 +299,7 @@ def test_the_root_files_hold_exactly_the_documented_bytes(saved, tmp_path):
 
     rule = root_files_rule(ROOT_ID_NAME)
     assert "exactly 16 lowercase hex digits and a newline (17 bytes)" in rule
-    ident = commit.root_id(tmp_path)
+    ident = root_id(tmp_path)
     assert re.fullmatch(rb"[0-9a-f]{16}\n", (tmp_path / ROOT_ID_NAME).read_bytes())
     assert (tmp_path / ROOT_ID_NAME).read_bytes() == ident.encode() + b"\n"
 

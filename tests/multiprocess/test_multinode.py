@@ -28,7 +28,7 @@ from asyncckpt.format.layout import tmp_step_of
 from asyncckpt.format.manifest import read_manifest
 from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.writer import commit
+from asyncckpt.storage.posix_lock import RootLock
 
 WORKER = Path(__file__).with_name("multinode_worker.py")
 LAUNCH_TIMEOUT = 150
@@ -281,7 +281,7 @@ def test_second_writer_of_a_job_joins_while_the_first_downgrades_its_lock(tmp_pa
         downgrade = threading.Timer(0.2, fcntl.flock, (fd, fcntl.LOCK_SH))
         downgrade.start()
         try:
-            lock = commit.RootLock(tmp_path, job="J")
+            lock = RootLock(tmp_path, job="J")
         except WriterLockedError as e:
             pytest.fail(f"the job's second writer was refused: {e}")
         finally:
@@ -298,7 +298,8 @@ def test_two_nodes_commit_one_step_to_one_bucket(tmp_path, s3_root, via):
     objects are written under the step's prefix, in a folder per node, and the leader
     puts the root manifest; nothing but the manifest, the parts and the data files is
     left, and the step loads bit-exact at another layout."""
-    env = {"MN_STEPS": "2,5", "ASYNCCKPT_CODEC": "zstd", **({"MN_VIA": "dcp"} if via == "dcp" else {})}
+    env = {"MN_STEPS": "2,5", "ASYNCCKPT_CODEC": "zstd",
+           **({"MN_VIA": "dcp"} if via == "dcp" else {})}
     run(tmp_path, "s3-save", 2, 2, "save", s3_root, env=env)
     res = results(tmp_path, "s3-save", 4)
     assert sorted(res) == [0, 1, 2, 3] and all(
