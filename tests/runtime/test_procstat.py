@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from asyncckpt.runtime import procstat
 
 PACKAGE = Path(__file__).resolve().parents[2] / "asyncckpt"
 
 
+@pytest.mark.process  # a child process, to see a pid that is gone
 def test_mem_available_and_pid_alive_read_this_machine():
     available = procstat.mem_available()
     assert available is None or available > 0
