@@ -55,7 +55,7 @@ from asyncckpt.errors import (
 )
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client
-from asyncckpt.rank.handle import SaveHandle, raise_untaken, settle
+from asyncckpt.rank.handle import SaveHandle, raise_untaken, settle, untold
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import check_reachable, given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for, state_bytes
@@ -286,7 +286,7 @@ class Checkpointer:
         call)."""
         handles = self._in_flight
         settle(handles)
-        self._in_flight = [h for h in handles if h._untaken()]
+        self._in_flight = [h for h in handles if untold(h)]
         raise_untaken(handles)
 
     def close(self) -> None:
@@ -439,7 +439,7 @@ class Checkpointer:
             from torch.distributed.checkpoint import state_dict as dsd
             if "model" in state and self.model is not None:
                 dsd.set_model_state_dict(self.model, state["model"])
-            if "optimizer" in state and self.optimizer is not None:
+            if "optimizer" in state and self.optimizer is not None and self.model is not None:
                 dsd.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         elif self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -452,19 +452,19 @@ class Checkpointer:
     def _state_dicts(self) -> dict[str, Any]:
         """The model/optimizer state dicts `contents` asks for (DTensor-aware)."""
         out: dict[str, Any] = {}
-        want_model = "model" in self.options.contents and self.model is not None
-        want_optim = "optimizer" in self.options.contents and self.optimizer is not None
-        if self._sharded():
+        model = self.model if "model" in self.options.contents else None
+        optimizer = self.optimizer if "optimizer" in self.options.contents else None
+        if self.model is not None and is_sharded_model(self.model):
             from torch.distributed.checkpoint import state_dict as dsd
-            if want_model:
-                out["model"] = dsd.get_model_state_dict(self.model)
-            if want_optim:
-                out["optimizer"] = dsd.get_optimizer_state_dict(self.model, self.optimizer)
+            if model is not None:
+                out["model"] = dsd.get_model_state_dict(model)
+            if optimizer is not None:
+                out["optimizer"] = dsd.get_optimizer_state_dict(self.model, optimizer)
             return out
-        if want_model:
-            out["model"] = self.model.state_dict()  # type: ignore[union-attr]
-        if want_optim:
-            out["optimizer"] = self.optimizer.state_dict()  # type: ignore[union-attr]
+        if model is not None:
+            out["model"] = model.state_dict()
+        if optimizer is not None:
+            out["optimizer"] = optimizer.state_dict()
         return out
 
 

@@ -26,7 +26,6 @@ DCP then runs only waits for the commit. The planning needs the collectives that
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import io
 import json
@@ -54,19 +53,19 @@ from asyncckpt.errors import (
     WriterRootMismatchError,
 )
 from asyncckpt.format.layout import MAX_STEP
-from asyncckpt.ipc.protocol import ADDRESS_ENV, same_root
-from asyncckpt.rank.client import Client
+from asyncckpt.ipc.options import check_step
+from asyncckpt.ipc.protocol import same_root
+from asyncckpt.rank.client import Client, shared_client
 from asyncckpt.rank.flatten import Pickled, flatten, kept_exactly
-from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.handle import SaveHandle, mark_told
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for
 from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.dtensor import Chunk
 
+_OUTCOME_POLL = 0.02  # s: PROCESS mode's wait for the staged step's outcome file
 _STEP_ID = re.compile(r"step[-_]?(\d+)")
-_clients: dict[str, Client] = {}
-_clients_lock = threading.Lock()
 _started: dict[str, str] = {}  # root -> address of the node writer started for it here
 _writers: list[WriterProcess] = []
 
@@ -129,8 +128,8 @@ class StorageWriter(dcp.StorageWriter):
         Raises:
             ValueError: a negative or non-int step.
         """
-        if step is not None and (type(step) is not int or not 0 <= step <= MAX_STEP):
-            raise ValueError(f"step must be an int in 0..{MAX_STEP}; got {step!r}")
+        if step is not None:
+            check_step(step)
         self.root = None if root is None else root_path(root)
         self.step = step
         self.address = address
@@ -158,7 +157,8 @@ class StorageWriter(dcp.StorageWriter):
     # -- DCP's StorageWriter -------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        target = (self.root, self.step) if checkpoint_id is None else parse_checkpoint_id(checkpoint_id)
+        target = ((self.root, self.step) if checkpoint_id is None
+                  else parse_checkpoint_id(checkpoint_id))
         staged = self._staged or (self._outcome is not None)
         if staged and checkpoint_id is not None and target[1] != self._target[1]:
             raise ValueError(f"checkpoint_id {os.fspath(checkpoint_id)!r} names step {target[1]}, "
@@ -210,7 +210,7 @@ class StorageWriter(dcp.StorageWriter):
         handle = client.save(step, state, keep_last=self.keep_last, keep_every=self.keep_every)
         # DCP tells the outcome itself (finish() on the coordinator raises on every rank,
         # the async future): the client's next save must not raise it a second time
-        handle._taken = True
+        mark_told(handle)
         self._handle = handle
         future: Future[list[WriteResult]] = Future()
         if self._staging and self.staging_future:
@@ -290,20 +290,24 @@ class StorageWriter(dcp.StorageWriter):
     def _rank_state(self, plan: SavePlan, planner: SavePlanner
                     ) -> tuple[dict[str, Any], list[WriteResult]]:
         """This rank's part of the step (a flat dict by DCP key) and DCP's results for it."""
-        catalogue = plan.storage_data if isinstance(plan.storage_data, _Catalogue) else _Catalogue({})
-        state: dict[str, Any] = {fqn: Chunk(size, dtype) for fqn, (dtype, size) in catalogue.tensors.items()}
+        catalogue = (plan.storage_data if isinstance(plan.storage_data, _Catalogue)
+                     else _Catalogue({}))
+        state: dict[str, Any] = {fqn: Chunk(size, dtype)
+                                 for fqn, (dtype, size) in catalogue.tensors.items()}
         mine: set[str] = set()
         results = []
         for item in plan.items:
             fqn = item.index.fqn
             if fqn in mine:
-                raise UnsupportedStateError(f"{fqn}: DCP planned several chunks of it on this rank; "
-                                            "asyncckpt keeps one box per rank per tensor")
+                raise UnsupportedStateError(
+                    f"{fqn}: DCP planned several chunks of it on this rank; asyncckpt keeps "
+                    "one box per rank per tensor")
             mine.add(fqn)
             if item.type == WriteItemType.BYTE_IO:
                 value = _object(planner, item)
                 state[fqn] = value
-                results.append(WriteResult(item.index, len(value) if isinstance(value, bytes) else 0, None))
+                size = len(value) if isinstance(value, bytes) else 0
+                results.append(WriteResult(item.index, size, None))
                 continue
             data = planner.resolve_data(item)
             assert item.tensor_data is not None and isinstance(data, torch.Tensor)
@@ -370,7 +374,8 @@ def _objects_to_lowest_holder(plans: list[SavePlan]) -> list[list[Any]]:
     items: list[list[Any]] = [[] for _ in plans]
     for rank, plan in enumerate(plans):
         for item in plan.items:
-            owner = holders.get(item.index.fqn, rank) if item.type == WriteItemType.BYTE_IO else rank
+            byte_io = item.type == WriteItemType.BYTE_IO
+            owner = holders.get(item.index.fqn, rank) if byte_io else rank
             items[owner].append(item)
     return items
 
@@ -410,23 +415,18 @@ def _started_writer(root: Location | None) -> str:
 
 
 def _client_for(address: str | None, ring_size: int | None, root: Location | None) -> Client:
-    """The process's client for `address` (default ASYNCCKPT_ADDRESS), made on first use;
-    the writer there must serve `root` (None: any)."""
-    key = address or os.environ.get(ADDRESS_ENV, "")
-    with _clients_lock:
-        client = _clients.get(key)
-        if client is None or client._closed or client._broken is not None:
-            client = Client(address, root=root,
-                            **({} if ring_size is None else {"ring_size": ring_size}))
-            _clients[key] = client
-            atexit.register(client.close)
-        return client
+    """The process's client for `address` (default ASYNCCKPT_ADDRESS), shared with
+    `asyncckpt.save` and made on first use; the writer there must serve `root` (None:
+    any)."""
+    return shared_client(address, root=root,
+                         **({} if ring_size is None else {"ring_size": ring_size}))
 
 
 def _publish_outcome(handle: SaveHandle) -> str:
     """A file that will hold `handle`'s outcome, written once it is known (PROCESS mode:
     the helper process that runs DCP's background save waits on it)."""
-    path = os.path.join(tempfile.gettempdir(), f"asyncckpt-dcp-{os.getpid()}-{uuid.uuid4().hex}.json")
+    path = os.path.join(tempfile.gettempdir(),
+                        f"asyncckpt-dcp-{os.getpid()}-{uuid.uuid4().hex}.json")
 
     def write() -> None:
         try:
@@ -444,12 +444,13 @@ def _publish_outcome(handle: SaveHandle) -> str:
 
 def _relay_outcome(path: str, future: Future[list[WriteResult]]) -> None:
     while not os.path.exists(path):
-        time.sleep(0.02)
+        time.sleep(_OUTCOME_POLL)
     with open(path) as f:
         outcome = json.load(f)
     os.unlink(path)
     if "error" in outcome:
-        future.set_exception(_rebuilt(outcome))
+        # torch.futures.Future.set_exception is annotated with the result type (a stub bug)
+        future.set_exception(_rebuilt(outcome))  # type: ignore[arg-type]
     else:
         future.set_result([])
 

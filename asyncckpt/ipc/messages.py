@@ -2,7 +2,8 @@
 
 Every message a rank or the writer sends is a JSON object whose "op" names its class
 here; `parse()` turns a received frame into that class or raises `ProtocolError`. The
-checks sit in one place, next to the fields they check, because the writer trusts a
+checks sit next to the classes whose fields they check (the larger ones in fields.py),
+because the writer trusts a
 rank with nothing (session.py): a check that lives in a handler is easy to miss in the
 next one, and a field the docs forget is one nobody checks. The writer drops a rank
 whose message fails a check; a begin whose tensor table or tree the reader would refuse
@@ -18,12 +19,13 @@ this copy differs; each class's docstring says what its message means):
 
     rank -> writer:
         hello(rank, slot_size, slots; optional world_size, pid, need_slot, root)
-        begin(save, step, world_size, tensors, tree; optional retention, coordinated,
-              since, unchanged, replace, keep_from, node)
+        begin(save, step, world_size, tensors, tree; optional retention, replace,
+              keep_from, coordinated, since, unchanged, node)
         chunk(save, slot, length)
         end(save)
         abort(save, reason)
         need_slot()
+        new_ring(slot_size, slots)
         commit(save, step, world_size, nodes)
         outcome(step, committed; optional error, message)
     writer -> rank:
@@ -39,25 +41,40 @@ this copy differs; each class's docstring says what its message means):
 from __future__ import annotations
 
 import dataclasses
-import json
-import reprlib
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from asyncckpt.errors import CheckpointError
-from asyncckpt.format.layout import DTYPE_SIZES, MAX_STEP, MAX_WORLD
+from asyncckpt.format.layout import MAX_WORLD
 from asyncckpt.format.tree import check_tree
+from asyncckpt.ipc.fields import (
+    OPTION_KEYS,
+    REQUIRED,
+    NodeRanks,
+    ProtocolError,
+    Refusal,
+    TensorEntry,
+    as_json,
+    decode,
+    dumps,
+    int_field,
+    loose_int,
+    node_ranks,
+    options_to_wire,
+    save_options,
+    show,
+    str_field,
+    tensor_table,
+    unchanged_request,
+)
+from asyncckpt.ipc.options import NO_OPTIONS, SaveOptions
+
+__all__ = ["MESSAGES", "Message", "NodePart", "NodeRanks", "ProtocolError", "SaveOptions",
+           "TensorEntry", "decode", "dumps", "message_list", "parse", "wire_fields"]
 
 MAX_SLOTS = 1 << 16  # a rank's ring: at most this many slots
-MAX_DIMS = 64        # a tensor's shape: at most this many dimensions
 MAX_ROOT = 4096      # a checkpoint root named in a hello: at most this many characters
-
-TensorEntry = tuple[str, str, tuple[int, ...]]  # name, dtype, shape: one tensor of a begin
-
-
-class ProtocolError(ValueError):
-    """A message no well-behaved peer sends (the writer drops the rank that sent it)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +92,7 @@ class Message:
         for f in wire_fields(type(self)):
             value = getattr(self, f.name)
             if f.default is dataclasses.MISSING or value != f.default:
-                out[f.name] = _as_json(value)
+                out[f.name] = as_json(value)
         return out
 
     def encode(self) -> bytes:
@@ -90,12 +107,26 @@ class Message:
         Raises:
             ProtocolError: a field is missing, of the wrong type or out of range.
         """
-        return cls(*(_REQUIRED[f.type](m, f.name) for f in wire_fields(cls)))
+        return cls(*(REQUIRED[str(f.type)](m, f.name) for f in wire_fields(cls)))
+
+    @classmethod
+    def wire_names(cls) -> tuple[list[str], list[str]]:
+        """The keys of this message on the wire: (required, optional), in order."""
+        fields = wire_fields(cls)
+        return ([f.name for f in fields if f.default is dataclasses.MISSING],
+                [f.name for f in fields if f.default is not dataclasses.MISSING])
 
 
 def wire_fields(cls: type[Message]) -> list[dataclasses.Field]:
     """The fields of `cls` that travel (all but those computed on receipt)."""
     return [f for f in dataclasses.fields(cls) if f.metadata.get("wire", True)]
+
+
+def check_ring(slot_size: int, slots: int) -> None:
+    """Raises ProtocolError unless 1..MAX_SLOTS slots of a positive size."""
+    if slot_size <= 0 or not 0 < slots <= MAX_SLOTS:
+        raise ProtocolError(f"a ring of {slots} slots of {slot_size} bytes is refused "
+                            f"(slots 1..{MAX_SLOTS}, slot_size > 0)")
 
 
 # rank -> writer
@@ -121,31 +152,31 @@ class Hello(Message):
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Hello:
-        rank, slot_size, slots = _int(m, "rank"), _int(m, "slot_size"), _int(m, "slots")
+        rank, slots = int_field(m, "rank"), int_field(m, "slots")
+        slot_size = int_field(m, "slot_size")
         if not 0 <= rank < MAX_WORLD:
             raise ProtocolError(f"rank {rank} outside 0..{MAX_WORLD - 1}")
-        if slot_size <= 0 or not 0 < slots <= MAX_SLOTS:
-            raise ProtocolError(f"a ring of {slots} slots of {slot_size} bytes is refused "
-                                f"(slots 1..{MAX_SLOTS}, slot_size > 0)")
+        check_ring(slot_size, slots)
         root = m.get("root")
         if root is not None and not isinstance(root, str):
-            raise ProtocolError(f"root {_show(root)} is not a str")
+            raise ProtocolError(f"root {show(root)} is not a str")
         if root is not None and len(root) > MAX_ROOT:
             raise ProtocolError(f"root of {len(root)} characters (at most {MAX_ROOT})")
-        return cls(rank, slot_size, slots, _loose_int(m, "world_size"), _loose_int(m, "pid"),
+        return cls(rank, slot_size, slots, loose_int(m, "world_size"), loose_int(m, "pid"),
                    m.get("need_slot") is True, root)
 
 
 @dataclass(frozen=True)
 class Begin(Message):
     """A save of this rank's part of `step`: its tensors in stream order and its object
-    tree (tree.py), checked with the reader's rules before any file is opened. Options:
-    `retention` [keep_last, keep_every] after the commit; `coordinated`: the nodes agree
-    on the commit through a store (the writer says `durable`, then waits for `commit`);
-    `since` + `unchanged`: the tensors (indices into `tensors`) the rank claims are
-    unchanged since its step `since`; `replace` a committed step; `keep_from`: retention
-    deletes no step from this one on; `node` [first rank, count]: the ranks of this
-    rank's node (coordinated saves: the writer makes their parts durable as one).
+    tree (tree.py), checked with the reader's rules before any file is opened.
+    `options` (SaveOptions) travel as `retention` [keep_last, keep_every] after the
+    commit, `replace` a committed step, and `keep_from`: retention deletes no step from
+    this one on. `coordinated`: the nodes agree on the commit through a store (the
+    writer says `durable`, then waits for `commit`); `since` + `unchanged`: the tensors
+    (indices into `tensors`) the rank claims are unchanged since its step `since`;
+    `node` [first rank, count]: the ranks of this rank's node (coordinated saves: the
+    writer makes their parts durable as one).
 
     `refused` is not sent: parse() sets it when the table or tree breaks the reader's
     rules, which fails the step for every rank (the connection itself is sound)."""
@@ -157,36 +188,41 @@ class Begin(Message):
     world_size: int
     tensors: tuple[TensorEntry, ...]
     tree: Any
-    retention: tuple[int, int] | None = None
+    options: SaveOptions = field(default=NO_OPTIONS, metadata={"wire": False})
     coordinated: bool = False
     since: int | None = None
     unchanged: tuple[int, ...] | None = None
-    replace: bool = False
-    keep_from: int | None = None
-    node: tuple[int, int] | None = None
+    node: NodeRanks | None = None
     refused: str | None = field(default=None, metadata={"wire": False})
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), **options_to_wire(self.options)}
+
+    @classmethod
+    def wire_names(cls) -> tuple[list[str], list[str]]:
+        required, optional = super().wire_names()
+        return required, [*OPTION_KEYS, *optional]
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Begin:
-        save, step, world_size = _int(m, "save"), _int(m, "step"), _int(m, "world_size")
-        options = {"retention": _retention(m.get("retention")),
-                   "coordinated": m.get("coordinated") is True,
-                   "replace": m.get("replace") is True,
-                   "keep_from": None if m.get("keep_from") is None else _int(m, "keep_from"),
-                   "node": _node(m.get("node"))}
+        save, step = int_field(m, "save"), int_field(m, "step")
+        world_size = int_field(m, "world_size")
+        options = save_options(m)
+        coordinated, node = m.get("coordinated") is True, node_ranks(m.get("node"))
         tree_json = m.get("tree")
         try:
-            table = _tensor_table(m.get("tensors"))
-        except _Refusal as e:
-            return cls(save, step, world_size, (), tree_json, **options, refused=str(e))
-        since, unchanged = _unchanged_request(m, len(table))
+            table = tensor_table(m.get("tensors"))
+        except Refusal as e:
+            return cls(save, step, world_size, (), tree_json, options, coordinated,
+                       node=node, refused=str(e))
+        since, unchanged = unchanged_request(m, len(table))
+        refused = None
         try:
             check_tree(list(table), tree_json)
         except CheckpointError as e:
-            return cls(save, step, world_size, table, tree_json, since=since, unchanged=unchanged,
-                       **options, refused=e.cause)
-        return cls(save, step, world_size, table, tree_json, since=since, unchanged=unchanged,
-                   **options)
+            refused = e.cause
+        return cls(save, step, world_size, table, tree_json, options, coordinated, since,
+                   unchanged, node, refused)
 
 
 @dataclass(frozen=True)
@@ -222,7 +258,7 @@ class Abort(Message):
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Abort:
         reason = m.get("reason")
-        return cls(_int(m, "save"), reason if isinstance(reason, str) else str(reason))
+        return cls(int_field(m, "save"), reason if isinstance(reason, str) else str(reason))
 
 
 @dataclass(frozen=True)
@@ -234,7 +270,34 @@ class NeedSlot(Message):
     SENDER: ClassVar[str] = "rank"
 
 
-NodePart = tuple[int, int, str, dict[str, Any]]  # first rank, count, tmp dir name, part entry
+@dataclass(frozen=True)
+class NewRing(Message):
+    """The rank's ring is replaced, while none of its saves is open: the sealed memfd of
+    a ring of `slots` slots of `slot_size` bytes follows (as after the hello), and
+    every later chunk names a slot of it. A client sizes its ring from its first save
+    this way, on the connection it has."""
+
+    OP: ClassVar[str] = "new_ring"
+    SENDER: ClassVar[str] = "rank"
+    slot_size: int
+    slots: int
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> NewRing:
+        slot_size, slots = int_field(m, "slot_size"), int_field(m, "slots")
+        check_ring(slot_size, slots)
+        return cls(slot_size, slots)
+
+
+
+class NodePart(NamedTuple):
+    """One node's announcement of a coordinated step: its ranks, the name of its tmp
+    directory, and the root manifest's entry for its part file."""
+
+    first: int
+    size: int  # ranks
+    tmp: str
+    part: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -252,7 +315,7 @@ class Commit(Message):
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Commit:
-        save, step, world = _int(m, "save"), _int(m, "step"), _int(m, "world_size")
+        save, step, world = int_field(m, "save"), int_field(m, "step"), int_field(m, "world_size")
         nodes = m.get("nodes")
         if (not isinstance(nodes, list) or not 1 <= len(nodes) <= world <= MAX_WORLD
                 or not all(isinstance(n, list) and len(n) == 4 and type(n[0]) is int
@@ -260,7 +323,7 @@ class Commit(Message):
                            and isinstance(n[3], dict) for n in nodes)):
             raise ProtocolError("commit needs nodes: [[first, count, tmp dir name, part]], "
                                 "at most one per rank of the world")
-        return cls(save, step, world, tuple((a, b, c, d) for a, b, c, d in nodes))
+        return cls(save, step, world, tuple(NodePart(*n) for n in nodes))
 
 
 @dataclass(frozen=True)
@@ -278,7 +341,7 @@ class Outcome(Message):
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Outcome:
         error, message = m.get("error", ""), m.get("message", "")
-        return cls(_int(m, "step"), m.get("committed") is True,
+        return cls(int_field(m, "step"), m.get("committed") is True,
                    error if isinstance(error, str) else "",
                    message if isinstance(message, str) else str(message))
 
@@ -312,7 +375,7 @@ class Refused(Message):
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Refused:
         root = m.get("root")
-        return cls(_str(m, "reason"), root if isinstance(root, str) else None)
+        return cls(str_field(m, "reason"), root if isinstance(root, str) else None)
 
 
 @dataclass(frozen=True)
@@ -338,8 +401,8 @@ class Unchanged(Message):
     def from_wire(cls, m: dict[str, Any]) -> Unchanged:
         tensors = m.get("tensors")
         if not isinstance(tensors, list) or not all(type(i) is int for i in tensors):
-            raise ProtocolError(f"tensors {_show(tensors)} is not a list of indices")
-        return cls(_int(m, "save"), tuple(tensors))
+            raise ProtocolError(f"tensors {show(tensors)} is not a list of indices")
+        return cls(int_field(m, "save"), tuple(tensors))
 
 
 @dataclass(frozen=True)
@@ -359,8 +422,8 @@ class Durable(Message):
     def from_wire(cls, m: dict[str, Any]) -> Durable:
         part = m.get("part")
         if part is not None and not isinstance(part, dict):
-            raise ProtocolError(f"part {_show(part)} is not an object")
-        return cls(_int(m, "save"), _int(m, "step"), _str(m, "tmp"), part)
+            raise ProtocolError(f"part {show(part)} is not an object")
+        return cls(int_field(m, "save"), int_field(m, "step"), str_field(m, "tmp"), part)
 
 
 @dataclass(frozen=True)
@@ -378,8 +441,8 @@ class Committed(Message):
     def from_wire(cls, m: dict[str, Any]) -> Committed:
         stats = m.get("stats")
         if not isinstance(stats, dict):
-            raise ProtocolError(f"stats {_show(stats)} is not an object")
-        return cls(_int(m, "save"), _int(m, "step"), _str(m, "path"), stats)
+            raise ProtocolError(f"stats {show(stats)} is not an object")
+        return cls(int_field(m, "save"), int_field(m, "step"), str_field(m, "path"), stats)
 
 
 @dataclass(frozen=True)
@@ -401,13 +464,13 @@ class Failed(Message):
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Failed:
-        return cls(_int(m, "save"), _int(m, "step"), _str(m, "error"), _str(m, "message"),
-                   m.get("relayed") is True, m.get("ask") is True)
+        return cls(int_field(m, "save"), int_field(m, "step"), str_field(m, "error"),
+                   str_field(m, "message"), m.get("relayed") is True, m.get("ask") is True)
 
 
 
 MESSAGES: dict[str, type[Message]] = {cls.OP: cls for cls in (
-    Hello, Begin, Chunk, End, Abort, NeedSlot, Commit, Outcome,
+    Hello, Begin, Chunk, End, Abort, NeedSlot, NewRing, Commit, Outcome,
     Welcome, Refused, Free, Unchanged, Durable, Committed, Failed)}
 
 
@@ -423,7 +486,7 @@ def parse(data: bytes | bytearray | dict[str, Any]) -> Message:
     op = m.get("op")
     cls = MESSAGES.get(op) if isinstance(op, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown op {_show(op)}")
+        raise ProtocolError(f"unknown op {show(op)}")
     return cls.from_wire(m)
 
 
@@ -435,143 +498,8 @@ def message_list() -> str:
         for cls in MESSAGES.values():
             if cls.SENDER != sender:
                 continue
-            names = [f.name for f in wire_fields(cls)]
-            optional = [f.name for f in wire_fields(cls) if f.default is not dataclasses.MISSING]
-            required = [n for n in names if n not in optional]
+            required, optional = cls.wire_names()
             text = ", ".join(required) + (f"; optional {', '.join(optional)}" if optional else "")
             lines.extend(textwrap.wrap(f"{cls.OP}({text})", 84, initial_indent="    ",
                                        subsequent_indent=" " * (5 + len(cls.OP))))
     return "\n".join(lines)
-
-
-class _Refusal(Exception):
-    pass
-
-
-def _int(m: dict[str, Any], key: str) -> int:
-    value = m.get(key)
-    if type(value) is not int:
-        raise ProtocolError(f"{key} {_show(value)} is not an int")
-    return value
-
-
-def _loose_int(m: dict[str, Any], key: str) -> int | None:
-    value = m.get(key)
-    return value if type(value) is int else None
-
-
-def _str(m: dict[str, Any], key: str) -> str:
-    value = m.get(key)
-    if not isinstance(value, str):
-        raise ProtocolError(f"{key} {_show(value)} is not a str")
-    return value
-
-
-_REQUIRED = {"int": _int, "str": _str}  # a field's annotation -> its check
-
-
-def _node(value: Any) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(type(v) is int for v in value) or not 0 <= value[0] < MAX_WORLD
-            or not 1 <= value[1] <= MAX_WORLD):
-        raise ProtocolError(f"node {_show(value)} is not [first rank, count]")
-    return value[0], value[1]
-
-
-def _retention(value: Any) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(type(v) is int and 0 <= v <= MAX_STEP for v in value)):
-        raise ProtocolError(f"retention {_show(value)} is not [keep_last, keep_every]")
-    return value[0], value[1]
-
-
-def _unchanged_request(m: dict[str, Any], count: int) -> tuple[int | None, tuple[int, ...] | None]:
-    """A begin's claim that tensors (indices into its table of `count`) are unchanged
-    since the rank's step `since`: (since, indices), or (None, None) if it makes none."""
-    if "unchanged" not in m:
-        return None, None
-    since, wanted = _int(m, "since"), m["unchanged"]
-    if (not isinstance(wanted, list) or len(wanted) > count
-            or not all(type(i) is int and 0 <= i < count for i in wanted)
-            or len(set(wanted)) != len(wanted)):
-        raise ProtocolError(f"unchanged {_show(wanted)} is not a list of distinct tensor indices")
-    return since, tuple(wanted)
-
-
-def _tensor_table(table: Any) -> tuple[TensorEntry, ...]:
-    """A begin's tensor table, checked with the rules the reader applies to a manifest.
-
-    Raises:
-        _Refusal: the rank's state cannot become a readable checkpoint (why).
-    """
-    def bad(problem: str) -> _Refusal:
-        return _Refusal(f"tensor table refused: {problem}")
-
-    if not isinstance(table, list):
-        raise bad("not a list")
-    out, names = [], {"__metadata__"}
-    for entry in table:
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise bad(f"entry {_show(entry, 60)} is not [name, dtype, shape]")
-        name, dtype, shape = entry
-        if not isinstance(name, str) or name in names:
-            raise bad(f"name {_show(name, 60)} is not a str or is repeated")
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise bad(f"{_show(name, 60)}: unknown dtype {_show(dtype, 20)}")
-        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(type(d) is int and d >= 0 for d in shape)):
-            raise bad(f"{_show(name, 60)}: shape {_show(shape, 60)} is not a list of at most "
-                      f"{MAX_DIMS} non-negative ints")
-        nbytes = DTYPE_SIZES[dtype]
-        for d in shape:
-            nbytes *= d
-        if nbytes >= 1 << 62:
-            raise bad(f"{_show(name, 60)}: {nbytes} bytes")
-        names.add(name)
-        out.append((name, dtype, tuple(shape)))
-    return tuple(out)
-
-
-def decode(data: bytes | bytearray) -> dict[str, Any]:
-    """One frame's JSON object (NaN and Infinity are not JSON: refused).
-
-    Raises:
-        ProtocolError: not JSON, or not an object with a str "op".
-    """
-    try:
-        m = json.loads(data, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
-        raise ProtocolError(f"not JSON: {type(e).__name__}: {str(e)[:80]}") from None
-    if not isinstance(m, dict) or not isinstance(m.get("op"), str):
-        raise ProtocolError(f"malformed message {_show(m, 80)}")
-    return m
-
-
-def dumps(m: dict[str, Any]) -> bytes:
-    """`m` as one frame. Raises ValueError/RecursionError for what JSON cannot hold."""
-    return json.dumps(m, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _as_json(value: Any) -> Any:
-    """`value` with its tuples (tensor entries, parts, retention) as JSON lists; a tree or
-    stats (already JSON) is not walked."""
-    if isinstance(value, tuple):
-        return [_as_json(v) for v in value]
-    return value
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-
-
-def _show(value: Any, width: int = 40) -> str:
-    """`value` for an error message: short, and safe however deep it nests."""
-    return _REPR.repr(value)[:width]

@@ -34,6 +34,7 @@ MAX_MESSAGE = 8 << 20
 ADDRESS_ENV = "ASYNCCKPT_ADDRESS"
 AUTHKEY_ENV = "ASYNCCKPT_AUTHKEY"
 _FD_MARKER = b"R"
+_BACKLOG_RETRY = 0.01  # s: between dials while the writer's listen backlog is full
 
 
 def runtime_dir() -> Path:
@@ -53,8 +54,9 @@ def runtime_dir() -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.lstat()
     if st.st_uid != os.getuid() or st.st_mode & 0o077 or not path.is_dir() or path.is_symlink():
-        raise WriterUnavailableError(f"{path} must be a directory owned by uid {os.getuid()} "
-                                     f"with mode 0700 (found uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
+        raise WriterUnavailableError(
+            f"{path} must be a directory owned by uid {os.getuid()} with mode 0700 (found "
+            f"uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
     return path
 
 
@@ -154,7 +156,7 @@ def dial(address: str, authkey: bytes, timeout: float) -> Connection:
             sock.close()
             # a full listen backlog (many ranks dialling at once) is EAGAIN on a Unix socket
             if e.errno == errno.EAGAIN and time.monotonic() < deadline:
-                time.sleep(0.01)
+                time.sleep(_BACKLOG_RETRY)
                 continue
             raise WriterUnavailableError(f"no writer at {address}: {e.strerror or e}") from None
     try:
@@ -163,7 +165,8 @@ def dial(address: str, authkey: bytes, timeout: float) -> Connection:
         set_recv_timeout(conn, 0)
     except Exception as e:
         conn.close()
-        raise WriterUnavailableError(f"writer at {address} refused us: {type(e).__name__}: {e}") from None
+        raise WriterUnavailableError(
+            f"writer at {address} refused us: {type(e).__name__}: {e}") from None
     return conn
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncckpt.errors import SaveFailedError, error_class
 from asyncckpt.ipc import messages
+from asyncckpt.rank import handle as handles
 from asyncckpt.rank.coordination import CLAIM, HELLO_PERIOD, Outcome, StoreCoordinator, failure
 from asyncckpt.storage.location import root_path
 
@@ -57,7 +58,8 @@ class Agreement:
         self._idling = False  # `_idle` runs inside the leader's waits: never inside itself
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._parts: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (pending, tmp, part), _WAKE, None
+        # (pending, tmp, part), _WAKE, or None
+        self._parts: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"asyncckpt-agree-{coordinator.rank}")
@@ -211,7 +213,7 @@ class Agreement:
         self._committing[pending.id] = prefix
         self._unread = prefix
         self._send(messages.Commit(pending.id, pending.step, c.world_size, tuple(
-            (n["first"], n["count"], n["tmp"], n["part"]) for n in nodes)))
+            messages.NodePart(n["first"], n["count"], n["tmp"], n["part"]) for n in nodes)))
         for old in self._spent:  # every node announced this save: none reads those
             c.forget(old)
         self._spent.clear()
@@ -304,7 +306,7 @@ class Agreement:
             self._send(messages.Outcome(pending.step, bool(outcome.get("ok")),
                                         outcome.get("error", ""), outcome.get("message", "")))
         if outcome.get("ok"):
-            pending.handle._set_committed(root_path(outcome["path"]), stats)
+            handles.complete(pending.handle, root_path(outcome["path"]), stats)
         else:
             cls = error_class(outcome.get("error", ""))
-            pending.handle._set_failed(cls(outcome.get("message", "save failed")))
+            handles.fail(pending.handle, cls(outcome.get("message", "save failed")))

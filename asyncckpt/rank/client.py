@@ -6,13 +6,11 @@ thread that overlaps the next forward/backward, and the writer does the rest. A 
 thread receives slot credits and results. Saves are staged in the order they are
 made.
 
-Back-pressure from the writer reaches the stager only through ring slots. Messages go
-out through a sender thread, so a writer that reads its socket slowly (it stops reading
-while its frame threads are busy, i.e. at disk speed) never stalls the copy into free
-slots: with blocking sends, staging ran at the disk's speed instead of the copy's
-(docs/design/staging.md). The queue of unsent messages is bounded by the ring
-(at most one chunk message per slot). If the writer goes away, every pending handle fails with WriterUnavailableError
-at once and later saves raise it immediately: nothing waits forever on a dead writer.
+Back-pressure from the writer reaches the stager only through ring slots; the socket,
+its sender and receiver threads are the connection's (connection.py), this module
+keeps the saves. If the writer goes away, every pending handle fails with
+WriterUnavailableError at once and later saves raise it immediately: nothing waits
+forever on a dead writer.
 A save that failed while nobody waited for it is raised by the next `save()` or by
 `close()` (once: handle.py), so a training loop that never waits still hears of it.
 
@@ -35,27 +33,25 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from asyncckpt.config import ClientKnobs
-from asyncckpt.errors import (
-    SaveFailedError,
-    WriterRootMismatchError,
-    WriterUnavailableError,
-    error_class,
-)
-from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.errors import CheckpointError, SaveFailedError, WriterUnavailableError, error_class
 from asyncckpt.ipc import messages, protocol, ring
+from asyncckpt.ipc.messages import NodeRanks
+from asyncckpt.ipc.options import SaveOptions, check_step
+from asyncckpt.rank import handle as handles
 from asyncckpt.rank.agreement import Agreement
+from asyncckpt.rank.connection import WriterConnection, hello_for
 from asyncckpt.rank.coordination import StoreCoordinator, job_store
 from asyncckpt.rank.handle import SaveHandle, raise_untaken
-from asyncckpt.rank.pending import Basis, PendingSave, Torn, unmodified
+from asyncckpt.rank.pending import Basis, PendingSave, Route, Torn, unmodified
 from asyncckpt.rank.stager import DeviceCopies, stage
-from asyncckpt.storage.location import root_path
+from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.ranks import node_of, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
+PLAN_POLL = 0.05  # s: the stager's check for a cancelled save while the writer plans
 
 class _Cancelled(Exception):
     pass
@@ -101,82 +97,39 @@ class Client:
         """
         self.knobs = ClientKnobs.from_env(**knobs)
         self.address = protocol.writer_address(address)
-        self._asked_root = None if root is None else str(root_path(root).resolve())
+        asked_root = None if root is None else str(root_path(root).resolve())
         self.rank, self.world_size = resolve_rank(rank, world_size)
         # no ring size asked for: the first save sizes the ring from its state
         self._size_ring = knobs.get("ring_size") is None and not os.environ.get(
             "ASYNCCKPT_RING_SIZE")
         self._ring = ring.Ring.create(self.knobs.slot_size, self.knobs.ring_slots)
-        self._conn, welcome = self._handshake(self._ring)
+        self._cond = threading.Condition()
+        self._pending: dict[int, PendingSave] = {}
+        self._broken: WriterUnavailableError | None = None
+        self._closed = False
+        self._conn = WriterConnection(
+            self.address, hello_for(self.rank, self.world_size, self._ring, asked_root),
+            self._ring, self.knobs.connect_timeout, asked_root, {
+                messages.Free: self._on_free, messages.Unchanged: self._on_unchanged,
+                messages.Durable: self._on_durable, messages.Committed: self._on_result,
+                messages.Failed: self._on_result}, self._on_broken)
+        welcome = self._conn.welcome
         self.root = root_path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
-        self._cond = threading.Condition()
-        self._pending: dict[int, PendingSave] = {}
         self._handles: list[SaveHandle] = []  # saves not known to be settled and told
         self._ids = itertools.count(1)
         self._basis: Basis | None = None  # with skip_unchanged: the newest committed save
-        self._broken: WriterUnavailableError | None = None
         self._queue: queue.Queue[PendingSave | None] = queue.Queue()
-        self._closed = False
-        self._outbox: queue.SimpleQueue[bytes | Callable[[], None] | None] = queue.SimpleQueue()
-        self._replacing = False
         self._resize_lock = threading.Lock()
-        self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
-            messages.Free: self._on_free, messages.Unchanged: self._on_unchanged,
-            messages.Durable: self._on_durable, messages.Committed: self._on_result,
-            messages.Failed: self._on_result}
-        self._start_threads()
-
-    def _handshake(self, new: ring.Ring) -> tuple[Any, messages.Welcome]:
-        """Dial the writer, say hello and pass ring `new`; the connection and welcome.
-
-        Raises:
-            WriterUnavailableError: no writer, a failed authentication or handshake, or
-                a refusal (`new` is closed then).
-        """
-        conn = None
-        try:
-            conn = protocol.dial(self.address, protocol.read_authkey(self.address),
-                                 self.knobs.connect_timeout)
-            protocol.send_message(conn, messages.Hello(
-                self.rank, new.slot_size, new.slots, world_size=self.world_size,
-                pid=os.getpid(), need_slot=True, root=self._asked_root))
-            protocol.send_fd(conn, new.fileno())
-            if not conn.poll(self.knobs.connect_timeout):
-                raise WriterUnavailableError(f"writer at {self.address} did not welcome us")
-            reply = protocol.receive(conn)
-        except (OSError, EOFError, ValueError) as e:
-            new.close()
-            raise WriterUnavailableError(f"writer at {self.address} closed the connection during "
-                                         f"the handshake: {e}", rank=self.rank) from None
-        except BaseException:
-            new.close()
-            raise
-        finally:
-            new.release_fd()  # the writer holds its own descriptor now
-        served = reply.root if isinstance(reply, (messages.Welcome, messages.Refused)) else None
-        if (self._asked_root is not None and served is not None
-                and not protocol.same_root(self._asked_root, served)):
-            protocol.hang_up(conn)  # a writer too old to check the hello's root welcomes it
-            new.close()
-            raise WriterRootMismatchError(
-                f"the writer at {self.address} serves {served}, not {self._asked_root}: start "
-                f"a writer on {self._asked_root}, or give no address (and unset "
-                "ASYNCCKPT_ADDRESS) so that the Checkpointer or StorageWriter starts its "
-                "own", rank=self.rank)
-        if not isinstance(reply, messages.Welcome):
-            new.close()
-            reason = reply.reason if isinstance(reply, messages.Refused) else reply.OP
-            raise WriterUnavailableError(f"writer at {self.address} refused this rank: "
-                                         f"{reason[:500]}", rank=self.rank)
-        return conn, reply
+        self._stager = threading.Thread(target=self._stage_loop, daemon=True,
+                                        name=f"asyncckpt-stage-{self.rank}")
+        self._stager.start()
 
     def _resize_ring(self, state_dict: Any) -> None:
         """Before the first save (nothing in flight): a ring sized for its state, as a
-        Checkpointer's (ringsize.py, logged), through a second connection; the first,
-        with the default ring, is closed once the writer has welcomed the second."""
+        Checkpointer's (ringsize.py, logged), handed to the writer on this connection."""
         from asyncckpt.rank.ringsize import ring_for, state_bytes
         size = ring_for(state_bytes(state_dict), None, log)
         if size is None or size <= self._ring.size:
@@ -187,25 +140,17 @@ class Client:
             log.warning("asyncckpt: kept the %d MiB ring (a %d MiB one could not be made: "
                         "%s)", self._ring.size >> 20, size >> 20, e)
             return
-        conn, _ = self._handshake(bigger)
-        old_conn, old_ring = self._conn, self._ring
-        self._replacing = True
-        self._outbox.put(None)
-        self._sender.join()
-        protocol.hang_up(old_conn)
-        self._receiver.join()
-        self._replacing = False
+        self._conn.replace_ring(bigger)
+        old = self._ring
         self._device.close()
-        self._conn, self._ring = conn, bigger
+        self._ring, self._device = bigger, DeviceCopies(bigger)
         self.knobs = dataclasses.replace(self.knobs, ring_size=bigger.size)
-        self._device = DeviceCopies(bigger)
         with self._cond:
             self._free = collections.deque(range(bigger.slots))
         try:
-            old_ring.close()
+            old.close()
         except BufferError:
             pass
-        self._start_threads(stager=False)
 
     def _agreement_for(self, store: Any, welcome: messages.Welcome) -> Agreement | None:
         """How the nodes agree on each commit: through `store` (or the one the
@@ -215,20 +160,8 @@ class Client:
             return None
         coordinator = StoreCoordinator(store, self.rank, self.world_size, self.knobs.node_timeout,
                                        node_of(self.rank, self.world_size))
-        return Agreement(coordinator, self._send, welcome.root, welcome.root_id,
+        return Agreement(coordinator, self._conn.send, welcome.root, welcome.root_id,
                          lambda: self._broken is not None, self._forget)
-
-    def _start_threads(self, stager: bool = True) -> None:
-        self._receiver = threading.Thread(target=self._receive, args=(self._conn,), daemon=True,
-                                          name=f"asyncckpt-recv-{self.rank}")
-        self._sender = threading.Thread(target=self._send_loop, args=(self._conn,), daemon=True,
-                                        name=f"asyncckpt-send-{self.rank}")
-        self._receiver.start()
-        self._sender.start()
-        if stager:
-            self._stager = threading.Thread(target=self._stage_loop, daemon=True,
-                                            name=f"asyncckpt-stage-{self.rank}")
-            self._stager.start()
 
     def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
              keep_every: int = 0, keep_from: int | None = None,
@@ -257,7 +190,8 @@ class Client:
         Raises:
             UnsupportedStateError: a value that cannot be saved (named by its key path).
             WriterUnavailableError: the writer is gone.
-            ValueError: a negative or non-int step or keep_from.
+            ValueError: a step, keep_last, keep_every or keep_from that is not an int in
+                0..MAX_STEP, or a replace that is not a bool (SaveOptions).
             SaveFailedError (or its subclass: StepAlreadyCommittedError,
                 DiskFullError, ...), WriterUnavailableError: an earlier save of this
                 client failed and its error has not reached the caller (no `wait()`,
@@ -265,9 +199,8 @@ class Client:
                 save is not made.
         """
         started = time.perf_counter()
-        for name, value in (("step", step), ("keep_from", keep_from)):
-            if not (value is None and name == "keep_from" or _is_step(value)):
-                raise ValueError(f"{name} must be an int in 0..{MAX_STEP}; got {value!r}")
+        check_step(step)
+        options = SaveOptions(keep_last, keep_every, keep_from, bool(replace))
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         self._raise_untaken()
@@ -283,22 +216,28 @@ class Client:
                             self._resize_ring(state_dict)
                     finally:
                         self._size_ring = False
-        handle = SaveHandle(step)
-        retention = None if keep_last is None else (keep_last, keep_every)
         skip = self.knobs.skip_unchanged
-        pending = PendingSave(next(self._ids), step, self.world_size, state_dict, handle,
-                               retention, self._agreement.key(step) if self._agreement else None,
-                               skip, self._basis if skip else None, replace=bool(replace),
-                               keep_from=keep_from,
-                               node=self._agreement.coordinator.node if self._agreement else None)
-        if skip:
-            handle._on_commit = functools.partial(self._remember, pending)
+        pending: PendingSave | None = None
+
+        def remember() -> None:
+            assert pending is not None
+            self._remember(pending)
+        handle = SaveHandle(step, on_commit=remember if skip else None)
+        pending = PendingSave(next(self._ids), step, state_dict, handle, options,
+                              self._route(step), self._basis if skip else None, skip)
         with self._cond:
             self._pending[pending.id] = pending
             self._handles.append(handle)
         self._queue.put(pending)
         handle.stats.blocked_seconds = time.perf_counter() - started
         return handle
+
+    def _route(self, step: int) -> Route:
+        """Who takes part in this client's next save of `step`."""
+        if self._agreement is None:
+            return Route(self.world_size)
+        return Route(self.world_size, self._agreement.key(step),
+                     NodeRanks(*self._agreement.coordinator.node))
 
     def close(self, timeout: float | None = None, *, wait_results: bool = True) -> None:
         """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring.
@@ -316,22 +255,21 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._conn.closing = True
         self._queue.put(None)
         self._stager.join(timeout if wait_results else None)
         for pending in list(self._pending.values()) if wait_results else []:
-            pending.handle._done.wait(timeout)
+            handles.wait_settled(pending.handle, timeout)
         if not wait_results:  # results not awaited: their handles end failed ("closed")
             with self._cond:  # below, and nobody asked to hear of it
                 self._handles = [h for h in self._handles if h.done()]
         if self._agreement is not None:  # its last messages (commit, outcome) go out first
             self._agreement.close(timeout)
-        self._outbox.put(None)
-        self._sender.join(timeout if wait_results else None)
+        self._conn.stop_sending(timeout if wait_results else None)
         if not wait_results:
             with self._cond:  # unawaited saves hear nothing: none is failed by the hang-up
                 self._pending.clear()
-        protocol.hang_up(self._conn)
-        self._receiver.join(timeout)
+        self._conn.hang_up(timeout)
         with self._cond:
             self._pending.clear()  # what is left will hear no result: let its state go
         self._device.close()
@@ -341,13 +279,18 @@ class Client:
             pass  # a view is still referenced; the mapping goes with the process
         self._raise_untaken()
 
+    @property
+    def closed(self) -> bool:
+        """True once `close()` began, or the writer is gone (this client saves no more)."""
+        return self._closed or self._broken is not None
+
     def _raise_untaken(self) -> None:
         """Raise the first failure of an earlier save that the caller has not been
         told of (handle.py), once; forget the saves that are settled."""
         with self._cond:
-            handles = self._handles
-            self._handles = [h for h in handles if not h.done() or h._untaken()]
-        raise_untaken(handles)
+            kept = self._handles
+            self._handles = [h for h in kept if not h.done() or handles.untold(h)]
+        raise_untaken(kept)
 
     def __enter__(self) -> Client:
         return self
@@ -360,7 +303,7 @@ class Client:
     def _stage_loop(self) -> None:
         while (pending := self._queue.get()) is not None:
             if self._broken is not None:
-                pending.handle._set_failed(self._broken)
+                handles.fail(pending.handle, self._broken)
                 continue
             try:
                 self._stage_one(pending)
@@ -370,13 +313,14 @@ class Client:
                 pass
             except Exception as e:  # never let one save stop the stager for the next ones
                 log.exception("staging step %d failed", pending.step)
-                pending.handle._set_failed(SaveFailedError(
+                handles.fail(pending.handle, SaveFailedError(
                     f"staging failed: {type(e).__name__}: {e}", step=pending.step, rank=self.rank))
 
     def _stage_one(self, pending: PendingSave) -> None:
         started = time.perf_counter()
         handle = pending.handle
-        self._outbox.put(pending.begin)
+        send = self._conn.send
+        self._conn.send_frame(pending.begin)
 
         said_need = False
 
@@ -387,54 +331,39 @@ class Client:
                     if handle.done() or self._broken is not None:
                         raise _Cancelled
                     if not said_need:  # a writer that stages first copies out now
-                        self._send(messages.NeedSlot())
+                        send(messages.NeedSlot())
                         said_need = True
                     self._cond.wait()
                 return self._free.popleft()
 
         def emit(slot: int, length: int) -> None:
-            self._send(messages.Chunk(pending.id, slot, length))
+            send(messages.Chunk(pending.id, slot, length))
 
         try:
-            while pending.unchanged and not pending.planned.wait(0.05):
+            while pending.unchanged and not pending.planned.wait(PLAN_POLL):
                 if handle.done() or self._broken is not None:
                     raise _Cancelled
             nbytes = stage(unmodified(pending), self._ring, acquire, emit, self._release,
                            self._device, pending.ready)
         except _Cancelled:
-            self._send(messages.End(pending.id))
+            send(messages.End(pending.id))
             raise
         except OSError:
             raise
         except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
             cause = str(e) if isinstance(e, Torn) else f"staging failed: {type(e).__name__}: {e}"
             error = SaveFailedError(cause, step=pending.step, rank=self.rank)
-            self._send(messages.Abort(pending.id, str(error)))
-            handle._set_failed(error)
+            send(messages.Abort(pending.id, str(error)))
+            handles.fail(handle, error)
             return
         handle.stats.staged_bytes = nbytes  # before `end`: a result may follow at once
         handle.stats.unchanged_bytes = sum(pending.entries[i].tensor.nbytes
                                            for i in pending.skipped)
         handle.stats.staging_seconds = time.perf_counter() - started
-        self._send(messages.End(pending.id))
+        send(messages.End(pending.id))
         # staged once End is on the socket, not merely queued: a trainer killed the
         # moment wait_staged() returns has handed the writer the whole save
-        self._outbox.put(handle._set_staged)
-
-    # -- sender thread ---------------------------------------------------------------
-
-    def _send(self, message: messages.Message) -> None:
-        self._outbox.put(message.encode())
-
-    def _send_loop(self, conn: Any) -> None:
-        try:
-            while (data := self._outbox.get()) is not None:
-                if callable(data):  # a handle to mark staged, now that its End is sent
-                    data()
-                    continue
-                conn.send_bytes(data)
-        except (OSError, EOFError):
-            self._on_broken("writer connection lost while sending")
+        self._conn.after_sent(functools.partial(handles.mark_staged, handle))
 
     def _forget(self, pending: PendingSave) -> None:
         """A coordinated save is over (its outcome came through the store)."""
@@ -444,39 +373,15 @@ class Client:
     def _remember(self, pending: PendingSave) -> None:
         """`pending` committed: its tensors as they were are the basis of later saves."""
         with self._cond:
-            if self._basis is None or pending.step > self._basis[0]:
-                self._basis = (pending.step, {
-                    e.name: fp for e, fp in zip(pending.entries, pending.fingerprints)
-                    if fp is not None})
+            if self._basis is None or pending.step > self._basis.step:
+                self._basis = pending.remembered()
 
     def _release(self, slot: int) -> None:
         with self._cond:
             self._free.append(slot)
             self._cond.notify()
 
-    # -- receiver thread -------------------------------------------------------------
-
-    def _receive(self, conn: Any) -> None:
-        try:
-            while True:
-                data = protocol.recv(conn)
-                if data["op"] not in messages.MESSAGES:
-                    continue  # a reply of a newer writer that this client does not use
-                message = messages.parse(data)
-                handler = self._handlers.get(type(message))
-                if handler is not None:
-                    handler(message)
-        except Exception as e:  # whatever ends this thread must fail the pending handles,
-            # or their wait() would hang: a lost writer, a closed client, a bad message
-            if self._replacing:
-                return  # the connection of the ring `_resize_ring` replaced
-            if self._closed:
-                self._on_broken("the client was closed")
-            elif isinstance(e, (EOFError, OSError)):
-                self._on_broken("the writer closed the connection")
-            else:
-                log.warning("bad message from the writer: %s: %s", type(e).__name__, e)
-                self._on_broken(f"bad message from the writer ({type(e).__name__})")
+    # -- the writer's replies (the connection's receiver thread) ------------------------
 
     def _on_free(self, m: messages.Free) -> None:
         self._release(m.slot)
@@ -498,49 +403,75 @@ class Client:
         with self._cond:
             pending = self._pending.pop(m.save, None)
             if pending is not None:
-                error = None if isinstance(m, messages.Committed) else \
-                    error_class(m.error)(m.message)
-                if error is not None:  # the writer's message names them; keep them as fields
-                    error.step, error.rank = pending.step, self.rank
-                if pending.key is not None:
-                    assert self._agreement is not None
-                    path, stats = (m.path, m.stats) if isinstance(m, messages.Committed) \
-                        else (None, {})
-                    relayed = isinstance(m, messages.Committed) or m.relayed
-                    ask = isinstance(m, messages.Failed) and m.ask
-                    self._agreement.result(pending, error, path, stats, relayed=relayed, ask=ask)
-                elif isinstance(m, messages.Committed):
-                    pending.handle._set_committed(root_path(m.path), m.stats)
-                else:
-                    pending.handle._set_failed(error)
+                self._settle(pending, m)
             self._cond.notify_all()
+
+    def _settle(self, pending: PendingSave, m: messages.Committed | messages.Failed) -> None:
+        """Hand the writer's result to the save's handle (or, coordinated, to the
+        agreement, which tells the other nodes first)."""
+        error: CheckpointError | None = None
+        if isinstance(m, messages.Failed):
+            error = error_class(m.error)(m.message)
+            error.step, error.rank = pending.step, self.rank  # the message names them
+        if pending.key is not None:
+            assert self._agreement is not None
+            path, stats = (m.path, m.stats) if isinstance(m, messages.Committed) else (None, {})
+            relayed = isinstance(m, messages.Committed) or m.relayed
+            ask = isinstance(m, messages.Failed) and m.ask
+            self._agreement.result(pending, error, path, stats, relayed=relayed, ask=ask)
+        elif isinstance(m, messages.Committed):
+            handles.complete(pending.handle, root_path(m.path), m.stats)
+        else:
+            assert error is not None
+            handles.fail(pending.handle, error)
 
     def _on_broken(self, why: str) -> None:
         with self._cond:
             if self._broken is None:
                 self._broken = WriterUnavailableError(f"{why} ({self.address})", rank=self.rank)
+            broken = self._broken
             failed = list(self._pending.values())
             self._pending.clear()
             self._cond.notify_all()
         for pending in failed:
             if pending.key is not None and self._agreement is not None:
-                self._agreement.broken(pending, self._broken)
-            pending.handle._set_failed(self._broken)
+                self._agreement.broken(pending, broken)
+            handles.fail(pending.handle, broken)
 
 
-def _is_step(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= MAX_STEP
+# -- the process's clients: one per writer address, shared by save(), DCP and the rest ----
+
+_shared: dict[str, Client] = {}
+_shared_lock = threading.Lock()
 
 
-_default: Client | None = None
-_default_lock = threading.Lock()
+def shared_client(address: str | None = None, *, root: Location | None = None,
+                  **knobs: Any) -> Client:
+    """The process's client for the writer at `address` (default ASYNCCKPT_ADDRESS),
+    made on first use from the environment (RANK, WORLD_SIZE, ...) and `knobs`, closed
+    at interpreter exit (pending saves are waited for). A client that is closed, or
+    whose writer is gone, is replaced.
+
+    Args:
+        address: the writer's address; None: ASYNCCKPT_ADDRESS.
+        root: the root the caller saves to: the writer must serve it (checked when a
+            client is made, and against a cached client's root).
+        knobs: ClientKnobs for a new client (ignored when one is cached).
+    Raises:
+        WriterUnavailableError, WriterRootMismatchError: as `Client`.
+    """
+    key = address or os.environ.get(protocol.ADDRESS_ENV, "")
+    with _shared_lock:
+        client = _shared.get(key)
+        if (client is None or client._closed or client._broken is not None or (
+                root is not None and not protocol.same_root(str(client.root),
+                                                            str(root_path(root).resolve())))):
+            client = Client(address, root=root, **knobs)
+            _shared[key] = client
+            atexit.register(client.close)
+        return client
 
 
 def default_client() -> Client:
     """The process-wide client built from the environment (ASYNCCKPT_ADDRESS, RANK, ...)."""
-    global _default
-    with _default_lock:
-        if _default is None or _default._closed or _default._broken is not None:
-            _default = Client()
-            atexit.register(_default.close)
-        return _default
+    return shared_client()

@@ -82,14 +82,16 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
         if isinstance(node, (bytes, bytearray, memoryview)):
             name = _unique_name(path, names)
             copy = bytearray(node)  # its own memory: the caller may reuse a bytearray
-            data = torch.frombuffer(copy, dtype=torch.uint8) if copy else torch.empty(0, dtype=torch.uint8)
+            data = (torch.frombuffer(copy, dtype=torch.uint8) if copy
+                    else torch.empty(0, dtype=torch.uint8))
             entries.append(TensorEntry(name, path, data))
             return {"pickled" if isinstance(node, Pickled) else "bytes": name}
         if node is None or isinstance(node, (bool, str)):
             return node
         if isinstance(node, int):
             if node.bit_length() > MAX_INT_BITS:
-                raise UnsupportedStateError(f"{show_path(path)}: int of {node.bit_length()} bits is too large")
+                raise UnsupportedStateError(
+                    f"{show_path(path)}: int of {node.bit_length()} bits is too large")
             return node
         if isinstance(node, float):
             return node if math.isfinite(node) else {"float": repr(node)}
@@ -100,7 +102,8 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
         if id(node) in active:
             raise UnsupportedStateError(f"{show_path(path)}: the state contains a cycle")
         if len(path) >= MAX_DEPTH:
-            raise UnsupportedStateError(f"{show_path(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
+            raise UnsupportedStateError(
+                f"{show_path(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
         active.add(id(node))
         try:
             if isinstance(node, dict):
@@ -111,7 +114,8 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
                             f"{show_path(path)}: dict key {key!r} is a {type(key).__name__}; "
                             "keys must be str or int")
                     if isinstance(key, str) and not _is_utf8(key):
-                        raise UnsupportedStateError(f"{show_path(path)}: dict key {key!r} is not valid Unicode")
+                        raise UnsupportedStateError(
+                            f"{show_path(path)}: dict key {key!r} is not valid Unicode")
                     if isinstance(key, int) and key.bit_length() > MAX_INT_BITS:
                         raise UnsupportedStateError(f"{show_path(path)}: int key is too large")
                     items.append([key, visit(value, path + (key,))])
@@ -217,7 +221,7 @@ def _described(node: object) -> str:
     scalars print like Python numbers)."""
     kind = type(node)
     if kind.__module__ == "numpy":
-        if hasattr(node, "shape") and getattr(node, "ndim", 0):
+        if hasattr(node, "shape") and getattr(node, "ndim", False):
             return f"a numpy.{kind.__name__} (pass torch.from_numpy(x))"
         return f"a numpy.{kind.__name__}, a numpy scalar (pass x.item() or torch.tensor(x))"
     return f"a {kind.__name__}"

@@ -9,6 +9,10 @@ A failure is never dropped silently: it is logged at ERROR when it happens, and 
 remembers whether its failure has reached the caller (`wait()` raised it, `exception()`
 returned it). One that has not is raised by the next call of whoever made the save
 (`raise_untaken`: the client's next `save()` or `close()`, a Checkpointer's too), once.
+
+The package completes a handle through this module's functions (`mark_staged`,
+`complete`, `fail`, `mark_told`, ...), not through the handle's attributes: the
+handle's public face is the caller's, and what completes it stays in one place.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from asyncckpt.errors import CheckpointError
+if TYPE_CHECKING:
+    from asyncckpt.storage.paths import Location
 
 log = logging.getLogger("asyncckpt.rank")
 
@@ -86,15 +90,15 @@ class SaveHandle:
         stats: a SaveStats (timings and sizes of the rank and of the writer).
     """
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, on_commit: Callable[[], None] | None = None) -> None:
         self.step = step
-        self.path: Path | None = None
+        self.path: Location | None = None
         self.stats = SaveStats()
         self._staged = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._taken = False  # the failure reached the caller (raised or returned once)
-        self._on_commit: Callable[[], None] | None = None
+        self._on_commit = on_commit  # called once committed, before a waiter wakes
 
     def staged(self) -> bool:
         """True once the source tensors are no longer read (copied, or the save failed);
@@ -110,7 +114,7 @@ class SaveHandle:
         """Block until staged(); returns False on timeout. Never raises the save's error."""
         return self._staged.wait(timeout)
 
-    def wait(self, timeout: float | None = None) -> Path:
+    def wait(self, timeout: float | None = None) -> Location:
         """Block until the step is committed.
 
         Returns:
@@ -135,42 +139,62 @@ class SaveHandle:
             self._taken = True
         return self._error
 
-    def _untaken(self) -> bool:
-        """True when the save failed and neither `wait()` nor `exception()` (nor a
-        later call, see `raise_untaken`) has handed its error to the caller yet."""
-        return self._done.is_set() and self._error is not None and not self._taken
-
     def __repr__(self) -> str:
         state = ("failed" if self._error else "committed") if self.done() else (
             "staged" if self.staged() else "staging")
         return f"SaveHandle(step={self.step}, {state})"
 
-    # -- internal: set by the client's threads -------------------------------------------
 
-    def _set_staged(self) -> None:
-        self._staged.set()
+# -- the package's side: how the client's threads (and integrations) complete a handle --
 
-    def _set_committed(self, path: Path, stats: dict[str, Any]) -> None:
-        if not self._done.is_set():
-            self.path = path
-            self.stats.update(stats)
-            if self._on_commit is not None:
-                self._on_commit()
-            self._staged.set()
-            self._done.set()
 
-    def _set_failed(self, error: CheckpointError) -> None:
-        if not self._done.is_set():
-            log.error("asyncckpt: the save of step %d failed: %s: %s", self.step,
-                      type(error).__name__, error)
-            self._error = error
-            self._staged.set()
-            self._done.set()
+def mark_staged(handle: SaveHandle) -> None:
+    """The source tensors are no longer read (the whole save was handed over)."""
+    handle._staged.set()
+
+
+def complete(handle: SaveHandle, path: Location, stats: dict[str, Any]) -> None:
+    """The step is committed at `path`; `stats` are the writer's figures. Once only: a
+    handle already done stays as it is."""
+    if not handle._done.is_set():
+        handle.path = path
+        handle.stats.update(stats)
+        if handle._on_commit is not None:
+            handle._on_commit()
+        handle._staged.set()
+        handle._done.set()
+
+
+def fail(handle: SaveHandle, error: BaseException) -> None:
+    """The save failed with `error` (logged at ERROR here). Once only, as `complete`."""
+    if not handle._done.is_set():
+        log.error("asyncckpt: the save of step %d failed: %s: %s", handle.step,
+                  type(error).__name__, error)
+        handle._error = error
+        handle._staged.set()
+        handle._done.set()
+
+
+def mark_told(handle: SaveHandle) -> None:
+    """Whoever made the save tells its outcome another way (DCP raises it itself): no
+    later call of the client raises it again."""
+    handle._taken = True
+
+
+def untold(handle: SaveHandle) -> bool:
+    """True when the save failed and neither `wait()` nor `exception()` (nor a later
+    call, see `raise_untaken`) has handed its error to the caller yet."""
+    return handle._done.is_set() and handle._error is not None and not handle._taken
+
+
+def wait_settled(handle: SaveHandle, timeout: float | None = None) -> bool:
+    """Block until the handle is done, taking none of its failure; False on timeout."""
+    return handle._done.wait(timeout)
 
 
 def raise_untaken(handles: Iterable[SaveHandle]) -> None:
     """Raise the error of the first handle of `handles` whose failure nobody took (see
-    `SaveHandle._untaken`), marking it told on every handle that failed with that same
+    `untold`), marking it told on every handle that failed with that same
     error (a lost writer fails all pending saves with one), so it is raised once.
 
     Raises:
@@ -179,7 +203,7 @@ def raise_untaken(handles: Iterable[SaveHandle]) -> None:
     """
     handles = list(handles)
     for handle in handles:
-        if handle._untaken():
+        if untold(handle):
             error = handle._error
             for other in handles:
                 if other._error is error:
@@ -192,4 +216,4 @@ def settle(handles: Iterable[SaveHandle]) -> None:
     """Block until every handle is done, taking none of their failures (so that
     `raise_untaken` still tells them)."""
     for handle in handles:
-        handle._done.wait()
+        wait_settled(handle)

@@ -4,11 +4,12 @@ A Checkpointer given no writer (no `address`, no ASYNCCKPT_ADDRESS) would otherw
 fail at its first due save, and every user would write the same dozen lines: start a
 writer on one rank per node, hand its address to the node's other ranks. So it does
 that itself, with public torch.distributed calls only: the ranks gather their host
-names (and torchrun's node ranks), the first rank of each node starts the writer (`start_writer`, its log in a file
-beside the root), and a second gather hands each rank its host's address. Without a
-process group, this process starts the writer. The writer is a child of the rank that
-started it: it finishes every save whose parts it holds and exits when that rank dies,
-and the Checkpointer stops it at `close()` once every rank is done (a barrier).
+names (and torchrun's node ranks), the first rank of each node starts the writer
+(`start_writer`, its log in a file beside the root), and a second gather hands each
+rank its host's address. Without a process group, this process starts the writer. The
+writer is a child of the rank that started it: it finishes every save whose parts it
+holds and exits when that rank dies, and the Checkpointer stops it at `close()` once
+every rank is done (a barrier).
 
 Every rank calls it at the same moment (the Checkpointer's first due save, which every
 rank makes), and every rank returns or raises alike: a host whose writer cannot start
@@ -33,6 +34,7 @@ from asyncckpt.rank.launch import WriterProcess, default_job, default_log_file, 
 from asyncckpt.storage.location import Location
 
 log = logging.getLogger("asyncckpt.checkpointer")
+START_RETRY = 0.5  # s: between starts while the previous attempt's writer holds the root
 
 
 def given_address(address: str | None) -> str | None:
@@ -63,8 +65,8 @@ def node_writer(root: Location, timeout: float = 60.0) -> tuple[str, WriterProce
     """
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        writer = _start(root, default_log_file(root), timeout)
-        return writer.address, writer
+        alone = _start(root, default_log_file(root), timeout)
+        return alone.address, alone
     host = _node_name()
     named: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(named, (host, uuid.uuid4().hex))
@@ -73,7 +75,8 @@ def node_writer(root: Location, timeout: float = 60.0) -> tuple[str, WriterProce
     several = len(set(hosts)) > 1
     # the nodes' writers share the root as one job: the launcher's id, else rank 0's
     job = (default_job() or f"asyncckpt {named[0][1]}") if several else None
-    writer, failure = None, None
+    writer: WriterProcess | None = None
+    failure: str | None = None
     if first:
         try:
             writer = _start(root, default_log_file(root, host if several else None), timeout,
@@ -109,7 +112,7 @@ def _start(root: Location, log_file: Path, timeout: float,
         except WriterLockedError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.5)
+            time.sleep(START_RETRY)
     log.info("asyncckpt: started this node's writer for %s (pid %d; its log: %s)", root,
              writer.pid, log_file)
     return writer

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -23,12 +24,52 @@ from asyncckpt.errors import UnsupportedStateError
 from asyncckpt.format.layout import CUT_BYTES
 from asyncckpt.format.tree import show_path
 from asyncckpt.ipc import messages, protocol
+from asyncckpt.ipc.messages import NodeRanks
+from asyncckpt.ipc.options import SaveOptions
 from asyncckpt.rank.flatten import flatten
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.stager import ready_event
 
-Fingerprint = tuple
-Basis = tuple[int, dict[str, Fingerprint]]  # a committed step, its tensors' fingerprints
+
+class Fingerprint(NamedTuple):
+    """What must be equal for a tensor's bytes not to have changed between two looks:
+    its storage (held by a weak reference, so its address is not reused meanwhile), the
+    storage's address and size, the tensor's view of it, and its version counter."""
+
+    storage: StorageWeakRef
+    data_ptr: int
+    nbytes: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    version: int
+
+
+class Basis(NamedTuple):
+    """A client's newest committed save: its step, and its tensors' fingerprints by name
+    (skip_unchanged compares a new save's tensors with these)."""
+
+    step: int
+    fingerprints: dict[str, Fingerprint]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Who takes part in a save: the world, and for a save coordinated across nodes its
+    name in the store and the ranks of this rank's node.
+
+    Attributes:
+        world_size: the ranks that save the step.
+        key: a coordinated save's name (coordination.py); None: the node's writer sees
+            every rank and commits alone.
+        node: coordinated: this rank's node.
+    """
+
+    world_size: int
+    key: str | None = None
+    node: NodeRanks | None = None
 
 
 class Torn(Exception):
@@ -66,23 +107,36 @@ def fingerprint(t: torch.Tensor) -> Fingerprint | None:
     if version is None:
         return None
     storage = t.untyped_storage()
-    return (StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), t.storage_offset(),
-            tuple(t.shape), t.stride(), t.dtype, t.device, version)
+    return Fingerprint(StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(),
+                       int(t.storage_offset()), tuple(t.shape), t.stride(), t.dtype, t.device,
+                       version)
 
 
 class PendingSave:
     """A save between `save()` and its result; the begin message is encoded up front so
-    that anything JSON cannot carry fails in `save()` itself."""
+    that anything JSON cannot carry fails in `save()` itself.
 
-    def __init__(self, save_id: int, step: int, world_size: int, state: Any,
-                 handle: SaveHandle, retention: tuple[int, int] | None,
-                 key: str | None = None, skip_unchanged: bool = False,
-                 basis: Basis | None = None, replace: bool = False,
-                 keep_from: int | None = None, node: tuple[int, int] | None = None) -> None:
+    Args:
+        save_id: the client's id of this save (unique per connection).
+        step: the step saved.
+        state: the state dict (flattened here; its tensors stay the caller's).
+        handle: the caller's SaveHandle.
+        options: the save's SaveOptions, sent in the begin.
+        route: the world, and the store key and node of a coordinated save.
+        basis: with skip_unchanged, the newest committed save to compare against.
+        skip_unchanged: fingerprint the tensors (they may be the basis of later saves).
+    Raises:
+        UnsupportedStateError: a value that cannot be saved, or a state JSON cannot
+            carry or that exceeds the message bound.
+    """
+
+    def __init__(self, save_id: int, step: int, state: Any, handle: SaveHandle,
+                 options: SaveOptions, route: Route, basis: Basis | None = None,
+                 skip_unchanged: bool = False) -> None:
         self.id = save_id
         self.step = step
         self.handle = handle
-        self.key = key  # the name of a save coordinated across nodes (coordination.py)
+        self.key = route.key  # the name of a save coordinated across nodes (coordination.py)
         self.settled = False         # coordinated: the outcome is known and acted on
         tree, self.entries = flatten(state)
         self.versions = [_version(e.tensor) for e in self.entries]
@@ -91,22 +145,28 @@ class PendingSave:
                              for e in self.entries]
         self.unchanged = [] if basis is None else [
             i for i, (e, fp) in enumerate(zip(self.entries, self.fingerprints))
-            if fp is not None and basis[1].get(e.name) == fp
+            if fp is not None and basis.fingerprints.get(e.name) == fp
             and e.tensor.numel() * e.tensor.element_size() >= CUT_BYTES]
         self.skipped: set[int] = set()  # what the writer took from the basis step
         self.planned = threading.Event()
-        since = basis[0] if basis is not None and self.unchanged else None
+        since = basis.step if basis is not None and self.unchanged else None
         try:
             self.begin = messages.Begin(
-                save_id, step, world_size,
+                save_id, step, route.world_size,
                 tuple((e.name, e.dtype_name, tuple(e.tensor.shape)) for e in self.entries), tree,
-                retention=retention, coordinated=key is not None, since=since,
-                unchanged=None if since is None else tuple(self.unchanged), replace=replace,
-                keep_from=keep_from, node=node if key is not None else None).encode()
+                options, coordinated=route.key is not None, since=since,
+                unchanged=None if since is None else tuple(self.unchanged),
+                node=route.node if route.key is not None else None).encode()
         except (ValueError, RecursionError) as e:
-            raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}", step=step) from None
+            raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}",
+                                        step=step) from None
         if len(self.begin) > protocol.MAX_MESSAGE:
             raise UnsupportedStateError(
                 f"the state's tensor table and objects take {len(self.begin)} bytes as JSON, "
                 f"over the {protocol.MAX_MESSAGE}-byte message bound ({len(self.entries)} "
                 "tensors); save fewer, larger tensors or split the state", step=step)
+
+    def remembered(self) -> Basis:
+        """This save, once committed, as the basis of later saves."""
+        return Basis(self.step, {e.name: fp for e, fp in zip(self.entries, self.fingerprints)
+                                 if fp is not None})

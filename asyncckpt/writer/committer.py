@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncckpt.config import MAX_FRAME_BYTES
@@ -37,6 +36,7 @@ from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.retention import check_references, check_replaceable, prune
 
 if TYPE_CHECKING:
+    from asyncckpt.storage.paths import Location
     from asyncckpt.writer.step import Notify, Step
 
 log = logging.getLogger("asyncckpt.writer")
@@ -60,7 +60,7 @@ def release(step: int, index: DedupIndex | None) -> None:
         index.release(step)
 
 
-def sweep_dead(root: Path) -> None:
+def sweep_dead(root: Location) -> None:
     """Remove what writers that are gone left under `root` (a local root: an object
     store's writers hold no owner files, their leftovers are swept by age)."""
     if is_object(root):
@@ -133,7 +133,7 @@ class Committer:
                 log.exception("commit hook failed")
         self._tell_committed(current, manifest, path)
 
-    def _publish(self, current: Step) -> tuple[Manifest, Path]:
+    def _publish(self, current: Step) -> tuple[Manifest, Location]:
         """Gather the parts, check the manifest as a reader would, and publish the step."""
         if current.nodes is not None:
             entries = commit.gather_nodes(self.storage, current.tmp_dir, current.number,
@@ -156,7 +156,7 @@ class Committer:
         return manifest, path
 
     @staticmethod
-    def _tell_committed(current: Step, manifest: Manifest, path: Path) -> None:
+    def _tell_committed(current: Step, manifest: Manifest, path: Location) -> None:
         stats = {"raw_bytes": manifest.raw_size, "stored_bytes": manifest.stored_size,
                  "new_bytes": manifest.raw_size - manifest.referenced_size,
                  "referenced_bytes": manifest.referenced_size,

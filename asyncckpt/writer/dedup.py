@@ -50,8 +50,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
 
@@ -63,6 +62,9 @@ from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import Frame
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import read_manifest_at
+
+if TYPE_CHECKING:
+    from asyncckpt.storage.paths import Location
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -297,7 +299,7 @@ def _target(step: int, file: str, frame: Frame) -> Target:
                   frame.layout, frame.xxh3_stored, frame.xxh3_raw)
 
 
-def _steps_on_disk(storage: Storage) -> dict[int, Path]:
+def _steps_on_disk(storage: Storage) -> dict[int, Location]:
     """Committed and retired steps of the root (step directories by the reader's rule:
     storage/posix.py), the committed form first."""
     root = storage.root

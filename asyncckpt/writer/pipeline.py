@@ -43,9 +43,8 @@ import bisect
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
 
@@ -57,6 +56,9 @@ from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import Storage
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import MIN_BYTES, Target
+
+if TYPE_CHECKING:
+    from asyncckpt.storage.paths import Location
 
 Done = Callable[[], None]
 Lookup = Callable[[int, int], Target | None]  # (xxh3_128, raw length) -> target
@@ -90,6 +92,57 @@ class FileSettings:
                    ) -> FileSettings:
         return cls(storage, pool, knobs.zstd_level, knobs.flush_bytes, knobs.writeback,
                    knobs.incremental)
+
+
+@dataclass(frozen=True)
+class FileTarget:
+    """Whose data file it is and where it goes.
+
+    Attributes:
+        directory: the step's tmp area.
+        rank: the rank whose stream it holds.
+        codec: the file's codec (its name says it: `data_file_name`).
+        folder: a coordinated step's node folder inside `directory` ("" for none).
+    """
+
+    directory: Location
+    rank: int
+    codec: str
+    folder: str = ""
+
+    @property
+    def name(self) -> str:
+        """The file's name inside `directory` (with its folder)."""
+        name = data_file_name(self.rank, self.codec)
+        return f"{self.folder}/{name}" if self.folder else name
+
+
+@dataclass(frozen=True)
+class Stream:
+    """What the file will hold: the rank's safetensors header and tensor table, cut
+    into frames of at most `max_frame` bytes (the ring's slot size, the bound every
+    reader applies)."""
+
+    header: bytes
+    tensors: list[TensorSpec]
+    max_frame: int
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """Committed frames the file may reference instead of storing bytes again.
+
+    Attributes:
+        lookup: finds a committed frame by content (incremental saves).
+        unchanged: the stream offset of each tensor the rank will not send -> its
+            frames in a committed step (skip_unchanged).
+    """
+
+    lookup: Lookup | None = None
+    unchanged: dict[int, Unchanged] = field(default_factory=dict)
+
+
+NO_REUSE = Reuse()
 
 
 class Piece(NamedTuple):
@@ -217,41 +270,36 @@ class RankFileWriter:
 
     `submit` may be called from one thread (the rank's session) while pool threads
     encode and write; `finish` and `wait_idle` block until every submitted frame is
-    written or dropped. The header is cut into frames of at most `max_frame` bytes, the
-    bound every reader applies.
+    written or dropped. The header is cut into frames of at most `stream.max_frame`
+    bytes, the bound every reader applies.
     """
 
-    def __init__(self, settings: FileSettings, directory: Path, rank: int, codec: str,
-                 header: bytes, tensors: list[TensorSpec], *, max_frame: int,
-                 on_error: Callable[[BaseException], None] | None = None,
-                 chooser: CodecChooser | None = None, lookup: Lookup | None = None,
-                 unchanged: dict[int, Unchanged] | None = None, folder: str = "") -> None:
+    def __init__(self, settings: FileSettings, target: FileTarget, stream: Stream, *,
+                 reuse: Reuse = NO_REUSE, chooser: CodecChooser | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         """Args:
             settings: the writer's (FileSettings).
-            directory: the step's tmp area, where the file `data_file_name(rank, codec)`
-                is made (in its `folder`, if given: a coordinated step's node folder).
-            header, tensors: the stream's safetensors header and tensor table.
-            max_frame: the largest frame (the ring's slot size).
-            on_error: called once, from any thread, with the first error.
+            target: the file's rank, codec and place (FileTarget).
+            stream: its header, tensor table and largest frame (Stream).
+            reuse: committed frames to reference (incremental, skip_unchanged).
             chooser: codec "auto"'s chooser.
-            lookup: finds committed frames to reference (incremental).
-            unchanged: the stream offset of each tensor the rank will not send -> its
-                frames in a committed step.
+            on_error: called once, from any thread, with the first error.
         Raises:
             OSError: the file cannot be made.
         """
+        rank, codec, tensors, header = target.rank, target.codec, stream.tensors, stream.header
         self.rank = rank
         self.codec = codec
-        self.name = f"{folder}/{data_file_name(rank, codec)}" if folder else data_file_name(rank, codec)
-        self.path = directory / self.name
+        self.name = target.name
+        self.path = target.directory / self.name
         self.expected_size = tensors[-1].end if tensors else len(header)
         self._encoder = FrameEncoder(codec, settings.level, tensors, chooser=chooser)
         self._tensors = tensors
         self._incremental = settings.incremental
-        self._lookup = lookup
+        self._lookup = reuse.lookup
         self._data_begin = tensors[0].begin if tensors else self.expected_size
         self._cuts = Cuts(tensors, settings.incremental)
-        self._splicer = Splicer(unchanged or {})
+        self._splicer = Splicer(reuse.unchanged)
         self.new_bytes = 0          # raw bytes of frames written to the file
         self.referenced_bytes = 0   # raw bytes of frames stored as references
         self._pool = settings.pool
@@ -265,12 +313,12 @@ class RankFileWriter:
         self.encode_seconds = 0.0
         self.write_seconds = 0.0
         self._file = settings.storage.create_data_file(
-            directory, self.name, settings.flush_bytes, settings.writeback)
+            target.directory, self.name, settings.flush_bytes, settings.writeback)
         self._appender = threading.Thread(target=self._append_loop, daemon=True,
                                           name=f"asyncckpt-append-{rank}")
         self._appender.start()
-        for start in range(0, len(header), max_frame):
-            self.submit(memoryview(header)[start:start + max_frame])
+        for start in range(0, len(header), stream.max_frame):
+            self.submit(memoryview(header)[start:start + stream.max_frame])
 
     @property
     def raw_size(self) -> int:
@@ -392,7 +440,7 @@ class RankFileWriter:
 
     def _write(self, encoded: Encoded, raw_length: int, xxh3_128: int | None = None) -> None:
         start = time.perf_counter()
-        self._file.append(list(encoded.pieces))
+        self._file.append([memoryview(piece) for piece in encoded.pieces])
         self._frames.append(Frame(self._raw_size, raw_length, self._stored_size,
                                   encoded.stored_length, encoded.codec, encoded.xxh3_raw,
                                   encoded.xxh3_stored, encoded.layout, xxh3_128))

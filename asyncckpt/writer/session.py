@@ -41,14 +41,23 @@ from asyncckpt._version import __version__
 from asyncckpt.errors import CheckpointError, SaveFailedError, error_class
 from asyncckpt.format.layout import TensorSpec, layout
 from asyncckpt.ipc import messages, protocol, ring
-from asyncckpt.ipc.messages import MAX_SLOTS, ProtocolError
+from asyncckpt.ipc.messages import MAX_SLOTS, NodeRanks, ProtocolError
 from asyncckpt.writer import commit
-from asyncckpt.writer.pipeline import FileSettings, RankFileWriter, Unchanged
+from asyncckpt.writer.nodes import NodeJoin
+from asyncckpt.writer.pipeline import (
+    FileSettings,
+    FileTarget,
+    RankFileWriter,
+    Reuse,
+    Stream,
+    Unchanged,
+)
 
 if TYPE_CHECKING:
     from asyncckpt.config import WriterKnobs
     from asyncckpt.runtime.pool import FramePool
     from asyncckpt.runtime.procstat import PeakSampler
+    from asyncckpt.storage.paths import Location
     from asyncckpt.writer.autocodec import CodecChooser
     from asyncckpt.writer.dedup import DedupIndex
     from asyncckpt.writer.steps import Steps
@@ -99,7 +108,7 @@ class WriterContext:
     session depends on these pieces and not on the server that owns them."""
 
     knobs: WriterKnobs
-    root: Path
+    root: Location
     root_id: str
     steps: Steps
     pool: FramePool
@@ -137,7 +146,8 @@ class Session:
         self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
             messages.Begin: self._on_begin, messages.Chunk: self._on_chunk,
             messages.End: self._on_end, messages.Abort: self._on_abort,
-            messages.NeedSlot: self._on_need_slot, messages.Commit: self._on_commit,
+            messages.NeedSlot: self._on_need_slot, messages.NewRing: self._on_new_ring,
+            messages.Commit: self._on_commit,
             messages.Outcome: self._on_outcome}
 
     def run(self) -> None:
@@ -220,6 +230,24 @@ class Session:
         log.info("rank %d connected (pid %s, ring %d x %d MiB)", self.rank, m.pid,
                  m.slots, m.slot_size >> 20)
 
+    def _on_new_ring(self, m: messages.NewRing) -> None:
+        """The rank replaced its ring (its first save sizes it): map the new one, which
+        every later chunk names, and let the old one go. Only while none of its saves
+        is open: a chunk in flight names a slot of the ring it was staged in."""
+        fd = protocol.recv_fd(self.conn)  # taken first: the rank is still sending it
+        max_slot = self.writer.knobs.max_frame_bytes
+        if self._saves or self._held or m.slot_size > max_slot:
+            os.close(fd)
+            raise ProtocolError(f"a new ring of {m.slots} slots of {m.slot_size} bytes is "
+                                f"refused ({len(self._saves)} saves open; slot_size "
+                                f"1..{max_slot})")
+        new = ring.Ring.attach(fd, m.slot_size, m.slots)
+        old, self.ring = self.ring, new
+        self._outbox_limit = m.slots + _OUTBOX_SPARE
+        if old is not None:
+            old.close()
+        log.info("rank %d: its ring is now %d x %d MiB", self.rank, m.slots, m.slot_size >> 20)
+
     def _on_begin(self, m: messages.Begin) -> None:
         save_id, step = m.save, m.step
         if save_id in self._saves:
@@ -237,10 +265,11 @@ class Session:
                 raise error
             table = list(m.tensors)
             header, specs = layout(table)
-            durable = functools.partial(self._durable, save_id, step) if m.coordinated else None
-            current = self.writer.steps.begin(step, self.rank, m.world_size, notify, m.retention,
-                                              durable, replace=m.replace, keep_from=m.keep_from,
-                                              node=m.node)
+            join = None if not m.coordinated else NodeJoin(
+                m.node or NodeRanks(self.rank, 1),
+                functools.partial(self._durable, save_id, step))
+            current = self.writer.steps.begin(step, self.rank, m.world_size, notify, m.options,
+                                              join)
             unchanged = self._unchanged(m, table, specs)
         except CheckpointError as error:
             save.failed = True
@@ -258,11 +287,11 @@ class Session:
         try:
             save.file = RankFileWriter(
                 FileSettings.from_knobs(knobs, self.writer.steps.storage, self.writer.pool),
-                current.tmp_dir, self.rank, current.codec, header, specs,
-                max_frame=self.ring_slot_size,
-                on_error=lambda e: self._fail(save, self._as_error(save, e)),
+                FileTarget(current.tmp_dir, self.rank, current.codec, current.folder(self.rank)),
+                Stream(header, specs, self.ring_slot_size),
+                reuse=Reuse(self._lookup(step), unchanged),
                 chooser=self.writer.chooser if current.choice is not None else None,
-                lookup=self._lookup(step), unchanged=unchanged, folder=current.folder(self.rank))
+                on_error=lambda e: self._fail(save, self._as_error(save, e)))
         except OSError as e:
             self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
             return

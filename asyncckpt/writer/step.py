@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.layout import node_dir_name
 from asyncckpt.format.records import RankPart
-from asyncckpt.ipc.messages import NodePart
+from asyncckpt.ipc.messages import NodePart, NodeRanks
+from asyncckpt.ipc.options import SaveOptions
+
+if TYPE_CHECKING:
+    from asyncckpt.storage.paths import Location
 
 # notify(error or None, path or None, stats; relayed=) reaches one rank's client
 Notify = Callable[..., None]
@@ -29,7 +32,7 @@ class Step:
     number: int
     world_size: int
     codec: str
-    tmp_dir: Path
+    tmp_dir: Location
     choice: dict[str, Any] | None = None  # codec "auto": what the chooser saw
     started: float = field(default_factory=time.monotonic)
     waiting: dict[int, Notify] = field(default_factory=dict)   # rank -> how to tell it
@@ -49,12 +52,20 @@ class Step:
     nodes: tuple[NodePart, ...] | None = None  # leader: every node's announcement
     requester: Notify | None = None           # leader: the save that asked for the commit
 
+    def take_options(self, options: SaveOptions) -> None:
+        """A rank's SaveOptions: a retention or keep_from it names is the step's (the
+        last rank to name one wins; ranks normally agree)."""
+        if options.retention is not None:
+            self.retention = options.retention
+        if options.keep_from is not None:
+            self.keep_from = options.keep_from
+
     def folder(self, rank: int) -> str:
         """Where in the tmp directory `rank`'s files go: its node's folder ("" for a
         local step)."""
         return node_dir_name(self.node_of[rank]) if self.coordinated else ""
 
-    def join_node(self, rank: int, node: tuple[int, int]) -> bool:
+    def join_node(self, rank: int, node: NodeRanks) -> bool:
         """Place `rank` in its node (first, count) of this coordinated step; True on the
         node's first rank (its folder is to be made).
 

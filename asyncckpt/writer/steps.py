@@ -8,19 +8,10 @@ failed step learn of the failure when they do, instead of waiting for peers that
 never come (`FailedSteps`). A completed step goes to the committer (committer.py),
 which publishes it or fails it the same way.
 
-Across several nodes (a *coordinated* step: the ranks say so in their begin, with the
-ranks of their node), a writer sees only its own node's ranks. Their data files go into
-a node folder of its tmp directory; once every rank of the node has ended, the writer
-writes the node's part file there and tells the node's lead rank (its first), which
-announces the node to the others through the job's store (coordination.py). When every
-node has announced, the leader rank asks its writer to commit, and that writer moves
-every node's folder into its tmp directory (one rename a node) and commits a root
-manifest that lists the parts. The node's lead learns the outcome through the store and
-tells its writer (`outcome`), which passes it on to the node's other ranks and then
-forgets the step or discards its files: the other ranks never touch the store unless
-something fails on their node. The two kinds share one table of open steps, because
-every rank event (begin, disconnect, shutdown) must see both; what only one kind does
-is in its own methods.
+Across several nodes (a *coordinated* step) a writer sees only its own node's ranks.
+The two kinds share one table of open steps, because every rank event (begin,
+disconnect, shutdown) must see both; what follows a rank's end is each kind's policy
+(nodes.py: `OneNode`, `SeveralNodes`).
 
 With incremental saves a step opens in the writer's dedup index (its lookups pin the
 steps they reference) and is released once it ends either way.
@@ -47,18 +38,17 @@ from asyncckpt.format.layout import (
     MAX_WORLD,
     node_dir_name,
     retired_dir_name,
-    step_dir_name,
 )
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodePart
-from asyncckpt.runtime import faults
+from asyncckpt.ipc.options import NO_OPTIONS, SaveOptions, is_step
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import is_object
-from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
-from asyncckpt.writer.committer import Check, Committer, abandon, release, sweep_dead
+from asyncckpt.writer.committer import Check, Committer, abandon
 from asyncckpt.writer.dedup import DedupIndex
+from asyncckpt.writer.nodes import NodeJoin, OneNode, SeveralNodes
 from asyncckpt.writer.owners import OwnerMark
 from asyncckpt.writer.retention import is_retired
 from asyncckpt.writer.step import FailedSteps, Notify, Step
@@ -70,50 +60,67 @@ log = logging.getLogger("asyncckpt.writer")
 UNSEEN_FRACTION, UNSEEN_FLOOR = 6, 5.0
 
 
+def _raw() -> tuple[str, dict[str, Any] | None]:
+    """The codec of a writer that chooses none: raw, with nothing seen."""
+    return "raw", None
+
+
 class Steps:
     """The open steps of one writer, local and coordinated. Thread-safe; every method
     may be called from any session thread. Completed steps go to the `Committer`
-    started here."""
+    started here.
 
-    def __init__(self, root: Path, retention: tuple[int, int] = (0, 0), *,
-                 choose_codec: Callable[[], tuple[str, dict[str, Any] | None]] = lambda: ("raw", None),
+    Args:
+        root: the checkpoint root (`storage`'s).
+        retention: the writer's (keep_last, keep_every), unless a save names its own.
+        storage: the root's storage; every file of a step is made through it.
+        choose_codec: () -> (codec, what the chooser saw) for a new step.
+        check, on_commit, max_frame_bytes, index: the committer's (committer.py).
+        owner: this writer's owner mark (names its tmp directories).
+    """
+
+    def __init__(self, root: Path, retention: tuple[int, int] = (0, 0), *, storage: Storage,
+                 choose_codec: Callable[[], tuple[str, dict[str, Any] | None]] = _raw,
                  check: Check | None = None,
                  on_commit: Callable[[Manifest, Step], None] | None = None,
                  max_frame_bytes: int = MAX_FRAME_BYTES, index: DedupIndex | None = None,
-                 owner: OwnerMark | None = None, storage: Storage | None = None) -> None:
+                 owner: OwnerMark | None = None) -> None:
         self.root = root
-        self.storage = storage or PosixStorage(root)
+        self.storage = storage
+        self.index = index
         self._owner = owner
-        self._index = index
         self._choose_codec = choose_codec
-        self._lock = threading.Lock()
-        self._open: dict[int, Step] = {}
-        self._committing: dict[int, Step] = {}
-        self._relaying: dict[int, Step] = {}  # leader: committed or not, its outcome to relay
+        # the table: guarded by `lock`, shared with the policies (nodes.py)
+        self.lock = threading.Lock()
+        self.open: dict[int, Step] = {}
+        self.committing: dict[int, Step] = {}
+        self.live: collections.Counter[int] = collections.Counter()
+        self.idle = threading.Condition(self.lock)
         self._failed = FailedSteps()
-        self._live: collections.Counter[int] = collections.Counter()
         self._seen: set[int] = set()  # ranks that ever said hello to this writer
         self._closing = False
-        self._idle = threading.Condition(self._lock)
-        self._committer = Committer(self.storage, retention, done=self._committed, check=check,
-                                    on_commit=on_commit, max_frame_bytes=max_frame_bytes,
-                                    index=index)
+        self.committer = Committer(self.storage, retention, done=self._committed, check=check,
+                                   on_commit=on_commit, max_frame_bytes=max_frame_bytes,
+                                   index=index)
+        self._one = OneNode(self)
+        self.nodes = SeveralNodes(self)
+
+    def _policy(self, current: Step) -> OneNode | SeveralNodes:
+        return self.nodes if current.coordinated else self._one
 
     def begin(self, step: int, rank: int, world_size: int, notify: Notify,
-              retention: tuple[int, int] | None = None,
-              durable: Callable[[str, dict], None] | None = None, *, replace: bool = False,
-              keep_from: int | None = None, node: tuple[int, int] | None = None) -> Step:
+              options: SaveOptions = NO_OPTIONS, join: NodeJoin | None = None) -> Step:
         """Register `rank`'s part of `step`, opening the step on its first rank (which
         also fixes the step's codec).
 
-        `retention` (keep_last, keep_every), if given, replaces the writer's own policy
-        for the deletions that follow this step's commit. With `durable`, the step is
-        coordinated across nodes, `node` (first rank, count) naming the ranks of this
-        node: once all their parts are durable, the lead's (the first's) `durable(tmp dir
-        name, part entry)` is called instead of waiting here for the whole world. With `replace`, a
-        committed step of this number is replaced once the new one is durable (every
-        rank must say so). `keep_from`: the retention after this step's commit deletes
-        no step from that one on.
+        `options` (SaveOptions): its retention, if given, replaces the writer's own
+        policy for the deletions that follow this step's commit; `keep_from`: that
+        retention deletes no step from that one on; `replace`: a committed step of this
+        number is replaced once the new one is durable (every rank must say so). With
+        `join`, the step is coordinated across nodes, `join.node` naming the ranks of
+        this rank's node: once all their parts are durable, the lead's (the first's)
+        `join.durable(tmp dir name, part entry)` is called instead of waiting here for
+        the whole world.
 
         Raises:
             StepAlreadyCommittedError: the step is committed and not `replace`d, or it is
@@ -122,28 +129,28 @@ class Steps:
                 rank/world disagree with the step's other ranks or are out of range.
             OSError: the tmp directory cannot be made.
         """
-        if not 0 <= step <= MAX_STEP:
+        if not is_step(step):
             raise SaveFailedError(f"step {step} is outside 0..{MAX_STEP}", rank=rank)
         if not 1 <= world_size <= MAX_WORLD or not 0 <= rank < world_size:
             raise SaveFailedError(f"rank {rank} / world size {world_size} out of range "
                                   f"(world size 1..{MAX_WORLD})", step=step, rank=rank)
-        if durable is not None:
-            node = node or (rank, 1)
-            if not node[0] <= rank < node[0] + node[1] <= world_size:
-                raise SaveFailedError(f"node {list(node)} (first rank, count) does not hold "
-                                      f"rank {rank} in a world of {world_size}", step=step,
-                                      rank=rank)
-        with self._lock:
+        node = None if join is None else join.node
+        if node is not None and not node.first <= rank < node.first + node.size <= world_size:
+            raise SaveFailedError(f"node {list(node)} (first rank, count) does not hold "
+                                  f"rank {rank} in a world of {world_size}", step=step,
+                                  rank=rank)
+        with self.lock:
             if self._closing:
                 raise SaveFailedError("the writer is shutting down", step=step, rank=rank)
             error = self._failed.claim(step, rank)
             if error is not None:
                 raise error
-            current = self._open.get(step)
+            current = self.open.get(step)
             if current is None:
-                current = self._open_step(step, rank, world_size, durable is not None, replace)
-            elif (current.world_size != world_size or current.coordinated != (durable is not None)
-                  or current.replace != replace):
+                current = self._open_step(step, rank, world_size, join is not None,
+                                          options.replace)
+            elif (current.world_size != world_size or current.coordinated != (join is not None)
+                  or current.replace != options.replace):
                 raise SaveFailedError(f"world size {world_size} disagrees with the step's other "
                                       f"ranks ({current.world_size}), or some coordinate "
                                       "across nodes and others not, or some replace the "
@@ -153,12 +160,9 @@ class Steps:
             if node is not None and current.join_node(rank, node) and not is_object(self.root):
                 (current.tmp_dir / node_dir_name(node[0])).mkdir()
             current.waiting[rank] = notify
-            if durable is not None:
-                current.durable[rank] = durable
-            if retention is not None:
-                current.retention = retention
-            if keep_from is not None:
-                current.keep_from = keep_from
+            if join is not None:
+                current.durable[rank] = join.durable
+            current.take_options(options)
             return current
 
     def _open_step(self, step: int, rank: int, world_size: int, coordinated: bool,
@@ -168,7 +172,7 @@ class Steps:
             raise SaveFailedError("this step is committed, and an object-store root cannot "
                                   "replace a step atomically: save under another step number "
                                   "or into another prefix", step=step, rank=rank)
-        if step in self._committing or (
+        if step in self.committing or (
                 not replace and self.storage.occupied(step)):
             raise StepAlreadyCommittedError(
                 "this step is already committed; a save replaces a checkpoint only "
@@ -179,71 +183,63 @@ class Steps:
                 f"({retired_dir_name(step)}): save under another step number",
                 step=step, rank=rank)
         codec, choice = self._choose_codec()
-        if self._index is not None:
-            self._index.refresh()
-            self._index.open(step)
+        if self.index is not None:
+            self.index.refresh()
+            self.index.open(step)
             if replace:  # no later save on this node may reference the old step
-                self._index.replacing(step)
+                self.index.replacing(step)
         tmp_dir = commit.make_tmp_dir(self.storage, step, self._owner)
         current = Step(step, world_size, codec, tmp_dir, choice, coordinated=coordinated,
                        replace=replace)
-        self._open[step] = current
+        self.open[step] = current
         return current
 
     def end(self, step: int, part: RankPart, stats: dict) -> None:
-        """Record a rank's finished, fsynced part. A local step is queued for commit
-        once its last rank ended; a coordinated one makes the part durable for the rank
-        to announce."""
-        with self._lock:
-            current = self._open.get(step)
+        """Record a rank's finished, fsynced part; the step's policy (nodes.py) decides
+        what follows: a local step is queued for commit once its last rank ended, a
+        coordinated one makes its node's part durable for the node's lead to announce."""
+        with self.lock:
+            current = self.open.get(step)
             if current is None or part.rank not in current.waiting:
                 return  # already failed
             current.parts[part.rank] = part
             current.stats[part.rank] = stats
-            if not current.coordinated:
-                if len(current.parts) < current.world_size:
-                    return
-                del self._open[step]
-                self._committing[step] = current
-        if current.coordinated:
-            self._part_durable(current, part)
-        else:
-            self._committer.submit(current)
+        self._policy(current).ended(current, part)
 
     def fail(self, step: int, error: CheckpointError, gone: int | None = None) -> None:
         """Fail `step` for every rank: notify them, forget the step, discard its files.
         If rank `gone` (which died) was a node's lead in a coordinated step, the node's
         next rank is told to speak for the node in the store (`ask`): the lead would
         have, and the other nodes need not wait for its silence to be noticed."""
-        with self._lock:
-            current = self._open.pop(step, None)
+        with self.lock:
+            current = self.open.pop(step, None)
             if current is None:
                 return
             # connected ranks that have not begun it yet will be told when they do; a
             # rank not connected now is a new process when it comes, free to retry
             self._failed.note(step, error, self._connected(current.world_size,
                                                            set(current.waiting)))
-            self._idle.notify_all()
+            self.idle.notify_all()
         log.warning("step %d failed: %s", step, error)
         tell = dict(current.waiting)
         speaker = current.speaker(gone) if gone is not None else None
         if speaker is not None:
             tell[speaker] = functools.partial(tell[speaker], ask=True)
-        abandon(self.storage, current, error, tell.values(), self._index)
+        abandon(self.storage, current, error, tell.values(), self.index)
 
     def refuse(self, step: int, rank: int, world_size: int, error: CheckpointError) -> None:
         """`rank`'s begin of `step` was refused (its state cannot become a readable
         checkpoint): the step can never complete, so it fails for every rank, including
         connected ranks that begin it later."""
-        with self._lock:
-            if step not in self._open and step not in self._committing:
+        with self.lock:
+            if step not in self.open and step not in self.committing:
                 self._failed.note(step, error, self._connected(world_size, {rank}))
                 return
         self.fail(step, error)
 
     def rank_joined(self, rank: int) -> None:
-        with self._lock:
-            self._live[rank] += 1
+        with self.lock:
+            self.live[rank] += 1
             self._seen.add(rank)
 
     def rank_gone(self, rank: int, began: set[int]) -> None:
@@ -251,21 +247,20 @@ class Steps:
         ended, and, once no connection of `rank` is left, the open local steps still
         waiting for `rank` to begin (it died before saving). A step that another
         connection began as `rank` is not this one's to fail; a coordinated step with
-        no connected rank left is dropped (`_drop_unheard`)."""
-        with self._lock:
-            self._live[rank] -= 1
-            gone = self._live[rank] <= 0
-            doomed = {s.number for step in began if (s := self._open.get(step)) is not None
+        no connected rank left is dropped (`SeveralNodes.drop_unheard`)."""
+        with self.lock:
+            self.live[rank] -= 1
+            gone = self.live[rank] <= 0
+            doomed = {s.number for step in began if (s := self.open.get(step)) is not None
                       and rank in s.waiting and rank not in s.parts}
             orphaned = []
             if gone:
-                del self._live[rank]
+                del self.live[rank]
                 self._failed.forget_rank(rank)
-                doomed |= {s.number for s in self._open.values()
+                doomed |= {s.number for s in self.open.values()
                            if rank < s.world_size and rank not in s.waiting and not s.coordinated}
-                orphaned = [s for s in [*self._open.values(), *self._relaying.values()]
-                            if rank in s.durable_nodes]
-            self._drop_unheard(doomed)
+                orphaned = self.nodes.orphaned_by(rank)
+            self.nodes.drop_unheard(doomed)
         for step in sorted(doomed):
             self.fail(step, SaveFailedError("rank disconnected before ending its save",
                                             step=step, rank=rank), gone=rank)
@@ -293,17 +288,16 @@ class Steps:
         """
         now = time.monotonic()
         unseen_after = min(timeout, max(timeout / UNSEEN_FRACTION, UNSEEN_FLOOR))
-        with self._lock:
-            live = {r for r, n in self._live.items() if n > 0}
+        with self.lock:
+            live = {r for r, n in self.live.items() if n > 0}
             doomed = []
-            for s in self._open.values():
+            for s in self.open.values():
                 age = now - s.started
+                nodes = self._policy(s).expected(s)
                 if s.coordinated:  # its node's ranks, connected or not, must all begin
-                    nodes = list(s.nodes_here.items())
                     present = len(s.waiting)
                     unseen = False
                 else:
-                    nodes = [(0, s.world_size)]
                     present = len(s.waiting) + sum(1 for r in live if r not in s.waiting
                                                    and r < s.world_size)
                     unseen = sum(1 for r in self._seen if r < s.world_size) < s.world_size
@@ -324,106 +318,40 @@ class Steps:
         connected can then never complete, so it fails at once.
         """
         deadline = time.monotonic() + timeout
-        with self._lock:
+        with self.lock:
             self._closing = True
         self.fail_absent(0)
-        with self._lock:
-            while (self._open or self._committing) and time.monotonic() < deadline:
-                self._idle.wait(max(0.0, deadline - time.monotonic()))
-            left = list(self._open)
+        with self.lock:
+            while (self.open or self.committing) and time.monotonic() < deadline:
+                self.idle.wait(max(0.0, deadline - time.monotonic()))
+            left = list(self.open)
         for step in left:
             self.fail(step, SaveFailedError("the writer shut down before all ranks ended",
                                             step=step))
-        self._committer.stop(deadline - time.monotonic())
+        self.committer.stop(deadline - time.monotonic())
 
-    # -- coordinated steps (several nodes) ---------------------------------------------
+    # -- coordinated steps (several nodes): nodes.py ---------------------------------
 
     def commit_nodes(self, step: int, world_size: int, nodes: tuple[NodePart, ...],
                      requester: Notify) -> None:
-        """Commit coordinated `step` from the parts every node announced (the leader's
-        writer, asked by the leader rank); `requester` hears the result."""
-        with self._lock:
-            current = self._open.get(step)
-            if (current is None or not current.coordinated or current.world_size != world_size
-                    or current.durable_nodes != set(current.nodes_here)):
-                error: CheckpointError | None = SaveFailedError(
-                    "cannot commit: this writer has no such coordinated step open with its "
-                    "node's part durable", step=step)
-            else:
-                error = None
-                del self._open[step]
-                self._committing[step] = self._relaying[step] = current
-                current.nodes, current.requester = nodes, requester
-        if error is not None:
-            requester(error, None, {})
-            return
-        self._committer.submit(current)
+        """The leader rank asks to commit coordinated `step` (SeveralNodes.commit_nodes)."""
+        self.nodes.commit_nodes(step, world_size, nodes, requester)
 
     def outcome(self, step: int, error: CheckpointError | None, sender: int) -> None:
-        """How coordinated `step` ended, as rank `sender` of this node learned it through
-        the store: the node's other ranks hear it, then the step is forgotten, its files
-        discarded if it failed (if it committed, the leader took them)."""
-        with self._lock:
-            current = self._relaying.pop(step, None)
-            if current is None:
-                current = self._open.get(step)
-                if current is None or not current.coordinated:
-                    return
-                del self._open[step]
-            committing = step in self._committing  # its files are the committer's
-            self._idle.notify_all()
-        path = None if error else self.storage.root / step_dir_name(step)
-        for rank, notify in current.waiting.items():
-            if rank != sender:
-                notify(error, path, current.stats.get(rank, {}), relayed=True)
-        release(step, self._index)
-        if error is not None and not committing:  # and what dead writers left (several nodes)
-            self.storage.discard(current.tmp_dir)
-            sweep_dead(self.root)
-
-    def _part_durable(self, current: Step, part: RankPart) -> None:
-        """Once every rank of the node has ended: write the node's part file beside
-        their data, then tell the node's lead rank its tmp dir and part."""
-        first = current.node_of[part.rank]
-        count = current.nodes_here[first]
-        with self._lock:
-            if (first in current.durable_nodes or self._open.get(current.number) is not current
-                    or any(r not in current.parts for r in range(first, first + count))):
-                return
-            current.durable_nodes.add(first)
-        try:
-            entry = commit.write_node_part(self.storage, current.tmp_dir, current.number,
-                                           [current.parts[r] for r in range(first, first + count)])
-            faults.point("part_written")
-        except Exception as e:
-            self.fail(current.number, commit.io_error(e, step=current.number, rank=part.rank)
-                      if isinstance(e, OSError) else SaveFailedError(
-                          f"node part not written: {type(e).__name__}: {e}",
-                          step=current.number, rank=part.rank))
-            return
-        current.durable[first](current.tmp_dir.name, entry)
-
-    def _drop_unheard(self, failing: set[int]) -> None:
-        """Forget coordinated steps (other than `failing`) none of whose ranks is
-        connected: no rank is left to hear the outcome; the files stay for the leader
-        (swept later if it never comes). Under the lock."""
-        for s in [s for s in self._open.values() if s.coordinated and s.number not in failing
-                  and not any(self._live.get(r, 0) > 0 for r in s.waiting)]:
-            del self._open[s.number]
-            release(s.number, self._index)
-            self._idle.notify_all()
+        """How coordinated `step` ended, as rank `sender` learned it (SeveralNodes.outcome)."""
+        self.nodes.outcome(step, error, sender)
 
     # -- shared -----------------------------------------------------------------------
 
     def _connected(self, world_size: int, excluded: set[int]) -> set[int]:
         """Connected ranks of a `world_size` world, but `excluded`; under the lock."""
-        return {r for r, n in self._live.items() if n > 0 and r < world_size and r not in excluded}
+        return {r for r, n in self.live.items() if n > 0 and r < world_size and r not in excluded}
 
     def _committed(self, step: int) -> None:
         """The committer is done with `step` (committed or failed)."""
-        with self._lock:
-            self._committing.pop(step, None)
-            self._idle.notify_all()
+        with self.lock:
+            self.committing.pop(step, None)
+            self.idle.notify_all()
 
 
 def _absence(s: Step, nodes: list[tuple[int, int]], waiting: set[int], live: set[int],

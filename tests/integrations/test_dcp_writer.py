@@ -141,8 +141,10 @@ def test_dcp_saves_to_two_roots_in_one_process_each_start_their_writer(tmp_path,
     refused ("this rank's writer saves to ...") and later processes inherited it."""
     from asyncckpt.integrations import dcp_writer
     monkeypatch.delenv("ASYNCCKPT_ADDRESS", raising=False)
-    for name, empty in (("_started", {}), ("_writers", []), ("_clients", {})):
+    from asyncckpt.rank import client as client_module
+    for name, empty in (("_started", {}), ("_writers", [])):
         monkeypatch.setattr(dcp_writer, name, empty)
+    monkeypatch.setattr(client_module, "_shared", {})  # the process's clients, one per writer
     values = {"a": 1.0, "b": 2.0}
     try:
         for name, value in values.items():

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from asyncckpt.format.layout import DTYPE_SIZES, MAX_STEP, MAX_WORLD
 from asyncckpt.ipc import messages
 from asyncckpt.ipc.messages import MESSAGES, Begin, Message, ProtocolError, parse
+from asyncckpt.ipc.options import SaveOptions
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -43,8 +44,11 @@ def test_the_list_names_every_wire_field_and_hides_the_computed_one():
     for cls in MESSAGES.values():
         line = " ".join(listing.split()).split(f" {cls.OP}(", 1)[1].split(")", 1)[0]
         named = [n.strip() for n in line.replace("; optional", ",").split(",") if n.strip()]
-        assert named == [f.name for f in messages.wire_fields(cls)], cls.OP
+        required, optional = cls.wire_names()
+        assert named == required + optional, cls.OP
+        assert set(named) >= {f.name for f in messages.wire_fields(cls)}, cls.OP
     assert "refused" not in [f.name for f in messages.wire_fields(Begin)]
+    assert "refused" not in Begin.wire_names()[1]
 
 
 # -- valid messages --------------------------------------------------------------------
@@ -68,10 +72,11 @@ def begins(draw: Any) -> Begin:
     since = draw(st.none() | step)
     unchanged = None if since is None else tuple(draw(st.permutations(range(len(names))))[
         :draw(st.integers(0, len(names)))])
-    return Begin(draw(any_int), draw(any_int), draw(any_int), table, tree,
-                 retention=draw(st.none() | st.tuples(step, step)),
+    retention = draw(st.none() | st.tuples(step, step))
+    options = SaveOptions(*(retention or (None, 0)), keep_from=draw(st.none() | step),
+                          replace=draw(st.booleans()))
+    return Begin(draw(any_int), draw(any_int), draw(any_int), table, tree, options,
                  coordinated=draw(st.booleans()), since=since, unchanged=unchanged,
-                 replace=draw(st.booleans()), keep_from=draw(st.none() | any_int),
                  node=draw(st.none() | st.tuples(st.integers(0, MAX_WORLD - 1),
                                                  st.integers(1, MAX_WORLD))))
 

@@ -74,7 +74,7 @@ def test_the_module_save_raises_an_untaken_failure(writer, monkeypatch):
     monkeypatch.setenv("ASYNCCKPT_ADDRESS", writer.address)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setattr(client_module, "_default", None)
+    monkeypatch.setattr(client_module, "_shared", {})
     try:
         asyncckpt.save(1, state(1)).wait(60)
         handle = asyncckpt.save(1, state(2))
@@ -83,5 +83,5 @@ def test_the_module_save_raises_an_untaken_failure(writer, monkeypatch):
             asyncckpt.save(2, state(2))
         asyncckpt.save(2, state(2)).wait(60)
     finally:
-        if client_module._default is not None:
-            client_module._default.close()
+        for client in client_module._shared.values():
+            client.close()

@@ -4,6 +4,7 @@ Checkpointer's own), fixed when one is; the saves on the new ring commit bit-exa
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -60,3 +61,37 @@ def test_a_small_first_state_keeps_the_default_ring(writer):
         c.save(1, state(1, 4)).wait(120)
         c.save(2, state(2, 96)).wait(120)  # only the first save sizes the ring
         assert c.knobs.ring_size == 64 * MiB
+
+
+def test_the_first_save_resizes_the_ring_on_the_connection_it_has(tmp_path, monkeypatch):
+    """The ring used to be replaced through a second connection, its sender and receiver
+    threads stopped and started again; now the new ring goes over the one connection."""
+    from inprocess import InProcessWriter
+
+    from asyncckpt.ipc import protocol
+
+    monkeypatch.delenv("ASYNCCKPT_RING_SIZE", raising=False)
+    dialled = []
+    real_dial = protocol.dial
+
+    def dial(address, *args, **kwargs):
+        dialled.append(address)
+        return real_dial(address, *args, **kwargs)
+
+    monkeypatch.setattr(protocol, "dial", dial)
+    first, second = state(1, 96), state(2, 96)
+
+    def receivers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "asyncckpt-recv-0"]
+
+    with InProcessWriter(tmp_path / "ckpt", codec="raw", export=False) as w:
+        with asyncckpt.connect(w.address, rank=0, world_size=1) as c:
+            before = receivers()
+            c.save(1, first).wait(120)
+            assert c.knobs.ring_size == 96 * MiB and c._ring.slots == 24
+            assert receivers() == before and len(before) == 1
+            c.save(2, second).wait(120)
+        assert dialled == [w.address]
+        for step, expected in ((1, first), (2, second)):
+            loaded = asyncckpt.load(tmp_path / "ckpt", step=step)
+            assert torch.equal(loaded["w"], expected["w"]) and loaded["step"] == step

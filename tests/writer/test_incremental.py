@@ -171,7 +171,7 @@ def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
     save_all(root, {1: state(7, 1)})
     index = DedupIndex(PosixStorage(root))
     heard = []
-    steps = Steps(root, index=index)
+    steps = Steps(root, index=index, storage=PosixStorage(root))
     try:
         current = steps.begin(2, 0, 1, lambda e, p, s: heard.append((e, p)))
         part = read_manifest(root / "step-00000001").ranks[0]

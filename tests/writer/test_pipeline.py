@@ -15,9 +15,11 @@ from asyncckpt.writer.pipeline import (
     CUT_BYTES,
     Cuts,
     FileSettings,
+    FileTarget,
     Piece,
     RankFileWriter,
     Splicer,
+    Stream,
     _Order,
     _Ready,
 )
@@ -96,7 +98,7 @@ def test_the_data_file_is_made_through_the_storage(tmp_path):
     pool = FramePool(threads=1, max_inflight=2)
     try:
         writer = RankFileWriter(FileSettings(Recording(tmp_path), pool, 1, 0, "fdatasync"),
-                                tmp_path, 3, "raw", header, specs, max_frame=4096)
+                                FileTarget(tmp_path, 3, "raw"), Stream(header, specs, 4096))
         writer.submit(memoryview(bytes(1000)))
         part = writer.finish(None)
     finally:
@@ -112,8 +114,8 @@ def test_more_bytes_than_the_layout_are_refused(tmp_path):
     header, specs = layout([("w", "U8", (100,))])
     pool = FramePool(threads=1, max_inflight=2)
     try:
-        writer = RankFileWriter(settings(tmp_path, pool), tmp_path, 0, "raw", header, specs,
-                                max_frame=4096)
+        writer = RankFileWriter(settings(tmp_path, pool), FileTarget(tmp_path, 0, "raw"),
+                                Stream(header, specs, 4096))
         with pytest.raises(ValueError, match="its tensors hold"):
             writer.submit(memoryview(bytes(101)))
         writer.close(wait=True)
@@ -139,8 +141,8 @@ def test_a_rank_file_is_fsynced_once_at_the_end_and_leaves_no_page_cache(tmp_pat
     real_fsync = posix.os.fsync
     monkeypatch.setattr(posix.os, "fsync", lambda fd: fsynced.append(fd) or real_fsync(fd))
     pool = FramePool(threads=2, max_inflight=4)
-    writer = RankFileWriter(settings(tmp_path, pool, flush_bytes=WINDOW), tmp_path, 0, codec,
-                            header, specs, max_frame=frame)
+    writer = RankFileWriter(settings(tmp_path, pool, flush_bytes=WINDOW),
+                            FileTarget(tmp_path, 0, codec), Stream(header, specs, frame))
     peak = 0
     for i in range(0, len(raw), frame):
         writer.submit(memoryview(raw)[i:i + frame])

@@ -9,6 +9,7 @@ import pytest
 
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
 from asyncckpt.format.records import RankPart
+from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import steps as steps_module
 from asyncckpt.writer.steps import MAX_WORLD, Steps
 
@@ -39,7 +40,7 @@ def part(rank: int) -> RankPart:
 
 @pytest.fixture
 def steps(tmp_path):
-    s = Steps(tmp_path)
+    s = Steps(tmp_path, storage=PosixStorage(tmp_path))
     yield s
     s.close(timeout=1)
 
@@ -200,7 +201,7 @@ def test_any_exception_at_commit_fails_the_step_for_every_rank(tmp_path):
         if manifest.step == 6:
             raise RecursionError("a tree too deep to encode")
 
-    steps = Steps(tmp_path, check=check)
+    steps = Steps(tmp_path, check=check, storage=PosixStorage(tmp_path))
     try:
         inbox = Inbox()
         for r in range(2):
@@ -224,7 +225,7 @@ def test_codec_is_chosen_once_per_step(tmp_path):
         calls.append(1)
         return ("zstd" if len(calls) % 2 else "raw"), None
 
-    steps = Steps(tmp_path, choose_codec=choose)
+    steps = Steps(tmp_path, choose_codec=choose, storage=PosixStorage(tmp_path))
     try:
         inbox = Inbox()
         codecs = {steps.begin(1, r, 4, inbox.notify(r)).codec for r in range(4)}
