@@ -452,7 +452,7 @@ def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
 
     from asyncckpt.runtime.pool import FramePool
     from asyncckpt.storage.posix import PosixStorage
-    from asyncckpt.writer.pipeline import FileSettings, RankFileWriter
+    from asyncckpt.writer.pipeline import FileSettings, FileTarget, RankFileWriter, Stream
 
     rng = torch.Generator().manual_seed(5)
     n_frames, size = 40, 8192
@@ -467,8 +467,8 @@ def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
                 outstanding[0] -= 1
         return done
 
-    writer = RankFileWriter(FileSettings(PosixStorage(tmp_path), pool, 1, 0), tmp_path, 0,
-                            "bytegroup", header, specs, max_frame=size)
+    writer = RankFileWriter(FileSettings(PosixStorage(tmp_path), pool, 1, 0),
+                            FileTarget(tmp_path, 0, "bytegroup"), Stream(header, specs, size))
     for i in range(n_frames):
         with lock:
             outstanding[0] += 1
@@ -493,13 +493,14 @@ def test_pool_appends_frames_in_order_and_bounds_frames_in_flight(tmp_path):
 def test_a_write_error_fails_the_file_and_drains_the_frames(tmp_path, monkeypatch):
     from asyncckpt.runtime.pool import FramePool
     from asyncckpt.storage import posix
-    from asyncckpt.writer.pipeline import FileSettings, RankFileWriter
+    from asyncckpt.writer.pipeline import FileSettings, FileTarget, RankFileWriter, Stream
 
     header, specs = layout([("w", "U8", (50_000,))])
     errors: list[BaseException] = []
     pool = FramePool(threads=2, max_inflight=2)
-    writer = RankFileWriter(FileSettings(posix.PosixStorage(tmp_path), pool, 1, 0), tmp_path, 0,
-                            "zstd", header, specs, max_frame=5000, on_error=errors.append)
+    writer = RankFileWriter(FileSettings(posix.PosixStorage(tmp_path), pool, 1, 0),
+                            FileTarget(tmp_path, 0, "zstd"), Stream(header, specs, 5000),
+                            on_error=errors.append)
     calls = [0]
     real = posix.os.writev
 
