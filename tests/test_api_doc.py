@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import asyncckpt
+from asyncckpt import errors
 from asyncckpt.cli import EXIT_STATUS, parser
 
 API = (Path(__file__).resolve().parents[1] / "docs" / "API.md").read_text()
@@ -55,3 +56,21 @@ def test_every_subcommand_option_and_exit_status_is_in_the_reference():
                 assert f"`{flag}" in rows[name] or f"{flag} " in rows[name], (name, flag)
         codes = re.findall(r"(\d) ", EXIT_STATUS[name].removeprefix("exit status: "))
         assert all(f"{c} " in rows[name].split("|")[-2] for c in codes), name
+
+
+ERROR_ROWS = re.findall(r"^\| `(\w+)` \|", API.split("## Errors", 1)[1].split("\n## ", 1)[0],
+                        re.M)
+
+
+def test_every_error_in_the_reference_is_exported():
+    # the table is what users are told to catch: each name there is importable from the
+    # package, as the very class the code raises
+    assert "StepAlreadyCommittedError" in ERROR_ROWS
+    assert [n for n in ERROR_ROWS if n not in asyncckpt.__all__] == []
+    assert all(getattr(asyncckpt, n) is getattr(errors, n) for n in ERROR_ROWS)
+
+
+def test_every_error_class_is_in_the_reference():
+    defined = [n for n, c in vars(errors).items() if isinstance(c, type)
+               and issubclass(c, errors.CheckpointError) and c.__module__ == errors.__name__]
+    assert sorted(defined) == sorted(ERROR_ROWS)

@@ -29,8 +29,10 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 def test_defaults(env):
     c, w, r = (cls.from_env() for cls in SETS)
     assert (c, w, r) == (ClientKnobs(), WriterKnobs(), ReadLimits())
-    assert (c.slot_size, c.ring_size, c.connect_timeout, c.ring_slots) == (4 * MiB, 64 * MiB, 30.0, 16)
-    assert (w.codec, w.zstd_level, w.shutdown_timeout, w.max_frame_bytes) == ("auto", 1, 120.0, 256 * MiB)
+    assert ((c.slot_size, c.ring_size, c.connect_timeout, c.ring_slots)
+            == (4 * MiB, 64 * MiB, 30.0, 16))
+    assert ((w.codec, w.zstd_level, w.shutdown_timeout, w.max_frame_bytes)
+            == ("auto", 1, 120.0, 256 * MiB))
     assert (r.max_manifest_bytes, r.max_frame_bytes, r.read_threads) == (512 * MiB, 256 * MiB, 2)
 
 
@@ -66,7 +68,8 @@ def test_knobs_are_frozen():
 @pytest.mark.parametrize("text,value", [
     ("4194304", 4 * MiB), ("4MiB", 4 * MiB), ("4M", 4 * MiB), ("4m", 4 * MiB), ("4MB", 4 * MiB),
     ("4mib", 4 * MiB), ("1GiB", 1 << 30), ("1G", 1 << 30), ("2k", 2048), ("2KiB", 2048),
-    ("1T", 1 << 40), ("1TiB", 1 << 40), ("0", 0), ("512", 512), ("512B", 512), (" 64KiB ", 64 << 10),
+    ("1T", 1 << 40), ("1TiB", 1 << 40), ("0", 0), ("512", 512), ("512B", 512),
+    (" 64KiB ", 64 << 10),
 ])
 def test_parse_size(text, value):
     assert parse_size(text) == value
@@ -80,11 +83,13 @@ def test_parse_size_rejects(text):
 
 
 @pytest.mark.parametrize("cls,kwargs,fragments", [
-    (ClientKnobs, {"slot_size": 65536, "ring_size": 100_000}, ["ring_size", "multiple of slot_size (65536)", "100000"]),
+    (ClientKnobs, {"slot_size": 65536, "ring_size": 100_000},
+     ["ring_size", "multiple of slot_size (65536)", "100000"]),
     (ClientKnobs, {"slot_size": 65536, "ring_size": 4096}, ["ring_size", "4096"]),
     (ClientKnobs, {"slot_size": 5000}, ["slot_size", "multiple of 4096", "5000"]),
     (ClientKnobs, {"slot_size": 0}, ["slot_size", "0"]),
-    (ClientKnobs, {"slot_size": 512 * MiB, "ring_size": 512 * MiB}, ["slot_size", "256 MiB", "536870912"]),
+    (ClientKnobs, {"slot_size": 512 * MiB, "ring_size": 512 * MiB},
+     ["slot_size", "256 MiB", "536870912"]),
     (ClientKnobs, {"connect_timeout": 0.0}, ["connect_timeout", "positive", "0.0"]),
     (WriterKnobs, {"codec": "lz4"}, ["codec", "'lz4'", "zstd"]),
     (WriterKnobs, {"zstd_level": 23}, ["zstd_level", "23"]),
@@ -162,7 +167,7 @@ def test_writer_cli_rejects_bad_knobs_with_exit_2(tmp_path):
     assert bad.returncode == 2 and "belongs to connect()" in bad.stderr
 
 
-# -- bugs -------------------------------------------------------------------------------------------
+# -- bugs ------------------------------------------------------------------------------------------
 
 def test_negative_zstd_level_from_env(env):
     env.setenv("ASYNCCKPT_ZSTD_LEVEL", "-3")

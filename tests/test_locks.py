@@ -115,7 +115,8 @@ def test_this_venv_is_exactly_its_lock():
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
     # `make bench-setup` syncs the same venv to the bench lock (a superset of the test lock)
     diffs = {lock: _unlocked(installed, pins(lock)) for lock in ("test", "bench")}
-    assert not all(diffs.values()), f"{sys.prefix} is not synced to a lock (make setup): {diffs['test']}"
+    assert not all(diffs.values()), (f"{sys.prefix} is not synced to a lock (make setup): "
+                                     f"{diffs['test']}")
 
 
 SHOW_VENV = ("import json, sys; from importlib import metadata; "

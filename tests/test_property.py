@@ -31,8 +31,9 @@ from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
 SLOT, RING = 4096, 16384
 DTYPES = list(DTYPE_NAMES)
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                      HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = dict(deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                       HealthCheck.data_too_large])
 
 
 # -- strategies -----------------------------------------------------------------------------------
@@ -81,8 +82,8 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**80), 2**80),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
-keys = st.one_of(st.text(alphabet="ab.~_0", max_size=4), st.sampled_from(["__metadata__", "tensor"]),
-                 st.integers(-3, 3))
+keys = st.one_of(st.text(alphabet="ab.~_0", max_size=4),
+                 st.sampled_from(["__metadata__", "tensor"]), st.integers(-3, 3))
 leaves = st.one_of(tensors(), tensors(), scalars)  # tensors drawn more often
 trees = st.recursive(
     leaves,
@@ -93,7 +94,7 @@ trees = st.recursive(
 states = st.dictionaries(keys, trees, max_size=5)
 
 
-# -- a writer for the whole run ----------------------------------------------------------------------
+# -- a writer for the whole run --------------------------------------------------------------------
 
 class Tiny:
     def __init__(self, writer: asyncckpt.WriterProcess, client: asyncckpt.Client) -> None:
@@ -108,9 +109,11 @@ class Tiny:
 
 
 @pytest.fixture(scope="module", params=["zstd", "raw", "bytegroup"])
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiny]:
+def tiny(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiny]:
     base = tmp_path_factory.mktemp(f"prop-{request.param}")
-    writer = asyncckpt.start_writer(base / "ckpt", codec=request.param, log_file=base / "writer.log")
+    writer = asyncckpt.start_writer(base / "ckpt", codec=request.param,
+                                    log_file=base / "writer.log")
     client = asyncckpt.connect(writer.address, rank=0, world_size=1, slot_size=SLOT, ring_size=RING)
     yield Tiny(writer, client)
     client.close(timeout=30)
@@ -152,7 +155,7 @@ def tensor_leaves(state: Any) -> list[torch.Tensor]:
     return []
 
 
-# -- properties ---------------------------------------------------------------------------------------
+# -- properties ------------------------------------------------------------------------------------
 
 @settings(max_examples=30, **SETTINGS)
 @given(state=states)
@@ -202,9 +205,11 @@ def test_codec_round_trip(data, codec):
 @settings(max_examples=50, deadline=None)
 @given(specs=st.lists(st.tuples(st.sampled_from(sorted({n for n in DTYPE_NAMES.values()})),
                                 st.lists(st.integers(0, 9), max_size=3)), max_size=6),
-       frame=st.integers(1, 300), codec=st.sampled_from(["raw", "zstd"]), step=st.integers(0, 2**40))
+       frame=st.integers(1, 300), codec=st.sampled_from(["raw", "zstd"]),
+       step=st.integers(0, 2**40))
 def test_manifest_round_trip(specs, frame, codec, step):
-    prefix, tensors_ = layout([(f"t.{i}", dtype, tuple(shape)) for i, (dtype, shape) in enumerate(specs)])
+    prefix, tensors_ = layout([(f"t.{i}", dtype, tuple(shape))
+                               for i, (dtype, shape) in enumerate(specs)])
     raw_size = tensors_[-1].end if tensors_ else len(prefix)
     frames, stored = [], 0
     for i, begin in enumerate(range(0, raw_size, frame)):

@@ -40,7 +40,8 @@ def test_nested_state_round_trips_exactly(shared):
 
 @pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=lambda d: str(d).removeprefix("torch."))
 def test_every_supported_dtype_round_trips(shared, dtype):
-    raw = torch.randint(0, 256, (1000 * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8)
+    raw = torch.randint(0, 256, (1000 * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8)
     t = raw.view(dtype).reshape(10, -1) if dtype != torch.bool else (raw % 2).bool().reshape(10, -1)
     shared.client.save(shared.step(), {"t": t, "scalar": t.reshape(-1)[3].clone()}).wait(60)
     loaded = asyncckpt.load(shared.root)
@@ -56,7 +57,8 @@ def test_tensor_modified_while_staging_fails_the_save(shared):
         big = torch.zeros(4 << 20)  # 16 MiB through a 128 KiB ring: staging takes a while
         handle = client.save(failing, {"first": big, "w": torch.zeros(10)})
         big.add_(1)  # the optimizer step the fence should have held back
-        with pytest.raises(asyncckpt.SaveFailedError, match=r"state\['first'\] was modified in place"):
+        with pytest.raises(asyncckpt.SaveFailedError,
+                           match=r"state\['first'\] was modified in place"):
             handle.wait(30)
         assert not (shared.root / f"step-{failing:08d}").exists()
         early = torch.zeros(10)
@@ -213,7 +215,8 @@ def test_prefetch_asks_for_the_stored_bytes_of_the_frames_it_covers(saved_load, 
         reader = ckpt.reader(0)
         frames = reader.part.frames
         asked: list[tuple[int, int, int]] = []
-        monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: asked.append((off, n, advice)))
+        monkeypatch.setattr(os, "posix_fadvise",
+                            lambda fd, off, n, advice: asked.append((off, n, advice)))
         end = frames[2].raw_offset + 1  # inside frame 2: frames 0..2
         reader.prefetch(0, end)
         reader.prefetch(0, 0)

@@ -61,7 +61,8 @@ def test_every_method_has_a_row_with_positive_numbers(tiny_run: tuple[dict[str, 
 
 
 @pytest.mark.slow
-def test_asyncckpt_catches_the_flipped_byte_and_dcp_does_not(tiny_run: tuple[dict[str, Any], str]) -> None:
+def test_asyncckpt_catches_the_flipped_byte_and_dcp_does_not(
+        tiny_run: tuple[dict[str, Any], str]) -> None:
     result, md = tiny_run
     methods = result["sizes"][0]["methods"]
     for name in bench.ASYNCCKPT:

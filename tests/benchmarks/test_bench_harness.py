@@ -55,7 +55,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
 
 
 @pytest.mark.slow
-def test_every_method_measured_with_sane_numbers(tiny_run: tuple[dict[str, Any], str, Path]) -> None:
+def test_every_method_measured_with_sane_numbers(
+        tiny_run: tuple[dict[str, Any], str, Path]) -> None:
     result, _, _ = tiny_run
     (wl,) = result["workloads"]
     summary = wl["summary"]
@@ -140,7 +141,8 @@ def test_limits_targets_and_outputs(tiny_run: tuple[dict[str, Any], str, Path]) 
         for name, c in entry["codecs"].items():
             assert c["exact"] is True, (case, name)
             assert 0.3 < c["ratio"] < 1.05, (case, name, c["ratio"])
-            assert _finite_positive(c["encode"]["median"]) and _finite_positive(c["decode"]["median"])
+            assert (_finite_positive(c["encode"]["median"])
+                    and _finite_positive(c["decode"]["median"]))
     contest_verdicts = [t["met"] for t in result["contest_targets"]]
     assert len(contest_verdicts) == 5 * len(peers.plane_codecs())
     assert all(met in (True, False) for met in contest_verdicts) or not zipnn
@@ -176,7 +178,8 @@ def test_target_without_its_peer_is_not_met() -> None:
                      "the same tensors"] is None
     assert by_target["staging (save + wait_staged, ring = state) <= DCP async_save's reused "
                      "background stager"] is None
-    assert by_target["time to durable (raw) <= 1.1 x sequential write + fsync of the same bytes"] is None
+    assert by_target["time to durable (raw) <= 1.1 x sequential write + fsync of the same "
+                     "bytes"] is None
     assert by_target["verified cold load (raw) >= 1.0 x safetensors.load_file"] is None
     assert by_target["writer peak private RSS <= 256 MiB"] is True
     assert "n/a" in report.value(None, "s")
@@ -267,6 +270,7 @@ def test_frame_hints_from_either_kind_of_probe_answer() -> None:
     class Choice(NamedTuple):
         planes: tuple[bool, ...] = ()
 
-    assert peers.frame_hints(4, (False, True, False, True)) == FrameHints(4, 0, (False, True, False, True))
+    assert (peers.frame_hints(4, (False, True, False, True))
+            == FrameHints(4, 0, (False, True, False, True)))
     assert peers.frame_hints(2, Choice((True, False))) == FrameHints(2, 0, (True, False))
     assert peers.frame_hints(1, ()) == FrameHints(1, 0, ())

@@ -67,7 +67,8 @@ def test_rotated_split_makes_the_exponent_a_plane(width):
     s = planes.split(words.tobytes(), width, 0, rotated=True)
     bits = 8 * width
     assert np.array_equal(s.planes[-1], (words >> (bits - 9)) & 0xFF)
-    assert np.array_equal(s.planes[-2], ((words >> (bits - 16)) & 0x7F) | ((words >> (bits - 8)) & 0x80))
+    assert np.array_equal(s.planes[-2],
+                          ((words >> (bits - 16)) & 0x7F) | ((words >> (bits - 8)) & 0x80))
     for i in range(width - 2):
         assert np.array_equal(s.planes[i], (words >> (8 * i)) & 0xFF)
     with pytest.raises(ValueError):
@@ -142,7 +143,8 @@ def test_every_codec_and_dtype_round_trips_bit_exact(codec, dtype):
 @pytest.mark.parametrize("dtype,width,bound", [(torch.bfloat16, 2, 0.70), (torch.float16, 2, 0.86),
                                                (torch.float32, 4, 0.86), (torch.float64, 8, 0.95)])
 def test_float_weights_compress_their_exponent_plane(dtype, width, bound):
-    t = (torch.randn(200_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.02).to(dtype)
+    t = (torch.randn(200_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+         * 0.02).to(dtype)
     raw = byte_view(t)
     codec = BytegroupCodec()
     choice = codec.probe(raw, width, 0)
@@ -176,7 +178,8 @@ def test_a_probed_plane_that_stops_compressing_is_stored_raw():
     raw = os.urandom(4096)
     stored = codec.encode(raw, FrameHints(2, 0, (True, True)))
     assert stored.codec == "raw" and stored.layout is None and stored.as_is(raw)
-    weights = byte_view((torch.randn(4096, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16())
+    weights = byte_view(
+        (torch.randn(4096, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16())
     mixed = weights + os.urandom(1024)  # the exponent plane compresses, the mantissa not
     stored = codec.encode(mixed, FrameHints(2, 0, (True, True)))
     assert stored.codec == "bytegroup" and [c for c, _ in stored.layout.planes] == ["raw", "zstd"]
@@ -188,7 +191,8 @@ def test_rotation_stores_weights_smaller_than_the_layout_before_it():
     planes chosen by the probe: the codec as it was), and never in more."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(1 << 19, generator=g, dtype=torch.float64) * 0.02
-    samples = {"bf16": (byte_view(w.bfloat16()), 2, 0.005), "fp32": (byte_view(w.float()), 4, 0.002),
+    samples = {"bf16": (byte_view(w.bfloat16()), 2, 0.005),
+               "fp32": (byte_view(w.float()), 4, 0.002),
                "adam v": (byte_view((w.float() ** 2) * 1e-3), 4, 0.0005)}
     for name, (raw, width, margin) in samples.items():
         sizes = {}
@@ -211,7 +215,8 @@ def test_stored_frame_is_head_then_planes_then_tail():
     """The on-disk form of a bytegroup frame: the `phase` head bytes, each plane (byte 0
     first) as it is or as one zstd frame, then the tail bytes."""
     import zstandard
-    weights = byte_view((torch.randn(3000, generator=torch.Generator().manual_seed(6)) * 0.02).bfloat16())
+    weights = byte_view(
+        (torch.randn(3000, generator=torch.Generator().manual_seed(6)) * 0.02).bfloat16())
     raw = b"\x01" + weights + b"\x02"
     stored = BytegroupCodec().encode(raw, FrameHints(2, 1, (False, True)))
     data = bytes(stored)
@@ -301,7 +306,8 @@ def test_geometry_follows_the_tensor_covering_most_of_the_frame():
 # -- what decode refuses --------------------------------------------------------------------------
 
 def encoded_weights() -> tuple[bytes, bytes, PlaneLayout]:
-    raw = byte_view((torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16())
+    raw = byte_view(
+        (torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16())
     stored = BytegroupCodec().encode(raw, FrameHints(2, 0, (False, True)))
     assert stored.codec == "bytegroup"
     return raw, bytes(stored), stored.layout
@@ -351,7 +357,8 @@ def test_manifest_carries_the_plane_layout():
     assert parse_manifest(data, max_frame_bytes=1 << 20).ranks[0].frames == frames
     # a layout that does not tile the stored length, or on a non-bytegroup frame
     for old, new in ((b'["zstd",1500]', b'["zstd",1501]'), (b'"width":2', b'"width":9'),
-                     (b'"codec":"bytegroup"', b'"codec":"zstd"'), (b'"rotated":true', b'"rotated":1')):
+                     (b'"codec":"bytegroup"', b'"codec":"zstd"'),
+                     (b'"rotated":true', b'"rotated":1')):
         body = data[data.index(b'"manifest":') + 11:-2].replace(old, new)
         envelope = b'{"xxh3":"' + f"{xxhash.xxh3_64_intdigest(body):016x}".encode() + \
             b'","manifest":' + body + b"}\n"
@@ -384,7 +391,8 @@ def test_writer_saves_and_loads_bytegroup_bit_exact(tmp_path):
        phase=st.integers(0, 7), mask=st.lists(st.booleans(), min_size=8, max_size=8),
        points=st.lists(st.integers(0, 20_000), max_size=4), rotated=st.booleans())
 def test_bytegroup_round_trip_any_bytes(data, width, phase, mask, points, rotated):
-    hints = FrameHints(width, phase % width, tuple(mask[:width]), rotated and width in planes.ROTATABLE)
+    hints = FrameHints(width, phase % width, tuple(mask[:width]),
+                       rotated and width in planes.ROTATABLE)
     encoded = BytegroupCodec().encode(data, hints)
     stored = bytes(encoded)
     if encoded.layout is not None:
@@ -425,7 +433,8 @@ def test_every_dtype_round_trips_whatever_its_bits(data):
                 for x in torch.from_numpy(weights).to(dtype)]
     else:  # small integers of either sign
         like = [int(x * 1e4) % (1 << 8 * width) for x in weights]
-    word = st.one_of(st.sampled_from(_special_words(width) + like), st.integers(0, (1 << 8 * width) - 1))
+    word = st.one_of(st.sampled_from(_special_words(width) + like),
+                     st.integers(0, (1 << 8 * width) - 1))
     words = data.draw(st.lists(word, min_size=0, max_size=600), "words")
     if dtype == torch.bool:
         words = [w & 1 for w in words]
@@ -433,7 +442,8 @@ def test_every_dtype_round_trips_whatever_its_bits(data):
     _, specs = layout([("t", DTYPE_NAMES[dtype], (len(words),))])
     # the tensor, then a few stray bytes (the next tensor's), cut into frames of any size
     stream = bytes(specs[0].begin) + raw + data.draw(st.binary(max_size=width * 2 - 1), "stray")
-    encoder = FrameEncoder("bytegroup", 1, specs, probe_bytes=data.draw(st.sampled_from([64, 256 << 10])))
+    encoder = FrameEncoder("bytegroup", 1, specs,
+                           probe_bytes=data.draw(st.sampled_from([64, 256 << 10])))
     size = data.draw(st.integers(1, max(1, len(stream) - specs[0].begin)), "frame")
     out = bytearray(len(stream))
     for begin in range(specs[0].begin, len(stream), size):

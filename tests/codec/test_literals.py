@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not literals.available(), reason="zstandard[cffi
 def exponent_plane(n: int = 1 << 21, seed: int = 0) -> np.ndarray:
     """The exponent bytes of bf16 weights N(0, 0.02), rows of different scales."""
     g = torch.Generator().manual_seed(seed)
-    rows = torch.randn(n // 1024, 1024, generator=g) * (0.02 * torch.rand(n // 1024, 1, generator=g) + 0.005)
+    rows = torch.randn(n // 1024, 1024, generator=g) * (
+        0.02 * torch.rand(n // 1024, 1, generator=g) + 0.005)
     raw = rows.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     return planes.split(raw, 2, 0, rotated=True).planes[-1]
 
@@ -44,7 +45,8 @@ def test_reused_output_buffer_does_not_leak_into_earlier_frames() -> None:
     kept = bytes(first)
     compressor.compress(exponent_plane(1 << 18, seed=2))  # grows and overwrites the buffer
     assert first == kept
-    assert zstandard.ZstdDecompressor().decompress(first) == exponent_plane(1 << 16, seed=1).tobytes()
+    assert (zstandard.ZstdDecompressor().decompress(first)
+            == exponent_plane(1 << 16, seed=1).tobytes())
 
 
 def test_exponent_plane_is_smaller_as_literals_than_with_matches_compressor() -> None:

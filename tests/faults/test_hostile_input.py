@@ -56,7 +56,8 @@ def test_huge_declared_tensor_is_refused_before_allocation(committed, tmp_path):
     part["tensors"] = [{"name": "w", "dtype": "U8", "shape": [count * frame_bytes],
                         "range": [header_len, header_len + count * frame_bytes]}]
     part["frames"] = part["frames"][:1] + [
-        {"raw": [header_len + i * frame_bytes, frame_bytes], "stored": [part["frames"][0]["stored"][1] + i, 1],
+        {"raw": [header_len + i * frame_bytes, frame_bytes],
+         "stored": [part["frames"][0]["stored"][1] + i, 1],
          "codec": "zstd", "xxh3_raw": "0" * 16, "xxh3_stored": "0" * 16} for i in range(count)]
     part["frames"][0]["raw"][1] = header_len
     part["raw_size"] = header_len + count * frame_bytes
@@ -74,7 +75,8 @@ def test_huge_declared_tensor_is_refused_before_allocation(committed, tmp_path):
 
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
                        | st.text(max_size=8),
-                       lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+                       lambda kids: (st.lists(kids, max_size=4)
+                                     | st.dictionaries(st.text(max_size=6), kids, max_size=4)),
                        max_leaves=12)
 
 
@@ -103,15 +105,18 @@ def committed_sharded(tmp_path_factory) -> Path:
     return root / "step-00000001"
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_manifests_raise_only_library_errors(committed, tmp_path_factory, data):
     fuzz_manifest(committed, tmp_path_factory, data)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_fuzzed_sharded_manifests_raise_only_library_errors(committed_sharded, tmp_path_factory, data):
+def test_fuzzed_sharded_manifests_raise_only_library_errors(committed_sharded, tmp_path_factory,
+                                                            data):
     fuzz_manifest(committed_sharded, tmp_path_factory, data)
 
 
@@ -143,7 +148,8 @@ def fuzz_manifest(committed: Path, tmp_path_factory, data) -> None:
         assert asyncckpt.load(d) is not None
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cut=st.integers(0, 10_000), junk=st.binary(min_size=1, max_size=64))
 def test_fuzzed_data_files_raise_only_library_errors(committed, tmp_path_factory, cut, junk):
     d = tmp_path_factory.mktemp("fuzzdata") / "step-00000001"
@@ -168,7 +174,8 @@ def committed_views(tmp_path_factory) -> Path:
     w = torch.arange(20.0).view(5, 4)
     with asyncckpt.start_writer(root, codec="raw") as writer:
         with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
-            client.save(1, {"w": w, "tied": w, "t": w.t(), "s": w[1:3], "p": torch.ones(3, dtype=torch.int64)}).wait(30)
+            client.save(1, {"w": w, "tied": w, "t": w.t(), "s": w[1:3],
+                            "p": torch.ones(3, dtype=torch.int64)}).wait(30)
     d = root / "step-00000001"
     assert [t["name"] for t in read_body(d)["ranks"][0]["tensors"]] == ["w", "p"]
     return d
@@ -185,7 +192,7 @@ def _edit_view(body: dict, key: str, edit) -> None:
     (lambda v: v.update(of="t"), "not a tensor this rank saved"),           # another view
     (lambda v: v.update(of="p"), "does not fit"),                           # another dtype
     (lambda v: v.update(dtype="I64"), "does not fit"),
-    (lambda v: v.update(offset=1), "does not fit"),                          # one element past the end
+    (lambda v: v.update(offset=1), "does not fit"),                          # one past the end
     (lambda v: v.update(shape=[6, 4]), "does not fit"),
     (lambda v: v.update(stride=[4, 2]), "does not fit"),
     (lambda v: v.update(stride=[-4, 1]), "view node"),
@@ -213,18 +220,22 @@ def test_hostile_view_nodes_are_corrupt(committed_views, tmp_path, edit, match):
 def test_view_nodes_load_as_views_and_fill_targets(committed_views):
     out = asyncckpt.load(committed_views)
     w = torch.arange(20.0).view(5, 4)
-    assert torch.equal(out["t"], w.t()) and torch.equal(out["s"], w[1:3]) and out["tied"] is not out["w"]
-    assert {out[k].untyped_storage().data_ptr() for k in ("w", "tied", "t", "s")} == {out["w"].data_ptr()}
+    assert (torch.equal(out["t"], w.t()) and torch.equal(out["s"], w[1:3])
+            and out["tied"] is not out["w"])
+    assert ({out[k].untyped_storage().data_ptr() for k in ("w", "tied", "t", "s")}
+            == {out["w"].data_ptr()})
     targets = {"w": torch.zeros(5, 4), "tied": torch.zeros(5, 4), "t": torch.zeros(4, 5),
                "s": torch.zeros(2, 4), "p": torch.zeros(3, dtype=torch.int64)}
     filled = asyncckpt.load(committed_views, into=targets)
     assert all(filled[k] is targets[k] for k in targets)
     assert torch.equal(targets["t"], w.t()) and torch.equal(targets["s"], w[1:3])
-    with pytest.raises(asyncckpt.StateMismatchError, match=r"state\['t'\]: target torch.float32 \(5, 4\)"):
+    with pytest.raises(asyncckpt.StateMismatchError,
+                       match=r"state\['t'\]: target torch.float32 \(5, 4\)"):
         asyncckpt.load(committed_views, into={"t": torch.zeros(5, 4)})
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(offset=st.integers(0, 30), shape=st.lists(st.integers(0, 6), max_size=3),
        strides=st.lists(st.integers(0, 8), min_size=3, max_size=3))
 def test_fuzzed_view_geometry_loads_exactly_or_is_corrupt(committed_views, tmp_path_factory, offset,
@@ -283,12 +294,14 @@ HOSTILE_REFS = {
         file="../../other/step-00000001/rank-00000.safetensors.zst"), "not a data file name"),
     "other-rank-file": (lambda f: f["ref"].update(file="rank-00001.safetensors.zst"), "not in"),
     "beyond-file": (lambda f: f["ref"].update(stored=[10**9, f["ref"]["stored"][1]]), "bytes"),
-    "shifted": (lambda f: f["ref"].update(stored=[f["ref"]["stored"][0] + 1, f["ref"]["stored"][1]]),
+    "shifted": (lambda f: f["ref"].update(stored=[f["ref"]["stored"][0] + 1,
+                                                  f["ref"]["stored"][1]]),
                 "xxh3"),
     "empty": (lambda f: f["ref"].update(stored=[0, 0]), "empty referenced range"),
     "huge": (lambda f: f["ref"].update(stored=[0, 1 << 40]), "beyond any encoding"),
     "bytes-here-too": (lambda f: f.update(stored=[f["stored"][0], 7]), "stores no bytes here"),
-    "not-an-object": (lambda f: f.update(ref=[1, "rank-00000.safetensors.zst", 0, 9]), "bad reference"),
+    "not-an-object": (lambda f: f.update(ref=[1, "rank-00000.safetensors.zst", 0, 9]), "bad "
+                                                                                       "reference"),
     "no-file": (lambda f: f["ref"].pop("file"), "invalid"),
 }
 
@@ -371,7 +384,8 @@ def test_a_chain_through_a_step_that_holds_only_references_is_corrupt(committed_
     assert not verify_checkpoint(root / "step-00000003").ok
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_references_raise_only_library_errors(committed_refs, tmp_path_factory, data):
     """Random values in a reference's fields: library errors only; if it still verifies,
@@ -394,4 +408,5 @@ def test_fuzzed_references_raise_only_library_errors(committed_refs, tmp_path_fa
         loaded = None
     if verify_checkpoint(d).ok:
         assert loaded is not None
-        assert torch.equal(loaded["frozen"], state["frozen"]) and torch.equal(loaded["w"], state["w"])
+        assert (torch.equal(loaded["frozen"], state["frozen"])
+                and torch.equal(loaded["w"], state["w"]))

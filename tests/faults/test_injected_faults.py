@@ -82,7 +82,8 @@ def test_io_error_fails_that_save_only(root, tmp_path, monkeypatch, fault, messa
         writer.stop()
 
 
-def test_checkpointer_retention_survives_a_crash_between_commit_and_deletion(root, tmp_path, monkeypatch):
+def test_checkpointer_retention_survives_a_crash_between_commit_and_deletion(root, tmp_path,
+                                                                            monkeypatch):
     from asyncckpt import Checkpointer, CheckpointerOptions
     options = CheckpointerOptions(save_interval=1, keep_last=2)
     writer = start(root, tmp_path, monkeypatch, ASYNCCKPT_CRASH_AT="pruning")
@@ -91,12 +92,15 @@ def test_checkpointer_retention_survives_a_crash_between_commit_and_deletion(roo
         for step in (1, 2):
             ckpt.save(step, extra={"x": torch.full((4,), float(step))}).wait(30)
         with pytest.raises(asyncckpt.WriterUnavailableError):
-            ckpt.save(3, extra={"x": torch.full((4,), 3.0)}).wait(30)  # committed, then died pruning
-    assert PosixStorage(root).committed_steps() == [2, 3]  # step 1 was renamed away, not yet deleted
+            # committed, then died pruning
+            ckpt.save(3, extra={"x": torch.full((4,), 3.0)}).wait(30)
+    # step 1 was renamed away, not yet deleted
+    assert PosixStorage(root).committed_steps() == [2, 3]
     writer = start(root, tmp_path, monkeypatch)
     try:
         with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
-            Checkpointer(root, client=client, options=options).save(4, extra={"x": torch.ones(4)}).wait(30)
+            Checkpointer(root, client=client, options=options).save(
+                4, extra={"x": torch.ones(4)}).wait(30)
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
             "step-00000003", "step-00000004"]
     finally:

@@ -684,7 +684,8 @@ def test_also_huge_begin_is_bounded_and_does_not_delay_other_saves(bench):
     before = Resources.of(bench.pid)
     name = "x" * 40
     # just under the message bound: ~150,000 valid tensors
-    n = (getattr(protocol, "MAX_MESSAGE", 8 << 20) - 200) // len(json.dumps([f"{name}{0:07d}", "U8", [1]]) + ",")
+    entry = len(json.dumps([f"{name}{0:07d}", "U8", [1]]) + ",")
+    n = (getattr(protocol, "MAX_MESSAGE", 8 << 20) - 200) // entry
     table = [[f"{name}{i:07d}", "U8", [1]] for i in range(n)]
     with HostileRank(bench.address) as h:
         h.begin(1, 1000, table, tree={"list": []})

@@ -75,7 +75,8 @@ def test_a_dcp_checkpoint_imports_as_a_verified_step(tmp_path):
     assert "object 'extra.opaque': it needs test_dcp_import.Opaque" in str(caught.value)
     dcp.load(target, storage_reader=StorageReader(tmp_path / "root", trust_pickles=True))
     assert target["extra"] == state["extra"]
-    assert torch.equal(target["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
+    assert torch.equal(target["optim"]["state"][0]["exp_avg"],
+                       state["optim"]["state"][0]["exp_avg"])
 
 
 def test_import_refuses_what_is_not_dcp_and_a_committed_step(tmp_path):
@@ -104,8 +105,8 @@ def test_import_holds_about_one_part_in_private_memory(tmp_path):
     importer's private memory (measured: 32 to 96 MiB, glibc's arenas keeping some of
     each part; all of the state would be 288 MiB and more)."""
     dcp.save({f"w{i}": torch.randn(2 << 20) for i in range(36)}, checkpoint_id=tmp_path / "src")
-    done = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "src"), str(tmp_path / "root")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "src"),
+                           str(tmp_path / "root")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     extra = int(done.stdout.split()[-1])
     assert extra < 144 << 20, f"{extra >> 20} MiB"

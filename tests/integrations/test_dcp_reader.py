@@ -78,7 +78,8 @@ def test_a_target_key_the_checkpoint_lacks_is_dcps_error_and_the_rest_loads(shar
 def test_checkpoint_ids_name_a_root_a_step_directory_or_root_and_step(shared):
     step = shared.step()
     shared.client.save(step, {"w": torch.full((2,), float(step))}).wait()
-    for checkpoint_id in (shared.root, shared.root / step_dir_name(step), f"{shared.root}/step-{step}"):
+    for checkpoint_id in (shared.root, shared.root / step_dir_name(step),
+                          f"{shared.root}/step-{step}"):
         target = {"w": torch.zeros(2)}
         dcp.load(target, checkpoint_id=checkpoint_id, storage_reader=StorageReader())
         assert torch.equal(target["w"], torch.full((2,), float(step))), checkpoint_id

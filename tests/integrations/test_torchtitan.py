@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TITAN_PYTHON = os.environ.get("ASYNCCKPT_TITAN_PYTHON", str(REPO / ".venv-titan" / "bin" / "python"))
+TITAN_PYTHON = os.environ.get("ASYNCCKPT_TITAN_PYTHON",
+                              str(REPO / ".venv-titan" / "bin" / "python"))
 WORKER = str(Path(__file__).with_name("titan_worker.py"))
 
 pytestmark = pytest.mark.skipif(not Path(TITAN_PYTHON).exists(),
-                                reason=f"no torchtitan venv at {TITAN_PYTHON}: run `make titan-setup`")
+                                reason=f"no torchtitan venv at {TITAN_PYTHON}: run `make "
+                                       "titan-setup`")
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])

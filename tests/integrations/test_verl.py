@@ -34,12 +34,14 @@ def run_world(world: int, args: list[str]) -> list[str]:
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world),
            "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([VERL_PYTHON, WORKER, *args],
-                              env={**env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r)},
+                              env={**env, "RANK": str(r), "WORLD_SIZE": str(world),
+                                   "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     outputs = [p.communicate(timeout=400)[0] for p in procs]
     for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0 and f"OK rank {r}" in text, f"{args[0]} rank {r}/{world}:\n{text[-4000:]}"
+        assert p.returncode == 0 and f"OK rank {r}" in text, (
+            f"{args[0]} rank {r}/{world}:\n{text[-4000:]}")
     return outputs
 
 
@@ -87,7 +89,8 @@ def test_layout_tracker_retention_and_hf_model(trained):
     assert (base / "global_step_2" / "data.pt").exists()  # the trainer's, not ours
     marker = json.loads((base / "global_step_4" / "actor" / "asyncckpt.json").read_text())
     assert marker["step"] == 4
-    assert (base / "global_step_4" / "actor" / marker["root"]).resolve() == (base / "asyncckpt" / "actor").resolve()
+    assert ((base / "global_step_4" / "actor" / marker["root"]).resolve()
+            == (base / "asyncckpt" / "actor").resolve())
 
     hf_dir = base / "global_step_4" / "actor" / "huggingface"
     shards = sorted(p.name for p in hf_dir.glob("model-*.safetensors"))

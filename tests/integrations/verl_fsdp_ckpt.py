@@ -21,8 +21,9 @@ optimizer, scheduler and every assertion are verl's; what differs, and why:
 
 - The one import line a verl user changes: asyncckpt's FSDPCheckpointManager for verl's.
 - CPU instead of CUDA: `verl_cpu.install()` gives verl a CPU platform (gloo, CPU RNG
-  state, a "device" per rank) and a gloo-only process group; FSDP1 is given `device_id=cpu` (it refuses CPU without
-  it); `unpad_input` is verl's own torch fallback (the original imports flash-attn's on
+  state, a "device" per rank) and a gloo-only process group; FSDP1 is given
+  `device_id=cpu` (it refuses CPU without it); `unpad_input` is verl's own torch
+  fallback (the original imports flash-attn's on
   CUDA); eager attention instead of flash-attention-2.
 - A tiny Qwen2 from a config and a tokenizer built here (the original reads
   Qwen2.5-0.5B's tokenizer from ~/models and builds a 1-layer Qwen2 of default width),
@@ -74,7 +75,8 @@ def create_random_input_ids(batch_size, seq_len, vocab_size):
     input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=get_device_name())
 
     attention_mask = create_random_mask(
-        input_ids, max_ratio_of_left_padding=0.1, min_ratio_of_valid_token=0.5, max_ratio_of_valid_token=0.7
+        input_ids, max_ratio_of_left_padding=0.1, min_ratio_of_valid_token=0.5,
+        max_ratio_of_valid_token=0.7
     )
     position_ids = compute_position_id_with_mask(attention_mask)
 
@@ -91,14 +93,16 @@ def tiny_tokenizer():
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(40)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
 
 
 def full_optimizer_state(model, optimizer):
     """Added: the whole optimizer state on every rank (a copy), to compare after the load."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    state = get_optimizer_state_dict(model, optimizer,
+                                     options=StateDictOptions(full_state_dict=True))
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)
 
 
@@ -131,7 +135,8 @@ def assert_same(a, b, path="optimizer"):
 def test_fsdp_ckpt(strategy="fsdp", temp_dir=None, keep=False):
     assert get_torch_device().device_count() >= 2, "need at least 2 gpus for test"
     local_rank, rank, world_size = initialize_global_process_group()
-    device_mesh = init_device_mesh(get_device_name(), mesh_shape=(world_size,), mesh_dim_names=("dp",))
+    device_mesh = init_device_mesh(get_device_name(), mesh_shape=(world_size,),
+                                   mesh_dim_names=("dp",))
 
     config = Qwen2Config(
         num_hidden_layers=1, vocab_size=512, hidden_size=64, intermediate_size=96,
@@ -139,7 +144,8 @@ def test_fsdp_ckpt(strategy="fsdp", temp_dir=None, keep=False):
     )
 
     with torch.device(get_device_name()):
-        model = AutoModelForCausalLM.from_config(config=config, torch_dtype=torch.bfloat16, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(config=config, torch_dtype=torch.bfloat16,
+                                                 attn_implementation="eager")
         model = model.to(device=get_device_name())
 
     # Wrap model with FSDP
@@ -224,7 +230,8 @@ def test_fsdp_ckpt(strategy="fsdp", temp_dir=None, keep=False):
     loaded_state_dict = model.state_dict()
     for key in loaded_state_dict:
         assert key in saved_state_dict, f"Key {key} not found in saved state dict"
-        torch.testing.assert_close(loaded_state_dict[key], saved_state_dict[key], atol=0.0, rtol=0.0)
+        torch.testing.assert_close(loaded_state_dict[key], saved_state_dict[key], atol=0.0,
+                                   rtol=0.0)
     assert_same(full_optimizer_state(model, optimizer), saved_optimizer)  # added
     assert lr_scheduler.state_dict() == saved_scheduler  # added
     assert optimizer.param_groups[0]["lr"] == saved_lr  # added

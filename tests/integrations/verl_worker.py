@@ -54,10 +54,12 @@ def build(seed: int):
                                       num_hidden_layers=LAYERS, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64,
                                       tie_word_embeddings=False,
-                                      architectures=["LlamaForCausalLM"])  # as from_pretrained sets it
+                                      # as from_pretrained sets it
+                                      architectures=["LlamaForCausalLM"])
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))  # as verl names it
+    # the mesh dim named as verl names it
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -194,7 +196,8 @@ def main() -> int:
                 reset_peak()
                 rss0 = current_rss()
                 started = time.perf_counter()
-                manager.save_checkpoint(str(folder / "actor"), None, step, max_ckpt_to_keep=args.keep)
+                manager.save_checkpoint(str(folder / "actor"), None, step,
+                                        max_ckpt_to_keep=args.keep)
                 returned = time.perf_counter() - started
                 if kind == "asyncckpt":
                     manager.wait_until_finished()
@@ -236,7 +239,8 @@ def main() -> int:
                 bad = [k for k in expected if not torch.equal(expected[k], loaded[k])]
                 assert not bad, f"{kind}: differ after load: {bad[:5]}"
             del loaded
-            losses = {s: train_step(model, optim, sched, s) for s in range(step + 1, args.steps + 1)}
+            losses = {s: train_step(model, optim, sched, s)
+                      for s in range(step + 1, args.steps + 1)}
             results[kind] = {"from": step, "losses": losses, "lr_epoch": sched.last_epoch}
         if rank == 0:
             (out / f"resume-w{world}.json").write_text(json.dumps(results))

@@ -10,12 +10,14 @@
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ASYNCCKPT_ADDRESS (save) and
 CKPT_ROOT (load; with VIA=checkpointer on save too: then both go through a
-`Checkpointer` instead of `asyncckpt.save`/`load` of DCP's state dicts); FSDP_KIND (default fsdp2) is the wrapping of this run: fsdp2
-(`fully_shard`), fsdp1 (`FullyShardedDataParallel`: ShardedTensor state dicts) or
+`Checkpointer` instead of `asyncckpt.save`/`load` of DCP's state dicts); FSDP_KIND
+(default fsdp2) is the wrapping of this run: fsdp2 (`fully_shard`), fsdp1
+(`FullyShardedDataParallel`: ShardedTensor state dicts) or
 fsdp1-mesh (FSDP1 with a device mesh: DTensor state dicts); SAVED_KIND, on load, the
 wrapping that saved (the losses must then be equal bit for bit only when both are the
 same at the same world size); EXPECT_CORRUPT, on load with VIA=checkpointer: the step is
-damaged where only some ranks read, and every rank must raise. Prints "OK ..." on success; any failure raises (non-zero exit).
+damaged where only some ranks read, and every rank must raise. Prints "OK ..." on
+success; any failure raises (non-zero exit).
 """
 
 from __future__ import annotations

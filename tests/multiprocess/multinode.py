@@ -220,7 +220,8 @@ class Cluster:
         for i in range(self.n):
             self.runtime_dirs[i].mkdir(mode=0o700, parents=True, exist_ok=True)
             env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                               os.environ.get("PYTHONPATH")])),
                    **self.env, **self.node_env.get(i, {}),
                    "ASYNCCKPT_RUNTIME_DIR": str(self.runtime_dirs[i])}
             env.pop("ASYNCCKPT_ADDRESS", None)
@@ -246,7 +247,8 @@ class Cluster:
                 codes.append(node.wait(max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise TimeoutError(f"nodes still running after {timeout} s:\n{self.outputs()}") from None
+                raise TimeoutError(f"nodes still running after {timeout} s:\n"
+                                   f"{self.outputs()}") from None
         return codes
 
     def kill(self) -> None:

@@ -93,7 +93,8 @@ def main() -> None:
                 asyncckpt.load(root, step=1, into=sd)
             else:
                 dcp.load(sd, storage_reader=StorageReader(root, 2))
-            set_state_dict(fresh, fresh_optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            set_state_dict(fresh, fresh_optim, model_state_dict=sd["model"],
+                           optim_state_dict=sd["optim"])
             problems = compare(want, full_state(fresh, fresh_optim), ())
             assert not problems, f"step {step}: {problems[:5]}"
     dist.barrier()

@@ -42,7 +42,8 @@ def test_dcp_saves_are_asyncckpt_checkpoints(saved, step):
         for name, tensor in want.items():
             assert torch.equal(got[f"model.{name}"], tensor), (step, rank, name)
     objects = asyncckpt.load(root, step=step, rank=0)  # the lowest rank holding each object
-    assert (objects["extra.step"], objects["extra.tag"], objects["extra.shape"]) == (step, b"rank-0", (3, 4))
+    assert ((objects["extra.step"], objects["extra.tag"], objects["extra.shape"])
+            == (step, b"rank-0", (3, 4)))
 
 
 def test_dcp_ranks_given_no_writer_start_their_nodes_own(tmp_path):

@@ -52,7 +52,8 @@ def test_rank_killed_mid_save_fails_the_step_for_everyone(root, tmp_path):
 
 
 def _killed_rank_scenario(writer, root):
-    assert all(l.startswith("COMMITTED") for l in run_ranks(writer.address, 1, world=2).values())
+    assert all(reply.startswith("COMMITTED")
+               for reply in run_ranks(writer.address, 1, world=2).values())
     out = run_ranks(writer.address, 2, world=2, modes={1: "die"}, mib=32)
     assert out[0].startswith("FAILED SaveFailedError"), out
     assert "rank 1" in out[0]
@@ -60,7 +61,8 @@ def _killed_rank_scenario(writer, root):
     assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
     assert_same(worker_state(0, 1), asyncckpt.load(root, rank=0))
     # the writer keeps serving; the same step can be retried by the survivors
-    assert all(l.startswith("COMMITTED") for l in run_ranks(writer.address, 2, world=2).values())
+    assert all(reply.startswith("COMMITTED")
+               for reply in run_ranks(writer.address, 2, world=2).values())
     assert_same(worker_state(1, 2), asyncckpt.load(root, rank=1))
     deadline = time.monotonic() + 10  # the writer unmaps a ring once its rank is gone
     while ring_mappings(writer.pid) and time.monotonic() < deadline:

@@ -25,7 +25,8 @@ def run_world(world: int, mode: str, out: Path, env: dict[str, str], worker: str
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0 and "OK" in text, f"{mode} rank {r}/{world} failed:\n{text[-3000:]}"
+        assert p.returncode == 0 and "OK" in text, (
+            f"{mode} rank {r}/{world} failed:\n{text[-3000:]}")
     return outputs
 
 
