@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from inprocess import InProcessWriter
 
 import asyncckpt
 from asyncckpt.codec import planes, registry
@@ -151,7 +152,7 @@ def test_the_manifest_example_is_what_the_writer_writes(tmp_path):
     """Everything but the time, the version and what zstd's own version may change."""
     state = {"model": {"w": torch.arange(1_000_000, dtype=torch.float32).reshape(1000, 1000)},
              "step": 100}
-    with asyncckpt.start_writer(tmp_path / "ckpt", codec="zstd") as writer:
+    with InProcessWriter(tmp_path / "ckpt", codec="zstd") as writer:
         assert ClientKnobs().slot_size == 4 << 20  # "4 MiB by default"
         with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
             client.save(100, state).wait(60)

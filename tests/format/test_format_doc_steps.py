@@ -21,6 +21,7 @@ import torch
 import xxhash
 from conftest import SMALL_RING, assert_same
 from in_parts import to_parts
+from inprocess import InProcessWriter
 from test_format_doc import DOC, doc_header, table, table_of, ticked
 
 import asyncckpt
@@ -55,7 +56,7 @@ def state() -> dict:
 
 
 def save(root: Path, step: int, codec: str) -> Path:
-    with asyncckpt.start_writer(root, codec=codec) as w:
+    with InProcessWriter(root, codec=codec) as w:
         with asyncckpt.connect(w.address, rank=0, world_size=1, **SMALL_RING) as client:
             client.save(step, state()).wait(60)
     return root / step_dir_name(step)
@@ -249,7 +250,7 @@ def test_a_dcp_step_looks_as_documented(tmp_path):
     assert "the state's\n  key path joined by `.`" in DOC and "`placements` `[\"chunk\"]`" in DOC
     state = {"model": {"layers": [{"weight": torch.ones(2, 3)}]}, "scale": torch.tensor(2.0),
              "extra": {"epoch": 3, "seen": {1, 2}}}
-    with asyncckpt.start_writer(tmp_path / "ckpt", codec="raw") as w:
+    with InProcessWriter(tmp_path / "ckpt", codec="raw") as w:
         with asyncckpt.connect(w.address, rank=0, world_size=1, **SMALL_RING) as client:
             dcp.save(state, storage_writer=StorageWriter(w.root, 4, client=client))
     part = body(tmp_path / "ckpt" / step_dir_name(4))["ranks"][0]

@@ -19,6 +19,7 @@ import torch
 import xxhash
 from conftest import SMALL_RING, assert_same
 from hostile_rank import HostileRank  # noqa: E402
+from inprocess import InProcessWriter
 
 import asyncckpt
 from asyncckpt.cli import main as cli
@@ -40,7 +41,7 @@ def state(step: int) -> dict:
 
 
 def save(root: Path, step: int, codec: str) -> None:
-    with asyncckpt.start_writer(root, codec=codec) as w:
+    with InProcessWriter(root, codec=codec) as w:
         with asyncckpt.connect(w.address, rank=0, world_size=1, **SMALL_RING) as client:
             client.save(step, state(step)).wait(60)
 
@@ -162,7 +163,7 @@ def test_a_part_file_repeating_a_key_is_refused(roots):
 
 def test_the_writer_refuses_a_save_whose_tree_repeats_a_dict_key(tmp_path):
     root = tmp_path / "ckpt"
-    with asyncckpt.start_writer(root, codec="raw") as writer:
+    with InProcessWriter(root, codec="raw") as writer:
         with HostileRank(writer.address) as h:
             h.begin(1, 5, [["a", "U8", [16]]],
                     {"dict": [["a", {"tensor": "a"}], ["b", 1], ["b", 2]]})

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_RING, assert_same, running_writer, small_ring_client
+from conftest import SMALL_RING, assert_same, small_ring_client
+from inprocess import InProcessWriter, inprocess_writer
 
 import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
@@ -35,14 +36,14 @@ def json_round_trip(state: object) -> object:
 
 
 @pytest.fixture(scope="module")
-def mwriter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[asyncckpt.WriterProcess]:
-    """One writer for the module's save() tests (starting one costs ~0.3 s)."""
-    with running_writer(tmp_path_factory.mktemp("tree")) as w:
+def mwriter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessWriter]:
+    """One writer for the module's save() tests, in this process (tests/inprocess.py)."""
+    with inprocess_writer(tmp_path_factory.mktemp("tree")) as w:
         yield w
 
 
 @pytest.fixture
-def mclient(mwriter: asyncckpt.WriterProcess) -> Iterator[asyncckpt.Client]:
+def mclient(mwriter: InProcessWriter) -> Iterator[asyncckpt.Client]:
     with small_ring_client(mwriter) as c:
         yield c
 
