@@ -10,6 +10,7 @@ import torch
 import asyncckpt
 from asyncckpt.cli import main
 from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.registry import open_storage
 
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
@@ -32,6 +33,7 @@ def test_inspect_reports_tensors_and_ratio_per_dtype(client, root, capsys):
     assert main(["inspect", str(root / "nothing")]) == 2
 
 
+@pytest.mark.process
 def test_gc_keeps_last_and_every_and_refuses_a_live_writer(tmp_path, capsys):
     root = tmp_path / "gc"
     writer = asyncckpt.start_writer(root, log_file=tmp_path / "w.log")
@@ -44,7 +46,8 @@ def test_gc_keeps_last_and_every_and_refuses_a_live_writer(tmp_path, capsys):
     capsys.readouterr()
     assert main(["gc", str(root), "--keep-last", "2", "--keep-every", "30", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["deleted_steps"] == [10, 20, 40, 50] and out["removed_tmp"] == ["step-00000099.tmp-ab"]
+    assert out["deleted_steps"] == [10, 20, 40, 50]
+    assert out["removed_tmp"] == ["step-00000099.tmp-ab"]
     assert PosixStorage(root).committed_steps() == out["kept_steps"] == [30, 60, 70]
     assert not (root / "step-00000099.tmp-ab").exists()
     assert PosixStorage(root).read_latest() == 70
@@ -71,3 +74,62 @@ def test_inspect_marks_a_name_it_cuts(client, root, capsys):
     rows = capsys.readouterr().out.splitlines()
     assert any(f" {long[:39]}… " in row for row in rows)
     assert any(" short " in row and "…" not in row for row in rows)
+
+
+@pytest.fixture(params=["posix", "s3"])
+def any_root(request, tmp_path) -> str:
+    """A fresh root of each backend, by its text."""
+    return str(tmp_path / "root") if request.param == "posix" else \
+        request.getfixturevalue("s3_root")
+
+
+def _abandon(root: str, step: int, size: int) -> str:
+    """A save of `step` that a writer began and never published; where it lies."""
+    storage = open_storage(root)
+    tmp = storage.make_tmp(step)
+    out = storage.create_data_file(tmp, "rank-00000.safetensors.zst", 0)
+    out.append([memoryview(b"x" * size)])
+    out.sync()
+    out.close()
+    return str(tmp)
+
+
+@pytest.mark.process
+def test_ls_and_gc_behave_the_same_on_both_backends(any_root, tmp_path, capsys):
+    """`ls` lists a save under way on a bucket too (it listed the root with os.listdir,
+    so a bucket's never showed), and `gc` sweeps it and prunes alike on both."""
+    writer = asyncckpt.start_writer(any_root, log_file=tmp_path / "w.log")
+    with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+        for step in (1, 2, 3):
+            client.save(step, {"s": torch.tensor(step)}).wait(60)
+    writer.stop()
+    where = _abandon(any_root, 4, 4096)
+    capsys.readouterr()
+    assert main(["ls", "--json", any_root]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["state"], r["latest"]) for r in rows] == [
+        (1, "committed", False), (2, "committed", False), (3, "committed", True),
+        (4, "in-progress", False)]
+    assert rows[3]["path"] == where and rows[3]["stored_bytes"] == 4096
+    assert 0 <= rows[3]["age_seconds"] < 600
+    assert main(["ls", any_root]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[:2] == ["4", "in-progress"]
+
+    hold = open_storage(any_root).take("another job")
+    try:
+        assert main(["gc", any_root, "--keep-last", "1"]) == 3  # a writer holds the root
+    finally:
+        hold.release()
+    capsys.readouterr()
+    assert main(["gc", any_root, "--keep-last", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["deleted_steps"] == [1] and len(out["removed_tmp"]) == 1
+    assert out["kept_steps"] == open_storage(any_root).committed_steps() == [2, 3]
+    assert main(["ls", "--json", any_root]) == 0
+    assert [r["state"] for r in json.loads(capsys.readouterr().out)] == ["committed"] * 2
+
+
+@pytest.mark.parametrize("command", [["ls"], ["gc", "--keep-last", "1"]])
+def test_ls_and_gc_refuse_a_root_that_holds_nothing(command, tmp_path, capsys):
+    assert main([*command, str(tmp_path / "absent")]) == 2
+    assert "asyncckpt" in capsys.readouterr().err

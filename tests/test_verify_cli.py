@@ -94,6 +94,7 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     yield {"root": root, "index": index, **results}
 
 
+@pytest.mark.process  # runs a command
 def test_console_script_verify_reports_ok_and_corrupt(cli_runs):
     rc, out, err = cli_runs["verify"]
     root = cli_runs["root"]
@@ -328,6 +329,7 @@ def test_ls_empty_root(tmp_path, capsys):
 
 # -- data files are standard safetensors / zstd ------------------------------------------------------
 
+@pytest.mark.process  # runs a command
 def test_data_file_is_standard_safetensors(saved, tmp_path):
     """raw: the file *is* safetensors; zstd: `zstd -d` turns it into one."""
     path = saved.step_dir(2) / saved.data_name

@@ -567,6 +567,15 @@ class Storage(ABC):
 
     # -- a several-node commit ---------------------------------------------------------
 
+    def make_node_folder(self, tmp: Location, node_dir: str) -> None:
+        """Make folder `node_dir` in tmp area `tmp`, where a node's writer puts its ranks'
+        files. Here nothing: a store whose folders are implied by its keys has none.
+
+        Raises:
+            OSError: (a directory tree) it cannot be made, or exists.
+        """
+        return None
+
     @abstractmethod
     def write_node_part(self, tmp: Location, files: dict[str, bytes]) -> None:
         """Write a node's part files (`node-00008/rank-00009.json`: name relative to its

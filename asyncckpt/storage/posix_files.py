@@ -94,6 +94,9 @@ class PosixFiles:
 
     # -- a several-node commit: each node's folder, moved into the leader's tmp --------
 
+    def make_node_folder(self, tmp: Location, node_dir: str) -> None:
+        (as_local(tmp) / node_dir).mkdir()
+
     def write_node_part(self, tmp: Location, files: dict[str, bytes]) -> None:
         """Each file created new (O_EXCL: a node's folder is new for each save) and
         fsynced, then the node folders they are in."""

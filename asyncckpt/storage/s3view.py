@@ -155,8 +155,18 @@ class S3View(S3Objects):
         return bool(answer.get("Contents"))
 
     def is_object(self, location: Location) -> bool:
+        """An object at `location` (a step's file: where its manifest puts it)."""
         path = as_object(location)
-        return bool(path.key) and self._head_at(path) is not None
+        return bool(path.key) and self._head_at(self._mapped(path)) is not None
+
+    def _mapped(self, path: ObjectPath) -> ObjectPath:
+        """`path`, or, for a file of a step (or retired step) of this root, the object
+        that holds it (`_object_of`)."""
+        for ancestor in path.parents:
+            if self._step_of_dir(ancestor) is not None:
+                return self._object(self._object_of(ancestor, "/".join(
+                    path.parts[len(ancestor.parts):])))
+        return path
 
     def _head_at(self, path: ObjectPath) -> dict[str, Any] | None:
         try:
@@ -219,7 +229,7 @@ class S3View(S3Objects):
 
     def read_bytes(self, path: Location, limit: int = SMALL_FILE_MAX) -> bytes | None:
         """One GET of at most `limit` + 1 bytes."""
-        key = self.key_at(path)
+        key = self.key_at(path) and self._mapped(as_object(path)).key
         got = self._get(key, limit) if key else None
         return None if got is None else got[0]
 
