@@ -16,7 +16,8 @@ from asyncckpt.errors import StepAlreadyCommittedError, WriterUnavailableError
 
 def make_model(seed: int = 0, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                torch.nn.Linear(width, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt
 
@@ -92,7 +93,8 @@ def test_busy_policies(shared):
     client = asyncckpt.connect(shared.address, rank=0, world_size=1,
                                slot_size=16 << 10, ring_size=32 << 10)
     big = {"w": torch.randn(2 << 20)}
-    skip = Checkpointer(root, client=client, options=CheckpointerOptions(save_interval=1, on_busy="skip"))
+    skip = Checkpointer(root, client=client,
+                        options=CheckpointerOptions(save_interval=1, on_busy="skip"))
     assert skip.save(steps[0], extra=big) is not None
     with pytest.warns(UserWarning, match=f"skipping the save of step {steps[1]}"):
         assert skip.save(steps[1], extra=big) is None
@@ -102,7 +104,8 @@ def test_busy_policies(shared):
     block.save(steps[3], extra=big)
     assert first.done()  # "block" waited for the 3rd step before starting the 4th
     queue = Checkpointer(root, client=client,
-                         options=CheckpointerOptions(save_interval=1, on_busy="queue", max_in_flight=3))
+                         options=CheckpointerOptions(save_interval=1, on_busy="queue",
+                                                     max_in_flight=3))
     handles = [queue.save(s, extra=big) for s in steps[4:]]
     queue.close()
     block.close()
@@ -344,7 +347,8 @@ def test_replace_and_keep_from_reach_the_writer(writer, root):
         ckpt.client.close()
 
 
-def test_restore_skips_a_step_that_retention_deletes_while_it_looks(three_steps, monkeypatch, caplog):
+def test_restore_skips_a_step_that_retention_deletes_while_it_looks(three_steps, monkeypatch,
+                                                                   caplog):
     """A writer still running on the root may prune the newest step between restore's
     listing and its load: that step is skipped like a damaged one, not fatal."""
     import shutil
@@ -527,7 +531,8 @@ def test_two_checkpointers_on_two_roots_each_save_and_restore_their_own(tmp_path
         first.save(step)
         assert "ASYNCCKPT_ADDRESS" not in os.environ  # the user's environment is untouched
         second.save(step)
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('ASYNCCKPT_ADDRESS'))"],
+    child = subprocess.run([sys.executable, "-c",
+                            "import os; print(os.environ.get('ASYNCCKPT_ADDRESS'))"],
                            capture_output=True, text=True, check=True)
     assert child.stdout.strip() == "None"  # a process spawned now inherits no address
     assert first.writer.root != second.writer.root

@@ -18,6 +18,7 @@ from asyncckpt.format.layout import DTYPE_SIZES, MAX_WORLD
 from asyncckpt.ipc.options import SaveOptions
 
 MAX_DIMS = 64        # a tensor's shape: at most this many dimensions
+MAX_SLOTS = 1 << 16  # a rank's ring: at most this many slots
 _MAX_TENSOR_BYTES = 1 << 62
 
 TensorEntry = tuple[str, str, tuple[int, ...]]  # name, dtype, shape: one tensor of a begin
@@ -61,6 +62,14 @@ def str_field(m: dict[str, Any], key: str) -> str:
 
 
 REQUIRED = {"int": int_field, "str": str_field}  # a field's annotation -> its check
+
+
+def check_ring(slot_size: int, slots: int) -> None:
+    """A hello's or new_ring's ring. Raises ProtocolError unless 1..MAX_SLOTS slots of a
+    positive size."""
+    if slot_size <= 0 or not 0 < slots <= MAX_SLOTS:
+        raise ProtocolError(f"a ring of {slots} slots of {slot_size} bytes is refused "
+                            f"(slots 1..{MAX_SLOTS}, slot_size > 0)")
 
 
 def node_ranks(value: Any) -> NodeRanks | None:

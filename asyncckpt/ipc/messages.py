@@ -49,6 +49,7 @@ from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import MAX_WORLD
 from asyncckpt.format.tree import check_tree
 from asyncckpt.ipc.fields import (
+    MAX_SLOTS,
     OPTION_KEYS,
     REQUIRED,
     NodeRanks,
@@ -56,6 +57,7 @@ from asyncckpt.ipc.fields import (
     Refusal,
     TensorEntry,
     as_json,
+    check_ring,
     decode,
     dumps,
     int_field,
@@ -70,10 +72,10 @@ from asyncckpt.ipc.fields import (
 )
 from asyncckpt.ipc.options import NO_OPTIONS, SaveOptions
 
-__all__ = ["MESSAGES", "Message", "NodePart", "NodeRanks", "ProtocolError", "SaveOptions",
-           "TensorEntry", "decode", "dumps", "message_list", "parse", "wire_fields"]
+__all__ = ["MAX_SLOTS", "MESSAGES", "Message", "NodePart", "NodeRanks", "ProtocolError",
+           "SaveOptions", "TensorEntry", "decode", "dumps", "message_list", "parse",
+           "wire_fields"]
 
-MAX_SLOTS = 1 << 16  # a rank's ring: at most this many slots
 MAX_ROOT = 4096      # a checkpoint root named in a hello: at most this many characters
 
 
@@ -120,13 +122,6 @@ class Message:
 def wire_fields(cls: type[Message]) -> list[dataclasses.Field]:
     """The fields of `cls` that travel (all but those computed on receipt)."""
     return [f for f in dataclasses.fields(cls) if f.metadata.get("wire", True)]
-
-
-def check_ring(slot_size: int, slots: int) -> None:
-    """Raises ProtocolError unless 1..MAX_SLOTS slots of a positive size."""
-    if slot_size <= 0 or not 0 < slots <= MAX_SLOTS:
-        raise ProtocolError(f"a ring of {slots} slots of {slot_size} bytes is refused "
-                            f"(slots 1..{MAX_SLOTS}, slot_size > 0)")
 
 
 # rank -> writer

@@ -38,7 +38,6 @@ from typing import Any
 from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import CheckpointError, SaveFailedError, WriterUnavailableError, error_class
 from asyncckpt.ipc import messages, protocol, ring
-from asyncckpt.ipc.messages import NodeRanks
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.rank import handle as handles
 from asyncckpt.rank.agreement import Agreement
@@ -236,8 +235,7 @@ class Client:
         """Who takes part in this client's next save of `step`."""
         if self._agreement is None:
             return Route(self.world_size)
-        return Route(self.world_size, self._agreement.key(step),
-                     NodeRanks(*self._agreement.coordinator.node))
+        return Route(self.world_size, self._agreement.key(step), self._agreement.coordinator.node)
 
     def close(self, timeout: float | None = None, *, wait_results: bool = True) -> None:
         """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring.

@@ -82,6 +82,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncckpt.errors import SaveFailedError
+from asyncckpt.ipc.messages import NodeRanks
 from asyncckpt.torchutil.ranks import local_world_size
 
 Outcome = dict[str, Any]
@@ -149,8 +150,8 @@ class StoreCoordinator:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
-        self.node = node or (rank, 1)
-        self.is_lead = rank == self.node[0]
+        self.node = NodeRanks(*(node or (rank, 1)))
+        self.is_lead = rank == self.node.first
         self.beat_period = timeout / 4
         self.node_name = os.environ.get("GROUP_RANK", "?")
         self.host = socket.gethostname()
@@ -211,12 +212,12 @@ class StoreCoordinator:
             self.listen()
         else:
             self.beat_store.append(f"{self.base}/beats",
-                                   f"{self.node[0]}:{self.node[1]}:{self.node_name} ")
+                                   f"{self.node.first}:{self.node.size}:{self.node_name} ")
 
     def listen(self) -> None:
         """The leader: take the beats sent since the last look."""
         key, store = f"{self.base}/beats", self.beat_store
-        self._heard[self.node[0]] = (self.node[1], time.monotonic())  # its own node is here
+        self._heard[self.node.first] = (self.node.size, time.monotonic())  # its own node is here
         if not store.check([key]):
             return
         data = store.get(key)
@@ -233,7 +234,7 @@ class StoreCoordinator:
         have been silent for `timeout` (since `began` for a node never heard from), as a
         message; None if every missing rank's node beat lately."""
         now = time.monotonic()
-        self._heard[self.node[0]] = (self.node[1], now)  # the leader's own node is here
+        self._heard[self.node.first] = (self.node.size, now)  # the leader's own node is here
         covered = sorted(announced)
         missing, end = [], 0
         for first, count in covered + [(self.world_size, 0)]:
@@ -435,7 +436,7 @@ class StoreCoordinator:
         again (its lead, or the rank speaking for it, once per save); the last node to
         say so deletes them. Counted in ranks, so that a node counts the same whoever
         speaks for it."""
-        if self.store.add(f"{prefix}/read", self.node[1]) >= self.world_size:
+        if self.store.add(f"{prefix}/read", self.node.size) >= self.world_size:
             self.forget(prefix)
 
     def leave(self, prefix: str | None) -> None:

@@ -30,7 +30,6 @@ from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.storage.base import Storage
-from asyncckpt.storage.location import is_object
 from asyncckpt.writer import commit, owners
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.retention import check_references, check_replaceable, prune
@@ -60,12 +59,13 @@ def release(step: int, index: DedupIndex | None) -> None:
         index.release(step)
 
 
-def sweep_dead(root: Location) -> None:
-    """Remove what writers that are gone left under `root` (a local root: an object
-    store's writers hold no owner files, their leftovers are swept by age)."""
-    if is_object(root):
+def sweep_dead(storage: Storage) -> None:
+    """Remove what writers that are gone left in `storage`'s root (a local directory: an
+    object store's writers hold no owner files, their leftovers are swept by age)."""
+    directory = storage.local_dir()
+    if directory is None:
         return
-    for name in owners.sweep_dead(root):
+    for name in owners.sweep_dead(directory):
         log.info("removed %s, left by a writer that is gone", name)
 
 
@@ -125,7 +125,7 @@ class Committer:
         release(current.number, self._index)
         self._prune(current)
         if current.nodes is not None:  # what writers that are gone left
-            sweep_dead(self.root)
+            sweep_dead(self.storage)
         if self._on_commit:
             try:
                 self._on_commit(manifest, current)

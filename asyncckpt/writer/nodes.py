@@ -151,7 +151,7 @@ class SeveralNodes:
         release(step, steps.index)
         if error is not None and not committing:  # and what dead writers left (several nodes)
             steps.storage.discard(current.tmp_dir)
-            sweep_dead(steps.root)
+            sweep_dead(steps.storage)
 
     def orphaned_by(self, rank: int) -> list[Step]:
         """The coordinated steps whose node `rank` led and had made durable: another

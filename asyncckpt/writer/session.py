@@ -43,15 +43,9 @@ from asyncckpt.format.layout import TensorSpec, layout
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.ipc.messages import MAX_SLOTS, NodeRanks, ProtocolError
 from asyncckpt.writer import commit
+from asyncckpt.writer.filespec import FileSettings, FileTarget, Reuse, Stream, Unchanged
 from asyncckpt.writer.nodes import NodeJoin
-from asyncckpt.writer.pipeline import (
-    FileSettings,
-    FileTarget,
-    RankFileWriter,
-    Reuse,
-    Stream,
-    Unchanged,
-)
+from asyncckpt.writer.pipeline import RankFileWriter
 
 if TYPE_CHECKING:
     from asyncckpt.config import WriterKnobs

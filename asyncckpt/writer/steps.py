@@ -157,8 +157,8 @@ class Steps:
                                       "committed step and others not", step=step, rank=rank)
             elif rank in current.waiting:
                 raise SaveFailedError("this rank is already saving this step", step=step, rank=rank)
-            if node is not None and current.join_node(rank, node) and not is_object(self.root):
-                (current.tmp_dir / node_dir_name(node[0])).mkdir()
+            if node is not None and current.join_node(rank, node):
+                self.storage.make_node_folder(current.tmp_dir, node_dir_name(node.first))
             current.waiting[rank] = notify
             if join is not None:
                 current.durable[rank] = join.durable

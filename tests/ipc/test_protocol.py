@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 
@@ -43,7 +44,7 @@ def test_handshake_and_messages(tmp_path, monkeypatch):
     conn.close()
 
     def refuse() -> None:
-        with pytest.raises(Exception):
+        with pytest.raises((multiprocessing.AuthenticationError, OSError, EOFError)):
             protocol.accept(sock.accept()[0], key, timeout=5)
 
     thread = threading.Thread(target=refuse)

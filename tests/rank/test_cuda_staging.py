@@ -82,7 +82,8 @@ def test_cuda_state_round_trips_bit_exact_through_a_pinned_ring(client, root):
     path = client.save(1, state).wait(60)
     assert client._device.pinned
     loaded = asyncckpt.load(path)
-    assert_same(loaded, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    assert_same(loaded, {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                         for k, v in state.items()})
     into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     asyncckpt.load(path, into=into)
     assert all(torch.equal(into[k], state[k]) for k in ("w", "b", "t"))
@@ -133,7 +134,7 @@ def test_views_written_on_a_producer_stream_are_staged_as_at_save(big_ring_clien
     for rep in range(REPS):
         with torch.cuda.stream(producer):
             torch.cuda._sleep(SLEEP)
-            for name, base in bases.items():
+            for base in bases.values():
                 base.copy_(pattern(base.shape, rep, "cuda"))
             handle = client.save(rep, {name: VIEWS[name][1](base) for name, base in bases.items()},
                                  keep_last=2)
@@ -151,7 +152,7 @@ def test_views_survive_a_busy_default_stream_that_reuses_freed_memory(big_ring_c
     bases = {name: torch.zeros(shape, dtype=torch.int32, device="cuda")
              for name, (shape, _) in VIEWS.items()}
     for rep in range(REPS):
-        for name, base in bases.items():
+        for base in bases.values():
             base.copy_(pattern(base.shape, rep, "cuda"))
         state = {"a_big": big, **{name: VIEWS[name][1](base) for name, base in bases.items()}}
         handle = client.save(rep, state, keep_last=2)

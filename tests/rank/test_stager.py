@@ -51,7 +51,8 @@ def test_stage_packs_slots_across_tensor_boundaries():
 
         total = stage(tensors, r, acquire=lambda: free.pop(0), emit=emit)
         assert total == len(expected) and b"".join(got) == expected
-        assert [len(g) for g in got[:-1]] == [4096] * (len(got) - 1)  # every frame but the last is full
+        # every frame but the last is full
+        assert [len(g) for g in got[:-1]] == [4096] * (len(got) - 1)
     finally:
         r.close()
 
@@ -59,7 +60,8 @@ def test_stage_packs_slots_across_tensor_boundaries():
 def test_contiguous_tensor_with_odd_strides_on_size_one_dims():
     t = torch.tensor([[-1213]], dtype=torch.int16).as_strided((1, 1), (2, 2))
     assert t.is_contiguous()
-    assert b"".join(p.numpy().tobytes() for p in byte_pieces(t, 64)) == (-1213).to_bytes(2, "little", signed=True)
+    assert b"".join(p.numpy().tobytes() for p in byte_pieces(t, 64)) == (-1213).to_bytes(
+        2, "little", signed=True)
 
 
 def test_slots_held_when_staging_stops_are_given_back():
@@ -127,7 +129,8 @@ class LateCopies(DeviceCopies):
     def unrun_into(self, slot: torch.Tensor) -> list[int]:
         """The queued copies into `slot` that have not run."""
         lo, hi = slot.data_ptr(), slot.data_ptr() + slot.numel()
-        return [i for i in range(self.ran, len(self.queue)) if lo <= self.queue[i][0].data_ptr() < hi]
+        return [i for i in range(self.ran, len(self.queue))
+                if lo <= self.queue[i][0].data_ptr() < hi]
 
     def _pin(self) -> None:
         self._tried_pin = True
@@ -153,7 +156,8 @@ class LateCopies(DeviceCopies):
         self.run(len(self.queue))
 
 
-def stage_late(tensors: list[torch.Tensor], device_tensors: list[torch.Tensor], slot_size: int = 4096,
+def stage_late(tensors: list[torch.Tensor], device_tensors: list[torch.Tensor],
+               slot_size: int = 4096,
                slots: int = 4):
     """Stage through LateCopies; returns (emitted bytes, the LateCopies)."""
     r = ring.Ring.create(slot_size, slots)
@@ -208,7 +212,8 @@ def test_a_failed_save_waits_for_copies_into_its_slots_before_giving_them_back()
         raise RuntimeError("torn")
 
     def release(slot: int) -> None:
-        assert not device.unrun_into(slot_tensor(r, slot)), "slot given back while a copy into it runs"
+        assert not device.unrun_into(slot_tensor(r, slot)), \
+            "slot given back while a copy into it runs"
         released.append(slot)
         free.append(slot)
 
@@ -335,7 +340,7 @@ def test_staging_into_a_fresh_ring_takes_no_page_faults():
         try:
             free = collections.deque(range(r.slots))
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            stage([source], r, acquire=free.popleft, emit=lambda s, n: free.append(s),
+            stage([source], r, acquire=free.popleft, emit=lambda s, n, free=free: free.append(s),
                   copier=copier)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
             assert faults < 0.01 * size / 4096, f"{faults} minor faults for {size >> 12} pages"

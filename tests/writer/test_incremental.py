@@ -179,7 +179,8 @@ def test_steps_fails_a_commit_whose_reference_vanished(tmp_path):
         target = index.lookup(frame.xxh3_128, frame.raw_length, 2)
         from asyncckpt.format.records import Frame, RankPart, Ref
         ref = Frame(0, frame.raw_length, 0, 0, target.codec, target.xxh3_raw, target.xxh3_stored,
-                    target.layout, frame.xxh3_128, Ref(1, target.file, target.offset, target.length))
+                    target.layout, frame.xxh3_128,
+                    Ref(1, target.file, target.offset, target.length))
         (current.tmp_dir / part.file).write_bytes(b"")
         shutil.rmtree(root / "step-00000001")
         steps.end(2, RankPart(0, part.file, part.codec, frame.raw_length, 0, [], [ref], None), {})

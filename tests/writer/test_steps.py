@@ -56,7 +56,8 @@ def test_commits_only_after_the_last_rank(steps, tmp_path):
     assert inbox.got == {} and not (tmp_path / "step-00000007").exists()
     steps.end(7, part(1), {})
     got = inbox.wait(3)
-    assert {r: [p.name for p in v] for r, v in got.items()} == {r: ["step-00000007"] for r in range(3)}
+    assert {r: [p.name for p in v] for r, v in got.items()} == {
+        r: ["step-00000007"] for r in range(3)}
 
 
 def test_failure_reaches_every_rank_and_ranks_that_begin_later(steps, tmp_path):
