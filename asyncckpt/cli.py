@@ -426,7 +426,7 @@ def _copy(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"asyncckpt copy: {e}", file=sys.stderr)
         return 1 if isinstance(e, CorruptCheckpointError) else 2
-    from asyncckpt.format.manifest import read_manifest
+    from asyncckpt.storage.local import read_manifest
     m = read_manifest(out)
     if args.json:
         json.dump({"out": str(out), "step": m.step, "bytes": m.stored_size}, sys.stdout, indent=1)
@@ -443,8 +443,8 @@ def _import_dcp(args: argparse.Namespace) -> int:
         CorruptCheckpointError,
         UntrustedPickleError,
     )
-    from asyncckpt.format.manifest import read_manifest
     from asyncckpt.integrations.dcp_import import import_dcp
+    from asyncckpt.storage.local import read_manifest
     try:
         out = import_dcp(args.source, args.root, args.step, part_bytes=parse_size(args.part_size))
     except (CheckpointError, ValueError) as e:

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 import asyncckpt
-from asyncckpt.format.manifest import read_manifest
 from asyncckpt.read.verification import verify
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.posix import PosixStorage
 
 MiB = 1 << 20

@@ -267,8 +267,8 @@ class AsyncCkpt(Method):
 
     def codec_report(self, step: int) -> dict[str, Any]:
         """Stored/raw per dtype and frames per codec of a committed step (asyncckpt inspect)."""
-        from asyncckpt.format.manifest import read_manifest
         from asyncckpt.read.summary import codec_summary
+        from asyncckpt.storage.local import read_manifest
         return codec_summary(read_manifest(self.output(step)))
 
     def close(self) -> None:

@@ -20,10 +20,10 @@ from torch.utils._pytree import tree_map_only
 import asyncckpt
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.manifest import read_manifest
 from asyncckpt.read import loader as loader_module
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.runtime import procstat
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.posix_read import PosixCheckpointDir
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 

@@ -33,8 +33,8 @@ from test_reader import (  # noqa: F401
 
 from asyncckpt import cli
 from asyncckpt.format.layout import MANIFEST_NAME
-from asyncckpt.format.manifest import read_manifest
 from asyncckpt.rank.flatten import flatten
+from asyncckpt.storage.local import read_manifest
 
 SCRIPT = str(Path(sys.executable).parent / "asyncckpt")
 

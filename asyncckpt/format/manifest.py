@@ -24,8 +24,8 @@ another reader may keep the first, and one checkpoint must never read as two sta
 Keys a reader does not know are ignored in the objects docs/FORMAT.md names, so a later
 writer can add informational ones.
 
-Everything here but `read_manifest` (at the end, with `parts.read_local`) works on bytes
-and does no I/O; a root's part files are read through the callable its caller gives.
+Everything here works on bytes and does no I/O: a root's part files are read through
+the callable its caller gives (a local directory's: storage/local.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from asyncckpt._version import __version__
@@ -46,12 +45,11 @@ from asyncckpt.format.layout import (
     FORMAT_VERSION,
     FORMAT_VERSION_PARTS,
     FORMAT_VERSION_REFS,
-    MANIFEST_NAME,
     MAX_WORLD,
     READABLE_VERSIONS,
     parse_step_dir,
 )
-from asyncckpt.format.parts import PartedRanks, PartEntry, ReadPart, read_local, root_parts
+from asyncckpt.format.parts import PartedRanks, PartEntry, ReadPart, root_parts
 from asyncckpt.format.records import RankPart, as_int, as_time, check, rank_from_json
 
 
@@ -203,27 +201,3 @@ def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int, read: ReadPar
     ranks = [rank_from_json(r, i, max_frame_bytes, step, version == FORMAT_VERSION_REFS)
              for i, r in enumerate(ranks_json)]
     return Manifest(**made, ranks=ranks)
-
-
-# -- the one function here that reads files: local I/O, kept apart from the parsing ---
-
-
-def read_manifest(directory: Path, limits: ReadLimits | None = None) -> Manifest:
-    """Read, size-check, checksum and validate the manifest of local step `directory`
-    (its rank part files, of a root, read when asked for, through `parts.read_local`).
-
-    Raises:
-        CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
-    """
-    limits = limits or ReadLimits.from_env()
-    where = str(directory / MANIFEST_NAME)
-    try:
-        data = read_local(directory, MANIFEST_NAME, limits.max_manifest_bytes)
-    except OSError as e:
-        raise CorruptCheckpointError(f"cannot open manifest: {e.strerror}", file=where) from None
-    except CorruptCheckpointError:
-        raise CorruptCheckpointError(f"manifest is not a regular file of at most "
-                                     f"{limits.max_manifest_bytes} bytes", file=where) from None
-    return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
-                          max_part_bytes=limits.max_manifest_bytes, where=where,
-                          read=lambda name, limit: read_local(directory, name, limit))

@@ -32,12 +32,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
-import os
 import re
-import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, overload
 
 import xxhash
@@ -368,42 +365,3 @@ class PartedRanks(Sequence[RankPart]):
         except OSError as e:
             return CorruptCheckpointError(f"cannot read {name}: {e.strerror or e}",
                                           step=self.step, rank=rank, file=where)
-
-
-def read_local(directory: Path, name: str, limit: int) -> bytes:
-    """A `ReadPart` for a local step directory: `name`'s directories and the file are
-    opened without following a symlink, the file must be regular and at most `limit`
-    bytes (only `limit + 1` bytes are ever read).
-
-    Raises:
-        CorruptCheckpointError: it is not so.
-        OSError: it cannot be opened or read.
-    """
-    *folders, leaf = name.split("/")
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for folder in folders:
-            inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                            dir_fd=dfd)
-            os.close(dfd)
-            dfd = inner
-        fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise CorruptCheckpointError(f"{name} is not a regular file of at most {limit} bytes")
-        chunks, left = [], st.st_size + 1  # one more: a file that grew reads longer
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > limit:
-        raise CorruptCheckpointError(f"{name} is larger than {limit} bytes")
-    return data

@@ -37,11 +37,12 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import FORMAT_VERSION, MANIFEST_NAME
 from asyncckpt.format.manifest import Manifest, check_readable
-from asyncckpt.format.parts import PartEntry, node_part, read_local
+from asyncckpt.format.parts import PartEntry, node_part
 from asyncckpt.format.records import RankPart, admitted_codecs
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.reader import scratch_buffer
 from asyncckpt.storage.durable import fsync_path, write_atomic
+from asyncckpt.storage.local import read_local
 from asyncckpt.storage.paths import local_path
 
 

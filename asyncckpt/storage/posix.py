@@ -397,7 +397,7 @@ class PosixStorage(PosixFiles, Storage):
 
     def read_manifest(self, directory: Location, limits: ReadLimits | None = None) -> Manifest:
         """Every file opened with O_NOFOLLOW, O_NONBLOCK, a regular file only."""
-        from asyncckpt.format.manifest import read_manifest
+        from asyncckpt.storage.local import read_manifest
         return read_manifest(as_local(directory), limits)
 
     # -- the rule for what a step is ---------------------------------------------------

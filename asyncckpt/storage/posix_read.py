@@ -90,7 +90,7 @@ class PosixCheckpointDir(CheckpointDir):
             return False
 
     def read_manifest(self, limits: ReadLimits) -> Manifest:
-        """As `format.manifest.read_manifest`, every file read through the descriptor."""
+        """As `storage.local.read_manifest`, every file read through the descriptor."""
         from asyncckpt.format.manifest import parse_manifest
         where = str(self.path / MANIFEST_NAME)
         try:

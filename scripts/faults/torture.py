@@ -55,10 +55,10 @@ import torture_s3  # noqa: E402
 from torture_rank import expected_state  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt.format.manifest import read_manifest  # noqa: E402
 from asyncckpt.read.verification import verify_checkpoint  # noqa: E402
 from asyncckpt.runtime import faults  # noqa: E402
 from asyncckpt.runtime.procstat import ring_mappings  # noqa: E402
+from asyncckpt.storage.local import read_manifest  # noqa: E402
 from asyncckpt.storage.location import (  # noqa: E402
     Location,
     ObjectPath,

@@ -23,8 +23,9 @@ from asyncckpt.codec.registry import BytegroupCodec, FrameHints, PlaneLayout, ma
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import layout
-from asyncckpt.format.manifest import Manifest, parse_manifest, read_manifest
+from asyncckpt.format.manifest import Manifest, parse_manifest
 from asyncckpt.format.records import Frame, RankPart
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
 # -- planes ---------------------------------------------------------------------------------------

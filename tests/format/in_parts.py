@@ -13,9 +13,10 @@ import itertools
 from pathlib import Path
 
 from asyncckpt.format.layout import MANIFEST_NAME, node_dir_name
-from asyncckpt.format.manifest import Manifest, read_manifest
+from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.parts import PartEntry, node_part
 from asyncckpt.format.records import RankPart
+from asyncckpt.storage.local import read_manifest
 
 
 def firsts(sizes: list[int]) -> list[int]:

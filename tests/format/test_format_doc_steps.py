@@ -35,10 +35,10 @@ from asyncckpt.format.layout import (
     ROOT_ID_NAME,
     step_dir_name,
 )
-from asyncckpt.format.manifest import read_manifest
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.copying import copy_step
 from asyncckpt.read.loader import load_parts
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.storage.posix_lock import RootLock, root_id
 from asyncckpt.writer import commit

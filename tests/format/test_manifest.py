@@ -20,8 +20,9 @@ import xxhash
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, layout
-from asyncckpt.format.manifest import Manifest, parse_manifest, read_manifest
+from asyncckpt.format.manifest import Manifest, parse_manifest
 from asyncckpt.format.records import Frame, RankPart
+from asyncckpt.storage.local import read_manifest
 
 MAX_FRAME = 1 << 20
 ENVELOPE = re.compile(rb'\A\{"xxh3":"([0-9a-f]{16})","manifest":(.*)\}\n\Z', re.S)

@@ -25,9 +25,10 @@ import asyncckpt
 from asyncckpt.cli import main as cli
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, node_dir_name
-from asyncckpt.format.manifest import parse_manifest, read_manifest
+from asyncckpt.format.manifest import parse_manifest
 from asyncckpt.format.parts import node_part, parse_rank_part, part_entry
 from asyncckpt.format.tree import check_tree
+from asyncckpt.storage.local import read_manifest
 
 PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')
 

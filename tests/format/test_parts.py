@@ -36,7 +36,7 @@ from asyncckpt.format.layout import (
     parse_node_entry,
     rank_part_name,
 )
-from asyncckpt.format.manifest import Manifest, check_readable, parse_manifest, read_manifest
+from asyncckpt.format.manifest import Manifest, check_readable, parse_manifest
 from asyncckpt.format.parts import (
     PartedRanks,
     PartEntry,
@@ -47,6 +47,7 @@ from asyncckpt.format.parts import (
     rank_part_to_bytes,
 )
 from asyncckpt.format.records import Frame, RankPart, Ref
+from asyncckpt.storage.local import read_manifest
 
 MAX_FRAME = 1 << 20
 STEP = 1200

@@ -16,9 +16,9 @@ from inprocess import InProcessWriter, inprocess_writer
 
 import asyncckpt
 from asyncckpt.errors import CorruptCheckpointError, UnsupportedStateError
-from asyncckpt.format.manifest import read_manifest
 from asyncckpt.format.tree import check_tree, tensor_paths, unflatten
 from asyncckpt.rank.flatten import flatten
+from asyncckpt.storage.local import read_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support:UserWarning",
                                         "ignore:torch.quantize_per_tensor:UserWarning")

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import asyncckpt
 from asyncckpt.dcp import StorageReader
 from asyncckpt.errors import UntrustedPickleError
-from asyncckpt.format.manifest import read_manifest
+from asyncckpt.storage.local import read_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

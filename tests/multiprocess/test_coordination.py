@@ -16,7 +16,7 @@ from conftest import assert_same
 from torch.distributed import TCPStore
 
 import asyncckpt
-from asyncckpt.format.manifest import read_manifest
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.posix import PosixStorage
 
 WORLD, PER_NODE = 4, 2

@@ -25,7 +25,7 @@ import pytest
 from multinode import Cluster, ring_mapping_pids, wait_for
 
 from asyncckpt.format.layout import tmp_step_of
-from asyncckpt.format.manifest import read_manifest
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.storage.posix_lock import RootLock

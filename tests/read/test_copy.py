@@ -19,7 +19,7 @@ from conftest import SMALL_RING, assert_same
 
 import asyncckpt
 from asyncckpt.cli import main as cli
-from asyncckpt.format.manifest import read_manifest
+from asyncckpt.storage.local import read_manifest
 
 # what each suffix's file may hold (docs/FORMAT.md's codec table), spelled out here
 ALLOWED = {"raw": {"raw"}, "zstd": {"zstd"}, "bytegroup": {"bytegroup", "raw"}}

@@ -146,7 +146,7 @@ def test_tied_embeddings_are_stored_once_and_come_back_tied(shared, tmp_path):
     wte = state["transformer.wte.weight"]
     shared.client.save(first, {"model": state}).wait(60)
     shared.client.save(second, {"model": {k: v.clone() for k, v in state.items()}}).wait(60)  # untied copy
-    from asyncckpt.format.manifest import read_manifest  # raw streams: step 2 is incremental
+    from asyncckpt.storage.local import read_manifest  # raw streams: step 2 is incremental
     tied, untied = (read_manifest(root / f"step-{s:08d}").raw_size for s in (first, second))
     assert untied - tied >= wte.numel() * wte.element_size()  # the tied copy is not written
 

@@ -30,13 +30,14 @@ import asyncckpt
 from asyncckpt import cli
 from asyncckpt.errors import CorruptCheckpointError, SaveFailedError
 from asyncckpt.format.layout import MANIFEST_NAME
-from asyncckpt.format.manifest import Manifest, read_manifest
+from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.parts import node_part
 from asyncckpt.format.records import RankPart
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.copying import copy_step
 from asyncckpt.read.loader import load_parts
 from asyncckpt.read.summary import inspect_summary
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.storage.posix_read import PosixCheckpointDir
 from asyncckpt.writer import commit

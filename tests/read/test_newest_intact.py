@@ -19,9 +19,9 @@ from test_incremental import SLOT, save_all, state
 import asyncckpt
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.manifest import read_manifest
 from asyncckpt.read import loader
 from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.storage.local import read_manifest
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -23,9 +23,10 @@ from conftest import SMALL_RING, assert_same
 import asyncckpt
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from asyncckpt.format.layout import MANIFEST_NAME, data_file_name, layout
-from asyncckpt.format.manifest import Manifest, read_manifest
+from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import Frame, RankPart
 from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.storage.local import read_manifest
 
 SLOT = SMALL_RING["slot_size"]
 

@@ -287,3 +287,21 @@ def test_a_manifest_naming_a_folder_outside_its_step_is_refused(storage):
     storage._put(storage._manifest_key(8), manifest(8), {"asyncckpt-data": "../step-00000007"})
     with pytest.raises(ObjectStoreError, match="is not an attempt folder"):
         storage.open_step_file(8, rank_file(0))
+
+
+def test_questions_about_paths_share_one_storage_per_root(storage, s3_root, monkeypatch):
+    """`exists`, `is_dir`, `list_names`... made a new S3Storage on every call (a client
+    lookup and a node-map cache thrown away each time); now one per root is shared."""
+    from asyncckpt.storage import location
+    write_step(storage, 1, [b"data"])
+    made = []
+    real = S3Storage.__init__
+    monkeypatch.setattr(S3Storage, "__init__",
+                        lambda self, *a, **k: (made.append(a), real(self, *a, **k))[1])
+    step = root_path(s3_root) / "step-00000001"
+    for _ in range(3):
+        assert location.exists(step) and location.is_dir(step)
+        assert location.is_file(step / rank_file(0))  # in the attempt folder its manifest names
+        assert rank_file(0) in location.list_names(step)
+        assert location.read_bytes(step / rank_file(0)) == b"data"
+    assert len(made) <= 1

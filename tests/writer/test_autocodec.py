@@ -10,7 +10,7 @@ import asyncckpt
 from asyncckpt.format import encoding
 from asyncckpt.format.encoding import FrameEncoder
 from asyncckpt.format.layout import TensorSpec
-from asyncckpt.format.manifest import read_manifest
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.writer.autocodec import CodecChooser
 
 GB = 1e9

@@ -17,9 +17,10 @@ from conftest import assert_same
 import asyncckpt
 from asyncckpt.cli import main as cli
 from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
-from asyncckpt.format.manifest import Manifest, read_manifest
+from asyncckpt.format.manifest import Manifest
 from asyncckpt.read.reader import RankReader
 from asyncckpt.read.verification import verify
+from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import retention
 

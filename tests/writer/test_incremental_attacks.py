@@ -13,8 +13,8 @@ from conftest import assert_same
 from test_incremental import SLOT, save_all, state
 
 import asyncckpt
-from asyncckpt.format.manifest import read_manifest
 from asyncckpt.read.verification import verify
+from asyncckpt.storage.local import read_manifest
 
 
 def flip_referenced_byte(root: Path, step: int, referencing: int) -> None:

@@ -12,9 +12,9 @@ from conftest import assert_same
 from torch.utils._pytree import tree_map_only
 
 import asyncckpt
-from asyncckpt.format.manifest import read_manifest
 from asyncckpt.ipc.messages import Begin, ProtocolError, parse
 from asyncckpt.read.verification import verify
+from asyncckpt.storage.local import read_manifest
 
 SLOT = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 BIG = 100_000  # float32 elements: 400 KB, several 64 KiB frames
