@@ -17,6 +17,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,8 @@ sys.path[:0] = [str(_TESTS.parent / "scripts" / "faults")] + sorted(
     str(d) for d in _TESTS.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
 
 SMALL_RING = {"slot_size": 64 << 10, "ring_size": 256 << 10}
+RING_RELEASE_S = 5.0  # seconds an in-process writer's session has to unmap a closed rank's ring
+RING_RELEASE_POLL_S = 0.01
 
 AnyWriter = WriterProcess | InProcessWriter  # what the writer helpers below take
 
@@ -59,8 +62,13 @@ def shm_segments() -> list[str]:
 
 @pytest.fixture(autouse=True)
 def no_leaked_shared_memory() -> Iterator[None]:
+    """No ring outlives its test. An in-process writer maps each ring too, and its session
+    unmaps it on its own thread once the rank hung up: that is given RING_RELEASE_S."""
     before = len(shm_segments())  # rings of module-scoped clients stay mapped across tests
     yield
+    deadline = time.monotonic() + RING_RELEASE_S
+    while len(shm_segments()) > before and time.monotonic() < deadline:
+        time.sleep(RING_RELEASE_POLL_S)
     assert len(shm_segments()) <= before, "a test left an asyncckpt ring mapped"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import running_writer
+from inprocess import inprocess_writer
 
 import asyncckpt
 from asyncckpt.format.layout import MANIFEST_NAME, step_dir_name
@@ -32,7 +32,7 @@ def save_two_versions(base: Path, make: Callable[[int], dict]) -> dict[int, Path
     """Step STEP saved as `make(1)`, then replaced by `make(2)`, each committed version
     copied aside as a directory to swap in: {seed: directory}."""
     kept = {}
-    with running_writer(base, codec="zstd") as w, \
+    with inprocess_writer(base, codec="zstd") as w, \
             asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=16 << 10,
                               ring_size=64 << 10) as c:
         for seed in (1, 2):

@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 import zstandard
 from conftest import SMALL_RING, assert_same
+from inprocess import InProcessWriter
 
 import asyncckpt
 from asyncckpt.cli import main as cli
@@ -39,7 +40,7 @@ def state(step: int) -> dict:
 
 
 def save(root: Path, step: int, codec: str) -> None:
-    with asyncckpt.start_writer(root, codec=codec, log_file=root.parent / f"writer-{step}.log") as w:
+    with InProcessWriter(root, codec=codec) as w:
         with asyncckpt.connect(w.address, rank=0, world_size=1, **SMALL_RING) as client:
             client.save(step, state(step)).wait(60)
 

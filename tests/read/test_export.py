@@ -1,7 +1,7 @@
 """`asyncckpt export`: a Hugging Face directory that safetensors and transformers load.
 
-Most tests save to the session's writer of their codec (`shared`) and export their own
-newest step or name it."""
+Most tests save to the session's writer of their codec (`shared`, here the in-process
+one: tests/inprocess.py) and export their own newest step or name it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,17 @@ import json
 
 import pytest
 import torch
+from conftest import SharedWriter
 from safetensors.torch import load_file
 
 import asyncckpt
 from asyncckpt.cli import main
+
+
+@pytest.fixture
+def shared(inproc_shared: SharedWriter) -> SharedWriter:
+    """The session's in-process writer of the codec (it overrides the process fixture)."""
+    return inproc_shared
 
 
 def tiny_bert():
@@ -81,7 +88,7 @@ def test_an_export_without_a_config_says_so(shared, tmp_path, caplog):
 def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
     """Two ranks save a BERT as DTensors (Shard(0) and Shard(1) mixed, the embeddings
     replicated); the export assembles every tensor and transformers gets identical outputs."""
-    from conftest import running_writer
+    from inprocess import inprocess_writer
     from test_sharded import dtensor_of, save_ranks
     from torch.distributed.tensor import Replicate, Shard
 
@@ -93,7 +100,7 @@ def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
             return (Replicate(),)
         return (Shard(t.dim() - 1),) if "dense" in name else (Shard(0),)
 
-    with running_writer(tmp_path, codec="zstd") as w:
+    with inprocess_writer(tmp_path, codec="zstd") as w:
         save_ranks(w.address, 2, lambda r: {"model": {k: dtensor_of(v, (2,), placement(k, v))
                                                       for k, v in full.items()}}, step=1)
     out = tmp_path / "hf"

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import running_writer
+from inprocess import inprocess_writer
 from safetensors.torch import load_file
 
 import asyncckpt
 from asyncckpt.cli import main
 from asyncckpt.read.export import INDEX_NAME
-
-pytestmark = pytest.mark.process  # jobs > 1 starts export processes
 
 
 def model(layers: int = 8) -> dict[str, torch.Tensor]:
@@ -29,7 +27,7 @@ def model(layers: int = 8) -> dict[str, torch.Tensor]:
 def step(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A raw-codec step of 8 tensors of 256 KiB each."""
     base = tmp_path_factory.mktemp("export-parallel")
-    with running_writer(base, codec="raw") as w, \
+    with inprocess_writer(base, codec="raw") as w, \
             asyncckpt.connect(w.address, rank=0, world_size=1) as c:
         c.save(1, {"model": model(), "step": 1}).wait(60)
     return base / "ckpt" / "step-00000001"
@@ -50,6 +48,7 @@ def assert_model(tensors: dict[str, torch.Tensor]) -> None:
     assert all(torch.equal(tensors[k], v) for k, v in expected.items())
 
 
+@pytest.mark.process  # jobs > 1 starts export processes
 def test_jobs_write_every_tensor_bit_exact_and_progress_counts_them_all(step, tmp_path):
     seen: list[tuple[int, int]] = []
     result = asyncckpt.export_hf(step, tmp_path / "hf", jobs=3,
@@ -78,6 +77,7 @@ def test_parts_over_two_hosts_complete_the_directory_once_the_last_shard_is_in(s
     assert_model(exported(out))
 
 
+@pytest.mark.process  # jobs > 1 starts export processes
 def test_one_share_per_process_where_the_model_allows_it(step, tmp_path):
     """With 2 shares the 8 tensors go into 2 shards of 4 (not the one 5 GiB shard a
     single process writes), one per share."""
@@ -102,6 +102,7 @@ def test_the_cli_refuses_a_part_that_is_not_i_of_n(step, tmp_path, part, capsys)
     assert info.value.code == 2 and "is not I/N" in capsys.readouterr().err
 
 
+@pytest.mark.process  # jobs > 1 starts export processes
 def test_a_corrupt_tensor_in_a_helpers_share_fails_the_export_typed(step, tmp_path):
     """The last tensor is in the second of two shards, which the helper process writes:
     its CorruptCheckpointError reaches the caller as one; the parent's shard is whole,

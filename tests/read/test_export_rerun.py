@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import running_writer
+from inprocess import inprocess_writer
 from safetensors.torch import load_file, save_file
 
 import asyncckpt
@@ -24,8 +24,6 @@ from asyncckpt.cli import main
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.export import INDEX_NAME
 from asyncckpt.read.hf import hf_metadata
-
-pytestmark = pytest.mark.process  # the kill test runs an export in a process of its own
 
 SHARD = 40 << 10  # bytes per shard: the tiny BERT below makes several
 
@@ -44,7 +42,7 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two steps of one model, A (step 1) and B (step 2), with different weights, each
     with its Hugging Face config; and B with its last frame's stored bytes damaged."""
     base = tmp_path_factory.mktemp("export-rerun")
-    with running_writer(base, codec="raw") as w, \
+    with inprocess_writer(base, codec="raw") as w, \
             asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=4 << 10,
                               ring_size=64 << 10) as c:  # small frames: damage stays local
         for step, seed in ((1, 1), (2, 2)):
@@ -116,6 +114,7 @@ def test_an_export_clears_a_single_file_model_and_shards_of_other_plans(steps, t
     loads_as(out, 2)
 
 
+@pytest.mark.process  # runs an export in a process of its own, and kills it
 def test_an_export_killed_after_its_first_shard_leaves_no_model(steps, tmp_path):
     out = tmp_path / "hf"
     first = asyncckpt.export_hf(steps["A"], out, max_shard_size=SHARD)

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-from conftest import SMALL_RING, assert_same, running_writer
+from conftest import SMALL_RING, assert_same
 from in_parts import to_parts
+from inprocess import inprocess_writer
 from test_reader import flip_byte
 from test_sharded import as_rank, box_of, dtensor_of, load_world, save_world, weights
 from torch.distributed.tensor import Shard
@@ -62,7 +63,7 @@ def rank_state(step: int, rank: int) -> dict[str, Any]:
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The root: steps 1 and 2 of `rank_state`, saved by 4 ranks, then put in parts."""
     tmp = tmp_path_factory.mktemp("in-parts")
-    with running_writer(tmp, codec="zstd") as writer:
+    with inprocess_writer(tmp, codec="zstd", export=False) as writer:
         clients = [asyncckpt.connect(writer.address, rank=r, world_size=WORLD, **SMALL_RING)
                    for r in range(WORLD)]
         try:
@@ -542,7 +543,7 @@ def fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torc
     """A step of 4 ranks each saving its Shard(0) boxes of `weights(5)` (uneven: some
     boxes are short, rank 3 has none of `e`), in parts of 2 + 2 ranks."""
     fulls = weights(5)
-    with running_writer(tmp_path_factory.mktemp("fsdp"), codec="raw") as writer:
+    with inprocess_writer(tmp_path_factory.mktemp("fsdp"), codec="raw", export=False) as writer:
         path = save_world(writer, fulls, (4,), (Shard(0),))
     to_parts(path, [2, 2])
     return path, fulls

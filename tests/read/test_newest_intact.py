@@ -4,7 +4,8 @@
 instead (`error.detail["newest_intact"]`, and the message). Real incremental saves, then
 the ways that name could be wrong: a `step-N` linked in from elsewhere (a state that was
 never saved in this root), an older step that references the very bytes that failed, and
-a writer still committing and pruning while the load reports.
+a writer still committing and pruning while the load reports. The writer is its server in
+this process (tests/inprocess.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_same
-from test_incremental import SLOT, save_all, state
+from inprocess import InProcessWriter
+from test_incremental import SLOT, state
 
 import asyncckpt
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
@@ -22,6 +24,14 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.read import loader
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.local import read_manifest
+
+
+def save_all(root: Path, states: dict[int, dict]) -> None:
+    """`states` saved in order by a zstd writer on `root` (as test_incremental's save_all)."""
+    with InProcessWriter(root, codec="zstd") as writer, \
+            asyncckpt.connect(writer.address, rank=0, world_size=1, **SLOT) as client:
+        for step, s in states.items():
+            client.save(step, s).wait(60)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -94,8 +104,7 @@ def test_a_step_that_references_the_damaged_bytes_is_not_named(root):
 def test_a_step_committed_while_the_load_ran_is_named(root, monkeypatch):
     """A writer still saving: step 3 commits (and retention retires step 1) while the
     load reads damaged step 2; step 3, intact, is the one to load."""
-    with asyncckpt.start_writer(root, codec="zstd", log_file=root.parent / "w.log",
-                                keep_last=2) as writer:
+    with InProcessWriter(root, codec="zstd", keep_last=2) as writer:
         with asyncckpt.connect(writer.address, rank=0, world_size=1, **SLOT) as client:
             client.save(1, state(7, 1)).wait(60)
             client.save(2, state(7, 2)).wait(60)
@@ -118,8 +127,7 @@ def test_a_step_committed_while_the_load_ran_is_named(root, monkeypatch):
 def test_the_newest_step_pruned_as_the_load_opens_it_is_not_called_damaged(root, monkeypatch):
     """keep_last=1: step 3 commits, and step 2 goes, between the load choosing step 2 and
     reading its manifest. The root is not damaged: its newest step is 3."""
-    with asyncckpt.start_writer(root, codec="zstd", log_file=root.parent / "w.log",
-                                keep_last=1) as writer:
+    with InProcessWriter(root, codec="zstd", keep_last=1) as writer:
         with asyncckpt.connect(writer.address, rank=0, world_size=1, **SLOT) as client:
             client.save(1, state(7, 1)).wait(60)
             client.save(2, state(7, 2)).wait(60)

@@ -1,7 +1,8 @@
-"""reader.py through a real writer: which step loads, loading in place, and corruption.
+"""reader.py through the real writer: which step loads, loading in place, and corruption.
 
-One writer per codec saves two steps once per module (`saved`); tests that damage a
-checkpoint work on their own copy of it (`copy_steps`), so they never disturb each other.
+One writer per codec (the writer's own server, in this process: tests/inprocess.py) saves
+two steps once per module (`saved`); tests that damage a checkpoint work on their own copy
+of it (`copy_steps`), so they never disturb each other.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 import xxhash
 from conftest import SMALL_RING, assert_same
+from inprocess import InProcessWriter
 
 import asyncckpt
 from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
@@ -62,11 +64,11 @@ class Saved:
 
 @pytest.fixture(scope="module", params=["zstd", "raw"])
 def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Saved]:
-    """Steps 1 and 2 of `reader_state`, committed by a real writer with 64 KiB slots."""
+    """Steps 1 and 2 of `reader_state`, committed by the writer with 64 KiB slots."""
     codec = request.param
     base = tmp_path_factory.mktemp(f"saved-{codec}")
-    writer = asyncckpt.start_writer(base / "ckpt", codec=codec, log_file=base / "writer.log",
-                                    incremental=False)  # damage tests: every step whole
+    writer = InProcessWriter(base / "ckpt", codec=codec, export=False,
+                             incremental=False)  # damage tests: every step whole
     try:
         client = asyncckpt.connect(writer.address, rank=0, world_size=1, **SMALL_RING)
         states = {step: reader_state(step) for step in (1, 2)}
@@ -312,12 +314,13 @@ def test_hand_made_checkpoint_loads(tmp_path):
     assert asyncckpt.load(d) == {"lr": 0.5, 3: (None, float("-inf"))}
 
 
-def test_multi_rank_checkpoint(shared, codec, monkeypatch):
+def test_multi_rank_checkpoint(inproc_shared, codec, monkeypatch):
     """Two ranks of one step: each loads its own part; the default rank comes from RANK."""
+    shared = inproc_shared
     root, step = shared.root, shared.step()
     states = [{"w": torch.full((1000,), float(r)), "rank": r, "shared": {"k": [r]}} for r in (0, 1)]
-    clients = [asyncckpt.connect(shared.address, rank=r, world_size=2, slot_size=4096, ring_size=16384)
-               for r in (0, 1)]
+    clients = [asyncckpt.connect(shared.address, rank=r, world_size=2, slot_size=4096,
+                                 ring_size=16384) for r in (0, 1)]
     try:
         handles = [c.save(step, s) for c, s in zip(clients, states)]
         paths = {h.wait(60) for h in handles}

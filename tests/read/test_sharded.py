@@ -4,7 +4,8 @@ placement, bit-exact.
 The ranks are simulated in this one process with torch's fake process group: each
 "rank" initialises it with its own rank, builds its DTensors with `from_local` (no
 collective runs) and saves through its own client, so a saved world of W ranks is W
-real clients of a real writer. Multi-process FSDP2 runs are in tests/multiprocess.
+real clients of the writer (its server, in this process: tests/inprocess.py).
+Multi-process FSDP2 runs are in tests/multiprocess.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import xxhash
-from conftest import SMALL_RING, running_writer
+from conftest import SMALL_RING, AnyWriter
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from inprocess import InProcessWriter, inprocess_writer
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -60,8 +62,9 @@ def box_of(t: DTensor) -> tuple[slice, ...]:
 
 
 @pytest.fixture(scope="module")
-def writer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[asyncckpt.WriterProcess]:
-    with running_writer(tmp_path_factory.mktemp("sharded"), codec="raw") as w:
+def writer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessWriter]:
+    """The module's writer, in this process (it overrides the `writer` process fixture)."""
+    with inprocess_writer(tmp_path_factory.mktemp("sharded"), codec="raw") as w:
         yield w
 
 
@@ -86,7 +89,7 @@ def save_ranks(address: str, world: int, make_state: Callable[[int], dict],
             c.close(timeout=30)
 
 
-def save_world(writer: asyncckpt.WriterProcess, fulls: dict[str, torch.Tensor],
+def save_world(writer: AnyWriter, fulls: dict[str, torch.Tensor],
                mesh_shape: tuple[int, ...], placements: Placements) -> Path:
     """Every rank of `mesh_shape` saves its shards of `fulls` plus a rank-local tensor
     and object; returns the committed checkpoint."""
