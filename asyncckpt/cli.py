@@ -444,14 +444,14 @@ def _import_dcp(args: argparse.Namespace) -> int:
         UntrustedPickleError,
     )
     from asyncckpt.integrations.dcp_import import import_dcp
-    from asyncckpt.storage.local import read_manifest
+    from asyncckpt.storage.registry import storage_at
     try:
         out = import_dcp(args.source, args.root, args.step, part_bytes=parse_size(args.part_size))
     except (CheckpointError, ValueError) as e:
         print(f"asyncckpt import-dcp: {e}", file=sys.stderr)
         source_error = (CheckpointNotFoundError, CorruptCheckpointError, UntrustedPickleError)
         return 1 if isinstance(e, source_error) else 2
-    m = read_manifest(out)
+    m = storage_at(out).read_manifest(out)
     if args.json:
         json.dump({"out": str(out), "step": m.step, "bytes": m.stored_size,
                    "raw_bytes": m.raw_size}, sys.stdout, indent=1)

@@ -206,11 +206,14 @@ class Storage(ABC):
         path_type: the `ObjectPath` class of the backend's locations (its scheme); None
             for local directories.
         read_threads: frames a reader reads at once, if not the reader's own limit.
+        replaces: a committed step can be replaced by a new save of its number in one
+            atomic step (else a save with `replace` of a committed step is refused).
     """
 
     root: Location
     path_type: type[ObjectPath] | None = None
     read_threads: int | None = None
+    replaces: bool = True  # `publish(replace=True)` swaps a committed step out atomically
 
     def __init__(self, root: Location) -> None:
         """Serve root `root` (nothing is reached yet: `take` or the first request does).

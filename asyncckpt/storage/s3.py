@@ -71,6 +71,7 @@ class S3Storage(S3View, Storage):
 
     root: ObjectPath
     path_type = ObjectPath
+    replaces = False  # no rename: a committed step is never replaced here
 
     def __init__(self, root: Location, knobs: ObjectStoreKnobs | None = None) -> None:
         super().__init__(as_object(root), knobs)

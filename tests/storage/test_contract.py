@@ -256,3 +256,22 @@ def test_a_scheme_no_backend_serves_is_refused_naming_those_that_are(mem_scheme)
     registry.unregister("mem")
     with pytest.raises(CheckpointError, match="mem:// roots are not supported"):
         open_storage("mem://bucket/run")
+
+
+def test_a_backend_says_whether_it_replaces_a_committed_step(storage):
+    """What the writer asks before a save with `replace` (it asked `is_object(root)`)."""
+    write_step(storage, 4, b"old")
+    tmp = storage.make_tmp(4)
+    out = storage.create_data_file(tmp, DATA, 0)
+    out.append([memoryview(b"new")])
+    out.sync()
+    out.close()
+    if storage.replaces:
+        storage.publish(tmp, 4, manifest(4), replace=True)
+        assert read(storage.open_step_file(4, DATA)) == b"new"
+    else:
+        with pytest.raises(StepAlreadyCommittedError):
+            storage.publish(tmp, 4, manifest(4), replace=True)
+        storage.discard(tmp)
+        assert read(storage.open_step_file(4, DATA)) == b"old"
+    assert storage.committed_steps() == [4]

@@ -176,7 +176,7 @@ def test_two_jobs_taking_a_root_at_once_never_both_win(s3_root):
         gate = threading.Barrier(3)
         won: list[Lease] = []
 
-        def take(job: str) -> None:
+        def take(job: str, gate: threading.Barrier = gate, won: list[Lease] = won) -> None:
             storage = S3Storage(root_path(s3_root), knobs)
             gate.wait()
             try:

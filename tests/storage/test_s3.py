@@ -193,7 +193,8 @@ def test_retire_then_delete_never_leaves_a_committed_step_with_missing_data(stor
 def test_a_retired_step_half_deleted_by_a_crash_is_still_not_a_checkpoint(storage):
     write_step(storage, 9, [b"x"])
     storage.retire(9)
-    storage._put(storage._key("step-00000009/manifest.json"), manifest(9))  # crash before the delete
+    # a crash before the delete
+    storage._put(storage._key("step-00000009/manifest.json"), manifest(9))
     assert storage.committed_steps() == [] and storage.retired_steps() == [9]
     storage.discard(storage.unpublish(9, retired=True))
     assert storage.committed_steps() == [] and keys(storage) == set()

@@ -98,7 +98,8 @@ def test_foreign_keys_and_uploads_survive_a_writer_start_and_gc(s3_root, where, 
     theirs = {foreign_upload(s, name) for name in (
         "their-data/big.bin", "step-00000003/notes.bin", "step-00000003.tmp-x/a.bin",
         "step-00000003/attempt-x/rank-00000.safetensors")}
-    planted = {"README", "step-00000003/notes.txt", "step-00000007/attempt-nothex/rank-00000.safetensors"}
+    planted = {"README", "step-00000003/notes.txt",
+               "step-00000007/attempt-nothex/rank-00000.safetensors"}
     for name in planted:
         s._put(s._key(name), b"not asyncckpt's")
     ours = attempt(s, 2, done=False)  # a writer without a lease: gone

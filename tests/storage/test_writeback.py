@@ -60,7 +60,8 @@ def test_range_mode_starts_writeback_early_and_waits_one_window_behind(tmp_path,
     calls = []
     real = writeback._sync_file_range
     monkeypatch.setattr(writeback, "_sync_file_range",
-                        lambda fd, start, n, flags: calls.append((start, n, flags)) or real(fd, start, n, flags))
+                        lambda fd, start, n, flags: calls.append((start, n, flags))
+                        or real(fd, start, n, flags))
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         wb = Writeback(fd, WINDOW, "range")

@@ -79,7 +79,8 @@ def test_prune_keeps_the_newest_and_leaves_no_half_deleted_step(tmp_path):
     for step in (10, 20, 30, 40):
         publish(tmp_path, step)
     assert retention.prune(PosixStorage(tmp_path), keep_last=2).deleted == [10, 20]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000030", "step-00000040"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step-00000030", "step-00000040"]
     assert retention.prune(PosixStorage(tmp_path), keep_last=0).deleted == []
     assert PosixStorage(tmp_path).committed_steps() == [30, 40]
 
