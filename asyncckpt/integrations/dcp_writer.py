@@ -53,7 +53,7 @@ from asyncckpt.errors import (
     WriterRootMismatchError,
 )
 from asyncckpt.format.layout import MAX_STEP
-from asyncckpt.ipc.options import check_step
+from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client, shared_client
 from asyncckpt.rank.flatten import Pickled, flatten, kept_exactly
@@ -126,7 +126,8 @@ class StorageWriter(dcp.StorageWriter):
                 AsyncSaveResponse; do not change the tensors before its
                 staging_completion).
         Raises:
-            ValueError: a negative or non-int step.
+            ValueError: a step, keep_last or keep_every that is not an int in
+                0..MAX_STEP.
         """
         if step is not None:
             check_step(step)
@@ -134,7 +135,7 @@ class StorageWriter(dcp.StorageWriter):
         self.step = step
         self.address = address
         self.ring_size = ring_size
-        self.keep_last, self.keep_every = keep_last, keep_every
+        self.options = SaveOptions(keep_last, keep_every)  # checked here, not mid-save
         self.staging_future = staging_future
         self._client = self._given = client
         self._target: tuple[Location | None, int | None] = (self.root, step)
@@ -207,7 +208,8 @@ class StorageWriter(dcp.StorageWriter):
                              "checkpoint_id ROOT/step-N")
         state, results = self._rank_state(plan, planner)
         client = self._connect(root, sum(r.size_in_bytes for r in results))
-        handle = client.save(step, state, keep_last=self.keep_last, keep_every=self.keep_every)
+        handle = client.save(step, state, keep_last=self.options.keep_last,
+                             keep_every=self.options.keep_every)
         # DCP tells the outcome itself (finish() on the coordinator raises on every rank,
         # the async future): the client's next save must not raise it a second time
         mark_told(handle)

@@ -82,6 +82,7 @@ def test_slot_bounds():
         r.close()
 
 
+@pytest.mark.process  # the ring's creator is a child process, killed
 def test_nothing_outlives_a_killed_creator():
     """The memory has no name: once its only process is gone, nothing remains to sweep."""
     code = ("from asyncckpt.ipc import ring; import os; r = ring.Ring.create(1 << 20, 4); "

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from conftest import running_writer
+from tiers import process_fixture
 
 import asyncckpt
 from asyncckpt.errors import StepAlreadyCommittedError
@@ -16,6 +17,7 @@ from asyncckpt.rank import client as client_module
 
 
 @pytest.fixture
+@process_fixture
 def writer(tmp_path):
     with running_writer(tmp_path, codec="raw") as w:
         yield w

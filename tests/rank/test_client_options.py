@@ -64,3 +64,13 @@ def test_the_process_has_one_client_per_writer(writer, monkeypatch):
     finally:
         for c in client_module._shared.values():
             c.close()
+
+
+def test_dcps_storage_writer_checks_its_options_when_made(tmp_path):
+    """StorageWriter's keep_last reached the writer only inside dcp.save, as a malformed
+    begin; it is a SaveOptions now, refused where it is given."""
+    from asyncckpt.integrations.dcp_writer import StorageWriter
+
+    with pytest.raises(ValueError, match="keep_last must be an int in 0.."):
+        StorageWriter(tmp_path, 1, keep_last=-2)
+    assert StorageWriter(tmp_path, 1, keep_last=3, keep_every=2).options.retention == (3, 2)

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from conftest import running_writer
+from tiers import process_fixture
 
 import asyncckpt
 
@@ -21,6 +22,7 @@ def state(seed: int, mib: int) -> dict:
 
 
 @pytest.fixture
+@process_fixture
 def writer(tmp_path):
     with running_writer(tmp_path, codec="raw") as w:
         yield w

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import running_writer
+from tiers import process_fixture
 
 import asyncckpt
 from asyncckpt.errors import WriterRootMismatchError, WriterUnavailableError
 
 
 @pytest.fixture
+@process_fixture
 def writer(tmp_path):
     with running_writer(tmp_path, codec="raw") as w:
         yield w

@@ -3,6 +3,7 @@ from what it measured, and a writer with codec auto saves and loads bit-exact.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import assert_same, running_writer
 
@@ -80,6 +81,7 @@ def test_priors_choose_something_sensible():
     assert set(choice.to_json()["predicted_s_per_gb"]) == {"raw", "zstd", "bytegroup"}
 
 
+@pytest.mark.process  # the writer runs in its own process
 def test_writer_with_codec_auto_saves_and_loads_bit_exact(tmp_path):
     g = torch.Generator().manual_seed(0)
     state = {"w": (torch.randn(300_000, generator=g) * 0.02).bfloat16(),

@@ -24,6 +24,8 @@ from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import retention
 
+pytestmark = pytest.mark.process  # writers, kills and the CLI run in their own processes
+
 SLOT = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 
 

@@ -16,6 +16,8 @@ import asyncckpt
 from asyncckpt.read.verification import verify
 from asyncckpt.storage.local import read_manifest
 
+pytestmark = pytest.mark.process  # the writer runs in its own process
+
 
 def flip_referenced_byte(root: Path, step: int, referencing: int) -> None:
     """Flip one byte inside a frame of `step` that step `referencing` references."""

@@ -20,6 +20,8 @@ from asyncckpt.storage import posix
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
 
+pytestmark = pytest.mark.process  # the writer runs (and is killed) in its own process
+
 
 def state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import assert_same  # noqa: E402
 from hostile_rank import HostileRank, Resources, u8_table  # noqa: E402
+from tiers import process_fixture
 
 import asyncckpt
 
@@ -27,6 +28,7 @@ QUIET_S = 0.5  # long enough for a writer that copies at once to have freed a sl
 
 
 @pytest.fixture(params=[True, False], ids=["stage_first", "copy_at_once"])
+@process_fixture
 def writer(request: pytest.FixtureRequest,
            tmp_path: Path) -> Iterator[tuple[asyncckpt.WriterProcess, bool]]:
     """A raw-codec writer, and whether it stages first."""

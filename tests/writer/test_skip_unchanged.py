@@ -16,6 +16,8 @@ from asyncckpt.ipc.messages import Begin, ProtocolError, parse
 from asyncckpt.read.verification import verify
 from asyncckpt.storage.local import read_manifest
 
+pytestmark = pytest.mark.process  # the writer runs in its own process
+
 SLOT = {"slot_size": 64 << 10, "ring_size": 256 << 10}
 BIG = 100_000  # float32 elements: 400 KB, several 64 KiB frames
 
