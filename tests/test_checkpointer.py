@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_same
+from tiers import process_fixture
 
 import asyncckpt
 from asyncckpt import Checkpointer, CheckpointerOptions
@@ -121,6 +122,7 @@ def test_options_are_validated():
         CheckpointerOptions(contents=("weights",))
 
 
+@pytest.mark.process  # starts a writer
 def test_checkpointer_without_keep_last_leaves_the_writers_retention_on(tmp_path):
     """Regression: an unset keep_last was sent as keep_last=0, which overrode the writer's
     own keep_last knob and disabled its retention: every step stayed on disk."""
@@ -140,6 +142,7 @@ def test_checkpointer_without_keep_last_leaves_the_writers_retention_on(tmp_path
             ckpt.client.close()
 
 
+@pytest.mark.process  # starts a writer
 def test_keep_last_0_keeps_every_step_against_the_writers_knob(tmp_path):
     """One "keep all": keep_last 0, as for the writer's knob and a client's save; None
     alone means the writer's knob applies."""
@@ -162,6 +165,7 @@ def test_keep_last_0_keeps_every_step_against_the_writers_knob(tmp_path):
 # -- restore from a root whose newest steps are damaged ---------------------------------------
 
 @pytest.fixture
+@process_fixture
 def three_steps(tmp_path):
     """Steps 1..3 of a trained model (the states kept), saved by a Checkpointer."""
     model, opt = make_model(width=16)

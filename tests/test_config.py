@@ -158,6 +158,7 @@ def run_writer_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
                           timeout=60, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.process  # runs the writer's CLI
 def test_writer_cli_rejects_bad_knobs_with_exit_2(tmp_path):
     bad = run_writer_cli(tmp_path, "--knob", "bogus_knob=1")
     assert bad.returncode == 2 and "bogus_knob" in bad.stderr

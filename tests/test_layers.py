@@ -281,6 +281,7 @@ def test_type_checking_imports_and_torch_on_the_rank_side_are_allowed():
     assert not violations("rank.stager", "import torch\nfrom asyncckpt.ipc.ring import Ring\n")
 
 
+@pytest.mark.process  # a fresh interpreter
 def test_writer_process_modules_load_without_torch():
     """Importing every module of the parts the writer loads leaves torch unloaded (the
     package's lazy `__init__` included), and so do the commands that only read bytes

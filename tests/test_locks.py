@@ -124,6 +124,7 @@ SHOW_VENV = ("import json, sys; from importlib import metadata; "
              "{d.metadata['Name']: d.version for d in metadata.distributions()}}))")
 
 
+@pytest.mark.process  # runs the side venv's python
 @pytest.mark.skipif(os.environ.get("ASYNCCKPT_UNLOCKED") == "1",
                     reason="make test-latest runs on the newest releases, not the locks")
 @pytest.mark.parametrize("side", sorted(SIDE_VENVS))

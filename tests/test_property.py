@@ -19,6 +19,7 @@ import torch
 from conftest import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import process_fixture
 
 import asyncckpt
 from asyncckpt.codec.registry import make_codec
@@ -109,6 +110,7 @@ class Tiny:
 
 
 @pytest.fixture(scope="module", params=["zstd", "raw", "bytegroup"])
+@process_fixture
 def tiny(request: pytest.FixtureRequest,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiny]:
     base = tmp_path_factory.mktemp(f"prop-{request.param}")

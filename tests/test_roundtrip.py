@@ -27,6 +27,8 @@ from asyncckpt.storage.local import read_manifest
 from asyncckpt.storage.posix_read import PosixCheckpointDir
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
+pytestmark = pytest.mark.process  # every save here goes to a writer process
+
 
 def test_nested_state_round_trips_exactly(shared):
     state = sample_state()

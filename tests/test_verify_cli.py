@@ -30,6 +30,7 @@ from test_reader import (
     reader_state,
     resign_manifest,
 )
+from tiers import process_fixture
 
 from asyncckpt import cli
 from asyncckpt.format.layout import MANIFEST_NAME
@@ -65,6 +66,7 @@ def lines(out: str) -> list[str]:
 # -- real subprocesses, run together --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
+@process_fixture
 def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """A zstd root (step 1 good, step 2 with a flipped tensor byte); the console script and
     `python -m asyncckpt` then run on it as real subprocesses, concurrently."""

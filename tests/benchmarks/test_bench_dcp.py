@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiers import process_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -29,6 +30,7 @@ POSITIVE = ("blocked", "durable", "disk_bytes", "load")
 
 
 @pytest.fixture(scope="module")
+@process_fixture
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("bench-dcp")
     env = {**os.environ, "PYTHONPATH": str(REPO)}

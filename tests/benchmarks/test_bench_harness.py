@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiers import process_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -37,6 +38,7 @@ def _finite_positive(x: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
+@process_fixture
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, Path]:
     out = tmp_path_factory.mktemp("bench-out")
     try:

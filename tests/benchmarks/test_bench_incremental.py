@@ -19,6 +19,9 @@ from benchmarks import incremental  # noqa: E402
 ARGS = argparse.Namespace(hidden=128, layers=2, saves=3, every=1, ring_mib=8, codec="raw")
 
 
+pytestmark = pytest.mark.process  # the benchmark runs a writer
+
+
 def test_full_fine_tune_references_nothing(tmp_path):
     result = incremental.run("full", ARGS, tmp_path)
     for checked in result["checked"].values():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import loadspeed  # noqa: E402
@@ -20,6 +22,7 @@ def test_report_ratios_are_against_safetensors_and_the_cold_read():
     assert lines[-1] == "load average 1.00 before, 2.00 after (1 min)"
 
 
+@pytest.mark.process  # runs the benchmark
 def test_a_small_run_prints_every_method(tmp_path, capsys):
     loadspeed.main(["--mib", "8", "--reps", "1", "--codecs", "raw,zstd,bytegroup",
                     "--dir", str(tmp_path)])

@@ -369,6 +369,7 @@ def test_manifest_carries_the_plane_layout():
 
 # -- end to end ----------------------------------------------------------------------------------
 
+@pytest.mark.process  # starts a writer
 def test_writer_saves_and_loads_bytegroup_bit_exact(tmp_path):
     state = {"model": {"w": special_tensor(torch.bfloat16, 300_001),
                        "norm": special_tensor(torch.float32, 1023)},

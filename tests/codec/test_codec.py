@@ -209,6 +209,7 @@ def test_knob_manifest_and_auto_follow_the_registry():
     assert set(choice.predicted) == set(CODECS) and choice.codec in CODECS
 
 
+@pytest.mark.process  # a fresh interpreter
 def test_codec_modules_do_not_import_torch():
     """The writer process never loads torch (~140 MiB of private memory)."""
     code = ("import sys, asyncckpt.config, asyncckpt.codec.registry, asyncckpt.format.encoding, "

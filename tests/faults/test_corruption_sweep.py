@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from corruption import sweep
+
+pytestmark = pytest.mark.process  # the sweep runs the corruption tool's writer
 
 
 def test_every_damage_is_detected(tmp_path):

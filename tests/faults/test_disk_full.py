@@ -11,6 +11,8 @@ from conftest import assert_same, small_tmpfs
 
 import asyncckpt
 
+pytestmark = pytest.mark.process  # a writer on a mounted tmpfs
+
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:

@@ -8,7 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 FUZZ = Path(__file__).resolve().parents[2] / "scripts" / "faults" / "fuzz_protocol.py"
+
+
+pytestmark = pytest.mark.process  # the fuzzer runs as a process
 
 
 def test_short_protocol_fuzz_keeps_the_writer_and_other_ranks_whole(tmp_path):

@@ -113,6 +113,7 @@ def hostile_metadata(source: Path, marker: Path) -> Path:
     return source / ".metadata"
 
 
+@pytest.mark.process  # runs the CLI
 def test_import_dcp_of_a_hostile_metadata_exits_1_with_one_line_naming_the_file(tmp_path):
     source = dcp_source(tmp_path / "src")
     marker = tmp_path / "ran"

@@ -21,6 +21,9 @@ from asyncckpt.read.verification import verify_checkpoint
 PREFIX = len('{"xxh3":"0123456789abcdef","manifest":')
 
 
+pytestmark = pytest.mark.process  # every step here is saved by a writer process
+
+
 def read_body(d: Path) -> dict:
     return json.loads((d / MANIFEST_NAME).read_bytes()[PREFIX:-2])
 

@@ -9,6 +9,8 @@ from conftest import assert_same, shm_segments
 import asyncckpt
 from asyncckpt.storage.posix import PosixStorage
 
+pytestmark = pytest.mark.process  # writers killed and restarted
+
 
 def start(root, tmp_path, monkeypatch, **env):
     for name, value in env.items():

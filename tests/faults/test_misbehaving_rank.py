@@ -50,6 +50,9 @@ RING = {"slot_size": SLOT, "ring_size": 4 * SLOT}
 COMMIT_S = 20.0  # an ordinary save of a few hundred KiB must commit within this
 
 
+pytestmark = pytest.mark.process  # a writer process and hostile ranks
+
+
 class Bench:
     """A writer on `tmp/ckpt`, ordinary ranks on it, and the writer's resources."""
 

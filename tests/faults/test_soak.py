@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from soak import soak
+
+pytestmark = pytest.mark.process  # a writer process under a long run
 
 
 def test_writer_does_not_grow_over_many_saves(tmp_path):

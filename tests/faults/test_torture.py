@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from torture import run
+
+pytestmark = pytest.mark.process  # writers and ranks killed
 
 
 def test_twenty_kills_lose_nothing(tmp_path):

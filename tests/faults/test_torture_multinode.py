@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from torture_multinode import run
+
+pytestmark = pytest.mark.process  # writers and ranks killed
 
 
 def test_eight_kills_across_two_nodes_lose_nothing(tmp_path):

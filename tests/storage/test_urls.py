@@ -61,6 +61,7 @@ def test_s3_is_refused_where_a_local_directory_is_meant(use, tmp_path):
         use(tmp_path)
 
 
+@pytest.mark.process  # runs the CLI
 @pytest.mark.parametrize("args", [["writer", "--root"], ["ls"], ["verify"], ["inspect"], ["gc"]])
 def test_the_cli_refuses_an_unsupported_scheme(args):
     done = subprocess.run([sys.executable, "-m", "asyncckpt", *args, "gs://bucket/run1"],
