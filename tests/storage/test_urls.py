@@ -14,7 +14,7 @@ import torch
 
 import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter
-from asyncckpt.storage.posix import local_path
+from asyncckpt.storage.paths import local_path
 
 URLS = ["s3://bucket/run1", "gs://bucket/run1", "file:///tmp/run1", "az://c/run"]
 UNSUPPORTED = URLS[1:]
@@ -62,6 +62,7 @@ def test_s3_is_refused_where_a_local_directory_is_meant(use, tmp_path):
 
 
 @pytest.mark.process  # runs the CLI
+@pytest.mark.process  # runs the command
 @pytest.mark.parametrize("args", [["writer", "--root"], ["ls"], ["verify"], ["inspect"], ["gc"]])
 def test_the_cli_refuses_an_unsupported_scheme(args):
     done = subprocess.run([sys.executable, "-m", "asyncckpt", *args, "gs://bucket/run1"],

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError, WriterLockedError
+from asyncckpt.errors import SaveFailedError, StepAlreadyCommittedError
 from asyncckpt.format.manifest import Manifest, parse_manifest
 from asyncckpt.format.records import RankPart
 from asyncckpt.storage import durable
