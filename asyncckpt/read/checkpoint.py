@@ -15,18 +15,15 @@ this rank's state", and the checks run once per open instead of once per caller:
    `ReadPlan` that fills any box of any tensor from the saved boxes.
 
 Everything in 2-4 reads only the manifest and a directory listing, so it is cheap; the
-data is verified frame by frame as it is read (or all of it by `verify`). A step saved
-by several nodes has a root manifest whose ranks' tables lie in a part file a rank, in
-node directories (format/parts.py): opening one checks the root and lists the step
-directory's node directories, and the checks of 3-4 run for a rank when it is first
-used, so loading one rank reads its own part file, lists its node directory and opens
-no other rank's file. A rank holding global (DTensor) tensors knows the boxes it saved
-at once; every rank's boxes, and the tiling check, are read when something needs them
-(a box the rank did not save: a load at another world size, or of full tensors), and a
-load reading back only its own shards (the same-world resume: read/loader.py) never
-does. `examine` (what `verify` uses) checks every rank part at once. torch is
-imported only where a tensor is made (a dtype, a read plan), so `verify`, `ls`, `inspect`
-and `copy` never import it: they start in a fraction of a second instead of two.
+data is verified frame by frame as it is read (or all of it by `verify`). Of a step saved
+by several nodes (a root manifest, its ranks' tables in part files: format/parts.py),
+opening checks the root and lists its node directories, and 3-4 run for a rank when it
+is first used: loading one rank reads its own part file and opens no other rank's. Every
+rank's boxes of a global (DTensor) tensor, and the tiling check, are read only when a
+box the rank did not save is needed (never by the same-world resume: read/loader.py);
+`examine` (what `verify` uses) checks every rank part at once. torch is imported only
+where a tensor is made, so `verify`, `ls`, `inspect` and `copy` start in a fraction of
+a second.
 
 A root opened without a step means its newest `step-N` directory; a damaged newest step
 is an error naming the newest intact one (read/resolve.py says why and which).
@@ -119,20 +116,17 @@ class Checkpoint:
             CheckpointNotFoundError: nothing committed there, or no such step.
             CorruptCheckpointError: the manifest, the directory's files or the trees fail
                 their checks; for a root's newest step, the message names the newest
-                intact step (`error.detail["newest_intact"]`, or None; see the module
-                docstring for what that is).
+                intact step (`error.detail["newest_intact"]`, or None: read/resolve.py).
         """
         limits = limits or ReadLimits.from_env()
         for _ in range(RESOLVE_TRIES):
             directory, root = resolve(parse(path), step)
             opened, problems, replaced = cls._examine(directory, limits, whole=False)
+            # again if a replacing save swapped (or set aside) what was read, or the newest
+            # step went since it was listed (a running writer's retention took it)
             if not problems or not (replaced or root is not None
                                     and not storage_at(directory).exists(directory)):
                 break
-            # a replacing save swapped another version in while this one was read (or
-            # set it aside, and its new one is in now); or the newest step went between
-            # the listing and its manifest: a running writer committed a newer one and
-            # its retention deleted or retired this one
             if opened is not None:
                 opened.close()
         if problems:
@@ -177,7 +171,7 @@ class Checkpoint:
             manifest = files.read_manifest(limits)
             opened = cls(directory, manifest, limits, whole=whole, files=files)
         except CheckpointError as e:
-            return None, [e], files.replaced()  # type: ignore[union-attr]
+            return None, [e], files is not None and files.replaced()
         finally:
             if files is not None and "opened" not in locals():
                 files.close()
@@ -316,8 +310,7 @@ class Checkpoint:
         `prefix` + the file's name in it); a rank whose file is missing is unreadable.
         Given `present` (what a node directory holds, listed and checked by `_node`),
         only that `ranks`' data files are among it."""
-        step, listed = self.step, present is not None
-        problems: list[CheckpointError] = []
+        step, listed, problems = self.step, present is not None, list[CheckpointError]()
         if present is None:  # the checkpoint directory itself
             try:
                 present = self._files.names()
