@@ -277,11 +277,6 @@ class Client:
             pass  # a view is still referenced; the mapping goes with the process
         self._raise_untaken()
 
-    @property
-    def closed(self) -> bool:
-        """True once `close()` began, or the writer is gone (this client saves no more)."""
-        return self._closed or self._broken is not None
-
     def _raise_untaken(self) -> None:
         """Raise the first failure of an earlier save that the caller has not been
         told of (handle.py), once; forget the saves that are settled."""
