@@ -46,13 +46,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from asyncckpt.config import KEEP_ALL
 from asyncckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     WriterRootMismatchError,
 )
+from asyncckpt.ipc.options import SaveOptions
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle, raise_untaken, settle, untold
@@ -102,9 +102,7 @@ class CheckpointerOptions:
             if not ok:
                 raise ValueError(f"{name} must be {rule}; got {getattr(self, name)!r}")
         require(self.save_interval >= 1, "save_interval", "at least 1")
-        require(self.keep_last is None or self.keep_last >= KEEP_ALL, "keep_last",
-                "None, 0 (keep all) or more")
-        require(self.keep_every >= 0, "keep_every", "0 or more")
+        SaveOptions(self.keep_last, self.keep_every)  # the save's own rule (0 keeps all)
         require(set(self.contents) <= set(CONTENTS) and bool(self.contents), "contents",
                 f"a non-empty subset of {CONTENTS}")
         require(self.on_busy in ("block", "skip", "queue"), "on_busy", '"block", "skip" or "queue"')

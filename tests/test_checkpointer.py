@@ -115,6 +115,19 @@ def test_busy_policies(shared):
     client.close()
 
 
+@pytest.mark.parametrize("fields, match", [
+    ({"keep_last": 2.5}, "keep_last must be an int in 0.."),
+    ({"keep_last": True}, "keep_last must be an int in 0.."),
+    ({"keep_last": 3, "keep_every": -1}, "keep_every must be an int in 0.."),
+    ({"keep_every": 1.5}, "keep_every must be an int in 0.."),
+])
+def test_retention_options_follow_the_saves_own_rule(fields, match):
+    """The Checkpointer's retention options are checked by the rule every save's options
+    are (SaveOptions): a float or a bool used to pass here and fail each save."""
+    with pytest.raises(ValueError, match=match):
+        CheckpointerOptions(**fields)
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError, match="on_busy"):
         CheckpointerOptions(on_busy="later")
