@@ -146,16 +146,21 @@ class PosixStorage(PosixFiles, Storage):
         return read_small_file(self.root / LATEST_NAME, _LATEST_MAX)
 
     def open_step_file(self, step: int, name: str) -> PosixReadFile | None:
-        """Under the rule above: the step directory opened with O_NOFOLLOW, the file
-        relative to it with O_NOFOLLOW, a regular file only."""
+        """Under the rule above: the step directory opened with O_NOFOLLOW, each folder
+        of `name` (a node directory) and the file relative to it with O_NOFOLLOW, a
+        regular file only."""
+        *folders, leaf = name.split("/")
         for directory in (step_dir_name(step), retired_dir_name(step)):
             try:
-                dfd = os.open(self.root / directory, os.O_RDONLY | os.O_DIRECTORY
-                              | os.O_NOFOLLOW | os.O_CLOEXEC)
+                dfd = os.open(self.root / directory, _DIR_FLAGS)
             except OSError:
                 continue
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                for folder in folders:
+                    inner = os.open(folder, _DIR_FLAGS, dir_fd=dfd)
+                    os.close(dfd)
+                    dfd = inner
+                fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                              dir_fd=dfd)
             except OSError:
                 continue
@@ -424,6 +429,7 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 _LATEST_MAX = 64

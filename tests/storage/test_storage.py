@@ -143,6 +143,24 @@ def test_a_symlinked_step_is_none_of_the_roots(tmp_path):
     assert storage.open_step_file(4, "rank-00000.safetensors") is None
 
 
+def test_a_symlinked_node_directory_is_none_of_the_steps(tmp_path):
+    """The one rule holds inside a step too: a node directory linked out of the root is
+    not read through (the reader refused it by hand, while the writer's dedup index and
+    the commit's last check, asking `open_step_file`, followed the link)."""
+    storage = PosixStorage(tmp_path / "root")
+    storage.root.mkdir()
+    _write_step(storage, 4, b"own")
+    elsewhere = tmp_path / "elsewhere" / "node-00000"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "rank-00000.safetensors").write_bytes(b"foreign")
+    (storage.root / "step-00000004" / "node-00000").symlink_to(elsewhere)
+    assert storage.open_step_file(4, "node-00000/rank-00000.safetensors") is None
+    (storage.root / "step-00000004" / "node-00000").unlink()
+    (storage.root / "step-00000004" / "node-00000").mkdir()
+    (storage.root / "step-00000004" / "node-00000" / "rank-00000.safetensors").write_bytes(b"n")
+    assert _read(storage, 4, "node-00000/rank-00000.safetensors") == b"n"
+
+
 def test_open_file_refuses_a_symlink_and_reports_a_fifo_as_not_regular(tmp_path):
     storage = PosixStorage(tmp_path)
     (tmp_path / "real").write_bytes(b"x")
