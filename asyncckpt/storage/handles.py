@@ -1,0 +1,162 @@
+"""What a `Storage` hands out: a data file being written, a file read by ranges, and a
+checkpoint directory held for one load.
+
+Each backend subclasses these (storage/posix.py, posix_read.py, s3client.py); callers
+hold only these types. `CheckpointDir` here reads by path through its storage, which is
+right for a store whose steps are never swapped under a reader; a backend whose are
+(POSIX `replace`) holds the directory open instead (storage/posix_read.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from asyncckpt.storage.paths import Location
+
+if TYPE_CHECKING:
+    from asyncckpt.config import ReadLimits
+    from asyncckpt.format.manifest import Manifest
+    from asyncckpt.storage.base import Storage
+
+
+class ReadFile(ABC):
+    """A data file opened for reading by ranges.
+
+    Attributes:
+        size: its size in bytes.
+        regular: it is a regular file (what a reader accepts; an object always is).
+    """
+
+    size: int
+    regular: bool
+
+    @abstractmethod
+    def read_into(self, offset: int, outs: list[memoryview]) -> int:
+        """Read from `offset` into `outs` in order (one vectored read).
+
+        Returns:
+            How many bytes were read: fewer than asked when the read was short, 0 at
+            the end of the file.
+        Raises:
+            OSError: the read failed.
+        """
+
+    @abstractmethod
+    def will_need(self, offset: int, length: int) -> None:
+        """Advice: bytes `offset`..`offset + length` are read soon (may do nothing).
+
+        Raises:
+            OSError: the advice was refused.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the file (idempotent)."""
+
+    def __enter__(self) -> ReadFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DataFile(ABC):
+    """A new data file of a step, appended in order from its first byte.
+
+    Attributes:
+        path: where it is (named in errors and injected faults).
+        size: bytes appended so far.
+    """
+
+    path: Location
+    size: int
+
+    @abstractmethod
+    def append(self, pieces: list[memoryview]) -> None:
+        """Append `pieces`, in order, whole.
+
+        Raises:
+            OSError: a write failed (ENOSPC when the disk is full).
+        """
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Make every appended byte durable.
+
+        Raises:
+            OSError: the flush failed.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the file without making anything durable (idempotent)."""
+
+
+class CheckpointDir:
+    """A checkpoint directory as one load reads it: its manifest, its listings and its
+    files, each by name relative to the directory.
+
+    This base reads by path (`Storage.open_file`, `names`, `read_manifest`): what an
+    object store does, whose steps are never replaced. A
+    backend whose directories can be swapped under a reader (POSIX `replace`) holds the
+    directory open instead, so that every read is of the one version it opened.
+
+    Attributes:
+        path: the directory (named in errors).
+    """
+
+    def __init__(self, storage: Storage, path: Location) -> None:
+        self.storage, self.path = storage, path
+
+    def has(self, name: str) -> bool:
+        """Anything is at `name` in the directory (a symlink counts, unfollowed)."""
+        return self.storage.exists(self.path / name)
+
+    def read_manifest(self, limits: ReadLimits) -> Manifest:
+        """The directory's manifest, read and checked (`Storage.read_manifest`).
+
+        Raises:
+            CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
+        """
+        return self.storage.read_manifest(self.path, limits)
+
+    def names(self, folder: str = "") -> set[str]:
+        """The names directly in the directory, or in its subfolder `folder`.
+
+        Raises:
+            OSError: it cannot be listed.
+        """
+        return self.storage.names(self.path / folder if folder else self.path)
+
+    def entries(self) -> set[str]:
+        """The names directly in the directory, files and subdirectories (on an object
+        store also the first segment of each longer key under it).
+
+        Raises:
+            OSError: it cannot be listed.
+        """
+        return self.storage.entries(self.path)
+
+    def open(self, name: str) -> ReadFile:
+        """File `name` (possibly in a subfolder: `node-00000/rank-00000...`) for reading.
+
+        Raises:
+            OSError: it cannot be opened (missing, a symlink).
+        """
+        return self.storage.open_file(self.path, name)
+
+    def replaced(self) -> bool:
+        """The directory under `path` is no longer the one held (a replacing save swapped
+        another in, or it was deleted): a read that failed may succeed if started again.
+        Read by path, it can never tell: False."""
+        return False
+
+    def close(self) -> None:
+        """Release the directory (idempotent); files opened from it stay open."""
+
+    def __enter__(self) -> CheckpointDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
