@@ -48,6 +48,7 @@ from asyncckpt.integrations.dcp_metadata import METADATA_NAME, read_metadata
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.flatten import Pickled, flatten
 from asyncckpt.rank.launch import start_writer
+from asyncckpt.storage.paths import Location
 from asyncckpt.torchutil.dtensor import Chunk
 
 PART_BYTES = 1 << 30
@@ -104,7 +105,7 @@ class _CheckedReader(dcp.FileSystemReader):
 
 def import_dcp(source: str | os.PathLike[str], root: str | os.PathLike[str], step: int, *,
                address: str | None = None, part_bytes: int = PART_BYTES,
-               limits: ReadLimits | None = None) -> Path:
+               limits: ReadLimits | None = None) -> Location:
     """Commit the DCP checkpoint `source` as step `step` of `root`.
 
     Args:

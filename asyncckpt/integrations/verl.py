@@ -210,11 +210,12 @@ class FSDPCheckpointManager:
             raise ValueError("save_contents includes 'model' but no model was given")
         if self.should_save_optimizer and self.optimizer is None:
             raise ValueError("save_contents includes 'optimizer' but no optimizer was given")
-        keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0 else None
+        keep = (max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0
+                else None)
         ckpt = self._checkpointer(root_of(path))
         ckpt.options = dataclasses.replace(ckpt.options, keep_last=keep)
         self.previous_global_step = global_step
-        if not is_object(path):
+        if isinstance(path, Path):  # a local directory (a store has no folders to make)
             path.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             with local_dir(path / "huggingface") as directory:
@@ -358,7 +359,7 @@ class FSDPCheckpointManager:
                       "last committed step", job.step, e)
             if not exists(job.local_path / MARKER):  # it describes no step: what this
                 remove_tree(job.local_path / "huggingface")  # save wrote
-                if not is_object(job.local_path):
+                if isinstance(job.local_path, Path):  # a local directory
                     with contextlib.suppress(OSError):
                         job.local_path.rmdir()  # only if nothing else is in it
             return

@@ -19,7 +19,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
@@ -27,6 +26,7 @@ from asyncckpt.format.layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir, 
 from asyncckpt.format.records import Frame
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.location import exists, is_file, root_path, storage_for
+from asyncckpt.storage.paths import Location
 
 Progress = Callable[[str, int, int], None]
 """Called after each frame: (checkpoint path, stored bytes verified, stored bytes to verify)."""
@@ -107,7 +107,7 @@ def verify_iter(path: str | os.PathLike[str], *, limits: ReadLimits | None = Non
         yield pointer
 
 
-def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | None]:
+def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Location], Location | None]:
     """(the checkpoint directories `path` stands for, the root if it is one).
 
     Raises:
@@ -127,7 +127,7 @@ def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Path], Path | 
     return [path / step_dir_name(s) for s in steps], path
 
 
-def verify_checkpoint(directory: Path, progress: Progress | None = None, *,
+def verify_checkpoint(directory: Location, progress: Progress | None = None, *,
                       limits: ReadLimits | None = None, seen: set | None = None
                       ) -> CheckpointReport:
     """Check one checkpoint directory end to end; never raises for corruption.
@@ -165,7 +165,7 @@ def verify_checkpoint(directory: Path, progress: Progress | None = None, *,
     return report
 
 
-def verify_root_pointer(root: Path) -> CheckpointReport | None:
+def verify_root_pointer(root: Location) -> CheckpointReport | None:
     """A problem report if `root/latest` exists but names no committed step."""
     latest = root / LATEST_NAME
     if not exists(latest):
