@@ -41,9 +41,11 @@ def assert_same_outputs(model, reloaded) -> None:
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
 def test_export_loads_in_transformers_with_identical_outputs(shared, tmp_path, capsys):
     transformers, config, model = tiny_bert()
-    shared.client.save(shared.step(), {"model": model.state_dict(), "optim": {"lr": 0.1}, "step": 3}).wait(60)
+    shared.client.save(shared.step(), {"model": model.state_dict(), "optim": {"lr": 0.1},
+                                       "step": 3}).wait(60)
     out = tmp_path / "hf"
-    assert main(["export", str(shared.root), "--out", str(out), "--max-shard-size", "40KiB", "--json"]) == 0
+    assert main(["export", str(shared.root), "--out", str(out), "--max-shard-size", "40KiB",
+                 "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert len(summary["shards"]) > 1
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -58,13 +60,15 @@ def test_export_loads_in_transformers_with_identical_outputs(shared, tmp_path, c
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
 def test_export_dtype_and_contents(shared, tmp_path):
     root = shared.root
-    state = {"model": {"w": torch.randn(100, 10), "ids": torch.arange(5)}, "other": {"x": torch.ones(2)}}
+    state = {"model": {"w": torch.randn(100, 10), "ids": torch.arange(5)},
+             "other": {"x": torch.ones(2)}}
     shared.client.save(shared.step(), state).wait(30)
     asyncckpt_export = __import__("asyncckpt.read.export", fromlist=["export_hf"]).export_hf
     index = asyncckpt_export(root, tmp_path / "out", dtype=torch.bfloat16)
     assert set(index["weight_map"]) == {"w", "ids"}
     loaded = load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")
-    assert loaded["w"].dtype == torch.bfloat16 and torch.equal(loaded["w"], state["model"]["w"].bfloat16())
+    assert loaded["w"].dtype == torch.bfloat16
+    assert torch.equal(loaded["w"], state["model"]["w"].bfloat16())
     assert loaded["ids"].dtype == torch.int64  # integers are never converted
     with pytest.raises(asyncckpt.CheckpointError, match="no tensors under 'nothing'"):
         asyncckpt_export(root, tmp_path / "none", contents="nothing")
@@ -74,7 +78,8 @@ def test_an_export_without_a_config_says_so(shared, tmp_path, caplog):
     """A checkpoint saved without a Hugging Face config exports weights and an index but
     no config.json: said once at WARNING, naming the directory; not for other contents."""
     step = shared.step()
-    shared.client.save(step, {"model": {"w": torch.ones(3)}, "other": {"x": torch.ones(2)}}).wait(30)
+    shared.client.save(step, {"model": {"w": torch.ones(3)},
+                              "other": {"x": torch.ones(2)}}).wait(30)
     with caplog.at_level("WARNING", logger="asyncckpt.export"):
         index = asyncckpt.export_hf(shared.root, tmp_path / "out", step=step)
         asyncckpt.export_hf(shared.root, tmp_path / "other", step=step, contents="other")
@@ -104,7 +109,8 @@ def test_sharded_checkpoint_exports_to_a_model_transformers_loads(tmp_path):
         save_ranks(w.address, 2, lambda r: {"model": {k: dtensor_of(v, (2,), placement(k, v))
                                                       for k, v in full.items()}}, step=1)
     out = tmp_path / "hf"
-    assert main(["export", str(tmp_path / "ckpt"), "--out", str(out), "--max-shard-size", "40KiB"]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(out),
+                 "--max-shard-size", "40KiB"]) == 0
     config.save_pretrained(out)
     reloaded = transformers.BertModel.from_pretrained(out).eval()
     for name, tensor in reloaded.state_dict().items():
@@ -152,7 +158,8 @@ def test_tied_embeddings_are_stored_once_and_come_back_tied(shared, tmp_path):
     state = model.state_dict()
     wte = state["transformer.wte.weight"]
     shared.client.save(first, {"model": state}).wait(60)
-    shared.client.save(second, {"model": {k: v.clone() for k, v in state.items()}}).wait(60)  # untied copy
+    untied = {k: v.clone() for k, v in state.items()}  # an untied copy
+    shared.client.save(second, {"model": untied}).wait(60)
     from asyncckpt.storage.local import read_manifest  # raw streams: step 2 is incremental
     tied, untied = (read_manifest(root / f"step-{s:08d}").raw_size for s in (first, second))
     assert untied - tied >= wte.numel() * wte.element_size()  # the tied copy is not written
@@ -173,7 +180,8 @@ def test_tied_embeddings_are_stored_once_and_come_back_tied(shared, tmp_path):
     untied_target = {k: torch.zeros_like(v) for k, v in state.items()}  # separate memories
     asyncckpt.load(root, step=first, into={"model": untied_target})
     assert torch.equal(untied_target["lm_head.weight"], wte)
-    assert untied_target["lm_head.weight"].data_ptr() != untied_target["transformer.wte.weight"].data_ptr()
+    assert (untied_target["lm_head.weight"].data_ptr()
+            != untied_target["transformer.wte.weight"].data_ptr())
 
     index = asyncckpt.export_hf(root, tmp_path / "hf", step=first)
     assert set(index["weight_map"]) == set(state) - {"lm_head.weight"}  # once, as HF saves it
@@ -218,7 +226,8 @@ def test_checkpointer_export_opens_with_from_pretrained_unchanged(shared, tmp_pa
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     root = shared.root
     with asyncckpt.Checkpointer(root, model=model, optimizer=opt,
-                                client=asyncckpt.connect(shared.address, rank=0, world_size=1)) as ckpt:
+                                client=asyncckpt.connect(shared.address, rank=0,
+                                                         world_size=1)) as ckpt:
         ckpt.save(shared.step(), force=True).wait(60)
         ckpt.client.close()
     tokenizer = local_tokenizer(tmp_path / "tok")
@@ -245,7 +254,8 @@ def test_checkpointer_export_opens_with_from_pretrained_unchanged(shared, tmp_pa
         for name, tensor in model.state_dict().items():
             assert torch.equal(reloaded.state_dict()[name], tensor.to(torch.bfloat16)), name
     if tied:
-        assert reloaded.lm_head.weight.data_ptr() == reloaded.get_input_embeddings().weight.data_ptr()
+        assert (reloaded.lm_head.weight.data_ptr()
+                == reloaded.get_input_embeddings().weight.data_ptr())
     again = transformers.AutoTokenizer.from_pretrained(out)
     assert again("w3 w5")["input_ids"] == tokenizer("w3 w5")["input_ids"]
 

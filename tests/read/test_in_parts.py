@@ -119,7 +119,7 @@ def rewrite_part(directory: Path, index: int, edit: Callable[[list[RankPart]], N
         root.step, root.world_size, [], created=root.created, parts=root.parts).to_bytes())
 
 
-# -- reading ----------------------------------------------------------------------------------------
+# -- reading --------------------------------------------------------------------------------------
 
 def test_the_steps_are_in_parts(base):
     for step, sizes in SIZES.items():
@@ -171,7 +171,8 @@ def test_other_ranks_parts_are_never_opened(own):
     (d / "node-00000" / "rank-00002.safetensors.zst").unlink()
     assert_same(rank_state(2, 3), asyncckpt.load(own, rank=3))
     assert_same(rank_state(2, 0), asyncckpt.load(own, rank=0))  # the same node's
-    with pytest.raises(CorruptCheckpointError, match="cannot read node-00000/rank-00001.json") as info:
+    with pytest.raises(CorruptCheckpointError,
+                       match="cannot read node-00000/rank-00001.json") as info:
         asyncckpt.load(own, step=2, rank=1)
     assert info.value.file == str(d / "node-00000" / "rank-00001.json") and info.value.rank == 1
     with pytest.raises(CorruptCheckpointError, match="the newest intact step is 1") as info:
@@ -194,7 +195,7 @@ def test_inspect_reads_every_part(base, reads):
         f"step-00000002/node-0000{0 if r < 3 else 3}/rank-0000{r}.json" for r in range(WORLD)]
 
 
-# -- verify -----------------------------------------------------------------------------------------
+# -- verify ---------------------------------------------------------------------------------------
 
 def test_verify_checks_every_part_and_frame(base, capsys):
     report = asyncckpt.verify(base)
@@ -396,7 +397,7 @@ def test_a_root_breaking_a_rule_is_corruption_naming_it(own, edit, match, capsys
     assert "manifest.json" in capsys.readouterr().out
 
 
-# -- the writer's side ------------------------------------------------------------------------------
+# -- the writer's side ----------------------------------------------------------------------------
 
 def node_tmps(root: Path, step: int, source: Path) -> tuple[PosixStorage, list[tuple]]:
     """Each node of step in parts `source` written anew as step `step` by its own writer:
@@ -470,7 +471,7 @@ def test_a_node_announcing_another_entry_fails_the_commit(own):
                                 (nodes[0], (first, count, name, bad)))
 
 
-# -- references --------------------------------------------------------------------------------------
+# -- references -----------------------------------------------------------------------------------
 
 def set_refs(file: str) -> Callable[[list[RankPart]], None]:
     def edit(ranks: list[RankPart]) -> None:
@@ -505,7 +506,7 @@ def test_a_reference_through_a_linked_node_directory_is_refused(own, tmp_path):
         asyncckpt.load(own, step=2, rank=0)
 
 
-# -- copy, object stores, global tensors -----------------------------------------------------------
+# -- copy, object stores, global tensors ----------------------------------------------------------
 
 def test_a_copy_is_a_stand_alone_step_in_parts(base, tmp_path):
     out = copy_step(base, tmp_path / "out" / "step-00000002", 2)
@@ -581,7 +582,9 @@ def only_rank(step: Path, rank: int) -> list[Path]:
     return gone
 
 
-def shards(fulls: dict[str, torch.Tensor], world: int, placement: Any = Shard(0)) -> dict:
+def shards(fulls: dict[str, torch.Tensor], world: int, placement: Any = None) -> dict:
+    """Zeroed DTensors of `fulls` at `world` ranks, placed `placement` (default Shard(0))."""
+    placement = Shard(0) if placement is None else placement
     return {k: dtensor_of(torch.zeros_like(v), (world,), (placement,)) for k, v in fulls.items()}
 
 

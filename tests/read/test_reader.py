@@ -33,7 +33,7 @@ from asyncckpt.storage.local import read_manifest
 SLOT = SMALL_RING["slot_size"]
 
 
-# -- shared helpers (test_verify_cli imports these) -------------------------------------------
+# -- shared helpers (test_verify_cli imports these) -----------------------------------------------
 
 def reader_state(seed: int) -> dict[str, Any]:
     """A state whose first tensor spans several 64 KiB frames, then small ones that share."""
@@ -42,9 +42,11 @@ def reader_state(seed: int) -> dict[str, Any]:
         "model": {"w": torch.randn(300, 128, generator=g),          # 153600 B: frames 1, 2 inside
                   "emb": torch.randn(50, 64, generator=g).bfloat16(),
                   "b": torch.zeros(128), "empty": torch.empty(0, 3), "scale": torch.tensor(0.5)},
-        "optim": {"state": {0: {"step": torch.tensor(seed), "exp_avg": torch.randn(128, generator=g)}},
+        "optim": {"state": {0: {"step": torch.tensor(seed),
+                                "exp_avg": torch.randn(128, generator=g)}},
                   "param_groups": [{"lr": 1e-3 * seed, "betas": (0.9, 0.999), "params": [0]}]},
-        "step": seed * 100, "note": None, "loss": float("nan"), "mask": torch.rand(17, generator=g) > 0.5,
+        "step": seed * 100, "note": None, "loss": float("nan"),
+        "mask": torch.rand(17, generator=g) > 0.5,
     }
 
 
@@ -63,7 +65,8 @@ class Saved:
 
 
 @pytest.fixture(scope="module", params=["zstd", "raw"])
-def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Saved]:
+def saved(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Saved]:
     """Steps 1 and 2 of `reader_state`, committed by the writer with 64 KiB slots."""
     codec = request.param
     base = tmp_path_factory.mktemp(f"saved-{codec}")
@@ -113,7 +116,8 @@ def resign_manifest(directory: Path, edit) -> None:
     edit(doc)
     body = json.dumps(doc, separators=(",", ":")).encode()
     (directory / MANIFEST_NAME).write_bytes(
-        b'{"xxh3":"' + f"{xxhash.xxh3_64_intdigest(body):016x}".encode() + b'","manifest":' + body + b"}\n")
+        b'{"xxh3":"' + f"{xxhash.xxh3_64_intdigest(body):016x}".encode() + b'","manifest":'
+        + body + b"}\n")
 
 
 def zeros_like_state(state: Any) -> Any:
@@ -177,7 +181,7 @@ def own(saved: Saved, tmp_path: Path) -> Path:
     return copy_steps(saved, tmp_path / "root")
 
 
-# -- which checkpoint loads --------------------------------------------------------------------
+# -- which checkpoint loads -----------------------------------------------------------------------
 
 def test_load_root_picks_newest_committed_step(saved):
     assert (saved.root / "latest").read_text() == "step-00000002\n"
@@ -201,7 +205,8 @@ def test_load_a_checkpoint_directory(saved):
 def test_loaded_tensors_are_fresh_writable_cpu_tensors(saved):
     a, b = asyncckpt.load(saved.root), asyncckpt.load(saved.root)
     w = a["model"]["w"]
-    assert w.device.type == "cpu" and w.is_contiguous() and w.data_ptr() != b["model"]["w"].data_ptr()
+    assert w.device.type == "cpu" and w.is_contiguous()
+    assert w.data_ptr() != b["model"]["w"].data_ptr()
     w.add_(1)  # writable, and owns its memory
     assert torch.equal(b["model"]["w"], saved.states[2]["model"]["w"])
 
@@ -237,7 +242,8 @@ def test_a_step_that_is_not_there_lists_the_steps_that_are(saved, tmp_path):
     for step in range(1, 21):
         (many / f"step-{step:08d}").mkdir(parents=True)
     with pytest.raises(CheckpointNotFoundError,
-                       match=r"its committed steps: 1, \.\.\., 15, 16, 17, 18, 19, 20 \(20 in all\)"):
+                       match=r"its committed steps: 1, \.\.\., 15, 16, 17, 18, 19, 20 "
+                             r"\(20 in all\)"):
         asyncckpt.load(many, step=99)
 
 
@@ -248,7 +254,7 @@ def test_rank_out_of_range(saved):
         assert info.value.rank == rank and info.value.step == 2
 
 
-# -- a damaged newest step is an error naming the newest intact one (never a silent fallback) --
+# -- a damaged newest step is an error naming the newest intact one (never a silent fallback) -----
 
 def damage(saved: Saved, d: Path, kind: str) -> str:
     """Damage checkpoint `d` one way; returns what the error must say."""
@@ -349,7 +355,7 @@ def test_load_into_parameters(saved):
     assert torch.equal(target["model"]["w"].detach(), saved.states[1]["model"]["w"])
 
 
-# -- loading in place ---------------------------------------------------------------------------
+# -- loading in place -----------------------------------------------------------------------------
 
 def test_load_into_fills_targets_in_place(saved):
     target = zeros_like_state(saved.states[2])
@@ -378,10 +384,12 @@ def test_mismatch_raises_before_any_target_is_modified(saved, bad):
     target = zeros_like_state(saved.states[2])
     if bad == "shape":
         target["optim"]["state"][0]["exp_avg"] = torch.full((129,), 7.0)
-        expect = r"state\['optim'\]\['state'\]\[0\]\['exp_avg'\]: target torch.float32 \(129,\), saved torch.float32 \(128,\)"
+        expect = (r"state\['optim'\]\['state'\]\[0\]\['exp_avg'\]: target torch.float32 "
+                  r"\(129,\), saved torch.float32 \(128,\)")
     else:
         target["model"]["emb"] = torch.full((50, 64), 7.0)   # saved as bfloat16
-        expect = r"state\['model'\]\['emb'\]: target torch.float32 \(50, 64\), saved torch.bfloat16 \(50, 64\)"
+        expect = (r"state\['model'\]\['emb'\]: target torch.float32 \(50, 64\), "
+                  r"saved torch.bfloat16 \(50, 64\)")
     before = snapshot(target)
     with pytest.raises(StateMismatchError, match=expect) as info:
         asyncckpt.load(saved.root, into=target)
@@ -503,7 +511,8 @@ def test_data_file_symlink_is_refused(saved, own, tmp_path):
 
 
 def test_data_file_from_another_step_is_caught(saved, own):
-    shutil.copyfile(own / "step-00000001" / saved.data_name, own / "step-00000002" / saved.data_name)
+    shutil.copyfile(own / "step-00000001" / saved.data_name,
+                    own / "step-00000002" / saved.data_name)
     with pytest.raises(CorruptCheckpointError):
         asyncckpt.load(own)
 
@@ -546,7 +555,7 @@ def test_load_into_with_corruption_raises(saved, own):
         asyncckpt.load(d, into=zeros_like_state(saved.states[2]))
 
 
-# -- bugs -------------------------------------------------------------------------------------------
+# -- bugs -----------------------------------------------------------------------------------------
 
 def test_fifo_in_place_of_data_file_does_not_hang(tmp_path):
     d = hand_made_checkpoint(tmp_path / "root" / "step-00000001")

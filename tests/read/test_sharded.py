@@ -106,13 +106,15 @@ def load_world(path: Path, fulls: dict[str, torch.Tensor], mesh_shape: tuple[int
         with as_rank(r, world):
             targets = {k: dtensor_of(torch.zeros_like(v), mesh_shape, placements)
                        for k, v in fulls.items()}
-            out = asyncckpt.load(path, into={"model": targets, "mine": torch.zeros(3)}, strict=False)
+            out = asyncckpt.load(path, into={"model": targets, "mine": torch.zeros(3)},
+                                 strict=False)
             for k, v in fulls.items():
                 assert out["model"][k] is targets[k]
                 assert torch.equal(targets[k].to_local(), v[box_of(targets[k])]), (k, r)
             saved_world = json.loads(_body(path))["world_size"]
             source = r if r < saved_world else 0
-            assert out["rank"] == source and torch.equal(out["mine"], torch.full((3,), float(source)))
+            assert out["rank"] == source
+            assert torch.equal(out["mine"], torch.full((3,), float(source)))
 
 
 def _body(path: Path) -> bytes:
@@ -122,13 +124,14 @@ def _body(path: Path) -> bytes:
 
 def _resign(path: Path, body: dict) -> None:
     raw = json.dumps(body, separators=(",", ":")).encode()
-    (path / MANIFEST_NAME).write_bytes(b'{"xxh3":"%016x","manifest":' % xxhash.xxh3_64_intdigest(raw)
-                                       + raw + b"}\n")
+    (path / MANIFEST_NAME).write_bytes(b'{"xxh3":"%016x","manifest":'
+                                       % xxhash.xxh3_64_intdigest(raw) + raw + b"}\n")
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(10, 6, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+    return {"w": torch.randn(10, 6, generator=g),
+            "b": torch.randn(7, generator=g).to(torch.bfloat16),
             "e": torch.randint(0, 100, (5, 3, 4), generator=g)}
 
 
@@ -151,7 +154,8 @@ def test_replicated_boxes_are_written_once(writer):
     fulls = {"w": torch.randn(64, 32)}
     path = save_world(writer, fulls, (2, 2), (Replicate(), Shard(0)))
     parts = json.loads(_body(path))["ranks"]
-    written = {p["rank"]: [t["shape"] for t in p["tensors"] if t["name"] == "model.w"] for p in parts}
+    written = {p["rank"]: [t["shape"] for t in p["tensors"] if t["name"] == "model.w"]
+               for p in parts}
     assert written == {0: [[32, 32]], 1: [[32, 32]], 2: [], 3: []}
     load_world(path, fulls, (3,), (Shard(1),))
 
@@ -165,7 +169,8 @@ def test_uneven_and_empty_shards_and_scalars(writer):
     for k, v in fulls.items():
         assert torch.equal(full[k], v)
     with as_rank(1, 3):
-        targets = {k: dtensor_of(torch.zeros_like(v), (3,), (Shard(0),) if v.dim() else (Replicate(),))
+        targets = {k: dtensor_of(torch.zeros_like(v), (3,),
+                                 (Shard(0),) if v.dim() else (Replicate(),))
                    for k, v in fulls.items()}
         asyncckpt.load(path, into=targets)
         for k, v in fulls.items():
@@ -207,7 +212,8 @@ def test_dtensor_targets_from_a_plain_save(writer):
         path = c.save(next(_steps), {"model": fulls}).wait(timeout=60)
     for r in range(3):
         with as_rank(r, 3):
-            targets = {k: dtensor_of(torch.zeros_like(v), (3,), (Shard(0),)) for k, v in fulls.items()}
+            targets = {k: dtensor_of(torch.zeros_like(v), (3,), (Shard(0),))
+                       for k, v in fulls.items()}
             asyncckpt.load(path, into={"model": targets})
             for k, v in fulls.items():
                 assert torch.equal(targets[k].to_local(), v[box_of(targets[k])])
@@ -240,24 +246,25 @@ def test_a_partial_placement_is_named_by_its_key_through_a_checkpointer(writer, 
         from asyncckpt.rank.ringsize import state_bytes
         assert state_bytes({"w": t}) == 16
         ckpt = asyncckpt.Checkpointer(writer.root, fence=False)
-        with pytest.raises(asyncckpt.UnsupportedStateError, match=r"state\['extra'\]\['w'\].*Partial"):
+        with pytest.raises(asyncckpt.UnsupportedStateError,
+                           match=r"state\['extra'\]\['w'\].*Partial"):
             ckpt.save(next(_steps), extra={"w": t}, force=True)
         ckpt.close()
 
 
+def _w_box(body: dict, rank: int) -> dict:
+    """The "dtensor" node of model.w in rank `rank`'s tree of manifest body `body`."""
+    return body["ranks"][rank]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"]
+
+
 @pytest.mark.parametrize("edit, match", [
-    (lambda body: body["ranks"][1]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"]["offsets"].__setitem__(0, 0),
-     "overlap|hold"),
-    (lambda body: body["ranks"][1]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("shape", [9, 4]),
-     "disagree"),
-    (lambda body: body["ranks"][1]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("offsets", [4, 1]),
-     "does not fit"),
-    (lambda body: body["ranks"][0]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("placements", 5),
-     "placements"),
-    (lambda body: body["ranks"][0]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("dtype", []),
+    (lambda body: _w_box(body, 1)["offsets"].__setitem__(0, 0), "overlap|hold"),
+    (lambda body: _w_box(body, 1).__setitem__("shape", [9, 4]), "disagree"),
+    (lambda body: _w_box(body, 1).__setitem__("offsets", [4, 1]), "does not fit"),
+    (lambda body: _w_box(body, 0).__setitem__("placements", 5), "placements"),
+    (lambda body: _w_box(body, 0).__setitem__("dtype", []),
      "bad dtype"),  # found by the fuzz: an unhashable dtype raised TypeError
-    (lambda body: body["ranks"][0]["tree"]["dict"][0][1]["dict"][0][1]["dtensor"].__setitem__("dtype", "F16"),
-     "disagree|table entry"),
+    (lambda body: _w_box(body, 0).__setitem__("dtype", "F16"), "disagree|table entry"),
 ])
 def test_boxes_that_do_not_tile_are_corrupt(writer, tmp_path, edit, match):
     path = save_world(writer, {"w": torch.randn(8, 4)}, (2,), (Shard(0),))
@@ -317,7 +324,7 @@ def test_inspect_lists_global_tensors_and_boxes(writer, capsys):
     assert "S(0)" in capsys.readouterr().out
 
 
-# -- ShardedTensor (FSDP1's sharded state dict without a device mesh) ---------------------
+# -- ShardedTensor (FSDP1's sharded state dict without a device mesh) -----------------------------
 
 
 def sharded_of(full: torch.Tensor, rank: int, world: int, group=None):
