@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(peers.METHODS)}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(args.workdir) if args.workdir else HERE / "results" / "tmp" / f"{args.mode}-{os.getpid()}"
+    work = (Path(args.workdir) if args.workdir
+            else HERE / "results" / "tmp" / f"{args.mode}-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
 
     plan = [workloads.synthetic(size) for size in mode["sizes"]]
@@ -134,7 +135,8 @@ def _export(settings: dict[str, Any], work: Path) -> dict[str, Any]:
     from . import export_speed
     started = time.perf_counter()
     try:
-        result = export_speed.run(settings["gib"], settings["tensors"], settings["reps"], "raw", work)
+        result = export_speed.run(settings["gib"], settings["tensors"], settings["reps"], "raw",
+                                  work)
     except Exception as e:  # noqa: BLE001 - reported in the table, the rest still written
         result = {"error": f"{type(e).__name__}: {e}"}
     text = result.get("error") or (f"export {result['median']['export']:.2f} s, plain copy "
@@ -206,9 +208,11 @@ def _progress(workload: str, what: str, result: dict[str, Any], seconds: float) 
     if "error" in result:
         text = f"FAILED: {result['error'][:300]}"
     elif what == "limits":
-        text = (f"memcpy {min(result['memcpy']):.3f} s, write+fsync {min(result['write_fsync']):.2f} s")
+        text = (f"memcpy {min(result['memcpy']):.3f} s, write+fsync "
+                f"{min(result['write_fsync']):.2f} s")
     elif what == "contest":
-        text = ", ".join(f"{case}: " + " ".join(f"{n} {c['ratio']:.3f}" for n, c in e["codecs"].items())
+        text = ", ".join(f"{case}: "
+                         + " ".join(f"{n} {c['ratio']:.3f}" for n, c in e["codecs"].items())
                          for case, e in result["cases"].items())
     else:
         reps = result["reps"]

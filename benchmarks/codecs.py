@@ -361,7 +361,7 @@ def bounds(buffers: list[Buffer], block: int = 1 << literals.WINDOW_LOG) -> dict
     matches cost over Huffman, and what Huffman costs over entropy."""
     codec = BytegroupCodec()
     raw = stored = entropy = huffman = 0.0
-    for i, buf in enumerate(buffers):
+    for buf in buffers:
         geometry = FrameEncoder("bytegroup", 1, buf.tensors).geometry
         probes: dict[int, Any] = {}
         for frame in _frames([buf]):
@@ -439,7 +439,8 @@ def measure(buffers: list[Buffer], candidates: list[Candidate], reps: int) -> di
     load_after = os.getloadavg()
     rows = {}
     for c in candidates:
-        row: dict[str, Any] = {"ratio": round(sizes[c.name] / raw, 4), "rounds": len(times[c.name]["enc"])}
+        row: dict[str, Any] = {"ratio": round(sizes[c.name] / raw, 4),
+                               "rounds": len(times[c.name]["enc"])}
         for stage, label in (("enc", "encode"), ("dec", "decode")):
             wall = statistics.median(t[0] for t in times[c.name][stage])
             cpu = statistics.median(t[1] for t in times[c.name][stage])
@@ -484,8 +485,10 @@ def render(result: dict[str, Any]) -> str:
     zipnn = "ZipNN 0.5.4"
     for group, g in result["groups"].items():
         lines += [f"## {group}: {g['raw_bytes'] / 1e6:.1f} MB in {g['frames']} frames of 4 MiB",
-                  "", f"Load average (1/5/15 min) before {g['loadavg_before']}, after {g['loadavg_after']}.",
-                  "", "| candidate | ratio | vs ZipNN | encode GB/s (wall) | decode GB/s (wall) | rounds | what |",
+                  "", f"Load average (1/5/15 min) before {g['loadavg_before']}, after "
+                      f"{g['loadavg_after']}.",
+                  "", "| candidate | ratio | vs ZipNN | encode GB/s (wall) | decode GB/s (wall) | "
+                      "rounds | what |",
                   "|---|---|---|---|---|---|---|"]
         z = g["rows"][zipnn]["ratio"]
         for c in CANDIDATES:
@@ -494,21 +497,25 @@ def render(result: dict[str, Any]) -> str:
                 continue
             lines.append(f"| {c.name} | {r['ratio']:.4f} | {r['ratio'] - z:+.4f} | "
                          f"{r['encode_gbps_cpu']:.2f} ({r['encode_gbps']:.2f}) | "
-                         f"{r['decode_gbps_cpu']:.2f} ({r['decode_gbps']:.2f}) | {r['rounds']} | {c.note} |")
+                         f"{r['decode_gbps_cpu']:.2f} ({r['decode_gbps']:.2f}) | {r['rounds']} | "
+                         f"{c.note} |")
         for name, ratio in g["bounds"].items():
             lines.append(f"| bound: {name} | {ratio:.4f} | {ratio - z:+.4f} | | | | not a codec: "
                          f"what \"{SHIPPED}\" would store if zstd coded its exponent planes so |")
         lines.append("")
     lines += [f"## Targets (the shipped codec: \"{SHIPPED}\"; GB/s by CPU time, then by wall "
               "time on the shared machine)", "",
-              "| group | ratio <= ZipNN | encode >= 1 GB/s | decode >= 2 GB/s |", "|---|---|---|---|"]
+              "| group | ratio <= ZipNN | encode >= 1 GB/s | decode >= 2 GB/s |",
+              "|---|---|---|---|"]
     ok = lambda b: "met" if b else "**MISSED**"  # noqa: E731
     for group, g in result["groups"].items():
         r, z = g["rows"][SHIPPED], g["rows"][zipnn]
-        speeds = [" / ".join(f"{r[f'{stage}_gbps{kind}']:.2f} {ok(r[f'{stage}_gbps{kind}'] >= bound)}"
-                             for kind in ("_cpu", "")) for stage, bound in (("encode", 1), ("decode", 2))]
-        lines.append(f"| {group} | {r['ratio']:.4f} vs {z['ratio']:.4f}: {ok(r['ratio'] <= z['ratio'])} | "
-                     f"{speeds[0]} | {speeds[1]} |")
+        speeds = [" / ".join(f"{r[f'{stage}_gbps{kind}']:.2f} "
+                             f"{ok(r[f'{stage}_gbps{kind}'] >= bound)}"
+                             for kind in ("_cpu", ""))
+                  for stage, bound in (("encode", 1), ("decode", 2))]
+        lines.append(f"| {group} | {r['ratio']:.4f} vs {z['ratio']:.4f}: "
+                     f"{ok(r['ratio'] <= z['ratio'])} | {speeds[0]} | {speeds[1]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -516,12 +523,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--only", default="", help="candidate names separated by ; (ZipNN is always run)")
+    parser.add_argument("--only", default="", help="candidate names separated by ; (ZipNN is "
+                                                   "always run)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--render", action="store_true", help="rewrite codecs.md from codecs.json")
     args = parser.parse_args(argv)
     if args.render:
-        (args.out / "codecs.md").write_text(render(json.loads((args.out / "codecs.json").read_text())))
+        (args.out / "codecs.md").write_text(
+            render(json.loads((args.out / "codecs.json").read_text())))
         return
     torch.set_num_threads(2)
     data, facts = groups(args.steps)
@@ -529,7 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     wanted = [c for c in CANDIDATES if not args.only or c.name in args.only.split(";")
               or c.name in ("ZipNN 0.5.4", SHIPPED)]
     result: dict[str, Any] = {
-        "command": "python -m benchmarks.codecs " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "command": "python -m benchmarks.codecs "
+                   + " ".join(argv if argv is not None else os.sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
         "reps": args.reps, "facts": facts, "groups": {}}

@@ -103,7 +103,8 @@ def run_layout(base: Path, nodes: int, per_node: int, saves: int, kib: int,
             runtime.append(Path(tempfile.mkdtemp(prefix=f"bc{i}-")))
             env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                    "ASYNCCKPT_RUNTIME_DIR": str(runtime[-1]),
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                               os.environ.get("PYTHONPATH")]))}
             env.pop("ASYNCCKPT_ADDRESS", None)
             with open(out / f"node-{i}.log", "wb") as log:
                 procs.append(subprocess.Popen(

@@ -139,7 +139,8 @@ class DcpAsyncShm(_Dcp):
 
     def save(self, step: int, state: dict[str, Any]) -> tuple[float, float]:
         import torch.distributed.checkpoint as dcp
-        return timed(lambda: dcp.async_save(state, storage_writer=self.writer(step), async_stager=self.stager))
+        return timed(lambda: dcp.async_save(state, storage_writer=self.writer(step),
+                                            async_stager=self.stager))
 
     def close(self) -> None:
         self.stager.close()
@@ -161,7 +162,8 @@ class _AsyncCkpt(Method):
         import asyncckpt
         self.writer = None  # one per node: rank 0's, shared with the others through the store
         if dcp_fsdp.rank() == 0:
-            self.writer = asyncckpt.start_writer(root, codec=self.codec, incremental=self.incremental,
+            self.writer = asyncckpt.start_writer(root, codec=self.codec,
+                                                 incremental=self.incremental,
                                                  log_file=root.parent / "writer.log")
         address = self.writer.address if self.writer else None
         if dist.is_initialized():
@@ -488,7 +490,8 @@ def summarise_limits(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def summarise(raw: dict[str, list[dict[str, Any]]], nbytes: int) -> dict[str, Any]:
     return {"bytes": nbytes,
-            "methods": {name: summarise_method(runs) for name, runs in raw.items() if name != LIMITS},
+            "methods": {name: summarise_method(runs) for name, runs in raw.items()
+                        if name != LIMITS},
             "limits": summarise_limits(raw[LIMITS])}
 
 

@@ -29,7 +29,8 @@ def model_state(nbytes: int, seed: int) -> dict[str, Any]:
     hidden = 1024
     layers = max(1, round(nbytes / (3 * 4 * hidden * hidden)))
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False)
+                                  for _ in range(layers)])
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         fully_shard(layer, mesh=mesh)
@@ -52,7 +53,8 @@ def local_equal(a: Any, b: Any) -> bool:
         lb = b.to_local() if hasattr(b, "to_local") else b
         return la.dtype == lb.dtype and la.shape == lb.shape and torch.equal(la, lb)
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(local_equal(a[k], b[k]) for k in a)
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(local_equal(a[k], b[k]) for k in a))
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(local_equal(x, y) for x, y in zip(a, b))
     return a == b

@@ -76,7 +76,8 @@ def table(summary: dict[str, Any]) -> list[str]:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for name, row in summary["methods"].items():
         if "error" in row:
-            lines.append(f"| {name} | not measured: {row['error'][:300]} |" + " |" * (len(COLUMNS) - 2))
+            lines.append(f"| {name} | not measured: {row['error'][:300]} |"
+                         + " |" * (len(COLUMNS) - 2))
             continue
         cells = [name, f"{row['blocked']:.3f}", _ratio(row["blocked"], lim.get("memcpy")),
                  f"{row['durable']:.3f}", _ratio(row["durable"], lim.get("write_fsync")),
@@ -102,8 +103,9 @@ def size_md(summary: dict[str, Any]) -> list[str]:
     if "error" in lim:
         out += [f"Limits not measured: {lim['error']}", ""]
     else:
-        out += [f"Limits, same run: memcpy {lim['memcpy']:.3f} s ({state / lim['memcpy'] / 1e9:.2f} GB/s; "
-                f"one thread {lim['memcpy_1thread']:.3f} s), write + fsync {lim['write_fsync']:.3f} s "
+        out += [f"Limits, same run: memcpy {lim['memcpy']:.3f} s "
+                f"({state / lim['memcpy'] / 1e9:.2f} GB/s; one thread "
+                f"{lim['memcpy_1thread']:.3f} s), write + fsync {lim['write_fsync']:.3f} s "
                 f"({state / lim['write_fsync'] / 1e9:.2f} GB/s), cold sequential read "
                 f"{lim['read_cold']:.3f} s.", ""]
     out += table(summary) + [""]
@@ -142,7 +144,8 @@ default fails on ext4)."""
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["# asyncckpt as DCP's storage layer, next to DCP's FileSystemWriter and torch-checkpointing",
+    lines = ["# asyncckpt as DCP's storage layer, next to DCP's FileSystemWriter and "
+             "torch-checkpointing",
              "", f"`{result['command']}`; {result['reps']} repetitions; torch {result['torch']}; "
              f"{result['cpus']} CPUs; load average {result['loadavg_before']} before, "
              f"{result['loadavg_after']} after.", ""]

@@ -32,7 +32,8 @@ ROWS = 4096  # tensors are ROWS x (64 MiB / 4 / ROWS) fp32
 def save_sharded(root_writer: asyncckpt.WriterProcess, model_gib: float, ranks: int) -> int:
     n = max(1, int(model_gib * 1024) // 64)
     cols = (64 * MiB // 4) // ROWS
-    clients = [asyncckpt.connect(root_writer.address, rank=r, world_size=ranks) for r in range(ranks)]
+    clients = [asyncckpt.connect(root_writer.address, rank=r, world_size=ranks)
+               for r in range(ranks)]
     handles = []
     for r, client in enumerate(clients):
         dist.init_process_group("fake", rank=r, world_size=ranks, store=FakeStore())
@@ -63,7 +64,8 @@ def peak_rss(argv: list[str]) -> int:
             "try:\n    runpy.run_module(sys.argv[0], run_name='__main__')\n"
             "except SystemExit:\n    pass\n"
             "print('PEAK', open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
     return int(out.split("PEAK")[-1].split()[0]) * 1024
 
 
@@ -77,13 +79,15 @@ def main() -> int:
                                     log_file=Path(tmp) / "writer.log") as writer:
             model_bytes = save_sharded(writer, args.model_gib, args.ranks)
         export = peak_rss(["asyncckpt", "export", str(Path(tmp) / "ckpt"), "--out",
-                           str(Path(tmp) / "hf"), "--dtype", "bfloat16", "--max-shard-size", "256MiB"])
+                           str(Path(tmp) / "hf"), "--dtype", "bfloat16",
+                           "--max-shard-size", "256MiB"])
         baseline = peak_rss(["asyncckpt.read.export"])
-    line = (f"`python -m benchmarks.export_memory --model-gib {args.model_gib} --ranks {args.ranks}`: "
-            f"model {model_bytes / MiB:.0f} MiB fp32 in 64 MiB tensors saved by {args.ranks} ranks "
-            f"(Shard(0)/Shard(1)), exported as bf16: peak RSS {export / MiB:.0f} MiB, of which "
-            f"{baseline / MiB:.0f} MiB is the interpreter with torch (so {(export - baseline) / MiB:.0f} "
-            f"MiB for the export: {(export - baseline) / (64 * MiB):.2f} x the largest tensor, "
+    line = (f"`python -m benchmarks.export_memory --model-gib {args.model_gib} --ranks "
+            f"{args.ranks}`: model {model_bytes / MiB:.0f} MiB fp32 in 64 MiB tensors saved by "
+            f"{args.ranks} ranks (Shard(0)/Shard(1)), exported as bf16: peak RSS "
+            f"{export / MiB:.0f} MiB, of which {baseline / MiB:.0f} MiB is the interpreter with "
+            f"torch (so {(export - baseline) / MiB:.0f} MiB for the export: "
+            f"{(export - baseline) / (64 * MiB):.2f} x the largest tensor, "
             f"{(export - baseline) / model_bytes:.3f} x the model)")
     print(line)
     (Path(__file__).parent / "results" / "export_memory.md").write_text(line + "\n")

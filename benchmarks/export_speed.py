@@ -38,7 +38,8 @@ BLOCK = 8 * MiB
 
 def save_model(root: Path, gib: float, tensors: int, codec: str) -> Path:
     per = int(gib * GiB) // tensors // 4
-    state = {"model": {f"layers.{i}.weight": torch.randn(per, generator=torch.Generator().manual_seed(i))
+    state = {"model": {f"layers.{i}.weight":
+                       torch.randn(per, generator=torch.Generator().manual_seed(i))
                        for i in range(tensors)}}
     writer = asyncckpt.start_writer(root, codec=codec)
     try:

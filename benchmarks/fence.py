@@ -1,6 +1,7 @@
 """Blocked time per save inside a training loop, with and without the optimizer fence.
 
-    python -m benchmarks.fence [--params-mib 256] [--saves 5] [--batches 512,16]   (make bench-fence)
+    python -m benchmarks.fence [--params-mib 256] [--saves 5] [--batches 512,16]
+    (make bench-fence)
 
 A real loop (an MLP with AdamW; the state is the parameters plus two Adam moments)
 saves every other step. What the loop loses per save is measured the way the loop sees
@@ -143,7 +144,8 @@ def run_config(params_mib: int, saves: int, batch: int) -> list[str]:
     lines = [f"batch {batch}: state {state_mib:.0f} MiB (params + AdamW moments), compute per "
              f"step {compute:.3f} s, a save every 2 steps", "",
              "| variant | blocked per save, s | vs save + wait_staged |", "|---|---|---|"]
-    return lines + [f"| {label} | {seconds:.3f} | {seconds / rows[0][1]:.2f} |" for label, seconds in rows]
+    return lines + [f"| {label} | {seconds:.3f} | {seconds / rows[0][1]:.2f} |"
+                    for label, seconds in rows]
 
 
 if __name__ == "__main__":

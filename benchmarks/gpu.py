@@ -99,14 +99,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         result["asyncckpt_ring_state"] = run_asyncckpt(state, Path(tmp) / "a", args.reps,
                                                         nbytes + (64 << 20))
-        result["asyncckpt_ring_256MiB"] = run_asyncckpt(state, Path(tmp) / "b", args.reps, 256 << 20)
+        result["asyncckpt_ring_256MiB"] = run_asyncckpt(state, Path(tmp) / "b", args.reps,
+                                                        256 << 20)
         result["dcp_async_save"] = run_dcp(state, Path(tmp) / "dcp", args.reps)
     gb = nbytes / 1e9
-    print(f"{result['device']}: {gb:.2f} GB state; D2H pinned {gb / result['d2h_pinned_s']:.1f} GB/s, "
-          f"pageable {gb / result['d2h_pageable_s']:.1f} GB/s")
+    print(f"{result['device']}: {gb:.2f} GB state; D2H pinned {gb / result['d2h_pinned_s']:.1f} "
+          f"GB/s, pageable {gb / result['d2h_pageable_s']:.1f} GB/s")
     for name in ("asyncckpt_ring_state", "asyncckpt_ring_256MiB", "dcp_async_save"):
         r = result[name]
-        staged = f", staged {r['staged']:.3f} s ({gb / r['staged']:.1f} GB/s)" if "staged" in r else ""
+        staged = (f", staged {r['staged']:.3f} s ({gb / r['staged']:.1f} GB/s)"
+                  if "staged" in r else "")
         print(f"{name}: blocked {r['blocked']:.4f} s{staged}, durable {r['durable']:.3f} s")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gpu.json").write_text(json.dumps(result, indent=1))

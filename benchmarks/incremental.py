@@ -1,6 +1,7 @@
 """Incremental saves on a real fine-tune: bytes written, referenced and time to durable.
 
-    python -m benchmarks.incremental [--hidden 512] [--layers 4] [--saves 5]   (make bench-incremental)
+    python -m benchmarks.incremental [--hidden 512] [--layers 4] [--saves 5]
+    (make bench-incremental)
 
 A causal LM (transformers' Llama, built from a config: nothing is downloaded) is trained
 on CPU with random tokens, and saved (model + optimizer state) every `--every` steps,
@@ -22,8 +23,9 @@ of the disk. The LoRA budget the
 issue sets is 1.05 x (trainable parameters + their optimizer state + non-tensor state);
 the non-tensor state is the size of the manifest's object trees. "written" counts the
 data files and the manifest (which also lists every frozen tensor and frame, so it
-grows with the model's tensor count, not with what changed); "data" the files only. Retention (keep_last=2)
-runs on the incremental root, so the last saves are also read back after the steps
+grows with the model's tensor count, not with what changed); "data" the files only.
+Retention (keep_last=2) runs on the incremental root, so the last saves are also read
+back after the steps
 they reference were retired, and every step left is verified and loaded bit-exact.
 """
 
@@ -145,7 +147,8 @@ def run(kind: str, args: argparse.Namespace, work: Path) -> dict:
                 row[method] = save_asyncckpt(clients[method], roots[method], step, state)
             row["dcp"] = save_dcp(roots["dcp"], step, state)
             if save > 2:
-                shutil.rmtree(roots["dcp"] / f"step-{(save - 2) * args.every:08d}", ignore_errors=True)
+                shutil.rmtree(roots["dcp"] / f"step-{(save - 2) * args.every:08d}",
+                              ignore_errors=True)
             rows.append(row)
             print(f"{kind} save {save}: " + ", ".join(
                 f"{m} {row[m]['written'] / MiB:.2f} MiB {row[m]['seconds']:.2f} s"
@@ -176,7 +179,8 @@ def table(result: dict) -> str:
              "| save | incr. written MiB | incr. referenced MiB | incr. s | skip: staged MiB | "
              "skip s | full written MiB | full s | DCP written MiB | DCP s | data / budget | "
              "written / (budget + trees) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "|"]
     for r in rows:
         i, k, f, d = r["incremental"], r["skip"], r["full"], r["dcp"]
         ratio = i["written"] / (r["budget"] + i["trees"])
@@ -193,12 +197,13 @@ def table(result: dict) -> str:
                                     for r in later)
     enc_inc = statistics.median(r["incremental"]["encode"] for r in later)
     enc_full = statistics.median(r["full"]["encode"] for r in later)
-    worst = max(r["incremental"]["written"] / (r["budget"] + r["incremental"]["trees"]) for r in later)
+    worst = max(r["incremental"]["written"] / (r["budget"] + r["incremental"]["trees"])
+                for r in later)
     lines += ["", f"From save 2 on: median time to durable incremental {inc:.3f} s vs full "
                   f"{full:.3f} s (x{inc / full:.3f}), with skip_unchanged {skip:.3f} s "
-                  f"(x{skip / full:.3f}), for x{bytes_ratio:.3f} of the bytes; the writer's thread time on frames (hash, "
-                  f"encode, lookups) {enc_inc:.3f} s vs {enc_full:.3f} s; worst written / budget "
-                  f"{worst:.3f}. "
+                  f"(x{skip / full:.3f}), for x{bytes_ratio:.3f} of the bytes; the writer's thread "
+                  f"time on frames (hash, encode, lookups) {enc_inc:.3f} s vs {enc_full:.3f} s; "
+                  f"worst written / budget {worst:.3f}. "
                   + "; ".join(f"{m}: kept {c['kept']}, retired {c['retired']}, verify "
                               f"{'OK' if c['verified'] else 'FAILED'}, loads "
                               f"{'bit-exact' if c['bit_exact'] else 'DIFFER'}"
@@ -218,7 +223,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    with tempfile.TemporaryDirectory(prefix="asyncckpt-incr-", dir=args.out and Path(args.out).parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-incr-",
+                                     dir=args.out and Path(args.out).parent) as tmp:
         results = [run(kind, args, Path(tmp)) for kind in ("lora", "full")]
     text = (f"hidden {args.hidden}, {args.layers} layers, {args.saves} saves every {args.every} "
             f"steps, codec {args.codec}\n\n" + "\n\n".join(table(r) for r in results))

@@ -15,8 +15,9 @@ Measured in one run, medians of `--reps`: a plain `connect()` with default knobs
 ring sized from the first save, codec auto) saving that state (blocked: `save()` +
 `wait_staged()`; durable: `wait()`), the rank's extra RSS and the writer's private RSS,
 a cold verified `load`, the export of one whole decoder layer (as each host exports its
-share of the full model's whole tensors), and the machine's limits (one-thread copy, sequential write + fsync, same bytes). The projection
-divides the full job's bytes by those measured rates: one writer per host of 8 ranks,
+share of the full model's whole tensors), and the machine's limits (one-thread copy,
+sequential write + fsync, same bytes). The projection divides the full job's bytes by
+those measured rates: one writer per host of 8 ranks,
 a host with this machine's disk and memory bandwidth. Every projected cell names the
 measured figure it comes from.
 """
@@ -211,7 +212,8 @@ def markdown(m: dict[str, Any], proj: list[dict[str, Any]], command: str) -> str
         "master + 2 fp32 Adam moments; plain `connect()`, default knobs):", "",
         "| figure | measured | same run, same bytes |", "|---|---|---|",
         f"| blocked per save (`save` + `wait_staged`) | {m['blocked']:.2f} s "
-        f"({m['bytes'] / m['blocked'] / GB:.2f} GB/s) | one-thread copy {m['copy_1thread']:.2f} s |",
+        f"({m['bytes'] / m['blocked'] / GB:.2f} GB/s) | one-thread copy {m['copy_1thread']:.2f} s "
+        "|",
         f"| time to durable | {m['durable']:.2f} s ({m['bytes'] / m['durable'] / GB:.2f} GB/s) | "
         f"write + fsync {m['write_fsync']:.2f} s |",
         f"| ring chosen at the first save (the rank's extra host memory) | "

@@ -184,7 +184,8 @@ def report(times: dict[str, list[float]], cpu: dict[str, list[float]], state_nby
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=1024, help="state size in MiB")
     p.add_argument("--state", choices=("synthetic", "large"), default="synthetic",
                    help="synthetic: the benchmark's transformer state (many small tensors); "
@@ -205,8 +206,11 @@ def main(argv: list[str] | None = None) -> None:
         nbytes = workloads.state_bytes(state)
         largest = max(t.numel() * t.element_size() for _, t in tensors)
         print(f"state {args.state}: {len(tensors)} tensors, {nbytes / MiB:.0f} MiB, largest "
-              f"{largest / MiB:.1f} MiB, median {statistics.median(t.numel() * t.element_size() for _, t in tensors) / 1024:.1f} KiB")
-        roots = {c: save_asyncckpt(base / f"ckpt-{c}", state, c) for c in args.codecs.split(",") if c}
+              f"{largest / MiB:.1f} MiB, median "
+              f"{statistics.median(t.numel() * t.element_size() for _, t in tensors) / 1024:.1f} "
+              "KiB")
+        roots = {c: save_asyncckpt(base / f"ckpt-{c}", state, c)
+                 for c in args.codecs.split(",") if c}
         for codec, directory in roots.items():
             stored = sum(p.stat().st_size for p in measure.files_under(directory))
             print(f"  {codec}: {stored / MiB:.0f} MiB stored ({stored / nbytes:.3f} of raw)")

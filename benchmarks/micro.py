@@ -6,8 +6,9 @@
   (OpenMP threads) and with `ctypes.memmove` (what the stager does), while a busy thread
   per core stands in for the writer;
 - ring pages: the 1 GiB synthetic state copied into a ring of its size (ring = state),
-  tensor by tensor, with the ring as shipped (MADV_HUGEPAGE) and as a plain memfd mapping of 4 KiB pages;
-  the kernel grants the 2 MiB pages only where shmem_enabled is `advise` or `always`;
+  tensor by tensor, with the ring as shipped (MADV_HUGEPAGE) and as a plain memfd mapping
+  of 4 KiB pages; the kernel grants the 2 MiB pages only where shmem_enabled is `advise`
+  or `always`;
 - first touch: 1 GiB read from the page cache (a file read once before) into memory
   touched before, into fresh memory (`torch.empty`, as a load's new tensors), and into
   fresh memory populated first in one madvise (MADV_POPULATE_WRITE): what a verified load
@@ -133,7 +134,8 @@ def first_touch(gib: float = 1, reps: int = 5) -> dict[str, object]:
             for name, target in targets.items():
                 runs[name].append(read_into(target))
     return {name: {"s": round(statistics.median(w for w, _ in r), 3),
-                   "cpu_s": round(statistics.median(c for _, c in r), 3)} for name, r in runs.items()}
+                   "cpu_s": round(statistics.median(c for _, c in r), 3)}
+            for name, r in runs.items()}
 
 
 def writer_idle_rss() -> dict[str, float]:
@@ -146,8 +148,10 @@ def writer_idle_rss() -> dict[str, float]:
             writer.stop()
     code = "import torch, sys; print(open('/proc/self/status').read())"
     status = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
-    with_torch = next(int(l.split()[1]) * 1024 for l in status.splitlines() if l.startswith("RssAnon"))
-    return {"writer_MiB": round(ours / 2**20, 1), "python_with_torch_MiB": round(with_torch / 2**20, 1)}
+    with_torch = next(int(line.split()[1]) * 1024
+                      for line in status.splitlines() if line.startswith("RssAnon"))
+    return {"writer_MiB": round(ours / 2**20, 1),
+            "python_with_torch_MiB": round(with_torch / 2**20, 1)}
 
 
 if __name__ == "__main__":

@@ -193,8 +193,10 @@ class DcpAsyncStager(_Dcp):
         super().setup(root, state)
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         # pinned memory and non-blocking copies need an accelerator; there is none here
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=True, use_non_blocking_copy=False))
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False,
+                                                   use_shared_memory=False,
+                                                   use_async_staging=True,
+                                                   use_non_blocking_copy=False))
 
     def start(self, step: int, state: dict[str, Any]) -> Pending:
         import torch.distributed.checkpoint as dcp
@@ -227,7 +229,8 @@ class AsyncCkpt(Method):
         super().__init__(options)
         self.codec = str(options["codec"])
         self.ring_bytes = int(options.get("ring_bytes") or 0)  # 0: the state's size
-        self.name = f"asyncckpt-{self.codec}" + (f"-ring{self.ring_bytes // MiB}M" if self.ring_bytes else "")
+        self.name = f"asyncckpt-{self.codec}" + (f"-ring{self.ring_bytes // MiB}M"
+                                                 if self.ring_bytes else "")
         ring = f"{self.ring_bytes // MiB} MiB ring" if self.ring_bytes else "ring = state"
         self.label = f"asyncckpt, codec {self.codec}, {ring}"
         # references the worker times in this process next to the saves and loads

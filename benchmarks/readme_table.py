@@ -68,8 +68,8 @@ def _methods_table(wl: dict[str, Any]) -> list[str]:
         label = SHORT.get(s["label"], s["label"])
         ours = name.startswith("asyncckpt")
         chosen = set(s.get("codecs_chosen") or [])
-        disk = f"{s['ratio']:.3f}" + (f" (chose {chosen.pop()})" if "auto" in name and len(chosen) == 1
-                                      else "")
+        disk = f"{s['ratio']:.3f}" + (f" (chose {chosen.pop()})"
+                                      if "auto" in name and len(chosen) == 1 else "")
         load = s.get("load")
         load_text = "—" if not load else f"{load['GBps']:.2f}" + (" (verified)" if ours else "")
         kept = f"{s['kept']:.2f}" if "kept" in s else "—"
@@ -82,9 +82,9 @@ def _methods_table(wl: dict[str, Any]) -> list[str]:
 def _limits_sentence(lim: dict[str, Any]) -> str:
     def rate(key: str) -> str:
         return f"{lim[key]['GBps']:.2f} GB/s" if key in lim else "n/a"
-    return (f"Limits in the same run: memcpy {rate('memcpy')} ({lim.get('threads', '?')} threads) / "
-            f"{rate('memcpy_1thread')} (1 thread), sequential write + fsync {rate('write_fsync')}, "
-            f"cold sequential read {rate('read_cold')}.")
+    return (f"Limits in the same run: memcpy {rate('memcpy')} ({lim.get('threads', '?')} threads) "
+            f"/ {rate('memcpy_1thread')} (1 thread), sequential write + fsync "
+            f"{rate('write_fsync')}, cold sequential read {rate('read_cold')}.")
 
 
 def _references(wl: dict[str, Any]) -> list[str]:
@@ -190,7 +190,8 @@ def splice(readme: str, block: str) -> str:
     Raises:
         ValueError: the markers are missing, repeated or out of order.
     """
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
+    if (readme.count(BEGIN) != 1 or readme.count(END) != 1
+            or readme.index(BEGIN) > readme.index(END)):
         raise ValueError("README.md needs exactly one pair of benchmark table markers")
     head, rest = readme.split(BEGIN)
     _, tail = rest.split(END)

@@ -116,12 +116,14 @@ def summarise_method(raw: dict[str, Any]) -> dict[str, Any]:
             out["load_peers"] = {
                 "safetensors": {**peer, "GBps": nbytes / peer["median"] / 1e9,
                                 "equal": raw["load"].get("safetensors_equal")},
-                "read_cold": {**read, "GBps": raw["load"]["read_cold_bytes"] / read["median"] / 1e9},
+                "read_cold": {**read,
+                              "GBps": raw["load"]["read_cold_bytes"] / read["median"] / 1e9},
                 "interleaved": len(raw["load"]["seconds"])}
     stages = [r["stats"] for r in reps if "encode_seconds" in r["stats"]]
     if stages:
         out["stages"] = {
-            "staging (rank copy into ring)": statistics.median(s["staging_seconds"] for s in stages),
+            "staging (rank copy into ring)":
+                statistics.median(s["staging_seconds"] for s in stages),
             "xxh3 + encode (writer)": statistics.median(s["encode_seconds"] for s in stages),
             "write + fsync (writer)": statistics.median(s["write_seconds"] for s in stages),
             "first begin -> commit (writer)": statistics.median(s["seconds"] for s in stages),
@@ -142,7 +144,8 @@ def _adder(out: list[dict[str, Any]], workload: str = "") -> Any:
     return add
 
 
-def targets(summary: dict[str, Any], lim: dict[str, Any], workload: str = "") -> list[dict[str, Any]]:
+def targets(summary: dict[str, Any], lim: dict[str, Any],
+            workload: str = "") -> list[dict[str, Any]]:
     """The targets of one workload, each a same-run ratio with its verdict (None: an input
     is missing; a load that was not cold is never met)."""
     out: list[dict[str, Any]] = []
@@ -278,8 +281,8 @@ def _codec_md(summary: dict[str, Any]) -> list[str]:
         ref_text = ", ".join(f"{k} {v:.3f}" for k, v in ref.items()) if ref else "—"
         lines.append(f"| {name} | {rep['ratio']:.3f} | {dtypes} | {frames} | "
                      f"{'/'.join(str(c) for c in s.get('codecs_chosen', []))} | {auto_text} | "
-                     f"{_mib(s.get('page_cache_files_peak'))} / {_mib(s.get('page_cache_growth'))} / "
-                     f"{_mib(s.get('dirty_peak'))} | {ref_text} |")
+                     f"{_mib(s.get('page_cache_files_peak'))} / {_mib(s.get('page_cache_growth'))} "
+                     f"/ {_mib(s.get('dirty_peak'))} | {ref_text} |")
     return lines
 
 
@@ -419,30 +422,31 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("export") and "markdown" in result["export"]:
         lines += result["export"]["markdown"].splitlines() + [""]
     lines += ["## Notes", "",
-              "- **blocked**: wall time the training loop cannot proceed: the call's return, plus for "
-              "asyncckpt `save()` + `handle.wait_staged()` and for DCP with a background stager "
-              "`staging_completion` (the next optimizer step may not run before). Synchronous "
-              "methods are blocked until durable.",
-              "- **durable**: from the call until the bytes are fsynced and, for DCP and asyncckpt, "
-              "committed (DCP: `.metadata` written by `save`/the upload future; asyncckpt: "
-              "`handle.wait()`, after the atomic rename). torch.save and safetensors get an explicit "
-              "fsync of the file and its directory. GB/s = state bytes / durable.",
-              "- **trainer +RSS**: peak VmRSS of the training process above its RSS after the state "
-              "was built (VmHWM reset through /proc/self/clear_refs), over the warm-up and timed saves. "
-              "It includes asyncckpt's ring (shared memory, counted once, here).",
-              "- **helper private / shared**: peak RssAnon / RssShmem summed over the trainer's child "
-              "processes (asyncckpt writer, DCP checkpoint daemon), sampled every 10 ms; for the "
-              "writer the larger of that and its own RssAnon sampler. Shared memory is the same "
-              "pages as the trainer's ring, not extra.",
-              "- **/dev/shm**: peak size of the /dev/shm files (unlinked ones included) mapped by the "
-              "trainer or its helpers during the saves, from /proc/PID/maps.",
+              "- **blocked**: wall time the training loop cannot proceed: the call's return, plus "
+              "for asyncckpt `save()` + `handle.wait_staged()` and for DCP with a background "
+              "stager `staging_completion` (the next optimizer step may not run before). "
+              "Synchronous methods are blocked until durable.",
+              "- **durable**: from the call until the bytes are fsynced and, for DCP and "
+              "asyncckpt, committed (DCP: `.metadata` written by `save`/the upload future; "
+              "asyncckpt: `handle.wait()`, after the atomic rename). torch.save and safetensors "
+              "get an explicit fsync of the file and its directory. GB/s = state bytes / durable.",
+              "- **trainer +RSS**: peak VmRSS of the training process above its RSS after the "
+              "state was built (VmHWM reset through /proc/self/clear_refs), over the warm-up and "
+              "timed saves. It includes asyncckpt's ring (shared memory, counted once, here).",
+              "- **helper private / shared**: peak RssAnon / RssShmem summed over the trainer's "
+              "child processes (asyncckpt writer, DCP checkpoint daemon), sampled every 10 ms; for "
+              "the writer the larger of that and its own RssAnon sampler. Shared memory is the "
+              "same pages as the trainer's ring, not extra.",
+              "- **/dev/shm**: peak size of the /dev/shm files (unlinked ones included) mapped by "
+              "the trainer or its helpers during the saves, from /proc/PID/maps.",
               "- **kept**: rate of a single-thread matmul loop on the main thread while the save "
               "runs in the background (after the caller is released, until durable), over its idle "
               "rate just before; one extra save. Synchronous methods have no background phase (—).",
-              "- **load**: cold (every file dropped from the page cache with fadvise DONTNEED first), "
-              "into memory: asyncckpt.load verifies every frame's xxh3; safetensors.load_file maps "
-              "the file, so every page is then touched; dcp.load fills preallocated tensors; "
-              "torch.load reads eagerly. `=` marks a bit-exact comparison with the source state.",
+              "- **load**: cold (every file dropped from the page cache with fadvise DONTNEED "
+              "first), into memory: asyncckpt.load verifies every frame's xxh3; "
+              "safetensors.load_file maps the file, so every page is then touched; dcp.load fills "
+              "preallocated tensors; torch.load reads eagerly. `=` marks a bit-exact comparison "
+              "with the source state.",
               "- Each method runs in a fresh process that builds the same seeded state; each save "
               "writes a new step, measured outputs are deleted. Medians over the timed repetitions "
               "(min–max in brackets), after one warm-up save (first-save figures are in the JSON).",
@@ -470,8 +474,8 @@ def _workload_md(wl: dict[str, Any]) -> list[str]:
     head = f"## {info['name']}: {nbytes / 1e9:.2f} GB in {info.get('tensors', '?')} tensors"
     dtypes = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in info.get("bytes_by_dtype", {}).items())
     lines = [head, "", f"{dtypes}; {wl['reps']} timed saves per method.", "",
-             "| method | blocked s | durable s | GB/s | trainer +RSS MiB | helper private / shared MiB "
-             "| /dev/shm MiB | on disk MiB (ratio) | kept | load s (GB/s) |",
+             "| method | blocked s | durable s | GB/s | trainer +RSS MiB | helper private / shared "
+             "MiB | /dev/shm MiB | on disk MiB (ratio) | kept | load s (GB/s) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         if "error" in s:
@@ -483,10 +487,12 @@ def _workload_md(wl: dict[str, Any]) -> list[str]:
         kept = "—" if "kept" not in s else f"{s['kept']:.2f}"
         busy = " ⚠" if s["other_cpu_share"] > BUSY else ""
         lines.append(
-            f"| {s['label']}{busy} | {_s(s['blocked'], 3)} | {_s(s['durable'])} | {s['GBps']:.2f} | "
-            f"{_mib(s['train_extra_rss'])} | {_mib(s['helper_private'])} / {_mib(s['helper_shared'])} | "
-            f"{_mib(s['shm_extra'])} | {_mib(s['disk_bytes'])} ({s['ratio']:.3f}) | {kept} | {load_txt} |")
-    busy = {n: s["other_cpu_share"] for n, s in summary.items() if s.get("other_cpu_share", 0) > BUSY}
+            f"| {s['label']}{busy} | {_s(s['blocked'], 3)} | {_s(s['durable'])} | {s['GBps']:.2f} "
+            f"| {_mib(s['train_extra_rss'])} | {_mib(s['helper_private'])} / "
+            f"{_mib(s['helper_shared'])} | {_mib(s['shm_extra'])} | {_mib(s['disk_bytes'])} "
+            f"({s['ratio']:.3f}) | {kept} | {load_txt} |")
+    busy = {n: s["other_cpu_share"] for n, s in summary.items()
+            if s.get("other_cpu_share", 0) > BUSY}
     if busy:
         lines += ["", "⚠ other processes used the CPUs while these ran: " + ", ".join(
             f"{n} {share:.0%}" for n, share in busy.items()) + " (of all cores, on average)."]
@@ -532,8 +538,9 @@ def chart(result: dict[str, Any], path: Path) -> None:
         names = list(summary)
         y = list(range(len(names)))
         colors = ["tab:orange" if n.startswith("asyncckpt") else "tab:gray" for n in names]
-        for ax, key, title, limit_key in ((row[0], "blocked", "blocked (s)", "memcpy"),
-                                          (row[1], "durable", "time to durable (s)", "write_fsync")):
+        for ax, key, title, limit_key in (
+                (row[0], "blocked", "blocked (s)", "memcpy"),
+                (row[1], "durable", "time to durable (s)", "write_fsync")):
             med = [summary[n][key]["median"] for n in names]
             err = [[m - summary[n][key]["min"] for n, m in zip(names, med)],
                    [summary[n][key]["max"] - m for n, m in zip(names, med)]]

@@ -10,7 +10,8 @@ ratios to the limit rather than absolute times (this VM's disk and CPUs are nois
 - asyncckpt: `save()` to `s3://` through a writer and a `ring_mib` ring (codec raw, so the
   same bytes cross the wire): time until `save()` returns, until the state is staged
   (the ring has taken every byte: the training loop may change the state again; with a
-  ring smaller than the state this waits for the upload to drain the ring), time to durable (`wait()`: the manifest object is written), the writer's peak private
+  ring smaller than the state this waits for the upload to drain the ring), time to
+  durable (`wait()`: the manifest object is written), the writer's peak private
   memory (RssAnon, sampled every 10 ms from outside), and a cold `load()` (every frame
   checked against its xxh3 before it is returned).
 - s3torchconnector: AWS's DCP `S3StorageWriter`/`S3StorageReader` on the same server
@@ -140,7 +141,8 @@ def s3torch_save_load(state: dict, prefix: str, endpoint: str) -> dict[str, floa
     start = time.perf_counter()
     dcp.load(into, storage_reader=reader, no_dist=True)
     load = time.perf_counter() - start
-    assert all(torch.equal(into[k], v) for k, v in state.items()), "s3torchconnector loaded other bytes"
+    assert all(torch.equal(into[k], v) for k, v in state.items()), (
+        "s3torchconnector loaded other bytes")
     return {"blocked_s": durable, "staged_s": durable, "durable_s": durable, "load_s": load}
 
 
@@ -205,8 +207,8 @@ def summarize(runs: dict[str, list[Any]], nbytes: int, args: argparse.Namespace)
 
 def report(r: dict) -> str:
     lim = r["limit"]
-    lines = [f"# asyncckpt on an object store (SeaweedFS on loopback), {r['state_bytes'] / 2**30:.2f} "
-             f"GiB fp32, median of {r['reps']}", "",
+    lines = [f"# asyncckpt on an object store (SeaweedFS on loopback), "
+             f"{r['state_bytes'] / 2**30:.2f} GiB fp32, median of {r['reps']}", "",
              f"Limit (plain boto3 multipart upload / parallel ranged download of the same bytes): "
              f"upload {lim['upload_s']:.2f} s ({lim['upload_gbps']:.3f} GB/s), "
              f"download {lim['download_s']:.2f} s ({lim['download_gbps']:.3f} GB/s).", "",
@@ -218,9 +220,9 @@ def report(r: dict) -> str:
             lines.append(f"| {name} | skipped: {m['skipped']} |||||||")
             continue
         rss = f"{m['writer_rss_anon_peak_mib']:.0f}" if "writer_rss_anon_peak_mib" in m else "-"
-        lines.append(f"| {name} | {m['blocked_s']:.2f} | {m['staged_s']:.2f} | {m['durable_s']:.2f} | "
-                     f"{m['durable_vs_limit']:.2f}x | {m['load_gbps']:.3f} | "
-                     f"{m['load_vs_limit']:.2f}x | {rss} |")
+        lines.append(f"| {name} | {m['blocked_s']:.2f} | {m['staged_s']:.2f} | "
+                     f"{m['durable_s']:.2f} | {m['durable_vs_limit']:.2f}x | {m['load_gbps']:.3f} "
+                     f"| {m['load_vs_limit']:.2f}x | {rss} |")
     c = r["criteria"]
     lines += ["", f"- time to durable within 1.2x the plain upload: "
               f"{'PASS' if c['durable_within_1.2x_limit'] else 'MISS'}",

@@ -5,7 +5,8 @@ import time (the writer starts it), a multipart upload of `--mib` MiB fed part b
 one reused buffer (what the writer's pipeline does: the client must not copy the whole
 object), and a download by parallel ranged GETs into one preallocated buffer (what a
 verified load does). Peak RSS above the process's RSS before each transfer (the
-destination buffer already touched) is the client's own memory for it. Medians over `--reps` runs, candidates interleaved.
+destination buffer already touched) is the client's own memory for it. Medians over
+`--reps` runs, candidates interleaved.
 
     python -m benchmarks.s3_clients --mib 256 --reps 3 --out benchmarks/results/s3_clients.md
 """

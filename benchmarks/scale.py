@@ -13,8 +13,9 @@ completes the handles of the node's other ranks, as the writer relays it (those 
 send the store nothing when nothing fails). One process writes every node's files in
 turn, so they are all written first and then every node's lead is told at once, as
 nodes writing in parallel finish together; a node that waits longer for the others
-adds two requests (a look at the leader) per `2 x node_timeout` of waiting. The leader's writer runs the real
-`gather_nodes` and `publish` when rank 0's Agreement asks it to commit, so the step it
+adds two requests (a look at the leader) per `2 x node_timeout` of waiting. The leader's
+writer runs the real `gather_nodes` and `publish` when rank 0's Agreement asks it to
+commit, so the step it
 commits is a real checkpoint (the run verifies it). Measured per save:
 
 - store requests, by kind, and bytes through the store (counted in each client); the
@@ -405,7 +406,8 @@ def run_failure(work: Path, nodes: int, per_node: int, part: RankPart, data: byt
         dead = {node_dir_name((nodes - 1) * per_node if what == "node" else 0)}
         return {"what": what, "nodes": nodes, "per_node": per_node, "seconds": seconds,
                 "survivors_failed": result.failed_ranks, "survivors": survivors,
-                "previous_intact": intact, "step_2_visible": (world.root / step_dir_name(2)).exists(),
+                "previous_intact": intact,
+                "step_2_visible": (world.root / step_dir_name(2)).exists(),
                 "store_keys_added": world.server.num_keys() - keys_before,
                 "tmp_dirs_left": sum(1 for name in left
                                      if not dead & set(os.listdir(world.root / name))),
@@ -421,7 +423,8 @@ def summarise(results: list[SaveResult], verify: bool = True) -> dict[str, Any]:
             "store_requests": statistics.median(sum(r.requests.values()) for r in results),
             "requests_by_kind": results[-1].requests,
             "store_bytes": statistics.median(r.store_bytes for r in results),
-            "leader_metadata_ops": statistics.median(sum(r.leader_os_calls.values()) for r in results),
+            "leader_metadata_ops": statistics.median(sum(r.leader_os_calls.values())
+                                                     for r in results),
             "leader_ops_by_kind": results[-1].leader_os_calls,
             "latency_s": statistics.median(r.last_part_to_done for r in results),
             "announced_s": statistics.median(r.announced for r in results),
@@ -457,7 +460,8 @@ def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: lis
             f"{r['latency_s']:.3f} | {r['latency_s'] / base['latency_s']:.1f} | "
             f"{r['leader_commit_s']:.3f} | {r['manifest_bytes'] / 2**20:.2f} | "
             f"{r['one_rank_load_reads'] / 2**20:.2f} | "
-            f"{('yes' if r.get('verify_run', True) else 'committed, not verified') if r['verified'] else 'NO'}"
+            + ("NO" if not r["verified"] else "yes" if r.get("verify_run", True)
+               else "committed, not verified")
             + (f"; {r['failed']} rank-saves failed" if r.get("failed") else "") + " |")
     lines += ["", "Where the latency after the last part goes (s; x 2x2 in brackets): the "
               "announcements landing (every lead's append and add, here through one "
@@ -526,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError):  # not root: what the hard limit allows
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(256 << 10)
-    with tempfile.TemporaryDirectory(prefix="asyncckpt-scale-", dir=os.environ.get("BENCH_DIR")) as d:
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-scale-",
+                                     dir=os.environ.get("BENCH_DIR")) as d:
         work = Path(d)
         part, data = template(work, args.tensors)
         rows = [summarise(run_shape(work, 2, 2, part, data, args.saves, args.timeout))]

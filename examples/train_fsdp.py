@@ -157,8 +157,9 @@ def main() -> int:
     ckpt.close()
     ok = True
     if rank == 0:
-        print(f"trained to step {args.steps}; save() blocked {1e3 * max(blocked, default=0):.2f} ms "
-              f"at most, the fence {1e3 * ckpt.fence_blocked_seconds:.1f} ms in all", flush=True)
+        print(f"trained to step {args.steps}; save() blocked "
+              f"{1e3 * max(blocked, default=0):.2f} ms at most, the fence "
+              f"{1e3 * ckpt.fence_blocked_seconds:.1f} ms in all", flush=True)
     ok = check_losses(log, args.steps, rank) and ok
     if rank == 0:
         verify = subprocess.run([sys.executable, "-m", "asyncckpt", "verify", str(root)])
@@ -178,7 +179,8 @@ def check_losses(log: Path, steps: int, rank: int) -> bool:
     bad = [e for e in logged if float.fromhex(e["loss"]) != reference[e["step"] - 1]]
     attempts = sorted({e["attempt"] for e in logged})
     print(f"{len(logged)} logged losses over attempts {attempts}: "
-          f"{len(logged) - len(bad)} identical to an uninterrupted run, {len(bad)} differ", flush=True)
+          f"{len(logged) - len(bad)} identical to an uninterrupted run, {len(bad)} differ",
+          flush=True)
     for e in bad[:5]:
         print(f"  step {e['step']} (attempt {e['attempt']}): {float.fromhex(e['loss'])!r} "
               f"vs {reference[e['step'] - 1]!r}")

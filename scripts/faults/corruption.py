@@ -37,7 +37,8 @@ Damage = Callable[[Path, random.Random], tuple[str, int | None]]
 def rank_state(rank: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     return {"w": torch.randn(60_000, generator=g).bfloat16(), "b": torch.randn(20_000, generator=g),
-            "ids": torch.randint(0, 1000, (5000,), generator=g), "mask": torch.rand(3000, generator=g) > 0.5,
+            "ids": torch.randint(0, 1000, (5000,), generator=g),
+            "mask": torch.rand(3000, generator=g) > 0.5,
             "opt": {0: {"step": torch.tensor(7.0)}}, "meta": {"rank": rank}}
 
 
@@ -61,7 +62,8 @@ def make_checkpoints(workdir: Path) -> dict[str, Path]:
 
 
 def _manifest(d: Path) -> dict:
-    return json.loads((d / MANIFEST_NAME).read_bytes()[len('{"xxh3":"0123456789abcdef","manifest":'):-2])
+    envelope = len('{"xxh3":"0123456789abcdef","manifest":')
+    return json.loads((d / MANIFEST_NAME).read_bytes()[envelope:-2])
 
 
 def _resign(d: Path, body: dict) -> None:
@@ -149,13 +151,16 @@ def resigned_edit(d: Path, rng: random.Random) -> tuple[str, int | None]:
     same_size = {"BF16": "F16", "F16": "BF16", "F32": "I32", "I32": "F32", "I64": "F64",
                  "F64": "I64", "BOOL": "U8", "U8": "I8"}
     edits = {
-        "frame raw hash": lambda: frame.__setitem__("xxh3_raw", f"{int(frame['xxh3_raw'], 16) ^ 1:016x}"),
-        "frame stored hash": lambda: frame.__setitem__("xxh3_stored", f"{int(frame['xxh3_stored'], 16) ^ 4:016x}"),
+        "frame raw hash": lambda: frame.__setitem__(
+            "xxh3_raw", f"{int(frame['xxh3_raw'], 16) ^ 1:016x}"),
+        "frame stored hash": lambda: frame.__setitem__(
+            "xxh3_stored", f"{int(frame['xxh3_stored'], 16) ^ 4:016x}"),
         "frame stored length": lambda: frame["stored"].__setitem__(1, frame["stored"][1] + 1),
         "frame raw offset": lambda: frame["raw"].__setitem__(0, frame["raw"][0] + 8),
         "tensor dtype": lambda: tensor.__setitem__("dtype", same_size.get(tensor["dtype"], "U8")),
         "tensor shape": lambda: tensor.__setitem__("shape", [2, tensor["shape"][0] // 2]
-                                                   if tensor["shape"] and tensor["shape"][0] % 2 == 0
+                                                   if tensor["shape"]
+                                                   and tensor["shape"][0] % 2 == 0
                                                    else tensor["shape"] + [1]),
         "tensor name": lambda: tensor.__setitem__("name", tensor["name"] + "x"),
         "tensor range": lambda: tensor["range"].__setitem__(1, tensor["range"][1] + 2),
@@ -201,7 +206,8 @@ DAMAGES: list[tuple[Damage, int]] = [
 def same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
-            torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b.view(torch.uint8) if b.dtype == torch.bool else b)
+            torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a,
+                        b.view(torch.uint8) if b.dtype == torch.bool else b)
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     return a == b

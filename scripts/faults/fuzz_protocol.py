@@ -165,7 +165,8 @@ class Fuzzer:
         rng, h = self.rng, self.h
         assert h is not None
         kind = rng.random()
-        ident = rng.choice(self.save_ids) if self.save_ids and rng.random() < 0.8 else odd_value(rng)
+        ident = (rng.choice(self.save_ids) if self.save_ids and rng.random() < 0.8
+                 else odd_value(rng))
         if kind < 0.12:  # a message of the protocol's own, whole or with one field changed
             self.send_typed(ident)
             self.sent += 1
@@ -383,7 +384,8 @@ def run(seed: int, messages: int, steps: int, max_seconds: float, workdir: Path)
             problems.append(f"writer resources grew: {grown}")
         after = Resources.of(pid)
         bad = []
-        for d in sorted(p for p in root.iterdir() if p.name.startswith("step-") and ".tmp-" not in p.name):
+        for d in sorted(p for p in root.iterdir()
+                        if p.name.startswith("step-") and ".tmp-" not in p.name):
             report = verify_checkpoint(d)
             if not report.ok:
                 bad.append(f"{d.name}: {'; '.join(report.problems)[:200]}")
@@ -393,8 +395,9 @@ def run(seed: int, messages: int, steps: int, max_seconds: float, workdir: Path)
         if leftovers:
             problems.append(f"tmp directories left: {leftovers[:5]}")
         print(f"fuzz-protocol seed={seed}: {fuzz.sent} messages from the hostile rank in "
-              f"{fuzz_seconds:.1f} s, {fuzz.reconnects} reconnects ({fuzz.refused_hellos} refused), "
-              f"{fuzz.typed} built from the dataclasses, {fuzz.frames_parsed} of {fuzz.frames} "
+              f"{fuzz_seconds:.1f} s, {fuzz.reconnects} reconnects "
+              f"({fuzz.refused_hellos} refused), {fuzz.typed} built from the dataclasses, "
+              f"{fuzz.frames_parsed} of {fuzz.frames} "
               f"frames parsed as messages here (the others ProtocolError), "
               f"{hostile_commits} hostile saves committed; ordinary saves committed "
               f"{len(set(p.name for p in committed))}/{steps} steps ({len(committed)}/{2 * steps} "

@@ -311,7 +311,8 @@ def verify_root(root: Path, timeout: float = 120.0) -> subprocess.CompletedProce
 def assert_root_verifies(root: Path) -> dict:
     """Every checkpoint under `root` verifies (and there is at least one)."""
     done = verify_root(root)
-    assert done.returncode == 0, f"verify {root}: rc {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+    assert done.returncode == 0, (f"verify {root}: rc {done.returncode}\n"
+                                  f"{done.stdout[-3000:]}{done.stderr[-2000:]}")
     report = json.loads(done.stdout)
     assert report["ok"] and report["checkpoints"], report
     return report
@@ -357,7 +358,8 @@ def run_bounded(cmd: list[str], timeout: float, max_rss: int, **popen: Any) -> B
         while proc.poll() is None:
             try:
                 with open(f"/proc/{proc.pid}/status") as f:
-                    rss = next(int(l.split()[1]) << 10 for l in f if l.startswith("VmRSS:"))
+                    rss = next(int(line.split()[1]) << 10
+                               for line in f if line.startswith("VmRSS:"))
                 peak = max(peak, rss)
             except (OSError, StopIteration):
                 pass

@@ -24,8 +24,9 @@ With `--s3` the root is a prefix of a bucket on a SeaweedFS server started here,
 S3 server itself is among the victims (SIGKILLed and restarted while the writer runs).
 The same checks run after every kill, and a restarted writer (the root's first: the dead
 writer's lease names a process that is gone) must leave no multipart upload and no step
-prefix without a manifest. The attacks on the root (a step linked back from elsewhere, a byte flipped in
-place) are local-file attacks and are not run there; tests/faults/test_s3_faults.py flips
+prefix without a manifest. The attacks on the root (a step linked back from elsewhere, a
+byte flipped in place) are local-file attacks and are not run there;
+tests/faults/test_s3_faults.py flips
 bytes in stored objects instead. Between kills the object-store cases of torture_s3.py
 run: two writers of one job saving the same steps, a writer SIGSTOPped past its lease
 while another takes the root over, and another tool's uploads under the prefix that

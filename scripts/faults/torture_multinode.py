@@ -16,8 +16,9 @@ every rank and agent is SIGKILLed and the writers, whose parent is gone, must ex
 themselves within a bound.
 
 After every round: no process of the job is left and none maps an asyncckpt ring; every
-committed step of either root verifies and loads bit-exact for all 4 ranks; `latest` names a committed
-step; a round that committed step N left none of the tmp directories of steps up to N
+committed step of either root verifies and loads bit-exact for all 4 ranks; `latest`
+names a committed step; a round that committed step N left none of the tmp directories
+of steps up to N
 that were stale when it started (its leader swept them). The figures are printed at the
 end. Writers that had to retry their start (the other node's writer held the root's
 lock exclusively for an instant) are counted.
@@ -33,6 +34,7 @@ import signal
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -134,6 +136,12 @@ def tmp_dirs(root: Path) -> set[str]:
     return {p.name for p in root.iterdir() if ".tmp-" in p.name} if root.exists() else set()
 
 
+def writers_up(cluster) -> bool:
+    """Every node's writer has started, or a node is already gone (no use waiting)."""
+    return (all(n.writer_pids() for n in cluster.nodes)
+            or not all(n.alive() for n in cluster.nodes))
+
+
 def stop_job(cluster) -> dict[str, int]:
     """Kill every rank and agent; the writers must then exit by themselves. Returns
     {"writer_stragglers": n} (writers that had to be killed after the bound)."""
@@ -193,8 +201,7 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
                               runtime_dirs=runtime).start()
             try:
                 try:
-                    wait_for(lambda: all(n.writer_pids() for n in cluster.nodes)
-                             or not all(n.alive() for n in cluster.nodes), 90, "both writers")
+                    wait_for(partial(writers_up, cluster), 90, "both writers")
                 except TimeoutError:
                     raise AssertionError("the job did not start:\n" + cluster.outputs()) from None
                 time.sleep(rng.uniform(0.0, 3.0))
@@ -244,7 +251,8 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
             survived += 1
             if verbose:
                 print(f"kill {survived:4d}/{kills}: {victim:24s} "
-                      f"{'armed ' + ':'.join(map(str, armed)) if armed else '':28s} committed {after}",
+                      f"{'armed ' + ':'.join(map(str, armed)) if armed else '':28s} committed "
+                      f"{after}",
                       flush=True)
     finally:
         for d in runtime:
@@ -252,8 +260,9 @@ def run(kills: int, seed: int, base: Path, verbose: bool = True) -> dict:
             shutil.rmtree(d, ignore_errors=True)
     figures["writer_starts_refused"] = len(list(base.glob("lock-refused-*")))
     return {"kills_survived": survived, **{f"killed[{k}]": v for k, v in sorted(victims.items())},
-            **figures, **{f"last_step[{root.name}]": (PosixStorage(root).committed_steps() or [0])[-1]
-                          for root in roots},
+            **figures,
+            **{f"last_step[{root.name}]": (PosixStorage(root).committed_steps() or [0])[-1]
+               for root in roots},
             "seconds": round(time.monotonic() - started, 1)}
 
 
