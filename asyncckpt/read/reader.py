@@ -41,7 +41,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -55,6 +54,7 @@ from asyncckpt.format.records import Frame, RankPart, Ref
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import CheckpointDir, ReadFile, Storage
 from asyncckpt.storage.location import is_link, storage_for
+from asyncckpt.storage.paths import Location
 
 if TYPE_CHECKING:
     import torch
@@ -65,11 +65,11 @@ _Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengt
 class RankReader:
     """Verified access to one rank's data file. Not thread-safe (its methods use one
     set of codecs and buffers), but `read_ranges` fans out to `threads` threads.
-    Files are opened through `storage` (default: the POSIX root holding `directory`),
+    Files are opened through `storage` (default: the root holding `directory`),
     its own data file through `files` if given (the directory as its manifest was read
     from it: see checkpoint.py)."""
 
-    def __init__(self, directory: Path, manifest: Manifest, rank: int,
+    def __init__(self, directory: Location, manifest: Manifest, rank: int,
                  threads: int | None = None, pool: FramePool | None = None,
                  storage: Storage | None = None, files: CheckpointDir | None = None) -> None:
         storage = storage or storage_for(directory.parent)
@@ -360,7 +360,7 @@ class Readers:
     """The RankReaders of one checkpoint, each opened (and its header checked) on first
     use and all closed together: `readers(rank)`. They share one pool of frame threads."""
 
-    def __init__(self, directory: Path, manifest: Manifest, threads: int,
+    def __init__(self, directory: Location, manifest: Manifest, threads: int,
                  storage: Storage | None = None, files: CheckpointDir | None = None) -> None:
         self._directory, self._manifest = directory, manifest
         self._storage, self._files = storage, files
