@@ -40,7 +40,6 @@ import dataclasses
 import logging
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -62,6 +61,7 @@ from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read import hf
 from asyncckpt.read.loader import load_parts
 from asyncckpt.storage.location import exists, root_path, storage_for
+from asyncckpt.storage.paths import Location
 from asyncckpt.torchutil.dtensor import is_sharded_model, unwrapped
 
 __all__ = ["Checkpointer", "CheckpointerOptions"]
@@ -123,7 +123,7 @@ class Checkpointer:
         ckpt.close()
     """
 
-    def __init__(self, root: str | Path, *, model: torch.nn.Module | None = None,
+    def __init__(self, root: str | Location, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
                  options: CheckpointerOptions | None = None, client: Client | None = None,
                  fence: bool = True, hf_config: Any = None,

@@ -73,7 +73,7 @@ from asyncckpt.ipc import messages
 from asyncckpt.rank import coordination
 from asyncckpt.rank.agreement import Agreement
 from asyncckpt.rank.coordination import StoreCoordinator
-from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.handle import SaveHandle, complete, fail
 from asyncckpt.storage.location import read_manifest_at
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import commit
@@ -216,9 +216,9 @@ class Node:
                 self.world.storage.discard(self.tmp)  # as the writer does
             for handle in self.handles.values():
                 if message.committed:
-                    handle._set_committed(self.world.root / step_dir_name(message.step), {})
+                    complete(handle, self.world.root / step_dir_name(message.step), {})
                 else:
-                    handle._set_failed(error_class(message.error)(message.message))
+                    fail(handle, error_class(message.error)(message.message))
 
     def kill(self) -> None:
         """The node is gone: no beat, no announcement, no word to its other ranks."""
@@ -275,9 +275,9 @@ class World:
             pending = self._pending[m.save]
             error = WriterUnavailableError("the writer closed the connection", rank=0)
             self.node_list[0].agreement.broken(pending, error)
-            pending.handle._set_failed(error)  # as the client does
+            fail(pending.handle, error)  # as the client does
             for handle in self.node_list[0].handles.values():  # its other ranks lose it too
-                handle._set_failed(error)
+                fail(handle, error)
             return
         threading.Thread(target=self._leader_commit, args=(m,), daemon=True).start()
 

@@ -28,7 +28,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from asyncckpt.config import MAX_FRAME_BYTES
@@ -44,7 +43,7 @@ from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodePart
 from asyncckpt.ipc.options import NO_OPTIONS, SaveOptions, is_step
 from asyncckpt.storage.base import Storage
-from asyncckpt.storage.location import is_object
+from asyncckpt.storage.paths import Location
 from asyncckpt.writer import commit
 from asyncckpt.writer.committer import Check, Committer, abandon
 from asyncckpt.writer.dedup import DedupIndex
@@ -79,7 +78,7 @@ class Steps:
         owner: this writer's owner mark (names its tmp directories).
     """
 
-    def __init__(self, root: Path, retention: tuple[int, int] = (0, 0), *, storage: Storage,
+    def __init__(self, root: Location, retention: tuple[int, int] = (0, 0), *, storage: Storage,
                  choose_codec: Callable[[], tuple[str, dict[str, Any] | None]] = _raw,
                  check: Check | None = None,
                  on_commit: Callable[[Manifest, Step], None] | None = None,
@@ -168,7 +167,7 @@ class Steps:
     def _open_step(self, step: int, rank: int, world_size: int, coordinated: bool,
                    replace: bool) -> Step:
         """A new open step (its codec chosen, its tmp directory made); under the lock."""
-        if replace and is_object(self.root) and self.storage.occupied(step):
+        if replace and not self.storage.replaces and self.storage.occupied(step):
             raise SaveFailedError("this step is committed, and an object-store root cannot "
                                   "replace a step atomically: save under another step number "
                                   "or into another prefix", step=step, rank=rank)

@@ -100,7 +100,8 @@ def test_asyncckpt_load_of_a_dcp_step_returns_values_and_never_unpickles(writer,
     for name, tensor in state["model"].items():
         assert torch.equal(loaded[f"model.{name}"], tensor)
     assert torch.equal(loaded["optim.state.0.exp_avg"], state["optim"]["state"][0]["exp_avg"])
-    assert (loaded["extra.epoch"], loaded["extra.blob"], loaded["extra.shape"]) == (3, b"\x00\x01", (2, 5))
+    assert (loaded["extra.epoch"], loaded["extra.blob"], loaded["extra.shape"]) \
+        == (3, b"\x00\x01", (2, 5))
     # a set has no JSON form: it stays the bytes DCP made of it (DCP's reader unpickles them)
     assert isinstance(loaded["extra.seen"], bytes)
     assert torch.load(io.BytesIO(loaded["extra.seen"]), weights_only=False) == {1, 2, 3}
@@ -108,7 +109,8 @@ def test_asyncckpt_load_of_a_dcp_step_returns_values_and_never_unpickles(writer,
 
 def test_torchtitan_checkpoint_id_names_root_and_step(writer, client):
     state = {"w": torch.arange(6.0)}
-    dcp.save(state, checkpoint_id=f"{writer.root}/step-12", storage_writer=StorageWriter(client=client))
+    dcp.save(state, checkpoint_id=f"{writer.root}/step-12",
+             storage_writer=StorageWriter(client=client))
     assert (writer.root / step_dir_name(12) / "manifest.json").is_file()
     target = {"w": torch.zeros(6)}
     dcp.load(target, checkpoint_id=f"{writer.root}/step-12", storage_reader=StorageReader())
@@ -117,7 +119,8 @@ def test_torchtitan_checkpoint_id_names_root_and_step(writer, client):
     with pytest.raises(ValueError, match="names no step"):
         parse_checkpoint_id("/x/latest")
     with pytest.raises(ValueError, match="names no step"):
-        dcp.save(state, checkpoint_id=f"{writer.root}/final", storage_writer=StorageWriter(client=client))
+        dcp.save(state, checkpoint_id=f"{writer.root}/final",
+                 storage_writer=StorageWriter(client=client))
 
 
 @pytest.mark.parametrize("how", ["client", "environment"])
@@ -174,7 +177,8 @@ def test_async_save_stages_through_the_ring_and_returns_before_the_commit(writer
     state["w"].mul_(-1)  # the ring holds the state already: this change is not saved
     metadata = future.result(timeout=60)
     assert metadata.state_dict_metadata == {}  # DCP's background save staged nothing itself
-    assert torch.equal(asyncckpt.load(writer.root, step=3)["w"], torch.arange(1 << 16, dtype=torch.float32))
+    assert torch.equal(asyncckpt.load(writer.root, step=3)["w"],
+                       torch.arange(1 << 16, dtype=torch.float32))
 
 
 def test_async_save_with_a_staging_future_is_dcps_zero_overhead_form(writer, client):
@@ -306,7 +310,8 @@ def test_dcp_objects_come_back_as_the_type_they_were_saved_as(writer, client):
     stores is kept as itself (a JSON node, readable without unpickling); any other keeps
     the bytes DCP made of it (a "pickled" node)."""
     exotic = {"point": Point(3, 0.5), "color": Color.BLUE, "buffer": bytearray(b"\x00\x07"),
-              "size": torch.Size([2, 3]), "pairs": (1, Color.RED), "ordered": collections.OrderedDict(b=1),
+              "size": torch.Size([2, 3]), "pairs": (1, Color.RED),
+              "ordered": collections.OrderedDict(b=1),
               "nested": [1, {"c": Color.RED}], "flag": True}
     plain = {"epoch": 3, "names": ["a", "b"], "pair": (1, 2.5), "blob": b"\x01",
              "cfg": {"lr": 0.1, "none": None}}
@@ -315,7 +320,8 @@ def test_dcp_objects_come_back_as_the_type_they_were_saved_as(writer, client):
     nodes = objects_in_tree(writer.root, 9)
     for key in ("point", "color", "buffer", "size", "pairs", "nested.1.c"):
         assert set(nodes[f"exotic.{key}"]) == {"pickled"}, (key, nodes[f"exotic.{key}"])
-    assert (nodes["exotic.flag"], nodes["exotic.nested.0"], nodes["exotic.ordered.b"]) == (True, 1, 1)
+    assert (nodes["exotic.flag"], nodes["exotic.nested.0"], nodes["exotic.ordered.b"]) \
+        == (True, 1, 1)
     assert nodes["plain.epoch"] == 3 and nodes["plain.names"] == {"list": ["a", "b"]}
     assert nodes["plain.pair"] == {"tuple": [1, 2.5]} and set(nodes["plain.blob"]) == {"bytes"}
     assert (nodes["plain.cfg.lr"], nodes["plain.cfg.none"]) == (0.1, None)

@@ -167,7 +167,8 @@ def test_a_node_on_another_root_fails_the_first_save_everywhere_naming_both(tmp_
     assert all(isinstance(e, asyncckpt.SaveFailedError) for e in done), done
     message = str(done[1])
     assert str(other) in message and str(tmp_path / "ckpt") in message and "rank 2" in message
-    assert PosixStorage(tmp_path / "ckpt").committed_steps() == [] == PosixStorage(other).committed_steps()
+    assert PosixStorage(tmp_path / "ckpt").committed_steps() == [] \
+        == PosixStorage(other).committed_steps()
     # each writer discards its files when told the outcome; one stopped before its ranks
     # told it leaves a tmp directory, which the next writer to take the root sweeps
     for root in (tmp_path / "ckpt", other):
@@ -205,7 +206,8 @@ def test_a_local_failure_on_one_node_fails_every_rank_at_once(tmp_path, store):
         assert time.monotonic() - started < 10
         assert all(isinstance(e, asyncckpt.SaveFailedError) for e in done), done
         # the next step commits
-        assert outcomes([c.save(2, state(c.rank, 2)) for c in clients]) == [root / "step-00000002"] * 4
+        assert outcomes([c.save(2, state(c.rank, 2)) for c in clients]) \
+            == [root / "step-00000002"] * 4
     assert PosixStorage(root).committed_steps() == [2]
     assert not [p for p in root.iterdir() if ".tmp-" in p.name]
 
@@ -224,8 +226,10 @@ def test_the_leader_writer_killed_before_the_rename_leaves_nothing_visible(tmp_p
         assert wait_until(lambda: not [p for p in root.iterdir() if ".tmp-" in p.name], 30)
     assert PosixStorage(root).committed_steps() == [1] and asyncckpt.verify(root).ok
     with nodes(tmp_path) as writers:  # a restarted job
-        with ranks(writers, TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)) as clients:
-            assert outcomes([c.save(3, state(c.rank, 3)) for c in clients])[0] == root / "step-00000003"
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        with ranks(writers, store) as clients:
+            assert outcomes([c.save(3, state(c.rank, 3)) for c in clients])[0] \
+                == root / "step-00000003"
     assert PosixStorage(root).committed_steps() == [1, 3]
 
 
@@ -281,7 +285,8 @@ def test_two_roots_in_one_job_commit_independently(tmp_path, store):
     """An actor and a critic (or a model and its EMA): two roots, each with a writer per
     node, every rank a client of both, saving at the same time through one store."""
     actor, critic = tmp_path / "actor", tmp_path / "critic"
-    with nodes(tmp_path, [actor, actor], job="a") as a, nodes(tmp_path, [critic, critic], job="c") as c:
+    with nodes(tmp_path, [actor, actor], job="a") as a, \
+            nodes(tmp_path, [critic, critic], job="c") as c:
         with ranks(a, store) as actors, ranks(c, store) as critics:
             for step in (1, 2):
                 handles = [x.save(step, state(x.rank, step)) for x in actors] + \
