@@ -11,6 +11,10 @@
 # serve a CUDA build.
 
 SHELL       := /bin/bash
+# Python may keep the bytecode it compiles (__pycache__/, ignored by git) even where the
+# machine says not to: every writer, torchrun worker and command the tests start would
+# otherwise compile torch and the package from source again (1.4 s more per process).
+unexport PYTHONDONTWRITEBYTECODE
 PYTHON      ?= python3
 VENV        ?= .venv
 BIN         := $(VENV)/bin
