@@ -123,8 +123,8 @@ lint: setup
 test: setup verl-setup titan-setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# The tests that start no process (no writer, torchrun or subprocess): tests/tiers.py marks
-# the others `process` at collection.
+# The tests that start no process (no writer, torchrun or subprocess): a test is in the
+# `process` tier by its mark, a `@process_fixture` it uses, or its folder (tests/tiers.py).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not process" $(PYTEST_ARGS)
 

@@ -105,9 +105,9 @@ def test_the_object_store_block_runs_against_a_real_s3_server(code, tmp_path, s3
         exec(compile(code.replace("s3://ckpt/run1", run), "README.md: s3", "exec"), namespace)
     finally:
         from asyncckpt.rank import client
-        if client._default is not None:  # asyncckpt.save's process-wide client
-            client._default.close()
-            client._default = None
+        for shared in list(client._shared.values()):  # asyncckpt.save's process-wide client
+            shared.close()
+        client._shared.clear()
         namespace["w"].stop()
     assert torch.equal(namespace["state"]["w"], torch.arange(6.0))
 
