@@ -181,9 +181,12 @@ def _writer(args: argparse.Namespace) -> int:
     return 0
 
 
+PARENT_POLL_S = 0.5  # how often a writer started by a parent looks whether it still lives
+
+
 def _watch_parent(pid: int, shutdown) -> None:
     while True:
-        time.sleep(0.5)
+        time.sleep(PARENT_POLL_S)
         if os.getppid() != pid:
             logging.getLogger("asyncckpt.writer").info("parent %d exited; shutting down", pid)
             shutdown()

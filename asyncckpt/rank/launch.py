@@ -28,6 +28,8 @@ READY_PREFIX = "ASYNCCKPT_READY "
 FAILED_PREFIX = "ASYNCCKPT_FAILED "  # then why, on the same line, before the writer exits
 JOB_ENV = "ASYNCCKPT_JOB"
 log = logging.getLogger("asyncckpt")
+EXIT_WAIT_S = 5.0              # for a writer that printed nothing to exit, once its start timed out
+EXIT_WAIT_AFTER_LINE_S = 0.1   # ... and for one that printed why it failed
 
 
 class WriterProcess:
@@ -163,7 +165,7 @@ def start_writer(root: str | os.PathLike[str], *, codec: str | None = None,
         line = proc.stdout.readline() if sel.select(timeout) else ""
     if not line.startswith(READY_PREFIX):
         try:
-            code = proc.wait(5 if line == "" else 0.1)
+            code = proc.wait(EXIT_WAIT_S if line == "" else EXIT_WAIT_AFTER_LINE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()

@@ -41,6 +41,7 @@ from asyncckpt.writer.step import Step
 from asyncckpt.writer.steps import Steps
 
 log = logging.getLogger("asyncckpt.writer")
+ABSENT_CHECK_S = 0.5  # how often the writer looks for ranks absent past their timeout
 _REPLY_GRACE = 5.0  # seconds a stopping writer gives all sessions to send queued replies
 
 
@@ -157,7 +158,7 @@ class WriterServer:
         log.info("writer stopped")
 
     def _watch_absent(self) -> None:
-        while not self._stopped.wait(0.5):
+        while not self._stopped.wait(ABSENT_CHECK_S):
             self.steps.fail_absent(self.knobs.absent_rank_timeout)
 
     def _handshake(self, sock: socket.socket) -> None:

@@ -62,6 +62,7 @@ _OUTBOX_SPARE = 1024  # replies beyond one per ring slot that may wait for a slo
 _MAX_SAVES = 256       # begun and not ended, per connection (a client has one)
 _MAX_OPEN_FILES = 4    # ... of which hold a data file and an appender thread
 _MAX_KEPT_BUFFER = 16 << 20  # larger frame buffers are freed after use, not kept
+SENDER_JOIN_S = 5.0  # for the reply thread to drain once a connection ends
 
 
 class Buffers:
@@ -458,7 +459,7 @@ class Session:
             self._outbox.put(None)
             self.drop()
             if self._sender is not None:
-                self._sender.join(5)
+                self._sender.join(SENDER_JOIN_S)
             self.conn.close()
             if self.rank >= 0:
                 log.info("rank %d disconnected", self.rank)
