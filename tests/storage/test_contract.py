@@ -21,6 +21,7 @@ from asyncckpt.format.parts import node_part
 from asyncckpt.format.records import RankPart
 from asyncckpt.storage import registry
 from asyncckpt.storage.base import Storage
+from asyncckpt.storage.paths import Location
 from asyncckpt.storage.registry import open_storage
 
 DATA = "rank-00000.safetensors"
@@ -60,13 +61,18 @@ def manifest(step: int) -> bytes:
     return Manifest(step, 1, [rank_part(0)]).to_bytes()
 
 
-def write_step(storage: Storage, step: int, body: bytes = b"frames") -> None:
+def write_tmp(storage: Storage, step: int, body: bytes = b"frames") -> Location:
+    """A tmp directory of `step` holding one durable data file of `body`, unpublished."""
     tmp = storage.make_tmp(step)
     out = storage.create_data_file(tmp, DATA, 0)
     out.append([memoryview(body)])
     out.sync()
     out.close()
-    storage.publish(tmp, step, manifest(step))
+    return tmp
+
+
+def write_step(storage: Storage, step: int, body: bytes = b"frames") -> None:
+    storage.publish(write_tmp(storage, step, body), step, manifest(step))
 
 
 def read(opened) -> bytes:
@@ -108,11 +114,7 @@ def test_a_published_step_is_committed_and_read_back(storage):
 
 def test_a_committed_step_is_never_published_over(storage):
     write_step(storage, 3, b"first")
-    tmp = storage.make_tmp(3)
-    out = storage.create_data_file(tmp, DATA, 0)
-    out.append([memoryview(b"second")])
-    out.sync()
-    out.close()
+    tmp = write_tmp(storage, 3, b"second")
     with pytest.raises(StepAlreadyCommittedError):
         storage.publish(tmp, 3, manifest(3))
     storage.discard(tmp)
@@ -200,11 +202,7 @@ def test_the_identity_is_made_once_and_differs_between_roots(root, storage):
 
 def test_an_abandoned_save_is_swept_and_a_committed_one_is_not(storage):
     write_step(storage, 1)
-    tmp = storage.make_tmp(2)
-    out = storage.create_data_file(tmp, DATA, 0)
-    out.append([memoryview(b"x" * 100)])
-    out.sync()
-    out.close()
+    write_tmp(storage, 2, b"x" * 100)
     assert [s.step for s in storage.in_progress()] == [2]
     removed = storage.sweep(alone=True)
     assert len(removed) == 1 and storage.in_progress() == []
@@ -261,11 +259,7 @@ def test_a_scheme_no_backend_serves_is_refused_naming_those_that_are(mem_scheme)
 def test_a_backend_says_whether_it_replaces_a_committed_step(storage):
     """What the writer asks before a save with `replace` (it asked `is_object(root)`)."""
     write_step(storage, 4, b"old")
-    tmp = storage.make_tmp(4)
-    out = storage.create_data_file(tmp, DATA, 0)
-    out.append([memoryview(b"new")])
-    out.sync()
-    out.close()
+    tmp = write_tmp(storage, 4, b"new")
     if storage.replaces:
         storage.publish(tmp, 4, manifest(4), replace=True)
         assert read(storage.open_step_file(4, DATA)) == b"new"
