@@ -26,9 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# imported here, not by the first save: its import looks libc up with `ldconfig -p` (a
-# process, which the tier guard would count against whichever test imported it first)
-import asyncckpt.storage.writeback  # noqa: F401
 from asyncckpt.config import WriterKnobs
 from asyncckpt.ipc.protocol import ADDRESS_ENV
 from asyncckpt.writer.server import WriterServer

@@ -36,7 +36,6 @@ so finished files leave nothing behind in the page cache.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from collections.abc import Callable
@@ -50,7 +49,7 @@ _PAGE = mmap.PAGESIZE
 
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # this process's symbols: libc, no ldconfig run
         fn = libc.sync_file_range
     except (OSError, AttributeError):
         return None

@@ -114,3 +114,18 @@ def test_a_write_error_reported_by_sync_file_range_is_raised(tmp_path, monkeypat
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="mode"):
         Writeback(0, WINDOW, "direct")
+
+
+def test_loading_the_module_starts_no_process(monkeypatch):
+    """Finding sync_file_range looks in this process's own symbols: a trainer that imports
+    the package runs no `ldconfig -p` (ctypes.util.find_library did, in a child process)."""
+    import importlib
+    import subprocess
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.setattr(os, "posix_spawn", no_process)
+    reloaded = importlib.reload(writeback)
+    assert reloaded._sync_file_range is not None
