@@ -49,6 +49,7 @@ from asyncckpt import errors
 from asyncckpt.errors import (
     CheckpointError,
     SaveFailedError,
+    StepAlreadyCommittedError,
     UnsupportedStateError,
     WriterRootMismatchError,
 )
@@ -110,7 +111,8 @@ class StorageWriter(dcp.StorageWriter):
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
                  client: Client | None = None, address: str | None = None,
                  ring_size: int | None = None, keep_last: int | None = None,
-                 keep_every: int = 0, staging_future: bool = False) -> None:
+                 keep_every: int = 0, staging_future: bool = False, overwrite: bool = False,
+                 replace: bool | None = None) -> None:
         """Args:
             root: the checkpoint root; it must be the root of the writer this rank
                 reaches (checked on the first save). None: the writer's root.
@@ -125,17 +127,27 @@ class StorageWriter(dcp.StorageWriter):
                 (DCP's zero-overhead mode: `async_save` then returns an
                 AsyncSaveResponse; do not change the tensors before its
                 staging_completion).
+            overwrite: a committed step of this number (a `checkpoint_id` saved before)
+                is replaced by this save, atomically: the old step stays whole until the
+                new one is committed (as DCP's FileSystemWriter overwrites). Without it a
+                re-save fails with StepAlreadyCommittedError. `replace` is the same
+                option under asyncckpt's name (`Client.save(replace=)`).
         Raises:
             ValueError: a step, keep_last or keep_every that is not an int in
-                0..MAX_STEP.
+                0..MAX_STEP; overwrite and replace both given and different, or not bools.
         """
         if step is not None:
             check_step(step)
+        if replace is not None and replace != overwrite and overwrite:
+            raise ValueError(f"overwrite and replace disagree ({overwrite!r}, {replace!r}): "
+                             "they are one option, give one of them")
         self.root = None if root is None else root_path(root)
         self.step = step
         self.address = address
         self.ring_size = ring_size
-        self.options = SaveOptions(keep_last, keep_every)  # checked here, not mid-save
+        # checked here, not mid-save
+        self.options = SaveOptions(keep_last, keep_every,
+                                   replace=overwrite if replace is None else replace)
         self.staging_future = staging_future
         self._client = self._given = client
         self._target: tuple[Location | None, int | None] = (self.root, step)
@@ -209,7 +221,7 @@ class StorageWriter(dcp.StorageWriter):
         state, results = self._rank_state(plan, planner)
         client = self._connect(root, sum(r.size_in_bytes for r in results))
         handle = client.save(step, state, keep_last=self.options.keep_last,
-                             keep_every=self.options.keep_every)
+                             keep_every=self.options.keep_every, replace=self.options.replace)
         # DCP tells the outcome itself (finish() on the coordinator raises on every rank,
         # the async future): the client's next save must not raise it a second time
         mark_told(handle)
@@ -225,7 +237,10 @@ class StorageWriter(dcp.StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._staging or self._handle is None:
             return  # stage(): the commit is awaited by the background save
-        self._handle.wait()
+        try:
+            self._handle.wait()
+        except StepAlreadyCommittedError as e:
+            raise _for_dcp(e) from None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -394,10 +409,20 @@ def _when(handle: SaveHandle, *, staged: bool, then: Any) -> None:
         try:
             handle.wait()
         except BaseException as e:  # noqa: BLE001 - the save's error is the future's
-            then(e)
+            then(_for_dcp(e))
             return
         then(None)
     threading.Thread(target=watch, daemon=True, name=f"asyncckpt-dcp-{handle.step}").start()
+
+
+def _for_dcp(error: BaseException) -> BaseException:
+    """`error`, where it refuses to replace a committed step, naming DCP's option for it
+    (the writer names `replace=True`, which a DCP user does not call)."""
+    if not isinstance(error, StepAlreadyCommittedError) or "replace=True" not in error.cause \
+            or "overwrite=True" in error.cause:
+        return error
+    return type(error)(f"{error.cause}; through DCP: StorageWriter(..., overwrite=True)",
+                       step=error.step, rank=error.rank, file=error.file, **error.detail)
 
 
 def _started_writer(root: Location | None) -> str:
@@ -434,6 +459,7 @@ def _publish_outcome(handle: SaveHandle) -> str:
         try:
             outcome: dict[str, Any] = {"path": str(handle.wait())}
         except BaseException as e:  # noqa: BLE001
+            e = _for_dcp(e)
             outcome = {"error": str(e), "type": type(e).__name__,
                        **{f: getattr(e, f, None) for f in _ERROR_FIELDS}}
         tmp = path + ".tmp"

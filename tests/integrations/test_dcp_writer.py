@@ -336,3 +336,35 @@ def test_dcp_objects_come_back_as_the_type_they_were_saved_as(writer, client):
     for key, value in want.items():
         assert type(got[key]) is type(value) and got[key] == value, (key, got[key])
     assert type(got["exotic.pairs"][1]) is Color
+
+
+@pytest.mark.parametrize("flag", ["overwrite", "replace"])
+def test_overwrite_resaves_a_committed_checkpoint_id_through_save_and_async_save(
+        writer, client, flag):
+    """DCP users re-save a checkpoint_id (FileSystemWriter overwrites): with
+    `overwrite=True` (or `replace=True`) the committed step is replaced atomically, by
+    `dcp.save` and by `dcp.async_save`; the newest values load."""
+    root = writer.root
+    dcp.save({"w": torch.ones(5)}, storage_writer=StorageWriter(root, 2, client=client))
+    dcp.save({"w": torch.full((5,), 2.0)}, checkpoint_id=f"{root}/step-2",
+             storage_writer=StorageWriter(client=client, **{flag: True}))
+    assert torch.equal(asyncckpt.load(root, step=2)["w"], torch.full((5,), 2.0))
+    future = dcp.async_save({"w": torch.full((5,), 3.0)},
+                            storage_writer=StorageWriter(root, 2, client=client, **{flag: True}))
+    future.result(timeout=60)
+    assert torch.equal(asyncckpt.load(root, step=2)["w"], torch.full((5,), 3.0))
+    assert asyncckpt.verify(root / step_dir_name(2)).ok
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) \
+        == [step_dir_name(2)]
+
+
+def test_a_resave_without_overwrite_names_the_option_and_keeps_the_step(writer, client):
+    dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(writer.root, 4, client=client))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(writer.root, 4, client=client))
+    assert isinstance(failure(caught), StepAlreadyCommittedError)
+    assert "StorageWriter(..., overwrite=True)" in str(failure(caught))
+    assert failure(caught).step == 4
+    with pytest.raises(ValueError, match="overwrite and replace disagree"):
+        StorageWriter(writer.root, 4, overwrite=True, replace=False)
+    assert torch.equal(asyncckpt.load(writer.root, step=4)["w"], torch.ones(3))
