@@ -51,6 +51,7 @@ from asyncckpt.format.layout import (
 )
 from asyncckpt.format.parts import PartedRanks, PartEntry, ReadPart, root_parts
 from asyncckpt.format.records import RankPart, as_int, as_time, check, rank_from_json
+from asyncckpt.format.timeline import ROOT_TIMELINE, Timeline, timeline_from_json
 
 
 @dataclasses.dataclass
@@ -66,6 +67,7 @@ class Manifest:
     writer_version: str = __version__
     format_version: int = FORMAT_VERSION
     parts: list[PartEntry] | None = None
+    timeline: Timeline = ROOT_TIMELINE  # the timeline the step was saved in (timeline.py)
     root_size: int = dataclasses.field(default=0, compare=False, repr=False)  # bytes parsed
 
     @property
@@ -103,10 +105,13 @@ class Manifest:
                        self.format_version if self.format_version == FORMAT_VERSION_REFS
                        else FORMAT_VERSION)
             key, value = "ranks", [p.to_json() for p in self.ranks]
+        # the root timeline is written as no field: the bytes of a root that never forked
+        # are those of a writer before timelines
+        timeline = {} if self.timeline.is_root else {"timeline": self.timeline.to_json()}
         return seal(json.dumps({
             "format": FORMAT_NAME, "format_version": version,
             "writer_version": self.writer_version, "step": self.step,
-            "world_size": self.world_size, "created": self.created, key: value,
+            "world_size": self.world_size, "created": self.created, **timeline, key: value,
         }, separators=(",", ":"), allow_nan=False).encode())
 
 
@@ -183,7 +188,9 @@ def _manifest_from_json(doc: dict[str, Any], max_frame_bytes: int, read: ReadPar
     world = as_int(doc["world_size"], "world_size")
     check(1 <= world <= MAX_WORLD, f"world_size {world} out of range")
     made = {"step": step, "world_size": world, "created": as_time(doc["created"]),
-            "writer_version": doc["writer_version"], "format_version": version}
+            "writer_version": doc["writer_version"], "format_version": version,
+            "timeline": ROOT_TIMELINE if "timeline" not in doc
+            else timeline_from_json(doc["timeline"])}
     check(isinstance(made["writer_version"], str), "writer_version is not a string")
     # one list of ranks, where the version says: a reader looking in the other place would
     # read another state
