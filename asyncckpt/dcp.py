@@ -16,7 +16,8 @@ naming its key unless `StorageReader(..., trust_pickles=True)` says its writers 
 trusted.
 """
 
+from asyncckpt.integrations.dcp_convert import dcp_to_torch_save
 from asyncckpt.integrations.dcp_reader import StorageReader
 from asyncckpt.integrations.dcp_writer import StorageWriter, parse_checkpoint_id
 
-__all__ = ["StorageReader", "StorageWriter", "parse_checkpoint_id"]
+__all__ = ["StorageReader", "StorageWriter", "dcp_to_torch_save", "parse_checkpoint_id"]

@@ -66,9 +66,12 @@ class _Index:
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
         self.values: dict[str, Any] = {}
+        self.paths: dict[str, tuple[str | int, ...]] = {}  # DCP key -> its path in the state
         for rank in range(ckpt.world_size):
-            for key, value in _flat_rank(ckpt, rank).items():
+            flat, paths = _flat_rank(ckpt, rank)
+            for key, value in flat.items():
                 self.values.setdefault(key, value)
+                self.paths.setdefault(key, paths[key])
 
     def metadata(self) -> Metadata:
         entries: dict[str, Any] = {}
@@ -84,13 +87,17 @@ class _Index:
                                                  torch.Size(leaf.shape))])
             entries[key] = TensorStorageMetadata(TensorProperties(dtype=leaf.dtype),
                                                  torch.Size(leaf.shape), chunks)
-        return Metadata(state_dict_metadata=entries)
+        # planner_data: each key's path in the saved structure, as DCP's save planner
+        # records it, so a planner that builds the state from the metadata alone
+        # (`_EmptyStateDictLoadPlanner`, format_utils' conversions) nests it as saved
+        return Metadata(state_dict_metadata=entries, planner_data=dict(self.paths))
 
 
-def _flat_rank(ckpt: Checkpoint, rank: int) -> dict[str, Any]:
+def _flat_rank(ckpt: Checkpoint, rank: int
+               ) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]]:
     """Rank `rank`'s saved structure flattened as DCP flattens a state dict: DCP key ->
     `_Value` for tensors and bytes, the object itself for anything else (tensors inside
-    a terminal object, e.g. a tuple, are `_Value`s too)."""
+    a terminal object, e.g. a tuple, are `_Value`s too); and DCP key -> its path."""
     leaves = {leaf.path: leaf for leaf in ckpt.leaves(rank)}
     by_name = {leaf.tensor.name: leaf for leaf in leaves.values() if leaf.view is None}
 
@@ -106,8 +113,9 @@ def _flat_rank(ckpt: Checkpoint, rank: int) -> dict[str, Any]:
     if not isinstance(skeleton, dict):
         raise CheckpointError("the saved state is not a dict: DCP loads only dicts",
                               step=ckpt.step, rank=rank)
-    flat, _ = flatten_state_dict(skeleton)
-    return {key: _placeholders_in(value, placeholders) for key, value in flat.items()}
+    flat, paths = flatten_state_dict(skeleton)
+    return ({key: _placeholders_in(value, placeholders) for key, value in flat.items()},
+            {key: tuple(path) for key, path in paths.items()})
 
 
 def _placeholders_in(value: Any, placeholders: dict[int, _Value]) -> Any:
