@@ -47,9 +47,9 @@ from torch.futures import Future
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, UntrustedPickleError
 from asyncckpt.format.tree import unflatten
-from asyncckpt.integrations.dcp_writer import _STEP_ID
+from asyncckpt.integrations.dcp_ids import STEP_ID, checkpoint_location
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
-from asyncckpt.storage.location import Location, is_dir, root_path
+from asyncckpt.storage.location import Location, is_dir
 from asyncckpt.storage.registry import storage_at
 
 
@@ -136,8 +136,9 @@ class StorageReader(dcp.StorageReader):
                  limits: ReadLimits | None = None, trust_pickles: bool = False) -> None:
         """Args:
             root: a root (its newest step, or `step`) or a checkpoint directory; a
-                `checkpoint_id` given to `dcp.load` replaces it (ROOT/step-N, a root or
-                a step directory).
+                `checkpoint_id` given to `dcp.load` replaces it (ROOT/step-N, a root,
+                whose step is then `step` or its newest, or a step directory; a
+                `file://` URL of this machine is its path).
             limits: reader limits (default `ReadLimits.from_env()`).
             trust_pickles: hand objects DCP pickled to the planner as they were
                 written (its `torch.load(weights_only=False)` runs their code). Only for
@@ -145,7 +146,7 @@ class StorageReader(dcp.StorageReader):
                 torch's `weights_only` unpickler, and one that needs more is an
                 `UntrustedPickleError` naming its key (inside DCP's CheckpointException).
         """
-        self.root = None if root is None else root_path(root)
+        self.root = None if root is None else checkpoint_location(root)
         self.step = step
         self.limits = limits
         self.trust_pickles = trust_pickles
@@ -160,12 +161,14 @@ class StorageReader(dcp.StorageReader):
         if checkpoint_id is None:
             self._target = (self.root, self.step)
             return
-        path = root_path(checkpoint_id)
-        m = _STEP_ID.fullmatch(path.name)
+        path = checkpoint_location(checkpoint_id)
+        m = STEP_ID.fullmatch(path.name)
         if m is not None and not is_dir(path):  # torchtitan's ROOT/step-N, unpadded
             self._target = (path.parent, int(m.group(1)))
-        else:
+        elif m is not None:  # a step directory
             self._target = (path, None)
+        else:  # a root: the step given to this reader, else its newest
+            self._target = (path, self.step)
 
     def read_metadata(self) -> Metadata:
         """The checkpoint's metadata, built from its (verified) manifest. No `**kwargs`:
@@ -228,13 +231,13 @@ class StorageReader(dcp.StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            path = root_path(checkpoint_id)
+            path = checkpoint_location(checkpoint_id)
         except CheckpointError:
             return False
         storage = storage_at(path)
         try:
             return storage.is_file(path / "manifest.json") or (storage.is_dir(path) and any(
-                _STEP_ID.fullmatch(name) for name in storage.entries(path)))
+                STEP_ID.fullmatch(name) for name in storage.entries(path)))
         except OSError:
             return True  # a store not reached now: ours to open (errors then say why)
 

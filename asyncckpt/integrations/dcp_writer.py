@@ -28,13 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
-import re
-import tempfile
 import threading
-import time
-import uuid
 from concurrent.futures import Future as ConcurrentFuture
 from typing import Any
 
@@ -42,18 +37,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from asyncckpt import errors
 from asyncckpt.errors import (
     CheckpointError,
-    SaveFailedError,
     StepAlreadyCommittedError,
     UnsupportedStateError,
     WriterRootMismatchError,
 )
-from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.integrations.dcp_ids import (
+    checkpoint_location,
+    checkpoint_target,
+    parse_checkpoint_id,
+)
+from asyncckpt.integrations.dcp_outcome import for_dcp, publish_outcome, relay_outcome
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client, shared_client
@@ -62,28 +61,11 @@ from asyncckpt.rank.handle import SaveHandle, mark_told
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for
-from asyncckpt.storage.location import Location, root_path
+from asyncckpt.storage.location import Location
 from asyncckpt.torchutil.dtensor import Chunk
 
-_OUTCOME_POLL = 0.02  # s: PROCESS mode's wait for the staged step's outcome file
-_STEP_ID = re.compile(r"step[-_]?(\d+)")
 _started: dict[str, str] = {}  # root -> address of the node writer started for it here
 _writers: list[WriterProcess] = []
-
-
-def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Location, int]:
-    """(root, step) of a DCP checkpoint id `ROOT/step-N` (torchtitan's form; `step_N`,
-    `stepN` and asyncckpt's `step-0000000N` too).
-
-    Raises:
-        ValueError: the id's last part names no step.
-    """
-    path = root_path(checkpoint_id)
-    m = _STEP_ID.fullmatch(path.name)
-    if m is None or int(m.group(1)) > MAX_STEP:
-        raise ValueError(f"checkpoint_id {os.fspath(checkpoint_id)!r} names no step: asyncckpt "
-                         "takes ROOT/step-N (or StorageWriter(root, step) without an id)")
-    return path.parent, int(m.group(1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +99,9 @@ class StorageWriter(dcp.StorageWriter):
             root: the checkpoint root; it must be the root of the writer this rank
                 reaches (checked on the first save). None: the writer's root.
             step: the step to commit; a `checkpoint_id` of the form `ROOT/step-N`
-                given to `dcp.save` overrides both.
+                given to `dcp.save` overrides both, one naming a root replaces `root`
+                (`file://` URLs of this machine are paths: dcp_ids.py). Without a step,
+                `async_save` copies the state (`stage`) until the id names one.
             client: this rank's connection; default one client per process and writer
                 address (ASYNCCKPT_ADDRESS, or `address`), made on the first save with a
                 ring sized from that save (`ring_size` sets it), closed at exit.
@@ -141,7 +125,7 @@ class StorageWriter(dcp.StorageWriter):
         if replace is not None and replace != overwrite and overwrite:
             raise ValueError(f"overwrite and replace disagree ({overwrite!r}, {replace!r}): "
                              "they are one option, give one of them")
-        self.root = None if root is None else root_path(root)
+        self.root = None if root is None else checkpoint_location(root)
         self.step = step
         self.address = address
         self.ring_size = ring_size
@@ -162,7 +146,7 @@ class StorageWriter(dcp.StorageWriter):
         """The copy waits for the staged step's outcome (published to a file), and this
         object forgets it: the copy runs the background save, not this one."""
         state = dict(self.__dict__)
-        outcome = None if self._staged is None else _publish_outcome(self._staged)
+        outcome = None if self._staged is None else publish_outcome(self._staged)
         state.update(_client=None, _given=None, _handle=None, _staged=None, _outcome=outcome)
         self._staged = None
         return state
@@ -171,7 +155,7 @@ class StorageWriter(dcp.StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         target = ((self.root, self.step) if checkpoint_id is None
-                  else parse_checkpoint_id(checkpoint_id))
+                  else checkpoint_target(checkpoint_id, self.step))
         staged = self._staged or (self._outcome is not None)
         if staged and checkpoint_id is not None and target[1] != self._target[1]:
             raise ValueError(f"checkpoint_id {os.fspath(checkpoint_id)!r} names step {target[1]}, "
@@ -240,13 +224,13 @@ class StorageWriter(dcp.StorageWriter):
         try:
             self._handle.wait()
         except StepAlreadyCommittedError as e:
-            raise _for_dcp(e) from None
+            raise for_dcp(e) from None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
             parse_checkpoint_id(checkpoint_id)
-        except ValueError:
+        except (ValueError, CheckpointError):
             return False
         return True
 
@@ -263,14 +247,24 @@ class StorageWriter(dcp.StorageWriter):
         `staging_future`, a future of it) for DCP's background save, which only
         waits for the commit.
 
+        Without a step (`async_save` given only a `checkpoint_id`, which DCP passes
+        after staging), the ring cannot take the items yet (a save in the ring is a
+        save of a step): the state is copied into private CPU memory instead, as DCP's
+        own stager does, and DCP's background save then plans and saves the copy
+        once the id names the step. That costs a copy of the state in memory; give
+        the step (`StorageWriter(root, step)`) to stage through the ring.
+
         Raises:
-            ValueError: no step (async_save learns the checkpoint_id only later).
             RuntimeError: a save staged by this writer has not been picked up yet.
             CheckpointError: planning or handing the items to the client failed.
         """
         if self.step is None:
-            raise ValueError("dcp.async_save through asyncckpt needs StorageWriter(root, step): "
-                             "the step is staged before DCP passes the checkpoint_id")
+            copied = _private_copy(state_dict)
+            if not self.staging_future:
+                return copied
+            done: ConcurrentFuture[dict] = ConcurrentFuture()
+            done.set_result(copied)
+            return done
         if self._staged is not None:
             raise RuntimeError(f"this StorageWriter still holds staged step {self._staged.step}, "
                                "whose background save has not started: use one StorageWriter "
@@ -354,10 +348,22 @@ class StorageWriter(dcp.StorageWriter):
         else:
             assert self._outcome is not None
             outcome = self._outcome
-            threading.Thread(target=_relay_outcome, args=(outcome, future), daemon=True,
+            threading.Thread(target=relay_outcome, args=(outcome, future), daemon=True,
                              name="asyncckpt-dcp-outcome").start()
         self._staged, self._outcome = None, None
         return future
+
+
+def _private_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` copied into fresh CPU memory by DCP's own stager (tensors copied,
+    other values deep-copied), for a save whose step is not known yet."""
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        staged = stager.stage(state_dict)
+    finally:
+        stager.close()
+    assert isinstance(staged, dict)  # synchronous staging (use_async_staging False)
+    return staged
 
 
 def _object(planner: SavePlanner, item: Any) -> Any:
@@ -409,20 +415,10 @@ def _when(handle: SaveHandle, *, staged: bool, then: Any) -> None:
         try:
             handle.wait()
         except BaseException as e:  # noqa: BLE001 - the save's error is the future's
-            then(_for_dcp(e))
+            then(for_dcp(e))
             return
         then(None)
     threading.Thread(target=watch, daemon=True, name=f"asyncckpt-dcp-{handle.step}").start()
-
-
-def _for_dcp(error: BaseException) -> BaseException:
-    """`error`, where it refuses to replace a committed step, naming DCP's option for it
-    (the writer names `replace=True`, which a DCP user does not call)."""
-    if not isinstance(error, StepAlreadyCommittedError) or "replace=True" not in error.cause \
-            or "overwrite=True" in error.cause:
-        return error
-    return type(error)(f"{error.cause}; through DCP: StorageWriter(..., overwrite=True)",
-                       step=error.step, rank=error.rank, file=error.file, **error.detail)
 
 
 def _started_writer(root: Location | None) -> str:
@@ -447,59 +443,3 @@ def _client_for(address: str | None, ring_size: int | None, root: Location | Non
     any)."""
     return shared_client(address, root=root,
                          **({} if ring_size is None else {"ring_size": ring_size}))
-
-
-def _publish_outcome(handle: SaveHandle) -> str:
-    """A file that will hold `handle`'s outcome, written once it is known (PROCESS mode:
-    the helper process that runs DCP's background save waits on it)."""
-    path = os.path.join(tempfile.gettempdir(),
-                        f"asyncckpt-dcp-{os.getpid()}-{uuid.uuid4().hex}.json")
-
-    def write() -> None:
-        try:
-            outcome: dict[str, Any] = {"path": str(handle.wait())}
-        except BaseException as e:  # noqa: BLE001
-            e = _for_dcp(e)
-            outcome = {"error": str(e), "type": type(e).__name__,
-                       **{f: getattr(e, f, None) for f in _ERROR_FIELDS}}
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(outcome, f)
-        os.replace(tmp, path)
-    threading.Thread(target=write, daemon=True, name="asyncckpt-dcp-publish").start()
-    return path
-
-
-def _relay_outcome(path: str, future: Future[list[WriteResult]]) -> None:
-    while not os.path.exists(path):
-        time.sleep(_OUTCOME_POLL)
-    with open(path) as f:
-        outcome = json.load(f)
-    os.unlink(path)
-    if "error" in outcome:
-        # torch.futures.Future.set_exception is annotated with the result type (a stub bug)
-        future.set_exception(_rebuilt(outcome))  # type: ignore[arg-type]
-    else:
-        future.set_result([])
-
-
-_ERROR_FIELDS = ("cause", "step", "rank", "file")
-
-
-def _rebuilt(outcome: dict[str, Any]) -> CheckpointError:
-    """The error a published outcome names, as its own type (DiskFullError stays one,
-    with its step, rank and file): only asyncckpt's error classes are made by name,
-    anything else arrives as a SaveFailedError naming its type. Nothing is unpickled."""
-    cls = getattr(errors, str(outcome.get("type")), None)
-    message = str(outcome.get("error"))
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-        return SaveFailedError(f"{outcome.get('type')}: {message}")
-    error = cls(message)  # the message as raised; then its fields as they were
-    for name in _ERROR_FIELDS:
-        value = outcome.get(name)
-        if name == "cause" and not isinstance(value, str):
-            continue
-        if name != "cause" and not (value is None or isinstance(value, (int, str))):
-            continue
-        setattr(error, name, value)
-    return error

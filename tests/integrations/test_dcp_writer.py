@@ -10,6 +10,7 @@ import enum
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter, parse_checkpoint_id
 from asyncckpt.errors import (
+    CheckpointError,
     CorruptCheckpointError,
     StepAlreadyCommittedError,
     WriterRootMismatchError,
@@ -204,10 +206,16 @@ def test_the_writers_error_reaches_dcp_on_save_and_on_the_async_future(writer, c
     assert torch.equal(asyncckpt.load(writer.root, step=2)["w"], torch.ones(3))
 
 
-def test_async_save_without_a_step_is_refused_before_anything_is_staged(writer, client):
-    with pytest.raises(ValueError, match="needs StorageWriter\\(root, step\\)"):
-        dcp.async_save({"w": torch.ones(2)}, checkpoint_id=f"{writer.root}/step-1",
-                       storage_writer=StorageWriter(client=client))
+def test_async_save_given_only_a_checkpoint_id_saves_the_state_it_was_given(writer, client):
+    """DCP passes the id only after staging: the state is copied when async_save returns
+    (a change after it is not saved), and the step the id names is committed."""
+    state = {"w": torch.arange(1000.0), "n": 3}
+    future = dcp.async_save(state, checkpoint_id=f"{writer.root}/step-1",
+                            storage_writer=StorageWriter(client=client))
+    state["w"].mul_(-1)
+    future.result(timeout=60)
+    loaded = asyncckpt.load(writer.root, step=1)
+    assert torch.equal(loaded["w"], torch.arange(1000.0)) and loaded["n"] == 3
 
 
 def test_the_default_client_comes_from_the_environment_and_close_releases_it(writer, monkeypatch):
@@ -363,8 +371,53 @@ def test_a_resave_without_overwrite_names_the_option_and_keeps_the_step(writer, 
     with pytest.raises(CheckpointException) as caught:
         dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(writer.root, 4, client=client))
     assert isinstance(failure(caught), StepAlreadyCommittedError)
-    assert "StorageWriter(..., overwrite=True)" in str(failure(caught))
+    assert re.search(r"StorageWriter\((\.\.\., )?overwrite=True\)", str(failure(caught)))
     assert failure(caught).step == 4
     with pytest.raises(ValueError, match="overwrite and replace disagree"):
         StorageWriter(writer.root, 4, overwrite=True, replace=False)
     assert torch.equal(asyncckpt.load(writer.root, step=4)["w"], torch.ones(3))
+
+
+def test_a_root_with_a_step_given_is_a_checkpoint_id_for_save_and_load(writer, client):
+    root = writer.root
+    dcp.save({"w": torch.full((3,), 6.0)}, checkpoint_id=root,
+             storage_writer=StorageWriter(step=6, client=client))
+    dcp.save({"w": torch.full((3,), 7.0)}, checkpoint_id=str(root),
+             storage_writer=StorageWriter(step=7, client=client))
+    target = {"w": torch.zeros(3)}
+    dcp.load(target, checkpoint_id=root, storage_reader=StorageReader(step=6))
+    assert torch.equal(target["w"], torch.full((3,), 6.0))  # the step given, not the newest
+    dcp.load(target, checkpoint_id=root, storage_reader=StorageReader())
+    assert torch.equal(target["w"], torch.full((3,), 7.0))
+    with pytest.raises(ValueError, match="names no step"):
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=root,
+                 storage_writer=StorageWriter(client=client))
+
+
+def test_file_urls_name_a_local_root(writer, client):
+    url = f"file://{writer.root}/step-8"
+    assert StorageWriter.validate_checkpoint_id(url)
+    dcp.save({"w": torch.full((3,), 8.0)}, checkpoint_id=url,
+             storage_writer=StorageWriter(client=client))
+    assert (writer.root / step_dir_name(8) / "manifest.json").is_file()
+    assert StorageReader.validate_checkpoint_id(f"file://{writer.root}")
+    target = {"w": torch.zeros(3)}
+    dcp.load(target, checkpoint_id=url, storage_reader=StorageReader())
+    assert torch.equal(target["w"], torch.full((3,), 8.0))
+    dcp.load(target, checkpoint_id=f"file://localhost{writer.root}", storage_reader=StorageReader())
+    assert torch.equal(target["w"], torch.full((3,), 8.0))
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/ckpt/step-1", "file://otherhost/ckpt/step-1",
+                                 "memory://ckpt/step-1"])
+def test_a_url_no_backend_serves_names_the_forms_taken(writer, client, url):
+    assert not StorageWriter.validate_checkpoint_id(url)
+    assert not StorageReader.validate_checkpoint_id(url)
+    with pytest.raises(CheckpointError) as caught:
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=url,
+                 storage_writer=StorageWriter(client=client))
+    for form in ("ROOT/step-N", "file://", "s3://bucket/prefix"):
+        assert form in str(caught.value), str(caught.value)
+    with pytest.raises(CheckpointError, match="file://"):
+        dcp.load({"w": torch.ones(3)}, checkpoint_id=url, storage_reader=StorageReader())
+    assert not list(writer.root.glob("step-*"))

@@ -42,14 +42,32 @@ def test_local_path_refuses_urls_naming_the_scheme(url):
     lambda url: asyncckpt.copy_step(url, "out"),
     lambda url: asyncckpt.export_hf(url, "out"),
     lambda url: asyncckpt.Checkpointer(url, model=torch.nn.Linear(2, 2)),
-    lambda url: StorageWriter(url, 1),
-    lambda url: StorageReader(url),
-    lambda url: StorageWriter().reset(f"{url}/step-3"),
-], ids=["start_writer", "load", "verify", "copy_step", "export_hf", "Checkpointer",
-        "StorageWriter", "StorageReader", "checkpoint_id"])
+], ids=["start_writer", "load", "verify", "copy_step", "export_hf", "Checkpointer"])
 def test_every_entry_point_refuses_an_unsupported_scheme(use, url):
     with pytest.raises(asyncckpt.CheckpointError, match="roots are not supported"):
         use(url)
+
+
+# DCP's checkpoint ids take file:// URLs of this machine (DCP's own storage does):
+# the URL's absolute path, never a relative directory made of the URL
+@pytest.mark.parametrize("url", [u for u in UNSUPPORTED if not u.startswith("file:")])
+@pytest.mark.parametrize("use", [
+    lambda url: StorageWriter(url, 1),
+    lambda url: StorageReader(url),
+    lambda url: StorageWriter().reset(f"{url}/step-3"),
+], ids=["StorageWriter", "StorageReader", "checkpoint_id"])
+def test_every_dcp_entry_point_refuses_an_unsupported_scheme(use, url):
+    with pytest.raises(asyncckpt.CheckpointError, match="roots are not supported"):
+        use(url)
+
+
+def test_a_dcp_file_url_is_its_absolute_path():
+    from pathlib import Path
+    assert StorageWriter("file:///tmp/run1", 1).root == Path("/tmp/run1")
+    assert StorageReader("file:///tmp/run1").root == Path("/tmp/run1")
+    for foreign in ("file://otherhost/tmp/run1", "file://host:22/tmp/run1"):
+        with pytest.raises(asyncckpt.CheckpointError, match="file:// URL of this machine"):
+            StorageWriter(foreign, 1)
 
 
 @pytest.mark.parametrize("use", [

@@ -1,0 +1,93 @@
+"""How a save's outcome reaches DCP: errors as DCP users read them, and PROCESS mode's
+relay of a staged step's outcome to the helper process that runs the background save.
+
+DCP's PROCESS async mode pickles the StorageWriter into a helper process, which then
+waits for the commit of the step this process staged; the outcome crosses as a small
+JSON file (never a pickle): the path, or the error's type name, message and fields, and
+only asyncckpt's own error classes are rebuilt by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from asyncckpt import errors
+from asyncckpt.errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
+from asyncckpt.rank.handle import SaveHandle
+
+_OUTCOME_POLL = 0.02  # s: PROCESS mode's wait for the staged step's outcome file
+
+
+def for_dcp(error: BaseException) -> BaseException:
+    """`error`, where it refuses to replace a committed step, naming DCP's option for it
+    (the writer names `replace=True`, which a DCP user does not call)."""
+    if not isinstance(error, StepAlreadyCommittedError) or "replace=True" not in error.cause \
+            or "overwrite=True" in error.cause:
+        return error
+    return type(error)(f"{error.cause}; through DCP: StorageWriter(..., overwrite=True)",
+                       step=error.step, rank=error.rank, file=error.file, **error.detail)
+
+
+def publish_outcome(handle: SaveHandle) -> str:
+    """A file that will hold `handle`'s outcome, written once it is known (PROCESS mode:
+    the helper process that runs DCP's background save waits on it)."""
+    path = os.path.join(tempfile.gettempdir(),
+                        f"asyncckpt-dcp-{os.getpid()}-{uuid.uuid4().hex}.json")
+
+    def write() -> None:
+        try:
+            outcome: dict[str, Any] = {"path": str(handle.wait())}
+        except BaseException as e:  # noqa: BLE001
+            e = for_dcp(e)
+            outcome = {"error": str(e), "type": type(e).__name__,
+                       **{f: getattr(e, f, None) for f in _ERROR_FIELDS}}
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(outcome, f)
+        os.replace(tmp, path)
+    threading.Thread(target=write, daemon=True, name="asyncckpt-dcp-publish").start()
+    return path
+
+
+def relay_outcome(path: str, future: Future[list[WriteResult]]) -> None:
+    while not os.path.exists(path):
+        time.sleep(_OUTCOME_POLL)
+    with open(path) as f:
+        outcome = json.load(f)
+    os.unlink(path)
+    if "error" in outcome:
+        # torch.futures.Future.set_exception is annotated with the result type (a stub bug)
+        future.set_exception(_rebuilt(outcome))  # type: ignore[arg-type]
+    else:
+        future.set_result([])
+
+
+_ERROR_FIELDS = ("cause", "step", "rank", "file")
+
+
+def _rebuilt(outcome: dict[str, Any]) -> CheckpointError:
+    """The error a published outcome names, as its own type (DiskFullError stays one,
+    with its step, rank and file): only asyncckpt's error classes are made by name,
+    anything else arrives as a SaveFailedError naming its type. Nothing is unpickled."""
+    cls = getattr(errors, str(outcome.get("type")), None)
+    message = str(outcome.get("error"))
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        return SaveFailedError(f"{outcome.get('type')}: {message}")
+    error = cls(message)  # the message as raised; then its fields as they were
+    for name in _ERROR_FIELDS:
+        value = outcome.get(name)
+        if name == "cause" and not isinstance(value, str):
+            continue
+        if name != "cause" and not (value is None or isinstance(value, (int, str))):
+            continue
+        setattr(error, name, value)
+    return error
