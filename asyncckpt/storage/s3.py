@@ -29,9 +29,32 @@ client and the data files are storage/s3client.py.
 An object store has no lock a crashed writer releases; leases (storage/lease.py) stand
 in for the root's lock. A writer's storage holds its lease (`hold`), and every mutation
 (a step's data, its manifest, `latest`, each delete) first passes the lease's fence: a
-writer that lost its lease publishes and deletes nothing more. Replacing a committed step
-is not supported here: a save with `replace` is refused if the step is committed, and is
-a plain save if it is not.
+writer that lost its lease publishes and deletes nothing more.
+
+Replacing a committed step (`publish(replace=True)`) needs no rename either. The new
+step's data is written in a new attempt folder, as any save's; the commit is one put of
+`step-N/manifest.json` with If-Match on the ETag of the manifest it replaces (read just
+before, the lease's fence passed), its metadata naming the new folder and, in
+`asyncckpt-replaced`, the old one. The store applies the put whole or refuses it: a
+writer that raced us (another commit or retirement of the step meanwhile) makes it fail
+and nothing is replaced; a writer that lost its lease never sends it. Only after the put
+succeeded are the old folder and its nodes' folders (a step in parts: `nodes.json`)
+deleted, never a folder the new manifest names; a crash in between leaves them as
+garbage that no manifest names, which the next sweep removes even while their writer
+lives (storage/s3sweep.py). A retired step (`step-N.retired`) is never published over.
+There is nothing for `restore_replaced` to settle: at every instant the step is the old
+one or the new one, whole, and never absent.
+
+What a reader sees: a load opens a step by reading its manifest's HEAD once and pins that
+version (its ETag and the folder it names: `S3CheckpointDir`, storage/s3view.py), so it
+reads the manifest and the files of one version only, never one's manifest with the
+other's files. A reader that opened the old version keeps reading the old folder until
+the replacing writer deletes it, right after the commit (on POSIX the old step also
+stays readable through the files a reader already holds open until the new one is
+durable, and is then deleted). Past that, a read of an object that is gone fails as a
+CorruptCheckpointError naming it, and the checkpoint says it was replaced (`swapped`), so
+`load` opens the step again and reads the new version whole (read/loader.py
+`read_retrying`). A reader that opens the step after the put reads the new one.
 """
 
 from __future__ import annotations
@@ -55,10 +78,11 @@ from asyncckpt.format.layout import (
 from asyncckpt.format.manifest import parse_manifest
 from asyncckpt.runtime import faults
 from asyncckpt.storage import s3keys
-from asyncckpt.storage.base import Storage
+from asyncckpt.storage.base import CheckpointDir, Storage
 from asyncckpt.storage.lease import Lease
 from asyncckpt.storage.paths import Location, ObjectPath
 from asyncckpt.storage.s3client import ObjectStoreError, S3DataFile, client_key
+from asyncckpt.storage.s3dir import S3CheckpointDir
 from asyncckpt.storage.s3objects import as_object
 from asyncckpt.storage.s3view import S3View
 
@@ -71,7 +95,7 @@ class S3Storage(S3View, Storage):
 
     root: ObjectPath
     path_type = ObjectPath
-    replaces = False  # no rename: a committed step is never replaced here
+    replaces = True  # one conditional put of the manifest swaps the step's folder
 
     def __init__(self, root: Location, knobs: ObjectStoreKnobs | None = None) -> None:
         super().__init__(as_object(root), knobs)
@@ -127,6 +151,15 @@ class S3Storage(S3View, Storage):
         got = self._get(self._key(LATEST_NAME), _LATEST_MAX)
         return None if got is None else got[0]
 
+    def open_checkpoint_dir(self, directory: Location) -> CheckpointDir:
+        """A step of this root (or a retired one) held at the version its manifest (or
+        marker) is now (storage/s3dir.py); any other checkpoint by path."""
+        where = as_object(directory)
+        found = self._step_of_dir(where)
+        if found is None:
+            return CheckpointDir(self, where)
+        return S3CheckpointDir(self, where, *found)
+
     # -- writing a step --------------------------------------------------------------
 
     def make_tmp(self, step: int, name: str | None = None) -> ObjectPath:
@@ -161,14 +194,19 @@ class S3Storage(S3View, Storage):
 
     def publish(self, tmp: Location, step: int, manifest: bytes, *,
                 replace: bool = False) -> ObjectPath:
-        """Put the manifest with If-None-Match, naming attempt folder `tmp`: the one
-        write that commits the step. `replace` changes nothing: a committed step is never
-        replaced here (the writer refuses such a save before it begins; one committed
-        meanwhile wins). Nothing outside `tmp` is ever deleted.
+        """Put the manifest naming attempt folder `tmp`: the one write that commits the
+        step. Without `replace` it is conditional on there being none (If-None-Match).
+        With `replace`, a committed step's manifest is read (HEAD) and the new one put with
+        If-Match on its ETag, naming the replaced folder too (`asyncckpt-replaced`); only
+        once that put succeeded are the replaced folder and its nodes' folders deleted
+        (crash point `replaced` before: the sweep removes what a crash leaves). Nothing
+        the new manifest names is ever deleted, nor anything outside `tmp` on failure.
 
         Raises:
-            StepAlreadyCommittedError: the step has a manifest already.
-            LeaseLostError: this writer no longer holds the root.
+            StepAlreadyCommittedError: the step has a manifest already (and not
+                `replace`), is retired (its data still referenced), or another commit
+                changed its manifest since it was read (the other commit stands).
+            LeaseLostError: this writer no longer holds the root: nothing was replaced.
             OSError: the store failed; nothing was committed.
         """
         tmp = as_object(tmp)
@@ -189,16 +227,83 @@ class S3Storage(S3View, Storage):
         if nodes:
             self.fence(step)
             self._put(f"{tmp.key}/{s3keys.NODES_NAME}", s3keys.nodes_bytes(nodes))
+        final = self._object(self._manifest_key(step))
+        if self._head(self._key(retired_dir_name(step))) is not None:
+            raise StepAlreadyCommittedError(f"{retired_dir_name(step)} is retired (its data "
+                                            "still referenced): save under another step "
+                                            "number", step=step)
+        old = self._head(final.key) if replace else None
+        metadata = {s3keys.DATA_META: tmp.name}
+        gone: list[str] = []  # the folders (prefixes) of the step replaced
+        if old is not None:
+            gone, replaced = self._replaced_folders(step, old, {tmp.name, *nodes.values()})
+            if replaced is not None and replaced != tmp.name:
+                metadata[s3keys.REPLACED_META] = replaced
         faults.io("rename", tmp)
         self.fence(step)
-        final = self._object(self._manifest_key(step))
-        if not self._put(final.key, manifest, {s3keys.DATA_META: tmp.name},
-                         none_match=True):
-            raise StepAlreadyCommittedError(f"{final.parent} already has a manifest; a "
-                                            "committed step is never replaced", step=step)
+        if not self._put(final.key, manifest, metadata, none_match=old is None,
+                         match=None if old is None else old["ETag"]):
+            raise StepAlreadyCommittedError(
+                f"{final.parent} already has a manifest; a committed step is never replaced "
+                "unless asked (replace=True)" if old is None else
+                f"{final.parent}: another commit changed its manifest while this save "
+                "replaced it; that commit stands", step=step)
         faults.point("manifest_written")
         faults.point("step_renamed")
+        if gone:
+            faults.point("replaced")
+            self._drop(step, gone)
         return final.parent
+
+    def _replaced_folders(self, step: int, head: dict[str, Any], keep: set[str]
+                          ) -> tuple[list[str], str | None]:
+        """The prefixes (with their slash) of the files of committed step `step` whose
+        manifest's HEAD is `head`, its nodes' attempt folders first and its own last (its
+        `nodes.json`, the map to the others, goes with it), none of `keep` (the new
+        step's); and its own attempt folder's name. An earlier layout's step is its files
+        in the step prefix itself. Metadata or a node map that names no attempt folder
+        names nothing to delete (what it left is the sweep's, by its writer's lease).
+
+        Raises:
+            ObjectStoreError: the node map cannot be read: nothing is replaced.
+        """
+        try:
+            folder = self._folder_of(step, head)
+        except ObjectStoreError:
+            return [], None
+        own = folder.rstrip("/").rsplit("/", 1)[-1]
+        if s3keys.attempt_writer(own) is None:
+            return [folder], None
+        try:
+            nodes = self._nodes(step, folder)
+        except ObjectStoreError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            nodes = {}
+        base = self._key(step_dir_name(step)) + "/"
+        others = sorted({f"{base}{name}/" for name in nodes.values()
+                         if name not in keep and name != own})
+        return others + ([folder] if own not in keep else []), own
+
+    def _drop(self, step: int, folders: list[str]) -> None:
+        """Delete the files of a replaced step in `folders` (of `_replaced_folders`), the
+        new manifest already put: in an earlier layout's step prefix only its own files
+        (never the manifest, now the new step's, nor any attempt folder). Never raises:
+        the step is committed, and what is left the sweep removes."""
+        try:
+            for folder in folders:
+                if s3keys.attempt_writer(folder.rstrip("/").rsplit("/", 1)[-1]) is not None:
+                    keys = sorted((item["Key"] for item in self._list(folder)),
+                                  key=lambda k: k.endswith("/" + s3keys.NODES_NAME))
+                else:
+                    keys = [item["Key"] for item in self._list(folder)
+                            if (own := s3keys.own_key(item["Key"][len(self._prefix):]))
+                            is not None and own.folder is None and own.name != MANIFEST_NAME]
+                self.fence(step)
+                self._delete(keys)
+        except (OSError, LeaseLostError) as e:
+            log.warning("step %d replaced; its old files not all deleted (swept later): %s",
+                        step, e)
 
     def discard(self, tmp: Location) -> None:
         """Delete attempt folder `tmp` (and the folders its node map names), or, for a
@@ -292,7 +397,9 @@ class S3Storage(S3View, Storage):
         return leftovers(self)
 
     def restore_replaced(self) -> list[str]:
-        return []  # a step is never replaced here
+        """Nothing to settle: a replacement is one put, so the step is whole at every
+        instant; the folder a crash left after it is the sweep's (`sweep_tmp`)."""
+        return []
 
     def sweep(self, alone: bool) -> list[str]:
         """Everything abandoned when held `alone`, else only what is old enough

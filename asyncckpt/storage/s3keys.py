@@ -21,6 +21,13 @@ A retired step's marker `step-N.retired` carries the same metadata. A manifest w
 the metadata is one of an earlier layout (or `asyncckpt copy`'s upload): its files are
 at `step-N/<file>` as the manifest names them.
 
+A manifest that replaced a committed step (`S3Storage.publish(replace=True)`) also
+names, in `asyncckpt-replaced`, the folder of the step it replaced: no manifest names
+that folder any more, and its writer (alive or not) can never commit it again, so it is
+garbage from the moment the manifest is put. The replacing writer deletes it right
+after; a crash in between leaves it for the sweep, which removes it even while its
+writer lives (storage/s3sweep.py).
+
 The keys of asyncckpt's own layout, the only ones a sweep may touch: an attempt folder's
 objects, and in a step prefix a data file, a node folder's entries or a manifest
 (`own_key`). Any other key under the prefix is someone else's and is never deleted, and
@@ -44,6 +51,7 @@ from asyncckpt.format.layout import (
 
 ATTEMPT_PREFIX = "attempt-"
 DATA_META = "asyncckpt-data"  # user metadata of a manifest (or marker): its data folder
+REPLACED_META = "asyncckpt-replaced"  # of a replacing manifest: the folder it replaced
 NODES_NAME = "nodes.json"  # in the committing attempt's folder: node dir -> its folder
 _ATTEMPT = re.compile(r"attempt-([0-9a-f]{12})[0-9a-f]{8}")
 
@@ -118,6 +126,14 @@ def data_folder(metadata: dict[str, str] | None) -> str | None:
     if attempt_writer(folder) is None:
         raise ValueError(f"{DATA_META} {folder!r:.60} is not an attempt folder name")
     return folder
+
+
+def replaced_folder(metadata: dict[str, str] | None) -> str | None:
+    """The attempt folder a replacing manifest's (or its marker's) metadata says it
+    replaced; None when it names none, or names something that is not an attempt folder
+    (a hint for the sweep only: a value that is not one is never acted on)."""
+    folder = (metadata or {}).get(REPLACED_META)
+    return folder if folder is not None and attempt_writer(folder) is not None else None
 
 
 def is_attempt_name(name: str) -> bool:

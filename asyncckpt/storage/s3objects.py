@@ -114,19 +114,24 @@ class S3Objects:
         got = self._get_meta(key, limit)
         return None if got is None else got[:2]
 
-    def _get_meta(self, key: str, limit: int) -> tuple[bytes, str, dict[str, str]] | None:
+    def _get_meta(self, key: str, limit: int, match: str | None = None
+                  ) -> tuple[bytes, str, dict[str, str]] | None:
         """(bytes, ETag, user metadata) of a small object, or None if it is missing or
-        larger (one GET of at most `limit` + 1 bytes: a larger object is never read whole)."""
+        larger (one GET of at most `limit` + 1 bytes: a larger object is never read whole),
+        or, with `match`, if its ETag is not `match` (another version is there now)."""
+        condition = {} if match is None else {"IfMatch": match}
         try:
             answer = self._s3.get_object(Bucket=self.root.bucket, Key=key,
-                                         Range=f"bytes=0-{limit}")
+                                         Range=f"bytes=0-{limit}", **condition)
             data = answer["Body"].read()
         except Exception as e:
-            if is_missing(e):
+            if is_missing(e) or (match is not None and is_precondition(e)):
                 return None
             if is_code(e, "InvalidRange"):  # an empty object has no byte 0
                 head = self._head(key)
-                return None if head is None else (b"", head["ETag"], head.get("Metadata", {}))
+                if head is None or (match is not None and head["ETag"] != match):
+                    return None
+                return b"", head["ETag"], head.get("Metadata", {})
             raise failure(e, "reading", self._where(key)) from None
         return None if len(data) > limit else (data, answer["ETag"], answer.get("Metadata", {}))
 

@@ -9,7 +9,13 @@ those only what no live writer may still commit:
   retired marker does not name, whose writer holds no live lease (storage/lease.py): its
   objects are deleted and its unfinished multipart uploads aborted. A live writer's
   attempts are left alone whatever their age, a dead one's go at once;
-- the files of an earlier layout (`step-N/<data file>` of a step without a manifest, and
+- the folder a replacing manifest says it replaced (`asyncckpt-replaced`, and the node
+  folders its `nodes.json` maps, while it is there), whoever wrote it: no manifest names
+  it and none ever will again, so a crash between the replacing put and the deletion of
+  the old folder leaves nothing for good, even while that folder's writer lives. A
+  folder the manifest names is never one of these;
+- the files of an earlier layout (`step-N/<data file>` of a step without a manifest, or
+  of one whose manifest names an attempt folder: a step of that layout replaced, and
   uploads to such keys), which name no writer: by age, as before (`older_than`).
 
 Every delete and abort passes the sweeping writer's fence first.
@@ -43,13 +49,13 @@ def leftovers(storage: S3Storage) -> tuple[list[dict[str, Any]], dict[int, list[
     garbage: dict[int, list[dict[str, Any]]] = {}
     for item in storage._list(prefix):
         own = s3keys.own_key(item["Key"][len(prefix):])
-        if own is None or (own.folder is None and (own.step in steps or own.name == MANIFEST_NAME)):
+        if own is None or (own.folder is None and own.name == MANIFEST_NAME):
             continue
-        if own.folder is not None and own.step in steps:
+        if own.step in steps:
             if own.step not in kept:
                 kept[own.step] = _folders_of(storage, own.step)
-            if own.folder in kept[own.step]:
-                continue
+            if own.folder in kept[own.step] or (own.folder is None and not kept[own.step]):
+                continue  # the step's: in a folder it names, or an earlier layout's own
         garbage.setdefault(own.step, []).append(item)
     return uploads, garbage
 
@@ -66,6 +72,22 @@ def _folders_of(storage: S3Storage, step: int) -> set[str]:
     return {name, *storage._nodes(step, folder).values()}
 
 
+def _replaced_of(storage: S3Storage, step: int) -> set[str]:
+    """The attempt folders that step `step`'s manifest (or marker) says it replaced (and
+    the node folders the replaced one's map names, while it is there), less every folder
+    the manifest itself names."""
+    head = storage._commit_head(step)
+    folder = s3keys.replaced_folder(None if head is None else head.get("Metadata"))
+    if head is None or folder is None:
+        return set()
+    prefix = f"{storage._key(step_dir_name(step))}/{folder}/"
+    try:
+        nodes = set(storage._nodes(step, prefix).values())
+    except OSError:  # a map that is no map: only the folder itself
+        nodes = set()
+    return ({folder} | nodes) - _folders_of(storage, step)
+
+
 def sweep(storage: S3Storage, older_than: float) -> list[str]:
     """Abort and delete what `leftovers` finds that no live writer owns (earlier-layout
     keys once `older_than` seconds old; 0: all of them). Returns what was removed.
@@ -80,13 +102,20 @@ def sweep(storage: S3Storage, older_than: float) -> list[str]:
     if older_than == 0:
         cutoff += datetime.timedelta(days=1)  # whatever the clocks say
 
+    replacing: dict[int, set[str]] = {}
+
+    def replaced(step: int) -> set[str]:
+        if step not in replacing:
+            replacing[step] = _replaced_of(storage, step)
+        return replacing[step]
+
     def gone(relative: str, when: datetime.datetime) -> bool:
         own = s3keys.own_key(relative)
         if own is None:
             return False
         if own.folder is None:
             return when <= cutoff
-        return s3keys.attempt_writer(own.folder) not in live
+        return s3keys.attempt_writer(own.folder) not in live or own.folder in replaced(own.step)
 
     removed = []
     uploads, garbage = leftovers(storage)

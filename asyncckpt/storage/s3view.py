@@ -32,6 +32,12 @@ from asyncckpt.storage.s3objects import S3Objects, as_object
 NODES_MAX = 1 << 24  # bytes a step's node map may hold
 
 
+def in_folder(view: set[str], folder: str) -> set[str]:
+    """The names directly in subfolder `folder` of a step's `view` (`S3View._view`)."""
+    prefix = folder + "/"
+    return {n[len(prefix):] for n in view if n.startswith(prefix) and "/" not in n[len(prefix):]}
+
+
 class S3View(S3Objects):
     """The reads of an object-store root (mixed into `S3Storage`)."""
 
@@ -176,11 +182,14 @@ class S3View(S3Objects):
                 return None
             raise failure(e, "reading", str(path)) from None
 
-    def _view(self, step: int, retired: bool) -> set[str]:
+    def _view(self, step: int, retired: bool, head: dict[str, Any] | None = None,
+              held: bool = False) -> set[str]:
         """The names (relative to the step) of the files of step `step` as its manifest
-        (or marker) sees them: the manifest, and what its folder (and its nodes' folders)
-        hold; other attempts' objects are not the step's."""
-        head = self._commit_head(step)
+        (or marker) sees them, or, `held`, as the version whose HEAD is `head` does: the
+        manifest, and what its folder (and its nodes' folders) hold; other attempts'
+        objects are not the step's."""
+        if not held:
+            head = self._commit_head(step)
         base = self._key(step_dir_name(step)) + "/"
         folder = base if head is None else self._folder_of(step, head)
         names = {MANIFEST_NAME} if head is not None else set()
@@ -207,9 +216,7 @@ class S3View(S3Objects):
             return {n for n in self._view(*found) if "/" not in n}
         parent = self._step_of_dir(directory.parent)
         if parent is not None:
-            prefix = directory.name + "/"
-            return {n[len(prefix):] for n in self._view(*parent)
-                    if n.startswith(prefix) and "/" not in n[len(prefix):]}
+            return in_folder(self._view(*parent), directory.name)
         prefix = f"{directory.key}/"
         return {item["Key"][len(prefix):] for item in self._list(prefix)
                 if "/" not in item["Key"][len(prefix):]}

@@ -15,7 +15,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from asyncckpt.errors import StepAlreadyCommittedError, WriterLockedError
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import (
+    CorruptCheckpointError,
+    StepAlreadyCommittedError,
+    WriterLockedError,
+)
 from asyncckpt.format.layout import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -27,7 +32,15 @@ from asyncckpt.format.layout import (
     step_dir_name,
     tmp_step_of,
 )
-from asyncckpt.storage.base import SMALL_FILE_MAX, DataFile, InProgress, ReadFile, Storage
+from asyncckpt.format.manifest import Manifest
+from asyncckpt.storage.base import (
+    SMALL_FILE_MAX,
+    CheckpointDir,
+    DataFile,
+    InProgress,
+    ReadFile,
+    Storage,
+)
 from asyncckpt.storage.paths import Location, ObjectPath
 
 
@@ -136,6 +149,61 @@ class MemoryDataFile(DataFile):
         return None
 
 
+class MemoryCheckpointDir(CheckpointDir):
+    """A checkpoint directory held for one load: every file under it is taken at once
+    (the file objects themselves), as a POSIX reader holds its files open, so a
+    replacing save that swaps another version in is never read half."""
+
+    def __init__(self, storage: Storage, path: Location) -> None:
+        super().__init__(storage, path)
+        key = key_of(path)
+        with TREE.lock:
+            if key not in TREE.dirs:
+                raise FileNotFoundError(str(path))
+            self._files = {k[len(key) + 1:]: TREE.files[k] for k in TREE.under(key)
+                           if k in TREE.files}
+            self._dirs = {k[len(key) + 1:] for k in TREE.under(key) if k in TREE.dirs}
+
+    def has(self, name: str) -> bool:
+        return name in self._files or name in self._dirs
+
+    def read_manifest(self, limits: ReadLimits) -> Manifest:
+        from asyncckpt.format.manifest import parse_manifest
+        where = str(self.path / MANIFEST_NAME)
+        data = self._files.get(MANIFEST_NAME)
+        if data is None or len(data) > limits.max_manifest_bytes:
+            raise CorruptCheckpointError("no manifest of at most max_manifest_bytes",
+                                         file=where)
+
+        def read(name: str, limit: int) -> bytes:
+            part = self._files.get(name)
+            if part is None:
+                raise FileNotFoundError(name)
+            if len(part) > limit:
+                raise CorruptCheckpointError(f"{name} is larger than {limit} bytes")
+            return bytes(part)
+        return parse_manifest(bytes(data), max_frame_bytes=limits.max_frame_bytes,
+                              max_part_bytes=limits.max_manifest_bytes, where=where, read=read)
+
+    def names(self, folder: str = "") -> set[str]:
+        prefix = folder + "/" if folder else ""
+        return {n[len(prefix):] for n in (*self._files, *self._dirs)
+                if n.startswith(prefix) and "/" not in n[len(prefix):]}
+
+    def entries(self) -> set[str]:
+        return self.names()
+
+    def open(self, name: str) -> MemoryReadFile:
+        data = self._files.get(name)
+        if data is None:
+            raise FileNotFoundError(str(self.path / name))
+        return MemoryReadFile(bytes(data))
+
+    def replaced(self) -> bool:
+        return TREE.files.get(key_of(self.path / MANIFEST_NAME)) is not \
+            self._files.get(MANIFEST_NAME)
+
+
 class MemoryHold:
     def __init__(self, root: str, first: bool) -> None:
         self._root, self.first, self._held = root, first, True
@@ -196,6 +264,9 @@ class MemoryStorage(Storage):
             if data is not None:
                 return MemoryReadFile(bytes(data))
         return None
+
+    def open_checkpoint_dir(self, directory: Location) -> MemoryCheckpointDir:
+        return MemoryCheckpointDir(self, directory)
 
     def open_file(self, directory: Location, name: str) -> MemoryReadFile:
         data = TREE.files.get(key_of(directory / name))

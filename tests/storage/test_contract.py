@@ -14,11 +14,18 @@ import os
 import pytest
 from memory_backend import MemoryStorage
 
-from asyncckpt.errors import CheckpointError, StepAlreadyCommittedError, WriterLockedError
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StepAlreadyCommittedError,
+    WriterLockedError,
+)
 from asyncckpt.format.layout import MANIFEST_NAME, step_dir_name
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.parts import node_part
 from asyncckpt.format.records import RankPart
+from asyncckpt.runtime import faults
 from asyncckpt.storage import registry
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.paths import Location
@@ -269,3 +276,57 @@ def test_a_backend_says_whether_it_replaces_a_committed_step(storage):
         storage.discard(tmp)
         assert read(storage.open_step_file(4, DATA)) == b"old"
     assert storage.committed_steps() == [4]
+
+
+def test_every_backend_replaces_a_step_atomically(storage):
+    """A replace is one atomic step on every backend (an object store: the manifest put
+    with If-Match). A reader holding the old version reads it whole, or fails and is told
+    the step was replaced: never the new version's bytes under the old manifest."""
+    assert storage.replaces
+    write_step(storage, 4, b"old")
+    held = storage.open_checkpoint_dir(storage.root / step_dir_name(4))
+    assert held.read_manifest(ReadLimits.from_env()).step == 4 and not held.replaced()
+    tmp = write_tmp(storage, 4, b"the new bytes")
+    assert storage.publish(tmp, 4, manifest(4), replace=True) == storage.root / step_dir_name(4)
+    try:
+        got: bytes | None = read(held.open(DATA))
+    except (OSError, CorruptCheckpointError):
+        got = None  # deleted after the commit: the load opens the step again
+    assert got in (b"old", None) and held.replaced()
+    held.close()
+    assert storage.committed_steps() == [4] and storage.in_progress() == []
+    assert storage.sweep(alone=True) == []  # nothing of the old step is left over
+    fresh = storage.open_checkpoint_dir(storage.root / step_dir_name(4))
+    assert read(fresh.open(DATA)) == b"the new bytes" and not fresh.replaced()
+    fresh.close()
+    assert read(storage.open_step_file(4, DATA)) == b"the new bytes"
+
+
+class Crash(BaseException):
+    """The writer killed at a crash point (never caught as an error)."""
+
+
+@pytest.mark.parametrize("point", ["manifest_written", "step_renamed", "replaced"])
+def test_a_replace_killed_at_each_point_leaves_one_version_whole(root, storage, monkeypatch,
+                                                                 point):
+    write_step(storage, 4, b"old")
+    tmp = write_tmp(storage, 4, b"the new bytes")
+
+    def crash(name: str) -> None:
+        if name == point:
+            raise Crash(name)
+    monkeypatch.setattr(faults, "point", crash)
+    try:
+        storage.publish(tmp, 4, manifest(4), replace=True)
+    except Crash:
+        pass
+    monkeypatch.setattr(faults, "point", lambda name: None)
+    after = open_storage(root)  # the next writer: whatever the crash left, then its sweep
+    got = read(after.open_step_file(4, DATA))
+    assert got in (b"old", b"the new bytes") and after.committed_steps() == [4]
+    after.sweep(alone=True)
+    after.restore_replaced()
+    assert after.committed_steps() == [4] and after.in_progress() == []
+    assert read(after.open_step_file(4, DATA)) == got
+    assert after.sweep(alone=True) == []
+    after.close()

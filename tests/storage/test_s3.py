@@ -306,3 +306,187 @@ def test_questions_about_paths_share_one_storage_per_root(storage, s3_root, monk
         assert rank_file(0) in location.list_names(step)
         assert location.read_bytes(step / rank_file(0)) == b"data"
     assert len(made) <= 1
+
+
+# -- replacing a committed step: one conditional put of the manifest -----------------
+
+def head_of(storage: S3Storage, step: int) -> dict:
+    head = storage._head(storage._manifest_key(step))
+    assert head is not None
+    return head
+
+
+def folder_keys(storage: S3Storage, folder: str) -> set[str]:
+    return {k for k in keys(storage) if f"/{folder}/" in f"/{k}"}
+
+
+def read_file(opened) -> bytes:
+    out = bytearray(opened.size)
+    assert opened.read_into(0, [memoryview(out)]) == opened.size
+    return bytes(out)
+
+
+def test_a_committed_step_is_replaced_by_one_put_naming_the_new_folder_and_the_old(storage):
+    old = write_step(storage, 4, [b"old0", b"old1"])
+    storage.write_latest(4)
+    old_folder = head_of(storage, 4)["Metadata"]["asyncckpt-data"]
+    tmp = storage.make_tmp(4)
+    f = storage.create_data_file(tmp, rank_file(0), 0)
+    f.append([memoryview(b"new0")])
+    f.sync()
+    assert storage.publish(tmp, 4, manifest(4), replace=True) == old
+    meta = head_of(storage, 4)["Metadata"]
+    assert meta == {"asyncckpt-data": tmp.name, "asyncckpt-replaced": old_folder}
+    assert folder_keys(storage, old_folder) == set()  # deleted once the put succeeded
+    assert storage.names(old) == {"manifest.json", rank_file(0)}
+    assert read_file(storage.open_step_file(4, rank_file(0))) == b"new0"
+    assert storage.open_step_file(4, rank_file(1)) is None
+    assert storage.committed_steps() == [4] and storage.read_latest() == 4
+    assert storage.in_progress() == [] and uploads(storage) == []
+
+
+def test_a_reader_of_the_old_version_reads_it_until_it_is_deleted_never_the_new(storage,
+                                                                               monkeypatch):
+    from asyncckpt.config import ReadLimits
+    from asyncckpt.errors import CorruptCheckpointError
+    from asyncckpt.storage import s3
+    step = storage.root / "step-00000002"
+    write_step(storage, 2, [b"old bytes"])
+    held = storage.open_checkpoint_dir(step)
+    assert held.read_manifest(ReadLimits.from_env()).world_size == 1
+    opened = held.open(rank_file(0))
+    seen: dict[str, object] = {}
+
+    def at(name: str) -> None:  # the new manifest put, the old folder not yet deleted
+        if name == "replaced":
+            seen["held"] = read_file(opened)
+            seen["replaced"] = held.replaced()
+            fresh = storage.open_checkpoint_dir(step)
+            seen["fresh"] = read_file(fresh.open(rank_file(0)))
+            with pytest.raises(CorruptCheckpointError, match="replaced since it was opened"):
+                held.read_manifest(ReadLimits.from_env())  # the old manifest is no more
+    monkeypatch.setattr(s3.faults, "point", at)
+    tmp = storage.make_tmp(2)
+    f = storage.create_data_file(tmp, rank_file(0), 0)
+    f.append([memoryview(b"NEW BYTES")])
+    f.sync()
+    storage.publish(tmp, 2, manifest(2), replace=True)
+    assert seen == {"held": b"old bytes", "replaced": True, "fresh": b"NEW BYTES"}
+    with pytest.raises(CorruptCheckpointError, match="deleted while it was read"):
+        read_file(opened)  # gone now: a load opens the step again
+    with pytest.raises(FileNotFoundError):
+        held.open(rank_file(0))
+    assert held.replaced() and held.names() == {"manifest.json"}
+
+
+def test_a_replace_racing_another_commit_replaces_nothing(s3_root, monkeypatch):
+    from asyncckpt.storage import s3
+    a, b = S3Storage(root_path(s3_root)), S3Storage(root_path(s3_root))
+    write_step(a, 3, [b"first"])
+    a_tmp = a.make_tmp(3)
+    f = a.create_data_file(a_tmp, rank_file(0), 0)
+    f.append([memoryview(b"a's")])
+    f.sync()
+    real_io = s3.faults.io
+    raced: list[str] = []
+
+    def other_commit(op: str, where: object) -> None:  # after A read the manifest's ETag
+        if op == "rename" and not raced:
+            raced.append(op)
+            b_tmp = b.make_tmp(3)
+            g = b.create_data_file(b_tmp, rank_file(0), 0)
+            g.append([memoryview(b"b's")])
+            g.sync()
+            b.publish(b_tmp, 3, manifest(3), replace=True)
+        real_io(op, where)
+    monkeypatch.setattr(s3.faults, "io", other_commit)
+    with pytest.raises(StepAlreadyCommittedError, match="another commit changed its manifest"):
+        a.publish(a_tmp, 3, manifest(3), replace=True)
+    assert read_file(a.open_step_file(3, rank_file(0))) == b"b's"  # B's commit stands
+    b_folder = head_of(a, 3)["Metadata"]["asyncckpt-data"]
+    a.discard(a_tmp)  # A's failed save cleans up its own folder only
+    assert folder_keys(a, a_tmp.name) == set() and folder_keys(a, b_folder)
+    assert read_file(a.open_step_file(3, rank_file(0))) == b"b's"
+
+
+def test_a_retired_step_is_never_published_over(storage):
+    write_step(storage, 3, [b"referenced"])
+    storage.retire(3)
+    for replace in (False, True):
+        with pytest.raises(StepAlreadyCommittedError, match="is retired"):
+            storage.publish(storage.make_tmp(3), 3, manifest(3), replace=replace)
+    assert storage._head(storage._manifest_key(3)) is None  # never a step with both
+    assert storage.retired_steps() == [3] and storage.committed_steps() == []
+    assert read_file(storage.open_step_file(3, rank_file(0))) == b"referenced"
+
+
+def parts_step(storage: S3Storage, other: S3Storage, step: int, tag: bytes) -> None:
+    """Step `step` in parts: node 0 in `storage`'s attempt folder, node 1 in `other`'s,
+    committed by `storage` (replacing the step if it is committed)."""
+    from asyncckpt.format.parts import node_part
+    leader, node_tmp = storage.make_tmp(step), other.make_tmp(step)
+    entries = []
+    for s, tmp, node in ((storage, leader, 0), (other, node_tmp, 1)):
+        name = f"node-{node:05d}/{rank_file(node)}"
+        f = s.create_data_file(tmp, name, 0)
+        f.append([memoryview(tag + b"%d" % node)])
+        f.sync()
+        part = RankPart(node, name, "raw", 0, 0, [], [], {"dict": []})
+        entry, files = node_part(step, [part])
+        s.write_node_part(tmp, files)
+        entries.append(entry)
+    for tmp, node in ((leader, 0), (node_tmp, 1)):
+        storage.gather_node(leader, tmp.name, f"node-{node:05d}")
+    storage.publish(leader, step, Manifest(step, 2, [], parts=entries).to_bytes(), replace=True)
+
+
+def test_a_step_in_parts_is_replaced_with_every_node_folder_of_the_old_one(s3_root):
+    a, b = S3Storage(root_path(s3_root)), S3Storage(root_path(s3_root))
+    parts_step(a, b, 8, b"old")
+    old = {k.split("/")[1] for k in keys(a) if "/attempt-" in k}
+    assert len(old) == 2
+    parts_step(a, b, 8, b"new")
+    now = {k.split("/")[1] for k in keys(a) if "/attempt-" in k}
+    assert len(now) == 2 and not now & old  # both old folders deleted, the new ones kept
+    assert read_file(a.open_step_file(8, f"node-00001/{rank_file(1)}")) == b"new1"
+    assert read_file(a.open_step_file(8, f"node-00000/{rank_file(0)}")) == b"new0"
+    assert a.in_progress() == []
+
+
+def test_a_root_file_is_one_put_and_only_while_the_lease_is_held(s3_root):
+    """What the timeline record (`ROOT/timeline`) needs of `write_bytes`: it is put whole
+    or not at all, and a writer that lost its lease neither writes it nor replaces a
+    step."""
+    import time
+
+    from asyncckpt.errors import LeaseLostError
+    from asyncckpt.storage.lease import Lease
+    knobs = ObjectStoreKnobs(lease_renew=0.5)
+    a = S3Storage(root_path(s3_root), knobs)
+    held = Lease(a, "job-a")
+    a.write_bytes(a.root / "timeline", b"first record")
+    write_step(a, 1, [b"a1"])
+    pending = a.make_tmp(1)  # a replacing save under way when the writer stalls
+    f = a.create_data_file(pending, rank_file(0), 0)
+    f.append([memoryview(b"late")])
+    f.sync()
+    held._stop.set()  # stalled: no renewal any more
+    time.sleep(3.2)  # three periods and a second, whatever the store's rounding
+    b = S3Storage(root_path(s3_root), knobs)
+    taker = Lease(b, "job-b")
+    try:
+        b.write_bytes(b.root / "timeline", b"the successor's record")
+        def objects() -> dict:  # the leases aside (the taker's renews meanwhile)
+            return {k: a._get(a._key(k), 1 << 20) for k in keys(a)
+                    if not k.startswith(".asyncckpt.writer-")}
+        before = objects()
+        with pytest.raises(LeaseLostError, match="lost its lease"):
+            a.write_bytes(a.root / "timeline", b"a stale record")
+        with pytest.raises(LeaseLostError, match="lost its lease"):
+            a.publish(pending, 1, manifest(1), replace=True)
+        assert objects() == before
+        assert b.read_bytes(b.root / "timeline") == b"the successor's record"
+        assert read_file(b.open_step_file(1, rank_file(0))) == b"a1"
+    finally:
+        held.release()
+        taker.release()

@@ -114,3 +114,42 @@ def test_foreign_keys_and_uploads_survive_a_writer_start_and_gc(s3_root, where, 
     assert open_uploads(s) >= theirs and not any(ours in k for k in open_uploads(s))
     assert planted <= keys(s)
 
+
+
+class Crash(BaseException):
+    """The writer killed at a crash point."""
+
+
+def test_the_folder_a_replace_left_is_swept_even_while_its_writer_lives(s3_root, monkeypatch):
+    """A crash between a replacing manifest's put and the deletion of the folder it
+    replaced leaves that folder named by no manifest; its writer may still live (another
+    node's, or this one after a failed delete), yet it is garbage: the sweep removes it.
+    The folder the manifest names is never removed, even if its metadata says so."""
+    from asyncckpt.storage import s3
+    live = S3Storage(root_path(s3_root))
+    lease = Lease(live, "job")
+    try:
+        old = attempt(live, 1, commit=True)
+        new = attempt(live, 1)
+
+        def crash(name: str) -> None:
+            if name == "replaced":
+                raise Crash(name)
+        monkeypatch.setattr(s3.faults, "point", crash)
+        with pytest.raises(Crash):
+            live.publish(live._object(live._key(f"step-00000001/{new}")), 1, manifest(1),
+                         replace=True)
+        monkeypatch.setattr(s3.faults, "point", lambda name: None)
+        assert any(old in k for k in keys(live))  # left by the crash, its writer alive
+        assert [s.path.name for s in live.in_progress()] == [old]
+        removed = live.sweep_tmp(3600)
+        assert removed == [f"step-00000001/{old}/ (1 objects, no manifest)"]
+        assert not any(old in k for k in keys(live)) and any(new in k for k in keys(live))
+        assert live.in_progress() == [] and live.committed_steps() == [1]
+        # a manifest whose metadata says it replaced its own folder: never swept
+        live._put(live._manifest_key(1), manifest(1),
+                  {"asyncckpt-data": new, "asyncckpt-replaced": new})
+        assert live.sweep_tmp(0) == [] and any(new in k for k in keys(live))
+        assert live.open_step_file(1, "rank-00000.safetensors") is not None
+    finally:
+        lease.release()
