@@ -1,8 +1,7 @@
 """A writer on an `s3://bucket/prefix` root, driven as a user would, against a real S3
 server (SeaweedFS on loopback): ranks save, the manifest object commits, and `load`,
-`verify`, `ls`, retention, incremental references and the Checkpointer work as on a
-local root; what an object store cannot do (replace a committed step) is refused with
-a clear error."""
+`verify`, `ls`, retention, incremental references, the Checkpointer and replacing a
+committed step work as on a local root."""
 
 from __future__ import annotations
 
@@ -122,15 +121,62 @@ def test_the_checkpointer_saves_and_restores_through_the_bucket(s3_root, s3_writ
                        fresh_opt.state_dict()["state"][0]["exp_avg"])
 
 
-def test_replacing_a_committed_step_is_refused_clearly_and_the_step_survives(s3_root,
-                                                                             s3_writer):
+def test_replacing_a_committed_step_swaps_it_whole_while_loads_read_it(s3_root, s3_writer):
+    """A save with `replace` of a committed step on an object store (one conditional put
+    of its manifest): loads running meanwhile each get one version whole, never an error
+    or a mix; the replaced attempts' folders are gone after."""
+    import threading
+    seeds = (1, 2, 3)
+    loaded: list[int] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def load_again() -> None:
+        while not done.is_set():
+            try:
+                got = asyncckpt.load(s3_root, step=1)
+                assert same(got, state(got["step"])), got["step"]
+                loaded.append(got["step"])
+            except BaseException as e:
+                errors.append(e)
+                return
     with asyncckpt.connect(s3_writer.address, rank=0, world_size=1) as c:
         c.save(1, state(1), replace=True).wait(timeout=120)  # nothing to replace: a save
-        with pytest.raises(asyncckpt.SaveFailedError, match="cannot replace a step atomically"):
-            c.save(1, state(2), replace=True).wait(timeout=120)
-        with pytest.raises(StepAlreadyCommittedError):
-            c.save(1, state(3)).wait(timeout=120)
-    assert same(asyncckpt.load(s3_root, step=1), state(1))
+        reader = threading.Thread(target=load_again)
+        reader.start()
+        try:
+            for seed in seeds[1:]:
+                c.save(1, state(seed), replace=True).wait(timeout=120)
+        finally:
+            done.set()
+            reader.join(timeout=120)
+        with pytest.raises(StepAlreadyCommittedError, match="replace=True"):
+            c.save(1, state(9)).wait(timeout=120)
+    assert errors == [] and loaded and set(loaded) <= set(seeds)
+    assert same(asyncckpt.load(s3_root, step=1), state(seeds[-1]))
+    assert len({k.split("/")[1] for k in object_keys(s3_root) if "/attempt-" in k}) == 1
+    assert storage_for(s3_root).in_progress() == []
+
+
+def test_a_load_that_a_replace_overtakes_reads_the_new_version_whole(s3_root, s3_writer,
+                                                                      monkeypatch):
+    """A load read the old manifest; the replacing save commits and deletes the old files
+    before the load opens its data file: the load opens the step again and returns the
+    new version, never the old manifest over the new files (a checksum error)."""
+    from asyncckpt.storage.s3client import S3ReadFile
+    real = S3ReadFile.__init__
+    with asyncckpt.connect(s3_writer.address, rank=0, world_size=1) as c:
+        c.save(1, state(1)).wait(timeout=120)
+        overtaken: list[str] = []
+
+        def opening(self, s3, location, *args, **kwargs) -> None:
+            if not overtaken and ".safetensors" in location.name:
+                overtaken.append(str(location))
+                c.save(1, state(2), replace=True).wait(timeout=120)
+            real(self, s3, location, *args, **kwargs)
+        monkeypatch.setattr(S3ReadFile, "__init__", opening)
+        got = asyncckpt.load(s3_root, step=1)
+    assert overtaken and same(got, state(2))
 
 
 def test_start_writer_fails_at_once_naming_a_missing_bucket_or_refused_credentials(
