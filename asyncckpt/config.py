@@ -237,6 +237,10 @@ class ObjectStoreKnobs(_FromEnv):
         max_attempts: attempts per request, transient errors retried with backoff.
         read_threads: threads reading (ranged GETs in flight), verifying and decoding
             frames of a checkpoint in the store (its latency, not the CPU, bounds a read).
+        read_request_bytes: bytes one ranged GET of a load covers at most: frames back
+            to back are read by one GET (a larger frame by its own), streamed straight
+            into place and each verified as soon as it is in, so memory does not grow
+            with it. 0: one GET per frame.
         connect_timeout, read_timeout: seconds for a connection, and for a response.
         sweep_age: seconds after which a writer removes step files of the earlier
             object-store layout (no attempt folder) that no manifest names; an attempt
@@ -249,6 +253,7 @@ class ObjectStoreKnobs(_FromEnv):
     parts_in_flight: int = 4
     max_attempts: int = 4
     read_threads: int = 8
+    read_request_bytes: int = 32 * MiB
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
     sweep_age: float = 3600.0
@@ -263,6 +268,8 @@ class ObjectStoreKnobs(_FromEnv):
                  self.max_attempts)
         _require(1 <= self.read_threads <= 256, "read_threads", "between 1 and 256",
                  self.read_threads)
+        _require(0 <= self.read_request_bytes <= 5 << 30, "read_request_bytes",
+                 "between 0 and 5 GiB", self.read_request_bytes)
         for name in ("connect_timeout", "read_timeout"):
             _require(getattr(self, name) > 0, name, "positive", getattr(self, name))
         _require(self.sweep_age >= 0, "sweep_age", "at least 0", self.sweep_age)

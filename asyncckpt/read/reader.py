@@ -39,7 +39,7 @@ restart's load does not gamble on it.
 from __future__ import annotations
 
 import ctypes
-import threading
+import errno
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -47,19 +47,19 @@ import xxhash
 
 from asyncckpt.codec.registry import make_codec, xxh3_of
 from asyncckpt.config import ReadLimits
-from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.layout import layout, retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import Frame, RankPart, Ref
+from asyncckpt.read.fanout import Job, Unit, load_pool, run_parallel, units
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import CheckpointDir, ReadFile, Storage
+from asyncckpt.storage.handles import RangeReader
 from asyncckpt.storage.location import is_link, storage_for
 from asyncckpt.storage.paths import Location
 
 if TYPE_CHECKING:
     import torch
-
-_Job = tuple[int, list, "str | None"]  # (frame index, output views or gap lengths, tensor)
 
 
 class RankReader:
@@ -125,25 +125,31 @@ class RankReader:
         self.close()
 
     def read_frame_into(self, index: int, out: memoryview | list[memoryview],
-                        tensor: str | None = None, scratch: dict | None = None) -> None:
+                        tensor: str | None = None, scratch: dict | None = None,
+                        stream: RangeReader | None = None) -> None:
         """Read, verify and decode frame `index` into `out`: one view, or consecutive
         views that together hold exactly its raw bytes (the tensors it spans).
 
         `scratch` holds the calling thread's codecs and buffers (default: this
-        reader's own, for one thread at a time).
+        reader's own, for one thread at a time). `stream`: a range of the file whose
+        next bytes are this frame's stored bytes (a coalesced request), else the frame
+        is read at its own offset.
 
         Raises:
-            CorruptCheckpointError: short read, checksum mismatch, or undecodable frame.
+            CorruptCheckpointError: short read, checksum mismatch, or undecodable frame
+                (or its object deleted while it was read).
+            CheckpointError: the read itself failed (the store's error, after its
+                retries), naming the frame; nothing unverified was returned.
         """
         frame = self.part.frames[index]
         outs = out if isinstance(out, list) else [out]
         if frame.codec == "raw" and len(outs) <= _MAX_IOV:
-            self._preadv(frame, index, outs, tensor)  # straight into place, no copy
+            self._preadv(frame, index, outs, tensor, stream)  # straight into place, no copy
             self._check(frame, index, "raw", xxh3_of(outs), tensor)
             return
         scratch = self._scratch if scratch is None else scratch
         stored = scratch_buffer(scratch, "stored", frame.encoded_length)
-        self._preadv(frame, index, [stored], tensor)
+        self._preadv(frame, index, [stored], tensor, stream)
         self._check(frame, index, "stored", xxhash.xxh3_64_intdigest(stored), tensor)
         codec = scratch.get(("codec", frame.codec))
         if codec is None:
@@ -199,22 +205,42 @@ class RankReader:
         once, scattered straight into the outputs it spans; bytes of a frame that no
         range wants land in a reused scratch buffer. With `threads` > 1 frames are read,
         verified and decoded on that many threads (preadv, xxh3, zstd and numpy release
-        the GIL), each into its own part of the outputs.
+        the GIL), each into its own part of the outputs. Frames back to back in a file
+        that asks for it (an object store: `ReadFile.request_bytes`) are read through
+        one request per unit (read/fanout.py), each verified as soon as it is in.
         """
-        jobs = self._plan(ranges)
-        if self.threads <= 1 or len(jobs) <= 1:
-            for job in jobs:
-                self._run(job, self._scratch)
+        work = units(self._plan(ranges), self.part.frames, self._where, _MAX_IOV)
+        if self.threads <= 1 or len(work) <= 1:
+            for unit in work:
+                self._run_unit(unit, self._scratch)
             return
-        _run_parallel(self, jobs)
+        if self._pool is None:
+            self._pool = load_pool(self.threads)
+        run_parallel(self._pool, work, self._run_unit)
 
-    def _plan(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> list[_Job]:
+    def _run_unit(self, unit: Unit, scratch: dict,
+                  stopped: Callable[[], bool] = lambda: False) -> None:
+        """Read, verify and decode the frames of `unit`: one frame at its own offset, or
+        several through one range of the file (stopping early once `stopped()`)."""
+        if len(unit) == 1:
+            self._run(unit[0], scratch)
+            return
+        frames = self.part.frames
+        file, offset = self._where(frames[unit[0][0]])
+        length = sum(frames[index].encoded_length for index, _, _ in unit)
+        with file.open_range(offset, length) as stream:
+            for job in unit:
+                if stopped():
+                    return
+                self._run(job, scratch, stream)
+
+    def _plan(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> list[Job]:
         """Per frame touched: (index, pieces, tensor name); a piece is an output view or
         the length of a gap no range wants."""
         ranges = [r for r in ranges if r[1] > r[0]]
         frames, r = self.part.frames, 0
         index = _frame_at(frames, ranges[0][0]) if ranges else 0
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         while r < len(ranges):
             frame = frames[index]
             f_begin, f_end = frame.raw_offset, frame.raw_offset + frame.raw_length
@@ -237,7 +263,7 @@ class RankReader:
                 index = _frame_at(frames, max(ranges[r][0], f_end))
         return jobs
 
-    def _run(self, job: _Job, scratch: dict) -> None:
+    def _run(self, job: Job, scratch: dict, stream: RangeReader | None = None) -> None:
         index, pieces, name = job
         gap = scratch_buffer(scratch, "gap", self.part.frames[index].raw_length)
         outs, pos = [], 0
@@ -247,7 +273,7 @@ class RankReader:
                 pos += piece
             else:
                 outs.append(piece)
-        self.read_frame_into(index, outs, name, scratch)
+        self.read_frame_into(index, outs, name, scratch, stream)
 
     def read_range(self, begin: int, end: int, out: memoryview, tensor: str | None = None) -> None:
         """Fill `out` with raw stream bytes `begin`..`end`, verifying every frame touched."""
@@ -314,19 +340,40 @@ class RankReader:
         assert self._file is not None
         return self._file, frame.stored_offset
 
-    def _preadv(self, frame: Frame, index: int, outs: list[memoryview], tensor: str | None) -> None:
+    def _preadv(self, frame: Frame, index: int, outs: list[memoryview], tensor: str | None,
+                stream: RangeReader | None = None) -> None:
         file, offset = self._where(frame)
         outs = [o for o in outs if len(o)]
-        while outs:
-            n = file.read_into(offset, outs)
-            if n == 0:
-                raise self._corrupt(f"frame {index}: file ends early", tensor, frame)
-            offset += n
-            while outs and n >= len(outs[0]):
-                n -= len(outs[0])
-                outs.pop(0)
-            if n:
-                outs[0] = outs[0][n:]
+        try:
+            while outs:
+                n = stream.read_into(outs) if stream is not None else file.read_into(offset, outs)
+                if n == 0:
+                    raise self._corrupt(f"frame {index}: file ends early", tensor, frame)
+                offset += n
+                while outs and n >= len(outs[0]):
+                    n -= len(outs[0])
+                    outs.pop(0)
+                if n:
+                    outs[0] = outs[0][n:]
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise self._read_failed(e, index, tensor, frame) from None
+
+    def _read_failed(self, e: OSError, index: int, tensor: str | None,
+                     frame: Frame) -> CheckpointError:
+        """The error for a read of frame `index` that failed: its object gone (a step
+        replaced or deleted under the load: corrupt, which a load retries once the step
+        was swapped), or the store's own failure."""
+        span = (f"frame {index} (raw bytes {frame.raw_offset}.."
+                f"{frame.raw_offset + frame.raw_length})")
+        if e.errno == errno.ENOENT:
+            return self._corrupt(f"{span}: deleted while it was read ({e.strerror or e})",
+                                 tensor, frame)
+        where = f" (tensor {tensor!r})" if tensor else ""
+        return CheckpointError(f"{span}: reading it failed: {e.strerror or e}{where}",
+                               step=self.step, rank=self.rank, file=self.part.file,
+                               stored_at=self.stored_at(frame))
 
     def _check(self, frame: Frame, index: int, which: str, actual: int, tensor: str | None) -> None:
         expected = frame.xxh3_raw if which == "raw" else frame.xxh3_stored
@@ -438,48 +485,6 @@ def scratch_buffer(scratch: dict, kind: str, size: int) -> memoryview:
     if buf is None or len(buf) < size:
         buf = scratch[kind] = bytearray(size)
     return memoryview(buf)[:size]
-
-
-def load_pool(threads: int) -> FramePool:
-    return FramePool(threads, 2 * threads, name="asyncckpt-load")
-
-
-def _run_parallel(reader: RankReader, jobs: list[_Job]) -> None:
-    """Run `reader`'s frame jobs on its pool of `reader.threads` (started once, kept until
-    the reader closes); raise the first error once every job has finished or been
-    skipped (no thread writes into the outputs after this returns)."""
-    if reader._pool is None:
-        reader._pool = load_pool(reader.threads)
-    pool = reader._pool
-    errors: list[BaseException] = []
-    left = [len(jobs)]
-    finished = threading.Condition()
-
-    def job_for(job: _Job) -> Callable[[dict], None]:
-        def run(context: dict) -> None:
-            try:
-                if not errors:
-                    reader._run(job, context)
-            except BaseException as e:  # noqa: BLE001 -- handed to the caller
-                errors.append(e)
-            finally:
-                pool.release()
-                with finished:
-                    left[0] -= 1
-                    finished.notify_all()
-        return run
-
-    submitted = 0
-    try:
-        for job in jobs:
-            pool.submit(job_for(job))
-            submitted += 1
-    finally:
-        with finished:
-            while left[0] > len(jobs) - submitted:
-                finished.wait()
-    if errors:
-        raise errors[0]
 
 
 def _frame_at(frames: list[Frame], offset: int) -> int:

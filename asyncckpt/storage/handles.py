@@ -1,5 +1,5 @@
-"""What a `Storage` hands out: a data file being written, a file read by ranges, and a
-checkpoint directory held for one load.
+"""What a `Storage` hands out: a data file being written, a file read by ranges (and a
+range of it read front to back), and a checkpoint directory held for one load.
 
 Each backend subclasses these (storage/posix.py, posix_read.py, s3client.py); callers
 hold only these types. `CheckpointDir` here reads by path through its storage, which is
@@ -26,10 +26,15 @@ class ReadFile(ABC):
     Attributes:
         size: its size in bytes.
         regular: it is a regular file (what a reader accepts; an object always is).
+        request_bytes: bytes one request may cover: a reader reads frames that lie back
+            to back through one `open_range` of up to this many bytes (a larger frame
+            alone). 0: one read per frame, what a local file wants (the kernel's
+            read-ahead joins them); an object store pays a round trip per request.
     """
 
     size: int
     regular: bool
+    request_bytes: int = 0
 
     @abstractmethod
     def read_into(self, offset: int, outs: list[memoryview]) -> int:
@@ -41,6 +46,16 @@ class ReadFile(ABC):
         Raises:
             OSError: the read failed.
         """
+
+    def open_range(self, offset: int, length: int) -> RangeReader:
+        """Bytes `offset`..`offset + length` (cut at the file's end), to be read front to
+        back: one request where the backend makes requests. Nothing is read yet.
+
+        Returns:
+            A `RangeReader`; close it (or use it as a context manager) when done, read
+            to the end or not.
+        """
+        return RangeReader(self, offset, length)
 
     @abstractmethod
     def will_need(self, offset: int, length: int) -> None:
@@ -59,6 +74,56 @@ class ReadFile(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RangeReader:
+    """A byte range of a `ReadFile`, read front to back (`ReadFile.open_range`).
+
+    This one reads each piece where the last one ended (`read_into`); an object store's
+    (storage/s3client.py) makes one request for the whole range and streams its answer
+    into the pieces as they are asked for.
+    """
+
+    def __init__(self, file: ReadFile, offset: int, length: int) -> None:
+        self.file, self.offset = file, offset
+        self.end = min(offset + length, file.size)
+
+    def read_into(self, outs: list[memoryview]) -> int:
+        """The range's next bytes into `outs`, in order.
+
+        Returns:
+            How many bytes were read: fewer than asked when the range (or the file)
+            ends first, 0 at its end.
+        Raises:
+            OSError: the read failed.
+        """
+        outs = _cut(outs, self.end - self.offset)
+        if not outs:
+            return 0
+        n = self.file.read_into(self.offset, outs)
+        self.offset += n
+        return n
+
+    def close(self) -> None:
+        """Release what the range holds (idempotent)."""
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _cut(outs: list[memoryview], limit: int) -> list[memoryview]:
+    """The first `limit` bytes of `outs` (views of them), empty views dropped."""
+    cut: list[memoryview] = []
+    for out in outs:
+        if limit <= 0:
+            break
+        if len(out):
+            cut.append(out[:limit])
+            limit -= len(cut[-1])
+    return cut
 
 
 class DataFile(ABC):

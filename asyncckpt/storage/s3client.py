@@ -24,6 +24,7 @@ from asyncckpt.config import ObjectStoreKnobs
 from asyncckpt.errors import CheckpointError
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import DataFile, ReadFile
+from asyncckpt.storage.handles import RangeReader
 from asyncckpt.storage.paths import ObjectPath
 
 log = logging.getLogger("asyncckpt.storage")
@@ -126,36 +127,128 @@ def is_precondition(e: BaseException) -> bool:
 
 
 class S3ReadFile(ReadFile):
-    """An object read by ranged GETs."""
+    """An object read by ranged GETs. A load reads frames back to back through one GET
+    of up to `request_bytes` (`open_range`), its answer streamed into the caller's
+    buffers a piece at a time (`READ_PIECE`), so what a GET holds beyond them is one
+    piece, however large the range."""
 
-    def __init__(self, s3: Any, location: ObjectPath, size: int) -> None:
+    def __init__(self, s3: Any, location: ObjectPath, size: int,
+                 knobs: ObjectStoreKnobs | None = None) -> None:
+        """Args:
+            knobs: its `read_request_bytes` and `max_attempts` (default: from the
+                environment).
+        """
+        knobs = knobs or ObjectStoreKnobs.from_env()
         self._s3, self.location, self.size, self.regular = s3, location, size, True
+        self.request_bytes, self.attempts = knobs.read_request_bytes, knobs.max_attempts
 
     def read_into(self, offset: int, outs: list[memoryview]) -> int:
-        want = sum(len(o) for o in outs)
-        end = min(offset + want, self.size)
-        if want == 0 or offset >= end:
-            return 0
+        with self.open_range(offset, sum(len(o) for o in outs)) as stream:
+            return stream.read_into(outs)
+
+    def open_range(self, offset: int, length: int) -> S3RangeReader:
+        return S3RangeReader(self, offset, length)
+
+    def get(self, offset: int, end: int) -> Any:
+        """The body of a GET of bytes `offset`..`end` (botocore's stream, not read yet).
+
+        Raises:
+            ObjectStoreError: the request failed (after botocore's retries), or the store
+                answered another number of bytes than asked for (it ignored the range).
+        """
         try:
-            body = self._s3.get_object(Bucket=self.location.bucket, Key=self.location.key,
-                                       Range=f"bytes={offset}-{end - 1}")["Body"]
-            data = memoryview(body.read())
+            answer = self._s3.get_object(Bucket=self.location.bucket, Key=self.location.key,
+                                         Range=f"bytes={offset}-{end - 1}")
         except Exception as e:
             raise failure(e, "reading", str(self.location)) from None
-        done = 0
-        for out in outs:
-            n = min(len(out), len(data) - done)
-            if n <= 0:
-                break
-            out[:n] = data[done:done + n]
-            done += n
-        return done
+        if answer.get("ContentLength") != end - offset:
+            answer["Body"].close()
+            raise ObjectStoreError(errno.EIO, f"reading {self.location}: asked for bytes "
+                                   f"{offset}..{end}, {_endpoint()} answered "
+                                   f"{answer.get('ContentLength')} bytes "
+                                   f"({answer.get('ContentRange') or 'not a range'})")
+        return answer["Body"]
 
     def will_need(self, offset: int, length: int) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+READ_PIECE = 1 << 20  # bytes taken from a GET's answer at once (its transient copy)
+
+
+class S3RangeReader(RangeReader):
+    """Bytes `offset`..`end` of an object through one ranged GET, sent at the first read
+    and streamed into the buffers each read is given. An answer that breaks off (a
+    connection reset, a timeout, fewer bytes than announced) is asked for again from the
+    first byte not yet read, `attempts` GETs in all; a request the store refuses is not
+    (botocore already retried what it could)."""
+
+    file: S3ReadFile
+
+    def __init__(self, file: S3ReadFile, offset: int, length: int) -> None:
+        super().__init__(file, offset, length)
+        self._body: Any = None
+        self._tries = file.attempts
+
+    def read_into(self, outs: list[memoryview]) -> int:
+        done = 0
+        for out in outs:
+            out = out[:self.end - self.offset]
+            pos = 0
+            while pos < len(out):
+                n = self._read_some(out[pos:pos + READ_PIECE])
+                pos += n
+                self.offset += n
+            done += pos
+            if self.offset >= self.end:
+                break
+        return done
+
+    def _read_some(self, view: memoryview) -> int:
+        """Bytes into `view` from the answer (at least one).
+
+        Raises:
+            ObjectStoreError: the GET failed, or its answers broke off `attempts` times.
+        """
+        while True:
+            if self._body is None:
+                self._body = self.file.get(self.offset, self.end)
+            try:
+                n = self._body.readinto(view)
+                if n:
+                    return n
+                error: BaseException = EOFError("the answer ended early")
+            except Exception as e:  # botocore's and urllib3's errors are not all OSError
+                error = e
+            self._drop()
+            self._tries -= 1
+            if self._tries <= 0:
+                raise ObjectStoreError(errno.EIO, f"reading {self.file.location} bytes "
+                                       f"{self.offset}..{self.end} from {_endpoint()}: the "
+                                       f"answer broke off, {self.file.attempts} times "
+                                       f"({type(error).__name__}: {error})") from None
+            log.info("reading %s: the answer broke off at byte %d (%s); asking again",
+                     self.file.location, self.offset, error)
+
+    def _drop(self) -> None:
+        """Close the answer, and its connection with it (one read halfway must not go
+        back to the pool)."""
+        if self._body is not None:
+            body, self._body = self._body, None
+            try:
+                body.close()
+            except Exception as e:
+                log.debug("closing an answer from %s: %s", self.file.location, e)
+
+    def close(self) -> None:
+        """Drop an answer not read to its end (a range read to the end has given its
+        connection back to the pool already)."""
+        if self.offset < self.end:
+            self._drop()
+        self._body = None
 
 
 class S3DataFile(DataFile):
