@@ -241,8 +241,14 @@ class S3Storage(S3View, Storage):
                 metadata[s3keys.REPLACED_META] = replaced
         faults.io("rename", tmp)
         self.fence(step)
-        if not self._put(final.key, manifest, metadata, none_match=old is None,
-                         match=None if old is None else old["ETag"]):
+        try:
+            put = self._put(final.key, manifest, metadata, none_match=old is None,
+                            match=None if old is None else old["ETag"])
+        except ObjectStoreError:
+            if not self._names_folder(final.key, tmp.name):
+                raise
+            put = "landed"  # an answer lost after the store applied the put
+        if not put and not self._names_folder(final.key, tmp.name):
             raise StepAlreadyCommittedError(
                 f"{final.parent} already has a manifest; a committed step is never replaced "
                 "unless asked (replace=True)" if old is None else
@@ -254,6 +260,16 @@ class S3Storage(S3View, Storage):
             faults.point("replaced")
             self._drop(step, gone)
         return final.parent
+
+    def _names_folder(self, key: str, folder: str) -> bool:
+        """The manifest (or marker) at `key` names attempt folder `folder` now: a put
+        whose answer was lost, or that a retry saw refused (its own first try had
+        landed), committed it. False when that cannot be read."""
+        try:
+            head = self._head(key)
+        except OSError:
+            return False
+        return head is not None and head.get("Metadata", {}).get(s3keys.DATA_META) == folder
 
     def _replaced_folders(self, step: int, head: dict[str, Any], keep: set[str]
                           ) -> tuple[list[str], str | None]:
@@ -308,13 +324,18 @@ class S3Storage(S3View, Storage):
     def discard(self, tmp: Location) -> None:
         """Delete attempt folder `tmp` (and the folders its node map names), or, for a
         step of an earlier layout (`tmp` the step's prefix), the step's own files: never
-        another attempt's. A writer that lost its lease deletes nothing."""
+        another attempt's, nor one that the step's manifest (or marker) names (a commit
+        whose answer was lost). A writer that lost its lease deletes nothing."""
         tmp = as_object(tmp)
         try:
             self.fence()
             prefix = f"{tmp.key}/"
             if s3keys.attempt_writer(tmp.name) is not None:
                 step = parse_step_dir(tmp.parent.name)
+                if step is not None and any(self._names_folder(k, tmp.name) for k in (
+                        self._manifest_key(step), self._key(retired_dir_name(step)))):
+                    log.warning("%s is committed: not deleted", tmp)
+                    return
                 folders = [prefix] + [f"{tmp.parent.key}/{other}/{node}/" for node, other in (
                     self._nodes(step, prefix).items() if step is not None else ())]
                 keys = [item["Key"] for folder in folders for item in self._list(folder)]

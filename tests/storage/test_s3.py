@@ -490,3 +490,32 @@ def test_a_root_file_is_one_put_and_only_while_the_lease_is_held(s3_root):
     finally:
         held.release()
         taker.release()
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("lost", ["error", "retry refused"])
+def test_a_commit_whose_answer_is_lost_is_kept_not_discarded(storage, monkeypatch, replace,
+                                                             lost):
+    """The store applied the manifest put but its answer was lost: botocore's retry of
+    the conditional put is refused (412), or the request ends in an error. The commit
+    stands: publish returns it, and the failed save's cleanup never deletes its files."""
+    if replace:
+        write_step(storage, 5, [b"old"])
+    tmp = storage.make_tmp(5)
+    f = storage.create_data_file(tmp, rank_file(0), 0)
+    f.append([memoryview(b"new")])
+    f.sync()
+    real = storage._put
+
+    def applied_then_lost(key, body, metadata=None, **condition):
+        answer = real(key, body, metadata, **condition)
+        if key.endswith("manifest.json") and answer:
+            if lost == "error":
+                raise ObjectStoreError(5, f"writing {key}: connection reset")
+            return None
+        return answer
+    monkeypatch.setattr(storage, "_put", applied_then_lost)
+    assert storage.publish(tmp, 5, manifest(5), replace=replace) == tmp.parent
+    storage.discard(tmp)  # what a caller told of a failure would do: deletes nothing
+    assert read_file(storage.open_step_file(5, rank_file(0))) == b"new"
+    assert storage.committed_steps() == [5] and storage.in_progress() == []
