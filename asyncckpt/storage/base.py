@@ -69,7 +69,9 @@ class Storage(ABC):
             for local directories.
         read_threads: frames a reader reads at once, if not the reader's own limit.
         replaces: a committed step can be replaced by a new save of its number in one
-            atomic step (else a save with `replace` of a committed step is refused).
+            atomic step (else a save with `replace` of a committed step is refused):
+            a directory by a rename exchange, an object store by one conditional put
+            of the manifest naming the new data's folder.
     """
 
     root: Location
@@ -219,7 +221,9 @@ class Storage(ABC):
         """Write the manifest into `tmp` and make it committed step `step`, atomically.
 
         Every data file in `tmp` must be synced. With `replace`, a committed `step` is
-        swapped out in the same atomic step and then deleted.
+        swapped out in the same atomic step and then deleted: a crash at any point leaves
+        the old version or the new one whole, and a load holding the old one
+        (`open_checkpoint_dir`) reads it whole or is told it was replaced, never a mix.
 
         Returns:
             The committed step's place.
