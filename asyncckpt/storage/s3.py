@@ -259,6 +259,7 @@ class S3Storage(S3View, Storage):
         if gone:
             faults.point("replaced")
             self._drop(step, gone)
+            self._node_maps.pop((step, metadata.get(s3keys.REPLACED_META, "")), None)
         return final.parent
 
     def _names_folder(self, key: str, folder: str) -> bool:

@@ -394,10 +394,11 @@ def test_a_replace_racing_another_commit_replaces_nothing(s3_root, monkeypatch):
         if op == "rename" and not raced:
             raced.append(op)
             b_tmp = b.make_tmp(3)
-            g = b.create_data_file(b_tmp, rank_file(0), 0)
-            g.append([memoryview(b"b's")])
-            g.sync()
-            b.publish(b_tmp, 3, manifest(3), replace=True)
+            for r in range(2):  # a manifest of other bytes: another ETag on any store
+                g = b.create_data_file(b_tmp, rank_file(r), 0)
+                g.append([memoryview(b"b's")])
+                g.sync()
+            b.publish(b_tmp, 3, manifest(3, 2), replace=True)
         real_io(op, where)
     monkeypatch.setattr(s3.faults, "io", other_commit)
     with pytest.raises(StepAlreadyCommittedError, match="another commit changed its manifest"):
