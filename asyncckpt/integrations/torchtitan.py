@@ -7,33 +7,68 @@
     checkpointer = CheckpointManager(config, dataloader=..., model_parts=..., ...)
 
 torchtitan hard-codes DCP's storage (`dcp_save` passes no storage writer, `dcp_load` no
-reader) and its own on-disk conventions, so the subclass replaces exactly those hooks:
-saves and loads go through `asyncckpt.dcp`; step folders are asyncckpt's
-(`step-00000012`, found by their manifest, not DCP's `.metadata`); and retention is
-asyncckpt's `keep_last = keep_latest_k`, because torchtitan's purge thread deletes any
-folder matching `step-N` with `rmtree` at the moment it dispatches a save: that would
-delete a retired step whose bytes a kept step still references, and an in-flight one.
-torchtitan's `async_with_pinned_mem` builds a pinned-memory stager that needs an
-accelerator; here the ring is the staging buffer (a PROCESS-mode save that returns once
-the state is in the ring), so that stager is never made. Saving to Hugging Face format
-(`to_hf`) and loading from it stay torchtitan's own.
+reader) and its own on-disk conventions, so the subclass replaces exactly those hooks.
+It makes torchtitan's calls (`dcp.save`, `dcp.async_save`, `dcp.load`, each with
+torchtitan's `checkpoint_id`), with asyncckpt's storage added:
+
+- Saves go to `asyncckpt.dcp.StorageWriter`: `ROOT/step-N` is committed as asyncckpt's
+  step N (directory `step-0000000N`, found by its manifest).
+- A folder may also hold what torchtitan wrote before asyncckpt: DCP-format `step-N`
+  folders (`.metadata`), or a seed checkpoint named by `initial_load_path`. The newest
+  step is the newest of both kinds, and a DCP-format folder is read as DCP wrote it, but
+  without running its pickles: its `.metadata` through asyncckpt's restricted unpickler
+  (integrations/dcp_metadata.py, every range checked against its file), its objects
+  through torch's `weights_only` loader (UntrustedPickleError names one that needs
+  more), its tensors by DCP's own reader (`weights_only`). A DCP folder on a remote
+  fsspec store (`gs://`, `memory://`: no asyncckpt backend) is read by DCP itself, which
+  unpickles its `.metadata`: only for folders whose writers you trust. A folder that is
+  neither kind is handed to DCP as torchtitan does. `asyncckpt import-dcp` turns a DCP
+  folder into a verified asyncckpt step.
+- Retention: asyncckpt's `keep_last = keep_latest_k` retires asyncckpt's steps, because
+  torchtitan's purge thread deletes any folder matching `step-N` with `rmtree` when it
+  dispatches a save: that would delete a retired step whose bytes a kept step still
+  references, and an in-flight one. torchtitan's purge still retires DCP-format `step-N`
+  folders (never one holding an asyncckpt manifest) that fall outside the newest
+  `keep_latest_k` steps of both kinds.
+- torchtitan's `async_with_pinned_mem` builds a pinned-memory stager that needs an
+  accelerator; here the ring is the staging buffer (the StorageWriter is DCP's
+  `async_stager`: a PROCESS-mode save that returns once the state is in the ring), so
+  that stager is never made.
+
+Saving to Hugging Face format (`to_hf`) and loading from it stay torchtitan's own.
 """
 
 from __future__ import annotations
 
-import os
+import io
+import re
 import types
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components import checkpoint as titan
+from torchtitan.tools import filesystem
 
-from asyncckpt.format.layout import step_dir_name
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CheckpointError, UntrustedPickleError
+from asyncckpt.format.layout import MANIFEST_NAME, step_dir_name
+from asyncckpt.integrations.dcp_metadata import METADATA_NAME, read_metadata
 from asyncckpt.integrations.dcp_reader import StorageReader
 from asyncckpt.integrations.dcp_writer import StorageWriter, parse_checkpoint_id
-from asyncckpt.storage.registry import parse as root_path
+from asyncckpt.storage.base import Storage
+from asyncckpt.storage.location import root_path
+from asyncckpt.storage.paths import ObjectPath
 from asyncckpt.storage.registry import shared_storage
+from asyncckpt.storage.timeline import newest_live
+
+_TITAN_STEP = re.compile(r"step-(0|[1-9][0-9]*)")  # torchtitan's own folder names
 
 
 class CheckpointManager(titan.CheckpointManager):
@@ -52,27 +87,137 @@ class CheckpointManager(titan.CheckpointManager):
         writer = StorageWriter(*parse_checkpoint_id(checkpoint_id),
                                keep_last=self.keep_latest_k or None, staging_future=pinned)
         if async_mode == titan.AsyncMode.DISABLED:
-            return dcp.save(state_dict, storage_writer=writer)
-        kind = AsyncCheckpointerType.PROCESS if pinned else AsyncCheckpointerType.THREAD
-        return dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
-                              async_checkpointer_type=kind)
+            return dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+        if pinned:  # the writer stages into its ring: it is the stager DCP would use anyway
+            return dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id,
+                                  process_group=self.pg, async_stager=writer,
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        return dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id,
+                              process_group=self.pg)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                  from_quantized: bool) -> None:
+        """Load `checkpoint_id`: an asyncckpt step, a DCP-format folder (see the module
+        docstring), or anything else DCP itself reads.
+
+        Raises:
+            UntrustedPickleError: a local DCP folder's `.metadata` or object needs a
+                global the safe loaders refuse (nothing of it ran).
+            CorruptCheckpointError: a local DCP folder's `.metadata` is damaged or names
+                ranges its files do not hold.
+        """
         if from_hf:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        dcp.load(state_dict, storage_reader=StorageReader(*parse_checkpoint_id(checkpoint_id)))
-        self.states[titan.MODEL].load_state_dict(state_dict)
+        kind = checkpoint_kind(checkpoint_id)
+        if kind == "asyncckpt":
+            dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=StorageReader())
+        elif kind == "dcp" and not isinstance(root_path(checkpoint_id), ObjectPath):
+            source = Path(checkpoint_id)
+            dcp.load(state_dict, checkpoint_id=checkpoint_id,
+                     storage_reader=_DcpFolderReader(source), planner=_PlainObjects(source))
+        else:
+            dcp.load(state_dict, checkpoint_id=checkpoint_id)
+        if titan.MODEL in self.states:
+            self.states[titan.MODEL].load_state_dict(state_dict)
         return None
 
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
-        return os.path.join(folder or self.folder, step_dir_name(step))
+        """asyncckpt's step directory where it holds `step`, else torchtitan's `step-N`
+        (a DCP-format folder, or the id of a step about to be saved)."""
+        folder = folder or self.folder
+        ours = filesystem.join(folder, step_dir_name(step))
+        storage = _storage(folder)
+        if storage is not None and storage.is_file(root_path(ours) / MANIFEST_NAME):
+            return ours
+        return filesystem.join(folder, f"step-{step}")
 
     def _find_load_step(self, folder: str = "") -> int:
+        """The newest step in `folder`: asyncckpt's newest live step (where a backend
+        serves the folder) or torchtitan's newest DCP-format / HF folder (any fsspec
+        store), whichever is higher; -1 when there is none."""
         folder = folder or self.folder
-        storage = shared_storage(root_path(folder))
-        steps = storage.committed_steps() if storage.is_dir(storage.root) else []
-        return steps[-1] if steps else -1
+        storage = _storage(folder)
+        newest = newest_live(storage) if storage is not None and storage.is_dir(storage.root) \
+            else None
+        return max(-1 if newest is None else newest, super()._find_load_step(folder))
 
     def _purge_stale_checkpoints(self) -> None:
-        """asyncckpt's retention (keep_last = keep_latest_k) deletes steps instead."""
+        """Retire DCP-format `step-N` folders outside the newest `keep_latest_k` steps
+        (asyncckpt's retention, keep_last, retires asyncckpt's own steps)."""
+        if not self._should_purge():
+            return
+        storage = _storage(self.folder)
+        ours = set(storage.committed_steps()) if storage is not None else set()
+        foreign: dict[int, str] = {}
+        for name in filesystem.listdir(self.folder):  # basenames, on any fsspec store
+            m = _TITAN_STEP.fullmatch(name)
+            path = filesystem.join(self.folder, name)
+            if m and not filesystem.isfile(filesystem.join(path, MANIFEST_NAME)):
+                foreign[int(m.group(1))] = path
+        kept = sorted(ours | set(foreign))[-self.keep_latest_k:]
+        for step, path in sorted(foreign.items()):
+            if step not in kept:
+                assert self.purge_thread is not None  # keep_latest_k > 0 started it
+                self.purge_queue.put(path)
+
+
+def checkpoint_kind(checkpoint_id: str) -> str | None:
+    """"asyncckpt" for an asyncckpt step (its directory, or `ROOT/step-N` of a committed
+    step), "dcp" for a DCP-format folder (`.metadata`), else None."""
+    if filesystem.isfile(filesystem.join(checkpoint_id, MANIFEST_NAME)):
+        return "asyncckpt"
+    if filesystem.isfile(filesystem.join(checkpoint_id, METADATA_NAME)):
+        return "dcp"
+    try:
+        root, step = parse_checkpoint_id(checkpoint_id)
+    except (ValueError, CheckpointError):
+        return None
+    storage = _storage(str(root))
+    if storage is not None and storage.is_file(root / step_dir_name(step) / MANIFEST_NAME):
+        return "asyncckpt"
+    return None
+
+
+def _storage(folder: str) -> Storage | None:
+    """asyncckpt's storage of `folder`, or None where no backend serves its scheme."""
+    try:
+        return shared_storage(root_path(folder))
+    except CheckpointError:
+        return None
+
+
+class _DcpFolderReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader whose `.metadata` is read by the restricted unpickler."""
+
+    def __init__(self, source: Path) -> None:
+        super().__init__(source)
+        self.source = source
+
+    def read_metadata(self) -> Metadata:  # no **kwargs: see dcp_reader.StorageReader's
+        metadata = read_metadata(self.source, ReadLimits.from_env())
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _PlainObjects(DefaultLoadPlanner):
+    """DCP's load planner, building objects with torch's `weights_only` loader."""
+
+    def __init__(self, source: Path) -> None:
+        super().__init__()
+        self.source = source
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever the safe loader refuses
+            raise UntrustedPickleError(
+                f"object {fqn!r} needs more than torch's weights_only loader admits "
+                f"({' '.join(str(e).split())[:200]}); nothing of it ran. `asyncckpt "
+                "import-dcp` stores it as its bytes", file=str(self.source)) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

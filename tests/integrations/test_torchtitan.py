@@ -20,8 +20,10 @@ pytestmark = pytest.mark.skipif(not Path(TITAN_PYTHON).exists(),
                                        "titan-setup`")
 
 
-@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem", "dcp-folder"])
 def test_torchtitan_resumes_bit_exact_with_keep_latest_k(tmp_path, mode):
+    """dcp-folder: resumes from torchtitan's own DCP folders (read without unpickling
+    them), retires them by keep_latest_k, refuses a .metadata that would run code."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}
     env.pop("ASYNCCKPT_ADDRESS", None)
     done = subprocess.run([TITAN_PYTHON, WORKER, str(tmp_path / "ckpt"), mode], env=env,

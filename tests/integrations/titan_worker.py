@@ -3,6 +3,12 @@ model, optimizer, lr scheduler and dataloader saved at steps 1-4 with keep_lates
 then a fresh job resumes and must hold the same state bit for bit.
 
     python titan_worker.py ROOT ASYNC_MODE     (disabled | async | async_with_pinned_mem)
+    python titan_worker.py ROOT dcp-folder
+
+`dcp-folder`: torchtitan's own manager first saves steps 1-2 as DCP folders
+(`step-N/.metadata`); asyncckpt's resumes from step 2 bit for bit, saves 3 and 4, and
+retires the DCP folders (keep_latest_k=2) but none of its own steps; a DCP folder whose
+`.metadata` would run code is refused (UntrustedPickleError) without running it.
 
 Run with the titan venv's python (`make titan-setup`). Prints "OK" on success.
 """
@@ -18,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import IterableDataset
+from torchtitan.components import checkpoint as titan
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
@@ -47,11 +54,24 @@ def build(seed: int):
     return model, optim, lr, loader
 
 
-def manager(root: str, mode: str, model, optim, lr, loader) -> CheckpointManager:
-    config = CheckpointManager.Config(enable=True, folder=root, interval=1, keep_latest_k=2,
-                                      async_mode=mode, last_save_model_only=False)
-    return CheckpointManager(config, dataloader=loader, model_parts=[model], optimizers=optim,
-                             lr_schedulers=lr, states={}, sd_adapter=None, base_folder="")
+def manager(root: str, mode: str, model, optim, lr, loader, cls=CheckpointManager,
+            keep: int = 2) -> CheckpointManager:
+    config = cls.Config(enable=True, folder=root, interval=1, keep_latest_k=keep,
+                        async_mode=mode, last_save_model_only=False)
+    return cls(config, dataloader=loader, model_parts=[model], optimizers=optim,
+               lr_schedulers=lr, states={}, sd_adapter=None, base_folder="")
+
+
+def train(model, optim, lr, batches, ckpt, steps) -> None:
+    for step in steps:
+        x, y = next(batches)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optim.step()
+        lr.step()
+        optim.zero_grad()
+        ckpt.save(step)
+        ckpt.maybe_wait_for_staging()
+    ckpt.maybe_wait_for_saving()
 
 
 def snapshot(model, optim, lr) -> dict:
@@ -69,37 +89,101 @@ def same(a, b) -> bool:
     return a == b
 
 
+def spy_loader(loader) -> dict:
+    """The state the manager hands `loader.load_state_dict` (filled in when it does)."""
+    given: dict = {}
+    original = loader.load_state_dict
+    loader.load_state_dict = lambda sd: (given.update(sd), original(sd))[1]
+    return given
+
+
+def unpickled(state: dict) -> dict:
+    return {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in state.items()}
+
+
+class _Runs:
+    """A pickle whose load would call os.system (a hostile `.metadata`)."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.flag}",))
+
+
+def dcp_folder(root: str) -> None:
+    """torchtitan's own DCP folders, resumed and retired by asyncckpt's manager."""
+    model, optim, lr, loader = build(seed=1)
+    own = manager(root, "disabled", model, optim, lr, loader, cls=titan.CheckpointManager,
+                  keep=0)
+    batches = iter(loader)
+    train(model, optim, lr, batches, own, range(1, 3))
+    own.close()
+    assert sorted(os.listdir(root)) == ["step-1", "step-2"], os.listdir(root)
+    assert os.path.isfile(os.path.join(root, "step-2", ".metadata"))
+    want, want_loader = snapshot(model, optim, lr), loader.state_dict()
+
+    writer = asyncckpt.start_writer(root, log_file=os.path.join(os.path.dirname(root), "w.log"))
+    os.environ["ASYNCCKPT_ADDRESS"] = writer.address
+    model2, optim2, lr2, loader2 = build(seed=2)
+    given = spy_loader(loader2)
+    ours = manager(root, "disabled", model2, optim2, lr2, loader2)
+    assert ours.load() is True, "the DCP folders were not found"
+    assert same(snapshot(model2, optim2, lr2), want), "not resumed from DCP's step-2"
+    assert unpickled(given) == unpickled(want_loader), "the dataloader was not resumed"
+    train(model2, optim2, lr2, iter(loader2), ours, range(3, 5))
+    want4 = snapshot(model2, optim2, lr2)
+    ours.close()  # joins the purge thread: the DCP folders outside the newest 2 are gone
+    assert PosixStorage(root).committed_steps() == [3, 4], os.listdir(root)
+    assert not any(n in os.listdir(root) for n in ("step-1", "step-2")), os.listdir(root)
+    model3, optim3, lr3, loader3 = build(seed=3)
+    again = manager(root, "disabled", model3, optim3, lr3, loader3)
+    assert again.load() is True and same(snapshot(model3, optim3, lr3), want4)
+    again.close()
+    assert writer.stop() == 0
+
+    hostile = os.path.join(os.path.dirname(root), "hostile")
+    os.makedirs(os.path.join(hostile, "step-7"))
+    flag = os.path.join(os.path.dirname(root), "RAN")
+    with open(os.path.join(hostile, "step-7", ".metadata"), "wb") as f:
+        pickle.dump(_Runs(flag), f)
+    victim = manager(hostile, "disabled", *build(seed=4))
+    try:
+        victim.load()
+    except BaseException as e:  # noqa: BLE001 - DCP wraps a rank's error in CheckpointException
+        # DCP reports a failed metadata read by its message, not its type
+        assert "refused global posix.system" in repr(e) and "nothing was run" in repr(e), repr(e)
+    else:
+        raise AssertionError("a .metadata that runs code was loaded")
+    assert not os.path.exists(flag), "the hostile .metadata ran"
+    victim.close()
+
+
 def main() -> None:
     root, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", rank=0, world_size=1)
+    if mode == "dcp-folder":
+        dcp_folder(root)
+        dist.destroy_process_group()
+        print("OK", mode)
+        return
     writer = asyncckpt.start_writer(root, log_file=os.path.join(os.path.dirname(root), "w.log"))
     os.environ["ASYNCCKPT_ADDRESS"] = writer.address
     model, optim, lr, loader = build(seed=1)
     ckpt = manager(root, mode, model, optim, lr, loader)
     assert ckpt.load() is False  # nothing to resume from yet
     batches = iter(loader)
-    for step in range(1, 5):
-        x, y = next(batches)
-        nn.functional.cross_entropy(model(x), y).backward()
-        optim.step()
-        lr.step()
-        optim.zero_grad()
-        ckpt.save(step)
-        ckpt.maybe_wait_for_staging()
-    ckpt.maybe_wait_for_saving()
+    train(model, optim, lr, batches, ckpt, range(1, 5))
     want, want_loader = snapshot(model, optim, lr), loader.state_dict()
     ckpt.close()
 
     model2, optim2, lr2, loader2 = build(seed=2)
     assert not same(snapshot(model2, optim2, lr2), want)
-    given: dict = {}
-    original = loader2.load_state_dict
-    loader2.load_state_dict = lambda sd: (given.update(sd), original(sd))[1]
+    given = spy_loader(loader2)
     resumed = manager(root, mode, model2, optim2, lr2, loader2)
     assert resumed.load() is True
     assert same(snapshot(model2, optim2, lr2), want), "model/optimizer/lr scheduler differ"
-    assert {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in given.items()} == \
-        {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in want_loader.items()}
+    assert unpickled(given) == unpickled(want_loader)
     x, y = next(batches)
     x2, y2 = next(iter(loader2))
     assert torch.equal(x, x2) and torch.equal(y, y2), "the dataloader does not resume"
