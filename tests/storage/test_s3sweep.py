@@ -153,3 +153,34 @@ def test_the_folder_a_replace_left_is_swept_even_while_its_writer_lives(s3_root,
         assert live.open_step_file(1, "rank-00000.safetensors") is not None
     finally:
         lease.release()
+
+
+def test_an_earlier_layouts_step_replaced_leaves_its_files_to_the_sweep_by_age(s3_root,
+                                                                               monkeypatch):
+    """A step of the earlier layout (its files in the step prefix, a manifest without
+    metadata) replaced by a new attempt: the replace deletes those files, never the new
+    manifest; a crash before that leaves them to the sweep, by age as that layout's."""
+    from asyncckpt.storage import s3
+    s = S3Storage(root_path(s3_root))
+    for step in (1, 2):
+        s._put(s._key(f"step-0000000{step}/rank-00000.safetensors"), b"old layout")
+        s._put(s._manifest_key(step), manifest(step))
+    new = attempt(s, 1)
+    s.publish(s._object(s._key(f"step-00000001/{new}")), 1, manifest(1), replace=True)
+    assert {k for k in keys(s) if k.startswith("step-00000001/")} == {
+        "step-00000001/manifest.json", f"step-00000001/{new}/rank-00000.safetensors"}
+    new = attempt(s, 2)
+
+    def crash(name: str) -> None:
+        if name == "replaced":
+            raise Crash(name)
+    monkeypatch.setattr(s3.faults, "point", crash)
+    with pytest.raises(Crash):
+        s.publish(s._object(s._key(f"step-00000002/{new}")), 2, manifest(2), replace=True)
+    monkeypatch.setattr(s3.faults, "point", lambda name: None)
+    assert s.sweep_tmp(3600) == []  # young: an earlier layout's files go by age
+    assert s.sweep_tmp(0) == ["step-00000002/ (1 objects, no manifest)"]
+    assert s.committed_steps() == [1, 2]
+    for step in (1, 2):
+        opened = s.open_step_file(step, "rank-00000.safetensors")
+        assert opened is not None and opened.size == 16  # the new attempt's file
