@@ -23,6 +23,7 @@ from asyncckpt.errors import (
     SaveFailedError,
     StateMismatchError,
     StepAlreadyCommittedError,
+    TimelineMovedError,
     UnsupportedStateError,
     UntrustedPickleError,
     WriterLockedError,
@@ -79,6 +80,7 @@ __all__ = [
     "Checkpointer", "CheckpointerOptions",
     "WriterProcess", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DiskFullError", "LeaseLostError", "SaveFailedError", "StateMismatchError",
-    "StepAlreadyCommittedError", "UnsupportedStateError", "UntrustedPickleError",
+    "StepAlreadyCommittedError", "TimelineMovedError", "UnsupportedStateError",
+    "UntrustedPickleError",
     "WriterLockedError", "WriterRootMismatchError", "WriterUnavailableError",
 ]

@@ -57,8 +57,17 @@ class SaveFailedError(CheckpointError):
 
 
 class StepAlreadyCommittedError(SaveFailedError):
-    """The step being saved is already committed in the root; checkpoints are never
-    overwritten (save under a new step, or delete the old one first)."""
+    """The step being saved is already committed in the root, in the root's current
+    timeline: it is replaced only when the save asks (`replace=True`; through DCP
+    `StorageWriter(overwrite=True)`). A committed step of an abandoned timeline is
+    replaced without asking (docs/FORMAT.md, "Timelines")."""
+
+
+class TimelineMovedError(SaveFailedError):
+    """A save began a timeline from a restore, but another run began a timeline on the
+    root since that restore read it (a paused or stale job): the save is refused, so it
+    never abandons its successor's steps. The message names the step and both timelines;
+    restore again to resume from the root as it is now."""
 
 
 class DiskFullError(SaveFailedError):

@@ -15,6 +15,7 @@ import reprlib
 from typing import Any, NamedTuple
 
 from asyncckpt.format.layout import DTYPE_SIZES, MAX_WORLD
+from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.ipc.options import SaveOptions
 
 MAX_DIMS = 64        # a tensor's shape: at most this many dimensions
@@ -85,7 +86,7 @@ def node_ranks(value: Any) -> NodeRanks | None:
 
 def save_options(m: dict[str, Any]) -> SaveOptions:
     """A begin's options: `retention` [keep_last, keep_every], `keep_from`, `replace`
-    (read as `is True`), with SaveOptions' own range checks.
+    (read as `is True`), `timeline` [id, at, based_on], with SaveOptions' own checks.
 
     Raises:
         ProtocolError: a field of the wrong type or out of range.
@@ -101,7 +102,9 @@ def save_options(m: dict[str, Any]) -> SaveOptions:
                             f"{e}") from None
     keep_from = None if m.get("keep_from") is None else int_field(m, "keep_from")
     try:
-        return dataclasses.replace(kept, keep_from=keep_from, replace=m.get("replace") is True)
+        start = None if m.get("timeline") is None else TimelineStart.from_json(m["timeline"])
+        return dataclasses.replace(kept, keep_from=keep_from, replace=m.get("replace") is True,
+                                   timeline=start)
     except ValueError as e:
         raise ProtocolError(str(e)) from None
 
@@ -115,10 +118,12 @@ def options_to_wire(options: SaveOptions) -> dict[str, Any]:
         out["replace"] = True
     if options.keep_from is not None:
         out["keep_from"] = options.keep_from
+    if options.timeline is not None:
+        out["timeline"] = options.timeline.to_json()
     return out
 
 
-OPTION_KEYS = ("retention", "replace", "keep_from")  # options_to_wire's keys, in order
+OPTION_KEYS = ("retention", "replace", "keep_from", "timeline")  # options_to_wire's keys, in order
 
 
 def unchanged_request(m: dict[str, Any], count: int

@@ -20,7 +20,7 @@ this copy differs; each class's docstring says what its message means):
     rank -> writer:
         hello(rank, slot_size, slots; optional world_size, pid, need_slot, root)
         begin(save, step, world_size, tensors, tree; optional retention, replace,
-              keep_from, coordinated, since, unchanged, node)
+              keep_from, timeline, coordinated, since, unchanged, node)
         chunk(save, slot, length)
         end(save)
         abort(save, reason)
@@ -166,8 +166,8 @@ class Begin(Message):
     """A save of this rank's part of `step`: its tensors in stream order and its object
     tree (tree.py), checked with the reader's rules before any file is opened.
     `options` (SaveOptions) travel as `retention` [keep_last, keep_every] after the
-    commit, `replace` a committed step, and `keep_from`: retention deletes no step from
-    this one on. `coordinated`: the nodes agree on the commit through a store (the
+    commit, `replace` a committed step, `keep_from`: retention deletes no step from
+    this one on, and `timeline` [id, at, based_on]: the timeline the save begins. `coordinated`: the nodes agree on the commit through a store (the
     writer says `durable`, then waits for `commit`); `since` + `unchanged`: the tensors
     (indices into `tensors`) the rank claims are unchanged since its step `since`;
     `node` [first rank, count]: the ranks of this rank's node (coordinated saves: the

@@ -1,7 +1,8 @@
 """A save's options, as one value from `save()` to the committer.
 
 What a caller asks of one save besides its state -- how many committed steps to keep,
-which to protect, whether to replace a committed step -- travels unchanged from the
+which to protect, whether to replace a committed step, which timeline it begins --
+travels unchanged from the
 rank's `save()` through the begin message to the writer's step table and its committer.
 Carried as loose parameters it was re-declared in five constructors and checked in
 three places, each slightly differently; here it is one frozen value, checked once when
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncckpt.format.layout import MAX_STEP
+from asyncckpt.format.timeline import TimelineStart
 
 
 def is_step(value: Any) -> bool:
@@ -46,16 +48,21 @@ class SaveOptions:
         keep_every: with `keep_last`: steps that are multiples of it are kept (0: none);
             without `keep_last` it is ignored (read as 0).
         keep_from: retention after this commit deletes no step from this one on.
-        replace: a committed step of this number is replaced by this save.
+        replace: a committed step of this number is replaced by this save (a committed
+            step of an abandoned timeline is replaced without it: format/timeline.py).
+        timeline: this save begins the timeline a restore started, if that is not the
+            root's current one yet (None: the save continues the root's current one).
     Raises:
-        ValueError: a count or step that is not an int in 0..MAX_STEP, or a `replace`
-            that is not a bool (made from a caller's values: checked once, here).
+        ValueError: a count or step that is not an int in 0..MAX_STEP, a `replace`
+            that is not a bool, or a `timeline` that is not a TimelineStart (made from a
+            caller's values: checked once, here).
     """
 
     keep_last: int | None = None
     keep_every: int = 0
     keep_from: int | None = None
     replace: bool = False
+    timeline: TimelineStart | None = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -65,6 +72,9 @@ class SaveOptions:
             check_step(self.keep_from, "keep_from")
         if type(self.replace) is not bool:
             raise ValueError(f"replace must be a bool; got {self.replace!r}")
+        if self.timeline is not None and not isinstance(self.timeline, TimelineStart):
+            raise ValueError(f"timeline must be a TimelineStart or None; got "
+                             f"{self.timeline!r:.80}")
         if self.keep_last is None and self.keep_every:  # no retention of its own: ignored
             object.__setattr__(self, "keep_every", 0)
 

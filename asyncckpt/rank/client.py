@@ -37,6 +37,7 @@ from typing import Any
 
 from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import CheckpointError, SaveFailedError, WriterUnavailableError, error_class
+from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.rank import handle as handles
@@ -164,7 +165,7 @@ class Client:
 
     def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
              keep_every: int = 0, keep_from: int | None = None,
-             replace: bool = False) -> SaveHandle:
+             replace: bool = False, timeline: TimelineStart | None = None) -> SaveHandle:
         """Queue `state_dict` as this rank's part of `step` and return at once.
 
         The tensors must not be modified until `handle.staged()` is true (wait with
@@ -182,7 +183,13 @@ class Client:
         loadable until the new one is durable, then it goes (a crash leaves one of the
         two whole). The save fails instead if other steps reference the old step's bytes
         (incremental saves), since they would stop loading. Without it, saving a
-        committed step fails with StepAlreadyCommittedError.
+        committed step fails with StepAlreadyCommittedError -- unless that step is in a
+        timeline the root abandoned: then it is replaced without asking.
+        `timeline` (a `TimelineStart`, made after a restore: `read.resolve.timeline_start`)
+        begins a new timeline at this save's commit, if it is not the root's current one
+        yet: the steps above the restored one are abandoned from then on (never the
+        newest again, replaced by saves of their numbers, deleted by retention). Every
+        rank of the step must carry the same. None continues the root's current timeline.
 
         Returns:
             A SaveHandle; `handle.wait()` returns the checkpoint path or raises.
@@ -190,7 +197,8 @@ class Client:
             UnsupportedStateError: a value that cannot be saved (named by its key path).
             WriterUnavailableError: the writer is gone.
             ValueError: a step, keep_last, keep_every or keep_from that is not an int in
-                0..MAX_STEP, or a replace that is not a bool (SaveOptions).
+                0..MAX_STEP, a replace that is not a bool, or a timeline that is not a
+                TimelineStart (SaveOptions).
             SaveFailedError (or its subclass: StepAlreadyCommittedError,
                 DiskFullError, ...), WriterUnavailableError: an earlier save of this
                 client failed and its error has not reached the caller (no `wait()`,
@@ -199,7 +207,7 @@ class Client:
         """
         started = time.perf_counter()
         check_step(step)
-        options = SaveOptions(keep_last, keep_every, keep_from, bool(replace))
+        options = SaveOptions(keep_last, keep_every, keep_from, bool(replace), timeline)
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         self._raise_untaken()

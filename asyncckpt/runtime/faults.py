@@ -21,7 +21,9 @@ replacing save's step renamed in, the step it replaced not yet deleted), set_asi
 (where the filesystem cannot swap directories: the replaced step renamed aside, the new
 one not yet in), pruning (a victim renamed, not yet deleted), retiring (a step still
 referenced renamed to step-N.retired, retention not finished), retired_deleting (a
-retired step nothing references renamed away, not yet deleted). Unset, as in
+retired step nothing references renamed away, not yet deleted), timeline_written (a
+save beginning a timeline wrote the root's `timeline` file, its manifest not yet
+published). Unset, as in
 production, each hook costs a dictionary lookup.
 
 A variable naming a point or an operation the code does not have, or an errno Python
@@ -40,7 +42,7 @@ import time
 
 CRASH_POINTS = ("frame_written", "data_fsynced", "part_written", "parts_gathered",
                 "manifest_written", "step_renamed", "replaced", "set_aside", "pruning", "retiring",
-                "retired_deleting")
+                "retired_deleting", "timeline_written")
 IO_OPS = ("write", "fsync", "rename", "fsync_root")  # what ASYNCCKPT_FAIL_IO may arm
 _NAMES = {"ASYNCCKPT_CRASH_AT": CRASH_POINTS, "ASYNCCKPT_SLOW_AT": CRASH_POINTS,
           "ASYNCCKPT_FAIL_IO": IO_OPS}

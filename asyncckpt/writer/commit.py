@@ -41,6 +41,7 @@ from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.paths import Location
+from asyncckpt.storage.timeline import is_live, read_current
 from asyncckpt.writer.owners import OwnerMark
 
 log = logging.getLogger("asyncckpt.writer")
@@ -208,12 +209,26 @@ def _check_node_folder(entry: PartEntry, names: set[str], step: int,
 
 
 def update_latest(storage: Storage, trusted: int | None = None) -> None:
-    """Point `latest` at the newest committed step on disk whose manifest parses (a
-    planted or damaged newer directory is passed over), or remove it if there is none.
-    Step `trusted` (one just committed) is taken without parsing its manifest again."""
+    """Point `latest` at the newest committed live step on disk whose manifest parses (a
+    planted or damaged newer directory, or a step of an abandoned timeline, is passed
+    over), or remove it if there is none. Step `trusted` (one just committed) is taken
+    without parsing its manifest again.
+
+    A damaged root timeline file leaves `latest` as it is (a hint: readers decide from
+    the disk, and report the file), with a warning.
+
+    Raises:
+        OSError: `latest` could not be replaced.
+    """
+    try:
+        current = read_current(storage)
+    except CorruptCheckpointError as e:
+        log.warning("%s not updated: %s", LATEST_NAME, e)
+        return
     steps = storage.committed_steps()
-    while steps and steps[-1] != trusted and not _manifest_parses(
-            storage, storage.root / step_dir_name(steps[-1])):
+    while steps and steps[-1] != trusted and (not _manifest_parses(
+            storage, storage.root / step_dir_name(steps[-1]))
+            or is_live(storage, steps[-1], current) is False):
         steps.pop()
     if not steps:
         storage.write_latest(None)

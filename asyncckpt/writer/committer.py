@@ -29,10 +29,13 @@ from typing import TYPE_CHECKING
 from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.manifest import Manifest
+from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
+from asyncckpt.storage.timeline import write_current
 from asyncckpt.writer import commit, owners
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.retention import check_references, check_replaceable, prune
+from asyncckpt.writer.timelines import settle
 
 if TYPE_CHECKING:
     from asyncckpt.storage.paths import Location
@@ -134,23 +137,37 @@ class Committer:
         self._tell_committed(current, manifest, path)
 
     def _publish(self, current: Step) -> tuple[Manifest, Location]:
-        """Gather the parts, check the manifest as a reader would, and publish the step."""
+        """Gather the parts, settle the step's timeline (writer/timelines.py), check the
+        manifest as a reader would, write the root's timeline file if the step begins a
+        timeline, and publish the step."""
+        settled = settle(self.storage, current.number, current.timeline, current.replace)
         if current.nodes is not None:
             entries = commit.gather_nodes(self.storage, current.tmp_dir, current.number,
                                           current.world_size, current.nodes)
             manifest = Manifest(step=current.number, world_size=current.world_size, ranks=[],
-                                parts=entries)
+                                parts=entries, timeline=settled.record)
         else:
             manifest = Manifest(step=current.number, world_size=current.world_size,
-                                ranks=[current.parts[r] for r in range(current.world_size)])
+                                ranks=[current.parts[r] for r in range(current.world_size)],
+                                timeline=settled.record)
         data = manifest.to_bytes()
         if self._check is not None:
             self._check(data, manifest)
         check_references(self.storage, manifest)
-        if current.replace:
+        if settled.replace:
             check_replaceable(self.storage, current.number, self._index)
+        if settled.new:  # durable before the manifest: the rolled-back steps are abandoned
+            try:
+                write_current(self.storage, settled.record)
+            except OSError as e:
+                raise commit.io_error(e, step=current.number,
+                                      file=str(e.filename or self.root)) from e
+            log.info("step %d begins %s, forked from step %s", current.number,
+                     settled.record.describe(),
+                     settled.record.lineage[-1][1] if settled.record.lineage else "-")
+            faults.point("timeline_written")
         path = commit.publish(self.storage, current.tmp_dir, current.number, data,
-                              replace=current.replace)
+                              replace=settled.replace)
         if current.nodes is not None:
             commit.drop_emptied(self.storage, current.tmp_dir, current.nodes)
         return manifest, path

@@ -33,6 +33,7 @@ from asyncckpt.format.layout import step_dir_name
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
+from asyncckpt.storage.timeline import live_steps
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -54,30 +55,37 @@ def is_retired(storage: Storage, step: int) -> bool:
 
 def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int | None = None,
           keep_from: int | None = None, index: Any = None) -> Pruned:
-    """Apply retention: delete committed steps beyond the newest `keep_last` (except
-    multiples of `keep_every`), retiring instead those a kept step or a save in flight
+    """Apply retention: delete committed steps beyond the newest `keep_last` live ones
+    (except multiples of `keep_every`) and the steps of abandoned timelines
+    (format/timeline.py), retiring instead those a kept step or a save in flight
     references, and delete retired steps nothing references any more. keep_last
-    `KEEP_ALL` (0) keeps every committed step (retired ones are still reclaimed).
+    `KEEP_ALL` (0) keeps every committed step, abandoned ones too (retired ones are
+    still reclaimed). A step whose manifest cannot be read counts as live.
 
     Args:
         newest: the step just committed: steps above it are not counted (a directory
             that appeared there, planted or another tool's, must not push the new step
             out), though what they reference is kept.
         keep_from: no step from this one on is deleted (a caller's own pointer at a
-            step, such as verl's tracker file, or a step it is still exporting).
+            step, such as verl's tracker file, or a step it is still exporting), abandoned
+            ones neither.
         index: the writer's DedupIndex (its pins, its cached references, and its lock,
             so no lookup can return a step being deleted); None for `asyncckpt gc`.
     Returns:
         What was deleted, retired and reclaimed.
     Raises:
         OSError: a rename failed (what was done before it stays done).
+        CorruptCheckpointError: the root's timeline file is damaged (nothing deleted).
     """
     with index.lock if index is not None else contextlib.nullcontext():
         steps = storage.committed_steps()
-        counted = [s for s in steps if newest is None or s <= newest]
+        live = live_steps(storage, steps) if keep_last > KEEP_ALL else steps
+        counted = [s for s in live if newest is None or s <= newest]
         doomed = [s for s in (counted[:-keep_last] if keep_last > KEEP_ALL else [])
                   if not (keep_every > 0 and s % keep_every == 0)
                   and (keep_from is None or s < keep_from)]
+        doomed = sorted(doomed + [s for s in steps if s not in set(live)  # abandoned
+                                  and (keep_from is None or s < keep_from)])
         kept = [s for s in steps if s not in set(doomed)]
         needed = _needed(storage, kept, index)
         retired_now = storage.retired_steps()

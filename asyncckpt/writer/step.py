@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.layout import node_dir_name
 from asyncckpt.format.records import RankPart
+from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.ipc.messages import NodePart, NodeRanks
 from asyncckpt.ipc.options import SaveOptions
 
@@ -40,7 +41,8 @@ class Step:
     stats: dict[int, dict] = field(default_factory=dict)
     retention: tuple[int, int] | None = None
     keep_from: int | None = None              # retention deletes no step from this one on
-    replace: bool = False                     # a committed step of this number is replaced
+    replace: bool = False                     # the save asked to replace a committed step
+    timeline: TimelineStart | None = None     # the timeline the save begins (timelines.py)
     coordinated: bool = False
     # coordinated: the nodes whose ranks this writer serves, first rank -> count (one in
     # a job; a test may run several nodes' ranks against one writer), those whose part

@@ -31,7 +31,12 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncckpt.config import MAX_FRAME_BYTES
-from asyncckpt.errors import CheckpointError, SaveFailedError, StepAlreadyCommittedError
+from asyncckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    SaveFailedError,
+    StepAlreadyCommittedError,
+)
 from asyncckpt.format.layout import (
     MAX_STEP,
     MAX_WORLD,
@@ -42,8 +47,10 @@ from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodePart
 from asyncckpt.ipc.options import NO_OPTIONS, SaveOptions, is_step
+from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.paths import Location
+from asyncckpt.storage.timeline import write_current
 from asyncckpt.writer import commit
 from asyncckpt.writer.committer import Check, Committer, abandon
 from asyncckpt.writer.dedup import DedupIndex
@@ -51,6 +58,7 @@ from asyncckpt.writer.nodes import NodeJoin, OneNode, SeveralNodes
 from asyncckpt.writer.owners import OwnerMark
 from asyncckpt.writer.retention import is_retired
 from asyncckpt.writer.step import FailedSteps, Notify, Step
+from asyncckpt.writer.timelines import ALREADY_COMMITTED, Settled, settle
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -115,15 +123,19 @@ class Steps:
         `options` (SaveOptions): its retention, if given, replaces the writer's own
         policy for the deletions that follow this step's commit; `keep_from`: that
         retention deletes no step from that one on; `replace`: a committed step of this
-        number is replaced once the new one is durable (every rank must say so). With
+        number is replaced once the new one is durable (every rank must say so; a step
+        of an abandoned timeline is replaced without it); `timeline`: the timeline the
+        save begins (every rank must carry the same). With
         `join`, the step is coordinated across nodes, `join.node` naming the ranks of
         this rank's node: once all their parts are durable, the lead's (the first's)
         `join.durable(tmp dir name, part entry)` is called instead of waiting here for
         the whole world.
 
         Raises:
-            StepAlreadyCommittedError: the step is committed and not `replace`d, or it is
-                retired.
+            StepAlreadyCommittedError: the step is committed, live and not `replace`d, or
+                it is retired.
+            TimelineMovedError: the save begins a timeline from a restore, and another
+                run began one on the root since.
             SaveFailedError: the writer is closing, the step failed earlier, or the
                 rank/world disagree with the step's other ranks or are out of range.
             OSError: the tmp directory cannot be made.
@@ -146,14 +158,15 @@ class Steps:
                 raise error
             current = self.open.get(step)
             if current is None:
-                current = self._open_step(step, rank, world_size, join is not None,
-                                          options.replace)
+                current = self._open_step(step, rank, world_size, join is not None, options)
             elif (current.world_size != world_size or current.coordinated != (join is not None)
-                  or current.replace != options.replace):
+                  or current.replace != options.replace
+                  or current.timeline != options.timeline):
                 raise SaveFailedError(f"world size {world_size} disagrees with the step's other "
                                       f"ranks ({current.world_size}), or some coordinate "
                                       "across nodes and others not, or some replace the "
-                                      "committed step and others not", step=step, rank=rank)
+                                      "committed step and others not, or they begin different "
+                                      "timelines", step=step, rank=rank)
             elif rank in current.waiting:
                 raise SaveFailedError("this rank is already saving this step", step=step, rank=rank)
             if node is not None and current.join_node(rank, node):
@@ -165,17 +178,26 @@ class Steps:
             return current
 
     def _open_step(self, step: int, rank: int, world_size: int, coordinated: bool,
-                   replace: bool) -> Step:
-        """A new open step (its codec chosen, its tmp directory made); under the lock."""
-        if replace and not self.storage.replaces and self.storage.occupied(step):
+                   options: SaveOptions) -> Step:
+        """A new open step (its codec chosen, its tmp directory made); under the lock.
+        A committed step of its number is refused, or replaced, by the commit's rule
+        (timelines.py), asked now so a refused save writes nothing."""
+        replace = options.replace
+        if step in self.committing:
+            raise StepAlreadyCommittedError(ALREADY_COMMITTED, step=step, rank=rank)
+        occupied = self.storage.occupied(step)
+        if occupied or options.timeline is not None:
+            try:
+                settled = settle(self.storage, step, options.timeline, replace, rank)
+            except CorruptCheckpointError as e:  # the root's timeline file
+                raise SaveFailedError(str(e), step=step, rank=rank) from None
+            replace = settled.replace
+            if settled.new and not coordinated:
+                self._begin_timeline(step, settled)
+        if replace and occupied and not self.storage.replaces:
             raise SaveFailedError("this step is committed, and an object-store root cannot "
                                   "replace a step atomically: save under another step number "
                                   "or into another prefix", step=step, rank=rank)
-        if step in self.committing or (
-                not replace and self.storage.occupied(step)):
-            raise StepAlreadyCommittedError(
-                "this step is already committed; a save replaces a checkpoint only "
-                "when asked to (replace=True)", step=step, rank=rank)
         if is_retired(self.storage, step):
             raise StepAlreadyCommittedError(
                 "this step was deleted by retention but its data is still referenced "
@@ -185,13 +207,30 @@ class Steps:
         if self.index is not None:
             self.index.refresh()
             self.index.open(step)
-            if replace:  # no later save on this node may reference the old step
+            if replace and occupied:  # no later save on this node may reference the old step
                 self.index.replacing(step)
         tmp_dir = commit.make_tmp_dir(self.storage, step, self._owner)
         current = Step(step, world_size, codec, tmp_dir, choice, coordinated=coordinated,
-                       replace=replace)
+                       replace=options.replace, timeline=options.timeline)
         self.open[step] = current
         return current
+
+    def _begin_timeline(self, step: int, settled: Settled) -> None:
+        """Write the root's timeline file for the timeline `step`'s save begins, now,
+        before any of its bytes: a job that restored an older step and dies during its
+        first save must resume from that step, not from the steps it rolled back. (A
+        step coordinated across nodes writes it at its commit, on the leader.)
+
+        Raises:
+            SaveFailedError: it cannot be written (nothing changed).
+        """
+        try:
+            write_current(self.storage, settled.record)
+        except OSError as e:
+            raise commit.io_error(e, step=step, file=str(e.filename or self.root)) from e
+        log.info("step %d begins %s, forked from step %s", step, settled.record.describe(),
+                 settled.record.lineage[-1][1] if settled.record.lineage else "-")
+        faults.point("timeline_written")
 
     def end(self, step: int, part: RankPart, stats: dict) -> None:
         """Record a rank's finished, fsynced part; the step's policy (nodes.py) decides
