@@ -51,6 +51,7 @@ from asyncckpt.errors import (
     CorruptCheckpointError,
     WriterRootMismatchError,
 )
+from asyncckpt.format.timeline import TimelineStart, new_timeline_id
 from asyncckpt.ipc.options import SaveOptions
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client
@@ -62,6 +63,7 @@ from asyncckpt.read import hf
 from asyncckpt.read.loader import load_parts
 from asyncckpt.storage.location import exists, root_path, storage_for
 from asyncckpt.storage.paths import Location
+from asyncckpt.storage.timeline import live_steps, newest_live, read_current
 from asyncckpt.torchutil.dtensor import is_sharded_model, unwrapped
 
 __all__ = ["Checkpointer", "CheckpointerOptions"]
@@ -174,6 +176,7 @@ class Checkpointer:
         self._not_due = 0  # save() calls that saved nothing because the step was not due
         self._saves = 0
         self._in_flight: list[SaveHandle] = []
+        self.timeline: TimelineStart | None = None  # made by restore(); carried by save()
         self._fence: Any = None
         self.fence_blocked_seconds = 0.0
         self.extra: Any = None
@@ -200,7 +203,8 @@ class Checkpointer:
         Args:
             replace: when `step` is already committed, this save replaces it (the old
                 one stays loadable until the new one is durable); without it such a
-                save fails with StepAlreadyCommittedError. As `Client.save`.
+                save fails with StepAlreadyCommittedError. As `Client.save`. A step
+                of a timeline abandoned by `restore()` is replaced without it.
             keep_from: retention after this save deletes no step from this one on (a
                 step that something outside the root, e.g. a framework's tracker file,
                 still names). As `Client.save`.
@@ -251,7 +255,7 @@ class Checkpointer:
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
                                    keep_every=self.options.keep_every, keep_from=keep_from,
-                                   replace=replace)
+                                   replace=replace, timeline=self.timeline)
         handle.stats.blocked_seconds = time.perf_counter() - entered  # what the loop waited
         self._in_flight.append(handle)
         self._saves += 1
@@ -356,11 +360,13 @@ class Checkpointer:
     # -- reading --------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Committed steps on disk, oldest first."""
+        """Committed steps on disk, oldest first (of abandoned timelines too)."""
         return storage_for(self.root).committed_steps()
 
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
+        """The newest live committed step (never one of a timeline the root abandoned)."""
+        storage = storage_for(self.root)
+        steps = live_steps(storage, storage.committed_steps())
         return steps[-1] if steps else None
 
     def restore(self, step: int | None = None, *, rank: int | None = None,
@@ -375,6 +381,11 @@ class Checkpointer:
         the ranks agree on each attempt's outcome before any state is applied. Hazard:
         a skipped attempt may have partly filled the model's tensors; the step finally
         restored overwrites every one of them.
+        A restore begins a new timeline (docs/API.md, "Timelines"): every later `save()`
+        of this Checkpointer carries `self.timeline` (the same on every rank: rank 0's,
+        broadcast), and the first to commit abandons the root's committed steps above
+        the restored one: never the newest again, replaced by saves of their numbers,
+        deleted by retention. Without `step`, the candidates are the live steps only.
         Returns:
             The restored step, or None when the root holds no step at all.
         Raises (every rank raises when any does):
@@ -384,16 +395,18 @@ class Checkpointer:
             StateMismatchError: as `load`.
         """
         strict = self.options.strict_restore if strict is None else strict
+        storage = storage_for(self.root)
+        current = read_current(storage)  # before the load: a run forking meanwhile is seen
         if step is not None or strict:
-            if step is None and not storage_for(self.root).step_dirs():
+            if step is None and newest_live(storage, current) is None:
                 return None
             state, error = self._try_load(step, rank)
             verdict = _agree(_outcome(error))
             if verdict:  # every rank raises, not only those whose reads failed
                 kind = CorruptCheckpointError if verdict == 1 else CheckpointError
                 raise error or kind("another rank failed to restore this step", step=step)
-            return self._apply(state)
-        candidates = storage_for(self.root).step_dirs()
+            return self._begin_timeline(self._apply(state), current.gen)
+        candidates = live_steps(storage, storage.step_dirs(), current)
         if not candidates:
             why = "holds no checkpoint" if exists(self.root) else "does not exist"
             log.warning("asyncckpt: restore() found nothing to resume from: %s %s, so "
@@ -408,7 +421,7 @@ class Checkpointer:
                                                "a writer running on this root?)", step=candidate)
             verdict = _agree(_outcome(error))
             if verdict == 0:
-                return self._apply(state)
+                return self._begin_timeline(self._apply(state), current.gen)
             if verdict == 2:
                 raise error or CheckpointError("another rank failed to restore this step",
                                                step=candidate)
@@ -416,6 +429,16 @@ class Checkpointer:
             log.warning("asyncckpt: restore skips step %d: %s", candidate, why)
             skipped.append(f"step {candidate}: {why}")
         raise CorruptCheckpointError(f"no step under {self.root} loads: " + "; ".join(skipped))
+
+    def _begin_timeline(self, step: int, based_on: int) -> int:
+        """Make `self.timeline`, which this Checkpointer's saves carry from now on: a
+        timeline forked at restored `step`, its id drawn on rank 0 and broadcast under
+        torch.distributed so that every rank carries the same. Returns `step`."""
+        start = [TimelineStart(new_timeline_id(), step, based_on).to_json()]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(start, src=0)
+        self.timeline = TimelineStart.from_json(start[0])
+        return step
 
     def _try_load(self, step: int | None, rank: int | None) -> tuple[Any, Exception | None]:
         """The loaded state or the error, whatever it is (an OSError, a DCP error too):

@@ -29,6 +29,7 @@ from asyncckpt.rank.launch import default_job
 from asyncckpt.storage.paths import local_path
 from asyncckpt.storage.registry import open_storage
 from asyncckpt.storage.registry import parse as root_path
+from asyncckpt.storage.timeline import read_current
 from asyncckpt.writer import commit, retention
 
 
@@ -229,6 +230,10 @@ def _ls(args: argparse.Namespace) -> int:
         latest = storage.read_latest()
         steps = storage.step_dirs()
         under_way = storage.in_progress()
+        current = read_current(storage)
+    except CheckpointError as e:  # the root's timeline file is damaged
+        print(f"asyncckpt ls: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"asyncckpt ls: {e}", file=sys.stderr)
         return 2
@@ -238,10 +243,13 @@ def _ls(args: argparse.Namespace) -> int:
         try:
             with Checkpoint.open(directory) as ckpt:
                 m = ckpt.manifest
-            rows.append({"step": step, "state": "committed", "path": str(directory),
+            live = current.keeps(m.timeline.id, step)  # else abandoned (format/timeline.py)
+            rows.append({"step": step, "state": "committed" if live else "abandoned",
+                         "path": str(directory),
                          "world_size": m.world_size, "raw_bytes": m.raw_size,
                          "stored_bytes": m.stored_size, "ratio": m.stored_size / max(m.raw_size, 1),
-                         "age_seconds": now - m.created, "latest": step == latest})
+                         "age_seconds": now - m.created, "latest": step == latest,
+                         "timeline": m.timeline.id})
         except CheckpointError as e:
             rows.append({"step": step, "state": "damaged", "path": str(directory),
                          "error": str(e), "latest": step == latest})
@@ -253,12 +261,16 @@ def _ls(args: argparse.Namespace) -> int:
         json.dump(rows, sys.stdout, indent=1)
         print()
         return 0
+    if not current.is_root:
+        print(f"current {current.describe()}; steps of other timelines are abandoned")
     print(f"{'STEP':>10}  {'STATE':11} {'SIZE':>10} {'RATIO':>6} {'AGE':>8}  PATH")
     for r in rows:
         size = f"{r['stored_bytes'] / 2**20:.1f}M" if "stored_bytes" in r else "-"
         ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
         age = _age(r["age_seconds"]) if "age_seconds" in r else "-"
         mark = " <- latest" if r["latest"] else ""
+        if r["state"] == "abandoned":
+            mark += f" (timeline {r['timeline'] or 'root'})"
         print(f"{r['step']:>10}  {r['state']:11} {size:>10} {ratio:>6} {age:>8}  {r['path']}{mark}")
     return 0
 

@@ -1,6 +1,8 @@
 """Which checkpoint a path names, and what to say when a root's newest one is damaged.
 
-A root opened without a step means its newest `step-N` directory, and a newest step that
+A root opened without a step means its newest live `step-N` directory: the highest step
+not in a timeline the root abandoned (format/timeline.py; a root that never forked:
+the highest step). A newest step that
 is damaged is an error, not a reason to load an older one quietly: a resume that
 silently repeats hours of training is worse than one that stops. The error names the
 damaged step and the newest intact one, which `Checkpointer.restore()` falls back to on
@@ -28,8 +30,10 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from asyncckpt.format.records import Ref
+from asyncckpt.format.timeline import Timeline, TimelineStart, new_timeline_id
 from asyncckpt.storage.paths import Location
 from asyncckpt.storage.registry import shared_storage, storage_at
+from asyncckpt.storage.timeline import live_steps, newest_live, read_current
 
 # Checkpoint.examine: (directory, limits=...) -> (the checkpoint or None, its problems)
 Examine = Callable[..., "tuple[Any, list[CheckpointError]]"]
@@ -58,7 +62,7 @@ def resolve(path: Location, step: int | None) -> tuple[Location, Location | None
                 f" ({step_dir_name(step)} is a symlink: not a step of this root; open the "
                 "directory it points to instead)" if linked else f" ({_holds(path)})"),
             step=step, file=str(path))
-    newest = root.newest_step()
+    newest = newest_live(root)
     if newest is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {path}", file=str(path))
     return path / step_dir_name(newest), path
@@ -91,7 +95,11 @@ def damaged_newest(root: Location, directory: Location, problem: CheckpointError
     """
     damaged = parse_step_dir(directory.name)
     failed: Ref | None = problem.detail.get("stored_at")
-    steps = shared_storage(root).step_dirs()
+    storage = shared_storage(root)
+    try:
+        steps = live_steps(storage, storage.step_dirs())
+    except CorruptCheckpointError:  # the timeline file: resolve reported it already
+        steps = storage.step_dirs()
     newer = [s for s in steps if damaged is not None and s > damaged]
     intact = next((s for s in reversed(steps) if s != damaged
                    and _intact(root / step_dir_name(s), limits, failed, examine)), None)
@@ -127,3 +135,31 @@ def _intact(directory: Location, limits: ReadLimits, failed: Ref | None,
         return failed is None or not any(
             (f.ref or Ref(step, part.file, f.stored_offset, f.stored_length)) == failed
             for part in opened.manifest.ranks for f in part.frames)
+
+
+def current_timeline(root: Location) -> Timeline:
+    """The current timeline of checkpoint root `root` (the root timeline where it never
+    forked).
+
+    Raises:
+        CorruptCheckpointError: its timeline file is damaged (the error names it).
+    """
+    return read_current(shared_storage(root))
+
+
+def timeline_start(root: Location, at: int, ident: str | None = None) -> TimelineStart:
+    """What the saves of a job that has just restored step `at` of `root` carry
+    (`Client.save(..., timeline=)`): the first of them to commit begins a new timeline
+    forked at `at`, abandoning the root's steps above it. Call it when the restore reads
+    the root (its `based_on` is the root's current gen now); under several ranks make it
+    on one and share it (every rank must carry the same), or give every rank the same
+    `ident`.
+
+    Args:
+        ident: the new timeline's id (16 lowercase hex); default a fresh random one.
+    Raises:
+        CorruptCheckpointError: the root's timeline file is damaged.
+        ValueError: `at` or `ident` out of its rule.
+    """
+    return TimelineStart(new_timeline_id() if ident is None else ident, at,
+                         current_timeline(root).gen)
