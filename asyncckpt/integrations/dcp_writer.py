@@ -53,6 +53,7 @@ from asyncckpt.integrations.dcp_ids import (
     parse_checkpoint_id,
 )
 from asyncckpt.integrations.dcp_outcome import for_dcp, publish_outcome, relay_outcome
+from asyncckpt.integrations.dcp_plan import CachingPlanner, Catalogue, layout
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client, shared_client
@@ -73,13 +74,6 @@ class _Holds:
     """A rank's local plan note: the objects (bytes items) it holds."""
 
     objects: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Catalogue:
-    """Sent with every rank's final plan: each tensor of the checkpoint, (dtype, size)."""
-
-    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 class StorageWriter(dcp.StorageWriter):
@@ -191,7 +185,7 @@ class StorageWriter(dcp.StorageWriter):
                 if item.tensor_data is not None:
                     data = item.tensor_data
                     tensors.setdefault(item.index.fqn, (data.properties.dtype, tuple(data.size)))
-        catalogue = _Catalogue(tensors)
+        catalogue = Catalogue(tensors)
         return [dataclasses.replace(p, items=items, storage_data=catalogue)
                 for p, items in zip(plans, _objects_to_lowest_holder(plans))]
 
@@ -271,7 +265,9 @@ class StorageWriter(dcp.StorageWriter):
                                "per async_save")
         self._staged, self._outcome, self._staging = None, None, True
         try:
-            dcp.save(state_dict, storage_writer=self)
+            # planned once per structure (dcp_plan.py): the plan is what stage() blocks
+            # on besides the copy
+            dcp.save(state_dict, storage_writer=self, planner=CachingPlanner(str(self._target[0])))
         finally:
             self._staging = False
         handle = self._handle
@@ -301,31 +297,22 @@ class StorageWriter(dcp.StorageWriter):
     def _rank_state(self, plan: SavePlan, planner: SavePlanner
                     ) -> tuple[dict[str, Any], list[WriteResult]]:
         """This rank's part of the step (a flat dict by DCP key) and DCP's results for it."""
-        catalogue = (plan.storage_data if isinstance(plan.storage_data, _Catalogue)
-                     else _Catalogue({}))
-        state: dict[str, Any] = {fqn: Chunk(size, dtype)
-                                 for fqn, (dtype, size) in catalogue.tensors.items()}
-        mine: set[str] = set()
+        kept = layout(plan)
+        state: dict[str, Any] = dict(kept.empty)
         results = []
-        for item in plan.items:
-            fqn = item.index.fqn
-            if fqn in mine:
-                raise UnsupportedStateError(
-                    f"{fqn}: DCP planned several chunks of it on this rank; asyncckpt keeps "
-                    "one box per rank per tensor")
-            mine.add(fqn)
-            if item.type == WriteItemType.BYTE_IO:
-                value = _object(planner, item)
-                state[fqn] = value
-                size = len(value) if isinstance(value, bytes) else 0
-                results.append(WriteResult(item.index, size, None))
-                continue
+        for item, size, dtype, offsets, result in kept.tensors:
             data = planner.resolve_data(item)
-            assert item.tensor_data is not None and isinstance(data, torch.Tensor)
-            td = item.tensor_data
-            state[fqn] = Chunk(tuple(td.size), td.properties.dtype, tuple(td.chunk.offsets),
-                               data.detach())
-            results.append(WriteResult(item.index, data.numel() * data.element_size(), None))
+            assert isinstance(data, torch.Tensor)
+            if data.dtype != dtype:
+                raise UnsupportedStateError(f"{item.index.fqn}: planned as {dtype}, but it is "
+                                            f"{data.dtype} now")
+            state[item.index.fqn] = Chunk(size, dtype, offsets, data.detach())
+            results.append(result)
+        for item in kept.objects:
+            value = _object(planner, item)
+            state[item.index.fqn] = value
+            results.append(WriteResult(item.index, len(value) if isinstance(value, bytes)
+                                       else 0, None))
         return state, results
 
     def _connect(self, root: Location | None, nbytes: int) -> Client:

@@ -1,0 +1,141 @@
+"""DCP's save plan, made once per structure: what `async_save` through asyncckpt blocks on
+besides the copy into the ring.
+
+DCP plans every save from scratch: each rank lists its write items, the coordinator
+deduplicates them, builds the global plan and its metadata and validates it. For a
+state of thousands of tensors that is tens of milliseconds per save, paid while the
+caller waits, although a training job saves the same structure every time. DCP's
+own answer is its plan cache (`DefaultSavePlanner(enable_plan_caching=True)`): a rank
+whose local plan equals the cached one sends an empty plan, and when no rank's plan
+changed the coordinator reuses the cached global plan and every rank its cached final
+plan. `stage()` plans with it, under a key of the writer's root, with two guards for
+what asyncckpt puts in the final plans:
+
+- DCP's comparison of local plans looks at keys, sizes and chunks, not dtypes; a
+  tensor whose dtype changed makes the local plan new here.
+- When some rank's plan changed, DCP sends new final plans only to the ranks whose
+  final plan differs by its (dtype-blind) comparison; but every rank's final plan
+  carries the catalogue of every tensor (and objects go to the lowest rank holding
+  them), so then every rank gets its whole new plan.
+
+What the writer derives from a final plan (the boxes it writes, the catalogue's empty
+boxes, DCP's write results for tensors) is kept beside the plan object (`layout`):
+with the plan cached, a save only resolves each item's tensor and hands it over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from asyncckpt.errors import UnsupportedStateError
+from asyncckpt.torchutil.dtensor import Chunk
+
+LAYOUTS_KEPT = 16  # final plans whose layouts are kept (one per root and structure in use)
+
+
+@dataclasses.dataclass(frozen=True)
+class Catalogue:
+    """Sent with every rank's final plan: each tensor of the checkpoint, (dtype, size)."""
+
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class CachingPlanner(DefaultSavePlanner):
+    """DCP's default save planner with its plan cache, keyed by `key` (one per root),
+    guarded as the module docstring says."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = f"asyncckpt.dcp:{key}"
+
+    def create_local_plan(self) -> SavePlan:
+        cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+        plan = super().create_local_plan()
+        if not plan.usable and (cached is None or not _same_dtypes(self.plan, cached)):
+            self._pending_local_plan = self.plan  # promoted to the cache by finish_plan
+            return self.plan
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
+        delta, metadata = super().create_global_plan(all_plans)
+        if any(p.usable for p in all_plans):
+            delta = list(self.global_plan)  # a catalogue spans ranks: all or none anew
+        return delta, metadata
+
+
+def _same_dtypes(plan: SavePlan, cached: SavePlan) -> bool:
+    return len(plan.items) == len(cached.items) and all(
+        (a.tensor_data is None) == (b.tensor_data is None)
+        and (a.tensor_data is None or b.tensor_data is None
+             or a.tensor_data.properties.dtype == b.tensor_data.properties.dtype)
+        for a, b in zip(plan.items, cached.items))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a rank writes of a final plan, besides the values themselves.
+
+    Attributes:
+        empty: every tensor of the checkpoint as a box this rank does not write.
+        tensors: (item, global size, dtype, offsets, result) per tensor item.
+        objects: the object (bytes) items.
+    """
+
+    empty: dict[str, Chunk]
+    tensors: list[tuple[WriteItem, tuple[int, ...], torch.dtype, tuple[int, ...], WriteResult]]
+    objects: list[WriteItem]
+
+
+_layouts: dict[int, tuple[SavePlan, Layout]] = {}
+_layouts_lock = threading.Lock()
+
+
+def layout(plan: SavePlan) -> Layout:
+    """The layout of final plan `plan`, made once per plan object (a cached final plan is
+    the same object save after save).
+
+    Raises:
+        UnsupportedStateError: DCP planned several chunks of one tensor on this rank.
+    """
+    with _layouts_lock:
+        kept = _layouts.get(id(plan))
+        if kept is not None and kept[0] is plan:
+            return kept[1]
+    made = _layout(plan)
+    with _layouts_lock:
+        if len(_layouts) >= LAYOUTS_KEPT:
+            _layouts.pop(next(iter(_layouts)))
+        _layouts[id(plan)] = (plan, made)
+    return made
+
+
+def _layout(plan: SavePlan) -> Layout:
+    catalogue = plan.storage_data if isinstance(plan.storage_data, Catalogue) else Catalogue({})
+    empty = {fqn: Chunk(size, dtype) for fqn, (dtype, size) in catalogue.tensors.items()}
+    tensors = []
+    objects = []
+    mine: set[str] = set()
+    for item in plan.items:
+        fqn = item.index.fqn
+        if fqn in mine:
+            raise UnsupportedStateError(
+                f"{fqn}: DCP planned several chunks of it on this rank; asyncckpt keeps "
+                "one box per rank per tensor")
+        mine.add(fqn)
+        if item.type == WriteItemType.BYTE_IO:
+            objects.append(item)
+            continue
+        td = item.tensor_data
+        assert td is not None
+        dtype = td.properties.dtype
+        nbytes = td.chunk.sizes.numel() * dtype.itemsize
+        tensors.append((item, tuple(td.size), dtype, tuple(td.chunk.offsets),
+                        WriteResult(item.index, nbytes, None)))
+    return Layout(empty, tensors, objects)

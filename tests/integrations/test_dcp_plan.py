@@ -1,0 +1,95 @@
+"""DCP's save plan made once per structure (asyncckpt/integrations/dcp_plan.py): a second
+`async_save` of the same structure stages without DCP's global planning, a change of
+keys or dtypes is planned anew, and a change on some ranks gives every rank its whole
+new plan (each carries the catalogue of every tensor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.default_planner as default_planner
+
+import asyncckpt
+from asyncckpt.dcp import StorageWriter
+from asyncckpt.integrations.dcp_plan import CachingPlanner
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture
+def codec() -> str:
+    return "zstd"
+
+
+@pytest.fixture
+def global_plans(monkeypatch) -> list[int]:
+    """The number of items of every global plan DCP builds from now on."""
+    made: list[int] = []
+    build = default_planner.create_default_global_save_plan
+
+    def counted(plans, *args, **kwargs):
+        made.append(sum(len(p.items) for p in plans))
+        return build(plans, *args, **kwargs)
+    monkeypatch.setattr(default_planner, "create_default_global_save_plan", counted)
+    return made
+
+
+def state(n: int, value: float, dtype: torch.dtype = torch.float32) -> dict:
+    return {"model": {f"w{i}": torch.full((4, 3), value + i, dtype=dtype) for i in range(n)},
+            "step": int(value)}
+
+
+def test_a_second_async_save_of_one_structure_skips_the_global_plan(writer, client,
+                                                                    global_plans):
+    for step in (1, 2, 3):
+        future = dcp.async_save(state(20, float(step)),
+                                storage_writer=StorageWriter(writer.root, step, client=client))
+        future.result(timeout=60)
+    # the staging plans of 21 items: only the first save's (the background saves plan
+    # an empty state, which stages nothing)
+    assert [n for n in global_plans if n] == [21]
+    for step in (1, 2, 3):
+        loaded = asyncckpt.load(writer.root, step=step)
+        assert loaded["step"] == step
+        assert torch.equal(loaded["model.w7"], torch.full((4, 3), step + 7.0))
+
+
+def test_a_changed_dtype_or_key_is_planned_anew(writer, client, global_plans):
+    saves = [state(4, 1.0), state(4, 2.0, torch.bfloat16), {**state(4, 3.0), "extra": 5},
+             state(4, 4.0)]
+    for step, sd in enumerate(saves, start=1):
+        dcp.async_save(sd, storage_writer=StorageWriter(writer.root, step, client=client)
+                       ).result(timeout=60)
+    assert [n for n in global_plans if n] == [5, 5, 6, 5]
+    loaded = asyncckpt.load(writer.root, step=2)
+    assert loaded["model.w1"].dtype == torch.bfloat16
+    assert torch.equal(loaded["model.w1"], torch.full((4, 3), 3.0, dtype=torch.bfloat16))
+    assert asyncckpt.load(writer.root, step=3)["extra"] == 5
+    assert "extra" not in asyncckpt.load(writer.root, step=4)
+
+
+def test_a_change_on_some_ranks_gives_every_rank_its_whole_plan():
+    """Two ranks simulated (each process has its own plan cache: two keys here): rank 1's
+    structure changes, rank 0's does not. DCP alone would send rank 0 an empty plan
+    (keep your cached one), whose catalogue then lacks rank 1's new tensor."""
+    key = f"two-ranks-{id(object())}"
+    ranks = [CachingPlanner(f"{key}-0"), CachingPlanner(f"{key}-1")]
+
+    def local_plans(states: list[dict]) -> list:
+        out = []
+        for r, (planner, sd) in enumerate(zip(ranks, states)):
+            planner.set_up_planner(sd, is_coordinator=r == 0)
+            out.append(planner.create_local_plan())
+        return out
+    plans = local_plans([{"a": torch.ones(2)}, {"b": torch.ones(2)}])
+    delta, _ = ranks[0].create_global_plan(plans)
+    assert all(p.usable for p in delta)
+    for planner, plan in zip(ranks, delta):
+        planner.finish_plan(plan)
+    plans = local_plans([{"a": torch.ones(2)}, {"b": torch.ones(2), "c": torch.ones(3)}])
+    assert [p.usable for p in plans] == [False, True]  # rank 0 unchanged: sends nothing
+    delta, metadata = ranks[0].create_global_plan(plans)
+    assert all(p.usable for p in delta)
+    assert [sorted(i.index.fqn for i in p.items) for p in delta] == [["a"], ["b", "c"]]
+    assert set(metadata.state_dict_metadata) == {"a", "b", "c"}
