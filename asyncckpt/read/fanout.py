@@ -38,9 +38,12 @@ def load_pool(threads: int) -> FramePool:
 
 
 def units(jobs: list[Job], frames: list[Frame],
-          where: Callable[[Frame], tuple[ReadFile, int]], max_iov: int) -> list[Unit]:
+          where: Callable[[Frame], tuple[ReadFile, int]], max_iov: int,
+          spread: int = 1) -> list[Unit]:
     """`jobs` (in stream order) grouped into units: consecutive frames whose stored bytes
-    follow each other in one file that asks for coalescing, up to its `request_bytes`.
+    follow each other in one file that asks for coalescing, up to its `request_bytes`,
+    and to 1/`spread` of the bytes of all `jobs` (so that a read smaller than `spread`
+    requests still keeps `spread` threads busy).
 
     A frame joins a unit only if reading it consumes exactly its stored bytes (a raw
     frame read straight into its outputs reads its raw length: that must be its stored
@@ -49,12 +52,13 @@ def units(jobs: list[Job], frames: list[Frame],
     out: list[Unit] = []
     file: ReadFile | None = None
     end = size = 0
+    share = -(-sum(frames[job[0]].encoded_length for job in jobs) // max(spread, 1))
     for job in jobs:
         frame = frames[job[0]]
         here, offset = where(frame)
         length = frame.encoded_length
         straight = frame.codec != "raw" or len(job[1]) > max_iov or frame.raw_length == length
-        limit = here.request_bytes
+        limit = min(here.request_bytes, share)
         if (out and straight and here is file and offset == end and limit > 0
                 and size + length <= limit):
             out[-1].append(job)

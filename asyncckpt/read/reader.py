@@ -33,7 +33,9 @@ only for its first window, while Python still plans which bytes go where. Fresh 
 are plain `torch.empty`: advising 2 MiB pages (MADV_HUGEPAGE) made first touch much
 cheaper in half the runs and dearer in the other half on this virtual machine (fresh
 huge pages stall on the host), and may compact memory on a fragmented one, so a
-restart's load does not gamble on it.
+restart's load does not gamble on it. From an object store the round trip per request is
+the dear part: frames back to back are read by one ranged GET, several in flight, each
+frame verified as its bytes arrive (read/fanout.py).
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ class RankReader:
         that asks for it (an object store: `ReadFile.request_bytes`) are read through
         one request per unit (read/fanout.py), each verified as soon as it is in.
         """
-        work = units(self._plan(ranges), self.part.frames, self._where, _MAX_IOV)
+        work = units(self._plan(ranges), self.part.frames, self._where, _MAX_IOV, self.threads)
         if self.threads <= 1 or len(work) <= 1:
             for unit in work:
                 self._run_unit(unit, self._scratch)
