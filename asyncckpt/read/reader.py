@@ -164,20 +164,30 @@ class RankReader:
 
     def check_frames(self, on_frame: Callable[[Frame], None] | None = None,
                      seen: set | None = None) -> None:
-        """Read and verify every frame (into scratch), calling `on_frame` after each.
+        """Read and verify every frame (into scratch), calling `on_frame` after each, in
+        order; frames back to back through one request where the file asks for it.
 
         `seen` (shared across checkpoints by `verify ROOT`): stored byte ranges already
         verified under the same codec and checksums; those are skipped, and the ones
         verified here are added.
         """
-        for index, frame in enumerate(self.part.frames):
-            key = self.range_key(frame)
-            if seen is None or key not in seen:
-                self.read_frame_into(index, self._buffer("gap", frame.raw_length))
-                if seen is not None:
-                    seen.add(key)
-            if on_frame:
-                on_frame(frame)
+        frames = self.part.frames
+        todo: list[Job] = [(i, [f.raw_length], None) for i, f in enumerate(frames)
+                           if seen is None or self.range_key(f) not in seen]
+        told = 0
+
+        def verified(index: int) -> None:  # and every frame before it verified or skipped
+            nonlocal told
+            if seen is not None:
+                seen.add(self.range_key(frames[index]))
+            while told <= index:
+                if on_frame:
+                    on_frame(frames[told])
+                told += 1
+        for unit in units(todo, frames, self._where, _MAX_IOV):
+            self._run_unit(unit, self._scratch, after=verified)
+        if frames:
+            verified(len(frames) - 1)
 
     def range_key(self, frame: Frame) -> tuple:
         """Identifies the bytes a frame stands for: where they are and what they must
@@ -220,12 +230,15 @@ class RankReader:
             self._pool = load_pool(self.threads)
         run_parallel(self._pool, work, self._run_unit)
 
-    def _run_unit(self, unit: Unit, scratch: dict,
-                  stopped: Callable[[], bool] = lambda: False) -> None:
+    def _run_unit(self, unit: Unit, scratch: dict, stopped: Callable[[], bool] = lambda: False,
+                  after: Callable[[int], None] | None = None) -> None:
         """Read, verify and decode the frames of `unit`: one frame at its own offset, or
-        several through one range of the file (stopping early once `stopped()`)."""
+        several through one range of the file (stopping early once `stopped()`);
+        `after(index)` once each frame is verified."""
         if len(unit) == 1:
             self._run(unit[0], scratch)
+            if after:
+                after(unit[0][0])
             return
         frames = self.part.frames
         file, offset = self._where(frames[unit[0][0]])
@@ -235,6 +248,8 @@ class RankReader:
                 if stopped():
                     return
                 self._run(job, scratch, stream)
+                if after:
+                    after(job[0])
 
     def _plan(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> list[Job]:
         """Per frame touched: (index, pieces, tensor name); a piece is an output view or

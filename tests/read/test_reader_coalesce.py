@@ -197,6 +197,33 @@ def test_an_answer_breaking_off_is_resumed_and_one_that_keeps_breaking_is_an_err
     assert info.value.rank == 0 and info.value.file == saved.part.file
 
 
+def test_verifying_a_rank_reads_few_gets_and_tells_every_frame_in_order(saved):
+    frames = saved.part.frames
+    s3 = FakeS3({saved.part.file: saved.data})
+    told: list[int] = []
+    seen: set = set()
+    with reader_on(saved, s3, 4) as reader:
+        reader.check_frames(lambda f: told.append(f.raw_offset), seen)
+        assert len(seen) == len(frames)
+        gets = len(s3.gets)
+        reader.check_frames(lambda f: told.append(f.raw_offset), seen)  # all seen: no GET
+    assert told == [f.raw_offset for f in frames] * 2
+    assert gets <= len(saved.data) // REQUEST + 2 and len(s3.gets) == gets
+
+
+def test_verifying_stops_at_a_flipped_byte_naming_its_frame_having_told_those_before(saved):
+    frames = saved.part.frames
+    index = 9
+    damaged = bytearray(saved.data)
+    damaged[frames[index].stored_offset + 1] ^= 0x01
+    s3 = FakeS3({saved.part.file: bytes(damaged)})
+    told: list[int] = []
+    with reader_on(saved, s3, 4) as reader, \
+            pytest.raises(CorruptCheckpointError, match=rf"frame {index} \(raw bytes"):
+        reader.check_frames(lambda f: told.append(f.raw_offset))
+    assert told == [f.raw_offset for f in frames[:index]]
+
+
 def always_fine(saved: Saved) -> list[tuple[str, int, int]]:
     s3 = FakeS3({saved.part.file: saved.data})
     with reader_on(saved, s3, 4) as reader:
