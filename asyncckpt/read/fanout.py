@@ -1,15 +1,17 @@
-"""Frames to threads: which frames one request reads, and the threads that run them.
+"""Frames to threads: the frames a read touches, which of them one request reads, and
+the threads that run them.
 
-A load reads a rank's frames as units: a unit is one frame, or, where the file asks for
-it (`ReadFile.request_bytes`, an object store), frames whose stored bytes lie back to
-back, read through one request of up to that many bytes (`ReadFile.open_range`). A
-round trip per 4 MiB frame is what held a load from an object store to about half its
-download speed; one per `request_bytes` keeps as many requests in flight as there are
-threads, each streaming its bytes straight into the tensors they belong to, while every
-frame is verified (and decoded) as soon as its own bytes are in, not once the whole
-request is. Memory does not grow with `request_bytes`: the bytes land in their outputs,
-and a thread's scratch is one frame's (a gap no range wants, a compressed frame's stored
-bytes), as without coalescing.
+A read of byte ranges of a rank's stream becomes one job per frame it touches (`plan`:
+the outputs the frame's bytes go to, and gaps no range wants), and the jobs become
+units: a unit is one frame, or, where the file asks for it (`ReadFile.request_bytes`, an
+object store), frames whose stored bytes lie back to back, read through one request of
+up to that many bytes (`ReadFile.open_range`). A round trip per 4 MiB frame is what held
+a load from an object store to about half its download speed; one per `request_bytes`
+keeps as many requests in flight as there are threads, each streaming its bytes straight
+into the tensors they belong to, while every frame is verified (and decoded) as soon as
+its own bytes are in, not once the whole request is. Memory does not grow with
+`request_bytes`: the bytes land in their outputs, and a thread's scratch is one frame's
+(a gap no range wants, a compressed frame's stored bytes), as without coalescing.
 
 Units run on a `FramePool` of the reader's threads. The first error is raised once
 every unit has finished or been skipped, so no thread writes into the outputs after the
@@ -35,6 +37,37 @@ Unit = list[Job]  # frames read through one request (one frame: its own reads)
 
 def load_pool(threads: int) -> FramePool:
     return FramePool(threads, 2 * threads, name="asyncckpt-load")
+
+
+def plan(frames: list[Frame], ranges: list[tuple[int, int, memoryview, str | None]]
+         ) -> list[Job]:
+    """Per frame touched: (index, pieces, tensor name); a piece is an output view or
+    the length of a gap no range wants."""
+    ranges = [r for r in ranges if r[1] > r[0]]
+    r = 0
+    index = frame_at(frames, ranges[0][0]) if ranges else 0
+    jobs: list[Job] = []
+    while r < len(ranges):
+        frame = frames[index]
+        f_begin, f_end = frame.raw_offset, frame.raw_offset + frame.raw_length
+        pieces: list[memoryview | int] = []
+        pos, name = f_begin, None
+        while r < len(ranges) and ranges[r][0] < f_end:
+            begin, end, out, tensor = ranges[r]
+            lo, hi = max(begin, pos), min(end, f_end)
+            if lo > pos:
+                pieces.append(lo - pos)
+            pieces.append(out[lo - begin:hi - begin])
+            pos, name = hi, name or tensor
+            if end > f_end:
+                break  # continues in the next frame
+            r += 1
+        if pos < f_end:
+            pieces.append(f_end - pos)
+        jobs.append((index, pieces, name))
+        if r < len(ranges):
+            index = frame_at(frames, max(ranges[r][0], f_end))
+    return jobs
 
 
 def units(jobs: list[Job], frames: list[Frame],
@@ -109,3 +142,15 @@ def run_parallel(pool: FramePool, work: list[Unit],
                 finished.wait()
     if errors:
         raise errors[0]
+
+
+def frame_at(frames: list[Frame], offset: int) -> int:
+    """The index of the frame holding raw stream byte `offset` (frames sorted)."""
+    lo, hi = 0, len(frames) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if frames[mid].raw_offset <= offset:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

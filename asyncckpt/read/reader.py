@@ -53,7 +53,7 @@ from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.layout import layout, retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import Frame, RankPart, Ref
-from asyncckpt.read.fanout import Job, Unit, load_pool, run_parallel, units
+from asyncckpt.read.fanout import Job, Unit, frame_at, load_pool, plan, run_parallel, units
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import CheckpointDir, ReadFile, Storage
 from asyncckpt.storage.handles import RangeReader
@@ -221,7 +221,8 @@ class RankReader:
         that asks for it (an object store: `ReadFile.request_bytes`) are read through
         one request per unit (read/fanout.py), each verified as soon as it is in.
         """
-        work = units(self._plan(ranges), self.part.frames, self._where, _MAX_IOV, self.threads)
+        frames = self.part.frames
+        work = units(plan(frames, ranges), frames, self._where, _MAX_IOV, self.threads)
         if self.threads <= 1 or len(work) <= 1:
             for unit in work:
                 self._run_unit(unit, self._scratch)
@@ -250,35 +251,6 @@ class RankReader:
                 self._run(job, scratch, stream)
                 if after:
                     after(job[0])
-
-    def _plan(self, ranges: list[tuple[int, int, memoryview, str | None]]) -> list[Job]:
-        """Per frame touched: (index, pieces, tensor name); a piece is an output view or
-        the length of a gap no range wants."""
-        ranges = [r for r in ranges if r[1] > r[0]]
-        frames, r = self.part.frames, 0
-        index = _frame_at(frames, ranges[0][0]) if ranges else 0
-        jobs: list[Job] = []
-        while r < len(ranges):
-            frame = frames[index]
-            f_begin, f_end = frame.raw_offset, frame.raw_offset + frame.raw_length
-            pieces: list[memoryview | int] = []
-            pos, name = f_begin, None
-            while r < len(ranges) and ranges[r][0] < f_end:
-                begin, end, out, tensor = ranges[r]
-                lo, hi = max(begin, pos), min(end, f_end)
-                if lo > pos:
-                    pieces.append(lo - pos)
-                pieces.append(out[lo - begin:hi - begin])
-                pos, name = hi, name or tensor
-                if end > f_end:
-                    break  # continues in the next frame
-                r += 1
-            if pos < f_end:
-                pieces.append(f_end - pos)
-            jobs.append((index, pieces, name))
-            if r < len(ranges):
-                index = _frame_at(frames, max(ranges[r][0], f_end))
-        return jobs
 
     def _run(self, job: Job, scratch: dict, stream: RangeReader | None = None) -> None:
         index, pieces, name = job
@@ -336,7 +308,7 @@ class RankReader:
         if not frames or end <= begin:
             return
         spans: list[list] = []  # [file, first byte, end], contiguous frames merged
-        for frame in frames[_frame_at(frames, begin):]:
+        for frame in frames[frame_at(frames, begin):]:
             if frame.raw_offset >= end:
                 break
             file, offset = self._where(frame)
@@ -502,17 +474,6 @@ def scratch_buffer(scratch: dict, kind: str, size: int) -> memoryview:
     if buf is None or len(buf) < size:
         buf = scratch[kind] = bytearray(size)
     return memoryview(buf)[:size]
-
-
-def _frame_at(frames: list[Frame], offset: int) -> int:
-    lo, hi = 0, len(frames) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if frames[mid].raw_offset <= offset:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
