@@ -586,3 +586,48 @@ def test_a_writer_of_another_root_is_refused_naming_both(writer, root, tmp_path,
     ckpt.close()
     if client is not None:
         client.close()
+
+
+# -- timelines: a restore begins one ---------------------------------------------------------
+
+def test_a_restore_from_an_older_step_begins_a_timeline(tmp_path):
+    """8, 10, 12 saved; restore(8), save 9 and 10: the newest is 9, then the new 10 (the
+    old one replaced without replace=True), never 12; a later restore() takes the new 10."""
+    from inprocess import InProcessWriter
+
+    from asyncckpt.read.resolve import current_timeline
+    model, opt = make_model(width=8)
+    states = {}
+    root = tmp_path / "ckpt"
+    with InProcessWriter(root, codec="raw") as writer:
+        def checkpointer() -> Checkpointer:
+            return Checkpointer(root, model=model, optimizer=opt, fence=False,
+                                options=CheckpointerOptions(save_interval=1),
+                                client=asyncckpt.connect(writer.address, rank=0, world_size=1))
+        with checkpointer() as ckpt:
+            for step in (8, 10, 12):
+                train_step(model, opt, step)
+                ckpt.save(step).wait(60)
+                states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            assert ckpt.timeline is None and ckpt.latest_step() == 12
+            ckpt.client.close()
+        with checkpointer() as ckpt:
+            assert ckpt.restore(step=8) == 8
+            assert_same(states[8], dict(model.state_dict()))
+            assert (ckpt.timeline.at, ckpt.timeline.based_on) == (8, 0)
+            assert ckpt.latest_step() == 12  # nothing saved yet: the root is as it was...
+            for step in (9, 10):
+                train_step(model, opt, step + 100)
+                ckpt.save(step).wait(60)
+                states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+                assert ckpt.latest_step() == step  # ...until the first save of the timeline
+            assert current_timeline(root).id == ckpt.timeline.id
+            assert ckpt.all_steps() == [8, 9, 10, 12]
+            ckpt.client.close()
+        fresh, fresh_opt = make_model(seed=3, width=8)
+        with Checkpointer(root, model=fresh, optimizer=fresh_opt, fence=False,
+                          client=asyncckpt.connect(writer.address, rank=0, world_size=1)) as again:
+            assert again.restore() == 10
+            assert_same(states[10], dict(fresh.state_dict()))
+            assert again.timeline.at == 10 and again.timeline.based_on == 1
+            again.client.close()

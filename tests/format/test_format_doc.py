@@ -52,6 +52,7 @@ from asyncckpt.format.layout import (
 from asyncckpt.format.manifest import Manifest, parse_manifest
 from asyncckpt.format.parts import node_part
 from asyncckpt.format.records import admitted_codecs
+from asyncckpt.format.timeline import TIMELINE_NAME
 from asyncckpt.torchutil import dtypes
 from asyncckpt.writer.owners import OWNER_PREFIX
 
@@ -393,7 +394,8 @@ def test_the_number_spelling_is_the_parsers():
 
 def test_the_root_files_table_names_the_writer_s_files():
     rows = {ticked(r[0])[0]: r for r in table("| file | bytes | who |")}
-    assert set(rows) == {LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, ".asyncckpt.writer-<id>"}
+    assert set(rows) == {LATEST_NAME, LOCK_NAME, ROOT_ID_NAME, ".asyncckpt.writer-<id>",
+                         TIMELINE_NAME}
     assert OWNER_PREFIX == ".asyncckpt.writer-"
 
 

@@ -155,3 +155,17 @@ def test_new_ids_are_fresh_and_valid() -> None:
     assert all(TimelineStart(i, 0, 0).id == i for i in ids)
     assert Timeline(A, 1).describe() == f"timeline {A} (gen 1)"
     assert ROOT_TIMELINE.describe() == "the root timeline"
+
+
+def test_the_format_doc_states_the_record_as_the_parser_reads_it() -> None:
+    """docs/FORMAT.md's Timelines: its example record parses, its bounds are the code's."""
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md").read_text()
+    section = doc.split("## Timelines", 1)[1].split("\n## ", 1)[0]
+    example = next(line.strip() for line in section.splitlines()
+                   if line.strip().startswith('{"id":'))
+    record = timeline_from_json(json.loads(example))
+    assert record.gen == 2 and record.lineage[0] == ("", 8)
+    assert f"at most {MAX_TIMELINE_BYTES} bytes" in section
+    assert f"at most {MAX_LINEAGE} entries" in section
+    assert '"format":"asyncckpt-timeline"' in section

@@ -17,6 +17,7 @@ Environment:
     MN_HOLD     "STEP:RANK,RANK": those ranks do not save STEP; they write the marker
                 hold-<STEP>-rank<R> and sleep until killed (a node that never announces)
     MN_KEEP_LAST  retention passed to the Checkpointer (default: keep all)
+    MN_RESTORE  save mode: the Checkpointer first restores this step (a new timeline)
     MN_VIA      "dcp": save through dcp.save with asyncckpt's StorageWriter and load through
                 dcp.load with its StorageReader, instead of the Checkpointer / asyncckpt.load
 
@@ -122,6 +123,10 @@ def save(out: Path) -> int:
     ckpt = asyncckpt.Checkpointer(root, model=model, optimizer=optim,
                                   options=asyncckpt.CheckpointerOptions(keep_last=keep_last))
     done, failed = 0, False
+    if os.environ.get("MN_RESTORE"):
+        done = int(os.environ["MN_RESTORE"])
+        assert ckpt.restore(step=done) == done
+        result["timeline"] = ckpt.timeline.to_json() if ckpt.timeline else None
     for step in steps:
         train(model, optim, range(done, step))
         done = step

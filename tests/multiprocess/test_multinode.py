@@ -317,3 +317,29 @@ def test_two_nodes_commit_one_step_to_one_bucket(tmp_path, s3_root, via):
     assert check.returncode == 0, check.stdout + check.stderr
     run(tmp_path, "s3-load", 1, 3, "load", s3_root, env={"MN_VIA": "dcp"} if via == "dcp" else {})
     assert all(r["checked"] == [2, 5] for r in results(tmp_path, "s3-load", 3).values())
+
+
+def test_two_nodes_restore_an_older_step_and_begin_one_timeline(tmp_path):
+    """2 nodes x 2 ranks save 2, 4, 6; a second launch restores 2 on every rank and saves
+    3 and 4: every rank carries the one timeline rank 0 drew, the leader writes one
+    timeline file, the old 4 is replaced without replace=True, the newest is the new 4
+    and 6 is abandoned."""
+    from asyncckpt.read.resolve import current_timeline
+    from asyncckpt.storage.timeline import newest_live
+    root = tmp_path / "ckpt"
+    run(tmp_path, "first", 2, 2, "save", root, env={"MN_STEPS": "2,4,6"})
+    old_four = manifest(root / "step-00000004")["created"]
+    run(tmp_path, "again", 2, 2, "save", root, env={"MN_STEPS": "3,4", "MN_RESTORE": "2"})
+    found = results(tmp_path, "again", 4)
+    starts = {json.dumps(r["timeline"]) for r in found.values()}
+    assert len(found) == 4 and len(starts) == 1, starts
+    ident, at, based_on = json.loads(starts.pop())
+    assert (at, based_on) == (2, 0)
+    assert all(s["ok"] for r in found.values() for s in r["steps"].values())
+    record = current_timeline(root)
+    assert (record.id, record.gen, record.lineage) == (ident, 1, (("", 2),))
+    assert [manifest(root / f"step-{s:08d}").get("timeline", {}).get("id", "")
+            for s in (2, 3, 4, 6)] == ["", ident, ident, ""]
+    assert manifest(root / "step-00000004")["created"] != old_four
+    assert newest_live(PosixStorage(root)) == 4
+    assert verify_exit(root).returncode == 0
