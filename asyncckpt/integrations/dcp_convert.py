@@ -42,10 +42,11 @@ def load_whole(checkpoint_id: str | os.PathLike[str], *, step: int | None = None
             UntrustedPickleError, a missing step...).
     """
     if step is None:
-        reader = StorageReader(limits=limits, trust_pickles=trust_pickles)
+        reader = StorageReader(limits=limits, trust_pickles=trust_pickles, restore=False)
         reader.reset(checkpoint_id)  # every form `dcp.load`'s checkpoint_id takes
     else:
-        reader = StorageReader(checkpoint_id, step, limits=limits, trust_pickles=trust_pickles)
+        reader = StorageReader(checkpoint_id, step, limits=limits, trust_pickles=trust_pickles,
+                               restore=False)
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys),
                      no_dist=True)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from asyncckpt.errors import UnsupportedStateError
+from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.torchutil.dtensor import Chunk
 
 LAYOUTS_KEPT = 16  # final plans whose layouts are kept (one per root and structure in use)
@@ -42,9 +43,11 @@ LAYOUTS_KEPT = 16  # final plans whose layouts are kept (one per root and struct
 
 @dataclasses.dataclass(frozen=True)
 class Catalogue:
-    """Sent with every rank's final plan: each tensor of the checkpoint, (dtype, size)."""
+    """Sent with every rank's final plan: each tensor of the checkpoint, (dtype, size),
+    and the timeline start every rank's save carries (dcp_timeline.py)."""
 
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    timeline: TimelineStart | None = None
 
 
 class CachingPlanner(DefaultSavePlanner):

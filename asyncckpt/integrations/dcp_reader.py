@@ -46,8 +46,10 @@ from torch.futures import Future
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, UntrustedPickleError
+from asyncckpt.format.layout import step_dir_name
 from asyncckpt.format.tree import unflatten
 from asyncckpt.integrations.dcp_ids import STEP_ID, checkpoint_location
+from asyncckpt.integrations.dcp_timeline import record_load
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.storage.location import Location, is_dir
 from asyncckpt.storage.registry import storage_at
@@ -133,7 +135,8 @@ class StorageReader(dcp.StorageReader):
     checkpoint into `sd`, DCP's planner resharding, every byte verified."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
-                 limits: ReadLimits | None = None, trust_pickles: bool = False) -> None:
+                 limits: ReadLimits | None = None, trust_pickles: bool = False,
+                 restore: bool = True) -> None:
         """Args:
             root: a root (its newest step, or `step`) or a checkpoint directory; a
                 `checkpoint_id` given to `dcp.load` replaces it (ROOT/step-N, a root,
@@ -145,8 +148,13 @@ class StorageReader(dcp.StorageReader):
                 checkpoints whose every writer you trust. Default: they are loaded with
                 torch's `weights_only` unpickler, and one that needs more is an
                 `UntrustedPickleError` naming its key (inside DCP's CheckpointException).
+            restore: a load through this reader is a restore: a `StorageWriter` save to
+                the same root later in this process continues from the step loaded,
+                abandoning the root's steps above it (dcp_timeline.py). False for a
+                read that is no resume (a conversion, an evaluation of an older step).
         """
         self.root = None if root is None else checkpoint_location(root)
+        self.restore = restore
         self.step = step
         self.limits = limits
         self.trust_pickles = trust_pickles
@@ -222,6 +230,8 @@ class StorageReader(dcp.StorageReader):
                 reads.flush()
                 for item, target in tensors:
                     planner.commit_tensor(item, target)
+            if self.restore:
+                _record_load(ckpt)
         finally:
             self._close()
         done: Future[None] = Future()
@@ -253,6 +263,13 @@ class StorageReader(dcp.StorageReader):
         if self._index is not None:
             self._index.ckpt.close()
             self._index = None
+
+
+def _record_load(ckpt: Checkpoint) -> None:
+    """Remember that this process restored `ckpt` (a step directory of a root)."""
+    directory = ckpt.directory
+    if directory.name == step_dir_name(ckpt.step):
+        record_load(directory.parent, ckpt.step)
 
 
 def _object_bytes(ckpt: Checkpoint, value: Any, key: str, trust_pickles: bool) -> bytes:

@@ -54,6 +54,7 @@ from asyncckpt.integrations.dcp_ids import (
 )
 from asyncckpt.integrations.dcp_outcome import for_dcp, publish_outcome, relay_outcome
 from asyncckpt.integrations.dcp_plan import CachingPlanner, Catalogue, layout
+from asyncckpt.integrations.dcp_timeline import generation, start_for
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client, shared_client
@@ -185,7 +186,8 @@ class StorageWriter(dcp.StorageWriter):
                 if item.tensor_data is not None:
                     data = item.tensor_data
                     tensors.setdefault(item.index.fqn, (data.properties.dtype, tuple(data.size)))
-        catalogue = Catalogue(tensors)
+        # the coordinator draws the timeline start after a recorded load (dcp_timeline.py)
+        catalogue = Catalogue(tensors, start_for(self._target[0]))
         return [dataclasses.replace(p, items=items, storage_data=catalogue)
                 for p, items in zip(plans, _objects_to_lowest_holder(plans))]
 
@@ -198,8 +200,11 @@ class StorageWriter(dcp.StorageWriter):
                              "checkpoint_id ROOT/step-N")
         state, results = self._rank_state(plan, planner)
         client = self._connect(root, sum(r.size_in_bytes for r in results))
+        timeline = (plan.storage_data.timeline if isinstance(plan.storage_data, Catalogue)
+                    else None)
         handle = client.save(step, state, keep_last=self.options.keep_last,
-                             keep_every=self.options.keep_every, replace=self.options.replace)
+                             keep_every=self.options.keep_every, replace=self.options.replace,
+                             timeline=timeline)
         # DCP tells the outcome itself (finish() on the coordinator raises on every rank,
         # the async future): the client's next save must not raise it a second time
         mark_told(handle)
@@ -267,7 +272,9 @@ class StorageWriter(dcp.StorageWriter):
         try:
             # planned once per structure (dcp_plan.py): the plan is what stage() blocks
             # on besides the copy
-            dcp.save(state_dict, storage_writer=self, planner=CachingPlanner(str(self._target[0])))
+            root = self._target[0]
+            dcp.save(state_dict, storage_writer=self,
+                     planner=CachingPlanner(f"{root}|{generation(root)}"))
         finally:
             self._staging = False
         handle = self._handle

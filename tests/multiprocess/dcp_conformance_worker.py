@@ -4,6 +4,7 @@ re-saving a checkpoint_id with `overwrite=True` (dcp.save and dcp.async_save),
 plan) then of a structure only rank 1 changed.
 
     python dcp_conformance_worker.py save OUT_DIR
+    python dcp_conformance_worker.py timeline OUT_DIR   save 8, 10, 12; load 8; save 10, 11
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ASYNCCKPT_ADDRESS, CKPT_ROOT.
 Prints "OK" on success; any failure raises (non-zero exit).
@@ -47,10 +48,22 @@ def save(out: Path, root: Path) -> None:
     dcp.async_save(state(8.0, extra=True), storage_writer=StorageWriter(root, 8)).result()
 
 
+def timeline(out: Path, root: Path) -> None:
+    """8, 10, 12 saved; a restore from 8 (every rank's dcp.load); 10 saved again, async."""
+    from asyncckpt.dcp import StorageReader
+    for step in (8, 10, 12):
+        dcp.save(state(float(step)), storage_writer=StorageWriter(root, step))
+    target = state(0.0)
+    dcp.load(target, storage_reader=StorageReader(root, 8))
+    assert target["step"] == 8, target
+    dcp.async_save(state(110.0), storage_writer=StorageWriter(root, 10)).result()
+    dcp.save(state(111.0), storage_writer=StorageWriter(root, 11))
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
-    {"save": save}[mode](out, Path(os.environ["CKPT_ROOT"]))
+    {"save": save, "timeline": timeline}[mode](out, Path(os.environ["CKPT_ROOT"]))
     dist.barrier()
     print("OK", mode, dist.get_rank())
     leave()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from worlds import saved_by_world
+from conftest import running_writer
+from worlds import run_world, saved_by_world
 
 import asyncckpt
 from asyncckpt.format.layout import step_dir_name
@@ -45,3 +46,17 @@ def test_a_structure_changed_on_one_rank_is_in_every_ranks_part(root):
         got = asyncckpt.load(root, step=8, rank=rank)
         assert torch.equal(got["late"], torch.full((5,), 8.0)), rank
     assert "late" not in asyncckpt.load(root, step=7, rank=0)
+
+
+def test_a_restore_of_an_older_step_on_every_rank_resumes_from_it(tmp_path):
+    """Every rank's dcp.load of step 8 records the restore; the coordinator draws the
+    timeline id in its plan, so both ranks' saves of 10 carry the same one (else the
+    step fails): the new 10 and 11 are newest, the abandoned 12 never again."""
+    with running_writer(tmp_path, codec="zstd") as w:
+        run_world(2, "timeline", tmp_path, {"ASYNCCKPT_ADDRESS": w.address,
+                                            "CKPT_ROOT": str(w.root)}, WORKER)
+    root = w.root
+    newest = asyncckpt.load(root)
+    assert newest["step"] == 111 and torch.equal(newest["shared"], torch.full((4,), 111.0))
+    assert asyncckpt.load(root, step=10)["step"] == 110
+    assert asyncckpt.verify(root / step_dir_name(10)).ok

@@ -1,0 +1,94 @@
+"""Timelines through PyTorch DCP: a `dcp.load` of step N, then `dcp.save`s, resume from N.
+
+DCP has no restore verb: a job that resumes from an older step loads it with
+`dcp.load` and saves on. So the process remembers its loads: a `StorageReader` that
+read step N of root R records (R, N, the gen of R's current timeline then); a
+`StorageWriter` saving to R later in this process carries a `TimelineStart` forked at
+N, whose first commit begins a new timeline and abandons R's steps above N (the next
+save of an abandoned step number replaces it without `overwrite`). The start's id is
+drawn once per recorded load, by the coordinator while it makes the global plan, and
+sent to every rank inside its plan, so every rank of the step carries the same one;
+every later save on R carries it too (once current, a start is an ordinary save) until
+another load of R is recorded.
+
+The hazard is DCP's, not ours to guess: a load of an older step for any purpose (an
+evaluation in the training process) followed by a save on the same root is a resume
+from that step. Loading the newest step abandons nothing.
+
+Every rank records its own load; DCP's save plan is cached by a key that includes
+`generation(R)`, so a new load changes the key on every rank that made it, and the
+plan (with its timeline start) is made anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+from asyncckpt.format.timeline import TimelineStart, new_timeline_id
+from asyncckpt.read.resolve import current_timeline
+from asyncckpt.storage.location import Location
+
+
+@dataclasses.dataclass
+class _Load:
+    step: int
+    gen: int
+    count: int                          # loads of this root recorded in this process
+    start: TimelineStart | None = None  # drawn by the coordinator's first save after it
+
+
+_loads: dict[str, _Load] = {}
+_lock = threading.Lock()
+
+
+def _key(root: Location) -> str:
+    return str(Path(root).resolve()) if isinstance(root, Path) else str(root)
+
+
+def record_load(root: Location, step: int) -> None:
+    """This process loaded committed step `step` of checkpoint root `root`.
+
+    Raises:
+        CorruptCheckpointError: the root's timeline file is damaged.
+    """
+    gen = current_timeline(root).gen
+    with _lock:
+        before = _loads.get(_key(root))
+        _loads[_key(root)] = _Load(step, gen, 1 + (before.count if before else 0))
+
+
+def generation(root: Location | None) -> int:
+    """How many loads of `root` this process recorded (0: none): part of the plan cache
+    key, so a load makes the next save's plan anew."""
+    if root is None:
+        return 0
+    with _lock:
+        load = _loads.get(_key(root))
+        return 0 if load is None else load.count
+
+
+def start_for(root: Location | None) -> TimelineStart | None:
+    """The timeline start that saves to `root` carry: None when this process loaded
+    nothing of it; else the start forked at the step loaded last, drawn on the first
+    call after that load (the coordinator's, whose plan hands it to every rank)."""
+    if root is None:
+        return None
+    with _lock:
+        load = _loads.get(_key(root))
+        if load is None:
+            return None
+        if load.start is None:
+            load.start = TimelineStart(new_timeline_id(), load.step, load.gen)
+        return load.start
+
+
+def forget(root: Location | None = None) -> None:
+    """Forget the recorded loads of `root` (None: of every root): later saves to it
+    continue its current timeline."""
+    with _lock:
+        if root is None:
+            _loads.clear()
+        else:
+            _loads.pop(_key(root), None)

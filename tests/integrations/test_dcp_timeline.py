@@ -1,0 +1,98 @@
+"""Timelines through PyTorch DCP (asyncckpt/integrations/dcp_timeline.py): a `dcp.load` of
+an older step followed by `dcp.save`s resumes from it: the steps above it are
+abandoned, never newest again, and their numbers are saved over without `overwrite`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import asyncckpt
+from asyncckpt.dcp import StorageReader, StorageWriter, dcp_to_torch_save
+from asyncckpt.errors import StepAlreadyCommittedError
+from asyncckpt.integrations import dcp_timeline
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture
+def codec() -> str:
+    return "zstd"
+
+
+@pytest.fixture(autouse=True)
+def no_loads_recorded():
+    dcp_timeline.forget()
+    yield
+    dcp_timeline.forget()
+
+
+def full(value: float) -> dict:
+    return {"w": torch.full((6,), value), "step": int(value)}
+
+
+def save(root, step, value, client, asynchronously=False) -> None:
+    writer = StorageWriter(root, step, client=client)
+    if asynchronously:
+        dcp.async_save(full(value), storage_writer=writer).result(timeout=60)
+    else:
+        dcp.save(full(value), storage_writer=writer)
+
+
+def newest(root) -> tuple[int, float]:
+    loaded = asyncckpt.load(root)
+    return loaded["step"], float(loaded["w"][0])
+
+
+@pytest.mark.parametrize("asynchronously", [False, True], ids=["save", "async_save"])
+def test_a_load_of_an_older_step_then_saves_resume_from_it(writer, client, asynchronously):
+    root = writer.root
+    for step in (8, 10, 12):
+        save(root, step, step, client)
+    target = {"w": torch.zeros(6), "step": 0}
+    dcp.load(target, storage_reader=StorageReader(root, 8))
+    assert target["step"] == 8
+    save(root, 9, 9.5, client, asynchronously)
+    assert newest(root) == (9, 9.5)  # 10 and 12 are abandoned: never newest again
+    save(root, 10, 10.5, client, asynchronously)  # an abandoned number: no overwrite needed
+    assert newest(root) == (10, 10.5)
+    assert float(asyncckpt.load(root, step=10)["w"][0]) == 10.5
+    save(root, 11, 11.5, client, asynchronously)  # the same start, now the current timeline
+    assert newest(root) == (11, 11.5)
+    listed = subprocess.run([sys.executable, "-m", "asyncckpt", "ls", str(root)],
+                            capture_output=True, text=True)
+    line12 = next(line for line in listed.stdout.splitlines() if line.split()[:1] == ["12"])
+    assert "abandoned" in line12, listed.stdout
+    # a step of the new timeline is live: saving it again still needs overwrite
+    with pytest.raises(CheckpointException) as caught:
+        save(root, 10, 0.0, client)
+    assert isinstance(caught.value.failures[0][0], StepAlreadyCommittedError)
+
+
+def test_loading_the_newest_step_abandons_nothing(writer, client):
+    root = writer.root
+    for step in (1, 2):
+        save(root, step, step, client)
+    dcp.load({"w": torch.zeros(6), "step": 0}, storage_reader=StorageReader(root))
+    save(root, 3, 3, client)
+    assert newest(root) == (3, 3.0)
+    assert [asyncckpt.load(root, step=s)["step"] for s in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_a_read_that_is_no_restore_forks_nothing(writer, client, tmp_path):
+    root = writer.root
+    for step in (1, 2, 3):
+        save(root, step, step, client)
+    dcp.load({"w": torch.zeros(6), "step": 0},
+             storage_reader=StorageReader(root, 1, restore=False))
+    dcp_to_torch_save(f"{root}/step-2", tmp_path / "out.pt")  # a conversion reads alone
+    save(root, 4, 4, client)
+    assert newest(root) == (4, 4.0)
+    with pytest.raises(CheckpointException) as caught:  # 3 is live: no silent replace
+        save(root, 3, 0.0, client)
+    assert isinstance(caught.value.failures[0][0], StepAlreadyCommittedError)
