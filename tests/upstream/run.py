@@ -7,11 +7,11 @@ asyncckpt's, side by side (`make test-dcp-upstream`).
 `fetch` puts each upstream file at its pinned commit under build/upstream/src/ (from
 GitHub, or from DIR/<owner>/<repo>/<path>, a copy made elsewhere); the files are not kept
 in this repository. A run writes each file with its swap lines replaced (SOURCES below,
-each new line marked `# asyncckpt: swap`; the original line must be there, else the run
-stops) to build/upstream/run/, runs it twice through drive.py (with
-ASYNCCKPT_UPSTREAM_STORAGE=dcp, then asyncckpt), and prints the pass table: every test,
-its outcome with DCP's own storage and with asyncckpt's, and the tests that no storage
-swap can pass (UNFAIR, with the reason). The table and each run's log go to
+each new line marked `# asyncckpt: swap`; every line equal to the original is replaced,
+and one must be there, else the run stops) to build/upstream/run/, runs it twice through
+drive.py (ASYNCCKPT_UPSTREAM_STORAGE=dcp, then asyncckpt), and prints the pass table:
+every test, its outcome with DCP's own storage and with asyncckpt's, and the tests that
+no storage swap can pass (UNFAIR, with the reason). The table and each run's log go to
 build/upstream/. Exit status 1 when a fair test that passes with DCP's own storage does
 not pass with asyncckpt's.
 """
@@ -88,6 +88,21 @@ SOURCES = (
                ("        model = FSDP(MyTestModule().cuda())",
                 "        model = FSDP(MyTestModule())"),
            )),
+    Source("pytorch/pytorch", "9c491bc34c6ab131b18cf51db02636d65ffd3472",
+           "test/distributed/checkpoint/e2e/test_e2e_save_and_load.py", (
+               (_LAST_IMPORT, "from swap import dcp as DCP, skip_if_lt_x_gpu, with_temp_dir"),
+               ('        return torch.rand(8, 8, device="cuda")',
+                '        return torch.rand(8, 8, device="cpu")'),
+               ('        self.data = torch.rand(10, 10, device="cuda")',
+                '        self.data = torch.rand(10, 10, device="cpu")'),
+               ('        return "cpu:gloo,cuda:nccl"', '        return "cpu:gloo"'),
+               ("        dummy_model = TestDummyModel().cuda()",
+                "        dummy_model = TestDummyModel()"),
+               ('                    torch.ones(2, dtype=torch.int64, device="cuda")',
+                '                    torch.ones(2, dtype=torch.int64, device="cpu")'),
+               ('                    torch.arange(2, dtype=torch.int64, device="cuda")',
+                '                    torch.arange(2, dtype=torch.int64, device="cpu")'),
+           )),
     Source("pytorch/torchtitan", "1fdf90d3f9b756ef709ce262bc839f1dab679b5e",
            "tests/unit_tests/test_checkpoint.py", (
                ("from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager",
@@ -135,12 +150,13 @@ def swapped(source: Source) -> Path:
     """The file with its swap lines replaced, in a folder of its own."""
     text = src_path(source).read_text()
     lines = text.split("\n")
-    for old, new in source.swaps:
+    for old, new in source.swaps:  # every line equal to `old` (a device line may repeat)
         hits = [i for i, line in enumerate(lines) if line == old]
-        if len(hits) != 1:
-            raise SystemExit(f"{source.path}@{source.commit[:12]}: swap line {old!r} found "
-                             f"{len(hits)} times (expected once): not the pinned file?")
-        lines[hits[0]] = new + MARK
+        if not hits:
+            raise SystemExit(f"{source.path}@{source.commit[:12]}: swap line {old!r} not "
+                             "found: not the pinned file?")
+        for i in hits:
+            lines[i] = new + MARK
     out = BUILD / "run" / source.name
     out.mkdir(parents=True, exist_ok=True)
     (out / Path(source.path).name).write_text("\n".join(lines))
