@@ -162,8 +162,9 @@ class CheckpointManager(titan.CheckpointManager):
 
 
 def checkpoint_kind(checkpoint_id: str) -> str | None:
-    """"asyncckpt" for an asyncckpt step (its directory, or `ROOT/step-N` of a committed
-    step), "dcp" for a DCP-format folder (`.metadata`), else None."""
+    """"asyncckpt" for an asyncckpt step (its directory, `ROOT/step-N` of a committed
+    step, or a root holding one: a seed given as `initial_load_path`), "dcp" for a
+    DCP-format folder (`.metadata`), else None."""
     if filesystem.isfile(filesystem.join(checkpoint_id, MANIFEST_NAME)):
         return "asyncckpt"
     if filesystem.isfile(filesystem.join(checkpoint_id, METADATA_NAME)):
@@ -171,7 +172,10 @@ def checkpoint_kind(checkpoint_id: str) -> str | None:
     try:
         root, step = parse_checkpoint_id(checkpoint_id)
     except (ValueError, CheckpointError):
-        return None
+        storage = _storage(checkpoint_id)
+        has_steps = storage is not None and storage.is_dir(storage.root) and bool(
+            storage.committed_steps())
+        return "asyncckpt" if has_steps else None
     storage = _storage(str(root))
     if storage is not None and storage.is_file(root / step_dir_name(step) / MANIFEST_NAME):
         return "asyncckpt"

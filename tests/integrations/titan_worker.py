@@ -140,6 +140,14 @@ def dcp_folder(root: str) -> None:
     again = manager(root, "disabled", model3, optim3, lr3, loader3)
     assert again.load() is True and same(snapshot(model3, optim3, lr3), want4)
     again.close()
+    model5, optim5, lr5, loader5 = build(seed=5)  # a fresh job seeded from the root's newest
+    config = CheckpointManager.Config(enable=True, folder=os.path.join(root + "-next"),
+                                      initial_load_path=root, initial_load_model_only=True)
+    seeded = CheckpointManager(config, dataloader=loader5, model_parts=[model5],
+                               optimizers=optim5, lr_schedulers=lr5, states={},
+                               sd_adapter=None, base_folder="")
+    assert seeded.load() is True and same(model5.state_dict(), want4["model"])
+    seeded.close()
     assert writer.stop() == 0
 
     hostile = os.path.join(os.path.dirname(root), "hostile")
