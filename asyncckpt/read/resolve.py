@@ -23,6 +23,7 @@ absent: a load that finds it so waits a moment for the new one (`Storage.wait_fo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ from asyncckpt.format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from asyncckpt.format.records import Ref
 from asyncckpt.format.timeline import Timeline, TimelineStart, new_timeline_id
 from asyncckpt.storage.paths import Location
-from asyncckpt.storage.registry import shared_storage, storage_at
+from asyncckpt.storage.registry import parse, shared_storage, storage_at
 from asyncckpt.storage.timeline import live_steps, newest_live, read_current
 
 # Checkpoint.examine: (directory, limits=...) -> (the checkpoint or None, its problems)
@@ -137,17 +138,18 @@ def _intact(directory: Location, limits: ReadLimits, failed: Ref | None,
             for part in opened.manifest.ranks for f in part.frames)
 
 
-def current_timeline(root: Location) -> Timeline:
-    """The current timeline of checkpoint root `root` (the root timeline where it never
-    forked).
+def current_timeline(root: str | os.PathLike[str]) -> Timeline:
+    """The current timeline of checkpoint root `root` (a directory or a URL; the root
+    timeline where it never forked).
 
     Raises:
         CorruptCheckpointError: its timeline file is damaged (the error names it).
     """
-    return read_current(shared_storage(root))
+    return read_current(shared_storage(parse(root)))
 
 
-def timeline_start(root: Location, at: int, ident: str | None = None) -> TimelineStart:
+def timeline_start(root: str | os.PathLike[str], at: int, ident: str | None = None
+                   ) -> TimelineStart:
     """What the saves of a job that has just restored step `at` of `root` carry
     (`Client.save(..., timeline=)`): the first of them to commit begins a new timeline
     forked at `at`, abandoning the root's steps above it. Call it when the restore reads

@@ -119,3 +119,16 @@ def live_steps(storage: Storage, steps: list[int], current: Timeline | None = No
     if current.is_root:
         return list(steps)
     return [s for s in steps if is_live(storage, s, current) is not False]
+
+
+def abandoned_steps(storage: Storage, current: Timeline | None = None) -> list[int]:
+    """The committed steps known to be abandoned under `current` (default: the root's
+    current timeline); none where the root never forked.
+
+    Raises:
+        CorruptCheckpointError: the root's timeline file is damaged.
+    """
+    current = read_current(storage) if current is None else current
+    if current.is_root:
+        return []
+    return [s for s in storage.committed_steps() if is_live(storage, s, current) is False]

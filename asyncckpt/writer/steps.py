@@ -45,12 +45,13 @@ from asyncckpt.format.layout import (
 )
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import RankPart
+from asyncckpt.format.timeline import Timeline
 from asyncckpt.ipc.messages import NodePart
 from asyncckpt.ipc.options import NO_OPTIONS, SaveOptions, is_step
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.paths import Location
-from asyncckpt.storage.timeline import write_current
+from asyncckpt.storage.timeline import abandoned_steps, write_current
 from asyncckpt.writer import commit
 from asyncckpt.writer.committer import Check, Committer, abandon
 from asyncckpt.writer.dedup import DedupIndex
@@ -111,6 +112,7 @@ class Steps:
                                    index=index)
         self._one = OneNode(self)
         self.nodes = SeveralNodes(self)
+        self._no_targets(None)
 
     def _policy(self, current: Step) -> OneNode | SeveralNodes:
         return self.nodes if current.coordinated else self._one
@@ -215,6 +217,20 @@ class Steps:
         self.open[step] = current
         return current
 
+    def _no_targets(self, current: Timeline | None) -> None:
+        """Make the steps abandoned under `current` (default: the root's) no dedup
+        targets: a save of the live history must not reference them, or retention
+        could only retire them and a new save of their number could not replace them."""
+        if self.index is None:
+            return
+        try:
+            abandoned = abandoned_steps(self.storage, current)
+        except CorruptCheckpointError as e:  # saves report it; nothing to skip here
+            log.warning("incremental: %s", e)
+            return
+        for step in abandoned:
+            self.index.replacing(step)
+
     def _begin_timeline(self, step: int, settled: Settled) -> None:
         """Write the root's timeline file for the timeline `step`'s save begins, now,
         before any of its bytes: a job that restored an older step and dies during its
@@ -231,6 +247,7 @@ class Steps:
         log.info("step %d begins %s, forked from step %s", step, settled.record.describe(),
                  settled.record.lineage[-1][1] if settled.record.lineage else "-")
         faults.point("timeline_written")
+        self._no_targets(settled.record)
 
     def end(self, step: int, part: RankPart, stats: dict) -> None:
         """Record a rank's finished, fsynced part; the step's policy (nodes.py) decides

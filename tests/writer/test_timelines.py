@@ -167,19 +167,28 @@ def test_keep_all_keeps_abandoned_steps_and_keep_from_protects_them(root: Path) 
     assert committed(root) == [8, 9, 11, 12]  # 10 abandoned, deleted; 12 protected
 
 
-def test_an_abandoned_step_referenced_by_a_kept_one_is_retired_not_deleted(root: Path) -> None:
-    """Incremental saves: live 13 references abandoned 12's frames (same bytes): 12 is
-    retired (data kept), 13 loads."""
-    frozen = {"w": torch.randn(300_000, generator=torch.Generator().manual_seed(5))}
+def test_saves_of_the_live_history_never_reference_abandoned_steps(root: Path) -> None:
+    """Incremental saves: abandoned 10 holds the bytes of tensor B; after the fork at 8,
+    13 (holding B again) references no frame of 10, from the fork on and after a writer
+    restart, so retention deletes 10 outright (it would only retire it) and a new save
+    of 10 could replace it."""
+    a, b = (torch.randn(300_000, generator=torch.Generator().manual_seed(i)) for i in (5, 6))
     with InProcessWriter(root, codec="zstd", incremental=True) as writer, \
             asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
-        client.save(8, {**frozen, "s": 8}).wait(60)
-        client.save(12, {**frozen, "s": 12}).wait(60)
+        client.save(8, {"w": a}).wait(60)
+        client.save(10, {"w": b}).wait(60)
+        client.save(12, {"w": b}).wait(60)
+        assert read_manifest(step_dir(root, 12)).referenced_steps == {10}
         start = timeline_start(root, 8)
-        client.save(9, {"w": torch.zeros(10), "s": 9}, timeline=start).wait(60)
-        client.save(13, {**frozen, "s": 13}, timeline=start, keep_last=3).wait(60)
-    assert committed(root) == [8, 9, 13]
-    assert_same({**frozen, "s": 13}, asyncckpt.load(root))
+        client.save(9, {"w": torch.zeros(10)}, timeline=start).wait(60)
+        client.save(13, {"w": b}, timeline=start).wait(60)
+    assert read_manifest(step_dir(root, 13)).referenced_steps == set()
+    with InProcessWriter(root, codec="zstd", incremental=True) as writer, \
+            asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+        client.save(11, {"w": b, "x": 1}, timeline=start, keep_last=3).wait(60)
+    assert read_manifest(step_dir(root, 11)).referenced_steps == set()  # 13 is newer
+    assert committed(root) == [8, 9, 11, 13] and PosixStorage(root).retired_steps() == []
+    assert_same({"w": b}, asyncckpt.load(root))
     assert asyncckpt.verify(root).ok
 
 
@@ -249,3 +258,39 @@ def test_a_job_restarted_many_times_keeps_a_short_lineage(root: Path) -> None:
         record = current_timeline(root)
         assert record.gen == step - 1 and len(record.lineage) == 1, record
         assert committed(root) == [step] and asyncckpt.load(root)["seed"] == step
+
+
+def test_timelines_on_an_object_store(s3_root: str) -> None:
+    """The same rules through the Storage seam on a bucket: the root file is one put,
+    the newest is the newest live step, the abandoned 10 is replaced by a conditional
+    manifest put, 12 is never the newest."""
+    import threading
+
+    from asyncckpt.config import WriterKnobs
+    from asyncckpt.storage.registry import open_storage
+    from asyncckpt.writer.server import WriterServer
+
+    def save_s3(steps: list[int], seed: int = 0, **kwargs) -> None:
+        server = WriterServer(s3_root, WriterKnobs.from_env(codec="raw"))
+        serving = threading.Thread(target=server.serve_forever, daemon=True)
+        serving.start()
+        try:
+            with asyncckpt.connect(server.address, rank=0, world_size=1) as client:
+                for step in steps:
+                    client.save(step, state(step + seed), **kwargs).wait(60)
+        finally:
+            server.stop()
+            serving.join(30)
+
+    save_s3([8, 10, 12])
+    start = timeline_start(s3_root, 8)
+    save_s3([9], seed=100, timeline=start)
+    assert asyncckpt.load(s3_root)["seed"] == 109
+    storage = open_storage(s3_root)
+    assert newest_live(storage) == 9 and storage.read_latest() == 9
+    assert current_timeline(s3_root).id == start.id
+    save_s3([10], seed=100, timeline=start)
+    assert_same(state(110), asyncckpt.load(s3_root))
+    assert_same(state(12), asyncckpt.load(s3_root, step=12))
+    save_s3([11], seed=100, timeline=start, keep_last=2)
+    assert open_storage(s3_root).committed_steps() == [10, 11]
