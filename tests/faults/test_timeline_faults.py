@@ -7,6 +7,7 @@ old 10 is abandoned: replaced without asking)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,11 @@ def run_job(root: Path, restore: int | None, upto: int, values: dict[int, float]
     return restored
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+# `make torture` runs more: TIMELINE_TORTURE_SEEDS=50 (each seed a few kills, seconds each)
+SEEDS = range(1, 1 + int(os.environ.get("TIMELINE_TORTURE_SEEDS", "2")))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_a_checkpointer_resumed_from_an_older_step_never_resumes_into_the_abandoned_one(
         root, monkeypatch, seed):
     """8, 10, 12 saved; a job restores 8 and saves 9, 10 with its writer killed at a
