@@ -167,8 +167,9 @@ class Begin(Message):
     tree (tree.py), checked with the reader's rules before any file is opened.
     `options` (SaveOptions) travel as `retention` [keep_last, keep_every] after the
     commit, `replace` a committed step, `keep_from`: retention deletes no step from
-    this one on, and `timeline` [id, at, based_on]: the timeline the save begins. `coordinated`: the nodes agree on the commit through a store (the
-    writer says `durable`, then waits for `commit`); `since` + `unchanged`: the tensors
+    this one on, and `timeline` [id, at, based_on]: the timeline the save begins.
+    `coordinated`: the nodes agree on the commit through a store (the writer says
+    `durable`, then waits for `commit`); `since` + `unchanged`: the tensors
     (indices into `tensors`) the rank claims are unchanged since its step `since`;
     `node` [first rank, count]: the ranks of this rank's node (coordinated saves: the
     writer makes their parts durable as one).
