@@ -64,7 +64,6 @@ from asyncckpt.integrations.dcp_reader import StorageReader
 from asyncckpt.integrations.dcp_writer import StorageWriter, parse_checkpoint_id
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import root_path
-from asyncckpt.storage.paths import ObjectPath
 from asyncckpt.storage.registry import shared_storage
 from asyncckpt.storage.timeline import newest_live
 
@@ -111,7 +110,7 @@ class CheckpointManager(titan.CheckpointManager):
         kind = checkpoint_kind(checkpoint_id)
         if kind == "asyncckpt":
             dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=StorageReader())
-        elif kind == "dcp" and not isinstance(root_path(checkpoint_id), ObjectPath):
+        elif kind == "dcp" and not filesystem.is_remote(checkpoint_id):
             source = Path(checkpoint_id)
             dcp.load(state_dict, checkpoint_id=checkpoint_id,
                      storage_reader=_DcpFolderReader(source), planner=_PlainObjects(source))
