@@ -95,7 +95,7 @@ SOURCES = (
                 '        return torch.rand(8, 8, device="cpu")'),
                ('        self.data = torch.rand(10, 10, device="cuda")',
                 '        self.data = torch.rand(10, 10, device="cpu")'),
-               ('        return "cpu:gloo,cuda:nccl"', '        return "cpu:gloo"'),
+               ('        return "cpu:gloo,cuda:nccl"', '        return "gloo"'),
                ("        dummy_model = TestDummyModel().cuda()",
                 "        dummy_model = TestDummyModel()"),
                ('                    torch.ones(2, dtype=torch.int64, device="cuda")',
@@ -188,6 +188,19 @@ def run_mode(source: Source, folder: Path, mode: str, timeout: float) -> list[di
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    found = collect(records)
+    if timed_out:
+        with open(records, "a") as out:
+            for rec in found:
+                if rec["outcome"] == "crash":
+                    rec["outcome"] = "timeout"
+                    out.write(json.dumps(rec) + "\n")
+    return found
+
+
+def collect(records: Path) -> list[dict]:
+    """The outcome of each test in a run's records: its last; "crash" for a test that
+    started and never ended (run_mode writes "timeout" for the one its timeout cut)."""
     result: dict[str, dict] = {}
     if records.exists():
         for line in records.read_text().splitlines():
@@ -195,8 +208,8 @@ def run_mode(source: Source, folder: Path, mode: str, timeout: float) -> list[di
             result[rec["id"]] = rec
     for rec in result.values():
         if rec["outcome"] == "started":
-            rec["outcome"] = "timeout" if timed_out else "crash"
-            rec["detail"] = f"no outcome (see {log.relative_to(REPO)})"
+            rec["outcome"] = "crash"
+            rec["detail"] = f"no outcome (see {records.with_suffix('.log').relative_to(REPO)})"
     return list(result.values())
 
 
@@ -235,7 +248,7 @@ def table(results: dict[str, dict[str, dict[str, dict]]]) -> tuple[str, bool]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", nargs="?", default="run", choices=("run", "fetch"))
+    parser.add_argument("command", nargs="?", default="run", choices=("run", "fetch", "table"))
     parser.add_argument("--from", dest="given", type=Path, default=None)
     parser.add_argument("--only", nargs="*", default=None, help="file stems to run")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -244,13 +257,9 @@ def main() -> int:
     if args.command == "fetch":
         fetch(args.given)
         return 0
-    # a run of some files (--only) keeps the others' latest outcomes in the table
-    saved = BUILD / "results.json"
-    results: dict[str, dict[str, dict[str, dict]]] = (
-        json.loads(saved.read_text()) if args.only and saved.exists() else {})
     begin = time.monotonic()
     for source in SOURCES:
-        if args.only and source.name not in args.only:
+        if args.command == "table" or (args.only and source.name not in args.only):
             continue
         if not (REPO / source.venv / "bin" / "python").exists():
             print(f"{source.name}: no {source.venv} (make titan-setup): not run")
@@ -261,13 +270,16 @@ def main() -> int:
         for mode in args.modes.split(","):
             t0 = time.monotonic()
             recs = run_mode(source, folder, mode, args.timeout)
-            results.setdefault(source.name, {})[mode] = {r["id"]: r for r in recs}
             passed = sum(r["outcome"] == "pass" for r in recs)
             print(f"{source.name} [{mode}]: {passed}/{len(recs)} pass, "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
-    text, ok = table(results)
+    # the table: every file's latest run in each mode (a run of some files, --only, keeps
+    # the others' outcomes)
+    results = {s.name: {m: {r["id"]: r for r in collect(BUILD / "logs" / f"{s.name}.{m}.jsonl")}
+                        for m in MODES} for s in SOURCES}
+    text, ok = table({name: modes for name, modes in results.items()
+                      if any(modes.values())})
     (BUILD / "results.md").write_text(text)
-    saved.write_text(json.dumps(results, indent=1))
     print(text)
     print(f"wall time {time.monotonic() - begin:.0f} s; table in {BUILD / 'results.md'}")
     return 0 if ok else 1
