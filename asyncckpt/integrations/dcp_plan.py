@@ -51,12 +51,22 @@ class Catalogue:
 
 
 class CachingPlanner(DefaultSavePlanner):
-    """DCP's default save planner with its plan cache, keyed by `key` (one per root),
-    guarded as the module docstring says."""
+    """DCP's default save planner with its plan cache, keyed by `root` and `version` (a
+    new version drops the root's plans of the older one from DCP's class-level caches,
+    which would otherwise keep them for the process's life), guarded as the module
+    docstring says."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, root: str, version: int = 0) -> None:
         super().__init__(enable_plan_caching=True)
-        self._cached_plans_key = f"asyncckpt.dcp:{key}"
+        self._cached_plans_key = key = f"asyncckpt.dcp:{root}|{version}"
+        with _versions_lock:
+            old = _versions.get(root)
+            _versions[root] = key
+        if old is not None and old != key:
+            for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans,
+                          SavePlanner._cached_global_plan, SavePlanner._cached_metadata,
+                          SavePlanner._cached_final_save_plan):
+                cache.pop(old, None)
 
     def create_local_plan(self) -> SavePlan:
         cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
@@ -71,6 +81,10 @@ class CachingPlanner(DefaultSavePlanner):
         if any(p.usable for p in all_plans):
             delta = list(self.global_plan)  # a catalogue spans ranks: all or none anew
         return delta, metadata
+
+
+_versions: dict[str, str] = {}  # root -> the cache key its plans are kept under
+_versions_lock = threading.Lock()
 
 
 def _same_dtypes(plan: SavePlan, cached: SavePlan) -> bool:

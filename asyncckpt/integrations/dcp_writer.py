@@ -274,7 +274,7 @@ class StorageWriter(dcp.StorageWriter):
             # on besides the copy
             root = self._target[0]
             dcp.save(state_dict, storage_writer=self,
-                     planner=CachingPlanner(f"{root}|{generation(root)}"))
+                     planner=CachingPlanner(str(root), generation(root)))
         finally:
             self._staging = False
         handle = self._handle

@@ -74,7 +74,7 @@ def test_a_change_on_some_ranks_gives_every_rank_its_whole_plan():
     structure changes, rank 0's does not. DCP alone would send rank 0 an empty plan
     (keep your cached one), whose catalogue then lacks rank 1's new tensor."""
     key = f"two-ranks-{id(object())}"
-    ranks = [CachingPlanner(f"{key}-0"), CachingPlanner(f"{key}-1")]
+    ranks = [CachingPlanner(f"{key}-0"), CachingPlanner(f"{key}-1")]  # a root each
 
     def local_plans(states: list[dict]) -> list:
         out = []
@@ -93,3 +93,17 @@ def test_a_change_on_some_ranks_gives_every_rank_its_whole_plan():
     assert all(p.usable for p in delta)
     assert [sorted(i.index.fqn for i in p.items) for p in delta] == [["a"], ["b", "c"]]
     assert set(metadata.state_dict_metadata) == {"a", "b", "c"}
+
+
+def test_a_new_version_of_a_roots_plans_drops_the_older_ones():
+    from torch.distributed.checkpoint.planner import SavePlanner
+    root = f"root-{id(object())}"
+    for version in (0, 1):
+        planner = CachingPlanner(root, version)
+        planner.set_up_planner({"a": torch.ones(2)}, is_coordinator=True)
+        delta, _ = planner.create_global_plan([planner.create_local_plan()])
+        planner.finish_plan(delta[0])
+    prefix = f"asyncckpt.dcp:{root}|"
+    keys = {k for k in SavePlanner._cached_final_save_plan if k.startswith(prefix)}
+    assert keys == {f"asyncckpt.dcp:{root}|1"}
+    assert f"asyncckpt.dcp:{root}|0" not in SavePlanner._cached_global_plan
