@@ -232,10 +232,10 @@ def test_verify_root_reads_each_shared_range_once(root, monkeypatch):
     reads: list[tuple] = []
     original = RankReader.read_frame_into
 
-    def counting(self, index, out, tensor=None, scratch=None):
+    def counting(self, index, out, tensor=None, scratch=None, stream=None):
         if self.part.frames[index].raw_offset >= self.part.tensors[0].begin:  # the header is
             reads.append(self.range_key(self.part.frames[index]))  # also compared per step
-        return original(self, index, out, tensor, scratch)
+        return original(self, index, out, tensor, scratch, stream)
     monkeypatch.setattr(RankReader, "read_frame_into", counting)
     report = verify(root)
     assert report.ok
