@@ -6,11 +6,11 @@ dtypes, shapes are all known before a byte is read), so the plan is the same in 
 process that computes it: that is what splits one export over processes (`jobs`) and
 hosts (`part`) without any messages. Each process writes its share of the shards
 (shard_writer.py: reads, verification and conversion overlap the writes, memory is
-twice the largest tensor, never the model), each shard renamed into place whole; the
+two slabs of 16 MiB, never a whole tensor), each shard renamed into place whole; the
 process that finds every share's marker in place once its own are done writes the
 config, tokenizer and index, the index last, so a directory with an index is complete
 (shards an earlier export left there never count: a marker names its export). A
-sharded (DTensor) tensor is assembled from every rank's boxes into one full tensor.
+sharded (DTensor) tensor is gathered from every rank's boxes, slab by slab.
 
 An export into a directory holding an earlier one must never leave a directory that
 `from_pretrained` opens as a mix of the two: it reads the index (or a single
