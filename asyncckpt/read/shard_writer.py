@@ -130,19 +130,20 @@ def batch_for(items: list[Item]) -> int:
 
 def slabs(shape: tuple[int, ...], itemsize: int, limit: int) -> list[Box]:
     """Boxes tiling `shape` in row-major order, each contiguous in it and of `limit`
-    bytes at most (one element at least): blocks of rows, or of one row's elements,
-    fixing the leading indices, where a row is larger than `limit`."""
+    bytes at most (one element at least), of even sizes: blocks of rows, or of one
+    row's elements, fixing the leading indices, where a row is larger than `limit`."""
     if not shape or 0 in shape:
         return [((0,) * len(shape), shape)]
     dim = next((d for d in range(len(shape)) if itemsize * math.prod(shape[d + 1:]) <= limit),
                len(shape) - 1)
-    rows = max(1, limit // (itemsize * math.prod(shape[dim + 1:])))
+    most = max(1, limit // (itemsize * math.prod(shape[dim + 1:])))
+    parts = -(-shape[dim] // most)  # cut as evenly as can be: no sliver after a full slab
+    cuts = [k * shape[dim] // parts for k in range(parts + 1)]
     tail = (0,) * (len(shape) - dim - 1)
     boxes = []
     for outer in _indices(shape[:dim]):
-        for start in range(0, shape[dim], rows):
-            boxes.append(((*outer, start, *tail),
-                          ((1,) * dim + (min(rows, shape[dim] - start),) + shape[dim + 1:])))
+        for start, end in zip(cuts, cuts[1:]):
+            boxes.append(((*outer, start, *tail), ((1,) * dim + (end - start,) + shape[dim + 1:])))
     return boxes
 
 

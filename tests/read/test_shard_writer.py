@@ -29,13 +29,15 @@ MiB = 1 << 20
 @pytest.mark.parametrize("limit", [1, 4, 12, 36, 100, 10_000])
 def test_slabs_tile_a_tensor_in_row_major_order_within_the_limit(shape, limit):
     """Concatenated, the slabs are the tensor in row-major order, each a contiguous
-    box of at most `limit` bytes (or of one element)."""
+    box of at most `limit` bytes (or of one element), of even sizes."""
     full = torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape)
     boxes = shard_writer.slabs(shape, 4, limit)
     pieces = [full[tuple(slice(o, o + n) for o, n in zip(offsets, size))]
               for offsets, size in boxes]
     assert all(p.is_contiguous() for p in pieces)
     assert all(p.numel() * 4 <= limit or p.numel() == 1 for p in pieces)
+    sizes = [p.numel() for p in pieces]
+    assert 2 * min(sizes) >= max(sizes)  # even: no sliver of a read after a full one
     assert torch.equal(torch.cat([p.reshape(-1) for p in pieces]), full.reshape(-1))
 
 
