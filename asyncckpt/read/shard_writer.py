@@ -76,10 +76,6 @@ class Item:
             n *= d
         return element_size(self.dtype) * n
 
-    @property
-    def converted(self) -> bool:
-        return self.dtype != self.leaf.tensor.dtype
-
 
 Piece = tuple[Item, torch.Tensor, bool, list[torch.Tensor]]  # see `_read_ahead`
 Written = tuple[Item, torch.Tensor, bool]  # (item, its next bytes, its last)
