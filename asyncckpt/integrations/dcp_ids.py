@@ -17,7 +17,7 @@ from pathlib import Path
 
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import MAX_STEP
-from asyncckpt.storage.location import Location, root_path
+from asyncckpt.storage.location import Location, ObjectPath, root_path
 from asyncckpt.storage.registry import KNOWN
 
 STEP_ID = re.compile(r"step[-_]?(\d+)")  # a step directory's name: step-N, step_N, stepN
@@ -51,7 +51,7 @@ def checkpoint_target(checkpoint_id: str | os.PathLike[str], step: int | None
         return path.parent, int(m.group(1))
     if step is not None:
         return path, step
-    raise ValueError(f"checkpoint_id {os.fspath(checkpoint_id)!r} names no step: asyncckpt "
+    raise ValueError(f"checkpoint_id {str(checkpoint_id)!r} names no step: asyncckpt "
                      "takes ROOT/step-N (or StorageWriter(root, step) without an id, or a "
                      "root as the id with StorageWriter(step=N))")
 
@@ -65,6 +65,8 @@ def checkpoint_location(checkpoint_id: str | os.PathLike[str]) -> Location:
         CheckpointError: another URL (another host's file://, a scheme no backend
             serves); the message names the forms taken.
     """
+    if isinstance(checkpoint_id, ObjectPath):
+        return checkpoint_id
     text = os.fspath(checkpoint_id)
     if isinstance(text, str) and text[:7].lower() == "file://":
         url = urllib.parse.urlsplit(text)

@@ -60,9 +60,8 @@ SaveFailedError on every rank by this save (sync) or the next one (async).
 AWS environment naming the endpoint and credentials): the root is then
 `s3://bucket/run/asyncckpt/actor`, the marker, tracker and `huggingface/` files are
 objects (written locally in a temporary directory first, then uploaded), and the writer
-logs to a file in the temporary directory (`start_writer`'s default there). Replacing
-a committed step is refused there (no atomic replace without rename): save under a new
-step or into another prefix.
+logs to a file in the temporary directory (`start_writer`'s default there). A save of a
+committed step replaces it there too, in one conditional put of its manifest.
 
 The one change for a verl user: in `verl/workers/engine/fsdp/transformer_impl.py`,
 `from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager`

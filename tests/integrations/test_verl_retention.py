@@ -2,7 +2,7 @@
 one-rank gloo group in this process (the drop-in needs no verl): a kill at any moment
 leaves the tracker naming a step that loads, every committed step's hf_model export
 finishes, and the directories of deleted steps go; the same on an s3:// prefix (a real
-SeaweedFS server), where a committed step is never replaced."""
+SeaweedFS server), where a committed step is replaced in one conditional put."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_loading_a_directory_whose_root_holds_no_step_raises(group, tmp_path):
 def test_an_s3_prefix_holds_steps_marker_tracker_and_hf_files_and_resumes(group, s3_root):
     """verl's layout under `s3://bucket/run`: the root `run/asyncckpt/actor`, each kept
     step's marker and huggingface/ objects, the tracker object; deleted steps' prefixes
-    go; a committed step is not replaced (refused clearly), and a resume is bit-exact."""
+    go; a resume is bit-exact, and a rerun's save of a committed step replaces it."""
     base = root_path(s3_root)
     model, optim, sched = model_and_optimizer()
     m = manager(model, optim, sched, async_save=True, hf_model=True)
@@ -181,11 +181,23 @@ def test_an_s3_prefix_holds_steps_marker_tracker_and_hf_files_and_resumes(group,
     fresh_model, fresh_optim, fresh_sched = model_and_optimizer()
     again = manager(fresh_model, fresh_optim, fresh_sched, async_save=False)
     try:
-        with pytest.raises(asyncckpt.SaveFailedError, match="cannot replace a step atomically"):
-            again.save_checkpoint(str(local), None, 3)
         again.load_checkpoint(str(local))
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     fresh_model.state_dict().values()))
+        assert fresh_sched.state_dict() == sched.state_dict()
+        train(fresh_model, fresh_optim, fresh_sched)  # a rerun that saves step 3 anew
+        again.save_checkpoint(str(local), None, 3, 2)
     finally:
         again.close()
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                 fresh_model.state_dict().values()))
-    assert fresh_sched.state_dict() == sched.state_dict()
+    assert read_bytes(base / verl.TRACKER) == b"3"
+    assert asyncckpt.Checkpointer(f"{s3_root}/asyncckpt/actor").all_steps() == [2, 3]
+    third_model, third_optim, third_sched = model_and_optimizer()
+    third = manager(third_model, third_optim, third_sched, async_save=False)
+    try:
+        third.load_checkpoint(str(local))
+    finally:
+        third.close()
+    assert not torch.equal(fresh_model.state_dict()["lm_head.weight"],
+                           model.state_dict()["lm_head.weight"])
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model.state_dict().values(),
+                                                 third_model.state_dict().values()))
