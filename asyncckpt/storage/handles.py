@@ -162,10 +162,10 @@ class CheckpointDir:
     """A checkpoint directory as one load reads it: its manifest, its listings and its
     files, each by name relative to the directory.
 
-    This base reads by path (`Storage.open_file`, `names`, `read_manifest`): what an
-    object store does, whose steps are never replaced. A
-    backend whose directories can be swapped under a reader (POSIX `replace`) holds the
-    directory open instead, so that every read is of the one version it opened.
+    This base reads by path (`Storage.open_file`, `names`, `read_manifest`), for a
+    backend whose steps are never replaced. A backend whose steps can be replaced under a
+    reader holds the version it opened instead, so that every read is of that one
+    version: POSIX holds the directory open, an object store the manifest's ETag.
 
     Attributes:
         path: the directory (named in errors).
