@@ -47,6 +47,8 @@ from asyncckpt.storage.handles import CheckpointDir, DataFile, ReadFile
 from asyncckpt.storage.paths import Location, ObjectPath
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from asyncckpt.config import ReadLimits
     from asyncckpt.format.manifest import Manifest
 
@@ -321,7 +323,6 @@ class Storage(ABC):
             CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
         """
         from asyncckpt.config import ReadLimits
-        from asyncckpt.format.manifest import parse_manifest
         limits = limits or ReadLimits.from_env()
         where = str(directory / MANIFEST_NAME)
 
@@ -335,17 +336,7 @@ class Storage(ABC):
                 raise CorruptCheckpointError(f"{name} read short")
             return bytes(data)
 
-        try:
-            data = read(MANIFEST_NAME, limits.max_manifest_bytes)
-        except OSError as e:
-            raise CorruptCheckpointError(f"cannot open manifest: {e.strerror or e}",
-                                         file=where) from None
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(e.cause.replace(MANIFEST_NAME, "manifest", 1),
-                                         file=where) from None
-        return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
-                              max_part_bytes=limits.max_manifest_bytes, where=where,
-                              read=read)
+        return read_manifest_with(read, where, limits)
 
     # -- small files and trees beside a root (markers, trackers, exported files) -------
 
@@ -491,6 +482,27 @@ class Storage(ABC):
     def close(self) -> None:
         """Release what the storage holds (threads, connections); idempotent."""
         return None
+
+
+def read_manifest_with(read: Callable[[str, int], bytes], where: str,
+                       limits: ReadLimits) -> Manifest:
+    """The manifest read by `read(name, limit)` (its rank parts too), checked and parsed;
+    `where` names it in errors. The one sequence every backend's reads share.
+
+    Raises:
+        CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
+    """
+    from asyncckpt.format.manifest import parse_manifest
+    try:
+        data = read(MANIFEST_NAME, limits.max_manifest_bytes)
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot open manifest: {e.strerror or e}",
+                                     file=where) from None
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(e.cause.replace(MANIFEST_NAME, "manifest", 1),
+                                     file=where) from None
+    return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
+                          max_part_bytes=limits.max_manifest_bytes, where=where, read=read)
 
 
 class RootHold(Protocol):

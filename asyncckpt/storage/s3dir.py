@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, retired_dir_name
+from asyncckpt.storage.base import read_manifest_with
 from asyncckpt.storage.handles import CheckpointDir
 from asyncckpt.storage.paths import ObjectPath
 from asyncckpt.storage.s3client import ObjectStoreError, S3ReadFile
@@ -125,19 +126,7 @@ class S3CheckpointDir(CheckpointDir):
             CorruptCheckpointError: missing, replaced since it was opened, oversized, or
                 invalid.
         """
-        from asyncckpt.format.manifest import parse_manifest
-        where = str(self.path / MANIFEST_NAME)
-        try:
-            data = self.read(MANIFEST_NAME, limits.max_manifest_bytes)
-        except OSError as e:
-            raise CorruptCheckpointError(f"cannot open manifest: {e.strerror or e}",
-                                         file=where) from None
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(e.cause.replace(MANIFEST_NAME, "manifest", 1),
-                                         file=where) from None
-        return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
-                              max_part_bytes=limits.max_manifest_bytes, where=where,
-                              read=self.read)
+        return read_manifest_with(self.read, str(self.path / MANIFEST_NAME), limits)
 
     def _view(self) -> set[str]:
         if self._head is None:
