@@ -163,6 +163,10 @@ class WriterKnobs(_FromEnv):
             ring (what its training loop waits for) has the memory bandwidth and cores
             to itself; the writes then start later by at most the staging time. Off:
             each slot is copied out as soon as it is announced.
+        memory_max_bytes: the bound on the memory tier's images held together (memory
+            saves, writer/memory_tier.py: the newest whole generation of the node's
+            ranks and the one in flight); a memory save past it is refused with
+            MemoryTierFullError. 0: half the host's physical memory.
     """
 
     codec: str = "auto"
@@ -179,6 +183,7 @@ class WriterKnobs(_FromEnv):
     max_frame_bytes: int = MAX_FRAME_BYTES
     incremental: bool = True
     stage_first: bool = True
+    memory_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         _require(self.codec in CODECS, "codec", f"one of {CODECS}", self.codec)
@@ -195,6 +200,8 @@ class WriterKnobs(_FromEnv):
         _require(self.keep_every >= 0, "keep_every", "0 (none) or more", self.keep_every)
         _require(4096 <= self.max_frame_bytes <= 1 << 30, "max_frame_bytes",
                  "between 4096 and 1 GiB", self.max_frame_bytes)
+        _require(self.memory_max_bytes >= 0, "memory_max_bytes", "0 (half the host's memory) "
+                 "or more", self.memory_max_bytes)
         for name in ("connect_timeout", "shutdown_timeout", "absent_rank_timeout"):
             _require(getattr(self, name) > 0, name, "positive", getattr(self, name))
 

@@ -74,6 +74,12 @@ class DiskFullError(SaveFailedError):
     """The writer ran out of space (ENOSPC or EDQUOT) while writing a checkpoint."""
 
 
+class MemoryTierFullError(SaveFailedError):
+    """A memory-tier save would take the writer's memory tier past its bound (knob
+    `memory_max_bytes`): the save is refused, nothing held is dropped for it. The
+    message names the image's size, the bytes held and the bound."""
+
+
 class WriterUnavailableError(CheckpointError):
     """The writer cannot be reached: not started, gone, refused authentication."""
 

@@ -20,7 +20,7 @@ this copy differs; each class's docstring says what its message means):
     rank -> writer:
         hello(rank, slot_size, slots; optional world_size, pid, need_slot, root)
         begin(save, step, world_size, tensors, tree; optional retention, replace,
-              keep_from, timeline, coordinated, since, unchanged, node)
+              keep_from, timeline, tier, coordinated, since, unchanged, node)
         chunk(save, slot, length)
         end(save)
         abort(save, reason)
@@ -28,6 +28,8 @@ this copy differs; each class's docstring says what its message means):
         new_ring(slot_size, slots)
         commit(save, step, world_size, nodes)
         outcome(step, committed; optional error, message)
+        memory_list()
+        memory_open(step; optional ranks)
     writer -> rank:
         welcome(pid, version, root, root_id)
         refused(reason; optional root)
@@ -36,6 +38,8 @@ this copy differs; each class's docstring says what its message means):
         durable(save, step, tmp; optional part)
         committed(save, step, path, stats)
         failed(save, step, error, message; optional relayed, ask)
+        memory_index(generations)
+        memory_generation(step, world_size, parts; optional error)
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ from asyncckpt.ipc.fields import (
     tensor_table,
     unchanged_request,
 )
-from asyncckpt.ipc.options import NO_OPTIONS, SaveOptions
+from asyncckpt.ipc.options import NO_OPTIONS, TIERS, SaveOptions
 
 __all__ = ["MAX_SLOTS", "MESSAGES", "Message", "NodePart", "NodeRanks", "ProtocolError",
            "SaveOptions", "TensorEntry", "decode", "dumps", "message_list", "parse",
@@ -192,18 +196,26 @@ class Begin(Message):
     refused: str | None = field(default=None, metadata={"wire": False})
 
     def to_wire(self) -> dict[str, Any]:
-        return {**super().to_wire(), **options_to_wire(self.options)}
+        out = {**super().to_wire(), **options_to_wire(self.options)}
+        if self.options.tier != "durable":
+            out["tier"] = self.options.tier
+        return out
 
     @classmethod
     def wire_names(cls) -> tuple[list[str], list[str]]:
         required, optional = super().wire_names()
-        return required, [*OPTION_KEYS, *optional]
+        return required, [*OPTION_KEYS, "tier", *optional]
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Begin:
         save, step = int_field(m, "save"), int_field(m, "step")
         world_size = int_field(m, "world_size")
         options = save_options(m)
+        tier = m.get("tier", "durable")
+        if tier not in TIERS:
+            raise ProtocolError(f"tier {show(tier)} is not one of {TIERS}")
+        if tier != options.tier:
+            options = dataclasses.replace(options, tier=tier)
         coordinated, node = m.get("coordinated") is True, node_ranks(m.get("node"))
         tree_json = m.get("tree")
         try:
@@ -342,6 +354,37 @@ class Outcome(Message):
                    message if isinstance(message, str) else str(message))
 
 
+@dataclass(frozen=True)
+class MemoryList(Message):
+    """The first message of a connection that asks, instead of a hello, which memory
+    generations the writer holds (writer/memory_tier.py); answered by `memory_index`,
+    then the writer hangs up."""
+
+    OP: ClassVar[str] = "memory_list"
+    SENDER: ClassVar[str] = "rank"
+
+
+@dataclass(frozen=True)
+class MemoryOpen(Message):
+    """As `memory_list`: the whole images of generation `step` (of `ranks`; absent:
+    every whole one held), answered by `memory_generation` and a read-only descriptor
+    per rank, in its order."""
+
+    OP: ClassVar[str] = "memory_open"
+    SENDER: ClassVar[str] = "rank"
+    step: int
+    ranks: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryOpen:
+        ranks = m.get("ranks")
+        if ranks is not None and (not isinstance(ranks, list) or len(ranks) > MAX_WORLD
+                                  or not all(type(r) is int and 0 <= r < MAX_WORLD
+                                             for r in ranks)):
+            raise ProtocolError(f"ranks {show(ranks)} is not a list of ranks")
+        return cls(int_field(m, "step"), None if ranks is None else tuple(ranks))
+
+
 # writer -> rank
 
 
@@ -465,9 +508,49 @@ class Failed(Message):
 
 
 
+@dataclass(frozen=True)
+class MemoryIndex(Message):
+    """The answer to `memory_list`: per generation held, oldest first, {step,
+    world_size, timeline, ranks (held whole), whole, bytes}."""
+
+    OP: ClassVar[str] = "memory_index"
+    SENDER: ClassVar[str] = "writer"
+    generations: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryIndex:
+        gens = m.get("generations")
+        if not isinstance(gens, list) or not all(isinstance(g, dict) for g in gens):
+            raise ProtocolError(f"generations {show(gens)} is not a list of objects")
+        return cls(tuple(gens))
+
+
+@dataclass(frozen=True)
+class MemoryGeneration(Message):
+    """The answer to `memory_open`: generation `step` of world `world_size`, `parts`
+    its ranks' manifest entries (checked by the reader's rules where they are used),
+    one descriptor each following; `error` instead when it is not held."""
+
+    OP: ClassVar[str] = "memory_generation"
+    SENDER: ClassVar[str] = "writer"
+    step: int
+    world_size: int
+    parts: tuple[dict[str, Any], ...]
+    error: str = ""
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryGeneration:
+        parts, error = m.get("parts"), m.get("error", "")
+        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+            raise ProtocolError(f"parts {show(parts)} is not a list of objects")
+        return cls(int_field(m, "step"), int_field(m, "world_size"), tuple(parts),
+                   error if isinstance(error, str) else str(error))
+
+
 MESSAGES: dict[str, type[Message]] = {cls.OP: cls for cls in (
-    Hello, Begin, Chunk, End, Abort, NeedSlot, NewRing, Commit, Outcome,
-    Welcome, Refused, Free, Unchanged, Durable, Committed, Failed)}
+    Hello, Begin, Chunk, End, Abort, NeedSlot, NewRing, Commit, Outcome, MemoryList,
+    MemoryOpen, Welcome, Refused, Free, Unchanged, Durable, Committed, Failed, MemoryIndex,
+    MemoryGeneration)}
 
 
 def parse(data: bytes | bytearray | dict[str, Any]) -> Message:

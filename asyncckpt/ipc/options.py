@@ -20,6 +20,8 @@ from typing import Any
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.format.timeline import TimelineStart
 
+TIERS = ("durable", "memory")  # where a save goes: the root, or the writers' memory tier
+
 
 def is_step(value: Any) -> bool:
     """True for an int in 0..MAX_STEP (not a bool)."""
@@ -52,10 +54,13 @@ class SaveOptions:
             step of an abandoned timeline is replaced without it: format/timeline.py).
         timeline: this save begins the timeline a restore started, if that is not the
             root's current one yet (None: the save continues the root's current one).
+        tier: "durable" (a committed step in the root) or "memory" (a generation held
+            in the node writer's memory tier, writer/memory_tier.py; retention, replace
+            and keep_from do not apply to it).
     Raises:
         ValueError: a count or step that is not an int in 0..MAX_STEP, a `replace`
-            that is not a bool, or a `timeline` that is not a TimelineStart (made from a
-            caller's values: checked once, here).
+            that is not a bool, a `timeline` that is not a TimelineStart, or a `tier`
+            not in TIERS (made from a caller's values: checked once, here).
     """
 
     keep_last: int | None = None
@@ -63,6 +68,7 @@ class SaveOptions:
     keep_from: int | None = None
     replace: bool = False
     timeline: TimelineStart | None = None
+    tier: str = "durable"
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -75,6 +81,8 @@ class SaveOptions:
         if self.timeline is not None and not isinstance(self.timeline, TimelineStart):
             raise ValueError(f"timeline must be a TimelineStart or None; got "
                              f"{self.timeline!r:.80}")
+        if self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}; got {self.tier!r:.80}")
         if self.keep_last is None and self.keep_every:  # no retention of its own: ignored
             object.__setattr__(self, "keep_every", 0)
 

@@ -39,6 +39,7 @@ from asyncckpt.config import ClientKnobs
 from asyncckpt.errors import CheckpointError, SaveFailedError, WriterUnavailableError, error_class
 from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.ipc import messages, protocol, ring
+from asyncckpt.ipc.messages import NodeRanks
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.rank import handle as handles
 from asyncckpt.rank.agreement import Agreement
@@ -165,7 +166,8 @@ class Client:
 
     def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
              keep_every: int = 0, keep_from: int | None = None,
-             replace: bool = False, timeline: TimelineStart | None = None) -> SaveHandle:
+             replace: bool = False, timeline: TimelineStart | None = None,
+             tier: str = "durable") -> SaveHandle:
         """Queue `state_dict` as this rank's part of `step` and return at once.
 
         The tensors must not be modified until `handle.staged()` is true (wait with
@@ -190,6 +192,12 @@ class Client:
         yet: the steps above the restored one are abandoned from then on (never the
         newest again, replaced by saves of their numbers, deleted by retention). Every
         rank of the step must carry the same. None continues the root's current timeline.
+        `tier` "memory" keeps the step in the node writer's memory instead of the root
+        (docs/MEMORY_TIER.md): staged through the ring exactly as a durable save (the
+        caller's cost is the staging copy), held by the writer as the node's newest
+        memory generation; done once every rank of this rank's node has ended it
+        (`handle.stats.tier` "memory", `handle.path` the root: nothing is on disk).
+        Retention, `replace` and `keep_from` do not apply to it.
 
         Returns:
             A SaveHandle; `handle.wait()` returns the checkpoint path or raises.
@@ -197,8 +205,8 @@ class Client:
             UnsupportedStateError: a value that cannot be saved (named by its key path).
             WriterUnavailableError: the writer is gone.
             ValueError: a step, keep_last, keep_every or keep_from that is not an int in
-                0..MAX_STEP, a replace that is not a bool, or a timeline that is not a
-                TimelineStart (SaveOptions).
+                0..MAX_STEP, a replace that is not a bool, a timeline that is not a
+                TimelineStart, or a tier other than "durable" and "memory" (SaveOptions).
             SaveFailedError (or its subclass: StepAlreadyCommittedError,
                 DiskFullError, ...), WriterUnavailableError: an earlier save of this
                 client failed and its error has not reached the caller (no `wait()`,
@@ -207,7 +215,7 @@ class Client:
         """
         started = time.perf_counter()
         check_step(step)
-        options = SaveOptions(keep_last, keep_every, keep_from, bool(replace), timeline)
+        options = SaveOptions(keep_last, keep_every, keep_from, bool(replace), timeline, tier)
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         self._raise_untaken()
@@ -229,9 +237,11 @@ class Client:
         def remember() -> None:
             assert pending is not None
             self._remember(pending)
-        handle = SaveHandle(step, on_commit=remember if skip else None)
-        pending = PendingSave(next(self._ids), step, state_dict, handle, options,
-                              self._route(step), self._basis if skip else None, skip)
+        handle = SaveHandle(step, on_commit=remember if skip and tier == "durable" else None)
+        route = (self._route(step) if tier == "durable" else  # memory: the node's writer alone
+                 Route(self.world_size, None, NodeRanks(*node_of(self.rank, self.world_size))))
+        pending = PendingSave(next(self._ids), step, state_dict, handle, options, route,
+                              self._basis if skip else None, skip)
         with self._cond:
             self._pending[pending.id] = pending
             self._handles.append(handle)

@@ -52,6 +52,9 @@ class SaveStats:
         encode_threads: the writer's frame threads.
         writer_peak_rss_anon: the writer's peak private memory so far, bytes.
         auto: with codec "auto", the chooser's figures for this step.
+        tier: where the save went once done: "durable" (a committed step) or "memory"
+            (a generation in the node writer's memory tier; raw_bytes is then the
+            node's generation, stored_bytes 0).
     """
 
     blocked_seconds: float = 0.0
@@ -70,6 +73,7 @@ class SaveStats:
     encode_threads: int = 0
     writer_peak_rss_anon: int = 0
     auto: dict[str, Any] | None = None
+    tier: str = "durable"
 
     def update(self, figures: dict[str, Any]) -> None:
         """Take the known fields of `figures` (the writer's report); ignore the rest."""

@@ -156,7 +156,7 @@ class PendingSave:
                 tuple((e.name, e.dtype_name, tuple(e.tensor.shape)) for e in self.entries), tree,
                 options, coordinated=route.key is not None, since=since,
                 unchanged=None if since is None else tuple(self.unchanged),
-                node=route.node if route.key is not None else None).encode()
+                node=route.node).encode()
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}",
                                         step=step) from None

@@ -35,6 +35,7 @@ from asyncckpt.storage.registry import open_storage, parse
 from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex
+from asyncckpt.writer.memory_tier import MemoryTier
 from asyncckpt.writer.owners import OwnerMark, sweep_dead
 from asyncckpt.writer.session import Buffers, Session, WriterContext
 from asyncckpt.writer.step import Step
@@ -78,8 +79,10 @@ class WriterServer:
                            choose_codec=self._choose_codec, check=self._check_manifest,
                            on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
                            index=self.index, owner=self.owner, storage=self.storage)
+        self.memory = MemoryTier(self.knobs.memory_max_bytes, str(self.root))
         self.context = WriterContext(self.knobs, self.root, self.root_id, self.steps, self.pool,
-                                     self.buffers, self.chooser, self.index, self.rss)
+                                     self.buffers, self.chooser, self.index, self.rss,
+                                     self.memory)
         self._sessions: set[Session] = set()
         self._sessions_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -148,6 +151,7 @@ class WriterServer:
         for s in sessions:
             s.hang_up(deadline)
         protocol.remove_endpoint(self.address)
+        self.memory.close()
         self.pool.close()
         self.rss.stop()
         if self.owner is not None:

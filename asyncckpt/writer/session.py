@@ -44,6 +44,8 @@ from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.ipc.messages import MAX_SLOTS, NodeRanks, ProtocolError
 from asyncckpt.writer import commit
 from asyncckpt.writer.filespec import FileSettings, FileTarget, Reuse, Stream, Unchanged
+from asyncckpt.writer.memory_serve import MEMORY_QUERIES, serve_query
+from asyncckpt.writer.memory_tier import MemoryTier, RankImage
 from asyncckpt.writer.nodes import NodeJoin
 from asyncckpt.writer.pipeline import RankFileWriter
 
@@ -95,6 +97,7 @@ class _RankSave:
     failed: bool = False
     stats: dict = field(default_factory=dict)
     copy_at_once: bool = False  # its rank waited for a slot: stage first no longer
+    memory: RankImage | None = None  # a memory-tier save: its image (memory_tier.py)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class WriterContext:
     chooser: CodecChooser
     index: DedupIndex | None
     rss: PeakSampler
+    memory: MemoryTier | None = None
 
 
 class _OtherRoot(ProtocolError):
@@ -194,6 +198,9 @@ class Session:
     def _hello(self) -> None:
         try:
             m = protocol.receive(self.conn)
+            if isinstance(m, MEMORY_QUERIES) and self.writer.memory is not None:
+                serve_query(self.writer.memory, self.conn, m)  # a reader, not a rank
+                raise EOFError
             if not isinstance(m, messages.Hello):
                 raise ProtocolError("expected hello")
             max_slot = self.writer.knobs.max_frame_bytes
@@ -253,6 +260,9 @@ class Session:
         self._saves[save_id] = save
         notify = self._notifier(save, save_id)
         knobs = self.writer.knobs
+        if m.options.tier == "memory":
+            self._begin_memory(m, save, notify)
+            return
         try:
             if m.refused is not None:  # this step can never be readable: fail it for all
                 error = SaveFailedError(f"begin refused: {m.refused}", step=step, rank=self.rank)
@@ -292,6 +302,26 @@ class Session:
             return
         self._files = {f for f in self._files if f.busy}
         self._files.add(save.file)
+
+    def _begin_memory(self, m: messages.Begin, save: _RankSave,
+                      notify: Callable[..., None]) -> None:
+        """A memory-tier save: its chunks go into an image in the writer's memory tier
+        (memory_tier.py), not into a file."""
+        if m.unchanged is not None:  # a memory image holds every byte: all are sent
+            self.send(messages.Unchanged(m.save, ()))
+        try:
+            if m.refused is not None:
+                raise SaveFailedError(f"begin refused: {m.refused}", step=m.step, rank=self.rank)
+            if self.writer.memory is None:
+                raise SaveFailedError("this writer has no memory tier", step=m.step,
+                                      rank=self.rank)
+            timeline = m.options.timeline.to_json() if m.options.timeline else None
+            save.memory = self.writer.memory.begin(
+                m.step, self.rank, m.world_size, m.node, list(m.tensors), m.tree, timeline,
+                self.ring_slot_size)
+        except CheckpointError as error:
+            save.failed = True
+            notify(error, None, {})
 
     def _unchanged(self, m: messages.Begin, table: list[messages.TensorEntry],
                    specs: list[TensorSpec]) -> dict[int, Unchanged]:
@@ -356,6 +386,9 @@ class Session:
         assert self.ring is not None
         if not self.ring.holds(slot, length):  # before a buffer of `length` is made
             raise ProtocolError(f"slot {slot} / length {length} outside the ring")
+        if save.memory is not None and not save.failed:
+            self._copy_to_memory(save, save.memory, m)
+            return
         buffers = self.writer.buffers
         buf = buffers.get(length)
         try:
@@ -364,6 +397,9 @@ class Session:
             buffers.put(buf)
             raise ProtocolError(str(e)) from None
         self.send(messages.Free(slot))
+        if save.memory is not None:
+            buffers.put(buf)
+            return
         if save.failed or save.file is None:
             buffers.put(buf)
             return
@@ -373,10 +409,35 @@ class Session:
             buffers.put(buf)
             self._fail(save, SaveFailedError(str(e), step=save.step, rank=self.rank))
 
+    def _copy_to_memory(self, save: _RankSave, image: RankImage, m: messages.Chunk) -> None:
+        """A memory save's chunk: straight from the ring into its image, then freed."""
+        ring_ = self.ring
+        assert ring_ is not None
+        try:
+            image.append(lambda out: ring_.copy_out(m.slot, m.length, out), m.length)
+        except ValueError as e:
+            self.send(messages.Free(m.slot))
+            error = SaveFailedError(str(e), step=save.step, rank=self.rank)
+            self._notifier(save, m.save)(error, None, {})
+            self._fail_memory(save, error)
+            return
+        self.send(messages.Free(m.slot))
+
+    def _fail_memory(self, save: _RankSave, error: SaveFailedError) -> None:
+        if save.failed or save.memory is None:
+            return
+        save.failed = True
+        memory = self.writer.memory
+        assert memory is not None
+        memory.abandon(save.memory, error)
+
     def _on_end(self, m: messages.End) -> None:
         self._copy_out_held()
         save = self._save(m.save)
         del self._saves[m.save]
+        if save.memory is not None:
+            self._end_memory(m.save, save)
+            return
         if save.failed or save.file is None:
             if save.file:  # wait until its file is closed: a deleted file that is still
                 save.file.close(wait=True)  # open keeps its blocks from the next save
@@ -393,10 +454,30 @@ class Session:
                  "writer_peak_rss_anon": self.writer.rss.peak_rss_anon}
         self.writer.steps.end(save.step, part, stats)
 
+    def _end_memory(self, save_id: int, save: _RankSave) -> None:
+        image, memory = save.memory, self.writer.memory
+        assert image is not None and memory is not None
+        if save.failed:
+            return
+        notify = self._notifier(save, save_id)
+        try:
+            memory.end(image, notify, {"writer_peak_rss_anon": self.writer.rss.peak_rss_anon})
+        except (ValueError, OSError) as e:
+            error = SaveFailedError(f"memory tier: {e}", step=save.step, rank=self.rank)
+            self._fail_memory(save, error)
+            notify(error, None, {})
+
     def _on_abort(self, m: messages.Abort) -> None:
         self._copy_out_held()
         save = self._save(m.save)
         del self._saves[m.save]
+        if save.memory is not None:
+            error = SaveFailedError(f"aborted by the rank: {m.reason[:500]}", step=save.step,
+                                    rank=self.rank)
+            if not save.failed:
+                self._notifier(save, m.save)(error, None, {})
+            self._fail_memory(save, error)
+            return
         if save.file:
             save.file.close(wait=True)
         if not save.failed:
@@ -448,6 +529,9 @@ class Session:
             for save in self._saves.values():
                 if save.file:
                     save.file.close()
+                self._fail_memory(save, SaveFailedError(
+                    "the rank disconnected before ending its memory save", step=save.step,
+                    rank=self.rank))
             for file in self._files:  # frame threads may still hold our buffers
                 file.close(wait=True)
             self._saves.clear()

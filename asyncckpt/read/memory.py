@@ -1,0 +1,199 @@
+"""Reading a memory generation back: the node writer's images, opened as a checkpoint.
+
+A memory save leaves no step directory: the node's writer holds each rank's stream, as
+the raw data file of a step would hold it, in a sealed memfd (writer/memory_tier.py).
+Asked on a connection of its own (`memory_list`, `memory_open`), the writer says which
+generations it holds and hands read-only descriptors of their images with each rank's
+manifest entry. Here those become an ordinary `Checkpoint`: the entries are parsed
+with the reader's rules into a manifest (the same checks as a manifest read from disk),
+and a `CheckpointDir` whose files are the descriptors. So everything `load` does --
+every frame verified against its xxh3 before a byte is returned, the box logic that
+reshards global tensors onto another world -- applies unchanged to memory.
+
+A rank of a job on several nodes holds only its own node's images; the ranks exchange
+their entries (the checkpointer does, through torch.distributed) so that each builds
+the whole world's manifest, and a rank reads only the images its own writer handed it:
+the same-world resume reads nothing else. A file of a rank whose image this reader was
+not handed cannot be opened (OSError): a load that needs it fails, and the restore
+falls back to the durable tier.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from asyncckpt.format.layout import MANIFEST_NAME
+from asyncckpt.format.manifest import Manifest, check_readable
+from asyncckpt.format.records import rank_from_json
+from asyncckpt.ipc import messages, protocol
+from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.storage.base import CheckpointDir, ReadFile
+from asyncckpt.storage.location import storage_for
+from asyncckpt.storage.paths import Location
+
+QUERY_TIMEOUT_S = 30.0  # to reach the writer and hear its answer
+
+
+def generations(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The memory generations the writer at `address` holds, oldest first: {step,
+    world_size, timeline, ranks (held whole), whole, bytes}.
+
+    Raises:
+        WriterUnavailableError: no writer there, or it refused the key.
+        ProtocolError, EOFError, OSError: it answered with something else, or hung up.
+    """
+    conn = protocol.dial(address, protocol.read_authkey(address), timeout)
+    try:
+        protocol.send_message(conn, messages.MemoryList())
+        answer = protocol.receive(conn)
+    finally:
+        conn.close()
+    if not isinstance(answer, messages.MemoryIndex):
+        raise messages.ProtocolError(f"expected memory_index, got {answer.OP}")
+    return [dict(g) for g in answer.generations]
+
+
+@dataclass
+class Images:
+    """A generation's images as one writer handed them: per rank its manifest entry
+    (JSON, unchecked) and a read-only descriptor. Close it to close the descriptors."""
+
+    step: int
+    world_size: int
+    parts: dict[int, dict[str, Any]]
+    fds: dict[int, int] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def open_images(address: str, step: int, ranks: list[int] | None = None,
+                timeout: float = QUERY_TIMEOUT_S) -> Images:
+    """The images of memory generation `step` (of `ranks`; None: every whole one) held
+    by the writer at `address`.
+
+    Raises:
+        CheckpointNotFoundError: the writer holds no such whole generation (or ranks).
+        WriterUnavailableError, ProtocolError, EOFError, OSError: as `generations`.
+    """
+    conn = protocol.dial(address, protocol.read_authkey(address), timeout)
+    images = Images(step, 0, {})
+    try:
+        protocol.send_message(conn, messages.MemoryOpen(
+            step, None if ranks is None else tuple(ranks)))
+        answer = protocol.receive(conn)
+        if not isinstance(answer, messages.MemoryGeneration) or answer.step != step:
+            raise messages.ProtocolError("expected memory_generation of step "
+                                         f"{step}, got {answer.to_wire()!s:.200}")
+        if answer.error:
+            raise CheckpointNotFoundError(f"memory tier of {address}: {answer.error}",
+                                          step=step)
+        images.world_size = answer.world_size
+        for doc in answer.parts:
+            rank = doc.get("rank")
+            if type(rank) is not int or rank in images.parts:
+                raise messages.ProtocolError(f"a part of rank {rank!r:.40} (twice, or not "
+                                             "a rank)")
+            images.parts[rank] = doc
+            images.fds[rank] = protocol.recv_fd(conn)
+    except BaseException:
+        images.close()
+        raise
+    finally:
+        conn.close()
+    return images
+
+
+class _FdFile(ReadFile):
+    """An image's descriptor, read with preadv (the reader verifies every frame)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.size, self.regular = fd, os.fstat(fd).st_size, True
+
+    def read_into(self, offset: int, outs: list[memoryview]) -> int:
+        return os.preadv(self.fd, outs, offset)
+
+    def will_need(self, offset: int, length: int) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _MemoryDir(CheckpointDir):
+    """A memory generation as a checkpoint directory: its manifest and a data file per
+    rank of the world, of which only the ranks handed to this reader can be opened."""
+
+    def __init__(self, root: Location, step: int, files: dict[str, int],
+                 names: set[str]) -> None:
+        super().__init__(storage_for(root), root / f"memory-step-{step}")
+        self._files, self._names = files, names | {MANIFEST_NAME}
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def names(self, folder: str = "") -> set[str]:
+        return set() if folder else set(self._names)
+
+    def entries(self) -> set[str]:
+        return set(self._names)
+
+    def open(self, name: str) -> ReadFile:
+        fd = self._files.get(name)
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, "this rank's writer does not hold this "
+                                    "rank's memory image", str(self.path / name))
+        return _FdFile(os.dup(fd))
+
+
+def open_checkpoint(root: Location, images: Images, parts: dict[int, dict[str, Any]],
+                    limits: ReadLimits | None = None) -> Checkpoint:
+    """Memory generation `images.step` as an opened `Checkpoint`.
+
+    Args:
+        root: the durable root the generation belongs to (named in errors).
+        images: what this rank's writer handed (its descriptors are read from).
+        parts: every rank's manifest entry of the world (this writer's and the others'
+            writers', exchanged by the ranks), by rank.
+    Raises:
+        CorruptCheckpointError: the entries do not make a manifest the reader accepts
+            (not every rank of the world, a frame or tensor table the rules refuse).
+    """
+    limits = limits or ReadLimits.from_env()
+    step, world = images.step, images.world_size
+    if sorted(parts) != list(range(world)):
+        raise CorruptCheckpointError(f"memory generation of world {world}: entries of ranks "
+                                     f"{sorted(parts)[:8]} only", step=step)
+    try:
+        ranks = [rank_from_json(parts[r], r, limits.max_frame_bytes, step, False)
+                 for r in range(world)]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CorruptCheckpointError(f"memory generation: a rank's entry is unusable: {e}",
+                                     step=step) from None
+    data = Manifest(step, world, ranks).to_bytes()
+    manifest = check_readable(data, limits)  # the reader's rules, as from disk
+    files = {manifest.ranks[r].file: fd for r, fd in images.fds.items()}
+    directory = _MemoryDir(root, step, files, {p.file for p in manifest.ranks})
+    return Checkpoint(directory.path, manifest, limits, files=directory)
+
+
+def load(ckpt: Checkpoint, rank: int | None, into: Any, keys: set[str] | None = None) -> Any:
+    """`load(..., into=into)` of an opened memory generation (read/loader.py): rank
+    `rank`'s values (None: this process's), of the top-level `keys` only if given.
+
+    Raises:
+        As `asyncckpt.load`; an OSError when a box lies in an image this reader was not
+        handed.
+    """
+    from asyncckpt.read.loader import _load, _Only, _rank_to_load
+    view: Any = ckpt if keys is None else _Only(ckpt, keys)
+    return _load(view, _rank_to_load(ckpt, rank), into, True)

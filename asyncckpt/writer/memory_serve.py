@@ -1,0 +1,51 @@
+"""Answering a reader's questions about the memory tier, on a connection of its own.
+
+A restore (or `asyncckpt ls`, or a flush) asks the writer which memory generations it
+holds and for the images of one: the connection is authenticated as a rank's is (the
+writer's key), but it brings no ring and takes no part in saves, so it is answered
+here and closed, never made a `Session`. The images go as read-only descriptors of
+sealed memfds (memory_tier.py): the reader maps or reads them in place and verifies
+every frame against its xxh3 (read/), and nothing it does can change them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from multiprocessing.connection import Connection
+
+from asyncckpt.ipc import messages, protocol
+from asyncckpt.writer.memory_tier import MemoryTier
+
+log = logging.getLogger("asyncckpt.writer")
+
+MEMORY_QUERIES = (messages.MemoryList, messages.MemoryOpen)
+
+
+def serve_query(memory: MemoryTier, conn: Connection,
+                query: messages.MemoryList | messages.MemoryOpen) -> None:
+    """Answer `query` on `conn` (the caller closes it).
+
+    Raises:
+        OSError: the reader went away.
+    """
+    if isinstance(query, messages.MemoryList):
+        protocol.send_message(conn, messages.MemoryIndex(tuple(memory.generations())))
+        return
+    try:
+        gen, parts, fds = memory.open(query.step, None if query.ranks is None
+                                      else list(query.ranks))
+    except KeyError:
+        protocol.send_message(conn, messages.MemoryGeneration(
+            query.step, 0, (), f"no whole memory generation {query.step} of ranks "
+            f"{list(query.ranks) if query.ranks is not None else 'any'} held"))
+        return
+    try:
+        protocol.send_message(conn, messages.MemoryGeneration(
+            gen.step, gen.world_size, tuple(p.to_json() for p in parts)))
+        for fd in fds:
+            protocol.send_fd(conn, fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    log.info("memory generation %d: %d ranks' images handed to a reader", gen.step, len(fds))

@@ -1,0 +1,337 @@
+"""The memory tier: the newest generations of this node's ranks, held in host memory.
+
+A memory save (`Client.save(..., tier="memory")`) reaches the writer exactly as a
+durable one does -- begin, chunks through the rank's ring, end -- so the rank's cost is
+the staging copy and nothing more. Instead of encoding and writing the chunks, the
+writer copies each one from the ring into the rank's image: one anonymous memory file
+(memfd) per rank and generation, laid out as the rank's raw safetensors stream (header,
+then tensor bytes), with the xxh3 of every frame. A generation (a step) is whole on this
+node once every rank of the node's ranks that began it has ended; those ranks then
+hear `committed` with `tier` "memory".
+
+Why memfds: they are host memory that dies with the writer (no segment outlives its
+process: a node lost is its memory lost, nothing to sweep), and one can be handed to a
+rank as a descriptor, so a restore reads its bytes in place (read/ verifies every frame
+as from disk) with no copy through a socket. A whole image is sealed against writes
+before anyone but the writer sees it, so a rank it is handed to cannot change it.
+
+Held: the newest whole generation, and the generations begun after it (normally one, in
+flight). A generation that becomes whole drops every older one: a crash while the new
+one is being staged (or replicated) leaves the previous one whole. Every byte held is
+counted against `memory_max_bytes` (knob); a begin that would pass it is refused with
+MemoryTierFullError naming the figures, after older generations are dropped. So host
+memory is at most 2 x the node's generation (whole + in flight), under the knob.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from asyncckpt.errors import MemoryTierFullError, SaveFailedError
+from asyncckpt.format.layout import data_file_name, layout
+from asyncckpt.format.records import Frame, RankPart
+from asyncckpt.ipc.messages import NodeRanks, TensorEntry
+
+log = logging.getLogger("asyncckpt.writer")
+
+TIER = "memory"
+_SEALS = (getattr(fcntl, "F_SEAL_WRITE", 8) | getattr(fcntl, "F_SEAL_SHRINK", 2)
+          | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1))
+# notify(error or None, path or None, stats): reaches one rank's client (session.py)
+Notify = Callable[..., None]
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this host."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _writing(data: bytes) -> Callable[[memoryview], None]:
+    """A `RankImage.append` filler that writes `data`."""
+    def fill(out: memoryview) -> None:
+        out[:] = data
+    return fill
+
+
+class RankImage:
+    """One rank's stream of one generation, in a memfd: filled in stream order, then
+    sealed (no write, no resize) once whole."""
+
+    def __init__(self, step: int, rank: int, table: list[TensorEntry], tree: Any,
+                 max_frame: int) -> None:
+        """Raises OSError when the memory cannot be had (its caller fails the save)."""
+        self.step, self.rank, self.tree = step, rank, tree
+        header, self.tensors = layout(table)
+        self.size = self.tensors[-1].end if self.tensors else len(header)
+        self.frames: list[Frame] = []
+        self.filled = 0
+        self.whole = False
+        self.fd = os.memfd_create(f"asyncckpt-mem-{step}-{rank}",
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._map: mmap.mmap | None = None
+        try:
+            os.ftruncate(self.fd, self.size)
+            if self.size:
+                self._map = mmap.mmap(self.fd, self.size)
+            for start in range(0, len(header), max_frame):
+                piece = header[start:start + max_frame]
+                self.append(_writing(piece), len(piece))
+        except BaseException:
+            self.close()
+            raise
+
+    def append(self, fill: Callable[[memoryview], Any], length: int) -> None:
+        """The next `length` bytes of the stream, written by `fill(view)` (a copy out of
+        the ring), as one frame with its xxh3.
+
+        Raises:
+            ValueError: more bytes than the rank's tensors hold, or the image is whole.
+        """
+        if self.whole or self.filled + length > self.size:
+            raise ValueError(f"rank {self.rank} sent bytes up to {self.filled + length}, its "
+                             f"tensors hold {self.size}")
+        if not length:
+            return
+        assert self._map is not None
+        view = memoryview(self._map)[self.filled:self.filled + length]
+        try:
+            fill(view)
+            digest = xxhash.xxh3_64_intdigest(view)
+        finally:
+            view.release()
+        self.frames.append(Frame(self.filled, length, self.filled, length, "raw", digest,
+                                 digest))
+        self.filled += length
+
+    def seal(self) -> None:
+        """The stream is complete: unmap it and seal the memfd (read only from now on).
+
+        Raises:
+            ValueError: fewer bytes arrived than the tensors hold.
+        """
+        if self.filled != self.size:
+            raise ValueError(f"rank {self.rank} ended after {self.filled} of {self.size} bytes")
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        self.whole = True
+
+    def part(self) -> RankPart:
+        """The rank's manifest entry, its data file named as a raw file of a step."""
+        return RankPart(self.rank, data_file_name(self.rank, "raw"), "raw", self.size,
+                        self.size, list(self.tensors), list(self.frames), self.tree)
+
+    def read_only(self) -> int:
+        """A new read-only descriptor of the sealed image (the caller owns it)."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass
+class Generation:
+    """One step held in memory: its ranks here, grouped by node (first rank, count)."""
+
+    step: int
+    world_size: int
+    timeline: Any  # the TimelineStart (JSON) the ranks carried, or None
+    nodes: dict[int, int] = field(default_factory=dict)
+    images: dict[int, RankImage] = field(default_factory=dict)
+    waiting: dict[int, Notify] = field(default_factory=dict)
+    told: set[int] = field(default_factory=set)  # nodes whose ranks heard `committed`
+
+    @property
+    def whole(self) -> bool:
+        """Every rank of every node that began it has ended."""
+        return bool(self.nodes) and all(
+            r in self.images and self.images[r].whole
+            for first, count in self.nodes.items() for r in range(first, first + count))
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.size for i in self.images.values())
+
+    def describe(self) -> dict[str, Any]:
+        """What `memory_list` tells about it."""
+        return {"step": self.step, "world_size": self.world_size, "timeline": self.timeline,
+                "ranks": sorted(r for r, i in self.images.items() if i.whole),
+                "whole": self.whole, "bytes": self.bytes}
+
+    def close(self) -> None:
+        for image in self.images.values():
+            image.close()
+
+
+class MemoryTier:
+    """The generations this writer holds (thread-safe: the sessions call it)."""
+
+    def __init__(self, max_bytes: int, root: str) -> None:
+        """Args:
+            max_bytes: the bound on every image held together (0: half the host's
+                physical memory).
+            root: the durable root, named in the `committed` replies.
+        """
+        self.max_bytes = max_bytes or physical_memory() // 2
+        self._root = root
+        self._lock = threading.Lock()
+        self._gens: dict[int, Generation] = {}
+        self.peak_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held()
+
+    def _held(self) -> int:
+        return sum(g.bytes for g in self._gens.values())
+
+    def begin(self, step: int, rank: int, world_size: int, node: NodeRanks | None,
+              table: list[TensorEntry], tree: Any, timeline: Any,
+              max_frame: int) -> RankImage:
+        """Start `rank`'s image of generation `step`.
+
+        A rank beginning a step it already holds whole (a step saved again) drops that
+        generation first. Older generations than the newest whole one are dropped.
+
+        Raises:
+            MemoryTierFullError: the image would take the memory held past the bound.
+            SaveFailedError: the rank's world or node disagrees with the generation's,
+                or the memory could not be had.
+        """
+        first, count = node or NodeRanks(rank, 1)
+        with self._lock:
+            gen = self._gens.get(step)
+            if gen is not None and rank in gen.images:  # saved again: start it over
+                self._drop(step, SaveFailedError("the step is being saved again", step=step))
+                gen = None
+            self._prune()
+            if gen is None:
+                gen = Generation(step, world_size, timeline)
+            if gen.world_size != world_size:
+                raise SaveFailedError(f"memory generation of world {gen.world_size}, this rank "
+                                      f"says {world_size}", step=step, rank=rank)
+            if gen.nodes.get(first, count) != count or any(
+                    f != first and f < first + count and first < f + c
+                    for f, c in gen.nodes.items()):
+                raise SaveFailedError(f"node {[first, count]} overlaps another node of the "
+                                      f"generation, {sorted(gen.nodes.items())}",
+                                      step=step, rank=rank)
+            need = layout(table)[1]
+            size = need[-1].end if need else 0
+            held = self._held()
+            if held + size > self.max_bytes:
+                raise MemoryTierFullError(
+                    f"memory tier full: rank {rank}'s image of {size} bytes on top of "
+                    f"{held} bytes held would pass memory_max_bytes={self.max_bytes} "
+                    "(raise the knob, or save to the durable tier)", step=step, rank=rank)
+            try:
+                image = RankImage(step, rank, table, tree, max_frame)
+            except OSError as e:
+                raise SaveFailedError(f"memory tier: no memory for rank {rank}'s image of "
+                                      f"{size} bytes: {e.strerror or e}", step=step,
+                                      rank=rank) from None
+            gen.nodes[first] = count
+            gen.images[rank] = image
+            self._gens[step] = gen
+            self.peak_bytes = max(self.peak_bytes, self._held())
+            return image
+
+    def end(self, image: RankImage, notify: Notify, stats: dict[str, Any]) -> None:
+        """`image`'s rank ended its save: seal it; once its node's ranks are all whole,
+        tell them (committed, tier memory) and drop older generations.
+
+        Raises:
+            ValueError: the rank sent fewer bytes than its tensors hold.
+        """
+        image.seal()
+        tell: list[tuple[Notify, dict[str, Any]]] = []
+        with self._lock:
+            gen = self._gens.get(image.step)
+            if gen is None or gen.images.get(image.rank) is not image:
+                notify(SaveFailedError("memory generation dropped while the rank saved it "
+                                       "(a newer one became whole)", step=image.step,
+                                       rank=image.rank), None, {})
+                return
+            gen.waiting[image.rank] = notify
+            figures = {**stats, "tier": TIER, "raw_bytes": gen.bytes,
+                       "stored_bytes": 0, "codec": "raw"}
+            for first, count in gen.nodes.items():
+                ranks = range(first, first + count)
+                if first in gen.told or not all(
+                        r in gen.images and gen.images[r].whole for r in ranks):
+                    continue
+                gen.told.add(first)
+                tell += [(gen.waiting.pop(r), figures) for r in ranks if r in gen.waiting]
+            if gen.whole:
+                for older in [s for s in self._gens if s < gen.step]:
+                    self._drop(older, SaveFailedError(
+                        f"memory generation superseded by step {gen.step}", step=older))
+                log.info("memory generation %d whole: %d ranks, %.1f MiB; %.1f MiB held",
+                         gen.step, len(gen.images), gen.bytes / 2**20, self._held() / 2**20)
+        for tell_one, figures in tell:
+            tell_one(None, self._root, figures)
+
+    def abandon(self, image: RankImage, error: SaveFailedError) -> None:
+        """`image`'s rank failed or went before ending: its generation cannot become
+        whole; the ranks waiting on it hear `error`."""
+        with self._lock:
+            gen = self._gens.get(image.step)
+            if gen is not None and gen.images.get(image.rank) is image:
+                self._drop(image.step, error)
+
+    def _prune(self) -> None:
+        """Drop every generation older than the newest whole one."""
+        whole = [s for s, g in self._gens.items() if g.whole]
+        if whole:
+            for older in [s for s in self._gens if s < max(whole)]:
+                self._drop(older, SaveFailedError("memory generation superseded", step=older))
+
+    def _drop(self, step: int, error: SaveFailedError) -> None:
+        gen = self._gens.pop(step)
+        for notify in gen.waiting.values():
+            notify(error, None, {})
+        gen.close()
+
+    def generations(self) -> list[dict[str, Any]]:
+        """Every generation held, oldest first (`describe`)."""
+        with self._lock:
+            return [self._gens[s].describe() for s in sorted(self._gens)]
+
+    def open(self, step: int, ranks: list[int] | None = None
+             ) -> tuple[Generation, list[RankPart], list[int]]:
+        """The whole images of generation `step` (of `ranks`, default every whole one):
+        their manifest entries and a read-only descriptor each (the caller closes them).
+
+        Raises:
+            KeyError: no such generation, or a rank asked for is not held whole.
+        """
+        with self._lock:
+            gen = self._gens[step]
+            wanted = sorted(r for r, i in gen.images.items() if i.whole) if ranks is None \
+                else ranks
+            images = [gen.images[r] for r in wanted]
+            if not all(i.whole for i in images):
+                raise KeyError(step)
+            return gen, [i.part() for i in images], [i.read_only() for i in images]
+
+    def close(self) -> None:
+        with self._lock:
+            for gen in self._gens.values():
+                gen.close()
+            self._gens.clear()
