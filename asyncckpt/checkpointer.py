@@ -65,6 +65,7 @@ from asyncckpt.storage.location import exists, root_path, storage_for
 from asyncckpt.storage.paths import Location
 from asyncckpt.storage.timeline import live_steps, newest_live, read_current
 from asyncckpt.torchutil.dtensor import is_sharded_model, unwrapped
+from asyncckpt.torchutil.ranks import resolve_rank
 
 __all__ = ["Checkpointer", "CheckpointerOptions"]
 
@@ -89,6 +90,11 @@ class CheckpointerOptions:
         max_in_flight: the bound for "queue".
         strict_restore: `restore()` raises CorruptCheckpointError when the newest step is
             damaged, instead of falling back to the newest step that loads.
+        memory_interval: also save to the node writers' memory tier every this many
+            steps (0: never; docs/MEMORY_TIER.md): a step due for both is durable. A
+            memory save blocks as a durable one does (the staging copy) and waits for
+            no durable save in flight; `restore()` then resumes from the newest memory
+            generation when it is at least the newest durable step.
     """
 
     save_interval: int = 1000
@@ -98,6 +104,7 @@ class CheckpointerOptions:
     on_busy: Literal["block", "skip", "queue"] = "block"
     max_in_flight: int = 2
     strict_restore: bool = False
+    memory_interval: int = 0
 
     def __post_init__(self) -> None:
         def require(ok: bool, name: str, rule: str) -> None:
@@ -109,6 +116,7 @@ class CheckpointerOptions:
                 f"a non-empty subset of {CONTENTS}")
         require(self.on_busy in ("block", "skip", "queue"), "on_busy", '"block", "skip" or "queue"')
         require(self.max_in_flight >= 1, "max_in_flight", "at least 1")
+        require(self.memory_interval >= 0, "memory_interval", "0 (never) or more")
 
 
 class Checkpointer:
@@ -177,6 +185,8 @@ class Checkpointer:
         self._saves = 0
         self._in_flight: list[SaveHandle] = []
         self.timeline: TimelineStart | None = None  # made by restore(); carried by save()
+        self._memory_saves: set[int] = set()  # id() of the handles in flight of memory saves
+        self.restored_tier: str | None = None  # where restore() found its step
         self._fence: Any = None
         self.fence_blocked_seconds = 0.0
         self.extra: Any = None
@@ -190,7 +200,12 @@ class Checkpointer:
     # -- saving ---------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        return step % self.options.save_interval == 0
+        """`step` is due for a durable save, or (memory_interval) a memory save."""
+        return step % self.options.save_interval == 0 or self._memory_due(step)
+
+    def _memory_due(self, step: int) -> bool:
+        interval = self.options.memory_interval
+        return bool(interval) and step % interval == 0
 
     def save(self, step: int, *, extra: Any = None, force: bool = False, replace: bool = False,
              keep_from: int | None = None) -> SaveHandle | None:
@@ -228,16 +243,22 @@ class Checkpointer:
                          "framework decides when to save); said once", step, step,
                          self.options.save_interval)
             return None
+        tier = ("durable" if force or step % self.options.save_interval == 0 else "memory")
         raise_untaken(self._in_flight)  # a failed save is never dropped silently
         self._in_flight = [h for h in self._in_flight if not h.done()]
-        if self._in_flight:
+        self._memory_saves &= {id(h) for h in self._in_flight}
+        # a memory save waits for memory saves only: never for a durable one's disk
+        busy = [h for h in self._in_flight if (id(h) in self._memory_saves) == (tier == "memory")]
+        if busy:
             if self.options.on_busy == "skip":
                 warnings.warn(f"asyncckpt: skipping the save of step {step}: step "
-                              f"{self._in_flight[-1].step} is still being written", stacklevel=2)
+                              f"{busy[-1].step} is still being written", stacklevel=2)
                 return None
             limit = 1 if self.options.on_busy == "block" else self.options.max_in_flight
-            while len(self._in_flight) >= limit:
-                self._in_flight.pop(0).wait()
+            while len(busy) >= limit:
+                waited = busy.pop(0)
+                self._in_flight.remove(waited)
+                waited.wait()
         state: dict[str, Any] = {"step": step, **self._state_dicts()}
         if "extra" in self.options.contents and extra is not None:
             state["extra"] = extra
@@ -255,9 +276,11 @@ class Checkpointer:
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
                                    keep_every=self.options.keep_every, keep_from=keep_from,
-                                   replace=replace, timeline=self.timeline)
+                                   replace=replace, timeline=self.timeline, tier=tier)
         handle.stats.blocked_seconds = time.perf_counter() - entered  # what the loop waited
         self._in_flight.append(handle)
+        if tier == "memory":
+            self._memory_saves.add(id(handle))
         self._saves += 1
         return handle
 
@@ -397,6 +420,16 @@ class Checkpointer:
         strict = self.options.strict_restore if strict is None else strict
         storage = storage_for(self.root)
         current = read_current(storage)  # before the load: a run forking meanwhile is seen
+        self.restored_tier = None
+        if step is None:
+            newest = newest_live(storage, current)
+            restored = self._restore_memory(rank, newest)
+            if restored is not None:
+                self.restored_tier = "memory"
+                if restored == newest:  # on disk too: a restore forks there as always
+                    return self._begin_timeline(restored, current.gen)
+                return restored  # newer than every durable step: nothing to abandon
+        self.restored_tier = "durable"
         if step is not None or strict:
             if step is None and newest_live(storage, current) is None:
                 return None
@@ -430,6 +463,62 @@ class Checkpointer:
             skipped.append(f"step {candidate}: {why}")
         raise CorruptCheckpointError(f"no step under {self.root} loads: " + "; ".join(skipped))
 
+    def _restore_memory(self, rank: int | None, newest: int | None) -> int | None:
+        """Restore from the newest memory generation that every rank can read from its
+        own writer, when it is at least `newest` (the newest durable step); None when
+        there is none or its load failed on any rank (said at WARNING: the caller falls
+        back to the durable tier). Every rank takes part in each collective whatever
+        happens on it, so that the ranks agree before any state is applied."""
+        from asyncckpt.read import memory
+        address = self._client.address if self._client is not None else given_address(
+            self._address)
+        held: list[dict[str, Any]] = []
+        if address is not None:
+            try:
+                held = memory.generations(address)
+            except (CheckpointError, OSError, EOFError, ValueError) as e:
+                log.warning("asyncckpt: restore cannot ask the writer at %s for memory "
+                            "generations: %s", address, e)
+        me, world = resolve_rank(rank)
+        usable = {g["step"] for g in held if g.get("whole") and type(g.get("step")) is int
+                  and ((g.get("world_size") == world and me in g.get("ranks", ()))
+                       or sorted(g.get("ranks", ())) == list(range(g.get("world_size", 0))))}
+        common = set.intersection(*_gather(usable))
+        step = max(common) if common else None
+        if step is None or (newest is not None and step < newest):
+            if self.options.memory_interval:
+                log.warning("asyncckpt: no memory generation %s: restoring from the durable "
+                            "tier (newest step %s)", "held on every rank" if step is None
+                            else f"newer than the durable step (memory {step})", newest)
+            return None
+        images, state, error = None, None, None
+        try:
+            images = memory.open_images(address or "", step)
+            parts = images.parts
+        except Exception as e:
+            parts, error = {}, e
+        merged: dict[int, dict[str, Any]] = {}
+        for theirs in _gather(parts):
+            merged.update(theirs)
+        try:
+            if error is None and images is not None:
+                with memory.open_checkpoint(self.root, images, merged) as ckpt:
+                    state = memory.load(ckpt, rank, self._into(), {"step", "extra",
+                                                                  *self.options.contents})
+        except Exception as e:
+            error = e
+        finally:
+            if images is not None:
+                images.close()
+        if _agree(_outcome(error)):
+            log.warning("asyncckpt: restore from memory generation %d failed%s: restoring "
+                        "from the durable tier (newest step %s)", step,
+                        f": {error}" if error else " on another rank", newest)
+            return None
+        self._apply(state)
+        log.info("asyncckpt: restored step %d from the memory tier", step)
+        return step
+
     def _begin_timeline(self, step: int, based_on: int) -> int:
         """Make `self.timeline`, which this Checkpointer's saves carry from now on: a
         timeline forked at restored `step`, its id drawn on rank 0 and broadcast under
@@ -449,11 +538,15 @@ class Checkpointer:
             return None, e
 
     def _load(self, step: int | None, rank: int | None) -> Any:
+        return load_parts(self.root, step, rank, self._into(),
+                          {"step", "extra", *self.options.contents})
+
+    def _into(self) -> Any:
+        """The targets a load fills in place (None: none)."""
         into = self._state_dicts()
         if not self._sharded():
             into.pop("optimizer", None)  # plain optimizers take load_state_dict as saved
-        return load_parts(self.root, step, rank, into or None,
-                          {"step", "extra", *self.options.contents})
+        return into or None
 
     def _apply(self, state: Any) -> int:
         if self._sharded():
@@ -492,6 +585,15 @@ class Checkpointer:
 def _outcome(error: Exception | None) -> int:
     """A load's outcome for `_agree`: 0 loaded, 1 damaged, 2 any other error."""
     return 0 if error is None else 1 if isinstance(error, CorruptCheckpointError) else 2
+
+
+def _gather(value: Any) -> list[Any]:
+    """`value` of every rank (this rank's alone without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _agree(outcome: int) -> int:

@@ -117,6 +117,7 @@ class Client:
         welcome = self._conn.welcome
         self.root = root_path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
+        self._node = NodeRanks(*node_of(self.rank, self.world_size))  # memory saves' node
         self._device = DeviceCopies(self._ring)
         self._free = collections.deque(range(self._ring.slots))
         self._handles: list[SaveHandle] = []  # saves not known to be settled and told
@@ -239,7 +240,7 @@ class Client:
             self._remember(pending)
         handle = SaveHandle(step, on_commit=remember if skip and tier == "durable" else None)
         route = (self._route(step) if tier == "durable" else  # memory: the node's writer alone
-                 Route(self.world_size, None, NodeRanks(*node_of(self.rank, self.world_size))))
+                 Route(self.world_size, None, self._node))
         pending = PendingSave(next(self._ids), step, state_dict, handle, options, route,
                               self._basis if skip else None, skip)
         with self._cond:

@@ -75,6 +75,7 @@ class RankImage:
         self.frames: list[Frame] = []
         self.filled = 0
         self.whole = False
+        self._lock = threading.Lock()  # a copy in progress against a drop by another thread
         self.fd = os.memfd_create(f"asyncckpt-mem-{step}-{rank}",
                                   os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self._map: mmap.mmap | None = None
@@ -94,8 +95,15 @@ class RankImage:
         the ring), as one frame with its xxh3.
 
         Raises:
-            ValueError: more bytes than the rank's tensors hold, or the image is whole.
+            ValueError: more bytes than the rank's tensors hold, the image is whole, or
+                it was dropped.
         """
+        with self._lock:
+            self._append(fill, length)
+
+    def _append(self, fill: Callable[[memoryview], Any], length: int) -> None:
+        if self.fd < 0:
+            raise ValueError(f"rank {self.rank}'s memory image of step {self.step} was dropped")
         if self.whole or self.filled + length > self.size:
             raise ValueError(f"rank {self.rank} sent bytes up to {self.filled + length}, its "
                              f"tensors hold {self.size}")
@@ -116,8 +124,15 @@ class RankImage:
         """The stream is complete: unmap it and seal the memfd (read only from now on).
 
         Raises:
-            ValueError: fewer bytes arrived than the tensors hold.
+            ValueError: fewer bytes arrived than the tensors hold, or it was dropped.
         """
+        with self._lock:
+            if self.fd < 0:
+                raise ValueError(f"rank {self.rank}'s memory image of step {self.step} was "
+                                 "dropped")
+            self._seal()
+
+    def _seal(self) -> None:
         if self.filled != self.size:
             raise ValueError(f"rank {self.rank} ended after {self.filled} of {self.size} bytes")
         if self._map is not None:
@@ -136,12 +151,14 @@ class RankImage:
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Free the image (once a copy into it in progress is done)."""
+        with self._lock:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
 
 @dataclass
@@ -294,6 +311,16 @@ class MemoryTier:
             gen = self._gens.get(image.step)
             if gen is not None and gen.images.get(image.rank) is image:
                 self._drop(image.step, error)
+
+    def rank_gone(self, rank: int) -> None:
+        """`rank` has no connection left: a generation in flight that waits for it can
+        never become whole; its ranks that ended hear so."""
+        with self._lock:
+            for step in [s for s, g in self._gens.items() if not g.whole and any(
+                    f <= rank < f + c for f, c in g.nodes.items())
+                    and not (rank in g.images and g.images[rank].whole)]:
+                self._drop(step, SaveFailedError(f"rank {rank} of the node disconnected before "
+                                                 "ending its memory save", step=step, rank=rank))
 
     def _prune(self) -> None:
         """Drop every generation older than the newest whole one."""

@@ -537,6 +537,8 @@ class Session:
             self._saves.clear()
             if self.rank >= 0:
                 self.writer.steps.rank_gone(self.rank, self._began)
+                if self.writer.memory is not None:
+                    self.writer.memory.rank_gone(self.rank)
         finally:
             if self.ring is not None:
                 self.ring.close()
