@@ -23,7 +23,12 @@ from typing import Any
 
 from asyncckpt._version import __version__
 from asyncckpt.config import CODECS, WriterKnobs, parse_knob
-from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, WriterLockedError
+from asyncckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    WriterLockedError,
+    WriterUnavailableError,
+)
 from asyncckpt.format.layout import step_dir_name
 from asyncckpt.rank.launch import default_job
 from asyncckpt.storage.paths import local_path
@@ -36,7 +41,7 @@ from asyncckpt.writer import commit, retention
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"writer": _writer, "verify": _verify, "ls": _ls, "inspect": _inspect, "gc": _gc,
-                "export": _export, "copy": _copy, "import-dcp": _import_dcp}
+                "export": _export, "copy": _copy, "import-dcp": _import_dcp, "flush": _flush}
     return commands[args.command](args)
 
 
@@ -123,6 +128,11 @@ def parser() -> argparse.ArgumentParser:
                      help="most tensor bytes held in memory at once (default 1G)")
     imp.add_argument("--json", action="store_true", help=JSON)
 
+    fl = command("flush", "make a writer's newest memory generation a committed step now")
+    fl.add_argument("--address", default=None,
+                    help="the writer's socket (default: ASYNCCKPT_ADDRESS)")
+    fl.add_argument("--json", action="store_true", help=JSON)
+
     return parser
 
 
@@ -138,6 +148,8 @@ EXIT_STATUS = {
     "export": f"exit status: 0 written (or this part's share), 1 corruption found, {_USAGE}, "
               "or hosts splitting one export differently (--part N, --jobs)",
     "copy": f"exit status: 0 copied, 1 corruption found, {_USAGE}",
+    "flush": "exit status: 0 committed (or nothing newer than the root's newest step to "
+             "flush), 1 the flush failed (nothing committed), 2 no writer there",
     "import-dcp": "exit status: 0 committed, 1 the source is not a DCP checkpoint, or is "
                   "damaged or hostile (one line names the file), 2 a usage error or a failed save",
 }
@@ -192,6 +204,25 @@ def _watch_parent(pid: int, shutdown) -> None:
             logging.getLogger("asyncckpt.writer").info("parent %d exited; shutting down", pid)
             shutdown()
             return
+
+
+def _flush(args: argparse.Namespace) -> int:
+    from asyncckpt.ipc.protocol import writer_address
+    from asyncckpt.read.memory import flush
+    try:
+        step = flush(writer_address(args.address))
+    except WriterUnavailableError as e:
+        print(f"asyncckpt flush: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"asyncckpt flush: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"step": step}))
+    else:
+        print(f"flushed memory generation {step}" if step is not None else
+              "nothing to flush: no memory generation newer than the root's newest step")
+    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ this copy differs; each class's docstring says what its message means):
         outcome(step, committed; optional error, message)
         memory_list()
         memory_open(step; optional ranks)
+        memory_flush()
     writer -> rank:
         welcome(pid, version, root, root_id)
         refused(reason; optional root)
@@ -40,6 +41,7 @@ this copy differs; each class's docstring says what its message means):
         failed(save, step, error, message; optional relayed, ask)
         memory_index(generations)
         memory_generation(step, world_size, parts; optional error)
+        memory_flushed(step; optional error, message)
 """
 
 from __future__ import annotations
@@ -385,6 +387,16 @@ class MemoryOpen(Message):
         return cls(int_field(m, "step"), None if ranks is None else tuple(ranks))
 
 
+@dataclass(frozen=True)
+class MemoryFlush(Message):
+    """As `memory_list`: write the newest memory generation this writer holds whole
+    for its world to the root as a committed step now (writer/memory_flush.py);
+    answered by `memory_flushed` once committed or failed."""
+
+    OP: ClassVar[str] = "memory_flush"
+    SENDER: ClassVar[str] = "rank"
+
+
 # writer -> rank
 
 
@@ -547,10 +559,30 @@ class MemoryGeneration(Message):
                    error if isinstance(error, str) else str(error))
 
 
+@dataclass(frozen=True)
+class MemoryFlushed(Message):
+    """The answer to `memory_flush`: the step committed (-1: nothing to flush), or
+    `error` (the CheckpointError class) and `message`."""
+
+    OP: ClassVar[str] = "memory_flushed"
+    SENDER: ClassVar[str] = "writer"
+    step: int
+    error: str = ""
+    message: str = ""
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryFlushed:
+        step, error, message = m.get("step"), m.get("error", ""), m.get("message", "")
+        if type(step) is not int or step < -1:
+            raise ProtocolError(f"step {show(step)} is not a step or -1")
+        return cls(step, error if isinstance(error, str) else "",
+                   message if isinstance(message, str) else str(message))
+
+
 MESSAGES: dict[str, type[Message]] = {cls.OP: cls for cls in (
     Hello, Begin, Chunk, End, Abort, NeedSlot, NewRing, Commit, Outcome, MemoryList,
-    MemoryOpen, Welcome, Refused, Free, Unchanged, Durable, Committed, Failed, MemoryIndex,
-    MemoryGeneration)}
+    MemoryOpen, MemoryFlush, Welcome, Refused, Free, Unchanged, Durable, Committed, Failed,
+    MemoryIndex, MemoryGeneration, MemoryFlushed)}
 
 
 def parse(data: bytes | bytearray | dict[str, Any]) -> Message:

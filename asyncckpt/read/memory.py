@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncckpt.config import ReadLimits
-from asyncckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SaveFailedError,
+    WriterUnavailableError,
+    error_class,
+)
 from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.format.manifest import Manifest, check_readable
 from asyncckpt.format.records import rank_from_json
@@ -56,6 +62,35 @@ def generations(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str
     if not isinstance(answer, messages.MemoryIndex):
         raise messages.ProtocolError(f"expected memory_index, got {answer.OP}")
     return [dict(g) for g in answer.generations]
+
+
+def flush(address: str, timeout: float | None = None) -> int | None:
+    """Have the writer at `address` write its newest memory generation (held whole for
+    its world) to the root as a committed step, now (writer/memory_flush.py).
+
+    Returns:
+        The step committed, or None when there was nothing newer than the root's
+        newest step to flush.
+    Raises:
+        WriterUnavailableError: no writer there (or it refused the key).
+        SaveFailedError (or its subclass): the flush failed; nothing was committed.
+    """
+    conn = protocol.dial(address, protocol.read_authkey(address), QUERY_TIMEOUT_S)
+    try:
+        protocol.send_message(conn, messages.MemoryFlush())
+        if timeout is not None and not conn.poll(timeout):
+            raise SaveFailedError(f"the writer at {address} did not flush within {timeout} s")
+        answer = protocol.receive(conn)
+    except (EOFError, OSError) as e:
+        raise WriterUnavailableError(f"the writer at {address} hung up during the flush: "
+                                     f"{e}") from None
+    finally:
+        conn.close()
+    if not isinstance(answer, messages.MemoryFlushed):
+        raise messages.ProtocolError(f"expected memory_flushed, got {answer.OP}")
+    if answer.error:
+        raise error_class(answer.error)(answer.message)
+    return None if answer.step < 0 else answer.step
 
 
 @dataclass

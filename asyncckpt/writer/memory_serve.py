@@ -12,23 +12,34 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from asyncckpt.errors import CheckpointError
 from asyncckpt.ipc import messages, protocol
 from asyncckpt.writer.memory_tier import MemoryTier
 
 log = logging.getLogger("asyncckpt.writer")
 
-MEMORY_QUERIES = (messages.MemoryList, messages.MemoryOpen)
+MEMORY_QUERIES = (messages.MemoryList, messages.MemoryOpen, messages.MemoryFlush)
 
 
 def serve_query(memory: MemoryTier, conn: Connection,
-                query: messages.MemoryList | messages.MemoryOpen) -> None:
-    """Answer `query` on `conn` (the caller closes it).
+                query: messages.MemoryList | messages.MemoryOpen | messages.MemoryFlush,
+                flush: Callable[[], int | None]) -> None:
+    """Answer `query` on `conn` (the caller closes it); `flush` runs a flush.
 
     Raises:
         OSError: the reader went away.
     """
+    if isinstance(query, messages.MemoryFlush):
+        try:
+            step = flush()
+        except CheckpointError as e:
+            protocol.send_message(conn, messages.MemoryFlushed(-1, type(e).__name__, str(e)))
+            return
+        protocol.send_message(conn, messages.MemoryFlushed(-1 if step is None else step))
+        return
     if isinstance(query, messages.MemoryList):
         protocol.send_message(conn, messages.MemoryIndex(tuple(memory.generations())))
         return

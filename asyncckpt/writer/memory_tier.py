@@ -340,6 +340,12 @@ class MemoryTier:
         with self._lock:
             return [self._gens[s].describe() for s in sorted(self._gens)]
 
+    def newest_complete(self) -> int | None:
+        """The newest whole generation of which every rank of its world is held here."""
+        with self._lock:
+            return max((s for s, g in self._gens.items() if g.whole
+                        and sorted(g.images) == list(range(g.world_size))), default=None)
+
     def open(self, step: int, ranks: list[int] | None = None
              ) -> tuple[Generation, list[RankPart], list[int]]:
         """The whole images of generation `step` (of `ranks`, default every whole one):

@@ -24,7 +24,7 @@ from typing import Any
 
 from asyncckpt._version import __version__
 from asyncckpt.config import ReadLimits, WriterKnobs
-from asyncckpt.errors import CorruptCheckpointError, SaveFailedError
+from asyncckpt.errors import CheckpointError, CorruptCheckpointError, SaveFailedError
 from asyncckpt.format.manifest import Manifest, check_readable
 from asyncckpt.format.tiling import global_tensors
 from asyncckpt.ipc import protocol
@@ -35,6 +35,7 @@ from asyncckpt.storage.registry import open_storage, parse
 from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.dedup import DedupIndex
+from asyncckpt.writer.memory_flush import flush_newest
 from asyncckpt.writer.memory_tier import MemoryTier
 from asyncckpt.writer.owners import OwnerMark, sweep_dead
 from asyncckpt.writer.session import Buffers, Session, WriterContext
@@ -144,6 +145,7 @@ class WriterServer:
         except OSError:
             pass
         self._sock.close()
+        self._flush_memory()
         self.steps.close(self.knobs.shutdown_timeout)
         with self._sessions_lock:
             sessions = list(self._sessions)
@@ -160,6 +162,19 @@ class WriterServer:
             self._lock.release()
         self.storage.close()
         log.info("writer stopped")
+
+    def _flush_memory(self) -> None:
+        """A stopping writer (SIGTERM: a preemption notice) makes its newest memory
+        generation durable, within shutdown_timeout (writer/memory_flush.py)."""
+        started = time.monotonic()
+        try:
+            step = flush_newest(self.context, self.knobs.shutdown_timeout)
+        except CheckpointError as e:
+            log.warning("stopping: the flush of the memory tier failed: %s", e)
+            return
+        if step is not None:
+            log.info("stopping: memory generation %d flushed to the root in %.2f s", step,
+                     time.monotonic() - started)
 
     def _watch_absent(self) -> None:
         while not self._stopped.wait(ABSENT_CHECK_S):

@@ -44,6 +44,7 @@ from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.ipc.messages import MAX_SLOTS, NodeRanks, ProtocolError
 from asyncckpt.writer import commit
 from asyncckpt.writer.filespec import FileSettings, FileTarget, Reuse, Stream, Unchanged
+from asyncckpt.writer.memory_flush import flush_newest
 from asyncckpt.writer.memory_serve import MEMORY_QUERIES, serve_query
 from asyncckpt.writer.memory_tier import MemoryTier, RankImage
 from asyncckpt.writer.nodes import NodeJoin
@@ -199,7 +200,8 @@ class Session:
         try:
             m = protocol.receive(self.conn)
             if isinstance(m, MEMORY_QUERIES) and self.writer.memory is not None:
-                serve_query(self.writer.memory, self.conn, m)  # a reader, not a rank
+                serve_query(self.writer.memory, self.conn, m, functools.partial(
+                    flush_newest, self.writer, self.writer.knobs.shutdown_timeout))
                 raise EOFError
             if not isinstance(m, messages.Hello):
                 raise ProtocolError("expected hello")

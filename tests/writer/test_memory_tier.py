@@ -283,3 +283,52 @@ def test_failed_memory_save_is_raised(tmp_path: Path) -> None:
         with pytest.raises(SaveFailedError):
             for _ in range(200):
                 c.save(2, {"w": torch.zeros(10)}, tier="memory").wait(WAIT_S)
+
+
+def test_flush_commits_the_newest_generation(tmp_path: Path) -> None:
+    """`flush` makes memory generation 6 (newer than durable 4) an ordinary committed
+    step that loads bit-exact; a second flush has nothing newer to write."""
+    import asyncckpt
+    with InProcessWriter(tmp_path / "ckpt", codec="zstd") as w:
+        clients = [Client(w.address, rank=r, world_size=2) for r in range(2)]
+        try:
+            for step, tier in ((4, "durable"), (6, "memory")):
+                for h in [c.save(step, _state(r, step), tier=tier)
+                          for r, c in enumerate(clients)]:
+                    h.wait(WAIT_S)
+            assert memory.flush(w.address) == 6
+            for r in range(2):
+                _same(asyncckpt.load(w.root, rank=r), _state(r, 6))
+            assert asyncckpt.verify(w.root / "step-00000006").ok
+            assert memory.flush(w.address) is None
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_stopping_writer_flushes(tmp_path: Path) -> None:
+    """A writer stopping (SIGTERM's path: `WriterServer.stop`) makes its newest memory
+    generation durable before it lets the root go."""
+    import asyncckpt
+    w = InProcessWriter(tmp_path / "ckpt", codec="raw")
+    with Client(w.address, rank=0, world_size=1) as c:
+        c.save(3, _state(0, 3), tier="memory").wait(WAIT_S)
+    w.stop()
+    _same(asyncckpt.load(tmp_path / "ckpt"), _state(0, 3))
+
+
+def test_a_flush_that_fails_commits_nothing(tmp_path: Path) -> None:
+    """A generation whose timeline start is stale (another run forked the root since):
+    the flush fails with TimelineMovedError and the root's newest step stays."""
+    import asyncckpt
+    from asyncckpt.errors import TimelineMovedError
+    from asyncckpt.format.timeline import TimelineStart, new_timeline_id
+    with InProcessWriter(tmp_path / "ckpt", codec="raw") as w, \
+            Client(w.address, rank=0, world_size=1) as c:
+        c.save(2, _state(0, 2)).wait(WAIT_S)
+        stale = TimelineStart(new_timeline_id(), 2, 7)  # based on a gen the root never had
+        c.save(5, _state(0, 5), tier="memory", timeline=stale).wait(WAIT_S)
+        with pytest.raises(TimelineMovedError):
+            memory.flush(w.address)
+        assert [p.name for p in w.root.glob("step-*")] == ["step-00000002"]
+        _same(asyncckpt.load(w.root), _state(0, 2))
