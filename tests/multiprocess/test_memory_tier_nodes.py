@@ -1,0 +1,98 @@
+"""The memory tier across simulated nodes (one torchrun per node on loopback, each node
+with its own writer, started here so that it outlives its ranks as a node's writer
+outlives a crashed training process).
+
+* 2 nodes x 2 ranks checkpoint every step to memory and every 2nd durably; the ranks
+  die; relaunched, every rank resumes at the last memory generation (newer than any
+  durable step), bit-exact, model and optimizer;
+* a node's writer SIGKILLed (its memory gone): relaunched, the ranks agree to fall back
+  to the newest durable step, bit-exact, and say so.
+
+What needs the replica on a partner node (a whole node lost, its ranks' bytes pulled
+from the partner's memory; a shrunk world resharding from memory) is not here: it needs
+the writer-to-writer transport (asyncckpt/net/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from multinode import Cluster
+
+import asyncckpt
+
+WORKER = Path(__file__).with_name("memory_tier_worker.py")
+LAUNCH_TIMEOUT = 150
+NODES, PER_NODE = 2, 2
+
+
+@contextlib.contextmanager
+def node_writer(root: Path, runtime: Path, log: Path) -> Iterator[asyncckpt.WriterProcess]:
+    """A writer of job "mt" on `root` whose socket lies in `runtime` (its node's)."""
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+    old = os.environ.get("ASYNCCKPT_RUNTIME_DIR")
+    os.environ["ASYNCCKPT_RUNTIME_DIR"] = str(runtime)
+    try:
+        w = asyncckpt.start_writer(root, job="mt", export=False, log_file=log, codec="raw")
+    finally:
+        if old is None:
+            os.environ.pop("ASYNCCKPT_RUNTIME_DIR")
+        else:
+            os.environ["ASYNCCKPT_RUNTIME_DIR"] = old
+    try:
+        yield w
+    finally:
+        if w.alive():
+            w.stop(timeout=60)
+
+
+def launch(out: Path, tag: str, root: Path, writers: list[asyncckpt.WriterProcess],
+           **env: str) -> list[dict]:
+    """One run of the worker on every node; every rank's result."""
+    cluster = Cluster(out / f"logs-{tag}", NODES, PER_NODE, WORKER, env={
+        "MT_ROOT": str(root), "MT_OUT": str(out), "MT_TAG": tag, "MT_DURABLE": "2", **env},
+        node_env={i: {"MT_ADDRESS": w.address} for i, w in enumerate(writers)})
+    cluster.start()
+    try:
+        codes = cluster.wait(LAUNCH_TIMEOUT)
+        assert codes == [0] * NODES, f"{tag}: exit codes {codes}\n{cluster.outputs()}"
+    finally:
+        cluster.close()
+    return [json.loads((out / f"result-{tag}-rank{r}.json").read_text())
+            for r in range(NODES * PER_NODE)]
+
+
+@pytest.mark.process
+def test_ranks_resume_from_memory_then_fall_back(tmp_path: Path) -> None:
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    # the writers' sockets lie apart from the nodes' runtime directories: a Cluster kills
+    # every writer it finds there, and these are to outlive the ranks
+    runtimes = [Path(tempfile.mkdtemp(prefix=f"mtw{i}-")) for i in range(NODES)]
+    logs = [tmp_path / f"writer-{i}.log" for i in range(NODES)]
+    with node_writer(root, runtimes[0], logs[0]) as w0:
+        with node_writer(root, runtimes[1], logs[1]) as w1:
+            first = launch(out, "a", root, [w0, w1], MT_STEPS="5")
+            assert first[0]["steps"] == {"1": "memory", "2": "durable", "3": "memory",
+                                         "4": "durable", "5": "memory"}
+            # the ranks are gone; a relaunch resumes at memory generation 5 (disk has 4)
+            again = launch(out, "b", root, [w0, w1], MT_STEPS="7", MT_RESUME="1")
+            assert {(r["restored"], r["tier"]) for r in again} == {(5, "memory")}
+            assert sorted(p.name for p in root.glob("step-*")) == [
+                "step-00000002", "step-00000004", "step-00000006"]
+            os.kill(w1.pid, signal.SIGKILL)  # node 1's writer, and its memory, gone
+        with node_writer(root, runtimes[1], logs[1]) as w1b:
+            third = launch(out, "c", root, [w0, w1b], MT_STEPS="7", MT_RESUME="1")
+    # memory generation 7 is only on node 0 now: every rank falls back to durable 6
+    assert {(r["restored"], r["tier"]) for r in third} == {(6, "durable")}
+    assert "restoring from the durable tier" in (out / "logs-c" / "node-0.log").read_text()
+    for d in runtimes:
+        shutil.rmtree(d, ignore_errors=True)
