@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import re
 import urllib.parse
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import MAX_STEP
-from asyncckpt.storage.location import Location, ObjectPath, root_path
+from asyncckpt.storage.location import Location, root_path
 from asyncckpt.storage.registry import KNOWN
 
 STEP_ID = re.compile(r"step[-_]?(\d+)")  # a step directory's name: step-N, step_N, stepN
@@ -65,9 +65,9 @@ def checkpoint_location(checkpoint_id: str | os.PathLike[str]) -> Location:
         CheckpointError: another URL (another host's file://, a scheme no backend
             serves); the message names the forms taken.
     """
-    if isinstance(checkpoint_id, ObjectPath):
-        return checkpoint_id
-    text = os.fspath(checkpoint_id)
+    # a location object (a store's has no fspath) by its text, which parses back to it
+    text = str(checkpoint_id) if isinstance(checkpoint_id, PurePath) else os.fspath(
+        checkpoint_id)
     if isinstance(text, str) and text[:7].lower() == "file://":
         url = urllib.parse.urlsplit(text)
         if url.netloc.lower() in ("", "localhost") and url.path and not (
@@ -76,7 +76,7 @@ def checkpoint_location(checkpoint_id: str | os.PathLike[str]) -> Location:
         raise CheckpointError(f"{text!r} is not a file:// URL of this machine; {_forms()}",
                               file=text)
     try:
-        return root_path(checkpoint_id)
+        return root_path(text)
     except CheckpointError as e:
         raise CheckpointError(f"{e.cause}; {_forms()}", file=text) from None
 
