@@ -72,14 +72,15 @@ def test_memory_save_is_held_not_written(tmp_path: Path) -> None:
 
 def test_newest_whole_generation_drops_the_older(tmp_path: Path) -> None:
     """Held: the newest whole generation (and one in flight); a newer whole one drops
-    the older, so memory is bounded by two generations."""
+    the older (its images kept to be refilled), so memory is two generations."""
     with InProcessWriter(tmp_path / "ckpt", codec="raw") as w, \
             Client(w.address, rank=0, world_size=1) as c:
         for step in (1, 2, 3):
             c.save(step, _state(0, step), tier="memory").wait(WAIT_S)
         assert [g["step"] for g in memory.generations(w.address)] == [3]
         _same(_read_back(w, 3, 0), _state(0, 3))
-        assert w.server.memory.held_bytes == memory.generations(w.address)[0]["bytes"]
+        # the newest whole one, and the older one's images kept to refill: 2 generations
+        assert w.server.memory.held_bytes == 2 * memory.generations(w.address)[0]["bytes"]
 
 
 def test_over_the_bound_is_refused_and_the_held_one_survives(tmp_path: Path) -> None:
