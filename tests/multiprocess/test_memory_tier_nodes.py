@@ -6,7 +6,9 @@ outlives a crashed training process).
   die; relaunched, every rank resumes at the last memory generation (newer than any
   durable step), bit-exact, model and optimizer;
 * a node's writer SIGKILLed (its memory gone): relaunched, the ranks agree to fall back
-  to the newest durable step, bit-exact, and say so.
+  to the newest durable step, bit-exact, and say so;
+* 1 node x 2 ranks relaunched as 1 rank: the state resharded from memory equals the one
+  saved; the writer, stopped with SIGTERM, flushes that generation as a committed step.
 
 What needs the replica on a partner node (a whole node lost, its ranks' bytes pulled
 from the partner's memory; a shrunk world resharding from memory) is not here: it needs
@@ -55,19 +57,20 @@ def node_writer(root: Path, runtime: Path, log: Path) -> Iterator[asyncckpt.Writ
 
 
 def launch(out: Path, tag: str, root: Path, writers: list[asyncckpt.WriterProcess],
-           **env: str) -> list[dict]:
-    """One run of the worker on every node; every rank's result."""
-    cluster = Cluster(out / f"logs-{tag}", NODES, PER_NODE, WORKER, env={
+           per_node: int = PER_NODE, **env: str) -> list[dict]:
+    """One run of the worker on every node (one per writer); every rank's result."""
+    nodes = len(writers)
+    cluster = Cluster(out / f"logs-{tag}", nodes, per_node, WORKER, env={
         "MT_ROOT": str(root), "MT_OUT": str(out), "MT_TAG": tag, "MT_DURABLE": "2", **env},
         node_env={i: {"MT_ADDRESS": w.address} for i, w in enumerate(writers)})
     cluster.start()
     try:
         codes = cluster.wait(LAUNCH_TIMEOUT)
-        assert codes == [0] * NODES, f"{tag}: exit codes {codes}\n{cluster.outputs()}"
+        assert codes == [0] * nodes, f"{tag}: exit codes {codes}\n{cluster.outputs()}"
     finally:
         cluster.close()
     return [json.loads((out / f"result-{tag}-rank{r}.json").read_text())
-            for r in range(NODES * PER_NODE)]
+            for r in range(nodes * per_node)]
 
 
 @pytest.mark.process
@@ -96,3 +99,26 @@ def test_ranks_resume_from_memory_then_fall_back(tmp_path: Path) -> None:
     assert "restoring from the durable tier" in (out / "logs-c" / "node-0.log").read_text()
     for d in runtimes:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.process
+def test_a_shrunk_world_reshards_from_memory(tmp_path: Path) -> None:
+    """1 node x 2 ranks (FSDP2) checkpoint every step to memory; relaunched as 1 rank,
+    it restores memory generation 3 (newer than durable 2) resharded onto world 1, and
+    its full state equals the one saved, bit for bit (what a disk restore gives)."""
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    runtime = Path(tempfile.mkdtemp(prefix="mtw-"))
+    try:
+        with node_writer(root, runtime, tmp_path / "writer.log") as w:
+            launch(out, "a", root, [w], per_node=2, MT_STEPS="3")
+            shrunk = launch(out, "b", root, [w], per_node=1, MT_STEPS="3", MT_RESUME="1",
+                            MT_SEED="7")
+            assert [(r["restored"], r["tier"]) for r in shrunk] == [(3, "memory")]
+            assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002"]
+        # stopped by SIGTERM, the writer (holding every rank of world 2) flushed step 3
+        assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002",
+                                                               "step-00000003"]
+        assert asyncckpt.verify(root / "step-00000003").ok
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
