@@ -123,6 +123,31 @@ class StateMismatchError(CheckpointError):
     """`load(..., into=...)` found a target whose key, shape or dtype disagrees."""
 
 
+class ReplicaError(CheckpointError):
+    """A replica could not be sent to, held by or fetched from a partner writer
+    (asyncckpt/net/): refused, too large, a checksum or step that does not match, a peer
+    gone or stalled. Nothing of that replica was accepted. The message names this node,
+    the generation (step), the peer and the cause.
+
+    Attributes:
+        node, peer: this node's name and the partner's address (text), when known.
+    """
+
+    def __init__(self, cause: str, *, node: str | None = None, peer: str | None = None,
+                 step: int | None = None, **detail: Any) -> None:
+        self.node, self.peer = node, peer
+        where = [f"node {node}"] if node else []
+        where += [f"peer {peer}"] if peer else []
+        super().__init__(f"{', '.join(where)}: {cause}" if where else cause, step=step,
+                         **detail)
+        self.cause = cause
+
+
+class ReplicaAuthError(ReplicaError):
+    """A peer did not prove the job's secret (none, a wrong one, a replayed handshake, a
+    message whose MAC fails): nothing was read from it or sent to it."""
+
+
 def error_class(name: str) -> type[SaveFailedError]:
     """The SaveFailedError subclass called `name` (as a writer or another rank reports
     it: DiskFullError, ...), else SaveFailedError itself."""
