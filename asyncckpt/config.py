@@ -283,12 +283,54 @@ class ObjectStoreKnobs(_FromEnv):
         _require(self.lease_renew > 0, "lease_renew", "positive", self.lease_renew)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaKnobs(_FromEnv):
+    """The replica transport between node writers (asyncckpt/net/): its bounds, pace and
+    patience, applied by whoever sends or serves replicas (a writer).
+
+    Attributes:
+        replica_mbps: MB/s (10^6 bytes) that one sending connection may use, paced chunk
+            by chunk so that training traffic on the same NIC is not starved; 0: unpaced.
+        replica_chunk_bytes: bytes per data message: the grain of pacing, of the xxh3
+            checked on arrival and of the receiver's buffer.
+        replica_max_bytes: the largest replica (bytes of every rank together) a server
+            takes; a larger one is refused before anything is allocated for it. 0: half
+            the host's physical memory.
+        replica_meta_bytes: the largest control message (a replica's facts, a listing).
+        replica_timeout: seconds a peer may make no progress (connect, handshake, any
+            send or receive) before it counts as stalled and the transfer fails.
+        replica_connections: connections a replica server serves at once; more wait in
+            its listen backlog.
+    """
+
+    replica_mbps: float = 0.0
+    replica_chunk_bytes: int = 1 * MiB
+    replica_max_bytes: int = 0
+    replica_meta_bytes: int = 8 * MiB
+    replica_timeout: float = 30.0
+    replica_connections: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.replica_mbps >= 0, "replica_mbps", "0 (unpaced) or more",
+                 self.replica_mbps)
+        _require(4096 <= self.replica_chunk_bytes <= 64 * MiB, "replica_chunk_bytes",
+                 "between 4096 bytes and 64 MiB", self.replica_chunk_bytes)
+        _require(self.replica_max_bytes >= 0, "replica_max_bytes",
+                 "0 (half the host's memory) or more", self.replica_max_bytes)
+        _require(4096 <= self.replica_meta_bytes <= 1 << 30, "replica_meta_bytes",
+                 "between 4096 bytes and 1 GiB", self.replica_meta_bytes)
+        _require(self.replica_timeout > 0, "replica_timeout", "positive", self.replica_timeout)
+        _require(1 <= self.replica_connections <= 1024, "replica_connections",
+                 "between 1 and 1024", self.replica_connections)
+
+
 _SETS: tuple[type[DataclassInstance], ...] = (ClientKnobs, WriterKnobs, ReadLimits,
-                                              ObjectStoreKnobs)
+                                              ObjectStoreKnobs, ReplicaKnobs)
 _WHERE = {ClientKnobs: "connect()/Client (a rank knob)",
           WriterKnobs: "start_writer()/`asyncckpt writer --knob` (a writer knob)",
           ReadLimits: "load(limits=)/ReadLimits (a reader limit)",
-          ObjectStoreKnobs: "ASYNCCKPT_* environment of an s3:// root (an object-store knob)"}
+          ObjectStoreKnobs: "ASYNCCKPT_* environment of an s3:// root (an object-store knob)",
+          ReplicaKnobs: "ReplicaKnobs/ASYNCCKPT_REPLICA_* (a replica transport knob)"}
 
 
 def _unknown(cls: type, names: list[str]) -> str:
