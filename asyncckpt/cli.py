@@ -288,8 +288,8 @@ def _ls(args: argparse.Namespace) -> int:
         rows.append({"step": save.step, "state": "in-progress", "path": str(save.path),
                      "stored_bytes": save.stored_bytes, "age_seconds": now - save.modified,
                      "latest": False})
-    if args.json:
-        json.dump(rows, sys.stdout, indent=1)
+    if args.json:  # the root's current timeline at top level, then the steps
+        json.dump({"timeline": current.to_json(), "steps": rows}, sys.stdout, indent=1)
         print()
         return 0
     if not current.is_root:

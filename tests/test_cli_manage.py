@@ -106,7 +106,9 @@ def test_ls_and_gc_behave_the_same_on_both_backends(any_root, tmp_path, capsys):
     where = _abandon(any_root, 4, 4096)
     capsys.readouterr()
     assert main(["ls", "--json", any_root]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["timeline"] == {"id": "", "gen": 0, "lineage": []}  # never forked
+    rows = listed["steps"]
     assert [(r["step"], r["state"], r["latest"]) for r in rows] == [
         (1, "committed", False), (2, "committed", False), (3, "committed", True),
         (4, "in-progress", False)]
@@ -126,7 +128,8 @@ def test_ls_and_gc_behave_the_same_on_both_backends(any_root, tmp_path, capsys):
     assert out["deleted_steps"] == [1] and len(out["removed_tmp"]) == 1
     assert out["kept_steps"] == open_storage(any_root).committed_steps() == [2, 3]
     assert main(["ls", "--json", any_root]) == 0
-    assert [r["state"] for r in json.loads(capsys.readouterr().out)] == ["committed"] * 2
+    assert [r["state"] for r in json.loads(capsys.readouterr().out)["steps"]] == \
+        ["committed"] * 2
 
 
 @pytest.mark.parametrize("command", [["ls"], ["gc", "--keep-last", "1"]])

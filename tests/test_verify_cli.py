@@ -125,7 +125,7 @@ def test_console_script_verify_json_on_a_good_checkpoint(cli_runs):
 def test_python_m_ls_json(cli_runs):
     rc, out, err = cli_runs["ls-json"]
     assert rc == 0, err
-    rows = json.loads(out)
+    rows = json.loads(out)["steps"]
     assert [(r["step"], r["state"], r["latest"]) for r in rows] == [(1, "committed", False),
                                                                       (2, "committed", True)]
 
@@ -298,7 +298,7 @@ def test_ls_lists_committed_and_in_progress(saved, own, capsys):
     assert rows[2].split()[-1] == str(tmp)
 
     rc, out, _ = run(capsys, "ls", "--json", str(own))
-    doc = json.loads(out)
+    doc = json.loads(out)["steps"]
     assert rc == 0 and [(r["step"], r["state"], r["latest"]) for r in doc] == [
         (1, "committed", False), (2, "committed", True), (3, "in-progress", False)]
     m = read_manifest(own / "step-00000002")
@@ -312,7 +312,7 @@ def test_ls_marks_damaged_steps(saved, own, capsys):
     flip_byte(own / "step-00000001" / MANIFEST_NAME, 50)
     (own / "step-00000007").mkdir()  # no manifest: a damaged step, as load(root) sees it
     rc, out, _ = run(capsys, "ls", "--json", str(own))
-    doc = json.loads(out)
+    doc = json.loads(out)["steps"]
     assert rc == 0 and [(r["step"], r["state"]) for r in doc] == [
         (1, "damaged"), (2, "committed"), (7, "damaged")]
     assert "xxh3" in doc[0]["error"] and "has no manifest.json" in doc[2]["error"]
@@ -329,7 +329,8 @@ def test_ls_non_directory_exits_2(tmp_path, capsys, what):
 
 def test_ls_empty_root(tmp_path, capsys):
     rc, out, _ = run(capsys, "ls", "--json", str(tmp_path))
-    assert rc == 0 and json.loads(out) == []
+    assert rc == 0 and json.loads(out) == {"timeline": {"id": "", "gen": 0, "lineage": []},
+                                            "steps": []}
 
 
 # -- data files are standard safetensors / zstd ---------------------------------------------------

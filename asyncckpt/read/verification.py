@@ -6,7 +6,11 @@ suffix admits --, the directory's files, the global tensors and every rank's tre
 checks `load` makes) and then reads every frame of every rank through the same checked
 path as `load` (sizes, both checksums, decoding), plus what `load` does not need: the
 safetensors header in each data file must be exactly the one the manifest implies. At
-the root it also checks that `latest` names a committed step. Byte ranges that several
+the root it also checks that `latest` names a committed step, and that the `timeline`
+file (format/timeline.py) parses strictly and names a timeline the root holds: one with
+a committed step, or a fresh fork whose fork step is committed (the file is written
+before the first step of a new timeline is published). Read as the root timeline, a bad
+file would make abandoned steps newest again, so it counts as corruption. Byte ranges that several
 steps share (incremental saves reference older steps' frames) are read and checked once
 per root: a range counts as checked only for the same codec, planes and checksums. It
 never stops at the first bad checkpoint, nor at the first problem of one: the report
@@ -24,9 +28,11 @@ from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
 from asyncckpt.format.layout import LATEST_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name
 from asyncckpt.format.records import Frame
+from asyncckpt.format.timeline import TIMELINE_NAME
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.location import exists, is_file, root_path, storage_for
 from asyncckpt.storage.paths import Location
+from asyncckpt.storage.timeline import read_current, step_timeline
 
 Progress = Callable[[str, int, int], None]
 """Called after each frame: (checkpoint path, stored bytes verified, stored bytes to verify)."""
@@ -105,6 +111,9 @@ def verify_iter(path: str | os.PathLike[str], *, limits: ReadLimits | None = Non
     pointer = verify_root_pointer(root) if root else None
     if pointer:
         yield pointer
+    timeline = verify_root_timeline(root) if root else None
+    if timeline:
+        yield timeline
 
 
 def checkpoints_under(path: str | os.PathLike[str]) -> tuple[list[Location], Location | None]:
@@ -180,3 +189,39 @@ def verify_root_pointer(root: Location) -> CheckpointReport | None:
                        "which is not a committed checkpoint")
         return report
     return None
+
+
+def verify_root_timeline(root: Location) -> CheckpointReport | None:
+    """A problem report if `root/timeline` is damaged (not a regular file, over its bound,
+    a bad checksum, a record breaking a rule) or names a timeline the root does not hold:
+    no committed step is in it, and it is not a fresh fork (its last lineage entry
+    `[parent, at]` names committed step `at` of timeline `parent`). Steps whose manifest
+    does not read are skipped here (their own reports carry that)."""
+    where = root / TIMELINE_NAME
+    report = CheckpointReport(str(where), None)
+    storage = storage_for(root)
+    try:
+        current = read_current(storage)
+    except (CheckpointError, OSError) as e:
+        report.problem(str(e))
+        return report
+    if current.is_root:
+        return None
+    held: dict[int, str] = {}
+    for step in storage.committed_steps():
+        try:
+            held[step] = step_timeline(storage, step).id
+        except CheckpointError:
+            continue
+    if current.id in held.values():
+        return None
+    if current.lineage:
+        parent, at = current.lineage[-1]
+        if held.get(at) == parent:
+            return None  # a fresh fork: its first step is not published yet
+        fork = f"its fork step {at} (of timeline {parent or 'root'}) is not a committed step"
+    else:
+        fork = "it has no lineage to fork from"
+    report.problem(f"{TIMELINE_NAME} names {current.describe()}, which no committed step is "
+                   f"in, and {fork}: the root's newest step cannot be told")
+    return report

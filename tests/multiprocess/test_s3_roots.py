@@ -72,7 +72,7 @@ def test_two_ranks_save_and_every_reader_gets_their_bytes_back(s3_root, s3_write
     assert done.returncode == 0, done.stdout + done.stderr
     assert [c["step"] for c in json.loads(done.stdout)["checkpoints"]] == [1, 2]
     listed = cli("ls", s3_root, "--json")
-    rows = json.loads(listed.stdout)
+    rows = json.loads(listed.stdout)["steps"]
     assert [(r["step"], r["state"], r["latest"]) for r in rows] == [
         (1, "committed", False), (2, "committed", True)]
     inspected = cli("inspect", s3_root, "--json")

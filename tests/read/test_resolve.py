@@ -82,7 +82,9 @@ def test_ls_marks_abandoned_steps_and_the_current_timeline(forked: Path, capsys)
     record = current_timeline(forked)
     capsys.readouterr()
     assert main(["ls", "--json", str(forked)]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["timeline"] == {"id": record.id, "gen": 1, "lineage": [["", 8]]}
+    rows = listed["steps"]
     assert [(r["step"], r["state"], r["latest"], r["timeline"]) for r in rows] == [
         (8, "committed", False, ""), (9, "committed", True, record.id),
         (10, "abandoned", False, ""), (12, "abandoned", False, "")]
