@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
     {"format", "torchutil"},
     {"ipc"},  # a begin carries a tensor table and tree: ipc checks them with format's rules
     {"storage"},
+    {"net"},  # the replica transport between writers: the writer's memory tier uses it
     {"rank", "writer", "read"},
     {"checkpointer"},
     {"integrations"},
@@ -38,7 +39,7 @@ LAYERS: list[set[str]] = [
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 NO_TORCH = {"_version", "errors", "runtime", "codec", "config", "format", "ipc", "storage",
-            "writer"}
+            "net", "writer"}
 
 
 def part_of(module: str) -> str:
