@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from asyncckpt.errors import UnsupportedStateError
 from asyncckpt.format.timeline import TimelineStart
+from asyncckpt.format.tree import MAX_DEPTH
+from asyncckpt.rank.flatten import KeyedChunk
 from asyncckpt.torchutil.dtensor import Chunk
 
 LAYOUTS_KEPT = 16  # final plans whose layouts are kept (one per root and structure in use)
@@ -44,10 +46,12 @@ LAYOUTS_KEPT = 16  # final plans whose layouts are kept (one per root and struct
 @dataclasses.dataclass(frozen=True)
 class Catalogue:
     """Sent with every rank's final plan: each tensor of the checkpoint, (dtype, size),
-    and the timeline start every rank's save carries (dcp_timeline.py)."""
+    the timeline start every rank's save carries (dcp_timeline.py), and each key's path
+    in the state as DCP flattened it (its planner_data, merged over the ranks)."""
 
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
     timeline: TimelineStart | None = None
+    paths: dict[str, tuple[str | int, ...]] = dataclasses.field(default_factory=dict)
 
 
 class CachingPlanner(DefaultSavePlanner):
@@ -103,11 +107,13 @@ class Layout:
         empty: every tensor of the checkpoint as a box this rank does not write.
         tensors: (item, global size, dtype, offsets, result) per tensor item.
         objects: the object (bytes) items.
+        paths: each key's path in the saved state (DCP's planner_data), where known.
     """
 
     empty: dict[str, Chunk]
     tensors: list[tuple[WriteItem, tuple[int, ...], torch.dtype, tuple[int, ...], WriteResult]]
     objects: list[WriteItem]
+    paths: dict[str, tuple[str | int, ...]] = dataclasses.field(default_factory=dict)
 
 
 _layouts: dict[int, tuple[SavePlan, Layout]] = {}
@@ -135,7 +141,9 @@ def layout(plan: SavePlan) -> Layout:
 
 def _layout(plan: SavePlan) -> Layout:
     catalogue = plan.storage_data if isinstance(plan.storage_data, Catalogue) else Catalogue({})
-    empty = {fqn: Chunk(size, dtype) for fqn, (dtype, size) in catalogue.tensors.items()}
+    paths = {fqn: path for fqn, path in catalogue.paths.items() if key_path_of(fqn, path)}
+    empty: dict[str, Chunk] = {fqn: KeyedChunk(size, dtype, key_path=paths.get(fqn, ()))
+                               for fqn, (dtype, size) in catalogue.tensors.items()}
     tensors = []
     objects = []
     mine: set[str] = set()
@@ -155,4 +163,12 @@ def _layout(plan: SavePlan) -> Layout:
         nbytes = td.chunk.sizes.numel() * dtype.itemsize
         tensors.append((item, tuple(td.size), dtype, tuple(td.chunk.offsets),
                         WriteResult(item.index, nbytes, None)))
-    return Layout(empty, tensors, objects)
+    return Layout(empty, tensors, objects, paths)
+
+
+def key_path_of(fqn: str, path: Any) -> bool:
+    """Whether `path` is a key path DCP's flattening makes `fqn` of: str and int keys
+    (no bool) joined by `.`, nested no deeper than a tree is."""
+    return (isinstance(path, tuple) and 0 < len(path) <= MAX_DEPTH
+            and all(type(k) is str or (type(k) is int and k >= 0) for k in path)
+            and ".".join(map(str, path)) == fqn)

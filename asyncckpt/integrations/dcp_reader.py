@@ -49,10 +49,13 @@ from asyncckpt.errors import CheckpointError, UntrustedPickleError
 from asyncckpt.format.layout import step_dir_name
 from asyncckpt.format.tree import unflatten
 from asyncckpt.integrations.dcp_ids import STEP_ID, checkpoint_location
+from asyncckpt.integrations.dcp_plan import key_path_of
 from asyncckpt.integrations.dcp_timeline import record_load
 from asyncckpt.read.checkpoint import Checkpoint, Leaf
 from asyncckpt.storage.location import Location, is_dir
 from asyncckpt.storage.registry import storage_at
+
+MAX_LIST_INDEX = 1 << 20  # a path's int beyond it stays flat (DCP rebuilds a list that long)
 
 
 class _Value:
@@ -69,11 +72,16 @@ class _Index:
         self.ckpt = ckpt
         self.values: dict[str, Any] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}  # DCP key -> its path in the state
+        recorded: dict[str, tuple[str | int, ...]] = {}
         for rank in range(ckpt.world_size):
             flat, paths = _flat_rank(ckpt, rank)
             for key, value in flat.items():
                 self.values.setdefault(key, value)
                 self.paths.setdefault(key, paths[key])
+            for key, path in _recorded_paths(ckpt.tree(rank)).items():
+                recorded.setdefault(key, path)
+        if recorded:  # a step DCP saved flat: nest it as DCP's planner_data said
+            self.paths = _nested_paths(self.paths, recorded)
 
     def metadata(self) -> Metadata:
         entries: dict[str, Any] = {}
@@ -118,6 +126,56 @@ def _flat_rank(ckpt: Checkpoint, rank: int
     flat, paths = flatten_state_dict(skeleton)
     return ({key: _placeholders_in(value, placeholders) for key, value in flat.items()},
             {key: tuple(path) for key, path in paths.items()})
+
+
+def _recorded_paths(tree: Any) -> dict[str, tuple[str | int, ...]]:
+    """The key paths a DCP save recorded for the tensors of a flat tree (the dtensor
+    nodes' `key_path`), each checked to be a path DCP's flattening makes of its key;
+    any other is ignored (the key then stays flat)."""
+    if not isinstance(tree, dict) or not isinstance(tree.get("dict"), list):
+        return {}
+    out: dict[str, tuple[str | int, ...]] = {}
+    for entry in tree["dict"]:
+        key, node = entry
+        body = node.get("dtensor") if isinstance(node, dict) and len(node) == 1 else None
+        path = body.get("key_path") if isinstance(body, dict) else None
+        if isinstance(key, str) and isinstance(path, list) and key_path_of(key, tuple(path)) \
+                and all(type(k) is not int or k < MAX_LIST_INDEX for k in path):
+            out[key] = tuple(path)
+    return out
+
+
+def _nested_paths(flat: dict[str, tuple[str | int, ...]],
+                  recorded: dict[str, tuple[str | int, ...]]) -> dict[str, tuple[str | int, ...]]:
+    """Every key's path: a tensor's as recorded; an object's (DCP records none in the
+    tree) under the deepest container a recorded path names that its key begins with,
+    the rest of the key split at `.` (digits an int: a list position or an int key, as
+    DCP's flattening makes them), or the whole key so split where no container prefixes
+    it (DCP records no more: a dotted key of a dict of objects comes back nested). A path
+    that would put a value inside another value is not nested (the key stays flat)."""
+    containers: dict[str, tuple[str | int, ...]] = {}
+    for path in recorded.values():
+        for n in range(1, len(path)):
+            containers.setdefault(".".join(map(str, path[:n])), path[:n])
+    out: dict[str, tuple[str | int, ...]] = {}
+    for key in flat:
+        if key in recorded:
+            out[key] = recorded[key]
+            continue
+        head = max((c for c in containers if key.startswith(c + ".")), key=len, default="")
+        rest = key[len(head) + 1:] if head else key
+        out[key] = containers.get(head, ()) + tuple(
+            _position(p) for p in rest.split("."))
+    leaves = set(out.values())
+    return {key: path if not any(path[:n] in leaves for n in range(1, len(path)))
+            else flat[key] for key, path in out.items()}
+
+
+def _position(part: str) -> str | int:
+    """`part` of a dotted key as DCP's path holds it: an int if it is one's digits."""
+    if part.isascii() and part.isdigit() and str(int(part)) == part and int(part) < MAX_LIST_INDEX:
+        return int(part)
+    return part
 
 
 def _placeholders_in(value: Any, placeholders: dict[int, _Value]) -> Any:

@@ -58,13 +58,12 @@ from asyncckpt.integrations.dcp_timeline import generation, start_for
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client, shared_client
-from asyncckpt.rank.flatten import Pickled, flatten, kept_exactly
+from asyncckpt.rank.flatten import KeyedChunk, Pickled, flatten, kept_exactly
 from asyncckpt.rank.handle import SaveHandle, mark_told
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for
 from asyncckpt.storage.location import Location
-from asyncckpt.torchutil.dtensor import Chunk
 
 _started: dict[str, str] = {}  # root -> address of the node writer started for it here
 _writers: list[WriterProcess] = []
@@ -186,8 +185,13 @@ class StorageWriter(dcp.StorageWriter):
                 if item.tensor_data is not None:
                     data = item.tensor_data
                     tensors.setdefault(item.index.fqn, (data.properties.dtype, tuple(data.size)))
+        paths: dict[str, tuple[str | int, ...]] = {}
+        for plan in plans:  # DCP's planner_data: each rank's key paths (none: a custom planner)
+            if isinstance(plan.planner_data, dict):
+                for fqn, path in plan.planner_data.items():
+                    paths.setdefault(fqn, tuple(path))
         # the coordinator draws the timeline start after a recorded load (dcp_timeline.py)
-        catalogue = Catalogue(tensors, start_for(self._target[0]))
+        catalogue = Catalogue(tensors, start_for(self._target[0]), paths)
         return [dataclasses.replace(p, items=items, storage_data=catalogue)
                 for p, items in zip(plans, _objects_to_lowest_holder(plans))]
 
@@ -313,7 +317,8 @@ class StorageWriter(dcp.StorageWriter):
             if data.dtype != dtype:
                 raise UnsupportedStateError(f"{item.index.fqn}: planned as {dtype}, but it is "
                                             f"{data.dtype} now")
-            state[item.index.fqn] = Chunk(size, dtype, offsets, data.detach())
+            state[item.index.fqn] = KeyedChunk(size, dtype, offsets, data.detach(),
+                                               kept.paths.get(item.index.fqn, ()))
             results.append(result)
         for item in kept.objects:
             value = _object(planner, item)

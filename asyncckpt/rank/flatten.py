@@ -30,6 +30,16 @@ from asyncckpt.torchutil import dtensor
 from asyncckpt.torchutil.dtypes import DTYPE_NAMES
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyedChunk(dtensor.Chunk):
+    """A `Chunk` that knows its key path in the state its saver flattened (PyTorch DCP's
+    `planner_data`: `("model", "net1.weight")` for the flat key `model.net1.weight`),
+    saved as its dtensor node's `key_path`, so that a reader can nest a state that the
+    tree holds flat as it was. An empty path is not saved."""
+
+    key_path: tuple[str | int, ...] = ()
+
+
 class Pickled(bytes):
     """Bytes that are the pickle of an object (what PyTorch DCP makes of one it cannot
     store otherwise): saved as a "pickled" node, returned as these bytes, never unpickled."""
@@ -64,6 +74,8 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
         if dtensor.is_global(node):
             name = _unique_name(path, names)
             local, body = dtensor.describe(node, name, show_path(path))
+            if isinstance(node, KeyedChunk) and node.key_path:
+                body["key_path"] = list(node.key_path)
             if local is not None:
                 check_tensor(local, path)
                 entries.append(TensorEntry(name, path, local.detach()))

@@ -248,6 +248,8 @@ def test_a_dcp_step_looks_as_documented(tmp_path):
 
     from asyncckpt.dcp import StorageWriter
     assert "the state's\n  key path joined by `.`" in DOC and "`placements` `[\"chunk\"]`" in DOC
+    assert "`key_path`: the tensor's key path in the saved state" in DOC
+    key_path = {"model.layers.0.weight": ("model", "layers", 0, "weight"), "scale": ("scale",)}
     state = {"model": {"layers": [{"weight": torch.ones(2, 3)}]}, "scale": torch.tensor(2.0),
              "extra": {"epoch": 3, "seen": {1, 2}}}
     with InProcessWriter(tmp_path / "ckpt", codec="raw") as w:
@@ -259,7 +261,8 @@ def test_a_dcp_step_looks_as_documented(tmp_path):
     for name in ("model.layers.0.weight", "scale"):
         assert items[name] == {"dtensor": {
             "name": name, "dtype": "F32", "shape": list(state_at(state, name).shape),
-            "offsets": [0] * state_at(state, name).dim(), "placements": ["chunk"]}}
+            "offsets": [0] * state_at(state, name).dim(), "placements": ["chunk"],
+            "key_path": list(key_path[name])}}
     assert items["extra.epoch"] == 3 and items["extra.seen"] == {"pickled": "extra.seen"}
     assert [t["name"] for t in part["tensors"]] == ["model.layers.0.weight", "scale", "extra.seen"]
     # `pickled` holds torch.save's zip archive, never a bare pickle (read without unpickling)

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict_loader import (
     _load_state_dict_from_keys,
 )
 
-from asyncckpt.dcp import StorageReader, dcp_to_torch_save
+import asyncckpt
+from asyncckpt.dcp import StorageReader, StorageWriter, dcp_to_torch_save
 from asyncckpt.format.layout import step_dir_name
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -59,3 +60,48 @@ def test_dcp_to_torch_save_writes_what_dcps_own_conversion_writes(shared, tmp_pa
     dcp_to_torch_save(f"{shared.root}/step-{step}", out)
     assert_same(dcps_conversion(state, tmp_path), torch.load(out, weights_only=True))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ours")] == ["ours.pt"]
+
+
+class Module(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.net1 = torch.nn.Linear(4, 3)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(3, 2)])
+
+
+def test_a_step_dcp_saved_converts_nested_as_dcps_own(shared, tmp_path):
+    """`dcp.save` without a process group into StorageWriter, then dcp_to_torch_save: the
+    nesting of the saved state comes back (a module's dotted keys stay one key, an int
+    key of a dict a list position, as DCP's own conversion makes them), not flat keys."""
+    def state() -> dict:
+        return {"model": Module(), "optim": {"state": {0: {"exp_avg": torch.ones(2)}},
+                                            "param_groups": [{"lr": 0.1, "params": [0]}]},
+                "extra": {"epoch": 3}}
+    step = shared.step()
+    dcp.save(state(), storage_writer=StorageWriter(shared.root, step, client=shared.client))
+    out = tmp_path / "ours.pt"
+    dcp_to_torch_save(f"{shared.root}/step-{step}", out)
+    got = torch.load(out, weights_only=True)
+    assert set(got["model"]) == {"net1.weight", "net1.bias", "blocks.0.weight", "blocks.0.bias"}
+    assert_same(dcps_conversion(state(), tmp_path), got)
+    # asyncckpt's own load of the step stays DCP's flat keys (docs/FORMAT.md)
+    assert "model.net1.weight" in asyncckpt.load(shared.root, step=step)
+
+
+def test_a_key_path_that_is_not_its_keys_path_is_ignored():
+    """A crafted `key_path` cannot move a value under another key, into another value,
+    or make DCP's rebuild allocate a huge list: such a key stays flat."""
+    from asyncckpt.integrations.dcp_reader import _nested_paths, _recorded_paths
+
+    def node(path: object) -> dict:
+        return {"dtensor": {"name": "x", "key_path": path}}
+    tree = {"dict": [["a.b", node(["a", "b"])], ["c.d", node(["other", "d"])],
+                     ["e.9", node(["e", 1 << 40])], ["f", node(["f", True])],
+                     ["g.h", node(["g", "h"])], ["g", node(["g"])]]}
+    recorded = _recorded_paths(tree)
+    assert recorded == {"a.b": ("a", "b"), "g.h": ("g", "h"), "g": ("g",)}
+    flat = {key: (key,) for key, _ in tree["dict"]}
+    assert _nested_paths(flat, recorded) == {
+        "a.b": ("a", "b"), "c.d": ("c", "d"), "e.9": ("e", 9), "f": ("f",),
+        "g.h": ("g.h",), "g": ("g",)}
