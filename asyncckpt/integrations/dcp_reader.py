@@ -15,9 +15,9 @@ manifest, which is checksummed. DCP's planner takes every object as bytes and lo
 them with `torch.load(weights_only=False)`, which runs whatever a pickle names; so no
 byte of the checkpoint reaches it. An object asyncckpt saved (JSON) is handed over as
 `torch.save` of it. An object DCP pickled (a "pickled" node) is first loaded here with
-torch's `weights_only` unpickler, which builds only plain values and tensors (plus any
-class the user admitted with `torch.serialization.add_safe_globals`) and never runs
-code, and handed over as `torch.save` of what it built. One that needs more (a class
+torch's `weights_only` unpickler, which builds only plain values, tensors and `io.BytesIO`
+buffers (plus any class the user admitted with `torch.serialization.add_safe_globals`) and
+never runs code, and handed over as `torch.save` of what it built. One that needs more (a class
 of the user's own, a namedtuple, an enum) is an `UntrustedPickleError` naming its key,
 raised before the planner sees a byte of it: it loads only with
 `StorageReader(..., trust_pickles=True)`, which hands its pickle to the planner as it
@@ -26,9 +26,12 @@ was written, running its code, and is for checkpoints whose every writer is trus
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -348,9 +351,17 @@ def _object_bytes(ckpt: Checkpoint, value: Any, key: str, trust_pickles: bool) -
 
 
 def _safe_object(data: bytes, key: str, ckpt: Checkpoint) -> Any:
-    """The object DCP pickled into `data`, built by torch's `weights_only` unpickler."""
+    """The object DCP pickled into `data`, built by torch's `weights_only` unpickler,
+    which here also builds `io.BytesIO` (a Stateful's buffer, which DCP pickles as the
+    object itself): a byte buffer, its bytes, position and attributes, whose attributes
+    are built by the same unpickler (so an attribute that would run code is refused).
+
+    Hazard: torch keeps its admitted globals process-wide; BytesIO is admitted for the
+    length of this load (under a lock, where the caller has not admitted it already),
+    so a `weights_only` load on another thread meanwhile admits it too."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with _bytesio_admitted():
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - the unpickler's refusal, or bytes it cannot read
         text = " ".join(str(e).split())
         named = re.search(r"GLOBAL ([\w.]+)", text)
@@ -362,6 +373,20 @@ def _safe_object(data: bytes, key: str, ckpt: Checkpoint) -> Any:
             "StorageReader(..., trust_pickles=True) only if you trust every writer of this "
             "checkpoint (or admit its classes with torch.serialization.add_safe_globals)",
             step=ckpt.step, file=str(ckpt.directory), key=key) from None
+
+
+_admit_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _bytesio_admitted() -> Iterator[None]:
+    """torch's `weights_only` unpickler builds `io.BytesIO` inside the block."""
+    with _admit_lock:
+        if io.BytesIO in torch.serialization.get_safe_globals():
+            yield  # the caller's own admission: leave it as it is
+            return
+        with torch.serialization.safe_globals([io.BytesIO]):
+            yield
 
 
 def _materialised(ckpt: Checkpoint, value: Any) -> Any:

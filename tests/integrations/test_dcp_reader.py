@@ -139,3 +139,43 @@ def test_a_pickled_object_loads_only_as_plain_values_unless_trusted(shared):
     target = {"w": torch.zeros(2), "seen": None, "opaque": None}
     dcp.load(target, storage_reader=StorageReader(shared.root, step, trust_pickles=True))
     assert target["opaque"] == Opaque(3) and target["seen"] == {1, 2}
+
+
+class RunsOnLoad:
+    """Unpickling it runs `touch marker` (what a hostile checkpoint would plant)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (eval, (f"__import__('pathlib').Path({self.marker!r}).touch()",))
+
+
+def test_a_bytesio_object_loads_as_dcps_own_storage_gives_it(shared, tmp_path):
+    """A Stateful's BytesIO value (DCP pickles the buffer object itself) comes back as a
+    BytesIO with its bytes and position; one that carries anything else in its pickle
+    (an attribute whose unpickling runs code) is still refused, nothing of it run."""
+    losses = io.BytesIO()
+    torch.save([0.5, 0.25], losses)
+    step = shared.step()
+    shared.client.save(step, {"w": torch.ones(2), "train": {"losses": pickled(losses)}}).wait()
+    target: dict = {"w": torch.zeros(2), "train": {"losses": io.BytesIO()}}
+    dcp.load(target, storage_reader=StorageReader(shared.root, step))
+    got = target["train"]["losses"]
+    assert type(got) is io.BytesIO and got.getvalue() == losses.getvalue()
+    assert got.tell() == losses.tell()
+    got.seek(0)
+    assert torch.load(got, weights_only=True) == [0.5, 0.25]
+    assert io.BytesIO not in torch.serialization.get_safe_globals()  # admitted for its load only
+
+    marker = tmp_path / "ran"
+    hostile = io.BytesIO(b"x")
+    hostile.payload = RunsOnLoad(str(marker))  # type: ignore[attr-defined]
+    step = shared.step()
+    shared.client.save(step, {"w": torch.ones(2), "losses": pickled(hostile)}).wait()
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(2), "losses": io.BytesIO()},
+                 storage_reader=StorageReader(shared.root, step))
+    assert isinstance(caught.value.failures[0][0], UntrustedPickleError)
+    assert "object 'losses': it needs eval" in str(caught.value.failures[0][0])
+    assert not marker.exists(), "the object's pickle ran"
