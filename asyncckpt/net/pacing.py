@@ -3,8 +3,9 @@
 Replicas travel while the job trains, over the NIC its collectives use. Sent at line
 rate, a node's generation would take the link from the all-reduces for as long as it
 lasts; paced, it takes a stated share. The pace is kept over the whole transfer (a
-chunk is sent when the bytes before it are due), so a slow chunk is made up by the next
-ones, never by a burst larger than one chunk.
+chunk is sent when the bytes before it are due), so the small delays of each send do not
+add up to a slower rate; but a long pause (the peer slow to read) is not made up by a
+burst: the sender may run ahead of the pace by one chunk, no more.
 """
 
 from __future__ import annotations
@@ -33,5 +34,9 @@ class Pacer:
             self._start = now
         self._sent += nbytes
         due = self._start + self._sent / self.rate
+        credit = nbytes / self.rate  # at most one chunk ahead of the pace
+        if now - due > credit:
+            self._start += now - due - credit
+            due = now - credit
         if due > now:
             self._sleep(due - now)

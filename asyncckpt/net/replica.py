@@ -237,8 +237,9 @@ def source_view(source: int | bytes | bytearray | memoryview | mmap.mmap,
         return part, release
     whole = memoryview(source).cast("B")
     if len(whole) < size:
+        have = len(whole)
         whole.release()
-        raise ReplicaError(f"a replica source holds {len(whole)} bytes, its stream {size}")
+        raise ReplicaError(f"a replica source holds {have} bytes, its stream {size}")
     piece = whole[:size].toreadonly()
 
     def let_go() -> None:
