@@ -27,19 +27,28 @@ from asyncckpt.rank.handle import SaveHandle
 _OUTCOME_POLL = 0.02  # s: PROCESS mode's wait for the staged step's outcome file
 
 
-def for_dcp(error: BaseException) -> BaseException:
-    """`error`, where it refuses to replace a committed step, naming DCP's option for it
-    (the writer names `replace=True`, which a DCP user does not call)."""
-    if not isinstance(error, StepAlreadyCommittedError) or "replace=True" not in error.cause \
-            or "overwrite=True" in error.cause:
+def for_dcp(error: BaseException, root: object = None) -> BaseException:
+    """`error` as a DCP user reads it: a refusal to replace a committed step says what
+    DCP's own FileSystemWriter says ("Checkpoint already exists", which DCP users
+    match on), the root (where given) and DCP's option for it (the writer names
+    `replace=True`, which a DCP user does not call); any other error is `error`."""
+    if not isinstance(error, StepAlreadyCommittedError) or ALREADY_EXISTS in error.cause:
         return error
-    return type(error)(f"{error.cause}; through DCP: StorageWriter(..., overwrite=True)",
-                       step=error.step, rank=error.rank, file=error.file, **error.detail)
+    cause = error.cause
+    if "replace=True" in cause and "overwrite=True" not in cause:
+        cause = f"{cause}; through DCP: StorageWriter(..., overwrite=True)"
+    where = "" if root is None else f" in {root}"
+    return type(error)(f"{ALREADY_EXISTS}{where}: {cause}", step=error.step, rank=error.rank,
+                       file=error.file, **error.detail)
 
 
-def publish_outcome(handle: SaveHandle) -> str:
+ALREADY_EXISTS = "Checkpoint already exists"  # DCP's FileSystemWriter's words
+
+
+def publish_outcome(handle: SaveHandle, root: object = None) -> str:
     """A file that will hold `handle`'s outcome, written once it is known (PROCESS mode:
-    the helper process that runs DCP's background save waits on it)."""
+    the helper process that runs DCP's background save waits on it); `root` as
+    `for_dcp`'s."""
     path = os.path.join(tempfile.gettempdir(),
                         f"asyncckpt-dcp-{os.getpid()}-{uuid.uuid4().hex}.json")
 
@@ -47,7 +56,7 @@ def publish_outcome(handle: SaveHandle) -> str:
         try:
             outcome: dict[str, Any] = {"path": str(handle.wait())}
         except BaseException as e:  # noqa: BLE001
-            e = for_dcp(e)
+            e = for_dcp(e, root)
             outcome = {"error": str(e), "type": type(e).__name__,
                        **{f: getattr(e, f, None) for f in _ERROR_FIELDS}}
         tmp = path + ".tmp"

@@ -140,7 +140,8 @@ class StorageWriter(dcp.StorageWriter):
         """The copy waits for the staged step's outcome (published to a file), and this
         object forgets it: the copy runs the background save, not this one."""
         state = dict(self.__dict__)
-        outcome = None if self._staged is None else publish_outcome(self._staged)
+        outcome = (None if self._staged is None
+                   else publish_outcome(self._staged, self._target[0]))
         state.update(_client=None, _given=None, _handle=None, _staged=None, _outcome=outcome)
         self._staged = None
         return state
@@ -217,8 +218,8 @@ class StorageWriter(dcp.StorageWriter):
         if self._staging and self.staging_future:
             future.set_result(results)  # handed over; stage()'s future reports the copy
         else:
-            _when(handle, staged=True, then=lambda error: future.set_exception(error) if error
-                  else future.set_result(results))
+            _when(handle, staged=True, root=root, then=lambda error: future.set_exception(error)
+                  if error else future.set_result(results))
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -227,7 +228,7 @@ class StorageWriter(dcp.StorageWriter):
         try:
             self._handle.wait()
         except StepAlreadyCommittedError as e:
-            raise for_dcp(e) from None
+            raise for_dcp(e, self._target[0]) from None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -287,8 +288,8 @@ class StorageWriter(dcp.StorageWriter):
         if not self.staging_future:
             return {}
         staged: ConcurrentFuture[dict] = ConcurrentFuture()
-        _when(handle, staged=True, then=lambda error: staged.set_exception(error) if error
-              else staged.set_result({}))
+        _when(handle, staged=True, root=root, then=lambda error: staged.set_exception(error)
+              if error else staged.set_result({}))
         return staged
 
     def synchronize_staging(self) -> None:
@@ -342,8 +343,9 @@ class StorageWriter(dcp.StorageWriter):
         """The background save after `stage()`: its result is the staged step's commit."""
         future: Future[list[WriteResult]] = Future()
         if self._staged is not None:
-            _when(self._staged, staged=False, then=lambda error: future.set_exception(error)
-                  if error else future.set_result([]))
+            _when(self._staged, staged=False, root=self._target[0],
+                  then=lambda error: future.set_exception(error) if error
+                  else future.set_result([]))
         else:
             assert self._outcome is not None
             outcome = self._outcome
@@ -402,9 +404,9 @@ def _objects_to_lowest_holder(plans: list[SavePlan]) -> list[list[Any]]:
     return items
 
 
-def _when(handle: SaveHandle, *, staged: bool, then: Any) -> None:
+def _when(handle: SaveHandle, *, staged: bool, then: Any, root: Location | None = None) -> None:
     """Call `then(error or None)` once `handle` is staged (or, with `staged` False,
-    done), on a thread of its own."""
+    done), on a thread of its own; the error as `for_dcp` words it for `root`."""
     def watch() -> None:
         if staged:
             handle.wait_staged()
@@ -414,7 +416,7 @@ def _when(handle: SaveHandle, *, staged: bool, then: Any) -> None:
         try:
             handle.wait()
         except BaseException as e:  # noqa: BLE001 - the save's error is the future's
-            then(for_dcp(e))
+            then(for_dcp(e, root))
             return
         then(None)
     threading.Thread(target=watch, daemon=True, name=f"asyncckpt-dcp-{handle.step}").start()

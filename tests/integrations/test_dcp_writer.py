@@ -378,6 +378,23 @@ def test_a_resave_without_overwrite_names_the_option_and_keeps_the_step(writer, 
     assert torch.equal(asyncckpt.load(writer.root, step=4)["w"], torch.ones(3))
 
 
+def test_a_resave_without_overwrite_says_what_dcps_own_writer_says(writer, client):
+    """DCP users match FileSystemWriter's "Checkpoint already exists"; the refusal says it
+    too, with the step, the root and the option, on save and on the async future."""
+    dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(writer.root, 8, client=client))
+    with pytest.raises(CheckpointException, match="Checkpoint already exists") as caught:
+        dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(writer.root, 8, client=client))
+    text = str(failure(caught))
+    assert "step 8" in text and str(writer.root) in text and "overwrite=True" in text
+    future = dcp.async_save({"w": torch.zeros(3)},
+                            storage_writer=StorageWriter(writer.root, 8, client=client))
+    with pytest.raises(CheckpointException) as caught:
+        future.result(timeout=60)
+    text = str(failure(caught))
+    assert "Checkpoint already exists" in text and str(writer.root) in text
+    assert torch.equal(asyncckpt.load(writer.root, step=8)["w"], torch.ones(3))
+
+
 def test_a_root_with_a_step_given_is_a_checkpoint_id_for_save_and_load(writer, client):
     root = writer.root
     dcp.save({"w": torch.full((3,), 6.0)}, checkpoint_id=root,
