@@ -34,6 +34,14 @@ verl's semantics, kept safe:
 - A save of a step that is already committed replaces it (a rerun from scratch into an
   old directory), as verl's manager overwrites: the old step stays loadable until the
   new one is durable, then goes; a crash leaves one of the two whole.
+- A job that loads an older step while newer ones exist (verl's `resume_from_path`, or
+  a tracker rolled back by hand) and saves on begins a new timeline (docs/API.md,
+  "Timelines"): its saves carry the start the load made, so the steps above the loaded
+  one are abandoned, never loaded as the root's newest again, and replaced by the new
+  saves of their numbers. Before the first such save rank 0 moves the tracker back to
+  the loaded step: the abandoning begins when that save does, and a kill before it
+  commits must resume from the loaded step, not from the abandoned step the tracker
+  still named.
 - Retention (`max_ckpt_to_keep`) runs in the writer after each commit and never deletes
   the step the tracker names, nor one whose follow-up (below) is still running; a
   `local_path` directory goes once its step is gone from the root, judged from the disk
@@ -84,6 +92,7 @@ import torch.distributed as dist
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
+from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.integrations.verl_followup import FollowUps, Job, local_dir
 from asyncckpt.integrations.verl_paths import (
@@ -112,6 +121,11 @@ from asyncckpt.torchutil.dtensor import unwrapped
 
 __all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")
+
+
+def _root_key(root: Location) -> str:
+    """`root` as one string per root (a local one with its links resolved)."""
+    return str(root.resolve()) if isinstance(root, Path) else str(root)
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -168,6 +182,7 @@ class FSDPCheckpointManager:
         self._ckpt: Checkpointer | None = None
         self._follow = FollowUps(self._committed if self.rank == 0 else self._export_share)
         self._told_paths = False
+        self._resumed: tuple[str, TimelineStart] | None = None  # (root, start) of a load
         atexit.register(self.wait_until_finished)
 
     # verl's predicates, same names
@@ -200,6 +215,8 @@ class FSDPCheckpointManager:
             UnsupportedStateError: a value that cannot be saved (e.g. a scheduler state
                 that is not JSON), named by its key.
         """
+        if self.rank == 0 and local_path is not None:  # before any rank's save begins
+            self._rewind_tracker(root_path(local_path).absolute())
         path, keep_from, failures = self._agree("save", local_path, global_step)
         if failures:
             raise SaveFailedError("; ".join(failures), step=global_step)
@@ -213,6 +230,9 @@ class FSDPCheckpointManager:
                 else None)
         ckpt = self._checkpointer(root_of(path))
         ckpt.options = dataclasses.replace(ckpt.options, keep_last=keep)
+        if self._resumed is not None and self._resumed[0] == _root_key(ckpt.root):
+            ckpt.timeline = self._resumed[1]  # every later save carries it (harmless once
+        self._resumed = None                  # current); a load of another root: nothing
         self.previous_global_step = global_step
         if isinstance(path, Path):  # a local directory (a store has no folders to make)
             path.mkdir(parents=True, exist_ok=True)
@@ -235,6 +255,17 @@ class FSDPCheckpointManager:
             failures = [f for outcome in outcomes for f in outcome]
             if failures:
                 raise SaveFailedError("; ".join(failures), step=global_step)
+
+    def _rewind_tracker(self, local_path: Location) -> None:
+        """Rank 0, before the first save after a load of an older step of the root it
+        saves to: the tracker back to the loaded step where it names a newer one (that
+        save begins the timeline that abandons it)."""
+        if self._resumed is None or self._resumed[0] != _root_key(root_of(local_path)):
+            return
+        at = self._resumed[1].at
+        base, tracked = trainer_dir(local_path), read_tracker(local_path)
+        if base is not None and tracked is not None and tracked > at:
+            write_bytes(base / TRACKER, str(at).encode())
 
     def _agree(self, verb: str, local_path: str | None,
                step: int | None) -> tuple[Location | None, int | None, list[str]]:
@@ -427,6 +458,8 @@ class FSDPCheckpointManager:
             raise CheckpointNotFoundError(f"{path} holds no committed step (its {ROOTS}/ root "
                                           f"{root} is empty: a first save that failed?)",
                                           file=str(path))
+        assert reader.timeline is not None  # a restore makes it
+        self._resumed = (_root_key(root), reader.timeline)  # the next save carries it
         extra = reader.extra if self.should_load_extra else None
         if isinstance(extra, dict):
             if extra.get("rng") is not None:
