@@ -480,7 +480,7 @@ class Checkpointer:
                 log.warning("asyncckpt: restore cannot ask the writer at %s for memory "
                             "generations: %s", address, e)
         me, world = resolve_rank(rank)
-        usable = {g["step"] for g in held if g.get("whole") and type(g.get("step")) is int
+        usable = {g["step"] for g in held if type(g.get("step")) is int
                   and ((g.get("world_size") == world and me in g.get("ranks", ()))
                        or sorted(g.get("ranks", ())) == list(range(g.get("world_size", 0))))}
         common = set.intersection(*_gather(usable))

@@ -25,27 +25,22 @@ memory is at most 2 x the node's generation (whole + in flight), under the knob.
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from asyncckpt.errors import MemoryTierFullError, SaveFailedError
-from asyncckpt.format.layout import data_file_name, layout
-from asyncckpt.format.records import Frame, RankPart
+from asyncckpt.format.layout import layout
+from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodeRanks, TensorEntry
+from asyncckpt.writer.memory_image import RankImage
 
 log = logging.getLogger("asyncckpt.writer")
 
 TIER = "memory"
-_SEALS = (getattr(fcntl, "F_SEAL_WRITE", 8) | getattr(fcntl, "F_SEAL_SHRINK", 2)
-          | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1))
 # notify(error or None, path or None, stats): reaches one rank's client (session.py)
 Notify = Callable[..., None]
 
@@ -53,134 +48,6 @@ Notify = Callable[..., None]
 def physical_memory() -> int:
     """Bytes of physical memory of this host."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _writing(data: bytes) -> Callable[[memoryview], None]:
-    """A `RankImage.append` filler that writes `data`."""
-    def fill(out: memoryview) -> None:
-        out[:] = data
-    return fill
-
-
-class RankImage:
-    """One rank's stream of one generation, in a memfd, filled in stream order.
-
-    Its writable mapping is kept once whole, so that when its generation is dropped the
-    image can be refilled by a later generation (`reset`) without faulting in fresh
-    pages (a first touch of shared memory copies 8x slower than a reuse, measured: 17 vs
-    2 ms for 17 MiB). An image handed out (`read_only`) is sealed first -- unmapped, no
-    write, no resize, for anyone -- and never reused: what a reader maps cannot change."""
-
-    def __init__(self, step: int, rank: int, table: list[TensorEntry], tree: Any,
-                 max_frame: int) -> None:
-        """Raises OSError when the memory cannot be had (its caller fails the save)."""
-        self._lock = threading.Lock()  # a copy in progress against a drop by another thread
-        self.fd = os.memfd_create(f"asyncckpt-mem-{rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        self._map: mmap.mmap | None = None
-        self.sealed = False
-        try:
-            self.reset(step, rank, table, tree, max_frame)
-        except BaseException:
-            self.close()
-            raise
-
-    def reset(self, step: int, rank: int, table: list[TensorEntry], tree: Any,
-              max_frame: int) -> None:
-        """Make this (unsealed) image `rank`'s of `step`, empty but for its header.
-
-        Raises:
-            OSError: the memory cannot be had.
-        """
-        self.step, self.rank, self.tree = step, rank, tree
-        header, self.tensors = layout(table)
-        size = self.tensors[-1].end if self.tensors else len(header)
-        self.frames: list[Frame] = []
-        self.filled = 0
-        self.whole = False
-        with self._lock:
-            if self._map is None or len(self._map) != size:
-                if self._map is not None:
-                    self._map.close()
-                    self._map = None
-                os.ftruncate(self.fd, size)
-                if size:
-                    self._map = mmap.mmap(self.fd, size)
-            self.size = size
-        for start in range(0, len(header), max_frame):
-            piece = header[start:start + max_frame]
-            self.append(_writing(piece), len(piece))
-
-    def append(self, fill: Callable[[memoryview], Any], length: int) -> None:
-        """The next `length` bytes of the stream, written by `fill(view)` (a copy out of
-        the ring), as one frame with its xxh3.
-
-        Raises:
-            ValueError: more bytes than the rank's tensors hold, the image is whole, or
-                it was dropped.
-        """
-        with self._lock:
-            self._append(fill, length)
-
-    def _append(self, fill: Callable[[memoryview], Any], length: int) -> None:
-        if self.fd < 0 or self.sealed:
-            raise ValueError(f"rank {self.rank}'s memory image of step {self.step} was dropped")
-        if self.whole or self.filled + length > self.size:
-            raise ValueError(f"rank {self.rank} sent bytes up to {self.filled + length}, its "
-                             f"tensors hold {self.size}")
-        if not length:
-            return
-        assert self._map is not None
-        view = memoryview(self._map)[self.filled:self.filled + length]
-        try:
-            fill(view)
-            digest = xxhash.xxh3_64_intdigest(view)
-        finally:
-            view.release()
-        self.frames.append(Frame(self.filled, length, self.filled, length, "raw", digest,
-                                 digest))
-        self.filled += length
-
-    def complete(self) -> None:
-        """The rank ended: every byte of the stream must be here.
-
-        Raises:
-            ValueError: fewer bytes arrived than the tensors hold, or it was dropped.
-        """
-        with self._lock:
-            if self.fd < 0:
-                raise ValueError(f"rank {self.rank}'s memory image of step {self.step} was "
-                                 "dropped")
-            if self.filled != self.size:
-                raise ValueError(f"rank {self.rank} ended after {self.filled} of {self.size} "
-                                 "bytes")
-            self.whole = True
-
-    def part(self) -> RankPart:
-        """The rank's manifest entry, its data file named as a raw file of a step."""
-        return RankPart(self.rank, data_file_name(self.rank, "raw"), "raw", self.size,
-                        self.size, list(self.tensors), list(self.frames), self.tree)
-
-    def read_only(self) -> int:
-        """A new read-only descriptor of the whole image, sealed first (the caller owns
-        the descriptor; the image is never refilled from now on)."""
-        with self._lock:
-            if not self.sealed:
-                if self._map is not None:
-                    self._map.close()
-                    self._map = None
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-                self.sealed = True
-        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
-
-    def close(self) -> None:
-        """Free the image (once a copy into it in progress is done)."""
-        with self._lock:
-            if self._map is not None:
-                self._map.close()
-                self._map = None
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
 
 
 @dataclass
@@ -193,7 +60,7 @@ class Generation:
     nodes: dict[int, int] = field(default_factory=dict)
     images: dict[int, RankImage] = field(default_factory=dict)
     waiting: dict[int, Notify] = field(default_factory=dict)
-    told: set[int] = field(default_factory=set)  # nodes whose ranks heard `committed`
+    replicas: set[int] = field(default_factory=set)  # nodes held as a partner's replica
 
     @property
     def whole(self) -> bool:
@@ -210,7 +77,8 @@ class Generation:
         """What `memory_list` tells about it."""
         return {"step": self.step, "world_size": self.world_size, "timeline": self.timeline,
                 "ranks": sorted(r for r, i in self.images.items() if i.whole),
-                "whole": self.whole, "bytes": self.bytes}
+                "whole": self.whole, "bytes": self.bytes,
+                "replicas": sorted([f, self.nodes[f]] for f in self.replicas)}
 
     def close(self) -> None:
         for image in self.images.values():
@@ -272,37 +140,48 @@ class MemoryTier:
                 raise SaveFailedError(f"node {[first, count]} overlaps another node of the "
                                       f"generation, {sorted(gen.nodes.items())}",
                                       step=step, rank=rank)
-            need = layout(table)[1]
-            size = need[-1].end if need else 0
-            spare = next((i for i in self._spare if i.size == size), None)
-            while spare is None and self._spare and self._held() + size > self.max_bytes:
-                self._spare.pop(0).close()
-            held = self._held()
-            if spare is None and held + size > self.max_bytes:
-                raise MemoryTierFullError(
-                    f"memory tier full: rank {rank}'s image of {size} bytes on top of "
-                    f"{held} bytes held would pass memory_max_bytes={self.max_bytes} "
-                    "(raise the knob, or save to the durable tier)", step=step, rank=rank)
-            try:
-                if spare is not None:
-                    self._spare.remove(spare)
-                    try:
-                        spare.reset(step, rank, table, tree, max_frame)
-                    except BaseException:
-                        spare.close()
-                        raise
-                    image = spare
-                else:
-                    image = RankImage(step, rank, table, tree, max_frame)
-            except OSError as e:
-                raise SaveFailedError(f"memory tier: no memory for rank {rank}'s image of "
-                                      f"{size} bytes: {e.strerror or e}", step=step,
-                                      rank=rank) from None
+            image = self._image(step, rank, table, tree, max_frame)
             gen.nodes[first] = count
             gen.images[rank] = image
             self._gens[step] = gen
             self.peak_bytes = max(self.peak_bytes, self._held())
             return image
+
+    def _image(self, step: int, rank: int, table: list[TensorEntry], tree: Any,
+               max_frame: int) -> RankImage:
+        """A new image of `rank` for `step` (a spare one refilled when one fits), within
+        the bound. Under the lock.
+
+        Raises:
+            MemoryTierFullError, SaveFailedError: as `begin`.
+        """
+        need = layout(table)[1]
+        size = need[-1].end if need else 0
+        spare = next((i for i in self._spare if i.size == size), None)
+        while spare is None and self._spare and self._held() + size > self.max_bytes:
+            self._spare.pop(0).close()
+        held = self._held()
+        if spare is None and held + size > self.max_bytes:
+            raise MemoryTierFullError(
+                f"memory tier full: rank {rank}'s image of {size} bytes on top of "
+                f"{held} bytes held would pass memory_max_bytes={self.max_bytes} "
+                "(raise the knob, or save to the durable tier)", step=step, rank=rank)
+        try:
+            if spare is not None:
+                self._spare.remove(spare)
+                try:
+                    spare.reset(step, rank, table, tree, max_frame)
+                except BaseException:
+                    spare.close()
+                    raise
+                image = spare
+            else:
+                image = RankImage(step, rank, table, tree, max_frame)
+        except OSError as e:
+            raise SaveFailedError(f"memory tier: no memory for rank {rank}'s image of "
+                                  f"{size} bytes: {e.strerror or e}", step=step,
+                                  rank=rank) from None
+        return image
 
     def end(self, image: RankImage, notify: Notify, stats: dict[str, Any]) -> None:
         """`image`'s rank ended its save: seal it; once its node's ranks are all whole,
@@ -311,33 +190,119 @@ class MemoryTier:
         Raises:
             ValueError: the rank sent fewer bytes than its tensors hold.
         """
-        image.complete()
         tell: list[tuple[Notify, dict[str, Any]]] = []
-        with self._lock:
+        with self._lock:  # whole and waiting together: the node's last rank tells them all
             gen = self._gens.get(image.step)
             if gen is None or gen.images.get(image.rank) is not image:
                 notify(SaveFailedError("memory generation dropped while the rank saved it "
                                        "(a newer one became whole)", step=image.step,
                                        rank=image.rank), None, {})
                 return
+            image.complete()
             gen.waiting[image.rank] = notify
             figures = {**stats, "tier": TIER, "raw_bytes": gen.bytes,
                        "stored_bytes": 0, "codec": "raw"}
             for first, count in gen.nodes.items():
                 ranks = range(first, first + count)
-                if first in gen.told or not all(
-                        r in gen.images and gen.images[r].whole for r in ranks):
-                    continue
-                gen.told.add(first)
-                tell += [(gen.waiting.pop(r), figures) for r in ranks if r in gen.waiting]
-            if gen.whole:
-                for older in [s for s in self._gens if s < gen.step]:
-                    self._drop(older, SaveFailedError(
-                        f"memory generation superseded by step {gen.step}", step=older))
-                log.info("memory generation %d whole: %d ranks, %.1f MiB; %.1f MiB held",
-                         gen.step, len(gen.images), gen.bytes / 2**20, self._held() / 2**20)
+                if all(r in gen.images and gen.images[r].whole for r in ranks):
+                    tell += [(gen.waiting.pop(r), figures) for r in ranks if r in gen.waiting]
+            self._settle(gen)
         for tell_one, figures in tell:
             tell_one(None, self._root, figures)
+
+    def _settle(self, gen: Generation) -> None:
+        """Once `gen` is whole (every node's ranks, replicas too), the older ones go."""
+        if gen.whole:
+            for older in [s for s in self._gens if s < gen.step]:
+                self._drop(older, SaveFailedError(
+                    f"memory generation superseded by step {gen.step}", step=older))
+            log.info("memory generation %d whole: %d ranks, %.1f MiB; %.1f MiB held",
+                     gen.step, len(gen.images), gen.bytes / 2**20, self._held() / 2**20)
+
+    def receive(self, step: int, world_size: int, timeline: Any, node: NodeRanks,
+                parts: list[RankPart], max_frame: int) -> list[RankImage]:
+        """Images for a partner writer's node `node` of generation `step` (a replica,
+        memory_replica.py), in `parts`' order, each holding its header; the caller fills
+        them and calls `received` (or `discard`).
+
+        Raises:
+            MemoryTierFullError: they would take the memory held past the bound.
+            SaveFailedError: the generation disagrees (world, an overlapping node, a
+                node already held here).
+        """
+        first, count = node
+        with self._lock:
+            gen = self._gens.get(step)
+            self._prune()
+            if gen is None:
+                gen = Generation(step, world_size, timeline)
+            if gen.world_size != world_size:
+                raise SaveFailedError(f"replica of world {world_size}, the generation here "
+                                      f"is of world {gen.world_size}", step=step, rank=first)
+            if any(f < first + count and first < f + c for f, c in gen.nodes.items()):
+                raise SaveFailedError(f"replica of node {[first, count]} overlaps a node held "
+                                      f"here, {sorted(gen.nodes.items())}", step=step,
+                                      rank=first)
+            images: list[RankImage] = []
+            try:
+                for part in parts:
+                    table = [(t.name, t.dtype, tuple(t.shape)) for t in part.tensors]
+                    images.append(self._image(step, part.rank, table, part.tree, max_frame))
+            except BaseException:
+                for image in images:
+                    image.close()
+                raise
+            gen.nodes[first] = count
+            gen.images.update((i.rank, i) for i in images)
+            gen.replicas.add(first)
+            self._gens[step] = gen
+            self.peak_bytes = max(self.peak_bytes, self._held())
+            return images
+
+    def received(self, step: int, images: list[RankImage]) -> bool:
+        """A replica's images are whole (checked by the caller): they count from now on.
+        False when the generation was dropped meanwhile (they are then freed)."""
+        with self._lock:
+            gen = self._gens.get(step)
+            if gen is None or any(gen.images.get(i.rank) is not i for i in images):
+                for image in images:
+                    image.close()
+                return False
+            for image in images:
+                image.complete()
+            self._settle(gen)
+            return True
+
+    def discard(self, step: int, node: NodeRanks, images: list[RankImage]) -> None:
+        """A replica that failed: its node and images are forgotten, the rest stays."""
+        with self._lock:
+            gen = self._gens.get(step)
+            if gen is not None and gen.nodes.get(node[0]) == node[1]:
+                del gen.nodes[node[0]]
+                gen.replicas.discard(node[0])
+                for image in images:
+                    if gen.images.get(image.rank) is image:
+                        del gen.images[image.rank]
+                if not gen.images:
+                    del self._gens[step]
+            for image in images:
+                image.close()
+
+    def outgoing(self, step: int) -> tuple[Generation, list[RankPart], list[int]]:
+        """This node's whole images of generation `step` (not the replicas it holds):
+        what is sent to the partner (the caller closes the descriptors).
+
+        Raises:
+            KeyError: no such generation, or this node's images are not whole.
+        """
+        with self._lock:
+            gen = self._gens[step]
+            mine = sorted(r for r in gen.images if not any(
+                f <= r < f + gen.nodes[f] for f in gen.replicas))
+            images = [gen.images[r] for r in mine]
+            if not images or not all(i.whole for i in images):
+                raise KeyError(step)
+            return gen, [i.part() for i in images], [i.read_only() for i in images]
 
     def abandon(self, image: RankImage, error: SaveFailedError) -> None:
         """`image`'s rank failed or went before ending: its generation cannot become

@@ -45,8 +45,9 @@ from asyncckpt.ipc.messages import MAX_SLOTS, NodeRanks, ProtocolError
 from asyncckpt.writer import commit
 from asyncckpt.writer.filespec import FileSettings, FileTarget, Reuse, Stream, Unchanged
 from asyncckpt.writer.memory_flush import flush_newest
+from asyncckpt.writer.memory_image import RankImage
 from asyncckpt.writer.memory_serve import MEMORY_QUERIES, serve_query
-from asyncckpt.writer.memory_tier import MemoryTier, RankImage
+from asyncckpt.writer.memory_tier import MemoryTier
 from asyncckpt.writer.nodes import NodeJoin
 from asyncckpt.writer.pipeline import RankFileWriter
 

@@ -1,0 +1,171 @@
+"""Replicas between writers (writer/memory_replica.py): what a receiving writer takes.
+
+Two in-process writers stand for two nodes of a 2 x 2 job; the bytes go from one to the
+other through `send_all` (the seam the network transport plugs into). A replica that is
+taken makes the partner able to serve the lost node's ranks and to flush the world; a
+hostile or broken one -- a flipped byte, a wrong step, bytes out of order, an entry that
+is not raw, one larger than the bound -- is refused whole and never listed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from inprocess import InProcessWriter
+
+import asyncckpt
+from asyncckpt.errors import MemoryTierFullError
+from asyncckpt.rank.client import Client
+from asyncckpt.read import memory
+from asyncckpt.storage.location import root_path
+from asyncckpt.writer.memory_replica import ReplicaIn, ReplicaRefusedError, offer, send_all
+
+WAIT_S = 30.0
+CHUNK = 4096
+MAX_FRAME = 1 << 20
+
+
+def _state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.randn(300, 17, generator=g), "obj": {"rank": rank}}
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+          ) -> Iterator[tuple[InProcessWriter, InProcessWriter]]:
+    """Two writers (nodes 0 and 1 of a 2 x 2 world; each its own root here: in-process
+    writers of one process cannot share one); memory generation 5 saved by all four
+    ranks, each node's on its own writer."""
+    a = InProcessWriter(tmp_path / "ckpt-a", codec="raw", export=False)
+    b = InProcessWriter(tmp_path / "ckpt-b", codec="raw", export=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    clients = []
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
+        clients.append(Client((a, b)[rank // 2].address, rank=rank, world_size=4,
+                              coordination="local"))
+    try:
+        for h in [c.save(5, _state(r, 5), tier="memory") for r, c in enumerate(clients)]:
+            h.wait(WAIT_S)
+        for c in clients:
+            c.close()
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _read(w: InProcessWriter, step: int, rank: int) -> dict:
+    images = memory.open_images(w.address, step)
+    try:
+        with memory.open_checkpoint(root_path(w.root), images, images.parts) as ckpt:
+            return memory.load(ckpt, rank, None)
+    finally:
+        images.close()
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["obj"] == b["obj"] and torch.equal(a["w"], b["w"])
+
+
+def test_a_replica_serves_the_lost_node_and_flushes_the_world(nodes) -> None:
+    a, b = nodes
+    assert [g["ranks"] for g in memory.generations(b.address)] == [[2, 3]]
+    send_all(offer(a.server.memory, 5), CHUNK, ReplicaIn(b.server.memory, offer(
+        a.server.memory, 5)[0], MAX_FRAME, expect_step=5))
+    [gen] = memory.generations(b.address)
+    assert gen["ranks"] == [0, 1, 2, 3] and gen["whole"] and gen["replicas"] == [[0, 2]]
+    for rank in range(4):  # node 0 lost: its ranks' bytes come from node 1's writer
+        _same(_read(b, 5, rank), _state(rank, 5))
+    assert memory.flush(b.address) == 5  # the world is whole on node 1: it can flush it
+    for rank in range(4):
+        _same(asyncckpt.load(b.root, rank=rank), _state(rank, 5))
+
+
+def _offer_doc(a: InProcessWriter) -> dict:
+    doc, ranks = offer(a.server.memory, 5)
+    for _, fd, _ in ranks:
+        import os
+        os.close(fd)
+    return doc
+
+
+def _refused(b: InProcessWriter) -> None:
+    assert [g["ranks"] for g in memory.generations(b.address)] == [[2, 3]]
+
+
+def test_a_flipped_byte_is_refused(nodes) -> None:
+    a, b = nodes
+
+    class Flip:
+        def __init__(self, sink: ReplicaIn) -> None:
+            self.sink, self.done = sink, False
+
+        def data(self, rank: int, offset: int, chunk: bytes) -> None:
+            if not self.done and rank == 1:
+                chunk, self.done = bytes([chunk[0] ^ 1]) + chunk[1:], True
+            self.sink.data(rank, offset, chunk)
+
+        def finish(self) -> None:
+            self.sink.finish()
+    with pytest.raises(ReplicaRefusedError, match="does not match its xxh3"):
+        send_all(offer(a.server.memory, 5), CHUNK,
+                 Flip(ReplicaIn(b.server.memory, _offer_doc(a), MAX_FRAME)))
+    _refused(b)
+
+
+def test_a_wrong_step_is_refused(nodes) -> None:
+    a, b = nodes
+    with pytest.raises(ReplicaRefusedError, match="announced as 6"):
+        ReplicaIn(b.server.memory, _offer_doc(a), MAX_FRAME, expect_step=6)
+    doc = _offer_doc(a)
+    doc["step"] = 7  # entries of step 5 under another step: refused, never held as 7
+    sink = ReplicaIn(b.server.memory, doc, MAX_FRAME)
+    sink.abort()
+    _refused(b)
+
+
+@pytest.mark.parametrize("damage", ["node outside world", "zstd entry", "missing rank",
+                                    "not an object"])
+def test_hostile_facts_are_refused(nodes, damage: str) -> None:
+    a, b = nodes
+    doc = _offer_doc(a)
+    if damage == "node outside world":
+        doc["node"] = [3, 2]
+    elif damage == "zstd entry":
+        doc["parts"][0]["codec"] = "zstd"
+    elif damage == "missing rank":
+        doc["parts"] = doc["parts"][:1]
+    else:
+        doc = [doc]  # type: ignore[assignment]
+    with pytest.raises(ReplicaRefusedError):
+        ReplicaIn(b.server.memory, doc, MAX_FRAME)
+    _refused(b)
+
+
+def test_bytes_out_of_order_or_short_are_refused(nodes) -> None:
+    a, b = nodes
+    doc, ranks = offer(a.server.memory, 5)
+    sink = ReplicaIn(b.server.memory, copy.deepcopy(doc), MAX_FRAME)
+    rank, fd, start = ranks[0]
+    with pytest.raises(ReplicaRefusedError, match="out of order"):
+        sink.data(rank, start + 8, b"\0" * 8)
+    sink2 = ReplicaIn(b.server.memory, copy.deepcopy(doc), MAX_FRAME)
+    with pytest.raises(ReplicaRefusedError, match="ended after"):
+        sink2.finish()
+    import os
+    for _, fd, _ in ranks:
+        os.close(fd)
+    _refused(b)
+
+
+def test_a_replica_past_the_bound_is_refused(nodes) -> None:
+    a, b = nodes
+    b.server.memory.max_bytes = b.server.memory.held_bytes + 100
+    with pytest.raises(MemoryTierFullError, match="memory_max_bytes"):
+        ReplicaIn(b.server.memory, _offer_doc(a), MAX_FRAME)
+    _refused(b)
