@@ -44,6 +44,7 @@ _LINGER_S = 1.0  # s: how long a refusing side reads what its peer still sends
 _LINGER_BYTES = 64 << 20  # bytes it reads so at most
 _REPLY_LIMIT = 256  # bytes of a READY or DONE body
 _REFUSAL_WAIT_S = 1.0  # s: how long a client whose send failed waits for the reason
+_HANDSHAKE_S = 5.0  # s: the most a client may take to prove the secret (with replica_timeout)
 
 
 def max_replica_bytes(knobs: ReplicaKnobs) -> int:
@@ -101,10 +102,7 @@ class TcpServer:
         self._sock.close()
         with self._lock:
             for conn in self._live:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                _cut(conn)
             threads = list(self._threads)
         for thread in threads:
             thread.join()
@@ -137,7 +135,15 @@ class TcpServer:
         try:
             conn.settimeout(self._knobs.replica_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel, client = server_handshake(conn, self._secret, self._name, peer)
+            # a deadline for the whole handshake, not per receive: a client that drips
+            # its greeting must not hold a connection slot for long
+            deadline = threading.Timer(min(self._knobs.replica_timeout, _HANDSHAKE_S),
+                                       _cut, args=(conn,))
+            deadline.start()
+            try:
+                channel, client = server_handshake(conn, self._secret, self._name, peer)
+            finally:
+                deadline.cancel()
             kind, body = channel.recv({Kind.PUT: self._knobs.replica_meta_bytes,
                                        Kind.GET: self._knobs.replica_meta_bytes,
                                        Kind.LIST: 0})
@@ -351,6 +357,14 @@ def _refusal_or(channel: Channel, error: ReplicaError, step: int) -> ReplicaErro
     except OSError:
         pass
     return error
+
+
+def _cut(conn: socket.socket) -> None:
+    """Shut `conn` down (its reader wakes with EOF)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _linger(conn: socket.socket) -> None:

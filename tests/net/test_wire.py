@@ -173,3 +173,26 @@ def _wait_for(condition, limit_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
+
+
+def test_a_client_dripping_its_handshake_is_cut_off() -> None:
+    """A client without the secret that sends its greeting a byte at a time holds a
+    connection slot for the handshake's deadline (replica_timeout, at most 5 s), not for
+    as long as it keeps dripping."""
+    with TcpTransport(SECRET, knobs(replica_timeout=1.0), name="b").serve(MemoryStore()) as srv:
+        with socket.create_connection(srv.address) as sock:
+            started = time.monotonic()
+            greeting = _HELLO.pack(MAGIC, os.urandom(32), 0)
+            cut = False
+            for byte in greeting:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    cut = True
+                    break
+                time.sleep(0.1)
+                if time.monotonic() - started > 6:
+                    break
+            reply = _read_all(sock, 6.0)
+            assert time.monotonic() - started < 6.0
+            assert cut or reply == b""  # never a challenge: the greeting never finished
