@@ -83,6 +83,10 @@ class ReplicaIn:
             i.rank: i for i in tier.receive(step, world, doc.get("timeline"), node, parts,
                                             max_frame_bytes)}
 
+    def streams(self) -> list[tuple[int, int, int]]:
+        """(rank, first byte expected, size) of each rank's image, in rank order."""
+        return [(r, i.filled, i.size) for r, i in sorted(self._images.items())]
+
     def data(self, rank: int, offset: int, chunk: bytes | bytearray | memoryview) -> None:
         """The next bytes of `rank`'s image, at `offset`.
 

@@ -288,20 +288,34 @@ class MemoryTier:
             for image in images:
                 image.close()
 
-    def outgoing(self, step: int) -> tuple[Generation, list[RankPart], list[int]]:
-        """This node's whole images of generation `step` (not the replicas it holds):
-        what is sent to the partner (the caller closes the descriptors).
+    def outgoing(self, step: int | None, node: int | None = None
+                 ) -> tuple[Generation, list[RankPart], list[int]]:
+        """The whole images of generation `step` (None: the newest that holds them) of
+        the node whose first rank is `node` -- this writer's own or a replica it holds
+        -- or, with `node` None, of this writer's own nodes (what is sent to the
+        partner): their entries and read-only descriptors (the caller closes them).
 
         Raises:
-            KeyError: no such generation, or this node's images are not whole.
+            KeyError: no such generation, or those images are not held whole.
         """
         with self._lock:
+            def ranks(gen: Generation) -> list[int]:
+                if node is not None:
+                    count = gen.nodes.get(node, 0)
+                    return list(range(node, node + count))
+                return sorted(r for r in gen.images if not any(
+                    f <= r < f + gen.nodes[f] for f in gen.replicas))
+
+            def whole(gen: Generation) -> bool:
+                wanted = ranks(gen)
+                return bool(wanted) and all(
+                    r in gen.images and gen.images[r].whole for r in wanted)
+            if step is None:
+                step = max((s for s, g in self._gens.items() if whole(g)), default=-1)
             gen = self._gens[step]
-            mine = sorted(r for r in gen.images if not any(
-                f <= r < f + gen.nodes[f] for f in gen.replicas))
-            images = [gen.images[r] for r in mine]
-            if not images or not all(i.whole for i in images):
+            if not whole(gen):
                 raise KeyError(step)
+            images = [gen.images[r] for r in ranks(gen)]
             return gen, [i.part() for i in images], [i.read_only() for i in images]
 
     def abandon(self, image: RankImage, error: SaveFailedError) -> None:

@@ -47,7 +47,7 @@ def nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for rank in range(4):
         monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
         clients.append(Client((a, b)[rank // 2].address, rank=rank, world_size=4,
-                              coordination="local"))
+                              coordination="local", slot_size=1 << 16, ring_size=1 << 18))
     try:
         for h in [c.save(5, _state(r, 5), tier="memory") for r, c in enumerate(clients)]:
             h.wait(WAIT_S)
@@ -168,4 +168,54 @@ def test_a_replica_past_the_bound_is_refused(nodes) -> None:
     b.server.memory.max_bytes = b.server.memory.held_bytes + 100
     with pytest.raises(MemoryTierFullError, match="memory_max_bytes"):
         ReplicaIn(b.server.memory, _offer_doc(a), MAX_FRAME)
+    _refused(b)
+
+
+def test_over_tcp_a_replacement_node_pulls_from_the_partner(nodes) -> None:
+    """Node 0 puts its generation to node 1 over the authenticated TCP transport; node
+    0 is lost; its replacement's writer pulls node 0's images from node 1 and serves
+    its ranks bit-exact -- never reading the root."""
+    from asyncckpt.net.tcp import TcpTransport
+    from asyncckpt.writer.memory_store import TierStore, partner_replica
+    a, b = nodes
+    transport = TcpTransport(b"s" * 32, name="test")
+    server = transport.serve(TierStore(b.server.memory, MAX_FRAME))
+    try:
+        assert transport.put(server.address, partner_replica(a.server.memory, 5))
+        assert memory.generations(b.address)[0]["ranks"] == [0, 1, 2, 3]
+        a.stop()  # node 0 lost: its memory with it
+        with InProcessWriter(b.root.parent / "ckpt-c", codec="raw", export=False) as c:
+            store = TierStore(c.server.memory, MAX_FRAME)
+            offer = transport.get(server.address, 0, None,
+                                  lambda o: store.put_generation("node 1", o))
+            assert (offer.node, offer.step) == (0, 5)
+            assert memory.generations(c.address)[0]["ranks"] == [0, 1]
+            # the ranks exchange their entries (the checkpointer does, through torch)
+            others = memory.open_images(b.address, 5, [2, 3])
+            images = memory.open_images(c.address, 5)
+            try:
+                parts = {**others.parts, **images.parts}
+                with memory.open_checkpoint(root_path(c.root), images, parts) as ckpt:
+                    for rank in (0, 1):
+                        _same(memory.load(ckpt, rank, None), _state(rank, 5))
+            finally:
+                images.close()
+                others.close()
+            assert not any(c.root.glob("step-*")) and not any(a.root.glob("step-*"))
+    finally:
+        server.close()
+
+
+def test_over_tcp_a_wrong_secret_gets_nothing(nodes) -> None:
+    from asyncckpt.errors import ReplicaAuthError
+    from asyncckpt.net.tcp import TcpTransport
+    from asyncckpt.writer.memory_store import TierStore
+    a, b = nodes
+    server = TcpTransport(b"s" * 32).serve(TierStore(b.server.memory, MAX_FRAME))
+    try:
+        with pytest.raises(ReplicaAuthError):
+            TcpTransport(b"x" * 32).get(server.address, 2, None,
+                                        lambda o: pytest.fail("a sink was made"))
+    finally:
+        server.close()
     _refused(b)
