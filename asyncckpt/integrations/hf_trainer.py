@@ -1,0 +1,348 @@
+"""The Hugging Face Transformers `Trainer`, saving its checkpoints through asyncckpt.
+
+The Trainer's `_save_checkpoint` writes `checkpoint-N/` with `torch.save` (pickled, not
+fsynced, each rank blocking until its files are written; under DDP every rank's copy of
+the replicated optimizer goes through rank 0's file writes while the loop waits), and a
+`TrainerCallback` cannot replace it: the Trainer reads the data position from
+`checkpoint-N/trainer_state.json` before any callback runs. So this mixin takes the
+Trainer's own save and load points (the private methods named below, pinned to
+transformers 5.25 by tests/integrations/frameworks/test_hf_trainer.py):
+
+- `_save_checkpoint`: the model, optimizer (`AcceleratedOptimizer` unwrapped), scheduler,
+  scaler, every rank's RNG and the Trainer's state go to one asyncckpt step through a
+  `Checkpointer` on `OUTPUT_DIR/asyncckpt` and the call returns once the state is handed
+  over (the optimizer fence holds the next `optimizer.step()` until it is copied). Under
+  DDP the replicated model and optimizer are stored once (rank 0's part); the other
+  ranks add only their RNG, gathered to rank 0. Once the step is committed, rank 0
+  moves `checkpoint-N/` into place (`trainer_state.json` and `asyncckpt.json`, which
+  names the step), so `get_last_checkpoint` and `resume_from_checkpoint=True` never find a
+  step that is not durable; a SIGKILL mid-save leaves the previous `checkpoint-N`.
+- `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_scaler`,
+  `_load_rng_state`: for a `checkpoint-N/` holding `asyncckpt.json`, one
+  `Checkpointer.restore(step=N)` loads model, optimizer and the rest (rank 0's part on
+  every rank); any other checkpoint goes to the Trainer's own loaders.
+
+Retention is asyncckpt's: `save_total_limit` is the Checkpointer's `keep_last` (the
+writer deletes steps after each commit, judged from the disk), and rank 0 removes every
+`checkpoint-N/` (holding `asyncckpt.json`) whose step is no longer a live step of the
+root. The Trainer's `rotate_checkpoints` is not called. A resume from an older
+`checkpoint-N` begins a timeline at N (docs/API.md, "Timelines"): the first save after
+it removes the newer `checkpoint-M/` directories, and the root's steps above N are
+abandoned and saved over; a crash at any point leaves the newest directory naming a step
+of the current timeline.
+
+Adapter-only (PEFT): for a model with frozen parameters (default: a `peft.PeftModel`),
+only the trainable parameters and their optimizer state are saved (hf_peft.py), the
+base referenced by its name and a fingerprint checked at restore.
+
+Not supported (ValueError at `train()`): `load_best_model_at_end`, `push_to_hub`,
+DeepSpeed. The Trainer's `save_model()` (a Hugging Face model directory) is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
+from asyncckpt.errors import CheckpointError, SaveFailedError
+from asyncckpt.integrations.hf_peft import TrainableParameters, base_reference, check_base
+from asyncckpt.integrations.rng import rng_state, set_rng_state
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.storage.location import root_path, storage_for
+from asyncckpt.storage.timeline import live_steps, read_current
+
+__all__ = ["AsyncCheckpointMixin", "AsyncCheckpointTrainer", "MARKER", "ROOT_NAME"]
+log = logging.getLogger("asyncckpt.hf_trainer")
+
+MARKER = "asyncckpt.json"  # in checkpoint-N/: {"root": ..., "step": N}
+ROOT_NAME = "asyncckpt"  # the root, under the Trainer's output directory
+PENDING = ".asyncckpt-pending"  # checkpoint-N/ directories waiting for their commit
+PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
+STATE_NAME = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
+
+# The base class the mixin is typed against: the Trainer's attributes are dynamic here
+_Base: Any = object
+
+
+def read_marker(checkpoint: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """`checkpoint-N/asyncckpt.json` as {"root": Path, "step": int}; None when the
+    directory is not one this integration wrote (then the Trainer's loaders apply)."""
+    if checkpoint is None:
+        return None
+    path = Path(checkpoint) / MARKER
+    if not path.is_file():
+        return None
+    marker = json.loads(path.read_text())
+    return {"root": (Path(checkpoint).parent / marker["root"]).resolve(),
+            "step": int(marker["step"])}
+
+
+def _step_of(name: str) -> int | None:
+    tail = name[len(PREFIX):] if name.startswith(PREFIX) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+class AsyncCheckpointMixin(_Base):
+    """Put before `Trainer` (or a subclass of it) in the bases:
+    `class MyTrainer(AsyncCheckpointMixin, Trainer)`. See the module docstring.
+
+    Attributes:
+        asyncckpt_adapter_only: save only the trainable parameters (None, the default:
+            when the model is a `peft.PeftModel`).
+        asyncckpt_last_handle: the `SaveHandle` of the latest save (its `stats`).
+    """
+
+    asyncckpt_adapter_only: bool | None = None
+    asyncckpt_last_handle: SaveHandle | None = None
+    _asyncckpt_ckpt: Checkpointer | None = None  # this train()'s, made at its first use
+    _asyncckpt_thread: threading.Thread | None = None  # rank 0: the latest follow-up
+    _asyncckpt_failed: BaseException | None = None  # a follow-up's failure, not yet raised
+    _asyncckpt_fork_at: int | None = None  # restored from this step; no save since
+    _asyncckpt_restored: dict[str, Any] | None = None  # the restored step's extra
+
+    # -- saving ---------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's save point (private in transformers 5.25): one asyncckpt step."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        step = int(self.state.global_step)
+        run_dir = Path(self._get_output_dir(trial=trial))
+        ckpt = self._asyncckpt(run_dir)
+        self._asyncckpt_raise_failed()
+        fork = self._asyncckpt_fork_at
+        if fork is not None and self.args.should_save:
+            _remove_dirs(run_dir, lambda s: s > fork)  # that run's steps are abandoned now
+        self._asyncckpt_fork_at = None
+        rngs: list[Any] = [rng_state()]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            rngs = [None] * dist.get_world_size()
+            dist.all_gather_object(rngs, rng_state())
+        first = self.args.process_index == 0
+        extra: dict[str, Any] = {"world_size": len(rngs)}
+        if first:
+            extra["rng"] = rngs
+            if not self.args.save_only_model:
+                extra["scheduler"] = (self.lr_scheduler.state_dict()
+                                      if self.lr_scheduler is not None else None)
+                scaler = getattr(self.accelerator, "scaler", None)
+                extra["scaler"] = scaler.state_dict() if scaler is not None else None
+            if self._asyncckpt_adapter:
+                extra["peft_base"] = base_reference(self.model)
+        pending = run_dir / PENDING / f"{PREFIX}{step}"
+        if self.args.should_save:
+            if pending.exists():
+                shutil.rmtree(pending)
+            pending.mkdir(parents=True)
+            self._asyncckpt_state_to_json(pending / STATE_NAME)
+            (pending / MARKER).write_text(json.dumps({"root": ROOT_NAME, "step": step}))
+        full = ckpt.options.contents
+        options = ckpt.options
+        ckpt.options = dataclasses.replace(options, contents=full if first else ("extra",))
+        try:  # the replicated model and optimizer: rank 0's part only
+            handle = ckpt.save(step, extra=extra, force=True, replace=True)
+        finally:
+            ckpt.options = options
+        assert handle is not None  # force=True always saves (on_busy is "block")
+        self.asyncckpt_last_handle = handle
+        if self.args.should_save:
+            self._asyncckpt_follow(handle, run_dir, step, pending)
+
+    def _asyncckpt_state_to_json(self, path: Path) -> None:
+        """The Trainer's state with its stateful callbacks, as `_save_checkpoint` writes."""
+        exportable = importlib.import_module("transformers.trainer_callback").ExportableState
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(cb, exportable):
+                name = cb.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+        self.state.save_to_json(str(path))
+
+    def _asyncckpt_follow(self, handle: SaveHandle, run_dir: Path, step: int,
+                          pending: Path) -> None:
+        """Rank 0: once `step` commits, move its directory into place and drop the
+        directories of steps the root no longer holds live (one thread, in order)."""
+        previous = self._asyncckpt_thread
+
+        def follow() -> None:
+            if previous is not None:
+                previous.join()
+            try:
+                handle.wait()
+                target = run_dir / f"{PREFIX}{step}"
+                if target.exists():  # the step saved again (a rerun, an abandoned one)
+                    old = pending.with_name(f"old-{step}")
+                    shutil.rmtree(old, ignore_errors=True)
+                    target.rename(old)
+                    shutil.rmtree(old)
+                pending.rename(target)
+                storage = storage_for(root_path(run_dir / ROOT_NAME))
+                live = set(live_steps(storage, storage.step_dirs(), read_current(storage)))
+                _remove_dirs(run_dir, lambda s: s not in live)
+            except BaseException as e:  # raised by the next save or at the end of train()
+                log.error("asyncckpt: the checkpoint of step %d failed: %s", step, e)
+                self._asyncckpt_failed = e
+
+        thread = threading.Thread(target=follow, name=f"asyncckpt-hf-{step}", daemon=True)
+        self._asyncckpt_thread = thread
+        thread.start()
+
+    def _asyncckpt_raise_failed(self) -> None:
+        failed = self._asyncckpt_failed
+        if failed is not None:
+            self._asyncckpt_failed = None
+            if isinstance(failed, CheckpointError):
+                raise failed
+            raise SaveFailedError(f"the follow-up of a save failed: {failed}") from failed
+
+    def asyncckpt_wait(self) -> None:
+        """Block until every save in flight is committed and its `checkpoint-N/` is in
+        place. Raises the first failure (SaveFailedError or its subclasses)."""
+        ckpt = self._asyncckpt_ckpt
+        if ckpt is not None:
+            ckpt.wait_until_finished()
+        thread = self._asyncckpt_thread
+        if thread is not None:
+            thread.join()
+        self._asyncckpt_raise_failed()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's `train()`; returns once every save is committed (the writer
+        this started is stopped).
+        Raises:
+            ValueError: `load_best_model_at_end`, `push_to_hub` or DeepSpeed are set
+                (not supported by this integration yet).
+        """
+        for flag in ("load_best_model_at_end", "push_to_hub"):
+            if getattr(self.args, flag, False):
+                raise ValueError(f"AsyncCheckpointTrainer does not support {flag}=True yet")
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise ValueError("AsyncCheckpointTrainer does not support DeepSpeed")
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            ckpt = self._asyncckpt_ckpt
+            self._asyncckpt_ckpt = None
+            try:
+                if ckpt is not None:
+                    ckpt.close()  # waits for every save; stops the writer started here
+            finally:
+                thread = self._asyncckpt_thread
+                if thread is not None:
+                    thread.join()
+            self._asyncckpt_raise_failed()
+
+    # -- the Checkpointer --------------------------------------------------------------
+
+    @property
+    def _asyncckpt_adapter(self) -> bool:
+        if self.asyncckpt_adapter_only is not None:
+            return bool(self.asyncckpt_adapter_only)
+        return type(self.model).__module__.startswith("peft.")
+
+    def _asyncckpt_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        model = TrainableParameters(self.model) if self._asyncckpt_adapter else self.model
+        optimizer = self.optimizer
+        # AcceleratedOptimizer is an Optimizer without one's hooks: the one it wraps
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        return model, optimizer
+
+    def _asyncckpt(self, run_dir: Path) -> Checkpointer:
+        """This train()'s Checkpointer on `run_dir/asyncckpt` (made at the first use)."""
+        ckpt = self._asyncckpt_ckpt
+        if ckpt is None:
+            model, optimizer = self._asyncckpt_targets()
+            limit = self.args.save_total_limit
+            contents = (("model", "extra") if self.args.save_only_model
+                        else ("model", "optimizer", "extra"))
+            options = CheckpointerOptions(save_interval=1, keep_last=limit or 0,
+                                          contents=contents)
+            ckpt = Checkpointer(run_dir / ROOT_NAME, model=model, optimizer=optimizer,
+                                options=options)
+            self._asyncckpt_ckpt = ckpt
+        return ckpt
+
+    # -- resuming -------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The weights come with the optimizer (`_load_optimizer_and_scheduler`) for an
+        asyncckpt checkpoint; any other goes to the Trainer's loader."""
+        if read_marker(resume_from_checkpoint) is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """One `Checkpointer.restore` of the step `checkpoint` names (every rank reads
+        rank 0's part): model, optimizer, then the scheduler."""
+        marker = read_marker(checkpoint)
+        if marker is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        run_dir = Path(self.args.output_dir)
+        step = marker["step"]
+        if marker["root"] == (run_dir / ROOT_NAME).resolve():
+            ckpt = self._asyncckpt(run_dir)
+            ckpt.restore(step=step, rank=0)  # begins a timeline at `step`
+            self._asyncckpt_fork_at = step
+            extra = ckpt.extra
+        else:  # resuming from another run's directory: read there, save here
+            model, optimizer = self._asyncckpt_targets()
+            with Checkpointer(marker["root"], model=model, optimizer=optimizer,
+                              fence=False) as other:
+                other.restore(step=step, rank=0)
+                extra = other.extra
+        extra = extra or {}
+        if self._asyncckpt_adapter:
+            check_base(extra.get("peft_base"), self.model, step)
+        if extra.get("scheduler") is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(extra["scheduler"])
+        self._asyncckpt_restored = extra
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if read_marker(checkpoint) is None:
+            super()._load_scaler(checkpoint)
+            return
+        state = (self._asyncckpt_restored or {}).get("scaler")
+        scaler = getattr(self.accelerator, "scaler", None)
+        if state is not None and scaler is not None:
+            scaler.load_state_dict(state)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if read_marker(checkpoint) is None:
+            super()._load_rng_state(checkpoint)
+            return
+        rngs = (self._asyncckpt_restored or {}).get("rng") or []
+        if len(rngs) != self.args.world_size:
+            log.warning("asyncckpt: the checkpoint %s holds the RNG states of %d ranks, not "
+                        "%d: the RNG is not restored and the run is not reproducible",
+                        checkpoint, len(rngs), self.args.world_size)
+            return
+        set_rng_state(rngs[self.args.process_index])
+
+
+def _remove_dirs(run_dir: Path, doomed: Any) -> None:
+    """Remove `run_dir/checkpoint-N/` holding asyncckpt's marker where `doomed(N)`."""
+    for entry in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        step = _step_of(entry.name)
+        if step is not None and (entry / MARKER).is_file() and doomed(step):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+_Trainer: Any = importlib.import_module("transformers").Trainer  # optional: not typed here
+
+
+class AsyncCheckpointTrainer(AsyncCheckpointMixin, _Trainer):
+    """`transformers.Trainer` with `AsyncCheckpointMixin` (the module docstring)."""

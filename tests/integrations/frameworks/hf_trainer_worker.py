@@ -1,0 +1,116 @@
+"""A tiny GPT-2 (built from a config, nothing downloaded) trained by the real
+transformers Trainer with AsyncCheckpointTrainer; run by test_hf_trainer.py with the
+frameworks venv's python, under torchrun (2 gloo ranks) or alone.
+
+argv[1]: JSON {"out", "max_steps", "save_steps", "limit", "resume", "kill_step",
+"dump", "peft", "plain",
+"then_resume"}. At the end each rank writes `dump`-RANK.pt: the weights, the
+optimizer and scheduler states, its RNG state and the logged losses by step. With
+"kill_step", rank 1 SIGKILLs itself in the save of that step, after rank 0 handed its
+part over (the step is mid-save: it never commits). With "then_resume", the same
+process then trains a fresh model resumed from that checkpoint directory and dumps it
+to `dump`-resumed-RANK.pt."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from asyncckpt.checkpointer import Checkpointer
+from asyncckpt.integrations.hf_trainer import AsyncCheckpointTrainer
+
+KILL_DELAY = 0.5  # s: rank 0 hands its part of the step over meanwhile
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, length: int = 16, vocab: int = 256) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def model(peft: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2,
+                                     n_head=2))
+    if peft:
+        import peft.tuners.lora.torchao as lora_torchao
+        from peft import LoraConfig, get_peft_model
+
+        # the lock pins torchao 0.15 for torchtune; peft 0.21.2 refuses any torchao below
+        # 0.16 even for a plain nn.Linear: tell it none is there (a lock conflict)
+        lora_torchao.is_torchao_available = lambda: False
+        net = get_peft_model(net, LoraConfig(r=4, target_modules=["c_attn"],
+                                             lora_dropout=0.1))
+    return net
+
+
+def run(cfg: dict) -> Trainer:
+    args = TrainingArguments(
+        output_dir=cfg["out"], max_steps=cfg["max_steps"], save_strategy="steps",
+        save_steps=cfg["save_steps"], save_total_limit=cfg.get("limit"), logging_steps=1,
+        per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="linear",
+        warmup_steps=2, use_cpu=True, report_to=[], seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, save_only_model=False)
+    cls = Trainer if cfg.get("plain") else AsyncCheckpointTrainer
+    trainer = cls(model=model(cfg.get("peft", False)), args=args, train_dataset=Tokens())
+    kill = cfg.get("kill_step")
+    if kill is not None and args.process_index == 1:
+        real = Checkpointer.save
+
+        def save(self, step, **kw):  # rank 1 dies in the save of step `kill`
+            if step == kill:
+                time.sleep(KILL_DELAY)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, step, **kw)
+
+        Checkpointer.save = save
+    blocked = []
+    inner = trainer._save_checkpoint
+
+    def timed(*a, **kw):  # the time the training loop waits per save
+        started = time.perf_counter()
+        inner(*a, **kw)
+        blocked.append(time.perf_counter() - started)
+
+    trainer._save_checkpoint = timed
+    trainer.train(resume_from_checkpoint=cfg.get("resume"))
+    trainer.blocked_per_save = blocked
+    return trainer
+
+
+def dump(trainer: Trainer, path: str) -> None:
+    opt = trainer.optimizer
+    while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+        opt = opt.optimizer
+    losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    torch.save({"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+                "optimizer": opt.state_dict(), "scheduler": trainer.lr_scheduler.state_dict(),
+                "rng": torch.get_rng_state(), "losses": losses,
+                "blocked": trainer.blocked_per_save},
+               f"{path}-{trainer.args.process_index}.pt")
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    trainer = run(cfg)
+    if cfg.get("dump"):
+        dump(trainer, cfg["dump"])
+    if cfg.get("then_resume"):  # same process: a fresh model resumed from that checkpoint
+        again = run({**cfg, "resume": cfg["then_resume"]})
+        dump(again, cfg["dump"] + "-resumed")
+
+
+if __name__ == "__main__":
+    main()
