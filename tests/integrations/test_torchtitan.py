@@ -4,7 +4,9 @@ without it these tests skip)."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import subprocess
 from pathlib import Path
 
@@ -29,3 +31,55 @@ def test_torchtitan_resumes_bit_exact_with_keep_latest_k(tmp_path, mode):
     done = subprocess.run([TITAN_PYTHON, WORKER, str(tmp_path / "ckpt"), mode], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+POINTS = ("", "timeline_written:1", "frame_written:1", "manifest_written:1", "step_renamed:1",
+          "replaced:1", "replaced:2")
+# `make torture` may run more: TITAN_TIMELINE_SEEDS=20 (the first is the fixed case)
+SEEDS = range(1, 1 + int(os.environ.get("TITAN_TIMELINE_SEEDS", "1")))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_torchtitan_resumed_from_an_older_step_never_resumes_into_the_abandoned_one(
+        tmp_path, capsys, seed):
+    """Steps 1-4 saved; a job loads step 2 (`load(step=2)`) and saves 3 and 4 of a new
+    history, killed during them (its writer armed to die at a crash point, the job
+    SIGKILLed once a save is staged); a restarted job's `load()` gives step 2 or a step
+    of the new history, never the abandoned 3 or 4, finishes, and a fresh job then
+    loads the new 4 bit for bit; `asyncckpt verify` passes."""
+    from asyncckpt.cli import main
+    from asyncckpt.read.resolve import current_timeline
+    rng = random.Random(seed)
+    mode = "disabled" if seed == 1 else rng.choice(["disabled", "async", "async_with_pinned_mem"])
+    crash = "timeline_written:1" if seed == 1 else rng.choice(POINTS)
+    root = tmp_path / "ckpt"
+
+    def run(*args: str, crash: str = "") -> subprocess.CompletedProcess:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+               "OMP_NUM_THREADS": "1"}
+        env.pop("ASYNCCKPT_ADDRESS", None)
+        env.pop("ASYNCCKPT_CRASH_AT", None)
+        if crash:
+            env["ASYNCCKPT_CRASH_AT"] = crash
+        return subprocess.run([TITAN_PYTHON, WORKER, str(root), mode, *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    done = run("old")
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run("resume", str(3 if seed == 1 else rng.choice((3, 4))), crash=crash)
+    assert "LOADED 2 old" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode != 0  # killed (or its writer was)
+    if seed == 1:  # the writer died once the timeline file was written: 3, 4 abandoned
+        capsys.readouterr()
+        assert main(["ls", "--json", str(root)]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert listed["timeline"]["lineage"] == [["", 2]]
+        assert [(r["step"], r["state"]) for r in listed["steps"]] == [
+            (1, "committed"), (2, "committed"), (3, "abandoned"), (4, "abandoned")]
+    done = run("newest")
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("LOADED"))
+    step, history = int(line.split()[1]), line.split()[2]
+    assert step == 2 or history == "new", line  # never the abandoned 3 or 4
+    assert not current_timeline(root).is_root
+    assert main(["verify", str(root)]) == 0

@@ -4,6 +4,7 @@ then a fresh job resumes and must hold the same state bit for bit.
 
     python titan_worker.py ROOT ASYNC_MODE     (disabled | async | async_with_pinned_mem)
     python titan_worker.py ROOT dcp-folder
+    python titan_worker.py ROOT ASYNC_MODE old|resume|newest [KILL]   (see `timeline`)
 
 `dcp-folder`: torchtitan's own manager first saves steps 1-2 as DCP folders
 (`step-N/.metadata`); asyncckpt's resumes from step 2 bit for bit, saves 3 and 4, and
@@ -167,9 +168,74 @@ def dcp_folder(root: str) -> None:
     victim.close()
 
 
+def timeline(root: str, mode: str, phase: str) -> None:
+    """One run of a job resumed from an older step (`load(step=2)`), in phases, each a
+    process of its own: `old` saves 1-4; `resume` loads 2 and saves 3, 4 of a new
+    history (one batch skipped), its writer armed (ASYNCCKPT_CRASH_AT) and the job
+    SIGKILLed once step KILL (argv[4]) is staged; `newest` resumes as a restarted job
+    does (`load()`), which must give step 2 or a step of the new history, never the
+    abandoned 3 or 4, and finishes the new history. Every step's state is kept beside
+    the root (`<history>-<step>.pt`) and compared bit for bit."""
+    import signal
+    keep = os.path.dirname(root)
+
+    def kept(history: str, step: int) -> str:
+        return os.path.join(keep, f"{history}-{step}.pt")
+
+    writer = asyncckpt.start_writer(root, log_file=os.path.join(keep, "w.log"))
+    os.environ.pop("ASYNCCKPT_CRASH_AT", None)  # armed the writer only
+    os.environ["ASYNCCKPT_ADDRESS"] = writer.address
+    model, optim, lr, loader = build(seed=1)
+    ckpt = manager(root, mode, model, optim, lr, loader, keep=0)
+    history = "old" if phase == "old" else "new"
+    if phase == "old":
+        at = 0
+    else:
+        at = 2 if phase == "resume" else ckpt._find_load_step()  # what load() takes
+        assert ckpt.load(step=2 if phase == "resume" else -1) is True
+        loaded = snapshot(model, optim, lr)
+        whose = [h for h in ("old", "new") if os.path.exists(kept(h, at))
+                 and same(torch.load(kept(h, at), weights_only=False), loaded)]
+        assert whose == (["old"] if at <= 2 else ["new"]), (at, whose)
+        print("LOADED", at, whose[0], flush=True)
+    batches = iter(loader)
+    if history == "new" and at == 2:
+        next(batches)  # the new history differs from the abandoned one from step 3 on
+    kill = int(sys.argv[4]) if phase == "resume" else None
+    for step in range(at + 1, 5):
+        x, y = next(batches)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optim.step()
+        lr.step()
+        optim.zero_grad()
+        state = snapshot(model, optim, lr)
+        if os.path.exists(kept(history, step)):  # the same history, replayed: the same
+            assert same(torch.load(kept(history, step), weights_only=False), state), step
+        else:
+            torch.save(state, kept(history, step))
+        ckpt.save(step)
+        ckpt.maybe_wait_for_staging()
+        if step == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.maybe_wait_for_saving()
+    ckpt.close()
+    if phase == "newest":  # a fresh job resumes from the new 4, bit for bit
+        model2, optim2, lr2, loader2 = build(seed=3)
+        again = manager(root, mode, model2, optim2, lr2, loader2, keep=0)
+        assert again._find_load_step() == 4 and again.load() is True
+        assert same(torch.load(kept("new", 4), weights_only=False), snapshot(model2, optim2, lr2))
+        again.close()
+    assert writer.stop() == 0
+
+
 def main() -> None:
     root, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", rank=0, world_size=1)
+    if len(sys.argv) > 3:  # the timeline phases
+        timeline(root, mode, sys.argv[3])
+        dist.destroy_process_group()
+        print("OK", mode, sys.argv[3])
+        return
     if mode == "dcp-folder":
         dcp_folder(root)
         dist.destroy_process_group()
