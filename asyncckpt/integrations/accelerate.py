@@ -1,0 +1,228 @@
+"""Accelerate's `save_state` / `load_state`, through asyncckpt.
+
+Accelerate's `save_state` blocks the loop while it `torch.save`s every piece (pickled,
+not fsynced, not committed atomically: a crash mid-save leaves a `checkpoint_N` that
+looks complete and `load_state()` picks it up), its FSDP path hard-codes DCP's
+`FileSystemWriter`, and `total_limit` deletes old folders before the new one exists.
+`Accelerator` here is Accelerate's, with those two methods saving through the node's
+asyncckpt writer instead: `save_state` returns once the state is handed over (the
+optimizers' fence holds the next `optimizer.step()` until it is copied), and the step
+is committed atomically, checksummed, in the background.
+
+What a step holds is what Accelerate's covers (accelerate_state.py): every prepared
+model and optimizer (FSDP2/FSDP1 as DTensor shards, reshardable), every scheduler,
+each dataloader's epoch counter and sampler state, the gradient scaler, every object
+given to `register_for_checkpointing`, each rank's RNG states and `Accelerator.step`;
+nothing pickled.
+
+Where: with `ProjectConfiguration(automatic_checkpoint_naming=True)` the root is
+`project_dir/checkpoints` (Accelerate's folder) and the step is `save_iteration`, as
+Accelerate numbers its `checkpoint_N`; `total_limit` is the writer's retention (the
+newest `total_limit` live steps stay, judged from the disk after each commit). Else
+`output_dir` is the root, and the step is `step=` or `save_iteration`.
+`load_state()` restores the newest live step (or `step=`), sets `save_iteration` to
+the next one, and begins a timeline there (docs/API.md, "Timelines"): a run resumed
+from an older step saves over the newer steps of the history it abandoned, which are
+never newest again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any
+
+import accelerate  # type: ignore[import-untyped,import-not-found,unused-ignore]  # no py.typed
+
+from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
+from asyncckpt.errors import CheckpointNotFoundError
+from asyncckpt.integrations.accelerate_state import (
+    apply_states,
+    extra_state,
+    inner_optimizer,
+    model_states,
+    optimizer_states,
+    set_extra_state,
+)
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.storage.location import Location, root_path
+
+__all__ = ["Accelerator", "AcceleratorCheckpointer"]
+
+
+class _Fences:
+    """The fence hooks of several optimizers, removed together."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class AcceleratorCheckpointer(Checkpointer):
+    """A Checkpointer of everything an `accelerate.Accelerator` prepared or registered
+    (the layout is accelerate_state.py's). `Accelerator` below makes one per root; use
+    this class directly to keep Accelerate's own `Accelerator`:
+
+        ckpt = AcceleratorCheckpointer("ckpts", accelerator)
+        ckpt.save(step, force=True)          # instead of accelerator.save_state(...)
+        ckpt.restore()                       # instead of accelerator.load_state(...)
+
+    The optimizers prepared when a save begins are fenced (their `step()` waits until
+    that save is staged), as are those prepared later at the next save.
+    """
+
+    def __init__(self, root: str | Location, accelerator: Any, *,
+                 options: CheckpointerOptions | None = None, address: str | None = None) -> None:
+        super().__init__(root, options=options or CheckpointerOptions(save_interval=1),
+                         fence=False, address=address)
+        self.accelerator = accelerator
+        self._fenced: set[int] = set()
+        self._fences = _Fences()
+
+    def save(self, step: int, *, extra: Any = None, force: bool = False, replace: bool = False,
+             keep_from: int | None = None) -> SaveHandle | None:
+        """`Checkpointer.save` of the accelerator's state (`extra`, if given, is stored
+        under `extra["user"]`). Every rank calls it."""
+        self._fence_new_optimizers()
+        state = extra_state(self.accelerator)
+        if extra is not None:
+            state["user"] = extra
+        return super().save(step, extra=state, force=force, replace=replace,
+                            keep_from=keep_from)
+
+    def _fence_new_optimizers(self) -> None:
+        for optimizer in self.accelerator._optimizers:
+            inner = inner_optimizer(optimizer)
+            if id(inner) not in self._fenced:
+                self._fenced.add(id(inner))
+                self.install_fence(inner)
+                self._fences.handles.append(self._fence)
+                self._fence = self._fences  # close() removes every hook
+
+    def _state_dicts(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        models = self.accelerator._models
+        if "model" in self.options.contents:
+            out["model"] = model_states(models)
+        if "optimizer" in self.options.contents:
+            out["optimizer"] = optimizer_states(models, self.accelerator._optimizers)
+        return out
+
+    def _into(self) -> Any:
+        models = self.accelerator._models
+        into: dict[str, Any] = {}
+        if "model" in self.options.contents:
+            into["model"] = model_states(models)
+        if "optimizer" in self.options.contents:  # plain ones load as saved
+            into["optimizer"] = optimizer_states(models, self.accelerator._optimizers,
+                                                 sharded_only=True)
+        return into or None
+
+    def _apply(self, state: Any) -> int:
+        step = int(state["step"])
+        apply_states(self.accelerator._models, self.accelerator._optimizers, state)
+        extra = state.get("extra")
+        if isinstance(extra, dict):
+            set_extra_state(self.accelerator, extra, step)
+        self.extra = extra.get("user") if isinstance(extra, dict) else None
+        return step
+
+
+class Accelerator(accelerate.Accelerator):
+    """`accelerate.Accelerator` whose `save_state`/`load_state` go through asyncckpt
+    (see the module docstring). Everything else is Accelerate's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._asyncckpt: dict[str, AcceleratorCheckpointer] = {}
+        atexit.register(self.wait_for_checkpoints)
+
+    def _asyncckpt_root(self, directory: str | os.PathLike[str] | None) -> Location:
+        if self.project_configuration.automatic_checkpoint_naming:
+            return root_path(os.path.join(self.project_dir, "checkpoints"))
+        if directory is None:
+            raise ValueError("no directory given and automatic_checkpoint_naming is off: "
+                             "pass the checkpoint root")
+        return root_path(os.path.expanduser(os.fspath(directory)))
+
+    def asyncckpt(self, directory: str | os.PathLike[str] | None = None) -> AcceleratorCheckpointer:
+        """The checkpointer of that root (as `save_state` resolves it), made once."""
+        root = self._asyncckpt_root(directory)
+        key = str(root)
+        if key not in self._asyncckpt:
+            limit = self.project_configuration.total_limit
+            options = CheckpointerOptions(save_interval=1, keep_last=limit or 0)
+            self._asyncckpt[key] = AcceleratorCheckpointer(root, self, options=options)
+        return self._asyncckpt[key]
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   *, step: int | None = None, **save_model_func_kwargs: Any) -> SaveHandle:
+        """Save step `step` (default `save_iteration`) of the root (module docstring)
+        and return its handle once the state is handed over; `save_iteration` moves on.
+        Every rank calls it.
+
+        Args:
+            output_dir: the root (ignored with automatic_checkpoint_naming).
+            safe_serialization: accepted for compatibility (nothing is pickled).
+            step: the step number (default `save_iteration`).
+            save_model_func_kwargs: refused: DeepSpeed and Megatron engines save
+                through their own checkpoint code.
+        Returns:
+            The step's `SaveHandle` (`wait()` blocks until it is durable).
+        Raises:
+            ValueError: no root, or a DeepSpeed/Megatron-LM setup.
+            SaveFailedError: an earlier save failed; StepAlreadyCommittedError: the step
+                is committed in the current timeline.
+            UnsupportedStateError: a state that is not tensors and plain values.
+        """
+        if save_model_func_kwargs or self.distributed_type in (
+                accelerate.DistributedType.DEEPSPEED, accelerate.DistributedType.MEGATRON_LM):
+            raise ValueError(f"asyncckpt's save_state does not save {self.distributed_type} "
+                             "engines (use accelerate.Accelerator's)")
+        ckpt = self.asyncckpt(output_dir)
+        number = self.save_iteration if step is None else step
+        handle = ckpt.save(number, force=True)
+        assert handle is not None  # on_busy "block": never skipped
+        self.project_configuration.iteration = number + 1
+        return handle
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
+                   *, step: int | None = None, **load_model_func_kwargs: Any) -> int:
+        """Restore step `step` (default: the newest live one that loads) of the root
+        into every prepared object; `save_iteration` becomes the next step. Every rank
+        calls it.
+
+        Returns:
+            The restored step.
+        Raises:
+            CheckpointNotFoundError: the root holds no step (or not `step`).
+            CorruptCheckpointError, StateMismatchError: as `Checkpointer.restore`.
+            ValueError: the step holds other objects than the accelerator has.
+        """
+        ckpt = self.asyncckpt(input_dir)
+        restored = ckpt.restore(step=step)
+        if restored is None:
+            raise CheckpointNotFoundError(f"{ckpt.root} holds no committed step",
+                                          file=str(ckpt.root))
+        self.project_configuration.iteration = restored + 1
+        return restored
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until every save in flight is committed; raises the first failure."""
+        for ckpt in self._asyncckpt.values():
+            ckpt.wait_until_finished()
+
+    def end_training(self) -> None:
+        """Accelerate's `end_training`, after every checkpointer is closed (saves
+        committed, fences removed, the writers started here stopped). Every rank
+        calls it."""
+        atexit.unregister(self.wait_for_checkpoints)
+        for ckpt in self._asyncckpt.values():
+            ckpt.close()
+        self._asyncckpt.clear()
+        super().end_training()
+

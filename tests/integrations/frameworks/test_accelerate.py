@@ -1,0 +1,139 @@
+"""asyncckpt's Accelerator against the real Accelerate: 2 gloo ranks on CPU (DDP) save
+asynchronously every 2 steps with `total_limit`; one rank is SIGKILLed mid-save and the
+job relaunched with `load_state()`; another resumes from an older step and saves over the
+newer ones. Each resumed run must end bit for bit where the uninterrupted one did:
+weights, optimizer, scheduler, every RNG, the registered object, and the losses after.
+
+The ranks run accelerate_worker.py in the frameworks venv (conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncckpt.checkpointer import Checkpointer
+from asyncckpt.read.resolve import current_timeline
+from asyncckpt.storage.location import read_manifest_at
+
+FRAMEWORKS = Path(__file__).parent
+REPO = FRAMEWORKS.parents[2]
+WORKER = str(FRAMEWORKS / "accelerate_worker.py")
+STEPS, EVERY, LIMIT = 12, 2, 3
+WRITER_EXIT_SECONDS = 60  # the killed job's writer finishes what it holds, then exits
+POLL_SECONDS = 0.1
+
+
+PYTHON = os.environ.get("ASYNCCKPT_FRAMEWORKS_PYTHON",
+                        str(REPO / ".venv-frameworks" / "bin" / "python"))  # as conftest.py
+
+
+def launch(out: Path, tag: str, *args: str, world: int = 2) -> list[subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world),
+           "PYTHONWARNINGS": "ignore"}
+    return [subprocess.Popen([PYTHON, WORKER, str(out), tag, "--steps", str(STEPS), "--every",
+                              str(EVERY), "--limit", str(LIMIT), *args],
+                             env={**env, "RANK": str(r), "WORLD_SIZE": str(world),
+                                  "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+            for r in range(world)]
+
+
+def finish(procs: list[subprocess.Popen], out: Path, tag: str) -> list[dict]:
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"OK rank {r}" in text, f"{tag} rank {r}:\n{text[-4000:]}"
+    return [json.loads((out / f"{tag}-r{r}.json").read_text()) for r in range(len(procs))]
+
+
+def steps_of(root: Path) -> tuple[list[int], int | None]:
+    ckpt = Checkpointer(root)
+    return ckpt.all_steps(), ckpt.latest_step()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("accelerate-ref")
+    return out, finish(launch(out, "ref"), out, "ref")
+
+
+def test_uninterrupted_run_rotates_with_total_limit(reference):
+    """Saves 0..5 (save_iteration, as Accelerate numbers checkpoint_N) every 2 steps;
+    total_limit=3 keeps the newest 3, judged from the disk; nothing half-written."""
+    out, ranks = reference
+    root = out / "project" / "checkpoints"
+    assert steps_of(root) == ([3, 4, 5], 5)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+        "latest", "step-00000003", "step-00000004", "step-00000005"]
+    assert ranks[0]["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert ranks[0]["iteration"] == 6  # save_iteration moved on after each save
+    assert ranks[0]["final"]["counter"] == ranks[1]["final"]["counter"] == STEPS * 4
+
+
+def wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + WRITER_EXIT_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(POLL_SECONDS)
+    raise AssertionError(f"the killed job's writer {pid} is still running")
+
+
+def test_sigkill_mid_save_then_relaunch_is_bit_exact(reference, tmp_path):
+    """Rank 1 SIGKILLs itself as soon as save_state of step 8 returns (its part still
+    being handed over); rank 0 is killed too, as a launcher would. The relaunch's
+    load_state() resumes from the newest committed step and ends where the
+    uninterrupted run did, bit for bit, on both ranks."""
+    _, ref = reference
+    procs = launch(tmp_path, "killed", "--kill-at", "8")
+    procs[1].wait(timeout=300)
+    assert procs[1].returncode == -signal.SIGKILL, procs[1].communicate()[0][-3000:]
+    os.killpg(procs[0].pid, signal.SIGKILL)
+    procs[0].communicate(timeout=60)
+    wait_gone(int((tmp_path / "killed.writer-pid").read_text()))
+    root = tmp_path / "project" / "checkpoints"
+    before, newest = steps_of(root)
+    assert newest in (2, 3) and before[-1] == newest  # step 8 (iteration 3) or the one before
+    resumed = finish(launch(tmp_path, "resumed", "--resume"), tmp_path, "resumed")
+    for r in range(2):
+        assert resumed[r]["restored"] == newest
+        start = resumed[r]["from"]
+        assert start == (newest + 1) * EVERY
+        assert resumed[r]["losses"] == {k: v for k, v in ref[r]["losses"].items()
+                                        if int(k) > start}
+        assert resumed[r]["final"] == ref[r]["final"]
+    assert steps_of(root) == ([3, 4, 5], 5)
+    assert not [p.name for p in root.iterdir() if ".tmp" in p.name]
+
+
+def test_resume_from_an_older_step_saves_over_the_newer_ones(reference):
+    """From step 3 (training step 8) of the reference root while 4 and 5 are on disk:
+    the run saves 4 and 5 again over the abandoned ones (no `replace`), ends bit-exact,
+    and the root holds only live steps of the new timeline."""
+    out, ref = reference
+    root = out / "project" / "checkpoints"
+    before = current_timeline(root)
+    older = finish(launch(out, "older", "--resume", "3"), out, "older")
+    for r in range(2):
+        assert older[r]["restored"] == 3 and older[r]["from"] == 8
+        assert older[r]["losses"] == {k: v for k, v in ref[r]["losses"].items() if int(k) > 8}
+        assert older[r]["final"] == ref[r]["final"]
+    after = current_timeline(root)
+    assert after.gen == before.gen + 1 and after.id != before.id
+    assert steps_of(root) == ([3, 4, 5], 5)
+    assert read_manifest_at(root / "step-00000003").timeline.id == before.id  # kept: lineage
+    for step in (4, 5):
+        assert read_manifest_at(root / f"step-{step:08d}").timeline.id == after.id
