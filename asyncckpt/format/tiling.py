@@ -26,7 +26,7 @@ from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import DTYPE_SIZES, TensorSpec
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import RankPart
-from asyncckpt.format.tree import walk
+from asyncckpt.format.tree import box_names, walk
 
 Path = tuple[Any, ...]
 
@@ -108,15 +108,19 @@ def rank_globals(part: RankPart, step: int) -> dict[str, GlobalTensor]:
         if (g.path, g.dtype, g.shape) != (path, dtype, tuple(shape)):
             raise bad(f"ranks disagree on its path, dtype or shape ({g.dtype} {g.shape} at "
                       f"{g.path} vs {dtype} {tuple(shape)} at {path})")
+        further = list(zip(box_names(body), (b.get("offsets") for b in body.get("boxes") or [])))
         if offsets is None:
+            if further:
+                raise bad("further boxes but no first one (offsets null)")
             continue
-        spec = specs.get(name)
-        if (spec is None or not _dims(offsets) or len(offsets) != len(shape)
-                or spec.dtype != dtype or len(spec.shape) != len(shape)
-                or any(o + n > s for o, n, s in zip(offsets, spec.shape, shape))):
-            raise bad(f"box at {offsets} does not fit the global shape {tuple(shape)} "
-                      "or its table entry")
-        g.boxes.append(Box(part.rank, spec, tuple(offsets)))
+        for box_name, box_offsets in [(name, offsets), *further]:
+            spec = specs.get(box_name)
+            if (spec is None or not _dims(box_offsets) or len(box_offsets) != len(shape)
+                    or spec.dtype != dtype or len(spec.shape) != len(shape)
+                    or any(o + n > s for o, n, s in zip(box_offsets, spec.shape, shape))):
+                raise bad(f"box at {box_offsets!r:.80} does not fit the global shape "
+                          f"{tuple(shape)} or its table entry {box_name!r:.80}")
+            g.boxes.append(Box(part.rank, spec, tuple(box_offsets)))
     return out
 
 

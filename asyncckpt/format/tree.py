@@ -219,14 +219,38 @@ def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
             continue
         if kind == "tensor" or kind in BYTES_KINDS:
             name = body
-        else:  # a dtensor: its name, where this rank wrote a box of it
+        else:  # a dtensor: its name, where this rank wrote a box of it, and its further boxes
+            further = box_names(body)
             name = body.get("name") if body.get("offsets") is not None else None
+            if name is None and further:
+                raise CorruptCheckpointError(f"dtensor {body.get('name')!r:.80}: further boxes "
+                                             "but no first one (offsets null)")
+            for other in further:
+                if other in out:
+                    raise CorruptCheckpointError(f"tree references tensor {other!r:.80} twice")
+                out[other] = path
         if name is None:
             continue
         if name in out:
             raise CorruptCheckpointError(f"tree references tensor {name!r:.80} twice")
         out[name] = path
     return out
+
+
+def box_names(body: dict[str, Any]) -> list[str]:
+    """The table names of a dtensor node's further boxes (its optional `boxes`: several
+    boxes of the tensor on one rank), in order; none without the key.
+
+    Raises:
+        CorruptCheckpointError: `boxes` is not a list of objects with a str `name`.
+    """
+    boxes = body.get("boxes")
+    if boxes is None:
+        return []
+    if not isinstance(boxes, list) or not all(
+            isinstance(b, dict) and isinstance(b.get("name"), str) for b in boxes):
+        raise CorruptCheckpointError(f"malformed dtensor boxes: {boxes!r:.80}")
+    return [b["name"] for b in boxes]
 
 
 def walk(tree: JSON) -> list[tuple[tuple[str | int, ...], str, Any]]:

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from asyncckpt.errors import UnsupportedStateError
 from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.format.tree import MAX_DEPTH
 from asyncckpt.rank.flatten import KeyedChunk
@@ -122,11 +121,8 @@ _layouts_lock = threading.Lock()
 
 def layout(plan: SavePlan) -> Layout:
     """The layout of final plan `plan`, made once per plan object (a cached final plan is
-    the same object save after save).
-
-    Raises:
-        UnsupportedStateError: DCP planned several chunks of one tensor on this rank.
-    """
+    the same object save after save). A tensor may have several items (several chunks
+    on this rank): each is a box of it."""
     with _layouts_lock:
         kept = _layouts.get(id(plan))
         if kept is not None and kept[0] is plan:
@@ -146,14 +142,7 @@ def _layout(plan: SavePlan) -> Layout:
                                for fqn, (dtype, size) in catalogue.tensors.items()}
     tensors = []
     objects = []
-    mine: set[str] = set()
     for item in plan.items:
-        fqn = item.index.fqn
-        if fqn in mine:
-            raise UnsupportedStateError(
-                f"{fqn}: DCP planned several chunks of it on this rank; asyncckpt keeps "
-                "one box per rank per tensor")
-        mine.add(fqn)
         if item.type == WriteItemType.BYTE_IO:
             objects.append(item)
             continue

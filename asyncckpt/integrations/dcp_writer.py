@@ -58,7 +58,7 @@ from asyncckpt.integrations.dcp_timeline import generation, start_for
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client, shared_client
-from asyncckpt.rank.flatten import KeyedChunk, Pickled, flatten, kept_exactly
+from asyncckpt.rank.flatten import Boxes, KeyedChunk, Pickled, flatten, kept_exactly
 from asyncckpt.rank.handle import SaveHandle, mark_told
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import given_address, node_writer
@@ -312,15 +312,18 @@ class StorageWriter(dcp.StorageWriter):
         kept = layout(plan)
         state: dict[str, Any] = dict(kept.empty)
         results = []
+        boxes: dict[str, list[KeyedChunk]] = {}
         for item, size, dtype, offsets, result in kept.tensors:
             data = planner.resolve_data(item)
             assert isinstance(data, torch.Tensor)
             if data.dtype != dtype:
                 raise UnsupportedStateError(f"{item.index.fqn}: planned as {dtype}, but it is "
                                             f"{data.dtype} now")
-            state[item.index.fqn] = KeyedChunk(size, dtype, offsets, data.detach(),
-                                               kept.paths.get(item.index.fqn, ()))
+            boxes.setdefault(item.index.fqn, []).append(KeyedChunk(
+                size, dtype, offsets, data.detach(), kept.paths.get(item.index.fqn, ())))
             results.append(result)
+        for fqn, chunks in boxes.items():  # several: DCP planned several chunks here
+            state[fqn] = chunks[0] if len(chunks) == 1 else Boxes(tuple(chunks))
         for item in kept.objects:
             value = _object(planner, item)
             state[item.index.fqn] = value

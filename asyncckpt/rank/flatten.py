@@ -6,9 +6,9 @@ not str or int) fails there, before a byte is sent, with the key path in the mes
 Tensors that share memory with an earlier saved contiguous tensor become view nodes
 (see tree.py) and are neither staged nor written. Global tensors (DTensor, ShardedTensor)
 become "dtensor" nodes holding this rank's box (dtensor.py), and so do `Chunk`s, boxes
-given explicitly (DCP's write items). A `bytes` value is saved as a 1-D uint8 tensor
-behind a "bytes" node (a `Pickled` one behind a "pickled" node): it is data, so it goes
-through the ring, not the JSON tree.
+given explicitly (DCP's write items), and `Boxes`, several boxes of one tensor on a rank.
+A `bytes` value is saved as a 1-D uint8 tensor behind a "bytes" node (a `Pickled` one
+behind a "pickled" node): it is data, so it goes through the ring, not the JSON tree.
 
 What comes back from a load is a dict, list, tuple, str, int, float, bool, None, bytes
 or tensor: a subclass (an OrderedDict, a namedtuple, an IntEnum, a torch.Size) or a
@@ -38,6 +38,16 @@ class KeyedChunk(dtensor.Chunk):
     tree holds flat as it was. An empty path is not saved."""
 
     key_path: tuple[str | int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Boxes:
+    """Several boxes of one global tensor that this rank writes (PyTorch DCP plans them
+    for layouts with several shards of a tensor on one rank): saved as one dtensor node,
+    its first written box as `offsets` and each other one in `boxes` under a tensor name
+    of its own. The chunks share the global shape and dtype."""
+
+    chunks: tuple[KeyedChunk, ...]
 
 
 class Pickled(bytes):
@@ -71,6 +81,25 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
     bases: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # storage -> saved contiguous
 
     def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
+        if isinstance(node, Boxes):
+            written = [c for c in node.chunks if c.local is not None and c.local.numel()]
+            body = visit(written[0] if written else node.chunks[0], path)["dtensor"]
+            further = []
+            for chunk in written[1:]:
+                if (chunk.shape, chunk.dtype) != (written[0].shape, written[0].dtype):
+                    raise UnsupportedStateError(
+                        f"{show_path(path)}: boxes of one tensor disagree on its shape or "
+                        f"dtype ({tuple(chunk.shape)} {chunk.dtype} vs "
+                        f"{tuple(written[0].shape)} {written[0].dtype})")
+                name = _unique_name(path, names)
+                local, _ = dtensor.describe(chunk, name, show_path(path))
+                assert local is not None  # written: a box with elements
+                check_tensor(local, path)
+                entries.append(TensorEntry(name, path, local.detach()))
+                further.append({"name": name, "offsets": list(chunk.offsets)})
+            if further:
+                body["boxes"] = further
+            return {"dtensor": body}
         if dtensor.is_global(node):
             name = _unique_name(path, names)
             local, body = dtensor.describe(node, name, show_path(path))
