@@ -167,6 +167,12 @@ class WriterKnobs(_FromEnv):
             saves, writer/memory_tier.py: the newest whole generation of the node's
             ranks and the one in flight); a memory save past it is refused with
             MemoryTierFullError. 0: half the host's physical memory.
+        replica_listen: "host:port" where this writer serves its memory tier to its
+            partner writers (asyncckpt/net/: authenticated by the job's secret; port 0:
+            any); "" (the default): not served.
+        replica_partner: "host:port" of the partner writer (on another node, another
+            rack where the job says which nodes share one) that each memory generation
+            of this node is sent to once whole; "": none.
     """
 
     codec: str = "auto"
@@ -184,6 +190,8 @@ class WriterKnobs(_FromEnv):
     incremental: bool = True
     stage_first: bool = True
     memory_max_bytes: int = 0
+    replica_listen: str = ""
+    replica_partner: str = ""
 
     def __post_init__(self) -> None:
         _require(self.codec in CODECS, "codec", f"one of {CODECS}", self.codec)
@@ -202,6 +210,11 @@ class WriterKnobs(_FromEnv):
                  "between 4096 and 1 GiB", self.max_frame_bytes)
         _require(self.memory_max_bytes >= 0, "memory_max_bytes", "0 (half the host's memory) "
                  "or more", self.memory_max_bytes)
+        for name in ("replica_listen", "replica_partner"):
+            value = getattr(self, name)
+            host, _, port = value.rpartition(":")
+            _require(not value or (bool(host) and port.isdigit() and int(port) < 65536), name,
+                     '"" or "host:port"', value)
         for name in ("connect_timeout", "shutdown_timeout", "absent_rank_timeout"):
             _require(getattr(self, name) > 0, name, "positive", getattr(self, name))
 

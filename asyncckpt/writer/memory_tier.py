@@ -99,6 +99,7 @@ class MemoryTier:
         self._lock = threading.Lock()
         self._gens: dict[int, Generation] = {}
         self._spare: list[RankImage] = []  # whole images of dropped generations, to refill
+        self.on_node_whole: Callable[[int], None] | None = None  # step: this node's ranks whole
         self.peak_bytes = 0
 
     @property
@@ -202,13 +203,17 @@ class MemoryTier:
             gen.waiting[image.rank] = notify
             figures = {**stats, "tier": TIER, "raw_bytes": gen.bytes,
                        "stored_bytes": 0, "codec": "raw"}
+            node_whole = False
             for first, count in gen.nodes.items():
                 ranks = range(first, first + count)
                 if all(r in gen.images and gen.images[r].whole for r in ranks):
+                    node_whole |= any(r in gen.waiting for r in ranks)
                     tell += [(gen.waiting.pop(r), figures) for r in ranks if r in gen.waiting]
             self._settle(gen)
         for tell_one, figures in tell:
             tell_one(None, self._root, figures)
+        if node_whole and self.on_node_whole is not None:
+            self.on_node_whole(image.step)
 
     def _settle(self, gen: Generation) -> None:
         """Once `gen` is whole (every node's ranks, replicas too), the older ones go."""

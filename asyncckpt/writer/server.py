@@ -81,6 +81,14 @@ class WriterServer:
                            on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
                            index=self.index, owner=self.owner, storage=self.storage)
         self.memory = MemoryTier(self.knobs.memory_max_bytes, str(self.root))
+        self.replicator = None
+        if self.knobs.replica_listen or self.knobs.replica_partner:
+            from asyncckpt.writer.memory_replicator import Replicator
+            local = self.storage.local_dir()
+            self.replicator = Replicator(self.memory, local if local is not None else
+                                         self.storage, self.knobs.replica_listen,
+                                         self.knobs.replica_partner,
+                                         self.knobs.max_frame_bytes)
         self.context = WriterContext(self.knobs, self.root, self.root_id, self.steps, self.pool,
                                      self.buffers, self.chooser, self.index, self.rss,
                                      self.memory)
@@ -153,6 +161,8 @@ class WriterServer:
         for s in sessions:
             s.hang_up(deadline)
         protocol.remove_endpoint(self.address)
+        if self.replicator is not None:
+            self.replicator.close()
         self.memory.close()
         self.pool.close()
         self.rss.stop()

@@ -219,3 +219,42 @@ def test_over_tcp_a_wrong_secret_gets_nothing(nodes) -> None:
     finally:
         server.close()
     _refused(b)
+
+
+def test_writers_replicate_each_generation_to_their_partner(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Knobs replica_listen / replica_partner: each generation whole on node 0 reaches
+    node 1 by itself, off the ranks' path (their saves are done before it arrives)."""
+    import time
+    monkeypatch.setenv("ASYNCCKPT_JOB_SECRET", "ab" * 32)
+    b = InProcessWriter(tmp_path / "ckpt-b", codec="raw", export=False,
+                        replica_listen="127.0.0.1:0")
+    assert b.server.replicator is not None and b.server.replicator.address is not None
+    host, port = b.server.replicator.address
+    a = InProcessWriter(tmp_path / "ckpt-a", codec="raw", export=False,
+                        replica_partner=f"{host}:{port}")
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        clients = []
+        for rank in (0, 1):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            clients.append(Client(a.address, rank=rank, world_size=4, coordination="local",
+                                  slot_size=1 << 16, ring_size=1 << 18))
+        for step in (1, 2):
+            for h in [c.save(step, _state(r, step), tier="memory")
+                      for r, c in enumerate(clients)]:
+                h.wait(WAIT_S)
+        for c in clients:
+            c.close()
+        deadline = time.monotonic() + WAIT_S
+        while a.server.replicator.sent != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.server.replicator.sent == 2 and a.server.replicator.failed == 0
+        assert [(g["step"], g["ranks"]) for g in memory.generations(b.address)] == [
+            (2, [0, 1])]
+        images = memory.open_images(b.address, 2)
+        assert sorted(images.parts) == [0, 1]
+        images.close()
+    finally:
+        a.stop()
+        b.stop()

@@ -1,0 +1,102 @@
+"""Sending each memory generation of this node to its partner writer, and serving ours.
+
+With `replica_partner` set, every generation whose node ranks became whole here is put
+to the partner (asyncckpt/net/, authenticated by the job's secret) by one sender thread,
+off the ranks' path: a memory save is done once its node holds it, never waiting for the
+network. A generation that becomes whole while an earlier one is still being sent is
+sent next, and any older one still waiting is skipped (only the newest matters), so at
+most one is in flight. With `replica_listen` set, the tier is served to partners
+(memory_store.py): they put theirs, and a replacement node gets its ranks' images back.
+
+A failed send is logged at WARNING and counted (`failed`); the generation stays held
+here, and the next one is sent as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from asyncckpt.errors import CheckpointError
+from asyncckpt.net.replica import Address
+from asyncckpt.net.secret import job_secret
+from asyncckpt.net.tcp import TcpTransport
+from asyncckpt.writer.memory_store import TierStore, partner_replica
+from asyncckpt.writer.memory_tier import MemoryTier
+
+log = logging.getLogger("asyncckpt.writer")
+
+
+def address(value: str) -> Address:
+    """("host", port) of a "host:port" knob value."""
+    host, _, port = value.rpartition(":")
+    return host, int(port)
+
+
+class Replicator:
+    """This writer's replica server and its sender to the partner (either may be off)."""
+
+    def __init__(self, tier: MemoryTier, root: Any, listen: str, partner: str,
+                 max_frame_bytes: int) -> None:
+        """Raises ReplicaError (ReplicaAuthError): no secret, or the port cannot be bound."""
+        self._tier = tier
+        self._transport = TcpTransport(job_secret(root), name=listen or "writer")
+        self._server = None
+        self.address: Address | None = None
+        if listen:
+            self._server = self._transport.serve(TierStore(tier, max_frame_bytes),
+                                                 *address(listen))
+            self.address = self._server.address
+            log.info("memory tier served to partners at %s:%d", *self.address)
+        self._partner = address(partner) if partner else None
+        self._cond = threading.Condition()
+        self._due: int | None = None
+        self._closed = False
+        self.sent: int | None = None  # the newest step the partner took
+        self.failed = 0
+        self._thread: threading.Thread | None = None
+        if self._partner is not None:
+            tier.on_node_whole = self._whole
+            self._thread = threading.Thread(target=self._send_loop, daemon=True,
+                                            name="asyncckpt-replicate")
+            self._thread.start()
+
+    def _whole(self, step: int) -> None:
+        with self._cond:
+            if self._due is None or step > self._due:
+                self._due = step
+                self._cond.notify()
+
+    def _send_loop(self) -> None:
+        assert self._partner is not None
+        while True:
+            with self._cond:
+                while self._due is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                step, self._due = self._due, None
+            assert step is not None
+            try:
+                took = self._transport.put(self._partner, partner_replica(self._tier, step))
+            except KeyError:
+                continue  # dropped here meanwhile: a newer one is due
+            except CheckpointError as e:
+                self.failed += 1
+                log.warning("memory generation %d not replicated to %s:%d: %s", step,
+                            *self._partner, e)
+                continue
+            if took:
+                self.sent = step
+                log.info("memory generation %d replicated to %s:%d", step, *self._partner)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        if self._server is not None:
+            self._server.close()
+        self._tier.on_node_whole = None
