@@ -189,3 +189,19 @@ def test_the_readme_knob_table_lists_exactly_the_knobs():
 def test_defaults_shared_with_other_modules_come_from_config():
     assert WriterKnobs().max_frame_bytes == ReadLimits().max_frame_bytes == MAX_FRAME_BYTES
     assert inspect.signature(DedupIndex).parameters["max_frame_bytes"].default == MAX_FRAME_BYTES
+
+
+def test_replica_knobs_read_the_environment_and_are_checked(env):
+    from asyncckpt.config import ReplicaKnobs
+    env.setenv("ASYNCCKPT_REPLICA_MBPS", "250")
+    env.setenv("ASYNCCKPT_REPLICA_CHUNK_BYTES", "4MiB")
+    knobs = ReplicaKnobs.from_env(replica_timeout=2.5)
+    assert (knobs.replica_mbps, knobs.replica_chunk_bytes, knobs.replica_timeout) == \
+        (250.0, 4 * MiB, 2.5)
+    for bad, cause in (({"replica_chunk_bytes": 100}, "replica_chunk_bytes"),
+                       ({"replica_mbps": -1.0}, "replica_mbps"),
+                       ({"replica_timeout": 0.0}, "replica_timeout")):
+        with pytest.raises(ValueError, match=cause):
+            ReplicaKnobs.from_env(**bad)
+    with pytest.raises(ValueError, match="'ring_size' belongs to connect"):
+        ReplicaKnobs.from_env(ring_size=1 << 20)

@@ -35,7 +35,14 @@ from asyncckpt.net.replica import (
     ReplicaStore,
     offer_from_json,
 )
-from asyncckpt.net.wire import Channel, Kind, client_handshake, loads, server_handshake
+from asyncckpt.net.wire import (
+    SEND_FAILED,
+    Channel,
+    Kind,
+    client_handshake,
+    loads,
+    server_handshake,
+)
 
 log = logging.getLogger("asyncckpt.net")
 
@@ -345,8 +352,9 @@ def _poll_refusal(channel: Channel, step: int) -> None:
 
 
 def _refusal_or(channel: Channel, error: ReplicaError, step: int) -> ReplicaError:
-    """The server's reason for cutting a transfer off, if it sent one; else `error`."""
-    if error.cause.startswith("refused by the peer"):
+    """The server's reason for cutting a transfer off, if it sent one; else `error`
+    (which stands when it is not the server cutting us off: a source that is short)."""
+    if not error.cause.startswith(SEND_FAILED):
         return error
     try:
         channel.sock.settimeout(_REFUSAL_WAIT_S)

@@ -43,6 +43,7 @@ MAX_NAME = 255
 _HELLO = struct.Struct("!8s32sB")  # magic, client nonce, length of the client's name
 _HEAD = struct.Struct("!BQ")  # kind, body length
 DATA_HEAD = struct.Struct("!QIQQ")  # step, stream index, offset, xxh3 of the chunk
+SEND_FAILED = "peer gone while sending"  # a send's error: the peer may have said why first
 REFUSAL_TEXT = 1000  # characters of a refusal's cause sent (its JSON stays under 8 KiB)
 
 
@@ -103,7 +104,7 @@ class Channel:
             raise self.error(f"peer stalled: took nothing for {self.sock.gettimeout()} s "
                              "(replica_timeout)") from None
         except OSError as e:
-            raise self.error(f"peer gone while sending: {e.strerror or e}") from None
+            raise self.error(f"{SEND_FAILED}: {e.strerror or e}") from None
 
     def send_json(self, kind: Kind, obj: Any) -> None:
         self.send(kind, json.dumps(obj, allow_nan=False, separators=(",", ":")).encode())

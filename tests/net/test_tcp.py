@@ -277,3 +277,16 @@ def test_a_server_restart_is_reached_again(client) -> None:
         assert again.address == address
         assert client.put(address, replica([1000], step=9)[0])
         assert [g["step"] for g in client.list(address)] == [9]
+
+
+def test_a_source_shorter_than_its_stream_fails_the_put_and_nothing_is_held(server,
+                                                                           client) -> None:
+    srv, store = server
+    rep, datas = replica([CHUNK, 2 * CHUNK])
+    released = []
+    short = Replica(rep.offer, [datas[0], datas[1][:CHUNK]], lambda: released.append(1))
+    with pytest.raises(ReplicaError, match="holds 65536 bytes, its stream 131072"):
+        client.put(srv.address, short)
+    assert released == [1]
+    _wait_for(lambda: store.aborted == 1)
+    assert client.list(srv.address) == []
