@@ -1,0 +1,390 @@
+"""PyTorch Lightning: a `CheckpointIO` that saves through asyncckpt.
+
+Lightning's default `TorchCheckpointIO` `torch.save`s the whole checkpoint dict on rank 0
+while the loop waits (pickled, no checksum, not fsynced: a kill mid-write leaves a torn
+`.ckpt` that `ckpt_path="last"` then picks), and its `AsyncCheckpointIO` clones every
+tensor on the loop's thread (+1x the state in host memory) before a thread does the same.
+This plugin keeps Lightning's calls and files; underneath each save is one asyncckpt step
+(checksummed, compressed, committed atomically) staged in the background:
+
+    trainer = Trainer(..., plugins=[AsyncckptCheckpointIO()])
+
+Lightning calls `save_checkpoint` and `remove_checkpoint` on global rank 0 only (under
+DDP the state is replicated), so this process saves as a world of one (rank 0 of 1) to a
+writer it starts itself, and never waits for ranks that will not come. `load_checkpoint`
+is called on every rank; each reads the step alone (no collective either).
+
+Files: for a checkpoint `DIR/NAME.ckpt` Lightning asks for, the step goes to the root
+`DIR/asyncckpt/` (the root of the first save, for every later one) and `DIR/NAME.ckpt`
+becomes a small JSON marker `{"asyncckpt": 1, "root": <relative>, "step": N}`, written
+(tmp file + rename) once the step is committed. So `ckpt_path="last"` (the newest
+`last*.ckpt` by mtime), `"best"` and explicit paths work as Lightning knows them, and a
+kill mid-save leaves the previous marker naming a whole step. Step numbers count saves
+(1, 2, ... above anything already in the root), not Lightning's global step: `save_last`
+saves the same global step a second time with other callback state.
+
+Retention is Lightning's alone (`ModelCheckpoint`'s top-k and `save_last`): the writer
+keeps every step, and `remove_checkpoint` of a marker retires its step (a save still in
+flight is retired once committed instead of being named). A path that is not a marker
+(a `torch.save`d `.ckpt` of an earlier run) is loaded and removed as Lightning's own IO
+does, so a run switches to this plugin mid-way.
+
+Timelines: `load_checkpoint` of step N makes the `TimelineStart` that every later save
+carries, so a run resumed from an older checkpoint abandons the root's newer steps at its
+first commit: they are never the root's newest again.
+
+Asynchrony and its hazard: `save_checkpoint` returns once the state is flattened; the
+tensors are copied into the ring in the background. A global optimizer step pre-hook (the
+fence) holds every `optimizer.step()` until that copy is done, so weights and optimizer
+state are never torn. A tensor changed in place before its copy finished otherwise (a
+BatchNorm buffer in the next forward) fails that save loudly (its version counter), never
+silently: the next `save_checkpoint` or the end of `fit` (`teardown`) raises it.
+
+RNG: with `rng=True` (default) the save also holds rank 0's CPU/numpy/Python (and CUDA)
+RNG state, which `load_checkpoint` restores on every rank: under DDP with
+`seed_everything` the ranks draw alike, so rank 0's state is every rank's. Lightning
+itself restores none, so a resumed run with dropout would otherwise differ.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from asyncckpt.config import KEEP_ALL
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
+from asyncckpt.format.timeline import TimelineStart
+from asyncckpt.integrations.rng import rng_state, set_rng_state
+from asyncckpt.rank.client import Client
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.launch import WriterProcess, start_writer
+from asyncckpt.rank.ringsize import ring_for, state_bytes
+from asyncckpt.read.loader import load
+from asyncckpt.read.resolve import timeline_start
+from asyncckpt.storage.location import storage_for
+from asyncckpt.writer.commit import update_latest
+
+__all__ = ["AsyncckptCheckpointIO", "MARKER_VERSION", "read_marker"]
+log = logging.getLogger("asyncckpt.lightning")
+
+MARKER_VERSION = 1
+MARKER_MAX_BYTES = 4096  # a marker is one short JSON line; anything longer is not ours
+ROOT_NAME = "asyncckpt"
+# keys of the saved state: the model's weights apart (so `asyncckpt export` finds them)
+MODEL, REST, ORDER, RNG = "model", "lightning", "keys", "rng"
+
+_CheckpointIO: Any = importlib.import_module("lightning.fabric.plugins").CheckpointIO
+
+
+def read_marker(path: str | os.PathLike[str]) -> tuple[Path, int] | None:
+    """The (root, step) a marker file names; None when `path` is no marker of ours (a
+    `torch.save`d checkpoint, say).
+
+    Raises:
+        OSError: `path` cannot be read.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(MARKER_MAX_BYTES + 1)
+    if len(head) > MARKER_MAX_BYTES or not head.lstrip().startswith(b"{"):
+        return None
+    try:
+        doc = json.loads(head)
+    except ValueError:
+        return None
+    if (not isinstance(doc, dict) or doc.get("asyncckpt") != MARKER_VERSION
+            or not isinstance(doc.get("root"), str) or type(doc.get("step")) is not int):
+        return None
+    return (path.parent / doc["root"]).resolve(), doc["step"]
+
+
+def _write_marker(path: Path, root: Path, step: int) -> None:
+    """`path` names `step` of `root`, replaced whole (tmp file, fsync, rename)."""
+    body = {"asyncckpt": MARKER_VERSION, "root": os.path.relpath(root, path.parent.resolve()),
+            "step": step}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(body) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _Pending:
+    """A save in flight and the marker it will become."""
+
+    def __init__(self, path: Path, step: int, handle: SaveHandle) -> None:
+        self.path, self.step, self.handle = path, step, handle
+        self.removed = False  # remove_checkpoint came first: retire it, write no marker
+        self.done = threading.Event()
+
+
+class AsyncckptCheckpointIO(_CheckpointIO):
+    """Lightning's `CheckpointIO`, saving through asyncckpt (see the module docstring).
+
+    Args:
+        root: the asyncckpt root (default: `asyncckpt/` beside the first checkpoint
+            Lightning saves).
+        codec: the writer's codec ("auto", "raw", "zstd", "bytegroup"; default its knob).
+        rng: save rank 0's RNG state and restore it on every rank at load.
+    Attributes:
+        blocked_seconds: per save, the seconds `save_checkpoint` held the loop.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, codec: str | None = None,
+                 rng: bool = True) -> None:
+        super().__init__()
+        self.root = None if root is None else Path(root).resolve()
+        self.codec, self.rng = codec, rng
+        self.blocked_seconds: list[float] = []
+        self._writer: WriterProcess | None = None
+        self._client: Client | None = None
+        self._next: int | None = None  # the next step number
+        self._timeline: TimelineStart | None = None  # made by a load, carried by saves
+        self._restored: tuple[Path, int] | None = None
+        self._lock = threading.Lock()
+        self._pending: list[_Pending] = []
+        self._failures: list[str] = []
+        self._hook: Any = None
+        self._queue: queue.Queue[_Pending] = queue.Queue()  # in save order
+        self._thread: threading.Thread | None = None
+
+    # -- saving (global rank 0) --------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any = None) -> None:
+        """Hand `checkpoint` to the writer as a new step and return; `path` becomes its
+        marker once it is committed.
+
+        Raises:
+            TypeError: `storage_options` given (as Lightning's own IO).
+            SaveFailedError: an earlier save failed (raised once).
+            UnsupportedStateError: a value that is neither a tensor nor JSON (a custom
+                object in `hyper_parameters`), named by its key path; nothing is sent.
+        """
+        entered = time.perf_counter()
+        if storage_options is not None:
+            raise TypeError("AsyncckptCheckpointIO.save_checkpoint takes no storage_options; "
+                            f"got {storage_options!r}")
+        self._raise_failures()
+        path = Path(path).absolute()
+        root = self._root_for(path)
+        state: dict[str, Any] = {
+            MODEL: checkpoint.get("state_dict", {}),
+            REST: {k: v for k, v in checkpoint.items() if k != "state_dict"},
+            ORDER: list(checkpoint),
+        }
+        if self.rng:
+            state[RNG] = rng_state()
+        client = self._connect(root, state)
+        step = self._step_number(root)
+        handle = client.save(step, state, keep_last=KEEP_ALL, timeline=self._timeline)
+        self._next = step + 1
+        pending = _Pending(path, step, handle)
+        with self._lock:
+            self._pending.append(pending)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._follow_all, daemon=True,
+                                                name="asyncckpt-lightning")
+                self._thread.start()
+        self._queue.put(pending)
+        self.blocked_seconds.append(time.perf_counter() - entered)
+
+    def _root_for(self, path: Path) -> Path:
+        if self.root is None:
+            self.root = (path.parent / ROOT_NAME).resolve()
+        return self.root
+
+    def _connect(self, root: Path, state: dict[str, Any]) -> Client:
+        """This process's client (rank 0 of a world of one) to a writer it starts, and
+        the fence; made at the first save."""
+        if self._client is None:
+            if self._writer is None:
+                self._writer = start_writer(root, codec=self.codec, export=False)
+            self._client = Client(self._writer.address, rank=0, world_size=1, root=root,
+                                  ring_size=ring_for(state_bytes(state), None, log))
+        if self._hook is None:
+            self._hook = register_optimizer_step_pre_hook(self._fence)
+        return self._client
+
+    def _fence(self, *_: Any) -> None:
+        """Before any optimizer's step: every save in flight has copied its tensors."""
+        with self._lock:
+            handles = [p.handle for p in self._pending if not p.handle.staged()]
+        for handle in handles:
+            handle.wait_staged()
+
+    def _step_number(self, root: Path) -> int:
+        """Above every step the root holds (committed, abandoned or retired), the step
+        restored and the last saved: a new step never replaces one."""
+        if self._next is None:
+            storage = storage_for(root)
+            taken = storage.committed_steps() + storage.retired_steps()
+            if self._restored is not None and self._restored[0] == root:
+                taken.append(self._restored[1])
+            self._next = max(taken, default=0) + 1
+        return self._next
+
+    def _follow_all(self) -> None:
+        """The saves in the order they were made (a path saved twice ends naming the
+        later step), each once committed: its marker, or its retirement."""
+        while True:
+            self._follow(self._queue.get())
+
+    def _follow(self, pending: _Pending) -> None:
+        """`pending`'s marker once committed (retiring the step the path named before,
+        as Lightning overwrites `last.ckpt`), or, removed meanwhile, its retirement."""
+        retire: int | None = None
+        try:
+            pending.handle.wait()
+        except CheckpointError as e:
+            with self._lock:
+                self._failures.append(f"step {pending.step} for {pending.path}: {e}")
+            log.error("asyncckpt: the save of %s (step %d) failed: %s", pending.path,
+                      pending.step, e)
+        else:
+            with self._lock:
+                retire = pending.step if pending.removed else self._name(pending)
+            if retire is not None:
+                self._retire(retire)
+        finally:
+            with self._lock:
+                self._pending.remove(pending)
+            pending.done.set()
+
+    def _name(self, pending: _Pending) -> int | None:
+        """Write `pending`'s marker; the step of this root the path named before, if
+        another. A failure is raised by the next save."""
+        root = self._root_or_fail()
+        try:
+            before = read_marker(pending.path) if pending.path.is_file() else None
+            _write_marker(pending.path, root, pending.step)
+        except OSError as e:
+            self._failures.append(f"step {pending.step} is committed but its marker "
+                                  f"{pending.path} was not written: {e}")
+            return None
+        if before is not None and before[0] == root and before[1] != pending.step:
+            return before[1]
+        return None
+
+    def _root_or_fail(self) -> Path:
+        assert self.root is not None  # set by the save that made a pending
+        return self.root
+
+    def _raise_failures(self) -> None:
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if failures:
+            raise SaveFailedError("; ".join(failures))
+
+    # -- rotation (global rank 0) --------------------------------------------------------
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove Lightning's checkpoint `path`: a marker goes and its step is retired
+        (a save still in flight: once committed); any other file is deleted."""
+        path = Path(path).absolute()
+        with self._lock:  # the follow-up writes markers under it too
+            for pending in self._pending:
+                if pending.path == path:
+                    pending.removed = True
+            if not path.exists():
+                return
+            named = read_marker(path) if path.is_file() else None
+            path.unlink() if path.is_file() else _remove_tree(path)
+        if named is not None and named[0] == self.root:
+            self._retire(named[1])
+
+    def _retire(self, step: int) -> None:
+        """Retire committed `step` (its bytes stay while a kept step references them;
+        the writer deletes them at a later commit) and point `latest` anew."""
+        storage = storage_for(self._root_or_fail())
+        if step not in storage.committed_steps():
+            return
+        try:
+            storage.retire(step)
+            update_latest(storage)
+        except OSError as e:
+            log.warning("asyncckpt: could not retire step %d: %s", step, e)
+
+    # -- loading (every rank) ------------------------------------------------------------
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict Lightning saved at `path`, every byte verified (tensors on
+        the CPU). A marker's step also begins the timeline later saves carry.
+
+        Raises:
+            FileNotFoundError: no file at `path`.
+            CheckpointNotFoundError: the marker's step is not committed in its root.
+            CorruptCheckpointError: the step fails verification.
+        """
+        named = read_marker(path)
+        if named is None:
+            torch_io = importlib.import_module("lightning.fabric.plugins").TorchCheckpointIO
+            loaded: dict[str, Any] = torch_io().load_checkpoint(path, map_location=map_location,
+                                                               weights_only=weights_only)
+            return loaded
+        root, step = named
+        start = timeline_start(root, step)  # the root's current gen before the read
+        try:
+            state = load(root, step=step, rank=0)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(f"{path} names step {step} of {root}, which is not "
+                                          f"committed there: {e.cause}", step=step,
+                                          file=str(path)) from e
+        if self.rng and state.get(RNG) is not None:
+            set_rng_state(state[RNG])
+        self._timeline, self._restored, self._next = start, (root, step), None
+        if self.root is None:
+            self.root = root
+        rest = state[REST]
+        return {k: state[MODEL] if k == "state_dict" else rest[k] for k in state[ORDER]}
+
+    # -- the end of fit (every rank) -------------------------------------------------------
+
+    def wait_until_finished(self) -> None:
+        """Block until every save in flight is committed and named (or retired).
+
+        Raises:
+            SaveFailedError: a save failed and has not been raised yet.
+        """
+        with self._lock:
+            pending = list(self._pending)
+        for p in pending:
+            p.done.wait()
+        self._raise_failures()
+
+    def teardown(self) -> None:
+        """Wait for the saves in flight, remove the fence, close the client and stop the
+        writer (Lightning calls it at the end of fit; a later save starts them again).
+
+        Raises:
+            SaveFailedError: a save failed and has not been raised yet.
+        """
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            if self._client is not None:
+                client, self._client = self._client, None
+                client.close()
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                writer.stop()
+
+
+def _remove_tree(path: Path) -> None:
+    """A directory Lightning named as a checkpoint (another IO's), as its IO removes it."""
+    import shutil
+    shutil.rmtree(path)
