@@ -177,7 +177,10 @@ class TcpServer:
             self._slots.release()
 
     def _put(self, channel: Channel, doc: dict[str, Any], client: str) -> None:
-        offer = offer_from_json(doc.get("offer"), self._max_bytes)
+        try:
+            offer = offer_from_json(doc.get("offer"), self._max_bytes)
+        except ReplicaError as e:  # named again with the peer, for the log
+            raise channel.error(e.cause, e.step) from None
         chunk = _chunk(doc, self._knobs.replica_chunk_bytes, channel, offer.step)
         sink = self._store.put_generation(channel.peer, offer)
         try:
