@@ -55,12 +55,41 @@ class Replicator:
         self._closed = False
         self.sent: int | None = None  # the newest step the partner took
         self.failed = 0
+        self.recovered: list[int] = []
         self._thread: threading.Thread | None = None
         if self._partner is not None:
+            self.recovered = self._recover(TierStore(tier, max_frame_bytes))
             tier.on_node_whole = self._whole
             self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                             name="asyncckpt-replicate")
             self._thread.start()
+
+    def _recover(self, store: TierStore) -> list[int]:
+        """A writer starting (a replacement node's): take back from the partner the
+        newest generation of each node the partner holds as a replica of ours (the
+        partner of a lost node is the one holding its replica); returns their steps.
+        Nothing there, or the partner unreachable: nothing (said at INFO/WARNING)."""
+        assert self._partner is not None
+        try:
+            held = self._transport.list(self._partner)
+        except (CheckpointError, OSError) as e:
+            log.info("no memory generation recovered from %s:%d: %s", *self._partner, e)
+            return []
+        nodes = {first for g in held for first, _ in g.get("replicas", ())
+                 if isinstance(first, int)}
+        steps = []
+        for node in sorted(nodes):
+            try:
+                offer = self._transport.get(self._partner, node, None,
+                                            lambda o: store.put_generation("partner", o))
+            except CheckpointError as e:
+                log.warning("memory generation of node %d not recovered from %s:%d: %s",
+                            node, *self._partner, e)
+                continue
+            steps.append(offer.step)
+            log.info("recovered node %d's memory generation %d from %s:%d", node,
+                     offer.step, *self._partner)
+        return steps
 
     def _whole(self, step: int) -> None:
         with self._cond:

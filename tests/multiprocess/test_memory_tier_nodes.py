@@ -10,9 +10,9 @@ outlives a crashed training process).
 * 1 node x 2 ranks relaunched as 1 rank: the state resharded from memory equals the one
   saved; the writer, stopped with SIGTERM, flushes that generation as a committed step.
 
-What needs the replica on a partner node (a whole node lost, its ranks' bytes pulled
-from the partner's memory; a shrunk world resharding from memory) is not here: it needs
-the writer-to-writer transport (asyncckpt/net/).
+* (ASYNCCKPT_MEMORY_LONG=1, ~80 s) 2 x 2 with each writer replicating to the other over
+  asyncckpt/net: node 1's writer SIGKILLed, a replacement writer takes node 1's images
+  back from node 0, every rank resumes at the last generation from memory, bit-exact.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,13 +38,15 @@ NODES, PER_NODE = 2, 2
 
 
 @contextlib.contextmanager
-def node_writer(root: Path, runtime: Path, log: Path) -> Iterator[asyncckpt.WriterProcess]:
+def node_writer(root: Path, runtime: Path, log: Path,
+                **knobs: str) -> Iterator[asyncckpt.WriterProcess]:
     """A writer of job "mt" on `root` whose socket lies in `runtime` (its node's)."""
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     old = os.environ.get("ASYNCCKPT_RUNTIME_DIR")
     os.environ["ASYNCCKPT_RUNTIME_DIR"] = str(runtime)
     try:
-        w = asyncckpt.start_writer(root, job="mt", export=False, log_file=log, codec="raw")
+        w = asyncckpt.start_writer(root, job="mt", export=False, log_file=log, codec="raw",
+                                   **knobs)
     finally:
         if old is None:
             os.environ.pop("ASYNCCKPT_RUNTIME_DIR")
@@ -122,3 +125,55 @@ def test_a_shrunk_world_reshards_from_memory(tmp_path: Path) -> None:
         assert asyncckpt.verify(root / "step-00000003").ok
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _wait_replicated(w: asyncckpt.WriterProcess, step: int, ranks: list[int]) -> None:
+    from asyncckpt.read import memory
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(g["step"] == step and g["ranks"] == ranks for g in memory.generations(w.address)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not held for ranks {ranks}: "
+                         f"{memory.generations(w.address)}")
+
+
+LONG = os.environ.get("ASYNCCKPT_MEMORY_LONG") == "1"  # ~80 s: not in `make test`
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not LONG, reason="~80 s; run with ASYNCCKPT_MEMORY_LONG=1 (the lead's "
+                    "make target for the memory tier's long tests)")
+def test_a_replacement_node_resumes_from_its_partners_replica(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 nodes x 2 ranks, each writer sending its generations to the other. Node 1's
+    writer is SIGKILLed (its memory gone) after generation 5; a replacement writer for
+    node 1 takes node 1's images back from node 0, and every rank resumes at 5 from
+    memory, bit-exact (the root's newest step is 4)."""
+    from multinode import free_port
+    monkeypatch.setenv("ASYNCCKPT_REPLICA_TIMEOUT", "5")  # a send to the lost node gives up
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    runtimes = [Path(tempfile.mkdtemp(prefix=f"mtr{i}-")) for i in range(3)]
+    p0, p1, p1b = free_port(), free_port(), free_port()
+    try:
+        with node_writer(root, runtimes[0], tmp_path / "w0.log",
+                         replica_listen=f"127.0.0.1:{p0}",
+                         replica_partner=f"127.0.0.1:{p1}") as w0:
+            with node_writer(root, runtimes[1], tmp_path / "w1.log",
+                             replica_listen=f"127.0.0.1:{p1}",
+                             replica_partner=f"127.0.0.1:{p0}") as w1:
+                launch(out, "a", root, [w0, w1], MT_STEPS="5")
+                _wait_replicated(w0, 5, [0, 1, 2, 3])
+                os.kill(w1.pid, signal.SIGKILL)  # node 1 lost: its writer and memory
+            with node_writer(root, runtimes[2], tmp_path / "w1b.log",
+                             replica_listen=f"127.0.0.1:{p1b}",
+                             replica_partner=f"127.0.0.1:{p0}") as w1b:
+                _wait_replicated(w1b, 5, [2, 3])
+                resumed = launch(out, "b", root, [w0, w1b], MT_STEPS="5", MT_RESUME="1")
+                assert {(r["restored"], r["tier"]) for r in resumed} == {(5, "memory")}
+                assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002",
+                                                                       "step-00000004"]
+    finally:
+        for d in runtimes:
+            shutil.rmtree(d, ignore_errors=True)
