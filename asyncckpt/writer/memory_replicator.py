@@ -28,6 +28,28 @@ from asyncckpt.writer.memory_tier import MemoryTier
 log = logging.getLogger("asyncckpt.writer")
 
 
+def partner_of(node: int, nodes: int, racks: list[int] | None = None) -> int:
+    """The node whose writer holds node `node`'s replicas: the next node round the ring
+    (0..nodes-1), or where `racks` (each node's rack) says and another rack exists, a
+    node of another rack chosen by `node`'s place on its own (so that each node holds
+    about one partner's replica). Partners always differ by node, and by rack whenever
+    the job has two racks or more.
+
+    Raises:
+        ValueError: fewer than two nodes, `node` outside them, or `racks` not one per node.
+    """
+    if nodes < 2 or not 0 <= node < nodes or (racks is not None and len(racks) != nodes):
+        raise ValueError(f"partner_of: node {node} of {nodes} (racks {racks!r:.60}): a "
+                         "partner needs two nodes or more, and one rack per node")
+    ring = [(node + i) % nodes for i in range(1, nodes)]
+    if racks is not None:
+        elsewhere = sorted(n for n in ring if racks[n] != racks[node])
+        if elsewhere:  # the node's place on its rack picks one: each holds about one
+            place = sum(1 for n in range(node) if racks[n] == racks[node])
+            return elsewhere[place % len(elsewhere)]
+    return ring[0]
+
+
 def address(value: str) -> Address:
     """("host", port) of a "host:port" knob value."""
     host, _, port = value.rpartition(":")

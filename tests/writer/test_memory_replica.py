@@ -258,3 +258,14 @@ def test_writers_replicate_each_generation_to_their_partner(
     finally:
         a.stop()
         b.stop()
+
+
+def test_partners_differ_by_node_and_by_rack() -> None:
+    from asyncckpt.writer.memory_replicator import partner_of
+    assert [partner_of(n, 4) for n in range(4)] == [1, 2, 3, 0]
+    racks = [0, 0, 1, 1]  # nodes 0,1 share a rack, 2,3 another
+    assert [partner_of(n, 4, racks) for n in range(4)] == [2, 3, 0, 1]  # one replica each
+    assert all(racks[partner_of(n, 4, racks)] != racks[n] for n in range(4))
+    assert partner_of(1, 2, [5, 5]) == 0  # one rack only: another node at least
+    with pytest.raises(ValueError):
+        partner_of(0, 1)
