@@ -187,7 +187,9 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             state[RNG] = rng_state()
         client = self._connect(root, state)
         step = self._step_number(root)
-        handle = client.save(step, state, keep_last=KEEP_ALL, timeline=self._timeline)
+        resumed_here = self._restored is not None and self._restored[0] == root
+        handle = client.save(step, state, keep_last=KEEP_ALL,  # a load of another root: none
+                             timeline=self._timeline if resumed_here else None)
         self._next = step + 1
         pending = _Pending(path, step, handle)
         with self._lock:
