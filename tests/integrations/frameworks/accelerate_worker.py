@@ -86,6 +86,11 @@ def main() -> None:
         project_dir=str(out / "project"), automatic_checkpoint_naming=True,
         total_limit=a.limit), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         **kwargs)
+    if a.fsdp:  # Accelerate 1.16 ignores the FSDP plugin on CPU (state.py: GPU types
+        # only) and runs DDP; set here, its own FSDP2 prepare (fully_shard) runs on gloo
+        from accelerate import DistributedType
+        acc.state.distributed_type = DistributedType.FSDP
+        acc.state.fsdp_plugin = kwargs["fsdp_plugin"]
     set_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.ReLU(),
                                 torch.nn.Linear(16, 1))
@@ -99,6 +104,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True,
                                          generator=torch.Generator().manual_seed(5))
     model, optimizer, scheduler, loader = acc.prepare(model, optimizer, scheduler, loader)
+    prepared_as = str(acc.distributed_type)
     counter = Counter()
     acc.register_for_checkpointing(counter)
     per_epoch = len(loader)
@@ -145,7 +151,7 @@ def main() -> None:
     result = {"from": resumed_from, "restored": restored,
               "losses": {str(k): v for k, v in losses.items()}, "final": final,
               "iteration": acc.save_iteration,
-              "distributed_type": str(acc.distributed_type),
+              "distributed_type": prepared_as,
               "dtensor": any(hasattr(p_, "full_tensor") for p_ in model.parameters())}
     (out / f"{a.tag}-r{acc.process_index}.json").write_text(json.dumps(result))
     acc.end_training()
