@@ -35,6 +35,8 @@ Adapter-only (PEFT): for a model with frozen parameters (default: a `peft.PeftMo
 only the trainable parameters and their optimizer state are saved (hf_peft.py), the
 base referenced by its name and a fingerprint checked at restore.
 
+A sharded model (FSDP through Accelerate: DTensor parameters) saves each rank's shards
+(the Checkpointer's sharded path); that path is not yet tested with the Trainer.
 Not supported (ValueError at `train()`): `load_best_model_at_end`, `push_to_hub`,
 DeepSpeed. The Trainer's `save_model()` (a Hugging Face model directory) is unchanged.
 """
@@ -61,6 +63,7 @@ from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.timeline import live_steps, read_current
+from asyncckpt.torchutil.dtensor import is_sharded_model
 
 __all__ = ["AsyncCheckpointMixin", "AsyncCheckpointTrainer", "MARKER", "ROOT_NAME"]
 log = logging.getLogger("asyncckpt.hf_trainer")
@@ -149,8 +152,10 @@ class AsyncCheckpointMixin(_Base):
             (pending / MARKER).write_text(json.dumps({"root": ROOT_NAME, "step": step}))
         full = ckpt.options.contents
         options = ckpt.options
-        ckpt.options = dataclasses.replace(options, contents=full if first else ("extra",))
-        try:  # the replicated model and optimizer: rank 0's part only
+        replicated = ckpt.model is not None and not is_sharded_model(ckpt.model)
+        mine = full if first or not replicated else ("extra",)
+        ckpt.options = dataclasses.replace(options, contents=mine)
+        try:  # a replicated (DDP) model and optimizer: rank 0's part only
             handle = ckpt.save(step, extra=extra, force=True, replace=True)
         finally:
             ckpt.options = options
