@@ -186,9 +186,12 @@ fsdp-demo: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node 2 examples/train_fsdp.py --dir fsdp-ckpt
 
 # kill -9 a random process of a saving job 300 times; check every checkpoint after each.
-torture: setup
+torture: setup titan-setup
 	$(BIN)/python scripts/faults/torture.py --kills 300 --ranks 3
 	TIMELINE_TORTURE_SEEDS=50 $(BIN)/python -m pytest -q tests/faults/test_timeline_faults.py -k checkpointer
+	VERL_TIMELINE_SEEDS=20 DCP_TIMELINE_SEEDS=50 TITAN_TIMELINE_SEEDS=10 $(BIN)/python -m pytest -q \
+	  tests/faults/test_verl_timeline.py tests/faults/test_dcp_timeline_faults.py \
+	  tests/integrations/test_torchtitan.py -k never_resumes
 
 # The same torture on an object-store root (SeaweedFS on loopback), the S3 server among the
 # victims; the local-file attacks are left out there (tests/faults/test_s3_faults.py flips
