@@ -62,7 +62,7 @@ def markers(ckpts: Path) -> dict[str, int]:
 
 
 def assert_rotation(ckpts: Path, files: int = 3) -> None:
-    """Top 2 + last (and `files` - 3 left by an abandoned timeline): each file names a
+    """Top 2 + last (and `files` - 3 of an abandoned timeline): each file names a
     committed step, and no other step is kept."""
     named = markers(ckpts)
     assert len(named) == files and "last.ckpt" in named, named
@@ -135,6 +135,12 @@ def test_resume_from_older_then_save_over_newer(
     assert newest is not None and newest > max(named.values())  # the new timeline's last save
     assert load(root)["lightning"]["epoch"] == EPOCHS - 1
     assert not set(newer) & set(storage.committed_steps()) - set(abandoned_steps(storage))
-    # Lightning names the new epoch's file -v1 beside the abandoned one, which it does not
-    # track (its default IO leaves it too); that file still loads its (abandoned) step
-    assert_rotation(ckpts, files=4)
+    # Lightning names the new run's files -v1 beside the abandoned ones, which it does not
+    # track (its default IO leaves them too); those still load their (abandoned) steps,
+    # and `ckpt_path="last"` takes the newest last*.ckpt: the new run's
+    after = markers(ckpts)
+    assert after["last-v1.ckpt"] == newest
+    old_last = f"epoch={EPOCHS - 1}-step={EPOCHS * STEPS_PER_EPOCH}.ckpt"
+    assert {after[n] for n in ("last.ckpt", old_last)} == set(
+        abandoned_steps(storage))
+    assert_rotation(ckpts, files=5)
