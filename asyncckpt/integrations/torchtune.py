@@ -1,0 +1,145 @@
+"""torchtune's `DistributedCheckpointer`, saving through asyncckpt.
+
+torchtune's recipes save their intermediate checkpoints (with
+`enable_async_checkpointing: True`) through `DistributedCheckpointer`, which hard-codes
+DCP's `FileSystemWriter(sync_files=False)`: nothing is fsynced, a crash mid-save
+leaves a `dist_epoch_N` whose `.metadata` makes it look complete to the resume, and
+each save keeps a full copy of the state in pinned memory. This class keeps its
+constructor and its `save_checkpoint` / `load_checkpoint` calls; underneath, the same
+`dcp.save` / `dcp.async_save` go through asyncckpt's DCP `StorageWriter` and
+`StorageReader` (checksummed, committed atomically, staged through the ring), into the
+root `output_dir/asyncckpt`, step = the epoch.
+
+A resume loads the newest live step and begins a timeline there (dcp_timeline.py): a
+run resumed from an older epoch saves over the newer epochs of the history it left,
+which are never newest again. A re-save of a committed epoch replaces it atomically,
+as DCP's `FileSystemWriter` overwrites. The recipe's final (synchronous) save still
+goes through the checkpointer the config names (the HF/Meta files a user exports).
+
+Installing it in a recipe (the recipe builds its `CheckpointClient` in `__init__`):
+
+    recipe = FullFinetuneRecipeDistributed(cfg=cfg)
+    install(recipe)                     # before recipe.setup(cfg=cfg)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchtune.training.checkpointing._checkpointer import (  # type: ignore[import-not-found,unused-ignore]  # no py.typed
+    DistributedCheckpointer as _TorchtuneDistributedCheckpointer,
+)
+
+from asyncckpt.checkpointer import Checkpointer
+from asyncckpt.dcp import StorageReader, StorageWriter
+
+__all__ = ["ROOT_NAME", "DistributedCheckpointer", "install"]
+ROOT_NAME = "asyncckpt"  # the root, under torchtune's output_dir
+
+
+class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
+    """torchtune's `DistributedCheckpointer` (same constructor, same calls), saving
+    through asyncckpt (see the module docstring).
+
+    Args:
+        checkpoint_dir, output_dir: as torchtune's.
+        process_group: the group DCP's collectives use (default: a new gloo group of
+            every rank; every rank must construct it together).
+        keep_last: keep this many newest epochs in the root (None: all).
+    """
+
+    def __init__(self, checkpoint_dir: str, output_dir: str, process_group: Any = None,
+                 keep_last: int | None = None) -> None:
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            # a group of its own: DCP's async save runs its collectives on a thread,
+            # which on the training's group (gloo on CPU) would interleave with the
+            # training's own collectives (torchtune's default collides there)
+            process_group = dist.new_group(backend="gloo")
+        super().__init__(checkpoint_dir, output_dir, process_group)
+        self._checkpoint_future: Any = None  # dcp.async_save's future
+        self.root = Path(output_dir) / ROOT_NAME
+        self.keep_last = keep_last
+
+    def _get_latest_intermediate_checkpoint(self) -> str | None:
+        """The newest live committed epoch's directory in the root, or None."""
+        step = Checkpointer(self.root).latest_step() if self.root.is_dir() else None
+        return None if step is None else str(self.root / f"step-{step:08d}")
+
+    def load_checkpoint(self, state_dict: dict[str, Any] | None = None,
+                        checkpoint_path: str | None = None) -> dict[str, Any]:
+        """Fill `state_dict` (DCP's in-place load, resharding) from `checkpoint_path`
+        (a step directory `ROOT/step-N`, or the root: its newest step), default the
+        newest live epoch; the saves that follow continue from it.
+
+        Raises:
+            ValueError: no state dict, or no committed epoch to load (as torchtune's).
+            CheckpointException: DCP's, wrapping asyncckpt's error (a damaged step:
+                CorruptCheckpointError naming the file).
+        """
+        if state_dict is None:
+            raise ValueError("State dict must be provided to load a distributed checkpoint.")
+        path = checkpoint_path or self._get_latest_intermediate_checkpoint()
+        if path is None:
+            raise ValueError(f"no intermediate checkpoint in {self.root} to resume from")
+        dcp.load(state_dict=state_dict, storage_reader=StorageReader(path),
+                 process_group=self._process_group)
+        return state_dict
+
+    def save_checkpoint(self, state_dict: dict[str, Any], epoch: int,
+                        save_async: bool = False) -> None:
+        """Save epoch `epoch` (every rank calls it): with `save_async`, return once the
+        state is staged (`dcp.async_save`); the previous asynchronous save is waited
+        for first, and its failure raised here.
+
+        Raises:
+            CheckpointException: DCP's, wrapping asyncckpt's error (a sync save, or
+                the previous asynchronous one, failed).
+        """
+        if self._checkpoint_future is not None:
+            future, self._checkpoint_future = self._checkpoint_future, None
+            future.result()  # a failed save is never dropped
+        writer = StorageWriter(self.root, epoch, keep_last=self.keep_last, overwrite=True)
+        if save_async:
+            self._checkpoint_future = dcp.async_save(state_dict=state_dict,
+                                                     storage_writer=writer,
+                                                     process_group=self._process_group)
+        else:
+            dcp.save(state_dict=state_dict, storage_writer=writer,
+                     process_group=self._process_group)
+
+    def wait_until_finished(self) -> None:
+        """Block until the asynchronous save in flight is committed; raise its failure."""
+        if self._checkpoint_future is not None:
+            future, self._checkpoint_future = self._checkpoint_future, None
+            future.result()
+
+
+def install(recipe: Any, *, keep_last: int | None = None) -> DistributedCheckpointer:
+    """Make a torchtune recipe's intermediate checkpoints go through asyncckpt: its
+    `CheckpointClient` (built in the recipe's `__init__`) gets this module's
+    `DistributedCheckpointer` on the directories of the configured checkpointer. Call
+    it before `recipe.setup(cfg)` (the resume loads through it); the config needs
+    `enable_async_checkpointing: True`, as for torchtune's own.
+
+    Args:
+        recipe: the recipe, or its `CheckpointClient`.
+        keep_last: keep this many newest epochs (None: all).
+    Returns:
+        The checkpointer installed.
+    Raises:
+        TypeError: no CheckpointClient found on `recipe`.
+    """
+    client = getattr(recipe, "_checkpoint_client", recipe)
+    config = getattr(client, "_cfg", None)
+    if config is None or not hasattr(client, "_dcp_checkpointer"):
+        raise TypeError(f"{type(recipe).__name__} has no torchtune CheckpointClient")
+    checkpointer = DistributedCheckpointer(config.checkpointer.checkpoint_dir,
+                                           config.checkpointer.output_dir,
+                                           keep_last=keep_last)
+    client._dcp_checkpointer = checkpointer
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank installed before any saves
+    return checkpointer

@@ -1,0 +1,60 @@
+"""asyncckpt's DistributedCheckpointer in torchtune's real CheckpointClient (what recipes
+build; `install` puts it there) on 2 gloo ranks with a tiny FSDP2 model built in the
+worker, nothing downloaded: asynchronous intermediate saves per epoch with rotation, then
+a resume from an older epoch that loads bit for bit, trains on to the same state, and
+saves over the newer epoch of the abandoned history.
+
+The ranks run torchtune_worker.py in the frameworks venv (conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+from asyncckpt.checkpointer import Checkpointer
+from asyncckpt.read.resolve import current_timeline
+from asyncckpt.storage.location import read_manifest_at
+
+FRAMEWORKS = Path(__file__).parent
+REPO = FRAMEWORKS.parents[2]
+WORKER = str(FRAMEWORKS / "torchtune_worker.py")
+PYTHON = os.environ.get("ASYNCCKPT_FRAMEWORKS_PYTHON",
+                        str(REPO / ".venv-frameworks" / "bin" / "python"))  # as conftest.py
+
+
+def run(out: Path, tag: str, *args: str) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2",
+           "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([PYTHON, WORKER, str(out), tag, *args],
+                              env={**env, "RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"OK rank {r}" in text, f"{tag} rank {r}:\n{text[-4000:]}"
+    return [json.loads((out / f"{tag}-r{r}.json").read_text()) for r in range(2)]
+
+
+def test_async_epochs_rotate_and_an_older_resume_is_bit_exact(tmp_path):
+    saved = run(tmp_path, "save", "save", "5")
+    root = tmp_path / "output" / "asyncckpt"
+    assert Checkpointer(root).all_steps() == [3, 4]  # keep_last=2
+    before = current_timeline(root)
+    resumed = run(tmp_path, "resume", "resume", "3")
+    for r in range(2):
+        assert resumed[r]["resumed"] == 4  # epochs_run of epoch 3
+        assert resumed[r]["loaded"] == saved[r]["digests"]["3"]
+        assert resumed[r]["digests"] == {"4": saved[r]["digests"]["4"]}
+    after = current_timeline(root)
+    assert after.gen == before.gen + 1
+    assert Checkpointer(root).all_steps() == [3, 4]
+    assert Checkpointer(root).latest_step() == 4
+    assert read_manifest_at(root / "step-00000004").timeline.id == after.id
