@@ -11,11 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt.config import MAX_FRAME_BYTES, ClientKnobs, MiB, ReadLimits, WriterKnobs, parse_size
+from asyncckpt.config import (
+    MAX_FRAME_BYTES,
+    ClientKnobs,
+    MiB,
+    ReadLimits,
+    ReplicaKnobs,
+    WriterKnobs,
+    parse_size,
+)
 from asyncckpt.writer.dedup import DedupIndex
 
 SETS = (ClientKnobs, WriterKnobs, ReadLimits)
-FIELDS = {f.name for cls in SETS for f in dataclasses.fields(cls)}
+FIELDS = {f.name for cls in (*SETS, ReplicaKnobs) for f in dataclasses.fields(cls)}
 
 
 @pytest.fixture
