@@ -151,6 +151,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         self._next: int | None = None  # the next step number
         self._timeline: TimelineStart | None = None  # made by a load, carried by saves
         self._restored: tuple[Path, int] | None = None
+        self._deferred: set[int] = set()  # the fork point, removed before the fork commits
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
         self._failures: list[str] = []
@@ -256,8 +257,10 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         else:
             with self._lock:
                 retire = pending.step if pending.removed else self._name(pending)
-            if retire is not None:
-                self._retire(retire)
+                forked, self._deferred = self._deferred, set()  # the timeline is current
+                self._restored = None
+            for step in ([] if retire is None else [retire]) + sorted(forked):
+                self._retire(step)
         finally:
             with self._lock:
                 self._pending.remove(pending)
@@ -308,6 +311,10 @@ class AsyncckptCheckpointIO(_CheckpointIO):
     def _retire(self, step: int) -> None:
         """Retire committed `step` (its bytes stay while a kept step references them;
         the writer deletes them at a later commit) and point `latest` anew."""
+        with self._lock:
+            if self._restored == (self.root, step):  # a save's timeline forks there: not
+                self._deferred.add(step)             # before that save has committed
+                return
         storage = storage_for(self._root_or_fail())
         if step not in storage.committed_steps():
             return
