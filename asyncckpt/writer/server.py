@@ -14,6 +14,7 @@ a bounded message per session, whatever the model size.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import socket
@@ -59,17 +60,49 @@ class WriterServer:
                 common (None: this writer owns the root alone).
         Raises:
             WriterLockedError: another writer holds `root` (of another job).
+            ReplicaError: `replica_listen` cannot be served (the message names the address
+                and the cause). Whatever failed, nothing taken is still held: a corrected
+                writer can start on the same root at once.
         """
         self.knobs = knobs or WriterKnobs.from_env()
         self.read_limits = dataclasses.replace(ReadLimits.from_env(),
                                                max_frame_bytes=self.knobs.max_frame_bytes)
         self.root = parse(root).resolve()
+        with contextlib.ExitStack() as undo:  # a start that fails gives back what it took
+            self._start(job, address, undo)
+            undo.pop_all()
+        self._sessions: set[Session] = set()
+        self._sessions_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
+
+    def _start(self, job: str | None, address: str | None, undo: contextlib.ExitStack) -> None:
+        """Take the root, listen, and start the frame pool, the steps, the memory tier
+        and its replicator; each resource taken is pushed on `undo` (a failure releases
+        them, newest first).
+
+        Raises:
+            WriterLockedError, SaveFailedError: as `_take`.
+            ReplicaError: the replica server cannot serve at `replica_listen` (the
+                message names the address and the cause), or the job's secret is unusable.
+        """
         self.storage, self._lock, self.owner = self._take(job)
+        undo.callback(self.storage.close)
+        if self._lock is not None:
+            undo.callback(self._lock.release)
+        if self.owner is not None:
+            undo.callback(self.owner.release)
         self.root_id = self.storage.identity()
         commit.update_latest(self.storage)
         self._sock, self.address, self._authkey = protocol.create_endpoint(address)
+        undo.callback(protocol.remove_endpoint, self.address)
+        undo.callback(self._sock.close)
         self.rss = PeakSampler()
+        undo.callback(self.rss.stop)
         self.pool = FramePool(self.knobs.encode_threads, self.knobs.frames_in_flight)
+        undo.callback(self.pool.close)
         self.buffers = Buffers(self.knobs.frames_in_flight + self.knobs.encode_threads)
         self.chooser = CodecChooser(self.knobs.encode_threads)
         self.index = (DedupIndex(self.storage, self.knobs.max_frame_bytes)
@@ -80,7 +113,9 @@ class WriterServer:
                            choose_codec=self._choose_codec, check=self._check_manifest,
                            on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
                            index=self.index, owner=self.owner, storage=self.storage)
+        undo.callback(self.steps.close, 0.0)
         self.memory = MemoryTier(self.knobs.memory_max_bytes, str(self.root))
+        undo.callback(self.memory.close)
         self.replicator = None
         if self.knobs.replica_listen or self.knobs.replica_partner:
             from asyncckpt.writer.memory_replicator import Replicator
@@ -89,15 +124,10 @@ class WriterServer:
                                          self.storage, self.knobs.replica_listen,
                                          self.knobs.replica_partner,
                                          self.knobs.max_frame_bytes)
+            undo.callback(self.replicator.close)
         self.context = WriterContext(self.knobs, self.root, self.root_id, self.steps, self.pool,
                                      self.buffers, self.chooser, self.index, self.rss,
                                      self.memory)
-        self._sessions: set[Session] = set()
-        self._sessions_lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._stop_lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._watch_absent, daemon=True, name="asyncckpt-watch").start()
 
     def _take(self, job: str | None) -> tuple[Storage, RootHold, OwnerMark | None]:
         """Take the root (its lock, or on an object store its lease: a clear error now if

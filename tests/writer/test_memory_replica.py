@@ -10,6 +10,10 @@ is not raw, one larger than the bound -- is refused whole and never listed.
 from __future__ import annotations
 
 import copy
+import os
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,15 +22,19 @@ import torch
 from inprocess import InProcessWriter
 
 import asyncckpt
-from asyncckpt.errors import MemoryTierFullError
+from asyncckpt.config import WriterKnobs
+from asyncckpt.errors import MemoryTierFullError, ReplicaError
+from asyncckpt.ipc.protocol import runtime_dir
 from asyncckpt.rank.client import Client
 from asyncckpt.read import memory
 from asyncckpt.storage.location import root_path
 from asyncckpt.writer.memory_replica import ReplicaIn, ReplicaRefusedError, offer, send_all
+from asyncckpt.writer.server import WriterServer
 
 WAIT_S = 30.0
 CHUNK = 4096
 MAX_FRAME = 1 << 20
+POLL_S = 0.05  # how often a test looks again for threads to end
 
 
 def _state(rank: int, step: int) -> dict:
@@ -248,7 +256,7 @@ def test_writers_replicate_each_generation_to_their_partner(
             c.close()
         deadline = time.monotonic() + WAIT_S
         while a.server.replicator.sent != 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(POLL_S)
         assert a.server.replicator.sent == 2 and a.server.replicator.failed == 0
         assert [(g["step"], g["ranks"]) for g in memory.generations(b.address)] == [
             (2, [0, 1])]
@@ -269,3 +277,32 @@ def test_partners_differ_by_node_and_by_rack() -> None:
     assert partner_of(1, 2, [5, 5]) == 0  # one rack only: another node at least
     with pytest.raises(ValueError):
         partner_of(0, 1)
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_replica_port_in_use_leaves_nothing_held(tmp_path: Path) -> None:
+    """`replica_listen` names a port another socket holds: the writer refuses to start
+    with a ReplicaError naming the address and the cause, and gives back all it took
+    (the root's lock, its endpoint, threads, descriptors): a corrected writer starts on
+    the same root at once and saves."""
+    root = tmp_path / "ckpt"
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        threads, fds = set(threading.enumerate()), _fds()
+        endpoints = set(os.listdir(runtime_dir()))
+        with pytest.raises(ReplicaError, match=rf"127\.0\.0\.1:{port}.*in use"):
+            WriterServer(root, WriterKnobs.from_env(codec="raw",
+                                                    replica_listen=f"127.0.0.1:{port}"))
+        deadline = time.monotonic() + WAIT_S  # threads told to stop may take a moment
+        while set(threading.enumerate()) - threads and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        assert set(threading.enumerate()) - threads == set()
+        assert _fds() <= fds
+        assert set(os.listdir(runtime_dir())) <= endpoints
+    with InProcessWriter(root, codec="raw", export=False) as w, \
+            Client(w.address, rank=0, world_size=1) as c:
+        c.save(1, _state(0, 1)).wait(WAIT_S)
+        assert [p.name for p in w.root.iterdir() if p.name.startswith("step-")] != []
