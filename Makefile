@@ -38,14 +38,16 @@ VERL_SPEC   ?= verl==0.9.1
 # torchtitan's test runs in a venv of its own in the same way (its pins: spmd_types==0.2.3).
 TITAN_VENV  ?= $(VENV)-titan
 TITAN_SPEC  ?= torchtitan==0.3.0
-# The frameworks' integrations (HF Trainer, Accelerate, PEFT, Lightning, torchtune) are
-# tested in a venv of their own, from their own lock (torchtune pins torchao < 0.16).
+# The frameworks' integrations (HF Trainer, Accelerate, PEFT, Lightning; torchtune apart:
+# it pins a torchao < 0.16 that peft refuses) are tested in venvs of their own, from their
+# own locks.
 FRAMEWORKS_VENV ?= $(VENV)-frameworks
+TORCHTUNE_VENV  ?= $(VENV)-torchtune
 # make test-latest: the newest releases (torch stays LATEST_TORCH, a CPU build)
 LATEST      ?= .venv-latest
 LATEST_TORCH ?= $(TORCH_SPEC)
 
-.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup test-dcp-upstream bench-memory-tier test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
+.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-dcp-upstream bench-memory-tier test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
 
 setup: $(UV)
 	$(call sync_venv,$(VENV),$(LOCKS)/test.txt)
@@ -96,6 +98,7 @@ define write_locks
 	$(call compile_lock,$(1)/titan.txt,--extra torchtitan,$(2))
 	$(call append_no_deps,$(1)/titan.txt,$(TITAN_SPEC))
 	$(call compile_lock,$(1)/frameworks.txt,--extra frameworks,$(2))
+	$(call compile_lock,$(1)/torchtune.txt,--extra torchtune-env,$(2))
 endef
 
 # Refresh every lock from pyproject.toml's ranges (then run `make test` and commit them).
@@ -124,7 +127,7 @@ lint: setup
 	$(BIN)/ruff check asyncckpt tests benchmarks examples scripts
 	$(BIN)/mypy
 
-test: setup verl-setup titan-setup frameworks-setup
+test: setup verl-setup titan-setup frameworks-setup torchtune-setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The tests that start no process (no writer, torchrun or subprocess): a test is in the
@@ -281,6 +284,9 @@ titan-setup: $(UV)
 frameworks-setup: $(UV)
 	$(call sync_venv,$(FRAMEWORKS_VENV),$(LOCKS)/frameworks.txt)
 
+torchtune-setup: $(UV)
+	$(call sync_venv,$(TORCHTUNE_VENV),$(LOCKS)/torchtune.txt)
+
 # 2 FSDP2 ranks (CPU, gloo) save a Llama through the drop-in and through verl's own manager,
 # resume bit-exact from each, and from the drop-in's at world size 1; verl's own
 # test_fsdp_ckpt.py (ported to CPU) through the drop-in for fsdp and fsdp2, per-rank temp
@@ -291,9 +297,7 @@ test-verl: setup verl-setup
 # PyTorch's own DCP tests (and torchtitan's checkpoint tests) with asyncckpt's StorageWriter
 # and StorageReader swapped in, at the commits tests/upstream/run.py names; the pass table
 # goes to build/upstream/results.md (tests/upstream/README.md). About 40 minutes here.
-# expecttest (no dependencies) is what DCP's test files import beside torch.
 test-dcp-upstream: setup titan-setup
-	$(UV) pip install -q --target build/upstream/pydeps expecttest==0.3.0
 	$(BIN)/python tests/upstream/run.py fetch
 	$(BIN)/python tests/upstream/run.py
 
@@ -302,4 +306,4 @@ bench-verl: setup verl-setup
 	$(BIN)/python -m benchmarks.verl --out benchmarks/results/verl.md
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(TITAN_VENV) $(FRAMEWORKS_VENV) $(UV_VENV) $(LATEST) $(LATEST)-verl $(LATEST)-titan $(LATEST)-locks checkpoints fsdp-ckpt fsdp-ckpt.* multinode-ckpt multinode-ckpt.* .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(TITAN_VENV) $(FRAMEWORKS_VENV) $(TORCHTUNE_VENV) $(UV_VENV) $(LATEST) $(LATEST)-verl $(LATEST)-titan $(LATEST)-locks checkpoints fsdp-ckpt fsdp-ckpt.* multinode-ckpt multinode-ckpt.* .pytest_cache .hypothesis

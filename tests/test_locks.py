@@ -32,9 +32,13 @@ EXTRAS = {
     "bench": ["test", "s3", "bench", "realweights", "dcpbench", "s3bench", "incremental"],
     "verl": ["verl"],
     "titan": ["torchtitan"],
+    "frameworks": ["frameworks"],
+    "torchtune": ["torchtune-env"],
 }
 # a side venv, its lock, and the package installed there without its dependencies
-SIDE_VENVS = {"verl": (REPO / ".venv-verl", "verl"), "titan": (REPO / ".venv-titan", "torchtitan")}
+SIDE_VENVS = {"verl": (REPO / ".venv-verl", "verl"), "titan": (REPO / ".venv-titan", "torchtitan"),
+              "frameworks": (REPO / ".venv-frameworks", "lightning"),
+              "torchtune": (REPO / ".venv-torchtune", "torchtune")}
 # what a venv holds besides its lock: asyncckpt itself (editable) and the venv's own pip
 NOT_LOCKED = {"asyncckpt", "pip"}
 

@@ -4,7 +4,7 @@ worker, nothing downloaded: asynchronous intermediate saves per epoch with rotat
 a resume from an older epoch that loads bit for bit, trains on to the same state, and
 saves over the newer epoch of the abandoned history.
 
-The ranks run torchtune_worker.py in the frameworks venv (conftest.py)."""
+The ranks run torchtune_worker.py in torchtune's own venv (make torchtune-setup)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from asyncckpt.checkpointer import Checkpointer
 from asyncckpt.read.resolve import current_timeline
 from asyncckpt.storage.location import read_manifest_at
@@ -21,8 +23,11 @@ from asyncckpt.storage.location import read_manifest_at
 FRAMEWORKS = Path(__file__).parent
 REPO = FRAMEWORKS.parents[2]
 WORKER = str(FRAMEWORKS / "torchtune_worker.py")
-PYTHON = os.environ.get("ASYNCCKPT_FRAMEWORKS_PYTHON",
-                        str(REPO / ".venv-frameworks" / "bin" / "python"))  # as conftest.py
+# torchtune's own locked venv (make torchtune-setup): its torchao pin is one peft refuses
+PYTHON = os.environ.get("ASYNCCKPT_TORCHTUNE_PYTHON",
+                        str(REPO / ".venv-torchtune" / "bin" / "python"))
+pytestmark = pytest.mark.skipif(not Path(PYTHON).exists(),
+                                reason=f"no torchtune venv at {PYTHON}: run `make torchtune-setup`")
 
 
 def run(out: Path, tag: str, *args: str) -> list[dict]:
