@@ -4,7 +4,7 @@ with LOCAL_RANK set, so Lightning launches nothing) saving through AsyncckptChec
     lightning_worker.py OUT TAG --epochs E [--ckpt PATH|last] [--kill-epoch K]
 
 A tiny regression with dropout (the RNG matters), AdamW and a StepLR; 4 steps an epoch;
-ModelCheckpoint keeps the top 2 (--top-k) by the epoch's loss plus `last.ckpt`, in OUT/ckpts.
+ModelCheckpoint keeps the top 2 by the epoch's loss plus `last.ckpt`, in OUT/ckpts.
 Each rank writes OUT/TAG-r<rank>.json: the losses by global step, and (rank 0) the final
 weights, optimizer and scheduler state and the RNG as the bench compares them.
 --kill-epoch K: at the first save of epoch K rank 0 lets the earlier saves commit, stops
@@ -76,7 +76,6 @@ def main() -> None:
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--ckpt")
     p.add_argument("--kill-epoch", type=int)
-    p.add_argument("--top-k", type=int, default=2)
     args = p.parse_args()
     out = Path(args.out)
     pl.seed_everything(0, verbose=False)
@@ -89,7 +88,7 @@ def main() -> None:
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs,
         plugins=[io], logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=out / "ckpts", monitor="train_loss", mode="min",
-                                   save_top_k=args.top_k, save_last=True)])
+                                   save_top_k=2, save_last=True)])
     trainer.fit(model, data, ckpt_path=args.ckpt)
     rank = trainer.global_rank
     result: dict = {"losses": {str(k): v for k, v in model.losses.items()},

@@ -145,19 +145,3 @@ def test_resume_from_older_then_save_over_newer(
         abandoned_steps(storage))
     assert_rotation(ckpts, files=5)
 
-
-def test_top1_resumed_from_its_best_keeps_it_and_rotates(tmp_path: Path) -> None:
-    """top-1, resumed from the best file: Lightning never removes the file a run resumed
-    from (`_should_remove_checkpoint`), so its step stays with it; `last.ckpt` is saved
-    over (its old step retired) and the root keeps exactly the steps the files name."""
-    finish(launch(tmp_path, "first", "--epochs", "3", "--top-k", "1"), tmp_path, "first")
-    ckpts = tmp_path / "ckpts"
-    before = markers(ckpts)
-    best = next(n for n in before if n.startswith("epoch="))
-    finish(launch(tmp_path, "again", "--epochs", "5", "--top-k", "1", "--ckpt",
-                  str(ckpts / best)), tmp_path, "again")
-    after = markers(ckpts)
-    assert after[best] == before[best] and after["last.ckpt"] > before["last.ckpt"]
-    assert load(ckpts / "asyncckpt")["lightning"]["epoch"] == 4
-    assert load(ckpts / "asyncckpt", step=after[best])["lightning"]["epoch"] == 2
-    assert_rotation(ckpts, files=3)  # the kept best, the new best, last
