@@ -47,7 +47,7 @@ TORCHTUNE_VENV  ?= $(VENV)-torchtune
 LATEST      ?= .venv-latest
 LATEST_TORCH ?= $(TORCH_SPEC)
 
-.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-dcp-upstream bench-memory-tier test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
+.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks test-dcp-upstream bench-memory-tier test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
 
 setup: $(UV)
 	$(call sync_venv,$(VENV),$(LOCKS)/test.txt)
@@ -293,6 +293,12 @@ torchtune-setup: $(UV)
 # dirs, twice into the same directories; retention against verl's tracker file.
 test-verl: setup verl-setup
 	$(BIN)/python -m pytest -q tests/integrations
+
+# Every framework test with the real packages, the ones past make test's time budget
+# included (marked `full`: the HF Trainer's 2-rank runs, Accelerate's FSDP2 and older-step
+# resumes, Lightning's older-step resume).
+test-frameworks: setup frameworks-setup torchtune-setup
+	ASYNCCKPT_FRAMEWORKS_FULL=1 $(BIN)/python -m pytest -q tests/integrations/frameworks
 
 # PyTorch's own DCP tests (and torchtitan's checkpoint tests) with asyncckpt's StorageWriter
 # and StorageReader swapped in, at the commits tests/upstream/run.py names; the pass table

@@ -119,6 +119,7 @@ def test_sigkill_mid_save_then_relaunch_is_bit_exact(reference, tmp_path):
     assert not [p.name for p in root.iterdir() if ".tmp" in p.name]
 
 
+@pytest.mark.full
 def test_resume_from_an_older_step_saves_over_the_newer_ones(reference):
     """From step 3 (training step 8) of the reference root while 4 and 5 are on disk:
     the run saves 4 and 5 again over the abandoned ones (no `replace`), ends bit-exact,

@@ -115,6 +115,7 @@ def test_kill_mid_save_then_resume_last_is_bit_exact(
     assert_rotation(ckpts)
 
 
+@pytest.mark.full
 def test_resume_from_older_then_save_over_newer(
         reference: tuple[Path, list[dict]], tmp_path: Path) -> None:
     out, refs = reference
