@@ -34,7 +34,8 @@ from torchtune.training.checkpointing._checkpointer import (  # type: ignore[imp
 )
 
 from asyncckpt.checkpointer import Checkpointer
-from asyncckpt.dcp import StorageReader, StorageWriter
+from asyncckpt.integrations.dcp_reader import StorageReader
+from asyncckpt.integrations.dcp_writer import StorageWriter
 
 __all__ = ["ROOT_NAME", "DistributedCheckpointer", "install"]
 ROOT_NAME = "asyncckpt"  # the root, under torchtune's output_dir

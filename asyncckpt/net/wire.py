@@ -17,8 +17,8 @@ The body's length is checked against what may come at that point before a byte o
 is read into memory. Bodies are JSON (never pickle), or for DATA a fixed header (step,
 stream, offset, xxh3 of the chunk) and the chunk.
 
-Why a MAC on every byte (1.8 GB/s of HMAC-SHA256 per core, measured) rather than on the
-facts alone: the frames' xxh3 is a checksum, not a MAC, and a process that could write
+Why a MAC on every byte (its cost per core: docs/MEMORY_TIER.md, Transport) rather than
+on the facts alone: the frames' xxh3 is a checksum, not a MAC, and a process that could write
 into the connection could match it; with the MAC, bytes from outside the job are
 refused whatever they are.
 """
