@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ class Generation:
     images: dict[int, RankImage] = field(default_factory=dict)
     waiting: dict[int, Notify] = field(default_factory=dict)
     replicas: set[int] = field(default_factory=set)  # nodes held as a partner's replica
+    started: float = field(default_factory=time.monotonic)  # when its first rank began
 
     @property
     def whole(self) -> bool:
@@ -340,6 +342,28 @@ class MemoryTier:
                     and not (rank in g.images and g.images[rank].whole)]:
                 self._drop(step, SaveFailedError(f"rank {rank} of the node disconnected before "
                                                  "ending its memory save", step=step, rank=rank))
+
+    def fail_absent(self, timeout: float) -> None:
+        """Fail each generation begun over `timeout` s ago of which a rank of one of
+        this writer's nodes has not begun its save (connected or not: a rank that skips
+        a memory save would otherwise be waited for without end), as durable steps fail
+        after `absent_rank_timeout`. Its ranks that ended hear a SaveFailedError naming
+        the step and the absent ranks; the older whole generation stays held."""
+        now = time.monotonic()
+        with self._lock:
+            for step, gen in list(self._gens.items()):
+                if gen.whole or now - gen.started < timeout:
+                    continue
+                absent = [r for f, c in gen.nodes.items() if f not in gen.replicas
+                          for r in range(f, f + c) if r not in gen.images]
+                if absent:
+                    names = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8
+                                                               else "")
+                    self._drop(step, SaveFailedError(
+                        f"rank{'s' if len(absent) > 1 else ''} {names} of the node never "
+                        f"began memory step {step} within absent_rank_timeout={timeout:g} s "
+                        "(a rank that skips a memory save its node's peers made)",
+                        step=step, rank=absent[0]))
 
     def _prune(self) -> None:
         """Drop every generation older than the newest whole one."""

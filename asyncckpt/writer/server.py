@@ -219,6 +219,7 @@ class WriterServer:
     def _watch_absent(self) -> None:
         while not self._stopped.wait(ABSENT_CHECK_S):
             self.steps.fail_absent(self.knobs.absent_rank_timeout)
+            self.memory.fail_absent(self.knobs.absent_rank_timeout)
 
     def _handshake(self, sock: socket.socket) -> None:
         try:

@@ -333,3 +333,34 @@ def test_a_flush_that_fails_commits_nothing(tmp_path: Path) -> None:
             memory.flush(w.address)
         assert [p.name for p in w.root.glob("step-*")] == ["step-00000002"]
         _same(asyncckpt.load(w.root), _state(0, 2))
+
+
+def test_a_rank_that_never_begins_fails_the_generation(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node of two ranks: rank 0 saves memory step 2, rank 1 stays connected but never
+    begins it: after `absent_rank_timeout` rank 0 hears a SaveFailedError naming the step
+    and rank 1 (it does not wait forever); step 2 is never whole, step 1 stays held."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with InProcessWriter(tmp_path / "ckpt", codec="raw", absent_rank_timeout=1.0) as w:
+        clients = []
+        for r in range(2):
+            monkeypatch.setenv("LOCAL_RANK", str(r))
+            clients.append(Client(w.address, rank=r, world_size=2))
+        try:
+            for h in [c.save(1, _state(r, 1), tier="memory") for r, c in enumerate(clients)]:
+                h.wait(WAIT_S)
+            first = clients[0].save(2, _state(0, 2), tier="memory")
+            with pytest.raises(SaveFailedError, match="rank 1") as caught:
+                first.wait(WAIT_S)
+            assert caught.value.step == 2 and "never began" in str(caught.value)
+            assert [(g["step"], g["whole"]) for g in memory.generations(w.address)] == [
+                (1, True)]
+            for r in range(2):
+                _same(_read_back(w, 1, r), _state(r, 1))
+            # the connected ranks go on: the next generation is whole as usual
+            for h in [c.save(3, _state(r, 3), tier="memory") for r, c in enumerate(clients)]:
+                h.wait(WAIT_S)
+            assert [g["step"] for g in memory.generations(w.address)] == [3]
+        finally:  # rank 1 first: its leaving fails what rank 0 may still wait on
+            for c in reversed(clients):
+                c.close()
