@@ -160,7 +160,8 @@ class Steps:
                 raise error
             current = self.open.get(step)
             if current is None:
-                current = self._open_step(step, rank, world_size, join is not None, options)
+                current = self._open_step(step, rank, world_size, join is not None, options,
+                                          lead=node is None or node.first == 0)
             elif (current.world_size != world_size or current.coordinated != (join is not None)
                   or current.replace != options.replace
                   or current.timeline != options.timeline):
@@ -180,10 +181,12 @@ class Steps:
             return current
 
     def _open_step(self, step: int, rank: int, world_size: int, coordinated: bool,
-                   options: SaveOptions) -> Step:
+                   options: SaveOptions, lead: bool = True) -> Step:
         """A new open step (its codec chosen, its tmp directory made); under the lock.
         A committed step of its number is refused, or replaced, by the commit's rule
-        (timelines.py), asked now so a refused save writes nothing."""
+        (timelines.py), asked now so a refused save writes nothing. A step that begins a
+        timeline writes the root's timeline file now on the writer of the leader's node
+        (`lead`: the node of rank 0, or the only node), before any byte of the step."""
         replace = options.replace
         if step in self.committing:
             raise StepAlreadyCommittedError(ALREADY_COMMITTED, step=step, rank=rank)
@@ -194,7 +197,7 @@ class Steps:
             except CorruptCheckpointError as e:  # the root's timeline file
                 raise SaveFailedError(str(e), step=step, rank=rank) from None
             replace = settled.replace
-            if settled.new and not coordinated:
+            if settled.new and lead:
                 self._begin_timeline(step, settled)
         if replace and occupied and not self.storage.replaces:
             raise SaveFailedError("this step is committed, and an object-store root cannot "
@@ -234,8 +237,9 @@ class Steps:
     def _begin_timeline(self, step: int, settled: Settled) -> None:
         """Write the root's timeline file for the timeline `step`'s save begins, now,
         before any of its bytes: a job that restored an older step and dies during its
-        first save must resume from that step, not from the steps it rolled back. (A
-        step coordinated across nodes writes it at its commit, on the leader.)
+        first save must resume from that step, not from the steps it rolled back. Across
+        nodes only the leader's node writes it (then again at the commit if a crash
+        undid nothing: the commit finds it current).
 
         Raises:
             SaveFailedError: it cannot be written (nothing changed).

@@ -10,9 +10,9 @@ current already), or it is the first commit of the timeline a restore began. The
 2. the new record is step `at`'s timeline forked at `at`: its lineage plus [its id, at],
    less the ancestors no committed step is in any more (`_compacted`);
 3. the root `timeline` file is written, durable, before the step's manifest is
-   published: when the save begins, before any of its bytes (steps.py), for a step of
-   one node; at the commit, on the leader, before the publish (committer.py), for a
-   step coordinated across nodes. From then on the steps the restore rolled back are
+   published: when the save begins, before any of its bytes (steps.py), by the writer of
+   the only node or of the leader's node (rank 0's), and checked again at the commit,
+   before the publish (committer.py). From then on the steps the restore rolled back are
    abandoned, whatever happens next: a crash before the publish leaves `at` the newest
    live step, exactly what the restoring job chose. (Written only at the commit, a job
    killed during its first save after the restore would resume from the steps it had

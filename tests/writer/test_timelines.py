@@ -297,3 +297,33 @@ def test_timelines_on_an_object_store(s3_root: str) -> None:
     assert_same(state(12), asyncckpt.load(s3_root, step=12))
     save_s3([11], seed=100, timeline=start, keep_last=2)
     assert open_storage(s3_root).committed_steps() == [10, 11]
+
+
+@pytest.mark.parametrize("first, written", [(0, True), (2, False)])
+def test_a_step_across_nodes_begins_its_timeline_on_the_leaders_node(
+        root: Path, first: int, written: bool) -> None:
+    """Across nodes, the writer of rank 0's node writes the root's timeline file when
+    the step begins, before any byte (a job killed in its first save after a restore
+    resumes from the restored step, as on one node); another node's writer leaves it to
+    the leader. (It was written only at the commit: a kill before it resumed from the
+    rolled-back steps.)"""
+    from asyncckpt.ipc.fields import NodeRanks
+    from asyncckpt.ipc.options import SaveOptions
+    from asyncckpt.writer.nodes import NodeJoin
+    from asyncckpt.writer.steps import Steps
+
+    save(root, [8, 10, 12])
+    start = timeline_start(root, 8)
+    steps = Steps(root, storage=PosixStorage(root))
+    try:
+        steps.rank_joined(first)
+        steps.begin(9, first, 4, lambda *a: None, SaveOptions(timeline=start),
+                    join=NodeJoin(NodeRanks(first, 2), durable=lambda *a: None))
+        assert (root / TIMELINE_NAME).exists() == written
+        if written:
+            assert current_timeline(root).id == start.id
+            assert newest_live(PosixStorage(root)) == 8  # 10 and 12 abandoned at once
+        else:
+            assert current_timeline(root).is_root
+    finally:
+        steps.close(timeout=1)
