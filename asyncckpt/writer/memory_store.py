@@ -45,14 +45,7 @@ class TierStore:
             gen, parts, fds = self.tier.outgoing(step, node)
         except KeyError:
             return None
-        offer = Offer(node, gen.step, replica_doc(gen, parts), tuple(
-            Stream(p.rank, p.tensors[0].begin if p.tensors else p.raw_size, p.raw_size)
-            for p in parts))
-
-        def release() -> None:
-            for fd in fds:
-                os.close(fd)
-        return Replica(offer, list(fds), release)
+        return _replica(node, gen, parts, fds)
 
     def list_generations(self) -> list[dict[str, Any]]:
         return self.tier.generations()
@@ -72,8 +65,13 @@ def partner_replica(tier: MemoryTier, step: int) -> Replica:
         KeyError: not held whole.
     """
     gen, parts, fds = tier.outgoing(step)
-    first = min(p.rank for p in parts)
-    offer = Offer(first, gen.step, replica_doc(gen, parts), tuple(
+    return _replica(min(p.rank for p in parts), gen, parts, fds)
+
+
+def _replica(node: int, gen: Any, parts: list[Any], fds: list[int]) -> Replica:
+    """Node `node`'s `parts` of `gen` as a replica to send: one stream per rank (its raw
+    data after the header), the descriptors `fds` closed when it is released."""
+    offer = Offer(node, gen.step, replica_doc(gen, parts), tuple(
         Stream(p.rank, p.tensors[0].begin if p.tensors else p.raw_size, p.raw_size)
         for p in parts))
 
