@@ -295,8 +295,9 @@ test-verl: setup verl-setup
 	$(BIN)/python -m pytest -q tests/integrations
 
 # Every framework test with the real packages, the ones past make test's time budget
-# included (marked `full`: the HF Trainer's 2-rank runs, Accelerate's FSDP2 and older-step
-# resumes, Lightning's older-step resume).
+# included (`full_only` in tests/integrations/frameworks/frameworks_venv.py: the HF
+# Trainer's 2-rank runs, Accelerate's FSDP2 and older-step resumes, Lightning's older-step
+# resume).
 test-frameworks: setup frameworks-setup torchtune-setup
 	ASYNCCKPT_FRAMEWORKS_FULL=1 $(BIN)/python -m pytest -q tests/integrations/frameworks
 

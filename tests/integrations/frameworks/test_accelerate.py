@@ -4,7 +4,7 @@ job relaunched with `load_state()`; another resumes from an older step and saves
 newer ones. Each resumed run must end bit for bit where the uninterrupted one did:
 weights, optimizer, scheduler, every RNG, the registered object, and the losses after.
 
-The ranks run accelerate_worker.py in the frameworks venv (conftest.py)."""
+The ranks run accelerate_worker.py in the frameworks venv (frameworks_venv.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from frameworks_venv import full_only, needs_frameworks
 
 from asyncckpt.checkpointer import Checkpointer
 from asyncckpt.read.resolve import current_timeline
@@ -31,7 +32,8 @@ POLL_SECONDS = 0.1
 
 
 PYTHON = os.environ.get("ASYNCCKPT_FRAMEWORKS_PYTHON",
-                        str(REPO / ".venv-frameworks" / "bin" / "python"))  # as conftest.py
+                        str(REPO / ".venv-frameworks" / "bin" / "python"))  # as frameworks_venv
+pytestmark = needs_frameworks
 
 
 def launch(out: Path, tag: str, *args: str, world: int = 2) -> list[subprocess.Popen]:
@@ -119,7 +121,7 @@ def test_sigkill_mid_save_then_relaunch_is_bit_exact(reference, tmp_path):
     assert not [p.name for p in root.iterdir() if ".tmp" in p.name]
 
 
-@pytest.mark.full
+@full_only
 def test_resume_from_an_older_step_saves_over_the_newer_ones(reference):
     """From step 3 (training step 8) of the reference root while 4 and 5 are on disk:
     the run saves 4 and 5 again over the abandoned ones (no `replace`), ends bit-exact,

@@ -10,10 +10,10 @@ test_accelerate.py's (the same save path)."""
 
 from __future__ import annotations
 
-import pytest
+from frameworks_venv import full_only, needs_frameworks
 from test_accelerate import finish, launch, steps_of  # type: ignore[import-not-found]  # rootdir
 
-pytestmark = pytest.mark.full  # two more launches of 2 ranks
+pytestmark = [needs_frameworks, full_only]  # two more launches of 2 ranks
 
 
 def test_fsdp2_saves_shards_rotates_and_resumes_bit_exact(tmp_path):

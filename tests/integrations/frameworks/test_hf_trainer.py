@@ -21,21 +21,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FRAMEWORKS_PYTHON
+from frameworks_venv import FRAMEWORKS_PYTHON, full_only, needs_frameworks
 
 from asyncckpt import verify
 from asyncckpt.read.resolve import current_timeline
 
-pytestmark = pytest.mark.process  # runs the frameworks venv's python
+pytestmark = [pytest.mark.process, needs_frameworks]  # runs the frameworks venv's python
 
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_trainer_worker.py"
 LAUNCH_TIMEOUT = 240  # s, one torchrun launch on a loaded 2-core machine
 # the DDP launches cost ~20 s each on an idle 2-core machine (importing transformers pulls
 # in torchao and torch._dynamo: ~18 s of CPU per process), past `make test`'s share
-FULL = os.environ.get("ASYNCCKPT_FRAMEWORKS_FULL") == "1"
-ddp = pytest.mark.skipif(not FULL, reason="three 2-rank torchrun launches: set "
-                         "ASYNCCKPT_FRAMEWORKS_FULL=1 (make test-frameworks)")
+ddp = full_only  # three 2-rank torchrun launches
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 

@@ -6,7 +6,7 @@ its newer steps. Each resumed run must end bit for bit where the uninterrupted o
 weights, optimizer, scheduler, RNG and the losses after. Rotation must leave exactly the
 steps Lightning's files name.
 
-The ranks run lightning_worker.py in the frameworks venv (conftest.py)."""
+The ranks run lightning_worker.py in the frameworks venv (frameworks_venv.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from frameworks_venv import full_only, needs_frameworks
 
 from asyncckpt.read.loader import load
 from asyncckpt.storage.location import storage_for
@@ -30,7 +31,8 @@ FRAMEWORKS = Path(__file__).parent
 REPO = FRAMEWORKS.parents[2]
 WORKER = str(FRAMEWORKS / "lightning_worker.py")
 PYTHON = os.environ.get("ASYNCCKPT_FRAMEWORKS_PYTHON",
-                        str(REPO / ".venv-frameworks" / "bin" / "python"))  # as conftest.py
+                        str(REPO / ".venv-frameworks" / "bin" / "python"))  # as frameworks_venv
+pytestmark = needs_frameworks
 EPOCHS, KILL_EPOCH, STEPS_PER_EPOCH = 6, 2, 4
 RUN_SECONDS = 300
 
@@ -115,7 +117,7 @@ def test_kill_mid_save_then_resume_last_is_bit_exact(
     assert_rotation(ckpts)
 
 
-@pytest.mark.full
+@full_only
 def test_resume_from_older_then_save_over_newer(
         reference: tuple[Path, list[dict]], tmp_path: Path) -> None:
     out, refs = reference
