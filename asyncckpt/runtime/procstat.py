@@ -44,6 +44,16 @@ def pid_alive(pid: int | str) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
+def reopen_read_only(fd: int) -> int:
+    """A new read-only descriptor of the file open as `fd` (through /proc/self/fd: a
+    memfd has no other name), close-on-exec; the caller owns it.
+
+    Raises:
+        OSError: `fd` is not open, or the file cannot be opened for reading.
+    """
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
 def ring_mappings(pid: int | str = "self") -> int:
     """How many asyncckpt rings process `pid` maps (0 if it is gone). Rings are memfds
     with no name, so a ring no process maps no longer exists: this is all that leaks."""

@@ -22,6 +22,7 @@ import xxhash
 from asyncckpt.format.layout import data_file_name, layout
 from asyncckpt.format.records import Frame, RankPart
 from asyncckpt.ipc.messages import TensorEntry
+from asyncckpt.runtime.procstat import reopen_read_only
 
 _SEALS = (getattr(fcntl, "F_SEAL_WRITE", 8) | getattr(fcntl, "F_SEAL_SHRINK", 2)
           | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1))
@@ -69,6 +70,7 @@ class RankImage:
         self.frames: list[Frame] = []
         self.filled = 0
         self.whole = False
+        self.dropped_because = ""  # why its generation was dropped (MemoryTier), once it was
         with self._lock:
             if self._map is None or len(self._map) != size:
                 if self._map is not None:
@@ -94,8 +96,8 @@ class RankImage:
             self._append(fill, length)
 
     def _append(self, fill: Callable[[memoryview], Any], length: int) -> None:
-        if self.fd < 0 or self.sealed:
-            raise ValueError(f"rank {self.rank}'s memory image of step {self.step} was dropped")
+        if self.fd < 0 or self.sealed or self.dropped_because:
+            raise ValueError(self._dropped())
         if self.whole or self.filled + length > self.size:
             raise ValueError(f"rank {self.rank} sent bytes up to {self.filled + length}, its "
                              f"tensors hold {self.size}")
@@ -112,6 +114,10 @@ class RankImage:
                                  digest))
         self.filled += length
 
+    def _dropped(self) -> str:
+        why = f": {self.dropped_because}" if self.dropped_because else ""
+        return f"rank {self.rank}'s memory image of step {self.step} was dropped{why}"
+
     def complete(self) -> None:
         """The rank ended: every byte of the stream must be here.
 
@@ -119,9 +125,8 @@ class RankImage:
             ValueError: fewer bytes arrived than the tensors hold, or it was dropped.
         """
         with self._lock:
-            if self.fd < 0:
-                raise ValueError(f"rank {self.rank}'s memory image of step {self.step} was "
-                                 "dropped")
+            if self.fd < 0 or self.dropped_because:
+                raise ValueError(self._dropped())
             if self.filled != self.size:
                 raise ValueError(f"rank {self.rank} ended after {self.filled} of {self.size} "
                                  "bytes")
@@ -158,7 +163,7 @@ class RankImage:
                     self._map = None
                 fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
                 self.sealed = True
-        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return reopen_read_only(self.fd)
 
     def close(self) -> None:
         """Free the image (once a copy into it in progress is done)."""

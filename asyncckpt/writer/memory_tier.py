@@ -42,6 +42,7 @@ from asyncckpt.writer.memory_image import RankImage
 log = logging.getLogger("asyncckpt.writer")
 
 TIER = "memory"
+DROPPED_KEPT = 8  # generations whose reason for being dropped is remembered
 # notify(error or None, path or None, stats): reaches one rank's client (session.py)
 Notify = Callable[..., None]
 
@@ -101,6 +102,8 @@ class MemoryTier:
         self._lock = threading.Lock()
         self._gens: dict[int, Generation] = {}
         self._spare: list[RankImage] = []  # whole images of dropped generations, to refill
+        # why the newest dropped generations went, for a rank whose end comes after
+        self._dropped: dict[int, SaveFailedError] = {}
         self.on_node_whole: Callable[[int], None] | None = None  # step: this node's ranks whole
         self.peak_bytes = 0
 
@@ -197,9 +200,11 @@ class MemoryTier:
         with self._lock:  # whole and waiting together: the node's last rank tells them all
             gen = self._gens.get(image.step)
             if gen is None or gen.images.get(image.rank) is not image:
-                notify(SaveFailedError("memory generation dropped while the rank saved it "
-                                       "(a newer one became whole)", step=image.step,
-                                       rank=image.rank), None, {})
+                why = self._dropped.get(image.step)
+                notify(SaveFailedError(
+                    "memory generation dropped while the rank saved it: "
+                    f"{why.cause if why is not None else 'a newer one became whole'}",
+                    step=image.step, rank=image.rank), None, {})
                 return
             image.complete()
             gen.waiting[image.rank] = notify
@@ -376,9 +381,13 @@ class MemoryTier:
         """Forget generation `step`: its waiting ranks hear `error`; its whole images
         not handed out are kept to be refilled (bytes still counted), the rest freed."""
         gen = self._gens.pop(step)
+        self._dropped[step] = error
+        while len(self._dropped) > DROPPED_KEPT:
+            del self._dropped[min(self._dropped)]
         for notify in gen.waiting.values():
             notify(error, None, {})
         for image in gen.images.values():
+            image.dropped_because = error.cause
             if image.whole and not image.sealed and image.fd >= 0:
                 self._spare.append(image)
             else:
