@@ -7,14 +7,13 @@ for bit, and `asyncckpt verify` passes."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from timeline_jobs import assert_forked_at_2, run_job
 
 from asyncckpt.cli import main
 from asyncckpt.read.resolve import current_timeline
@@ -29,13 +28,7 @@ SEEDS = range(1, 1 + int(os.environ.get("DCP_TIMELINE_SEEDS", "1")))
 
 
 def run(root: Path, *args: str, crash: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("ASYNCCKPT_ADDRESS", None)
-    env.pop("ASYNCCKPT_CRASH_AT", None)
-    if crash:
-        env["ASYNCCKPT_CRASH_AT"] = crash
-    return subprocess.run([sys.executable, JOB, str(root), *args], env=env, text=True,
-                          capture_output=True, timeout=180)
+    return run_job(JOB, root, *args, crash=crash)
 
 
 def loads(done: subprocess.CompletedProcess) -> list[tuple[int, str]]:
@@ -55,12 +48,7 @@ def test_dcp_resumed_from_an_older_step_never_resumes_into_the_abandoned_one(
     assert loads(done) == [(2, "old")], done.stdout[-2000:] + done.stderr[-3000:]
     assert done.returncode != 0  # killed (or its writer was)
     if seed == 1:  # the writer died once the timeline file was written: 3, 4 abandoned
-        capsys.readouterr()
-        assert main(["ls", "--json", str(root)]) == 0
-        listed = json.loads(capsys.readouterr().out)
-        assert listed["timeline"]["lineage"] == [["", 2]]
-        assert [(r["step"], r["state"]) for r in listed["steps"]] == [
-            (1, "committed"), (2, "committed"), (3, "abandoned"), (4, "abandoned")]
+        assert_forked_at_2(root, capsys)
     done = run(root, "newest")
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     first, last = loads(done)

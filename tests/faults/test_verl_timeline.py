@@ -8,7 +8,6 @@ the new step 4, bit for bit."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timeline_jobs import assert_forked_at_2, run_job
 
 import asyncckpt
 from asyncckpt.cli import main
@@ -34,13 +34,7 @@ POINTS = ("", "timeline_written:1", "manifest_written:1", "step_renamed:1", "rep
 
 
 def run(base: Path, *args: str, crash: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("ASYNCCKPT_ADDRESS", None)
-    env.pop("ASYNCCKPT_CRASH_AT", None)
-    if crash:
-        env["ASYNCCKPT_CRASH_AT"] = crash
-    return subprocess.run([sys.executable, JOB, str(base), *args], env=env, text=True,
-                          capture_output=True, timeout=180)
+    return run_job(JOB, base, *args, crash=crash)
 
 
 def loaded(done: subprocess.CompletedProcess) -> tuple[int, str]:
@@ -81,12 +75,7 @@ def test_a_verl_job_resumed_from_an_older_step_never_resumes_into_the_abandoned_
         assert newest_values(root) == (2, "old")
         assert (base / verl.TRACKER).read_text() == "2"
         assert asyncckpt.load(root, step=4)["model"]["bias"].equal(weights("old", 4)["bias"])
-        capsys.readouterr()
-        assert main(["ls", "--json", str(root)]) == 0
-        listed = json.loads(capsys.readouterr().out)
-        assert listed["timeline"]["lineage"] == [["", 2]]
-        assert [(r["step"], r["state"]) for r in listed["steps"]] == [
-            (1, "committed"), (2, "committed"), (3, "abandoned"), (4, "abandoned")]
+        assert_forked_at_2(root, capsys)
     for _ in range(3):  # relaunches that follow the tracker, until one finishes
         step, history = newest_values(root)
         # never an abandoned step; the old ones are newest only while no save began

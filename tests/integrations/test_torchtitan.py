@@ -4,13 +4,13 @@ without it these tests skip)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
 from pathlib import Path
 
 import pytest
+from timeline_jobs import assert_forked_at_2
 
 REPO = Path(__file__).resolve().parents[2]
 TITAN_PYTHON = os.environ.get("ASYNCCKPT_TITAN_PYTHON",
@@ -70,12 +70,7 @@ def test_torchtitan_resumed_from_an_older_step_never_resumes_into_the_abandoned_
     assert "LOADED 2 old" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.returncode != 0  # killed (or its writer was)
     if seed == 1:  # the writer died once the timeline file was written: 3, 4 abandoned
-        capsys.readouterr()
-        assert main(["ls", "--json", str(root)]) == 0
-        listed = json.loads(capsys.readouterr().out)
-        assert listed["timeline"]["lineage"] == [["", 2]]
-        assert [(r["step"], r["state"]) for r in listed["steps"]] == [
-            (1, "committed"), (2, "committed"), (3, "abandoned"), (4, "abandoned")]
+        assert_forked_at_2(root, capsys)
     done = run("newest")
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("LOADED"))
