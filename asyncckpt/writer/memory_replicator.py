@@ -87,26 +87,30 @@ class Replicator:
             self._thread.start()
 
     def _recover(self, store: TierStore) -> list[int]:
-        """A writer starting (a replacement node's): take back from the partner the
-        newest generation of each node the partner holds as a replica of ours (the
-        partner of a lost node is the one holding its replica); returns their steps.
-        Nothing there, or the partner unreachable: nothing (said at INFO/WARNING)."""
+        """A writer starting (a replacement node's): take back from the partner every
+        generation of each node the partner holds as a replica (the partner of a lost
+        node is the one holding its replica), newest first (an older one taken after
+        a newer is kept until the ranks' next save); returns their steps. Every one,
+        not the newest only: the partner may hold the lost node's newest without its
+        own images of that step (the lost node's replica came late), and the ranks
+        resume at the newest step held for all of them. Nothing there, or the
+        partner unreachable: nothing (said at INFO/WARNING)."""
         assert self._partner is not None
         try:
             held = self._transport.list(self._partner)
         except (CheckpointError, OSError) as e:
             log.info("no memory generation recovered from %s:%d: %s", *self._partner, e)
             return []
-        nodes = {first for g in held for first, _ in g.get("replicas", ())
-                 if isinstance(first, int)}
+        wanted = sorted({(-g["step"], first) for g in held if type(g.get("step")) is int
+                         for first, _ in g.get("replicas", ()) if type(first) is int})
         steps = []
-        for node in sorted(nodes):
+        for minus, node in wanted:
             try:
-                offer = self._transport.get(self._partner, node, None,
+                offer = self._transport.get(self._partner, node, -minus,
                                             lambda o: store.put_generation("partner", o))
             except CheckpointError as e:
-                log.warning("memory generation of node %d not recovered from %s:%d: %s",
-                            node, *self._partner, e)
+                log.warning("memory generation %d of node %d not recovered from %s:%d: %s",
+                            -minus, node, *self._partner, e)
                 continue
             steps.append(offer.step)
             log.info("recovered node %d's memory generation %d from %s:%d", node,

@@ -223,11 +223,10 @@ class MemoryTier:
             self.on_node_whole(image.step)
 
     def _settle(self, gen: Generation) -> None:
-        """Once `gen` is whole (every node's ranks, replicas too), the older ones go."""
+        """Once `gen` is whole (every node's ranks, replicas too), the older ones it
+        covers go (`_supersede`)."""
         if gen.whole:
-            for older in [s for s in self._gens if s < gen.step]:
-                self._drop(older, SaveFailedError(
-                    f"memory generation superseded by step {gen.step}", step=older))
+            self._supersede(gen)
             log.info("memory generation %d whole: %d ranks, %.1f MiB; %.1f MiB held",
                      gen.step, len(gen.images), gen.bytes / 2**20, self._held() / 2**20)
 
@@ -371,11 +370,23 @@ class MemoryTier:
                         step=step, rank=absent[0]))
 
     def _prune(self) -> None:
-        """Drop every generation older than the newest whole one."""
-        whole = [s for s, g in self._gens.items() if g.whole]
-        if whole:
-            for older in [s for s in self._gens if s < max(whole)]:
-                self._drop(older, SaveFailedError("memory generation superseded", step=older))
+        """Drop every generation that a newer whole one covers (`_supersede`)."""
+        for step in sorted(self._gens, reverse=True):
+            gen = self._gens.get(step)
+            if gen is not None and gen.whole:
+                self._supersede(gen)
+
+    def _supersede(self, gen: Generation) -> None:
+        """Drop each generation older than whole `gen` whose every node `gen` holds too.
+        An older one holding a node `gen` lacks -- a partner's replica whose newer one
+        has not arrived whole (the partner lost mid-replication, or slow) -- stays, with
+        this node's own images of that step: it is the newest step at which both nodes
+        are held, the one a replacement of the partner resumes from."""
+        covered = set(gen.nodes.items())
+        for older in [s for s, g in self._gens.items()
+                      if s < gen.step and set(g.nodes.items()) <= covered]:
+            self._drop(older, SaveFailedError(
+                f"memory generation superseded by step {gen.step}", step=older))
 
     def _drop(self, step: int, error: SaveFailedError) -> None:
         """Forget generation `step`: its waiting ranks hear `error`; its whole images

@@ -1,0 +1,180 @@
+"""The memory tier's crash points between two nodes: a node lost mid-replication, or after
+its generation became whole but before its replica began.
+
+Two in-process writers stand for nodes 0 (ranks 0, 1) and 1 (ranks 2, 3) of a 2 x 2
+job; replicas go from node 1 to node 0 through `send_all` (the seam the transport plugs
+into), so the test decides where node 1 dies. Node 1 lost, a replacement writer (started
+with `replica_partner`, as a replacement node's is) takes back from node 0 what node 0
+holds of node 1, and the ranks pick a generation with the restore's rule (the newest
+that every rank's own writer holds it for). Nothing half-made may be picked: whatever
+is picked must read back bit-exact as it was saved, on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from inprocess import InProcessWriter
+
+from asyncckpt.rank.client import Client
+from asyncckpt.read import memory
+from asyncckpt.storage.location import root_path
+from asyncckpt.writer.memory_replica import ReplicaIn, offer, send_all
+
+WAIT_S = 30.0
+CHUNK = 4096
+MAX_FRAME = 1 << 20
+
+
+def _state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.randn(300, 17, generator=g), "obj": {"rank": rank, "step": step}}
+
+
+class Job:
+    """Nodes 0 (writer a, listening for replicas) and 1 (writer b): 4 rank clients."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("ASYNCCKPT_JOB_SECRET", "cd" * 32)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        self.tmp = tmp_path
+        self.a = InProcessWriter(tmp_path / "ckpt-a", codec="raw", export=False,
+                                 replica_listen="127.0.0.1:0")
+        self.b = InProcessWriter(tmp_path / "ckpt-b", codec="raw", export=False)
+        self.clients = []
+        for rank in range(4):
+            monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
+            self.clients.append(Client((self.a, self.b)[rank // 2].address, rank=rank,
+                                       world_size=4, coordination="local",
+                                       slot_size=1 << 16, ring_size=1 << 18))
+        self.writers = [self.a, self.b]
+
+    def save(self, step: int, ranks: range = range(4)) -> None:
+        for h in [self.clients[r].save(step, _state(r, step), tier="memory") for r in ranks]:
+            h.wait(WAIT_S)
+
+    def replicate_b(self, step: int, chunks: int | None = None) -> None:
+        """Node 1's generation `step` to node 0: whole, or `chunks` chunks of it and then
+        the connection lost (the sink aborted, as the transport does)."""
+        doc, ranks = offer(self.b.server.memory, step)
+        sink = ReplicaIn(self.a.server.memory, doc, MAX_FRAME, expect_step=step)
+        if chunks is None:
+            send_all((doc, ranks), CHUNK, sink)
+            return
+        rank, fd, start = ranks[0]
+        for i in range(chunks):
+            sink.data(rank, start + i * CHUNK, os.pread(fd, CHUNK, start + i * CHUNK))
+        sink.abort()
+        for _, fd, _ in ranks:
+            os.close(fd)
+
+    def lose_node_1(self) -> InProcessWriter:
+        """Node 1 lost (its ranks and writer); its replacement writer, recovering from
+        node 0, serves ranks 2 and 3 from now on."""
+        for c in self.clients[2:]:
+            c.close()
+        self.b.stop()
+        host, port = self.a.server.replicator.address
+        c = InProcessWriter(self.tmp / "ckpt-c", codec="raw", export=False,
+                            replica_partner=f"{host}:{port}")
+        self.writers[1] = c
+        return c
+
+    def restore_step(self) -> int | None:
+        """The restore's rule (Checkpointer._restore_memory): the newest generation every
+        rank's own writer holds that rank's image of (same world)."""
+        usable = []
+        for rank in range(4):
+            held = memory.generations(self.writers[rank // 2].address)
+            usable.append({g["step"] for g in held if g["world_size"] == 4
+                           and rank in g["ranks"]})
+        common = set.intersection(*usable)
+        return max(common) if common else None
+
+    def read(self, step: int) -> dict[int, dict]:
+        """Every rank's state of `step`, each read from its own writer's images."""
+        images = [memory.open_images(w.address, step, [2 * i, 2 * i + 1])
+                  for i, w in enumerate(self.writers)]
+        try:
+            parts = {**images[0].parts, **images[1].parts}
+            out = {}
+            for rank in range(4):
+                mine = images[rank // 2]
+                root = root_path(self.writers[rank // 2].root)
+                with memory.open_checkpoint(root, mine, parts) as ckpt:
+                    out[rank] = memory.load(ckpt, rank, None)
+            return out
+        finally:
+            for i in images:
+                i.close()
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for w in {*self.writers, self.a, self.b}:
+            w.stop()
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
+    j = Job(tmp_path, monkeypatch)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def _exact(job: Job, step: int) -> None:
+    for rank, state in job.read(step).items():
+        want = _state(rank, step)
+        assert state["obj"] == want["obj"] and torch.equal(state["w"], want["w"]), rank
+
+
+@pytest.mark.parametrize("replica_of_6", ["never began", "lost mid-way"])
+def test_a_node_lost_before_its_newest_replica_is_whole_resumes_at_the_one_before(
+        job: Job, replica_of_6: str) -> None:
+    """Generation 6 is whole on both nodes, node 0 has sent its own, node 1 dies before
+    its replica of 6 reached node 0 (none of it, or part): node 0 must still hold node
+    1's replica of 5 and its own 5, so the job resumes at 5 from memory, bit-exact --
+    never at the half-replicated 6."""
+    job.save(5)
+    job.replicate_b(5)
+    job.save(6)
+    if replica_of_6 == "lost mid-way":
+        job.replicate_b(6, chunks=3)
+    held = {g["step"]: g["ranks"] for g in memory.generations(job.a.address)}
+    assert held.get(5) == [0, 1, 2, 3], held
+    job.lose_node_1()
+    assert job.restore_step() == 5
+    _exact(job, 5)
+
+
+def test_a_replacement_takes_back_every_generation_its_partner_holds(job: Job) -> None:
+    """Node 1's replica of 6 reaches node 0 only after node 0's own 7 became whole (node
+    1 slow): node 0 holds 5 (both nodes), node 1's 6, its own 7. The replacement must
+    take back 5 as well as 6, or no generation is common to every rank."""
+    job.save(5)
+    job.replicate_b(5)
+    job.save(6)
+    job.save(7, range(2))  # node 0 goes on; node 1's ranks are slow
+    job.replicate_b(6)
+    job.lose_node_1()
+    assert job.restore_step() == 5
+    _exact(job, 5)
+
+
+def test_a_whole_replica_after_a_crash_resumes_at_the_newest(job: Job) -> None:
+    """Node 1's replica of 6 whole on node 0 before node 1 dies: the job resumes at 6,
+    and node 0 no longer holds 5 (a newer generation holds both nodes)."""
+    job.save(5)
+    job.replicate_b(5)
+    job.save(6)
+    job.replicate_b(6)
+    assert [g["step"] for g in memory.generations(job.a.address)] == [6]
+    job.lose_node_1()
+    assert job.restore_step() == 6
+    _exact(job, 6)
