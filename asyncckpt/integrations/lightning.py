@@ -176,9 +176,25 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         if storage_options is not None:
             raise TypeError("AsyncckptCheckpointIO.save_checkpoint takes no storage_options; "
                             f"got {storage_options!r}")
+        path, root, step = self._begin(path)
+        self._track(path, step, self._hand_over(root, step, checkpoint))
+        self.blocked_seconds.append(time.perf_counter() - entered)
+
+    def _begin(self, path: str | os.PathLike[str]) -> tuple[Path, Path, int]:
+        """A save to `path` begins: its absolute path, its root and its step number.
+
+        Raises:
+            SaveFailedError: an earlier save failed (raised once).
+        """
         self._raise_failures()
-        path = Path(path).absolute()
-        root = self._root_for(path)
+        absolute = Path(path).absolute()
+        root = self._root_for(absolute)
+        step = self._step_number(root)
+        self._next = step + 1
+        return absolute, root, step
+
+    def _hand_over(self, root: Path, step: int, checkpoint: dict[str, Any]) -> SaveHandle:
+        """Send `checkpoint` as `step` of `root` to this process's writer."""
         state: dict[str, Any] = {
             MODEL: checkpoint.get("state_dict", {}),
             REST: {k: v for k, v in checkpoint.items() if k != "state_dict"},
@@ -187,11 +203,12 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         if self.rng:
             state[RNG] = rng_state()
         client = self._connect(root, state)
-        step = self._step_number(root)
         resumed_here = self._restored is not None and self._restored[0] == root
-        handle = client.save(step, state, keep_last=KEEP_ALL,  # a load of another root: none
-                             timeline=self._timeline if resumed_here else None)
-        self._next = step + 1
+        return client.save(step, state, keep_last=KEEP_ALL,  # a load of another root: none
+                           timeline=self._timeline if resumed_here else None)
+
+    def _track(self, path: Path, step: int, handle: SaveHandle) -> None:
+        """`path` becomes the marker of `step` once `handle` is committed (follow-up)."""
         pending = _Pending(path, step, handle)
         with self._lock:
             self._pending.append(pending)
@@ -200,7 +217,6 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                                                 name="asyncckpt-lightning")
                 self._thread.start()
         self._queue.put(pending)
-        self.blocked_seconds.append(time.perf_counter() - entered)
 
     def _root_for(self, path: Path) -> Path:
         if self.root is None:
@@ -352,11 +368,16 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                                           file=str(path)) from e
         if self.rng and state.get(RNG) is not None:
             set_rng_state(state[RNG])
+        self._loaded(root, step, start)
+        rest = state[REST]
+        return {k: state[MODEL] if k == "state_dict" else rest[k] for k in state[ORDER]}
+
+    def _loaded(self, root: Path, step: int, start: TimelineStart | None) -> None:
+        """Step `step` of `root` was restored: later saves carry `start` (a new
+        timeline) and are numbered above it; its removal waits for their commit."""
         self._timeline, self._restored, self._next = start, (root, step), None
         if self.root is None:
             self.root = root
-        rest = state[REST]
-        return {k: state[MODEL] if k == "state_dict" else rest[k] for k in state[ORDER]}
 
     # -- the end of fit (every rank) -------------------------------------------------------
 

@@ -1,0 +1,251 @@
+"""PyTorch Lightning, sharded: a `ModelParallelStrategy` (FSDP2 / tensor parallel) whose
+checkpoints go through asyncckpt.
+
+Lightning's `ModelParallelStrategy` saves with DCP's `FileSystemWriter` while the loop
+waits (a kill mid-save leaves a `NAME.ckpt/` folder of `.distcp` files and maybe no
+`meta.pt`, which `ckpt_path="last"` still picks by its mtime). This strategy is
+Lightning's with `save_checkpoint`, `load_checkpoint`, `remove_checkpoint` and
+`teardown` replaced, one line for the user:
+
+    trainer = Trainer(..., strategy=AsyncckptModelParallelStrategy())
+
+Saving (every rank, as Lightning calls it): each rank hands its own shards (the DTensor
+state dicts Lightning collects: weights and every optimizer's state, LightningOptimizer
+unwrapped) and the rest of Lightning's checkpoint dict (loops, callbacks, schedulers,
+hyper-parameters, its RNG state) to its node's writer through one `Checkpointer` on the
+root; the step is committed once every rank's part is durable. The save returns once the
+state is flattened; the optimizers' fence holds each `optimizer.step()` until the
+shards are copied into the ring (the hazard of the DDP plugin applies: a tensor changed
+in place before its copy fails that save loudly, never silently).
+
+Files are the DDP plugin's (lightning.py): `DIR/NAME.ckpt` becomes a small JSON marker
+naming the step of the root `DIR/asyncckpt/`, written by global rank 0 once the step is
+committed, so `ckpt_path="last"`, `"best"` and explicit paths work as Lightning knows
+them, `ModelCheckpoint`'s top-k and `save_last` retire the steps whose markers Lightning
+removes, and a kill mid-save leaves every marker naming a whole step. Lightning's own
+metadata (its `meta.pt`) is inside the step, as JSON and tensors, never pickled. Step
+numbers count saves, above anything the root holds; rank 0 draws them and broadcasts.
+
+Loading (every rank): the marker's step is restored through `Checkpointer.restore`, each
+rank reading the boxes that overlap its own shards (another world size or mesh
+reshards), the ranks agreeing before any state is applied; then each rank's RNG. The
+restore begins a timeline that every later save carries, so a run resumed from an older
+checkpoint abandons the root's newer steps at its first commit. A path that is not a
+marker (Lightning's own sharded folder or file) is loaded by Lightning's code, so a run
+switches mid-way.
+
+`FSDPStrategy` (FSDP1) is not covered: Lightning 2.6 refuses it on a CPU accelerator,
+and torch's FSDP1 needs an accelerator device, so it could not be tested here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
+from asyncckpt.config import KEEP_ALL
+from asyncckpt.errors import SaveFailedError
+from asyncckpt.integrations.lightning import ORDER, REST, RNG, AsyncckptCheckpointIO, read_marker
+from asyncckpt.integrations.rng import rng_state, set_rng_state
+from asyncckpt.rank.handle import SaveHandle
+
+__all__ = ["AsyncckptModelParallelStrategy"]
+
+_strategies: Any = importlib.import_module("lightning.pytorch.strategies")
+_LightningOptimizer: Any = importlib.import_module("lightning.pytorch.core.optimizer") \
+    .LightningOptimizer
+MAX_IN_FLIGHT = 4  # saves in flight before a save waits (top-k and last save twice a step)
+SKIPPED = ("state_dict", "optimizer_states")  # the shards: saved as "model" / "optimizer"
+
+
+class _Fences:
+    """The fence hooks of several optimizers, removed together (`Checkpointer._fence`)."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class _StrategyCheckpointer(Checkpointer):
+    """A Checkpointer of a strategy's model and optimizers, read from the strategy at
+    each call (Lightning sets them up again per stage), always through torch's
+    distributed state-dict functions (DTensor shards, or plain tensors alike)."""
+
+    def __init__(self, root: Path, strategy: Any) -> None:
+        options = CheckpointerOptions(save_interval=1, keep_last=KEEP_ALL, on_busy="queue",
+                                      max_in_flight=MAX_IN_FLIGHT)
+        super().__init__(root, options=options, fence=False)
+        self.strategy = strategy
+        self._given: dict[str, Any] | None = None
+        self._fenced: set[int] = set()
+        self._fences = _Fences()
+
+    def save_given(self, step: int, model: Any, optimizers: list[Any],
+                   extra: dict[str, Any]) -> SaveHandle:
+        """`save(step)` of state dicts Lightning already collected."""
+        for optimizer in self._optimizers():
+            if id(optimizer) not in self._fenced:
+                self._fenced.add(id(optimizer))
+                self.install_fence(optimizer)
+                self._fences.handles.append(self._fence)
+                self._fence = self._fences  # close() removes every hook
+        self._given = {"model": model, "optimizer": optimizers}
+        try:
+            handle = self.save(step, extra=extra, force=True)
+        finally:
+            self._given = None
+        assert handle is not None  # forced, and on_busy "queue" never skips
+        return handle
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o._optimizer if isinstance(o, _LightningOptimizer) else o
+                for o in self.strategy.optimizers]
+
+    def _state_dicts(self) -> dict[str, Any]:
+        if self._given is not None:
+            return self._given
+        from torch.distributed.checkpoint import state_dict as dsd
+        model = self.strategy.model
+        return {"model": dsd.get_model_state_dict(model),
+                "optimizer": [dsd.get_optimizer_state_dict(model, o) for o in self._optimizers()]}
+
+    def _into(self) -> Any:
+        return self._state_dicts()  # the live shards, filled in place
+
+    def _apply(self, state: Any) -> int:
+        from torch.distributed.checkpoint import state_dict as dsd
+        model = self.strategy.model
+        dsd.set_model_state_dict(model, state["model"])
+        for optimizer, saved in zip(self._optimizers(), state["optimizer"], strict=True):
+            dsd.set_optimizer_state_dict(model, optimizer, saved)
+        self.extra = state.get("extra")
+        return int(state["step"])
+
+
+class AsyncckptModelParallelStrategy(_strategies.ModelParallelStrategy):
+    """Lightning's `ModelParallelStrategy`, checkpointing through asyncckpt (see the
+    module docstring).
+
+    Args:
+        root: the asyncckpt root (default: `asyncckpt/` beside the first checkpoint
+            Lightning saves, or the root of the first marker loaded).
+        rng: save each rank's RNG state and restore it at load.
+        args, kwargs: `ModelParallelStrategy`'s (`save_distributed_checkpoint` must
+            stay True: every rank saves its own shards).
+    Attributes:
+        blocked_seconds: per save, the seconds `save_checkpoint` held this rank's loop.
+    Raises:
+        ValueError: `save_distributed_checkpoint=False`.
+    """
+
+    def __init__(self, *args: Any, root: str | None = None, rng: bool = True,
+                 **kwargs: Any) -> None:
+        if not kwargs.get("save_distributed_checkpoint", True):
+            raise ValueError("AsyncckptModelParallelStrategy saves every rank's shards: "
+                             "save_distributed_checkpoint must be True; got False")
+        super().__init__(*args, **kwargs)
+        self.rng = rng
+        self.blocked_seconds: list[float] = []
+        self._book = AsyncckptCheckpointIO(root, rng=False)  # markers, rotation: rank 0
+        self._ckpt: _StrategyCheckpointer | None = None
+
+    def _checkpointer(self, root: Path) -> _StrategyCheckpointer:
+        if self._ckpt is None:
+            self._ckpt = _StrategyCheckpointer(root, self)
+        return self._ckpt
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any = None) -> None:
+        """Hand this rank's part of `checkpoint` to the writer and return; every rank
+        calls it. `filepath` (rank 0's) becomes the step's marker once it is committed.
+
+        Raises:
+            TypeError: `storage_options` given (as Lightning's strategy).
+            SaveFailedError: an earlier save failed (on every rank).
+            UnsupportedStateError: a value that is neither a tensor nor JSON (a custom
+                object in `hyper_parameters`), named by its key path.
+        """
+        entered = time.perf_counter()
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options; "
+                            f"got {storage_options!r}")
+        told: tuple[str | None, Any] = (None, None)
+        if self.is_global_zero:
+            try:
+                path, root, step = self._book._begin(self.broadcast(filepath))
+                told = (str(root), step)
+            except SaveFailedError as e:
+                told = (None, str(e))
+        else:
+            self.broadcast(filepath)
+        root_name, step = self.broadcast(told)
+        if root_name is None:
+            raise SaveFailedError(step)
+        extra = {REST: {k: v for k, v in checkpoint.items() if k not in SKIPPED},
+                 ORDER: list(checkpoint)}
+        if self.rng:
+            extra[RNG] = rng_state()
+        handle = self._checkpointer(Path(root_name)).save_given(
+            step, checkpoint.get("state_dict", {}), list(checkpoint.get("optimizer_states", [])),
+            extra)
+        if self.is_global_zero:
+            self._book._track(path, step, handle)
+        self.blocked_seconds.append(time.perf_counter() - entered)
+
+    def load_checkpoint(self, checkpoint_path: Any,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore the step a marker names into the model and optimizers (every rank)
+        and return the rest of Lightning's dict; any other path loads as Lightning's.
+
+        Raises:
+            CheckpointNotFoundError: the marker's step is not committed in its root.
+            CorruptCheckpointError, StateMismatchError: as `Checkpointer.restore`.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        named = read_marker(path) if path.is_file() else None
+        if named is None:
+            loaded: dict[str, Any] = super().load_checkpoint(path, weights_only=weights_only)
+            return loaded
+        root, step = named
+        own = self._ckpt is None or self._ckpt.root.resolve() == root
+        ckpt = self._checkpointer(root) if own else _StrategyCheckpointer(root, self)
+        ckpt.restore(step=step)  # every rank; the timeline its later saves carry
+        extra = ckpt.extra
+        if self.rng:
+            set_rng_state(extra[RNG])
+        if self.is_global_zero:
+            self._book._loaded(root, step, None)
+        rest = extra[REST]
+        return {k: rest[k] for k in extra[ORDER] if k in rest}
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0: `filepath`'s marker goes and its step is retired (a save in flight:
+        once committed); any other file or folder is deleted."""
+        if self.is_global_zero:
+            self._book.remove_checkpoint(filepath)
+
+    def teardown(self) -> None:
+        """Every rank: wait for its saves, close the checkpointer (stopping the writers
+        once every rank is done), then rank 0's markers; then Lightning's teardown.
+
+        Raises:
+            SaveFailedError: a save failed and has not been raised yet.
+        """
+        try:
+            if self._ckpt is not None:
+                ckpt, self._ckpt = self._ckpt, None
+                ckpt.close()
+        finally:
+            try:
+                self._book.teardown()
+            finally:
+                super().teardown()

@@ -1,0 +1,161 @@
+"""AsyncckptModelParallelStrategy against the real Lightning: ModelParallelStrategy
+(FSDP2, each Linear and the net `fully_shard`ed) on 2 gloo ranks on CPU, every rank
+saving its own shards asynchronously at every epoch's end through ModelCheckpoint (top
+2 + last). One run goes through; another has the node's writer and rank 0 SIGKILLed
+mid-save and is relaunched with `ckpt_path="last"`; a third resumes from an older
+checkpoint of the first and saves over its newer steps. Each resumed run must end bit
+for bit where the uninterrupted one did, on every rank: weight and optimizer shards,
+scheduler, RNG and the losses after. Rotation must leave exactly the steps Lightning's
+files name.
+
+The ranks run lightning_sharded_worker.py in the frameworks venv (frameworks_venv.py).
+`make test` runs the uninterrupted run only (one launch); the others are `full_only`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from frameworks_venv import FRAMEWORKS_PYTHON, REPO, full_only, needs_frameworks
+
+from asyncckpt.read.loader import load
+from asyncckpt.storage.location import storage_for
+from asyncckpt.storage.timeline import abandoned_steps, newest_live
+
+WORKER = str(Path(__file__).parent / "lightning_sharded_worker.py")
+pytestmark = needs_frameworks
+EPOCHS, KILL_EPOCH, STEPS_PER_EPOCH, RANKS = 5, 2, 4, 2
+RUN_SECONDS = 300
+
+
+def launch(out: Path, tag: str, *args: str) -> list[subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(RANKS),
+           "PYTHONWARNINGS": "ignore"}
+    return [subprocess.Popen([FRAMEWORKS_PYTHON, WORKER, str(out), tag, "--epochs", str(EPOCHS),
+                              *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+            for r in range(RANKS)]
+
+
+def finish(procs: list[subprocess.Popen], out: Path, tag: str) -> list[dict]:
+    try:
+        outputs = [p.communicate(timeout=RUN_SECONDS)[0] for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    for r, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"OK rank {r}" in text, f"{tag} rank {r}:\n{text[-4000:]}"
+    return [json.loads((out / f"{tag}-r{r}.json").read_text()) for r in range(RANKS)]
+
+
+def markers(ckpts: Path) -> dict[str, int]:
+    """Lightning's files in `ckpts` and the steps they name."""
+    return {p.name: json.loads(p.read_text())["step"] for p in ckpts.glob("*.ckpt")}
+
+
+def assert_rotation(ckpts: Path, files: int = 3) -> None:
+    """Top 2 + last (and `files` - 3 of an abandoned timeline): each file names a
+    committed step, and no other step is kept."""
+    named = markers(ckpts)
+    assert len(named) == files and "last.ckpt" in named, named
+    assert set(storage_for(ckpts / "asyncckpt").committed_steps()) == set(named.values())
+
+
+def assert_same_end(out: Path, tag: str, ref: Path) -> None:
+    for r in range(RANKS):
+        mine = torch.load(out / f"{tag}-final-r{r}.pt", weights_only=True)
+        theirs = torch.load(ref / f"full-final-r{r}.pt", weights_only=True)
+        for key in ("model", "optimizer", "scheduler", "rng"):
+            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0,
+                                       msg=f"rank {r} {key}")
+
+
+def assert_same_losses(runs: list[dict], refs: list[dict], after: int) -> None:
+    for rank, (run, ref) in enumerate(zip(runs, refs)):
+        steps = [s for s in ref["losses"] if int(s) >= after]
+        assert steps and all(run["losses"][s] == ref["losses"][s] for s in steps), rank
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("lightning_sharded")
+    return out, finish(launch(out, "full"), out, "full")
+
+
+def test_uninterrupted_run_saves_shards_and_rotates(reference: tuple[Path, list[dict]]) -> None:
+    out, runs = reference
+    ckpts = out / "ckpts"
+    assert_rotation(ckpts)
+    root = ckpts / "asyncckpt"
+    step = markers(ckpts)["last.ckpt"]
+    manifest = json.loads((root / f"step-{step:08d}" / "manifest.json").read_text())
+    assert manifest["world_size"] == RANKS
+    # each rank saved its own half of every weight: the whole comes back assembled
+    for r in range(RANKS):
+        final = torch.load(out / f"full-final-r{r}.pt", weights_only=True)
+        assert final["model"]["net.0.weight"].shape == (32 // RANKS, 8)
+    whole = load(root, step=step)
+    assert whole["lightning"]["epoch"] == EPOCHS - 1
+    assert whole["model"]["net.0.weight"].shape == (32, 8)
+    assert len(runs[0]["blocked"]) == len(runs[1]["blocked"]) == 2 * EPOCHS  # top-k + last
+
+
+@full_only
+def test_kill_mid_save_then_resume_last_is_bit_exact(
+        reference: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    out, refs = reference
+    procs = launch(tmp_path, "killed", "--kill-epoch", str(KILL_EPOCH))
+    first = procs[0].communicate(timeout=RUN_SECONDS)[0]
+    assert procs[0].returncode == -signal.SIGKILL and "KILLING" in first, first[-4000:]
+    with contextlib.suppress(ProcessLookupError):  # its peer is gone: the job is lost
+        os.killpg(procs[1].pid, signal.SIGKILL)
+    procs[1].wait()
+    ckpts = tmp_path / "ckpts"
+    root = ckpts / "asyncckpt"
+    killed_step = max(markers(ckpts).values()) + 1  # handed over, never committed
+    assert killed_step not in storage_for(root).committed_steps()
+    assert load(root)["lightning"]["epoch"] == KILL_EPOCH - 1  # the newest whole save
+    runs = finish(launch(tmp_path, "resumed", "--ckpt", "last"), tmp_path, "resumed")
+    assert_same_end(tmp_path, "resumed", out)
+    assert_same_losses(runs, refs, after=KILL_EPOCH * STEPS_PER_EPOCH)
+    assert_rotation(ckpts)
+
+
+@full_only
+def test_resume_from_older_then_save_over_newer(
+        reference: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    out, refs = reference
+    shutil.copytree(out / "ckpts", tmp_path / "ckpts", symlinks=True)
+    ckpts, root = tmp_path / "ckpts", tmp_path / "ckpts" / "asyncckpt"
+    named = markers(ckpts)
+    older = min(named, key=lambda n: named[n])
+    epoch = load(root, step=named[older])["lightning"]["epoch"]
+    assert epoch < EPOCHS - 1
+    newer = [s for s in storage_for(root).committed_steps() if s > named[older]]
+    assert newer
+    runs = finish(launch(tmp_path, "older", "--ckpt", str(ckpts / older)), tmp_path, "older")
+    assert_same_end(tmp_path, "older", out)
+    assert_same_losses(runs, refs, after=(epoch + 1) * STEPS_PER_EPOCH)
+    storage = storage_for(root)
+    newest = newest_live(storage)
+    assert newest is not None and newest > max(named.values())  # the new timeline's last
+    assert load(root)["lightning"]["epoch"] == EPOCHS - 1
+    # the abandoned newer steps are never live again: only markers still name them
+    assert not set(newer) & set(storage.committed_steps()) - set(abandoned_steps(storage))
+    after = markers(ckpts)
+    assert after["last-v1.ckpt"] == newest
+    assert_rotation(ckpts, files=5)
