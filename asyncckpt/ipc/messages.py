@@ -1,5 +1,8 @@
 """The control channel's messages: one frozen dataclass each, and one `parse()`.
 
+The save protocol's messages live here; the memory tier's queries and answers in
+memory_messages.py, the base class in message.py; `MESSAGES` and `parse()` cover all.
+
 Every message a rank or the writer sends is a JSON object whose "op" names its class
 here; `parse()` turns a received frame into that class or raises `ProtocolError`. The
 checks sit next to the classes whose fields they check (the larger ones in fields.py),
@@ -57,12 +60,10 @@ from asyncckpt.format.tree import check_tree
 from asyncckpt.ipc.fields import (
     MAX_SLOTS,
     OPTION_KEYS,
-    REQUIRED,
     NodeRanks,
     ProtocolError,
     Refusal,
     TensorEntry,
-    as_json,
     check_ring,
     decode,
     dumps,
@@ -76,58 +77,23 @@ from asyncckpt.ipc.fields import (
     tensor_table,
     unchanged_request,
 )
+from asyncckpt.ipc.memory_messages import (
+    MemoryFlush,
+    MemoryFlushed,
+    MemoryGeneration,
+    MemoryIndex,
+    MemoryList,
+    MemoryOpen,
+)
+from asyncckpt.ipc.message import Message, wire_fields
 from asyncckpt.ipc.options import NO_OPTIONS, TIERS, SaveOptions
 
-__all__ = ["MAX_SLOTS", "MESSAGES", "Message", "NodePart", "NodeRanks", "ProtocolError",
-           "SaveOptions", "TensorEntry", "decode", "dumps", "message_list", "parse",
-           "wire_fields"]
+__all__ = ["MAX_SLOTS", "MESSAGES", "MemoryFlush", "MemoryFlushed", "MemoryGeneration",
+           "MemoryIndex", "MemoryList", "MemoryOpen", "Message", "NodePart", "NodeRanks",
+           "ProtocolError", "SaveOptions", "TensorEntry", "decode", "dumps", "message_list",
+           "parse", "wire_fields"]
 
 MAX_ROOT = 4096      # a checkpoint root named in a hello: at most this many characters
-
-
-@dataclass(frozen=True)
-class Message:
-    """One message of the control channel: its "op" is `OP`, its fields are the JSON
-    object's other keys. A field with a default is left out while at its default (a
-    receiver reads it as absent); keys a receiver does not know are ignored."""
-
-    OP: ClassVar[str]
-    SENDER: ClassVar[str]  # "rank" or "writer"
-
-    def to_wire(self) -> dict[str, Any]:
-        """The JSON object sent for this message."""
-        out: dict[str, Any] = {"op": self.OP}
-        for f in wire_fields(type(self)):
-            value = getattr(self, f.name)
-            if f.default is dataclasses.MISSING or value != f.default:
-                out[f.name] = as_json(value)
-        return out
-
-    def encode(self) -> bytes:
-        """The message as bytes. Raises ValueError/RecursionError for what JSON cannot hold."""
-        return dumps(self.to_wire())
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Message:
-        """The message of a decoded JSON object whose op is `OP`, checked. Here: every
-        field a required int or str (a message with other fields checks its own).
-
-        Raises:
-            ProtocolError: a field is missing, of the wrong type or out of range.
-        """
-        return cls(*(REQUIRED[str(f.type)](m, f.name) for f in wire_fields(cls)))
-
-    @classmethod
-    def wire_names(cls) -> tuple[list[str], list[str]]:
-        """The keys of this message on the wire: (required, optional), in order."""
-        fields = wire_fields(cls)
-        return ([f.name for f in fields if f.default is dataclasses.MISSING],
-                [f.name for f in fields if f.default is not dataclasses.MISSING])
-
-
-def wire_fields(cls: type[Message]) -> list[dataclasses.Field]:
-    """The fields of `cls` that travel (all but those computed on receipt)."""
-    return [f for f in dataclasses.fields(cls) if f.metadata.get("wire", True)]
 
 
 # rank -> writer
@@ -356,47 +322,6 @@ class Outcome(Message):
                    message if isinstance(message, str) else str(message))
 
 
-@dataclass(frozen=True)
-class MemoryList(Message):
-    """The first message of a connection that asks, instead of a hello, which memory
-    generations the writer holds (writer/memory_tier.py); answered by `memory_index`,
-    then the writer hangs up."""
-
-    OP: ClassVar[str] = "memory_list"
-    SENDER: ClassVar[str] = "rank"
-
-
-@dataclass(frozen=True)
-class MemoryOpen(Message):
-    """As `memory_list`: the whole images of generation `step` (of `ranks`; absent:
-    every whole one held), answered by `memory_generation` and a read-only descriptor
-    per rank, in its order."""
-
-    OP: ClassVar[str] = "memory_open"
-    SENDER: ClassVar[str] = "rank"
-    step: int
-    ranks: tuple[int, ...] | None = None
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> MemoryOpen:
-        ranks = m.get("ranks")
-        if ranks is not None and (not isinstance(ranks, list) or len(ranks) > MAX_WORLD
-                                  or not all(type(r) is int and 0 <= r < MAX_WORLD
-                                             for r in ranks)):
-            raise ProtocolError(f"ranks {show(ranks)} is not a list of ranks")
-        return cls(int_field(m, "step"), None if ranks is None else tuple(ranks))
-
-
-@dataclass(frozen=True)
-class MemoryFlush(Message):
-    """As `memory_list`: write the newest memory generation this writer holds whole
-    for its world to the root as a committed step now (writer/memory_flush.py);
-    answered by `memory_flushed` once committed or failed."""
-
-    OP: ClassVar[str] = "memory_flush"
-    SENDER: ClassVar[str] = "rank"
-
-
 # writer -> rank
 
 
@@ -518,65 +443,6 @@ class Failed(Message):
         return cls(int_field(m, "save"), int_field(m, "step"), str_field(m, "error"),
                    str_field(m, "message"), m.get("relayed") is True, m.get("ask") is True)
 
-
-
-@dataclass(frozen=True)
-class MemoryIndex(Message):
-    """The answer to `memory_list`: per generation held, oldest first, {step,
-    world_size, timeline, ranks (held whole), whole, bytes}."""
-
-    OP: ClassVar[str] = "memory_index"
-    SENDER: ClassVar[str] = "writer"
-    generations: tuple[dict[str, Any], ...]
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> MemoryIndex:
-        gens = m.get("generations")
-        if not isinstance(gens, list) or not all(isinstance(g, dict) for g in gens):
-            raise ProtocolError(f"generations {show(gens)} is not a list of objects")
-        return cls(tuple(gens))
-
-
-@dataclass(frozen=True)
-class MemoryGeneration(Message):
-    """The answer to `memory_open`: generation `step` of world `world_size`, `parts`
-    its ranks' manifest entries (checked by the reader's rules where they are used),
-    one descriptor each following; `error` instead when it is not held."""
-
-    OP: ClassVar[str] = "memory_generation"
-    SENDER: ClassVar[str] = "writer"
-    step: int
-    world_size: int
-    parts: tuple[dict[str, Any], ...]
-    error: str = ""
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> MemoryGeneration:
-        parts, error = m.get("parts"), m.get("error", "")
-        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
-            raise ProtocolError(f"parts {show(parts)} is not a list of objects")
-        return cls(int_field(m, "step"), int_field(m, "world_size"), tuple(parts),
-                   error if isinstance(error, str) else str(error))
-
-
-@dataclass(frozen=True)
-class MemoryFlushed(Message):
-    """The answer to `memory_flush`: the step committed (-1: nothing to flush), or
-    `error` (the CheckpointError class) and `message`."""
-
-    OP: ClassVar[str] = "memory_flushed"
-    SENDER: ClassVar[str] = "writer"
-    step: int
-    error: str = ""
-    message: str = ""
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> MemoryFlushed:
-        step, error, message = m.get("step"), m.get("error", ""), m.get("message", "")
-        if type(step) is not int or step < -1:
-            raise ProtocolError(f"step {show(step)} is not a step or -1")
-        return cls(step, error if isinstance(error, str) else "",
-                   message if isinstance(message, str) else str(message))
 
 
 MESSAGES: dict[str, type[Message]] = {cls.OP: cls for cls in (

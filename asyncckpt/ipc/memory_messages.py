@@ -1,0 +1,126 @@
+"""The memory tier's control-channel messages (writer/memory_tier.py, read/memory.py).
+
+A connection that asks about memory generations sends one of the three queries instead
+of a hello and gets one answer (plus descriptors for `memory_open`); the writer then hangs
+up. They share the save protocol's framing and registry (messages.py `parse`), but not its
+session: a query carries no ring and begins no save. Each class checks its own fields,
+as in messages.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from asyncckpt.format.layout import MAX_WORLD
+from asyncckpt.ipc.fields import ProtocolError, int_field, show
+from asyncckpt.ipc.message import Message
+
+__all__ = ["MemoryFlush", "MemoryFlushed", "MemoryGeneration", "MemoryIndex", "MemoryList",
+           "MemoryOpen"]
+
+
+# rank -> writer
+
+
+@dataclass(frozen=True)
+class MemoryList(Message):
+    """The first message of a connection that asks, instead of a hello, which memory
+    generations the writer holds (writer/memory_tier.py); answered by `memory_index`,
+    then the writer hangs up."""
+
+    OP: ClassVar[str] = "memory_list"
+    SENDER: ClassVar[str] = "rank"
+
+
+@dataclass(frozen=True)
+class MemoryOpen(Message):
+    """As `memory_list`: the whole images of generation `step` (of `ranks`; absent:
+    every whole one held), answered by `memory_generation` and a read-only descriptor
+    per rank, in its order."""
+
+    OP: ClassVar[str] = "memory_open"
+    SENDER: ClassVar[str] = "rank"
+    step: int
+    ranks: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryOpen:
+        ranks = m.get("ranks")
+        if ranks is not None and (not isinstance(ranks, list) or len(ranks) > MAX_WORLD
+                                  or not all(type(r) is int and 0 <= r < MAX_WORLD
+                                             for r in ranks)):
+            raise ProtocolError(f"ranks {show(ranks)} is not a list of ranks")
+        return cls(int_field(m, "step"), None if ranks is None else tuple(ranks))
+
+
+@dataclass(frozen=True)
+class MemoryFlush(Message):
+    """As `memory_list`: write the newest memory generation this writer holds whole
+    for its world to the root as a committed step now (writer/memory_flush.py);
+    answered by `memory_flushed` once committed or failed."""
+
+    OP: ClassVar[str] = "memory_flush"
+    SENDER: ClassVar[str] = "rank"
+
+
+# writer -> rank
+
+
+@dataclass(frozen=True)
+class MemoryIndex(Message):
+    """The answer to `memory_list`: per generation held, oldest first, {step,
+    world_size, timeline, ranks (held whole), whole, bytes}."""
+
+    OP: ClassVar[str] = "memory_index"
+    SENDER: ClassVar[str] = "writer"
+    generations: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryIndex:
+        gens = m.get("generations")
+        if not isinstance(gens, list) or not all(isinstance(g, dict) for g in gens):
+            raise ProtocolError(f"generations {show(gens)} is not a list of objects")
+        return cls(tuple(gens))
+
+
+@dataclass(frozen=True)
+class MemoryGeneration(Message):
+    """The answer to `memory_open`: generation `step` of world `world_size`, `parts`
+    its ranks' manifest entries (checked by the reader's rules where they are used),
+    one descriptor each following; `error` instead when it is not held."""
+
+    OP: ClassVar[str] = "memory_generation"
+    SENDER: ClassVar[str] = "writer"
+    step: int
+    world_size: int
+    parts: tuple[dict[str, Any], ...]
+    error: str = ""
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryGeneration:
+        parts, error = m.get("parts"), m.get("error", "")
+        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+            raise ProtocolError(f"parts {show(parts)} is not a list of objects")
+        return cls(int_field(m, "step"), int_field(m, "world_size"), tuple(parts),
+                   error if isinstance(error, str) else str(error))
+
+
+@dataclass(frozen=True)
+class MemoryFlushed(Message):
+    """The answer to `memory_flush`: the step committed (-1: nothing to flush), or
+    `error` (the CheckpointError class) and `message`."""
+
+    OP: ClassVar[str] = "memory_flushed"
+    SENDER: ClassVar[str] = "writer"
+    step: int
+    error: str = ""
+    message: str = ""
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryFlushed:
+        step, error, message = m.get("step"), m.get("error", ""), m.get("message", "")
+        if type(step) is not int or step < -1:
+            raise ProtocolError(f"step {show(step)} is not a step or -1")
+        return cls(step, error if isinstance(error, str) else "",
+                   message if isinstance(message, str) else str(message))
