@@ -219,6 +219,8 @@ class Node:
                     complete(handle, self.world.root / step_dir_name(message.step), {})
                 else:
                     fail(handle, error_class(message.error)(message.message))
+            if message.committed and self.tmp is not None:  # then its emptied tmp dir
+                commit.drop_own_tmp(self.world.storage, message.step, self.tmp)
 
     def kill(self) -> None:
         """The node is gone: no beat, no announcement, no word to its other ranks."""
@@ -295,7 +297,6 @@ class World:
                 self.manifest_bytes = len(data)
                 path = commit.publish(self.storage, tmp_dir, m.step, data)
                 self.leader_seconds = time.perf_counter() - start
-                commit.drop_emptied(self.storage, tmp_dir, m.nodes)  # after, as the writer does
             error = None
         except Exception as e:  # handed to the leader rank, as the writer would
             error, path = e, None

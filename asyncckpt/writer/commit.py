@@ -112,8 +112,8 @@ def gather_nodes(storage: Storage, tmp_dir: Location, step: int, world_size: int
                  nodes: tuple[NodePart, ...]) -> list[PartEntry]:
     """The leader's half of a several-node commit: check that the announced nodes tile
     the world, and move each other node's folder into `tmp_dir` (one rename a node; the
-    nodes share the file system; `drop_emptied` removes their emptied tmp directories
-    after the commit, off its critical path). A node's part files
+    nodes share the file system; each node's writer removes its emptied tmp directory
+    once it hears the outcome, `drop_own_tmp`, off the commit's path). A node's part files
     are not read: its folder is listed once, to check that it holds a part file and one
     data file for each of its ranks and nothing else, and their sizes and checksums go
     into the root manifest, which the reader checks each file against. On an object
@@ -173,9 +173,21 @@ def gather_nodes(storage: Storage, tmp_dir: Location, step: int, world_size: int
 
 
 def drop_emptied(storage: Storage, tmp_dir: Location, nodes: tuple[NodePart, ...]) -> None:
-    """After the commit (off its critical path): remove the other nodes' tmp directories
-    that `gather_nodes` emptied. One that is not empty (or gone) stays for the sweep."""
+    """After the commit: remove the other nodes' tmp directories that `gather_nodes`
+    emptied, all at once (a tool's or a test's cleanup: the writers each drop their own,
+    `drop_own_tmp`). One that is not empty (or gone) stays for the sweep."""
     storage.drop_node_tmps(tmp_dir, {node[2] for node in nodes})
+
+
+def drop_own_tmp(storage: Storage, step: int, tmp_dir: Location) -> None:
+    """A node's writer, once it heard that coordinated `step` committed: remove its tmp
+    directory `tmp_dir`, which the leader's `gather_nodes` emptied. One rmdir on each
+    node, after its ranks were told, so that the leader's commit waits on no
+    file-system work a node. A directory that is not empty (its folder was not taken)
+    or is gone (the leader's own: it became the step) is left as it is; a crash before
+    this leaves an empty tmp directory, never part of a step, which the next writer to
+    take the root first sweeps (owners.py for the dead writers' ones)."""
+    storage.drop_node_tmps(storage.root / step_dir_name(step), {tmp_dir.name})
 
 
 def _check_node_folder(entry: PartEntry, names: set[str], step: int,

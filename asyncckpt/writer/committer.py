@@ -127,14 +127,14 @@ class Committer:
             self._index.add(manifest)
         release(current.number, self._index)
         self._prune(current)
-        if current.nodes is not None:  # what writers that are gone left
-            sweep_dead(self.storage)
         if self._on_commit:
             try:
                 self._on_commit(manifest, current)
             except Exception:
                 log.exception("commit hook failed")
         self._tell_committed(current, manifest, path)
+        if current.nodes is not None:  # what writers that are gone left: after the word,
+            sweep_dead(self.storage)   # which waits on no file-system work a node
 
     def _publish(self, current: Step) -> tuple[Manifest, Location]:
         """Gather the parts, settle the step's timeline (writer/timelines.py), check the
@@ -168,8 +168,9 @@ class Committer:
             faults.point("timeline_written")
         path = commit.publish(self.storage, current.tmp_dir, current.number, data,
                               replace=settled.replace)
-        if current.nodes is not None:
-            commit.drop_emptied(self.storage, current.tmp_dir, current.nodes)
+        # the other nodes' emptied tmp directories: each node's writer removes its own
+        # once it hears the outcome (nodes.py), so the leader's commit does one move a
+        # node and nothing more
         return manifest, path
 
     @staticmethod

@@ -15,8 +15,9 @@ first), which announces the node to the others through the job's store
 commit (`commit_nodes`), and that writer moves every node's folder into its tmp
 directory (one rename a node) and commits a root manifest that lists the parts. The
 node's lead learns the outcome through the store and tells its writer (`outcome`),
-which passes it on to the node's other ranks and then forgets the step or discards its
-files: the other ranks never touch the store unless something fails on their node.
+which passes it on to the node's other ranks and then removes its emptied tmp directory
+(committed: the leader does no more a node than the move) or discards its files: the
+other ranks never touch the store unless something fails on their node.
 """
 
 from __future__ import annotations
@@ -149,7 +150,9 @@ class SeveralNodes:
             if rank != sender:
                 notify(error, path, current.stats.get(rank, {}), relayed=True)
         release(step, steps.index)
-        if error is not None and not committing:  # and what dead writers left (several nodes)
+        if error is None:  # the leader moved this node's folder out: its emptied tmp dir
+            commit.drop_own_tmp(steps.storage, step, current.tmp_dir)
+        elif not committing:  # and what dead writers left (several nodes)
             steps.storage.discard(current.tmp_dir)
             sweep_dead(steps.storage)
 
