@@ -1,0 +1,227 @@
+"""The memory tier at 2 nodes x 2 ranks on CPU: step time, host memory, node-loss recovery,
+and a projection to a 70B job on 64 nodes.
+
+    python -m benchmarks.memory_recovery [--steps 60] [--batch 32] [--hidden 768]
+        [--kill-at 12] [--durable 10] [--replica-mbps 903] [--nic-gbps 400]
+
+Simulated nodes (benchmarks/memory_nodes.py: a writer per node, each replicating its
+generations to the other; ranks of one gloo job; a node lost = its ranks and writer
+SIGKILLed together). The demo MLP (examples/demo.py's shape) with AdamW under DDP.
+
+1. Step time, the variants interleaved in blocks of 10 steps: no checkpointing, a memory
+   save every step, a durable save every step; the overhead over none in %.
+2. Host memory per node: the writer's shared memory (RssShmem, the images: own
+   generations and the partner's replica) less the rings, against the node's shard (the
+   tensor bytes of its ranks), while the job still runs.
+3. Recovery: the job trains (memory every step, durable every --durable), node 1 is
+   killed after step --kill-at, and the time from the kill to every rank resumed
+   (relaunch, restore, state applied) is measured (a) with a replacement node, (b)
+   shrunk to node 0 alone, (c) for the same job saving durably every step, restored from
+   disk. The steps of work lost: the last step trained before the kill less the step
+   restored.
+4. A projection to Llama-70B (988 GB of state) on 64 nodes x 8 ranks from the measured
+   per-byte rates and a stated NIC bandwidth; every cell names its source.
+
+Writes benchmarks/results/memory_tier.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.memory_nodes import POLL_S, WAIT_S, Job
+from benchmarks.memory_tier import status
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GB = 1e9
+STATE_70B = 70.6e9 * 14  # bytes: bf16 weights, fp32 master, two fp32 Adam moments
+NODES_70B, RANKS_PER_NODE_70B = 64, 8
+
+
+def _wait_files(paths: list[Path], job: Job) -> bool:
+    deadline = time.monotonic() + WAIT_S * 3
+    while time.monotonic() < deadline:
+        if all(p.exists() for p in paths):
+            return True
+        if any(r.poll() not in (None, 0) for r in job.ranks):
+            return False
+        time.sleep(POLL_S)
+    return False
+
+
+def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Part 1 and 2 (see the module)."""
+    job = Job(base, env={**env, "MN_MODE": "bench", "MN_HOLD": "1"})
+    try:
+        job.launch("s")
+        ranks = range(job.nodes * job.per_node)
+        if not _wait_files([job.out / f"held-s-rank{r}" for r in ranks], job):
+            raise RuntimeError(f"the bench ranks failed: logs in {job.out}")
+        per = [json.loads((job.out / f"bench-s-rank{r}.json").read_text()) for r in ranks]
+        nodes = []
+        for node, w in enumerate(job.writers):
+            assert w is not None
+            mine = per[node * job.per_node:(node + 1) * job.per_node]
+            shard = sum(p["shard_bytes"] for p in mine)
+            tier = status(w.pid)["RssShmem"] - sum(p["rings_bytes"] for p in mine)
+            nodes.append({"node": node, "shard_bytes": shard, "tier_bytes": tier,
+                          "x_shard": round(tier / shard, 2)})
+        (job.out / "release-s").write_text("")
+        job.wait_ranks()
+    finally:
+        job.close()
+    step = {k: statistics.median(p["median_step_s"][k] for p in per)
+            for k in ("none", "memory", "durable")}
+    return {"median_step_s": step,
+            "overhead_pct": {k: round(100 * (v - step["none"]) / step["none"], 1)
+                             for k, v in step.items()},
+            "save_call_s": {k: statistics.median(p["save_call_s"][k] for p in per)
+                            for k in ("memory", "durable")},
+            "shard_bytes_per_rank": per[0]["shard_bytes"],
+            "steps_per_variant": per[0]["steps_per_variant"], "nodes": nodes}
+
+
+def recovery(base: Path, kind: str, env: dict[str, str], kill_at: int,
+             durable: int) -> dict[str, Any]:
+    """Part 3, one case: "replacement", "shrunk" or "durable" (see the module)."""
+    memory = kind != "durable"
+    job = Job(base, env={**env, "MN_MODE": "train", "MN_MEMORY": "1" if memory else "0",
+                         "MN_DURABLE": str(durable if memory else 1)})
+    try:
+        job.launch("a")
+        if job.results("a") is None or not job.wait_progress(kill_at):
+            raise RuntimeError(f"{kind}: the job did not train to {kill_at}: {job.out}")
+        last = job.progress()
+        killed = time.time()
+        job.kill_node(1)
+        if kind == "shrunk":
+            job.launch("b", nodes=[0], MN_RESUME="1")
+        else:
+            job.start_writer(1)
+            job.launch("b", MN_RESUME="1")
+        results = job.results("b", WAIT_S * 3)
+        if results is None:
+            raise RuntimeError(f"{kind}: the ranks did not resume: {job.out}")
+    finally:
+        job.close()
+    restored = results[0]["restored"]
+    return {"case": kind, "last_trained": last, "restored": restored,
+            "tier": results[0]["tier"], "steps_lost": max(0, last - restored),
+            "kill_to_resumed_s": round(max(r["resumed"] for r in results) - killed, 2),
+            "restore_s": round(max(r["restore_s"] for r in results), 3),
+            "shard_bytes_per_rank": results[0]["shard_bytes"]}
+
+
+def projection(steps: dict[str, Any], cases: dict[str, dict[str, Any]], replica_mbps: float,
+               nic_gbps: float) -> list[tuple[str, str, str]]:
+    """(figure, 70B on 64 nodes, how) rows."""
+    shard = steps["shard_bytes_per_rank"]
+    per_node = STATE_70B / NODES_70B
+    per_rank = per_node / RANKS_PER_NODE_70B
+    stage = shard / max(steps["save_call_s"]["memory"], 1e-9)
+    mem_load = shard / max(cases["replacement"]["restore_s"], 1e-9)
+    disk_load = shard / max(cases["durable"]["restore_s"], 1e-9)
+    tcp = replica_mbps * 1e6
+    nic = nic_gbps / 8 * GB
+    x_shard = max(n["x_shard"] for n in steps["nodes"])
+    return [
+        ("state per node / per rank", f"{per_node / GB:.1f} GB / {per_rank / GB:.2f} GB",
+         "70.6 B params x 14 B over 64 nodes x 8 ranks"),
+        ("memory save blocked per rank", f"{per_rank / stage:.2f} s",
+         f"measured save call {stage / GB:.2f} GB/s per rank (staging copy)"),
+        ("replica of a node generation, TCP (1 connection)", f"{per_node / tcp:.0f} s",
+         f"{replica_mbps:.0f} MB/s per connection (benchmarks.replica_transport)"),
+        (f"replica at {nic_gbps:.0f} Gb/s line rate", f"{per_node / nic:.2f} s",
+         "needs parallel connections or RDMA (docs/MEMORY_TIER.md)"),
+        ("host memory per node (tier)", f"{x_shard * per_node / GB:.0f} GB",
+         f"measured {x_shard} x the node's shard"),
+        ("replacement: pull its node's generation", f"{per_node / tcp:.0f} s (TCP) / "
+         f"{per_node / nic:.2f} s (line rate)", "same rates as the replica"),
+        ("restore per rank from memory", f"{per_rank / mem_load:.1f} s",
+         f"measured {mem_load / GB:.2f} GB/s (restore() incl. agreement, small state)"),
+        ("restore per rank from disk", f"{per_rank / disk_load:.1f} s",
+         f"measured {disk_load / GB:.2f} GB/s here (this VM's disk)"),
+    ]
+
+
+def markdown(r: dict[str, Any]) -> str:
+    s, cases = r["steps"], r["recovery"]
+    lines = [
+        "# The memory tier: 2 nodes x 2 ranks on CPU, and a 70B projection", "",
+        f"Command: `{r['command']}` -- {os.cpu_count()} cores shared with other jobs "
+        f"(load average {r['load_before']:.1f} before, {r['load_after']:.1f} after): the "
+        "figures are noisy. Demo MLP with AdamW under DDP, each node's writer replicating "
+        "its generations to the other.", "",
+        "| step time (median) | ms | overhead |", "|---|---|---|"]
+    for k in ("none", "memory", "durable"):
+        lines.append(f"| {k} | {1e3 * s['median_step_s'][k]:.1f} | "
+                     f"{s['overhead_pct'][k]:+.1f} % |")
+    lines += ["", f"Save call (median): memory {1e3 * s['save_call_s']['memory']:.2f} ms, "
+              f"durable {1e3 * s['save_call_s']['durable']:.2f} ms; "
+              f"{s['steps_per_variant']} steps per variant.", "",
+              "| node | node's shard | memory tier (RssShmem less rings) | x shard |",
+              "|---|---|---|---|"]
+    for n in s["nodes"]:
+        lines.append(f"| {n['node']} | {n['shard_bytes'] / 2**20:.1f} MiB | "
+                     f"{n['tier_bytes'] / 2**20:.1f} MiB | {n['x_shard']} |")
+    lines += ["", "| node 1 lost | last trained | restored (tier) | steps lost | "
+              "kill to resumed | restore() |", "|---|---|---|---|---|---|"]
+    for c in cases.values():
+        lines.append(f"| {c['case']} | {c['last_trained']} | {c['restored']} ({c['tier']}) | "
+                     f"{c['steps_lost']} | {c['kill_to_resumed_s']:.1f} s | "
+                     f"{c['restore_s']:.2f} s |")
+    lines += ["", "Kill to resumed: from the SIGKILL of node 1's ranks and writer to every "
+              "rank past its restore (replacement writer started, ranks relaunched -- "
+              "forked warm, no import --, restore, state applied).", "",
+              f"## Projection: Llama-70B on {NODES_70B} nodes x {RANKS_PER_NODE_70B} ranks, "
+              f"{r['nic_gbps']:.0f} Gb/s NIC", "", "| figure | projected | from |",
+              "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in r["projection"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--kill-at", type=int, default=12)
+    parser.add_argument("--durable", type=int, default=10)
+    parser.add_argument("--replica-mbps", type=float, default=903.0,
+                        help="one replica connection's rate (benchmarks.replica_transport)")
+    parser.add_argument("--nic-gbps", type=float, default=400.0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "memory_tier")
+    args = parser.parse_args()
+    env = {"MN_STEPS": str(args.steps), "MN_BATCH": str(args.batch),
+           "MN_WIDTH": str(args.hidden)}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="memrecovery-") as d:
+        steps = step_times(Path(d) / "steps", env)
+        print(json.dumps(steps), flush=True)
+        train_env = {**env, "MN_STEPS": "1000000"}
+        cases = {}
+        for kind in ("replacement", "shrunk", "durable"):
+            cases[kind] = recovery(Path(d) / kind, kind, train_env, args.kill_at,
+                                   args.durable)
+            print(json.dumps(cases[kind]), flush=True)
+    result = {"command": "python -m benchmarks.memory_recovery " + " ".join(sys.argv[1:]),
+              "load_before": load_before, "load_after": os.getloadavg()[0],
+              "nic_gbps": args.nic_gbps, "replica_mbps": args.replica_mbps,
+              "steps": steps, "recovery": cases,
+              "projection": projection(steps, cases, args.replica_mbps, args.nic_gbps)}
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
