@@ -128,6 +128,8 @@ class CountingStore:
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
+        if not callable(method):  # a property (the client's timeout): no request
+            return method
 
         def counted(*args: Any) -> Any:
             result = method(*args)

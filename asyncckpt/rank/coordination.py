@@ -48,9 +48,10 @@ Keys of one save of `step` (its `attempt`-th by this client) under
               for it) adds its node's count once it read a failure, or at close; the
               last deletes the save's keys
 
-A save costs each node four requests (append, add, wait and get of `final`), the leader
-a handful more, and the leader deletes a save's keys once every node has announced the
-next one (so every node has read them). Exactly one party decides: a rank can only win
+A save costs each node three requests (append, add, and a get of `final` that waits for
+it: the outcome's fan-out is one request a node), the leader a handful more, and the
+leader deletes a save's keys once every node has announced the next one (so every node
+has read them). Exactly one party decides: a rank can only win
 the outcome before the leader claimed it, that is before anything was renamed, so a
 committed rename is never contradicted.
 
@@ -113,6 +114,14 @@ def job_store(coordination: str, world_size: int) -> Any:
         raise ValueError('coordination "store" needs torch.distributed initialized, or a '
                          "store passed to Client(store=...)")
     return None
+
+
+def _timeout_s(store: Any) -> float:
+    """How long a blocking request of `store` waits, in seconds (0 if it does not say)."""
+    try:
+        return float(store.timeout.total_seconds())
+    except Exception:  # a store of another kind
+        return 0.0
 
 
 def failure(error: BaseException) -> Outcome:
@@ -375,10 +384,20 @@ class StoreCoordinator:
         waits for `watch`.
         """
         look = (WATCHED_LOOKS if watched else 2) * self.timeout
-        while not self._wait_key(f"{prefix}/final", look, look=False):
+        final = f"{prefix}/final"
+        if watched and _timeout_s(self.store) >= look:
+            # one request: a get waits for the key (as long as the store's timeout) and
+            # answers its value, so the outcome reaches the nodes for one request each
+            # instead of a wait and a read; the heartbeat thread watches the leader
+            # meanwhile, and a failure it publishes sets the key
+            try:
+                return json.loads(self.store.get(final))
+            except Exception:  # the store's timeout, or the store gone: as below
+                pass
+        while not self._wait_key(final, look, look=False):
             if not watched:
                 self.watch(prefix, self.store)
-        held = self._read(f"{prefix}/final")
+        held = self._read(final)
         if held is None:  # every node counted as done with the save: not this one
             return failure(SaveFailedError("the save's keys were deleted from the store "
                                            "before this node read its outcome"))

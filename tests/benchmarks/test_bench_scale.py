@@ -43,6 +43,20 @@ def test_a_simulated_world_commits_verifiable_steps_and_counts_its_work(template
 
 
 @pytest.mark.process
+def test_the_outcome_reaches_each_node_in_one_request(template):
+    """Where the store's timeout outlasts a watched wait, a node's lead reads the outcome
+    with one get that waits for it: no wait and no second read, a save costs a node
+    three requests (append, add, get) and the whole world one `wait` (the leader's)."""
+    work, part, data = template
+    results = scale.run_shape(work, 3, 2, part, data, saves=2, timeout=2.0)
+    for r in results:
+        assert r.verified and r.failed_ranks == 0, r.error
+        assert r.requests.get("compare_set", 0) == 2  # the claim, the leader's outcome read
+        assert r.requests.get("wait", 0) == 1  # the leader's, for the last announcement
+        assert r.requests.get("get", 0) == 1 + 2  # the nodes (the leader), each other lead
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("what, survivors", [("node", 4), ("leader-writer", 6)])
 def test_a_dead_node_fails_every_survivor_and_the_previous_step_stays(template, what, survivors):
     work, part, data = template
