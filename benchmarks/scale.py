@@ -81,6 +81,7 @@ from asyncckpt.writer import commit
 from .report import write_results
 
 HERE = Path(__file__).resolve().parent
+CALIBRATION_REQUESTS = 2000  # store requests timed for the per-request unit
 METADATA_CALLS = ("open", "stat", "lstat", "rename", "replace", "unlink", "rmdir", "mkdir",
                   "fsync", "listdir", "scandir")
 
@@ -193,6 +194,7 @@ class SaveResult:
     verified: bool
     failed_ranks: int = 0
     error: str = ""
+    request_s: float = 0.0  # one store request, one client alone (`store_request_seconds`)
 
 
 class Node:
@@ -376,14 +378,33 @@ class World:
         self.node_list.clear()
 
 
+def store_request_seconds(port: int, requests: int = CALIBRATION_REQUESTS) -> float:
+    """Seconds a store request takes, one client alone making `requests` in a row (the
+    heartbeats of the shape still running): an upper bound on what one request costs the
+    store's one thread (the client's side and the loopback are in it), the unit of the
+    estimate of the stretches that a cluster's nodes run in parallel."""
+    client = TCPStore("127.0.0.1", port, is_master=False,
+                      timeout=datetime.timedelta(seconds=60))
+    start = time.perf_counter()
+    for _ in range(requests):
+        client.add("asyncckpt-bench/calibration", 1)
+    seconds = (time.perf_counter() - start) / requests
+    client.delete_key("asyncckpt-bench/calibration")
+    return seconds
+
+
 def run_shape(work: Path, nodes: int, per_node: int, part: RankPart, data: bytes, saves: int,
               timeout: float, verify: bool = True) -> list[SaveResult]:
     """`saves` saves of one shape; the last verified in full when `verify` (at hundreds
-    of nodes that alone takes minutes: the whole manifest is parsed and walked)."""
+    of nodes that alone takes minutes: the whole manifest is parsed and walked); each
+    result carries the store's request time measured after them."""
     world = World(work, nodes, per_node, part, data, timeout)
     try:
         world.joined()
-        return [world.save(step, verify=verify and step == saves) for step in range(1, saves + 1)]
+        results = [world.save(step, verify=verify and step == saves)
+                   for step in range(1, saves + 1)]
+        request_s = store_request_seconds(world.server.port)
+        return [dataclasses.replace(r, request_s=request_s) for r in results]
     finally:
         world.close()
         shutil.rmtree(world.root, ignore_errors=True)
@@ -433,6 +454,7 @@ def summarise(results: list[SaveResult], verify: bool = True) -> dict[str, Any]:
             "announced_s": statistics.median(r.announced for r in results),
             "published_s": statistics.median(r.published for r in results),
             "fanned_out_s": statistics.median(r.fanned_out for r in results),
+            "request_s": results[-1].request_s,
             "leader_commit_s": statistics.median(r.leader_commit for r in results),
             "beat_requests": statistics.median(r.beat_requests for r in results),
             "manifest_bytes": results[-1].manifest_bytes,
@@ -440,6 +462,19 @@ def summarise(results: list[SaveResult], verify: bool = True) -> dict[str, Any]:
             "verified": all(r.verified for r in results),  # the last one read in full
             "verify_run": verify,
             "failed": sum(r.failed_ranks for r in results)}
+
+
+def cluster_estimate(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    """What the stretches a cluster runs in parallel would cost there (seconds): each
+    node's append and add of its announcement, and the store's wake-up and one get of
+    the outcome a node, serialised by the store's one thread only (`request_s` each, an
+    upper bound), then one node's relay to its ranks (the 2 x 2 figure); the commit is
+    one leader's work, serial on a cluster too, taken as measured."""
+    unit = row.get("request_s", 0.0)
+    announced = 2 * row["nodes"] * unit
+    fanned = 2 * row["nodes"] * unit + base["fanned_out_s"]
+    return {"announced_s": announced, "fanned_out_s": fanned,
+            "latency_s": announced + row["published_s"] + fanned}
 
 
 def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: list[str]) -> str:
@@ -479,8 +514,31 @@ def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: lis
         lines.append(" | ".join([f"| {r['nodes']} x {r['per_node']}"] + [
             f"{r[k]:.3f} ({r[k] / max(base[k], 1e-6):.1f})" for k in (
                 "announced_s", "published_s", "leader_commit_s", "fanned_out_s")]) + " |")
+    lines += ["", "Which parts are serial here and not on a cluster: every node's lead is two "
+              "threads of this one interpreter, so the announcements (a lead's append and "
+              "add) and the outcome reaching the ranks (the store's wake-up, a lead's one "
+              "get, its writer's relay) are made one node after another here, under one "
+              "GIL, beside thousands of threads; on a cluster each node makes them at once "
+              "and only the store's one thread serialises them. The commit is one leader's "
+              "work in both (here slowed by the same contention). The estimate below "
+              "charges each of those requests the time one store request takes with one "
+              "client alone (measured after the shape's saves, the heartbeats running: an "
+              "upper bound on the store thread's share), plus one node's relay as measured "
+              "at 2 x 2; it is not the figure the verdicts use.", "",
+              "| nodes x ranks | one store request ms | announcements land: here / cluster "
+              "est. | commit (serial in both) | outcome reaches the ranks: here / cluster "
+              "est. | latency after the last part: here / cluster est. |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        est = cluster_estimate(r, base)
+        lines.append(f"| {r['nodes']} x {r['per_node']} | {1e3 * r.get('request_s', 0.0):.3f} | "
+                     f"{r['announced_s']:.3f} / {est['announced_s']:.3f} | "
+                     f"{r['published_s']:.3f} | "
+                     f"{r['fanned_out_s']:.3f} / {est['fanned_out_s']:.3f} | "
+                     f"{r['latency_s']:.3f} / {est['latency_s']:.3f} |")
     big = rows[-1]
     n = big["nodes"]
+    big_est = cluster_estimate(big, base)
     checks = [
         ("store requests per save <= 4 x nodes + 64 (heartbeats apart)",
          big["store_requests"] <= 4 * n + 64, f"{big['store_requests']:.0f} vs {4 * n + 64}; "
@@ -490,6 +548,10 @@ def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: lis
         ("latency after the last part <= 10 x the 2 x 2 figure",
          big["latency_s"] <= 10 * base["latency_s"],
          f"{big['latency_s']:.3f} s vs {10 * base['latency_s']:.3f} s"),
+        ("latency after the last part <= 0.5 s, the commit in it <= 0.2 s (measured here, "
+         "serial parts and all)", big["latency_s"] <= 0.5 and big["published_s"] <= 0.2,
+         f"{big['latency_s']:.3f} s, commit {big['published_s']:.3f} s; on a cluster, "
+         f"est. {big_est['latency_s']:.3f} s"),
         ("a one-rank load reads < 1 MiB of manifest", big["one_rank_load_reads"] < 2**20,
          f"{big['one_rank_load_reads'] / 2**20:.2f} MiB"),
     ]
