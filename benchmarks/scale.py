@@ -33,9 +33,12 @@ that shape makes `--saves-from-1000` saves (default 1).
 
 On 2 cores every simulated node shares one interpreter, so latencies at many nodes
 include the contention of thousands of threads; the ratio to the 2 x 2 figure of the
-same run is the result, not the absolute time. With `--kill` a node dies mid-save at
-`--kill-nodes` nodes (its lead stops beating and never announces), or the leader's
-writer dies as it is asked to commit: the time until every survivor's handle fails.
+same run is the result, not the absolute time. The report says which stretches are
+serial here and not on a cluster, and estimates those from the store's measured request
+time (`cluster_estimate`); its verdicts judge the measured figures. With `--kill` a
+node dies mid-save at `--kill-nodes` nodes (its lead stops beating and never announces),
+or the leader's writer dies as it is asked to commit: the time until every survivor's
+handle fails.
 """
 
 from __future__ import annotations
