@@ -8,20 +8,19 @@ deletion), what to do when a save is asked for while the last one is still in fl
 returns at once, its staging overlaps the next forward/backward, and the loop waits
 only if staging has not finished when the optimizer is about to change the weights.
 
-A sharded model (parameters that are DTensors: FSDP2, tensor parallel; or FSDP1's
-`FullyShardedDataParallel`, whose flat parameters are plain tensors) is saved and
-restored through torch.distributed.checkpoint's `get_*_state_dict` /
-`set_*_state_dict`: they give FSDP1's sharded state dict too (ShardedTensor, or DTensor
-when FSDP1 has a device mesh), keyed by parameter name like FSDP2's, so each rank saves
-only its shards as boxes of global tensors, and a restore at another world size, or
-into the other FSDP, reshards.
+A sharded model (DTensor parameters: FSDP2, tensor parallel; or FSDP1) is saved and
+restored through torch.distributed.checkpoint's state-dict functions
+(torchutil/state_dicts.py), so each rank saves only its shards as boxes of global
+tensors, and a restore at another world size, or into the other FSDP, reshards.
 
 `restore()` without a step resumes from the newest step that loads cleanly: a damaged
 newest step (manifest gone or failing its checks, a data file missing, a frame whose
 checksum fails while reading) is skipped with a WARNING naming the step and the damage,
 and the step before it is tried. Under torch.distributed every rank takes part in each
 attempt and all of them agree before any state is applied, so no two ranks resume from
-different steps even when the damage lies in data that only some of them read.
+different steps even when the damage lies in data that only some of them read
+(torchutil/agree.py). A memory generation newer than every durable step is tried first
+(read/memory_restore.py).
 `strict_restore` (or `restore(strict=True)`) makes the damaged newest step an error, and
 a restore of a given step fails on every rank when any rank's reads fail (no rank goes on
 into the state-dict collectives alone).
@@ -61,11 +60,13 @@ from asyncckpt.rank.node_writer import check_reachable, given_address, node_writ
 from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read import hf
 from asyncckpt.read.loader import load_parts
+from asyncckpt.read.memory_restore import restore_memory
 from asyncckpt.storage.location import exists, root_path, storage_for
 from asyncckpt.storage.paths import Location
 from asyncckpt.storage.timeline import live_steps, newest_live, read_current
-from asyncckpt.torchutil.dtensor import is_sharded_model, unwrapped
-from asyncckpt.torchutil.ranks import resolve_rank
+from asyncckpt.torchutil.agree import outcome, worst
+from asyncckpt.torchutil.dtensor import unwrapped
+from asyncckpt.torchutil.state_dicts import apply_training_state, load_targets, training_state
 
 __all__ = ["Checkpointer", "CheckpointerOptions"]
 
@@ -423,8 +424,13 @@ class Checkpointer:
         self.restored_tier = None
         if step is None:
             newest = newest_live(storage, current)
-            restored = self._restore_memory(rank, newest)
-            if restored is not None:
+            address = self._client.address if self._client is not None else given_address(
+                self._address)
+            found = restore_memory(self.root, address, rank, newest, self._into(),
+                                   {"step", "extra", *self.options.contents},
+                                   expected=bool(self.options.memory_interval))
+            if found is not None:
+                restored = self._apply(found[1])
                 self.restored_tier = "memory"
                 if restored == newest:  # on disk too: a restore forks there as always
                     return self._begin_timeline(restored, current.gen)
@@ -434,7 +440,7 @@ class Checkpointer:
             if step is None and newest_live(storage, current) is None:
                 return None
             state, error = self._try_load(step, rank)
-            verdict = _agree(_outcome(error))
+            verdict = worst(outcome(error))
             if verdict:  # every rank raises, not only those whose reads failed
                 kind = CorruptCheckpointError if verdict == 1 else CheckpointError
                 raise error or kind("another rank failed to restore this step", step=step)
@@ -452,7 +458,7 @@ class Checkpointer:
                     and candidate not in storage_for(self.root).step_dirs()):
                 error = CorruptCheckpointError("deleted while restore listed it (retention of "
                                                "a writer running on this root?)", step=candidate)
-            verdict = _agree(_outcome(error))
+            verdict = worst(outcome(error))
             if verdict == 0:
                 return self._begin_timeline(self._apply(state), current.gen)
             if verdict == 2:
@@ -462,62 +468,6 @@ class Checkpointer:
             log.warning("asyncckpt: restore skips step %d: %s", candidate, why)
             skipped.append(f"step {candidate}: {why}")
         raise CorruptCheckpointError(f"no step under {self.root} loads: " + "; ".join(skipped))
-
-    def _restore_memory(self, rank: int | None, newest: int | None) -> int | None:
-        """Restore from the newest memory generation that every rank can read from its
-        own writer, when it is at least `newest` (the newest durable step); None when
-        there is none or its load failed on any rank (said at WARNING: the caller falls
-        back to the durable tier). Every rank takes part in each collective whatever
-        happens on it, so that the ranks agree before any state is applied."""
-        from asyncckpt.read import memory
-        address = self._client.address if self._client is not None else given_address(
-            self._address)
-        held: list[dict[str, Any]] = []
-        if address is not None:
-            try:
-                held = memory.generations(address)
-            except (CheckpointError, OSError, EOFError, ValueError) as e:
-                log.warning("asyncckpt: restore cannot ask the writer at %s for memory "
-                            "generations: %s", address, e)
-        me, world = resolve_rank(rank)
-        usable = {g["step"] for g in held if type(g.get("step")) is int
-                  and ((g.get("world_size") == world and me in g.get("ranks", ()))
-                       or sorted(g.get("ranks", ())) == list(range(g.get("world_size", 0))))}
-        common = set.intersection(*_gather(usable))
-        step = max(common) if common else None
-        if step is None or (newest is not None and step < newest):
-            if self.options.memory_interval:
-                log.warning("asyncckpt: no memory generation %s: restoring from the durable "
-                            "tier (newest step %s)", "held on every rank" if step is None
-                            else f"newer than the durable step (memory {step})", newest)
-            return None
-        images, state, error = None, None, None
-        try:
-            images = memory.open_images(address or "", step)
-            parts = images.parts
-        except Exception as e:
-            parts, error = {}, e
-        merged: dict[int, dict[str, Any]] = {}
-        for theirs in _gather(parts):
-            merged.update(theirs)
-        try:
-            if error is None and images is not None:
-                with memory.open_checkpoint(self.root, images, merged) as ckpt:
-                    state = memory.load(ckpt, rank, self._into(), {"step", "extra",
-                                                                  *self.options.contents})
-        except Exception as e:
-            error = e
-        finally:
-            if images is not None:
-                images.close()
-        if _agree(_outcome(error)):
-            log.warning("asyncckpt: restore from memory generation %d failed%s: restoring "
-                        "from the durable tier (newest step %s)", step,
-                        f": {error}" if error else " on another rank", newest)
-            return None
-        self._apply(state)
-        log.info("asyncckpt: restored step %d from the memory tier", step)
-        return step
 
     def _begin_timeline(self, step: int, based_on: int) -> int:
         """Make `self.timeline`, which this Checkpointer's saves carry from now on: a
@@ -543,64 +493,13 @@ class Checkpointer:
 
     def _into(self) -> Any:
         """The targets a load fills in place (None: none)."""
-        into = self._state_dicts()
-        if not self._sharded():
-            into.pop("optimizer", None)  # plain optimizers take load_state_dict as saved
-        return into or None
+        return load_targets(self.model, self.optimizer, self.options.contents)
 
     def _apply(self, state: Any) -> int:
-        if self._sharded():
-            from torch.distributed.checkpoint import state_dict as dsd
-            if "model" in state and self.model is not None:
-                dsd.set_model_state_dict(self.model, state["model"])
-            if "optimizer" in state and self.optimizer is not None and self.model is not None:
-                dsd.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        elif self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        apply_training_state(self.model, self.optimizer, state)
         self.extra = state.get("extra")
         return int(state["step"])
 
-    def _sharded(self) -> bool:
-        return self.model is not None and is_sharded_model(self.model)
-
     def _state_dicts(self) -> dict[str, Any]:
         """The model/optimizer state dicts `contents` asks for (DTensor-aware)."""
-        out: dict[str, Any] = {}
-        model = self.model if "model" in self.options.contents else None
-        optimizer = self.optimizer if "optimizer" in self.options.contents else None
-        if self.model is not None and is_sharded_model(self.model):
-            from torch.distributed.checkpoint import state_dict as dsd
-            if model is not None:
-                out["model"] = dsd.get_model_state_dict(model)
-            if optimizer is not None:
-                out["optimizer"] = dsd.get_optimizer_state_dict(self.model, optimizer)
-            return out
-        if model is not None:
-            out["model"] = model.state_dict()
-        if optimizer is not None:
-            out["optimizer"] = optimizer.state_dict()
-        return out
-
-
-def _outcome(error: Exception | None) -> int:
-    """A load's outcome for `_agree`: 0 loaded, 1 damaged, 2 any other error."""
-    return 0 if error is None else 1 if isinstance(error, CorruptCheckpointError) else 2
-
-
-def _gather(value: Any) -> list[Any]:
-    """`value` of every rank (this rank's alone without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def _agree(outcome: int) -> int:
-    """The worst outcome over all ranks (0 loaded, 1 damaged, 2 other error); this
-    rank's own without an initialized torch.distributed group."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return outcome
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome)
-    return max(outcomes)
+        return training_state(self.model, self.optimizer, self.options.contents)
