@@ -226,8 +226,10 @@ class Node:
                     complete(handle, self.world.root / step_dir_name(message.step), {})
                 else:
                     fail(handle, error_class(message.error)(message.message))
-            if message.committed and self.tmp is not None:  # then its emptied tmp dir
-                commit.drop_own_tmp(self.world.storage, message.step, self.tmp)
+            if message.committed and self.tmp is not None:  # then its emptied tmp dir, in
+                # the writer's process, not on the rank's path (here: the writers' threads)
+                self.world.after_work.submit(commit.drop_own_tmp, self.world.storage,
+                                             message.step, self.tmp)
 
     def kill(self) -> None:
         """The node is gone: no beat, no announcement, no word to its other ranks."""
@@ -256,6 +258,9 @@ class World:
         self._pending: dict[int, Any] = {}
         self.marks: dict[str, float] = {}  # "complete", "final": when, this save
         self._ids = iter(range(1, 1 << 30))
+        # what the nodes' writers do after relaying the outcome (their rmdir), apart from
+        # the ranks' threads, as it is in its own process on a node
+        self.after_work = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="after")
         coordination._ordinals.clear()  # one process per rank in a job: each its first client
         with concurrent.futures.ThreadPoolExecutor(64) as pool:  # a client takes ~0.1 s to connect
             self.node_list = list(pool.map(lambda n: Node(self, n * per_node, TCPStore(
@@ -379,6 +384,7 @@ class World:
         for node in self.node_list:
             node.agreement.close(5)
         self.node_list.clear()
+        self.after_work.shutdown(wait=True)
 
 
 def store_request_seconds(port: int, requests: int = CALIBRATION_REQUESTS) -> float:
