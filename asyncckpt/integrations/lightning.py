@@ -58,12 +58,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.config import KEEP_ALL
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.format.timeline import TimelineStart
-from asyncckpt.integrations.rng import rng_state, set_rng_state
+from asyncckpt.integrations import rng
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.launch import WriterProcess, start_writer
@@ -117,6 +118,23 @@ def _write_marker(path: Path, root: Path, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    """`rng.rng_state()` with Python's 625-int MT state as one int64 tensor: a list of
+    625 ints is 625 leaves to flatten and frame, most of a tiny model's save time."""
+    state = rng.rng_state()
+    version, inner, gauss = state["random"]
+    state["random"] = [version, torch.tensor(inner, dtype=torch.int64), gauss]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` (or `rng.rng_state`, a list of ints) returned."""
+    version, inner, gauss = state["random"]
+    if isinstance(inner, torch.Tensor):
+        inner = inner.tolist()
+    rng.set_rng_state({**state, "random": [version, inner, gauss]})
 
 
 class _Pending:
@@ -344,8 +362,15 @@ class AsyncckptCheckpointIO(_CheckpointIO):
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint dict Lightning saved at `path`, every byte verified (tensors on
-        the CPU). A marker's step also begins the timeline later saves carry.
+        """The checkpoint dict Lightning saved at `path`, every byte verified. A marker's
+        step also begins the timeline later saves carry.
+
+        Args:
+            map_location: where the tensors go, as `torch.load` takes it, each tensor's
+                saved location being "cpu" (the step records no device): None or a
+                function returning its storage argument: the CPU; a device or its
+                name: there; a dict: its "cpu" entry, if any; a function of (storage,
+                "cpu"): the device of the storage it returns (None: the CPU).
 
         Raises:
             FileNotFoundError: no file at `path`.
@@ -370,7 +395,8 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             set_rng_state(state[RNG])
         self._loaded(root, step, start)
         rest = state[REST]
-        return {k: state[MODEL] if k == "state_dict" else rest[k] for k in state[ORDER]}
+        loaded = {k: state[MODEL] if k == "state_dict" else rest[k] for k in state[ORDER]}
+        return loaded if map_location is None else _mapped(loaded, map_location)
 
     def _loaded(self, root: Path, step: int, start: TimelineStart | None) -> None:
         """Step `step` of `root` was restored: later saves carry `start` (a new
@@ -412,6 +438,24 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             if self._writer is not None:
                 writer, self._writer = self._writer, None
                 writer.stop()
+
+
+def _mapped(value: Any, map_location: Any) -> Any:
+    """`value` with every tensor moved where `map_location` says (`load_checkpoint`)."""
+    if isinstance(value, torch.Tensor):
+        if callable(map_location):
+            storage = map_location(value.untyped_storage(), "cpu")
+            device = value.device if storage is None else storage.device
+        elif isinstance(map_location, dict):
+            device = torch.device(map_location.get("cpu", "cpu"))
+        else:
+            device = torch.device(map_location)
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _mapped(v, map_location) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_mapped(v, map_location) for v in value)
+    return value
 
 
 def _remove_tree(path: Path) -> None:

@@ -50,8 +50,15 @@ import torch
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.config import KEEP_ALL
 from asyncckpt.errors import SaveFailedError
-from asyncckpt.integrations.lightning import ORDER, REST, RNG, AsyncckptCheckpointIO, read_marker
-from asyncckpt.integrations.rng import rng_state, set_rng_state
+from asyncckpt.integrations.lightning import (
+    ORDER,
+    REST,
+    RNG,
+    AsyncckptCheckpointIO,
+    read_marker,
+    rng_state,
+    set_rng_state,
+)
 from asyncckpt.rank.handle import SaveHandle
 
 __all__ = ["AsyncckptModelParallelStrategy"]

@@ -148,3 +148,33 @@ def test_resume_from_older_then_save_over_newer(
         abandoned_steps(storage))
     assert_rotation(ckpts, files=5)
 
+
+
+MAP_LOCATION = """
+import sys, torch
+from asyncckpt.integrations.lightning import AsyncckptCheckpointIO
+io = AsyncckptCheckpointIO()
+io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "optimizer_states": [
+    {"state": {0: {"exp_avg": torch.zeros(3)}}}], "epoch": 1}, sys.argv[1] + "/a.ckpt")
+io.teardown()
+def devices(d):
+    return sorted({str(d["state_dict"]["w"].device),
+                   str(next(iter(d["optimizer_states"][0]["state"].values()))["exp_avg"].device)})
+print(devices(io.load_checkpoint(sys.argv[1] + "/a.ckpt")),
+      devices(io.load_checkpoint(sys.argv[1] + "/a.ckpt", map_location="meta")),
+      devices(io.load_checkpoint(sys.argv[1] + "/a.ckpt", map_location={"cpu": "meta"})),
+      devices(io.load_checkpoint(sys.argv[1] + "/a.ckpt",
+                                 map_location=lambda s, loc: s.to(device="meta"))),
+      devices(io.load_checkpoint(sys.argv[1] + "/a.ckpt", map_location=lambda s, loc: s)))
+"""
+
+
+def test_load_checkpoint_honours_map_location(tmp_path: Path) -> None:
+    """A device, a dict and a function move the tensors as torch.load would ("meta":
+    the device a CPU machine has besides the CPU); None keeps them on the CPU."""
+    done = subprocess.run([PYTHON, "-c", MAP_LOCATION, str(tmp_path)], capture_output=True,
+                          text=True, timeout=RUN_SECONDS,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.splitlines()[-1]
+    assert last == "['cpu'] ['meta'] ['meta'] ['meta'] ['cpu']", done.stdout
