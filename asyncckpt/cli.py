@@ -308,7 +308,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from asyncckpt.read.checkpoint import Checkpoint
-    from asyncckpt.read.summary import inspect_summary
+    from asyncckpt.read.summary import inspect_summary, summary_text
     try:
         with Checkpoint.open(args.path) as ckpt:
             summary = inspect_summary(ckpt)
@@ -319,56 +319,8 @@ def _inspect(args: argparse.Namespace) -> int:
         json.dump(summary, sys.stdout, indent=1)
         print()
         return 0
-    _print_overview(summary)
-    _print_frames(summary["frames"])
-    _print_dtypes(summary["by_dtype"])
-    _print_sharded(summary["sharded"])
-    _print_tensors(summary["tensors"])
+    print(summary_text(summary))
     return 0
-
-
-def _print_overview(summary: dict) -> None:
-    views, referenced = summary["views"], summary["referenced_bytes"]
-    print(f"{summary['path']}: step {summary['step']}, {summary['world_size']} rank(s), "
-          f"codec {'/'.join(summary['codecs'])}, {summary['raw_bytes'] / 2**20:.1f} MiB -> "
-          f"{summary['stored_bytes'] / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})"
-          + (f", {views} view(s) of saved tensors (tied, stored once)" if views else ""))
-    if referenced:
-        print(f"incremental: {summary['new_bytes'] / 2**20:.1f} MiB new in this step, "
-              f"{referenced / 2**20:.1f} MiB referenced "
-              f"({summary['referenced_stored_bytes'] / 2**20:.1f} MiB stored) from steps "
-              f"{summary['referenced_steps']}")
-
-
-def _print_frames(frames: dict[str, dict]) -> None:
-    print(f"\n{'FRAMES':12} {'COUNT':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}  PLANES")
-    for codec, row in sorted(frames.items()):
-        print(f"{codec:12} {row['count']:>8} {row['bytes'] / 2**20:>10.2f} "
-              f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}  {row.get('planes', '')}")
-
-
-def _print_dtypes(by_dtype: dict[str, dict]) -> None:
-    print(f"\n{'DTYPE':12} {'TENSORS':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}")
-    for dtype, row in sorted(by_dtype.items()):
-        print(f"{dtype:12} {row['tensors']:>8} {row['bytes'] / 2**20:>10.2f} "
-              f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}")
-
-
-def _print_sharded(sharded: list[dict]) -> None:
-    if not sharded:
-        return
-    print(f"\n{'SHARDED TENSOR':40} {'DTYPE':8} {'GLOBAL SHAPE':>18} {'BOXES':>6}  PLACEMENTS")
-    for g in sharded:
-        print(f"{_cut(g['name'], 40):40} {g['dtype']:8} {str(tuple(g['shape'])):>18} "
-              f"{g['boxes']:>6}  {','.join(g['placements'])}")
-
-
-def _print_tensors(tensors: list[dict]) -> None:
-    print(f"\n{'RANK':>4} {'TENSOR':40} {'DTYPE':8} {'SHAPE':>18} {'BYTES':>12}  AT")
-    for t in tensors:
-        at = str(tuple(t["offsets"])) if t["offsets"] is not None else ""
-        print(f"{t['rank']:>4} {_cut(t['name'], 40):40} {t['dtype']:8} "
-              f"{str(tuple(t['shape'])):>18} {t['bytes']:>12}  {at}")
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -443,11 +395,6 @@ def _export(args: argparse.Namespace) -> int:
         print(f"wrote {len(index['shards'])} of {len(shards)} shards to {args.out}; the part "
               "that writes the last one writes the index")
     return 0
-
-
-def _cut(name: str, width: int) -> str:
-    """`name` in `width` characters, an ellipsis saying when it was cut (--json has it whole)."""
-    return name if len(name) <= width else name[:width - 1] + "…"
 
 
 def _part(text: str) -> tuple[int, int]:

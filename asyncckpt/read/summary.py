@@ -109,3 +109,65 @@ def _stored_per_tensor(part: RankPart) -> dict[str, float]:
             if pos >= f_end:
                 frame = next(frames, None)
     return out
+
+
+def summary_text(summary: dict) -> str:
+    """`inspect_summary`'s result as `asyncckpt inspect` prints it: an overview line, then
+    tables per codec, per dtype, per sharded tensor and per tensor. Long names are cut
+    with an ellipsis (the JSON form has them whole)."""
+    out: list[str] = []
+    _overview(summary, out)
+    _frames(summary["frames"], out)
+    _dtypes(summary["by_dtype"], out)
+    _sharded(summary["sharded"], out)
+    _tensors(summary["tensors"], out)
+    return "\n".join(out)
+
+
+def _cut(name: str, width: int) -> str:
+    """`name` in `width` characters, an ellipsis saying when it was cut."""
+    return name if len(name) <= width else name[:width - 1] + "…"
+
+
+def _overview(summary: dict, out: list[str]) -> None:
+    views, referenced = summary["views"], summary["referenced_bytes"]
+    out.append(f"{summary['path']}: step {summary['step']}, {summary['world_size']} rank(s), "
+          f"codec {'/'.join(summary['codecs'])}, {summary['raw_bytes'] / 2**20:.1f} MiB -> "
+          f"{summary['stored_bytes'] / 2**20:.1f} MiB (ratio {summary['ratio']:.3f})"
+          + (f", {views} view(s) of saved tensors (tied, stored once)" if views else ""))
+    if referenced:
+        out.append(f"incremental: {summary['new_bytes'] / 2**20:.1f} MiB new in this step, "
+              f"{referenced / 2**20:.1f} MiB referenced "
+              f"({summary['referenced_stored_bytes'] / 2**20:.1f} MiB stored) from steps "
+              f"{summary['referenced_steps']}")
+
+
+def _frames(frames: dict[str, dict], out: list[str]) -> None:
+    out.append(f"\n{'FRAMES':12} {'COUNT':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}  PLANES")
+    for codec, row in sorted(frames.items()):
+        out.append(f"{codec:12} {row['count']:>8} {row['bytes'] / 2**20:>10.2f} "
+              f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}  {row.get('planes', '')}")
+
+
+def _dtypes(by_dtype: dict[str, dict], out: list[str]) -> None:
+    out.append(f"\n{'DTYPE':12} {'TENSORS':>8} {'MiB':>10} {'STORED':>10} {'RATIO':>6}")
+    for dtype, row in sorted(by_dtype.items()):
+        out.append(f"{dtype:12} {row['tensors']:>8} {row['bytes'] / 2**20:>10.2f} "
+              f"{row['stored_bytes'] / 2**20:>10.2f} {row['ratio']:>6.3f}")
+
+
+def _sharded(sharded: list[dict], out: list[str]) -> None:
+    if not sharded:
+        return
+    out.append(f"\n{'SHARDED TENSOR':40} {'DTYPE':8} {'GLOBAL SHAPE':>18} {'BOXES':>6}  PLACEMENTS")
+    for g in sharded:
+        out.append(f"{_cut(g['name'], 40):40} {g['dtype']:8} {str(tuple(g['shape'])):>18} "
+              f"{g['boxes']:>6}  {','.join(g['placements'])}")
+
+
+def _tensors(tensors: list[dict], out: list[str]) -> None:
+    out.append(f"\n{'RANK':>4} {'TENSOR':40} {'DTYPE':8} {'SHAPE':>18} {'BYTES':>12}  AT")
+    for t in tensors:
+        at = str(tuple(t["offsets"])) if t["offsets"] is not None else ""
+        out.append(f"{t['rank']:>4} {_cut(t['name'], 40):40} {t['dtype']:8} "
+              f"{str(tuple(t['shape'])):>18} {t['bytes']:>12}  {at}")
