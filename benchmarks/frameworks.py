@@ -1,0 +1,230 @@
+"""bench-frameworks: each training framework's checkpoint path against asyncckpt's.
+
+    python -m benchmarks.frameworks                    (make bench-frameworks; < ~20 min)
+    python -m benchmarks.frameworks --quick --out /tmp/fw.md       (a few minutes)
+
+For the Hugging Face Trainer, Lightning, Accelerate and torchtune, the framework's
+default checkpoint path, its async mode where it has one (Lightning's AsyncCheckpointIO,
+torchtune's save_async through dcp.async_save) and asyncckpt's integration save the same
+training state in the same run, on two states:
+
+- a tiny model on 2 gloo ranks (a stack of Linear(256) layers), and
+- a mid-size state of `--gib` GiB (default 1) on 1 rank: bias-free Linear(2048) layers
+  with AdamW, weights + 2 moments (12 bytes a parameter), about 1.5x that in host
+  memory while training (gradients) and up to 3x while a method copies it.
+
+Per method: the time the training loop blocks per save (saves spaced by training steps,
+and back to back), the time to durable, and the extra host memory; the schedule and the
+instruments are benchmarks/frameworks_loop.py's, the frameworks' code
+benchmarks/frameworks_drivers.py's. Each framework runs in its locked venv
+(.venv-frameworks: transformers, accelerate, lightning; .venv-torchtune), one process per
+rank that imports it once and forks a child per case (benchmarks/frameworks_worker.py).
+The limits of the machine for the mid-size state (memcpy of its bytes, a sequential
+write + fsync of them) are measured here in the same run (benchmarks/limits.py).
+Results: benchmarks/results/frameworks.md and .json; misses are listed as misses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import limits, measure
+from benchmarks.frameworks_report import markdown, misses, summarise_method
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+FRAMEWORKS = ("hf", "lightning", "accelerate", "torchtune")
+METHODS = {"hf": ["default", "asyncckpt"], "lightning": ["default", "async", "asyncckpt"],
+           "accelerate": ["default", "asyncckpt"], "torchtune": ["default", "async", "asyncckpt"]}
+TINY = {"width": 256, "layers": 4}
+MID_WIDTH = 2048
+BYTES_PER_PARAM = 12  # fp32 weight + AdamW's two fp32 moments
+PLANS = {"full": {"warm": 2, "baseline": 3, "gap": 3, "spaced": 4, "back": 3},
+         "mid": {"warm": 2, "baseline": 3, "gap": 2, "spaced": 3, "back": 3},
+         "quick": {"warm": 2, "baseline": 2, "gap": 2, "spaced": 2, "back": 2}}
+RUN_TIMEOUT = 1800  # s: one framework's ranks, every case
+NOTES = [
+    "HF Trainer: the Trainer's own `train()` is not run; the bench's loop steps the "
+    "Trainer's optimizer and scheduler and calls `Trainer._save_checkpoint`, the save point "
+    "`train()` calls at `save_steps` (`save_total_limit=2` for both). Under 2 ranks the "
+    "model is not wrapped in DDP (the saved bytes are the same; the steps do not all-reduce).",
+    "Lightning: `trainer.save_checkpoint` inside `fit` (what ModelCheckpoint calls), the "
+    "checkpoint two saves back removed after each save as `save_top_k=2` does. "
+    "AsyncCheckpointIO clones every tensor on the loop's thread, then torch.saves on a thread.",
+    "Accelerate: `save_state()` with `automatic_checkpoint_naming=True, total_limit=2`.",
+    "torchtune: its default final checkpoint (FullModelHFCheckpointer) needs a model's HF "
+    "files and is not measured; `default` is the DistributedCheckpointer's synchronous "
+    "dcp.save, `async` its `save_async=True` (dcp.async_save with DCP's default stager: a "
+    "fresh copy of the state per save). torchtune's own async save on the training's gloo "
+    "group crashes (gloo::EnforceNotMet), so both of torchtune's run on a gloo group of "
+    "their own, as asyncckpt's DistributedCheckpointer makes. The state is an FSDP2 "
+    "(fully_shard) model's, as torchtune's recipes have.",
+    "Durability: torch.save, safetensors and DCP's FileSystemWriter(sync_files=False) "
+    "never fsync; their `durable` includes an fsync added by the bench (on the loop for "
+    "synchronous methods, after the call was timed; on a watcher thread for async ones).",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pythons() -> dict[str, str]:
+    frameworks = os.environ.get("ASYNCCKPT_FRAMEWORKS_PYTHON",
+                                str(REPO / ".venv-frameworks" / "bin" / "python"))
+    torchtune = os.environ.get("ASYNCCKPT_TORCHTUNE_PYTHON",
+                               str(REPO / ".venv-torchtune" / "bin" / "python"))
+    return {"hf": frameworks, "lightning": frameworks, "accelerate": frameworks,
+            "torchtune": torchtune}
+
+
+def mid_layers(gib: float) -> int:
+    """Linear(2048) layers for a state (weights + 2 moments) of at least `gib` GiB."""
+    return max(1, math.ceil(gib * GiB / (BYTES_PER_PARAM * MID_WIDTH * MID_WIDTH)))
+
+
+def cases_for(framework: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    quick = args.quick
+    states = [("tiny", 2, TINY["width"], TINY["layers"], PLANS["quick" if quick else "full"])]
+    if args.gib > 0:
+        states.append(("mid", 1, MID_WIDTH, mid_layers(args.gib),
+                       PLANS["quick" if quick else "mid"]))
+    out = []
+    for state, world, width, layers, plan in states:
+        for method in METHODS[framework]:
+            if args.methods and method not in args.methods.split(","):
+                continue
+            name = f"{state}-{method}"
+            out.append({"name": name, "state": state, "method": method, "world": world,
+                        "width": width, "layers": layers, "port": free_port(), "plan": plan,
+                        "work": str(work / framework / name),
+                        "out": str(work / framework / f"result-{name}")})
+    return out
+
+
+def run_framework(framework: str, python: str, cases: list[dict[str, Any]],
+                  work: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every case of one framework; the raw results per case, one entry per rank."""
+    spec = work / f"spec-{framework}.json"
+    (work / framework).mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({"framework": framework, "cases": cases}))
+    world = max(c["world"] for c in cases)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+           "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("ASYNCCKPT_ADDRESS", None)
+    procs = [subprocess.Popen([python, "-m", "benchmarks.frameworks_worker", str(spec), str(r)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(world)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=RUN_TIMEOUT)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs.append(p.communicate()[0])
+    raw: dict[str, list[dict[str, Any]]] = {}
+    for case in cases:
+        ranks = []
+        for r in range(case["world"]):
+            path = Path(f"{case['out']}-r{r}.json")
+            ranks.append(json.loads(path.read_text()) if path.exists() else
+                         {"rank": r, "error": f"no result; rank log: {logs[r][-1500:]}"})
+        raw[case["name"]] = ranks
+    return raw
+
+
+def run_limits(nbytes: int, work: Path) -> dict[str, Any]:
+    """memcpy of `nbytes` (all threads, one thread) and a write + fsync of them, here."""
+    work.mkdir(parents=True, exist_ok=True)
+    writes, _ = limits.write_fsync_seconds(work, nbytes, 1)
+    return {"bytes": nbytes,
+            "memcpy": statistics.median(limits.memcpy_seconds(nbytes, None, 1)),
+            "memcpy_1thread": statistics.median(limits.memcpy_seconds(nbytes, 1, 1)),
+            "write_fsync": statistics.median(writes)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer saves and a 0.25 GiB mid-size state unless --gib is given")
+    ap.add_argument("--gib", type=float, default=None,
+                    help="mid-size state in GiB (default 1; 0 skips it)")
+    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    ap.add_argument("--methods", default="", help="only these methods (default, async, asyncckpt)")
+    ap.add_argument("--out", default="benchmarks/results/frameworks.md")
+    ap.add_argument("--dir", default=None, help="where checkpoints go (default: a tmp dir in .)")
+    args = ap.parse_args(argv)
+    if args.gib is None:
+        args.gib = 0.25 if args.quick else 1.0
+    started = time.perf_counter()
+    from benchmarks import frameworks_drivers as drivers
+    result: dict[str, Any] = {
+        "command": "python -m benchmarks.frameworks " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        "cpus": os.cpu_count(), "loadavg_before": measure.loadavg(), "gib": args.gib,
+        "plan": PLANS["quick" if args.quick else "full"], "cases": [], "raw": {},
+        "labels": {fw: {m: drivers.LABELS[(fw, m)] for m in METHODS[fw]} for fw in FRAMEWORKS},
+        "notes": NOTES}
+    import torch
+    result["torch"] = torch.__version__
+    mid_bytes = mid_layers(args.gib) * MID_WIDTH * MID_WIDTH * BYTES_PER_PARAM
+    py = pythons()
+    with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix=".bench-frameworks-") as d:
+        work = Path(d)
+        lim = run_limits(mid_bytes, work / "limits") if args.gib > 0 else None
+        for framework in args.frameworks.split(","):
+            if not Path(py[framework]).exists():
+                result["cases"].append({"framework": framework, "state": "all", "methods": {
+                    "asyncckpt": {"error": f"no venv python at {py[framework]}"}}})
+                continue
+            cases = cases_for(framework, args, work)
+            t0 = time.perf_counter()
+            raw = run_framework(framework, py[framework], cases, work)
+            print(f"{framework}: {time.perf_counter() - t0:.0f} s", flush=True)
+            result["raw"][framework] = raw
+            for state in dict.fromkeys(c["state"] for c in cases):
+                ours = [c for c in cases if c["state"] == state]
+                nbytes = ours[0]["layers"] * ours[0]["width"] ** 2 * BYTES_PER_PARAM
+                title = (f"tiny, 2 gloo ranks, {nbytes / (1 << 20):.1f} MiB state"
+                         if state == "tiny" else
+                         f"mid-size, 1 rank, {nbytes / GiB:.2f} GiB state")
+                case = {"framework": framework, "state": title, "bytes": nbytes,
+                        "methods": {c["method"]: summarise_method(raw[c["name"]]) for c in ours},
+                        "limits": lim if state == "mid" else None}
+                result["cases"].append(case)
+                for line in misses(case):
+                    print(line, flush=True)
+            _remove(work / framework)
+    result["loadavg_after"] = measure.loadavg()
+    result["wall_s"] = time.perf_counter() - started
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = markdown(result)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(text)
+    return 0
+
+
+def _remove(path: Path) -> None:
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
