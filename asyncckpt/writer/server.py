@@ -35,11 +35,12 @@ from asyncckpt.storage.base import RootHold, Storage
 from asyncckpt.storage.registry import open_storage, parse
 from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
+from asyncckpt.writer.context import Buffers, WriterContext
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.memory_flush import flush_newest
 from asyncckpt.writer.memory_tier import MemoryTier
 from asyncckpt.writer.owners import OwnerMark, sweep_dead
-from asyncckpt.writer.session import Buffers, Session, WriterContext
+from asyncckpt.writer.session import Session
 from asyncckpt.writer.step import Step
 from asyncckpt.writer.steps import Steps
 

@@ -43,52 +43,23 @@ from asyncckpt.format.layout import TensorSpec, layout
 from asyncckpt.ipc import messages, protocol, ring
 from asyncckpt.ipc.messages import MAX_SLOTS, NodeRanks, ProtocolError
 from asyncckpt.writer import commit
+from asyncckpt.writer.context import WriterContext
 from asyncckpt.writer.filespec import FileSettings, FileTarget, Reuse, Stream, Unchanged
 from asyncckpt.writer.memory_flush import flush_newest
 from asyncckpt.writer.memory_image import RankImage
 from asyncckpt.writer.memory_serve import MEMORY_QUERIES, serve_query
-from asyncckpt.writer.memory_tier import MemoryTier
 from asyncckpt.writer.nodes import NodeJoin
 from asyncckpt.writer.pipeline import RankFileWriter
 
 if TYPE_CHECKING:
-    from asyncckpt.config import WriterKnobs
-    from asyncckpt.runtime.pool import FramePool
-    from asyncckpt.runtime.procstat import PeakSampler
-    from asyncckpt.storage.paths import Location
-    from asyncckpt.writer.autocodec import CodecChooser
-    from asyncckpt.writer.dedup import DedupIndex
-    from asyncckpt.writer.steps import Steps
+    pass
 
 log = logging.getLogger("asyncckpt.writer")
 
 _OUTBOX_SPARE = 1024  # replies beyond one per ring slot that may wait for a slow reader
 _MAX_SAVES = 256       # begun and not ended, per connection (a client has one)
 _MAX_OPEN_FILES = 4    # ... of which hold a data file and an appender thread
-_MAX_KEPT_BUFFER = 16 << 20  # larger frame buffers are freed after use, not kept
 SENDER_JOIN_S = 5.0  # for the reply thread to drain once a connection ends
-
-
-class Buffers:
-    """Reused private buffers for the frames in flight (fresh ones would pay first-touch
-    page faults on every frame); at most `keep` are kept for reuse."""
-
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def get(self, size: int) -> bytearray:
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if len(buf) >= size:
-                    return self._free.pop(i)
-        return bytearray(size)
-
-    def put(self, buf: bytearray) -> None:
-        with self._lock:
-            if len(self._free) < self._keep and len(buf) <= _MAX_KEPT_BUFFER:
-                self._free.append(buf)
 
 
 @dataclass
@@ -100,23 +71,6 @@ class _RankSave:
     stats: dict = field(default_factory=dict)
     copy_at_once: bool = False  # its rank waited for a slot: stage first no longer
     memory: RankImage | None = None  # a memory-tier save: its image (memory_tier.py)
-
-
-@dataclass(frozen=True)
-class WriterContext:
-    """What every session of one writer shares: made once by the server, so that a
-    session depends on these pieces and not on the server that owns them."""
-
-    knobs: WriterKnobs
-    root: Location
-    root_id: str
-    steps: Steps
-    pool: FramePool
-    buffers: Buffers
-    chooser: CodecChooser
-    index: DedupIndex | None
-    rss: PeakSampler
-    memory: MemoryTier | None = None
 
 
 class _OtherRoot(ProtocolError):
