@@ -13,7 +13,13 @@ What a step holds is what Accelerate's covers (accelerate_state.py): every prepa
 model and optimizer (FSDP2/FSDP1 as DTensor shards, reshardable), every scheduler,
 each dataloader's epoch counter and sampler state, the gradient scaler, every object
 given to `register_for_checkpointing`, each rank's RNG states and `Accelerator.step`;
-nothing pickled.
+nothing pickled. Under DDP (Accelerate's `MULTI_*` distributed types, no model
+sharded: every model wrapped in `DistributedDataParallel`, the same weights on every
+rank, stepped with the same all-reduced gradients) the models and optimizers are stored
+once, in rank 0's part; the other ranks store only their own `extra` (RNG,
+dataloaders...), and a load reads the models and optimizers from rank 0's part, the
+rest from the rank's own. Hazard: an optimizer over parameters outside the
+DDP models, whose gradients no all-reduce evens out, is stored as rank 0's too.
 
 Where: with `ProjectConfiguration(automatic_checkpoint_naming=True)` the root is
 `project_dir/checkpoints` (Accelerate's folder) and the step is `save_iteration`, as
@@ -29,6 +35,7 @@ never newest again.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 from typing import Any
 
@@ -45,7 +52,9 @@ from asyncckpt.integrations.accelerate_state import (
     set_extra_state,
 )
 from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.read.loader import load_parts
 from asyncckpt.storage.location import Location, root_path
+from asyncckpt.torchutil.dtensor import is_sharded_model
 
 __all__ = ["Accelerator", "AcceleratorCheckpointer"]
 
@@ -91,8 +100,35 @@ class AcceleratorCheckpointer(Checkpointer):
         state = extra_state(self.accelerator)
         if extra is not None:
             state["user"] = extra
-        return super().save(step, extra=state, force=force, replace=replace,
-                            keep_from=keep_from)
+        options = self.options
+        if self._replica():  # rank 0's part holds the replicated models and optimizers
+            self.options = dataclasses.replace(options, contents=("extra",))
+        try:
+            return super().save(step, extra=state, force=force, replace=replace,
+                                keep_from=keep_from)
+        finally:
+            self.options = options
+
+    def _replica(self) -> bool:
+        """Whether this rank's models and optimizers are copies of rank 0's: under DDP
+        (a `MULTI_*` distributed type, whose `prepare` wraps each model in
+        DistributedDataParallel; `_models` keeps the unwrapped one) with no sharded
+        model, on a rank other than 0."""
+        acc = self.accelerator
+        ddp = str(getattr(acc.distributed_type, "value", acc.distributed_type)).startswith("MULTI_")
+        return (ddp and acc.process_index != 0 and bool(acc._models)
+                and not any(is_sharded_model(m) for m in acc._models))
+
+    def _load(self, step: int | None, rank: int | None) -> Any:
+        """`Checkpointer._load`; a DDP replica reads the models and optimizers from rank
+        0's part and its own `extra` from its part."""
+        shared = set(self.options.contents) - {"extra"}
+        if rank is not None or not self._replica() or not shared:
+            return super()._load(step, rank)
+        state = load_parts(self.root, step, 0, self._into(), {"step", *shared})
+        own = load_parts(self.root, int(state["step"]), None, None, {"step", "extra"})
+        state["extra"] = own.get("extra")
+        return state
 
     def _fence_new_optimizers(self) -> None:
         for optimizer in self.accelerator._optimizers:

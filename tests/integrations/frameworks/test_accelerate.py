@@ -20,6 +20,7 @@ import pytest
 from frameworks_venv import full_only, needs_frameworks
 
 from asyncckpt.checkpointer import Checkpointer
+from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.resolve import current_timeline
 from asyncckpt.storage.location import read_manifest_at
 
@@ -81,6 +82,20 @@ def test_uninterrupted_run_rotates_with_total_limit(reference):
     assert ranks[0]["distributed_type"] == "DistributedType.MULTI_CPU"
     assert ranks[0]["iteration"] == 6  # save_iteration moved on after each save
     assert ranks[0]["final"]["counter"] == ranks[1]["final"]["counter"] == STEPS * 4
+
+
+def test_ddp_replicas_are_stored_once(reference):
+    """Under DDP the replicated model and AdamW state are in rank 0's part only: rank 1's
+    holds its own extra (RNG, dataloader, ...), not a second copy. (Its resume from such
+    a step, bit for bit on both ranks, is the SIGKILL test's.)"""
+    out, _ = reference
+    step = out / "project" / "checkpoints" / "step-00000005"
+    ckpt = Checkpoint.open(step.parent, 5)
+    tops = [{leaf.path[0] for leaf in ckpt.leaves(r)} for r in range(2)]
+    assert {"model", "optimizer"} <= tops[0] and not {"model", "optimizer"} & tops[1]
+    stored = [sum(p.stat().st_size for p in step.glob(f"rank-{r:05d}*")) for r in range(2)]
+    weights = (8 * 16 + 16 + 16 + 1) * 4  # the MLP's float32 parameters
+    assert stored[0] - stored[1] >= 3 * weights, stored  # weights + AdamW's two moments
 
 
 def wait_gone(pid: int) -> None:
