@@ -217,6 +217,14 @@ class StorageWriter(dcp.StorageWriter):
         future: Future[list[WriteResult]] = Future()
         if self._staging and self.staging_future:
             future.set_result(results)  # handed over; stage()'s future reports the copy
+        elif self._staging:
+            # stage() blocks until the copy is done anyway: wait here, on the caller's
+            # thread, rather than start a watcher thread that wakes this one
+            error = _staged_error(handle, root)
+            if error is None:
+                future.set_result(results)
+            else:
+                future.set_exception(error)  # type: ignore[arg-type]  # torch's stub: the result type
         else:
             _when(handle, staged=True, root=root, then=lambda error: future.set_exception(error)
                   if error else future.set_result(results))
@@ -412,10 +420,8 @@ def _when(handle: SaveHandle, *, staged: bool, then: Any, root: Location | None 
     done), on a thread of its own; the error as `for_dcp` words it for `root`."""
     def watch() -> None:
         if staged:
-            handle.wait_staged()
-            if not handle.done() or handle.exception() is None:
-                then(None)
-                return
+            then(_staged_error(handle, root))
+            return
         try:
             handle.wait()
         except BaseException as e:  # noqa: BLE001 - the save's error is the future's
@@ -423,6 +429,19 @@ def _when(handle: SaveHandle, *, staged: bool, then: Any, root: Location | None 
             return
         then(None)
     threading.Thread(target=watch, daemon=True, name=f"asyncckpt-dcp-{handle.step}").start()
+
+
+def _staged_error(handle: SaveHandle, root: Location | None) -> BaseException | None:
+    """Once `handle` is staged: None, or the save's error as `for_dcp` words it for
+    `root` when staging ended it (failed before or while copying)."""
+    handle.wait_staged()
+    if not handle.done() or handle.exception() is None:
+        return None
+    try:
+        handle.wait()
+    except BaseException as e:  # noqa: BLE001 - the save's error is the caller's
+        return for_dcp(e, root)
+    return None
 
 
 def _started_writer(root: Location | None) -> str:

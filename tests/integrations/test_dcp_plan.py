@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.default_planner as default_planner
 
 import asyncckpt
-from asyncckpt.dcp import StorageWriter
+from asyncckpt.dcp import StorageReader, StorageWriter
 from asyncckpt.integrations.dcp_plan import CachingPlanner
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -107,3 +107,75 @@ def test_a_new_version_of_a_roots_plans_drops_the_older_ones():
     keys = {k for k in SavePlanner._cached_final_save_plan if k.startswith(prefix)}
     assert keys == {f"asyncckpt.dcp:{root}|1"}
     assert f"asyncckpt.dcp:{root}|0" not in SavePlanner._cached_global_plan
+
+
+def test_a_changed_shape_dtype_or_key_between_saves_loads_the_bytes_of_each_save(
+        writer, client, global_plans):
+    """The plan cache keyed by root must never hand a save the layout of another
+    structure: each save's bytes come back exactly, through DCP and asyncckpt's load."""
+    saves = [
+        {"w": torch.arange(12.0).reshape(4, 3), "step": 1},
+        {"w": torch.arange(15.0).reshape(5, 3), "step": 2},                      # shape
+        {"w": torch.arange(15.0).reshape(5, 3).to(torch.bfloat16), "step": 3},   # dtype
+        {"w": torch.arange(15.0).reshape(3, 5), "step": 4},                      # same numel
+        {"v": torch.arange(15.0).reshape(3, 5), "step": 5},                      # key
+        {"w": torch.arange(12.0).reshape(4, 3) + 6, "step": 6},                  # back to 1
+        {"w": torch.arange(12.0).reshape(4, 3) + 7, "step": 7},                  # cached again
+    ]
+    for step, sd in enumerate(saves, start=1):
+        dcp.async_save(sd, storage_writer=StorageWriter(writer.root, step, client=client)
+                       ).result(timeout=60)
+    assert [n for n in global_plans if n] == [2, 2, 2, 2, 2, 2]  # every change planned anew
+    for step, sd in enumerate(saves, start=1):
+        loaded = asyncckpt.load(writer.root, step=step)
+        (key, want), = [(k, v) for k, v in sd.items() if k != "step"]
+        assert loaded["step"] == step
+        assert loaded[key].dtype == want.dtype and torch.equal(loaded[key], want)
+        target = {key: torch.zeros_like(want), "step": 0}
+        dcp.load(target, storage_reader=StorageReader(writer.root, step))
+        assert torch.equal(target[key], want) and target["step"] == step
+
+
+def test_a_state_without_sharded_tensors_skips_dcps_sharded_tensor_pass(writer, client,
+                                                                       monkeypatch):
+    """DCP's second pass over the flattened state (for ShardedTensors with nested shards)
+    rebuilds the whole dict on every save; a state of plain tensors does not need it.
+    (A state that holds ShardedTensors: tests/integrations/test_dcp_chunks.py.)"""
+    import torch.distributed.checkpoint.default_planner as planner_module
+
+    import asyncckpt.integrations.dcp_plan as dcp_plan
+    passes: list[int] = []
+
+    def counted(state_dict):
+        passes.append(len(state_dict))
+        return original(state_dict)
+    original = planner_module._flatten_sharded_tensors
+    monkeypatch.setattr(planner_module, "_flatten_sharded_tensors", counted)
+    monkeypatch.setattr(dcp_plan, "_flatten_sharded_tensors", counted, raising=False)
+    for step in (1, 2):
+        dcp.async_save(state(8, float(step)), storage_writer=StorageWriter(
+            writer.root, step, client=client)).result(timeout=60)
+    assert [n for n in passes if n] == []  # (the background save plans an empty state)
+    assert torch.equal(asyncckpt.load(writer.root, step=2)["model.w3"], torch.full((4, 3), 5.0))
+
+
+def test_async_save_waits_for_the_ring_copy_on_the_callers_thread(writer, client, monkeypatch):
+    """`stage()` blocks until the copy is in the ring anyway: it starts no watcher thread
+    to be woken by (a thread start and a wake-up per save, paid while the caller waits)."""
+    import threading
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def recorded(self):
+        if threading.current_thread() is threading.main_thread():  # the caller's, not DCP's
+            started.append(self.name)                              # background save's
+        return start(self)
+    dcp.async_save(state(4, 1.0), storage_writer=StorageWriter(writer.root, 1, client=client)
+                   ).result(timeout=60)
+    monkeypatch.setattr(threading.Thread, "start", recorded)
+    future = dcp.async_save(state(4, 2.0),
+                            storage_writer=StorageWriter(writer.root, 2, client=client))
+    monkeypatch.undo()
+    future.result(timeout=60)
+    assert [n for n in started if n.startswith("asyncckpt-dcp")] == []
+    assert torch.equal(asyncckpt.load(writer.root, step=2)["model.w1"], torch.full((4, 3), 3.0))
