@@ -49,7 +49,7 @@ import torch
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.config import KEEP_ALL
-from asyncckpt.errors import SaveFailedError
+from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.integrations.lightning import (
     ORDER,
     REST,
@@ -177,7 +177,8 @@ class AsyncckptModelParallelStrategy(_strategies.ModelParallelStrategy):
 
         Raises:
             TypeError: `storage_options` given (as Lightning's strategy).
-            SaveFailedError: an earlier save failed (on every rank).
+            SaveFailedError: an earlier save failed, or rank 0 could not read the root
+                (on every rank, with rank 0's reason).
             UnsupportedStateError: a value that is neither a tensor nor JSON (a custom
                 object in `hyper_parameters`), named by its key path.
         """
@@ -190,7 +191,7 @@ class AsyncckptModelParallelStrategy(_strategies.ModelParallelStrategy):
             try:
                 path, root, step = self._book._begin(self.broadcast(filepath))
                 told = (str(root), step)
-            except SaveFailedError as e:
+            except (CheckpointError, OSError) as e:  # told to every rank: none waits
                 told = (None, str(e))
         else:
             self.broadcast(filepath)
