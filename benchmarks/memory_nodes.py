@@ -175,6 +175,14 @@ class Job:
                 p.wait(max(0.1, deadline - time.monotonic()))
         return [p.poll() for p in self.ranks]
 
+    def logs(self, tag: str, lines: int = 15) -> str:
+        """The last `lines` of each rank's log of launch `tag` (for a failure's message)."""
+        out = []
+        for path in sorted(self.out.glob(f"log-{tag}-rank*.txt")):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(tail))
+        return "\n".join(out)
+
     def durable_steps(self) -> list[int]:
         return sorted(int(p.name[5:]) for p in self.root.glob("step-*") if p.name[5:].isdigit())
 
@@ -234,6 +242,10 @@ def _fork_rank(env: dict[str, str], log: Path) -> Any:
         os.environ.clear()
         os.environ.update(env)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        import faulthandler
+        faulthandler.register(signal.SIGUSR1)  # a stuck rank's stacks, on demand
+        import torch
+        torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
         random.seed()
         code = rank_main()
     except BaseException:

@@ -64,7 +64,7 @@ def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
         job.launch("s")
         ranks = range(job.nodes * job.per_node)
         if not _wait_files([job.out / f"held-s-rank{r}" for r in ranks], job):
-            raise RuntimeError(f"the bench ranks failed: logs in {job.out}")
+            raise RuntimeError(f"the bench ranks failed:\n{job.logs('s')}")
         per = [json.loads((job.out / f"bench-s-rank{r}.json").read_text()) for r in ranks]
         nodes = []
         for node, w in enumerate(job.writers):
@@ -98,7 +98,7 @@ def recovery(base: Path, kind: str, env: dict[str, str], kill_at: int,
     try:
         job.launch("a")
         if job.results("a") is None or not job.wait_progress(kill_at):
-            raise RuntimeError(f"{kind}: the job did not train to {kill_at}: {job.out}")
+            raise RuntimeError(f"{kind}: the job did not train to {kill_at}:\n{job.logs('a')}")
         last = job.progress()
         killed = time.time()
         job.kill_node(1)
@@ -109,7 +109,7 @@ def recovery(base: Path, kind: str, env: dict[str, str], kill_at: int,
             job.launch("b", MN_RESUME="1")
         results = job.results("b", WAIT_S * 3)
         if results is None:
-            raise RuntimeError(f"{kind}: the ranks did not resume: {job.out}")
+            raise RuntimeError(f"{kind}: the ranks did not resume:\n{job.logs('b')}")
     finally:
         job.close()
     restored = results[0]["restored"]

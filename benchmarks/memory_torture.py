@@ -55,7 +55,7 @@ def run(kills: int, seed: int, base: Path, durable: int = 5,
     try:
         job.launch("r0")
         if job.results("r0") is None:
-            raise TortureFailure(f"the first launch did not start: see {job.out}")
+            raise TortureFailure(f"the first launch did not start:\n{job.logs('r0')}")
         while counts["kills"] < kills:
             tag = f"r{counts['kills'] + 1}"
             early = counts["kills"] > 0 and rng.random() < EARLY_KILL
@@ -85,7 +85,7 @@ def run(kills: int, seed: int, base: Path, durable: int = 5,
                 job.launch(tag, MN_RESUME="1")
             results = job.results(tag)
             if results is None:
-                raise TortureFailure(f"{tag}: the ranks did not restore (logs in {job.out})")
+                raise TortureFailure(f"{tag}: the ranks did not restore:\n{job.logs(tag)}")
             _check(tag, results, newest, counts)
             step = results[0]["restored"]
             lost = max(0, last - step)

@@ -105,6 +105,7 @@ class MemoryTier:
         # why the newest dropped generations went, for a rank whose end comes after
         self._dropped: dict[int, SaveFailedError] = {}
         self.on_node_whole: Callable[[int], None] | None = None  # step: this node's ranks whole
+        self._begun: int | None = None  # the step this node's ranks began last
         self.peak_bytes = 0
 
     @property
@@ -130,6 +131,9 @@ class MemoryTier:
         """
         first, count = node or NodeRanks(rank, 1)
         with self._lock:
+            if self._begun is not None and step < self._begun:
+                self._went_back(step)
+            self._begun = step
             gen = self._gens.get(step)
             if gen is not None and rank in gen.images:  # saved again: start it over
                 self._drop(step, SaveFailedError("the step is being saved again", step=step))
@@ -244,7 +248,10 @@ class MemoryTier:
         first, count = node
         with self._lock:
             gen = self._gens.get(step)
+            if gen is not None and first in gen.replicas:  # the partner's newer save of it
+                self._forget_replicas(gen, first)
             self._prune()
+            gen = self._gens.get(step)
             if gen is None:
                 gen = Generation(step, world_size, timeline)
             if gen.world_size != world_size:
@@ -368,6 +375,30 @@ class MemoryTier:
                         f"began memory step {step} within absent_rank_timeout={timeout:g} s "
                         "(a rank that skips a memory save its node's peers made)",
                         step=step, rank=absent[0]))
+
+    def _went_back(self, step: int) -> None:
+        """This node's ranks began `step`, older than one they began before: the job
+        resumed below it. What is held of `step` and newer -- this node's images and
+        the partners' replicas -- belongs to the abandoned run (a rerun need not compute
+        the same bytes): held beside the rerun's images of those steps, it would make a
+        generation of two runs, or a newer one that supersedes the rerun's. It goes;
+        the partners' replicas of the rerun come as usual."""
+        for s in [s for s in self._gens if s >= step]:
+            self._drop(s, SaveFailedError(f"memory generation of an abandoned run (the "
+                                          f"node's ranks went back to step {step})", step=s))
+
+    def _forget_replicas(self, gen: Generation, first: int | None = None) -> None:
+        """Drop the partners' replicas held in `gen` (of the node whose first rank is
+        `first`, default all); the generation goes if nothing of it is left."""
+        for node in [f for f in gen.replicas if first is None or f == first]:
+            for rank in range(node, node + gen.nodes.pop(node)):
+                image = gen.images.pop(rank, None)
+                if image is not None:
+                    image.close()
+            gen.replicas.discard(node)
+        if not gen.images:
+            self._drop(gen.step, SaveFailedError("memory generation of an abandoned run",
+                                                 step=gen.step))
 
     def _prune(self) -> None:
         """Drop every generation that a newer whole one covers (`_supersede`)."""

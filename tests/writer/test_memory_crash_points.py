@@ -30,8 +30,10 @@ CHUNK = 4096
 MAX_FRAME = 1 << 20
 
 
-def _state(rank: int, step: int) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + rank)
+def _state(rank: int, step: int, run: int = 0) -> dict:
+    """Rank `rank`'s state at `step` in run `run` (a rerun after a restore need not
+    compute the same bytes: nondeterministic kernels, another data order)."""
+    g = torch.Generator().manual_seed(1000 * step + rank + 10**6 * run)
     return {"w": torch.randn(300, 17, generator=g), "obj": {"rank": rank, "step": step}}
 
 
@@ -53,8 +55,9 @@ class Job:
                                        slot_size=1 << 16, ring_size=1 << 18))
         self.writers = [self.a, self.b]
 
-    def save(self, step: int, ranks: range = range(4)) -> None:
-        for h in [self.clients[r].save(step, _state(r, step), tier="memory") for r in ranks]:
+    def save(self, step: int, ranks: range = range(4), run: int = 0) -> None:
+        for h in [self.clients[r].save(step, _state(r, step, run), tier="memory")
+                  for r in ranks]:
             h.wait(WAIT_S)
 
     def replicate_b(self, step: int, chunks: int | None = None) -> None:
@@ -72,16 +75,24 @@ class Job:
         for _, fd, _ in ranks:
             os.close(fd)
 
-    def lose_node_1(self) -> InProcessWriter:
+    def lose_node_1(self, monkeypatch: pytest.MonkeyPatch | None = None) -> InProcessWriter:
         """Node 1 lost (its ranks and writer); its replacement writer, recovering from
-        node 0, serves ranks 2 and 3 from now on."""
+        node 0, serves ranks 2 and 3 from now on (with `monkeypatch`: new rank clients
+        connected to it)."""
         for c in self.clients[2:]:
             c.close()
-        self.b.stop()
+        self.writers[1].stop()
         host, port = self.a.server.replicator.address
-        c = InProcessWriter(self.tmp / "ckpt-c", codec="raw", export=False,
+        self.lost = getattr(self, "lost", 0) + 1
+        c = InProcessWriter(self.tmp / f"ckpt-c{self.lost}", codec="raw", export=False,
                             replica_partner=f"{host}:{port}")
         self.writers[1] = c
+        if monkeypatch is not None:
+            for rank in (2, 3):
+                monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
+                self.clients[rank] = Client(c.address, rank=rank, world_size=4,
+                                            coordination="local", slot_size=1 << 16,
+                                            ring_size=1 << 18)
         return c
 
     def restore_step(self) -> int | None:
@@ -178,3 +189,26 @@ def test_a_whole_replica_after_a_crash_resumes_at_the_newest(job: Job) -> None:
     job.lose_node_1()
     assert job.restore_step() == 6
     _exact(job, 6)
+
+
+def test_a_rerun_step_never_mixes_with_a_replica_of_the_abandoned_run(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 holds node 1's replica of 6 (its own 6 gone: it went on to 7), node 1 is
+    lost, the job resumes at 5 and saves 6 again -- other bytes (run 1). Node 1's
+    replica of 6 belongs to the abandoned run: if node 0 kept it beside its new 6, a
+    second loss of node 1 would restore 6 mixed from two runs."""
+    job.save(5)
+    job.replicate_b(5)
+    job.save(6)
+    job.save(7, range(2))
+    job.replicate_b(6)
+    job.lose_node_1(monkeypatch)
+    assert job.restore_step() == 5
+    job.save(6, run=1)  # resumed at 5: step 6 again, not the same bytes
+    job.lose_node_1()  # its replica of the new 6 never left
+    step = job.restore_step()
+    assert step is not None
+    states = job.read(step)
+    runs = {run for rank, state in states.items() for run in (0, 1)
+            if torch.equal(state["w"], _state(rank, step, run)["w"])}
+    assert len(runs) == 1, f"step {step} restored from runs {runs}"
