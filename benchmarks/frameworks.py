@@ -107,23 +107,22 @@ def cases_for(framework: str, args: argparse.Namespace, work: Path) -> list[dict
         for method in METHODS[framework]:
             if args.methods and method not in args.methods.split(","):
                 continue
-            name = f"{state}-{method}"
-            out.append({"name": name, "state": state, "method": method, "world": world,
-                        "width": width, "layers": layers, "port": free_port(), "plan": plan,
-                        "work": str(work / framework / name),
-                        "out": str(work / framework / f"result-{name}")})
+            name = f"{framework}-{state}-{method}"
+            out.append({"framework": framework, "name": name, "state": state, "method": method,
+                        "world": world, "width": width, "layers": layers, "port": free_port(),
+                        "plan": plan, "work": str(work / name),
+                        "out": str(work / f"result-{name}")})
     return out
 
 
-def run_framework(framework: str, python: str, cases: list[dict[str, Any]],
-                  work: Path) -> dict[str, list[dict[str, Any]]]:
-    """Every case of one framework; the raw results per case, one entry per rank."""
-    spec = work / f"spec-{framework}.json"
-    (work / framework).mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps({"framework": framework, "cases": cases}))
+def run_venv(python: str, cases: list[dict[str, Any]], work: Path,
+             tag: str) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+    """Every case of the frameworks of one venv: the raw results per case (one entry per
+    rank) and each rank's log."""
+    spec = work / f"spec-{tag}.json"
+    spec.write_text(json.dumps({"cases": cases}))
     world = max(c["world"] for c in cases)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("ASYNCCKPT_ADDRESS", None)
     procs = [subprocess.Popen([python, "-m", "benchmarks.frameworks_worker", str(spec), str(r)],
@@ -145,7 +144,8 @@ def run_framework(framework: str, python: str, cases: list[dict[str, Any]],
             ranks.append(json.loads(path.read_text()) if path.exists() else
                          {"rank": r, "error": f"no result; rank log: {logs[r][-1500:]}"})
         raw[case["name"]] = ranks
-    return raw
+        _remove(Path(case["work"]))
+    return raw, [[line for line in log.splitlines() if line.startswith("rank ")] for log in logs]
 
 
 def run_limits(nbytes: int, work: Path) -> dict[str, Any]:
@@ -158,6 +158,17 @@ def run_limits(nbytes: int, work: Path) -> dict[str, Any]:
             "write_fsync": statistics.median(writes)}
 
 
+def summary_case(framework: str, state: str, cases: list[dict[str, Any]],
+                 raw: dict[str, list[dict[str, Any]]],
+                 lim: dict[str, Any] | None) -> dict[str, Any]:
+    nbytes = cases[0]["layers"] * cases[0]["width"] ** 2 * BYTES_PER_PARAM
+    title = (f"tiny, 2 gloo ranks, {nbytes / (1 << 20):.1f} MiB state" if state == "tiny" else
+             f"mid-size, 1 rank, {nbytes / GiB:.2f} GiB state")
+    return {"framework": framework, "state": title, "bytes": nbytes,
+            "methods": {c["method"]: summarise_method(raw[c["name"]]) for c in cases},
+            "limits": lim if state == "mid" else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -168,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="", help="only these methods (default, async, asyncckpt)")
     ap.add_argument("--out", default="benchmarks/results/frameworks.md")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a tmp dir in .)")
+    ap.add_argument("--render", metavar="JSON", help="only write --out's report from the figures "
+                    "of an earlier run (its .json)")
     args = ap.parse_args(argv)
+    if args.render:
+        Path(args.out).write_text(markdown(json.loads(Path(args.render).read_text())))
+        return 0
     if args.gib is None:
         args.gib = 0.25 if args.quick else 1.0
     started = time.perf_counter()
@@ -177,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.frameworks " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "cpus": os.cpu_count(), "loadavg_before": measure.loadavg(), "gib": args.gib,
-        "plan": PLANS["quick" if args.quick else "full"], "cases": [], "raw": {},
+        "plan": PLANS["quick" if args.quick else "full"], "cases": [], "raw": {}, "logs": [],
         "labels": {fw: {m: drivers.LABELS[(fw, m)] for m in METHODS[fw]} for fw in FRAMEWORKS},
         "notes": NOTES}
     import torch
@@ -187,29 +203,28 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix=".bench-frameworks-") as d:
         work = Path(d)
         lim = run_limits(mid_bytes, work / "limits") if args.gib > 0 else None
-        for framework in args.frameworks.split(","):
-            if not Path(py[framework]).exists():
-                result["cases"].append({"framework": framework, "state": "all", "methods": {
-                    "asyncckpt": {"error": f"no venv python at {py[framework]}"}}})
+        chosen = args.frameworks.split(",")
+        for python in dict.fromkeys(py[f] for f in chosen):
+            group = [f for f in chosen if py[f] == python]
+            if not Path(python).exists():
+                for framework in group:
+                    result["cases"].append({"framework": framework, "state": "all", "methods": {
+                        "asyncckpt": {"error": f"no venv python at {python}"}}})
                 continue
-            cases = cases_for(framework, args, work)
+            cases = [c for f in group for c in cases_for(f, args, work)]
             t0 = time.perf_counter()
-            raw = run_framework(framework, py[framework], cases, work)
-            print(f"{framework}: {time.perf_counter() - t0:.0f} s", flush=True)
-            result["raw"][framework] = raw
-            for state in dict.fromkeys(c["state"] for c in cases):
-                ours = [c for c in cases if c["state"] == state]
-                nbytes = ours[0]["layers"] * ours[0]["width"] ** 2 * BYTES_PER_PARAM
-                title = (f"tiny, 2 gloo ranks, {nbytes / (1 << 20):.1f} MiB state"
-                         if state == "tiny" else
-                         f"mid-size, 1 rank, {nbytes / GiB:.2f} GiB state")
-                case = {"framework": framework, "state": title, "bytes": nbytes,
-                        "methods": {c["method"]: summarise_method(raw[c["name"]]) for c in ours},
-                        "limits": lim if state == "mid" else None}
-                result["cases"].append(case)
-                for line in misses(case):
-                    print(line, flush=True)
-            _remove(work / framework)
+            raw, logs = run_venv(python, cases, work, group[0])
+            print(f"{', '.join(group)}: {time.perf_counter() - t0:.0f} s", flush=True)
+            result["raw"].update(raw)
+            result["logs"].append(logs)
+            for framework in group:
+                for state in dict.fromkeys(c["state"] for c in cases):
+                    ours = [c for c in cases if c["state"] == state and c["framework"] == framework]
+                    if ours:
+                        case = summary_case(framework, state, ours, raw, lim)
+                        result["cases"].append(case)
+                        for line in misses(case):
+                            print(line, flush=True)
     result["loadavg_after"] = measure.loadavg()
     result["wall_s"] = time.perf_counter() - started
     out = Path(args.out)

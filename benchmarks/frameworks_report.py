@@ -116,14 +116,14 @@ def case_md(case: dict[str, Any], labels: dict[str, str]) -> list[str]:
     methods = case["methods"]
     ours = methods.get(OURS, {})
     lines = [f"### {case['framework']}: {case['state']}", "",
-             "| method | blocked/save spaced (s) | back to back (s) | first save (s) | "
-             "durable (s) | extra host memory (MiB) | spaced: default/ours | "
+             "| method | blocked/save spaced (s) | of which the call (s) | back to back (s) | "
+             "first save (s) | durable (s) | extra host memory (MiB) | spaced: default/ours | "
              "spaced: async/ours | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in methods.items():
         label = labels.get(name, name)
         if "error" in m:
-            lines.append(f"| {label} | failed: {m['error'][:200]} | | | | | | | |")
+            lines.append(f"| {label} | failed: {m['error'][:200]} | | | | | | | | |")
             continue
         r_def = ratio(ours.get("spaced"), methods.get("default", {}).get("spaced")) \
             if name == OURS else None
@@ -131,7 +131,8 @@ def case_md(case: dict[str, Any], labels: dict[str, str]) -> list[str]:
             if name == OURS else None
         load = m.get("loadavg")
         lines.append(
-            f"| {label} | {_s(m['spaced'])} | {_s(m['back'])} | {_s(m['first'])} | "
+            f"| {label} | {_s(m['spaced'])} | {_s(m['spaced_call'])} | {_s(m['back'])} | "
+            f"{_s(m['first'])} | "
             f"{_s(m['durable'])} | {_mib(m['extra_memory'])} | {_x(r_def)} | {_x(r_async)} | "
             f"{'n/a' if not load else f'{load[0]:.1f}'} |")
     limits = case.get("limits")
@@ -158,7 +159,8 @@ def markdown(result: dict[str, Any]) -> str:
              "with AdamW (weights + 2 moments) saves through the method. `blocked/save`: "
              "the save call plus what the next training step took beyond the median "
              "step without saves (a fence holding `optimizer.step()`, a background writer "
-             "competing for the cores), median over the saves; `spaced`: "
+             "competing for the cores), median over the saves (`of which the call`: the save "
+             "call alone, median); `spaced`: "
              f"{result['plan']['gap']} training steps between saves; `back to back`: saves "
              "with no step between (each waits for what the previous one still holds; the "
              "next step after the last one only). `first save`: the first one (a writer "

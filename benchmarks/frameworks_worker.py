@@ -1,13 +1,14 @@
-"""One rank of bench-frameworks: imports a framework once, then forks a fresh child per
+"""One rank of bench-frameworks: imports the frameworks once, then forks a fresh child per
 case (method x state), so that no case pays the framework's import (tens of seconds on a
 loaded 2-core machine) and no case inherits another's memory high-water marks, helper
 processes or allocator pools. The parent runs no torch code before it forks.
 
     python -m benchmarks.frameworks_worker SPEC.json RANK
 
-SPEC: {"framework", "python", "cases": [{"name", "method", "world", "width", "layers",
-"port", "plan": {...}, "work", "out"}]}. A case with world 1 runs on rank 0 only. Each
-child writes its result (or its error and traceback) to the case's "out" + "-r<RANK>.json".
+SPEC: {"cases": [{"framework", "name", "method", "world", "width", "layers", "port",
+"plan": {...}, "work", "out"}]}: the frameworks of one venv, imported first. A case with
+world 1 runs on rank 0 only. Each child writes its result (or its error and traceback)
+to the case's "out" + "-r<RANK>.json".
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ POLL_SECONDS = 0.5  # how often the parent looks whether its child is done
 
 
 def run_case(framework: str, case: dict[str, Any], rank: int) -> dict[str, Any]:
+    import torch
+    # two ranks on two cores: a thread each (as torchrun sets OMP_NUM_THREADS=1); one rank:
+    # every core. The parent ran no torch code, so the thread pool is made here.
+    torch.set_num_threads(1 if case["world"] > 1 else os.cpu_count() or 1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(case["port"]),
                        "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(case["world"]), "LOCAL_WORLD_SIZE": str(case["world"])})
@@ -69,11 +74,13 @@ def wait_child(pid: int, timeout: float) -> int:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank = int(sys.argv[2])
-    framework = spec["framework"]
-    drivers.preload(framework)
+    for framework in dict.fromkeys(c["framework"] for c in spec["cases"]):
+        drivers.preload(framework)
     for case in spec["cases"]:
         if rank >= case["world"]:
             continue
+        framework = case["framework"]
+        started = time.perf_counter()
         pid = os.fork()
         if pid == 0:
             child(framework, case, rank)
@@ -82,7 +89,8 @@ def main() -> int:
         if not out.exists():
             out.write_text(json.dumps({"rank": rank, "error": f"child exited with wait "
                                        f"status {status} and wrote no result"}))
-        print(f"rank {rank} {framework} {case['name']}: done", flush=True)
+        print(f"rank {rank} {framework} {case['name']}: {time.perf_counter() - started:.0f} s",
+              flush=True)
     return 0
 
 
