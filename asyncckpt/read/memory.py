@@ -232,3 +232,37 @@ def load(ckpt: Checkpoint, rank: int | None, into: Any, keys: set[str] | None = 
     from asyncckpt.read.loader import _load, _Only, _rank_to_load
     view: Any = ckpt if keys is None else _Only(ckpt, keys)
     return _load(view, _rank_to_load(ckpt, rank), into, True)
+
+
+def ls_rows(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The memory generations held by the writer at `address`, as `asyncckpt ls` rows
+    (step, state "memory" when whole -- every rank of each node it holds ended -- else
+    "memory-partial", path naming the writer, the ranks held and the partners' nodes held
+    as replicas, world_size, stored_bytes: the bytes held), oldest first.
+
+    Raises:
+        WriterUnavailableError, ProtocolError, EOFError, OSError: as `generations`.
+    """
+    rows = []
+    for g in generations(address, timeout):
+        ranks = g.get("ranks") or []
+        held = f"ranks {_spans(ranks)}" if ranks else "no rank whole"
+        replicas = g.get("replicas") or []
+        if replicas:
+            held += ", replica of " + ", ".join(f"ranks {f}-{f + c - 1}" for f, c in replicas)
+        rows.append({"step": g.get("step"), "state": "memory" if g.get("whole")
+                     else "memory-partial", "path": f"memory of {address} ({held})",
+                     "world_size": g.get("world_size"), "stored_bytes": g.get("bytes", 0),
+                     "ranks": ranks, "replicas": replicas, "latest": False})
+    return rows
+
+
+def _spans(ranks: list[int]) -> str:
+    """"0-3, 6" for [0, 1, 2, 3, 6]."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
