@@ -161,6 +161,7 @@ class _AsyncCkpt(Method):
 
         import asyncckpt
         self.writer = None  # one per node: rank 0's, shared with the others through the store
+        self.storage: Any = None  # set before the writer starts: close() after a failed start
         if dcp_fsdp.rank() == 0:
             self.writer = asyncckpt.start_writer(root, codec=self.codec,
                                                  incremental=self.incremental,
@@ -169,7 +170,6 @@ class _AsyncCkpt(Method):
         if dist.is_initialized():
             address = dcp_fsdp.share("bench-dcp-writer", address)
         os.environ["ASYNCCKPT_ADDRESS"] = address  # type: ignore[assignment]
-        self.storage: Any = None
 
     def storage_writer(self, step: int) -> Any:
         """A StorageWriter per save, as torchtitan makes them; they share the process's
