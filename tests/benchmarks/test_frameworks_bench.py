@@ -120,3 +120,18 @@ def test_markdown_has_each_method_ratios_and_the_misses() -> None:
     assert "| TorchCheckpointIO | 1.000 |" in text and "| Async | 0.500 |" in text
     assert "## Misses" in text and "extra host memory" in text and "MISS" in text
     assert "- a note" in text
+
+
+def test_results_are_written_and_rendered_again_from_their_json(tmp_path: Path) -> None:
+    from benchmarks import frameworks
+    result = {"command": "python -m benchmarks.frameworks", "cpus": 2, "torch": "x",
+              "loadavg_before": [1, 1, 1], "plan": {"gap": 3}, "notes": [],
+              "cases": [_case(0.25, 1.0, 0.5)], "labels": {}}
+    out = tmp_path / "frameworks.md"
+    text = frameworks.write(result, out, 0.0)
+    assert out.read_text() == text and "MISS" in text
+    assert frameworks.main(["--render", str(out.with_suffix(".json")),
+                            "--out", str(tmp_path / "again.md")]) == 0
+    again = (tmp_path / "again.md").read_text()
+    assert again.split("## Notes")[0] == text.split("## Notes")[0]
+    assert frameworks.NOTES[0] in again  # the notes are today's
