@@ -10,6 +10,18 @@ constructor and its `save_checkpoint` / `load_checkpoint` calls; underneath, the
 `StorageReader` (checksummed, committed atomically, staged through the ring), into the
 root `output_dir/asyncckpt`, step = the epoch.
 
+torchtune's recipes checkpoint no random number generator state (a resumed run re-seeds,
+so dropout draws other masks than the run it continues): each save here adds every
+rank's RNG states (torch, numpy, Python's; one key per rank), and a resume restores this
+rank's where the step holds them (a step saved at another world size: not restored).
+
+torchtune's resume builds the optimizer's load template before the recipe makes its LR
+scheduler, so the template's param groups lack the scheduler's `initial_lr`; DCP loads
+only the keys a template has, and the recipe then fails making its scheduler
+(`KeyError: param 'initial_lr' is not specified`, with DCP's own FileSystemReader too).
+The load here also asks for the param-group entries the step holds and the template
+lacks.
+
 A resume loads the newest live step and begins a timeline there (dcp_timeline.py): a
 run resumed from an older epoch saves over the newer epochs of the history it left,
 which are never newest again. A re-save of a committed epoch replaces it atomically,
@@ -29,6 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torchtune import training  # type: ignore[import-not-found,unused-ignore]  # no py.typed
 from torchtune.training.checkpointing._checkpointer import (  # type: ignore[import-not-found,unused-ignore]  # no py.typed
     DistributedCheckpointer as _TorchtuneDistributedCheckpointer,
 )
@@ -36,9 +49,34 @@ from torchtune.training.checkpointing._checkpointer import (  # type: ignore[imp
 from asyncckpt.checkpointer import Checkpointer
 from asyncckpt.integrations.dcp_reader import StorageReader
 from asyncckpt.integrations.dcp_writer import StorageWriter
+from asyncckpt.integrations.rng import rng_state, set_rng_state
 
-__all__ = ["ROOT_NAME", "DistributedCheckpointer", "install"]
+__all__ = ["RNG_KEY", "ROOT_NAME", "DistributedCheckpointer", "install"]
 ROOT_NAME = "asyncckpt"  # the root, under torchtune's output_dir
+RNG_KEY = "asyncckpt_rng_rank"  # + the global rank: that rank's RNG states in a step
+
+
+def _ask_saved_group_keys(state_dict: dict[str, Any], saved: Any) -> None:
+    """Add to the template's optimizer param groups (`state_dict[OPT_KEY]`) the entries
+    the step holds and the template lacks (a scheduler's `initial_lr`), as placeholders
+    DCP's load fills."""
+    optimizer = state_dict.get(training.OPT_KEY)
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(groups, list):
+        return  # optimizer in backward: torchtune's wrapper keys its own way
+    prefix = f"{training.OPT_KEY}.param_groups."
+    for key in saved:
+        if not key.startswith(prefix):
+            continue
+        index, _, name = key[len(prefix):].partition(".")
+        if (index.isdigit() and int(index) < len(groups) and name and "." not in name
+                and isinstance(groups[int(index)], dict) and name not in groups[int(index)]):
+            groups[int(index)][name] = None
+
+
+def _rng_key() -> str:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"{RNG_KEY}{rank}"
 
 
 class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
@@ -50,10 +88,12 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
         process_group: the group DCP's collectives use (default: a new gloo group of
             every rank; every rank must construct it together).
         keep_last: keep this many newest epochs in the root (None: all).
+        resume_step: the epoch a resume loads (None: the newest live one); an older
+            one begins a timeline there.
     """
 
     def __init__(self, checkpoint_dir: str, output_dir: str, process_group: Any = None,
-                 keep_last: int | None = None) -> None:
+                 keep_last: int | None = None, resume_step: int | None = None) -> None:
         if process_group is None and dist.is_available() and dist.is_initialized():
             # a group of its own: DCP's async save runs its collectives on a thread,
             # which on the training's group (gloo on CPU) would interleave with the
@@ -63,17 +103,22 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
         self._checkpoint_future: Any = None  # dcp.async_save's future
         self.root = Path(output_dir) / ROOT_NAME
         self.keep_last = keep_last
+        self.resume_step = resume_step
 
     def _get_latest_intermediate_checkpoint(self) -> str | None:
-        """The newest live committed epoch's directory in the root, or None."""
-        step = Checkpointer(self.root).latest_step() if self.root.is_dir() else None
+        """The directory in the root of `resume_step`, else of the newest live committed
+        epoch; None when there is none."""
+        step = self.resume_step
+        if step is None and self.root.is_dir():
+            step = Checkpointer(self.root).latest_step()
         return None if step is None else str(self.root / f"step-{step:08d}")
 
     def load_checkpoint(self, state_dict: dict[str, Any] | None = None,
                         checkpoint_path: str | None = None) -> dict[str, Any]:
         """Fill `state_dict` (DCP's in-place load, resharding) from `checkpoint_path`
         (a step directory `ROOT/step-N`, or the root: its newest step), default the
-        newest live epoch; the saves that follow continue from it.
+        newest live epoch; the saves that follow continue from it. This rank's RNG
+        states are restored from the step where it holds them.
 
         Raises:
             ValueError: no state dict, or no committed epoch to load (as torchtune's).
@@ -85,15 +130,24 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
         path = checkpoint_path or self._get_latest_intermediate_checkpoint()
         if path is None:
             raise ValueError(f"no intermediate checkpoint in {self.root} to resume from")
+        key = _rng_key()
+        saved = StorageReader(path).read_metadata().state_dict_metadata
+        has_rng = any(name.startswith(key + ".") or name == key for name in saved)
+        if has_rng:
+            state_dict[key] = rng_state()  # the structure DCP fills in place
+        _ask_saved_group_keys(state_dict, saved)
         dcp.load(state_dict=state_dict, storage_reader=StorageReader(path),
                  process_group=self._process_group)
+        if has_rng:
+            set_rng_state(state_dict.pop(key))
         return state_dict
 
     def save_checkpoint(self, state_dict: dict[str, Any], epoch: int,
                         save_async: bool = False) -> None:
         """Save epoch `epoch` (every rank calls it): with `save_async`, return once the
         state is staged (`dcp.async_save`); the previous asynchronous save is waited
-        for first, and its failure raised here.
+        for first, and its failure raised here. This rank's RNG states (as of this
+        call) are saved with the state.
 
         Raises:
             CheckpointException: DCP's, wrapping asyncckpt's error (a sync save, or
@@ -103,6 +157,7 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
             future, self._checkpoint_future = self._checkpoint_future, None
             future.result()  # a failed save is never dropped
         writer = StorageWriter(self.root, epoch, keep_last=self.keep_last, overwrite=True)
+        state_dict = {**state_dict, _rng_key(): rng_state()}
         if save_async:
             self._checkpoint_future = dcp.async_save(state_dict=state_dict,
                                                      storage_writer=writer,
@@ -118,7 +173,8 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
             future.result()
 
 
-def install(recipe: Any, *, keep_last: int | None = None) -> DistributedCheckpointer:
+def install(recipe: Any, *, keep_last: int | None = None,
+            resume_step: int | None = None) -> DistributedCheckpointer:
     """Make a torchtune recipe's intermediate checkpoints go through asyncckpt: its
     `CheckpointClient` (built in the recipe's `__init__`) gets this module's
     `DistributedCheckpointer` on the directories of the configured checkpointer. Call
@@ -128,6 +184,9 @@ def install(recipe: Any, *, keep_last: int | None = None) -> DistributedCheckpoi
     Args:
         recipe: the recipe, or its `CheckpointClient`.
         keep_last: keep this many newest epochs (None: all).
+        resume_step: the epoch a resume (`resume_from_checkpoint: True`) loads; None:
+            the newest live one. An older one begins a timeline: the saves that follow
+            replace the newer epochs of the history it leaves.
     Returns:
         The checkpointer installed.
     Raises:
@@ -139,7 +198,7 @@ def install(recipe: Any, *, keep_last: int | None = None) -> DistributedCheckpoi
         raise TypeError(f"{type(recipe).__name__} has no torchtune CheckpointClient")
     checkpointer = DistributedCheckpointer(config.checkpointer.checkpoint_dir,
                                            config.checkpointer.output_dir,
-                                           keep_last=keep_last)
+                                           keep_last=keep_last, resume_step=resume_step)
     client._dcp_checkpointer = checkpointer
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank installed before any saves
