@@ -4,12 +4,16 @@ frameworks venv's python, under torchrun (2 gloo ranks) or alone.
 
 argv[1]: JSON {"out", "max_steps", "save_steps", "limit", "resume", "kill_step",
 "dump", "peft", "plain",
-"then_resume"}. At the end each rank writes `dump`-RANK.pt: the weights, the
+"then_resume", "fsdp"}. At the end each rank writes `dump`-RANK.pt: the weights, the
 optimizer and scheduler states, its RNG state and the logged losses by step. With
 "kill_step", rank 1 SIGKILLs itself in the save of that step, after rank 0 handed its
 part over (the step is mid-save: it never commits). With "then_resume", the same
 process then trains a fresh model resumed from that checkpoint directory and dumps it
-to `dump`-resumed-RANK.pt."""
+to `dump`-resumed-RANK.pt. With "fsdp", the Trainer's FSDP2 (`fsdp="full_shard"`,
+fsdp_version 2) through Accelerate: Accelerate 1.16 drops its FSDP plugin on CPU (it sets
+`DistributedType.FSDP` for GPU types only, and the Trainer then sees no plugin), so the
+worker sets both back after the Trainer made its Accelerator; from there the Trainer's
+and Accelerate's own FSDP2 code runs (`fully_shard` on gloo)."""
 
 from __future__ import annotations
 
@@ -56,14 +60,36 @@ def model(peft: bool) -> torch.nn.Module:
     return net
 
 
+def fsdp_on_cpu(cls: type[Trainer]) -> type[Trainer]:
+    """`cls` whose `create_accelerator_and_postprocess` then sets the FSDP plugin where
+    Accelerate 1.16 on CPU leaves none (see the module docstring)."""
+    from accelerate import DistributedType
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    class FSDPOnCPU(cls):  # type: ignore[misc,valid-type]
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            state = self.accelerator.state
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            self.is_fsdp_enabled = True
+
+    return FSDPOnCPU
+
+
 def run(cfg: dict) -> Trainer:
+    fsdp = {"fsdp": "full_shard", "fsdp_config": {
+        "fsdp_version": 2, "reshard_after_forward": True,
+        "transformer_layer_cls_to_wrap": ["GPT2Block"]}} if cfg.get("fsdp") else {}
     args = TrainingArguments(
         output_dir=cfg["out"], max_steps=cfg["max_steps"], save_strategy="steps",
         save_steps=cfg["save_steps"], save_total_limit=cfg.get("limit"), logging_steps=1,
         per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="linear",
         warmup_steps=2, use_cpu=True, report_to=[], seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, save_only_model=False)
+        dataloader_num_workers=0, save_only_model=False, **fsdp)
     cls = Trainer if cfg.get("plain") else AsyncCheckpointTrainer
+    if cfg.get("fsdp"):
+        cls = fsdp_on_cpu(cls)
     trainer = cls(model=model(cfg.get("peft", False)), args=args, train_dataset=Tokens())
     kill = cfg.get("kill_step")
     if kill is not None and args.process_index == 1:
@@ -95,8 +121,16 @@ def dump(trainer: Trainer, path: str) -> None:
     while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
         opt = opt.optimizer
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
-    torch.save({"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-                "optimizer": opt.state_dict(), "scheduler": trainer.lr_scheduler.state_dict(),
+    # FSDP2: the whole weights (a collective, every rank in the same order), this rank's
+    # shards of the optimizer state
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for k, v in trainer.model.state_dict().items()}
+    optimizer = opt.state_dict()
+    for state in optimizer["state"].values():
+        for name, v in state.items():
+            state[name] = v.to_local() if hasattr(v, "to_local") else v
+    torch.save({"params": params,
+                "optimizer": optimizer, "scheduler": trainer.lr_scheduler.state_dict(),
                 "rng": torch.get_rng_state(), "losses": losses,
                 "blocked": trainer.blocked_per_save},
                f"{path}-{trainer.args.process_index}.pt")

@@ -12,8 +12,10 @@ The DDP launches run with ASYNCCKPT_FRAMEWORKS_FULL=1 only (their cost, below)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +32,7 @@ pytestmark = [pytest.mark.process, needs_frameworks]  # runs the frameworks venv
 
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_trainer_worker.py"
-LAUNCH_TIMEOUT = 240  # s, one torchrun launch on a loaded 2-core machine
+LAUNCH_TIMEOUT = 480  # s, one torchrun launch on a loaded 2-core machine
 # the DDP launches cost ~20 s each on an idle 2-core machine (importing transformers pulls
 # in torchao and torch._dynamo: ~18 s of CPU per process), past `make test`'s share
 ddp = full_only  # three 2-rank torchrun launches
@@ -48,8 +50,17 @@ def launch(cfg: dict, ranks: int) -> subprocess.CompletedProcess:
     head = ([FRAMEWORKS_PYTHON, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
              "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
             if ranks > 1 else [FRAMEWORKS_PYTHON])
-    return subprocess.run([*head, str(WORKER), json.dumps(cfg)], env=ENV, text=True,
-                          capture_output=True, timeout=LAUNCH_TIMEOUT)
+    proc = subprocess.Popen([*head, str(WORKER), json.dumps(cfg)], env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:  # torchrun's workers too: none left running
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def steps(run_dir: Path) -> tuple[list[int], list[int]]:
