@@ -6,7 +6,9 @@ with LOCAL_RANK set, so Lightning launches nothing) saving through AsyncckptChec
 A tiny regression with dropout (the RNG matters), AdamW and a StepLR; 4 steps an epoch;
 ModelCheckpoint keeps the top 2 by the epoch's loss plus `last.ckpt`, in OUT/ckpts.
 Each rank writes OUT/TAG-r<rank>.json: the losses by global step, and (rank 0) the final
-weights, optimizer and scheduler state and the RNG as the bench compares them.
+weights, optimizer and scheduler state and the RNG as the bench compares them, and what
+`load_checkpoint` of last.ckpt gives (`reload`: tensor devices per map_location, and
+Python's RNG state it restores).
 --kill-epoch K: at the first save of epoch K rank 0 lets the earlier saves commit, stops
 its writer (SIGSTOP), hands the save over, then SIGKILLs the writer and itself: that
 step is never committed."""
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -69,6 +72,24 @@ class KillingIO(AsyncckptCheckpointIO):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def reload(io: AsyncckptCheckpointIO, last: Path) -> dict:
+    """What `load_checkpoint` of `last` gives: the devices of its tensors under each
+    kind of map_location ("meta": the device a CPU machine has besides the CPU), and
+    Python's RNG state it restores."""
+    def devices(**kwargs: Any) -> list[str]:
+        loaded = io.load_checkpoint(last, **kwargs)
+        state = next(iter(loaded["optimizer_states"][0]["state"].values()))
+        return sorted({str(t.device) for t in [*loaded["state_dict"].values(), *state.values()]})
+
+    def meta(storage: Any, location: str) -> Any:
+        return torch.UntypedStorage(storage.nbytes(), device="meta")
+
+    return {"none": devices(), "name": devices(map_location="meta"),
+            "dict": devices(map_location={"cpu": "meta"}), "function": devices(map_location=meta),
+            "identity": devices(map_location=lambda storage, location: storage),
+            "random": list(random.getstate()[1])}  # load_checkpoint (last) restored it
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -94,6 +115,7 @@ def main() -> None:
     result: dict = {"losses": {str(k): v for k, v in model.losses.items()},
                     "blocked": io.blocked_seconds}
     if rank == 0:
+        result["reload"] = reload(io, out / "ckpts" / "last.ckpt")
         opt = trainer.optimizers[0]
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                     "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
