@@ -35,8 +35,9 @@ Adapter-only (PEFT): for a model with frozen parameters (default: a `peft.PeftMo
 only the trainable parameters and their optimizer state are saved (hf_peft.py), the
 base referenced by its name and a fingerprint checked at restore.
 
-A sharded model (FSDP through Accelerate: DTensor parameters) saves each rank's shards
-(the Checkpointer's sharded path); that path is not yet tested with the Trainer.
+A sharded model (FSDP2 through Accelerate, `fsdp="full_shard"` with fsdp_version 2:
+DTensor parameters) saves each rank's shards (the Checkpointer's sharded path), tested
+with the Trainer in tests/integrations/frameworks/test_hf_trainer_fsdp.py.
 Not supported (ValueError at `train()`): `load_best_model_at_end`, `push_to_hub`,
 DeepSpeed. The Trainer's `save_model()` (a Hugging Face model directory) is unchanged.
 """
