@@ -27,9 +27,11 @@ Results: benchmarks/results/frameworks.md and .json; misses are listed as misses
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -44,7 +46,7 @@ from benchmarks.frameworks_report import markdown, misses, summarise_method
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
-FRAMEWORKS = ("hf", "lightning", "accelerate", "torchtune")
+FRAMEWORKS = ("torchtune", "accelerate", "hf", "lightning")  # the quickest first
 METHODS = {"hf": ["default", "asyncckpt"], "lightning": ["default", "async", "asyncckpt"],
            "accelerate": ["default", "asyncckpt"], "torchtune": ["default", "async", "asyncckpt"]}
 TINY = {"width": 256, "layers": 4}
@@ -53,7 +55,7 @@ BYTES_PER_PARAM = 12  # fp32 weight + AdamW's two fp32 moments
 PLANS = {"full": {"warm": 2, "baseline": 3, "gap": 3, "spaced": 4, "back": 3},
          "mid": {"warm": 2, "baseline": 3, "gap": 2, "spaced": 3, "back": 3},
          "quick": {"warm": 2, "baseline": 2, "gap": 2, "spaced": 2, "back": 2}}
-RUN_TIMEOUT = 1800  # s: one framework's ranks, every case
+RUN_TIMEOUT = 1800  # s: one venv's ranks, every case (--timeout)
 NOTES = [
     "HF Trainer: the Trainer's own `train()` is not run; the bench's loop steps the "
     "Trainer's optimizer and scheduler and calls `Trainer._save_checkpoint`, the save point "
@@ -122,8 +124,8 @@ def cases_for(framework: str, args: argparse.Namespace, work: Path) -> list[dict
     return out
 
 
-def run_venv(python: str, cases: list[dict[str, Any]], work: Path,
-             tag: str) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+def run_venv(python: str, cases: list[dict[str, Any]], work: Path, tag: str,
+             timeout: float = RUN_TIMEOUT) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
     """Every case of the frameworks of one venv: the raw results per case (one entry per
     rank) and each rank's log."""
     spec = work / f"spec-{tag}.json"
@@ -134,14 +136,16 @@ def run_venv(python: str, cases: list[dict[str, Any]], work: Path,
     env.pop("ASYNCCKPT_ADDRESS", None)
     procs = [subprocess.Popen([python, "-m", "benchmarks.frameworks_worker", str(spec), str(r)],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(world)]
+                              text=True, start_new_session=True) for r in range(world)]
     logs = []
+    deadline = time.monotonic() + timeout  # the cases not done by then are reported missing
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=RUN_TIMEOUT)[0])
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
+            for q in procs:  # the rank, the case's child it forked and that one's writer
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
             logs.append(p.communicate()[0])
     raw: dict[str, list[dict[str, Any]]] = {}
     for case in cases:
@@ -185,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     ap.add_argument("--methods", default="", help="only these methods (default, async, asyncckpt)")
     ap.add_argument("--out", default="benchmarks/results/frameworks.md")
+    ap.add_argument("--timeout", type=float, default=RUN_TIMEOUT,
+                    help="seconds for one venv's cases (those unfinished are reported missing)")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a tmp dir in .)")
     ap.add_argument("--render", metavar="JSON", help="only write --out's report from the figures "
                     "of an earlier run (its .json)")
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cases = [c for f in group for c in cases_for(f, args, work)]
             t0 = time.perf_counter()
-            raw, logs = run_venv(python, cases, work, group[0])
+            raw, logs = run_venv(python, cases, work, group[0], args.timeout)
             print(f"{', '.join(group)}: {time.perf_counter() - t0:.0f} s", flush=True)
             result["raw"].update(raw)
             result["logs"].append(logs)
