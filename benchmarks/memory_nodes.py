@@ -36,7 +36,8 @@ from typing import Any
 import asyncckpt
 
 REPO = Path(__file__).resolve().parents[1]
-WAIT_S = 120.0  # a launch's ranks must restore (or exit) within this
+# a launch's ranks must restore (or exit) within this (MN_WAIT_S: a loaded machine)
+WAIT_S = float(os.environ.get("MN_WAIT_S", "120"))
 POLL_S = 0.05  # how often the driver looks at the ranks' files
 REPLICA_TIMEOUT_S = "5"  # a writer gives up on a lost partner after this
 

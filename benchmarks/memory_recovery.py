@@ -97,7 +97,7 @@ def recovery(base: Path, kind: str, env: dict[str, str], kill_at: int,
                          "MN_DURABLE": str(durable if memory else 1)})
     try:
         job.launch("a")
-        if job.results("a") is None or not job.wait_progress(kill_at):
+        if job.results("a", WAIT_S * 3) is None or not job.wait_progress(kill_at, WAIT_S * 3):
             raise RuntimeError(f"{kind}: the job did not train to {kill_at}:\n{job.logs('a')}")
         last = job.progress()
         killed = time.time()
@@ -206,7 +206,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="memrecovery-") as d:
         steps = step_times(Path(d) / "steps", env)
         print(json.dumps(steps), flush=True)
-        train_env = {**env, "MN_STEPS": "1000000"}
+        # recovery: a short step (batch 32), so that the kill comes soon on a busy machine
+        train_env = {**env, "MN_STEPS": "1000000", "MN_BATCH": "32"}
         cases = {}
         for kind in ("replacement", "shrunk", "durable"):
             cases[kind] = recovery(Path(d) / kind, kind, train_env, args.kill_at,
