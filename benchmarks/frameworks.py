@@ -139,10 +139,12 @@ def run_venv(python: str, cases: list[dict[str, Any]], work: Path, tag: str,
                               text=True, start_new_session=True) for r in range(world)]
     logs = []
     deadline = time.monotonic() + timeout  # the cases not done by then are reported missing
+    timed_out = False
     for p in procs:
         try:
             logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
         except subprocess.TimeoutExpired:
+            timed_out = True
             for q in procs:  # the rank, the case's child it forked and that one's writer
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(q.pid, signal.SIGKILL)
@@ -152,8 +154,10 @@ def run_venv(python: str, cases: list[dict[str, Any]], work: Path, tag: str,
         ranks = []
         for r in range(case["world"]):
             path = Path(f"{case['out']}-r{r}.json")
+            missing = (f"not finished within --timeout {timeout:.0f} s" if timed_out
+                       else "no result")
             ranks.append(json.loads(path.read_text()) if path.exists() else
-                         {"rank": r, "error": f"no result; rank log: {logs[r][-1500:]}"})
+                         {"rank": r, "error": missing, "log": logs[r][-1500:]})
         raw[case["name"]] = ranks
         _remove(Path(case["work"]))
     return raw, [[line for line in log.splitlines() if line.startswith("rank ")] for log in logs]

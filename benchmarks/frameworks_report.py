@@ -26,7 +26,7 @@ def _median(values: list[float]) -> float | None:
 def summarise_rank(raw: dict[str, Any]) -> dict[str, Any]:
     """One rank's figures for one method: medians over its saves, by kind."""
     if "error" in raw:
-        return {"error": raw["error"]}
+        return {"error": raw["error"].splitlines()[0][:300]}
     saves, base = raw["saves"], raw.get("base_step")
     errors = [s["error"] for s in saves if s.get("error")]
     by = {k: [s for s in saves if s["kind"] == k] for k in ("first", "spaced", "back")}
