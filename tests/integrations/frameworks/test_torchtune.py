@@ -26,6 +26,7 @@ WORKER = str(FRAMEWORKS / "torchtune_worker.py")
 # torchtune's own locked venv (make torchtune-setup): its torchao pin is one peft refuses
 PYTHON = os.environ.get("ASYNCCKPT_TORCHTUNE_PYTHON",
                         str(REPO / ".venv-torchtune" / "bin" / "python"))
+LAUNCH_TIMEOUT = 600  # s, both ranks of one launch on a loaded 2-core machine
 pytestmark = pytest.mark.skipif(not Path(PYTHON).exists(),
                                 reason=f"no torchtune venv at {PYTHON}: run `make torchtune-setup`")
 
@@ -42,7 +43,13 @@ def run(out: Path, tag: str, *args: str) -> list[dict]:
                                    "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT)[0] for p in procs]
+    finally:  # a timeout leaves no rank running
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for r, (p, text) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0 and f"OK rank {r}" in text, f"{tag} rank {r}:\n{text[-4000:]}"
     return [json.loads((out / f"{tag}-r{r}.json").read_text()) for r in range(2)]
