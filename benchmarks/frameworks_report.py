@@ -179,5 +179,6 @@ def markdown(result: dict[str, Any]) -> str:
     found = [m for case in result["cases"] for m in misses(case)]
     lines += ["## Misses", ""]
     lines += [f"- {m}" for m in found] if found else ["- none in this run"]
-    lines += ["", "## Notes", ""] + [f"- {n}" for n in result.get("notes", [])]
+    notes = [*result.get("run_notes", []), *result.get("notes", [])]  # this run's, then the code's
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

@@ -112,6 +112,7 @@ def test_markdown_has_each_method_ratios_and_the_misses() -> None:
     result = {"command": "python -m benchmarks.frameworks", "cpus": 2, "torch": "x",
               "loadavg_before": [1, 1, 1], "loadavg_after": [2, 2, 2], "wall_s": 10,
               "plan": {"gap": 3}, "cases": [case], "notes": ["a note"],
+              "run_notes": ["rerun at a lower load"],
               "labels": {"lightning": {"default": "TorchCheckpointIO", "async": "Async",
                                        "asyncckpt": "Ours"}}}
     text = report.markdown(result)
@@ -119,7 +120,7 @@ def test_markdown_has_each_method_ratios_and_the_misses() -> None:
     assert "| 4.00x | 2.00x |" in row  # default/ours, async/ours on blocked spaced
     assert "| TorchCheckpointIO | 1.000 |" in text and "| Async | 0.500 |" in text
     assert "## Misses" in text and "extra host memory" in text and "MISS" in text
-    assert "- a note" in text
+    assert "- rerun at a lower load\n- a note" in text
 
 
 def test_results_are_written_and_rendered_again_from_their_json(tmp_path: Path) -> None:
