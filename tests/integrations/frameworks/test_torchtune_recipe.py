@@ -89,19 +89,28 @@ def same_after(a: dict, b: dict, epoch: int) -> None:
     assert steps == {s: v for s, v in b["losses"].items() if int(s) > epoch}
 
 
+BASE = {"epochs": EPOCHS, "keep_last": 2, "dropout": 0.25}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ref, then killed and resumed (the older resume is `older`'s)."""
     tmp = tmp_path_factory.mktemp("torchtune_recipe")
-    base = {"epochs": EPOCHS, "keep_last": 2, "dropout": 0.25}
-    launch({**base, "out": str(tmp / "ref"), "tag": "ref"})
-    launch({**base, "out": str(tmp / "ref"), "tag": "ref-again", "resume": True,
-            "resume_step": 3})
-    codes = launch({**base, "out": str(tmp / "k"), "tag": "killed", "kill_epoch": KILL_EPOCH})
+    launch({**BASE, "out": str(tmp / "ref"), "tag": "ref"})
+    codes = launch({**BASE, "out": str(tmp / "k"), "tag": "killed", "kill_epoch": KILL_EPOCH})
     root = tmp / "k" / "output" / "asyncckpt"
     (tmp / "killed.json").write_text(json.dumps({"codes": codes,
                                                  "steps": Checkpointer(root).all_steps()}))
-    launch({**base, "out": str(tmp / "k"), "tag": "resumed", "resume": True})
+    launch({**BASE, "out": str(tmp / "k"), "tag": "resumed", "resume": True})
     return tmp
+
+
+@pytest.fixture(scope="module")
+def older(runs: Path) -> Path:
+    """ref's output resumed from its older epoch 3, trained to the end again."""
+    launch({**BASE, "out": str(runs / "ref"), "tag": "ref-again", "resume": True,
+            "resume_step": 3})
+    return runs
 
 
 def test_a_rank_killed_mid_save_resumes_bit_exact(runs: Path) -> None:
@@ -122,7 +131,8 @@ def test_the_recipes_saves_rotate_and_its_final_save_is_torchtunes(runs: Path) -
     assert verify(root).ok
 
 
-def test_a_resume_from_an_older_epoch_saves_over_the_newer_cleanly(runs: Path) -> None:
+def test_a_resume_from_an_older_epoch_saves_over_the_newer_cleanly(older: Path) -> None:
+    runs = older
     root = runs / "ref" / "output" / "asyncckpt"
     for rank in (0, 1):
         ref, again = result(runs / "ref", "ref", rank), result(runs / "ref", "ref-again", rank)
