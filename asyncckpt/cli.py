@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
 
     ls = command("ls", "list committed and in-progress checkpoints under a root")
     ls.add_argument("root", type=_root, help="a root: a directory, or s3://bucket/prefix")
+    ls.add_argument("--memory", metavar="ADDRESS", nargs="?", const="", default=None,
+                    help="also the memory generations the writer at ADDRESS (default "
+                         "ASYNCCKPT_ADDRESS) holds, whole or partial, with its replicas")
     ls.add_argument("--json", action="store_true", help=JSON)
 
     ins = command("inspect", "tensors, shapes, dtypes, bytes and ratio per dtype")
@@ -142,7 +145,8 @@ EXIT_STATUS = {
     "writer": "exit status: 0 stopped cleanly (SIGTERM/SIGINT, or its parent gone), 2 a bad "
               "knob or an unusable root, 3 the root is locked by another writer",
     "verify": f"exit status: 0 every byte checked, 1 corruption found, {_USAGE}",
-    "ls": f"exit status: 0 listed (damaged steps are rows, not errors), {_USAGE}",
+    "ls": f"exit status: 0 listed (damaged steps are rows, not errors), {_USAGE}, or "
+          "no writer at the --memory address",
     "inspect": f"exit status: 0 shown, {_USAGE}",
     "gc": f"exit status: 0 done, {_USAGE}, 3 a writer holds the root",
     "export": f"exit status: 0 written (or this part's share), 1 corruption found, {_USAGE}, "
@@ -288,6 +292,14 @@ def _ls(args: argparse.Namespace) -> int:
         rows.append({"step": save.step, "state": "in-progress", "path": str(save.path),
                      "stored_bytes": save.stored_bytes, "age_seconds": now - save.modified,
                      "latest": False})
+    if args.memory is not None:
+        from asyncckpt.ipc.protocol import writer_address
+        from asyncckpt.read.memory import ls_rows
+        try:
+            rows += ls_rows(writer_address(args.memory or None))
+        except (CheckpointError, OSError, EOFError, ValueError) as e:  # ValueError: protocol
+            print(f"asyncckpt ls: the writer's memory generations: {e}", file=sys.stderr)
+            return 2
     if args.json:  # the root's current timeline at top level, then the steps
         json.dump({"timeline": current.to_json(), "steps": rows}, sys.stdout, indent=1)
         print()

@@ -136,3 +136,31 @@ def test_ls_and_gc_behave_the_same_on_both_backends(any_root, tmp_path, capsys):
 def test_ls_and_gc_refuse_a_root_that_holds_nothing(command, tmp_path, capsys):
     assert main([*command, str(tmp_path / "absent")]) == 2
     assert "asyncckpt" in capsys.readouterr().err
+
+
+def test_ls_memory_lists_the_writers_generations_beside_the_root(tmp_path, capsys,
+                                                                 monkeypatch):
+    """`ls --memory` adds what the node writer holds in memory; no writer there is exit 2."""
+    from inprocess import InProcessWriter
+
+    from asyncckpt.rank.client import Client
+    with InProcessWriter(tmp_path / "root", codec="raw", export=False) as w:
+        client = Client(w.address, rank=0, world_size=1, slot_size=1 << 16, ring_size=1 << 18)
+        try:
+            client.save(1, {"w": torch.ones(64)}).wait(30)
+            client.save(2, {"w": torch.zeros(64)}, tier="memory").wait(30)
+        finally:
+            client.close()
+        monkeypatch.setenv("ASYNCCKPT_ADDRESS", w.address)
+        assert main(["ls", str(tmp_path / "root"), "--memory", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)["steps"]
+        assert [(r["step"], r["state"]) for r in rows] == [(1, "committed"), (2, "memory")]
+        assert rows[1]["path"] == f"memory of {w.address} (ranks 0)"
+        assert main(["ls", str(tmp_path / "root"), "--memory"]) == 0
+        table = capsys.readouterr().out
+        assert "memory of" in table and " 2  memory" in table
+    monkeypatch.delenv("ASYNCCKPT_ADDRESS")
+    assert main(["ls", str(tmp_path / "root"), "--memory"]) == 2
+    assert "no writer address" in capsys.readouterr().err
+    assert main(["ls", str(tmp_path / "root"), "--memory", str(tmp_path / "nowhere.sock")]) == 2
+    assert "memory generations" in capsys.readouterr().err
