@@ -47,7 +47,7 @@ TORCHTUNE_VENV  ?= $(VENV)-torchtune
 LATEST      ?= .venv-latest
 LATEST_TORCH ?= $(TORCH_SPEC)
 
-.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks test-dcp-upstream bench-memory-tier test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
+.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks test-dcp-upstream bench-memory-tier torture-memory test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
 
 setup: $(UV)
 	$(call sync_venv,$(VENV),$(LOCKS)/test.txt)
@@ -210,9 +210,15 @@ torture-s3: setup
 # replacement-node case).
 bench-memory-tier: setup
 	$(BIN)/python -m benchmarks.memory_tier --steps 60 --batch 32
+	$(BIN)/python -m benchmarks.memory_recovery --steps 40 --batch 256
 	$(BIN)/python -m benchmarks.memory_tier --steps 60 --batch 2048
 	$(BIN)/python -m benchmarks.replica_transport --mib 256 --chunk-mib 1
 	ASYNCCKPT_MEMORY_LONG=1 $(BIN)/python -m pytest -q tests/multiprocess/test_memory_tier_nodes.py
+
+# 2 simulated nodes x 2 ranks, every step to memory (durable every 5th): 100 kills of a
+# whole node (ranks and writer), every restore compared bit for bit with what was saved.
+torture-memory: setup
+	$(BIN)/python -m benchmarks.memory_torture --kills 100
 
 # 1,000 random damages to committed checkpoints; verify and load must catch every one.
 corruption: setup
