@@ -47,7 +47,7 @@ TORCHTUNE_VENV  ?= $(VENV)-torchtune
 LATEST      ?= .venv-latest
 LATEST_TORCH ?= $(TORCH_SPEC)
 
-.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks test-dcp-upstream bench-memory-tier torture-memory test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
+.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks bench-frameworks test-dcp-upstream bench-memory-tier torture-memory test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
 
 setup: $(UV)
 	$(call sync_venv,$(VENV),$(LOCKS)/test.txt)
@@ -306,6 +306,14 @@ test-verl: setup verl-setup
 # resume).
 test-frameworks: setup frameworks-setup torchtune-setup
 	ASYNCCKPT_FRAMEWORKS_FULL=1 $(BIN)/python -m pytest -q tests/integrations/frameworks
+
+# Each framework's own checkpoint path (and its async mode) against asyncckpt's integration,
+# a tiny model at 2 ranks and a 1 GiB state at 1 rank: blocked per save, durable, extra
+# memory (benchmarks/results/frameworks.md). About 8 minutes here at load 15-30.
+bench-frameworks: setup frameworks-setup torchtune-setup
+	ASYNCCKPT_FRAMEWORKS_PYTHON=$(FRAMEWORKS_VENV)/bin/python \
+	ASYNCCKPT_TORCHTUNE_PYTHON=$(TORCHTUNE_VENV)/bin/python \
+	$(BIN)/python -m benchmarks.frameworks --out benchmarks/results/frameworks.md
 
 # PyTorch's own DCP tests (and torchtitan's checkpoint tests) with asyncckpt's StorageWriter
 # and StorageReader swapped in, at the commits tests/upstream/run.py names; the pass table
