@@ -426,7 +426,7 @@ class Checkpointer:
             newest = newest_live(storage, current)
             address = self._client.address if self._client is not None else given_address(
                 self._address)
-            found = restore_memory(self.root, address, rank, newest, self._into(),
+            found = restore_memory(self.root, address, rank, newest, self._into,
                                    {"step", "extra", *self.options.contents},
                                    expected=bool(self.options.memory_interval))
             if found is not None:

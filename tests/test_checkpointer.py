@@ -631,3 +631,28 @@ def test_a_restore_from_an_older_step_begins_a_timeline(tmp_path):
             assert_same(states[10], dict(fresh.state_dict()))
             assert again.timeline.at == 10 and again.timeline.based_on == 1
             again.client.close()
+
+
+def test_restore_from_nothing_leaves_a_sharded_optimizer_untouched(tmp_path):
+    """Regression: restore() on an empty root made the targets of a load it never ran;
+    DCP's get_optimizer_state_dict initialises a fresh optimizer's state (its step count
+    too), so an FSDP2 job's first run trained differently from an uninterrupted one."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ckpt = Checkpointer(tmp_path / "empty", model=model, optimizer=optim, fence=False)
+        assert ckpt.restore() is None
+        assert len(optim.state) == 0
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()

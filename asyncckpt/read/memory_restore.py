@@ -14,6 +14,7 @@ durable step is not taken either.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from asyncckpt.errors import CheckpointError
@@ -36,7 +37,8 @@ def _usable_steps(held: list[dict[str, Any]], me: int, world: int) -> set[int]:
 
 
 def restore_memory(root: Location, address: str | None, rank: int | None, newest: int | None,
-                   into: Any, keys: set[str], *, expected: bool) -> tuple[int, Any] | None:
+                   into: Callable[[], Any], keys: set[str], *,
+                   expected: bool) -> tuple[int, Any] | None:
     """Load the newest memory generation every rank holds, when it is at least `newest`.
 
     Every rank of the job must call it (it runs collectives whatever happens on it).
@@ -46,7 +48,10 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         address: this rank's node writer (None: none known; this rank holds nothing).
         rank: this rank (None: from torch.distributed or the environment).
         newest: the newest durable step (None: none); an older generation is not taken.
-        into: the targets the load fills in place (as `load(into=)`).
+        into: makes the targets the load fills in place (as `load(into=)`); called only
+            when a generation is loaded. Hazard: making a sharded optimizer's state dict
+            initialises its state (DCP's `get_optimizer_state_dict`), which changes the
+            next steps of a fresh optimizer: never make it when nothing is loaded.
         keys: the top-level keys of the state to load.
         expected: memory saves were configured: say at WARNING when none is usable.
     Returns:
@@ -82,7 +87,7 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
     try:
         if error is None and images is not None:
             with memory.open_checkpoint(root, images, merged) as ckpt:
-                state = memory.load(ckpt, rank, into, keys)
+                state = memory.load(ckpt, rank, into(), keys)
     except Exception as e:
         error = e
     finally:
