@@ -188,7 +188,8 @@ class Checkpointer:
         self.timeline: TimelineStart | None = None  # made by restore(); carried by save()
         self._memory_saves: set[int] = set()  # id() of the handles in flight of memory saves
         self.restored_tier: str | None = None  # where restore() found its step
-        self._fence: Any = None
+        self._fences: list[Any] = []  # one hook per fenced optimizer
+        self._fenced: set[int] = set()  # their ids
         self.fence_blocked_seconds = 0.0
         self.extra: Any = None
         self.hf_metadata = hf.hf_metadata(unwrapped(model), hf_config, generation_config)
@@ -290,10 +291,14 @@ class Checkpointer:
 
         Without the fence, call `handle.wait_staged()` yourself before the optimizer
         changes the weights. The time spent waiting adds up in `fence_blocked_seconds`.
+        Several optimizers may be fenced (each once; a second call for one is a no-op);
+        `close()` removes every hook.
         """
         optimizer = optimizer or self.optimizer
         if optimizer is None:
             raise ValueError("install_fence needs an optimizer")
+        if id(optimizer) in self._fenced:
+            return
 
         def hook(*_: Any) -> None:
             pending = [h for h in self._in_flight if not h.staged()]
@@ -303,7 +308,8 @@ class Checkpointer:
                     handle.wait_staged()
                 self.fence_blocked_seconds += time.perf_counter() - started
 
-        self._fence = optimizer.register_step_pre_hook(hook)
+        self._fences.append(optimizer.register_step_pre_hook(hook))
+        self._fenced.add(id(optimizer))
 
     def wait_until_finished(self) -> None:
         """Block until every save in flight is done; raise the first failure that has
@@ -341,9 +347,10 @@ class Checkpointer:
         """Remove the fence, close our client, meet the other ranks and stop our
         writer, whatever fails. `quiet`: an error is already on its way, so a further
         failure the client raises at close is not (each was logged when it failed)."""
-        if self._fence is not None:
-            self._fence.remove()
-            self._fence = None
+        for fence in self._fences:
+            fence.remove()
+        self._fences.clear()
+        self._fenced.clear()
         try:
             if self._own_client and self._client is not None:
                 client, self._client = self._client, None

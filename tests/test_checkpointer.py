@@ -79,8 +79,10 @@ def test_fence_keeps_the_optimizer_from_tearing_a_save(shared):
 
     ckpt.install_fence()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = ckpt.save(fenced)
-    train_step(model, opt, 4)  # the fence holds optimizer.step() until staging is done
+    x = torch.randn(8, model[0].in_features, generator=torch.Generator().manual_seed(4))
+    model(x).pow(2).mean().backward()  # before the save: the step follows it at once (a
+    handle = ckpt.save(fenced)         # cold backward let staging finish first, 1 run in 6)
+    opt.step()  # the fence holds optimizer.step() until staging is done
     assert handle.wait(60).name == f"step-{fenced:08d}"
     assert ckpt.fence_blocked_seconds > 0
     assert_same(before, asyncckpt.load(root, step=fenced)["model"])
@@ -512,7 +514,7 @@ def test_close_and_wait_until_finished_raise_a_failed_save(writer, root, then):
     with pytest.raises(StepAlreadyCommittedError, match="step 1"):
         getattr(ckpt, then)()
     ckpt.close()  # raised once: not again
-    assert ckpt._fence is None  # close() finished its work
+    assert ckpt._fences == []  # close() finished its work
     client.close()
 
 
@@ -656,3 +658,15 @@ def test_restore_from_nothing_leaves_a_sharded_optimizer_untouched(tmp_path):
         ckpt.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_several_optimizers_are_fenced_once_each_and_close_removes_every_hook(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    first = torch.optim.SGD([model.weight], lr=0.1)
+    second = torch.optim.SGD([model.bias], lr=0.1)
+    ckpt = Checkpointer(tmp_path / "root", model=model, optimizer=first)  # fences `first`
+    ckpt.install_fence(second)
+    ckpt.install_fence(first)  # again: no second hook
+    assert [len(o._optimizer_step_pre_hooks) for o in (first, second)] == [1, 1]
+    ckpt.close()
+    assert [len(o._optimizer_step_pre_hooks) for o in (first, second)] == [0, 0]

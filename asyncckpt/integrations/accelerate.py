@@ -59,18 +59,6 @@ from asyncckpt.torchutil.dtensor import is_sharded_model
 __all__ = ["Accelerator", "AcceleratorCheckpointer"]
 
 
-class _Fences:
-    """The fence hooks of several optimizers, removed together."""
-
-    def __init__(self) -> None:
-        self.handles: list[Any] = []
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-
 class AcceleratorCheckpointer(Checkpointer):
     """A Checkpointer of everything an `accelerate.Accelerator` prepared or registered
     (the layout is accelerate_state.py's). `Accelerator` below makes one per root; use
@@ -89,8 +77,6 @@ class AcceleratorCheckpointer(Checkpointer):
         super().__init__(root, options=options or CheckpointerOptions(save_interval=1),
                          fence=False, address=address)
         self.accelerator = accelerator
-        self._fenced: set[int] = set()
-        self._fences = _Fences()
 
     def save(self, step: int, *, extra: Any = None, force: bool = False, replace: bool = False,
              keep_from: int | None = None) -> SaveHandle | None:
@@ -132,12 +118,7 @@ class AcceleratorCheckpointer(Checkpointer):
 
     def _fence_new_optimizers(self) -> None:
         for optimizer in self.accelerator._optimizers:
-            inner = inner_optimizer(optimizer)
-            if id(inner) not in self._fenced:
-                self._fenced.add(id(inner))
-                self.install_fence(inner)
-                self._fences.handles.append(self._fence)
-                self._fence = self._fences  # close() removes every hook
+            self.install_fence(inner_optimizer(optimizer))  # once per optimizer
 
     def _state_dicts(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

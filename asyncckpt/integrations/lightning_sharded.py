@@ -70,18 +70,6 @@ MAX_IN_FLIGHT = 4  # saves in flight before a save waits (top-k and last save tw
 SKIPPED = ("state_dict", "optimizer_states")  # the shards: saved as "model" / "optimizer"
 
 
-class _Fences:
-    """The fence hooks of several optimizers, removed together (`Checkpointer._fence`)."""
-
-    def __init__(self) -> None:
-        self.handles: list[Any] = []
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-
 class _StrategyCheckpointer(Checkpointer):
     """A Checkpointer of a strategy's model and optimizers, read from the strategy at
     each call (Lightning sets them up again per stage), always through torch's
@@ -93,18 +81,12 @@ class _StrategyCheckpointer(Checkpointer):
         super().__init__(root, options=options, fence=False)
         self.strategy = strategy
         self._given: dict[str, Any] | None = None
-        self._fenced: set[int] = set()
-        self._fences = _Fences()
 
     def save_given(self, step: int, model: Any, optimizers: list[Any],
                    extra: dict[str, Any]) -> SaveHandle:
         """`save(step)` of state dicts Lightning already collected."""
         for optimizer in self._optimizers():
-            if id(optimizer) not in self._fenced:
-                self._fenced.add(id(optimizer))
-                self.install_fence(optimizer)
-                self._fences.handles.append(self._fence)
-                self._fence = self._fences  # close() removes every hook
+            self.install_fence(optimizer)  # once per optimizer
         self._given = {"model": model, "optimizer": optimizers}
         try:
             handle = self.save(step, extra=extra, force=True)
