@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from frameworks_venv import full_only, needs_frameworks
+from lightning_markers import assert_rotation, markers
 
 from asyncckpt.read.loader import load
 from asyncckpt.storage.location import storage_for
@@ -56,19 +57,6 @@ def finish(procs: list[subprocess.Popen], out: Path, tag: str) -> list[dict]:
     for r, (p, text) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0 and f"OK rank {r}" in text, f"{tag} rank {r}:\n{text[-4000:]}"
     return [json.loads((out / f"{tag}-r{r}.json").read_text()) for r in range(2)]
-
-
-def markers(ckpts: Path) -> dict[str, int]:
-    """Lightning's files in `ckpts` and the steps they name."""
-    return {p.name: json.loads(p.read_text())["step"] for p in ckpts.glob("*.ckpt")}
-
-
-def assert_rotation(ckpts: Path, files: int = 3) -> None:
-    """Top 2 + last (and `files` - 3 of an abandoned timeline): each file names a
-    committed step, and no other step is kept."""
-    named = markers(ckpts)
-    assert len(named) == files and "last.ckpt" in named, named
-    assert set(storage_for(ckpts / "asyncckpt").committed_steps()) == set(named.values())
 
 
 def assert_same_end(out: Path, tag: str, ref: str) -> None:
