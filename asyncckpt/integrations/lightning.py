@@ -64,7 +64,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from asyncckpt.config import KEEP_ALL
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.format.timeline import TimelineStart
-from asyncckpt.integrations import rng
+from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.launch import WriterProcess, start_writer
@@ -120,29 +120,21 @@ def _write_marker(path: Path, root: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def rng_state() -> dict[str, Any]:
-    """`rng.rng_state()` with Python's 625-int MT state as one int64 tensor: a list of
-    625 ints is 625 leaves to flatten and frame, most of a tiny model's save time."""
-    state = rng.rng_state()
-    version, inner, gauss = state["random"]
-    state["random"] = [version, torch.tensor(inner, dtype=torch.int64), gauss]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` (or `rng.rng_state`, a list of ints) returned."""
-    version, inner, gauss = state["random"]
-    if isinstance(inner, torch.Tensor):
-        inner = inner.tolist()
-    rng.set_rng_state({**state, "random": [version, inner, gauss]})
-
-
 class _Pending:
     """A save in flight and the marker it will become."""
 
     def __init__(self, path: Path, step: int, handle: SaveHandle) -> None:
         self.path, self.step, self.handle = path, step, handle
         self.removed = False  # remove_checkpoint came first: retire it, write no marker
+        self.done = threading.Event()
+
+
+class _Retirement:
+    """A step whose marker Lightning removed: retired on the follow-up thread, after
+    the saves made before (not on the loop: a listing, a manifest read and fsyncs)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
         self.done = threading.Event()
 
 
@@ -174,7 +166,8 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         self._pending: list[_Pending] = []
         self._failures: list[str] = []
         self._hook: Any = None
-        self._queue: queue.Queue[_Pending] = queue.Queue()  # in save order
+        self._retiring: list[_Retirement] = []  # queued, not yet retired
+        self._queue: queue.Queue[_Pending | _Retirement] = queue.Queue()  # in call order
         self._thread: threading.Thread | None = None
 
     # -- saving (global rank 0) --------------------------------------------------------
@@ -230,11 +223,16 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         pending = _Pending(path, step, handle)
         with self._lock:
             self._pending.append(pending)
+        self._enqueue(pending)
+
+    def _enqueue(self, item: _Pending | _Retirement) -> None:
+        """Hand `item` to the follow-up thread (started at the first)."""
+        with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._follow_all, daemon=True,
                                                 name="asyncckpt-lightning")
                 self._thread.start()
-        self._queue.put(pending)
+        self._queue.put(item)
 
     def _root_for(self, path: Path) -> Path:
         if self.root is None:
@@ -273,9 +271,22 @@ class AsyncckptCheckpointIO(_CheckpointIO):
 
     def _follow_all(self) -> None:
         """The saves in the order they were made (a path saved twice ends naming the
-        later step), each once committed: its marker, or its retirement."""
+        later step), each once committed: its marker, or its retirement; and the steps
+        whose markers Lightning removed, in turn."""
         while True:
-            self._follow(self._queue.get())
+            item = self._queue.get()
+            if isinstance(item, _Pending):
+                self._follow(item)
+                continue
+            try:
+                self._retire(item.step)
+            except Exception as e:  # raised by the next save, as a save's failure is
+                with self._lock:
+                    self._failures.append(f"retiring step {item.step} failed: {e}")
+            finally:
+                with self._lock:
+                    self._retiring.remove(item)
+                item.done.set()
 
     def _follow(self, pending: _Pending) -> None:
         """`pending`'s marker once committed (retiring the step the path named before,
@@ -328,8 +339,9 @@ class AsyncckptCheckpointIO(_CheckpointIO):
     # -- rotation (global rank 0) --------------------------------------------------------
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove Lightning's checkpoint `path`: a marker goes and its step is retired
-        (a save still in flight: once committed); any other file is deleted."""
+        """Remove Lightning's checkpoint `path`: a marker goes at once and its step is
+        retired on the follow-up thread (after the saves made before it: a save still
+        in flight once committed); any other file is deleted."""
         path = Path(path).absolute()
         with self._lock:  # the follow-up writes markers under it too
             for pending in self._pending:
@@ -340,7 +352,10 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             named = read_marker(path) if path.is_file() else None
             path.unlink() if path.is_file() else _remove_tree(path)
         if named is not None and named[0] == self.root:
-            self._retire(named[1])
+            retirement = _Retirement(named[1])
+            with self._lock:
+                self._retiring.append(retirement)
+            self._enqueue(retirement)
 
     def _retire(self, step: int) -> None:
         """Retire committed `step` (its bytes stay while a kept step references them;
@@ -408,13 +423,14 @@ class AsyncckptCheckpointIO(_CheckpointIO):
     # -- the end of fit (every rank) -------------------------------------------------------
 
     def wait_until_finished(self) -> None:
-        """Block until every save in flight is committed and named (or retired).
+        """Block until every save in flight is committed and named (or retired), and
+        every removed marker's step retired.
 
         Raises:
             SaveFailedError: a save failed and has not been raised yet.
         """
         with self._lock:
-            pending = list(self._pending)
+            pending: list[_Pending | _Retirement] = [*self._pending, *self._retiring]
         for p in pending:
             p.done.wait()
         self._raise_failures()

@@ -36,3 +36,22 @@ def test_a_numpy_state_in_the_new_form_is_refused_by_name(monkeypatch):
         "uinteger": 0})
     with pytest.raises(UnsupportedStateError, match="numpy.*PCG64"):
         rng_state()
+
+
+def test_python_state_is_one_tensor_not_625_leaves():
+    """Python's MT state is one int64 tensor: 625 ints are 625 leaves each save flattens
+    and lists in its tree (most of a tiny model's save time)."""
+    version, inner, gauss_next = rng_state()["random"]
+    assert isinstance(inner, torch.Tensor) and inner.dtype == torch.int64
+    assert inner.shape == (625,) and version == random.getstate()[0]
+    assert inner.tolist() == list(random.getstate()[1]) and gauss_next is None
+
+
+def test_a_state_saved_with_the_python_state_as_ints_still_restores():
+    """Steps saved before the state was a tensor hold a list of 625 ints."""
+    state = rng_state()
+    version, inner, gauss_next = state["random"]
+    expected = random.random()
+    random.seed(7)
+    set_rng_state({**state, "random": [version, inner.tolist(), gauss_next]})
+    assert random.random() == expected

@@ -160,3 +160,47 @@ def test_python_rng_state_is_one_tensor_and_round_trips(
     assert version == 3 and isinstance(inner, torch.Tensor)
     assert inner.dtype == torch.int64 and inner.shape == (625,)
     assert inner.tolist() == runs[0]["reload"]["random"]
+
+
+SLOW_DISK = r'''
+import sys, threading, time
+from pathlib import Path
+import torch
+from asyncckpt.integrations import lightning as io_module
+from asyncckpt.integrations.lightning import AsyncckptCheckpointIO
+from asyncckpt.storage.location import storage_for
+
+out = Path(sys.argv[1])
+io = AsyncckptCheckpointIO(out / "root")
+io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "epoch": 0}, out / "a.ckpt")
+io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "epoch": 1}, out / "b.ckpt")
+io.wait_until_finished()
+disk = threading.Event()  # the root's disk hangs while retiring until this is set
+real = io_module.update_latest
+io_module.update_latest = lambda storage: (disk.wait(), real(storage))
+started = time.perf_counter()
+io.remove_checkpoint(out / "a.ckpt")
+print("returned", time.perf_counter() - started, (out / "a.ckpt").exists(),
+      storage_for(out / "root").retired_steps(), flush=True)
+disk.set()
+io.wait_until_finished()
+print("retired", storage_for(out / "root").retired_steps(),
+      storage_for(out / "root").committed_steps(), flush=True)
+io.teardown()
+'''
+
+
+def test_remove_checkpoint_leaves_the_retirement_to_the_follow_up(tmp_path: Path) -> None:
+    """Lightning's rotation calls `remove_checkpoint` on the loop: the marker goes at
+    once, but retiring its step (a listing, a manifest read, fsyncs of `latest`) runs
+    on the follow-up thread, so a slow disk there never holds training; the end of fit
+    (`wait_until_finished`) waits for it, and the step is retired then."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([PYTHON, "-c", SLOW_DISK, str(tmp_path)], env=env, text=True,
+                         capture_output=True, timeout=RUN_SECONDS)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    returned, retired = [line.split(" ", 1)[1] for line in run.stdout.splitlines()
+                         if line.startswith(("returned", "retired"))]
+    seconds, marker_left, retired_then = returned.split(" ", 2)
+    assert float(seconds) < 5 and marker_left == "False" and retired_then == "[]"
+    assert retired == "[1] [2]"
