@@ -34,8 +34,13 @@ checkpoint abandons the root's newer steps at its first commit. A path that is n
 marker (Lightning's own sharded folder or file) is loaded by Lightning's code, so a run
 switches mid-way.
 
-`FSDPStrategy` (FSDP1) is not covered: Lightning 2.6 refuses it on a CPU accelerator,
-and torch's FSDP1 needs an accelerator device, so it could not be tested here.
+`FSDPStrategy` (FSDP1) gets the same through `AsyncckptFSDPStrategy`, with
+`state_dict_type="sharded"` (each rank's ShardedTensor shards, never a gathered whole):
+
+    trainer = Trainer(..., strategy=AsyncckptFSDPStrategy())
+
+Lightning refuses FSDPStrategy on a CPU accelerator and FSDP1 needs an accelerator
+device, so its tests (test_lightning_sharded.py's fsdp1 cases) need a CUDA device.
 """
 
 from __future__ import annotations
@@ -61,13 +66,14 @@ from asyncckpt.integrations.lightning import (
 )
 from asyncckpt.rank.handle import SaveHandle
 
-__all__ = ["AsyncckptModelParallelStrategy"]
+__all__ = ["AsyncckptFSDPStrategy", "AsyncckptModelParallelStrategy"]
 
 _strategies: Any = importlib.import_module("lightning.pytorch.strategies")
 _LightningOptimizer: Any = importlib.import_module("lightning.pytorch.core.optimizer") \
     .LightningOptimizer
 MAX_IN_FLIGHT = 4  # saves in flight before a save waits (top-k and last save twice a step)
 SKIPPED = ("state_dict", "optimizer_states")  # the shards: saved as "model" / "optimizer"
+_LightningStrategy: Any = object  # the mixin's base for the type checker: Lightning's is Any
 
 
 class _StrategyCheckpointer(Checkpointer):
@@ -120,32 +126,21 @@ class _StrategyCheckpointer(Checkpointer):
         return int(state["step"])
 
 
-class AsyncckptModelParallelStrategy(_strategies.ModelParallelStrategy):
-    """Lightning's `ModelParallelStrategy`, checkpointing through asyncckpt (see the
-    module docstring).
+class _AsyncckptShardedSaves(_LightningStrategy):
+    """What both sharded strategies replace in Lightning's: every rank saves its own
+    shards through one `Checkpointer`, rank 0 keeps the markers (see the module
+    docstring). Placed before Lightning's strategy in the bases."""
 
-    Args:
-        root: the asyncckpt root (default: `asyncckpt/` beside the first checkpoint
-            Lightning saves, or the root of the first marker loaded).
-        rng: save each rank's RNG state and restore it at load.
-        args, kwargs: `ModelParallelStrategy`'s (`save_distributed_checkpoint` must
-            stay True: every rank saves its own shards).
-    Attributes:
-        blocked_seconds: per save, the seconds `save_checkpoint` held this rank's loop.
-    Raises:
-        ValueError: `save_distributed_checkpoint=False`.
-    """
+    rng: bool
+    blocked_seconds: list[float]
+    _book: AsyncckptCheckpointIO
+    _ckpt: _StrategyCheckpointer | None
 
-    def __init__(self, *args: Any, root: str | None = None, rng: bool = True,
-                 **kwargs: Any) -> None:
-        if not kwargs.get("save_distributed_checkpoint", True):
-            raise ValueError("AsyncckptModelParallelStrategy saves every rank's shards: "
-                             "save_distributed_checkpoint must be True; got False")
-        super().__init__(*args, **kwargs)
+    def _init_saves(self, root: str | None, rng: bool) -> None:
         self.rng = rng
-        self.blocked_seconds: list[float] = []
+        self.blocked_seconds = []
         self._book = AsyncckptCheckpointIO(root, rng=False)  # markers, rotation: rank 0
-        self._ckpt: _StrategyCheckpointer | None = None
+        self._ckpt = None
 
     def _checkpointer(self, root: Path) -> _StrategyCheckpointer:
         if self._ckpt is None:
@@ -239,3 +234,54 @@ class AsyncckptModelParallelStrategy(_strategies.ModelParallelStrategy):
                 self._book.teardown()
             finally:
                 super().teardown()
+
+
+class AsyncckptModelParallelStrategy(_AsyncckptShardedSaves, _strategies.ModelParallelStrategy):
+    """Lightning's `ModelParallelStrategy`, checkpointing through asyncckpt (see the
+    module docstring).
+
+    Args:
+        root: the asyncckpt root (default: `asyncckpt/` beside the first checkpoint
+            Lightning saves, or the root of the first marker loaded).
+        rng: save each rank's RNG state and restore it at load.
+        args, kwargs: `ModelParallelStrategy`'s (`save_distributed_checkpoint` must
+            stay True: every rank saves its own shards).
+    Attributes:
+        blocked_seconds: per save, the seconds `save_checkpoint` held this rank's loop.
+    Raises:
+        ValueError: `save_distributed_checkpoint=False`.
+    """
+
+    def __init__(self, *args: Any, root: str | None = None, rng: bool = True,
+                 **kwargs: Any) -> None:
+        if not kwargs.get("save_distributed_checkpoint", True):
+            raise ValueError("AsyncckptModelParallelStrategy saves every rank's shards: "
+                             "save_distributed_checkpoint must be True; got False")
+        super().__init__(*args, **kwargs)
+        self._init_saves(root, rng)
+
+
+class AsyncckptFSDPStrategy(_AsyncckptShardedSaves, _strategies.FSDPStrategy):
+    """Lightning's `FSDPStrategy` (FSDP1), checkpointing through asyncckpt with sharded
+    state dicts (see the module docstring). Needs an accelerator device, as FSDP1 does.
+
+    Args:
+        root: the asyncckpt root (default: `asyncckpt/` beside the first checkpoint
+            Lightning saves, or the root of the first marker loaded).
+        rng: save each rank's RNG state (CUDA's included) and restore it at load.
+        args, kwargs: `FSDPStrategy`'s (`state_dict_type` must stay "sharded": every
+            rank saves its own shards).
+    Attributes:
+        blocked_seconds: per save, the seconds `save_checkpoint` held this rank's loop.
+    Raises:
+        ValueError: `state_dict_type` other than "sharded".
+    """
+
+    def __init__(self, *args: Any, root: str | None = None, rng: bool = True,
+                 **kwargs: Any) -> None:
+        kind = kwargs.setdefault("state_dict_type", "sharded")
+        if kind != "sharded":
+            raise ValueError("AsyncckptFSDPStrategy saves every rank's shards: "
+                             f"state_dict_type must be 'sharded'; got {kind!r}")
+        super().__init__(*args, **kwargs)
+        self._init_saves(root, rng)
