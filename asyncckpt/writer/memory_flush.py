@@ -33,7 +33,7 @@ from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.ipc.options import SaveOptions
 from asyncckpt.storage.timeline import newest_live, read_current
 from asyncckpt.writer.filespec import FileSettings, FileTarget, Stream
-from asyncckpt.writer.memory_tier import Generation
+from asyncckpt.writer.memory_generation import Generation
 from asyncckpt.writer.pipeline import RankFileWriter
 
 if TYPE_CHECKING:

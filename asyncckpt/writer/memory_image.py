@@ -174,3 +174,44 @@ class RankImage:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
+
+
+class SkippedImage(RankImage):
+    """A rank's memory save that the tier does not hold (memory_tier.py: holding it
+    would pass the bound of two generations per node): its bytes are taken off the ring
+    and counted, never copied; it ends like an image, and its rank hears that the save
+    was skipped. It holds no memory."""
+
+    def __init__(self, step: int, rank: int, table: list[TensorEntry], tree: Any,
+                 cause: str) -> None:
+        self._lock = threading.Lock()
+        self.fd, self._map, self.sealed = -1, None, True
+        self.step, self.rank, self.tree, self.cause = step, rank, tree, cause
+        header, self.tensors = layout(table)
+        self.size = self.tensors[-1].end if self.tensors else len(header)
+        self.frames = []
+        self.filled, self.whole, self.dropped_because = len(header), False, ""
+
+    def append(self, fill: Callable[[memoryview], Any], length: int) -> None:
+        """Count the next `length` bytes (`fill` is not called: nothing is kept).
+
+        Raises:
+            ValueError: more bytes than the rank's tensors hold.
+        """
+        if self.whole or self.filled + length > self.size:
+            raise ValueError(f"rank {self.rank} sent bytes up to {self.filled + length}, its "
+                             f"tensors hold {self.size}")
+        self.filled += length
+
+    def complete(self) -> None:
+        """Raises ValueError: fewer bytes arrived than the tensors hold."""
+        if self.filled != self.size:
+            raise ValueError(f"rank {self.rank} ended after {self.filled} of {self.size} bytes")
+        self.whole = True
+
+    def read_only(self) -> int:
+        raise ValueError(f"rank {self.rank}'s memory save of step {self.step} was skipped: "
+                         f"{self.cause}")
+
+    def close(self) -> None:
+        """Nothing to free."""

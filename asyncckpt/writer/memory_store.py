@@ -42,10 +42,10 @@ class TierStore:
     def get_generation(self, node: int, step: int | None) -> Replica | None:
         """Node `node`'s (its first rank's) images of `step` (None: newest) held here."""
         try:
-            gen, parts, fds = self.tier.outgoing(step, node)
+            gen, parts, fds = self.tier.outgoing(step, node, hold=True)
         except KeyError:
             return None
-        return _replica(node, gen, parts, fds)
+        return _replica(self.tier, node, gen, parts, fds)
 
     def list_generations(self) -> list[dict[str, Any]]:
         return self.tier.generations()
@@ -64,18 +64,24 @@ def partner_replica(tier: MemoryTier, step: int) -> Replica:
     Raises:
         KeyError: not held whole.
     """
-    gen, parts, fds = tier.outgoing(step)
-    return _replica(min(p.rank for p in parts), gen, parts, fds)
+    gen, parts, fds = tier.outgoing(step, hold=True)
+    return _replica(tier, min(p.rank for p in parts), gen, parts, fds)
 
 
-def _replica(node: int, gen: Any, parts: list[Any], fds: list[int]) -> Replica:
+def _replica(tier: MemoryTier, node: int, gen: Any, parts: list[Any],
+             fds: list[int]) -> Replica:
     """Node `node`'s `parts` of `gen` as a replica to send: one stream per rank (its raw
-    data after the header), the descriptors `fds` closed when it is released."""
+    data after the header), the descriptors `fds` closed when it is released -- and
+    `gen` no longer held as being sent (memory_tier.py counts on it: a generation being
+    sent is never dropped to make room, its memory would outlive the count)."""
     offer = Offer(node, gen.step, replica_doc(gen, parts), tuple(
         Stream(p.rank, p.tensors[0].begin if p.tensors else p.raw_size, p.raw_size)
         for p in parts))
 
     def release() -> None:
-        for fd in fds:
-            os.close(fd)
+        try:
+            for fd in fds:
+                os.close(fd)
+        finally:
+            tier.released(gen)
     return Replica(offer, list(fds), release)

@@ -15,12 +15,18 @@ rank as a descriptor, so a restore reads its bytes in place (read/ verifies ever
 as from disk) with no copy through a socket. A whole image is sealed against writes
 before anyone but the writer sees it, so a rank it is handed to cannot change it.
 
-Held: the newest whole generation, and the generations begun after it (normally one, in
-flight). A generation that becomes whole drops every older one: a crash while the new
-one is being staged (or replicated) leaves the previous one whole. Every byte held is
-counted against `memory_max_bytes` (knob); a begin that would pass it is refused with
-MemoryTierFullError naming the figures, after older generations are dropped. So host
-memory is at most 2 x the node's generation (whole + in flight), under the knob.
+Held (the bound, docs/MEMORY_TIER.md "Bounds"): at most two generations of each node,
+its own or a partner's replica -- the newest held for every node (the one a lost node's
+replacement resumes at) and one newer being made. An older generation is dropped only
+once a newer whole one holds every node it holds; a third generation of a node takes the
+newer one's place when that one is idle (whole, its partner's part never came), and is
+not taken while it is busy (still arriving, or being sent): a rank's save of it is then
+skipped (`stats.tier` "skipped", nothing held: `_admit`), a replica refused. Dropped
+images are kept to be refilled by the next image of their size, and freed before any
+other is made, so they never add to the peak. With a partner of the same size, host
+memory is at most 4 x the node's shard at any instant (2 x own, 2 x the partner's);
+every byte is also counted against `memory_max_bytes` (knob): a begin past it is refused
+with MemoryTierFullError naming the figures.
 """
 
 from __future__ import annotations
@@ -30,62 +36,22 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from asyncckpt.errors import MemoryTierFullError, SaveFailedError
 from asyncckpt.format.layout import layout
 from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodeRanks, TensorEntry
-from asyncckpt.writer.memory_image import RankImage
+from asyncckpt.writer.memory_generation import Generation, physical_memory, room
+from asyncckpt.writer.memory_image import RankImage, SkippedImage
 
 log = logging.getLogger("asyncckpt.writer")
 
 TIER = "memory"
+SKIPPED = "skipped"  # `stats.tier` of a memory save not held (the bound, `_admit`)
 DROPPED_KEPT = 8  # generations whose reason for being dropped is remembered
 # notify(error or None, path or None, stats): reaches one rank's client (session.py)
 Notify = Callable[..., None]
-
-
-def physical_memory() -> int:
-    """Bytes of physical memory of this host."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-@dataclass
-class Generation:
-    """One step held in memory: its ranks here, grouped by node (first rank, count)."""
-
-    step: int
-    world_size: int
-    timeline: Any  # the TimelineStart (JSON) the ranks carried, or None
-    nodes: dict[int, int] = field(default_factory=dict)
-    images: dict[int, RankImage] = field(default_factory=dict)
-    waiting: dict[int, Notify] = field(default_factory=dict)
-    replicas: set[int] = field(default_factory=set)  # nodes held as a partner's replica
-    started: float = field(default_factory=time.monotonic)  # when its first rank began
-
-    @property
-    def whole(self) -> bool:
-        """Every rank of every node that began it has ended."""
-        return bool(self.nodes) and all(
-            r in self.images and self.images[r].whole
-            for first, count in self.nodes.items() for r in range(first, first + count))
-
-    @property
-    def bytes(self) -> int:
-        return sum(i.size for i in self.images.values())
-
-    def describe(self) -> dict[str, Any]:
-        """What `memory_list` tells about it."""
-        return {"step": self.step, "world_size": self.world_size, "timeline": self.timeline,
-                "ranks": sorted(r for r, i in self.images.items() if i.whole),
-                "whole": self.whole, "bytes": self.bytes,
-                "replicas": sorted([f, self.nodes[f]] for f in self.replicas)}
-
-    def close(self) -> None:
-        for image in self.images.values():
-            image.close()
 
 
 class MemoryTier:
@@ -106,6 +72,8 @@ class MemoryTier:
         self._dropped: dict[int, SaveFailedError] = {}
         self.on_node_whole: Callable[[int], None] | None = None  # step: this node's ranks whole
         self._begun: int | None = None  # the step this node's ranks began last
+        # steps of this node's ranks not held (the bound): cause, the ranks that began them
+        self._skips: dict[int, tuple[str, set[int]]] = {}
         self.peak_bytes = 0
 
     @property
@@ -134,11 +102,21 @@ class MemoryTier:
             if self._begun is not None and step < self._begun:
                 self._went_back(step)
             self._begun = step
+            skip = self._skips.get(step)
+            if skip is not None and rank not in skip[1]:  # the node's step is skipped
+                skip[1].add(rank)
+                return SkippedImage(step, rank, table, tree, skip[0])
+            self._skips.pop(step, None)  # saved again: decided anew
             gen = self._gens.get(step)
             if gen is not None and rank in gen.images:  # saved again: start it over
                 self._drop(step, SaveFailedError("the step is being saved again", step=step))
                 gen = None
             self._prune()
+            if gen is None or first not in gen.nodes:
+                cause = self._admit(first, step)
+                if cause is not None:
+                    self._skip(step, rank, cause)
+                    return SkippedImage(step, rank, table, tree, cause)
             if gen is None:
                 gen = Generation(step, world_size, timeline)
             if gen.world_size != world_size:
@@ -168,8 +146,9 @@ class MemoryTier:
         need = layout(table)[1]
         size = need[-1].end if need else 0
         spare = next((i for i in self._spare if i.size == size), None)
-        while spare is None and self._spare and self._held() + size > self.max_bytes:
-            self._spare.pop(0).close()
+        if spare is None:  # spares never add to the peak: each is refilled or freed first
+            while self._spare:
+                self._spare.pop().close()
         held = self._held()
         if spare is None and held + size > self.max_bytes:
             raise MemoryTierFullError(
@@ -200,6 +179,13 @@ class MemoryTier:
         Raises:
             ValueError: the rank sent fewer bytes than its tensors hold.
         """
+        if isinstance(image, SkippedImage):
+            image.complete()
+            log.info("memory step %d of rank %d skipped: %s", image.step, image.rank,
+                     image.cause)
+            notify(None, self._root, {**stats, "tier": SKIPPED, "raw_bytes": 0,
+                                      "stored_bytes": 0, "codec": "raw"})
+            return
         tell: list[tuple[Notify, dict[str, Any]]] = []
         with self._lock:  # whole and waiting together: the node's last rank tells them all
             gen = self._gens.get(image.step)
@@ -251,6 +237,12 @@ class MemoryTier:
             if gen is not None and first in gen.replicas:  # the partner's newer save of it
                 self._forget_replicas(gen, first)
             self._prune()
+            cause = (f"this node's step {step} was skipped: {self._skips[step][0]}"
+                     if step in self._skips else self._admit(first, step))
+            if cause is not None:
+                raise MemoryTierFullError(f"memory tier: replica of node {[first, count]} of "
+                                          f"step {step} not taken: {cause}", step=step,
+                                          rank=first)
             gen = self._gens.get(step)
             if gen is None:
                 gen = Generation(step, world_size, timeline)
@@ -306,12 +298,14 @@ class MemoryTier:
             for image in images:
                 image.close()
 
-    def outgoing(self, step: int | None, node: int | None = None
+    def outgoing(self, step: int | None, node: int | None = None, hold: bool = False
                  ) -> tuple[Generation, list[RankPart], list[int]]:
         """The whole images of generation `step` (None: the newest that holds them) of
         the node whose first rank is `node` -- this writer's own or a replica it holds
         -- or, with `node` None, of this writer's own nodes (what is sent to the
         partner): their entries and read-only descriptors (the caller closes them).
+        With `hold`, the generation counts as being sent (never dropped to make room,
+        `_admit`) until `released(gen)`.
 
         Raises:
             KeyError: no such generation, or those images are not held whole.
@@ -334,7 +328,14 @@ class MemoryTier:
             if not whole(gen):
                 raise KeyError(step)
             images = [gen.images[r] for r in ranks(gen)]
-            return gen, [i.part() for i in images], [i.read_only() for i in images]
+            out = gen, [i.part() for i in images], [i.read_only() for i in images]
+            gen.out += hold
+            return out
+
+    def released(self, gen: Generation) -> None:
+        """An `outgoing(hold=True)` of `gen` is sent (or failed): its descriptors closed."""
+        with self._lock:
+            gen.out -= 1
 
     def abandon(self, image: RankImage, error: SaveFailedError) -> None:
         """`image`'s rank failed or went before ending: its generation cannot become
@@ -383,6 +384,8 @@ class MemoryTier:
         the same bytes): held beside the rerun's images of those steps, it would make a
         generation of two runs, or a newer one that supersedes the rerun's. It goes;
         the partners' replicas of the rerun come as usual."""
+        for s in [s for s in self._skips if s >= step]:
+            del self._skips[s]
         for s in [s for s in self._gens if s >= step]:
             self._drop(s, SaveFailedError(f"memory generation of an abandoned run (the "
                                           f"node's ranks went back to step {step})", step=s))
@@ -399,6 +402,24 @@ class MemoryTier:
         if not gen.images:
             self._drop(gen.step, SaveFailedError("memory generation of an abandoned run",
                                                  step=gen.step))
+
+    def _admit(self, first: int, step: int) -> str | None:
+        """Room for node `first`'s images of `step` (`room`: an idle newer generation
+        of the node dropped to make it), or why not. Under the lock."""
+        while True:
+            cause, drop = room(self._gens, first, step)
+            if drop is None:
+                return cause
+            self._drop(drop, SaveFailedError(
+                f"memory generation {drop} gave way to step {step} (it was not held for "
+                "every node: the partner's part never came)", step=drop))
+
+    def _skip(self, step: int, rank: int, cause: str) -> None:
+        """This node's ranks' saves of `step` are not held (`_admit`). Under the lock."""
+        self._skips[step] = (cause, {rank})
+        while len(self._skips) > DROPPED_KEPT:
+            del self._skips[min(self._skips)]
+        log.info("memory step %d skipped on this node: %s", step, cause)
 
     def _prune(self) -> None:
         """Drop every generation that a newer whole one covers (`_supersede`)."""
@@ -434,6 +455,14 @@ class MemoryTier:
                 self._spare.append(image)
             else:
                 image.close()
+
+    def allocated_bytes(self) -> int:
+        """The memory the tier's images hold now, by their memfds' pages (what the
+        kernel allocated; `held_bytes` is their sizes), spares included."""
+        with self._lock:
+            images = [i for g in self._gens.values() for i in g.images.values()]
+            fds = [i.fd for i in images + self._spare if i.fd >= 0]
+            return sum(os.fstat(fd).st_blocks * 512 for fd in fds)
 
     def generations(self) -> list[dict[str, Any]]:
         """Every generation held, oldest first (`describe`)."""

@@ -12,6 +12,7 @@ is picked must read back bit-exact as it was saved, on every rank.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +21,12 @@ import pytest
 import torch
 from inprocess import InProcessWriter
 
+from asyncckpt.errors import MemoryTierFullError
 from asyncckpt.rank.client import Client
 from asyncckpt.read import memory
 from asyncckpt.storage.location import root_path
 from asyncckpt.writer.memory_replica import ReplicaIn, offer, send_all
+from asyncckpt.writer.memory_store import partner_replica
 
 WAIT_S = 30.0
 CHUNK = 4096
@@ -212,3 +215,140 @@ def test_a_rerun_step_never_mixes_with_a_replica_of_the_abandoned_run(
     runs = {run for rank, state in states.items() for run in (0, 1)
             if torch.equal(state["w"], _state(rank, step, run)["w"])}
     assert len(runs) == 1, f"step {step} restored from runs {runs}"
+
+
+def _node_bytes(job: Job, step: int) -> dict[int, int]:
+    """Each node's image bytes of `step` as its own writer holds them (the node's shard
+    with its headers): {first rank: bytes}."""
+    out = {}
+    for first, w in ((0, job.a), (2, job.writers[1])):
+        gen = w.server.memory._gens[step]
+        out[first] = sum(gen.images[r].size for r in (first, first + 1))
+    return out
+
+
+def _partial_replica_b(job: Job, step: int, chunks: int) -> tuple[ReplicaIn, list, int]:
+    """Node 1's replica of `step` begun on node 0 and left in flight after `chunks`
+    chunks of its first rank: (sink, descriptors, next offset) to finish it later."""
+    doc, ranks = offer(job.b.server.memory, step)
+    sink = ReplicaIn(job.a.server.memory, doc, MAX_FRAME, expect_step=step)
+    rank, fd, start = ranks[0]
+    for i in range(chunks):
+        sink.data(rank, start + i * CHUNK, os.pread(fd, CHUNK, start + i * CHUNK))
+    return sink, ranks, start + chunks * CHUNK
+
+
+def _finish_replica(sink: ReplicaIn, ranks: list, offset: int) -> None:
+    """Send the rest of a `_partial_replica_b` and finish it."""
+    for index, (rank, fd, start) in enumerate(ranks):
+        size = os.fstat(fd).st_size
+        for at in range(offset if index == 0 else start, size, CHUNK):
+            sink.data(rank, at, os.pread(fd, min(CHUNK, size - at), at))
+    sink.finish()
+    for _, fd, _ in ranks:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("then", ["replica finishes", "node 1 lost"])
+def test_host_memory_stays_within_two_generations_of_each_node(job: Job, then: str) -> None:
+    """Node 0 holds 5 (both nodes), its own 6, node 1's replica of 6 arriving; node 0's
+    ranks go on to 7 before it is whole (node 1's replica slow). Holding 7 too would
+    take node 0's writer to 5 x the node's shard (its 5 and 6 and 7, node 1's 5 and 6):
+    the writer holds at most two generations of each node, so 7 is skipped (its
+    handles done, `stats.tier` "skipped", nothing held) and the memory held, by the
+    tier's own count and by the pages of its memfds, stays within 4 x. The crash
+    guarantee holds at every point: node 1 lost mid-replication resumes at 5, a whole
+    replica of 6 at 6, bit-exact."""
+    tier = job.a.server.memory
+    job.save(5)
+    job.replicate_b(5)
+    job.save(6)
+    shards = _node_bytes(job, 6)
+    bound = 2 * (shards[0] + shards[2])  # 4 x the node's shard: equal nodes
+    pages = bound + 8 * mmap.PAGESIZE  # its 8 images' memfds, each rounded up to a page
+    sink, ranks, offset = _partial_replica_b(job, 6, chunks=3)
+    handles = [job.clients[r].save(7, _state(r, 7), tier="memory") for r in (0, 1)]
+    for h in handles:
+        h.wait(WAIT_S)
+    assert [h.stats.tier for h in handles] == ["skipped", "skipped"]
+    held = {g["step"]: g["ranks"] for g in memory.generations(job.a.address)}
+    assert 7 not in held and held.get(5) == [0, 1, 2, 3], held
+    assert tier.peak_bytes <= bound, (tier.peak_bytes, bound)
+    assert tier.allocated_bytes() <= pages, (tier.allocated_bytes(), pages)
+    if then == "node 1 lost":
+        sink.abort()
+        for _, fd, _ in ranks:
+            os.close(fd)
+        job.lose_node_1()
+        assert job.restore_step() == 5
+        _exact(job, 5)
+        return
+    _finish_replica(sink, ranks, offset)
+    assert [g["step"] for g in memory.generations(job.a.address)] == [6]
+    assert tier.peak_bytes <= bound, (tier.peak_bytes, bound)
+    job.save(8)  # the next step is held again
+    assert 8 in {g["step"] for g in memory.generations(job.a.address)}
+    assert tier.peak_bytes <= bound and tier.allocated_bytes() <= pages
+    job.lose_node_1()
+    assert job.restore_step() == 6
+    _exact(job, 6)
+
+
+def test_a_replica_past_two_generations_of_its_node_is_refused(job: Job) -> None:
+    """Node 0 holds node 1 at 5 (with its own 5) and node 1's replica of 6 is arriving
+    when node 1's replica of 7 is offered (two senders, or a sender that gave up on 6):
+    a third generation of node 1 would pass the bound, so 7 is refused before a byte
+    is taken, and 6 arrives and counts as before. A replica of a step this node skipped
+    is refused too (it could never be held for both nodes here)."""
+    tier = job.a.server.memory
+    job.save(5)
+    job.replicate_b(5)
+    job.save(6)
+    bound = 2 * sum(_node_bytes(job, 6).values())
+    sink, ranks, offset = _partial_replica_b(job, 6, chunks=2)
+    job.save(7, range(2, 4))  # node 1 only: node 0 is slow
+    with pytest.raises(MemoryTierFullError, match="node \\[2, 2\\] of step 7 not taken"):
+        job.replicate_b(7)
+    assert tier.peak_bytes <= bound, (tier.peak_bytes, bound)
+    _finish_replica(sink, ranks, offset)
+    assert [g["step"] for g in memory.generations(job.a.address)] == [6]
+    job.lose_node_1()
+    assert job.restore_step() == 6
+    _exact(job, 6)
+
+
+def test_a_replica_of_a_step_this_node_skipped_is_refused(job: Job) -> None:
+    """Node 0 skipped 7 (node 1's replica of 6 was still arriving): node 1's replica of
+    7, offered once 6 is whole, is refused -- node 0 can never hold 7 for both nodes."""
+    job.save(5)
+    job.replicate_b(5)
+    job.save(6)
+    sink, ranks, offset = _partial_replica_b(job, 6, chunks=1)
+    job.save(7)
+    _finish_replica(sink, ranks, offset)
+    with pytest.raises(MemoryTierFullError, match="step 7 was skipped"):
+        job.replicate_b(7)
+    assert [g["step"] for g in memory.generations(job.a.address)] == [6]
+
+
+def test_a_generation_being_sent_is_not_dropped_to_make_room(job: Job) -> None:
+    """Node 0's own 6 is being sent to its partner (the sender holds descriptors of its
+    sealed images) when its ranks begin 7: dropping 6 then would leave its memory held by
+    the sender, outside the count, beside 5 and 7 -- so 7 is skipped. Once the send is
+    over, 8 takes 6's place (6 was never held for both nodes)."""
+    job.save(5)
+    job.replicate_b(5)
+    job.save(6, range(2))
+    replica = partner_replica(job.a.server.memory, 6)
+    try:
+        handles = [job.clients[r].save(7, _state(r, 7), tier="memory") for r in (0, 1)]
+        for h in handles:
+            h.wait(WAIT_S)
+        assert [h.stats.tier for h in handles] == ["skipped"] * 2
+    finally:
+        replica.release()
+    job.save(8, range(2))
+    assert [g["step"] for g in memory.generations(job.a.address)] == [5, 8]
+    job.lose_node_1()
+    assert job.restore_step() == 5
+    _exact(job, 5)

@@ -1,0 +1,92 @@
+"""A memory generation (one step held by a writer) and the rule that bounds how many.
+
+Kept apart from the tier's bookkeeping (memory_tier.py: locking, the images' lives, the
+ranks' replies) because the bound is a rule of its own, and the one whose reasoning
+matters: how many generations of a node a writer may hold without losing the crash
+guarantee, docs/MEMORY_TIER.md "Bounds".
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncckpt.writer.memory_image import RankImage
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this host."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class Generation:
+    """One step held in memory: its ranks here, grouped by node (first rank, count)."""
+
+    step: int
+    world_size: int
+    timeline: Any  # the TimelineStart (JSON) the ranks carried, or None
+    nodes: dict[int, int] = field(default_factory=dict)
+    images: dict[int, RankImage] = field(default_factory=dict)
+    waiting: dict[int, Any] = field(default_factory=dict)  # rank: notify (memory_tier)
+    replicas: set[int] = field(default_factory=set)  # nodes held as a partner's replica
+    started: float = field(default_factory=time.monotonic)  # when its first rank began
+    out: int = 0  # its images being sent (to the partner, or served to a replacement)
+
+    @property
+    def busy(self) -> bool:
+        """Some of it is still arriving (a rank staging, a replica in flight) or is
+        being sent: dropping it now would lose that work, or leave its memory held by
+        the sender's descriptors, outside the count."""
+        return bool(self.out) or not all(i.whole for i in self.images.values()) or any(
+            r not in self.images for f, c in self.nodes.items() for r in range(f, f + c))
+
+    @property
+    def whole(self) -> bool:
+        """Every rank of every node that began it has ended."""
+        return bool(self.nodes) and all(
+            r in self.images and self.images[r].whole
+            for first, count in self.nodes.items() for r in range(first, first + count))
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.size for i in self.images.values())
+
+    def describe(self) -> dict[str, Any]:
+        """What `memory_list` tells about it."""
+        return {"step": self.step, "world_size": self.world_size, "timeline": self.timeline,
+                "ranks": sorted(r for r, i in self.images.items() if i.whole),
+                "whole": self.whole, "bytes": self.bytes,
+                "replicas": sorted([f, self.nodes[f]] for f in self.replicas)}
+
+    def close(self) -> None:
+        for image in self.images.values():
+            image.close()
+
+
+
+def room(gens: dict[int, Generation], first: int, step: int) -> tuple[str | None, int | None]:
+    """Whether node `first`'s images of `step` may be held beside `gens` (this node's
+    ranks beginning it, or a partner's replica arriving): (None, None) yes; (None, s)
+    once generation `s` is dropped (then ask again); (cause, None) no.
+
+    The bound: at most two generations hold a node's images. Two are what the crash
+    guarantee needs -- the newest held for every node (the one a lost node's replacement
+    resumes at) and a newer one being made -- and they are enough: a third, newer, takes
+    the place of the newer one when that one is idle (whole, its partner's part never
+    came: it can never be held for every node before the third is); while it is busy
+    (still arriving, or being sent) the third is not taken. The older one is never
+    dropped here: only a newer whole generation holding every node it holds drops it."""
+    held = sorted(s for s, g in gens.items() if s != step and first in g.nodes)
+    if len(held) < 2:
+        return None, None
+    older, newer = held[-2], gens[held[-1]]
+    if newer.step > step:
+        return f"node {first} is held at steps {older} and {newer.step}, past {step}", None
+    if newer.busy:
+        return (f"node {first} is held at steps {older} and {newer.step}, and {newer.step} "
+                "is still arriving or being sent (the host memory bound: two generations "
+                "of each node)"), None
+    return None, newer.step
