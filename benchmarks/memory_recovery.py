@@ -10,9 +10,11 @@ SIGKILLed together). The demo MLP (examples/demo.py's shape) with AdamW under DD
 
 1. Step time, the variants interleaved in blocks of 10 steps: no checkpointing, a memory
    save every step, a durable save every step; the overhead over none in %.
-2. Host memory per node: the writer's shared memory (RssShmem, the images: own
-   generations and the partner's replica) less the rings, against the node's shard (the
-   tensor bytes of its ranks), while the job still runs.
+2. Host memory per node against the node's shard (the tensor bytes of its ranks): the
+   peak of the pages of the writer's image memfds (own generations and the partner's
+   replicas, sealed ones too), sampled every few ms while the job saves, and at rest
+   (after the saves) that figure and the writer's RssShmem less the rings (which misses
+   sealed, unmapped images).
 3. Recovery: the job trains (memory every step, durable every --durable), node 1 is
    killed after step --kill-at, and the time from the kill to every rank resumed
    (relaunch, restore, state applied) is measured (a) with a replacement node, (b)
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.memory_nodes import POLL_S, WAIT_S, Job
-from benchmarks.memory_tier import status
+from benchmarks.memory_tier import SAMPLE_S, PeakImages, image_bytes, status
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9
@@ -61,10 +63,12 @@ def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
     """Part 1 and 2 (see the module)."""
     job = Job(base, env={**env, "MN_MODE": "bench", "MN_HOLD": "1"})
     try:
+        sampler = PeakImages([w.pid for w in job.writers if w is not None]).start()
         job.launch("s")
         ranks = range(job.nodes * job.per_node)
         if not _wait_files([job.out / f"held-s-rank{r}" for r in ranks], job):
             raise RuntimeError(f"the bench ranks failed:\n{job.logs('s')}")
+        peaks = sampler.stop()
         per = [json.loads((job.out / f"bench-s-rank{r}.json").read_text()) for r in ranks]
         nodes = []
         for node, w in enumerate(job.writers):
@@ -72,8 +76,12 @@ def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
             mine = per[node * job.per_node:(node + 1) * job.per_node]
             shard = sum(p["shard_bytes"] for p in mine)
             tier = status(w.pid)["RssShmem"] - sum(p["rings_bytes"] for p in mine)
+            rest = image_bytes(w.pid)
             nodes.append({"node": node, "shard_bytes": shard, "tier_bytes": tier,
-                          "x_shard": round(tier / shard, 2)})
+                          "x_shard": round(tier / shard, 2), "images_bytes": rest,
+                          "images_x_shard": round(rest / shard, 2),
+                          "peak_images_bytes": peaks[w.pid],
+                          "peak_x_shard": round(peaks[w.pid] / shard, 2)})
         (job.out / "release-s").write_text("")
         job.wait_ranks()
     finally:
@@ -150,7 +158,7 @@ def projection(steps: dict[str, Any], cases: dict[str, dict[str, Any]], replica_
     disk_load = shard / max(cases["durable"]["restore_s"], 1e-9)
     tcp = replica_mbps * 1e6
     nic = nic_gbps / 8 * GB
-    x_shard = max(n["x_shard"] for n in steps["nodes"])
+    x_shard = max(n["peak_x_shard"] for n in steps["nodes"])
     return [
         ("state per node / per rank", f"{per_node / GB:.1f} GB / {per_rank / GB:.2f} GB",
          "70.6 B params x 14 B over 64 nodes x 8 ranks"),
@@ -161,7 +169,7 @@ def projection(steps: dict[str, Any], cases: dict[str, dict[str, Any]], replica_
         (f"replica at {nic_gbps:.0f} Gb/s line rate", f"{per_node / nic:.2f} s",
          "needs parallel connections or RDMA (docs/MEMORY_TIER.md)"),
         ("host memory per node (tier)", f"{x_shard * per_node / GB:.0f} GB",
-         f"measured {x_shard} x the node's shard"),
+         f"measured peak {x_shard} x the node's shard"),
         ("replacement: pull its node's generation", f"{per_node / tcp:.0f} s (TCP) / "
          f"{per_node / nic:.2f} s (line rate)", "same rates as the replica"),
         ("restore per rank from memory", f"{per_rank / mem_load:.1f} s",
@@ -186,11 +194,17 @@ def markdown(r: dict[str, Any]) -> str:
     lines += ["", f"Save call (median): memory {1e3 * s['save_call_s']['memory']:.2f} ms, "
               f"durable {1e3 * s['save_call_s']['durable']:.2f} ms; "
               f"{s['steps_per_variant']} steps per variant.", "",
-              "| node | node's shard | memory tier (RssShmem less rings) | x shard |",
-              "|---|---|---|---|"]
+              "| node | node's shard | peak while saving (images' pages) | at rest "
+              "(images' pages) | at rest (RssShmem less rings) |", "|---|---|---|---|---|"]
     for n in s["nodes"]:
         lines.append(f"| {n['node']} | {n['shard_bytes'] / 2**20:.1f} MiB | "
-                     f"{n['tier_bytes'] / 2**20:.1f} MiB | {n['x_shard']} |")
+                     f"{n['peak_images_bytes'] / 2**20:.1f} MiB = {n['peak_x_shard']} x | "
+                     f"{n['images_bytes'] / 2**20:.1f} MiB = {n['images_x_shard']} x | "
+                     f"{n['tier_bytes'] / 2**20:.1f} MiB = {n['x_shard']} x |")
+    lines += ["", "Images' pages: every memfd of the memory tier the writer has open "
+              f"(/proc/PID/fd, st_blocks), sampled every {1e3 * SAMPLE_S:.0f} ms while the "
+              "ranks save; RssShmem counts only mapped pages (a sealed image, once sent or "
+              "read, is unmapped)."]
     lines += ["", "| node 1 lost | last trained | restored (tier) | steps lost | "
               "kill to resumed | restore() |", "|---|---|---|---|---|---|"]
     for c in cases.values():

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +31,54 @@ import asyncckpt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 BLOCK = 10  # steps of one variant before the next
+
+
+IMAGE_PREFIX = "/memfd:asyncckpt-mem-"  # the memory tier's images (writer/memory_image.py)
+SAMPLE_S = 0.005  # how often `PeakImages` looks at the writer's descriptors
+
+
+def image_bytes(pid: int) -> int:
+    """The memory the memory tier's images of process `pid` hold now: the pages of every
+    memfd it has open (mapped or not: a sealed image is unmapped, so RssShmem misses
+    it), by the kernel's count (st_blocks)."""
+    seen = {}  # each memfd once: a sender's read-only descriptor is the tier's memfd
+    fds = Path(f"/proc/{pid}/fd")
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(fds / fd).startswith(IMAGE_PREFIX):
+                st = os.stat(fds / fd)
+                seen[st.st_ino] = st.st_blocks * 512
+        except OSError:  # closed meanwhile
+            continue
+    return sum(seen.values())
+
+
+class PeakImages:
+    """The peak of `image_bytes` of some processes, sampled every SAMPLE_S by a thread
+    from `start()` to `stop()` (a peak shorter than a sample can be missed: the tier's
+    own count, `MemoryTier.peak_bytes`, is exact)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.peak = pids, dict.fromkeys(pids, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            for pid in self.pids:
+                try:
+                    self.peak[pid] = max(self.peak[pid], image_bytes(pid))
+                except OSError:
+                    continue
+
+    def start(self) -> PeakImages:
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[int, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 def status(pid: int) -> dict[str, int]:
