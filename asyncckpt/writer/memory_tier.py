@@ -112,6 +112,7 @@ class MemoryTier:
                 self._drop(step, SaveFailedError("the step is being saved again", step=step))
                 gen = None
             self._prune()
+            gen = self._gens.get(step)  # a partner's replica of it may be gone with _prune
             if gen is None or first not in gen.nodes:
                 cause = self._admit(first, step)
                 if cause is not None:
