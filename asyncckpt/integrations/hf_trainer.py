@@ -13,7 +13,10 @@ transformers 5.25 by tests/integrations/frameworks/test_hf_trainer.py):
   `Checkpointer` on `OUTPUT_DIR/asyncckpt` and the call returns once the state is handed
   over (the optimizer fence holds the next `optimizer.step()` until it is copied). Under
   DDP the replicated model and optimizer are stored once (rank 0's part); the other
-  ranks add only their RNG, gathered to rank 0. Once the step is committed, rank 0
+  ranks add only their RNG. Each rank's RNG goes into its own part, so a save makes no
+  collective of its own (gathering them to rank 0 cost two all-gathers of pickles on
+  gloo, most of a small save's time); a resume reads this rank's part for it (steps
+  saved before hold every rank's in rank 0's part: still read). Once the step is committed, rank 0
   moves `checkpoint-N/` into place (`trainer_state.json` and `asyncckpt.json`, which
   names the step), so `get_last_checkpoint` and `resume_from_checkpoint=True` never find a
   step that is not durable; a SIGKILL mid-save leaves the previous `checkpoint-N`.
@@ -49,21 +52,23 @@ import importlib
 import json
 import logging
 import os
+import queue
 import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.integrations.hf_peft import TrainableParameters, base_reference, check_base
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.read.loader import load_parts
 from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.timeline import live_steps, read_current
+from asyncckpt.torchutil.agree import outcome, worst
 from asyncckpt.torchutil.dtensor import is_sharded_model
 
 __all__ = ["AsyncCheckpointMixin", "AsyncCheckpointTrainer", "MARKER", "ROOT_NAME"]
@@ -74,6 +79,10 @@ ROOT_NAME = "asyncckpt"  # the root, under the Trainer's output directory
 PENDING = ".asyncckpt-pending"  # checkpoint-N/ directories waiting for their commit
 PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
 STATE_NAME = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
+RANK_RNG = "rank_rng"  # in each rank's extra: that rank's RNG states
+# saves in flight before a save waits for the oldest to commit: the loop never waits on a
+# commit's fsyncs while the disk keeps up (a save in flight holds no copy of the state)
+MAX_IN_FLIGHT = 4
 
 # The base class the mixin is typed against: the Trainer's attributes are dynamic here
 _Base: Any = object
@@ -110,10 +119,12 @@ class AsyncCheckpointMixin(_Base):
     asyncckpt_adapter_only: bool | None = None
     asyncckpt_last_handle: SaveHandle | None = None
     _asyncckpt_ckpt: Checkpointer | None = None  # this train()'s, made at its first use
-    _asyncckpt_thread: threading.Thread | None = None  # rank 0: the latest follow-up
+    _asyncckpt_thread: threading.Thread | None = None  # rank 0: the follow-up thread
+    _asyncckpt_jobs: queue.Queue[Any] | None = None  # its saves, in order; None: stop
     _asyncckpt_failed: BaseException | None = None  # a follow-up's failure, not yet raised
     _asyncckpt_fork_at: int | None = None  # restored from this step; no save since
     _asyncckpt_restored: dict[str, Any] | None = None  # the restored step's extra
+    _asyncckpt_rng: Any = None  # this rank's RNG states in the restored step
 
     # -- saving ---------------------------------------------------------------------
 
@@ -129,14 +140,9 @@ class AsyncCheckpointMixin(_Base):
         if fork is not None and self.args.should_save:
             _remove_dirs(run_dir, lambda s: s > fork)  # that run's steps are abandoned now
         self._asyncckpt_fork_at = None
-        rngs: list[Any] = [rng_state()]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            rngs = [None] * dist.get_world_size()
-            dist.all_gather_object(rngs, rng_state())
         first = self.args.process_index == 0
-        extra: dict[str, Any] = {"world_size": len(rngs)}
+        extra: dict[str, Any] = {"world_size": self.args.world_size, RANK_RNG: rng_state()}
         if first:
-            extra["rng"] = rngs
             if not self.args.save_only_model:
                 extra["scheduler"] = (self.lr_scheduler.state_dict()
                                       if self.lr_scheduler is not None else None)
@@ -180,31 +186,55 @@ class AsyncCheckpointMixin(_Base):
     def _asyncckpt_follow(self, handle: SaveHandle, run_dir: Path, step: int,
                           pending: Path) -> None:
         """Rank 0: once `step` commits, move its directory into place and drop the
-        directories of steps the root no longer holds live (one thread, in order)."""
-        previous = self._asyncckpt_thread
+        directories of steps the root no longer holds live: on one follow-up thread
+        for every save, in order (started at the first: a save starts no thread)."""
+        jobs = self._asyncckpt_jobs
+        if jobs is None or self._asyncckpt_thread is None:
+            jobs = self._asyncckpt_jobs = queue.Queue()
+            self._asyncckpt_thread = threading.Thread(target=self._asyncckpt_follow_all,
+                                                      args=(jobs,), name="asyncckpt-hf",
+                                                      daemon=True)
+            self._asyncckpt_thread.start()
+        jobs.put((handle, run_dir, step, pending))
 
-        def follow() -> None:
-            if previous is not None:
-                previous.join()
+    def _asyncckpt_follow_all(self, jobs: queue.Queue[Any]) -> None:
+        while (job := jobs.get()) is not None:
             try:
-                handle.wait()
-                target = run_dir / f"{PREFIX}{step}"
-                if target.exists():  # the step saved again (a rerun, an abandoned one)
-                    old = pending.with_name(f"old-{step}")
-                    shutil.rmtree(old, ignore_errors=True)
-                    target.rename(old)
-                    shutil.rmtree(old)
-                pending.rename(target)
-                storage = storage_for(root_path(run_dir / ROOT_NAME))
-                live = set(live_steps(storage, storage.step_dirs(), read_current(storage)))
-                _remove_dirs(run_dir, lambda s: s not in live)
-            except BaseException as e:  # raised by the next save or at the end of train()
-                log.error("asyncckpt: the checkpoint of step %d failed: %s", step, e)
-                self._asyncckpt_failed = e
+                self._asyncckpt_follow_one(*job)
+            finally:
+                jobs.task_done()
+        jobs.task_done()
 
-        thread = threading.Thread(target=follow, name=f"asyncckpt-hf-{step}", daemon=True)
-        self._asyncckpt_thread = thread
-        thread.start()
+    def _asyncckpt_follow_one(self, handle: SaveHandle, run_dir: Path, step: int,
+                              pending: Path) -> None:
+        try:
+            handle.wait()
+            target = run_dir / f"{PREFIX}{step}"
+            if target.exists():  # the step saved again (a rerun, an abandoned one)
+                old = pending.with_name(f"old-{step}")
+                shutil.rmtree(old, ignore_errors=True)
+                target.rename(old)
+                shutil.rmtree(old)
+            pending.rename(target)
+            storage = storage_for(root_path(run_dir / ROOT_NAME))
+            live = set(live_steps(storage, storage.step_dirs(), read_current(storage)))
+            _remove_dirs(run_dir, lambda s: s not in live)
+        except BaseException as e:  # raised by the next save or at the end of train()
+            log.error("asyncckpt: the checkpoint of step %d failed: %s", step, e)
+            self._asyncckpt_failed = e
+
+    def _asyncckpt_followed(self, stop: bool = False) -> None:
+        """Block until the follow-up thread has done every save handed to it; with
+        `stop`, end the thread too (a later save starts another)."""
+        jobs, thread = self._asyncckpt_jobs, self._asyncckpt_thread
+        if jobs is None or thread is None:
+            return
+        if not stop:
+            jobs.join()
+            return
+        jobs.put(None)
+        thread.join()
+        self._asyncckpt_jobs = self._asyncckpt_thread = None
 
     def _asyncckpt_raise_failed(self) -> None:
         failed = self._asyncckpt_failed
@@ -220,9 +250,7 @@ class AsyncCheckpointMixin(_Base):
         ckpt = self._asyncckpt_ckpt
         if ckpt is not None:
             ckpt.wait_until_finished()
-        thread = self._asyncckpt_thread
-        if thread is not None:
-            thread.join()
+        self._asyncckpt_followed()
         self._asyncckpt_raise_failed()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -246,9 +274,7 @@ class AsyncCheckpointMixin(_Base):
                 if ckpt is not None:
                     ckpt.close()  # waits for every save; stops the writer started here
             finally:
-                thread = self._asyncckpt_thread
-                if thread is not None:
-                    thread.join()
+                self._asyncckpt_followed(stop=True)
             self._asyncckpt_raise_failed()
 
     # -- the Checkpointer --------------------------------------------------------------
@@ -276,7 +302,8 @@ class AsyncCheckpointMixin(_Base):
             contents = (("model", "extra") if self.args.save_only_model
                         else ("model", "optimizer", "extra"))
             options = CheckpointerOptions(save_interval=1, keep_last=limit or 0,
-                                          contents=contents)
+                                          contents=contents, on_busy="queue",
+                                          max_in_flight=MAX_IN_FLIGHT)
             ckpt = Checkpointer(run_dir / ROOT_NAME, model=model, optimizer=optimizer,
                                 options=options)
             self._asyncckpt_ckpt = ckpt
@@ -316,6 +343,38 @@ class AsyncCheckpointMixin(_Base):
         if extra.get("scheduler") is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(extra["scheduler"])
         self._asyncckpt_restored = extra
+        self._asyncckpt_rng = self._asyncckpt_own_rng(marker["root"], step, extra, checkpoint)
+
+    def _asyncckpt_own_rng(self, root: Path, step: int, extra: dict[str, Any],
+                           checkpoint: str | None) -> Any:
+        """This rank's RNG states in restored `step` (read from its own part; a step
+        saved before that holds every rank's in rank 0's part), or None with a warning
+        when the step was saved at another world size. Every rank calls it: the ranks
+        agree on the outcome of reading their parts (a collective), so a part that
+        fails to read fails the resume on every rank, not on one alone.
+        Raises:
+            CorruptCheckpointError, CheckpointError: a rank's part failed to read.
+        """
+        world, rank = self.args.world_size, self.args.process_index
+        gathered = extra.get("rng")  # the former layout: every rank's, in rank 0's part
+        saved = len(gathered or []) if "rng" in extra else extra.get("world_size")
+        if saved != world:
+            log.warning("asyncckpt: the checkpoint %s holds the RNG states of %s ranks, not "
+                        "%d: the RNG is not restored and the run is not reproducible",
+                        checkpoint, saved, world)
+            return None
+        if gathered is not None:
+            return gathered[rank]
+        mine, error = extra.get(RANK_RNG), None
+        if rank != 0:  # rank 0's part is the one restored
+            try:
+                mine = load_parts(root, step, rank, None, {"extra"})["extra"][RANK_RNG]
+            except Exception as e:  # every rank must reach the agreement below
+                error = e
+        if worst(outcome(error)):
+            raise error or CheckpointError("another rank failed to read its RNG states",
+                                           step=step)
+        return mine
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if read_marker(checkpoint) is None:
@@ -330,13 +389,8 @@ class AsyncCheckpointMixin(_Base):
         if read_marker(checkpoint) is None:
             super()._load_rng_state(checkpoint)
             return
-        rngs = (self._asyncckpt_restored or {}).get("rng") or []
-        if len(rngs) != self.args.world_size:
-            log.warning("asyncckpt: the checkpoint %s holds the RNG states of %d ranks, not "
-                        "%d: the RNG is not restored and the run is not reproducible",
-                        checkpoint, len(rngs), self.args.world_size)
-            return
-        set_rng_state(rngs[self.args.process_index])
+        if self._asyncckpt_rng is not None:
+            set_rng_state(self._asyncckpt_rng)
 
 
 def _remove_dirs(run_dir: Path, doomed: Any) -> None:
