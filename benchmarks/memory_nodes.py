@@ -376,6 +376,7 @@ def bench_rank(model: Any, rank: int, out: Path, tag: str) -> int:
         c.install_fence()
     times: dict[str, list[float]] = {"none": [], "memory": [], "durable": []}
     blocked: dict[str, list[float]] = {"memory": [], "durable": []}
+    memory_saves: list[Any] = []  # their handles: which tier each reached (or "skipped")
     step = 0
     for _ in range(max(1, int(env.get("MN_STEPS", "60")) // BLOCK)):
         for name in times:
@@ -389,6 +390,8 @@ def bench_rank(model: Any, rank: int, out: Path, tag: str) -> int:
                 times[name].append(time.perf_counter() - t)
                 if handle is not None:
                     blocked[name].append(handle.stats.blocked_seconds)
+                    if name == "memory":
+                        memory_saves.append(handle)
             if name in ckpts:
                 ckpts[name].wait_until_finished()
             dist.barrier()
@@ -396,7 +399,9 @@ def bench_rank(model: Any, rank: int, out: Path, tag: str) -> int:
               "rings_bytes": sum(c.client.knobs.ring_size or 0 for c in ckpts.values()),
               "median_step_s": {k: statistics.median(v) for k, v in times.items()},
               "save_call_s": {k: statistics.median(v) for k, v in blocked.items()},
-              "steps_per_variant": len(times["none"])}
+              "steps_per_variant": len(times["none"]),
+              "memory_tiers": {t: sum(h.stats.tier == t for h in memory_saves)
+                               for t in {h.stats.tier for h in memory_saves}}}
     (out / f"bench-{tag}-rank{rank}.json").write_text(json.dumps(result))
     if env.get("MN_HOLD") == "1":  # stay (saves held) until the driver has measured
         (out / f"held-{tag}-rank{rank}").write_text("")

@@ -94,6 +94,7 @@ def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
             "save_call_s": {k: statistics.median(p["save_call_s"][k] for p in per)
                             for k in ("memory", "durable")},
             "shard_bytes_per_rank": per[0]["shard_bytes"],
+            "memory_tiers": per[0].get("memory_tiers", {}),
             "steps_per_variant": per[0]["steps_per_variant"], "nodes": nodes}
 
 
@@ -193,7 +194,9 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{s['overhead_pct'][k]:+.1f} % |")
     lines += ["", f"Save call (median): memory {1e3 * s['save_call_s']['memory']:.2f} ms, "
               f"durable {1e3 * s['save_call_s']['durable']:.2f} ms; "
-              f"{s['steps_per_variant']} steps per variant.", "",
+              f"{s['steps_per_variant']} steps per variant; rank 0's memory saves by "
+              f"the tier they reached: {s.get('memory_tiers', {})} (\"skipped\": not "
+              "held, the bound of two generations per node).", "",
               "| node | node's shard | peak while saving (images' pages) | at rest "
               "(images' pages) | at rest (RssShmem less rings) |", "|---|---|---|---|---|"]
     for n in s["nodes"]:
