@@ -181,9 +181,7 @@ class MemoryTier:
             ValueError: the rank sent fewer bytes than its tensors hold.
         """
         if isinstance(image, SkippedImage):
-            image.complete()
-            log.info("memory step %d of rank %d skipped: %s", image.step, image.rank,
-                     image.cause)
+            image.complete()  # the node's skip was logged once (`_skip`)
             notify(None, self._root, {**stats, "tier": SKIPPED, "raw_bytes": 0,
                                       "stored_bytes": 0, "codec": "raw"})
             return
