@@ -12,15 +12,18 @@ step that is not there.
 Object stores have no atomic directory rename; their `publish` writes the manifest last
 as the commit marker instead (docs/FORMAT.md). For several nodes the same sequence runs
 once, by the leader, after every node's part has arrived: each node's files sit in a
-folder of its own, so the leader moves one folder a node, never a file a rank, and
-writes a root manifest that lists the node parts instead of every rank's tables
-(`gather_nodes`): its work grows with nodes, and a reader reads only the parts it needs.
+folder of its own, which the node moves into the save's shared tmp directory
+(`place_node`, shared.py), so the leader lists that directory once and renames it once,
+and writes a root manifest that lists the node parts instead of every rank's tables
+(`gather_nodes`): its file-system work does not grow with nodes (a node whose folder is
+elsewhere costs it one rename), and a reader reads only the parts it needs.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,6 +45,7 @@ from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.paths import Location
 from asyncckpt.storage.timeline import is_live, read_current
+from asyncckpt.writer import shared
 from asyncckpt.writer.owners import OwnerMark
 
 log = logging.getLogger("asyncckpt.writer")
@@ -108,15 +112,46 @@ def write_node_part(storage: Storage, tmp_dir: Location, step: int,
     return entry.to_json()
 
 
+def place_node(storage: Storage, tmp_dir: Location, step: int, entry: dict[str, Any],
+               shared_dir: str | None) -> str:
+    """A node's side, once its part is durable (`write_node_part` returned `entry`):
+    check its folder as the leader used to (one listing, on the node), then move it into
+    the save's shared tmp directory `shared_dir` (shared.place). Returns the name its
+    lead announces: `shared_dir`, or `tmp_dir`'s own where nothing is shared.
+
+    Raises:
+        SaveFailedError: the folder does not hold what its part says, or shared.place's.
+        OSError: the folder cannot be listed or moved.
+    """
+    if shared_dir is None or storage.local_dir() is None:
+        return tmp_dir.name
+    part = PartEntry.from_json(entry, step=step,
+                               max_size=ReadLimits.from_env().max_manifest_bytes)
+    _check_node_folder(part, storage.names(tmp_dir / part.dir), step, tmp_dir)
+    return shared.place(storage, tmp_dir, step, part.dir, shared_dir)
+
+
+def commit_dir(storage: Storage, tmp_dir: Location, nodes: tuple[NodePart, ...]) -> Location:
+    """The directory the leader commits from: the shared tmp directory its own node (the
+    one of rank 0) announced, else its own tmp directory `tmp_dir`. The leader's writer
+    has checked that its node's announcement is where it put its folder
+    (`SeveralNodes.commit_nodes`)."""
+    lead = next((node.tmp for node in nodes if node.first == 0), None)
+    return storage.root / lead if lead is not None and shared.is_shared(lead) else tmp_dir
+
+
 def gather_nodes(storage: Storage, tmp_dir: Location, step: int, world_size: int,
                  nodes: tuple[NodePart, ...]) -> list[PartEntry]:
     """The leader's half of a several-node commit: check that the announced nodes tile
-    the world, and move each other node's folder into `tmp_dir` (one rename a node; the
-    nodes share the file system; each node's writer removes its emptied tmp directory
-    once it hears the outcome, `drop_own_tmp`, off the commit's path). A node's part files
-    are not read: its folder is listed once, to check that it holds a part file and one
-    data file for each of its ranks and nothing else, and their sizes and checksums go
-    into the root manifest, which the reader checks each file against. On an object
+    the world, and gather every node's folder in `tmp_dir`. Where `tmp_dir` is the
+    save's shared tmp directory (`commit_dir`), the nodes that announced it put their
+    folders there themselves and checked them (`place_node`): it is listed once, and
+    must hold exactly the announced nodes' folders. Any other node's folder is moved in
+    (one rename a node; the nodes share the file system; each node's writer removes its
+    emptied tmp directory once it hears the outcome, `drop_own_tmp`, off the commit's
+    path) and listed once, to check that it holds a part file and one data file for each
+    of its ranks and nothing else. A node's part files are not read: their sizes and
+    checksums go into the root manifest, which the reader checks each file against. On an object
     store every node wrote in its own attempt folder of the step, so nothing moves: the
     folder's listing is one LIST request, and the committing attempt's folder maps each node
     to its folder (storage/s3keys.py).
@@ -155,12 +190,18 @@ def gather_nodes(storage: Storage, tmp_dir: Location, step: int, world_size: int
             entry, name = item
             return storage.gather_node(tmp_dir, name, entry.dir)
 
-        # one node's two calls wait on the file system (a network round trip each on NFS
-        # or Lustre), not on us: a few nodes at a time
-        with ThreadPoolExecutor(min(16, len(plan)), thread_name_prefix="asyncckpt-gather") as pool:
-            listings = list(pool.map(move_and_list, plan))
-        for (entry, _), names in zip(plan, listings):
-            _check_node_folder(entry, names, step, tmp_dir)
+        placed = shared.is_shared(tmp_dir.name, step)  # its nodes put their folders there
+        moved = [item for item in plan if not (placed and item[1] == tmp_dir.name)]
+        if moved:  # one node's two calls wait on the file system (a network round trip
+            # each on NFS or Lustre), not on us: a few nodes at a time
+            with ThreadPoolExecutor(min(16, len(moved)),
+                                    thread_name_prefix="asyncckpt-gather") as pool:
+                listings = list(pool.map(move_and_list, moved))
+            for (entry, _), names in zip(moved, listings):
+                _check_node_folder(entry, names, step, tmp_dir)
+        if placed:
+            shared.check_listing(storage.names(tmp_dir), {entry.dir for entry, _ in plan},
+                                 step, tmp_dir)
     except FileNotFoundError as e:
         raise SaveFailedError(f"a node's folder is missing: {e}", step=step,
                               file=str(tmp_dir)) from None
@@ -179,15 +220,18 @@ def drop_emptied(storage: Storage, tmp_dir: Location, nodes: tuple[NodePart, ...
     storage.drop_node_tmps(tmp_dir, {node[2] for node in nodes})
 
 
-def drop_own_tmp(storage: Storage, step: int, tmp_dir: Location) -> None:
+def drop_own_tmp(storage: Storage, step: int, tmp_dir: Location,
+                 also: Collection[str] = ()) -> None:
     """A node's writer, once it heard that coordinated `step` committed: remove its tmp
-    directory `tmp_dir`, which the leader's `gather_nodes` emptied. One rmdir on each
+    directory `tmp_dir`, which its `place_node` or the leader's `gather_nodes` emptied,
+    and the shared directories `also` its folder went through (gone: it became the step;
+    emptied: the leader took the folder from there). One rmdir each on each
     node, after its ranks were told, so that the leader's commit waits on no
     file-system work a node. A directory that is not empty (its folder was not taken)
     or is gone (the leader's own: it became the step) is left as it is; a crash before
     this leaves an empty tmp directory, never part of a step, which the next writer to
     take the root first sweeps (owners.py for the dead writers' ones)."""
-    storage.drop_node_tmps(storage.root / step_dir_name(step), {tmp_dir.name})
+    storage.drop_node_tmps(storage.root / step_dir_name(step), {tmp_dir.name, *also})
 
 
 def _check_node_folder(entry: PartEntry, names: set[str], step: int,

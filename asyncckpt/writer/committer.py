@@ -32,7 +32,7 @@ from asyncckpt.format.manifest import Manifest
 from asyncckpt.runtime import faults
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.timeline import write_current
-from asyncckpt.writer import commit, owners
+from asyncckpt.writer import commit, owners, shared
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.retention import check_references, check_replaceable, prune
 from asyncckpt.writer.timelines import settle
@@ -49,11 +49,15 @@ Check = Callable[[bytes, Manifest], None]
 
 def abandon(storage: Storage, current: Step, error: CheckpointError, tell: Iterable[Notify],
             index: DedupIndex | None) -> None:
-    """End a failed step: release its dedup pins, discard its files, tell `tell`."""
+    """End a failed step: release its dedup pins, discard its files, tell `tell`; a
+    coordinated one's, then what dead writers and abandoned saves left (a save's shared
+    tmp directory that no live writer's tmp directory of its step is left for)."""
     release(current.number, index)
     storage.discard(current.tmp_dir)
     for notify in list(tell):
         notify(error, None, {})
+    if current.coordinated:
+        sweep_dead(storage)
 
 
 def release(step: int, index: DedupIndex | None) -> None:
@@ -121,6 +125,9 @@ class Committer:
             error = e if isinstance(e, CheckpointError) else SaveFailedError(
                 f"commit failed: {type(e).__name__}: {e}", step=current.number)
             log.warning("step %d failed at commit: %s", current.number, error)
+            if current.nodes is not None:  # the nodes' shared directory: nobody commits it
+                shared.drop(self.storage, current.number,
+                            commit.commit_dir(self.storage, current.tmp_dir, current.nodes).name)
             abandon(self.storage, current, error, tell, self._index)
             return
         if self._index is not None and manifest.parts is None:  # a root's: read at refresh
@@ -141,8 +148,10 @@ class Committer:
         manifest as a reader would, write the root's timeline file if the step begins a
         timeline, and publish the step."""
         settled = settle(self.storage, current.number, current.timeline, current.replace)
-        if current.nodes is not None:
-            entries = commit.gather_nodes(self.storage, current.tmp_dir, current.number,
+        source = current.tmp_dir
+        if current.nodes is not None:  # from the nodes' shared directory (shared.py)
+            source = commit.commit_dir(self.storage, current.tmp_dir, current.nodes)
+            entries = commit.gather_nodes(self.storage, source, current.number,
                                           current.world_size, current.nodes)
             manifest = Manifest(step=current.number, world_size=current.world_size, ranks=[],
                                 parts=entries, timeline=settled.record)
@@ -166,11 +175,10 @@ class Committer:
                      settled.record.describe(),
                      settled.record.lineage[-1][1] if settled.record.lineage else "-")
             faults.point("timeline_written")
-        path = commit.publish(self.storage, current.tmp_dir, current.number, data,
+        path = commit.publish(self.storage, source, current.number, data,
                               replace=settled.replace)
-        # the other nodes' emptied tmp directories: each node's writer removes its own
-        # once it hears the outcome (nodes.py), so the leader's commit does one move a
-        # node and nothing more
+        # the nodes' emptied tmp directories: each node's writer removes its own once it
+        # hears the outcome (nodes.py), so the leader's commit does no work a node
         return manifest, path
 
     @staticmethod

@@ -13,6 +13,11 @@ runs in the leader's own writer, which is alive while it holds its lock).
 
 On NFS, Linux maps flock to POSIX locks that other clients see; a client that crashes
 loses its locks when its lease expires, so its directories are swept a lease later.
+
+A save's shared tmp directory (writer/shared.py) has no owner: every node of the save
+puts its folder there. It is swept once no tmp directory of its step is left but dead
+writers' (every node with the save under way holds its own until it hears the outcome),
+renamed aside before it is deleted.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
+
+from asyncckpt.format.layout import tmp_step_of
+from asyncckpt.writer.shared import is_shared, remove
 
 OWNER_PREFIX = ".asyncckpt.writer-"
 _OWNED_TMP = re.compile(r"step-[0-9]{8,}\.tmp-([0-9a-f]{8})[0-9a-f]{8}")
@@ -57,18 +65,25 @@ class OwnerMark:
 
 def sweep_dead(root: Path) -> list[str]:
     """Remove the tmp directories of writers that are gone (their lock is free, or their
-    lock file is gone), and those writers' lock files. Returns the names removed."""
+    lock file is gone), those writers' lock files, and the shared tmp directories of
+    steps that no other tmp directory is left of (no live writer has such a save under
+    way). Returns the names removed."""
     try:
         names = os.listdir(root)
     except OSError:
         return []
     owners = {name[len(OWNER_PREFIX):] for name in names if name.startswith(OWNER_PREFIX)}
     dead = {owner for owner in owners if not _alive(root / f"{OWNER_PREFIX}{owner}")}
-    removed = []
+    removed, busy = [], set()
     for name in sorted(names):
         m = _OWNED_TMP.fullmatch(name)
         if m and (m.group(1) in dead or m.group(1) not in owners):
             shutil.rmtree(root / name, ignore_errors=True)
+            removed.append(name)
+        elif not is_shared(name) and (step := tmp_step_of(name)) is not None:
+            busy.add(step)  # a live writer's (or an unowned one's): its save may be under way
+    for name in sorted(names):
+        if is_shared(name) and tmp_step_of(name) not in busy and remove(root, name):
             removed.append(name)
     for owner in sorted(dead):
         (root / f"{OWNER_PREFIX}{owner}").unlink(missing_ok=True)

@@ -50,6 +50,7 @@ from asyncckpt.writer.memory_image import RankImage
 from asyncckpt.writer.memory_serve import MEMORY_QUERIES, serve_query
 from asyncckpt.writer.nodes import NodeJoin
 from asyncckpt.writer.pipeline import RankFileWriter
+from asyncckpt.writer.shared import shared_name
 
 if TYPE_CHECKING:
     pass
@@ -229,7 +230,8 @@ class Session:
             header, specs = layout(table)
             join = None if not m.coordinated else NodeJoin(
                 m.node or NodeRanks(self.rank, 1),
-                functools.partial(self._durable, save_id, step))
+                functools.partial(self._durable, save_id, step),
+                shared_name(step, save_id, m.world_size))  # the nodes' tmp dir: shared.py
             current = self.writer.steps.begin(step, self.rank, m.world_size, notify, m.options,
                                               join)
             unchanged = self._unchanged(m, table, specs)

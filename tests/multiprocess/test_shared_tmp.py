@@ -1,0 +1,53 @@
+"""Two real writer processes (nodes) and their ranks' clients on one job's store: each
+node's writer puts its durable folder into the save's shared tmp directory before its
+lead announces it, so the leader's writer commits that one directory (writer/shared.py);
+the step is laid out as every several-node step is, and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from test_coordination import (
+    PER_NODE,
+    WORLD,
+    nodes,
+    outcomes,
+    ranks,
+    state,
+    wait_until,
+)
+from torch.distributed import TCPStore
+
+import asyncckpt
+from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.writer import shared
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_the_nodes_folders_meet_in_one_shared_directory_the_leader_renames(tmp_path, store):
+    root = tmp_path / "ckpt"
+    # the leader's writer pauses once the folders are gathered: the root is seen then
+    with nodes(tmp_path, leader_env={"ASYNCCKPT_SLOW_AT": "parts_gathered:3"}) as writers, \
+            ranks(writers, store) as clients:
+        handles = [c.save(1, state(c.rank, 1)) for c in clients]
+        names = [shared.shared_name(1, s, WORLD) for s in range(1, 4)]
+        assert wait_until(lambda: any((root / n).is_dir() for n in names), 30)
+        found = [n for n in names if (root / n).is_dir()]
+        assert len(found) == 1  # every node computed the same name
+        folders = sorted(os.listdir(root / found[0]))
+        assert folders == [f"node-{n * PER_NODE:05d}" for n in range(WORLD // PER_NODE)]
+        # each node's own tmp directory is empty: its folder went into the shared one
+        own = [p for p in root.iterdir() if ".tmp-" in p.name and p.name != found[0]]
+        assert len(own) == 2 and all(not os.listdir(p) for p in own), own
+        assert outcomes(handles) == [root / "step-00000001"] * WORLD
+        assert wait_until(lambda: not [p for p in root.iterdir() if ".tmp-" in p.name], 30)
+    assert PosixStorage(root).committed_steps() == [1] and asyncckpt.verify(root).ok
+    assert sorted(os.listdir(root / "step-00000001")) == [
+        "manifest.json", *[f"node-{n * PER_NODE:05d}" for n in range(WORLD // PER_NODE)]]
