@@ -8,7 +8,9 @@ What runs is the real coordination: every simulated node's lead rank has its own
 threads and their own clients (two: the heartbeat has its own connection) of one real
 `TCPStore`; each simulated node's writer is a thread that writes its ranks' data files
 and the node's part (the writer's own `write_node_part`, a synthetic rank part of
-`--tensors` tensors) on a real directory, tells the lead, and on the lead's outcome
+`--tensors` tensors) on a real directory, moves its folder into the save's shared tmp
+directory (the writer's own `place_node`; with `--own-tmp`, as before the shared
+directory: the leader moves each node's folder), tells the lead, and on the lead's outcome
 completes the handles of the node's other ranks, as the writer relays it (those ranks
 send the store nothing when nothing fails). One process writes every node's files in
 turn, so they are all written first and then every node's lead is told at once, as
@@ -79,7 +81,7 @@ from asyncckpt.rank.coordination import StoreCoordinator
 from asyncckpt.rank.handle import SaveHandle, complete, fail
 from asyncckpt.storage.location import read_manifest_at
 from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.writer import commit
+from asyncckpt.writer import commit, shared
 
 from .report import write_results
 
@@ -195,6 +197,7 @@ class SaveResult:
     manifest_bytes: int
     one_rank_bytes: int
     verified: bool
+    place_s: float = 0.0  # a node's move into the shared directory, mean (before it tells)
     failed_ranks: int = 0
     error: str = ""
     request_s: float = 0.0  # one store request, one client alone (`store_request_seconds`)
@@ -213,7 +216,8 @@ class Node:
         self.agreement = Agreement(coordinator, self._writer_hears, str(world.root), "root-id",
                                    lambda: False)
         self.handles: dict[int, SaveHandle] = {}  # the node's other ranks, this save
-        self.tmp: Path | None = None              # its tmp directory, this save
+        self.tmp: Path | None = None              # its own tmp directory, this save
+        self.placed: str | None = None            # where its folder went (announced)
 
     def _writer_hears(self, message: messages.Message) -> None:
         if isinstance(message, messages.Commit):
@@ -221,6 +225,8 @@ class Node:
         elif isinstance(message, messages.Outcome):  # the writer relays it
             if not message.committed and self.tmp is not None:
                 self.world.storage.discard(self.tmp)  # as the writer does
+                if self.first == 0 and self.placed is not None:  # the leader's: the
+                    shared.drop(self.world.storage, message.step, self.placed)  # shared dir
             for handle in self.handles.values():
                 if message.committed:
                     complete(handle, self.world.root / step_dir_name(message.step), {})
@@ -229,7 +235,8 @@ class Node:
             if message.committed and self.tmp is not None:  # then its emptied tmp dir, in
                 # the writer's process, not on the rank's path (here: the writers' threads)
                 self.world.after_work.submit(commit.drop_own_tmp, self.world.storage,
-                                             message.step, self.tmp)
+                                             message.step, self.tmp,
+                                             {p for p in [self.placed] if p is not None})
 
     def kill(self) -> None:
         """The node is gone: no beat, no announcement, no word to its other ranks."""
@@ -240,8 +247,10 @@ class World:
     """N simulated nodes of `per_node` ranks on one TCPStore and one root."""
 
     def __init__(self, work: Path, nodes: int, per_node: int, part: RankPart, data: bytes,
-                 timeout: float) -> None:
+                 timeout: float, own_tmp: bool = False) -> None:
         self.nodes, self.per_node = nodes, per_node
+        self.own_tmp = own_tmp  # the nodes announce their own tmp dirs (before shared.py)
+        self.saves = 0
         self.world = nodes * per_node
         self.root = work / f"root-{nodes}x{per_node}"
         self.root.mkdir()
@@ -299,9 +308,11 @@ class World:
         """The leader's writer: the real gather of the nodes and publish of the root."""
         pending = self._pending[m.save]
         start = time.perf_counter()
+        own = self.node_list[0].tmp
+        assert own is not None
+        tmp_dir = commit.commit_dir(self.storage, own, m.nodes)
         try:
             with counted_os_calls(self.leader_calls):
-                tmp_dir = self.root / m.nodes[0][2]
                 entries = commit.gather_nodes(self.storage, tmp_dir, m.step, m.world_size,
                                               m.nodes)
                 data = Manifest(step=m.step, world_size=m.world_size, ranks=[],
@@ -313,10 +324,12 @@ class World:
         except Exception as e:  # handed to the leader rank, as the writer would
             error, path = e, None
             self.leader_seconds = time.perf_counter() - start
+            shared.drop(self.storage, m.step, tmp_dir.name)  # as the committer does
         self.node_list[0].agreement.result(pending, error, str(path) if path else None, {})
 
-    def _node_writer(self, node: Node, step: int) -> dict[str, Any]:
-        """The node's writer: its ranks' data files and parts; the entry for its lead."""
+    def _node_writer(self, node: Node, step: int) -> tuple[dict[str, Any], float]:
+        """The node's writer: its ranks' data files and parts, its folder moved into the
+        save's shared directory; the entry for its lead, and the move's seconds."""
         tmp = node.tmp = self.storage.make_tmp(step)
         folder = node_dir_name(node.first)
         (tmp / folder).mkdir()
@@ -325,13 +338,19 @@ class World:
             name = f"{folder}/{data_file_name(rank, self.part.codec)}"
             (tmp / name).write_bytes(self.data)
             parts.append(dataclasses.replace(self.part, rank=rank, file=name))
-        return commit.write_node_part(self.storage, tmp, step, parts)
+        entry = commit.write_node_part(self.storage, tmp, step, parts)
+        start = time.perf_counter()
+        node.placed = commit.place_node(
+            self.storage, tmp, step, entry,
+            None if self.own_tmp else shared.shared_name(step, self.saves, self.world))
+        return entry, time.perf_counter() - start
 
     def save(self, step: int, dead_node: int | None = None, verify: bool = True) -> SaveResult:
         """One save of `step` by every node; every live rank's handle is awaited; the
         step is then verified (`verify`) as `asyncckpt verify` would."""
         self.counts.take()
         self.beats.take()
+        self.saves += 1  # the save's id, the same on every rank
         self.leader_calls.clear()
         self.marks.clear()
         pendings, handles = [], []
@@ -350,11 +369,11 @@ class World:
         # as nodes of a job writing in parallel do (here one process writes them in turn)
         live = [n for n in range(self.nodes) if n != dead_node]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            entries = list(pool.map(lambda n: self._node_writer(self.node_list[n], step), live))
-        for n, entry in zip(live, entries):
+            written = list(pool.map(lambda n: self._node_writer(self.node_list[n], step), live))
+        for n, (entry, _) in zip(live, written):
             node = self.node_list[n]
-            assert node.tmp is not None
-            node.agreement.durable(pendings[n], node.tmp.name, entry)
+            assert node.placed is not None
+            node.agreement.durable(pendings[n], node.placed, entry)
         durable_at = [time.perf_counter()]
         failed, error = 0, ""
         for handle in handles:
@@ -378,7 +397,8 @@ class World:
         return SaveResult(self.nodes, self.per_node, requests, nbytes, sum(beats.values()),
                           dict(self.leader_calls), done - told, complete - told,
                           final - complete, done - final, self.leader_seconds,
-                          self.manifest_bytes, one_rank, verified, failed, error)
+                          self.manifest_bytes, one_rank, verified,
+                          statistics.fmean(s for _, s in written), failed, error)
 
     def close(self) -> None:
         for node in self.node_list:
@@ -403,11 +423,11 @@ def store_request_seconds(port: int, requests: int = CALIBRATION_REQUESTS) -> fl
 
 
 def run_shape(work: Path, nodes: int, per_node: int, part: RankPart, data: bytes, saves: int,
-              timeout: float, verify: bool = True) -> list[SaveResult]:
+              timeout: float, verify: bool = True, own_tmp: bool = False) -> list[SaveResult]:
     """`saves` saves of one shape; the last verified in full when `verify` (at hundreds
     of nodes that alone takes minutes: the whole manifest is parsed and walked); each
     result carries the store's request time measured after them."""
-    world = World(work, nodes, per_node, part, data, timeout)
+    world = World(work, nodes, per_node, part, data, timeout, own_tmp)
     try:
         world.joined()
         results = [world.save(step, verify=verify and step == saves)
@@ -420,10 +440,10 @@ def run_shape(work: Path, nodes: int, per_node: int, part: RankPart, data: bytes
 
 
 def run_failure(work: Path, nodes: int, per_node: int, part: RankPart, data: bytes,
-                timeout: float, what: str) -> dict[str, Any]:
+                timeout: float, what: str, own_tmp: bool = False) -> dict[str, Any]:
     """A good step, then one where a node (or the leader's writer) is gone: seconds
     until every survivor's handle failed, and whether the good step is intact."""
-    world = World(work, nodes, per_node, part, data, timeout)
+    world = World(work, nodes, per_node, part, data, timeout, own_tmp)
     try:
         world.save(1)
         time.sleep(1)
@@ -436,14 +456,17 @@ def run_failure(work: Path, nodes: int, per_node: int, part: RankPart, data: byt
         intact = asyncckpt.verify(world.root / step_dir_name(1)).ok
         time.sleep(1)  # the last node done with the failed save deletes its keys
         left = [p.name for p in world.root.iterdir() if ".tmp-" in p.name]
-        dead = {node_dir_name((nodes - 1) * per_node if what == "node" else 0)}
+        dead = (nodes - 1) * per_node if what == "node" else 0  # its writer's are the sweep's
         return {"what": what, "nodes": nodes, "per_node": per_node, "seconds": seconds,
                 "survivors_failed": result.failed_ranks, "survivors": survivors,
                 "previous_intact": intact,
                 "step_2_visible": (world.root / step_dir_name(2)).exists(),
                 "store_keys_added": world.server.num_keys() - keys_before,
-                "tmp_dirs_left": sum(1 for name in left
-                                     if not dead & set(os.listdir(world.root / name))),
+                "tmp_dirs_left": sum(1 for n in world.node_list if n.first != dead
+                                     and n.tmp is not None and n.tmp.name in left),
+                # the dead leader's writer's to drop: a writer's sweep (not simulated)
+                # removes it once no live writer has a tmp dir of the step
+                "shared_dirs_left": sum(1 for name in left if shared.is_shared(name)),
                 "error": result.error}
     finally:
         world.close()
@@ -465,6 +488,7 @@ def summarise(results: list[SaveResult], verify: bool = True) -> dict[str, Any]:
             "fanned_out_s": statistics.median(r.fanned_out for r in results),
             "request_s": results[-1].request_s,
             "leader_commit_s": statistics.median(r.leader_commit for r in results),
+            "place_s": statistics.median(r.place_s for r in results),
             "beat_requests": statistics.median(r.beat_requests for r in results),
             "manifest_bytes": results[-1].manifest_bytes,
             "one_rank_load_reads": results[-1].one_rank_bytes,
@@ -510,6 +534,14 @@ def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: lis
             + ("NO" if not r["verified"] else "yes" if r.get("verify_run", True)
                else "committed, not verified")
             + (f"; {r['failed']} rank-saves failed" if r.get("failed") else "") + " |")
+    lines += ["", "Each node's writer moves its folder into the save's shared tmp directory "
+              "(one mkdir and one rename, after one listing of its folder) before its lead is "
+              "told: on a cluster every node at once, here in the pool that writes the nodes' "
+              "files, before the clock starts. Mean per node, ms: " + ", ".join(
+                  f"{r['nodes']} x {r['per_node']}: {1e3 * r.get('place_s', 0.0):.2f}"
+                  for r in rows) + ("" if any(r.get("place_s") for r in rows) else
+                                    " (--own-tmp: no move; the leader moves each node's "
+                                    "folder)")]
     lines += ["", "Where the latency after the last part goes (s; x 2x2 in brackets): the "
               "announcements landing (every lead's append and add, here through one "
               "interpreter; on a cluster in parallel, serialised only by the store's one "
@@ -570,7 +602,8 @@ def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: lis
                        f"{f['seconds']:.1f} s, {f['survivors_failed']} of {f['survivors']} "
                        f"failed; previous step intact: {f['previous_intact']}; store keys "
                        f"added: {f['store_keys_added']}; tmp directories of live nodes "
-                       f"left: {f['tmp_dirs_left']}"))
+                       f"left: {f['tmp_dirs_left']}; shared tmp directories left: "
+                       f"{f.get('shared_dirs_left', 0)}"))
     lines.append("")
     lines += [f"- {'PASS' if ok else 'MISS'} at {n} x {big['per_node']}: {name} ({detail})"
               for name, ok, detail in checks]
@@ -596,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-nodes", type=int, default=256)
     parser.add_argument("--verify-up-to", type=int, default=64,
                         help="verify the last step of shapes of at most this many nodes")
+    parser.add_argument("--own-tmp", action="store_true",
+                        help="nodes announce their own tmp dirs, the leader moves each node's "
+                        "folder (the protocol before the shared tmp directory, for an A/B)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scale.md")
     args = parser.parse_args(argv)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -608,17 +644,19 @@ def main(argv: list[str] | None = None) -> int:
                                      dir=os.environ.get("BENCH_DIR")) as d:
         work = Path(d)
         part, data = template(work, args.tensors)
-        rows = [summarise(run_shape(work, 2, 2, part, data, args.saves, args.timeout))]
+        rows = [summarise(run_shape(work, 2, 2, part, data, args.saves, args.timeout,
+                                    own_tmp=args.own_tmp))]
         for nodes in (int(n) for n in args.nodes.split(",") if n):
             verify = nodes <= args.verify_up_to
             saves = args.saves if nodes < 1000 else args.saves_from_1000
             rows.append(summarise(run_shape(work, nodes, args.per_node, part, data, saves,
-                                            args.timeout, verify), verify))
+                                            args.timeout, verify, args.own_tmp), verify))
             print(json.dumps(rows[-1]), flush=True)
         if args.kill:  # detection does not depend on the manifest: small parts, verified
             small_part, small_data = template(work / "small", 10)
         failures = [run_failure(work, args.kill_nodes, args.per_node, small_part, small_data,
-                                args.timeout, what) for what in args.kill.split(",") if what]
+                                args.timeout, what, args.own_tmp)
+                    for what in args.kill.split(",") if what]
     write_results(args.out, report(rows, failures, argv), {"rows": rows, "failures": failures})
     return 0
 
