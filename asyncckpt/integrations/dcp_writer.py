@@ -433,15 +433,24 @@ def _when(handle: SaveHandle, *, staged: bool, then: Any, root: Location | None 
 
 def _staged_error(handle: SaveHandle, root: Location | None) -> BaseException | None:
     """Once `handle` is staged: None, or the save's error as `for_dcp` words it for
-    `root` when staging ended it (failed before or while copying)."""
+    `root` when staging ended it (failed before or while copying). A failure that
+    came after the copy (the writer's disk filling up), even one already known when
+    this thread wakes, is not staging's: the background save's future raises it."""
     handle.wait_staged()
-    if not handle.done() or handle.exception() is None:
+    if _copied(handle) or not handle.done() or handle.exception() is None:
         return None
     try:
         handle.wait()
     except BaseException as e:  # noqa: BLE001 - the save's error is the caller's
         return for_dcp(e, root)
     return None
+
+
+def _copied(handle: SaveHandle) -> bool:
+    """Whether every byte of the save reached the ring: the client's stager sets
+    `staging_seconds` then, before it sends the save's end, and never for a save that
+    failed before or while copying (rank/client.py)."""
+    return handle.stats.staging_seconds > 0
 
 
 def _started_writer(root: Location | None) -> str:

@@ -31,10 +31,12 @@ from asyncckpt.dcp import StorageReader, StorageWriter, parse_checkpoint_id
 from asyncckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    DiskFullError,
     StepAlreadyCommittedError,
     WriterRootMismatchError,
 )
 from asyncckpt.format.layout import step_dir_name
+from asyncckpt.rank import handle as handles
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -204,6 +206,35 @@ def test_the_writers_error_reaches_dcp_on_save_and_on_the_async_future(writer, c
         future.result(timeout=60)
     assert isinstance(failure(caught), StepAlreadyCommittedError)
     assert torch.equal(asyncckpt.load(writer.root, step=2)["w"], torch.ones(3))
+
+
+class _FailsOnceCopied:
+    """A client whose save's handle fails (as a disk-full reported by the writer would)
+    right after the copy into the ring, before the caller's thread looks at it."""
+
+    def __init__(self, client: asyncckpt.Client) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+    def save(self, *args: object, **kwargs: object) -> object:
+        handle = self._client.save(*args, **kwargs)
+        handle.wait_staged()
+        handles.fail(handle, DiskFullError("no space left on device", step=handle.step))
+        return handle
+
+
+def test_a_failure_after_the_copy_reaches_the_async_future_not_async_save(writer, client):
+    """The copy is done, so async_save returns; the disk-full error that came right after
+    it (before the caller's thread woke) is the future's, as any failure after staging."""
+    state = {"w": torch.ones(1 << 12)}
+    future = dcp.async_save(state, storage_writer=StorageWriter(
+        writer.root, 6, client=_FailsOnceCopied(client)))  # type: ignore[arg-type]
+    with pytest.raises(CheckpointException) as caught:
+        future.result(timeout=60)
+    assert isinstance(failure(caught), DiskFullError)
+    assert "no space left on device" in str(failure(caught))
 
 
 def test_async_save_given_only_a_checkpoint_id_saves_the_state_it_was_given(writer, client):
