@@ -230,7 +230,7 @@ def test_a_failure_after_the_copy_reaches_the_async_future_not_async_save(writer
     it (before the caller's thread woke) is the future's, as any failure after staging."""
     state = {"w": torch.ones(1 << 12)}
     future = dcp.async_save(state, storage_writer=StorageWriter(
-        writer.root, 6, client=_FailsOnceCopied(client)))  # type: ignore[arg-type]
+        writer.root, 6, client=_FailsOnceCopied(client)))  # type: ignore[arg-type]  # a stand-in client
     with pytest.raises(CheckpointException) as caught:
         future.result(timeout=60)
     assert isinstance(failure(caught), DiskFullError)
