@@ -5,10 +5,21 @@ torchtune's recipes save their intermediate checkpoints (with
 DCP's `FileSystemWriter(sync_files=False)`: nothing is fsynced, a crash mid-save
 leaves a `dist_epoch_N` whose `.metadata` makes it look complete to the resume, and
 each save keeps a full copy of the state in pinned memory. This class keeps its
-constructor and its `save_checkpoint` / `load_checkpoint` calls; underneath, the same
-`dcp.save` / `dcp.async_save` go through asyncckpt's DCP `StorageWriter` and
-`StorageReader` (checksummed, committed atomically, staged through the ring), into the
-root `output_dir/asyncckpt`, step = the epoch.
+constructor and its `save_checkpoint` / `load_checkpoint` calls; underneath, the saves go
+to asyncckpt (checksummed, committed atomically, staged through the ring), into the
+root `output_dir/asyncckpt`, step = the epoch, and the loads are DCP's `dcp.load`
+through asyncckpt's `StorageReader` (resharding, as torchtune's).
+
+A save is handed straight to this rank's client, as `Checkpointer` saves: each rank's
+DTensor shards as boxes of the global tensors, which `dcp.load` reads as DCP's own
+(dcp_reader.py). DCP's save protocol is not run: its planning, its gather of the plans
+and of the write results to the coordinator and their scatter back are three to four
+collectives of pickles per save, most of a small save's time on gloo, and the ranks
+need none of them (the writer commits the epoch once every rank's part is in). A state
+holding a value asyncckpt does not store (an object neither JSON nor a tensor, which DCP
+would pickle) goes through `dcp.save` / `dcp.async_save` with asyncckpt's
+`StorageWriter` instead; torchtune's states hold none (hazard: a rank whose state
+differs in kind from the others' would then run DCP's collectives alone).
 
 torchtune's recipes checkpoint no random number generator state (a resumed run re-seeds,
 so dropout draws other masks than the run it continues): each save here adds every
@@ -22,9 +33,10 @@ only the keys a template has, and the recipe then fails making its scheduler
 The load here also asks for the param-group entries the step holds and the template
 lacks.
 
-A resume loads the newest live step and begins a timeline there (dcp_timeline.py): a
-run resumed from an older epoch saves over the newer epochs of the history it left,
-which are never newest again. A re-save of a committed epoch replaces it atomically,
+A resume loads the newest live step and begins a timeline there (dcp_timeline.py; rank
+0 draws the timeline's start and the load broadcasts it, so every rank's saves carry the
+same): a run resumed from an older epoch saves over the newer epochs of the history it
+left, which are never newest again. A re-save of a committed epoch replaces it atomically,
 as DCP's `FileSystemWriter` overwrites. The recipe's final (synchronous) save still
 goes through the checkpointer the config names (the HF/Meta files a user exports).
 
@@ -36,24 +48,50 @@ Installing it in a recipe (the recipe builds its `CheckpointClient` in `__init__
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
 from torchtune import training  # type: ignore[import-not-found,unused-ignore]  # no py.typed
 from torchtune.training.checkpointing._checkpointer import (  # type: ignore[import-not-found,unused-ignore]  # no py.typed
     DistributedCheckpointer as _TorchtuneDistributedCheckpointer,
 )
 
 from asyncckpt.checkpointer import Checkpointer
+from asyncckpt.errors import UnsupportedStateError
+from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.integrations.dcp_reader import StorageReader
+from asyncckpt.integrations.dcp_timeline import start_for
 from asyncckpt.integrations.dcp_writer import StorageWriter
 from asyncckpt.integrations.rng import rng_state, set_rng_state
+from asyncckpt.rank.client import Client, shared_client
+from asyncckpt.rank.handle import SaveHandle, raise_untaken, settle
+from asyncckpt.rank.launch import WriterProcess
+from asyncckpt.rank.node_writer import given_address, node_writer
+from asyncckpt.rank.ringsize import ring_for, state_bytes
 
 __all__ = ["RNG_KEY", "ROOT_NAME", "DistributedCheckpointer", "install"]
 ROOT_NAME = "asyncckpt"  # the root, under torchtune's output_dir
 RNG_KEY = "asyncckpt_rng_rank"  # + the global rank: that rank's RNG states in a step
+log = logging.getLogger("asyncckpt.torchtune")
+MAX_IN_FLIGHT = 4  # saves in flight before a save waits for the oldest to commit
+
+
+class _Saved:
+    """A save in flight, as the future `dcp.async_save` returns: `result()` blocks
+    until the epoch is committed and raises its failure."""
+
+    def __init__(self, handle: SaveHandle) -> None:
+        self.handle = handle
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.handle.wait(timeout)
+
+    def done(self) -> bool:
+        return self.handle.done()
 
 
 def _ask_saved_group_keys(state_dict: dict[str, Any], saved: Any) -> None:
@@ -100,8 +138,12 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
             # training's own collectives (torchtune's default collides there)
             process_group = dist.new_group(backend="gloo")
         super().__init__(checkpoint_dir, output_dir, process_group)
-        self._checkpoint_future: Any = None  # dcp.async_save's future
+        self._checkpoint_future: Any = None  # the save in flight (or dcp.async_save's future)
         self.root = Path(output_dir) / ROOT_NAME
+        self._client: Client | None = None  # this rank's, made at the first save
+        self._writer: WriterProcess | None = None  # the node's writer, if started here
+        self._timeline: TimelineStart | None = None  # drawn at a load, carried by saves
+        self._in_flight: list[SaveHandle] = []  # direct saves not known to be done
         self.keep_last = keep_last
         self.resume_step = resume_step
 
@@ -140,24 +182,71 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
                  process_group=self._process_group)
         if has_rng:
             set_rng_state(state_dict.pop(key))
+        self._timeline = self._agreed_start()
         return state_dict
+
+    def _agreed_start(self) -> TimelineStart | None:
+        """The timeline start the saves after this load carry: rank 0's (dcp_timeline.py,
+        forked at the step it loaded), broadcast so that every rank carries the same."""
+        start = [None if (s := start_for(self.root.resolve())) is None else s.to_json()]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(start, src=0, group=self._process_group)
+        return None if start[0] is None else TimelineStart.from_json(start[0])
 
     def save_checkpoint(self, state_dict: dict[str, Any], epoch: int,
                         save_async: bool = False) -> None:
         """Save epoch `epoch` (every rank calls it): with `save_async`, return once the
-        state is staged (`dcp.async_save`); the previous asynchronous save is waited
-        for first, and its failure raised here. This rank's RNG states (as of this
+        state is staged (copied into the ring: the training may change it from then
+        on), else once the epoch is committed. A save does not wait for the one before
+        it to commit; a failure of an earlier save that has not been raised is raised
+        here, before anything of this one is done. This rank's RNG states (as of this
         call) are saved with the state.
 
         Raises:
-            CheckpointException: DCP's, wrapping asyncckpt's error (a sync save, or
-                the previous asynchronous one, failed).
+            SaveFailedError (or a subclass), WriterUnavailableError: this save (sync),
+                or an earlier one, failed.
+            CheckpointException: DCP's, wrapping asyncckpt's error, for a state that
+                goes through DCP (a value asyncckpt does not store; module docstring).
         """
-        if self._checkpoint_future is not None:
-            future, self._checkpoint_future = self._checkpoint_future, None
-            future.result()  # a failed save is never dropped
-        writer = StorageWriter(self.root, epoch, keep_last=self.keep_last, overwrite=True)
+        previous, self._checkpoint_future = self._checkpoint_future, None
+        if previous is not None and not isinstance(previous, _Saved):
+            previous.result()  # DCP's future: a failed save is never dropped
         state_dict = {**state_dict, _rng_key(): rng_state()}
+        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v
+                      for k, v in state_dict.items()}  # as DCP's save does
+        try:
+            handle = self._connect(state_dict).save(
+                epoch, state_dict, keep_last=self.keep_last, replace=True,
+                timeline=self._timeline)
+        except UnsupportedStateError as e:
+            log.info("asyncckpt: epoch %d goes through DCP's save (%s)", epoch, e)
+            self._save_through_dcp(state_dict, epoch, save_async)
+            return
+        self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
+        if len(self._in_flight) > MAX_IN_FLIGHT:  # the disk falls behind: wait for it
+            self._in_flight.pop(0).wait()
+        if save_async:
+            self._checkpoint_future = _Saved(handle)
+            handle.wait_staged()  # the caller may change the state from here on
+            if handle.done() and handle.exception() is not None:
+                handle.wait()  # raises it (a save that failed while staging)
+        else:
+            handle.wait()
+
+    def _connect(self, state_dict: dict[str, Any]) -> Client:
+        """This rank's client to its node's writer on the root (started by the first
+        rank of each node at the first save, every rank taking part)."""
+        if self._client is None:
+            address = given_address(None)
+            if address is None:
+                address, self._writer = node_writer(self.root)
+            self._client = shared_client(address, root=self.root,
+                                         ring_size=ring_for(state_bytes(state_dict), None, log))
+        return self._client
+
+    def _save_through_dcp(self, state_dict: dict[str, Any], epoch: int,
+                          save_async: bool) -> None:
+        writer = StorageWriter(self.root, epoch, keep_last=self.keep_last, overwrite=True)
         if save_async:
             self._checkpoint_future = dcp.async_save(state_dict=state_dict,
                                                      storage_writer=writer,
@@ -167,10 +256,14 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
                      process_group=self._process_group)
 
     def wait_until_finished(self) -> None:
-        """Block until the asynchronous save in flight is committed; raise its failure."""
+        """Block until every save in flight is committed; raise a failure not raised
+        yet."""
         if self._checkpoint_future is not None:
             future, self._checkpoint_future = self._checkpoint_future, None
             future.result()
+        handles, self._in_flight = self._in_flight, []
+        settle(handles)
+        raise_untaken(handles)
 
 
 def install(recipe: Any, *, keep_last: int | None = None,

@@ -3,7 +3,10 @@ installed with `install` into torchtune's real CheckpointClient (the object reci
 build), on a tiny FSDP2 model built here (nothing downloaded). Run by test_torchtune.py
 with the frameworks venv's python.
 
-    torchtune_worker.py OUT TAG (save EPOCHS | resume [STEP])
+    torchtune_worker.py OUT TAG (save EPOCHS [late] | resume [STEP])
+
+With "late", rank 1 comes to the save of epoch 1 LATE seconds after rank 0; each rank
+records how long its checkpointer's `save_checkpoint` took per epoch ("save_seconds").
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +27,8 @@ from torchtune.training.checkpointing._checkpoint_client import (
 )
 
 from asyncckpt.integrations.torchtune import install
+
+LATE = 3.0  # s: how late rank 1 comes to the save of epoch 1 with "late"
 
 
 def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -56,7 +62,14 @@ def main() -> None:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     client = recipe._checkpoint_client
-    result: dict = {"digests": {}}
+    result: dict = {"digests": {}, "save_seconds": {}}
+    save = installed.save_checkpoint
+
+    def timed(state_dict: dict, epoch: int, save_async: bool = False) -> None:
+        started = time.perf_counter()
+        save(state_dict, epoch, save_async)
+        result["save_seconds"][str(epoch)] = time.perf_counter() - started
+    installed.save_checkpoint = timed
     start = 0
     if mode == "resume":
         loaded = client.load_distributed_checkpoint(model, optimizer)
@@ -71,6 +84,8 @@ def main() -> None:
         optimizer.zero_grad()
         progress = TrainingProgress(seed=0, epochs_run=epoch + 1, total_epochs=100,
                                     max_steps_per_epoch=1)
+        if "late" in sys.argv[5:] and epoch == 1 and rank == 1:
+            time.sleep(LATE)
         client.save_checkpoint(model, optimizer, progress, epoch)  # async: intermediate
         result["digests"][str(epoch)] = digest(model, optimizer)
     client._get_dcp_checkpointer().wait_until_finished()
