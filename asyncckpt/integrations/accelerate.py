@@ -57,6 +57,9 @@ from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.dtensor import is_sharded_model
 
 __all__ = ["Accelerator", "AcceleratorCheckpointer"]
+# save_state's saves in flight before one waits for the oldest to commit: the loop never
+# waits on a commit's fsyncs while the disk keeps up (a save in flight holds no copy)
+MAX_IN_FLIGHT = 4
 
 
 class AcceleratorCheckpointer(Checkpointer):
@@ -172,7 +175,8 @@ class Accelerator(accelerate.Accelerator):
         key = str(root)
         if key not in self._asyncckpt:
             limit = self.project_configuration.total_limit
-            options = CheckpointerOptions(save_interval=1, keep_last=limit or 0)
+            options = CheckpointerOptions(save_interval=1, keep_last=limit or 0,
+                                          on_busy="queue", max_in_flight=MAX_IN_FLIGHT)
             self._asyncckpt[key] = AcceleratorCheckpointer(root, self, options=options)
         return self._asyncckpt[key]
 
@@ -203,7 +207,7 @@ class Accelerator(accelerate.Accelerator):
         ckpt = self.asyncckpt(output_dir)
         number = self.save_iteration if step is None else step
         handle = ckpt.save(number, force=True)
-        assert handle is not None  # on_busy "block": never skipped
+        assert handle is not None  # on_busy "queue": never skipped
         self.project_configuration.iteration = number + 1
         return handle
 

@@ -155,3 +155,43 @@ def test_resume_from_an_older_step_saves_over_the_newer_ones(reference):
     assert read_manifest_at(root / "step-00000003").timeline.id == before.id  # kept: lineage
     for step in (4, 5):
         assert read_manifest_at(root / f"step-{step:08d}").timeline.id == after.id
+
+
+PAUSED_WRITER = r'''
+import os, signal, sys, time
+import torch
+from accelerate.utils import ProjectConfiguration
+from asyncckpt.integrations.accelerate import Accelerator
+
+acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+    project_dir=sys.argv[1], automatic_checkpoint_naming=True, total_limit=2))
+model, opt = acc.prepare(torch.nn.Linear(8, 8), torch.optim.AdamW(
+    torch.nn.Linear(8, 8).parameters()))
+acc.save_state().wait()
+writer = acc.asyncckpt().writer
+os.kill(writer.pid, signal.SIGSTOP)  # a disk that stalls: no save commits meanwhile
+try:
+    first = acc.save_state()
+    started = time.perf_counter()
+    second = acc.save_state()  # while the first is still in flight
+    print("returned", time.perf_counter() - started, first.done(), flush=True)
+finally:
+    os.kill(writer.pid, signal.SIGCONT)
+print("committed", first.wait().name, second.wait().name, flush=True)
+acc.end_training()
+'''
+
+
+def test_save_state_does_not_wait_for_the_previous_commit(tmp_path: Path) -> None:
+    """A save_state while the previous save is still committing (its fsyncs) returns
+    at once: saves queue (up to a bound) instead of each waiting for the one before,
+    so back-to-back saves cost the loop the hand-over, not the disk."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([PYTHON, "-c", PAUSED_WRITER, str(tmp_path)], env=env, text=True,
+                         capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines()
+                 if line.startswith(("returned", "committed")))
+    seconds, first_done = lines["returned"].split()
+    assert float(seconds) < 5 and first_done == "False"
+    assert lines["committed"] == "step-00000001 step-00000002"

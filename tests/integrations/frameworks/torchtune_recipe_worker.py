@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from torchtune.models.llama3 import llama3
 
 from asyncckpt.integrations import torchtune as asyncckpt_torchtune
-from asyncckpt.integrations.dcp_writer import StorageWriter
+from asyncckpt.rank.client import Client
 
 KILL_DELAY = 0.3  # s: rank 0 hands its part of the epoch over meanwhile
 MODEL = {"vocab_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -153,15 +153,15 @@ def digest(recipe: Any) -> str:
 
 def kill_in_save(epoch: int) -> None:
     """Rank 1 dies in epoch `epoch`'s save, before handing its part to its writer."""
-    real = StorageWriter.write_data
+    real = Client.save
 
-    def write_data(self: StorageWriter, plan: Any, planner: Any) -> Any:
-        if self._target[1] == epoch:
+    def save(self: Client, step: int, *args: Any, **kwargs: Any) -> Any:
+        if step == epoch:
             time.sleep(KILL_DELAY)
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, plan, planner)
+        return real(self, step, *args, **kwargs)
 
-    StorageWriter.write_data = write_data  # type: ignore[method-assign]
+    Client.save = save  # type: ignore[method-assign]
 
 
 def run(spec: dict[str, Any], tag: str, resume: bool, resume_step: int | None) -> None:
