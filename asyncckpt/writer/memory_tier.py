@@ -91,6 +91,9 @@ class MemoryTier:
 
         A rank beginning a step it already holds whole (a step saved again) drops that
         generation first. Older generations than the newest whole one are dropped.
+        Returns a `SkippedImage` (holds nothing; its rank hears `stats.tier` "skipped")
+        when the node's step is past the bound of two generations per node (`_admit`):
+        the node's first rank to begin it decides for all.
 
         Raises:
             MemoryTierFullError: the image would take the memory held past the bound.
