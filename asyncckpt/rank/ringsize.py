@@ -5,6 +5,16 @@ optimizer fence holds the optimizer that long; a ring the size of the state make
 staging one memcpy, at the cost of that much shared memory per rank, which is why the
 share of MemAvailable it may take is bounded (split between the node's ranks) and the
 choice is logged.
+
+Two shares. A ring that holds the whole state makes every save's staging a copy at
+memory speed whatever the disk does; one that falls short even by a little makes the
+rest of each save wait for the writer's disk (at 4 GiB on a 24 GiB node, a quarter of
+MemAvailable left 0.28 GiB of every save to stage at disk speed). So a ring may take up
+to `WHOLE_SHARE` of MemAvailable when that holds the whole state, and stays within
+`MEM_SHARE` when it cannot hold it anyway. The trade: up to twice the quarter's shared
+memory per rank, only where it buys a staging copy with no disk in it; the bound is
+still a share of what the node has free, fixed at the first save, and `ring_size`
+overrides it.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from asyncckpt.torchutil.ranks import local_world_size, resolve_rank
 log = logging.getLogger("asyncckpt.ringsize")
 
 MEM_SHARE = 0.25  # of MemAvailable, split between the node's ranks, for the rings
+WHOLE_SHARE = 0.5  # the same, for a ring that then holds the whole state
 DEFAULT_RING = ClientKnobs().ring_size  # the floor: the ring a client gets by default
 
 
@@ -31,18 +42,23 @@ def auto_ring_size(state_bytes: int, slot_size: int, local_ranks: int,
     """A rank's ring size for a state of `state_bytes`, and why (for the log).
 
     As large as the state (staging is then one memcpy, and the fence waits for a copy
-    instead of the disk), but at most `MEM_SHARE` of MemAvailable split
-    between the node's `local_ranks`, never more than the state, and not below the
-    64 MiB default (or the state, if smaller) even when memory is tight. A multiple of
-    `slot_size`. `available` None (no /proc/meminfo): the default.
+    instead of the disk) when that is at most `WHOLE_SHARE` of MemAvailable split
+    between the node's `local_ranks`; else at most `MEM_SHARE` of it; never more than
+    the state, and not below the 64 MiB default (or the state, if smaller) even when
+    memory is tight. A multiple of `slot_size`. `available` None (no
+    /proc/meminfo): the default.
     """
     want = max(slot_size, -(-state_bytes // slot_size) * slot_size)
     floor = min(want, max(slot_size, DEFAULT_RING // slot_size * slot_size))
     if available is None:
         return floor, f"the state is {state_bytes / MiB:.0f} MiB, MemAvailable unknown"
-    share = int(available * MEM_SHARE / max(1, local_ranks)) // slot_size * slot_size
+    ranks = max(1, local_ranks)
+    fraction = MEM_SHARE
+    if want <= int(available * WHOLE_SHARE / ranks) // slot_size * slot_size:
+        fraction = WHOLE_SHARE
+    share = int(available * fraction / ranks) // slot_size * slot_size
     size = max(floor, min(want, share))
-    why = (f"the state is {state_bytes / MiB:.0f} MiB; {MEM_SHARE:.0%} of MemAvailable "
+    why = (f"the state is {state_bytes / MiB:.0f} MiB; {fraction:.0%} of MemAvailable "
            f"{available / MiB:.0f} MiB over {local_ranks} local rank(s) is {share / MiB:.0f} MiB")
     if size == want:
         why += ": the whole state fits"
