@@ -2,9 +2,9 @@
 
 Without it the leader's writer moves every node's folder into its own tmp directory
 (one rename a node) and lists each (one listing a node): at 1000 nodes that is 2000
-metadata operations on the commit's path, serial on one writer, measured at 0.3 s of a
-0.32 s commit. With it every node puts its folder into one directory of the save
-itself, in parallel, and the leader renames that directory once.
+metadata operations on the commit's path, serial on one writer, most of the commit
+(docs/design/several_nodes.md). With it every node puts its folder into one directory
+of the save itself, in parallel, and the leader renames that directory once.
 
 The name. Every node computes it alone, before any byte is written:
 `step-N.tmp-<24 hex>`, a hash of the step, the save's id on its ranks (their client's
