@@ -12,7 +12,9 @@ and the node's part (the writer's own `write_node_part`, a synthetic rank part o
 directory (the writer's own `place_node`; with `--own-tmp`, as before the shared
 directory: the leader moves each node's folder), tells the lead, and on the lead's outcome
 completes the handles of the node's other ranks, as the writer relays it (those ranks
-send the store nothing when nothing fails). One process writes every node's files in
+send the store nothing when nothing fails; what each node's writer does after that, the
+rmdir of its emptied tmp directory, runs once the save's clock has stopped, as a
+cluster's nodes do it in processes of their own). One process writes every node's files in
 turn, so they are all written first and then every node's lead is told at once, as
 nodes writing in parallel finish together; a node that waits longer for the others
 adds two requests (a look at the leader) per `2 x node_timeout` of waiting. The leader's
@@ -51,6 +53,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import resource
@@ -60,7 +63,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -233,10 +236,11 @@ class Node:
                 else:
                     fail(handle, error_class(message.error)(message.message))
             if message.committed and self.tmp is not None:  # then its emptied tmp dir, in
-                # the writer's process, not on the rank's path (here: the writers' threads)
-                self.world.after_work.submit(commit.drop_own_tmp, self.world.storage,
-                                             message.step, self.tmp,
-                                             {p for p in [self.placed] if p is not None})
+                # the writer's process, not on the rank's path (here: once the save's
+                # clock stopped, as a cluster's nodes do it in processes of their own)
+                self.world.later.append(functools.partial(
+                    commit.drop_own_tmp, self.world.storage, message.step, self.tmp,
+                    {p for p in [self.placed] if p is not None}))
 
     def kill(self) -> None:
         """The node is gone: no beat, no announcement, no word to its other ranks."""
@@ -267,9 +271,9 @@ class World:
         self._pending: dict[int, Any] = {}
         self.marks: dict[str, float] = {}  # "complete", "final": when, this save
         self._ids = iter(range(1, 1 << 30))
-        # what the nodes' writers do after relaying the outcome (their rmdir), apart from
-        # the ranks' threads, as it is in its own process on a node
-        self.after_work = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="after")
+        # what the nodes' writers do after relaying the outcome (their rmdir): in its own
+        # process on a node, so here not under the ranks' GIL while the save is timed
+        self.later: list[Callable[[], None]] = []
         coordination._ordinals.clear()  # one process per rank in a job: each its first client
         with concurrent.futures.ThreadPoolExecutor(64) as pool:  # a client takes ~0.1 s to connect
             self.node_list = list(pool.map(lambda n: Node(self, n * per_node, TCPStore(
@@ -382,6 +386,7 @@ class World:
             except Exception as e:
                 failed, error = failed + 1, str(e)[:300]
         done = time.perf_counter()
+        self.run_later()
         requests, nbytes = self.counts.take()
         beats, _ = self.beats.take()
         step_dir = self.root / step_dir_name(step)
@@ -404,7 +409,11 @@ class World:
         for node in self.node_list:
             node.agreement.close(5)
         self.node_list.clear()
-        self.after_work.shutdown(wait=True)
+        self.run_later()
+
+    def run_later(self) -> None:
+        while self.later:
+            self.later.pop()()
 
 
 def store_request_seconds(port: int, requests: int = CALIBRATION_REQUESTS) -> float:
