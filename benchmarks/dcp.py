@@ -2,6 +2,8 @@
 
     python -m benchmarks.dcp --gib 1,4 --reps 3 --out benchmarks/results/dcp.md   (make bench-dcp)
     python -m benchmarks.dcp --mib 16 --reps 1 --out /tmp/dcp.md                  (smoke size)
+    python -m benchmarks.dcp --gib 1 --reps 5 --methods dcp.async-shm,asyncckpt.async \
+        --baseline ../old --out /tmp/ab.md        (A/B: asyncckpt rows also from a worktree)
 
 A user of `torch.distributed.checkpoint` who wants asyncckpt changes one argument
 (`storage_writer=`), so the question this answers is what that argument buys on the
@@ -258,6 +260,7 @@ METHODS: dict[str, Callable[[], Method]] = {
     "torch-checkpointing": TorchCheckpointing,
 }
 LIMITS = "limits"
+BASELINE = "@baseline"  # suffix of a method run from the --baseline checkout
 FSDP_METHODS = ("dcp.save", "dcp.async", "asyncckpt.save", "asyncckpt.async")
 
 
@@ -405,13 +408,14 @@ def spawn(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / "spec.json", workdir / "result.json"
     spec_path.write_text(json.dumps({**spec, "workdir": str(workdir)}))
+    tree = spec.get("tree") or str(REPO)  # the checkout whose asyncckpt and benchmarks run
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        [tree, *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("ASYNCCKPT_ADDRESS", None)
     ranks = spec.get("ranks", 1)
     outs = [out_path] + [workdir / f"result-rank{r}.json" for r in range(1, ranks)]
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.dcp", "--worker", str(spec_path),
-                               str(outs[r])], cwd=REPO, env={**env, **rank_env},
+                               str(outs[r])], cwd=tree, env={**env, **rank_env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r, rank_env in enumerate(dcp_fsdp.rank_envs(ranks) if ranks > 1 else [{}])]
     errors = []
@@ -434,16 +438,23 @@ def rotation(names: list[str], rep: int) -> list[str]:
 
 
 def run_size(nbytes: int, reps: int, methods: list[str], tmp: Path,
-             ranks: int = 1) -> dict[str, Any]:
+             ranks: int = 1, baseline: str | None = None) -> dict[str, Any]:
     """Every method and the limits, `reps` times each, interleaved; raw results. With
-    `ranks` > 1, the FSDP2 state of `nbytes` in all, sharded over that many ranks."""
+    `ranks` > 1, the FSDP2 state of `nbytes` in all, sharded over that many ranks. With
+    `baseline` (a checkout), each asyncckpt method also runs from it, as NAME@baseline."""
+    if baseline:
+        methods = [*methods, *(m + BASELINE for m in methods if m.startswith("asyncckpt."))]
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in [*methods, LIMITS]}
     for rep in range(reps):
         for name in rotation([*methods, LIMITS], rep):
-            spec = {"method": name, "bytes": nbytes // ranks if name == LIMITS else nbytes,
-                    "flip": rep == reps - 1, "ranks": 1 if name == LIMITS else ranks}
+            spec = {"method": name.removesuffix(BASELINE),
+                    "bytes": nbytes // ranks if name == LIMITS else nbytes,
+                    "flip": rep == reps - 1, "ranks": 1 if name == LIMITS else ranks,
+                    "tree": baseline if name.endswith(BASELINE) else None}
             started = time.perf_counter()
             result = spawn(spec, tmp / f"{name}-{rep}")
+            if name.endswith(BASELINE) and "label" in result:
+                result["label"] += f" (from {baseline})"
             result["loadavg"] = measure.loadavg()
             raw[name].append(result)
             status = result.get("error", "ok")
@@ -511,11 +522,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", default="benchmarks/results/dcp.md")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a tmp dir in .)")
+    ap.add_argument("--baseline", default=None, metavar="CHECKOUT",
+                    help="also run the asyncckpt methods from this checkout (a git worktree of "
+                    "an older commit), interleaved: rows NAME@baseline, for a same-run A/B")
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(*args.worker)
     methods = args.methods.split(",")
+    baseline = os.path.abspath(args.baseline) if args.baseline else None  # workers run there
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         ap.error(f"--methods: unknown {unknown}; known: {list(METHODS)}")
@@ -526,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         for nbytes in parse_sizes(args):
             print(f"state of {nbytes / MiB:.0f} MiB: {', '.join(methods)} + limits, "
                   f"{args.reps} reps", flush=True)
-            raw = run_size(nbytes, args.reps, methods, Path(d))
+            raw = run_size(nbytes, args.reps, methods, Path(d), baseline=baseline)
             measured = next((r["bytes"] for runs in raw.values() for r in runs if "bytes" in r
                              and isinstance(r["bytes"], int)), nbytes)
             summary = summarise(raw, measured)
@@ -538,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
             fsdp_methods = [m for m in methods if m in FSDP_METHODS]
             print(f"FSDP2 state of {nbytes / MiB:.0f} MiB on 2 ranks: {', '.join(fsdp_methods)} "
                   f"+ limits, {args.reps} reps", flush=True)
-            raw = run_size(nbytes, args.reps, fsdp_methods, Path(d), ranks=2)
+            raw = run_size(nbytes, args.reps, fsdp_methods, Path(d), ranks=2,
+                           baseline=baseline)
             measured = next((r["bytes"] for name, runs in raw.items() if name != LIMITS
                              for r in runs if isinstance(r.get("bytes"), int)), nbytes // 2)
             summary = {**summarise(raw, measured), "ranks": 2}

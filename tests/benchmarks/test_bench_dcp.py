@@ -97,3 +97,38 @@ def test_checks_pass_on_better_numbers_and_miss_on_worse_or_missing() -> None:
     missing = {"bytes": state, "methods": {"dcp.async": _row(),
                                            "asyncckpt.async": {"error": "boom"}}}
     assert not any(met for _, met, _ in dcp_report.checks(missing))
+
+
+@pytest.mark.process
+def test_a_baseline_checkouts_worker_runs_from_that_checkout(tmp_path: Path) -> None:
+    """--baseline: a worker of NAME@baseline imports the benchmark (and so asyncckpt)
+    from the other checkout, whatever this one holds."""
+    tree = tmp_path / "old"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "__init__.py").write_text("")
+    (tree / "benchmarks" / "dcp.py").write_text(
+        "import json, pathlib, sys\n"
+        "spec, out = sys.argv[2], sys.argv[3]\n"
+        "pathlib.Path(out).write_text(json.dumps({'method': 'stub', 'label': __file__}))\n")
+    result = bench.spawn({"method": "asyncckpt.async", "bytes": 1, "tree": str(tree)},
+                         tmp_path / "work")
+    assert result["label"] == str(tree / "benchmarks" / "dcp.py")
+
+
+def test_baseline_rows_interleave_with_the_methods(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    runs: list[dict[str, Any]] = []
+
+    def spawn(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
+        runs.append(spec)
+        return {"method": spec["method"], "label": spec["method"]}
+    monkeypatch.setattr(bench, "spawn", spawn)
+    raw = bench.run_size(1 << 20, 2, ["dcp.async-shm", "asyncckpt.async"], tmp_path,
+                         baseline="/elsewhere")
+    assert set(raw) == {"dcp.async-shm", "asyncckpt.async", "asyncckpt.async@baseline",
+                        bench.LIMITS}
+    assert raw["asyncckpt.async@baseline"][0]["label"] == "asyncckpt.async (from /elsewhere)"
+    trees = {(s["method"], s["tree"]) for s in runs}
+    assert trees == {("dcp.async-shm", None), ("asyncckpt.async", None),
+                     ("asyncckpt.async", "/elsewhere"), (bench.LIMITS, None)}
+    assert len(runs) == 8  # 4 entries x 2 repetitions, interleaved
