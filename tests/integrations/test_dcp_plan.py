@@ -159,6 +159,32 @@ def test_a_state_without_sharded_tensors_skips_dcps_sharded_tensor_pass(writer, 
     assert torch.equal(asyncckpt.load(writer.root, step=2)["model.w3"], torch.full((4, 3), 5.0))
 
 
+def test_a_second_save_of_one_structure_does_not_rebuild_the_local_plan(writer, client,
+                                                                       monkeypatch):
+    """DCP rebuilds every write item of the local plan on each save only to compare it
+    with the cached one (8 ms of a 1 GiB save's 12 ms of planning, 564 tensors): a
+    state whose keys, dtypes and shapes are those the cached plan was made from reuses
+    it; a changed shape is planned anew and saved as it is."""
+    made: list[int] = []
+    build = default_planner.create_default_local_save_plan
+
+    def counted(state_dict, *args, **kwargs):
+        made.append(len(state_dict))
+        return build(state_dict, *args, **kwargs)
+    monkeypatch.setattr(default_planner, "create_default_local_save_plan", counted)
+    for step in (1, 2, 3):
+        dcp.async_save(state(20, float(step)), storage_writer=StorageWriter(
+            writer.root, step, client=client)).result(timeout=60)
+    assert [n for n in made if n] == [21]  # (the background save plans an empty state)
+    grown = state(20, 4.0)
+    grown["model"]["w3"] = torch.full((5, 3), 9.0)
+    dcp.async_save(grown, storage_writer=StorageWriter(writer.root, 4, client=client)
+                   ).result(timeout=60)
+    assert [n for n in made if n] == [21, 21]
+    assert torch.equal(asyncckpt.load(writer.root, step=4)["model.w3"], torch.full((5, 3), 9.0))
+    assert torch.equal(asyncckpt.load(writer.root, step=3)["model.w3"], torch.full((4, 3), 6.0))
+
+
 def test_async_save_waits_for_the_ring_copy_on_the_callers_thread(writer, client, monkeypatch):
     """`stage()` blocks until the copy is in the ring anyway: it starts no watcher thread
     to be woken by (a thread start and a wake-up per save, paid while the caller waits)."""
