@@ -102,8 +102,9 @@ class MemoryTier:
         """
         first, count = node or NodeRanks(rank, 1)
         with self._lock:
-            if self._begun is not None and step < self._begun:
-                self._went_back(step)
+            if (self._begun is not None and step < self._begun) or any(
+                    s > step and first in g.nodes for s, g in self._gens.items()):
+                self._went_back(step)  # (a replacement's: newer ones taken back from a partner)
             self._begun = step
             skip = self._skips.get(step)
             if skip is not None and rank not in skip[1]:  # the node's step is skipped
@@ -385,7 +386,9 @@ class MemoryTier:
         the partners' replicas -- belongs to the abandoned run (a rerun need not compute
         the same bytes): held beside the rerun's images of those steps, it would make a
         generation of two runs, or a newer one that supersedes the rerun's. It goes;
-        the partners' replicas of the rerun come as usual."""
+        the partners' replicas of the rerun come as usual. A replacement's writer knows
+        it by the newer generations of its node it took back from the partner (its
+        ranks never began anything here)."""
         for s in [s for s in self._skips if s >= step]:
             del self._skips[s]
         for s in [s for s in self._gens if s >= step]:
