@@ -176,8 +176,8 @@ io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "epoch": 0}, out / "a.ck
 io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "epoch": 1}, out / "b.ckpt")
 io.wait_until_finished()
 disk = threading.Event()  # the root's disk hangs while retiring until this is set
-real = io_module.update_latest
-io_module.update_latest = lambda storage: (disk.wait(), real(storage))
+real = io_module.storage_for  # what the retirement opens the root with first
+io_module.storage_for = lambda root: (disk.wait(), real(root))[1]
 started = time.perf_counter()
 io.remove_checkpoint(out / "a.ckpt")
 print("returned", time.perf_counter() - started, (out / "a.ckpt").exists(),
