@@ -78,6 +78,12 @@ NOTES = [
     "A synchronous method's fsync thus runs before the next step, not during it, while "
     "asyncckpt's writer flushes during the next steps: that step's excess counts against "
     "asyncckpt only.",
+    "Back to back, the figures measure different things: a synchronous method's is its "
+    "call, which leaves the bytes in the page cache (the bench's fsync after it is not "
+    "timed; each framework writes a new directory per save, nothing is overwritten); "
+    "asyncckpt's is mostly the wait for the previous save to be durable (on_busy=\"block\" "
+    "waits for its commit), so it is bounded by the disk's write rate (benchmarks/drain.py "
+    "splits it by stage).",
     "`blocked` adds the step after a save beyond the median baseline step: on this shared "
     "machine a step's time varies by tens of percent with the load, so for small saves the "
     "call alone (its own column) is the steadier figure; both are reported, the misses are "
