@@ -80,7 +80,7 @@ NOTES = [
     "asyncckpt only.",
     "Back to back, the figures measure different things: a synchronous method's is its "
     "call, which leaves the bytes in the page cache (the bench's fsync after it is not "
-    "timed; each framework writes a new directory per save, nothing is overwritten); "
+    "timed; every save goes to a new file or directory, nothing is overwritten); "
     "asyncckpt's is mostly the wait for the previous save to be durable (on_busy=\"block\" "
     "waits for its commit), so it is bounded by the disk's write rate (benchmarks/drain.py "
     "splits it by stage).",
