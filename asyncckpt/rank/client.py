@@ -4,11 +4,7 @@ The training thread only flattens the state dict and checks it (so an unsupporte
 fails in `save()` itself, before anything is sent); the copying happens on a stager
 thread that overlaps the next forward/backward, and the writer does the rest. A second
 thread receives slot credits and results. Saves are staged in the order they are
-made. A small save (at most INLINE_BYTES of CPU tensors) that finds nothing staging and
-free slots for all of its bytes is copied on the caller's thread instead: a memcpy of a
-few MiB takes well under a millisecond, while handing it to the stager thread cost a
-few (the thread waits for the interpreter lock held by the training loop, and the
-optimizer fence then waits for it).
+made.
 
 Back-pressure from the writer reaches the stager only through ring slots; the socket,
 its sender and receiver threads are the connection's (connection.py), this module
@@ -57,7 +53,6 @@ from asyncckpt.torchutil.ranks import node_of, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
 PLAN_POLL = 0.05  # s: the stager's check for a cancelled save while the writer plans
-INLINE_BYTES = 16 << 20  # a save this small may be copied on the caller's thread
 
 class _Cancelled(Exception):
     pass
@@ -129,7 +124,6 @@ class Client:
         self._ids = itertools.count(1)
         self._basis: Basis | None = None  # with skip_unchanged: the newest committed save
         self._queue: queue.Queue[PendingSave | None] = queue.Queue()
-        self._unstaged = 0  # saves queued or staging (under _cond): a save overtakes none
         self._resize_lock = threading.Lock()
         self._stager = threading.Thread(target=self._stage_loop, daemon=True,
                                         name=f"asyncckpt-stage-{self.rank}")
@@ -249,34 +243,12 @@ class Client:
                  Route(self.world_size, None, self._node))
         pending = PendingSave(next(self._ids), step, state_dict, handle, options, route,
                               self._basis if skip else None, skip)
-        inline = self._small(pending)
         with self._cond:
             self._pending[pending.id] = pending
             self._handles.append(handle)
-            inline = (inline and not self._unstaged and self._broken is None
-                      and len(self._free) * self._ring.slot_size >= inline)
-            self._unstaged += 1
-        if inline:  # nothing before it: no slot to wait for, no order to keep
-            self._stage_guarded(pending)
-        else:
-            self._queue.put(pending)
+        self._queue.put(pending)
         handle.stats.blocked_seconds = time.perf_counter() - started
         return handle
-
-    def _small(self, pending: PendingSave) -> int:
-        """The bytes of `pending` when it may be staged on the caller's thread (CPU
-        tensors only, at most INLINE_BYTES, no round trip to the writer first); else 0."""
-        if pending.unchanged or self._closed:
-            return 0
-        total = 0
-        for entry in pending.entries:
-            t = entry.tensor
-            if t.device.type != "cpu":
-                return 0
-            total += t.numel() * t.element_size()
-            if total > INLINE_BYTES:
-                return 0
-        return max(total, 1)
 
     def _route(self, step: int) -> Route:
         """Who takes part in this client's next save of `step`."""
@@ -342,27 +314,19 @@ class Client:
 
     def _stage_loop(self) -> None:
         while (pending := self._queue.get()) is not None:
-            self._stage_guarded(pending)
-
-    def _stage_guarded(self, pending: PendingSave) -> None:
-        """Stage `pending` (the stager thread's, or the caller's for a small save),
-        whatever fails: an error fails this save, never the ones after it."""
-        try:
             if self._broken is not None:
                 handles.fail(pending.handle, self._broken)
-                return
-            self._stage_one(pending)
-        except (OSError, EOFError):
-            self._on_broken("writer connection lost while staging")
-        except _Cancelled:
-            pass
-        except Exception as e:  # never let one save stop the stager for the next ones
-            log.exception("staging step %d failed", pending.step)
-            handles.fail(pending.handle, SaveFailedError(
-                f"staging failed: {type(e).__name__}: {e}", step=pending.step, rank=self.rank))
-        finally:
-            with self._cond:
-                self._unstaged -= 1
+                continue
+            try:
+                self._stage_one(pending)
+            except (OSError, EOFError):
+                self._on_broken("writer connection lost while staging")
+            except _Cancelled:
+                pass
+            except Exception as e:  # never let one save stop the stager for the next ones
+                log.exception("staging step %d failed", pending.step)
+                handles.fail(pending.handle, SaveFailedError(
+                    f"staging failed: {type(e).__name__}: {e}", step=pending.step, rank=self.rank))
 
     def _stage_one(self, pending: PendingSave) -> None:
         started = time.perf_counter()
