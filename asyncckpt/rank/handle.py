@@ -52,9 +52,11 @@ class SaveStats:
         encode_threads: the writer's frame threads.
         writer_peak_rss_anon: the writer's peak private memory so far, bytes.
         auto: with codec "auto", the chooser's figures for this step.
-        tier: where the save went once done: "durable" (a committed step) or "memory"
+        tier: where the save went once done: "durable" (a committed step), "memory"
             (a generation in the node writer's memory tier; raw_bytes is then the
-            node's generation, stored_bytes 0).
+            node's generation, stored_bytes 0) or "skipped" (a memory save the tier
+            did not take, to stay within its bound of two generations a node:
+            nothing is held for it; not an error).
     """
 
     blocked_seconds: float = 0.0
