@@ -101,6 +101,8 @@ class DedupIndex:
         self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
         self._unusable: set[int] = set()            # steps whose manifest did not check
         self._replacing: set[int] = set()           # committed steps a save will replace
+        self._forgets = 0                           # forget() calls so far
+        self._forgotten: dict[int, int] = {}        # step -> the forget() that dropped it
         self._last_manifest: Manifest | None = None
         self.refresh()
 
@@ -228,8 +230,11 @@ class DedupIndex:
         return self._refs.get(step)
 
     def forget(self, steps: list[int]) -> None:
-        """Drop the entries of deleted steps."""
+        """Drop the entries of deleted steps (with `lock` held). A `refresh` that read
+        one of them from the disk before this never adds it back."""
+        self._forgets += 1
         for step in steps:
+            self._forgotten[step] = self._forgets
             self._refs.pop(step, None)
             for key in self._keys.pop(step, ()):
                 if (target := self._entries.get(key)) is not None and target.step == step:
@@ -267,6 +272,7 @@ class DedupIndex:
         with self.lock:
             known = set(self._refs)
             self.forget(sorted(known - set(present)))
+            looked = self._forgets  # a step retention forgets after this look stays out
         self._unusable &= set(present)
         with self.lock:
             skipped = self._unusable | self._replacing
@@ -283,7 +289,8 @@ class DedupIndex:
                 self._unusable.add(step)  # damaged or misnamed: its frames are no targets
                 continue
             with self.lock:
-                if step not in self._refs and step not in self._replacing:
+                if (step not in self._refs and step not in self._replacing
+                        and self._forgotten.get(step, 0) <= looked):
                     self._add(manifest)
 
     def __len__(self) -> int:

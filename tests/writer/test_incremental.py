@@ -155,6 +155,32 @@ def test_a_save_in_flight_pins_what_it_references(root):
     assert index.lookup(frame.xxh3_128, frame.raw_length, 7) is None  # forgotten
 
 
+def test_a_refresh_never_adds_back_a_step_retention_dropped_meanwhile(root, monkeypatch):
+    """A save's begin refreshes the index while the committer prunes (saves queued): a
+    step deleted after the refresh read its manifest must not become a target again, or
+    a later save references bytes that are about to go (its commit then fails)."""
+    from asyncckpt.writer.dedup import DedupIndex
+    root.mkdir(exist_ok=True)
+    index = DedupIndex(PosixStorage(root))  # knows no step yet
+    save_all(root, {1: state(7, 1), 2: state(8, 2)})  # step 2 references nothing of step 1
+    storage = index.storage
+    real = storage.step_file_size
+
+    def size_then_prune(step, name):
+        size = real(step, name)
+        if step == 1:  # retention runs between the refresh's checks and its add
+            done = retention.prune(PosixStorage(root), keep_last=1, index=index)
+            assert done.deleted == [1]
+        return size
+
+    monkeypatch.setattr(storage, "step_file_size", size_then_prune)
+    index.refresh()
+    monkeypatch.setattr(storage, "step_file_size", real)
+    alone = DedupIndex(PosixStorage(root))  # a fresh look: step 2's frames only
+    assert not (root / "step-00000001").exists()
+    assert len(index) == len(alone) > 0
+
+
 def test_commit_refuses_a_reference_to_a_step_that_is_gone(root):
     save_all(root, {1: state(7, 1), 2: state(7, 2)})
     m = read_manifest(root / "step-00000002")
