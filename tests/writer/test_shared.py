@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
 
 import pytest
+from test_nodes import Told, tmp_dirs  # the same party stand-in
 
 from asyncckpt.errors import SaveFailedError
 from asyncckpt.format.layout import is_tmp_dir, tmp_step_of
@@ -29,26 +29,6 @@ from asyncckpt.writer.owners import OwnerMark
 from asyncckpt.writer.steps import Steps
 
 STEP, PER_NODE = 5, 2
-
-
-class Told:
-    """What one party was told: (error, path), waited for."""
-
-    def __init__(self) -> None:
-        self.got: list[tuple] = []
-        self.event = threading.Event()
-
-    def __call__(self, error, path, stats, **_):
-        self.got.append((error, path))
-        self.event.set()
-
-    def wait(self) -> tuple:
-        assert self.event.wait(10), "never told"
-        return self.got[0]
-
-
-def tmp_dirs(root) -> list[str]:
-    return sorted(n for n in os.listdir(root) if ".tmp-" in n)
 
 
 class Job:
