@@ -251,7 +251,8 @@ class TorchCheckpointing(Method):
         _copy_into(target, loaded)  # a no-op where it loaded into the target's tensors
 
     def close(self) -> None:
-        self.manager.close()
+        if hasattr(self, "manager"):  # setup may have failed (not installed): say that
+            self.manager.close()
 
 
 METHODS: dict[str, Callable[[], Method]] = {

@@ -151,7 +151,7 @@ class Job:
                 p.send_signal(signal.SIGKILL)
         for p in self.ranks:
             p.wait()
-        for f in self.out.glob("progress-rank*"):
+        for f in self.out.glob("*progress-rank*"):  # and one being written
             f.unlink()
 
     def kill_node(self, node: int) -> None:
@@ -331,7 +331,9 @@ def rank_main() -> int:
         ckpt.save(step)
         if mode == "torture":
             ckpt.wait_until_finished()
-        progress.write_text(str(step))
+        writing = progress.with_name(f".{progress.name}")  # whole, then renamed: a
+        writing.write_text(str(step))  # reader never sees it empty (read as step 0)
+        writing.replace(progress)
     ckpt.close()
     dist.barrier()
     sys.stdout.flush()
