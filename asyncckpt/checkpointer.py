@@ -13,17 +13,11 @@ restored through torch.distributed.checkpoint's state-dict functions
 (torchutil/state_dicts.py), so each rank saves only its shards as boxes of global
 tensors, and a restore at another world size, or into the other FSDP, reshards.
 
-`restore()` without a step resumes from the newest step that loads cleanly: a damaged
-newest step (manifest gone or failing its checks, a data file missing, a frame whose
-checksum fails while reading) is skipped with a WARNING naming the step and the damage,
-and the step before it is tried. Under torch.distributed every rank takes part in each
-attempt and all of them agree before any state is applied, so no two ranks resume from
-different steps even when the damage lies in data that only some of them read
-(torchutil/agree.py). A memory generation newer than every durable step is tried first
-(read/memory_restore.py).
-`strict_restore` (or `restore(strict=True)`) makes the damaged newest step an error, and
-a restore of a given step fails on every rank when any rank's reads fail (no rank goes on
-into the state-dict collectives alone).
+`restore()` without a step resumes from the newest step that loads cleanly, every rank
+agreeing before any state is applied, a damaged step skipped with a WARNING (read/resume.py:
+the memory tier first, then the durable steps from the newest down). `strict_restore` (or
+`restore(strict=True)`) makes the damaged newest step an error. What `on_busy` does with
+a save asked for while others are in flight is rank/in_flight.py's.
 
 Given no writer (no address, no ASYNCCKPT_ADDRESS), the first due save starts the
 node's writer (rank/node_writer.py) and `close()` stops it: a loop needs no writer code.
@@ -38,33 +32,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from asyncckpt.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    WriterRootMismatchError,
-)
+from asyncckpt.errors import CheckpointError, WriterRootMismatchError
 from asyncckpt.format.timeline import TimelineStart, new_timeline_id
 from asyncckpt.ipc.options import SaveOptions
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client
-from asyncckpt.rank.handle import SaveHandle, raise_untaken, settle, untold
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.in_flight import SavesInFlight
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import check_reachable, given_address, node_writer
 from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read import hf
 from asyncckpt.read.loader import load_parts
-from asyncckpt.read.memory_restore import restore_memory
-from asyncckpt.storage.location import exists, root_path, storage_for
+from asyncckpt.read.resume import resume
+from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.paths import Location
-from asyncckpt.storage.timeline import live_steps, newest_live, read_current
-from asyncckpt.torchutil.agree import outcome, worst
+from asyncckpt.storage.timeline import live_steps
 from asyncckpt.torchutil.dtensor import unwrapped
 from asyncckpt.torchutil.state_dicts import apply_training_state, load_targets, training_state
 
@@ -184,9 +172,8 @@ class Checkpointer:
         self._told_interval = False
         self._not_due = 0  # save() calls that saved nothing because the step was not due
         self._saves = 0
-        self._in_flight: list[SaveHandle] = []
+        self._in_flight = SavesInFlight(self.options.on_busy, self.options.max_in_flight)
         self.timeline: TimelineStart | None = None  # made by restore(); carried by save()
-        self._memory_saves: set[int] = set()  # id() of the handles in flight of memory saves
         self.restored_tier: str | None = None  # where restore() found its step
         self._fences: list[Any] = []  # one hook per fenced optimizer
         self._fenced: set[int] = set()  # their ids
@@ -246,21 +233,8 @@ class Checkpointer:
                          self.options.save_interval)
             return None
         tier = ("durable" if force or step % self.options.save_interval == 0 else "memory")
-        raise_untaken(self._in_flight)  # a failed save is never dropped silently
-        self._in_flight = [h for h in self._in_flight if not h.done()]
-        self._memory_saves &= {id(h) for h in self._in_flight}
-        # a memory save waits for memory saves only: never for a durable one's disk
-        busy = [h for h in self._in_flight if (id(h) in self._memory_saves) == (tier == "memory")]
-        if busy:
-            if self.options.on_busy == "skip":
-                warnings.warn(f"asyncckpt: skipping the save of step {step}: step "
-                              f"{busy[-1].step} is still being written", stacklevel=2)
-                return None
-            limit = 1 if self.options.on_busy == "block" else self.options.max_in_flight
-            while len(busy) >= limit:
-                waited = busy.pop(0)
-                self._in_flight.remove(waited)
-                waited.wait()
+        if not self._in_flight.make_room(step, tier):
+            return None
         state: dict[str, Any] = {"step": step, **self._state_dicts()}
         if "extra" in self.options.contents and extra is not None:
             state["extra"] = extra
@@ -280,9 +254,7 @@ class Checkpointer:
                                    keep_every=self.options.keep_every, keep_from=keep_from,
                                    replace=replace, timeline=self.timeline, tier=tier)
         handle.stats.blocked_seconds = time.perf_counter() - entered  # what the loop waited
-        self._in_flight.append(handle)
-        if tier == "memory":
-            self._memory_saves.add(id(handle))
+        self._in_flight.add(handle, tier)
         self._saves += 1
         return handle
 
@@ -301,12 +273,7 @@ class Checkpointer:
             return
 
         def hook(*_: Any) -> None:
-            pending = [h for h in self._in_flight if not h.staged()]
-            if pending:
-                started = time.perf_counter()
-                for handle in pending:
-                    handle.wait_staged()
-                self.fence_blocked_seconds += time.perf_counter() - started
+            self.fence_blocked_seconds += self._in_flight.wait_staged()
 
         self._fences.append(optimizer.register_step_pre_hook(hook))
         self._fenced.add(id(optimizer))
@@ -316,10 +283,7 @@ class Checkpointer:
         not reached the caller yet (once: a failure `handle.wait()` raised, or that an
         earlier call raised, is not raised again; a second one is left for the next
         call)."""
-        handles = self._in_flight
-        settle(handles)
-        self._in_flight = [h for h in handles if untold(h)]
-        raise_untaken(handles)
+        self._in_flight.settle()
 
     def close(self) -> None:
         """Wait for saves in flight, remove the fence, close the client if we made it
@@ -426,55 +390,20 @@ class Checkpointer:
             StateMismatchError: as `load`.
         """
         strict = self.options.strict_restore if strict is None else strict
-        storage = storage_for(self.root)
-        current = read_current(storage)  # before the load: a run forking meanwhile is seen
+        address = (self._client.address if self._client is not None
+                   else given_address(self._address))
         self.restored_tier = None
-        if step is None:
-            newest = newest_live(storage, current)
-            address = self._client.address if self._client is not None else given_address(
-                self._address)
-            found = restore_memory(self.root, address, rank, newest, self._into,
-                                   {"step", "extra", *self.options.contents},
-                                   expected=bool(self.options.memory_interval))
-            if found is not None:
-                restored = self._apply(found[1])
-                self.restored_tier = "memory"
-                if restored == newest:  # on disk too: a restore forks there as always
-                    return self._begin_timeline(restored, current.gen)
-                return restored  # newer than every durable step: nothing to abandon
-        self.restored_tier = "durable"
-        if step is not None or strict:
-            if step is None and newest_live(storage, current) is None:
-                return None
-            state, error = self._try_load(step, rank)
-            verdict = worst(outcome(error))
-            if verdict:  # every rank raises, not only those whose reads failed
-                kind = CorruptCheckpointError if verdict == 1 else CheckpointError
-                raise error or kind("another rank failed to restore this step", step=step)
-            return self._begin_timeline(self._apply(state), current.gen)
-        candidates = live_steps(storage, storage.step_dirs(), current)
-        if not candidates:
-            why = "holds no checkpoint" if exists(self.root) else "does not exist"
-            log.warning("asyncckpt: restore() found nothing to resume from: %s %s, so "
-                        "training starts from scratch", self.root, why)
+        found = resume(self.root, step, rank, strict=strict, try_load=self._try_load,
+                       memory_address=address, memory_into=self._into,
+                       memory_keys={"step", "extra", *self.options.contents},
+                       memory_expected=bool(self.options.memory_interval))
+        if found is None:
             return None
-        skipped = []
-        for candidate in reversed(candidates):
-            state, error = self._try_load(candidate, rank)
-            if (isinstance(error, CheckpointNotFoundError)
-                    and candidate not in storage_for(self.root).step_dirs()):
-                error = CorruptCheckpointError("deleted while restore listed it (retention of "
-                                               "a writer running on this root?)", step=candidate)
-            verdict = worst(outcome(error))
-            if verdict == 0:
-                return self._begin_timeline(self._apply(state), current.gen)
-            if verdict == 2:
-                raise error or CheckpointError("another rank failed to restore this step",
-                                               step=candidate)
-            why = str(error) if error is not None else "another rank found it damaged"
-            log.warning("asyncckpt: restore skips step %d: %s", candidate, why)
-            skipped.append(f"step {candidate}: {why}")
-        raise CorruptCheckpointError(f"no step under {self.root} loads: " + "; ".join(skipped))
+        restored = self._apply(found.state)
+        self.restored_tier = found.tier
+        if found.fork_gen is None:
+            return restored  # a memory generation newer than every durable step
+        return self._begin_timeline(restored, found.fork_gen)
 
     def _begin_timeline(self, step: int, based_on: int) -> int:
         """Make `self.timeline`, which this Checkpointer's saves carry from now on: a
