@@ -1,7 +1,8 @@
 """The control channel's messages: one frozen dataclass each, and one `parse()`.
 
-The save protocol's messages live here; the memory tier's queries and answers in
-memory_messages.py, the base class in message.py; `MESSAGES` and `parse()` cover all.
+The save protocol's messages from a rank live here, the writer's replies in replies.py;
+the memory tier's queries and answers in memory_messages.py, the base class in
+message.py; `MESSAGES` and `parse()` cover all.
 
 Every message a rank or the writer sends is a JSON object whose "op" names its class
 here; `parse()` turns a received frame into that class or raises `ProtocolError`. The
@@ -25,6 +26,7 @@ this copy differs; each class's docstring says what its message means):
         begin(save, step, world_size, tensors, tree; optional retention, replace,
               keep_from, timeline, tier, coordinated, since, unchanged, node)
         chunk(save, slot, length)
+        chunks(save, slots, lengths)
         end(save)
         abort(save, reason)
         need_slot()
@@ -35,7 +37,7 @@ this copy differs; each class's docstring says what its message means):
         memory_open(step; optional ranks)
         memory_flush()
     writer -> rank:
-        welcome(pid, version, root, root_id)
+        welcome(pid, version, root, root_id; optional chunks)
         refused(reason; optional root)
         free(slot)
         unchanged(save, tensors)
@@ -73,7 +75,6 @@ from asyncckpt.ipc.fields import (
     options_to_wire,
     save_options,
     show,
-    str_field,
     tensor_table,
     unchanged_request,
 )
@@ -87,13 +88,24 @@ from asyncckpt.ipc.memory_messages import (
 )
 from asyncckpt.ipc.message import Message, wire_fields
 from asyncckpt.ipc.options import NO_OPTIONS, TIERS, SaveOptions
+from asyncckpt.ipc.replies import (
+    Committed,
+    Durable,
+    Failed,
+    Free,
+    Refused,
+    Unchanged,
+    Welcome,
+)
 
-__all__ = ["MAX_SLOTS", "MESSAGES", "MemoryFlush", "MemoryFlushed", "MemoryGeneration",
-           "MemoryIndex", "MemoryList", "MemoryOpen", "Message", "NodePart", "NodeRanks",
-           "ProtocolError", "SaveOptions", "TensorEntry", "decode", "dumps", "message_list",
-           "parse", "wire_fields"]
+__all__ = ["MAX_SLOTS", "MESSAGES", "Committed", "Durable", "Failed", "Free", "MemoryFlush",
+           "MemoryFlushed", "MemoryGeneration", "MemoryIndex", "MemoryList", "MemoryOpen",
+           "Message", "NodePart", "NodeRanks", "ProtocolError", "Refused", "SaveOptions",
+           "TensorEntry", "Unchanged", "Welcome", "decode", "dumps", "message_list", "parse",
+           "wire_fields"]
 
 MAX_ROOT = 4096      # a checkpoint root named in a hello: at most this many characters
+MAX_CHUNKS = 1024    # slots announced by one chunks message
 
 
 # rank -> writer
@@ -213,6 +225,30 @@ class Chunk(Message):
 
 
 @dataclass(frozen=True)
+class Chunks(Message):
+    """As one chunk per slot, in order: slot `slots[i]` holds the next `lengths[i]` bytes
+    of save `save`. A rank announces the slots it filled back to back in one message (to
+    a writer whose welcome said `chunks`), at most MAX_CHUNKS of them."""
+
+    OP: ClassVar[str] = "chunks"
+    SENDER: ClassVar[str] = "rank"
+    save: int
+    slots: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Chunks:
+        slots, lengths = m.get("slots"), m.get("lengths")
+        if (not isinstance(slots, list) or not isinstance(lengths, list)
+                or not 0 < len(slots) == len(lengths) <= MAX_CHUNKS
+                or not all(type(s) is int for s in slots)
+                or not all(type(n) is int for n in lengths)):
+            raise ProtocolError(f"chunks needs slots and lengths: two lists of 1..{MAX_CHUNKS} "
+                                f"ints of one length, not {show(slots)} and {show(lengths)}")
+        return cls(int_field(m, "save"), tuple(slots), tuple(lengths))
+
+
+@dataclass(frozen=True)
 class End(Message):
     """Every byte of save `save` is announced (or, after a cancelled staging, none more
     will be)."""
@@ -322,131 +358,8 @@ class Outcome(Message):
                    message if isinstance(message, str) else str(message))
 
 
-# writer -> rank
-
-
-@dataclass(frozen=True)
-class Welcome(Message):
-    """The writer took the rank's hello and ring; `root` and `root_id` name the
-    checkpoint root (the nodes of a coordinated job check they share one)."""
-
-    OP: ClassVar[str] = "welcome"
-    SENDER: ClassVar[str] = "writer"
-    pid: int
-    version: str
-    root: str
-    root_id: str
-
-
-@dataclass(frozen=True)
-class Refused(Message):
-    """The writer refused the rank's hello (`reason`) and hangs up. `root`: set when it
-    refused because it serves another root than the rank's, to this writer's root."""
-
-    OP: ClassVar[str] = "refused"
-    SENDER: ClassVar[str] = "writer"
-    reason: str
-    root: str | None = None
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Refused:
-        root = m.get("root")
-        return cls(str_field(m, "reason"), root if isinstance(root, str) else None)
-
-
-@dataclass(frozen=True)
-class Free(Message):
-    """The writer copied slot `slot` out: the rank may fill it again."""
-
-    OP: ClassVar[str] = "free"
-    SENDER: ClassVar[str] = "writer"
-    slot: int
-
-
-@dataclass(frozen=True)
-class Unchanged(Message):
-    """Of the tensors save `save` claimed unchanged, those (indices) the writer takes
-    from the earlier step: the rank does not send them."""
-
-    OP: ClassVar[str] = "unchanged"
-    SENDER: ClassVar[str] = "writer"
-    save: int
-    tensors: tuple[int, ...]
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Unchanged:
-        tensors = m.get("tensors")
-        if not isinstance(tensors, list) or not all(type(i) is int for i in tensors):
-            raise ProtocolError(f"tensors {show(tensors)} is not a list of indices")
-        return cls(int_field(m, "save"), tuple(tensors))
-
-
-@dataclass(frozen=True)
-class Durable(Message):
-    """Coordinated save `save` (sent to the node's lead rank): every part of the node
-    is durable in tmp directory `tmp`; `part` is the root manifest's entry for the
-    node's part file, waiting for the leader's commit."""
-
-    OP: ClassVar[str] = "durable"
-    SENDER: ClassVar[str] = "writer"
-    save: int
-    step: int
-    tmp: str
-    part: dict[str, Any] | None = None
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Durable:
-        part = m.get("part")
-        if part is not None and not isinstance(part, dict):
-            raise ProtocolError(f"part {show(part)} is not an object")
-        return cls(int_field(m, "save"), int_field(m, "step"), str_field(m, "tmp"), part)
-
-
-@dataclass(frozen=True)
-class Committed(Message):
-    """Step `step` of save `save` is committed at `path`; `stats` are this rank's."""
-
-    OP: ClassVar[str] = "committed"
-    SENDER: ClassVar[str] = "writer"
-    save: int
-    step: int
-    path: str
-    stats: dict[str, Any]
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Committed:
-        stats = m.get("stats")
-        if not isinstance(stats, dict):
-            raise ProtocolError(f"stats {show(stats)} is not an object")
-        return cls(int_field(m, "save"), int_field(m, "step"), str_field(m, "path"), stats)
-
-
-@dataclass(frozen=True)
-class Failed(Message):
-    """Step `step` of save `save` failed: `error` names the CheckpointError class.
-    `relayed`: a coordinated step's agreed outcome, passed on from the node's lead rank
-    (otherwise a failure on this node, which the lead tells the other nodes). `ask`: the
-    node's lead is gone after its part was announced: this rank is to learn the outcome
-    from the store and tell the writer, in the lead's place."""
-
-    OP: ClassVar[str] = "failed"
-    SENDER: ClassVar[str] = "writer"
-    save: int
-    step: int
-    error: str
-    message: str
-    relayed: bool = False
-    ask: bool = False
-
-    @classmethod
-    def from_wire(cls, m: dict[str, Any]) -> Failed:
-        return cls(int_field(m, "save"), int_field(m, "step"), str_field(m, "error"),
-                   str_field(m, "message"), m.get("relayed") is True, m.get("ask") is True)
-
-
-
 MESSAGES: dict[str, type[Message]] = {cls.OP: cls for cls in (
-    Hello, Begin, Chunk, End, Abort, NeedSlot, NewRing, Commit, Outcome, MemoryList,
+    Hello, Begin, Chunk, Chunks, End, Abort, NeedSlot, NewRing, Commit, Outcome, MemoryList,
     MemoryOpen, MemoryFlush, Welcome, Refused, Free, Unchanged, Durable, Committed, Failed,
     MemoryIndex, MemoryGeneration, MemoryFlushed)}
 

@@ -24,9 +24,7 @@ the committed frames are still there and cover each tensor exactly.
 from __future__ import annotations
 
 import atexit
-import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -46,16 +44,13 @@ from asyncckpt.rank.agreement import Agreement
 from asyncckpt.rank.connection import WriterConnection, hello_for
 from asyncckpt.rank.coordination import StoreCoordinator, job_store
 from asyncckpt.rank.handle import SaveHandle, raise_untaken
-from asyncckpt.rank.pending import Basis, PendingSave, Route, Torn, unmodified
-from asyncckpt.rank.stager import DeviceCopies, stage
+from asyncckpt.rank.pending import Basis, PendingSave, Route
+from asyncckpt.rank.slots import Cancelled, Slots, stage_save
+from asyncckpt.rank.stager import DeviceCopies
 from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.ranks import node_of, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
-PLAN_POLL = 0.05  # s: the stager's check for a cancelled save while the writer plans
-
-class _Cancelled(Exception):
-    pass
 
 
 class Client:
@@ -119,7 +114,7 @@ class Client:
         self._agreement = self._agreement_for(store, welcome)
         self._node = NodeRanks(*node_of(self.rank, self.world_size))  # memory saves' node
         self._device = DeviceCopies(self._ring)
-        self._free = collections.deque(range(self._ring.slots))
+        self._slots = Slots(self._ring.slots, self._cond, self._conn.send, welcome.chunks)
         self._handles: list[SaveHandle] = []  # saves not known to be settled and told
         self._ids = itertools.count(1)
         self._basis: Basis | None = None  # with skip_unchanged: the newest committed save
@@ -147,8 +142,7 @@ class Client:
         self._device.close()
         self._ring, self._device = bigger, DeviceCopies(bigger)
         self.knobs = dataclasses.replace(self.knobs, ring_size=bigger.size)
-        with self._cond:
-            self._free = collections.deque(range(bigger.slots))
+        self._slots.reset(bigger.slots)
         try:
             old.close()
         except BufferError:
@@ -321,7 +315,7 @@ class Client:
                 self._stage_one(pending)
             except (OSError, EOFError):
                 self._on_broken("writer connection lost while staging")
-            except _Cancelled:
+            except Cancelled:
                 pass
             except Exception as e:  # never let one save stop the stager for the next ones
                 log.exception("staging step %d failed", pending.step)
@@ -329,53 +323,8 @@ class Client:
                     f"staging failed: {type(e).__name__}: {e}", step=pending.step, rank=self.rank))
 
     def _stage_one(self, pending: PendingSave) -> None:
-        started = time.perf_counter()
-        handle = pending.handle
-        send = self._conn.send
-        self._conn.send_frame(pending.begin)
-
-        said_need = False
-
-        def acquire() -> int:
-            nonlocal said_need
-            with self._cond:
-                while not self._free:
-                    if handle.done() or self._broken is not None:
-                        raise _Cancelled
-                    if not said_need:  # a writer that stages first copies out now
-                        send(messages.NeedSlot())
-                        said_need = True
-                    self._cond.wait()
-                return self._free.popleft()
-
-        def emit(slot: int, length: int) -> None:
-            send(messages.Chunk(pending.id, slot, length))
-
-        try:
-            while pending.unchanged and not pending.planned.wait(PLAN_POLL):
-                if handle.done() or self._broken is not None:
-                    raise _Cancelled
-            nbytes = stage(unmodified(pending), self._ring, acquire, emit, self._release,
-                           self._device, pending.ready)
-        except _Cancelled:
-            send(messages.End(pending.id))
-            raise
-        except OSError:
-            raise
-        except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
-            cause = str(e) if isinstance(e, Torn) else f"staging failed: {type(e).__name__}: {e}"
-            error = SaveFailedError(cause, step=pending.step, rank=self.rank)
-            send(messages.Abort(pending.id, str(error)))
-            handles.fail(handle, error)
-            return
-        handle.stats.staged_bytes = nbytes  # before `end`: a result may follow at once
-        handle.stats.unchanged_bytes = sum(pending.entries[i].tensor.nbytes
-                                           for i in pending.skipped)
-        handle.stats.staging_seconds = time.perf_counter() - started
-        send(messages.End(pending.id))
-        # staged once End is on the socket, not merely queued: a trainer killed the
-        # moment wait_staged() returns has handed the writer the whole save
-        self._conn.after_sent(functools.partial(handles.mark_staged, handle))
+        stage_save(pending, self._conn, self._slots, self._ring, self._device,
+                   lambda: self._broken is not None, self.rank)
 
     def _forget(self, pending: PendingSave) -> None:
         """A coordinated save is over (its outcome came through the store)."""
@@ -388,15 +337,10 @@ class Client:
             if self._basis is None or pending.step > self._basis.step:
                 self._basis = pending.remembered()
 
-    def _release(self, slot: int) -> None:
-        with self._cond:
-            self._free.append(slot)
-            self._cond.notify()
-
     # -- the writer's replies (the connection's receiver thread) ------------------------
 
     def _on_free(self, m: messages.Free) -> None:
-        self._release(m.slot)
+        self._slots.release(m.slot)
 
     def _on_unchanged(self, m: messages.Unchanged) -> None:
         with self._cond:

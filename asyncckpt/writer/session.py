@@ -5,14 +5,8 @@ no message of a rank can stop the writer or harm another rank's save:
 
 - Its ring is a size-sealed memfd (ring.py): it cannot be truncated under our mapping.
 - Each chunk is copied out of the ring into the writer's own buffer before it is
-  hashed, encoded or written, and then its slot is returned: the bytes on disk are
-  exactly the bytes hashed, whatever the rank later does to its slot. (The copy runs at
-  memory speed and releases the GIL.) With `stage_first` the copies wait until the rank
-  has staged the whole save (its `end`) or waits for a free slot (`need_slot`, or all
-  its slots announced): the rank's copy into the ring is what its training loop waits
-  for, and a writer copying out beside it takes the memory bandwidth and, on a small
-  node, the core it needs. The save's writes then start later by at most its staging
-  time; a save whose rank had to wait streams as before.
+  hashed, encoded or written, and then its slot is returned (intake.py): the bytes on
+  disk are exactly the bytes hashed, whatever the rank later does to its slot.
 - Replies go through a bounded per-connection outbox drained by that connection's
   sender thread, so a rank that stops reading its socket blocks nothing but itself; when
   its outbox overflows it is dropped.
@@ -32,10 +26,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncckpt._version import __version__
 from asyncckpt.errors import CheckpointError, SaveFailedError, error_class
@@ -45,15 +38,12 @@ from asyncckpt.ipc.messages import MAX_SLOTS, NodeRanks, ProtocolError
 from asyncckpt.writer import commit
 from asyncckpt.writer.context import WriterContext
 from asyncckpt.writer.filespec import FileSettings, FileTarget, Reuse, Stream, Unchanged
+from asyncckpt.writer.intake import Intake, RankSave
 from asyncckpt.writer.memory_flush import flush_newest
-from asyncckpt.writer.memory_image import RankImage
 from asyncckpt.writer.memory_serve import MEMORY_QUERIES, serve_query
 from asyncckpt.writer.nodes import NodeJoin
 from asyncckpt.writer.pipeline import RankFileWriter
 from asyncckpt.writer.shared import shared_name
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -61,17 +51,6 @@ _OUTBOX_SPARE = 1024  # replies beyond one per ring slot that may wait for a slo
 _MAX_SAVES = 256       # begun and not ended, per connection (a client has one)
 _MAX_OPEN_FILES = 4    # ... of which hold a data file and an appender thread
 SENDER_JOIN_S = 5.0  # for the reply thread to drain once a connection ends
-
-
-@dataclass
-class _RankSave:
-    step: int
-    file: RankFileWriter | None
-    tree: Any
-    failed: bool = False
-    stats: dict = field(default_factory=dict)
-    copy_at_once: bool = False  # its rank waited for a slot: stage first no longer
-    memory: RankImage | None = None  # a memory-tier save: its image (memory_tier.py)
 
 
 class _OtherRoot(ProtocolError):
@@ -91,16 +70,16 @@ class Session:
         self.conn = conn
         self.rank = -1
         self.ring: ring.Ring | None = None
-        self._saves: dict[int, _RankSave] = {}
+        self._saves: dict[int, RankSave] = {}
         self._began: set[int] = set()              # steps this connection took part in
         self._files: set[RankFileWriter] = set()   # may still have frames in flight
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._outbox_limit = _OUTBOX_SPARE
         self._sender: threading.Thread | None = None
-        self._stage_first = False  # the knob, for a rank that says need_slot
-        self._held: list[messages.Chunk] = []  # chunks left in the ring until then, in order
+        self._intake = Intake(self)
         self._handlers: dict[type[messages.Message], Callable[[Any], None]] = {
             messages.Begin: self._on_begin, messages.Chunk: self._on_chunk,
+            messages.Chunks: self._on_chunks,
             messages.End: self._on_end, messages.Abort: self._on_abort,
             messages.NeedSlot: self._on_need_slot, messages.NewRing: self._on_new_ring,
             messages.Commit: self._on_commit,
@@ -179,14 +158,14 @@ class Session:
             raise
         protocol.set_recv_timeout(self.conn, 0)
         self.rank = m.rank
-        self._stage_first = self.writer.knobs.stage_first and m.need_slot
+        self._intake.stage_first = self.writer.knobs.stage_first and m.need_slot
         self._outbox_limit = m.slots + _OUTBOX_SPARE
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"asyncckpt-reply-{m.rank}")
         self._sender.start()
         self.writer.steps.rank_joined(self.rank)
         self.send(messages.Welcome(os.getpid(), __version__, str(self.writer.root),
-                                   self.writer.root_id))
+                                   self.writer.root_id, chunks=True))
         log.info("rank %d connected (pid %s, ring %d x %d MiB)", self.rank, m.pid,
                  m.slots, m.slot_size >> 20)
 
@@ -196,7 +175,7 @@ class Session:
         is open: a chunk in flight names a slot of the ring it was staged in."""
         fd = protocol.recv_fd(self.conn)  # taken first: the rank is still sending it
         max_slot = self.writer.knobs.max_frame_bytes
-        if self._saves or self._held or m.slot_size > max_slot:
+        if self._saves or self._intake.held or m.slot_size > max_slot:
             os.close(fd)
             raise ProtocolError(f"a new ring of {m.slots} slots of {m.slot_size} bytes is "
                                 f"refused ({len(self._saves)} saves open; slot_size "
@@ -214,9 +193,9 @@ class Session:
             raise ProtocolError(f"save id {save_id} is already in use")
         if len(self._saves) >= _MAX_SAVES:  # a client stages one save at a time
             raise ProtocolError(f"{len(self._saves)} saves begun and not ended")
-        save = _RankSave(step, None, m.tree)
+        save = RankSave(step, None, m.tree)
         self._saves[save_id] = save
-        notify = self._notifier(save, save_id)
+        notify = self.notifier(save, save_id)
         knobs = self.writer.knobs
         if m.options.tier == "memory":
             self._begin_memory(m, save, notify)
@@ -255,14 +234,14 @@ class Session:
                 Stream(header, specs, self.ring_slot_size),
                 reuse=Reuse(self._lookup(step), unchanged),
                 chooser=self.writer.chooser if current.choice is not None else None,
-                on_error=lambda e: self._fail(save, self._as_error(save, e)))
+                on_error=lambda e: self.fail(save, self._as_error(save, e)))
         except OSError as e:
-            self._fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
+            self.fail(save, commit.io_error(e, step=step, rank=self.rank, file=e.filename))
             return
         self._files = {f for f in self._files if f.busy}
         self._files.add(save.file)
 
-    def _begin_memory(self, m: messages.Begin, save: _RankSave,
+    def _begin_memory(self, m: messages.Begin, save: RankSave,
                       notify: Callable[..., None]) -> None:
         """A memory-tier save: its chunks go into an image in the writer's memory tier
         (memory_tier.py), not into a file."""
@@ -306,7 +285,7 @@ class Session:
         assert self.ring is not None
         return self.ring.slot_size
 
-    def _notifier(self, save: _RankSave, save_id: int) -> Callable[..., None]:
+    def notifier(self, save: RankSave, save_id: int) -> Callable[..., None]:
         def notify(error: CheckpointError | None, path: Path | None, stats: dict, *,
                    relayed: bool = False, ask: bool = False) -> None:
             if error is not None:
@@ -318,71 +297,16 @@ class Session:
         return notify
 
     def _on_chunk(self, m: messages.Chunk) -> None:
-        save = self._save(m.save)
-        if not self._stage_first or save.copy_at_once:
-            self._copy_out(save, m)
-            return
-        assert self.ring is not None
-        self._held.append(m)
-        if len(self._held) >= self.ring.slots:  # it holds none: it must be waiting
-            save.copy_at_once = True
-            self._copy_out_held()
+        self._intake.chunk(m.save, m.slot, m.length)
+
+    def _on_chunks(self, m: messages.Chunks) -> None:
+        for slot, length in zip(m.slots, m.lengths):
+            self._intake.chunk(m.save, slot, length)
 
     def _on_need_slot(self, m: messages.NeedSlot) -> None:
-        """The rank waits for a slot: its ring is smaller than its save, so copying
-        out after the rank would only stall it; its open saves stream from now on."""
-        for save in self._saves.values():
-            save.copy_at_once = True
-        self._copy_out_held()
+        self._intake.need_slot(list(self._saves.values()))
 
-    def _copy_out_held(self) -> None:
-        held, self._held = self._held, []
-        for m in held:
-            self._copy_out(self._save(m.save), m)
-
-    def _copy_out(self, save: _RankSave, m: messages.Chunk) -> None:
-        slot, length = m.slot, m.length
-        assert self.ring is not None
-        if not self.ring.holds(slot, length):  # before a buffer of `length` is made
-            raise ProtocolError(f"slot {slot} / length {length} outside the ring")
-        if save.memory is not None and not save.failed:
-            self._copy_to_memory(save, save.memory, m)
-            return
-        buffers = self.writer.buffers
-        buf = buffers.get(length)
-        try:
-            raw = self.ring.copy_out(slot, length, buf)
-        except ValueError as e:
-            buffers.put(buf)
-            raise ProtocolError(str(e)) from None
-        self.send(messages.Free(slot))
-        if save.memory is not None:
-            buffers.put(buf)
-            return
-        if save.failed or save.file is None:
-            buffers.put(buf)
-            return
-        try:
-            save.file.submit(raw, lambda: buffers.put(buf))
-        except ValueError as e:
-            buffers.put(buf)
-            self._fail(save, SaveFailedError(str(e), step=save.step, rank=self.rank))
-
-    def _copy_to_memory(self, save: _RankSave, image: RankImage, m: messages.Chunk) -> None:
-        """A memory save's chunk: straight from the ring into its image, then freed."""
-        ring_ = self.ring
-        assert ring_ is not None
-        try:
-            image.append(lambda out: ring_.copy_out(m.slot, m.length, out), m.length)
-        except ValueError as e:
-            self.send(messages.Free(m.slot))
-            error = SaveFailedError(str(e), step=save.step, rank=self.rank)
-            self._notifier(save, m.save)(error, None, {})
-            self._fail_memory(save, error)
-            return
-        self.send(messages.Free(m.slot))
-
-    def _fail_memory(self, save: _RankSave, error: SaveFailedError) -> None:
+    def fail_memory(self, save: RankSave, error: SaveFailedError) -> None:
         if save.failed or save.memory is None:
             return
         save.failed = True
@@ -391,8 +315,8 @@ class Session:
         memory.abandon(save.memory, error)
 
     def _on_end(self, m: messages.End) -> None:
-        self._copy_out_held()
-        save = self._save(m.save)
+        self._intake.copy_out_held()
+        save = self.save_of(m.save)
         del self._saves[m.save]
         if save.memory is not None:
             self._end_memory(m.save, save)
@@ -404,7 +328,7 @@ class Session:
         try:
             part = save.file.finish(save.tree)
         except Exception as e:
-            self._fail(save, self._as_error(save, e))
+            self.fail(save, self._as_error(save, e))
             return
         stats = {**save.stats, "encode_seconds": save.file.encode_seconds,
                  "write_seconds": save.file.write_seconds,
@@ -413,34 +337,34 @@ class Session:
                  "writer_peak_rss_anon": self.writer.rss.peak_rss_anon}
         self.writer.steps.end(save.step, part, stats)
 
-    def _end_memory(self, save_id: int, save: _RankSave) -> None:
+    def _end_memory(self, save_id: int, save: RankSave) -> None:
         image, memory = save.memory, self.writer.memory
         assert image is not None and memory is not None
         if save.failed:
             return
-        notify = self._notifier(save, save_id)
+        notify = self.notifier(save, save_id)
         try:
             memory.end(image, notify, {"writer_peak_rss_anon": self.writer.rss.peak_rss_anon})
         except (ValueError, OSError) as e:
             error = SaveFailedError(f"memory tier: {e}", step=save.step, rank=self.rank)
-            self._fail_memory(save, error)
+            self.fail_memory(save, error)
             notify(error, None, {})
 
     def _on_abort(self, m: messages.Abort) -> None:
-        self._copy_out_held()
-        save = self._save(m.save)
+        self._intake.copy_out_held()
+        save = self.save_of(m.save)
         del self._saves[m.save]
         if save.memory is not None:
             error = SaveFailedError(f"aborted by the rank: {m.reason[:500]}", step=save.step,
                                     rank=self.rank)
             if not save.failed:
-                self._notifier(save, m.save)(error, None, {})
-            self._fail_memory(save, error)
+                self.notifier(save, m.save)(error, None, {})
+            self.fail_memory(save, error)
             return
         if save.file:
             save.file.close(wait=True)
         if not save.failed:
-            self._fail(save, SaveFailedError(f"aborted by the rank: {m.reason[:500]}",
+            self.fail(save, SaveFailedError(f"aborted by the rank: {m.reason[:500]}",
                                              step=save.step, rank=self.rank))
 
     def _durable(self, save_id: int, step: int, tmp: str, part: dict) -> None:
@@ -448,7 +372,7 @@ class Session:
 
     def _on_commit(self, m: messages.Commit) -> None:
         """The leader rank: every node of coordinated step `step` announced its part."""
-        notify = self._notifier(_RankSave(m.step, None, None), m.save)
+        notify = self.notifier(RankSave(m.step, None, None), m.save)
         self.writer.steps.commit_nodes(m.step, m.world_size, m.nodes, notify)
 
     def _on_outcome(self, m: messages.Outcome) -> None:
@@ -457,13 +381,13 @@ class Session:
         error = None if m.committed else error_class(m.error)(m.message or "save failed")
         self.writer.steps.outcome(m.step, error, sender=self.rank)
 
-    def _save(self, save_id: int) -> _RankSave:
+    def save_of(self, save_id: int) -> RankSave:
         save = self._saves.get(save_id)
         if save is None:
             raise ProtocolError(f"no save {save_id} in progress")
         return save
 
-    def _as_error(self, save: _RankSave, error: BaseException) -> CheckpointError:
+    def _as_error(self, save: RankSave, error: BaseException) -> CheckpointError:
         if isinstance(error, CheckpointError):
             return error
         if isinstance(error, OSError):
@@ -474,7 +398,7 @@ class Session:
         return SaveFailedError(f"encoding failed: {type(error).__name__}: {error}",
                                step=save.step, rank=self.rank)
 
-    def _fail(self, save: _RankSave, error: CheckpointError) -> None:
+    def fail(self, save: RankSave, error: CheckpointError) -> None:
         """Fail the save's step (from the session thread or a frame thread)."""
         if save.failed:
             return
@@ -488,7 +412,7 @@ class Session:
             for save in self._saves.values():
                 if save.file:
                     save.file.close()
-                self._fail_memory(save, SaveFailedError(
+                self.fail_memory(save, SaveFailedError(
                     "the rank disconnected before ending its memory save", step=save.step,
                     rank=self.rank))
             for file in self._files:  # frame threads may still hold our buffers

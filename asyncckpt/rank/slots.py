@@ -1,0 +1,165 @@
+"""One save through the ring, on the stager thread: the ring's slots as the rank sees
+them (which are free), and telling the writer which hold the save's next bytes.
+
+A slot is the rank's while it is free or being filled, the writer's from its
+announcement until the writer's `free`. Announcing each slot in a message of its own
+costs both sides a message per slot (4 MiB) while the rank copies: encoding it on the
+stager thread, a send on the connection's sender thread, a receive and a parse on the
+writer, which on a 2-core node all compete with the copy for the second core. So the
+slots a save fills back to back are announced together in one `chunks` message, every
+`batch` slots (a quarter of the ring, at most MAX_CHUNKS), when the save's bytes are
+all staged, and before the rank waits for a free slot. A rank that waits has a ring
+smaller than its save: the writer streams from then on (its stage first ends), so from
+then on every slot is announced as it is filled, as a writer streaming from a small
+ring needs. A writer whose welcome did not say `chunks` gets one `chunk` per slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+from collections.abc import Callable
+
+from asyncckpt.errors import SaveFailedError
+from asyncckpt.ipc import messages, ring
+from asyncckpt.ipc.messages import MAX_CHUNKS
+from asyncckpt.rank import handle as handles
+from asyncckpt.rank.connection import WriterConnection
+from asyncckpt.rank.pending import PendingSave, Torn, unmodified
+from asyncckpt.rank.stager import DeviceCopies, stage
+
+PLAN_POLL = 0.05  # s: the stager's check for a cancelled save while the writer plans
+
+
+class Cancelled(Exception):
+    """The save was cancelled (failed) or the writer is gone while waiting for a slot."""
+
+
+def batch_for(slots: int, batched: bool = True) -> int:
+    """How many filled slots one announcement carries for a ring of `slots` slots."""
+    return max(1, min(MAX_CHUNKS, slots // 4)) if batched else 1
+
+
+class Slots:
+    """The free slots of a ring, guarded by the client's condition (whoever frees a slot
+    or fails a save notifies it)."""
+
+    def __init__(self, slots: int, cond: threading.Condition,
+                 send: Callable[[messages.Message], None], batched: bool) -> None:
+        self._cond = cond
+        self._send = send
+        self._batched = batched
+        self.reset(slots)
+
+    def reset(self, slots: int) -> None:
+        """All `slots` slots of a new ring free (nothing may be in flight)."""
+        with self._cond:
+            self._free = collections.deque(range(slots))
+            self.batch = batch_for(slots, self._batched)
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+    def filler(self, save_id: int, cancelled: Callable[[], bool]) -> Filler:
+        """The `acquire` and `emit` of one save's `stage()` (flush it after)."""
+        return Filler(self, save_id, cancelled)
+
+
+class Filler:
+    """One save's slots: taken from the free ones, announced to the writer in order."""
+
+    def __init__(self, slots: Slots, save_id: int, cancelled: Callable[[], bool]) -> None:
+        self._slots = slots
+        self._save = save_id
+        self._cancelled = cancelled
+        self._filled: list[int] = []
+        self._lengths: list[int] = []
+        self.waited = False  # the rank waited for a slot (and said need_slot)
+
+    def acquire(self) -> int:
+        """A free slot, once there is one.
+
+        Raises:
+            Cancelled: `cancelled()` while waiting.
+        """
+        pool = self._slots
+        with pool._cond:
+            while not pool._free:
+                if self._cancelled():
+                    raise Cancelled
+                if not self.waited:  # a writer that stages first copies out now
+                    self.flush()
+                    pool._send(messages.NeedSlot())
+                    self.waited = True
+                pool._cond.wait()
+            return pool._free.popleft()
+
+    def emit(self, slot: int, length: int) -> None:
+        """Slot `slot` holds the save's next `length` bytes (announced in order)."""
+        self._filled.append(slot)
+        self._lengths.append(length)
+        if self.waited or len(self._filled) >= self._slots.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Announce the slots filled and not yet announced (before `end` or `abort`)."""
+        if not self._filled:
+            return
+        if len(self._filled) == 1:
+            message: messages.Message = messages.Chunk(self._save, self._filled[0],
+                                                       self._lengths[0])
+        else:
+            message = messages.Chunks(self._save, tuple(self._filled), tuple(self._lengths))
+        self._filled, self._lengths = [], []
+        self._slots._send(message)
+
+
+def stage_save(pending: PendingSave, conn: WriterConnection, slots: Slots, ring_: ring.Ring,
+               device: DeviceCopies, gone: Callable[[], bool], rank: int) -> None:
+    """Stage `pending` (the stager thread): its begin, its bytes through the ring's
+    slots, its end; a tensor that cannot be read fails the save (abort), not the thread.
+
+    Args:
+        gone: whether the writer is gone (staging stops).
+    Raises:
+        Cancelled: the save failed or the writer went away while it waited (its end is
+            sent).
+        OSError, EOFError: the connection broke.
+    """
+    started = time.perf_counter()
+    handle = pending.handle
+    send = conn.send
+    conn.send_frame(pending.begin)
+    filler = slots.filler(pending.id, lambda: handle.done() or gone())
+    try:
+        while pending.unchanged and not pending.planned.wait(PLAN_POLL):
+            if handle.done() or gone():
+                raise Cancelled
+        nbytes = stage(unmodified(pending), ring_, filler.acquire, filler.emit, slots.release,
+                       device, pending.ready)
+    except Cancelled:
+        filler.flush()
+        send(messages.End(pending.id))
+        raise
+    except OSError:
+        raise
+    except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
+        cause = str(e) if isinstance(e, Torn) else f"staging failed: {type(e).__name__}: {e}"
+        error = SaveFailedError(cause, step=pending.step, rank=rank)
+        filler.flush()
+        send(messages.Abort(pending.id, str(error)))
+        handles.fail(handle, error)
+        return
+    filler.flush()
+    handle.stats.staged_bytes = nbytes  # before `end`: a result may follow at once
+    handle.stats.unchanged_bytes = sum(pending.entries[i].tensor.nbytes
+                                       for i in pending.skipped)
+    handle.stats.staging_seconds = time.perf_counter() - started
+    send(messages.End(pending.id))
+    # staged once End is on the socket, not merely queued: a trainer killed the
+    # moment wait_staged() returns has handed the writer the whole save
+    conn.after_sent(functools.partial(handles.mark_staged, handle))
