@@ -32,8 +32,6 @@ with MemoryTierFullError naming the figures.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +41,9 @@ from asyncckpt.format.layout import layout
 from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodeRanks, TensorEntry
 from asyncckpt.writer.memory_generation import Generation, physical_memory, room
+from asyncckpt.writer.memory_held import Held
 from asyncckpt.writer.memory_image import RankImage, SkippedImage
+from asyncckpt.writer.memory_order import BeginOrder
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -54,8 +54,9 @@ DROPPED_KEPT = 8  # generations whose reason for being dropped is remembered
 Notify = Callable[..., None]
 
 
-class MemoryTier:
-    """The generations this writer holds (thread-safe: the sessions call it)."""
+class MemoryTier(Held):
+    """The generations this writer holds (thread-safe: the sessions call it): how
+    they come (ranks' saves, partners' replicas) and go; how they are read, Held."""
 
     def __init__(self, max_bytes: int, root: str) -> None:
         """Args:
@@ -63,26 +64,15 @@ class MemoryTier:
                 physical memory).
             root: the durable root, named in the `committed` replies.
         """
+        super().__init__()
         self.max_bytes = max_bytes or physical_memory() // 2
         self._root = root
-        self._lock = threading.Lock()
-        self._gens: dict[int, Generation] = {}
-        self._spare: list[RankImage] = []  # whole images of dropped generations, to refill
         # why the newest dropped generations went, for a rank whose end comes after
         self._dropped: dict[int, SaveFailedError] = {}
         self.on_node_whole: Callable[[int], None] | None = None  # step: this node's ranks whole
-        self._begun: int | None = None  # the step this node's ranks began last
-        # steps of this node's ranks not held (the bound): cause, the ranks that began them
-        self._skips: dict[int, tuple[str, set[int]]] = {}
+        # each rank's last begin, the node's skipped steps (the ranks' begins interleave)
+        self._order = BeginOrder()
         self.peak_bytes = 0
-
-    @property
-    def held_bytes(self) -> int:
-        with self._lock:
-            return self._held()
-
-    def _held(self) -> int:
-        return sum(g.bytes for g in self._gens.values()) + sum(i.size for i in self._spare)
 
     def begin(self, step: int, rank: int, world_size: int, node: NodeRanks | None,
               table: list[TensorEntry], tree: Any, timeline: Any,
@@ -93,7 +83,10 @@ class MemoryTier:
         generation first. Older generations than the newest whole one are dropped.
         Returns a `SkippedImage` (holds nothing; its rank hears `stats.tier` "skipped")
         when the node's step is past the bound of two generations per node (`_admit`):
-        the node's first rank to begin it decides for all.
+        the node's first rank to begin it decides for all, however late the others
+        come. A rank beginning a step older than one it began before (or than one of
+        its images held, as a replacement's taken back from the partner) is a rerun
+        (`_went_back`); a peer's late begin is not (memory_order.py).
 
         Raises:
             MemoryTierFullError: the image would take the memory held past the bound.
@@ -102,15 +95,16 @@ class MemoryTier:
         """
         first, count = node or NodeRanks(rank, 1)
         with self._lock:
-            if (self._begun is not None and step < self._begun) or any(
-                    s > step and first in g.nodes for s, g in self._gens.items()):
-                self._went_back(step)  # (a replacement's: newer ones taken back from a partner)
-            self._begun = step
-            skip = self._skips.get(step)
-            if skip is not None and rank not in skip[1]:  # the node's step is skipped
-                skip[1].add(rank)
-                return SkippedImage(step, rank, table, tree, skip[0])
-            self._skips.pop(step, None)  # saved again: decided anew
+            newer = self._order.went_back(rank, step)
+            if newer is None:  # (a replacement's: newer ones taken back from a partner)
+                newer = min((s for s, g in self._gens.items() if s > step and rank in g.images),
+                            default=None)
+            if newer is not None:
+                self._went_back(step, rank, newer)
+            skipped = self._order.skipped(step, rank)
+            self._order.began(rank, step, skipped is not None)
+            if skipped is not None:  # the node's step is skipped
+                return SkippedImage(step, rank, table, tree, skipped)
             gen = self._gens.get(step)
             if gen is not None and rank in gen.images:  # saved again: start it over
                 self._drop(step, SaveFailedError("the step is being saved again", step=step))
@@ -120,7 +114,9 @@ class MemoryTier:
             if gen is None or first not in gen.nodes:
                 cause = self._admit(first, step)
                 if cause is not None:
-                    self._skip(step, rank, cause)
+                    self._order.skip(step, rank, cause)
+                    self._order.began(rank, step, True)
+                    log.info("memory step %d skipped on this node: %s", step, cause)
                     return SkippedImage(step, rank, table, tree, cause)
             if gen is None:
                 gen = Generation(step, world_size, timeline)
@@ -240,8 +236,9 @@ class MemoryTier:
             if gen is not None and first in gen.replicas:  # the partner's newer save of it
                 self._forget_replicas(gen, first)
             self._prune()
-            cause = (f"this node's step {step} was skipped: {self._skips[step][0]}"
-                     if step in self._skips else self._admit(first, step))
+            skipped = self._order.skip_cause(step)
+            cause = (f"this node's step {step} was skipped: {skipped}" if skipped is not None
+                     else self._admit(first, step))
             if cause is not None:
                 raise MemoryTierFullError(f"memory tier: replica of node {[first, count]} of "
                                           f"step {step} not taken: {cause}", step=step,
@@ -301,45 +298,6 @@ class MemoryTier:
             for image in images:
                 image.close()
 
-    def outgoing(self, step: int | None, node: int | None = None, hold: bool = False
-                 ) -> tuple[Generation, list[RankPart], list[int]]:
-        """The whole images of generation `step` (None: the newest that holds them) of
-        the node whose first rank is `node` -- this writer's own or a replica it holds
-        -- or, with `node` None, of this writer's own nodes (what is sent to the
-        partner): their entries and read-only descriptors (the caller closes them).
-        With `hold`, the generation counts as being sent (never dropped to make room,
-        `_admit`) until `released(gen)`.
-
-        Raises:
-            KeyError: no such generation, or those images are not held whole.
-        """
-        with self._lock:
-            def ranks(gen: Generation) -> list[int]:
-                if node is not None:
-                    count = gen.nodes.get(node, 0)
-                    return list(range(node, node + count))
-                return sorted(r for r in gen.images if not any(
-                    f <= r < f + gen.nodes[f] for f in gen.replicas))
-
-            def whole(gen: Generation) -> bool:
-                wanted = ranks(gen)
-                return bool(wanted) and all(
-                    r in gen.images and gen.images[r].whole for r in wanted)
-            if step is None:
-                step = max((s for s, g in self._gens.items() if whole(g)), default=-1)
-            gen = self._gens[step]
-            if not whole(gen):
-                raise KeyError(step)
-            images = [gen.images[r] for r in ranks(gen)]
-            out = gen, [i.part() for i in images], [i.read_only() for i in images]
-            gen.out += hold
-            return out
-
-    def released(self, gen: Generation) -> None:
-        """An `outgoing(hold=True)` of `gen` is sent (or failed): its descriptors closed."""
-        with self._lock:
-            gen.out -= 1
-
     def abandon(self, image: RankImage, error: SaveFailedError) -> None:
         """`image`'s rank failed or went before ending: its generation cannot become
         whole; the ranks waiting on it hear `error`."""
@@ -363,37 +321,44 @@ class MemoryTier:
         this writer's nodes has not begun its save (connected or not: a rank that skips
         a memory save would otherwise be waited for without end), as durable steps fail
         after `absent_rank_timeout`. Its ranks that ended hear a SaveFailedError naming
-        the step and the absent ranks; the older whole generation stays held."""
+        the step, the absent ranks, the ranks that began it and what the first absent
+        ones began last; the older whole generation stays held."""
         now = time.monotonic()
         with self._lock:
             for step, gen in list(self._gens.items()):
                 if gen.whole or now - gen.started < timeout:
                     continue
-                absent = [r for f, c in gen.nodes.items() if f not in gen.replicas
-                          for r in range(f, f + c) if r not in gen.images]
+                own = [r for f, c in gen.nodes.items() if f not in gen.replicas
+                       for r in range(f, f + c)]
+                absent = [r for r in own if r not in gen.images]
                 if absent:
-                    names = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8
-                                                               else "")
                     self._drop(step, SaveFailedError(
-                        f"rank{'s' if len(absent) > 1 else ''} {names} of the node never "
-                        f"began memory step {step} within absent_rank_timeout={timeout:g} s "
-                        "(a rank that skips a memory save its node's peers made)",
+                        f"rank{'s' if len(absent) > 1 else ''} {_names(absent)} of the node "
+                        f"never began memory step {step} within absent_rank_timeout="
+                        f"{timeout:g} s (a rank that skips a memory save its node's peers "
+                        f"made); began it: rank {_names([r for r in own if r in gen.images])}"
+                        f"; {'; '.join(self._order.last(r) for r in absent[:2])}",
                         step=step, rank=absent[0]))
 
-    def _went_back(self, step: int) -> None:
-        """This node's ranks began `step`, older than one they began before: the job
-        resumed below it. What is held of `step` and newer -- this node's images and
-        the partners' replicas -- belongs to the abandoned run (a rerun need not compute
-        the same bytes): held beside the rerun's images of those steps, it would make a
-        generation of two runs, or a newer one that supersedes the rerun's. It goes;
-        the partners' replicas of the rerun come as usual. A replacement's writer knows
-        it by the newer generations of its node it took back from the partner (its
-        ranks never began anything here)."""
-        for s in [s for s in self._skips if s >= step]:
-            del self._skips[s]
+    def _went_back(self, step: int, rank: int, newer: int) -> None:
+        """`rank` began `step`, older than `newer`, which it began before (or of which
+        an image of it is held): the job resumed below it. What is held of `step` and
+        newer -- this node's images and the partners' replicas -- belongs to the
+        abandoned run (a rerun need not compute the same bytes): held beside the
+        rerun's images of those steps, it would make a generation of two runs, or a
+        newer one that supersedes the rerun's. It goes; the partners' replicas of the
+        rerun come as usual. A replacement's writer knows it by the newer generations
+        holding its ranks' images it took back from the partner (its ranks never began
+        anything here). Only `rank`'s own order says so: a peer's late begin is no
+        rerun (memory_order.py)."""
+        log.info("memory: rank %d began step %d after step %d: the job went back; "
+                 "generations from %d dropped: %s", rank, step, newer, step,
+                 sorted(s for s in self._gens if s >= step))
+        self._order.rerun_from(step)
         for s in [s for s in self._gens if s >= step]:
-            self._drop(s, SaveFailedError(f"memory generation of an abandoned run (the "
-                                          f"node's ranks went back to step {step})", step=s))
+            self._drop(s, SaveFailedError(f"memory generation of an abandoned run (rank "
+                                          f"{rank} went back to step {step} after {newer})",
+                                          step=s))
 
     def _forget_replicas(self, gen: Generation, first: int | None = None) -> None:
         """Drop the partners' replicas held in `gen` (of the node whose first rank is
@@ -418,13 +383,6 @@ class MemoryTier:
             self._drop(drop, SaveFailedError(
                 f"memory generation {drop} gave way to step {step} (it was not held for "
                 "every node: the partner's part never came)", step=drop))
-
-    def _skip(self, step: int, rank: int, cause: str) -> None:
-        """This node's ranks' saves of `step` are not held (`_admit`). Under the lock."""
-        self._skips[step] = (cause, {rank})
-        while len(self._skips) > DROPPED_KEPT:
-            del self._skips[min(self._skips)]
-        log.info("memory step %d skipped on this node: %s", step, cause)
 
     def _prune(self) -> None:
         """Drop every generation that a newer whole one covers (`_supersede`)."""
@@ -461,47 +419,7 @@ class MemoryTier:
             else:
                 image.close()
 
-    def allocated_bytes(self) -> int:
-        """The memory the tier's images hold now, by their memfds' pages (what the
-        kernel allocated; `held_bytes` is their sizes), spares included."""
-        with self._lock:
-            images = [i for g in self._gens.values() for i in g.images.values()]
-            fds = [i.fd for i in images + self._spare if i.fd >= 0]
-            return sum(os.fstat(fd).st_blocks * 512 for fd in fds)
 
-    def generations(self) -> list[dict[str, Any]]:
-        """Every generation held, oldest first (`describe`)."""
-        with self._lock:
-            return [self._gens[s].describe() for s in sorted(self._gens)]
 
-    def newest_complete(self) -> int | None:
-        """The newest whole generation of which every rank of its world is held here."""
-        with self._lock:
-            return max((s for s, g in self._gens.items() if g.whole
-                        and sorted(g.images) == list(range(g.world_size))), default=None)
-
-    def open(self, step: int, ranks: list[int] | None = None
-             ) -> tuple[Generation, list[RankPart], list[int]]:
-        """The whole images of generation `step` (of `ranks`, default every whole one):
-        their manifest entries and a read-only descriptor each (the caller closes them).
-
-        Raises:
-            KeyError: no such generation, or a rank asked for is not held whole.
-        """
-        with self._lock:
-            gen = self._gens[step]
-            wanted = sorted(r for r, i in gen.images.items() if i.whole) if ranks is None \
-                else ranks
-            images = [gen.images[r] for r in wanted]
-            if not all(i.whole for i in images):
-                raise KeyError(step)
-            return gen, [i.part() for i in images], [i.read_only() for i in images]
-
-    def close(self) -> None:
-        with self._lock:
-            for gen in self._gens.values():
-                gen.close()
-            self._gens.clear()
-            for image in self._spare:
-                image.close()
-            self._spare.clear()
+def _names(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
