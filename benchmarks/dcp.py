@@ -538,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"command": "python -m benchmarks.dcp " + " ".join(
         argv if argv is not None else sys.argv[1:]), "reps": args.reps, "torch": torch.__version__,
         "cpus": os.cpu_count(), "loadavg_before": measure.loadavg(), "sizes": [], "raw": []}
-    with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix=".bench-dcp-") as d:
+    with tempfile.TemporaryDirectory(dir=os.path.abspath(args.dir or "."),
+                                     prefix=".bench-dcp-") as d:  # workers run elsewhere
         for nbytes in parse_sizes(args):
             print(f"state of {nbytes / MiB:.0f} MiB: {', '.join(methods)} + limits, "
                   f"{args.reps} reps", flush=True)

@@ -96,13 +96,16 @@ valid = st.one_of(
               pid=st.none() | any_int, need_slot=st.booleans(), root=st.none() | text),
     begins(),
     st.builds(messages.Chunk, any_int, any_int, any_int),
+    st.integers(1, 6).flatmap(lambda n: st.builds(
+        messages.Chunks, any_int, st.lists(any_int, min_size=n, max_size=n).map(tuple),
+        st.lists(any_int, min_size=n, max_size=n).map(tuple))),
     st.builds(messages.End, any_int),
     st.builds(messages.Abort, any_int, text),
     st.builds(messages.NeedSlot),
     st.builds(messages.NewRing, st.integers(1, 2**40), st.integers(1, messages.MAX_SLOTS)),
     commits(),
     st.builds(messages.Outcome, any_int, st.booleans(), text, text),
-    st.builds(messages.Welcome, any_int, text, text, text),
+    st.builds(messages.Welcome, any_int, text, text, text, st.booleans()),
     st.builds(messages.Refused, text, root=st.none() | text),
     st.builds(messages.Free, any_int),
     st.builds(messages.Unchanged, any_int, st.lists(any_int, max_size=5).map(tuple)),
@@ -237,6 +240,14 @@ def test_a_begin_the_reader_would_refuse_parses_with_the_reason(fields, why):
      "root .* is not a str"),
     ({"op": "hello", "rank": 0, "slot_size": 4096, "slots": 4, "root": "r" * 5000}, "root of 5000"),
     ({"op": "chunk", "save": 1, "slot": 0, "length": 1.0}, "length 1.0 is not an int"),
+    ({"op": "chunks", "save": 1, "slots": [0, 1], "lengths": [4]}, "chunks needs"),
+    ({"op": "chunks", "save": 1, "slots": [], "lengths": []}, "chunks needs"),
+    ({"op": "chunks", "save": 1, "slots": [0], "lengths": [True]}, "chunks needs"),
+    ({"op": "chunks", "save": 1, "slots": [0.0], "lengths": [4]}, "chunks needs"),
+    ({"op": "chunks", "save": 1, "slots": 0, "lengths": 4}, "chunks needs"),
+    ({"op": "chunks", "save": 1, "slots": [0] * (messages.MAX_CHUNKS + 1),
+      "lengths": [4] * (messages.MAX_CHUNKS + 1)}, "chunks needs"),
+    ({"op": "chunks", "save": "1", "slots": [0], "lengths": [4]}, "save '1' is not an int"),
     ({"op": "new_ring", "slot_size": 4096, "slots": 0}, "is refused"),
     ({"op": "new_ring", "slot_size": 4096, "slots": 1 << 17}, "is refused"),
     ({"op": "commit", "save": 1, "step": 1, "world_size": 2, "parts": [[0, "x"]]},
@@ -259,3 +270,6 @@ def test_what_is_not_checked_stays_accepted():
     assert parse({"op": "abort", "save": 3}).reason == "None"
     assert parse({"op": "need_slot", "save": [], "reason": 1}) == messages.NeedSlot()
     assert parse({"op": "outcome", "step": 4, "committed": 1}).committed is False
+    welcome = {"op": "welcome", "pid": 1, "version": "0", "root": "/", "root_id": "x"}
+    assert parse({**welcome, "chunks": 1}).chunks is False  # an older writer's: one per slot
+    assert parse({**welcome, "chunks": True}).chunks is True

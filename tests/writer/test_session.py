@@ -122,6 +122,37 @@ def test_a_client_with_a_ring_smaller_than_its_save(writer):
     assert_same(state, asyncckpt.load(path))
 
 
+def test_one_chunks_message_announces_several_slots_in_its_order(writer):
+    """Slots named out of order in one `chunks` message are the save's bytes in the
+    message's order, copied out after the end (stage first) or at once."""
+    writer, stage_first = writer
+    payload = os.urandom(2 * SLOT + 123)
+    with HostileRank(writer.address, slot_size=SLOT, slots=4, hello=NEEDS) as h:
+        assert h.welcome.get("chunks") is True
+        h.begin(1, 1, u8_table(len(payload)))
+        for slot, start in ((3, 0), (0, SLOT), (2, 2 * SLOT)):
+            h.write_slot(slot, payload[start:start + SLOT])
+        h.send("chunks", save=1, slots=[3, 0, 2], lengths=[SLOT, SLOT, 123])
+        freed = frees(h, QUIET_S)
+        assert freed == ([] if stage_first else [3, 0, 2])
+        h.send("end", save=1)
+        result = h.result(1, 30)
+    assert result["op"] == "committed", result
+    assert saved_bytes(result["path"]) == payload
+
+
+@pytest.mark.parametrize("slots, lengths", [([0, 9], [SLOT, SLOT]), ([0, 1], [SLOT, SLOT + 1]),
+                                            ([0, 1], [SLOT])])
+def test_a_chunks_message_with_a_slot_outside_the_ring_drops_the_rank(writer, slots, lengths):
+    writer, _ = writer
+    with HostileRank(writer.address, slot_size=SLOT, slots=4, hello=NEEDS) as h:
+        h.begin(1, 1, u8_table(2 * SLOT))
+        h.send("chunks", save=1, slots=slots, lengths=lengths)
+        with contextlib.suppress(OSError):
+            h.send("end", save=1)
+        assert h.dropped(10), f"chunks {slots} {lengths} was accepted"
+
+
 def test_a_chunk_longer_than_a_slot_is_refused_before_a_buffer_is_made(writer):
     """The length is checked against the ring before the writer makes a private buffer
     of that length (a 1 GiB one, zeroed, would show in the writer's peak RSS)."""
