@@ -80,9 +80,7 @@ becomes `from asyncckpt.integrations.verl import FSDPCheckpointManager` (and
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -94,26 +92,27 @@ from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.integrations.rng import rng_state, set_rng_state
-from asyncckpt.integrations.verl_followup import FollowUps, Job, local_dir
+from asyncckpt.integrations.verl_followup import (
+    FollowUps,
+    Job,
+    committed,
+    export_share,
+    local_dir,
+    shares_export,
+)
 from asyncckpt.integrations.verl_paths import (
     MARKER,
     ROOTS,
     TRACKER,
     agree,
-    holds,
     locate,
     read_tracker,
-    relative_root,
     root_of,
     trainer_dir,
 )
 from asyncckpt.rank.node_writer import node_writer
-from asyncckpt.read.export import export_hf
 from asyncckpt.storage.location import (
     Location,
-    exists,
-    is_object,
-    remove_tree,
     root_path,
     write_bytes,
 )
@@ -243,7 +242,7 @@ class FSDPCheckpointManager:
         handle = ckpt.save(global_step, extra=extra, force=True, replace=True, keep_from=keep_from)
         assert handle is not None  # on_busy "block": never skipped
         job = Job(global_step, path, handle, self.should_save_hf_model and self.should_save_model)
-        queued = self.rank == 0 or (job.hf_model and self._shares_export(path))
+        queued = self.rank == 0 or (job.hf_model and shares_export(path, self.world_size))
         if queued:
             self._follow.add(job)
         if not self.async_save:
@@ -358,61 +357,14 @@ class FSDPCheckpointManager:
 
     # -- after the commit: rank 0's follow-up, and every rank's share of the export -------
 
-    def _shares_export(self, local_path: Location) -> bool:
-        """Whether every rank writes a share of the hf_model export (a local or shared
-        directory; into an object store rank 0 exports alone, then uploads)."""
-        return self.world_size > 1 and not is_object(local_path)
-
     def _export_share(self, job: Job) -> None:
-        """A rank other than 0, once `job`'s step is committed: its share of the shards
-        (the rank that writes the last one writes the index)."""
         assert self._root is not None
-        try:
-            job.handle.wait()
-        except CheckpointError:
-            return  # not committed: nothing to export (rank 0 reports it)
-        try:
-            export_hf(self._root, Path(job.local_path) / "huggingface", step=job.step,
-                      part=(self.rank, self.world_size))
-        except Exception as e:  # noqa: BLE001 - raised on every rank by a save
-            job.failure = (f"step {job.step} is committed but rank {self.rank}'s share of its "
-                           f"hf_model export failed: {type(e).__name__}: {e}")
+        export_share(job, self._root, self.rank, self.world_size)
 
     def _committed(self, job: Job) -> None:
-        """Rank 0, once `job`'s step is committed: marker, hf_model export, tracker,
-        then the `local_path`s of steps the writer's retention deleted."""
         assert self._root is not None and self._ckpt is not None
-        try:
-            job.handle.wait()
-        except CheckpointError as e:  # every rank's save_checkpoint (or the next) raises it
-            log.error("asyncckpt: step %d was not committed (%s): the tracker keeps the "
-                      "last committed step", job.step, e)
-            if not exists(job.local_path / MARKER):  # it describes no step: what this
-                remove_tree(job.local_path / "huggingface")  # save wrote
-                if isinstance(job.local_path, Path):  # a local directory
-                    with contextlib.suppress(OSError):
-                        job.local_path.rmdir()  # only if nothing else is in it
-            return
-        write_bytes(job.local_path / MARKER, (json.dumps(
-            {"root": relative_root(self._root, job.local_path), "step": job.step}) + "\n").encode())
-        self._saved.pop(str(job.local_path), None)  # saved again: now the newest
-        self._saved[str(job.local_path)] = job.step
-        try:
-            if job.hf_model:
-                share = (0, self.world_size) if self._shares_export(job.local_path) else (0, 1)
-                with local_dir(job.local_path / "huggingface") as directory:
-                    export_hf(self._root, directory, step=job.step, part=share)
-        except Exception as e:  # noqa: BLE001 - the step is committed: the tracker moves on
-            job.failure = (f"step {job.step} is committed but its hf_model export to "
-                           f"{job.local_path / 'huggingface'} failed: {type(e).__name__}: {e}")
-        base = trainer_dir(job.local_path)
-        if self.async_save and base is not None:
-            write_bytes(base / TRACKER, str(job.step).encode())
-        kept = set(self._ckpt.all_steps())  # what retention left, judged from the disk
-        for old, step in list(self._saved.items()):
-            if step not in kept and not holds(root_path(old), self._root):
-                remove_tree(root_path(old))
-                del self._saved[old]
+        committed(job, self._root, self._saved, self._ckpt.all_steps, self.world_size,
+                  move_tracker=self.async_save)
         self.previous_saved_paths = list(self._saved)
 
     # -- loading --------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import queue
 import tempfile
@@ -20,8 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncckpt.errors import CheckpointError
+from asyncckpt.integrations.verl_paths import MARKER, TRACKER, holds, relative_root, trainer_dir
 from asyncckpt.rank.handle import SaveHandle
-from asyncckpt.storage.location import Location, is_object, upload_tree
+from asyncckpt.read.export import export_hf
+from asyncckpt.storage.location import (
+    Location,
+    exists,
+    is_object,
+    remove_tree,
+    root_path,
+    upload_tree,
+    write_bytes,
+)
 
 log = logging.getLogger("asyncckpt.verl")
 
@@ -108,3 +120,67 @@ def local_dir(directory: Location) -> Any:
     with tempfile.TemporaryDirectory(prefix="asyncckpt-verl-") as scratch:
         yield Path(scratch)
         upload_tree(Path(scratch), directory)
+
+
+def shares_export(local_path: Location, world_size: int) -> bool:
+    """Whether every rank writes a share of the hf_model export (a local or shared
+    directory; into an object store rank 0 exports alone, then uploads)."""
+    return world_size > 1 and not is_object(local_path)
+
+
+def export_share(job: Job, root: Location, rank: int, world_size: int) -> None:
+    """A rank other than 0, once `job`'s step is committed: its share of the shards
+    (the rank that writes the last one writes the index); a failure set on `job`."""
+    try:
+        job.handle.wait()
+    except CheckpointError:
+        return  # not committed: nothing to export (rank 0 reports it)
+    try:
+        export_hf(root, Path(job.local_path) / "huggingface", step=job.step,
+                  part=(rank, world_size))
+    except Exception as e:  # noqa: BLE001 - raised on every rank by a save
+        job.failure = (f"step {job.step} is committed but rank {rank}'s share of its "
+                       f"hf_model export failed: {type(e).__name__}: {e}")
+
+
+def committed(job: Job, root: Location, saved: dict[str, int], kept: Callable[[], list[int]],
+              world_size: int, move_tracker: bool) -> None:
+    """Rank 0, once `job`'s step is committed: marker, hf_model export, tracker (when
+    `move_tracker`: async mode), then the `local_path`s of steps the writer's retention
+    deleted (`kept`: the root's committed steps, judged from the disk).
+
+    Args:
+        saved: the `local_path`s of the steps saved and kept, with their steps, oldest
+            first: updated in place (this step added, the deleted ones removed).
+    """
+    try:
+        job.handle.wait()
+    except CheckpointError as e:  # every rank's save_checkpoint (or the next) raises it
+        log.error("asyncckpt: step %d was not committed (%s): the tracker keeps the "
+                  "last committed step", job.step, e)
+        if not exists(job.local_path / MARKER):  # it describes no step: what this
+            remove_tree(job.local_path / "huggingface")  # save wrote
+            if isinstance(job.local_path, Path):  # a local directory
+                with contextlib.suppress(OSError):
+                    job.local_path.rmdir()  # only if nothing else is in it
+        return
+    write_bytes(job.local_path / MARKER, (json.dumps(
+        {"root": relative_root(root, job.local_path), "step": job.step}) + "\n").encode())
+    saved.pop(str(job.local_path), None)  # saved again: now the newest
+    saved[str(job.local_path)] = job.step
+    try:
+        if job.hf_model:
+            share = (0, world_size) if shares_export(job.local_path, world_size) else (0, 1)
+            with local_dir(job.local_path / "huggingface") as directory:
+                export_hf(root, directory, step=job.step, part=share)
+    except Exception as e:  # noqa: BLE001 - the step is committed: the tracker moves on
+        job.failure = (f"step {job.step} is committed but its hf_model export to "
+                       f"{job.local_path / 'huggingface'} failed: {type(e).__name__}: {e}")
+    base = trainer_dir(job.local_path)
+    if move_tracker and base is not None:
+        write_bytes(base / TRACKER, str(job.step).encode())
+    left = set(kept())
+    for old, step in list(saved.items()):
+        if step not in left and not holds(root_path(old), root):
+            remove_tree(root_path(old))
+            del saved[old]

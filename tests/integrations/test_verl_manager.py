@@ -37,7 +37,7 @@ class Steps:
 
 def manager(root: Path) -> verl.FSDPCheckpointManager:
     m = object.__new__(verl.FSDPCheckpointManager)  # no process group needed for this part
-    m.async_save, m.previous_saved_paths, m._saved = True, [], {}
+    m.async_save, m.previous_saved_paths, m._saved, m.world_size = True, [], {}, 1
     m._root, m._ckpt, m._follow = root, Steps(), FollowUps(m._committed)
     return m
 

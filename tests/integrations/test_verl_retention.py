@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import load as load_safetensors
 
 import asyncckpt
-from asyncckpt.integrations import verl
+from asyncckpt.integrations import verl, verl_followup
 from asyncckpt.storage.location import exists, list_names, read_bytes, root_path
 
 transformers = pytest.importorskip("transformers")
@@ -92,12 +92,12 @@ def test_async_exports_of_every_committed_step_finish_and_nothing_is_left(group,
     the writer's retention waits for a step's export (it once deleted the step under
     it: 'no committed checkpoint for step N'); every committed step is exported and
     reaches the tracker; the directory of every deleted step goes."""
-    real_export = verl.export_hf
+    real_export = verl_followup.export_hf
 
     def slow_export(*args, **kwargs):
         time.sleep(0.5)
         return real_export(*args, **kwargs)
-    monkeypatch.setattr(verl, "export_hf", slow_export)
+    monkeypatch.setattr(verl_followup, "export_hf", slow_export)
     model, optim, sched = model_and_optimizer()
     m = manager(model, optim, sched, async_save=True, hf_model=True)
     try:
@@ -122,7 +122,7 @@ def test_async_exports_of_every_committed_step_finish_and_nothing_is_left(group,
 def test_a_failed_export_is_raised_by_the_next_save(group, tmp_path, monkeypatch):
     def broken_export(*args, **kwargs):
         raise OSError("disk full")
-    monkeypatch.setattr(verl, "export_hf", broken_export)
+    monkeypatch.setattr(verl_followup, "export_hf", broken_export)
     model, optim, sched = model_and_optimizer()
     m = manager(model, optim, sched, async_save=True, hf_model=True)
     try:
