@@ -296,6 +296,8 @@ def rank_main() -> int:
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if mode == "bench":
         return bench_rank(model, rank, out, tag)
+    if env.get("MN_LATE_BEGIN"):
+        _late_begins(rank, env["MN_LATE_BEGIN"])
     options = asyncckpt.CheckpointerOptions(
         memory_interval=int(env.get("MN_MEMORY", "1")),
         save_interval=int(env.get("MN_DURABLE", "5")), keep_last=3)
@@ -342,6 +344,24 @@ def rank_main() -> int:
 
 if __name__ == "__main__":
     sys.exit(rank_main())
+
+
+def _late_begins(rank: int, spec: str) -> None:
+    """MN_LATE_BEGIN="<rank>:<seconds>": that rank's stager sends each save's begin that
+    late (a stager still busy with the save before, or a loaded machine's scheduling),
+    so that a peer whose memory save was skipped begins the next step first -- the
+    order that made the memory tier take a late begin for a rerun
+    (tests/multiprocess/test_memory_tier_interleave.py)."""
+    who, _, seconds = spec.partition(":")
+    if int(who) != rank:
+        return
+    from asyncckpt.rank import client
+    stage = client.Client._stage_one
+
+    def late(self: Any, pending: Any) -> None:
+        time.sleep(float(seconds))
+        stage(self, pending)
+    client.Client._stage_one = late  # type: ignore[method-assign]
 
 
 def _shard_bytes(model: Any, optim: Any) -> int:
