@@ -87,3 +87,24 @@ def test_the_module_save_raises_an_untaken_failure(writer, monkeypatch):
     finally:
         for client in client_module._shared.values():
             client.close()
+
+
+def test_a_state_over_the_message_bound_raises_in_save_and_leaves_the_ring_whole(writer,
+                                                                                tmp_path):
+    """The stager starts copying before save() has encoded the begin: a begin that
+    cannot be sent fails save() itself, nothing of that save reaches the writer, and
+    every slot it filled is free for the next save (a 64 MiB ring of 4 MiB slots and a
+    48 MiB tensor: the refused save filled most of it)."""
+    from asyncckpt.errors import UnsupportedStateError
+    from asyncckpt.ipc import protocol
+
+    big = torch.arange(12 << 20, dtype=torch.float32)
+    with asyncckpt.connect(writer.address, rank=0, world_size=1,
+                           ring_size=64 << 20) as c:
+        with pytest.raises(UnsupportedStateError, match="message bound"):
+            c.save(1, {"w": big, "note": "x" * protocol.MAX_MESSAGE})
+        for step in (1, 2):
+            c.save(step, {"w": big + step, "step": step}).wait(60)
+        assert len(c._slots._free) == c._ring.slots
+    assert torch.equal(asyncckpt.load(tmp_path / "ckpt", step=1)["w"], big + 1)
+    assert asyncckpt.load(tmp_path / "ckpt", step=2)["step"] == 2
