@@ -181,7 +181,7 @@ class MemoryTier(Held):
             ValueError: the rank sent fewer bytes than its tensors hold.
         """
         if isinstance(image, SkippedImage):
-            image.complete()  # the node's skip was logged once (`_skip`)
+            image.complete()  # the node's skip was logged once (`begin`)
             notify(None, self._root, {**stats, "tier": SKIPPED, "raw_bytes": 0,
                                       "stored_bytes": 0, "codec": "raw"})
             return
