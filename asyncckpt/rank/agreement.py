@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -110,20 +111,24 @@ class Agreement:
         c = self.coordinator
         period = min(c.beat_period, HELLO_PERIOD) if c.rank == 0 else c.beat_period
         due = 0.0  # the first beat at once: the leader knows the node from the start
+        # the second beat a random part of a period after the first: the leads of a job
+        # start together, and would otherwise beat in step for its whole life (a burst of
+        # one request a node at the store every period, on top of a save's own requests)
+        gap = c.beat_period * random.uniform(0.25, 1.0)
         while True:
             try:
                 if time.monotonic() >= due:
-                    due = time.monotonic() + c.beat_period
+                    due, gap = time.monotonic() + gap, c.beat_period
                     c.beat()
                     if (gathering := self._gathering) is not None:
                         c.tick(gathering)
                     if (awaiting := self._awaiting) is not None:
                         c.watch(awaiting)
-                else:  # the leader, between beats: a rank's first save waits for this
+                elif c.rank == 0:  # between beats: a rank's first save waits for this
                     c.welcome()
             except Exception as e:  # the store is gone: the job is ending
                 log.debug("heartbeat failed: %s", e)
-            if self._stop.wait(period):
+            if self._stop.wait(min(period, max(due - time.monotonic(), 0.0))):
                 return
 
     def _run(self) -> None:
@@ -134,10 +139,10 @@ class Agreement:
                 log.debug("rank %d: no session yet: %s", self.coordinator.rank, e)
         while True:
             self._idle()
-            try:
-                item = self._parts.get(timeout=self.coordinator.beat_period / 2)
-            except queue.Empty:
-                continue
+            # no timeout: a result queues `_WAKE` behind it (a thread that woke every few
+            # seconds for nothing costs a job of many ranks nothing, but 1000 simulated
+            # nodes in one interpreter hundreds of wake-ups a second)
+            item = self._parts.get()
             if item is None:
                 self._idle()
                 self._leave()

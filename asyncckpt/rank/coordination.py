@@ -29,7 +29,8 @@ the leader's session and is named with both roots instead of never being heard f
                                               every HELLO_PERIOD, which then answers
     asyncckpt/<restart>/c<k>/welcome/<token>  the session, set by the leader for that token
     asyncckpt/<restart>/c<k>/beats            "<first>:<count> " appended by each node's lead
-                                              every beat period; the leader reads and clears it
+                                              every beat period; the leader takes it
+                                              (liveness.py: emptied, no beat lost)
     asyncckpt/<restart>/c<k>/leader           bumped by the leader every beat period
 
 Keys of one save of `step` (its `attempt`-th by this client) under
@@ -84,6 +85,7 @@ from typing import Any
 
 from asyncckpt.errors import SaveFailedError
 from asyncckpt.ipc.messages import NodeRanks
+from asyncckpt.rank.liveness import Liveness
 from asyncckpt.torchutil.ranks import local_world_size
 
 Outcome = dict[str, Any]
@@ -169,8 +171,7 @@ class StoreCoordinator:
         self.session: str | None = secrets.token_hex(8) if rank == 0 else None
         self._hellos_seen = 0        # leader: the hello counter when last read
         self._hellos_read = 0        # leader: bytes of the hellos key answered
-        self._heard: dict[int, tuple[int, float]] = {}  # leader: node first -> (count, when)
-        self._names: dict[int, str] = {}  # leader: node first -> its GROUP_RANK
+        self.liveness = Liveness(self.node, world_size, timeout)  # the leader's
         self._watched: tuple[str, int, float] = ("", -1, 0.0)  # (save, leader count, since)
 
     # -- the session handshake ----------------------------------------------------------
@@ -224,52 +225,13 @@ class StoreCoordinator:
                                    f"{self.node.first}:{self.node.size}:{self.node_name} ")
 
     def listen(self) -> None:
-        """The leader: take the beats sent since the last look."""
-        key, store = f"{self.base}/beats", self.beat_store
-        self._heard[self.node.first] = (self.node.size, time.monotonic())  # its own node is here
-        if not store.check([key]):
-            return
-        data = store.get(key)
-        store.delete_key(key)  # a beat appended in between is lost: the next one comes
-        now = time.monotonic()
-        for word in data.decode(errors="replace").split():
-            first, count, name = (word.split(":", 2) + ["", ""])[:3]
-            if first.isdigit() and count.isdigit():
-                self._heard[int(first)] = (int(count), now)
-                self._names[int(first)] = name[:40]
+        """The leader: take the beats sent since the last look (none lost: liveness.py)."""
+        self.liveness.listen(self.beat_store, f"{self.base}/beats")
 
     def silent(self, announced: list[tuple[int, int]], began: float) -> str | None:
-        """The leader: which ranks, of those not in the `announced` (first, count) nodes,
-        have been silent for `timeout` (since `began` for a node never heard from), as a
-        message; None if every missing rank's node beat lately."""
-        now = time.monotonic()
-        self._heard[self.node.first] = (self.node.size, now)  # the leader's own node is here
-        covered = sorted(announced)
-        missing, end = [], 0
-        for first, count in covered + [(self.world_size, 0)]:
-            if first > end:
-                missing.append((end, first))
-            end = max(end, first + count)
-        dead: list[tuple[int, int, float]] = []
-        for lo, hi in missing:
-            r = lo
-            while r < hi:
-                count, when = self._heard.get(r, (1, began))
-                quiet = now - max(when, began)
-                if quiet > self.timeout:
-                    if dead and dead[-1][1] == r:
-                        dead[-1] = (dead[-1][0], r + count, quiet)
-                    else:
-                        dead.append((r, r + count, quiet))
-                r += max(count, 1)
-        if not dead:
-            return None
-        shown = "; ".join(
-            (f"node {self._names[a]} " if self._names.get(a) not in (None, "", "?") else "")
-            + (f"(ranks {a}..{b - 1})" if b - a > 1 else f"(rank {a})") for a, b, _ in dead[:8])
-        return (f"{shown}{'; ...' if len(dead) > 8 else ''}: no part made durable and "
-                f"silent for over {self.timeout:g} s (a node dead, or its writer or ranks "
-                "never started)")
+        """The leader: the nodes not `announced` that have been silent for `timeout`, as
+        a message (`Liveness.silent`); None if every one beat lately."""
+        return self.liveness.silent(announced, began)
 
     # -- one save ----------------------------------------------------------------------
 
