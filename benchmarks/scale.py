@@ -230,9 +230,10 @@ class Node:
                 self.world.storage.discard(self.tmp)  # as the writer does
                 if self.first == 0 and self.placed is not None:  # the leader's: the
                     shared.drop(self.world.storage, message.step, self.placed)  # shared dir
-            for handle in self.handles.values():
-                if message.committed:
-                    complete(handle, self.world.root / step_dir_name(message.step), {})
+            path = self.world.root / step_dir_name(message.step)
+            for handle in self.handles.values():  # each rank's receiver, on a cluster in
+                if message.committed:  # a process of its own: here in turn
+                    complete(handle, path, {})
                 else:
                     fail(handle, error_class(message.error)(message.message))
             if message.committed and self.tmp is not None:  # then its emptied tmp dir, in
