@@ -12,6 +12,12 @@ all staged, and before the rank waits for a free slot. A rank that waits has a r
 smaller than its save: the writer streams from then on (its stage first ends), so from
 then on every slot is announced as it is filled, as a writer streaming from a small
 ring needs. A writer whose welcome did not say `chunks` gets one `chunk` per slot.
+
+The stager starts copying a save while `save()` still encodes its begin (pending.py),
+so that the per-tensor Python of the encoding runs beside the copy, not before it:
+every message about the save waits for the begin, which goes first. A begin that
+cannot be encoded makes `save()` raise; that save's filled slots are then freed and
+nothing of it is sent (Refused).
 """
 
 from __future__ import annotations
