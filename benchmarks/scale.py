@@ -204,6 +204,7 @@ class SaveResult:
     failed_ranks: int = 0
     error: str = ""
     request_s: float = 0.0  # one store request, one client alone (`store_request_seconds`)
+    wake_s: float = 0.0  # every lead woken at once, no work after (`wake_seconds`)
 
 
 class Node:
@@ -432,6 +433,34 @@ def store_request_seconds(port: int, requests: int = CALIBRATION_REQUESTS) -> fl
     return seconds
 
 
+def wake_seconds(world: World) -> float:
+    """Seconds from one key set to the last of the nodes' leads, each blocked in a `get`
+    of it on its own client, returning -- and doing nothing after: what this one
+    interpreter charges the outcome's fan-out before any work of a node's (thousands of
+    threads woken in turn under one GIL, the heartbeats running); on a cluster each node
+    wakes on its own. Measured after the shape's saves, as `store_request_seconds`."""
+    key, stores = "asyncckpt-bench/wake", [n.agreement.coordinator.store for n in world.node_list]
+    ends: list[float] = []
+    ready = threading.Barrier(len(stores) + 1)
+
+    def wait(store: Any) -> None:
+        ready.wait()
+        store.get(key)
+        ends.append(time.perf_counter())
+    threads = [threading.Thread(target=wait, args=(s,), daemon=True) for s in stores]
+    for t in threads:
+        t.start()
+    ready.wait()
+    time.sleep(1.0)  # every get is at the store, waiting
+    start = time.perf_counter()
+    world.server.set(key, "1")
+    for t in threads:
+        t.join(60)
+    world.server.delete_key(key)
+    world.counts.take()
+    return max(ends, default=start) - start
+
+
 def run_shape(work: Path, nodes: int, per_node: int, part: RankPart, data: bytes, saves: int,
               timeout: float, verify: bool = True, own_tmp: bool = False) -> list[SaveResult]:
     """`saves` saves of one shape; the last verified in full when `verify` (at hundreds
@@ -443,7 +472,8 @@ def run_shape(work: Path, nodes: int, per_node: int, part: RankPart, data: bytes
         results = [world.save(step, verify=verify and step == saves)
                    for step in range(1, saves + 1)]
         request_s = store_request_seconds(world.server.port)
-        return [dataclasses.replace(r, request_s=request_s) for r in results]
+        wake_s = wake_seconds(world)
+        return [dataclasses.replace(r, request_s=request_s, wake_s=wake_s) for r in results]
     finally:
         world.close()
         shutil.rmtree(world.root, ignore_errors=True)
@@ -497,6 +527,7 @@ def summarise(results: list[SaveResult], verify: bool = True) -> dict[str, Any]:
             "published_s": statistics.median(r.published for r in results),
             "fanned_out_s": statistics.median(r.fanned_out for r in results),
             "request_s": results[-1].request_s,
+            "wake_s": results[-1].wake_s,
             "leader_commit_s": statistics.median(r.leader_commit for r in results),
             "place_s": statistics.median(r.place_s for r in results),
             "beat_requests": statistics.median(r.beat_requests for r in results),
@@ -575,14 +606,20 @@ def report(rows: list[dict[str, Any]], failures: list[dict[str, Any]], argv: lis
               "charges each of those requests the time one store request takes with one "
               "client alone (measured after the shape's saves, the heartbeats running: an "
               "upper bound on the store thread's share), plus one node's relay as measured "
-              "at 2 x 2; it is not the figure the verdicts use.", "",
-              "| nodes x ranks | one store request ms | announcements land: here / cluster "
+              "at 2 x 2; it is not the figure the verdicts use. Beside it, what this "
+              "interpreter alone charges a fan-out: every lead blocked in a get of one key, "
+              "on its own client, returning once it is set and doing nothing after (after "
+              "the shape's saves, the heartbeats running); on a cluster each node wakes on "
+              "its own. The measured figure keeps both.", "",
+              "| nodes x ranks | one store request ms | every lead woken, no work s "
+              "| announcements land: here / cluster "
               "est. | commit (serial in both) | outcome reaches the ranks: here / cluster "
               "est. | latency after the last part: here / cluster est. |",
-              "|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|"]
     for r in rows:
         est = cluster_estimate(r, base)
         lines.append(f"| {r['nodes']} x {r['per_node']} | {1e3 * r.get('request_s', 0.0):.3f} | "
+                     f"{r.get('wake_s', 0.0):.3f} | "
                      f"{r['announced_s']:.3f} / {est['announced_s']:.3f} | "
                      f"{r['published_s']:.3f} | "
                      f"{r['fanned_out_s']:.3f} / {est['fanned_out_s']:.3f} | "
