@@ -2,6 +2,8 @@
 
     python -m benchmarks.frameworks                    (make bench-frameworks; < ~20 min)
     python -m benchmarks.frameworks --quick --out /tmp/fw.md       (a few minutes)
+    python -m benchmarks.frameworks --frameworks torchtune --states mid --out /tmp/fw.md
+                                                       (some cases: --methods too)
 
 For the Hugging Face Trainer, Lightning, Accelerate and torchtune, the framework's
 default checkpoint path, its async mode where it has one (Lightning's AsyncCheckpointIO,
@@ -119,6 +121,8 @@ def cases_for(framework: str, args: argparse.Namespace, work: Path) -> list[dict
                        PLANS["quick" if quick else "mid"]))
     out = []
     for state, world, width, layers, plan in states:
+        if args.states and state not in args.states.split(","):
+            continue
         for method in METHODS[framework]:
             if args.methods and method not in args.methods.split(","):
                 continue
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="mid-size state in GiB (default 1; 0 skips it)")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     ap.add_argument("--methods", default="", help="only these methods (default, async, asyncckpt)")
+    ap.add_argument("--states", default="", help="only these states (tiny, mid)")
     ap.add_argument("--out", default="benchmarks/results/frameworks.md")
     ap.add_argument("--timeout", type=float, default=RUN_TIMEOUT,
                     help="seconds for one venv's cases (those unfinished are reported missing)")
@@ -226,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     py = pythons()
     with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix=".bench-frameworks-") as d:
         work = Path(d)
-        lim = run_limits(mid_bytes, work / "limits") if args.gib > 0 else None
+        mid = args.gib > 0 and (not args.states or "mid" in args.states.split(","))
+        lim = run_limits(mid_bytes, work / "limits") if mid else None
         chosen = args.frameworks.split(",")
         for python in dict.fromkeys(py[f] for f in chosen):
             group = [f for f in chosen if py[f] == python]

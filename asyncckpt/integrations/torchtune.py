@@ -33,6 +33,17 @@ only the keys a template has, and the recipe then fails making its scheduler
 The load here also asks for the param-group entries the step holds and the template
 lacks.
 
+Asynchrony: `save_checkpoint(save_async=True)` returns once the state is flattened; its
+tensors are copied into the ring in the background. A global optimizer step pre-hook
+(the fence, as `Checkpointer` installs) holds every `optimizer.step()` (an optimizer in
+backward too) until that copy is done, so weights and optimizer state are never torn;
+DCP's `async_save` instead copies the whole state on the loop's thread, and a save
+that had to wait for the ring to drain would wait there too (back-to-back saves of a
+state as large as the ring). A tensor of the state changed in place some other way
+before its copy finished (a buffer a forward updates) fails that save loudly (its
+version counter), never silently: the next save or `wait_until_finished` raises it.
+`fence=False` keeps the copy in the call instead (the call returns once staged).
+
 A resume loads the newest live step and begins a timeline there (dcp_timeline.py; rank
 0 draws the timeline's start and the load broadcasts it, so every rank's saves carry the
 same): a run resumed from an older epoch saves over the newer epochs of the history it
@@ -49,12 +60,15 @@ Installing it in a recipe (the recipe builds its `CheckpointClient` in `__init__
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torchtune import training  # type: ignore[import-not-found,unused-ignore]  # no py.typed
 from torchtune.training.checkpointing._checkpointer import (  # type: ignore[import-not-found,unused-ignore]  # no py.typed
     DistributedCheckpointer as _TorchtuneDistributedCheckpointer,
@@ -128,10 +142,16 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
         keep_last: keep this many newest epochs in the root (None: all).
         resume_step: the epoch a resume loads (None: the newest live one); an older
             one begins a timeline there.
+        fence: an async save returns before its copy into the ring, every
+            `optimizer.step()` waiting for it instead (module docstring); False: the
+            call returns once the state is copied.
+    Attributes:
+        fence_blocked_seconds: the time optimizer steps spent waiting for the fence.
     """
 
     def __init__(self, checkpoint_dir: str, output_dir: str, process_group: Any = None,
-                 keep_last: int | None = None, resume_step: int | None = None) -> None:
+                 keep_last: int | None = None, resume_step: int | None = None,
+                 fence: bool = True) -> None:
         if process_group is None and dist.is_available() and dist.is_initialized():
             # a group of its own: DCP's async save runs its collectives on a thread,
             # which on the training's group (gloo on CPU) would interleave with the
@@ -146,6 +166,9 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
         self._in_flight: list[SaveHandle] = []  # direct saves not known to be done
         self.keep_last = keep_last
         self.resume_step = resume_step
+        self.fence = fence
+        self.fence_blocked_seconds = 0.0
+        self._hook: Any = None  # the fence, registered at the first async save
 
     def _get_latest_intermediate_checkpoint(self) -> str | None:
         """The directory in the root of `resume_step`, else of the newest live committed
@@ -225,13 +248,40 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
         self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
         if len(self._in_flight) > MAX_IN_FLIGHT:  # the disk falls behind: wait for it
             self._in_flight.pop(0).wait()
-        if save_async:
-            self._checkpoint_future = _Saved(handle)
-            handle.wait_staged()  # the caller may change the state from here on
-            if handle.done() and handle.exception() is not None:
-                handle.wait()  # raises it (a save that failed while staging)
-        else:
+        if not save_async:
             handle.wait()
+            return
+        self._checkpoint_future = _Saved(handle)
+        if self.fence:
+            self._install_fence()
+            return  # staged in the background: the fence holds the next optimizer step
+        handle.wait_staged()  # the caller may change the state from here on
+        if handle.done() and handle.exception() is not None:
+            handle.wait()  # raises it (a save that failed while staging)
+
+    def _install_fence(self) -> None:
+        """Hold every optimizer's step until this checkpointer's saves are staged (a
+        global pre-hook: the recipe's optimizer is not ours to see; it refers to this
+        checkpointer weakly and goes with it)."""
+        if self._hook is not None:
+            return
+        ref = weakref.ref(self)
+
+        def fence(*_: Any) -> None:
+            checkpointer = ref()
+            if checkpointer is not None:
+                checkpointer._wait_staged()
+        self._hook = register_optimizer_step_pre_hook(fence)
+        weakref.finalize(self, self._hook.remove)
+
+    def _wait_staged(self) -> None:
+        """Block until every save in flight is staged (the fence)."""
+        pending = [h for h in self._in_flight if not h.staged()]
+        if pending:
+            started = time.perf_counter()
+            for handle in pending:
+                handle.wait_staged()
+            self.fence_blocked_seconds += time.perf_counter() - started
 
     def _connect(self, state_dict: dict[str, Any]) -> Client:
         """This rank's client to its node's writer on the root (started by the first
@@ -266,8 +316,8 @@ class DistributedCheckpointer(_TorchtuneDistributedCheckpointer):
         raise_untaken(handles)
 
 
-def install(recipe: Any, *, keep_last: int | None = None,
-            resume_step: int | None = None) -> DistributedCheckpointer:
+def install(recipe: Any, *, keep_last: int | None = None, resume_step: int | None = None,
+            fence: bool = True) -> DistributedCheckpointer:
     """Make a torchtune recipe's intermediate checkpoints go through asyncckpt: its
     `CheckpointClient` (built in the recipe's `__init__`) gets this module's
     `DistributedCheckpointer` on the directories of the configured checkpointer. Call
@@ -280,6 +330,8 @@ def install(recipe: Any, *, keep_last: int | None = None,
         resume_step: the epoch a resume (`resume_from_checkpoint: True`) loads; None:
             the newest live one. An older one begins a timeline: the saves that follow
             replace the newer epochs of the history it leaves.
+        fence: as `DistributedCheckpointer`'s (False: an async save returns once its
+            state is copied).
     Returns:
         The checkpointer installed.
     Raises:
@@ -291,7 +343,8 @@ def install(recipe: Any, *, keep_last: int | None = None,
         raise TypeError(f"{type(recipe).__name__} has no torchtune CheckpointClient")
     checkpointer = DistributedCheckpointer(config.checkpointer.checkpoint_dir,
                                            config.checkpointer.output_dir,
-                                           keep_last=keep_last, resume_step=resume_step)
+                                           keep_last=keep_last, resume_step=resume_step,
+                                           fence=fence)
     client._dcp_checkpointer = checkpointer
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank installed before any saves

@@ -73,3 +73,26 @@ def test_async_epochs_rotate_and_an_older_resume_is_bit_exact(tmp_path):
     assert Checkpointer(root).all_steps() == [3, 4]
     assert Checkpointer(root).latest_step() == 4
     assert read_manifest_at(root / "step-00000004").timeline.id == after.id
+
+
+def test_an_async_save_returns_before_its_copy_and_the_optimizer_step_waits(tmp_path):
+    """The writer stopped, nothing of epoch 1 can go into the ring: the async save
+    returns all the same (it used to wait for the copy in the call: back-to-back saves
+    of a state as large as the ring waited there for the previous one to drain), the
+    next optimizer step waits for the copy (the fence), and the epoch holds the state
+    of the call, not the stepped one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    done = subprocess.run([PYTHON, str(FRAMEWORKS / "torchtune_fence_worker.py"),
+                           str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["returned"] is True, result
+    assert result["step_held"] is True, result
+    assert result["loaded"] == result["expected"]
+    assert result["fence_blocked_seconds"] >= 0.5  # the step waited for the copy
