@@ -136,3 +136,25 @@ def test_results_are_written_and_rendered_again_from_their_json(tmp_path: Path) 
     again = (tmp_path / "again.md").read_text()
     assert again.split("## Notes")[0] == text.split("## Notes")[0]
     assert frameworks.NOTES[0] in again  # the notes are today's
+
+
+def test_back_to_back_in_all_counts_the_wait_a_queued_save_leaves_to_the_next_step() -> None:
+    """Three back-to-back saves that return at once while the step after the last one
+    waits 2 s for their copies (the fence): the median per save hides that wait, the
+    sum does not, and a peer whose three calls took 0.5 s each (1.5 s in all) is
+    reported as blocking less in all."""
+    def ranked(calls: list[float], last_step: float) -> dict[str, Any]:
+        saves = [{"kind": "back", "call": c, "started": 0.0, "next_step": None,
+                  "durable": 3.0, "error": None} for c in calls]
+        saves[-1]["next_step"] = last_step
+        return {"rank": 0, "base_step": 0.1, "saves": saves, "loadavg": [1.0, 1.0, 1.0],
+                "memory": {}}
+    ours = report.summarise_method([ranked([0.01, 0.01, 0.01], 2.1)])
+    theirs = report.summarise_method([ranked([0.5, 0.5, 0.5], 0.1)])
+    assert ours["back"] == 0.01 and abs(ours["back_total"] - 2.03) < 1e-9
+    assert abs(theirs["back_total"] - 1.5) < 1e-9
+    case = {"framework": "torchtune", "state": "mid", "methods": {"asyncckpt": ours,
+                                                                  "async": theirs}}
+    found = report.misses(case)
+    assert any("blocked in all, back to back" in m and "(async)" in m for m in found)
+    assert not any("blocked per save, back to back" in m for m in found)
