@@ -125,6 +125,8 @@ class AsyncCheckpointMixin(_Base):
     _asyncckpt_fork_at: int | None = None  # restored from this step; no save since
     _asyncckpt_restored: dict[str, Any] | None = None  # the restored step's extra
     _asyncckpt_rng: Any = None  # this rank's RNG states in the restored step
+    _asyncckpt_replicated = False  # the model is not sharded: rank 0 saves it alone
+    _asyncckpt_rng_only: CheckpointerOptions | None = None  # the other ranks' options
 
     # -- saving ---------------------------------------------------------------------
 
@@ -150,29 +152,23 @@ class AsyncCheckpointMixin(_Base):
                 extra["scaler"] = scaler.state_dict() if scaler is not None else None
             if self._asyncckpt_adapter:
                 extra["peft_base"] = base_reference(self.model)
-        pending = run_dir / PENDING / f"{PREFIX}{step}"
-        if self.args.should_save:
-            if pending.exists():
-                shutil.rmtree(pending)
-            pending.mkdir(parents=True)
-            self._asyncckpt_state_to_json(pending / STATE_NAME)
-            (pending / MARKER).write_text(json.dumps({"root": ROOT_NAME, "step": step}))
-        full = ckpt.options.contents
-        options = ckpt.options
-        replicated = ckpt.model is not None and not is_sharded_model(ckpt.model)
-        mine = full if first or not replicated else ("extra",)
-        ckpt.options = dataclasses.replace(options, contents=mine)
-        try:  # a replicated (DDP) model and optimizer: rank 0's part only
+        # the Trainer's state as of this call; written out by the follow-up thread
+        state_json = self._asyncckpt_state_json() if self.args.should_save else None
+        options, rng_only = ckpt.options, self._asyncckpt_rng_only
+        if not first and self._asyncckpt_replicated and rng_only is not None:
+            ckpt.options = rng_only  # a replicated (DDP) model and optimizer: rank 0's
+        try:
             handle = ckpt.save(step, extra=extra, force=True, replace=True)
         finally:
             ckpt.options = options
-        assert handle is not None  # force=True always saves (on_busy is "block")
+        assert handle is not None  # force=True always saves (on_busy is "queue")
         self.asyncckpt_last_handle = handle
-        if self.args.should_save:
-            self._asyncckpt_follow(handle, run_dir, step, pending)
+        if state_json is not None:
+            self._asyncckpt_follow(handle, run_dir, step, state_json)
 
-    def _asyncckpt_state_to_json(self, path: Path) -> None:
-        """The Trainer's state with its stateful callbacks, as `_save_checkpoint` writes."""
+    def _asyncckpt_state_json(self) -> str:
+        """The Trainer's state with its stateful callbacks, as `_save_checkpoint` writes
+        it to `trainer_state.json` (`TrainerState.save_to_json`'s text)."""
         exportable = importlib.import_module("transformers.trainer_callback").ExportableState
         for cb in [*self.callback_handler.callbacks, self.control]:
             if isinstance(cb, exportable):
@@ -181,13 +177,15 @@ class AsyncCheckpointMixin(_Base):
                     self.state.stateful_callbacks[name].append(cb.state())
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
-        self.state.save_to_json(str(path))
+        return json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
 
     def _asyncckpt_follow(self, handle: SaveHandle, run_dir: Path, step: int,
-                          pending: Path) -> None:
-        """Rank 0: once `step` commits, move its directory into place and drop the
-        directories of steps the root no longer holds live: on one follow-up thread
-        for every save, in order (started at the first: a save starts no thread)."""
+                          state_json: str) -> None:
+        """Rank 0: write `checkpoint-N/` aside (the Trainer's state `state_json`, the
+        marker), and once `step` commits move it into place and drop the directories
+        of steps the root no longer holds live: on one follow-up thread for every
+        save, in order (started at the first: a save starts no thread, writes no
+        file)."""
         jobs = self._asyncckpt_jobs
         if jobs is None or self._asyncckpt_thread is None:
             jobs = self._asyncckpt_jobs = queue.Queue()
@@ -195,7 +193,7 @@ class AsyncCheckpointMixin(_Base):
                                                       args=(jobs,), name="asyncckpt-hf",
                                                       daemon=True)
             self._asyncckpt_thread.start()
-        jobs.put((handle, run_dir, step, pending))
+        jobs.put((handle, run_dir, step, state_json))
 
     def _asyncckpt_follow_all(self, jobs: queue.Queue[Any]) -> None:
         while (job := jobs.get()) is not None:
@@ -206,8 +204,14 @@ class AsyncCheckpointMixin(_Base):
         jobs.task_done()
 
     def _asyncckpt_follow_one(self, handle: SaveHandle, run_dir: Path, step: int,
-                              pending: Path) -> None:
+                              state_json: str) -> None:
+        pending = run_dir / PENDING / f"{PREFIX}{step}"
         try:
+            if pending.exists():
+                shutil.rmtree(pending)
+            pending.mkdir(parents=True)
+            (pending / STATE_NAME).write_text(state_json, encoding="utf-8")
+            (pending / MARKER).write_text(json.dumps({"root": ROOT_NAME, "step": step}))
             handle.wait()
             target = run_dir / f"{PREFIX}{step}"
             if target.exists():  # the step saved again (a rerun, an abandoned one)
@@ -307,6 +311,8 @@ class AsyncCheckpointMixin(_Base):
             ckpt = Checkpointer(run_dir / ROOT_NAME, model=model, optimizer=optimizer,
                                 options=options)
             self._asyncckpt_ckpt = ckpt
+            self._asyncckpt_replicated = not is_sharded_model(model)
+            self._asyncckpt_rng_only = dataclasses.replace(options, contents=("extra",))
         return ckpt
 
     # -- resuming -------------------------------------------------------------------
