@@ -45,7 +45,7 @@ from asyncckpt.rank.connection import WriterConnection, hello_for
 from asyncckpt.rank.coordination import StoreCoordinator, job_store
 from asyncckpt.rank.handle import SaveHandle, raise_untaken
 from asyncckpt.rank.pending import Basis, PendingSave, Route
-from asyncckpt.rank.slots import Cancelled, Refused, Slots, stage_save
+from asyncckpt.rank.slots import Cancelled, Slots, stage_save
 from asyncckpt.rank.stager import DeviceCopies
 from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.ranks import node_of, resolve_rank
@@ -240,14 +240,7 @@ class Client:
         with self._cond:
             self._pending[pending.id] = pending
             self._handles.append(handle)
-        self._queue.put(pending)  # the stager copies while the begin is encoded
-        try:
-            pending.encode()
-        except BaseException:
-            with self._cond:  # never made: nothing of it reaches the writer (slots.py)
-                self._pending.pop(pending.id, None)
-                self._handles.remove(handle)
-            raise
+        self._queue.put(pending)
         handle.stats.blocked_seconds = time.perf_counter() - started
         return handle
 
@@ -322,7 +315,7 @@ class Client:
                 self._stage_one(pending)
             except (OSError, EOFError):
                 self._on_broken("writer connection lost while staging")
-            except (Cancelled, Refused):
+            except Cancelled:
                 pass
             except Exception as e:  # never let one save stop the stager for the next ones
                 log.exception("staging step %d failed", pending.step)

@@ -6,8 +6,8 @@ own copy (`unmodified`): a tensor changed in place meanwhile fails the save inst
 landing torn in a checkpoint. With `skip_unchanged`, the same counter plus the storage's
 identity (`fingerprint`) say which tensors cannot have changed since the newest
 committed save, so the writer may reference their frames instead of receiving them.
-The begin message is encoded here, in `save()` itself (a state JSON cannot carry fails
-there), while the stager already copies the save's tensors into the ring.
+The begin message is encoded here, up front, so that a state JSON cannot carry fails in
+`save()` itself.
 """
 
 from __future__ import annotations
@@ -113,9 +113,8 @@ def fingerprint(t: torch.Tensor) -> Fingerprint | None:
 
 
 class PendingSave:
-    """A save between `save()` and its result. The state is flattened here; `encode()`
-    makes the begin message, in `save()` itself so that anything JSON cannot carry fails
-    there, but after the save is queued: the stager copies meanwhile.
+    """A save between `save()` and its result; the begin message is encoded up front so
+    that anything JSON cannot carry fails in `save()` itself.
 
     Args:
         save_id: the client's id of this save (unique per connection).
@@ -127,7 +126,8 @@ class PendingSave:
         basis: with skip_unchanged, the newest committed save to compare against.
         skip_unchanged: fingerprint the tensors (they may be the basis of later saves).
     Raises:
-        UnsupportedStateError: a value that cannot be saved.
+        UnsupportedStateError: a value that cannot be saved, or a state JSON cannot
+            carry or that exceeds the message bound.
     """
 
     def __init__(self, save_id: int, step: int, state: Any, handle: SaveHandle,
@@ -150,41 +150,21 @@ class PendingSave:
         self.skipped: set[int] = set()  # what the writer took from the basis step
         self.planned = threading.Event()
         since = basis.step if basis is not None and self.unchanged else None
-        self._begin = (tree, options, route, since)
-        self.begin: bytes | None = None  # set by encode(); None after it: refused
-        self.encoded = threading.Event()
-
-    def encode(self) -> None:
-        """Encode the begin message (the caller's thread, while the stager may already
-        copy this save into the ring; it sends nothing before `encoded` is set).
-
-        Raises:
-            UnsupportedStateError: a state JSON cannot carry or that exceeds the
-                message bound (`begin` stays None: the save is refused).
-        """
-        tree, options, route, since = self._begin
         try:
-            begin = messages.Begin(
-                self.id, self.step, route.world_size,
+            self.begin = messages.Begin(
+                save_id, step, route.world_size,
                 tuple((e.name, e.dtype_name, tuple(e.tensor.shape)) for e in self.entries), tree,
                 options, coordinated=route.key is not None, since=since,
                 unchanged=None if since is None else tuple(self.unchanged),
                 node=route.node).encode()
         except (ValueError, RecursionError) as e:
-            self.encoded.set()
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}",
-                                        step=self.step) from None
-        except BaseException:
-            self.encoded.set()
-            raise
-        if len(begin) > protocol.MAX_MESSAGE:
-            self.encoded.set()
+                                        step=step) from None
+        if len(self.begin) > protocol.MAX_MESSAGE:
             raise UnsupportedStateError(
-                f"the state's tensor table and objects take {len(begin)} bytes as JSON, "
+                f"the state's tensor table and objects take {len(self.begin)} bytes as JSON, "
                 f"over the {protocol.MAX_MESSAGE}-byte message bound ({len(self.entries)} "
-                "tensors); save fewer, larger tensors or split the state", step=self.step)
-        self.begin = begin
-        self.encoded.set()
+                "tensors); save fewer, larger tensors or split the state", step=step)
 
     def remembered(self) -> Basis:
         """This save, once committed, as the basis of later saves."""

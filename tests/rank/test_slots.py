@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from asyncckpt.ipc import messages
-from asyncckpt.rank.slots import Cancelled, Refused, Slots, batch_for
+from asyncckpt.rank.slots import Cancelled, Slots, batch_for
 
 
 def pool(slots: int, batched: bool = True) -> tuple[Slots, list[messages.Message]]:
@@ -25,7 +23,7 @@ def test_the_batch_is_a_quarter_of_the_ring_within_bounds():
 
 def test_slots_filled_back_to_back_go_out_a_batch_at_a_time_then_the_rest():
     slots, sent = pool(16)
-    filler = slots.filler(7, lambda: False, lambda: None)
+    filler = slots.filler(7, lambda: False)
     for _ in range(10):
         filler.emit(filler.acquire(), 100)
     assert sent == [messages.Chunks(7, (0, 1, 2, 3), (100,) * 4),
@@ -38,7 +36,7 @@ def test_slots_filled_back_to_back_go_out_a_batch_at_a_time_then_the_rest():
 
 def test_a_single_slot_goes_out_as_a_chunk():
     slots, sent = pool(16)
-    filler = slots.filler(3, lambda: False, lambda: None)
+    filler = slots.filler(3, lambda: False)
     filler.emit(filler.acquire(), 9)
     filler.flush()
     assert sent == [messages.Chunk(3, 0, 9)]
@@ -46,7 +44,7 @@ def test_a_single_slot_goes_out_as_a_chunk():
 
 def test_a_writer_without_chunks_gets_one_chunk_per_slot():
     slots, sent = pool(16, batched=False)
-    filler = slots.filler(1, lambda: False, lambda: None)
+    filler = slots.filler(1, lambda: False)
     for _ in range(3):
         filler.emit(filler.acquire(), 8)
     assert sent == [messages.Chunk(1, s, 8) for s in range(3)]
@@ -56,7 +54,7 @@ def test_a_rank_about_to_wait_announces_its_slots_first_then_streams():
     """Unannounced slots are never held while the rank waits: the writer could not free
     them. Once it waited, every slot goes out as it is filled."""
     slots, sent = pool(8)  # batches of 2
-    filler = slots.filler(2, lambda: False, lambda: None)
+    filler = slots.filler(2, lambda: False)
     for _ in range(7):
         filler.emit(filler.acquire(), 10)
     assert len(sent) == 3  # slots 0-5 in three batches; slot 6 not announced yet
@@ -77,7 +75,7 @@ def test_a_rank_about_to_wait_announces_its_slots_first_then_streams():
 def test_a_cancelled_save_stops_waiting():
     slots, sent = pool(1)
     cancelled = threading.Event()
-    filler = slots.filler(1, cancelled.is_set, lambda: None)
+    filler = slots.filler(1, cancelled.is_set)
     filler.emit(filler.acquire(), 1)
     errors: list[BaseException] = []
 
@@ -95,22 +93,3 @@ def test_a_cancelled_save_stops_waiting():
     waiter.join(5)
     assert len(errors) == 1 and not waiter.is_alive()
     assert sent == [messages.Chunk(1, 0, 1), messages.NeedSlot()]
-
-
-def test_a_refused_save_keeps_its_filled_slots_and_stops_at_the_next_acquire():
-    """`first` (which sends the begin) raising Refused: emit still takes the slot (the
-    stager handed it over), nothing goes out, the next acquire raises, and every filled
-    slot is given back once."""
-    def refuse() -> None:
-        raise Refused
-
-    slots, sent = pool(8)
-    filler = slots.filler(5, lambda: False, refuse)
-    for _ in range(3):
-        filler.emit(filler.acquire(), 10)  # the second would flush: refused, kept
-        if filler.refused:
-            break
-    assert filler.refused and sent == []
-    with pytest.raises(Refused):
-        filler.acquire()
-    assert filler.unannounced() == [0, 1] and filler.unannounced() == []
