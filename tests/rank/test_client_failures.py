@@ -91,10 +91,9 @@ def test_the_module_save_raises_an_untaken_failure(writer, monkeypatch):
 
 def test_a_state_over_the_message_bound_raises_in_save_and_leaves_the_ring_whole(writer,
                                                                                 tmp_path):
-    """The stager starts copying before save() has encoded the begin: a begin that
-    cannot be sent fails save() itself, nothing of that save reaches the writer, and
-    every slot it filled is free for the next save (a 64 MiB ring of 4 MiB slots and a
-    48 MiB tensor: the refused save filled most of it)."""
+    """A begin over the message bound fails save() itself: nothing of that save reaches
+    the writer, and every slot of the ring (64 MiB of 4 MiB slots, a 48 MiB tensor) is
+    free for the next saves, whose bytes are theirs."""
     from asyncckpt.errors import UnsupportedStateError
     from asyncckpt.ipc import protocol
 
