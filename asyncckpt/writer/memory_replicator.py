@@ -30,10 +30,15 @@ log = logging.getLogger("asyncckpt.writer")
 
 def partner_of(node: int, nodes: int, racks: list[int] | None = None) -> int:
     """The node whose writer holds node `node`'s replicas: the next node round the ring
-    (0..nodes-1), or where `racks` (each node's rack) says and another rack exists, a
-    node of another rack chosen by `node`'s place on its own (so that each node holds
-    about one partner's replica). Partners always differ by node, and by rack whenever
-    the job has two racks or more.
+    (0..nodes-1); where `racks` (each node's rack) says, a node of another rack.
+
+    With racks, the nodes are laid out rack by rack (by rack, then node) and each one's
+    partner is the node as many places further round as the largest rack has nodes: when
+    no rack holds more than half the nodes, every partner is on another rack *and* every
+    node holds exactly one partner's replica (the memory bound, docs/MEMORY_TIER.md
+    "Bounds", counts one). When one rack holds more than half, some node of another rack
+    must hold several (partners still differ by rack: a node of the big rack picks one
+    of the other racks' nodes by its place on its own). One rack only: the ring.
 
     Raises:
         ValueError: fewer than two nodes, `node` outside them, or `racks` not one per node.
@@ -41,13 +46,17 @@ def partner_of(node: int, nodes: int, racks: list[int] | None = None) -> int:
     if nodes < 2 or not 0 <= node < nodes or (racks is not None and len(racks) != nodes):
         raise ValueError(f"partner_of: node {node} of {nodes} (racks {racks!r:.60}): a "
                          "partner needs two nodes or more, and one rack per node")
-    ring = [(node + i) % nodes for i in range(1, nodes)]
-    if racks is not None:
-        elsewhere = sorted(n for n in ring if racks[n] != racks[node])
-        if elsewhere:  # the node's place on its rack picks one: each holds about one
-            place = sum(1 for n in range(node) if racks[n] == racks[node])
-            return elsewhere[place % len(elsewhere)]
-    return ring[0]
+    if racks is None:
+        return (node + 1) % nodes
+    largest = max(racks.count(r) for r in set(racks))
+    if largest <= nodes // 2:  # a rack spans fewer places than the shift: another rack
+        order = sorted(range(nodes), key=lambda n: (racks[n], n))
+        return order[(order.index(node) + largest) % nodes]
+    elsewhere = [n for n in range(nodes) if racks[n] != racks[node]]
+    if not elsewhere:
+        return (node + 1) % nodes
+    place = sum(1 for n in range(node) if racks[n] == racks[node])
+    return elsewhere[place % len(elsewhere)]
 
 
 def address(value: str) -> Address:

@@ -279,6 +279,27 @@ def test_partners_differ_by_node_and_by_rack() -> None:
         partner_of(0, 1)
 
 
+def test_partners_by_rack_hold_one_replica_each() -> None:
+    """Every rack layout of 2 to 7 nodes where no rack holds more than half of them: each
+    node's partner is on another rack and each node holds exactly one partner's replica
+    (the memory bound counts one). The old choice (each node's place on its rack, among
+    the other racks' nodes in order) gave 3 racks of 2 nodes [2, 3, 0, 1, 0, 1]: nodes 0
+    and 1 holding two nodes' replicas, 4 and 5 none."""
+    import itertools
+
+    from asyncckpt.writer.memory_replicator import partner_of
+    assert [partner_of(n, 6, [0, 0, 1, 1, 2, 2]) for n in range(6)] == [2, 3, 4, 5, 0, 1]
+    for nodes in range(2, 8):
+        for racks in itertools.product(range(3), repeat=nodes):
+            partners = [partner_of(n, nodes, list(racks)) for n in range(nodes)]
+            assert all(p != n for n, p in enumerate(partners)), (racks, partners)
+            if len(set(racks)) > 1:  # another rack exists: always on another rack
+                assert all(racks[p] != racks[n] for n, p in enumerate(partners)), (
+                    racks, partners)
+            if max(racks.count(r) for r in racks) <= nodes // 2:
+                assert sorted(partners) == list(range(nodes)), (racks, partners)
+
+
 def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
