@@ -243,6 +243,11 @@ def _fork_rank(env: dict[str, str], log: Path) -> Any:
         os.environ.clear()
         os.environ.update(env)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        # to the log (fds 1, 2), not to where the parent's sys.stdout/stderr and logging
+        # handlers point (pytest's capture)
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        import logging
+        logging.root.handlers = [logging.StreamHandler()]
         import faulthandler
         faulthandler.register(signal.SIGUSR1)  # a stuck rank's stacks, on demand
         import torch

@@ -2,10 +2,12 @@
 step to memory (durable every N), every restore checked bit-exact.
 
     python -m benchmarks.memory_torture [--kills 100] [--seed 0] [--durable 5]
+                                        [--nodes 2] [--per-node 2]
 
-2 nodes x 2 ranks (benchmarks/memory_nodes.py), each node's writer replicating its
-generations to the other. Each round lets the job train a random number of steps, then
-kills one node whole (its ranks and its writer: its memory gone) at a random moment --
+2 nodes x 2 ranks by default (benchmarks/memory_nodes.py), each node's writer replicating
+its generations to the next node round the ring (with 2 nodes: to the other). Each
+round lets the job train a random number of steps, then kills one node whole (its
+ranks and its writer: its memory gone) at a random moment --
 mid-save, mid-replication, mid-durable-commit, sometimes during the restore itself --
 kills the other node's ranks (the job restarts), starts a replacement writer on the lost
 node's port (it takes back what its partner holds of it) and relaunches every rank to
@@ -38,17 +40,19 @@ class TortureFailure(AssertionError):
     """A restore that differs, or no restore at all."""
 
 
-def run(kills: int, seed: int, base: Path, durable: int = 5,
-        verbose: bool = True) -> dict[str, Any]:
-    """`kills` node kills of a 2 x 2 job under `base`; the counts (see the module).
+def run(kills: int, seed: int, base: Path, durable: int = 5, verbose: bool = True,
+        nodes: int = 2, per_node: int = 2) -> dict[str, Any]:
+    """`kills` node kills of a `nodes` x `per_node` job under `base`; the counts (see
+    the module).
 
     Raises:
         TortureFailure: a rank restored a state other than the one it saved at that
             step, could not restore, or restored a step older than the newest durable.
     """
     rng = random.Random(seed)
-    job = Job(base, env={"MN_MODE": "torture", "MN_DURABLE": str(durable)})
-    counts: dict[str, Any] = {"kills": 0, "early_kills": 0, "restores": 0, "memory": 0,
+    job = Job(base, nodes, per_node, env={"MN_MODE": "torture", "MN_DURABLE": str(durable)})
+    counts: dict[str, Any] = {"nodes": nodes, "per_node": per_node,
+                              "kills": 0, "early_kills": 0, "restores": 0, "memory": 0,
                               "durable": 0, "differences": 0, "steps_lost": 0,
                               "max_steps_lost": 0, "seed": seed}
     started = time.monotonic()
@@ -122,9 +126,12 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--durable", type=int, default=5, help="a durable save every N steps")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--per-node", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="memtorture-") as d:
-        counts = run(args.kills, args.seed, Path(d), args.durable)
+        counts = run(args.kills, args.seed, Path(d), args.durable, nodes=args.nodes,
+                     per_node=args.per_node)
     print(json.dumps(counts))
     return 0 if counts["differences"] == 0 else 1
 

@@ -1,0 +1,109 @@
+"""The memory tier at 3 simulated nodes x 1 rank (benchmarks/memory_nodes.py: a writer
+per node, each sending its generations to the next node round the ring, the ranks one
+gloo job on loopback). Until this, every multi-node run had 2 nodes, where each writer
+holds the whole job.
+
+The job saves every step to memory, every 4th durably, for 6 steps; node 1 is then lost
+whole (its writer SIGKILLed: its memory gone).
+* Replicas go round the ring: writer n holds no replica but node n-1's (one partner's
+  replica, the memory bound).
+* Shrunk to nodes 0 and 2 (world 3 -> 2): no writer holds every rank of the saved world,
+  so the ranks fall back to the newest durable step, say so, and restore it bit-exact
+  (docs/MEMORY_TIER.md "What it does not protect against": cross-node resharding).
+* A replacement for node 1 (same replica port) takes node 1's generations back from
+  node 2; relaunched, every rank resumes, bit-exact, at the newest step every rank's
+  image is held at (its own writer's, node 1's from what node 2 held) -- from memory when
+  that is newer than the root's newest step (without reading it), else from the root,
+  said at WARNING. Which of the two depends on the saves the bound skipped (a node
+  skipping step s refuses its predecessor's replica of s, while the node after it may
+  drop s-1): both are checked against the writers' own listings, not assumed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.memory_nodes import Job
+
+pytestmark = pytest.mark.process  # writers and rank processes
+NODES, STEPS, DURABLE = 3, 6, 4
+WAIT_S = 120.0  # a loaded machine
+
+
+def _held(job: Job, node: int) -> list[dict[str, Any]]:
+    from asyncckpt.read import memory
+    w = job.writers[node]
+    assert w is not None
+    return [g for g in memory.generations(w.address) if g["whole"]]
+
+
+def _settled(job: Job, tmp_path: Path) -> None:
+    """Wait until each node's newest own generation is on its partner, or its send was
+    refused (the partner skipped that step): the listings then no longer change."""
+    deadline = time.monotonic() + WAIT_S
+    pending: list[int] = []
+    while time.monotonic() < deadline:
+        pending = []
+        for n in range(NODES):
+            own = [g["step"] for g in _held(job, n) if n in g["ranks"]]
+            if not own:
+                continue
+            newest, partner = max(own), (n + 1) % NODES
+            log = (tmp_path / f"writer-{n}.log").read_text(errors="replace")
+            on_partner = any(g["step"] == newest and n in g["ranks"]
+                             for g in _held(job, partner))
+            if not on_partner and f"memory generation {newest} not replicated" not in log:
+                pending.append(n)
+        if not pending:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"nodes {pending}: newest generation neither replicated nor "
+                         f"refused in {WAIT_S} s")
+
+
+def _restored(job: Job, tag: str) -> tuple[int, str]:
+    results = job.results(tag, WAIT_S)
+    assert results is not None, job.logs(tag)
+    assert all(r["exact"] for r in results), results
+    assert len({(r["restored"], r["tier"]) for r in results}) == 1, results
+    assert job.wait_ranks(WAIT_S) == [0] * len(results), job.logs(tag)
+    return results[0]["restored"], results[0]["tier"]
+
+
+def test_three_nodes_lose_one(tmp_path: Path) -> None:
+    job = Job(tmp_path, nodes=NODES, per_node=1,
+              env={"MN_MODE": "torture", "MN_DURABLE": str(DURABLE), "MN_STEP_S": "0.05"})
+    try:
+        job.launch("a", MN_STEPS=str(STEPS))
+        assert job.wait_ranks(WAIT_S) == [0] * NODES, job.logs("a")
+        assert job.durable_steps() == [DURABLE]
+        _settled(job, tmp_path)
+        held = {n: _held(job, n) for n in range(NODES)}
+        for n, gens in held.items():  # replicas round the ring: node n-1's only
+            assert all(g["replicas"] == [[(n - 1) % NODES, 1]] for g in gens if g["replicas"]), (
+                n, gens)
+            assert {r for g in gens for r in g["ranks"]} <= {n, (n - 1) % NODES}, (n, gens)
+        # the steps each rank's images are held at once node 1 is lost and replaced
+        at = {n: {g["step"] for g in held[n] if n in g["ranks"]} for n in (0, 2)}
+        at[1] = {g["step"] for g in held[2] if 1 in g["ranks"]}
+        common = max(at[0] & at[1] & at[2], default=0)
+        job.kill_node(1)
+
+        job.launch("s", nodes=[0, 2], MN_STEPS="0", MN_RESUME="1")  # world 3 -> 2
+        assert _restored(job, "s") == (DURABLE, "durable")
+        assert "restoring from the durable tier" in job.logs("s")
+
+        job.start_writer(1)
+        job.launch("b", MN_STEPS="0", MN_RESUME="1")
+        if common > DURABLE:
+            assert _restored(job, "b") == (common, "memory"), at
+        else:  # a skipped save left no step held for every rank: the root, said so
+            assert _restored(job, "b") == (DURABLE, "durable"), at
+            assert "restoring from the durable tier" in job.logs("b")
+        assert job.durable_steps() == [DURABLE]  # nothing flushed or written meanwhile
+    finally:
+        job.close()
