@@ -74,7 +74,10 @@ def _restored(job: Job, tag: str) -> tuple[int, str]:
     return results[0]["restored"], results[0]["tier"]
 
 
-def test_three_nodes_lose_one(tmp_path: Path) -> None:
+def _trained(tmp_path: Path) -> tuple[Job, int, dict[int, set[int]]]:
+    """The job trained, its replicas settled and checked, node 1 lost whole: the job, the
+    newest step every rank's image is held at once node 1 is replaced (0: none), and
+    each rank's steps."""
     job = Job(tmp_path, nodes=NODES, per_node=1,
               env={"MN_MODE": "torture", "MN_DURABLE": str(DURABLE), "MN_STEP_S": "0.05"})
     try:
@@ -90,13 +93,26 @@ def test_three_nodes_lose_one(tmp_path: Path) -> None:
         # the steps each rank's images are held at once node 1 is lost and replaced
         at = {n: {g["step"] for g in held[n] if n in g["ranks"]} for n in (0, 2)}
         at[1] = {g["step"] for g in held[2] if 1 in g["ranks"]}
-        common = max(at[0] & at[1] & at[2], default=0)
         job.kill_node(1)
+    except BaseException:
+        job.close()
+        raise
+    return job, max(at[0] & at[1] & at[2], default=0), at
 
+
+def test_three_nodes_shrunk_to_two_fall_back_to_durable(tmp_path: Path) -> None:
+    job, _, _ = _trained(tmp_path)
+    try:
         job.launch("s", nodes=[0, 2], MN_STEPS="0", MN_RESUME="1")  # world 3 -> 2
         assert _restored(job, "s") == (DURABLE, "durable")
         assert "restoring from the durable tier" in job.logs("s")
+    finally:
+        job.close()
 
+
+def test_three_nodes_one_replaced_resume_where_every_rank_is_held(tmp_path: Path) -> None:
+    job, common, at = _trained(tmp_path)
+    try:
         job.start_writer(1)
         job.launch("b", MN_STEPS="0", MN_RESUME="1")
         if common > DURABLE:
