@@ -39,7 +39,11 @@ On 2 cores every simulated node shares one interpreter, so latencies at many nod
 include the contention of thousands of threads; the ratio to the 2 x 2 figure of the
 same run is the result, not the absolute time. The report says which stretches are
 serial here and not on a cluster, and estimates those from the store's measured request
-time (`cluster_estimate`); its verdicts judge the measured figures. With `--kill` a
+time (`cluster_estimate`); its verdicts judge the measured figures. What this
+interpreter charges that a cluster would not, and the figure keeps: every node's
+heartbeat (one request a node every `node_timeout / 4`, spread over the period, counted
+apart) runs under the same GIL as the save, and every thread woken pays for its turn
+at it (`wake_seconds`: every lead woken at once with no work after, shown beside). With `--kill` a
 node dies mid-save at `--kill-nodes` nodes (its lead stops beating and never announces),
 or the leader's writer dies as it is asked to commit: the time until every survivor's
 handle fails.
