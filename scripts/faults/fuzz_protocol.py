@@ -198,7 +198,18 @@ class Fuzzer:
             length = rng.randint(0, SLOT) if rng.random() < 0.7 else odd_value(rng)
             if rng.random() < 0.3:
                 h.write_slot(rng.randrange(SLOTS), rng.randbytes(rng.randint(1, SLOT)))
-            h.send("chunk", save=ident, slot=slot, length=length)
+            if rng.random() < 0.5:
+                h.send("chunk", save=ident, slot=slot, length=length)
+            else:  # several slots in one message: lists good, odd, of unequal lengths
+                count = rng.choice([1, 2, 5, 1024, 1025])
+                slots = [rng.randrange(SLOTS) for _ in range(count)]
+                lengths = [rng.randint(0, SLOT) for _ in range(count)]
+                if rng.random() < 0.3:
+                    slots[rng.randrange(count)], lengths[-1] = slot, length
+                if rng.random() < 0.1:
+                    lengths = lengths[:-1]
+                h.send("chunks", save=ident,
+                       slots=slots if rng.random() < 0.9 else odd_value(rng), lengths=lengths)
             self.sent += 1
         elif kind < 0.55:
             h.send(rng.choice(["end", "abort", "need_slot"]), save=ident,
