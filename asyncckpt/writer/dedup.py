@@ -101,8 +101,7 @@ class DedupIndex:
         self._pins: dict[int, set[int]] = {}        # open step -> steps its frames reference
         self._unusable: set[int] = set()            # steps whose manifest did not check
         self._replacing: set[int] = set()           # committed steps a save will replace
-        self._forgets = 0                           # forget() calls so far
-        self._forgotten: dict[int, int] = {}        # step -> the forget() that dropped it
+        self._going: set[int] = set()               # forgotten steps the disk still shows
         self._last_manifest: Manifest | None = None
         self.refresh()
 
@@ -210,7 +209,9 @@ class DedupIndex:
         """Step `step` committed (its manifest now holds its references) or failed."""
         with self.lock:
             self._pins.pop(step, None)
-            self._replacing.discard(step)
+            if step in self._replacing:  # the disk says which one is there now
+                self._replacing.discard(step)
+                self._going.discard(step)
 
     def replacing(self, step: int) -> None:
         """Open step `step` will replace the committed step of that number: its frames
@@ -230,11 +231,12 @@ class DedupIndex:
         return self._refs.get(step)
 
     def forget(self, steps: list[int]) -> None:
-        """Drop the entries of deleted steps (with `lock` held). A `refresh` that read
-        one of them from the disk before this never adds it back."""
-        self._forgets += 1
+        """Drop the entries of steps being deleted (with `lock` held). Retention deletes
+        them after it releases the lock, so a `refresh` may still find them on disk: it
+        adds none of them back until a listing has shown it gone (a step of that number
+        committed later is a new one)."""
         for step in steps:
-            self._forgotten[step] = self._forgets
+            self._going.add(step)
             self._refs.pop(step, None)
             for key in self._keys.pop(step, ()):
                 if (target := self._entries.get(key)) is not None and target.step == step:
@@ -250,6 +252,7 @@ class DedupIndex:
 
     def _add(self, manifest: Manifest) -> None:
         step = manifest.step
+        self._going.discard(step)  # committed again (this writer's own commit)
         keys = self._keys.setdefault(step, [])
         self._refs[step] = frozenset(manifest.referenced_steps)
         for part in manifest.ranks:
@@ -272,10 +275,10 @@ class DedupIndex:
         with self.lock:
             known = set(self._refs)
             self.forget(sorted(known - set(present)))
-            looked = self._forgets  # a step retention forgets after this look stays out
+            self._going &= set(present)  # gone from the disk: no longer being deleted
         self._unusable &= set(present)
         with self.lock:
-            skipped = self._unusable | self._replacing
+            skipped = self._unusable | self._replacing | self._going
         for step in sorted(set(present) - known - skipped):
             try:
                 manifest = read_manifest_at(present[step], self._limits)
@@ -288,9 +291,9 @@ class DedupIndex:
                     self.storage.step_file_size(step, name) is not None for name in files):
                 self._unusable.add(step)  # damaged or misnamed: its frames are no targets
                 continue
-            with self.lock:
+            with self.lock:  # retention may have taken it since the listing
                 if (step not in self._refs and step not in self._replacing
-                        and self._forgotten.get(step, 0) <= looked):
+                        and step not in self._going):
                     self._add(manifest)
 
     def __len__(self) -> int:

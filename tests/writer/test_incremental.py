@@ -181,6 +181,42 @@ def test_a_refresh_never_adds_back_a_step_retention_dropped_meanwhile(root, monk
     assert len(index) == len(alone) > 0
 
 
+def test_a_refresh_after_retention_forgot_a_step_and_before_it_deleted_it_adds_nothing(
+        root, monkeypatch):
+    """Retention forgets the steps it dooms under the index's lock and deletes them after
+    releasing it; a save's begin that refreshes the index in between still finds them on
+    disk. It must not make them targets again: a frame of the next save then references
+    bytes being deleted and its commit fails ("a frame references ... of step 1, which
+    is gone": bench-frameworks, HF, keep_last=2)."""
+    from asyncckpt.writer.dedup import MIN_BYTES, DedupIndex
+    save_all(root, {1: state(7, 1), 2: state(8, 2)})  # step 2 references nothing of step 1
+    index = DedupIndex(PosixStorage(root))
+    first = read_manifest(root / "step-00000001")
+    frames = [f for p in first.ranks for f in p.frames
+              if f.ref is None and f.xxh3_128 is not None and f.raw_length >= MIN_BYTES]
+    assert frames
+    storage = index.storage
+    real = storage.unpublish
+    index.open(3)
+    found = []
+
+    def refresh_then_unpublish(step, retired=False):
+        index.refresh()  # a save's begin, between the forget and the deletion,
+        found.extend(index.lookup(f.xxh3_128, f.raw_length, 3) for f in frames)  # its frames
+        return real(step, retired=retired)
+
+    monkeypatch.setattr(storage, "unpublish", refresh_then_unpublish)
+    done = retention.prune(storage, keep_last=1, index=index)
+    assert done.deleted == [1] and not (root / "step-00000001").exists()
+    assert found == [None] * len(frames)  # not one reference to the step being deleted
+    assert 1 not in index.pinned()
+    monkeypatch.setattr(storage, "unpublish", real)
+    index.refresh()  # the disk shows it gone now: a new step 1 would be a target again
+    save_all(root, {1: state(7, 1)})
+    index.refresh()
+    assert index.lookup(frames[0].xxh3_128, frames[0].raw_length, 3) is not None
+
+
 def test_commit_refuses_a_reference_to_a_step_that_is_gone(root):
     save_all(root, {1: state(7, 1), 2: state(7, 2)})
     m = read_manifest(root / "step-00000002")
