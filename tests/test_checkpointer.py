@@ -289,27 +289,31 @@ def test_auto_ring_size_rules():
     assert size == 3 * GiB + slot
     size, why = auto_ring_size(3 * GiB, slot, 8, 256 * MiB)  # tight: the old default
     assert size == 64 * MiB and "floor" in why
-    assert auto_ring_size(5 * MiB, slot, 1, 64 * GiB)[0] == 8 * MiB  # small state
-    assert auto_ring_size(10, slot, 1, None)[0] == slot
+    size, why = auto_ring_size(5 * MiB, slot, 1, 64 * GiB)  # small: 4 saves, within 64 MiB
+    assert size == 32 * MiB and "4 states fit" in why
+    assert auto_ring_size(20 * MiB, slot, 1, 64 * GiB)[0] == 64 * MiB  # 3 fit: the default
+    assert auto_ring_size(10, slot, 1, None)[0] == 4 * slot
     assert auto_ring_size(3 * GiB, slot, 1, None)[0] == 64 * MiB
 
 
 @pytest.mark.parametrize("codec", ["raw"], indirect=True)
 def test_own_client_ring_sized_from_the_state(shared, monkeypatch, caplog):
-    """A Checkpointer's own client gets a ring the size of the state (memory allowing);
-    ring_size= and ASYNCCKPT_RING_SIZE still win."""
+    """A Checkpointer's own client gets a ring sized from the state (memory allowing; a
+    small state: room for four saves of it); ring_size= and ASYNCCKPT_RING_SIZE still
+    win."""
     root = shared.root
     monkeypatch.setenv("ASYNCCKPT_ADDRESS", shared.address)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("ASYNCCKPT_RING_SIZE", raising=False)
-    model, opt = make_model(width=1024)  # 4 MiB of weights, 8 MiB of Adam state
+    model, opt = make_model(width=512)  # 1 MiB of weights, 2 MiB of Adam state
     train_step(model, opt, 1)
     with caplog.at_level("INFO", logger="asyncckpt.checkpointer"):
         with Checkpointer(root, model=model, optimizer=opt) as ckpt:
             ckpt.save(shared.step(), force=True).wait(60)
-            assert ckpt.client.knobs.ring_size == 16 << 20  # 12 MiB + a bit, in 4 MiB slots
-    assert any("ring of 16 MiB" in r.getMessage() for r in caplog.records)
+            assert ckpt.client.knobs.ring_size == 16 << 20  # 4 x (3 MiB in a 4 MiB slot)
+    assert any("ring of 16 MiB" in r.getMessage() and "4 states fit" in r.getMessage()
+               for r in caplog.records)
     with Checkpointer(root, model=model, optimizer=opt, ring_size=8 << 20) as ckpt:
         ckpt.save(shared.step(), force=True).wait(60)
         assert ckpt.client.knobs.ring_size == 8 << 20

@@ -1,6 +1,6 @@
 """One rank (a world of one) of torchtune's CheckpointClient saving through asyncckpt's
 DistributedCheckpointer while the writer is stopped (SIGSTOP): epoch 1 fills the ring
-(sized to the state), so nothing of epoch 2, saved back to back, can be copied into it
+(one slot), so nothing of epoch 2, saved back to back, can be copied into it
 until the writer drains epoch 1. Does the async save of epoch 2 return anyway, does the
 next `optimizer.step()` wait for its copy, and does the epoch hold the state of the
 call? Run by test_torchtune.py with torchtune's venv.
@@ -39,6 +39,9 @@ HELD_FOR = 1.0  # s the optimizer step must still be waiting
 
 def main() -> None:
     out = Path(sys.argv[1])
+    # a ring of one slot, which the state fits in once (a small state's ring would hold
+    # several: then nothing waits)
+    os.environ["ASYNCCKPT_RING_SIZE"] = os.environ["ASYNCCKPT_SLOT_SIZE"] = str(4 << 20)
     dist.init_process_group("gloo")
     cfg = OmegaConf.create({"device": "cpu", "enable_async_checkpointing": True,
                             "resume_from_checkpoint": False,
