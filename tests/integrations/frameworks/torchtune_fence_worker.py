@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.fsdp import fully_shard
 from torchtune.training.checkpointing._checkpoint_client import (
     CheckpointClient,
     TrainingProgress,
 )
-from torchtune_worker import digest
+from torchtune_worker import digest, tiny_sharded_model
 
 from asyncckpt.integrations.torchtune import install
 
@@ -51,12 +50,7 @@ def main() -> None:
     recipe._checkpoint_client = CheckpointClient(cfg)
     installed = install(recipe)
     client = recipe._checkpoint_client
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = tiny_sharded_model()
 
     def train_step(seed: int) -> None:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))

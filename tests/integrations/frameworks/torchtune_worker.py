@@ -41,6 +41,16 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def tiny_sharded_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Two seeded Linear layers under FSDP2 (`fully_shard`), and their AdamW."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def main() -> None:
     out, tag, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
@@ -55,12 +65,7 @@ def main() -> None:
     if mode == "resume" and len(sys.argv) > 4:  # a user picking an older epoch
         older = str(installed.root / f"step-{int(sys.argv[4]):08d}")
         installed._get_latest_intermediate_checkpoint = lambda: older
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = tiny_sharded_model()
     client = recipe._checkpoint_client
     result: dict = {"digests": {}, "save_seconds": {}}
     save = installed.save_checkpoint
