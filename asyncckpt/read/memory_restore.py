@@ -53,10 +53,11 @@ class Plan:
 
 
 def _view(address: str, found: memory.Listing) -> dict[str, Any]:
-    """What a rank tells the others about its writer: a key naming the writer (its
-    replica server, else this host and the writer's address), where it can be fetched
-    from, whether it can fetch, and its generations."""
-    return {"writer": found.replica or f"{socket.gethostname()}:{address}",
+    """What a rank tells the others about its writer: a key naming the writer (this
+    host and the writer's address: a replica server bound to loopback may have the same
+    address on every host), where it can be fetched from, whether it can fetch, and its
+    generations."""
+    return {"writer": f"{socket.gethostname()}:{address}",
             "replica": found.replica, "fetch": found.fetch, "held": found.generations}
 
 
