@@ -1,10 +1,10 @@
 """The memory tier's control-channel messages (writer/memory_tier.py, read/memory.py).
 
-A connection that asks about memory generations sends one of the three queries instead
-of a hello and gets one answer (plus descriptors for `memory_open`); the writer then hangs
-up. They share the save protocol's framing and registry (messages.py `parse`), but not its
-session: a query carries no ring and begins no save. Each class checks its own fields,
-as in messages.py.
+A connection that asks about memory generations sends one of the four queries instead
+of a hello and gets one answer (plus descriptors for `memory_open` and `memory_fetch`);
+the writer then hangs up. They share the save protocol's framing and registry
+(messages.py `parse`), but not its session: a query carries no ring and begins no save.
+Each class checks its own fields, as in messages.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from asyncckpt.format.layout import MAX_WORLD
 from asyncckpt.ipc.fields import ProtocolError, int_field, show
 from asyncckpt.ipc.message import Message
 
-__all__ = ["MemoryFlush", "MemoryFlushed", "MemoryGeneration", "MemoryIndex", "MemoryList",
-           "MemoryOpen"]
+__all__ = ["MemoryFetch", "MemoryFlush", "MemoryFlushed", "MemoryGeneration", "MemoryIndex",
+           "MemoryList", "MemoryOpen"]
+
+MAX_SOURCE = 300  # characters of a replica server's "host:port"
 
 
 # rank -> writer
@@ -55,6 +57,33 @@ class MemoryOpen(Message):
 
 
 @dataclass(frozen=True)
+class MemoryFetch(Message):
+    """As `memory_list`: take node `node`'s (its first rank's) images of generation
+    `step` from the writer whose replica server is at `source` ("host:port", over the
+    authenticated replica transport, every frame checked) and hand them as `memory_open`
+    does: answered by `memory_generation` and a read-only descriptor per rank of the
+    node, or its `error` (writer/memory_fetch.py). For a restore whose rank's image is
+    held by another node's writer only."""
+
+    OP: ClassVar[str] = "memory_fetch"
+    SENDER: ClassVar[str] = "rank"
+    step: int
+    node: int
+    source: str
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryFetch:
+        node, source = int_field(m, "node"), m.get("source")
+        if not 0 <= node < MAX_WORLD:
+            raise ProtocolError(f"node {show(node)} is not a rank")
+        host, _, port = source.rpartition(":") if isinstance(source, str) else ("", "", "")
+        if (not isinstance(source, str) or len(source) > MAX_SOURCE or not host
+                or not port.isdigit() or not 0 < int(port) < 65536):
+            raise ProtocolError(f"source {show(source)} is not a host:port")
+        return cls(int_field(m, "step"), node, source)
+
+
+@dataclass(frozen=True)
 class MemoryFlush(Message):
     """As `memory_list`: write the newest memory generation this writer holds whole
     for its world to the root as a committed step now (writer/memory_flush.py);
@@ -70,18 +99,23 @@ class MemoryFlush(Message):
 @dataclass(frozen=True)
 class MemoryIndex(Message):
     """The answer to `memory_list`: per generation held, oldest first, {step,
-    world_size, timeline, ranks (held whole), whole, bytes}."""
+    world_size, timeline, ranks (held whole), whole, bytes, replicas, nodes}; `replica`
+    the writer's replica server ("host:port": other writers can fetch from it; absent:
+    none), `fetch` whether it can fetch from other writers (`memory_fetch`)."""
 
     OP: ClassVar[str] = "memory_index"
     SENDER: ClassVar[str] = "writer"
     generations: tuple[dict[str, Any], ...]
+    replica: str = ""
+    fetch: bool = False
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> MemoryIndex:
-        gens = m.get("generations")
+        gens, replica = m.get("generations"), m.get("replica", "")
         if not isinstance(gens, list) or not all(isinstance(g, dict) for g in gens):
             raise ProtocolError(f"generations {show(gens)} is not a list of objects")
-        return cls(tuple(gens))
+        return cls(tuple(gens), replica if isinstance(replica, str)
+                   and len(replica) <= MAX_SOURCE else "", m.get("fetch") is True)
 
 
 @dataclass(frozen=True)

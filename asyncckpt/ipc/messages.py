@@ -36,6 +36,7 @@ this copy differs; each class's docstring says what its message means):
         memory_list()
         memory_open(step; optional ranks)
         memory_flush()
+        memory_fetch(step, node, source)
     writer -> rank:
         welcome(pid, version, root, root_id; optional chunks)
         refused(reason; optional root)
@@ -44,7 +45,7 @@ this copy differs; each class's docstring says what its message means):
         durable(save, step, tmp; optional part)
         committed(save, step, path, stats)
         failed(save, step, error, message; optional relayed, ask)
-        memory_index(generations)
+        memory_index(generations; optional replica, fetch)
         memory_generation(step, world_size, parts; optional error)
         memory_flushed(step; optional error, message)
 """
@@ -79,6 +80,7 @@ from asyncckpt.ipc.fields import (
     unchanged_request,
 )
 from asyncckpt.ipc.memory_messages import (
+    MemoryFetch,
     MemoryFlush,
     MemoryFlushed,
     MemoryGeneration,
@@ -360,8 +362,8 @@ class Outcome(Message):
 
 MESSAGES: dict[str, type[Message]] = {cls.OP: cls for cls in (
     Hello, Begin, Chunk, Chunks, End, Abort, NeedSlot, NewRing, Commit, Outcome, MemoryList,
-    MemoryOpen, MemoryFlush, Welcome, Refused, Free, Unchanged, Durable, Committed, Failed,
-    MemoryIndex, MemoryGeneration, MemoryFlushed)}
+    MemoryOpen, MemoryFlush, MemoryFetch, Welcome, Refused, Free, Unchanged, Durable,
+    Committed, Failed, MemoryIndex, MemoryGeneration, MemoryFlushed)}
 
 
 def parse(data: bytes | bytearray | dict[str, Any]) -> Message:

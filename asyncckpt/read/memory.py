@@ -12,16 +12,21 @@ reshards global tensors onto another world -- applies unchanged to memory.
 
 A rank of a job on several nodes holds only its own node's images; the ranks exchange
 their entries (the checkpointer does, through torch.distributed) so that each builds
-the whole world's manifest, and a rank reads only the images its own writer handed it:
-the same-world resume reads nothing else. A file of a rank whose image this reader was
-not handed cannot be opened (OSError): a load that needs it fails, and the restore
-falls back to the durable tier.
+the whole world's manifest, and a rank reads the images its own writer handed it. An
+image its writer does not hold -- its own at three nodes or more when its writer
+skipped or dropped that step, another rank's when a shrunk world reshards -- its writer
+fetches from the writer that holds it (`fetch_images`, `memory_fetch`: over the replica
+transport, every frame checked) when the load first opens it; a file of a rank that no
+writer can provide cannot be opened (OSError): a load that needs it fails, and the
+restore falls back to the durable tier (read/memory_restore.py).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,17 +42,33 @@ from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.format.manifest import Manifest, check_readable
 from asyncckpt.format.records import rank_from_json
 from asyncckpt.ipc import messages, protocol
+from asyncckpt.ipc.memory_messages import MemoryFetch
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.base import CheckpointDir, ReadFile
 from asyncckpt.storage.location import storage_for
 from asyncckpt.storage.paths import Location
 
 QUERY_TIMEOUT_S = 30.0  # to reach the writer and hear its answer
+# to hear a fetch's answer: the writer moves a node's images over the replica transport
+# (its every stall is bounded by replica_timeout; this bounds a slow whole)
+FETCH_TIMEOUT_S = 600.0
 
 
-def generations(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, Any]]:
-    """The memory generations the writer at `address` holds, oldest first: {step,
-    world_size, timeline, ranks (held whole), whole, bytes}.
+@dataclass(frozen=True)
+class Listing:
+    """What a writer's memory tier holds (`generations`), the address of its replica
+    server ("": none: no other writer can fetch from it) and whether it can fetch from
+    other writers (`fetch_images`)."""
+
+    generations: list[dict[str, Any]]
+    replica: str = ""
+    fetch: bool = False
+
+
+def listing(address: str, timeout: float = QUERY_TIMEOUT_S) -> Listing:
+    """The memory tier of the writer at `address`: its generations, oldest first --
+    {step, world_size, timeline, ranks (held whole), whole, bytes, replicas, nodes} --
+    and its replica server.
 
     Raises:
         WriterUnavailableError: no writer there, or it refused the key.
@@ -61,7 +82,16 @@ def generations(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str
         conn.close()
     if not isinstance(answer, messages.MemoryIndex):
         raise messages.ProtocolError(f"expected memory_index, got {answer.OP}")
-    return [dict(g) for g in answer.generations]
+    return Listing([dict(g) for g in answer.generations], answer.replica, answer.fetch)
+
+
+def generations(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The memory generations the writer at `address` holds, oldest first (`listing`).
+
+    Raises:
+        As `listing`.
+    """
+    return listing(address, timeout).generations
 
 
 def flush(address: str, timeout: float | None = None) -> int | None:
@@ -118,11 +148,33 @@ def open_images(address: str, step: int, ranks: list[int] | None = None,
         CheckpointNotFoundError: the writer holds no such whole generation (or ranks).
         WriterUnavailableError, ProtocolError, EOFError, OSError: as `generations`.
     """
-    conn = protocol.dial(address, protocol.read_authkey(address), timeout)
+    return _images(address, messages.MemoryOpen(step, None if ranks is None else tuple(ranks)),
+                   timeout, timeout)
+
+
+def fetch_images(address: str, step: int, node: int, source: str,
+                 timeout: float = FETCH_TIMEOUT_S) -> Images:
+    """The images of node `node` (its first rank) of memory generation `step`, which
+    the writer at `address` takes from the writer whose replica server is at `source`
+    unless it holds them already (writer/memory_fetch.py).
+
+    Raises:
+        CheckpointNotFoundError: the writer could not fetch them (the cause: not held
+            there, a check that failed, no room, no replica transport).
+        WriterUnavailableError, ProtocolError, EOFError, OSError: as `generations`.
+    """
+    return _images(address, MemoryFetch(step, node, source), QUERY_TIMEOUT_S, timeout)
+
+
+def _images(address: str, query: messages.MemoryOpen | MemoryFetch, dial_timeout: float,
+            timeout: float) -> Images:
+    """The answer to `query` (a `memory_generation` and its descriptors) as `Images`."""
+    step = query.step
+    conn = protocol.dial(address, protocol.read_authkey(address), dial_timeout)
     images = Images(step, 0, {})
     try:
-        protocol.send_message(conn, messages.MemoryOpen(
-            step, None if ranks is None else tuple(ranks)))
+        protocol.set_recv_timeout(conn, timeout)
+        protocol.send_message(conn, query)
         answer = protocol.receive(conn)
         if not isinstance(answer, messages.MemoryGeneration) or answer.step != step:
             raise messages.ProtocolError("expected memory_generation of step "
@@ -164,14 +216,20 @@ class _FdFile(ReadFile):
             self.fd = -1
 
 
+Fetch = Callable[[int], dict[int, int]]  # rank -> descriptors by rank (its node's), or {}
+
+
 class _MemoryDir(CheckpointDir):
     """A memory generation as a checkpoint directory: its manifest and a data file per
-    rank of the world, of which only the ranks handed to this reader can be opened."""
+    rank of the world, of which the ranks handed to this reader can be opened, and those
+    `fetch` provides when first opened."""
 
     def __init__(self, root: Location, step: int, files: dict[str, int],
-                 names: set[str]) -> None:
+                 names: set[str], ranks: dict[str, int], fetch: Fetch | None) -> None:
         super().__init__(storage_for(root), root / f"memory-step-{step}")
         self._files, self._names = files, names | {MANIFEST_NAME}
+        self._ranks, self._fetch, self._lock = ranks, fetch, threading.Lock()
+        self._by_rank = {r: n for n, r in ranks.items()}
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -183,7 +241,14 @@ class _MemoryDir(CheckpointDir):
         return set(self._names)
 
     def open(self, name: str) -> ReadFile:
-        fd = self._files.get(name)
+        with self._lock:  # the reader may open files from several threads
+            fd = self._files.get(name)
+            rank = self._ranks.get(name)
+            if fd is None and rank is not None and self._fetch is not None:
+                for r, got in self._fetch(rank).items():
+                    if r in self._by_rank:
+                        self._files.setdefault(self._by_rank[r], got)
+                fd = self._files.get(name)
         if fd is None:
             raise FileNotFoundError(errno.ENOENT, "this rank's writer does not hold this "
                                     "rank's memory image", str(self.path / name))
@@ -191,7 +256,8 @@ class _MemoryDir(CheckpointDir):
 
 
 def open_checkpoint(root: Location, images: Images, parts: dict[int, dict[str, Any]],
-                    limits: ReadLimits | None = None) -> Checkpoint:
+                    limits: ReadLimits | None = None, fetch: Fetch | None = None
+                    ) -> Checkpoint:
     """Memory generation `images.step` as an opened `Checkpoint`.
 
     Args:
@@ -199,6 +265,9 @@ def open_checkpoint(root: Location, images: Images, parts: dict[int, dict[str, A
         images: what this rank's writer handed (its descriptors are read from).
         parts: every rank's manifest entry of the world (this writer's and the others'
             writers', exchanged by the ranks), by rank.
+        fetch: called with a rank whose image was not handed when the load first opens
+            it: that rank's node's descriptors by rank (their owner closes them), or {}
+            (raise to fail the load).
     Raises:
         CorruptCheckpointError: the entries do not make a manifest the reader accepts
             (not every rank of the world, a frame or tensor table the rules refuse).
@@ -217,7 +286,8 @@ def open_checkpoint(root: Location, images: Images, parts: dict[int, dict[str, A
     data = Manifest(step, world, ranks).to_bytes()
     manifest = check_readable(data, limits)  # the reader's rules, as from disk
     files = {manifest.ranks[r].file: fd for r, fd in images.fds.items()}
-    directory = _MemoryDir(root, step, files, {p.file for p in manifest.ranks})
+    directory = _MemoryDir(root, step, files, {p.file for p in manifest.ranks},
+                           {p.file: r for r, p in enumerate(manifest.ranks)}, fetch)
     return Checkpoint(directory.path, manifest, limits, files=directory)
 
 

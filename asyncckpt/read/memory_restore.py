@@ -1,23 +1,31 @@
 """Restore from the memory tier: the newest generation every rank can read, or nothing.
 
 `Checkpointer.restore()` asks this first. Each rank asks its own node writer which
-generations it holds; the ranks agree on the newest step that every one of them can
-read (its own world's image of it, or a whole image of another world, to reshard); each
-rank opens its writer's images, the ranks exchange their manifest entries so that every
-rank builds the whole world's manifest, and each loads, every frame verified. Any
-failure on any rank -- no writer, nothing held, a frame that fails its checksum -- makes
-every rank answer None together, and the caller falls back to the durable tier: the
-ranks never resume from different tiers or steps. A generation older than the newest
-durable step is not taken either.
+generations it holds and where its replica server is; the ranks gather those listings
+(which writer holds which rank's image of which step, whole) and agree on the newest
+step that every rank of that step's world is held whole at by some writer of the job,
+and that every rank can read: its own image, or the whole world to reshard, each from
+its own writer or, at three nodes or more, fetched by its own writer from the writer
+that holds it (writer/memory_fetch.py, over the replica transport; every frame
+checked). Each rank opens its writer's images, the ranks exchange their manifest
+entries so that every rank builds the whole world's manifest, and each loads, every
+frame verified; an image its writer lacks is fetched when the load first opens it. Any
+failure on any rank -- no writer, nothing held, a fetch refused, a frame that fails its
+checksum -- makes every rank answer None together, and the caller falls back to the
+durable tier: the ranks never resume from different tiers or steps. A generation older
+than the newest durable step is not taken either.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from asyncckpt.errors import CheckpointError
+from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.read import memory
 from asyncckpt.storage.paths import Location
 from asyncckpt.torchutil.agree import gather, outcome, worst
@@ -28,12 +36,84 @@ __all__ = ["restore_memory"]
 log = logging.getLogger("asyncckpt.checkpointer")
 
 
-def _usable_steps(held: list[dict[str, Any]], me: int, world: int) -> set[int]:
-    """The steps of `held` this rank can restore: its own world's generation holding its
-    rank, or a generation whole for its own world (which a load reshards)."""
-    return {g["step"] for g in held if type(g.get("step")) is int
-            and ((g.get("world_size") == world and me in g.get("ranks", ()))
-                 or sorted(g.get("ranks", ())) == list(range(g.get("world_size", 0))))}
+@dataclass(frozen=True)
+class Plan:
+    """A step the ranks restore from memory, and where each image of it is held.
+
+    step, world_size: the generation and its saved world.
+    held: per writer (its key, `_view`), the ranks of the step it holds whole.
+    sources: per saved rank, (its node's first rank, the replica server of a writer that
+        holds that node whole): where a writer lacking it fetches it from.
+    """
+
+    step: int
+    world_size: int
+    held: dict[str, list[int]]
+    sources: dict[int, tuple[int, str]]
+
+
+def _view(address: str, found: memory.Listing) -> dict[str, Any]:
+    """What a rank tells the others about its writer: a key naming the writer (this
+    host and the writer's address: a replica server bound to loopback may have the same
+    address on every host), where it can be fetched from, whether it can fetch, and its
+    generations."""
+    return {"writer": f"{socket.gethostname()}:{address}",
+            "replica": found.replica, "fetch": found.fetch, "held": found.generations}
+
+
+def _plan(views: list[dict[str, Any] | None], world: int) -> Plan | None:
+    """The newest step every rank can restore, given every rank's `_view` (None: that
+    rank has no writer listing), in rank order; None when there is none. The same on
+    every rank: it depends on the gathered views only."""
+    if not views or any(v is None for v in views):
+        return None
+    ranks_views = [v for v in views if v is not None]
+    writers: dict[str, dict[str, Any]] = {}
+    for v in ranks_views:
+        writers.setdefault(v["writer"], v)
+    steps = {g.get("step") for v in writers.values() for g in v["held"]}
+    for step in sorted((s for s in steps if type(s) is int), reverse=True):
+        plan = _plan_at(step, writers, ranks_views, world)
+        if plan is not None:
+            return plan
+    return None
+
+
+def _plan_at(step: int, writers: dict[str, dict[str, Any]], views: list[dict[str, Any]],
+             world: int) -> Plan | None:
+    """`step` as a `Plan`, when usable: every writer that lists it agrees on its world
+    and timeline (never images of two runs), every rank of its world is held whole by
+    some writer, and each rank `me` of this world can read what its load needs -- its
+    own image when the worlds are the same, else every rank's -- from its own writer or
+    fetched by it (its writer can fetch, and a writer holding that node has a server)."""
+    gens = {key: g for key, v in writers.items() for g in v["held"] if g.get("step") == step}
+    facts = {(g.get("world_size"), json.dumps(g.get("timeline"), sort_keys=True))
+             for g in gens.values()}
+    saved = next(iter(gens.values())).get("world_size")
+    if len(facts) != 1 or type(saved) is not int or saved < 1:
+        return None
+    everyone = set(range(saved))
+    held = {key: {r for r in g.get("ranks", ()) if type(r) is int} & everyone
+            for key, g in gens.items()}
+    if set().union(*held.values()) != everyone:
+        return None
+    sources: dict[int, tuple[int, str]] = {}
+    for key, g in gens.items():
+        replica = writers[key]["replica"]
+        for node in g.get("nodes", ()) if replica else ():
+            if (isinstance(node, list) and len(node) == 2 and all(type(x) is int for x in node)
+                    and node[1] >= 1 and all(r in held[key] for r in range(*_span(node)))):
+                for r in range(*_span(node)):
+                    sources.setdefault(r, (node[0], replica))
+    for me, v in enumerate(views):
+        can = held.get(v["writer"], set()) | (set(sources) if v["fetch"] else set())
+        if not ((saved == world and me in can) or can >= everyone):
+            return None
+    return Plan(step, saved, {k: sorted(h) for k, h in held.items()}, sources)
+
+
+def _span(node: list[int]) -> tuple[int, int]:
+    return node[0], node[0] + node[1]
 
 
 def restore_memory(root: Location, address: str | None, rank: int | None, newest: int | None,
@@ -59,44 +139,64 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         usable generation is held everywhere or its load failed on any rank (said at
         WARNING with the cause; the caller falls back to the durable tier).
     """
-    held: list[dict[str, Any]] = []
+    view = None
     if address is not None:
         try:
-            held = memory.generations(address)
+            view = _view(address, memory.listing(address))
         except (CheckpointError, OSError, EOFError, ValueError) as e:
             log.warning("asyncckpt: restore cannot ask the writer at %s for memory "
                         "generations: %s", address, e)
-    me, world = resolve_rank(rank)
-    common = set.intersection(*gather(_usable_steps(held, me, world)))
-    step = max(common) if common else None
-    if step is None or (newest is not None and step < newest):
+    _, world = resolve_rank(rank)
+    plan = _plan(gather(view), world)
+    step = plan.step if plan is not None else None
+    if plan is None or step is None or (newest is not None and step < newest):
         if expected:
             log.warning("asyncckpt: no memory generation %s: restoring from the durable "
-                        "tier (newest step %s)", "held on every rank" if step is None
+                        "tier (newest step %s)", "held for every rank" if step is None
                         else f"newer than the durable step (memory {step})", newest)
         return None
     images, state, error = None, None, None
+    fetched: list[memory.Images] = []
     try:
-        images = memory.open_images(address or "", step)
+        assert address is not None and view is not None  # else no plan
+        mine = plan.held.get(view["writer"], [])
+        images = (memory.open_images(address, plan.step, mine) if mine
+                  else memory.Images(plan.step, plan.world_size, {}))
         parts = images.parts
     except Exception as e:  # every rank must reach the gather below, whatever failed
         parts, error = {}, e
     merged: dict[int, dict[str, Any]] = {}
     for theirs in gather(parts):
         merged.update(theirs)
+
+    def fetch(wanted: int) -> dict[int, int]:
+        """Rank `wanted`'s node's images, fetched by this rank's writer."""
+        if wanted not in plan.sources or address is None:
+            return {}
+        node, source = plan.sources[wanted]
+        got = memory.fetch_images(address, plan.step, node, source)
+        fetched.append(got)
+        if got.world_size != plan.world_size or wanted not in got.fds:
+            raise CorruptCheckpointError(f"fetched node {node}'s images from {source}: of "
+                                         f"world {got.world_size}, ranks {sorted(got.fds)}",
+                                         step=plan.step, rank=wanted)
+        log.info("asyncckpt: rank %d's image of memory generation %d fetched from %s",
+                 wanted, plan.step, source)
+        return dict(got.fds)
     try:
         if error is None and images is not None:
-            with memory.open_checkpoint(root, images, merged) as ckpt:
+            with memory.open_checkpoint(root, images, merged, fetch=fetch) as ckpt:
                 state = memory.load(ckpt, rank, into(), keys)
     except Exception as e:
         error = e
     finally:
-        if images is not None:
-            images.close()
+        for held in [images, *fetched]:
+            if held is not None:
+                held.close()
     if worst(outcome(error)):
         log.warning("asyncckpt: restore from memory generation %d failed%s: restoring "
-                    "from the durable tier (newest step %s)", step,
+                    "from the durable tier (newest step %s)", plan.step,
                     f": {error}" if error else " on another rank", newest)
         return None
-    log.info("asyncckpt: restored step %d from the memory tier", step)
-    return step, state
+    log.info("asyncckpt: restored step %d from the memory tier", plan.step)
+    return plan.step, state

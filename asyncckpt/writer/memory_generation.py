@@ -55,11 +55,13 @@ class Generation:
         return sum(i.size for i in self.images.values())
 
     def describe(self) -> dict[str, Any]:
-        """What `memory_list` tells about it."""
+        """What `memory_list` tells about it (`nodes`: [first rank, count] of each node
+        it holds, own and replicas: what a `memory_fetch` names)."""
         return {"step": self.step, "world_size": self.world_size, "timeline": self.timeline,
                 "ranks": sorted(r for r, i in self.images.items() if i.whole),
                 "whole": self.whole, "bytes": self.bytes,
-                "replicas": sorted([f, self.nodes[f]] for f in self.replicas)}
+                "replicas": sorted([f, self.nodes[f]] for f in self.replicas),
+                "nodes": sorted([f, c] for f, c in self.nodes.items())}
 
     def close(self) -> None:
         for image in self.images.values():

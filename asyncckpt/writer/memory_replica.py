@@ -61,27 +61,30 @@ class ReplicaIn:
     error (raised by them) it is already freed; `abort` frees it from outside."""
 
     def __init__(self, tier: MemoryTier, doc: Any, max_frame_bytes: int,
-                 expect_step: int | None = None) -> None:
+                 expect_step: int | None = None, fetched: bool = False) -> None:
         """Check the offer's facts and entries, and reserve its images.
 
         Args:
             doc: the offer's facts (`offer`), as received.
             expect_step: the step the transport's own framing announced, if any.
+            fetched: images fetched for a restore (memory_fetch.py): held apart from the
+                generations (memory_held.py `receive_fetched`), not as a replica.
         Raises:
             ReplicaRefusedError: a fact or entry breaks a rule, or the step is not the
                 one announced.
             MemoryTierFullError, SaveFailedError: no room, or it disagrees with what is
                 held (memory_tier.py).
         """
-        self._tier, self._done = tier, False
+        self._tier, self._done, self._fetched = tier, False, fetched
         step, world, node, parts = _checked(doc, max_frame_bytes)
         if expect_step is not None and step != expect_step:
             raise ReplicaRefusedError(f"replica of step {step}, announced as {expect_step}",
                                       step=expect_step)
         self.step, self.node, self._declared = step, node, {p.rank: p for p in parts}
+        receive = tier.receive_fetched if fetched else tier.receive
         self._images: dict[int, RankImage] = {
-            i.rank: i for i in tier.receive(step, world, doc.get("timeline"), node, parts,
-                                            max_frame_bytes)}
+            i.rank: i for i in receive(step, world, doc.get("timeline"), node, parts,
+                                       max_frame_bytes)}
 
     def streams(self) -> list[tuple[int, int, int]]:
         """(rank, first byte expected, size) of each rank's image, in rank order."""
@@ -129,13 +132,17 @@ class ReplicaIn:
                 if not same:
                     self._refuse(f"frame at {frame.raw_offset} does not match its xxh3", rank)
         self._done = True
-        return self._tier.received(self.step, list(self._images.values()))
+        images = list(self._images.values())
+        if self._fetched:
+            return self._tier.fetched_whole(self.step, images)
+        return self._tier.received(self.step, images)
 
     def abort(self) -> None:
         """Free what was received (the transport failed); idempotent."""
         if not self._done:
             self._done = True
-            self._tier.discard(self.step, self.node, list(self._images.values()))
+            discard = self._tier.discard_fetched if self._fetched else self._tier.discard
+            discard(self.step, self.node, list(self._images.values()))
 
     def _refuse(self, cause: str, rank: int) -> None:
         self.abort()

@@ -7,6 +7,8 @@ network. A generation that becomes whole while an earlier one is still being sen
 sent next, and any older one still waiting is skipped (only the newest matters), so at
 most one is in flight. With `replica_listen` set, the tier is served to partners
 (memory_store.py): they put theirs, and a replacement node gets its ranks' images back.
+With either set, a restore can have this writer fetch another writer's images of a
+generation (memory_fetch.py), and the tier names this server to the restore's ranks.
 
 A failed send is logged at WARNING and counted (`failed`); the generation stays held
 here, and the next one is sent as usual.
@@ -15,6 +17,7 @@ here, and the next one is sent as usual.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from typing import Any
 
@@ -22,6 +25,7 @@ from asyncckpt.errors import CheckpointError
 from asyncckpt.net.replica import Address
 from asyncckpt.net.secret import job_secret
 from asyncckpt.net.tcp import TcpTransport
+from asyncckpt.writer.memory_fetch import Fetcher
 from asyncckpt.writer.memory_store import TierStore, partner_replica
 from asyncckpt.writer.memory_tier import MemoryTier
 
@@ -80,6 +84,11 @@ class Replicator:
                                                  *address(listen))
             self.address = self._server.address
             log.info("memory tier served to partners at %s:%d", *self.address)
+            host = self.address[0]
+            if host in ("", "0.0.0.0", "::"):  # every interface: name this host instead
+                host = socket.gethostname()
+            tier.replica_address = f"{host}:{self.address[1]}"
+        tier.fetcher = Fetcher(tier, self._transport, max_frame_bytes).fetch
         self._partner = address(partner) if partner else None
         self._cond = threading.Condition()
         self._due: int | None = None
@@ -164,3 +173,4 @@ class Replicator:
         if self._server is not None:
             self._server.close()
         self._tier.on_node_whole = None
+        self._tier.fetcher, self._tier.replica_address = None, ""

@@ -1,7 +1,8 @@
 """Answering a reader's questions about the memory tier, on a connection of its own.
 
 A restore (or `asyncckpt ls`, or a flush) asks the writer which memory generations it
-holds and for the images of one: the connection is authenticated as a rank's is (the
+holds and for the images of one, or to fetch a node's images of one from another
+writer first (memory_fetch.py): the connection is authenticated as a rank's is (the
 writer's key), but it brings no ring and takes no part in saves, so it is answered
 here and closed, never made a `Session`. The images go as read-only descriptors of
 sealed memfds (memory_tier.py): the reader maps or reads them in place and verifies
@@ -17,15 +18,17 @@ from multiprocessing.connection import Connection
 
 from asyncckpt.errors import CheckpointError
 from asyncckpt.ipc import messages, protocol
+from asyncckpt.ipc.memory_messages import MemoryFetch
 from asyncckpt.writer.memory_tier import MemoryTier
 
 log = logging.getLogger("asyncckpt.writer")
 
-MEMORY_QUERIES = (messages.MemoryList, messages.MemoryOpen, messages.MemoryFlush)
+MEMORY_QUERIES = (messages.MemoryList, messages.MemoryOpen, messages.MemoryFlush,
+                  MemoryFetch)
+Query = messages.MemoryList | messages.MemoryOpen | messages.MemoryFlush | MemoryFetch
 
 
-def serve_query(memory: MemoryTier, conn: Connection,
-                query: messages.MemoryList | messages.MemoryOpen | messages.MemoryFlush,
+def serve_query(memory: MemoryTier, conn: Connection, query: Query,
                 flush: Callable[[], int | None]) -> None:
     """Answer `query` on `conn` (the caller closes it); `flush` runs a flush.
 
@@ -41,16 +44,31 @@ def serve_query(memory: MemoryTier, conn: Connection,
         protocol.send_message(conn, messages.MemoryFlushed(-1 if step is None else step))
         return
     if isinstance(query, messages.MemoryList):
-        protocol.send_message(conn, messages.MemoryIndex(tuple(memory.generations())))
+        protocol.send_message(conn, messages.MemoryIndex(
+            tuple(memory.generations()), memory.replica_address, memory.fetcher is not None))
         return
-    try:
-        gen, parts, fds = memory.open(query.step, None if query.ranks is None
-                                      else list(query.ranks))
-    except KeyError:
-        protocol.send_message(conn, messages.MemoryGeneration(
-            query.step, 0, (), f"no whole memory generation {query.step} of ranks "
-            f"{list(query.ranks) if query.ranks is not None else 'any'} held"))
-        return
+    if isinstance(query, MemoryFetch):
+        try:
+            if memory.fetcher is None:
+                raise CheckpointError("this writer has no replica transport to fetch with "
+                                      "(neither replica_listen nor replica_partner is set)")
+            gen, parts, fds = memory.fetcher(query.step, query.node, query.source)
+        except CheckpointError as e:
+            log.warning("memory generation %d: node %d's images not fetched from %s: %s",
+                        query.step, query.node, query.source, e)
+            protocol.send_message(conn, messages.MemoryGeneration(
+                query.step, 0, (), f"node {query.node}'s images not fetched from "
+                f"{query.source}: {type(e).__name__}: {e}"))
+            return
+    else:
+        try:
+            gen, parts, fds = memory.open(query.step, None if query.ranks is None
+                                          else list(query.ranks))
+        except KeyError:
+            protocol.send_message(conn, messages.MemoryGeneration(
+                query.step, 0, (), f"no whole memory generation {query.step} of ranks "
+                f"{list(query.ranks) if query.ranks is not None else 'any'} held"))
+            return
     try:
         protocol.send_message(conn, messages.MemoryGeneration(
             gen.step, gen.world_size, tuple(p.to_json() for p in parts)))

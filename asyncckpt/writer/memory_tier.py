@@ -41,7 +41,7 @@ from asyncckpt.format.layout import layout
 from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodeRanks, TensorEntry
 from asyncckpt.writer.memory_generation import Generation, physical_memory, room
-from asyncckpt.writer.memory_held import Held
+from asyncckpt.writer.memory_held import Held, Opened
 from asyncckpt.writer.memory_image import RankImage, SkippedImage
 from asyncckpt.writer.memory_order import BeginOrder
 
@@ -70,6 +70,10 @@ class MemoryTier(Held):
         # why the newest dropped generations went, for a rank whose end comes after
         self._dropped: dict[int, SaveFailedError] = {}
         self.on_node_whole: Callable[[int], None] | None = None  # step: this node's ranks whole
+        # set by the replicator (memory_replicator.py): its replica server ("host:port"),
+        # and fetch(step, node, source) -> Opened, which memory_fetch answers with
+        self.replica_address = ""
+        self.fetcher: Callable[[int, int, str], Opened] | None = None
         # each rank's last begin, the node's skipped steps (the ranks' begins interleave)
         self._order = BeginOrder()
         self.peak_bytes = 0
@@ -95,6 +99,7 @@ class MemoryTier(Held):
         """
         first, count = node or NodeRanks(rank, 1)
         with self._lock:
+            self._drop_fetched()  # a save: the restore they were fetched for is over
             newer = self._order.went_back(rank, step)
             if newer is None:  # (a replacement's: newer ones taken back from a partner)
                 newer = min((s for s, g in self._gens.items() if s > step and rank in g.images),

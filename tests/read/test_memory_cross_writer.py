@@ -1,0 +1,206 @@
+"""A restore from memory reads a rank's image from whichever writer holds it (3 nodes).
+
+Three in-process writers stand for nodes 0, 1, 2 of a 3 x 1 job, each serving its
+replicas (`replica_listen`); replicas are placed by hand through `send_all` (the seam
+the transport plugs into) so that the test builds the state a skipped save leaves at 3
+nodes (docs/MEMORY_TIER.md "Three nodes or more, a skipped save"):
+
+    writer 0: 5:{0, 2}         (node 2's replica of 5)
+    writer 1: 5:{0, 1}, 6:{1}  (node 0's replica of 5)
+    writer 2: 6:{1, 2}         (node 1's replica of 6; its own 5 superseded)
+
+No step is held for every rank by its own writer (rank 0 at 5 only, rank 2 at 6 only),
+but every rank's image of 5 is held somewhere. The three ranks run the checkpointer's
+restore (`restore_memory`) in threads, its collectives an all-gather between them: they
+must restore step 5 from memory, bit-exact, rank 2's image fetched by writer 2 from
+writer 0 over the authenticated transport. A holder that sends a flipped byte: nothing
+restored, on any rank, and the fetching writer keeps nothing of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from inprocess import InProcessWriter
+
+from asyncckpt.net.replica import Replica
+from asyncckpt.rank.client import Client
+from asyncckpt.read import memory, memory_restore
+from asyncckpt.storage.location import root_path
+from asyncckpt.writer.memory_replica import ReplicaIn, offer, send_all
+from asyncckpt.writer.memory_store import TierStore
+
+WAIT_S = 30.0
+NODES = 3
+MAX_FRAME = 1 << 20
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.randn(300, 17, generator=g), "obj": {"rank": rank, "step": step}}
+
+
+class Job:
+    """Three writers (one rank each), every one serving replicas."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("ASYNCCKPT_JOB_SECRET", "ab" * 32)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(NODES))
+        self.root = root_path(tmp_path / "ckpt-0")
+        self.writers = [InProcessWriter(tmp_path / f"ckpt-{n}", codec="raw", export=False,
+                                        replica_listen="127.0.0.1:0") for n in range(NODES)]
+        self.clients = [Client(w.address, rank=n, world_size=NODES, coordination="local",
+                               slot_size=1 << 16, ring_size=1 << 18)
+                        for n, w in enumerate(self.writers)]
+
+    def save(self, step: int, ranks: list[int]) -> None:
+        for h in [self.clients[r].save(step, _state(r, step), tier="memory") for r in ranks]:
+            h.wait(WAIT_S)
+
+    def replicate(self, step: int, node: int, to: int) -> None:
+        """Node `node`'s generation `step` to writer `to`, whole."""
+        doc_fds = offer(self.writers[node].server.memory, step)
+        send_all(doc_fds, 4096, ReplicaIn(self.writers[to].server.memory, doc_fds[0],
+                                          MAX_FRAME, expect_step=step))
+
+    def held(self) -> list[dict[int, list[int]]]:
+        return [{g["step"]: g["ranks"] for g in memory.generations(w.address)}
+                for w in self.writers]
+
+    def restore(self) -> list[Any]:
+        """`restore_memory` on every rank at once (a thread each), its all-gathers
+        between the threads: each rank's (step, state) or None."""
+        barrier, slots, local = threading.Barrier(NODES), [None] * NODES, threading.local()
+
+        def gather(value: Any) -> list[Any]:
+            barrier.wait(WAIT_S)
+            slots[local.rank] = value
+            barrier.wait(WAIT_S)
+            out = list(slots)
+            barrier.wait(WAIT_S)
+            return out
+        results: list[Any] = [None] * NODES
+        errors: list[BaseException] = []
+
+        def run(rank: int) -> None:
+            local.rank = rank
+            try:
+                results[rank] = memory_restore.restore_memory(
+                    self.root, self.writers[rank].address, rank, None, lambda: None,
+                    {"w", "obj"}, expected=True)
+            except BaseException as e:
+                errors.append(e)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(memory_restore, "gather", gather)
+            mp.setattr(memory_restore, "worst", lambda mine: max(gather(mine)))
+            threads = [threading.Thread(target=run, args=(r,)) for r in range(NODES)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(4 * WAIT_S)
+        assert not errors, errors
+        return results
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for w in self.writers:
+            w.stop()
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
+    j = Job(tmp_path, monkeypatch)
+    try:
+        # step 5: every node saves it; node 2's replica reaches writer 0, node 0's writer 1
+        j.save(5, [0, 1, 2])
+        j.replicate(5, node=2, to=0)
+        j.replicate(5, node=0, to=1)
+        # step 6: node 0's save skipped; node 1's replica reaches writer 2, which then
+        # holds both nodes of 6 and drops its own 5
+        j.save(6, [1, 2])
+        j.replicate(6, node=1, to=2)
+        assert j.held() == [{5: [0, 2]}, {5: [0, 1], 6: [1]}, {6: [1, 2]}]
+        yield j
+    finally:
+        j.close()
+
+
+def test_a_rank_restores_its_image_from_another_nodes_writer(
+        job: Job, caplog: pytest.LogCaptureFixture) -> None:
+    """Before, rank 2 read only writer 2 (no 5 there), so no step was common and every
+    rank fell back to the durable tier; now writer 2 fetches node 2's 5 from writer 0."""
+    tier = job.writers[2].server.memory
+    before = tier.held_bytes
+    with caplog.at_level(logging.INFO):
+        results = job.restore()
+    assert all(r is not None for r in results), caplog.text
+    for rank, (step, state) in enumerate(results):
+        want = _state(rank, 5)
+        assert step == 5
+        assert state["obj"] == want["obj"] and torch.equal(state["w"], want["w"]), rank
+    assert "rank 2's image of memory generation 5 fetched from 127.0.0.1:" in caplog.text
+    # what writer 2 fetched (node 2's image of 5) counts while held; the next save
+    # lets it go; it is never listed as a generation
+    image = memory.generations(job.writers[0].address)[0]["bytes"] // 2
+    assert tier.held_bytes - before == image
+    assert [g["step"] for g in memory.generations(job.writers[2].address)] == [6]
+    job.save(7, [0, 1, 2])
+    assert tier._fetched == {}
+
+
+def _flipping(get: Callable[..., Replica | None]) -> Callable[..., Replica | None]:
+    """`TierStore.get_generation` as a hostile holder serves it: one byte of the first
+    rank's data flipped (its chunks' xxh3 taken over the flipped bytes, as a sender
+    that lies would)."""
+    def flipped(self: TierStore, node: int, step: int | None) -> Replica | None:
+        replica = get(self, node, step)
+        if replica is None:
+            return None
+        sources: list[Any] = []
+        for stream, source in zip(replica.offer.streams, replica.sources, strict=True):
+            assert isinstance(source, int)
+            sources.append(bytearray(os.pread(source, stream.size, 0)))
+        first = replica.offer.streams[0]
+        sources[0][first.start + 7] ^= 0x01
+        replica.release()
+        return Replica(replica.offer, sources)
+    return flipped
+
+
+def test_a_holder_sending_a_flipped_byte_restores_nothing(
+        job: Job, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tier = job.writers[2].server.memory
+    before = tier.held_bytes
+    monkeypatch.setattr(TierStore, "get_generation", _flipping(TierStore.get_generation))
+    with caplog.at_level(logging.INFO):
+        assert job.restore() == [None] * NODES
+    assert "does not match its xxh3" in caplog.text
+    assert "restoring from the durable tier" in caplog.text
+    assert tier.held_bytes == before  # nothing of the refused fetch kept
+
+
+def test_a_step_whose_writers_disagree_on_its_run_is_not_taken() -> None:
+    """Two writers listing step 5 of different timelines (a rerun's images beside the
+    abandoned run's) never make one restore: the older step every writer agrees on."""
+    def gen(step: int, ranks: list[int], timeline: Any) -> dict[str, Any]:
+        return {"step": step, "world_size": 2, "timeline": timeline, "ranks": ranks,
+                "nodes": [[r, 1] for r in ranks]}
+    views = [{"writer": f"h:{n}", "replica": f"h:{n}", "fetch": True,
+              "held": [gen(4, [0, 1], None), gen(5, [n], {"id": f"run{n}"})]}
+             for n in range(2)]
+    plan = memory_restore._plan(views, 2)
+    assert plan is not None and plan.step == 4
+    views[1]["held"][1]["timeline"] = {"id": "run0"}
+    plan = memory_restore._plan(views, 2)
+    assert plan is not None and plan.step == 5 and plan.sources == {0: (0, "h:0"),
+                                                                      1: (1, "h:1")}
