@@ -11,7 +11,7 @@ what the tier infers from begins is judged per rank:
   *it* began before. A peer's late begin of s after another rank's s + 1 is not one.
   (Judged per node, it was: the late begin dropped s + 1 as "an abandoned run" and held
   the late rank's s alone, which failed after absent_rank_timeout naming the rank that
-  had moved on -- `benchmarks.memory_recovery` 1 run in 4.)
+  had moved on.)
 - **A skip** is the node's: decided by its first rank to begin the step, and kept for
   the others however late they come, until each has begun it (a rank beginning it again
   is saving it again: decided anew) or the record ages out (`KEPT` steps).
