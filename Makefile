@@ -218,6 +218,7 @@ bench-memory-tier: setup
 # 2 simulated nodes x 2 ranks, every step to memory (durable every 5th): 100 kills of a
 # whole node (ranks and writer), every restore compared bit for bit with what was saved.
 torture-memory: setup
+	ASYNCCKPT_THREE_NODES=1 $(BIN)/python -m pytest -q tests/multiprocess/test_memory_tier_three_nodes.py
 	$(BIN)/python -m benchmarks.memory_torture --kills 100
 
 # 1,000 random damages to committed checkpoints; verify and load must catch every one.
