@@ -49,6 +49,20 @@ class Held:
         """A new image within `memory_max_bytes` (memory_tier.py). Under the lock."""
         raise NotImplementedError
 
+    def _images(self, step: int, parts: list[RankPart], max_frame: int) -> list[RankImage]:
+        """New images for `parts` (`_image` each), all or none: those made are closed
+        when one fails. Under the lock."""
+        images: list[RankImage] = []
+        try:
+            for part in parts:
+                table = [(t.name, t.dtype, tuple(t.shape)) for t in part.tensors]
+                images.append(self._image(step, part.rank, table, part.tree, max_frame))
+        except BaseException:
+            for image in images:
+                image.close()
+            raise
+        return images
+
     def outgoing(self, step: int | None, node: int | None = None, hold: bool = False
                  ) -> tuple[Generation, list[RankPart], list[int]]:
         """The whole images of generation `step` (None: the newest that holds them) of
@@ -165,15 +179,7 @@ class Held:
                                       f"does not fit what was fetched of the step: world "
                                       f"{gen.world_size}, nodes {sorted(gen.nodes.items())}",
                                       step=step, rank=first)
-            images: list[RankImage] = []
-            try:
-                for part in parts:
-                    table = [(t.name, t.dtype, tuple(t.shape)) for t in part.tensors]
-                    images.append(self._image(step, part.rank, table, part.tree, max_frame))
-            except BaseException:
-                for image in images:
-                    image.close()
-                raise
+            images = self._images(step, parts, max_frame)
             gen.nodes[first] = count
             gen.images.update((i.rank, i) for i in images)
             self._fetched[step] = gen

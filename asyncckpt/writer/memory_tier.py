@@ -258,15 +258,7 @@ class MemoryTier(Held):
                 raise SaveFailedError(f"replica of node {[first, count]} overlaps a node held "
                                       f"here, {sorted(gen.nodes.items())}", step=step,
                                       rank=first)
-            images: list[RankImage] = []
-            try:
-                for part in parts:
-                    table = [(t.name, t.dtype, tuple(t.shape)) for t in part.tensors]
-                    images.append(self._image(step, part.rank, table, part.tree, max_frame))
-            except BaseException:
-                for image in images:
-                    image.close()
-                raise
+            images = self._images(step, parts, max_frame)
             gen.nodes[first] = count
             gen.images.update((i.rank, i) for i in images)
             gen.replicas.add(first)
