@@ -10,11 +10,12 @@ writer together (its memory gone). The job then restarts as an elastic agent res
 it: every rank killed, the lost node's writer replaced on the same port (or the job
 relaunched on fewer nodes), every rank relaunched to restore.
 
-Each rank runs `rank_main` (`python -m benchmarks.memory_nodes`), configured by
-environment (MN_*): in mode "torture" its state at step s is a pure function of (rank,
-s), so a restore is checked bit-exact with nothing stored; in mode "train" it trains the
-demo MLP under DDP. Each rank writes `result-<tag>-rank<r>.json` once it has restored
-(step, tier, exact, when) and `progress-rank<r>` after each save is done.
+Each rank runs `rank_main`, forked warm from a clean process (benchmarks/rank_forker.py;
+`python -m benchmarks.memory_nodes` runs one rank too), configured by environment
+(MN_*): in mode "torture" its state at step s is a pure function of (rank, s), so a
+restore is checked bit-exact with nothing stored; in mode "train" it trains the demo MLP
+under DDP. Each rank writes `result-<tag>-rank<r>.json` once it has restored (step,
+tier, exact, when) and `progress-rank<r>` after each save is done.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncckpt
+from benchmarks.rank_forker import Forker
 
 REPO = Path(__file__).resolve().parents[1]
 # a launch's ranks must restore (or exit) within this (MN_WAIT_S: a loaded machine)
@@ -62,6 +64,7 @@ class Job:
         self.writers: list[asyncckpt.WriterProcess | None] = [None] * nodes
         self.ranks: list[Any] = []
         self.launches = 0
+        self.forker = Forker(self.out / "exits")
         for node in range(nodes):
             self.start_writer(node)
 
@@ -110,7 +113,8 @@ class Job:
                             "TORCHELASTIC_RESTART_COUNT": str(self.launches),
                             "ASYNCCKPT_RUNTIME_DIR": str(self.runtimes[node]),
                             "PYTHONPATH": str(REPO)}
-                self.ranks.append(_fork_rank(rank_env, self.out / f"log-{tag}-rank{rank}.txt"))
+                log = self.out / f"log-{tag}-rank{rank}.txt"
+                self.ranks.append(self.forker.fork(rank_env, log))
 
     def results(self, tag: str, timeout: float = WAIT_S) -> list[dict[str, Any]] | None:
         """Every rank's restore result of launch `tag`; None when a rank exited without
@@ -194,73 +198,9 @@ class Job:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGKILL)
                 w.stop(timeout=5)
+        self.forker.close()
         for d in self.runtimes:
             shutil.rmtree(d, ignore_errors=True)
-
-
-class _Forked:
-    """A rank forked from the driver (torch already imported: a launch costs no import,
-    which takes tens of seconds on a loaded 2-core machine), as a Popen-alike."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
-            time.sleep(POLL_S)
-        assert self.returncode is not None
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-
-def _fork_rank(env: dict[str, str], log: Path) -> Any:
-    import torch  # noqa: F401 (imported before the fork: the child starts warm)
-    import torch.distributed  # noqa: F401
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return _Forked(pid)
-    code = 1
-    try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.environ.clear()
-        os.environ.update(env)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        # to the log (fds 1, 2), not to where the parent's sys.stdout/stderr and logging
-        # handlers point (pytest's capture)
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-        import logging
-        logging.root.handlers = [logging.StreamHandler()]
-        import faulthandler
-        faulthandler.register(signal.SIGUSR1)  # a stuck rank's stacks, on demand
-        import torch
-        torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
-        random.seed()
-        code = rank_main()
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 # -- the rank --------------------------------------------------------------------------
