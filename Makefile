@@ -216,10 +216,11 @@ bench-memory-tier: setup
 	ASYNCCKPT_MEMORY_LONG=1 $(BIN)/python -m pytest -q tests/multiprocess/test_memory_tier_nodes.py
 
 # 2 simulated nodes x 2 ranks, every step to memory (durable every 5th): 100 kills of a
-# whole node (ranks and writer), every restore compared bit for bit with what was saved.
+# whole node (ranks and writer), every restore compared bit for bit with what was saved;
+# then 3 nodes x 1 rank (replicas round the ring), 20 kills.
 torture-memory: setup
-	ASYNCCKPT_THREE_NODES=1 $(BIN)/python -m pytest -q tests/multiprocess/test_memory_tier_three_nodes.py
 	$(BIN)/python -m benchmarks.memory_torture --kills 100
+	$(BIN)/python -m benchmarks.memory_torture --nodes 3 --per-node 1 --kills 20
 
 # 1,000 random damages to committed checkpoints; verify and load must catch every one.
 corruption: setup

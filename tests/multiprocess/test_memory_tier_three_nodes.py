@@ -22,7 +22,6 @@ the bound skipped: both are checked against the writers' own listings, not assum
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,14 +30,11 @@ import pytest
 
 from benchmarks.memory_nodes import Job
 
-# Writers and rank processes. Run by `make torture-memory` (ASYNCCKPT_THREE_NODES=1), not
-# by `make test`: alone, or with the other memory-tier tests, both pass in seconds, but
-# in a whole fresh-clone `make test` run (twice, 2026-12-04) node 1's rank lost its store
-# connection at the first durable step ("coordination through the store failed:
-# DistNetworkError: Broken pipe"), cause not found yet.
-pytestmark = [pytest.mark.process, pytest.mark.skipif(
-    os.environ.get("ASYNCCKPT_THREE_NODES") != "1",
-    reason="make torture-memory runs it (ASYNCCKPT_THREE_NODES=1)")]
+# Writers and rank processes. The ranks are forked from a clean process
+# (benchmarks/rank_forker.py): forked from pytest itself, late in a whole `make test`
+# run, node 1's rank lost its store connection at the first durable step ("Broken
+# pipe") where the test alone passed.
+pytestmark = pytest.mark.process
 NODES, STEPS, DURABLE = 3, 6, 4
 WAIT_S = 120.0  # a loaded machine
 
