@@ -16,7 +16,10 @@ what the tier infers from begins is judged per rank:
   the others however late they come, until each has begun it (a rank beginning it again
   is saving it again: decided anew) or the record ages out (`KEPT` steps).
 
-It also keeps what each rank began last, for the error that names an absent rank.
+It also keeps what each rank began last, for the error that names an absent rank, and
+which ranks are inside a durable save (`DurableSaves`): a rank's memory begin queues
+behind its own durable save in its stager, so a rank whose durable save is slow (a large
+shard, a slow disk) begins its memory step late without being absent.
 Not thread-safe: the tier calls it under its lock.
 """
 
@@ -87,3 +90,42 @@ class BeginOrder:
             f"rank {rank} last began memory step {step} ({'skipped' if skipped else 'held'}"
             f", {time.monotonic() - when:.1f} s ago)"
         )
+
+
+class DurableSaves:
+    """Which ranks of this writer are inside a durable save (begun, not yet ended or
+    aborted) and when each last left one: a rank is not absent from a memory step
+    while it is still staging an earlier durable save to this writer, nor before
+    `absent_rank_timeout` has passed since it ended it (memory_tier.py `fail_absent`).
+    Counted per rank across its connections."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, int] = {}
+        self._ended: dict[int, float] = {}  # rank: when it last ended (or aborted) one
+
+    def began(self, rank: int) -> None:
+        self._open[rank] = self._open.get(rank, 0) + 1
+
+    def ended(self, rank: int) -> None:
+        left = self._open.get(rank, 0) - 1
+        if left > 0:
+            self._open[rank] = left
+        else:
+            self._open.pop(rank, None)
+        self._ended[rank] = time.monotonic()
+
+    def busy(self, rank: int) -> bool:
+        return rank in self._open
+
+    def waited_since(self, rank: int, began: float) -> float:
+        """Since when `rank` has been free to begin a memory step first begun at
+        `began` (time.monotonic()): the later of that and the end of its last durable
+        save."""
+        return max(began, self._ended.get(rank, began))
+
+    def describe(self, rank: int) -> str:
+        """", its last durable save here ended 3.1 s ago", or nothing."""
+        ended = self._ended.get(rank)
+        if ended is None:
+            return ""
+        return f", its last durable save here ended {time.monotonic() - ended:.1f} s ago"

@@ -43,7 +43,7 @@ from asyncckpt.ipc.messages import NodeRanks, TensorEntry
 from asyncckpt.writer.memory_generation import Generation, physical_memory, room
 from asyncckpt.writer.memory_held import Held, Opened
 from asyncckpt.writer.memory_image import RankImage, SkippedImage
-from asyncckpt.writer.memory_order import BeginOrder
+from asyncckpt.writer.memory_order import BeginOrder, DurableSaves
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -76,6 +76,7 @@ class MemoryTier(Held):
         self.fetcher: Callable[[int, int, str], Opened] | None = None
         # each rank's last begin, the node's skipped steps (the ranks' begins interleave)
         self._order = BeginOrder()
+        self._durable = DurableSaves()  # which ranks are staging a durable save here
         self.peak_bytes = 0
 
     def begin(self, step: int, rank: int, world_size: int, node: NodeRanks | None,
@@ -313,13 +314,28 @@ class MemoryTier(Held):
                 self._drop(step, SaveFailedError(f"rank {rank} of the node disconnected before "
                                                  "ending its memory save", step=step, rank=rank))
 
+    def durable_began(self, rank: int) -> None:
+        """`rank` began a durable save on this writer (session.py): until it ends it,
+        its memory begins wait behind it in its stager, so it is not absent."""
+        with self._lock:
+            self._durable.began(rank)
+
+    def durable_ended(self, rank: int) -> None:
+        """`rank` ended, aborted or dropped a durable save begun on this writer."""
+        with self._lock:
+            self._durable.ended(rank)
+
     def fail_absent(self, timeout: float) -> None:
         """Fail each generation begun over `timeout` s ago of which a rank of one of
         this writer's nodes has not begun its save (connected or not: a rank that skips
         a memory save would otherwise be waited for without end), as durable steps fail
         after `absent_rank_timeout`. Its ranks that ended hear a SaveFailedError naming
         the step, the absent ranks, the ranks that began it and what the first absent
-        ones began last; the older whole generation stays held."""
+        ones began last; the older whole generation stays held.
+
+        A rank still staging a durable save to this writer is not absent (its memory
+        begin waits behind that save in its stager, however slow the save); its
+        `timeout` counts from the end of that save."""
         now = time.monotonic()
         with self._lock:
             for step, gen in list(self._gens.items()):
@@ -327,14 +343,16 @@ class MemoryTier(Held):
                     continue
                 own = [r for f, c in gen.nodes.items() if f not in gen.replicas
                        for r in range(f, f + c)]
-                absent = [r for r in own if r not in gen.images]
+                absent = [r for r in own if r not in gen.images and not self._durable.busy(r)
+                          and now - self._durable.waited_since(r, gen.started) >= timeout]
                 if absent:
+                    lasts = [self._order.last(r) + self._durable.describe(r) for r in absent[:2]]
                     self._drop(step, SaveFailedError(
                         f"rank{'s' if len(absent) > 1 else ''} {_names(absent)} of the node "
                         f"never began memory step {step} within absent_rank_timeout="
                         f"{timeout:g} s (a rank that skips a memory save its node's peers "
                         f"made); began it: rank {_names([r for r in own if r in gen.images])}"
-                        f"; {'; '.join(self._order.last(r) for r in absent[:2])}",
+                        f"; {'; '.join(lasts)}",
                         step=step, rank=absent[0]))
 
     def _went_back(self, step: int, rank: int, newer: int) -> None:

@@ -73,6 +73,7 @@ class Session:
         self._saves: dict[int, RankSave] = {}
         self._began: set[int] = set()              # steps this connection took part in
         self._files: set[RankFileWriter] = set()   # may still have frames in flight
+        self._durable_open: set[int] = set()  # durable saves begun, not ended (memory_tier.py)
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._outbox_limit = _OUTBOX_SPARE
         self._sender: threading.Thread | None = None
@@ -200,6 +201,7 @@ class Session:
         if m.options.tier == "memory":
             self._begin_memory(m, save, notify)
             return
+        self._durable_began(save_id)
         try:
             if m.refused is not None:  # this step can never be readable: fail it for all
                 error = SaveFailedError(f"begin refused: {m.refused}", step=step, rank=self.rank)
@@ -318,6 +320,7 @@ class Session:
         self._intake.copy_out_held()
         save = self.save_of(m.save)
         del self._saves[m.save]
+        self._durable_over(m.save)
         if save.memory is not None:
             self._end_memory(m.save, save)
             return
@@ -354,6 +357,7 @@ class Session:
         self._intake.copy_out_held()
         save = self.save_of(m.save)
         del self._saves[m.save]
+        self._durable_over(m.save)
         if save.memory is not None:
             error = SaveFailedError(f"aborted by the rank: {m.reason[:500]}", step=save.step,
                                     rank=self.rank)
@@ -366,6 +370,19 @@ class Session:
         if not save.failed:
             self.fail(save, SaveFailedError(f"aborted by the rank: {m.reason[:500]}",
                                              step=save.step, rank=self.rank))
+
+    def _durable_began(self, save_id: int) -> None:
+        """A durable save begun: the memory tier waits for this rank's memory begins
+        behind it (they queue in its stager), not counting it absent meanwhile."""
+        if self.writer.memory is not None:
+            self._durable_open.add(save_id)
+            self.writer.memory.durable_began(self.rank)
+
+    def _durable_over(self, save_id: int) -> None:
+        if save_id in self._durable_open:
+            self._durable_open.discard(save_id)
+            assert self.writer.memory is not None
+            self.writer.memory.durable_ended(self.rank)
 
     def _durable(self, save_id: int, step: int, tmp: str, part: dict) -> None:
         self.send(messages.Durable(save_id, step, tmp, part))
@@ -418,6 +435,8 @@ class Session:
             for file in self._files:  # frame threads may still hold our buffers
                 file.close(wait=True)
             self._saves.clear()
+            for save_id in list(self._durable_open):
+                self._durable_over(save_id)
             if self.rank >= 0:
                 self.writer.steps.rank_gone(self.rank, self._began)
                 if self.writer.memory is not None:
