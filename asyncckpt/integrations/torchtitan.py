@@ -35,14 +35,27 @@ torchtitan's `checkpoint_id`), with asyncckpt's storage added:
   `async_stager`: a PROCESS-mode save that returns once the state is in the ring), so
   that stager is never made.
 
+- The memory tier (docs/MEMORY_TIER.md): `CheckpointManager.Config(memory_interval=M)`
+  (`--checkpoint.memory_interval` where the job's config names this class) also saves
+  every M-th step that torchtitan's `interval` does not make durable to the node
+  writers' memory: the same states, staged through the ring the DCP saves use, held by
+  the writer (`save()` returns once they are staged; with async_mode "disabled", once
+  the node holds them). `load()` (the newest step, `step=-1`) then takes the newest step
+  across both tiers: a memory generation every rank can read that is at least the
+  newest durable step, else the durable step as before (said at WARNING).
+  `restored_tier` says which. The writer's address: ASYNCCKPT_ADDRESS, else the node
+  writer the DCP saves start on the folder.
+
 Saving to Hugging Face format (`to_hf`) and loading from it stay torchtitan's own.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import re
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,21 +74,115 @@ from asyncckpt.errors import CheckpointError, UntrustedPickleError
 from asyncckpt.format.layout import MANIFEST_NAME, step_dir_name
 from asyncckpt.integrations.dcp_metadata import METADATA_NAME, read_metadata
 from asyncckpt.integrations.dcp_reader import StorageReader
-from asyncckpt.integrations.dcp_writer import StorageWriter, parse_checkpoint_id
+from asyncckpt.integrations.dcp_writer import StorageWriter, _started_writer, parse_checkpoint_id
+from asyncckpt.rank.client import shared_client
+from asyncckpt.rank.handle import SaveHandle
+from asyncckpt.rank.node_writer import given_address
+from asyncckpt.read.memory_restore import restore_memory
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import root_path
 from asyncckpt.storage.registry import shared_storage
 from asyncckpt.storage.timeline import newest_live
 
 _TITAN_STEP = re.compile(r"step-(0|[1-9][0-9]*)")  # torchtitan's own folder names
+MEMORY_STEP_KEY = "asyncckpt_step"  # beside torchtitan's states in a memory save
+log = logging.getLogger("asyncckpt.checkpointer")
 
 
 class CheckpointManager(titan.CheckpointManager):
     """torchtitan's CheckpointManager with asyncckpt as its storage and retention."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    @dataclass(kw_only=True, slots=True)
+    class Config(titan.CheckpointManager.Config):
+        memory_interval: int = 0
+        """asyncckpt: also save every this many steps to the node writers' memory tier
+        (the steps `interval` does not make durable); 0: never."""
+
+        def __post_init__(self) -> None:
+            titan.CheckpointManager.Config.__post_init__(self)
+            if type(self.memory_interval) is not int or self.memory_interval < 0:
+                raise ValueError(f"memory_interval must be 0 (never) or more, not "
+                                 f"{self.memory_interval!r}")
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.memory_interval = getattr(config, "memory_interval", 0)
+        self.restored_tier: str | None = None  # where load() found its step
+        self._memory_handle: SaveHandle | None = None
         self.stager = types.SimpleNamespace(close=lambda: None)  # the ring stages instead
+
+    # -- the memory tier ----------------------------------------------------------
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self._should_save(curr_step, last_step) or not self._memory_due(curr_step):
+            return super()._save(curr_step, last_step)
+        self._take_memory_result()
+        state = {k: v.state_dict() if hasattr(v, "state_dict") else v
+                 for k, v in self.states.items() if v is not None}
+        state[MEMORY_STEP_KEY] = curr_step
+        client = shared_client(self._memory_address(), root=root_path(self.folder))
+        handle = client.save(curr_step, state, tier="memory")
+        if self.async_mode == titan.AsyncMode.DISABLED:
+            handle.wait()
+        else:  # the states may change once they are in the ring; the result is taken
+            handle.wait_staged()  # by maybe_wait_for_saving, the next save or close
+            self._memory_handle = handle
+            before: Any = getattr(self, "save_future", None)  # a DCP async save's
+            self.save_future = _Saving(before, handle)
+        return True
+
+    def _memory_due(self, step: int) -> bool:
+        return bool(self.enable and not self.load_only and self.memory_interval
+                    and step % self.memory_interval == 0)
+
+    def _memory_address(self) -> str:
+        return given_address(None) or _started_writer(root_path(self.folder))
+
+    def _take_memory_result(self) -> None:
+        """Raise the failure of the last memory save, if it failed (waits for it)."""
+        handle, self._memory_handle = self._memory_handle, None
+        if handle is not None:
+            handle.wait()
+
+    def _close(self) -> None:
+        try:
+            self._take_memory_result()
+        finally:
+            super()._close()
+
+    def _load(self, step: int = -1) -> bool:
+        """The newest step across the memory tier and the durable one (step -1, with
+        memory_interval), else torchtitan's load of `step`."""
+        self.restored_tier = None
+        if step == -1 and self.memory_interval and self._load_memory():
+            self.restored_tier = "memory"
+            return True
+        loaded = super()._load(step)
+        self.restored_tier = "durable" if loaded else None
+        return loaded
+
+    def _load_memory(self) -> bool:
+        """Load the newest memory generation every rank can read, when it is at least
+        the newest durable step (every rank calls it: it agrees across ranks)."""
+        newest = self._find_load_step() if filesystem.exists(self.folder) else -1
+        keys = {k for k, v in self.states.items()
+                if v is not None and k not in self.exclude_from_loading}
+        found = restore_memory(root_path(self.folder), self._memory_address(), None,
+                               None if newest < 0 else newest, self._memory_targets,
+                               keys | {MEMORY_STEP_KEY}, expected=True)
+        if found is None:
+            return False
+        step, state = found
+        for key in sorted(keys):
+            self.states[key].load_state_dict(state[key])
+        log.info("asyncckpt: torchtitan resumed at step %d from the memory tier", step)
+        return True
+
+    def _memory_targets(self) -> dict[str, Any]:
+        """The model's tensors, filled in place by the load (DTensor shards too)."""
+        if titan.MODEL in self.states and titan.MODEL not in self.exclude_from_loading:
+            return {titan.MODEL: self.states[titan.MODEL].state_dict()}
+        return {}
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
@@ -158,6 +265,23 @@ class CheckpointManager(titan.CheckpointManager):
             if step not in kept:
                 assert self.purge_thread is not None  # keep_latest_k > 0 started it
                 self.purge_queue.put(path)
+
+
+class _Saving:
+    """torchtitan's `save_future` while a memory save is in flight: `result()` waits
+    for the save before it (a DCP async save), then for the memory save (raising its
+    failure)."""
+
+    def __init__(self, before: Any, handle: SaveHandle) -> None:
+        self.before, self.handle = before, handle
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self.before is not None:
+            self.before.result()
+        return self.handle.wait(timeout)
+
+    def done(self) -> bool:
+        return (self.before is None or self.before.done()) and self.handle.done()
 
 
 def checkpoint_kind(checkpoint_id: str) -> str | None:

@@ -22,10 +22,15 @@ pytestmark = pytest.mark.skipif(not Path(TITAN_PYTHON).exists(),
                                        "titan-setup`")
 
 
-@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem", "dcp-folder"])
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem", "dcp-folder",
+                                  "memory-disabled", "memory-async"])
 def test_torchtitan_resumes_bit_exact_with_keep_latest_k(tmp_path, mode):
     """dcp-folder: resumes from torchtitan's own DCP folders (read without unpickling
-    them), retires them by keep_latest_k, refuses a .metadata that would run code."""
+    them), retires them by keep_latest_k, refuses a .metadata that would run code.
+    memory-*: `memory_interval=1` beside `interval=2`: the odd steps are held by the
+    writer's memory tier (listed whole), the even ones durable; a fresh job resumes at
+    the newest (a memory step) bit for bit, one without memory_interval at the newest
+    durable one (titan_worker.py `memory_tier`)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}
     env.pop("ASYNCCKPT_ADDRESS", None)
     done = subprocess.run([TITAN_PYTHON, WORKER, str(tmp_path / "ckpt"), mode], env=env,

@@ -4,6 +4,7 @@ then a fresh job resumes and must hold the same state bit for bit.
 
     python titan_worker.py ROOT ASYNC_MODE     (disabled | async | async_with_pinned_mem)
     python titan_worker.py ROOT dcp-folder
+    python titan_worker.py ROOT memory-ASYNC_MODE   (the memory tier: `memory_tier`)
     python titan_worker.py ROOT ASYNC_MODE old|resume|newest [KILL]   (see `timeline`)
 
 `dcp-folder`: torchtitan's own manager first saves steps 1-2 as DCP folders
@@ -56,9 +57,10 @@ def build(seed: int):
 
 
 def manager(root: str, mode: str, model, optim, lr, loader, cls=CheckpointManager,
-            keep: int = 2) -> CheckpointManager:
-    config = cls.Config(enable=True, folder=root, interval=1, keep_latest_k=keep,
-                        async_mode=mode, last_save_model_only=False)
+            keep: int = 2, interval: int = 1, memory: int = 0) -> CheckpointManager:
+    more = {"memory_interval": memory} if memory else {}
+    config = cls.Config(enable=True, folder=root, interval=interval, keep_latest_k=keep,
+                        async_mode=mode, last_save_model_only=False, **more)
     return cls(config, dataloader=loader, model_parts=[model], optimizers=optim,
                lr_schedulers=lr, states={}, sd_adapter=None, base_folder="")
 
@@ -228,9 +230,56 @@ def timeline(root: str, mode: str, phase: str) -> None:
     assert writer.stop() == 0
 
 
+def memory_tier(root: str, mode: str) -> None:
+    """memory_interval=1 beside interval=2: steps 1, 3, 5 go to the writer's memory,
+    2 and 4 to the root. A fresh job's `load()` resumes at 5 from memory, bit for bit
+    (model, optimizer, lr scheduler, dataloader); a job without memory_interval at 4
+    from the root."""
+    from asyncckpt.read import memory
+    writer = asyncckpt.start_writer(root, log_file=os.path.join(os.path.dirname(root), "w.log"))
+    os.environ["ASYNCCKPT_ADDRESS"] = writer.address
+    model, optim, lr, loader = build(seed=1)
+    ckpt = manager(root, mode, model, optim, lr, loader, keep=0, interval=2, memory=1)
+    assert ckpt.load() is False and ckpt.restored_tier is None
+    batches = iter(loader)
+    wanted = {}
+    for step in range(1, 6):
+        train(model, optim, lr, batches, ckpt, [step])
+        wanted[step] = (snapshot(model, optim, lr), loader.state_dict())
+        if step % 2:  # a memory step: held by the writer, nothing on disk
+            held = [g for g in memory.generations(writer.address) if g["step"] == step]
+            assert held and held[0]["whole"] and held[0]["ranks"] == [0], held
+    ckpt.close()
+    assert PosixStorage(root).committed_steps() == [2, 4], os.listdir(root)
+    assert not [n for n in os.listdir(root) if n.endswith(("-5", "00005"))], os.listdir(root)
+
+    model2, optim2, lr2, loader2 = build(seed=2)
+    given = spy_loader(loader2)
+    resumed = manager(root, mode, model2, optim2, lr2, loader2, keep=0, interval=2, memory=1)
+    assert resumed.load() is True and resumed.restored_tier == "memory"
+    assert same(snapshot(model2, optim2, lr2), wanted[5][0]), "not step 5 from memory"
+    assert unpickled(given) == unpickled(wanted[5][1]), "the dataloader was not resumed"
+    x, y = next(batches)
+    x2, y2 = next(iter(loader2))
+    assert torch.equal(x, x2) and torch.equal(y, y2), "the dataloader does not resume"
+    resumed.close()
+
+    model3, optim3, lr3, loader3 = build(seed=3)
+    durable = manager(root, mode, model3, optim3, lr3, loader3, keep=0, interval=2)
+    assert durable.load() is True and durable.restored_tier == "durable"
+    assert same(snapshot(model3, optim3, lr3), wanted[4][0]), "not step 4 from the root"
+    durable.close()
+    assert writer.stop() == 0
+
+
 def main() -> None:
     root, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", rank=0, world_size=1)
+    if mode.startswith("memory-"):
+        memory_tier(root, mode.removeprefix("memory-"))
+        dist.destroy_process_group()
+        print("OK", mode)
+        return
     if len(sys.argv) > 3:  # the timeline phases
         timeline(root, mode, sys.argv[3])
         dist.destroy_process_group()
