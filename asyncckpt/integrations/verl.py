@@ -71,6 +71,17 @@ objects (written locally in a temporary directory first, then uploaded), and the
 logs to a file in the temporary directory (`start_writer`'s default there). A save of a
 committed step replaces it there too, in one conditional put of its manifest.
 
+The memory tier (docs/MEMORY_TIER.md): with `durable_interval` D (a checkpoint config key,
+or ASYNCCKPT_VERL_DURABLE_INTERVAL) the saves verl asks for (`trainer.save_freq`) go to
+the node writers' memory, every D-th step to the root too (memory_interval=1,
+save_interval=D). A memory save writes nothing to the root, no `huggingface/` files;
+the marker and (async) the tracker name it as any step. verl resumes at the step its
+tracker names (its data.pt is there), so `load_checkpoint` loads exactly that step: from
+the root where committed (a stopping writer writes its newest memory generation there),
+else from memory (every rank's image held by some writer: writers that outlive the
+ranks, started per node by the launcher, ASYNCCKPT_ADDRESS exported), else it raises
+CheckpointNotFoundError naming the newest durable step. `restored_tier` says which.
+
 The one change for a verl user: in `verl/workers/engine/fsdp/transformer_impl.py`,
 `from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager`
 becomes `from asyncckpt.integrations.verl import FSDPCheckpointManager` (and
@@ -82,6 +93,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -110,16 +122,34 @@ from asyncckpt.integrations.verl_paths import (
     root_of,
     trainer_dir,
 )
-from asyncckpt.rank.node_writer import node_writer
+from asyncckpt.rank.node_writer import given_address, node_writer
+from asyncckpt.read.memory_restore import restore_memory
 from asyncckpt.storage.location import (
     Location,
     root_path,
     write_bytes,
 )
 from asyncckpt.torchutil.dtensor import unwrapped
+from asyncckpt.torchutil.state_dicts import apply_training_state, load_targets
 
 __all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")
+DURABLE_INTERVAL_ENV = "ASYNCCKPT_VERL_DURABLE_INTERVAL"
+
+
+def _durable_interval(config: Any) -> int:
+    """The memory tier's `durable_interval` (0: every save durable, no memory tier)."""
+    value = _get(config, "durable_interval", None)
+    if value is None:
+        value = os.environ.get(DURABLE_INTERVAL_ENV, "0") or "0"
+    try:
+        interval = int(value)
+    except (TypeError, ValueError):
+        interval = -1
+    if interval < 0 or isinstance(value, bool):
+        raise ValueError(f"durable_interval ({DURABLE_INTERVAL_ENV}) must be 0 (no memory "
+                         f"tier) or a step count, not {value!r}")
+    return interval
 
 
 def _root_key(root: Location) -> str:
@@ -147,7 +177,8 @@ class FSDPCheckpointManager:
         optimizer, lr_scheduler: saved and restored with it.
         processing_class: the tokenizer or processor, saved under `huggingface/`.
         checkpoint_config: verl's checkpoint config: `save_contents` / `load_contents`
-            (any of "model", "optimizer", "extra", "hf_model"), `async_save`.
+            (any of "model", "optimizer", "extra", "hf_model"), `async_save`; and
+            asyncckpt's `durable_interval` (the memory tier, see the module docstring).
         trust_remote_code: accepted for compatibility (nothing is loaded from code here).
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -170,6 +201,8 @@ class FSDPCheckpointManager:
         self.checkpoint_save_contents = list(_get(checkpoint_config, "save_contents", everything))
         self.checkpoint_load_contents = list(_get(checkpoint_config, "load_contents", everything))
         self.async_save = bool(_get(checkpoint_config, "async_save", False))
+        self.durable_interval = _durable_interval(checkpoint_config)
+        self.restored_tier: str | None = None  # which tier the last load read
         if _get(checkpoint_config, "save_lora_only", False):
             log.warning("asyncckpt: save_lora_only is not implemented; the whole model is saved")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -177,6 +210,7 @@ class FSDPCheckpointManager:
         self.previous_saved_paths: list[str] = []  # rank 0: local_paths of kept steps
         self._saved: dict[str, int] = {}  # rank 0: those paths and their steps
         self._root: Location | None = None
+        self._address: str | None = None  # the node's writer on _root
         self._writer: Any = None
         self._ckpt: Checkpointer | None = None
         self._follow = FollowUps(self._committed if self.rank == 0 else self._export_share)
@@ -235,13 +269,16 @@ class FSDPCheckpointManager:
         self.previous_global_step = global_step
         if isinstance(path, Path):  # a local directory (a store has no folders to make)
             path.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
+        memory = bool(self.durable_interval) and global_step % self.durable_interval != 0
+        if self.rank == 0 and not memory:
             with local_dir(path / "huggingface") as directory:
                 self._save_hf_files(directory)
         extra = self._extra() if self.should_save_extra else None
-        handle = ckpt.save(global_step, extra=extra, force=True, replace=True, keep_from=keep_from)
-        assert handle is not None  # on_busy "block": never skipped
-        job = Job(global_step, path, handle, self.should_save_hf_model and self.should_save_model)
+        handle = ckpt.save(global_step, extra=extra, force=not memory, replace=True,
+                           keep_from=keep_from)
+        assert handle is not None  # on_busy "block", and memory_interval 1: never skipped
+        job = Job(global_step, path, handle,
+                  self.should_save_hf_model and self.should_save_model and not memory, memory)
         queued = self.rank == 0 or (job.hf_model and shares_export(path, self.world_size))
         if queued:
             self._follow.add(job)
@@ -325,16 +362,28 @@ class FSDPCheckpointManager:
                 raise ValueError(f"this manager saves under {self._root}; {root} is another "
                                  "root (one manager per role)")
             return self._ckpt
-        self._root = root
-        address, self._writer = node_writer(root)  # the first rank of each node starts it
         contents = tuple(c for c in ("model", "optimizer", "extra")
                          if c in self.checkpoint_save_contents)
-        options = CheckpointerOptions(save_interval=1, contents=contents or ("extra",),
-                                      on_busy="block")
+        options = CheckpointerOptions(save_interval=self.durable_interval or 1,
+                                      memory_interval=1 if self.durable_interval else 0,
+                                      contents=contents or ("extra",), on_busy="block")
         self._ckpt = Checkpointer(root, model=self.model, optimizer=self.optimizer,
-                                  options=options, address=address,
+                                  options=options, address=self._node_writer(root),
                                   fence=self.optimizer is not None)
         return self._ckpt
+
+    def _node_writer(self, root: Location) -> str:
+        """The address of this node's writer on `root`: ASYNCCKPT_ADDRESS (a writer the
+        launcher started, which outlives the ranks: what the memory tier needs), else
+        the one this manager's ranks started (the first rank of each node starts it;
+        every rank calls this together)."""
+        if self._address is not None and root == self._root:
+            return self._address
+        self._root = root
+        self._address = given_address(None)
+        if self._address is None:
+            self._address, self._writer = node_writer(root)
+        return self._address
 
     def _save_hf_files(self, directory: Path) -> None:
         """Rank 0: the model's config (and generation config) and the tokenizer, as verl
@@ -354,6 +403,32 @@ class FSDPCheckpointManager:
     def _extra(self) -> dict[str, Any]:
         scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         return {"lr_scheduler": scheduler, "rng": rng_state()}
+
+    def _load_memory(self, root: Location, step: int, path: Location,
+                     contents: tuple[str, ...], reader: Checkpointer) -> Any:
+        """Load `step`, which the root does not hold, from the memory tier (every rank
+        of the job together); returns its `extra`.
+
+        Raises:
+            CheckpointNotFoundError: (on every rank) no writer of the job holds every
+                rank's image of `step`, or its load failed (said at WARNING).
+        """
+        found = restore_memory(root, self._node_writer(root), None, None,
+                               lambda: load_targets(self.model, self.optimizer, contents),
+                               {"step", *contents}, expected=True, only=step)
+        if found is None:
+            newest = reader.all_steps()
+            raise CheckpointNotFoundError(
+                f"step {step} ({path}) was saved to the memory tier only and no writer of the "
+                f"job holds it now (a node and its partner lost, or the writers restarted); "
+                f"the root's newest durable step is "
+                f"{newest[-1] if newest else 'none'}: resume from it (resume_from_path)",
+                step=step, file=str(path))
+        state = found[1]
+        apply_training_state(self.model, self.optimizer, state)
+        self.restored_tier = "memory"
+        log.info("asyncckpt: verl step %d restored from the memory tier", step)
+        return state.get("extra")
 
     # -- after the commit: rank 0's follow-up, and every rank's share of the export -------
 
@@ -406,13 +481,19 @@ class FSDPCheckpointManager:
             return
         reader = Checkpointer(root, model=self.model, optimizer=self.optimizer, fence=False,
                               options=CheckpointerOptions(contents=contents))
-        if reader.restore(step=step) is None:  # every rank lists the same (empty) root
-            raise CheckpointNotFoundError(f"{path} holds no committed step (its {ROOTS}/ root "
-                                          f"{root} is empty: a first save that failed?)",
-                                          file=str(path))
-        assert reader.timeline is not None  # a restore makes it
-        self._resumed = (_root_key(root), reader.timeline)  # the next save carries it
-        extra = reader.extra if self.should_load_extra else None
+        self.restored_tier = None
+        if (self.durable_interval and step is not None and step not in reader.all_steps()):
+            extra = self._load_memory(root, step, path, contents, reader)
+        else:
+            if reader.restore(step=step) is None:  # every rank lists the same (empty) root
+                raise CheckpointNotFoundError(f"{path} holds no committed step (its {ROOTS}/ "
+                                              f"root {root} is empty: a first save that "
+                                              "failed?)", file=str(path))
+            assert reader.timeline is not None  # a restore makes it
+            self._resumed = (_root_key(root), reader.timeline)  # the next save carries it
+            self.restored_tier = "durable"
+            extra = reader.extra
+        extra = extra if self.should_load_extra else None
         if isinstance(extra, dict):
             if extra.get("rng") is not None:
                 set_rng_state(extra["rng"])

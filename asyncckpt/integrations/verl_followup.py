@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from asyncckpt.errors import CheckpointError
-from asyncckpt.integrations.verl_paths import MARKER, TRACKER, holds, relative_root, trainer_dir
+from asyncckpt.integrations.verl_paths import (
+    MARKER,
+    TRACKER,
+    holds,
+    read_tracker,
+    relative_root,
+    trainer_dir,
+)
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.read.export import export_hf
 from asyncckpt.storage.location import (
@@ -46,6 +53,7 @@ class Job:
     local_path: Location
     handle: SaveHandle
     hf_model: bool
+    memory: bool = False  # saved to the node writers' memory tier, not the root
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     failure: str | None = None  # a follow-up that failed after the commit
 
@@ -147,7 +155,10 @@ def committed(job: Job, root: Location, saved: dict[str, int], kept: Callable[[]
               world_size: int, move_tracker: bool) -> None:
     """Rank 0, once `job`'s step is committed: marker, hf_model export, tracker (when
     `move_tracker`: async mode), then the `local_path`s of steps the writer's retention
-    deleted (`kept`: the root's committed steps, judged from the disk).
+    deleted (`kept`: the root's committed steps, judged from the disk). A memory-tier
+    step (`job.memory`: held by the writers, "committed" once its node holds it) keeps
+    its `local_path` (the trainer's data.pt) while it is the newest save; the step the
+    tracker names keeps its own whatever its tier; an older memory step's goes.
 
     Args:
         saved: the `local_path`s of the steps saved and kept, with their steps, oldest
@@ -179,7 +190,10 @@ def committed(job: Job, root: Location, saved: dict[str, int], kept: Callable[[]
     base = trainer_dir(job.local_path)
     if move_tracker and base is not None:
         write_bytes(base / TRACKER, str(job.step).encode())
-    left = set(kept())
+    left = set(kept()) | ({job.step} if job.memory else set())
+    tracked = read_tracker(job.local_path)  # where a restart resumes until the tracker
+    if tracked is not None:                 # moves (a memory step's is in no root)
+        left.add(tracked)
     for old, step in list(saved.items()):
         if step not in left and not holds(root_path(old), root):
             remove_tree(root_path(old))

@@ -61,10 +61,10 @@ def _view(address: str, found: memory.Listing) -> dict[str, Any]:
             "replica": found.replica, "fetch": found.fetch, "held": found.generations}
 
 
-def _plan(views: list[dict[str, Any] | None], world: int) -> Plan | None:
-    """The newest step every rank can restore, given every rank's `_view` (None: that
-    rank has no writer listing), in rank order; None when there is none. The same on
-    every rank: it depends on the gathered views only."""
+def _plan(views: list[dict[str, Any] | None], world: int, only: int | None = None) -> Plan | None:
+    """The newest step every rank can restore (step `only`, if given), given every
+    rank's `_view` (None: that rank has no writer listing), in rank order; None when
+    there is none. The same on every rank: it depends on the gathered views only."""
     if not views or any(v is None for v in views):
         return None
     ranks_views = [v for v in views if v is not None]
@@ -72,7 +72,7 @@ def _plan(views: list[dict[str, Any] | None], world: int) -> Plan | None:
     for v in ranks_views:
         writers.setdefault(v["writer"], v)
     steps = {g.get("step") for v in writers.values() for g in v["held"]}
-    for step in sorted((s for s in steps if type(s) is int), reverse=True):
+    for step in sorted((s for s in steps if type(s) is int and only in (None, s)), reverse=True):
         plan = _plan_at(step, writers, ranks_views, world)
         if plan is not None:
             return plan
@@ -118,8 +118,9 @@ def _span(node: list[int]) -> tuple[int, int]:
 
 def restore_memory(root: Location, address: str | None, rank: int | None, newest: int | None,
                    into: Callable[[], Any], keys: set[str], *,
-                   expected: bool) -> tuple[int, Any] | None:
-    """Load the newest memory generation every rank holds, when it is at least `newest`.
+                   expected: bool, only: int | None = None) -> tuple[int, Any] | None:
+    """Load the newest memory generation every rank holds, when it is at least `newest`
+    (with `only`: generation `only`, or nothing).
 
     Every rank of the job must call it (it runs collectives whatever happens on it).
 
@@ -134,6 +135,8 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
             next steps of a fresh optimizer: never make it when nothing is loaded.
         keys: the top-level keys of the state to load.
         expected: memory saves were configured: say at WARNING when none is usable.
+        only: the step to load (a framework that resumes at the step its own records
+            name: the verl drop-in); None: the newest.
     Returns:
         (step, loaded state), the same step on every rank; None on every rank when no
         usable generation is held everywhere or its load failed on any rank (said at
@@ -147,12 +150,14 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
             log.warning("asyncckpt: restore cannot ask the writer at %s for memory "
                         "generations: %s", address, e)
     _, world = resolve_rank(rank)
-    plan = _plan(gather(view), world)
+    plan = _plan(gather(view), world, only)
     step = plan.step if plan is not None else None
     if plan is None or step is None or (newest is not None and step < newest):
         if expected:
             log.warning("asyncckpt: no memory generation %s: restoring from the durable "
-                        "tier (newest step %s)", "held for every rank" if step is None
+                        "tier (newest step %s)", (
+                            "held for every rank" if only is None else
+                            f"{only} held for every rank") if step is None
                         else f"newer than the durable step (memory {step})", newest)
         return None
     images, state, error = None, None, None

@@ -104,3 +104,13 @@ def test_layout_tracker_retention_and_hf_model(trained):
     assert set(got) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_drop_in_memory_tier_resumes_the_tracked_step_bit_exact(tmp_path, async_save):
+    """durable_interval=2 with a save every step: the odd steps held by the node writer's
+    memory tier (listed whole), the even ones in the root; the tracker's step 5 loads
+    from memory bit for bit and trains on to the same loss, step 4 from the root, and
+    step 3 (held nowhere) fails naming the newest durable step (verl_worker.py
+    `memory_tier`)."""
+    run_world(2, ["memory", str(tmp_path), *(["--async-save"] if async_save else [])])

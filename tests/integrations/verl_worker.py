@@ -3,6 +3,7 @@ checkpoint manager, the way verl's trainer and FSDP engine drive it.
 
     python verl_worker.py train  OUT --managers asyncckpt,verl --steps 6 --save-at 2,3,4
     python verl_worker.py resume OUT --managers asyncckpt,verl --steps 6
+    python verl_worker.py memory OUT [--async-save]     (the memory tier: `memory_tier`)
 
 `train` saves the one model at the given steps through every manager in turn (the
 order alternating), each to OUT/ckpt-<manager>/global_step_N/actor in the trainer's
@@ -93,11 +94,13 @@ def train_step(model, optim, sched, step: int) -> float:
     return loss.item()
 
 
-def manager_for(kind: str, model, optim, sched, async_save: bool, hf_model: bool):
+def manager_for(kind: str, model, optim, sched, async_save: bool, hf_model: bool,
+                durable_interval: int = 0):
     from omegaconf import OmegaConf
     contents = ["model", "optimizer", "extra"] + (["hf_model"] if hf_model else [])
+    more = {"durable_interval": durable_interval} if durable_interval else {}
     config = OmegaConf.create({"save_contents": contents, "load_contents": contents[:3],
-                               "async_save": async_save})
+                               "async_save": async_save, **more})
     if kind == "asyncckpt":
         from asyncckpt.integrations.verl import FSDPCheckpointManager
     else:
@@ -141,9 +144,91 @@ def current_rss() -> int:
     return 0
 
 
+def memory_tier(out: Path, async_save: bool) -> None:
+    """The drop-in's memory tier: a writer started per node beside the ranks (as a
+    launcher does; ASYNCCKPT_ADDRESS exported), durable_interval=2, a save every step:
+    steps 1, 3, 5 held by the writer's memory, 2 and 4 committed to the root. A fresh
+    model loads step 5 (the tracker's) from memory bit for bit and trains step 6 to the
+    same loss; step 4 loads from the root; step 3 (superseded in memory, in no root)
+    fails with CheckpointNotFoundError naming the newest durable step. The writer,
+    stopped, writes step 5 to the root."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    import asyncckpt
+    from asyncckpt.errors import CheckpointNotFoundError
+    from asyncckpt.integrations.verl import root_of
+    from asyncckpt.read import memory
+    from asyncckpt.storage.posix import PosixStorage
+    rank = dist.get_rank()
+    base = out / "ckpt-memory"
+    root = root_of(base / "global_step_1" / "actor")
+    writer = None
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        writer = asyncckpt.start_writer(root, log_file=out / "memory-writer.log", export=False)
+    address = [writer.address if writer is not None else None]
+    dist.broadcast_object_list(address, src=0)
+    os.environ["ASYNCCKPT_ADDRESS"] = address[0]
+    model, optim, sched = build(seed=1)
+    manager = manager_for("asyncckpt", model, optim, sched, async_save, False,
+                          durable_interval=2)
+    reference = {}
+    for step in range(1, 6):
+        train_step(model, optim, sched, step)
+        reference[step] = {k: v.clone() for k, v in full_state(model, optim).items()}
+        folder = base / f"global_step_{step}"
+        manager.save_checkpoint(str(folder / "actor"), None, step, max_ckpt_to_keep=2)
+        manager.wait_until_finished()
+        dist.barrier()
+        if rank == 0:  # the trainer's part (in async mode the drop-in moved the tracker)
+            torch.save({"step": step}, folder / "data.pt")
+            (base / "latest_checkpointed_iteration.txt").write_text(str(step))
+        dist.barrier()
+    loss6 = train_step(model, optim, sched, 6)
+    if rank == 0:
+        held = {g["step"]: g for g in memory.generations(address[0])}
+        assert 5 in held and held[5]["whole"] and held[5]["ranks"] == [0, 1], held
+        assert PosixStorage(root).committed_steps() == [2, 4], PosixStorage(root).committed_steps()
+        assert not (base / "global_step_5" / "actor" / "huggingface").exists()
+        left = sorted(p.parent.name for p in base.glob("global_step_*/actor"))
+        assert left == ["global_step_2", "global_step_4", "global_step_5"], left  # 1, 3: gone
+    dist.barrier()
+
+    model2, optim2, sched2 = build(seed=2)
+    train_step(model2, optim2, sched2, 0)  # optimizer state exists before the load, as in verl
+    resumed = manager_for("asyncckpt", model2, optim2, sched2, False, False, durable_interval=2)
+    folder = find_latest_ckpt_path(str(base))
+    assert folder is not None and folder.endswith("global_step_5"), folder
+    resumed.load_checkpoint(os.path.join(folder, "actor"))
+    assert resumed.restored_tier == "memory", resumed.restored_tier
+    loaded = full_state(model2, optim2)
+    if rank == 0:
+        bad = [k for k in reference[5] if not torch.equal(reference[5][k], loaded[k])]
+        assert set(loaded) == set(reference[5]) and not bad, f"differ after load: {bad[:5]}"
+    again = train_step(model2, optim2, sched2, 6)
+    assert again == loss6, (again, loss6)
+    resumed.load_checkpoint(str(base / "global_step_4" / "actor"))
+    assert resumed.restored_tier == "durable", resumed.restored_tier
+    loaded = full_state(model2, optim2)
+    if rank == 0:
+        bad = [k for k in reference[4] if not torch.equal(reference[4][k], loaded[k])]
+        assert not bad, f"step 4 differs after load: {bad[:5]}"
+    try:
+        resumed.load_checkpoint(str(base / "global_step_3" / "actor"))
+    except CheckpointNotFoundError as e:
+        assert "memory tier only" in str(e) and "newest durable step is 4" in str(e), e
+    else:
+        raise AssertionError("step 3, held nowhere, was loaded")
+    manager.close()
+    resumed.close()
+    if writer is not None:
+        assert writer.stop() == 0  # its newest memory generation goes to the root first
+        assert PosixStorage(root).committed_steps()[-1] == 5, PosixStorage(root).committed_steps()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "resume"])
+    parser.add_argument("mode", choices=["train", "resume", "memory"])
     parser.add_argument("out")
     parser.add_argument("--managers", default="asyncckpt,verl")
     parser.add_argument("--steps", type=int, default=6)
@@ -166,7 +251,9 @@ def main() -> int:
     np.random.seed(0)
     random.seed(0)
     figures: dict = {"rank": rank, "world": world, "mode": args.mode, "saves": [], "loads": []}
-    if args.mode == "train":
+    if args.mode == "memory":
+        memory_tier(out, args.async_save)
+    elif args.mode == "train":
         model, optim, sched = build(seed=1)
         managers = {k: manager_for(k, model, optim, sched, args.async_save and k == "asyncckpt",
                                    args.hf_model) for k in kinds}

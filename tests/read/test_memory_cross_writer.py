@@ -204,3 +204,20 @@ def test_a_step_whose_writers_disagree_on_its_run_is_not_taken() -> None:
     plan = memory_restore._plan(views, 2)
     assert plan is not None and plan.step == 5 and plan.sources == {0: (0, "h:0"),
                                                                       1: (1, "h:1")}
+
+
+def test_a_plan_for_one_step_takes_that_step_or_nothing() -> None:
+    """`only` (the verl drop-in loads the step its tracker names): the plan is of that
+    step when every rank's image of it is held somewhere, older than the newest or not;
+    None when it is not held for every rank, never another step."""
+    def gen(step: int, ranks: list[int]) -> dict[str, Any]:
+        return {"step": step, "world_size": 2, "timeline": None, "ranks": ranks,
+                "nodes": [[r, 1] for r in ranks]}
+    views: list[dict[str, Any] | None] = [
+        {"writer": "h:a", "replica": "", "fetch": False, "held": [gen(4, [0]), gen(5, [0])]},
+        {"writer": "h:b", "replica": "", "fetch": False, "held": [gen(4, [1]), gen(5, [1]),
+                                                                 gen(3, [1])]}]
+    assert memory_restore._plan(views, 2).step == 5
+    assert memory_restore._plan(views, 2, only=4).step == 4
+    assert memory_restore._plan(views, 2, only=3) is None  # rank 0's 3 is held nowhere
+    assert memory_restore._plan(views, 2, only=6) is None
