@@ -13,7 +13,7 @@ import pytest
 
 import asyncckpt
 from asyncckpt import errors
-from asyncckpt.cli import EXIT_STATUS, parser
+from asyncckpt.cli_parser import EXIT_STATUS, parser
 
 API = (Path(__file__).resolve().parents[1] / "docs" / "API.md").read_text()
 

@@ -56,7 +56,7 @@ def test_gc_keeps_last_and_every_and_refuses_a_live_writer(tmp_path, capsys):
 def test_every_option_says_what_it_does_and_every_command_its_exit_status():
     import argparse
 
-    from asyncckpt.cli import EXIT_STATUS, parser
+    from asyncckpt.cli_parser import EXIT_STATUS, parser
     commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == set(EXIT_STATUS)
     for name, sub in commands.choices.items():

@@ -34,6 +34,7 @@ LAYERS: list[set[str]] = [
     {"rank", "writer", "read"},
     {"checkpointer"},
     {"integrations"},
+    {"cli_parser"},
     {"cli"},
     {"__main__", "__init__", "dcp"},
 ]

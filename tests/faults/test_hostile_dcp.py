@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import asyncckpt
-from asyncckpt.cli import EXIT_STATUS, main
+from asyncckpt.cli import main
+from asyncckpt.cli_parser import EXIT_STATUS
 from asyncckpt.dcp import StorageReader, StorageWriter
 from asyncckpt.errors import CorruptCheckpointError, UntrustedPickleError
 from asyncckpt.integrations.dcp_import import import_dcp
