@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncckpt.read import memory
 from benchmarks.memory_nodes import Job
 
 EARLY_KILL = 0.1  # share of kills that land before the ranks have restored
@@ -40,10 +41,42 @@ class TortureFailure(AssertionError):
     """A restore that differs, or no restore at all."""
 
 
+def held(job: Job) -> dict[int, dict[int, list[int]]]:
+    """What each live writer holds, as {node: {step: ranks held whole}} ({} for a
+    writer that does not answer)."""
+    out: dict[int, dict[int, list[int]]] = {}
+    for node, w in enumerate(job.writers):
+        if w is None:
+            continue
+        try:
+            out[node] = {g["step"]: g["ranks"] for g in memory.generations(w.address)}
+        except Exception:  # noqa: BLE001 - a writer still starting or gone: nothing known
+            out[node] = {}
+    return out
+
+
+def why_durable(listing: dict[int, dict[int, list[int]]], world: int, newest: int) -> str:
+    """Why a restore could take no memory step, judged from the writers' listings just
+    before the ranks restored: no step has every rank held by some writer; or the
+    newest such step is older than the newest durable step; else "memory step N was
+    usable" (the restore itself declined it: see the ranks' logs)."""
+    ranks: dict[int, set[int]] = {}
+    for steps in listing.values():
+        for step, held_ranks in steps.items():
+            ranks.setdefault(step, set()).update(held_ranks)
+    whole = [s for s, r in ranks.items() if r >= set(range(world))]
+    if not whole:
+        return "no step with every rank held by some writer"
+    if max(whole) < newest:
+        return f"newest step held for every rank, {max(whole)}, is older than durable {newest}"
+    return f"memory step {max(whole)} was usable"
+
+
 def run(kills: int, seed: int, base: Path, durable: int = 5, verbose: bool = True,
-        nodes: int = 2, per_node: int = 2) -> dict[str, Any]:
+        nodes: int = 2, per_node: int = 2, explain: bool = False) -> dict[str, Any]:
     """`kills` node kills of a `nodes` x `per_node` job under `base`; the counts (see
-    the module).
+    the module). With `explain`, each round also prints what every writer held just
+    before the ranks restored, and for a restore from the durable tier why (`why_durable`).
 
     Raises:
         TortureFailure: a rank restored a state other than the one it saved at that
@@ -87,6 +120,7 @@ def run(kills: int, seed: int, base: Path, durable: int = 5, verbose: bool = Tru
                 last = 0
                 tag += "b"
                 job.launch(tag, MN_RESUME="1")
+            listing = held(job) if explain else {}
             results = job.results(tag)
             if results is None:
                 raise TortureFailure(f"{tag}: the ranks did not restore:\n{job.logs(tag)}")
@@ -98,6 +132,11 @@ def run(kills: int, seed: int, base: Path, durable: int = 5, verbose: bool = Tru
             if verbose:
                 print(f"{tag}: node {victim} killed after step {last}; restored {step} from "
                       f"{results[0]['tier']} (durable newest {newest})", flush=True)
+            if explain:
+                print(f"{tag}:   held {listing}", flush=True)
+                if results[0]["tier"] != "memory":
+                    print(f"{tag}:   durable because: "
+                          f"{why_durable(listing, nodes * per_node, newest)}", flush=True)
     finally:
         job.close()
     counts["seconds"] = round(time.monotonic() - started, 1)
@@ -128,10 +167,13 @@ def main() -> int:
     parser.add_argument("--durable", type=int, default=5, help="a durable save every N steps")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--per-node", type=int, default=2)
+    parser.add_argument("--explain", action="store_true",
+                        help="print what the writers held before each restore, and why a "
+                             "restore took the durable tier")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="memtorture-") as d:
         counts = run(args.kills, args.seed, Path(d), args.durable, nodes=args.nodes,
-                     per_node=args.per_node)
+                     per_node=args.per_node, explain=args.explain)
     print(json.dumps(counts))
     return 0 if counts["differences"] == 0 else 1
 

@@ -12,6 +12,15 @@ generation (memory_fetch.py), and the tier names this server to the restore's ra
 
 A failed send is logged at WARNING and counted (`failed`); the generation stays held
 here, and the next one is sent as usual.
+
+While idle, the sender checks (a LIST, every `REPAIR_S`, backing off to `REPAIR_MAX_S`
+while the partner does not answer) that the partner holds this node's newest whole
+generation, and sends it again when it does not: a partner that was lost and replaced
+took back its own node's generations but not this node's replicas, which died with
+it, so until this node's next generation reached it this node's images were held here
+only, and a second loss -- this node's -- lost them (3 x 1 loopback torture: a node
+killed right after its partner's replacement restored from the durable tier). A step is
+sent again at most `REPAIR_TRIES` times (a partner that refuses it keeps refusing).
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ from asyncckpt.writer.memory_store import TierStore, partner_replica
 from asyncckpt.writer.memory_tier import MemoryTier
 
 log = logging.getLogger("asyncckpt.writer")
+REPAIR_S = 1.0       # an idle sender checks this often that the partner holds our newest
+REPAIR_MAX_S = 30.0  # ... backing off to this while the partner does not answer
+REPAIR_TRIES = 3     # times one step is sent again
 
 
 def partner_of(node: int, nodes: int, racks: list[int] | None = None) -> int:
@@ -96,6 +108,8 @@ class Replicator:
         self.sent: int | None = None  # the newest step the partner took
         self.failed = 0
         self.recovered: list[int] = []
+        self.repaired = 0  # generations sent again to a partner that lacked them
+        self._tries: dict[int, int] = {}  # step: times sent again
         self._thread: threading.Thread | None = None
         if self._partner is not None:
             self.recovered = self._recover(TierStore(tier, max_frame_bytes))
@@ -143,14 +157,19 @@ class Replicator:
 
     def _send_loop(self) -> None:
         assert self._partner is not None
+        period = REPAIR_S
         while True:
             with self._cond:
-                while self._due is None and not self._closed:
-                    self._cond.wait()
+                if self._due is None and not self._closed:
+                    self._cond.wait(period)
                 if self._closed:
                     return
                 step, self._due = self._due, None
-            assert step is not None
+            if step is None:  # idle: does the partner hold our newest?
+                step, answered = self._missing()
+                period = REPAIR_S if answered else min(2 * period, REPAIR_MAX_S)
+                if step is None:
+                    continue
             try:
                 took = self._transport.put(self._partner, partner_replica(self._tier, step))
             except KeyError:
@@ -163,6 +182,36 @@ class Replicator:
             if took:
                 self.sent = step
                 log.info("memory generation %d replicated to %s:%d", step, *self._partner)
+
+    def _missing(self) -> tuple[int | None, bool]:
+        """(This node's newest whole generation, when the partner does not list it
+        whole and it was sent again fewer than REPAIR_TRIES times, else None; whether
+        the partner answered)."""
+        assert self._partner is not None
+        own = None
+        for g in reversed(self._tier.generations()):
+            replicas = {f for f, _ in g["replicas"]}
+            nodes = [(f, c) for f, c in g["nodes"] if f not in replicas]
+            if nodes and all(r in g["ranks"] for f, c in nodes for r in range(f, f + c)):
+                own = g["step"], nodes
+                break
+        if own is None or self._tries.get(own[0], 0) >= REPAIR_TRIES:
+            return None, True
+        step, nodes = own
+        try:
+            held = self._transport.list(self._partner)
+        except (CheckpointError, OSError):
+            return None, False
+        ours = {r for f, c in nodes for r in range(f, f + c)}
+        if any(g.get("step") == step and ours <= set(g.get("ranks") or ()) for g in held):
+            return None, True
+        self._tries[step] = self._tries.get(step, 0) + 1
+        for old in sorted(self._tries)[:-REPAIR_TRIES]:
+            del self._tries[old]
+        self.repaired += 1
+        log.info("memory generation %d: the partner %s:%d does not hold it (replaced, or a "
+                 "send failed): sending it again", step, *self._partner)
+        return step, True
 
     def close(self) -> None:
         with self._cond:
