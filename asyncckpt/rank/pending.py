@@ -2,7 +2,7 @@
 
 A rank's tensors stay the training loop's own while they are staged: nothing is copied
 in `save()`. So each tensor's version counter is taken at `save()` and checked after its
-own copy (`unmodified`): a tensor changed in place meanwhile fails the save instead of
+own copy (`Sources`): a tensor changed in place meanwhile fails the save instead of
 landing torn in a checkpoint. With `skip_unchanged`, the same counter plus the storage's
 identity (`fingerprint`) say which tensors cannot have changed since the newest
 committed save, so the writer may reference their frames instead of receiving them.
@@ -13,7 +13,6 @@ The begin message is encoded here, up front, so that a state JSON cannot carry f
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -76,18 +75,33 @@ class Torn(Exception):
     """A tensor was modified in place while it was being staged."""
 
 
-def unmodified(pending: PendingSave) -> Iterator[torch.Tensor]:
-    """The save's tensors, each checked not to have been modified in place (its version
-    counter) between `save()` and the end of its own copy: a torn tensor fails the save
-    rather than landing in a checkpoint. Changes after a tensor's copy are harmless."""
-    for i, (entry, version) in enumerate(zip(pending.entries, pending.versions)):
-        if i in pending.skipped:
-            continue
-        yield entry.tensor
-        if _version(entry.tensor) != version:  # resumed only once its bytes are all copied
-            raise Torn(f"{show_path(entry.path)} was modified in place "
-                        "while it was being staged; wait for handle.staged() before changing "
-                        "the state (e.g. call handle.wait_staged() before optimizer.step())")
+class Sources:
+    """The tensors a save copies, in stream order (those the writer took from the basis
+    left out), and the check that each was not modified in place (its version counter)
+    between `save()` and the end of its own copy: a torn tensor fails the save rather
+    than landing in a checkpoint. Changes after a tensor's copy are harmless; the
+    stager checks tensors once their bytes are all in the ring (`stage`'s `copied`),
+    which may be a few tensors after their copy."""
+
+    def __init__(self, pending: PendingSave) -> None:
+        kept = [i for i in range(len(pending.entries)) if i not in pending.skipped]
+        self.tensors = [pending.entries[i].tensor for i in kept]
+        self._expected = [pending.versions[i] for i in kept]
+        self._paths = [pending.entries[i].path for i in kept]
+        self._checked = 0
+
+    def check(self, count: int) -> None:
+        """The first `count` tensors are copied: raise Torn if one of them changed.
+
+        Raises:
+            Torn: the first such tensor, named by its key path.
+        """
+        for i in range(self._checked, count):
+            if _version(self.tensors[i]) != self._expected[i]:
+                raise Torn(f"{show_path(self._paths[i])} was modified in place while it was "
+                           "being staged; wait for handle.staged() before changing the state "
+                           "(e.g. call handle.wait_staged() before optimizer.step())")
+        self._checked = max(self._checked, count)
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -27,7 +27,7 @@ from asyncckpt.ipc import messages, ring
 from asyncckpt.ipc.messages import MAX_CHUNKS
 from asyncckpt.rank import handle as handles
 from asyncckpt.rank.connection import WriterConnection
-from asyncckpt.rank.pending import PendingSave, Torn, unmodified
+from asyncckpt.rank.pending import PendingSave, Sources, Torn
 from asyncckpt.rank.stager import DeviceCopies, stage
 
 PLAN_POLL = 0.05  # s: the stager's check for a cancelled save while the writer plans
@@ -139,8 +139,9 @@ def stage_save(pending: PendingSave, conn: WriterConnection, slots: Slots, ring_
         while pending.unchanged and not pending.planned.wait(PLAN_POLL):
             if handle.done() or gone():
                 raise Cancelled
-        nbytes = stage(unmodified(pending), ring_, filler.acquire, filler.emit, slots.release,
-                       device, pending.ready)
+        sources = Sources(pending)
+        nbytes = stage(sources.tensors, ring_, filler.acquire, filler.emit, slots.release,
+                       device, pending.ready, copied=sources.check)
     except Cancelled:
         filler.flush()
         send(messages.End(pending.id))

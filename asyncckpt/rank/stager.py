@@ -9,22 +9,24 @@ whole-tensor copy. From host memory the copy is `memmove` (GIL released); `Tenso
 fans out to OpenMP threads that stall when the writer holds the other cores (with
 every core loaded, copy_ fell to a fraction of memmove's speed: docs/design/staging.md).
 
-A large host tensor (at least `PARALLEL_MIN_BYTES`, 8 MiB) is copied by the stager
-thread and helper threads together: a few slots at a time are cut into 1 MiB jobs that whichever
-thread is free takes next (`HostCopier`), and those slots are handed over once every job
-is done. Taking jobs rather than being assigned halves is what keeps this safe on a
-busy machine: a helper that is not scheduled takes nothing, and the stager thread copies
-alone as before, waiting at most for the one job a helper has begun. The writer sees
-the slots a few slots later (at most `PARALLEL_SLOTS`), and every byte of a tensor is
-copied before the next tensor is looked at, so the check for in-place changes after a
-tensor's copy still holds. That is a wait per tensor for the helper's last job, and
-why smaller tensors are not shared: on a 2-core VM, helpers on the 1-8 MiB tensors that
-hold two thirds of a 1 GiB training state's bytes took 1.4x the CPU (162 against 116
-ms for 1 GiB) for no faster copy. The ring's pages are populated when it is created (ring.py),
-so no save pays page faults for them. While the rank stages, the writer leaves its
-ring alone (its `stage_first`), so every other core may help. On a 2-core VM the
-difference is within the noise, one copy thread nearly filling the memory bandwidth
-(docs/design/staging.md); the helpers are for machines that one thread does not fill.
+Host bytes are copied by the stager thread and helper threads together: the copies
+into a few slots (`PARALLEL_SLOTS`) are queued as jobs of at most 1 MiB, whatever
+tensors they come from, and run as one batch that whichever thread is free takes from
+next (`HostCopier`); those slots are handed over once every job of the batch is done.
+Taking jobs rather than being assigned halves is what keeps this safe on a busy
+machine: a helper that is not scheduled takes nothing, and the stager thread copies
+alone as before, waiting at most for the one job a helper has begun. The check for
+in-place changes after a tensor's copy runs once its bytes are all in the ring
+(`copied`), which may be a batch after it was looked at; a block made for a
+non-contiguous tensor is kept until the batch that reads it has run. Batches span
+tensors because a wait per tensor did not pay: on a 2-core VM, helpers on the 1-8 MiB
+tensors that hold two thirds of a 1 GiB training state's bytes, run tensor by tensor,
+took 1.4x the CPU (162 against 116 ms for 1 GiB) for no faster copy; run a few slots
+at a time they copy that state in 72 ms against 86 (one thread: 88 ms; load 0.4). The
+ring's pages are populated when it is created (ring.py), so no save pays page faults
+for them. While the rank stages, the writer leaves its ring alone (its `stage_first`),
+so every other core may help; on a loaded machine the helpers get no core and the
+stager thread copies alone (docs/design/staging.md).
 
 From a CUDA tensor the copy is the device-to-host DMA itself, straight into the ring:
 the ring's pages are registered with CUDA (pinned) on first use, copies are issued
@@ -67,9 +69,8 @@ from asyncckpt.ipc.ring import Ring
 
 log = logging.getLogger("asyncckpt.rank")
 
-PARALLEL_MIN_BYTES = 8 << 20  # smaller pieces: one memmove per slot by the stager thread
-PARALLEL_SLOTS = 4            # slots filled before they are handed over together
-JOB_BYTES = 1 << 20
+PARALLEL_SLOTS = 4   # host slots filled before their copies run and they are handed over
+JOB_BYTES = 1 << 20  # the most one host copy job moves
 
 
 def slot_tensor(ring: Ring, slot: int) -> torch.Tensor:
@@ -342,7 +343,8 @@ def ready_event(tensors: Iterable[torch.Tensor]) -> Any:
 def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int],
           emit: Callable[[int, int], None], release: Callable[[int], None] = lambda slot: None,
           device: DeviceCopies | None = None, ready: Any = None,
-          copier: HostCopier | None = None) -> int:
+          copier: HostCopier | None = None,
+          copied: Callable[[int], None] = lambda count: None) -> int:
     """Copy every tensor's bytes into ring slots and hand each full slot to `emit`.
 
     Args:
@@ -353,8 +355,11 @@ def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int
             no copy into them is still running.
         device: the ring's DeviceCopies, needed for CUDA tensors.
         ready: `ready_event()` of the save, taken when it was requested.
-        copier: copies large host tensors with helper threads (default: `host_copier()`;
-            rings of fewer than 2 slots copy on the calling thread alone).
+        copier: copies host bytes with helper threads (default: `host_copier()`; rings
+            of fewer than 2 slots copy on the calling thread alone).
+        copied: called with n once the first n tensors' bytes are all in the ring (a
+            device tensor's: its copies queued), before the slots holding them are
+            handed over; n grows from call to call. It may raise to stop staging.
     Returns:
         The number of bytes staged.
     Raises:
@@ -363,20 +368,19 @@ def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int
     batch_slots = min(PARALLEL_SLOTS, ring.slots - 1)  # + the open slot: never all of them
     if copier is None and batch_slots > 0:
         copier = host_copier()
-    slots = _SlotFiller(ring, acquire, emit, device, copier, batch_slots)
+    slots = _SlotFiller(ring, acquire, emit, device, copier, max(1, batch_slots), copied)
     try:
         for tensor in tensors:
             if device is not None and device.handles(tensor):
+                slots.run_host()  # host slots before it go first, in stream order
                 for piece in slots.device_pieces(tensor, ready):
                     slots.copy_from_device(piece)
             elif tensor.device.type == "cpu":
                 for piece in byte_pieces(tensor, ring.slot_size):
-                    if copier is not None and piece.numel() >= PARALLEL_MIN_BYTES:
-                        slots.copy_from_host_in_parallel(piece)
-                    else:
-                        slots.copy_from_host(piece)
+                    slots.queue_host(piece)
             else:
                 raise ValueError(f"a tensor on {tensor.device} needs the ring's DeviceCopies")
+            slots.tensor_done()
         slots.finish()
     except BaseException:
         for unsent in slots.unsent():
@@ -387,22 +391,28 @@ def stage(tensors: Iterable[torch.Tensor], ring: Ring, acquire: Callable[[], int
 
 class _SlotFiller:
     """The slots of one `stage()` call: the open one and how full it is, the full ones
-    whose parallel copies are not all done yet, and the bytes staged so far.
+    whose host copies have not run yet, the host copies queued, and the bytes and
+    tensors staged so far.
 
-    The three `copy_from_*` methods each append one contiguous uint8 piece to the stream:
-    from a device (queued DMA), from host memory by one `memmove` per slot, or, for a
-    large host piece, as jobs that `copier` runs with its helpers, handed over in
-    batches of `batch_slots` full slots.
+    Host bytes are queued as jobs (at most `JOB_BYTES` each, never across a slot) and
+    run together once `batch_slots` slots are full, by `copier` and its helpers, across
+    tensor boundaries; then `copied` hears how many tensors are whole in the ring, and
+    the full slots are handed over. Device bytes are queued DMA (DeviceCopies).
     """
 
     def __init__(self, ring: Ring, acquire: Callable[[], int], emit: Callable[[int, int], None],
                  device: DeviceCopies | None, copier: HostCopier | None,
-                 batch_slots: int) -> None:
+                 batch_slots: int, copied: Callable[[int], None]) -> None:
         self.ring, self.slot_size = ring, ring.slot_size
         self.acquire, self.emit = acquire, emit
         self.device, self.copier, self.batch_slots = device, copier, batch_slots
+        self.copied = copied
         self.slot, self.fill, self.total = -1, 0, 0
-        self.filled: list[int] = []  # full slots whose parallel copies are not all done yet
+        self.filled: list[int] = []  # full slots whose host copies have not all run yet
+        self.jobs: list[tuple[int, int, int]] = []  # host copies queued: (dest, source, n)
+        self.held: list[torch.Tensor] = []  # what the queued jobs read (blocks made here)
+        self.tensors = 0   # tensors whose bytes are all queued
+        self.reported = 0  # tensors told to `copied`
         self._begun = False
 
     def device_pieces(self, tensor: torch.Tensor, ready: Any) -> Iterator[torch.Tensor]:
@@ -440,49 +450,67 @@ class _SlotFiller:
             if self._advance(n):
                 self._hand_over_open()
 
-    def copy_from_host(self, piece: torch.Tensor) -> None:
-        # one plain memcpy per slot, GIL released; torch's copy_ would fan out to OpenMP
-        # threads that stall whenever the writer holds the other cores
-        source, pos, size = piece.data_ptr(), 0, piece.numel()
-        address = self.ring.address
-        while pos < size:
-            n = self._room(size - pos)
-            ctypes.memmove(address + self.slot * self.slot_size + self.fill, source + pos, n)
-            pos += n
-            if self._advance(n):
-                self._hand_over_open()
-
-    def copy_from_host_in_parallel(self, piece: torch.Tensor) -> None:
-        assert self.copier is not None
-        jobs: list[tuple[int, int, int]] = []
+    def queue_host(self, piece: torch.Tensor) -> None:
+        """Queue the copy of host piece `piece` (contiguous uint8) into the slots; run
+        the queue whenever `batch_slots` slots are full."""
         source, pos, size = piece.data_ptr(), 0, piece.numel()
         address = self.ring.address
         while pos < size:
             n = self._room(size - pos)
             dest = address + self.slot * self.slot_size + self.fill
-            jobs += [(dest + k, source + pos + k, min(JOB_BYTES, n - k))
-                     for k in range(0, n, JOB_BYTES)]
+            if n <= JOB_BYTES:
+                self.jobs.append((dest, source + pos, n))
+            else:
+                self.jobs += [(dest + k, source + pos + k, min(JOB_BYTES, n - k))
+                              for k in range(0, n, JOB_BYTES)]
             pos += n
             if self._advance(n):
                 self.filled.append(self.slot)
                 self.slot = -1
-            if len(self.filled) >= self.batch_slots or pos == size:
+                if len(self.filled) >= self.batch_slots:
+                    self.run_host()
+        if self.jobs:  # its last jobs wait for a later run: keep what they read
+            self.held.append(piece)
+
+    def run_host(self) -> None:
+        """Run the queued host copies (with the helpers), tell `copied`, and hand over
+        the slots they filled, in order."""
+        if self.jobs:
+            jobs, self.jobs = self.jobs, []
+            if self.copier is None:
+                for dest, source, n in jobs:
+                    ctypes.memmove(dest, source, n)  # releases the GIL
+            else:
                 self.copier.run(jobs)
-                jobs = []
-                while self.filled:  # popped once handed over: else released
-                    _hand_over(self.device, self.filled[0], self.slot_size, self.emit)
-                    self.filled.pop(0)
+            self.held = []
+        self._report()
+        while self.filled:  # popped once handed over: else released
+            _hand_over(self.device, self.filled[0], self.slot_size, self.emit)
+            self.filled.pop(0)
+
+    def tensor_done(self) -> None:
+        """The current tensor's bytes are all queued (or copied)."""
+        self.tensors += 1
+        if not self.jobs:
+            self._report()
+
+    def _report(self) -> None:
+        if self.tensors > self.reported and not self.jobs:
+            self.reported = self.tensors
+            self.copied(self.tensors)
 
     def finish(self) -> None:
-        """Hand over the last, partly filled slot and every slot still waiting for its
-        device copies."""
+        """Run what is queued, hand over the last, partly filled slot and every slot
+        still waiting for its device copies."""
+        self.run_host()
         if self.slot >= 0:
             self._hand_over_open()
         if self.device is not None:
             self.device.drain(self.emit)
 
     def unsent(self) -> list[int]:
-        """After an error: the slots this call holds, once no copy into them runs."""
+        """After an error: the slots this call holds, once no copy into them runs (a
+        queued host copy that has not run never will)."""
         waiting = self.device.discard() if self.device is not None else []
         return waiting + self.filled + ([self.slot] if self.slot >= 0 else [])
 

@@ -6,6 +6,7 @@ GPU; tests/rank/test_cuda_staging.py checks the same on a GPU)."""
 from __future__ import annotations
 
 import collections
+import itertools
 import weakref
 
 import pytest
@@ -80,7 +81,8 @@ def test_slots_held_when_staging_stops_are_given_back():
             pass
         else:
             raise AssertionError("the error must propagate")
-        assert emitted == [0, 1] and released == [2] and free == [3]
+        # full slots go out in batches (3 of this ring): none of them had gone yet
+        assert emitted == [] and released == [0, 1, 2] and free == [3]
     finally:
         r.close()
 
@@ -235,9 +237,8 @@ def test_a_failed_save_waits_for_copies_into_its_slots_before_giving_them_back()
 
 @pytest.fixture
 def small_parallel(monkeypatch):
-    """Parallel copies from 8 KiB pieces on, in 1 KiB jobs, so small rings exercise them."""
+    """Parallel copies in 1 KiB jobs, so small rings exercise them."""
     from asyncckpt.rank import stager
-    monkeypatch.setattr(stager, "PARALLEL_MIN_BYTES", 8192)
     monkeypatch.setattr(stager, "JOB_BYTES", 1024)
     return stager
 
@@ -349,12 +350,12 @@ def test_staging_into_a_fresh_ring_takes_no_page_faults():
             r.close()
 
 
-def test_tensors_under_eight_mib_are_copied_by_the_stager_thread_alone():
-    """Each tensor copied with helpers ends in a wait for the helper's last job (the
-    version check after a tensor's copy needs every byte of it in the ring): on a
-    2-core VM, tensors of 1-8 MiB (two thirds of a 1 GiB training state's bytes) paid
-    that wait and 1.4x the CPU for no faster copy. They are one memmove per slot now;
-    a larger tensor still goes to the helpers."""
+def test_small_tensors_are_copied_in_batches_across_tensors():
+    """Tensors of 1-8 MiB hold two thirds of a 1 GiB training state's bytes. Copied with
+    the helpers one tensor at a time they paid a wait per tensor for no faster copy; so
+    they were copied by the stager thread alone, at one thread's speed. Now the jobs of
+    several slots are run together whatever tensors they belong to: one batch per few
+    slots (a quarter of the ring here), none per tensor."""
     from asyncckpt.rank import stager
 
     class Counting(stager.HostCopier):
@@ -367,7 +368,8 @@ def test_tensors_under_eight_mib_are_copied_by_the_stager_thread_alone():
             super().run(jobs)
 
     MiB = 1 << 20
-    medium = [torch.full((n * MiB // 4,), float(n)) for n in (1, 2, 4, 7)]
+    medium = [torch.full((n * MiB // 4,), float(n)) for n in (1, 2, 4, 7, 3, 1)]  # 18 MiB
+    medium.append(torch.ones(5))  # a tensor of 20 bytes: the last slot's partial fill
     copier = Counting()
     r = ring.Ring.create(4 * MiB, 12)
     try:
@@ -380,10 +382,101 @@ def test_tensors_under_eight_mib_are_copied_by_the_stager_thread_alone():
             free.append(slot)
 
         stage(medium, r, acquire=free.popleft, emit=emit, copier=copier)
-        assert copier.batches == []
         assert b"".join(got) == b"".join(row_major_bytes(t) for t in medium)
-        got.clear()
-        stage([torch.ones(8 * MiB // 4)], r, acquire=free.popleft, emit=emit, copier=copier)
-        assert sum(copier.batches) == 8 * MiB
+        assert copier.batches == [16 * MiB, 2 * MiB + 20]  # four full slots, then the rest
+    finally:
+        r.close()
+
+
+def test_a_tensor_is_reported_copied_only_once_its_bytes_are_in_the_ring():
+    """The version check after a tensor's copy (pending.Sources) runs from `copied`: it
+    must never run before the tensor's bytes are all in the ring, whatever batch the
+    copy ran in; every tensor is reported by the end."""
+    from asyncckpt.rank import stager
+
+    r = ring.Ring.create(1024, 8)
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
+               for n in (100, 3000, 7, 1024, 2500, 1)]
+    ends = list(itertools.accumulate(t.numel() for t in tensors))
+    stream = b"".join(row_major_bytes(t) for t in tensors)
+    free, order, reported = collections.deque(range(8)), [], [0]
+
+    def written(upto: int) -> bytes:  # the stream's first `upto` bytes, from the ring
+        out, pos = b"", 0
+        for slot in order:
+            n = min(1024, upto - pos)
+            if n <= 0:
+                break
+            view = r.slot_bytes(slot, n)
+            out += bytes(view)
+            view.release()
+            pos += n
+        return out
+
+    def acquire() -> int:
+        slot = free.popleft()
+        order.append(slot)
+        return slot
+
+    emitted: list[int] = []
+
+    def emit(slot: int, length: int) -> None:
+        emitted.append(length)
+
+    def copied(count: int) -> None:
+        assert count > reported[0]
+        assert written(ends[count - 1]) == stream[:ends[count - 1]]
+        reported[0] = count
+
+    try:
+        for copier in (stager.HostCopier(0), stager.HostCopier(1)):
+            free.extend(order)
+            order.clear()
+            emitted.clear()
+            reported[0] = 0
+            stage(tensors, r, acquire=acquire, emit=emit, copier=copier, copied=copied)
+            assert reported[0] == len(tensors) and sum(emitted) == len(stream)
+    finally:
+        r.close()
+
+
+def test_a_block_made_for_a_non_contiguous_tensor_lives_until_its_copy_has_run(monkeypatch):
+    """A non-contiguous tensor is copied through contiguous blocks made on the way; a
+    block whose last bytes wait in the queue for the next batch must stay alive until
+    that batch has run (freed, its memory is reused and the ring gets other bytes)."""
+    from asyncckpt.rank import stager
+
+    freed: list[tuple[int, int]] = []  # (address, bytes) of blocks already freed
+    real_pieces = stager.byte_pieces
+
+    def pieces(t, max_bytes):
+        for piece in real_pieces(t, max_bytes):
+            if not t.is_contiguous():
+                weakref.finalize(piece.untyped_storage(), freed.append,
+                                 (piece.data_ptr(), piece.numel()))
+            yield piece
+
+    class Checking(stager.HostCopier):
+        def run(self, jobs):
+            for _, source, _n in jobs:
+                assert not any(a <= source < a + size for a, size in freed), \
+                    "a queued copy reads a freed block"
+            super().run(jobs)
+
+    monkeypatch.setattr(stager, "byte_pieces", pieces)
+    r = ring.Ring.create(4096, 6)
+    try:
+        t = torch.randn(40, 250, generator=torch.Generator().manual_seed(1)).t()  # 40000 B
+        free, got = collections.deque(range(6)), []
+
+        def emit(slot: int, length: int) -> None:
+            view = r.slot_bytes(slot, length)
+            got.append(bytes(view))
+            view.release()
+            free.append(slot)
+
+        stage([t], r, acquire=free.popleft, emit=emit, copier=Checking(0))
+        assert b"".join(got) == row_major_bytes(t) and freed
     finally:
         r.close()
