@@ -674,3 +674,31 @@ def test_several_optimizers_are_fenced_once_each_and_close_removes_every_hook(tm
     assert [len(o._optimizer_step_pre_hooks) for o in (first, second)] == [1, 1]
     ckpt.close()
     assert [len(o._optimizer_step_pre_hooks) for o in (first, second)] == [0, 0]
+
+
+def test_save_keeps_what_the_flatten_fast_paths_see(shared):
+    """The exact-type shortcuts of the flatten (plain tensors, str, int, None) save what
+    the general walk saved: a tensor that requires grad (saved detached), the same
+    storage twice (a view), non-ASCII keys, large ints; and still refuse what it refused."""
+    root, step = shared.root, shared.step()
+    client = asyncckpt.connect(shared.address, rank=0, world_size=1)
+    leaf = torch.arange(12, dtype=torch.float32).requires_grad_()
+    extra = {"leaf": leaf, "again": leaf, "größe": 3, "big": 2 ** 62, "none": None,
+             "flag": True, "name": "ß", "nested": [torch.ones(2, dtype=torch.int64), "x", 1.5]}
+    with Checkpointer(root, client=client,
+                      options=CheckpointerOptions(save_interval=1, contents=("extra",))) as ckpt:
+        handle = ckpt.save(step, extra=extra)
+        assert handle is not None
+        handle.wait(60)
+        for bad in ({"\ud800": 1}, {"int": 1 << 14001}, {1.5: 1}):
+            with pytest.raises(asyncckpt.UnsupportedStateError):
+                ckpt.save(shared.step(), extra=bad)
+    loaded = asyncckpt.load(root, step=step)["extra"]
+    assert not loaded["leaf"].requires_grad
+    assert torch.equal(loaded["leaf"], leaf.detach())
+    assert torch.equal(loaded["again"], leaf.detach())
+    assert {k: loaded[k] for k in ("größe", "big", "none", "flag", "name")} == {
+        "größe": 3, "big": 2 ** 62, "none": None, "flag": True, "name": "ß"}
+    assert torch.equal(loaded["nested"][0], torch.ones(2, dtype=torch.int64))
+    assert loaded["nested"][1:] == ["x", 1.5]
+    client.close()

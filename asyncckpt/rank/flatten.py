@@ -80,7 +80,27 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
     active: set[int] = set()
     bases: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # storage -> saved contiguous
 
+    def plain_tensor(node: torch.Tensor, path: tuple[str | int, ...]) -> JSON:
+        check_tensor(node, path)
+        key = _storage_key(node)
+        view = _view_within(node, bases.get(key, ())) if key else None
+        if view is not None:
+            return view.to_json()
+        name = _unique_name(path, names)
+        # a state dict's tensors need no grad: detach() would only make another object
+        entries.append(TensorEntry(name, path, node.detach() if node.requires_grad else node))
+        if key and node.is_contiguous():
+            bases.setdefault(key, []).append((name, node))
+        return {"tensor": name}
+
     def visit(node: Any, path: tuple[str | int, ...]) -> JSON:
+        kind = type(node)  # the exact common types first: most of a state's nodes
+        if kind is str or kind is bool or node is None:
+            return node
+        if kind is torch.Tensor:  # plain: neither global nor bytes
+            return plain_tensor(node, path)
+        if kind is int and node.bit_length() <= MAX_INT_BITS:
+            return node
         if isinstance(node, Boxes):
             written = [c for c in node.chunks if c.local is not None and c.local.numel()]
             body = visit(written[0] if written else node.chunks[0], path)["dtensor"]
@@ -110,16 +130,7 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
                 entries.append(TensorEntry(name, path, local.detach()))
             return {"dtensor": body}
         if isinstance(node, torch.Tensor):
-            check_tensor(node, path)
-            key = _storage_key(node)
-            view = _view_within(node, bases.get(key, ())) if key else None
-            if view is not None:
-                return view.to_json()
-            name = _unique_name(path, names)
-            entries.append(TensorEntry(name, path, node.detach()))
-            if key and node.is_contiguous():
-                bases.setdefault(key, []).append((name, node))
-            return {"tensor": name}
+            return plain_tensor(node, path)
         if isinstance(node, (bytes, bytearray, memoryview)):
             name = _unique_name(path, names)
             copy = bytearray(node)  # its own memory: the caller may reuse a bytearray
@@ -154,15 +165,15 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
                         raise UnsupportedStateError(
                             f"{show_path(path)}: dict key {key!r} is a {type(key).__name__}; "
                             "keys must be str or int")
-                    if isinstance(key, str) and not _is_utf8(key):
+                    if isinstance(key, str) and not key.isascii() and not _is_utf8(key):
                         raise UnsupportedStateError(
                             f"{show_path(path)}: dict key {key!r} is not valid Unicode")
                     if isinstance(key, int) and key.bit_length() > MAX_INT_BITS:
                         raise UnsupportedStateError(f"{show_path(path)}: int key is too large")
                     items.append([key, visit(value, path + (key,))])
                 return {"dict": items}
-            kind = "list" if isinstance(node, list) else "tuple"
-            return {kind: [visit(v, path + (i,)) for i, v in enumerate(node)]}
+            seq = "list" if isinstance(node, list) else "tuple"
+            return {seq: [visit(v, path + (i,)) for i, v in enumerate(node)]}
         finally:
             active.discard(id(node))
 
