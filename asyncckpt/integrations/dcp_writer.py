@@ -47,6 +47,7 @@ from asyncckpt.errors import (
     UnsupportedStateError,
     WriterRootMismatchError,
 )
+from asyncckpt.integrations.dcp_flat import flat_state
 from asyncckpt.integrations.dcp_ids import (
     checkpoint_location,
     checkpoint_target,
@@ -62,9 +63,11 @@ from asyncckpt.rank.flatten import Boxes, KeyedChunk, Pickled, flatten, kept_exa
 from asyncckpt.rank.handle import SaveHandle, mark_told
 from asyncckpt.rank.launch import WriterProcess
 from asyncckpt.rank.node_writer import given_address, node_writer
+from asyncckpt.rank.pending import Flat
 from asyncckpt.rank.ringsize import ring_for
 from asyncckpt.storage.location import Location
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _started: dict[str, str] = {}  # root -> address of the node writer started for it here
 _writers: list[WriterProcess] = []
 
@@ -315,15 +318,22 @@ class StorageWriter(dcp.StorageWriter):
     # -- internals -------------------------------------------------------------------------
 
     def _rank_state(self, plan: SavePlan, planner: SavePlanner
-                    ) -> tuple[dict[str, Any], list[WriteResult]]:
-        """This rank's part of the step (a flat dict by DCP key) and DCP's results for it."""
+                    ) -> tuple[dict[str, Any] | Flat, list[WriteResult]]:
+        """This rank's part of the step (a flat dict by DCP key, or that dict already
+        flattened: dcp_flat.py) and DCP's results for it."""
         kept = layout(plan)
         state: dict[str, Any] = dict(kept.empty)
         results = []
         boxes: dict[str, list[KeyedChunk]] = {}
+        tensors = []
+        # our own planner resolves a plain tensor's whole box to the tensor: look it up
+        flat = planner.state_dict if type(planner) is CachingPlanner else {}
         for item, size, dtype, offsets, result in kept.tensors:
-            data = planner.resolve_data(item)
+            data = flat.get(item.index.fqn)
+            if type(data) not in _PLAIN or any(offsets):
+                data = planner.resolve_data(item)
             assert isinstance(data, torch.Tensor)
+            tensors.append(data)
             if data.dtype != dtype:
                 raise UnsupportedStateError(f"{item.index.fqn}: planned as {dtype}, but it is "
                                             f"{data.dtype} now")
@@ -332,12 +342,13 @@ class StorageWriter(dcp.StorageWriter):
             results.append(result)
         for fqn, chunks in boxes.items():  # several: DCP planned several chunks here
             state[fqn] = chunks[0] if len(chunks) == 1 else Boxes(tuple(chunks))
+        objects = {}
         for item in kept.objects:
             value = _object(planner, item)
-            state[item.index.fqn] = value
+            state[item.index.fqn] = objects[item.index.fqn] = value
             results.append(WriteResult(item.index, len(value) if isinstance(value, bytes)
                                        else 0, None))
-        return state, results
+        return flat_state(kept, state, tensors, objects), results
 
     def _connect(self, root: Location | None, nbytes: int) -> Client:
         if self._client is None:

@@ -25,7 +25,7 @@ from asyncckpt.format.tree import show_path
 from asyncckpt.ipc import messages, protocol
 from asyncckpt.ipc.messages import NodeRanks
 from asyncckpt.ipc.options import SaveOptions
-from asyncckpt.rank.flatten import flatten
+from asyncckpt.rank.flatten import TensorEntry, flatten
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.stager import ready_event
 
@@ -69,6 +69,17 @@ class Route:
     world_size: int
     key: str | None = None
     node: NodeRanks | None = None
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A state already flattened the way `flatten` flattens it: its tree and its tensor
+    leaves, in stream order. A saver that knows its state's structure from one save to
+    the next (DCP's cached plan: integrations/dcp_flat.py) hands this to `Client.save`
+    instead of the state, and the walk is not repeated. It must equal `flatten(state)`."""
+
+    tree: Any
+    entries: list[TensorEntry]
 
 
 class Torn(Exception):
@@ -133,7 +144,8 @@ class PendingSave:
     Args:
         save_id: the client's id of this save (unique per connection).
         step: the step saved.
-        state: the state dict (flattened here; its tensors stay the caller's).
+        state: the state dict (flattened here; its tensors stay the caller's), or a
+            `Flat` one.
         handle: the caller's SaveHandle.
         options: the save's SaveOptions, sent in the begin.
         route: the world, and the store key and node of a coordinated save.
@@ -152,7 +164,8 @@ class PendingSave:
         self.handle = handle
         self.key = route.key  # the name of a save coordinated across nodes (coordination.py)
         self.settled = False         # coordinated: the outcome is known and acted on
-        tree, self.entries = flatten(state)
+        tree, self.entries = ((state.tree, state.entries) if isinstance(state, Flat)
+                              else flatten(state))
         self.versions = [_version(e.tensor) for e in self.entries]
         self.ready = ready_event(e.tensor for e in self.entries)
         self.fingerprints = [fingerprint(e.tensor) if skip_unchanged else None

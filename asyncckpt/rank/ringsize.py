@@ -95,6 +95,9 @@ def ring_for(nbytes: int, requested: int | None = None,
 def state_bytes(state: Any) -> int:
     """Bytes of this rank's tensors in `state` (a global tensor's local shard; shared
     memory counted once)."""
+    from asyncckpt.rank.pending import Flat
+    if isinstance(state, Flat):
+        state = [e.tensor for e in state.entries]
     seen: set[tuple[Any, ...]] = set()
     total = 0
 
