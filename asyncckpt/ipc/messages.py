@@ -177,8 +177,8 @@ class Begin(Message):
     node: NodeRanks | None = None
     refused: str | None = field(default=None, metadata={"wire": False})
 
-    def to_wire(self) -> dict[str, Any]:
-        out = {**super().to_wire(), **options_to_wire(self.options)}
+    def to_wire(self, lists: bool = True) -> dict[str, Any]:
+        out = {**super().to_wire(lists), **options_to_wire(self.options)}
         if self.options.tier != "durable":
             out["tier"] = self.options.tier
         return out
