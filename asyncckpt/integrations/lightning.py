@@ -368,8 +368,10 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         if step not in storage.committed_steps():
             return
         try:
+            named = storage.read_latest()
             storage.retire(step)
-            update_latest(storage)
+            if named == step or named is None:  # an older step's retirement leaves the
+                update_latest(storage)          # newest, and `latest`, as they were
         except OSError as e:
             log.warning("asyncckpt: could not retire step %d: %s", step, e)
 

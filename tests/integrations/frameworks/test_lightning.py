@@ -204,3 +204,46 @@ def test_remove_checkpoint_leaves_the_retirement_to_the_follow_up(tmp_path: Path
     seconds, marker_left, retired_then = returned.split(" ", 2)
     assert float(seconds) < 5 and marker_left == "False" and retired_then == "[]"
     assert retired == "[1] [2]"
+
+
+RETIRE_OLDER = r'''
+import sys
+from pathlib import Path
+import torch
+from asyncckpt.integrations import lightning as io_module
+from asyncckpt.integrations.lightning import AsyncckptCheckpointIO
+from asyncckpt.storage.location import storage_for
+
+out = Path(sys.argv[1])
+io = AsyncckptCheckpointIO(out / "root")
+for i, name in enumerate("abc"):
+    io.save_checkpoint({"state_dict": {"w": torch.full((4,), float(i))}, "epoch": i},
+                       out / f"{name}.ckpt")
+io.wait_until_finished()
+calls = []
+real = io_module.update_latest
+io_module.update_latest = lambda storage: (calls.append(1), real(storage))[1]
+storage = storage_for(out / "root")
+print("before", storage.read_latest(), flush=True)
+io.remove_checkpoint(out / "a.ckpt")  # an older step: `latest` stays, nothing to redo
+io.wait_until_finished()
+print("older", len(calls), storage.read_latest(), storage.committed_steps(), flush=True)
+io.remove_checkpoint(out / "c.ckpt")  # the newest: `latest` moves back
+io.wait_until_finished()
+print("newest", len(calls), storage.read_latest(), storage.committed_steps(), flush=True)
+io.teardown()
+'''
+
+
+def test_retiring_an_older_step_leaves_latest_alone(tmp_path: Path) -> None:
+    """`top_k` rotation removes an older checkpoint after each save: its step is retired
+    without redoing `latest` (a listing and the newest manifest parsed, on the follow-up
+    thread, each save), which still names the newest step; retiring the newest step
+    points `latest` at the one before."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([PYTHON, "-c", RETIRE_OLDER, str(tmp_path)], env=env, text=True,
+                         capture_output=True, timeout=RUN_SECONDS)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in run.stdout.splitlines()
+             if line.startswith(("before", "older", "newest"))}
+    assert lines == {"before": "3", "older": "0 3 [2, 3]", "newest": "1 2 [2]"}
