@@ -68,12 +68,12 @@ def flat_state(kept: Layout, state: dict[str, Any], tensors: list[torch.Tensor],
     if part is None or not _fits(kept, tensors) or any(fqn in kept.empty for fqn in objects):
         return state  # an object keyed as a tensor would sit among the boxes
     entries = [TensorEntry(name, path, tensors[i].detach()) for i, name, path in part.leaves]
-    items = part.items
+    items = list(part.items)  # the kept nodes are shared, the list is this save's
     if objects:
         tree, more = flatten(objects)
         if any(e.name in part.names for e in more):
             return state
-        items = items + tree["dict"]
+        items += tree["dict"]
         entries += more
     return Flat({"dict": items}, entries)
 
