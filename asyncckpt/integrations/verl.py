@@ -373,14 +373,15 @@ class FSDPCheckpointManager:
         return self._ckpt
 
     def _node_writer(self, root: Location) -> str:
-        """The address of this node's writer on `root`: ASYNCCKPT_ADDRESS (a writer the
-        launcher started, which outlives the ranks: what the memory tier needs), else
-        the one this manager's ranks started (the first rank of each node starts it;
-        every rank calls this together)."""
+        """The address of this node's writer on `root`: with the memory tier,
+        ASYNCCKPT_ADDRESS when set (a writer the launcher started, which outlives the
+        ranks; it must serve `root`: one role per address), else the one this manager's
+        ranks started (the first rank of each node starts it; every rank calls this
+        together)."""
         if self._address is not None and root == self._root:
             return self._address
         self._root = root
-        self._address = given_address(None)
+        self._address = given_address(None) if self.durable_interval else None
         if self._address is None:
             self._address, self._writer = node_writer(root)
         return self._address
