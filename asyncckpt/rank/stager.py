@@ -13,6 +13,7 @@ Host bytes are copied by the stager thread and helper threads together: the copi
 into a few slots (`PARALLEL_SLOTS`) are queued as jobs of at most 1 MiB, whatever
 tensors they come from, and run as one batch that whichever thread is free takes from
 next (`HostCopier`); those slots are handed over once every job of the batch is done.
+A batch under `INLINE_BYTES` (a small state's) is copied by the stager thread alone.
 Taking jobs rather than being assigned halves is what keeps this safe on a busy
 machine: a helper that is not scheduled takes nothing, and the stager thread copies
 alone as before, waiting at most for the one job a helper has begun. The check for
@@ -71,6 +72,8 @@ log = logging.getLogger("asyncckpt.rank")
 
 PARALLEL_SLOTS = 4   # host slots filled before their copies run and they are handed over
 JOB_BYTES = 1 << 20  # the most one host copy job moves
+INLINE_BYTES = 2 << 20  # a batch this small is copied by the stager thread alone (a small
+#                         state's only batch: waking a helper costs more than it saves)
 
 
 def slot_tensor(ring: Ring, slot: int) -> torch.Tensor:
@@ -477,7 +480,7 @@ class _SlotFiller:
         the slots they filled, in order."""
         if self.jobs:
             jobs, self.jobs = self.jobs, []
-            if self.copier is None:
+            if self.copier is None or sum(n for _, _, n in jobs) < INLINE_BYTES:
                 for dest, source, n in jobs:
                     ctypes.memmove(dest, source, n)  # releases the GIL
             else:

@@ -237,9 +237,11 @@ def test_a_failed_save_waits_for_copies_into_its_slots_before_giving_them_back()
 
 @pytest.fixture
 def small_parallel(monkeypatch):
-    """Parallel copies in 1 KiB jobs, so small rings exercise them."""
+    """Parallel copies in 1 KiB jobs, however small the batch, so small rings exercise
+    them."""
     from asyncckpt.rank import stager
     monkeypatch.setattr(stager, "JOB_BYTES", 1024)
+    monkeypatch.setattr(stager, "INLINE_BYTES", 0)
     return stager
 
 
@@ -384,11 +386,16 @@ def test_small_tensors_are_copied_in_batches_across_tensors():
         stage(medium, r, acquire=free.popleft, emit=emit, copier=copier)
         assert b"".join(got) == b"".join(row_major_bytes(t) for t in medium)
         assert copier.batches == [16 * MiB, 2 * MiB + 20]  # four full slots, then the rest
+        got.clear()
+        small = [torch.full((1000,), float(n)) for n in range(100)]  # 400 KB: one batch
+        stage(small, r, acquire=free.popleft, emit=emit, copier=copier)
+        assert b"".join(got) == b"".join(row_major_bytes(t) for t in small)
+        assert len(copier.batches) == 2  # under INLINE_BYTES: the stager thread alone
     finally:
         r.close()
 
 
-def test_a_tensor_is_reported_copied_only_once_its_bytes_are_in_the_ring():
+def test_a_tensor_is_reported_copied_only_once_its_bytes_are_in_the_ring(small_parallel):
     """The version check after a tensor's copy (pending.Sources) runs from `copied`: it
     must never run before the tensor's bytes are all in the ring, whatever batch the
     copy ran in; every tensor is reported by the end."""
