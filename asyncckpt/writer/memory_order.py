@@ -97,14 +97,34 @@ class DurableSaves:
     aborted) and when each last left one: a rank is not absent from a memory step
     while it is still staging an earlier durable save to this writer, nor before
     `absent_rank_timeout` has passed since it ended it (memory_tier.py `fail_absent`).
-    Counted per rank across its connections."""
+    Counted per rank across its connections.
+
+    Only an *earlier* durable save excuses a rank: its saves reach this writer in the
+    order it made them (one stager), so a rank that has begun a durable save of step s
+    or newer has moved past memory step s (a step due to both tiers is saved durably
+    only), and its begin of s can no longer come.
+    Without that, a rank that skipped s and saves durably more often than the timeout
+    would hold s open for ever (`past`)."""
 
     def __init__(self) -> None:
         self._open: dict[int, int] = {}
         self._ended: dict[int, float] = {}  # rank: when it last ended (or aborted) one
+        self._newest: dict[int, int] = {}  # rank: the newest step of a durable save begun
 
-    def began(self, rank: int) -> None:
+    def began(self, rank: int, step: int) -> None:
         self._open[rank] = self._open.get(rank, 0) + 1
+        self._newest[rank] = max(step, self._newest.get(rank, step))
+
+    def past(self, rank: int, step: int) -> bool:
+        """Whether `rank` has begun a durable save of `step` or a newer one."""
+        return rank in self._newest and self._newest[rank] >= step
+
+    def rerun_from(self, step: int) -> None:
+        """The job went back to `step`: durable saves of newer steps say nothing of
+        the rerun's memory steps."""
+        for rank, newest in list(self._newest.items()):
+            if newest >= step:
+                del self._newest[rank]
 
     def ended(self, rank: int) -> None:
         left = self._open.get(rank, 0) - 1

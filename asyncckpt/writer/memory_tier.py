@@ -314,11 +314,12 @@ class MemoryTier(Held):
                 self._drop(step, SaveFailedError(f"rank {rank} of the node disconnected before "
                                                  "ending its memory save", step=step, rank=rank))
 
-    def durable_began(self, rank: int) -> None:
-        """`rank` began a durable save on this writer (session.py): until it ends it,
-        its memory begins wait behind it in its stager, so it is not absent."""
+    def durable_began(self, rank: int, step: int) -> None:
+        """`rank` began a durable save of `step` on this writer (session.py): until it
+        ends it, its memory begins of newer steps wait behind it in its stager, so it is
+        not absent from them; from `step` and older ones it is (it has moved past them)."""
         with self._lock:
-            self._durable.began(rank)
+            self._durable.began(rank, step)
 
     def durable_ended(self, rank: int) -> None:
         """`rank` ended, aborted or dropped a durable save begun on this writer."""
@@ -343,8 +344,10 @@ class MemoryTier(Held):
                     continue
                 own = [r for f, c in gen.nodes.items() if f not in gen.replicas
                        for r in range(f, f + c)]
-                absent = [r for r in own if r not in gen.images and not self._durable.busy(r)
-                          and now - self._durable.waited_since(r, gen.started) >= timeout]
+                absent = [r for r in own if r not in gen.images and (
+                    self._durable.past(r, step)
+                    or (not self._durable.busy(r)
+                        and now - self._durable.waited_since(r, gen.started) >= timeout))]
                 if absent:
                     lasts = [self._order.last(r) + self._durable.describe(r) for r in absent[:2]]
                     self._drop(step, SaveFailedError(
@@ -370,6 +373,7 @@ class MemoryTier(Held):
                  "generations from %d dropped: %s", rank, step, newer, step,
                  sorted(s for s in self._gens if s >= step))
         self._order.rerun_from(step)
+        self._durable.rerun_from(step)
         for s in [s for s in self._gens if s >= step]:
             self._drop(s, SaveFailedError(f"memory generation of an abandoned run (rank "
                                           f"{rank} went back to step {step} after {newer})",

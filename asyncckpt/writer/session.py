@@ -201,7 +201,7 @@ class Session:
         if m.options.tier == "memory":
             self._begin_memory(m, save, notify)
             return
-        self._durable_began(save_id)
+        self._durable_began(save_id, step)
         try:
             if m.refused is not None:  # this step can never be readable: fail it for all
                 error = SaveFailedError(f"begin refused: {m.refused}", step=step, rank=self.rank)
@@ -371,12 +371,13 @@ class Session:
             self.fail(save, SaveFailedError(f"aborted by the rank: {m.reason[:500]}",
                                              step=save.step, rank=self.rank))
 
-    def _durable_began(self, save_id: int) -> None:
-        """A durable save begun: the memory tier waits for this rank's memory begins
-        behind it (they queue in its stager), not counting it absent meanwhile."""
+    def _durable_began(self, save_id: int, step: int) -> None:
+        """A durable save of `step` begun: the memory tier waits for this rank's memory
+        begins of newer steps behind it (they queue in its stager), not counting it
+        absent from them meanwhile; from `step` and older ones it has moved on."""
         if self.writer.memory is not None:
             self._durable_open.add(save_id)
-            self.writer.memory.durable_began(self.rank)
+            self.writer.memory.durable_began(self.rank, step)
 
     def _durable_over(self, save_id: int) -> None:
         if save_id in self._durable_open:
