@@ -166,7 +166,12 @@ class Replicator:
                     return
                 step, self._due = self._due, None
             if step is None:  # idle: does the partner hold our newest?
-                step, answered = self._missing()
+                try:
+                    step, answered = self._missing()
+                except Exception as e:  # this thread sends every generation: never die
+                    log.warning("memory tier: checking what the partner %s:%d holds "
+                                "failed: %s: %s", *self._partner, type(e).__name__, e)
+                    step, answered = None, False
                 period = REPAIR_S if answered else min(2 * period, REPAIR_MAX_S)
                 if step is None:
                     continue
@@ -203,7 +208,7 @@ class Replicator:
         except (CheckpointError, OSError):
             return None, False
         ours = {r for f, c in nodes for r in range(f, f + c)}
-        if any(g.get("step") == step and ours <= set(g.get("ranks") or ()) for g in held):
+        if any(ours <= _ranks_listed(g, step) for g in held):
             return None, True
         self._tries[step] = self._tries.get(step, 0) + 1
         for old in sorted(self._tries)[:-REPAIR_TRIES]:
@@ -223,3 +228,12 @@ class Replicator:
             self._server.close()
         self._tier.on_node_whole = None
         self._tier.fetcher, self._tier.replica_address = None, ""
+
+
+def _ranks_listed(entry: object, step: int) -> set[int]:
+    """The ranks a partner's listing entry says it holds of `step` (none where the
+    entry is not what this version writes: another process's word, checked)."""
+    if not isinstance(entry, dict) or entry.get("step") != step or type(entry["step"]) is not int:
+        return set()
+    ranks = entry.get("ranks")
+    return {r for r in ranks if type(r) is int} if isinstance(ranks, list) else set()
