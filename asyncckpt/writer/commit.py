@@ -168,6 +168,7 @@ def gather_nodes(storage: Storage, tmp_dir: Location, step: int, world_size: int
     """
     plan, end = [], 0
     limit = ReadLimits.from_env().max_manifest_bytes
+    checked: set[str] = set()  # names found good (the nodes of a shared directory: one)
     try:
         for first, count, name, doc in sorted(nodes, key=lambda node: node[0]):
             entry = PartEntry.from_json(doc, step=step, max_size=limit)
@@ -177,10 +178,11 @@ def gather_nodes(storage: Storage, tmp_dir: Location, step: int, world_size: int
                                       f"{entry.count}]) after rank {end - 1}", step=step,
                                       rank=first)
             end = first + count
-            problem = storage.check_node_tmp(tmp_dir, step, name)
+            problem = None if name in checked else storage.check_node_tmp(tmp_dir, step, name)
             if problem is not None:  # every node's tmp area (on an object store: its folder)
                 raise SaveFailedError(f"node of rank {first} announced {name!r:.80}, {problem}",
                                       step=step, rank=first)
+            checked.add(name)  # a name, not a node: checked once however many share it
             plan.append((entry, name))
         if end != world_size:
             raise SaveFailedError(f"the nodes cover ranks 0..{end - 1} of {world_size}",
