@@ -270,12 +270,18 @@ class FSDPCheckpointManager:
         if isinstance(path, Path):  # a local directory (a store has no folders to make)
             path.mkdir(parents=True, exist_ok=True)
         memory = bool(self.durable_interval) and global_step % self.durable_interval != 0
-        if self.rank == 0 and not memory:
-            with local_dir(path / "huggingface") as directory:
-                self._save_hf_files(directory)
         extra = self._extra() if self.should_save_extra else None
-        handle = ckpt.save(global_step, extra=extra, force=not memory, replace=True,
-                           keep_from=keep_from)
+        handle = None
+        if memory:
+            handle = ckpt.save(global_step, extra=extra, replace=True, keep_from=keep_from)
+            if not self.async_save and self._skipped_anywhere(handle):
+                memory = False  # verl names this step in its tracker once we return
+        if not memory:
+            if self.rank == 0:
+                with local_dir(path / "huggingface") as directory:
+                    self._save_hf_files(directory)
+            handle = ckpt.save(global_step, extra=extra, force=True, replace=True,
+                               keep_from=keep_from)
         assert handle is not None  # on_busy "block", and memory_interval 1: never skipped
         job = Job(global_step, path, handle,
                   self.should_save_hf_model and self.should_save_model and not memory, memory)
@@ -291,6 +297,23 @@ class FSDPCheckpointManager:
             failures = [f for outcome in outcomes for f in outcome]
             if failures:
                 raise SaveFailedError("; ".join(failures), step=global_step)
+
+    def _skipped_anywhere(self, handle: Any) -> bool:
+        """Sync mode, a memory save: whether some node's writer skipped it (its bound of
+        two generations per node), so that no tier holds it. Every rank waits for its
+        save and learns the same answer (one all_gather_object): the step is then saved
+        durably by all of them, since verl writes its tracker naming it.
+
+        Raises:
+            SaveFailedError: this rank's memory save failed (as a sync save raises).
+        """
+        handle.wait()
+        skipped: list[Any] = [None] * self.world_size
+        dist.all_gather_object(skipped, handle.stats.tier == "skipped")
+        if any(skipped):
+            log.warning("asyncckpt: verl step %d was skipped by the memory tier of %d "
+                        "rank(s): saving it durably", handle.step, sum(map(bool, skipped)))
+        return any(skipped)
 
     def _rewind_tracker(self, local_path: Location) -> None:
         """Rank 0, before the first save after a load of an older step of the root it

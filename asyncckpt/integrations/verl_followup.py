@@ -169,11 +169,12 @@ def committed(job: Job, root: Location, saved: dict[str, int], kept: Callable[[]
     except CheckpointError as e:  # every rank's save_checkpoint (or the next) raises it
         log.error("asyncckpt: step %d was not committed (%s): the tracker keeps the "
                   "last committed step", job.step, e)
-        if not exists(job.local_path / MARKER):  # it describes no step: what this
-            remove_tree(job.local_path / "huggingface")  # save wrote
-            if isinstance(job.local_path, Path):  # a local directory
-                with contextlib.suppress(OSError):
-                    job.local_path.rmdir()  # only if nothing else is in it
+        _unmade(job.local_path)
+        return
+    if job.memory and job.handle.stats.tier == "skipped":  # held nowhere: not a step
+        log.warning("asyncckpt: step %d was skipped by the memory tier (two generations "
+                    "per node): the tracker keeps the last step saved", job.step)
+        _unmade(job.local_path)
         return
     write_bytes(job.local_path / MARKER, (json.dumps(
         {"root": relative_root(root, job.local_path), "step": job.step}) + "\n").encode())
@@ -198,3 +199,13 @@ def committed(job: Job, root: Location, saved: dict[str, int], kept: Callable[[]
         if step not in left and not holds(root_path(old), root):
             remove_tree(root_path(old))
             del saved[old]
+
+
+def _unmade(local_path: Location) -> None:
+    """A save that made no step: what it wrote at `local_path`, unless a marker says
+    an earlier save of the step made one there."""
+    if not exists(local_path / MARKER):
+        remove_tree(local_path / "huggingface")
+        if isinstance(local_path, Path):  # a local directory
+            with contextlib.suppress(OSError):
+                local_path.rmdir()  # only if nothing else is in it
