@@ -80,24 +80,29 @@ class Saved:
 
 
 def fsync_tree(path: Path) -> None:
-    """fsync every file under `path` (or `path` itself), then the directories."""
+    """fsync every file under `path` (or `path` itself), then the directories. A file
+    gone meanwhile is passed over: another rank's save still writing there renamed its
+    tmp file (Accelerate's ranks share `checkpoint_N`), and that rank fsyncs the result."""
     if not path.exists():
         return
     files = measure.files_under(path)
     dirs = {path} if path.is_dir() else set()
     for p in files:
         dirs.add(p.parent)
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(p)
     for d in dirs:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(d)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass
