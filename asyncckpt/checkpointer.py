@@ -401,6 +401,8 @@ class Checkpointer:
             return None
         restored = self._apply(found.state)
         self.restored_tier = found.tier
+        if found.carry is not None:
+            self.timeline = found.carry  # the run that saved it forked: go on in its timeline
         if found.fork_gen is None:
             return restored  # a memory generation newer than every durable step
         return self._begin_timeline(restored, found.fork_gen)

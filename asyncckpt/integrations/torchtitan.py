@@ -172,7 +172,7 @@ class CheckpointManager(titan.CheckpointManager):
                                keys | {MEMORY_STEP_KEY}, expected=True)
         if found is None:
             return False
-        step, state = found
+        step, state, _ = found  # its timeline: torchtitan's saves carry none (DCP's layer)
         for key in sorted(keys):
             self.states[key].load_state_dict(state[key])
         log.info("asyncckpt: torchtitan resumed at step %d from the memory tier", step)

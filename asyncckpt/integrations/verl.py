@@ -127,8 +127,10 @@ from asyncckpt.read.memory_restore import restore_memory
 from asyncckpt.storage.location import (
     Location,
     root_path,
+    storage_for,
     write_bytes,
 )
+from asyncckpt.storage.timeline import read_current
 from asyncckpt.torchutil.dtensor import unwrapped
 from asyncckpt.torchutil.state_dicts import apply_training_state, load_targets
 
@@ -430,17 +432,25 @@ class FSDPCheckpointManager:
 
     def _load_memory(self, root: Location, step: int, path: Location,
                      contents: tuple[str, ...], reader: Checkpointer) -> Any:
-        """Load `step`, which the root does not hold, from the memory tier (every rank
-        of the job together); returns its `extra`.
+        """Load `step` from the memory tier (every rank of the job together) where the
+        writers hold it and the root does not, or holds it of a history the run that
+        saved the generation left (it resumed from an older step and has not committed
+        since: its first commit abandons the root's step); returns its `extra` ({} for
+        none), or None to load the root's.
 
         Raises:
-            CheckpointNotFoundError: (on every rank) no writer of the job holds every
-                rank's image of `step`, or its load failed (said at WARNING).
+            CheckpointNotFoundError: (on every rank) the root does not hold `step` and no
+                writer of the job holds every rank's image of it, or its load failed
+                (said at WARNING).
         """
-        found = restore_memory(root, self._node_writer(root), None, None,
+        on_disk = step in reader.all_steps()
+        found = restore_memory(root, self._node_writer(root), None, step if on_disk else None,
                                lambda: load_targets(self.model, self.optimizer, contents),
-                               {"step", *contents}, expected=True, only=step)
+                               {"step", *contents}, expected=not on_disk, only=step,
+                               current=read_current(storage_for(root)))
         if found is None:
+            if on_disk:
+                return None
             newest = reader.all_steps()
             raise CheckpointNotFoundError(
                 f"step {step} ({path}) was saved to the memory tier only and no writer of the "
@@ -448,11 +458,12 @@ class FSDPCheckpointManager:
                 f"the root's newest durable step is "
                 f"{newest[-1] if newest else 'none'}: resume from it (resume_from_path)",
                 step=step, file=str(path))
-        state = found[1]
-        apply_training_state(self.model, self.optimizer, state)
+        apply_training_state(self.model, self.optimizer, found.state)
+        if found.start is not None:  # the next save goes on in the saving run's timeline
+            self._resumed = (_root_key(root), found.start)
         self.restored_tier = "memory"
         log.info("asyncckpt: verl step %d restored from the memory tier", step)
-        return state.get("extra")
+        return found.state.get("extra") or {}
 
     # -- after the commit: rank 0's follow-up, and every rank's share of the export -------
 
@@ -506,8 +517,11 @@ class FSDPCheckpointManager:
         reader = Checkpointer(root, model=self.model, optimizer=self.optimizer, fence=False,
                               options=CheckpointerOptions(contents=contents))
         self.restored_tier = None
-        if (self.durable_interval and step is not None and step not in reader.all_steps()):
-            extra = self._load_memory(root, step, path, contents, reader)
+        memory = None
+        if self.durable_interval and step is not None:
+            memory = self._load_memory(root, step, path, contents, reader)
+        if memory is not None:
+            extra = memory
         else:
             if reader.restore(step=step) is None:  # every rank lists the same (empty) root
                 raise CheckpointNotFoundError(f"{path} holds no committed step (its {ROOTS}/ "

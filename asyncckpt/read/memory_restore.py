@@ -14,6 +14,16 @@ failure on any rank -- no writer, nothing held, a fetch refused, a frame that fa
 checksum -- makes every rank answer None together, and the caller falls back to the
 durable tier: the ranks never resume from different tiers or steps. A generation older
 than the newest durable step is not taken either.
+
+Timelines: a generation saved after a restore carries the timeline its run began
+(`TimelineStart`), which abandons the root's steps above its fork only at that run's
+first durable commit. Until then the root's newest steps are of the history the run
+left: a generation of a run that forked from the root's current timeline is newer than
+every root step above its fork, whatever their numbers (a run that resumed from 4 and
+saved 5 to memory holds the 5 to resume, not the abandoned run's committed 5), and the
+restore carries its timeline on (`FromMemory.start`) so that the next commit abandons
+them. A generation of a run whose fork another run overtook (the root's timeline moved
+on since it read it: its commit would be refused) is not taken.
 """
 
 from __future__ import annotations
@@ -23,15 +33,16 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
+from asyncckpt.format.timeline import Timeline, TimelineStart
 from asyncckpt.read import memory
 from asyncckpt.storage.paths import Location
 from asyncckpt.torchutil.agree import gather, outcome, worst
 from asyncckpt.torchutil.ranks import resolve_rank
 
-__all__ = ["restore_memory"]
+__all__ = ["FromMemory", "restore_memory"]
 
 log = logging.getLogger("asyncckpt.checkpointer")
 
@@ -50,6 +61,17 @@ class Plan:
     world_size: int
     held: dict[str, list[int]]
     sources: dict[int, tuple[int, str]]
+    timeline: Any = None  # the generation's timeline as its writers list it (JSON)
+
+
+class FromMemory(NamedTuple):
+    """A generation restored: its step, the loaded state, and the timeline its run
+    began (None: saved in the root's current timeline), which the restoring job's saves
+    carry on."""
+
+    step: int
+    state: Any
+    start: TimelineStart | None
 
 
 def _view(address: str, found: memory.Listing) -> dict[str, Any]:
@@ -109,7 +131,25 @@ def _plan_at(step: int, writers: dict[str, dict[str, Any]], views: list[dict[str
         can = held.get(v["writer"], set()) | (set(sources) if v["fetch"] else set())
         if not ((saved == world and me in can) or can >= everyone):
             return None
-    return Plan(step, saved, {k: sorted(h) for k, h in held.items()}, sources)
+    return Plan(step, saved, {k: sorted(h) for k, h in held.items()}, sources,
+                next(iter(gens.values())).get("timeline"))
+
+
+def _floor(plan: Plan, newest: int | None, current: Timeline | None) -> tuple[int | None, bool]:
+    """(The oldest step `plan` may be, given the root's newest durable step `newest`;
+    whether its timeline rules it out) under the root's `current` timeline (None: not
+    read). See the module docstring."""
+    if plan.timeline is None:
+        return newest, False
+    try:
+        start = TimelineStart.from_json(plan.timeline)
+    except (ValueError, TypeError):  # a listing is another process's word
+        return newest, True
+    if current is None or start.id == current.id:
+        return newest, False  # the root's current timeline already (committed)
+    if start.based_on != current.gen:
+        return newest, True  # another run's timeline overtook it: never committed
+    return (None if newest is None else min(newest, start.at)), False
 
 
 def _span(node: list[int]) -> tuple[int, int]:
@@ -118,7 +158,8 @@ def _span(node: list[int]) -> tuple[int, int]:
 
 def restore_memory(root: Location, address: str | None, rank: int | None, newest: int | None,
                    into: Callable[[], Any], keys: set[str], *,
-                   expected: bool, only: int | None = None) -> tuple[int, Any] | None:
+                   expected: bool, only: int | None = None,
+                   current: Timeline | None = None) -> FromMemory | None:
     """Load the newest memory generation every rank holds, when it is at least `newest`
     (with `only`: generation `only`, or nothing).
 
@@ -137,8 +178,12 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         expected: memory saves were configured: say at WARNING when none is usable.
         only: the step to load (a framework that resumes at the step its own records
             name: the verl drop-in); None: the newest.
+        current: the root's current timeline, read before the listings (None: timelines
+            not judged): a generation of a run that forked from it is newer than the
+            root's steps above its fork; one of a run overtaken is not taken.
     Returns:
-        (step, loaded state), the same step on every rank; None on every rank when no
+        The step, the loaded state and the timeline to carry on, the same on every
+        rank; None on every rank when no
         usable generation is held everywhere or its load failed on any rank (said at
         WARNING with the cause; the caller falls back to the durable tier).
     """
@@ -152,7 +197,8 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
     _, world = resolve_rank(rank)
     plan = _plan(gather(view), world, only)
     step = plan.step if plan is not None else None
-    if plan is None or step is None or (newest is not None and step < newest):
+    floor, overtaken = _floor(plan, newest, current) if plan is not None else (newest, False)
+    if plan is None or step is None or overtaken or (floor is not None and step < floor):
         if expected:
             log.warning("asyncckpt: no memory generation %s: restoring from the durable "
                         "tier (newest step %s)", (
@@ -204,4 +250,11 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
                     f": {error}" if error else " on another rank", newest)
         return None
     log.info("asyncckpt: restored step %d from the memory tier", plan.step)
-    return plan.step, state
+    return FromMemory(plan.step, state, _start(plan.timeline))
+
+
+def _start(timeline: Any) -> TimelineStart | None:
+    try:
+        return None if timeline is None else TimelineStart.from_json(timeline)
+    except (ValueError, TypeError):
+        return None

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.read.memory_restore import restore_memory
 from asyncckpt.storage.location import exists, storage_for
 from asyncckpt.storage.paths import Location
@@ -45,12 +46,15 @@ class Resumed:
         tier: "memory" or "durable".
         fork_gen: the root's generation a new timeline forks from, or None when the
             state is a memory generation newer than every durable step (nothing on
-            disk to abandon).
+            disk to abandon), or one of a run that forked and has not committed since.
+        carry: that run's timeline, which the restoring job's saves carry on (None:
+            none to carry).
     """
 
     state: Any
     tier: str
     fork_gen: int | None
+    carry: TimelineStart | None = None
 
     @property
     def step(self) -> int:
@@ -84,12 +88,15 @@ def resume(root: Location, step: int | None, rank: int | None, *, strict: bool,
     if step is None:
         newest = newest_live(storage, current)
         found = restore_memory(root, memory_address, rank, newest, memory_into, memory_keys,
-                               expected=memory_expected)
+                               expected=memory_expected, current=current)
         if found is not None:
-            state = found[1]
+            if found.start is not None and found.start.id != current.id:
+                # the run that saved it forked and has not committed since: go on in
+                # its timeline (its first commit abandons the root's steps above the fork)
+                return Resumed(found.state, "memory", None, found.start)
             # on disk too: a restore forks there as always; newer: nothing to abandon
-            fork = current.gen if int(state["step"]) == newest else None
-            return Resumed(state, "memory", fork)
+            fork = current.gen if found.step == newest else None
+            return Resumed(found.state, "memory", fork)
     if step is not None or strict:
         if step is None and newest_live(storage, current) is None:
             return None

@@ -144,7 +144,7 @@ def test_a_rank_restores_its_image_from_another_nodes_writer(
     with caplog.at_level(logging.INFO):
         results = job.restore()
     assert all(r is not None for r in results), caplog.text
-    for rank, (step, state) in enumerate(results):
+    for rank, (step, state, _) in enumerate(results):
         want = _state(rank, 5)
         assert step == 5
         assert state["obj"] == want["obj"] and torch.equal(state["w"], want["w"]), rank
