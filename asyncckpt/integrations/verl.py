@@ -71,16 +71,8 @@ objects (written locally in a temporary directory first, then uploaded), and the
 logs to a file in the temporary directory (`start_writer`'s default there). A save of a
 committed step replaces it there too, in one conditional put of its manifest.
 
-The memory tier (docs/MEMORY_TIER.md): with `durable_interval` D (a checkpoint config key,
-or ASYNCCKPT_VERL_DURABLE_INTERVAL) the saves verl asks for (`trainer.save_freq`) go to
-the node writers' memory, every D-th step to the root too (memory_interval=1,
-save_interval=D). A memory save writes nothing to the root, no `huggingface/` files;
-the marker and (async) the tracker name it as any step. verl resumes at the step its
-tracker names (its data.pt is there), so `load_checkpoint` loads exactly that step: from
-the root where committed (a stopping writer writes its newest memory generation there),
-else from memory (every rank's image held by some writer: writers that outlive the
-ranks, started per node by the launcher, ASYNCCKPT_ADDRESS exported), else it raises
-CheckpointNotFoundError naming the newest durable step. `restored_tier` says which.
+The memory tier: with `durable_interval` D, verl's saves go to the node writers' memory
+and every D-th also to the root (verl_memory.py, docs/MEMORY_TIER.md).
 
 The one change for a verl user: in `verl/workers/engine/fsdp/transformer_impl.py`,
 `from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager`
@@ -93,7 +85,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +103,7 @@ from asyncckpt.integrations.verl_followup import (
     local_dir,
     shares_export,
 )
+from asyncckpt.integrations.verl_memory import durable_interval, load_step, skipped_anywhere
 from asyncckpt.integrations.verl_paths import (
     MARKER,
     ROOTS,
@@ -123,37 +115,16 @@ from asyncckpt.integrations.verl_paths import (
     trainer_dir,
 )
 from asyncckpt.rank.node_writer import given_address, node_writer
-from asyncckpt.read.memory_restore import restore_memory
 from asyncckpt.storage.location import (
     Location,
     root_path,
-    storage_for,
     write_bytes,
 )
-from asyncckpt.storage.timeline import read_current
 from asyncckpt.torchutil.dtensor import unwrapped
 from asyncckpt.torchutil.state_dicts import apply_training_state, load_targets
 
 __all__ = ["FSDPCheckpointManager", "MARKER", "ROOTS", "TRACKER", "locate", "root_of"]
 log = logging.getLogger("asyncckpt.verl")
-DURABLE_INTERVAL_ENV = "ASYNCCKPT_VERL_DURABLE_INTERVAL"
-
-
-def _durable_interval(config: Any) -> int:
-    """The memory tier's `durable_interval` (0: every save durable, no memory tier)."""
-    value = _get(config, "durable_interval", None)
-    if value is None:
-        value = os.environ.get(DURABLE_INTERVAL_ENV, "0") or "0"
-    try:
-        interval = int(value)
-    except (TypeError, ValueError):
-        interval = -1
-    if interval < 0 or isinstance(value, bool):
-        raise ValueError(f"durable_interval ({DURABLE_INTERVAL_ENV}) must be 0 (no memory "
-                         f"tier) or a step count, not {value!r}")
-    return interval
-
-
 def _root_key(root: Location) -> str:
     """`root` as one string per root (a local one with its links resolved)."""
     return str(root.resolve()) if isinstance(root, Path) else str(root)
@@ -203,7 +174,7 @@ class FSDPCheckpointManager:
         self.checkpoint_save_contents = list(_get(checkpoint_config, "save_contents", everything))
         self.checkpoint_load_contents = list(_get(checkpoint_config, "load_contents", everything))
         self.async_save = bool(_get(checkpoint_config, "async_save", False))
-        self.durable_interval = _durable_interval(checkpoint_config)
+        self.durable_interval = durable_interval(_get(checkpoint_config, "durable_interval", None))
         self.restored_tier: str | None = None  # which tier the last load read
         if _get(checkpoint_config, "save_lora_only", False):
             log.warning("asyncckpt: save_lora_only is not implemented; the whole model is saved")
@@ -276,7 +247,7 @@ class FSDPCheckpointManager:
         handle = None
         if memory:
             handle = ckpt.save(global_step, extra=extra, replace=True, keep_from=keep_from)
-            if not self.async_save and self._skipped_anywhere(handle):
+            if not self.async_save and skipped_anywhere(handle, self.world_size):
                 memory = False  # verl names this step in its tracker once we return
         if not memory:
             if self.rank == 0:
@@ -299,23 +270,6 @@ class FSDPCheckpointManager:
             failures = [f for outcome in outcomes for f in outcome]
             if failures:
                 raise SaveFailedError("; ".join(failures), step=global_step)
-
-    def _skipped_anywhere(self, handle: Any) -> bool:
-        """Sync mode, a memory save: whether some node's writer skipped it (its bound of
-        two generations per node), so that no tier holds it. Every rank waits for its
-        save and learns the same answer (one all_gather_object): the step is then saved
-        durably by all of them, since verl writes its tracker naming it.
-
-        Raises:
-            SaveFailedError: this rank's memory save failed (as a sync save raises).
-        """
-        handle.wait()
-        skipped: list[Any] = [None] * self.world_size
-        dist.all_gather_object(skipped, handle.stats.tier == "skipped")
-        if any(skipped):
-            log.warning("asyncckpt: verl step %d was skipped by the memory tier of %d "
-                        "rank(s): saving it durably", handle.step, sum(map(bool, skipped)))
-        return any(skipped)
 
     def _rewind_tracker(self, local_path: Location) -> None:
         """Rank 0, before the first save after a load of an older step of the root it
@@ -432,37 +386,17 @@ class FSDPCheckpointManager:
 
     def _load_memory(self, root: Location, step: int, path: Location,
                      contents: tuple[str, ...], reader: Checkpointer) -> Any:
-        """Load `step` from the memory tier (every rank of the job together) where the
-        writers hold it and the root does not, or holds it of a history the run that
-        saved the generation left (it resumed from an older step and has not committed
-        since: its first commit abandons the root's step); returns its `extra` ({} for
-        none), or None to load the root's.
-
-        Raises:
-            CheckpointNotFoundError: (on every rank) the root does not hold `step` and no
-                writer of the job holds every rank's image of it, or its load failed
-                (said at WARNING).
-        """
-        on_disk = step in reader.all_steps()
-        found = restore_memory(root, self._node_writer(root), None, step if on_disk else None,
-                               lambda: load_targets(self.model, self.optimizer, contents),
-                               {"step", *contents}, expected=not on_disk, only=step,
-                               current=read_current(storage_for(root)))
+        """`load_step`, applied: the step's `extra` ({} for none), or None to load the
+        root's."""
+        found = load_step(root, self._node_writer(root), step, path, reader.all_steps(),
+                          lambda: load_targets(self.model, self.optimizer, contents),
+                          {"step", *contents})
         if found is None:
-            if on_disk:
-                return None
-            newest = reader.all_steps()
-            raise CheckpointNotFoundError(
-                f"step {step} ({path}) was saved to the memory tier only and no writer of the "
-                f"job holds it now (a node and its partner lost, or the writers restarted); "
-                f"the root's newest durable step is "
-                f"{newest[-1] if newest else 'none'}: resume from it (resume_from_path)",
-                step=step, file=str(path))
+            return None
         apply_training_state(self.model, self.optimizer, found.state)
         if found.start is not None:  # the next save goes on in the saving run's timeline
             self._resumed = (_root_key(root), found.start)
         self.restored_tier = "memory"
-        log.info("asyncckpt: verl step %d restored from the memory tier", step)
         return found.state.get("extra") or {}
 
     # -- after the commit: rank 0's follow-up, and every rank's share of the export -------
