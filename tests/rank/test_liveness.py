@@ -17,6 +17,13 @@ from asyncckpt.rank.agreement import Agreement
 from asyncckpt.rank.coordination import StoreCoordinator
 
 
+@pytest.fixture(autouse=True)
+def fresh_ordinals() -> Iterator[None]:
+    """Leave no client ordinal behind: a later test's in-process ranks would not meet."""
+    yield
+    coordination._ordinals.clear()
+
+
 @pytest.fixture
 def store() -> Iterator[TCPStore]:
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
