@@ -17,7 +17,8 @@ there), so two things must hold that a plain `Checkpointer` does not need:
   hold it and the root does not, or where the root's copy is of the history the saving
   run left (it resumed from an older step and has not committed since: the memory copy
   is that run's, read/memory_restore.py); else from the root where committed (a stopping
-  writer writes its newest memory generation there); else it raises
+  writer writes its newest memory generation there; a load of the root's copy forks
+  there as any restore does); else it raises
   CheckpointNotFoundError naming the newest durable step. Memory needs writers that
   outlive the ranks (started per node by the launcher, ASYNCCKPT_ADDRESS exported).
 """
@@ -93,7 +94,8 @@ def load_step(root: Location, address: str | None, step: int, path: Location,
     """
     held = step in on_disk
     found = restore_memory(root, address, None, step if held else None, into, keys,
-                           expected=not held, only=step, current=read_current(storage_for(root)))
+                           expected=not held, only=step, current=read_current(storage_for(root)),
+                           forked_only=held)
     if found is None and not held:
         raise CheckpointNotFoundError(
             f"step {step} ({path}) was saved to the memory tier only and no writer of the "

@@ -135,21 +135,23 @@ def _plan_at(step: int, writers: dict[str, dict[str, Any]], views: list[dict[str
                 next(iter(gens.values())).get("timeline"))
 
 
-def _floor(plan: Plan, newest: int | None, current: Timeline | None) -> tuple[int | None, bool]:
+def _floor(plan: Plan, newest: int | None, current: Timeline | None
+           ) -> tuple[int | None, bool, bool]:
     """(The oldest step `plan` may be, given the root's newest durable step `newest`;
-    whether its timeline rules it out) under the root's `current` timeline (None: not
-    read). See the module docstring."""
+    whether its timeline rules it out; whether it is of a run that forked from `current`
+    and has not committed since) under the root's `current` timeline (None: not read).
+    See the module docstring."""
     if plan.timeline is None:
-        return newest, False
+        return newest, False, False
     try:
         start = TimelineStart.from_json(plan.timeline)
     except (ValueError, TypeError):  # a listing is another process's word
-        return newest, True
+        return newest, True, False
     if current is None or start.id == current.id:
-        return newest, False  # the root's current timeline already (committed)
+        return newest, False, False  # the root's current timeline already (committed)
     if start.based_on != current.gen:
-        return newest, True  # another run's timeline overtook it: never committed
-    return (None if newest is None else min(newest, start.at)), False
+        return newest, True, False  # another run's timeline overtook it: never committed
+    return (None if newest is None else min(newest, start.at)), False, True
 
 
 def _span(node: list[int]) -> tuple[int, int]:
@@ -159,7 +161,8 @@ def _span(node: list[int]) -> tuple[int, int]:
 def restore_memory(root: Location, address: str | None, rank: int | None, newest: int | None,
                    into: Callable[[], Any], keys: set[str], *,
                    expected: bool, only: int | None = None,
-                   current: Timeline | None = None) -> FromMemory | None:
+                   current: Timeline | None = None, forked_only: bool = False
+                   ) -> FromMemory | None:
     """Load the newest memory generation every rank holds, when it is at least `newest`
     (with `only`: generation `only`, or nothing).
 
@@ -181,6 +184,8 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         current: the root's current timeline, read before the listings (None: timelines
             not judged): a generation of a run that forked from it is newer than the
             root's steps above its fork; one of a run overtaken is not taken.
+        forked_only: take only a generation of such a run (the caller loads the root's
+            copy of the step otherwise: `only` is committed there too).
     Returns:
         The step, the loaded state and the timeline to carry on, the same on every
         rank; None on every rank when no
@@ -197,7 +202,10 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
     _, world = resolve_rank(rank)
     plan = _plan(gather(view), world, only)
     step = plan.step if plan is not None else None
-    floor, overtaken = _floor(plan, newest, current) if plan is not None else (newest, False)
+    floor, overtaken, forked = (_floor(plan, newest, current) if plan is not None
+                                else (newest, False, False))
+    if forked_only and not forked:
+        plan = None  # the caller loads the root's copy
     if plan is None or step is None or overtaken or (floor is not None and step < floor):
         if expected:
             log.warning("asyncckpt: no memory generation %s: restoring from the durable "
