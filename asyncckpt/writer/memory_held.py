@@ -189,14 +189,7 @@ class Held:
         """Fetched images checked whole: they can be opened from now on. False when
         they were let go meanwhile (then freed)."""
         with self._lock:
-            gen = self._fetched.get(step)
-            if gen is None or any(gen.images.get(i.rank) is not i for i in images):
-                for image in images:
-                    image.close()
-                return False
-            for image in images:
-                image.complete()
-            return True
+            return complete(self._fetched.get(step), images)
 
     def discard_fetched(self, step: int, node: NodeRanks, images: list[RankImage]) -> None:
         """A fetch that failed: its images are freed and forgotten."""
@@ -227,3 +220,16 @@ class Held:
             for image in self._spare:
                 image.close()
             self._spare.clear()
+
+
+def complete(gen: Generation | None, images: list[RankImage]) -> bool:
+    """Images written whole into `gen`, under the tier's lock: they count from now on.
+    False, and the images freed, when `gen` is gone or holds other images of those
+    ranks (it was dropped or let go while they were written)."""
+    if gen is None or any(gen.images.get(i.rank) is not i for i in images):
+        for image in images:
+            image.close()
+        return False
+    for image in images:
+        image.complete()
+    return True

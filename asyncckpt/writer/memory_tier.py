@@ -41,7 +41,7 @@ from asyncckpt.format.layout import layout
 from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodeRanks, TensorEntry
 from asyncckpt.writer.memory_generation import Generation, physical_memory, room
-from asyncckpt.writer.memory_held import Held, Opened
+from asyncckpt.writer.memory_held import Held, Opened, complete
 from asyncckpt.writer.memory_image import RankImage, SkippedImage
 from asyncckpt.writer.memory_order import BeginOrder, DurableSaves
 
@@ -272,12 +272,9 @@ class MemoryTier(Held):
         False when the generation was dropped meanwhile (they are then freed)."""
         with self._lock:
             gen = self._gens.get(step)
-            if gen is None or any(gen.images.get(i.rank) is not i for i in images):
-                for image in images:
-                    image.close()
+            if not complete(gen, images):
                 return False
-            for image in images:
-                image.complete()
+            assert gen is not None  # complete() says so
             self._settle(gen)
             return True
 
