@@ -13,83 +13,29 @@ listing the sender sees is replaced by patching `TcpTransport.list`.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from inprocess import InProcessWriter
+from memory_ring import Ring
 
 from asyncckpt.net.tcp import TcpTransport
-from asyncckpt.rank.client import Client
-from asyncckpt.read import memory
 
 WAIT_S = 30.0
 
 
-def _state(rank: int, step: int) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return {"w": torch.randn(300, 17, generator=g), "obj": {"rank": rank, "step": step}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Pair:
-    """Nodes 0 and 1, each writer serving on its port and sending to the other's."""
-
-    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setenv("ASYNCCKPT_JOB_SECRET", "ab" * 32)
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-        monkeypatch.setenv("LOCAL_RANK", "0")
-        ports = [_free_port(), _free_port()]
-        self.writers = [InProcessWriter(tmp / f"ckpt-{n}", codec="raw", export=False,
-                                        replica_listen=f"127.0.0.1:{ports[n]}",
-                                        replica_partner=f"127.0.0.1:{ports[1 - n]}")
-                        for n in (0, 1)]
-        self.clients = [Client(w.address, rank=r, world_size=2, coordination="local",
-                               slot_size=1 << 16, ring_size=1 << 18)
-                        for r, w in enumerate(self.writers)]
-
-    def save(self, step: int) -> None:
-        for h in [c.save(step, _state(r, step), tier="memory")
-                  for r, c in enumerate(self.clients)]:
-            h.wait(WAIT_S)
-
-    def held(self, node: int) -> dict[int, list[int]]:
-        return {g["step"]: g["ranks"] for g in memory.generations(self.writers[node].address)}
-
-    def wait_held(self, node: int, step: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.held(node).get(step) == [0, 1]:
-                return True
-            time.sleep(0.05)
-        return False
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-        for w in self.writers:
-            w.stop()
-
-
 @pytest.fixture
-def pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
-    p = Pair(tmp_path, monkeypatch)
+def pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ring]:
+    p = Ring(tmp_path, monkeypatch)
     try:
         yield p
     finally:
         p.close()
 
 
-def test_a_malformed_listing_does_not_stop_replication(pair: Pair,
+def test_a_malformed_listing_does_not_stop_replication(pair: Ring,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Generation 5 replicated both ways; then the partner's listings name step 5 with
     `ranks` that is not a list (a peer of another version) for 3 s of idle checks; then
@@ -98,7 +44,7 @@ def test_a_malformed_listing_does_not_stop_replication(pair: Pair,
     dies: generation 6 is never replicated."""
     pair.save(5)
     for node in (0, 1):
-        assert pair.wait_held(node, 5, WAIT_S), pair.held(node)
+        assert pair.wait_held(node, 5, [0, 1], WAIT_S), pair.held(node)
     real = TcpTransport.list
     monkeypatch.setattr(TcpTransport, "list",
                         lambda self, peer: [{"step": 5, "ranks": 7}, "junk"])
@@ -106,19 +52,19 @@ def test_a_malformed_listing_does_not_stop_replication(pair: Pair,
     monkeypatch.setattr(TcpTransport, "list", real)
     pair.save(6)
     for node in (0, 1):
-        assert pair.wait_held(node, 6, WAIT_S / 3), (
+        assert pair.wait_held(node, 6, [0, 1], WAIT_S / 3), (
             f"generation 6 never replicated to node {node} after a malformed listing: "
             f"{pair.held(node)}")
 
 
 def test_a_partner_that_never_holds_the_step_gets_it_three_times(
-        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+        pair: Ring, monkeypatch: pytest.MonkeyPatch) -> None:
     """Generation 5 replicated both ways; then every listing says the partner holds
     nothing. Each node sends its 5 again three times, no more (four idle checks after
     the sixth send add none), and stops listing once the tries are spent."""
     pair.save(5)
     for node in (0, 1):
-        assert pair.wait_held(node, 5, WAIT_S), pair.held(node)
+        assert pair.wait_held(node, 5, [0, 1], WAIT_S), pair.held(node)
     puts: list[int] = []
     lists: list[float] = []
     real_put = TcpTransport.put
