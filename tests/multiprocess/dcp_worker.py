@@ -99,7 +99,8 @@ def disk_full(out: Path, root: Path) -> None:
         raise AssertionError("a save larger than the filesystem committed")
     assert caught and all(type(c) is DiskFullError for c in caught), caught
     assert all(c.step == 7 and "disk full" in str(c) for c in caught), caught
-    print("caught", [f"{type(c).__name__}: {c}" for c in caught])
+    # One write, flushed: DCP's helper process logs to the same pipe meanwhile.
+    print(f"caught {[f'{type(c).__name__}: {c}' for c in caught]}", flush=True)
 
 
 def compare(want: object, got: object, path: tuple) -> list[str]:
