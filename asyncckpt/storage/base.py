@@ -39,16 +39,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING
 
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, parse_retired_dir, parse_step_dir
-from asyncckpt.storage.handles import CheckpointDir, DataFile, ReadFile
+from asyncckpt.storage.handles import (
+    CheckpointDir,
+    DataFile,
+    InProgress,
+    ReadFile,
+    RootHold,
+    read_manifest_with,
+)
 from asyncckpt.storage.paths import Location, ObjectPath
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from asyncckpt.config import ReadLimits
     from asyncckpt.format.manifest import Manifest
 
@@ -482,43 +487,3 @@ class Storage(ABC):
     def close(self) -> None:
         """Release what the storage holds (threads, connections); idempotent."""
         return None
-
-
-def read_manifest_with(read: Callable[[str, int], bytes], where: str,
-                       limits: ReadLimits) -> Manifest:
-    """The manifest read by `read(name, limit)` (its rank parts too), checked and parsed;
-    `where` names it in errors. The one sequence every backend's reads share.
-
-    Raises:
-        CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
-    """
-    from asyncckpt.format.manifest import parse_manifest
-    try:
-        data = read(MANIFEST_NAME, limits.max_manifest_bytes)
-    except OSError as e:
-        raise CorruptCheckpointError(f"cannot open manifest: {e.strerror or e}",
-                                     file=where) from None
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(e.cause.replace(MANIFEST_NAME, "manifest", 1),
-                                     file=where) from None
-    return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
-                          max_part_bytes=limits.max_manifest_bytes, where=where, read=read)
-
-
-class RootHold(Protocol):
-    """A writer's hold on a root (`Storage.take`): a lock or a lease."""
-
-    first: bool
-
-    def release(self) -> None:
-        """Let go of the root (idempotent)."""
-
-
-class InProgress(NamedTuple):
-    """A save under way in a root (`Storage.in_progress`)."""
-
-    step: int
-    path: Location  # its tmp area
-    stored_bytes: int  # what it holds so far
-    modified: float  # seconds since the epoch of its newest write
-

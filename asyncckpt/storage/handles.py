@@ -1,5 +1,6 @@
 """What a `Storage` hands out: a data file being written, a file read by ranges (and a
-range of it read front to back), and a checkpoint directory held for one load.
+range of it read front to back), a checkpoint directory held for one load, a hold on the
+root and a save in progress; and the manifest read every backend shares.
 
 Each backend subclasses these (storage/posix.py, posix_read.py, s3client.py); callers
 hold only these types. `CheckpointDir` here reads by path through its storage, which is
@@ -10,11 +11,15 @@ right for a store whose steps are never swapped under a reader; a backend whose 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from asyncckpt.errors import CorruptCheckpointError
+from asyncckpt.format.layout import MANIFEST_NAME
 from asyncckpt.storage.paths import Location
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from asyncckpt.config import ReadLimits
     from asyncckpt.format.manifest import Manifest
     from asyncckpt.storage.base import Storage
@@ -225,3 +230,43 @@ class CheckpointDir:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_manifest_with(read: Callable[[str, int], bytes], where: str,
+                       limits: ReadLimits) -> Manifest:
+    """The manifest read by `read(name, limit)` (its rank parts too), checked and parsed;
+    `where` names it in errors. The one sequence every backend's reads share.
+
+    Raises:
+        CorruptCheckpointError: missing, oversized, not a regular file, or invalid.
+    """
+    from asyncckpt.format.manifest import parse_manifest
+    try:
+        data = read(MANIFEST_NAME, limits.max_manifest_bytes)
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot open manifest: {e.strerror or e}",
+                                     file=where) from None
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(e.cause.replace(MANIFEST_NAME, "manifest", 1),
+                                     file=where) from None
+    return parse_manifest(data, max_frame_bytes=limits.max_frame_bytes,
+                          max_part_bytes=limits.max_manifest_bytes, where=where, read=read)
+
+
+class RootHold(Protocol):
+    """A writer's hold on a root (`Storage.take`): a lock or a lease."""
+
+    first: bool
+
+    def release(self) -> None:
+        """Let go of the root (idempotent)."""
+
+
+class InProgress(NamedTuple):
+    """A save under way in a root (`Storage.in_progress`)."""
+
+    step: int
+    path: Location  # its tmp area
+    stored_bytes: int  # what it holds so far
+    modified: float  # seconds since the epoch of its newest write
+

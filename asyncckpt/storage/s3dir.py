@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import MANIFEST_NAME, retired_dir_name
-from asyncckpt.storage.base import read_manifest_with
-from asyncckpt.storage.handles import CheckpointDir
+from asyncckpt.storage.handles import CheckpointDir, read_manifest_with
 from asyncckpt.storage.paths import ObjectPath
 from asyncckpt.storage.s3client import ObjectStoreError, S3ReadFile
 
