@@ -1,12 +1,16 @@
-"""Two simulated nodes' writers in process, each serving its memory tier on a port and
-sending its generations to the other's (the replica transport for real), with one rank
-each: the setup the memory tier's repair tests and their attacks share.
+"""The memory tier tests' shared setups: two simulated nodes' writers in process, each
+serving its memory tier on a port and sending its generations to the other's (the replica
+transport for real), with one rank each (`Ring`: the repair tests and their attacks);
+one writer with a node of two ranks (`one_node`: the durable-wait tests and their
+attacks); and a held image read back (`read_image`).
 """
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -90,3 +94,24 @@ def read_image(w: InProcessWriter, step: int, rank: int) -> dict:
             return memory.load(ckpt, rank, None)
     finally:
         images.close()
+
+
+@contextmanager
+def one_node(tmp: Path, monkeypatch: pytest.MonkeyPatch, absent_s: float, slot: int
+             ) -> Iterator[tuple[InProcessWriter, list[Client]]]:
+    """One writer and its node's ranks 0 and 1 (rings of 4 slots of `slot` bytes), a rank
+    absent from a memory step after `absent_s`; the clients closed, then the writer."""
+    monkeypatch.setenv("ASYNCCKPT_ABSENT_RANK_TIMEOUT", str(absent_s))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    w = InProcessWriter(tmp / "ckpt", codec="raw", export=False)
+    clients = []
+    try:
+        for rank in range(2):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            clients.append(Client(w.address, rank=rank, world_size=2, slot_size=slot,
+                                  ring_size=4 * slot))
+        yield w, clients
+    finally:
+        for c in clients:
+            c.close()
+        w.stop()

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from inprocess import InProcessWriter
+from memory_ring import one_node
 
 from asyncckpt.errors import SaveFailedError
 from asyncckpt.rank.client import Client
@@ -39,21 +40,8 @@ def _state(rank: int, step: int) -> dict:
 @pytest.fixture
 def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[InProcessWriter,
                                                                             list[Client]]]:
-    monkeypatch.setenv("ASYNCCKPT_ABSENT_RANK_TIMEOUT", str(ABSENT_S))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
-    clients = []
-    for rank in range(2):
-        monkeypatch.setenv("LOCAL_RANK", str(rank))
-        clients.append(Client(w.address, rank=rank, world_size=2, slot_size=SLOT,
-                              ring_size=4 * SLOT))
-    try:
-        yield w, clients
-    finally:
-        for c in clients:
-            c.close()
-        w.stop()
-
+    with one_node(tmp_path, monkeypatch, ABSENT_S, SLOT) as made:
+        yield made
 
 def test_a_rank_that_moved_on_to_newer_durable_saves_is_absent(
         node: tuple[InProcessWriter, list[Client]]) -> None:

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 from inprocess import InProcessWriter
+from memory_ring import one_node, read_image
 
 from asyncckpt.errors import SaveFailedError
 from asyncckpt.format.layout import step_dir_name
 from asyncckpt.rank.client import Client
 from asyncckpt.read import memory
-from asyncckpt.storage.location import root_path
 from asyncckpt.writer import pipeline
 
 ABSENT_S = 1.5     # absent_rank_timeout: short, so that the old failure shows in seconds
@@ -48,8 +48,6 @@ LARGE = 40 * SLOT // 4     # 40 chunks: ~4.8 s of slow disk, over 3 x ABSENT_S
 @pytest.fixture
 def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[InProcessWriter,
                                                                             list[Client]]]:
-    monkeypatch.setenv("ASYNCCKPT_ABSENT_RANK_TIMEOUT", str(ABSENT_S))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     slow_submit = pipeline.RankFileWriter.submit
     slow = [True]
 
@@ -58,29 +56,11 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[InPr
             time.sleep(CHUNK_S)
         slow_submit(self, raw, done)
     monkeypatch.setattr(pipeline.RankFileWriter, "submit", submit)
-    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
-    clients = []
-    for rank in range(2):
-        monkeypatch.setenv("LOCAL_RANK", str(rank))
-        clients.append(Client(w.address, rank=rank, world_size=2, slot_size=SLOT,
-                              ring_size=4 * SLOT))
-    try:
-        yield w, clients
-    finally:
-        for c in clients:
-            c.close()
-        slow[0] = False  # the stopping writer's flush of its memory tier goes at disk pace
-        w.stop()
-
-
-def _read_back(w: InProcessWriter, step: int, rank: int) -> dict:
-    images = memory.open_images(w.address, step)
-    try:
-        with memory.open_checkpoint(root_path(w.root), images, images.parts) as ckpt:
-            return memory.load(ckpt, rank, None)
-    finally:
-        images.close()
-
+    with one_node(tmp_path, monkeypatch, ABSENT_S, SLOT) as made:
+        try:
+            yield made
+        finally:
+            slow[0] = False  # the stopping writer's flush of its memory tier goes at disk pace
 
 def test_a_rank_behind_its_own_slow_durable_save_is_waited_for(
         node: tuple[InProcessWriter, list[Client]]) -> None:
@@ -103,7 +83,7 @@ def test_a_rank_behind_its_own_slow_durable_save_is_waited_for(
     [gen] = [g for g in memory.generations(w.address) if g["step"] == 11]
     assert gen["ranks"] == [0, 1] and gen["whole"], gen
     for rank in range(2):
-        back, want = _read_back(w, 11, rank), _state(rank, 11, sizes[rank])
+        back, want = read_image(w, 11, rank), _state(rank, 11, sizes[rank])
         assert back["obj"] == want["obj"] and torch.equal(back["w"], want["w"]), rank
     assert (w.root / step_dir_name(10)).is_dir()
 

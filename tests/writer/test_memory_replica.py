@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from inprocess import InProcessWriter
+from memory_ring import read_image
 
 import asyncckpt
 from asyncckpt.config import WriterKnobs
@@ -67,15 +68,6 @@ def nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         b.stop()
 
 
-def _read(w: InProcessWriter, step: int, rank: int) -> dict:
-    images = memory.open_images(w.address, step)
-    try:
-        with memory.open_checkpoint(root_path(w.root), images, images.parts) as ckpt:
-            return memory.load(ckpt, rank, None)
-    finally:
-        images.close()
-
-
 def _same(a: dict, b: dict) -> None:
     assert a["obj"] == b["obj"] and torch.equal(a["w"], b["w"])
 
@@ -88,7 +80,7 @@ def test_a_replica_serves_the_lost_node_and_flushes_the_world(nodes) -> None:
     [gen] = memory.generations(b.address)
     assert gen["ranks"] == [0, 1, 2, 3] and gen["whole"] and gen["replicas"] == [[0, 2]]
     for rank in range(4):  # node 0 lost: its ranks' bytes come from node 1's writer
-        _same(_read(b, 5, rank), _state(rank, 5))
+        _same(read_image(b, 5, rank), _state(rank, 5))
     assert memory.flush(b.address) == 5  # the world is whole on node 1: it can flush it
     for rank in range(4):
         _same(asyncckpt.load(b.root, rank=rank), _state(rank, 5))

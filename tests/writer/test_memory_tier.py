@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from inprocess import InProcessWriter
+from memory_ring import read_image
 
 from asyncckpt import Checkpointer, CheckpointerOptions
 from asyncckpt.errors import CorruptCheckpointError, MemoryTierFullError, SaveFailedError
@@ -40,15 +41,6 @@ def _same(a: dict, b: dict) -> None:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
-def _read_back(w: InProcessWriter, step: int, rank: int) -> dict:
-    images = memory.open_images(w.address, step)
-    try:
-        with memory.open_checkpoint(root_path(w.root), images, images.parts) as ckpt:
-            return memory.load(ckpt, rank, None)
-    finally:
-        images.close()
-
-
 def test_memory_save_is_held_not_written(tmp_path: Path) -> None:
     """Two ranks' memory save of step 3: done with tier "memory", nothing in the root,
     each rank's state read back bit-exact from the writer's memory."""
@@ -64,7 +56,7 @@ def test_memory_save_is_held_not_written(tmp_path: Path) -> None:
             assert (gen["step"], gen["world_size"], gen["ranks"], gen["whole"]) == (3, 2, [0, 1],
                                                                                   True)
             for r in range(2):
-                _same(_read_back(w, 3, r), _state(r, 3))
+                _same(read_image(w, 3, r), _state(r, 3))
         finally:
             for c in clients:
                 c.close()
@@ -78,7 +70,7 @@ def test_newest_whole_generation_drops_the_older(tmp_path: Path) -> None:
         for step in (1, 2, 3):
             c.save(step, _state(0, step), tier="memory").wait(WAIT_S)
         assert [g["step"] for g in memory.generations(w.address)] == [3]
-        _same(_read_back(w, 3, 0), _state(0, 3))
+        _same(read_image(w, 3, 0), _state(0, 3))
         # the newest whole one, and the older one's images kept to refill: 2 generations
         assert w.server.memory.held_bytes == 2 * memory.generations(w.address)[0]["bytes"]
 
@@ -113,7 +105,7 @@ def test_a_rank_cannot_change_an_image_it_is_handed(tmp_path: Path) -> None:
                 os.close(fd)
         finally:
             images.close()
-        _same(_read_back(w, 1, 0), _state(0, 1))
+        _same(read_image(w, 1, 0), _state(0, 1))
 
 
 def test_a_wrong_checksum_is_never_returned(tmp_path: Path) -> None:
@@ -178,7 +170,7 @@ def test_a_rank_gone_mid_save_fails_the_generation(tmp_path: Path,
         with pytest.raises(SaveFailedError, match="rank 1 of the node disconnected"):
             first.wait(WAIT_S)
         assert [(g["step"], g["whole"]) for g in memory.generations(w.address)] == [(1, True)]
-        _same(_read_back(w, 1, 1), _state(1, 1))
+        _same(read_image(w, 1, 1), _state(1, 1))
         clients[0].close()
 
 
@@ -356,7 +348,7 @@ def test_a_rank_that_never_begins_fails_the_generation(tmp_path: Path,
             assert [(g["step"], g["whole"]) for g in memory.generations(w.address)] == [
                 (1, True)]
             for r in range(2):
-                _same(_read_back(w, 1, r), _state(r, 1))
+                _same(read_image(w, 1, r), _state(r, 1))
             # the connected ranks go on: the next generation is whole as usual
             for h in [c.save(3, _state(r, 3), tier="memory") for r, c in enumerate(clients)]:
                 h.wait(WAIT_S)
