@@ -193,6 +193,7 @@ def med(xs: list[float]) -> float:
 def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
             threads: list[int]) -> dict[str, Any]:
     """`threads`: copy threads of the stager to compare (0: as shipped, 1: no helper)."""
+    from asyncckpt.rank import copier as copiers_mod
     from asyncckpt.rank import stager
     tensors = flat_tensors(state)
     copy = memcpy_one_thread(tensors)
@@ -207,7 +208,7 @@ def staging(tmp: Path, state: dict[str, Any], reps: int, dcp: bool,
         if peer:
             peer.save(state)
         def save_with(tag: str, ckpt: AsyncCkpt, copier: Any) -> None:
-            stager._copier = copier  # what stage() takes when the client passes none
+            copiers_mod._copier = copier  # what stage() takes when the client passes none
             r = ckpt.save(state)
             out.setdefault("staging" + tag, []).append(r["staging"])
             out.setdefault("blocked" + tag, []).append(r["blocked"])

@@ -12,7 +12,7 @@ every core loaded, copy_ fell to a fraction of memmove's speed: docs/design/stag
 Host bytes are copied by the stager thread and helper threads together: the copies
 into a few slots (`PARALLEL_SLOTS`) are queued as jobs of at most 1 MiB, whatever
 tensors they come from, and run as one batch that whichever thread is free takes from
-next (`HostCopier`); those slots are handed over once every job of the batch is done.
+next (`HostCopier`, copier.py); those slots are handed over once every job of the batch is done.
 A batch under `INLINE_BYTES` (a small state's) is copied by the stager thread alone.
 Taking jobs rather than being assigned halves is what keeps this safe on a busy
 machine: a helper that is not scheduled takes nothing, and the stager thread copies
@@ -56,17 +56,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import itertools
 import logging
-import os
-import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from asyncckpt.ipc.ring import Ring
+from asyncckpt.rank.copier import HostCopier, host_copier
 
 log = logging.getLogger("asyncckpt.rank")
 
@@ -81,88 +78,6 @@ def slot_tensor(ring: Ring, slot: int) -> torch.Tensor:
     module itself stays free of torch, as the writer maps rings too)."""
     return torch.frombuffer(ring.mapping, dtype=torch.uint8, count=ring.slot_size,
                             offset=slot * ring.slot_size)
-
-class HostCopier:
-    """Host-memory copies shared by the stager thread and `helpers` daemon threads.
-
-    `run(jobs)` returns once every (dest address, source address, bytes) job is copied;
-    the caller copies too, taking jobs as the helpers do, so `run` never waits for a
-    helper that has not started. Several callers may run batches at once.
-    """
-
-    def __init__(self, helpers: int) -> None:
-        self.helpers = helpers
-        self._batches: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
-        for i in range(helpers):
-            threading.Thread(target=self._serve, daemon=True, name=f"asyncckpt-copy-{i}").start()
-
-    def run(self, jobs: list[tuple[int, int, int]]) -> None:
-        if not self.helpers or len(jobs) < 2:
-            for dest, source, n in jobs:
-                ctypes.memmove(dest, source, n)
-            return
-        batch = _Batch(jobs)
-        for _ in range(min(self.helpers, len(jobs) - 1)):
-            self._batches.put(batch)
-        batch.work()
-        batch.done.wait()
-
-    def _serve(self) -> None:
-        while True:
-            self._batches.get().work()
-
-
-class _Batch:
-    def __init__(self, jobs: list[tuple[int, int, int]]) -> None:
-        self.jobs = jobs
-        self._next = itertools.count()  # next() of a count is atomic under the GIL
-        self._left = len(jobs)
-        self._lock = threading.Lock()
-        self.done = threading.Event()
-        if not jobs:
-            self.done.set()
-
-    def work(self) -> None:
-        mine = 0
-        while (i := next(self._next)) < len(self.jobs):
-            dest, source, n = self.jobs[i]
-            ctypes.memmove(dest, source, n)  # releases the GIL
-            mine += 1
-        if mine:  # every job taken is done once each taker has counted its own
-            with self._lock:
-                self._left -= mine
-                if not self._left:
-                    self.done.set()
-
-
-def _helper_count() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(0, min(3, cores - 1))
-
-
-_copier: HostCopier | None = None
-_copier_lock = threading.Lock()
-
-
-def _forget_copier() -> None:  # a forked child has none of the parent's helper threads
-    global _copier, _copier_lock
-    _copier, _copier_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_copier)
-
-
-def host_copier() -> HostCopier:
-    """The process's HostCopier (its helper threads start on first use)."""
-    global _copier
-    with _copier_lock:
-        if _copier is None:
-            _copier = HostCopier(_helper_count())
-        return _copier
-
 
 def byte_pieces(t: torch.Tensor, max_bytes: int,
                 contiguous: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
