@@ -99,20 +99,25 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         if self.parts is not None:
-            version, key, value = FORMAT_VERSION_PARTS, "parts", [e.to_json() for e in self.parts]
+            version = FORMAT_VERSION_PARTS
         else:  # a single file: version 2 with references, else as made (never 3)
             version = (FORMAT_VERSION_REFS if any(p.has_refs for p in self.ranks) else
                        self.format_version if self.format_version == FORMAT_VERSION_REFS
                        else FORMAT_VERSION)
-            key, value = "ranks", [p.to_json() for p in self.ranks]
         # the root timeline is written as no field: the bytes of a root that never forked
         # are those of a writer before timelines
         timeline = {} if self.timeline.is_root else {"timeline": self.timeline.to_json()}
-        return seal(json.dumps({
-            "format": FORMAT_NAME, "format_version": version,
-            "writer_version": self.writer_version, "step": self.step,
-            "world_size": self.world_size, "created": self.created, **timeline, key: value,
-        }, separators=(",", ":"), allow_nan=False).encode())
+        head = {"format": FORMAT_NAME, "format_version": version,
+                "writer_version": self.writer_version, "step": self.step,
+                "world_size": self.world_size, "created": self.created, **timeline}
+        if self.parts is None:
+            return seal(json.dumps({**head, "ranks": [p.to_json() for p in self.ranks]},
+                                   separators=(",", ":"), allow_nan=False).encode())
+        # a root: its entries (the last field) are each written as text, then joined: the
+        # characters json.dumps writes for the whole, in a third of the time at 1000 nodes
+        text = json.dumps(head, separators=(",", ":"), allow_nan=False)
+        parts = ",".join([e.json_text() for e in self.parts])
+        return seal(f'{text[:-1]},"parts":[{parts}]}}'.encode())
 
 
 def parse_manifest(data: bytes, *, max_frame_bytes: int, max_part_bytes: int | None = None,
