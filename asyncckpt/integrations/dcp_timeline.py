@@ -11,6 +11,11 @@ sent to every rank inside its plan, so every rank of the step carries the same o
 every later save on R carries it too (once current, a start is an ordinary save) until
 another load of R is recorded.
 
+A restore from the memory tier (torchtitan's `load()`) is a load too, of a generation that
+may carry the timeline of the run that saved it (read/memory_restore.py): `carry` records
+that start as given (the same on every rank), so the saves after it go on in that run's
+timeline, as `Checkpointer.restore()` carries `Resumed.carry`.
+
 The hazard is DCP's, not ours to guess: a load of an older step for any purpose (an
 evaluation in the training process) followed by a save on the same root is a resume
 from that step. Loading the newest step abandons nothing.
@@ -33,10 +38,11 @@ from asyncckpt.storage.location import Location
 
 @dataclasses.dataclass
 class _Load:
-    step: int
-    gen: int
+    step: int | None
+    gen: int | None
     count: int                          # loads of this root recorded in this process
     start: TimelineStart | None = None  # drawn by the coordinator's first save after it
+    given: bool = False                 # `start` carried as it is (None: no start)
 
 
 _loads: dict[str, _Load] = {}
@@ -59,6 +65,18 @@ def record_load(root: Location, step: int) -> None:
         _loads[_key(root)] = _Load(step, gen, 1 + (before.count if before else 0))
 
 
+def carry(root: Location, start: TimelineStart | None) -> None:
+    """This process restored a memory generation of `root`'s job that later saves go on
+    from: they carry `start` (the timeline of the run that saved it, which forked and
+    has not committed since), or, None, no start (the root's current timeline). Every
+    rank must pass the same; a later load of `root` replaces it."""
+    with _lock:
+        before = _loads.get(_key(root))
+        _loads[_key(root)] = _Load(None if start is None else start.at,
+                                   None if start is None else start.based_on,
+                                   1 + (before.count if before else 0), start, given=True)
+
+
 def generation(root: Location | None) -> int:
     """How many loads of `root` this process recorded (0: none): part of the plan cache
     key, so a load makes the next save's plan anew."""
@@ -71,15 +89,17 @@ def generation(root: Location | None) -> int:
 
 def start_for(root: Location | None) -> TimelineStart | None:
     """The timeline start that saves to `root` carry: None when this process loaded
-    nothing of it; else the start forked at the step loaded last, drawn on the first
-    call after that load (the coordinator's, whose plan hands it to every rank)."""
+    nothing of it; the one `carry` gave; else the start forked at the step loaded last,
+    drawn on the first call after that load (the coordinator's, whose plan hands it to
+    every rank)."""
     if root is None:
         return None
     with _lock:
         load = _loads.get(_key(root))
-        if load is None:
-            return None
+        if load is None or load.given:
+            return None if load is None else load.start
         if load.start is None:
+            assert load.step is not None and load.gen is not None  # a recorded load's
             load.start = TimelineStart(new_timeline_id(), load.step, load.gen)
         return load.start
 

@@ -44,7 +44,12 @@ torchtitan's `checkpoint_id`), with asyncckpt's storage added:
   across both tiers: a memory generation every rank can read that is at least the
   newest durable step, else the durable step as before (said at WARNING).
   `restored_tier` says which. The writer's address: ASYNCCKPT_ADDRESS, else the node
-  writer the DCP saves start on the folder.
+  writer the DCP saves start on the folder. Timelines as `Checkpointer.restore()`: a
+  memory save carries the timeline the DCP saves would (dcp_timeline.py: forked at the
+  step `load()` read); a generation of a run that resumed from an older step and has
+  not committed since counts as newer than the root's steps above its fork, and the
+  saves after its restore go on in that run's timeline (its first commit abandons
+  them, read/memory_restore.py); one that is the newest durable step forks there.
 
 Saving to Hugging Face format (`to_hf`) and loading from it stay torchtitan's own.
 """
@@ -60,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -72,17 +78,19 @@ from torchtitan.tools import filesystem
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, UntrustedPickleError
 from asyncckpt.format.layout import MANIFEST_NAME, step_dir_name
+from asyncckpt.format.timeline import Timeline, TimelineStart
 from asyncckpt.integrations.dcp_metadata import METADATA_NAME, read_metadata
 from asyncckpt.integrations.dcp_reader import StorageReader
+from asyncckpt.integrations.dcp_timeline import carry, generation, record_load, start_for
 from asyncckpt.integrations.dcp_writer import StorageWriter, _started_writer, parse_checkpoint_id
 from asyncckpt.rank.client import shared_client
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.node_writer import given_address
-from asyncckpt.read.memory_restore import restore_memory
+from asyncckpt.read.memory_restore import FromMemory, restore_memory
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import root_path
 from asyncckpt.storage.registry import shared_storage
-from asyncckpt.storage.timeline import newest_live
+from asyncckpt.storage.timeline import newest_live, read_current
 
 _TITAN_STEP = re.compile(r"step-(0|[1-9][0-9]*)")  # torchtitan's own folder names
 MEMORY_STEP_KEY = "asyncckpt_step"  # beside torchtitan's states in a memory save
@@ -109,6 +117,7 @@ class CheckpointManager(titan.CheckpointManager):
         self.memory_interval = getattr(config, "memory_interval", 0)
         self.restored_tier: str | None = None  # where load() found its step
         self._memory_handle: SaveHandle | None = None
+        self._timeline: tuple[int, TimelineStart | None] | None = None  # (load count, start)
         self.stager = types.SimpleNamespace(close=lambda: None)  # the ring stages instead
 
     # -- the memory tier ----------------------------------------------------------
@@ -121,7 +130,7 @@ class CheckpointManager(titan.CheckpointManager):
                  for k, v in self.states.items() if v is not None}
         state[MEMORY_STEP_KEY] = curr_step
         client = shared_client(self._memory_address(), root=root_path(self.folder))
-        handle = client.save(curr_step, state, tier="memory")
+        handle = client.save(curr_step, state, tier="memory", timeline=self._memory_timeline())
         if self.async_mode == titan.AsyncMode.DISABLED:
             handle.wait()
         else:  # the states may change once they are in the ring; the result is taken
@@ -134,6 +143,23 @@ class CheckpointManager(titan.CheckpointManager):
     def _memory_due(self, step: int) -> bool:
         return bool(self.enable and not self.load_only and self.memory_interval
                     and step % self.memory_interval == 0)
+
+    def _memory_timeline(self) -> TimelineStart | None:
+        """The timeline start a memory save carries: the one this process's DCP saves
+        to the folder carry (dcp_timeline.py), rank 0's, broadcast once per load so that
+        every rank carries the same (the DCP saves' coordinator hands it to the ranks in
+        its plan; a memory save has no plan)."""
+        root = root_path(self.folder)
+        loads = generation(root)
+        if self._timeline is None or self._timeline[0] != loads:
+            start: list[Any] = [None]
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                start = [None if (s := start_for(root)) is None else s.to_json()]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list(start, src=0, group=self.pg)
+            self._timeline = (loads, None if start[0] is None
+                              else TimelineStart.from_json(start[0]))
+        return self._timeline[1]
 
     def _memory_address(self) -> str:
         return given_address(None) or _started_writer(root_path(self.folder))
@@ -164,19 +190,36 @@ class CheckpointManager(titan.CheckpointManager):
     def _load_memory(self) -> bool:
         """Load the newest memory generation every rank can read, when it is at least
         the newest durable step (every rank calls it: it agrees across ranks)."""
+        storage = _storage(self.folder)
+        current = (read_current(storage) if storage is not None and storage.is_dir(storage.root)
+                   else None)  # before the listings, as Checkpointer.restore reads it
         newest = self._find_load_step() if filesystem.exists(self.folder) else -1
         keys = {k for k, v in self.states.items()
                 if v is not None and k not in self.exclude_from_loading}
         found = restore_memory(root_path(self.folder), self._memory_address(), None,
                                None if newest < 0 else newest, self._memory_targets,
-                               keys | {MEMORY_STEP_KEY}, expected=True)
+                               keys | {MEMORY_STEP_KEY}, expected=True, current=current)
         if found is None:
             return False
-        step, state, _ = found  # its timeline: torchtitan's saves carry none (DCP's layer)
         for key in sorted(keys):
-            self.states[key].load_state_dict(state[key])
-        log.info("asyncckpt: torchtitan resumed at step %d from the memory tier", step)
+            self.states[key].load_state_dict(found.state[key])
+        self._go_on_from(found, newest, current)
+        log.info("asyncckpt: torchtitan resumed at step %d from the memory tier", found.step)
         return True
+
+    def _go_on_from(self, found: FromMemory, newest: int, current: Timeline | None) -> None:
+        """The timeline the saves after restoring `found` carry (every rank alike), as
+        `Checkpointer.restore()` chooses it (read/resume.py): the saving run's, when it
+        forked and has not committed since; forked at the step when the root holds it
+        too (as a `dcp.load` of it: dcp_timeline.py); else none (the root's current
+        timeline: nothing on disk above it to abandon)."""
+        root = root_path(self.folder)
+        if found.start is not None and (current is None or found.start.id != current.id):
+            carry(root, found.start)
+        elif found.step == newest:
+            record_load(root, found.step)
+        else:
+            carry(root, None)
 
     def _memory_targets(self) -> dict[str, Any]:
         """The model's tensors, filled in place by the load (DTensor shards too)."""

@@ -6,6 +6,7 @@ then a fresh job resumes and must hold the same state bit for bit.
     python titan_worker.py ROOT dcp-folder
     python titan_worker.py ROOT memory-ASYNC_MODE   (the memory tier: `memory_tier`)
     python titan_worker.py ROOT ASYNC_MODE old|resume|newest [KILL]   (see `timeline`)
+    python titan_worker.py ROOT fork-ASYNC_MODE a|b|c   (a forked run's memory step: `fork`)
 
 `dcp-folder`: torchtitan's own manager first saves steps 1-2 as DCP folders
 (`step-N/.metadata`); asyncckpt's resumes from step 2 bit for bit, saves 3 and 4, and
@@ -272,9 +273,51 @@ def memory_tier(root: str, mode: str) -> None:
     assert writer.stop() == 0
 
 
+def fork(root: str, mode: str, run: str) -> None:
+    """A memory step of a run that resumed from an older one, resumed by a fresh job,
+    each run a process of its own on the writer ASYNCCKPT_ADDRESS names (the test's,
+    which outlives them): `a` commits 1-5; `b` loads 4 (`load(step=4)`), trains a step
+    of another history (one batch skipped) and saves 5 to memory only (interval=2,
+    memory_interval=1); `c` resumes (`load()`), which must give b's 5 from memory, then
+    trains and commits 6. Every run's states are kept beside the root (`<run>-<step>.pt`)
+    and compared bit for bit; the test judges the root's history."""
+    keep = os.path.dirname(root)
+
+    def kept(name: str, step: int) -> str:
+        return os.path.join(keep, f"{name}-{step}.pt")
+
+    model, optim, lr, loader = build(seed=1)
+    batches = iter(loader)
+    if run == "a":
+        ckpt = manager(root, mode, model, optim, lr, loader, keep=0)
+        for step in range(1, 6):
+            train(model, optim, lr, batches, ckpt, [step])
+            torch.save(snapshot(model, optim, lr), kept("a", step))
+        ckpt.close()
+        return
+    ckpt = manager(root, mode, model, optim, lr, loader, keep=0, interval=2, memory=1)
+    assert ckpt.load(step=4 if run == "b" else -1) is True
+    at = 4 if run == "b" else 5
+    want = kept("a" if run == "b" else "b", at)
+    assert ckpt.restored_tier == ("durable" if run == "b" else "memory"), ckpt.restored_tier
+    assert same(torch.load(want, weights_only=False), snapshot(model, optim, lr)), (
+        f"run {run} did not load {want}")
+    batches = iter(loader)
+    if run == "b":
+        next(batches)  # b's 5 differs from a's
+    train(model, optim, lr, batches, ckpt, [at + 1])
+    torch.save(snapshot(model, optim, lr), kept(run, at + 1))
+    ckpt.close()
+
+
 def main() -> None:
     root, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", rank=0, world_size=1)
+    if mode.startswith("fork-"):
+        fork(root, mode.removeprefix("fork-"), sys.argv[3])
+        dist.destroy_process_group()
+        print("OK", mode, sys.argv[3])
+        return
     if mode.startswith("memory-"):
         memory_tier(root, mode.removeprefix("memory-"))
         dist.destroy_process_group()
