@@ -17,7 +17,9 @@ trusted.
 """
 
 from asyncckpt.integrations.dcp_convert import dcp_to_torch_save
+from asyncckpt.integrations.dcp_memory import load_memory
 from asyncckpt.integrations.dcp_reader import StorageReader
 from asyncckpt.integrations.dcp_writer import StorageWriter, parse_checkpoint_id
 
-__all__ = ["StorageReader", "StorageWriter", "dcp_to_torch_save", "parse_checkpoint_id"]
+__all__ = ["StorageReader", "StorageWriter", "dcp_to_torch_save", "load_memory",
+           "parse_checkpoint_id"]

@@ -91,7 +91,7 @@ class StorageWriter(dcp.StorageWriter):
                  client: Client | None = None, address: str | None = None,
                  ring_size: int | None = None, keep_last: int | None = None,
                  keep_every: int = 0, staging_future: bool = False, overwrite: bool = False,
-                 replace: bool | None = None) -> None:
+                 replace: bool | None = None, tier: str = "durable") -> None:
         """Args:
             root: the checkpoint root; it must be the root of the writer this rank
                 reaches (checked on the first save). None: the writer's root.
@@ -113,9 +113,12 @@ class StorageWriter(dcp.StorageWriter):
                 new one is committed (as DCP's FileSystemWriter overwrites). Without it a
                 re-save fails with StepAlreadyCommittedError. `replace` is the same
                 option under asyncckpt's name (`Client.save(replace=)`).
+            tier: "memory": to the node writers' memory tier, not the root; each rank's
+                write ends once its node holds it (integrations/dcp_memory.py).
         Raises:
             ValueError: a step, keep_last or keep_every that is not an int in
-                0..MAX_STEP; overwrite and replace both given and different, or not bools.
+                0..MAX_STEP; overwrite and replace both given and different, or not
+                bools; a tier not "durable" or "memory".
         """
         if step is not None:
             check_step(step)
@@ -128,7 +131,7 @@ class StorageWriter(dcp.StorageWriter):
         self.ring_size = ring_size
         # checked here, not mid-save
         self.options = SaveOptions(keep_last, keep_every,
-                                   replace=overwrite if replace is None else replace)
+                                   replace=overwrite if replace is None else replace, tier=tier)
         self.staging_future = staging_future
         self._client = self._given = client
         self._target: tuple[Location | None, int | None] = (self.root, step)
@@ -212,7 +215,7 @@ class StorageWriter(dcp.StorageWriter):
                     else None)
         handle = client.save(step, state, keep_last=self.options.keep_last,
                              keep_every=self.options.keep_every, replace=self.options.replace,
-                             timeline=timeline)
+                             timeline=timeline, tier=self.options.tier)
         # DCP tells the outcome itself (finish() on the coordinator raises on every rank,
         # the async future): the client's next save must not raise it a second time
         mark_told(handle)
@@ -228,9 +231,10 @@ class StorageWriter(dcp.StorageWriter):
                 future.set_result(results)
             else:
                 future.set_exception(error)  # type: ignore[arg-type]  # torch's stub: the result type
-        else:
-            _when(handle, staged=True, root=root, then=lambda error: future.set_exception(error)
-                  if error else future.set_result(results))
+        else:  # a memory save: held by this rank's node once done
+            _when(handle, staged=self.options.tier == "durable", root=root,
+                  then=lambda error: future.set_exception(error) if error
+                  else future.set_result(results))
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -302,6 +306,12 @@ class StorageWriter(dcp.StorageWriter):
         _when(handle, staged=True, root=root, then=lambda error: staged.set_exception(error)
               if error else staged.set_result({}))
         return staged
+
+    @property
+    def stats(self) -> Any:
+        """This rank's last save's `handle.stats` (its `tier`: "durable", "memory" or
+        "skipped": its node's writer held nothing of it), None before a save."""
+        return None if self._handle is None else self._handle.stats
 
     def synchronize_staging(self) -> None:
         if self._staged is not None:

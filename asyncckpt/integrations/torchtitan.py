@@ -78,15 +78,16 @@ from torchtitan.tools import filesystem
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointError, UntrustedPickleError
 from asyncckpt.format.layout import MANIFEST_NAME, step_dir_name
-from asyncckpt.format.timeline import Timeline, TimelineStart
+from asyncckpt.format.timeline import TimelineStart
+from asyncckpt.integrations.dcp_memory import go_on_from
 from asyncckpt.integrations.dcp_metadata import METADATA_NAME, read_metadata
 from asyncckpt.integrations.dcp_reader import StorageReader
-from asyncckpt.integrations.dcp_timeline import carry, generation, record_load, start_for
+from asyncckpt.integrations.dcp_timeline import generation, start_for
 from asyncckpt.integrations.dcp_writer import StorageWriter, _started_writer, parse_checkpoint_id
 from asyncckpt.rank.client import shared_client
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.rank.node_writer import given_address
-from asyncckpt.read.memory_restore import FromMemory, restore_memory
+from asyncckpt.read.memory_restore import restore_memory
 from asyncckpt.storage.base import Storage
 from asyncckpt.storage.location import root_path
 from asyncckpt.storage.registry import shared_storage
@@ -203,23 +204,9 @@ class CheckpointManager(titan.CheckpointManager):
             return False
         for key in sorted(keys):
             self.states[key].load_state_dict(found.state[key])
-        self._go_on_from(found, newest, current)
+        go_on_from(root_path(self.folder), found, newest, current)
         log.info("asyncckpt: torchtitan resumed at step %d from the memory tier", found.step)
         return True
-
-    def _go_on_from(self, found: FromMemory, newest: int, current: Timeline | None) -> None:
-        """The timeline the saves after restoring `found` carry (every rank alike), as
-        `Checkpointer.restore()` chooses it (read/resume.py): the saving run's, when it
-        forked and has not committed since; forked at the step when the root holds it
-        too (as a `dcp.load` of it: dcp_timeline.py); else none (the root's current
-        timeline: nothing on disk above it to abandon)."""
-        root = root_path(self.folder)
-        if found.start is not None and (current is None or found.start.id != current.id):
-            carry(root, found.start)
-        elif found.step == newest:
-            record_load(root, found.step)
-        else:
-            carry(root, None)
 
     def _memory_targets(self) -> dict[str, Any]:
         """The model's tensors, filled in place by the load (DTensor shards too)."""

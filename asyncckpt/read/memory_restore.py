@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.timeline import Timeline, TimelineStart
 from asyncckpt.read import memory
+from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.paths import Location
 from asyncckpt.torchutil.agree import gather, outcome, worst
 from asyncckpt.torchutil.ranks import resolve_rank
@@ -161,8 +162,8 @@ def _span(node: list[int]) -> tuple[int, int]:
 def restore_memory(root: Location, address: str | None, rank: int | None, newest: int | None,
                    into: Callable[[], Any], keys: set[str], *,
                    expected: bool, only: int | None = None,
-                   current: Timeline | None = None, forked_only: bool = False
-                   ) -> FromMemory | None:
+                   current: Timeline | None = None, forked_only: bool = False,
+                   read: Callable[[Checkpoint], Any] | None = None) -> FromMemory | None:
     """Load the newest memory generation every rank holds, when it is at least `newest`
     (with `only`: generation `only`, or nothing).
 
@@ -186,6 +187,9 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
             root's steps above its fork; one of a run overtaken is not taken.
         forked_only: take only a generation of such a run (the caller loads the root's
             copy of the step otherwise: `only` is committed there too).
+        read: loads this rank's state from the opened generation instead of `load(into=)`
+            of `into()` and `keys` (DCP's planner: integrations/dcp_memory.py); it must
+            run no collective (the ranks agree on its outcome afterwards).
     Returns:
         The step, the loaded state and the timeline to carry on, the same on every
         rank; None on every rank when no
@@ -245,7 +249,8 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
     try:
         if error is None and images is not None:
             with memory.open_checkpoint(root, images, merged, fetch=fetch) as ckpt:
-                state = memory.load(ckpt, rank, into(), keys)
+                state = (read(ckpt) if read is not None
+                         else memory.load(ckpt, rank, into(), keys))
     except Exception as e:
         error = e
     finally:

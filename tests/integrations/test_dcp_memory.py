@@ -1,0 +1,132 @@
+"""The memory tier through DCP (integrations/dcp_memory.py): `dcp.save` and
+`dcp.async_save` with `StorageWriter(..., tier="memory")` put the step in the node
+writer's memory and nothing in the root; `load_memory` restores it bit for bit through
+DCP's planner; to `dcp.load` of the root the step does not exist."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from inprocess import InProcessWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+import asyncckpt
+from asyncckpt.dcp import StorageReader, StorageWriter, load_memory
+from asyncckpt.integrations import dcp_timeline
+from asyncckpt.read import memory
+from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.timeline import live_steps, read_current
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def training_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    optim.step()
+    return {"model": model.state_dict(), "optim": optim.state_dict(),
+            "extra": {"epoch": seed, "blob": bytes([seed, 1]), "seen": {seed, 2}}}
+
+
+def same(want: object, got: object) -> bool:
+    if isinstance(want, torch.Tensor):
+        return (isinstance(got, torch.Tensor) and want.dtype == got.dtype
+                and torch.equal(want, got))
+    if isinstance(want, dict):
+        return isinstance(got, dict) and set(want) == set(got) and all(
+            same(want[k], got[k]) for k in want)
+    if isinstance(want, (list, tuple)):
+        return type(want) is type(got) and len(want) == len(got) and all(
+            same(a, b) for a, b in zip(want, got))
+    return want == got
+
+
+@pytest.fixture(autouse=True)
+def no_loads_recorded() -> Iterator[None]:
+    dcp_timeline.forget()
+    yield
+    dcp_timeline.forget()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[tuple[InProcessWriter, asyncckpt.Client]]:
+    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
+    c = asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=1 << 16,
+                          ring_size=1 << 20)
+    try:
+        yield w, c
+    finally:
+        c.close(timeout=30)
+        w.stop()
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_a_memory_step_saved_through_dcp_restores_bit_exact_from_memory(job, how):
+    w, client = job
+    three, four = training_state(3), training_state(4)
+    dcp.save(three, storage_writer=StorageWriter(w.root, 3, client=client))
+    storage = StorageWriter(w.root, 4, client=client, tier="memory")
+    if how == "save":
+        dcp.save(four, storage_writer=storage)
+    else:
+        saving = copy.deepcopy(four)
+        future = dcp.async_save(saving, storage_writer=storage)
+        saving["model"]["0.weight"].mul_(-1)  # in the ring already: not what is held
+        future.result(timeout=60)
+    assert storage.stats.tier == "memory"
+    assert PosixStorage(w.root).committed_steps() == [3]  # nothing of 4 in the root
+    assert [(g["step"], g["whole"]) for g in memory.generations(w.address)] == [(4, True)]
+
+    target = training_state(9)
+    assert load_memory(target, w.root, address=w.address) == 4
+    assert same(four, target), "memory step 4 did not come back bit for bit"
+
+    # to dcp.load of the root the memory-only step does not exist
+    target = training_state(9)
+    dcp.load(target, storage_reader=StorageReader(w.root))
+    assert same(three, target), "dcp.load of the root is not its newest durable step, 3"
+    with pytest.raises(CheckpointException) as caught:  # DCP words a metadata read's failure
+        dcp.load(training_state(9), storage_reader=StorageReader(w.root, 4))
+    assert "no committed checkpoint for step 4" in str(caught.value), caught.value
+
+
+def test_load_memory_takes_no_generation_older_than_the_newest_durable_step(job):
+    w, client = job
+    dcp.save(training_state(4), storage_writer=StorageWriter(w.root, 4, client=client,
+                                                             tier="memory"))
+    dcp.save(training_state(5), storage_writer=StorageWriter(w.root, 5, client=client))
+    target = training_state(9)
+    assert load_memory(target, w.root, address=w.address) is None
+    assert same(training_state(9), target)  # untouched: the caller loads the root's 5
+
+
+def test_a_forked_runs_memory_step_goes_on_in_its_timeline(job):
+    """Run A commits 4 and 5; run B loads 4 (`dcp.load`) and saves 5 to memory, which
+    carries B's timeline; a fresh process restores B's 5 with `load_memory` and commits
+    6: A's 5 is abandoned (the root's live history 4, 6), and 6 loads as saved."""
+    w, client = job
+    for step in (4, 5):
+        dcp.save(training_state(step), storage_writer=StorageWriter(w.root, step,
+                                                                    client=client))
+    dcp.load(training_state(9), storage_reader=StorageReader(w.root, 4))  # run B
+    b5 = training_state(55)
+    dcp.save(b5, storage_writer=StorageWriter(w.root, 5, client=client, tier="memory"))
+    dcp_timeline.forget()  # a fresh process: it remembers no load
+    target = training_state(9)
+    assert load_memory(target, w.root, address=w.address) == 5
+    assert same(b5, target), "not run B's 5"
+    six = training_state(6)
+    dcp.save(six, storage_writer=StorageWriter(w.root, 6, client=client))
+    storage = PosixStorage(w.root)
+    assert live_steps(storage, storage.step_dirs(), read_current(storage)) == [4, 6], (
+        "run A's 5 is still live beside 6, which goes on from run B's 5")
+    target = training_state(9)
+    dcp.load(target, storage_reader=StorageReader(w.root))
+    assert same(six, target)
