@@ -16,6 +16,7 @@ from asyncckpt.config import WriterKnobs
 from asyncckpt.format.layout import TensorSpec, data_file_name
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.base import Storage
+from asyncckpt.writer.appenders import APPENDERS, Appenders
 from asyncckpt.writer.dedup import Target
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class FileSettings:
         flush_bytes: the writeback window (storage/writeback.py; 0: none before the fsync).
         writeback: the writeback mode ("range" or "fdatasync").
         incremental: cut frames at large tensors' boundaries and give them an xxh3_128.
+        appenders: the threads that append the files (the process's, reused across saves).
     """
 
     storage: Storage
@@ -46,6 +48,7 @@ class FileSettings:
     flush_bytes: int
     writeback: str = WriterKnobs.writeback
     incremental: bool = False
+    appenders: Appenders = APPENDERS
 
     @classmethod
     def from_knobs(cls, knobs: WriterKnobs, storage: Storage, pool: FramePool

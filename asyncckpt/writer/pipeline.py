@@ -3,9 +3,10 @@
 Each chunk that arrives in a ring slot is one frame. Frames are encoded on the writer's
 shared `FramePool` (xxh3, numpy and zstd release the GIL, so threads use every core)
 from the writer's private copy of the slot, and may finish out of order; one appender
-thread per file writes them strictly in stream order (no reordering buffer beyond the frames in
-flight). Writing on the pool's threads instead was measured worse: a thread blocked in
-write or fdatasync is an encoder lost, and on 2 cores byte-grouped saves then took
+thread per file writes them strictly in stream order (no reordering buffer beyond the
+frames in flight; its thread is kept for a later save's file, appenders.py). Writing on
+the pool's threads instead was measured worse: a thread blocked in write or fdatasync is
+an encoder lost, and on 2 cores byte-grouped saves then took
 longer than raw ones (docs/design/writeback.md). The frame's buffer goes back to
 the caller (`done`) as soon as the frame no longer needs it: after encoding when the
 stored bytes are a copy (zstd, bytegroup), after the write when they are the buffer
@@ -233,9 +234,9 @@ class RankFileWriter:
         self.write_seconds = 0.0
         self._file = settings.storage.create_data_file(
             target.directory, self.name, settings.flush_bytes, settings.writeback)
-        self._appender = threading.Thread(target=self._append_loop, daemon=True,
-                                          name=f"asyncckpt-append-{rank}")
-        self._appender.start()
+        self._appender: threading.Thread | None = None  # the thread appending, once it runs
+        self._file_closed = threading.Event()
+        settings.appenders.run(self._append_loop)
         for start in range(0, len(header), stream.max_frame):
             self.submit(memoryview(header)[start:start + stream.max_frame])
 
@@ -328,7 +329,18 @@ class RankFileWriter:
     # -- appending (the appender thread) -----------------------------------------------
 
     def _append_loop(self) -> None:
-        """The appender thread: write frames in order until closed and drained."""
+        """The appender (a thread of `settings.appenders`): write frames in order until
+        closed and drained, then close the file."""
+        self._appender = threading.current_thread()
+        try:
+            self._append_all()
+        finally:
+            try:
+                self._file.close()
+            finally:
+                self._file_closed.set()
+
+    def _append_all(self) -> None:
         while (item := self._order.take()) is not None:
             try:
                 if item.pieces is not None and self.error is None and not self._order.closing:
@@ -347,7 +359,6 @@ class RankFileWriter:
                 with self._order.cond:
                     self.encode_seconds += item.seconds
                     self._order.finished()
-        self._file.close()
 
     def _reference(self, target: Target, raw_length: int, xxh3_128: int | None) -> None:
         self._frames.append(Frame(self._raw_size, raw_length, self._stored_size, 0,
@@ -422,7 +433,7 @@ class RankFileWriter:
         being written. With `wait`, return only after that (never from a callback)."""
         self._order.close()
         if wait and threading.current_thread() is not self._appender:
-            self._appender.join()
+            self._file_closed.wait()
 
 
 def _after(count: int, done: Done) -> Done:
