@@ -6,6 +6,10 @@ DCP's planner; to `dcp.load` of the root the step does not exist."""
 from __future__ import annotations
 
 import copy
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from asyncckpt.read import memory
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.storage.timeline import live_steps, read_current
 
+WORKER = str(Path(__file__).with_name("dcp_memory_worker.py"))
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -130,3 +135,26 @@ def test_a_forked_runs_memory_step_goes_on_in_its_timeline(job):
     target = training_state(9)
     dcp.load(target, storage_reader=StorageReader(w.root))
     assert same(six, target)
+
+
+def test_two_ranks_restore_a_sharded_memory_step_bit_exact_and_resharded(tmp_path):
+    """dcp_memory_worker.py: 2 ranks of one node, a DTensor sharded over both, saved to
+    memory through `dcp.save`; `load_memory` fills the same sharding and a replicated
+    target (each rank reading both ranks' images) bit for bit."""
+    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "ASYNCCKPT_ADDRESS": w.address, "CKPT_ROOT": str(w.root)}
+    try:
+        procs = [subprocess.Popen([sys.executable, WORKER], env={
+            **env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+        for r, (p, text) in enumerate(zip(procs, outputs)):
+            assert p.returncode == 0 and f"OK rank {r}" in text, f"rank {r}:\n{text[-3000:]}"
+        assert PosixStorage(w.root).committed_steps() == []
+    finally:
+        w.stop()
