@@ -96,3 +96,18 @@ def test_a_read_that_is_no_restore_forks_nothing(writer, client, tmp_path):
     with pytest.raises(CheckpointException) as caught:  # 3 is live: no silent replace
         save(root, 3, 0.0, client)
     assert isinstance(caught.value.failures[0][0], StepAlreadyCommittedError)
+
+
+def test_a_carried_start_is_what_later_saves_carry_until_the_next_load(tmp_path):
+    """`carry` (a restore from the memory tier: dcp_memory.py) hands later saves the
+    start it was given, on every rank as given (nothing drawn), or none; each call is a
+    load for the plan cache's key, which never goes back to a value it had."""
+    from asyncckpt.format.timeline import TimelineStart, new_timeline_id
+    root = tmp_path / "ckpt"
+    start = TimelineStart(new_timeline_id(), 4, 0)
+    dcp_timeline.carry(root, start)
+    assert dcp_timeline.start_for(root) == start and dcp_timeline.start_for(root) == start
+    loads = dcp_timeline.generation(root)
+    dcp_timeline.carry(root, None)
+    assert dcp_timeline.start_for(root) is None
+    assert dcp_timeline.generation(root) == loads + 1
