@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import scale, scale_procs  # noqa: E402
+from benchmarks import scale, scale_procs, scale_report  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_a_simulated_world_commits_verifiable_steps_and_counts_its_work(template
         assert 0 < r.manifest_bytes < 3 * 1024  # the root lists nodes, not tensors
         assert 0 < r.one_rank_bytes < r.manifest_bytes + 20 * 400  # the root and one part
         assert 0 < r.wake_s < 5  # every lead woken at once: the interpreter's own share
-    summary = scale.summarise(results)
+    summary = scale_report.summarise(results)
     assert summary["ranks"] == 6 and summary["verified"]
 
 
@@ -77,7 +77,7 @@ def test_the_verdicts_follow_the_figures():
                 "fanned_out_s": 0.0, "manifest_bytes": manifest, "one_rank_load_reads": manifest,
                 "verified": True, "requests_by_kind": {}, "leader_ops_by_kind": {}}
     base = dict(row(2, 10, 10, 0.1, 100), per_node=2, ranks=4)
-    text = scale.report([base, row(1000, 4064, 5000, 0.9, 2 << 20)], [], ["--nodes", "1000"])
+    text = scale_report.report([base, row(1000, 4064, 5000, 0.9, 2 << 20)], [], ["--nodes", "1000"])
     assert "- PASS at 1000 x 8: store requests per save <= 4 x nodes + 64" in text
     assert "- MISS at 1000 x 8: leader metadata ops <= 4 x nodes + 64" in text
     assert "- PASS at 1000 x 8: latency after the last part <= 10 x the 2 x 2 figure" in text
@@ -98,19 +98,19 @@ def test_the_goal_is_judged_on_the_measured_figure_and_the_estimate_only_shown()
                 "wake_s": 0.12}
     base = dict(row(2, 0.01, 0.004, 1e-4), per_node=2, ranks=4, fanned_out_s=0.002)
     big = row(1000, 0.9, 0.15, 2e-5)
-    est = scale.cluster_estimate(big, base)
+    est = scale_report.cluster_estimate(big, base)
     assert est["announced_s"] == pytest.approx(0.04)  # 2 requests a node x 20 us
     assert est["fanned_out_s"] == pytest.approx(0.04 + 0.002)
     assert est["latency_s"] == pytest.approx(0.04 + 0.15 + 0.042)
-    text = scale.report([base, big], [], ["--nodes", "1000"])
+    text = scale_report.report([base, big], [], ["--nodes", "1000"])
     assert ("- MISS at 1000 x 8: latency after the last part <= 0.5 s, the commit in it <= "
             "0.2 s (measured here, serial parts and all) (0.900 s, commit 0.150 s; on a "
             "cluster, est. 0.232 s)") in text
     assert ("| 1000 x 8 | 0.020 | 0.120 | 0.100 / 0.040 | 0.150 | 0.650 / 0.042 | 0.900 / 0.232 |"
             in text)  # the wake-up floor shown beside, in no sum
-    text = scale.report([base, row(1000, 0.45, 0.25, 2e-5)], [], ["--nodes", "1000"])
+    text = scale_report.report([base, row(1000, 0.45, 0.25, 2e-5)], [], ["--nodes", "1000"])
     assert "- MISS at 1000 x 8: latency after the last part <= 0.5 s" in text  # the commit
-    text = scale.report([base, row(1000, 0.45, 0.15, 2e-5)], [], ["--nodes", "1000"])
+    text = scale_report.report([base, row(1000, 0.45, 0.15, 2e-5)], [], ["--nodes", "1000"])
     assert "- PASS at 1000 x 8: latency after the last part <= 0.5 s" in text
 
 
@@ -137,7 +137,7 @@ def test_leads_spread_over_processes_commit_the_same_steps_with_the_same_request
         assert min(stretches) >= 0 and r.published >= r.leader_commit > 0
         assert sum(stretches) == pytest.approx(r.last_part_to_done)
         assert 0 < r.wake_s < 5
-    summary = scale.summarise(results)
+    summary = scale_report.summarise(results)
     assert summary["procs"] == 2 and summary["verified"] and summary["ranks"] == 8
 
 
@@ -151,11 +151,11 @@ def test_the_report_labels_each_spread_and_judges_the_last_beside_one_interprete
                 "requests_by_kind": {}, "leader_ops_by_kind": {}, "request_s": 2e-5,
                 "wake_s": 0.1, "procs": procs}
     base = dict(row(1, 0.01, 0.004), nodes=2, per_node=2, ranks=4, fanned_out_s=0.002)
-    text = scale.report([base, row(1, 0.56, 0.06), row(4, 0.41, 0.07)], [],
+    text = scale_report.report([base, row(1, 0.56, 0.06), row(4, 0.41, 0.07)], [],
                         ["--nodes", "1000", "--procs", "1,4"])
     assert "| 1000 x 8 | 3000 |" in text and "| 1000 x 8 in 4 processes | 3000 |" in text
     assert ("- PASS at 1000 x 8 in 4 processes: latency after the last part <= 0.5 s, the "
             "commit in it <= 0.2 s (measured here, serial parts and all) (0.410 s, commit "
             "0.070 s; in one interpreter 0.560 s, commit 0.060 s; on a cluster, est.") in text
-    text = scale.report([base, row(4, 0.41, 0.07), row(1, 0.56, 0.06)], [], [])
+    text = scale_report.report([base, row(4, 0.41, 0.07), row(1, 0.56, 0.06)], [], [])
     assert "- MISS at 1000 x 8: latency after the last part <= 0.5 s" in text  # the last
