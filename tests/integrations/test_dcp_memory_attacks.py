@@ -314,3 +314,64 @@ def test_async_save_to_memory_holds_the_state_as_it_was_when_it_returned(job):
     target = {"model": {f"t{i}": torch.zeros(256, 1024) for i in range(4)}}
     assert load_memory(target, w.root, address=w.address) == 7
     assert same(want, target), "the memory step holds a change made after async_save"
+
+
+# -- two ranks: a load that fails on one rank ---------------------------------------------
+
+WORKER = '''
+import datetime, os, sys
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from asyncckpt.dcp import StorageWriter, load_memory
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank, root = dist.get_rank(), os.environ["CKPT_ROOT"]
+saved = {"w": torch.full((4,), float(rank)), "b": torch.arange(3.0)}
+dcp.save(saved, storage_writer=StorageWriter(root, 3, tier="memory"))
+target = {"w": torch.zeros(4), "b": torch.zeros(3)}
+if rank == 1:
+    target["new"] = torch.zeros(2)  # a key step 3 lacks: this rank's load fails
+try:
+    found = load_memory(target, root)
+except BaseException as e:
+    print(f"rank {rank} RAISED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    sys.exit(3)
+print(f"rank {rank} FOUND {found}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.xfail(strict=True, reason="finding 2 (two ranks): the rank whose DCP load "
+                   "fails raises CheckpointException out of load_memory and skips the "
+                   "agreement; the other rank is left in the agreement's collective, "
+                   "never told; both must answer None together")
+def test_a_load_that_fails_on_one_rank_is_none_on_both(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "ASYNCCKPT_ADDRESS": w.address, "CKPT_ROOT": str(w.root)}
+    try:
+        procs = [subprocess.Popen([sys.executable, str(script)], env={
+            **env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        outputs = []
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=180)[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outputs.append(p.communicate()[0] + "\n(killed: still waiting after 180 s)")
+        for r, text in enumerate(outputs):
+            assert f"rank {r} FOUND None" in text, "\n".join(outputs)[-3000:]
+    finally:
+        w.stop()
