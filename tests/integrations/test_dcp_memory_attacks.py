@@ -187,6 +187,29 @@ def test_a_writer_gone_once_its_images_are_open_still_loads_them_verified(job, m
     assert same(four, target)
 
 
+def test_a_generation_dropped_between_the_listing_and_the_open_is_none(job, monkeypatch,
+                                                                      caplog):
+    """The ranks agreed on 4 from the listings; before this rank opens 4's images a
+    newer memory save makes 5 whole and the writer drops 4: the open fails, and the
+    load is None (the caller loads the durable tier), the target untouched."""
+    w, client = job
+    save(w, client, 4, state(4), tier="memory")
+    opened = memory.open_images
+
+    def newer_first(address: str, step: int, *args: Any, **kwargs: Any) -> memory.Images:
+        save(w, client, 5, state(5), tier="memory")
+        assert [g["step"] for g in memory.generations(w.address)] == [5]
+        return opened(address, step, *args, **kwargs)
+    monkeypatch.setattr(memory, "open_images", newer_first)
+    target = state(9)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.checkpointer"):
+        assert load_memory(target, w.root, address=w.address) is None
+    assert same(state(9), target)
+    assert "memory generation 4 failed" in caplog.text
+    monkeypatch.undo()
+    assert load_memory(target, w.root, address=w.address) == 5 and same(state(5), target)
+
+
 def test_an_unreachable_address_is_none(job, tmp_path):
     w, client = job
     save(w, client, 4, state(4), tier="memory")
