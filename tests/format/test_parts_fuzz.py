@@ -298,3 +298,39 @@ def test_a_referenced_step_past_two_to_the_62_is_refused_whatever_the_step():
            "referenced_steps": [BIG]}
     assert outcome(oracle, doc, step=BIG + 1) == "refused"
     assert outcome(PartEntry.from_json, doc, step=BIG + 1) == "refused"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_sealed_root_with_a_hostile_entry_is_refused_typed_or_read_as_the_rules_read_it(seed):
+    """A root whose checksum is right (an attacker who can write the file can seal it)
+    and one of whose entries is hostile: `parse_manifest` raises CorruptCheckpointError
+    and nothing else; where the rules refuse the entry, so does the root; a root read
+    writes back the bytes one json.dumps of it makes."""
+    rng = random.Random(500 + seed)
+    accepted = refused = 0
+    for _ in range(300):
+        made, first = [], 0
+        for _ in range(4):
+            doc = valid(rng)
+            doc["first"], doc["dir"] = first, node_dir_name(first)
+            made.append(doc)
+            first += doc["count"]
+        i = rng.randrange(4)
+        hostile = mutate(rng, made[i])
+        body = {"format": "asyncckpt", "format_version": 3, "writer_version": "0.0.0",
+                "step": STEP, "world_size": first, "created": 1.5,
+                "parts": [*made[:i], hostile, *made[i + 1:]]}
+        data = seal(json.dumps(body, separators=(",", ":"), allow_nan=True).encode())
+        try:
+            parsed = parse_manifest(data, max_frame_bytes=1 << 26, max_part_bytes=LIMIT)
+        except CorruptCheckpointError:
+            refused += 1
+            continue
+        except Exception as e:
+            raise AssertionError(f"{type(e).__name__}: {e} on {hostile!r:.300}") from None
+        accepted += 1
+        read = json.loads(json.dumps(body["parts"], allow_nan=True))  # as the reader got it
+        assert outcome(oracle, read[i]) != "refused", hostile
+        assert parsed.parts == [oracle(d, step=STEP, max_size=LIMIT) for d in read]
+        assert parsed.to_bytes() == reference_root(parsed)
+    assert accepted and refused, (accepted, refused)
