@@ -19,9 +19,11 @@ from inprocess import InProcessWriter
 
 import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter, load_memory
+from asyncckpt.errors import CheckpointError
 from asyncckpt.integrations import dcp_timeline
 from asyncckpt.read import memory
 from asyncckpt.storage.posix import PosixStorage
+from asyncckpt.storage.timeline import live_steps, read_current
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -398,3 +400,46 @@ def test_a_load_that_fails_on_one_rank_is_none_on_both(tmp_path):
             assert f"rank {r} FOUND None" in text, "\n".join(outputs)[-3000:]
     finally:
         w.stop()
+
+
+# -- a writer of another root ---------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="finding 7: load_memory never checks that the writer "
+                   "it asks (address=, or ASYNCCKPT_ADDRESS) serves `root` (saves do: "
+                   "shared_client(root=)): root A restores root B's generation and carries "
+                   "B's timeline, and A's next commit abandons A's own steps 5 and 6")
+def test_a_writer_of_another_root_gives_nothing_to_this_root(tmp_path):
+    """Two roots of one job (a model and its EMA; verl's actor and critic). A commits
+    4, 5, 6. B commits 4 and 5, resumes from 4 (`dcp.load`) and saves 5 to memory. A
+    restore of A that reaches B's writer must not take B's 5 -- nor carry B's timeline
+    into A: A's history stays 4, 5, 6, 7."""
+    a = InProcessWriter(tmp_path / "a", codec="raw", export=False)
+    b = InProcessWriter(tmp_path / "b", codec="raw", export=False)
+    ca = asyncckpt.connect(a.address, rank=0, world_size=1, slot_size=1 << 16,
+                           ring_size=1 << 20)
+    cb = asyncckpt.connect(b.address, rank=0, world_size=1, slot_size=1 << 16,
+                           ring_size=1 << 20)
+    try:
+        for step in (4, 5, 6):
+            save(a, ca, step, state(step))
+        for step in (4, 5):
+            save(b, cb, step, state(100 + step))
+        dcp.load(state(0), storage_reader=StorageReader(b.root, 4))
+        save(b, cb, 5, state(155), tier="memory")
+        dcp_timeline.forget()
+        target = state(9)
+        try:
+            found = load_memory(target, a.root, address=b.address)
+        except CheckpointError:
+            found = None  # refused, typed: as good as None
+        took_b = same(state(155), target)
+        save(a, ca, 7, state(7))
+        storage = PosixStorage(a.root)
+        live = live_steps(storage, storage.step_dirs(), read_current(storage))
+        assert found is None and not took_b and live == [4, 5, 6, 7], (
+            f"root A restored {found} (B's 155: {took_b}); A's live steps {live}")
+    finally:
+        ca.close(timeout=30)
+        cb.close(timeout=30)
+        a.stop()
+        b.stop()
