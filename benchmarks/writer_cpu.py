@@ -5,6 +5,7 @@ ranks for the cores when a small job saves often.
     python -m benchmarks.writer_cpu --saves 100 --repeats 3 --json /tmp/cpu.json
     python -m benchmarks.writer_cpu --profile /tmp/writer.prof   (cProfile, every thread)
     python -m benchmarks.writer_cpu --strace /tmp/writer.strace  (strace -c -f of the saves)
+    python -m benchmarks.writer_cpu --threads                    (CPU per save by thread)
 
 Ranks (`--ranks` processes, forked) save the same number of tiny steps, each one
 changed a little since the last as training changes it, and wait for each to be durable
@@ -53,6 +54,21 @@ def cpu_times(pid: int) -> tuple[float, float]:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of process `pid`."""
     return sum(cpu_times(pid))
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of process `pid` (threads alive now; names with their
+    numbers dropped are summed: "frame-0" and "frame-1" are "frame")."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")].rstrip("-0123456789")
+        fields = text.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
 
 
 def threads(pid: int) -> int:
@@ -106,10 +122,11 @@ def rank_main(address: str, rank: int, world: int, rank_bytes: int, first: int, 
     out.put((rank, walls))
 
 
-def start(root: Path, profile: str | None, knobs: dict[str, str]) -> tuple[subprocess.Popen,
-                                                                          str]:
-    """The writer as `start_writer` starts it, or under the profiling wrapper."""
-    module = "benchmarks.writer_cpu_serve" if profile else "asyncckpt"
+def start(root: Path, profile: str | None, knobs: dict[str, str], named: bool = False
+          ) -> tuple[subprocess.Popen, str]:
+    """The writer as `start_writer` starts it, or under the wrapper that names its
+    threads (`named`) or profiles them (`profile`)."""
+    module = "benchmarks.writer_cpu_serve" if profile or named else "asyncckpt"
     cmd = [sys.executable, "-m", module, "writer", "--root", str(root), "--ready-line"]
     for k, v in knobs.items():
         cmd += [f"--{k}", v] if k == "codec" else ["--knob", f"{k}={v}"]
@@ -133,7 +150,7 @@ def run_once(args: argparse.Namespace, profile: str | None = None,
              strace: str | None = None) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="asyncckpt-cpu-", dir=args.dir))
     knobs = {"codec": args.codec}
-    proc, address = start(work / "ckpt", profile, knobs)
+    proc, address = start(work / "ckpt", profile, knobs, args.threads)
     ctx = multiprocessing.get_context("fork")
     gates = ctx.Barrier(args.ranks + 1)
     out = ctx.Queue()
@@ -154,10 +171,17 @@ def run_once(args: argparse.Namespace, profile: str | None = None,
                                        str(proc.pid)],
                                       stderr=subprocess.DEVNULL)
             time.sleep(0.5)  # attached to every thread
+        elif args.perf:
+            tracer = subprocess.Popen(["perf", "record", "-q", "-F", "2000", "-o", args.perf,
+                                       "-p", str(proc.pid)], stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
         before, threads_before = cpu_times(proc.pid), threads(proc.pid)
+        per_thread = thread_cpu(proc.pid)
         gates.wait()   # measured saves
         gates.wait()
         after, threads_after = cpu_times(proc.pid), threads(proc.pid)
+        per_thread = {name: round((cpu - per_thread.get(name, 0.0)) * 1000 / args.saves, 2)
+                      for name, cpu in thread_cpu(proc.pid).items()}
         if tracer is not None:
             tracer.send_signal(signal.SIGINT)
             tracer.wait(30)
@@ -176,7 +200,8 @@ def run_once(args: argparse.Namespace, profile: str | None = None,
     return {"writer_cpu_ms_per_save": round(user + system, 2),
             "user_ms": round(user, 2), "system_ms": round(system, 2),
             "wall_ms_per_save": round(statistics.median(measured) * 1000, 2),
-            "writer_threads": [threads_before, threads_after]}
+            "writer_threads": [threads_before, threads_after],
+            **({"ms_per_save_by_thread": per_thread} if args.threads else {})}
 
 
 def print_profile(path: str, top: int) -> None:
@@ -196,13 +221,18 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where roots go (default: a temp dir)")
     parser.add_argument("--profile", default=None, help="write the writer's cProfile here")
     parser.add_argument("--strace", default=None, help="write strace -c -f output here")
+    parser.add_argument("--perf", default=None,
+                        help="perf record the writer during the measured saves into this file "
+                        "(read it with perf report --sort dso,sym)")
     parser.add_argument("--strace-calls", action="store_true",
                         help="with --strace: every call, not the summary")
+    parser.add_argument("--threads", action="store_true",
+                        help="the writer's CPU per save by thread (threads alive at the end)")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    if args.profile or args.strace:
+    if args.profile or args.strace or args.perf:
         result = run_once(args, args.profile, args.strace)
         print(json.dumps(result), flush=True)
         if args.profile:

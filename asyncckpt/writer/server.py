@@ -106,6 +106,7 @@ class WriterServer:
         undo.callback(self.pool.close)
         self.buffers = Buffers(self.knobs.frames_in_flight + self.knobs.encode_threads)
         self.chooser = CodecChooser(self.knobs.encode_threads)
+        self._auto_codec: str | None = None  # the codec "auto" chose last
         self.index = (DedupIndex(self.storage, self.knobs.max_frame_bytes)
                       if self.knobs.incremental else None)
         if self.index is not None:
@@ -241,12 +242,16 @@ class WriterServer:
                 self._sessions.discard(session)
 
     def _choose_codec(self) -> tuple[str, dict[str, Any] | None]:
-        """The codec of a new step: the knob, or with "auto" the chooser's pick."""
+        """The codec of a new step: the knob, or with "auto" the chooser's pick (logged
+        when it changes: a line per step cost a tiny save's writer more than its choice)."""
         if self.knobs.codec != "auto":
             return self.knobs.codec, None
         choice = self.chooser.choose()
-        log.info("codec auto chose %s (predicted_s_per_gb %s; disk_gbps %.2f)", choice.codec,
-                 {k: round(v, 3) for k, v in choice.predicted.items()}, choice.disk_gbps)
+        if choice.codec != self._auto_codec:
+            self._auto_codec = choice.codec
+            log.info("codec auto chose %s (predicted_s_per_gb %s; disk_gbps %.2f)",
+                     choice.codec, {k: round(v, 3) for k, v in choice.predicted.items()},
+                     choice.disk_gbps)
         return choice.codec, choice.to_json()
 
     def _check_manifest(self, data: bytes, manifest: Manifest) -> None:
