@@ -163,7 +163,8 @@ def test_a_helper_whose_copy_raises_does_not_leave_the_caller_waiting(monkeypatc
         if threading.current_thread().name.startswith("asyncckpt-copy"):
             failed.set()
             raise OSError("the helper's copy failed")
-        failed.wait(10)  # the caller copies only once a helper has taken a job and failed
+        failed.wait(10)  # the caller copies once a helper has taken a job and failed
+        failed.set()     # (and waits once only, should no helper ever run)
         ctypes.memmove(dest, source, n)
     monkeypatch.setattr(copier_module, "ctypes", SimpleNamespace(memmove=memmove))
     copier = HostCopier(1)
@@ -263,27 +264,29 @@ def test_an_oserror_of_a_copy_fails_that_save_only(job, monkeypatch):
 
 
 def test_a_tensor_modified_during_its_batchs_copy_fails_the_save(job, monkeypatch):
-    """The training thread writes into "b" in place while the batch holding its bytes is
-    being copied (half the jobs done): the save fails naming "b" (Torn), whatever bytes
-    reached the ring; the ring is free for the next save, which commits."""
+    """The training thread writes into "b" in place while the batch holding b's first
+    bytes is being copied (half its jobs done): the save fails naming "b" (Torn),
+    whatever bytes reached the ring; the ring is free for the next save, which commits."""
     state = big_state(5)
-    calls = [0]
+    b = state["b"]
+    lo, hi = b.data_ptr(), b.data_ptr() + b.nbytes
+    raced = [False]
     real = HostCopier.run
 
     def racing(self: HostCopier, jobs: list[tuple[int, int, int]]) -> None:
-        calls[0] += 1
-        if calls[0] == 2:  # "a" is 12 MiB: the second batch holds the rest of it and "b"
-            real(self, jobs[:len(jobs) // 2])
-            state["b"].add_(1)
-            real(self, jobs[len(jobs) // 2:])
-        else:
-            real(self, jobs)
+        if raced[0] or not any(lo <= source < hi for _, source, _ in jobs):
+            return real(self, jobs)
+        raced[0] = True
+        real(self, jobs[:len(jobs) // 2])
+        b.add_(1)
+        real(self, jobs[len(jobs) // 2:])
     monkeypatch.setattr(HostCopier, "run", racing)
     handle = job.client.save(5, state)
     with pytest.raises(SaveFailedError, match="b") as caught:
         handle.wait(timeout=60)
+    assert raced[0], "no batch of the save held b's bytes"
     assert "modified in place" in str(caught.value), caught.value
-    monkeypatch.setattr(HostCopier, "run", real)
+    monkeypatch.undo()
     job.client.save(6, big_state(6)).wait(timeout=60)
     assert same(big_state(6), asyncckpt.load(job.w.root, step=6))
     assert PosixStorage(job.w.root).committed_steps() == [6]
