@@ -50,32 +50,37 @@ class Slots:
                  send: Callable[[messages.Message], None], batched: bool) -> None:
         self._cond = cond
         self._send = send
-        self._batched = batched
+        self.batched = batched  # the writer takes `chunks` messages
         self.reset(slots)
 
     def reset(self, slots: int) -> None:
         """All `slots` slots of a new ring free (nothing may be in flight)."""
         with self._cond:
             self._free = collections.deque(range(slots))
-            self.batch = batch_for(slots, self._batched)
+            self.batch = batch_for(slots, self.batched)
 
     def release(self, slot: int) -> None:
         with self._cond:
             self._free.append(slot)
             self._cond.notify()
 
-    def filler(self, save_id: int, cancelled: Callable[[], bool]) -> Filler:
-        """The `acquire` and `emit` of one save's `stage()` (flush it after)."""
-        return Filler(self, save_id, cancelled)
+    def filler(self, save_id: int, cancelled: Callable[[], bool],
+               begin: Callable[[], None] | None = None) -> Filler:
+        """The `acquire` and `emit` of one save's `stage()` (flush it after). With
+        `begin` (it sends the save's begin), the begin and the filled slots are held
+        until the rank must wait for a slot or `flush(last=True)` (see Filler)."""
+        return Filler(self, save_id, cancelled, begin)
 
 
 class Filler:
     """One save's slots: taken from the free ones, announced to the writer in order."""
 
-    def __init__(self, slots: Slots, save_id: int, cancelled: Callable[[], bool]) -> None:
+    def __init__(self, slots: Slots, save_id: int, cancelled: Callable[[], bool],
+                 begin: Callable[[], None] | None = None) -> None:
         self._slots = slots
         self._save = save_id
         self._cancelled = cancelled
+        self._begin = begin  # not sent yet: sent before the save's first other message
         self._filled: list[int] = []
         self._lengths: list[int] = []
         self.waited = False  # the rank waited for a slot (and said need_slot)
@@ -92,7 +97,7 @@ class Filler:
                 if self._cancelled():
                     raise Cancelled
                 if not self.waited:  # a writer that stages first copies out now
-                    self.flush()
+                    self.flush(last=True)
                     pool._send(messages.NeedSlot())
                     self.waited = True
                 pool._cond.wait()
@@ -102,20 +107,25 @@ class Filler:
         """Slot `slot` holds the save's next `length` bytes (announced in order)."""
         self._filled.append(slot)
         self._lengths.append(length)
-        if self.waited or len(self._filled) >= self._slots.batch:
+        if self.waited or (self._begin is None and len(self._filled) >= self._slots.batch):
             self.flush()
 
-    def flush(self) -> None:
-        """Announce the slots filled and not yet announced (before `end` or `abort`)."""
+    def flush(self, last: bool = False) -> None:
+        """Announce the slots filled and not yet announced; `last` (before `end` or
+        `abort`, or a wait for a slot): also send the begin if it is still held."""
+        if last and self._begin is not None:
+            begin, self._begin = self._begin, None
+            begin()
         if not self._filled:
             return
-        if len(self._filled) == 1:
-            message: messages.Message = messages.Chunk(self._save, self._filled[0],
-                                                       self._lengths[0])
-        else:
-            message = messages.Chunks(self._save, tuple(self._filled), tuple(self._lengths))
+        assert self._begin is None, "slots announced before the save's begin"
+        filled, lengths = self._filled, self._lengths
         self._filled, self._lengths = [], []
-        self._slots._send(message)
+        step = self._slots.batch  # held slots go out a batch a message, as they would have
+        for i in range(0, len(filled), step):
+            some, their = tuple(filled[i:i + step]), tuple(lengths[i:i + step])
+            self._slots._send(messages.Chunk(self._save, some[0], their[0]) if len(some) == 1
+                              else messages.Chunks(self._save, some, their))
 
 
 def stage_save(pending: PendingSave, conn: WriterConnection, slots: Slots, ring_: ring.Ring,
@@ -133,8 +143,12 @@ def stage_save(pending: PendingSave, conn: WriterConnection, slots: Slots, ring_
     started = time.perf_counter()
     handle = pending.handle
     send = conn.send
-    conn.send_frame(pending.begin)
-    filler = slots.filler(pending.id, lambda: handle.done() or gone())
+    begin = functools.partial(conn.send_frame, pending.begin)
+    hold = slots.batched and not pending.unchanged  # no question for the writer first
+    if not hold:
+        begin()
+    filler = slots.filler(pending.id, lambda: handle.done() or gone(),
+                          begin if hold else None)
     try:
         while pending.unchanged and not pending.planned.wait(PLAN_POLL):
             if handle.done() or gone():
@@ -143,7 +157,7 @@ def stage_save(pending: PendingSave, conn: WriterConnection, slots: Slots, ring_
         nbytes = stage(sources.tensors, ring_, filler.acquire, filler.emit, slots.release,
                        device, pending.ready, copied=sources.check)
     except Cancelled:
-        filler.flush()
+        filler.flush(last=True)
         send(messages.End(pending.id))
         raise
     except OSError:
@@ -151,11 +165,11 @@ def stage_save(pending: PendingSave, conn: WriterConnection, slots: Slots, ring_
     except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
         cause = str(e) if isinstance(e, Torn) else f"staging failed: {type(e).__name__}: {e}"
         error = SaveFailedError(cause, step=pending.step, rank=rank)
-        filler.flush()
+        filler.flush(last=True)
         send(messages.Abort(pending.id, str(error)))
         handles.fail(handle, error)
         return
-    filler.flush()
+    filler.flush(last=True)
     handle.stats.staged_bytes = nbytes  # before `end`: a result may follow at once
     handle.stats.unchanged_bytes = sum(pending.entries[i].tensor.nbytes
                                        for i in pending.skipped)
