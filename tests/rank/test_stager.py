@@ -65,6 +65,32 @@ def test_contiguous_tensor_with_odd_strides_on_size_one_dims():
         2, "little", signed=True)
 
 
+def test_contiguous_tensors_are_copied_from_their_own_bytes_exactly():
+    """A contiguous host tensor is copied from its data pointer for its nbytes (no uint8
+    view made): a slice that starts inside its storage, odd strides on size-1 dims, a
+    0-d tensor, an empty one, bools and complex numbers all land as their row-major
+    bytes."""
+    base = torch.arange(3000, dtype=torch.int32)
+    odd = torch.tensor([[-1213]], dtype=torch.int16).as_strided((1, 1), (2, 2))
+    tensors = [base[517:2517], odd, torch.tensor(7, dtype=torch.int64), base[5:5],
+               torch.ones(2, 3, dtype=torch.bool), torch.tensor([1 + 2j, 3 - 4j])]
+    r = ring.Ring.create(4096, 4)
+    try:
+        free, got = [0, 1, 2, 3], []
+
+        def emit(slot: int, length: int) -> None:
+            view = r.slot_bytes(slot, length)
+            got.append(bytes(view))
+            view.release()
+            free.append(slot)
+
+        stage(tensors, r, acquire=lambda: free.pop(0), emit=emit)
+        fresh = [torch.tensor(t.tolist(), dtype=t.dtype) for t in tensors]  # standard strides
+        assert b"".join(got) == b"".join(row_major_bytes(t) for t in fresh)
+    finally:
+        r.close()
+
+
 def test_slots_held_when_staging_stops_are_given_back():
     r = ring.Ring.create(1024, 4)
     try:
