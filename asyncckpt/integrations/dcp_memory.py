@@ -37,8 +37,10 @@ import os
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncckpt.config import ReadLimits
+from asyncckpt.errors import CheckpointError
 from asyncckpt.format.timeline import Timeline
 from asyncckpt.integrations.dcp_ids import checkpoint_location
 from asyncckpt.integrations.dcp_reader import StorageReader, _Index
@@ -82,7 +84,10 @@ def load_memory(state_dict: dict[str, Any], root: str | os.PathLike[str], *,
     newest = newest_live(storage, current) if current is not None else None
 
     def read(ckpt: Checkpoint) -> None:
-        dcp.load(state_dict, storage_reader=_Opened(ckpt, trust_pickles), no_dist=True)
+        try:
+            dcp.load(state_dict, storage_reader=_Opened(ckpt, trust_pickles), no_dist=True)
+        except CheckpointException as e:  # a BaseException: its first cause, an Exception
+            raise _cause(e) from None
 
     found = restore_memory(location, given_address(address) or _started.get(str(location)),
                            None, newest, dict, set(), expected=True, only=step,
@@ -91,6 +96,16 @@ def load_memory(state_dict: dict[str, Any], root: str | os.PathLike[str], *,
         return None
     go_on_from(location, found, newest, current)
     return found.step
+
+
+def _cause(e: CheckpointException) -> Exception:
+    """The first failure DCP's exception wraps (`failures`: rank -> the error, or the
+    error and its traceback), else a CheckpointError with its text."""
+    for failure in e.failures.values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, Exception):
+            return cause
+    return CheckpointError(f"DCP's load failed: {e}")
 
 
 def go_on_from(root: Location, found: FromMemory, newest: int | None,

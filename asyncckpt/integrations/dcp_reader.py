@@ -262,20 +262,23 @@ class StorageReader(dcp.StorageReader):
             CorruptCheckpointError: any byte fails its check; no target is committed
                 with unverified data (targets read so far may hold verified bytes).
             UntrustedPickleError: an object DCP pickled needs more than torch's
-                `weights_only` unpickler builds (and `trust_pickles` is False).
+                `weights_only` unpickler builds (and `trust_pickles` is False); raised
+                before any target is written.
         """
         index = self._open()
         ckpt = index.ckpt
         try:
             with ckpt.reading():
                 reads = ckpt.plan()
+                # every object first: one refused (an untrusted pickle) fails the load
+                # before any target has changed
+                objects = [(item, _object_bytes(ckpt, index.values[item.storage_index.fqn],
+                                                item.storage_index.fqn, self.trust_pickles))
+                           for item in plan.items if item.type == LoadItemType.BYTE_IO]
                 tensors = []
                 for item in plan.items:
                     value = index.values[item.storage_index.fqn]
                     if item.type == LoadItemType.BYTE_IO:
-                        data = _object_bytes(ckpt, value, item.storage_index.fqn,
-                                             self.trust_pickles)
-                        planner.load_bytes(item, io.BytesIO(data))
                         continue
                     target = planner.resolve_tensor(item).detach()
                     leaf = value.leaf
@@ -289,6 +292,8 @@ class StorageReader(dcp.StorageReader):
                                                 for o, n in zip(offsets, item.lengths))])
                     tensors.append((item, target))
                 reads.flush()
+                for item, data in objects:
+                    planner.load_bytes(item, io.BytesIO(data))
                 for item, target in tensors:
                     planner.commit_tensor(item, target)
             if self.restore:

@@ -20,6 +20,7 @@ from asyncckpt.ipc.options import SaveOptions
 
 MAX_DIMS = 64        # a tensor's shape: at most this many dimensions
 MAX_SLOTS = 1 << 16  # a rank's ring: at most this many slots
+MAX_ROOT = 4096      # a checkpoint root named in a message: at most this many characters
 _MAX_TENSOR_BYTES = 1 << 62
 
 TensorEntry = tuple[str, str, tuple[int, ...]]  # name, dtype, shape: one tensor of a begin

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from asyncckpt.format.layout import MAX_WORLD
-from asyncckpt.ipc.fields import ProtocolError, int_field, show
+from asyncckpt.ipc.fields import MAX_ROOT, ProtocolError, int_field, show
 from asyncckpt.ipc.message import Message
 
 __all__ = ["MemoryFetch", "MemoryFlush", "MemoryFlushed", "MemoryGeneration", "MemoryIndex",
@@ -101,21 +101,26 @@ class MemoryIndex(Message):
     """The answer to `memory_list`: per generation held, oldest first, {step,
     world_size, timeline, ranks (held whole), whole, bytes, replicas, nodes}; `replica`
     the writer's replica server ("host:port": other writers can fetch from it; absent:
-    none), `fetch` whether it can fetch from other writers (`memory_fetch`)."""
+    none), `fetch` whether it can fetch from other writers (`memory_fetch`), `root` the
+    durable root the writer serves ("": a writer before 0.4.4, which did not say)."""
 
     OP: ClassVar[str] = "memory_index"
     SENDER: ClassVar[str] = "writer"
     generations: tuple[dict[str, Any], ...]
     replica: str = ""
     fetch: bool = False
+    root: str = ""
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> MemoryIndex:
-        gens, replica = m.get("generations"), m.get("replica", "")
+        gens, replica, root = m.get("generations"), m.get("replica", ""), m.get("root", "")
         if not isinstance(gens, list) or not all(isinstance(g, dict) for g in gens):
             raise ProtocolError(f"generations {show(gens)} is not a list of objects")
+        if not isinstance(root, str) or len(root) > MAX_ROOT:
+            raise ProtocolError(f"root {show(root)} is not a str of at most {MAX_ROOT} "
+                                "characters")
         return cls(tuple(gens), replica if isinstance(replica, str)
-                   and len(replica) <= MAX_SOURCE else "", m.get("fetch") is True)
+                   and len(replica) <= MAX_SOURCE else "", m.get("fetch") is True, root)
 
 
 @dataclass(frozen=True)

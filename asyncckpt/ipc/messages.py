@@ -45,7 +45,7 @@ this copy differs; each class's docstring says what its message means):
         durable(save, step, tmp; optional part)
         committed(save, step, path, stats)
         failed(save, step, error, message; optional relayed, ask)
-        memory_index(generations; optional replica, fetch)
+        memory_index(generations; optional replica, fetch, root)
         memory_generation(step, world_size, parts; optional error)
         memory_flushed(step; optional error, message)
 """
@@ -61,6 +61,7 @@ from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import MAX_WORLD
 from asyncckpt.format.tree import check_tree
 from asyncckpt.ipc.fields import (
+    MAX_ROOT,
     MAX_SLOTS,
     OPTION_KEYS,
     NodeRanks,
@@ -106,7 +107,6 @@ __all__ = ["MAX_SLOTS", "MESSAGES", "Committed", "Durable", "Failed", "Free", "M
            "TensorEntry", "Unchanged", "Welcome", "decode", "dumps", "message_list", "parse",
            "wire_fields"]
 
-MAX_ROOT = 4096      # a checkpoint root named in a hello: at most this many characters
 MAX_CHUNKS = 1024    # slots announced by one chunks message
 
 

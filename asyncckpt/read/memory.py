@@ -58,17 +58,18 @@ FETCH_TIMEOUT_S = 600.0
 class Listing:
     """What a writer's memory tier holds (`generations`), the address of its replica
     server ("": none: no other writer can fetch from it) and whether it can fetch from
-    other writers (`fetch_images`)."""
+    other writers (`fetch_images`), and the durable root it serves ("": not said)."""
 
     generations: list[dict[str, Any]]
     replica: str = ""
     fetch: bool = False
+    root: str = ""
 
 
 def listing(address: str, timeout: float = QUERY_TIMEOUT_S) -> Listing:
     """The memory tier of the writer at `address`: its generations, oldest first --
     {step, world_size, timeline, ranks (held whole), whole, bytes, replicas, nodes} --
-    and its replica server.
+    its replica server and its root.
 
     Raises:
         WriterUnavailableError: no writer there, or it refused the key.
@@ -82,7 +83,8 @@ def listing(address: str, timeout: float = QUERY_TIMEOUT_S) -> Listing:
         conn.close()
     if not isinstance(answer, messages.MemoryIndex):
         raise messages.ProtocolError(f"expected memory_index, got {answer.OP}")
-    return Listing([dict(g) for g in answer.generations], answer.replica, answer.fetch)
+    return Listing([dict(g) for g in answer.generations], answer.replica, answer.fetch,
+                   answer.root)
 
 
 def generations(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, Any]]:

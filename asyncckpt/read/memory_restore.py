@@ -13,7 +13,8 @@ frame verified; an image its writer lacks is fetched when the load first opens i
 failure on any rank -- no writer, nothing held, a fetch refused, a frame that fails its
 checksum -- makes every rank answer None together, and the caller falls back to the
 durable tier: the ranks never resume from different tiers or steps. A generation older
-than the newest durable step is not taken either.
+than the newest durable step is not taken either, nor one of a writer whose listing
+names another root (an address meant for another job's root, or a second root's).
 
 Timelines: a generation saved after a restore carries the timeline its run began
 (`TimelineStart`), which abandons the root's steps above its fork only at that run's
@@ -37,6 +38,7 @@ from typing import Any, NamedTuple
 
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.timeline import Timeline, TimelineStart
+from asyncckpt.ipc.protocol import same_root
 from asyncckpt.read import memory
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.paths import Location
@@ -199,7 +201,12 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
     view = None
     if address is not None:
         try:
-            view = _view(address, memory.listing(address))
+            found = memory.listing(address)
+            if found.root and not same_root(found.root, str(root)):
+                log.warning("asyncckpt: the writer at %s serves root %s, not %s: none of "
+                            "its memory generations is restored", address, found.root, root)
+            else:
+                view = _view(address, found)
         except (CheckpointError, OSError, EOFError, ValueError) as e:
             log.warning("asyncckpt: restore cannot ask the writer at %s for memory "
                         "generations: %s", address, e)
@@ -218,7 +225,8 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
                             f"{only} held for every rank") if step is None
                         else f"newer than the durable step (memory {step})", newest)
         return None
-    images, state, error = None, None, None
+    images, state = None, None
+    error: BaseException | None = None
     fetched: list[memory.Images] = []
     try:
         assert address is not None and view is not None  # else no plan
@@ -251,8 +259,10 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
             with memory.open_checkpoint(root, images, merged, fetch=fetch) as ckpt:
                 state = (read(ckpt) if read is not None
                          else memory.load(ckpt, rank, into(), keys))
-    except Exception as e:
-        error = e
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        error = e  # every rank must reach the agreement below, whatever failed here
     finally:
         for held in [images, *fetched]:
             if held is not None:

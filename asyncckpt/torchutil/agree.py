@@ -20,7 +20,7 @@ __all__ = ["LOADED", "DAMAGED", "FAILED", "gather", "outcome", "worst"]
 LOADED, DAMAGED, FAILED = 0, 1, 2  # outcomes, in order of severity
 
 
-def outcome(error: Exception | None) -> int:
+def outcome(error: BaseException | None) -> int:
     """A load's outcome: LOADED, DAMAGED (CorruptCheckpointError) or FAILED (any other)."""
     return LOADED if error is None else (
         DAMAGED if isinstance(error, CorruptCheckpointError) else FAILED)

@@ -45,7 +45,8 @@ def serve_query(memory: MemoryTier, conn: Connection, query: Query,
         return
     if isinstance(query, messages.MemoryList):
         protocol.send_message(conn, messages.MemoryIndex(
-            tuple(memory.generations()), memory.replica_address, memory.fetcher is not None))
+            tuple(memory.generations()), memory.replica_address, memory.fetcher is not None,
+            memory.root))
         return
     if isinstance(query, MemoryFetch):
         try:

@@ -62,11 +62,11 @@ class MemoryTier(Held):
         """Args:
             max_bytes: the bound on every image held together (0: half the host's
                 physical memory).
-            root: the durable root, named in the `committed` replies.
+            root: the durable root, named in the `committed` replies and the listing.
         """
         super().__init__()
         self.max_bytes = max_bytes or physical_memory() // 2
-        self._root = root
+        self.root = root
         # why the newest dropped generations went, for a rank whose end comes after
         self._dropped: dict[int, SaveFailedError] = {}
         self.on_node_whole: Callable[[int], None] | None = None  # step: this node's ranks whole
@@ -188,7 +188,7 @@ class MemoryTier(Held):
         """
         if isinstance(image, SkippedImage):
             image.complete()  # the node's skip was logged once (`begin`)
-            notify(None, self._root, {**stats, "tier": SKIPPED, "raw_bytes": 0,
+            notify(None, self.root, {**stats, "tier": SKIPPED, "raw_bytes": 0,
                                       "stored_bytes": 0, "codec": "raw"})
             return
         tell: list[tuple[Notify, dict[str, Any]]] = []
@@ -213,7 +213,7 @@ class MemoryTier(Held):
                     tell += [(gen.waiting.pop(r), figures) for r in ranks if r in gen.waiting]
             self._settle(gen)
         for tell_one, figures in tell:
-            tell_one(None, self._root, figures)
+            tell_one(None, self.root, figures)
         if node_whole and self.on_node_whole is not None:
             self.on_node_whole(image.step)
 

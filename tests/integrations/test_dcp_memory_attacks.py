@@ -114,11 +114,6 @@ def test_a_target_unlike_the_saved_state_changes_nothing_of_the_target(job, case
     assert same(before, target), f"{case}: the target was changed by a load that failed"
 
 
-@pytest.mark.xfail(strict=True, raises=BaseException, reason=(
-    "finding 2: load_memory lets DCP's CheckpointException (a BaseException, not an "
-    "Exception) out of restore_memory's `except Exception`: it raises instead of "
-    "returning None, and skips the ranks' agreement (outcome()), so the other ranks "
-    "wait in that collective"))
 @pytest.mark.parametrize("case", sorted(MISMATCHES))
 def test_a_target_unlike_the_saved_state_is_none_on_every_rank(job, case, caplog):
     """As the docstring promises: a load that failed is None on every rank (the caller
@@ -280,9 +275,6 @@ def test_an_untrusted_pickle_in_a_memory_step_is_refused_not_run(job):
     assert RAN == ["unpickled"] and target["extra"]["trap"] == "unpickled"
 
 
-@pytest.mark.xfail(strict=True, raises=BaseException, reason=(
-    "finding 2: an untrusted pickle in a memory step raises DCP's CheckpointException "
-    "(a BaseException) out of load_memory instead of None on every rank"))
 def test_an_untrusted_pickle_in_a_memory_step_is_none(job):
     w, client = job
     sd = state(4)
@@ -294,11 +286,6 @@ def test_an_untrusted_pickle_in_a_memory_step_is_none(job):
     assert RAN == []
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: a memory load refused on this rank "
-                   "after DCP read some items (here an untrusted pickle) leaves the items "
-                   "already read in the target (extra.epoch becomes the saved 4 beside the "
-                   "target's own tensors): a mixed state, while load_memory answers that "
-                   "nothing was loaded")
 def test_a_refused_memory_load_leaves_nothing_of_it_in_the_target(job):
     """A refused load ("nothing usable"): a caller with no durable step to fall back on
     trains on its target as it is. That target must be untouched, not a mix of the
@@ -366,10 +353,6 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2 (two ranks): the rank whose DCP load "
-                   "fails raises CheckpointException out of load_memory and skips the "
-                   "agreement; the other rank is left in the agreement's collective, "
-                   "never told; both must answer None together")
 def test_a_load_that_fails_on_one_rank_is_none_on_both(tmp_path):
     import os
     import socket
@@ -404,10 +387,6 @@ def test_a_load_that_fails_on_one_rank_is_none_on_both(tmp_path):
 
 # -- a writer of another root ---------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 7: load_memory never checks that the writer "
-                   "it asks (address=, or ASYNCCKPT_ADDRESS) serves `root` (saves do: "
-                   "shared_client(root=)): root A restores root B's generation and carries "
-                   "B's timeline, and A's next commit abandons A's own steps 5 and 6")
 def test_a_writer_of_another_root_gives_nothing_to_this_root(tmp_path):
     """Two roots of one job (a model and its EMA; verl's actor and critic). A commits
     4, 5, 6. B commits 4 and 5, resumes from 4 (`dcp.load`) and saves 5 to memory. A

@@ -55,7 +55,9 @@ class Job:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
         monkeypatch.setenv("LOCAL_RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", str(NODES))
-        self.root = root_path(tmp_path / "ckpt-0")
+        # one root per writer (one process holds each root once); a rank restores with
+        # its own writer's root, as every node's would name their shared root
+        self.roots = [root_path(tmp_path / f"ckpt-{n}") for n in range(NODES)]
         self.writers = [InProcessWriter(tmp_path / f"ckpt-{n}", codec="raw", export=False,
                                         replica_listen="127.0.0.1:0") for n in range(NODES)]
         self.clients = [Client(w.address, rank=n, world_size=NODES, coordination="local",
@@ -95,7 +97,7 @@ class Job:
             local.rank = rank
             try:
                 results[rank] = memory_restore.restore_memory(
-                    self.root, self.writers[rank].address, rank, None, lambda: None,
+                    self.roots[rank], self.writers[rank].address, rank, None, lambda: None,
                     {"w", "obj"}, expected=True)
             except BaseException as e:
                 errors.append(e)
