@@ -12,6 +12,16 @@ all staged, and before the rank waits for a free slot. A rank that waits has a r
 smaller than its save: the writer streams from then on (its stage first ends), so from
 then on every slot is announced as it is filled, as a writer streaming from a small
 ring needs. A writer whose welcome did not say `chunks` gets one `chunk` per slot.
+
+The save's begin waits too. A writer works on a begin as it arrives (lays out the
+tensor table, opens the step's file): ~20 ms of its CPU for a 564-tensor state, which
+ran on the second core during the rank's copy. A writer that stages first holds the
+slots until the end anyway, so the begin and the slots filled go out together once
+every byte is in the ring, or before the rank waits for a slot (begin, the slots so
+far a batch a message, need_slot), and the messages keep their order. A save that asks
+the writer which tensors are unchanged sends its begin first (it waits for the answer),
+and so does one to a writer without `chunks`. The cost: a writer with stage_first off
+hears of a save whose ring holds it only at its end.
 """
 
 from __future__ import annotations
