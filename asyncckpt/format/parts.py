@@ -188,6 +188,7 @@ def _entry_if_valid(cls: type[PartEntry], doc: Any, step: int,
                 or type(steps) is not list or (referenced == 0) != (not steps)):
             return None
         if steps and (set(map(type, steps)) != {int} or steps[0] < 0 or steps[-1] >= step
+                      or steps[-1] >= _MAX_INT
                       or any(a >= b for a, b in zip(steps, steps[1:]))):
             return None
     except (KeyError, TypeError):

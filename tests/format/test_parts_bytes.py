@@ -167,3 +167,12 @@ def test_the_fast_path_refuses_what_the_rules_refuse(case):
     with pytest.raises(CorruptCheckpointError):
         PartEntry.from_json(REFUSED[case], step=STEP, max_size=LIMIT)
     assert parts_module._entry_if_valid(PartEntry, REFUSED[case], STEP, LIMIT) is None
+
+
+def test_a_referenced_step_is_bounded_as_any_size_whatever_the_step():
+    """A referenced step of 2**62 or more is refused even where the step given is larger
+    (the rules bound it as any size; a root's own step is always below that)."""
+    doc = edited(referenced_steps=[3, 2**62])
+    with pytest.raises(CorruptCheckpointError, match="not a valid size"):
+        PartEntry.from_json(doc, step=2**62 + 5, max_size=LIMIT)
+    assert parts_module._entry_if_valid(PartEntry, doc, 2**62 + 5, LIMIT) is None
