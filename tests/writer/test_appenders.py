@@ -20,7 +20,7 @@ import asyncckpt
 from asyncckpt.format.layout import layout
 from asyncckpt.runtime.pool import FramePool
 from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.writer.appenders import Appenders
+from asyncckpt.writer.appenders import APPENDERS, Appenders
 from asyncckpt.writer.filespec import FileSettings, FileTarget, Stream
 from asyncckpt.writer.pipeline import RankFileWriter
 
@@ -38,15 +38,21 @@ class _Starts:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
-        start = threading.Thread.start
+        self.names: list[str] = []
+        self._start = start = threading.Thread.start
 
         def counting(thread: threading.Thread) -> None:
             self.count += 1
+            self.names.append(thread.name)
             start(thread)
         monkeypatch.setattr(threading.Thread, "start", counting)
 
+    def undo(self) -> None:
+        threading.Thread.start = self._start  # type: ignore[method-assign]
+
 
 def test_fifty_saves_of_two_ranks_start_no_thread_per_save(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(APPENDERS, "idle_s", 60.0)  # a slow commit on a busy machine
     with inprocess_writer(tmp_path, "raw", incremental=False, keep_last=2) as w, \
             asyncckpt.connect(w.address, rank=0, world_size=2) as r0, \
             asyncckpt.connect(w.address, rank=1, world_size=2) as r1:
@@ -57,7 +63,7 @@ def test_fifty_saves_of_two_ranks_start_no_thread_per_save(tmp_path: Path, monke
         for step in range(3, 3 + SAVES):
             handles = [r.save(step, _state(r.rank, step)) for r in (r0, r1)]
             paths = {h.wait() for h in handles}
-        monkeypatch.undo()
+        starts.undo()
         assert starts.count <= 2, f"{starts.count} threads started in {SAVES} saves"
         (path,) = paths
         last = 2 + SAVES
@@ -145,3 +151,39 @@ def _until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.005)
+
+
+def test_a_rank_gone_mid_save_leaves_nothing_and_the_next_save_reuses_the_threads(
+        tmp_path: Path, monkeypatch):
+    """A rank that dies with its data file open on an appender: the step fails for both
+    ranks, its tmp directory goes (its files closed first), and the threads serve the
+    next save."""
+    from hostile_rank import HostileRank, tmp_leftovers, u8_table
+
+    monkeypatch.setattr(APPENDERS, "idle_s", 60.0)
+    root = tmp_path / "ckpt"
+    with inprocess_writer(tmp_path, "raw", incremental=False) as w, \
+            asyncckpt.connect(w.address, rank=0, world_size=2) as r0:
+        with asyncckpt.connect(w.address, rank=1, world_size=2) as r1:
+            for h in [r.save(1, _state(r.rank, 1)) for r in (r0, r1)]:
+                h.wait()
+        starts = _Starts(monkeypatch)
+        with HostileRank(w.address, rank=1, world_size=2, slot_size=64 << 10) as bad:
+            bad.begin(1, 2, u8_table(1 << 20), world_size=2)
+            bad.stream(1, b"\x07" * (256 << 10))  # a quarter of its tensor, then gone
+            handle = r0.save(2, _state(0, 2))
+            _until(lambda: any(p.name.startswith("step-00000002.tmp-") for p in root.iterdir()))
+        with pytest.raises(asyncckpt.SaveFailedError):
+            handle.wait(30)
+        _until(lambda: tmp_leftovers(root) == [])
+        assert not (root / "step-00000002").exists()
+        with asyncckpt.connect(w.address, rank=1, world_size=2) as r1:
+            paths = {h.wait(30) for h in [r.save(3, _state(r.rank, 3)) for r in (r0, r1)]}
+        starts.undo()
+        appenders = [n for n in starts.names if n.startswith("asyncckpt-append")]
+        assert appenders == [], starts.names  # step 1's two served steps 2 and 3
+        (path,) = paths
+        got = asyncckpt.load(path, rank=1)
+        assert got["w"].numpy().tobytes() == _state(1, 3)["w"].numpy().tobytes()
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+            "step-00000001", "step-00000003"]
