@@ -287,9 +287,6 @@ def test_an_entry_edited_after_a_fast_read_is_written_as_edited():
         doc, separators=(",", ":"))
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: the fast path bounds a referenced step by "
-                   "`step` alone, not by 2**62 as as_int does: past a step above 2**62 it "
-                   "accepts what the rules refuse")
 def test_a_referenced_step_past_two_to_the_62_is_refused_whatever_the_step():
     """Unreachable through a root today (its step is read with as_int, under 2**62), but
     the fast path promises the rules' answer for every `step` it is given."""
