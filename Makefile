@@ -248,7 +248,7 @@ bench-commit: setup
 # then a node and the leader's writer killed mid-save (results/scale.md).
 bench-scale: setup
 	$(BIN)/python -m benchmarks.scale --nodes 8,64,256,1000 --per-node 8 --tensors 1000 --saves 3 \
-		--saves-from-1000 3 --kill node,leader-writer --kill-nodes 256 \
+		--saves-from-1000 3 --procs 1,4 --kill node,leader-writer --kill-nodes 256 \
 		--out benchmarks/results/scale.md
 
 # A misbehaving authenticated rank sends 10,000+ random messages next to two ordinary
