@@ -20,9 +20,10 @@ import threading
 class HostCopier:
     """Host-memory copies shared by the stager thread and `helpers` daemon threads.
 
-    `run(jobs)` returns once every (dest address, source address, bytes) job is copied;
-    the caller copies too, taking jobs as the helpers do, so `run` never waits for a
-    helper that has not started. Several callers may run batches at once.
+    `run(jobs)` returns once every (dest address, source address, bytes) job is copied,
+    or raises the first job's error once every job has been tried; the caller copies
+    too, taking jobs as the helpers do, so `run` never waits for a helper that has not
+    started. Several callers may run batches at once.
     """
 
     def __init__(self, helpers: int) -> None:
@@ -41,10 +42,12 @@ class HostCopier:
             self._batches.put(batch)
         batch.work()
         batch.done.wait()
+        if batch.error is not None:
+            raise batch.error
 
     def _serve(self) -> None:
         while True:
-            self._batches.get().work()
+            self._batches.get().work()  # never raises: a job's error goes to its caller
 
 
 class _Batch:
@@ -54,6 +57,7 @@ class _Batch:
         self._left = len(jobs)
         self._lock = threading.Lock()
         self.done = threading.Event()
+        self.error: BaseException | None = None  # the first job's that failed
         if not jobs:
             self.done.set()
 
@@ -61,7 +65,10 @@ class _Batch:
         mine = 0
         while (i := next(self._next)) < len(self.jobs):
             dest, source, n = self.jobs[i]
-            ctypes.memmove(dest, source, n)  # releases the GIL
+            try:
+                ctypes.memmove(dest, source, n)  # releases the GIL
+            except BaseException as e:  # noqa: BLE001 - counted, and raised in `run`
+                self.error = self.error or e
             mine += 1
         if mine:  # every job taken is done once each taker has counted its own
             with self._lock:

@@ -31,6 +31,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from asyncckpt.errors import SaveFailedError
 from asyncckpt.ipc import messages, ring
@@ -45,6 +46,22 @@ PLAN_POLL = 0.05  # s: the stager's check for a cancelled save while the writer 
 
 class Cancelled(Exception):
     """The save was cancelled (failed) or the writer is gone while waiting for a slot."""
+
+
+class _ConnectionLost(Exception):
+    """The connection broke inside `stage()` (the OSError or EOFError is its cause): the
+    writer's, never the save's, unlike an OSError of staging itself (a copy)."""
+
+
+def _on_connection(call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call` (it talks to the writer), its socket errors raised as `_ConnectionLost`."""
+    @functools.wraps(call)
+    def guarded(*args: Any) -> Any:
+        try:
+            return call(*args)
+        except (OSError, EOFError) as e:
+            raise _ConnectionLost() from e
+    return guarded
 
 
 def batch_for(slots: int, batched: bool = True) -> int:
@@ -164,14 +181,16 @@ def stage_save(pending: PendingSave, conn: WriterConnection, slots: Slots, ring_
             if handle.done() or gone():
                 raise Cancelled
         sources = Sources(pending)
-        nbytes = stage(sources.tensors, ring_, filler.acquire, filler.emit, slots.release,
+        nbytes = stage(sources.tensors, ring_, _on_connection(filler.acquire),
+                       _on_connection(filler.emit), _on_connection(slots.release),
                        device, pending.ready, copied=sources.check)
     except Cancelled:
         filler.flush(last=True)
         send(messages.End(pending.id))
         raise
-    except OSError:
-        raise
+    except _ConnectionLost as e:
+        assert e.__cause__ is not None
+        raise e.__cause__ from None
     except Exception as e:  # a tensor that cannot be read: fail the save, keep serving
         cause = str(e) if isinstance(e, Torn) else f"staging failed: {type(e).__name__}: {e}"
         error = SaveFailedError(cause, step=pending.step, rank=rank)

@@ -83,9 +83,13 @@ def byte_pieces(t: torch.Tensor, max_bytes: int,
                 contiguous: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
                 ) -> Iterator[torch.Tensor]:
     """Contiguous uint8 tensors whose concatenation is `t`'s bytes in row-major order:
-    `t` itself if it is contiguous, else `contiguous` of blocks of at most `max_bytes`."""
+    `t` itself if it is contiguous, else `contiguous` of blocks of at most `max_bytes`.
+    A view with the negative or conjugate bit (its bytes are not its values) is resolved
+    into a copy first."""
     if t.numel() == 0:
         return
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_conj().resolve_neg()
     if t.is_contiguous():
         yield _flat_bytes(t)
         return

@@ -152,9 +152,6 @@ def test_a_contiguous_negative_bit_view_is_refused_or_staged_as_its_values(small
 
 # -- a copy that fails -----------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 4: a job that raises in a helper thread "
-                   "kills the helper (HostCopier._serve has no except) and never counts "
-                   "its jobs: HostCopier.run waits on batch.done forever")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_helper_whose_copy_raises_does_not_leave_the_caller_waiting(monkeypatch):
     failed = threading.Event()
@@ -248,11 +245,6 @@ def test_a_copy_that_fails_fails_the_save_typed_and_gives_its_ring_back(job, mon
         assert same(big_state(step), asyncckpt.load(job.w.root, step=step))
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: an OSError raised by staging itself (a "
-                   "copy, not the socket) is taken for the writer's connection breaking "
-                   "(slots.py `except OSError: raise`): the save fails as "
-                   "WriterUnavailableError 'writer connection lost' and every later save "
-                   "of the client fails the same, the writer being up")
 def test_an_oserror_of_a_copy_fails_that_save_only(job, monkeypatch):
     fail_second_batch(monkeypatch, OSError(12, "Cannot allocate memory"))
     handle = job.client.save(3, big_state(3))
@@ -304,10 +296,6 @@ def test_a_tensor_modified_once_staged_changes_nothing_held(job):
     assert same(want, asyncckpt.load(job.w.root, step=7))
 
 
-@pytest.mark.xfail(strict=True, reason="finding 5: a contiguous tensor with the negative "
-                   "bit (x.conj().imag of a one-element complex) fails the save: byte_pieces "
-                   "views it as uint8, which torch refuses for a negative-bit view; "
-                   "resolve_neg() (and resolve_conj()) before viewing would save its values")
 def test_a_negative_bit_view_is_saved_as_its_values(job):
     t = torch.tensor([1 + 2j, 3 + 4j])[:1].conj().imag
     assert t.is_neg() and t.is_contiguous()
