@@ -47,7 +47,7 @@ TORCHTUNE_VENV  ?= $(VENV)-torchtune
 LATEST      ?= .venv-latest
 LATEST_TORCH ?= $(TORCH_SPEC)
 
-.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks bench-frameworks test-dcp-upstream bench-memory-tier torture-memory test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b
+.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks bench-frameworks test-dcp-upstream bench-memory-tier torture-memory test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b bench-writer-cpu
 
 setup: $(UV)
 	$(call sync_venv,$(VENV),$(LOCKS)/test.txt)
@@ -265,6 +265,11 @@ bench-stage: setup
 # (sync, async default stager, async reused shared-memory stager) and torch-checkpointing,
 # 1 and 4 GiB, with memcpy and write+fsync limits of the same run (results/dcp.md + .json);
 # then a warm resharded FSDP2 load next to torch-checkpointing's (results/warm_load.md).
+# The writer's CPU per tiny save (2 ranks, 3 MiB): what competes with training on small
+# states, by thread with --threads, profiled with --profile.
+bench-writer-cpu: setup
+	$(BIN)/python -m benchmarks.writer_cpu --repeats 3 --saves 150
+
 bench-dcp: bench-setup
 	$(BIN)/python -m benchmarks.dcp --gib 1,4 --fsdp2-gib 1 --reps 3 --out benchmarks/results/dcp.md
 	$(BIN)/python -m benchmarks.warm_load --reps 5 --out benchmarks/results/warm_load.md
