@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_memory_job import one_writer, same
 from inprocess import InProcessWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -40,19 +41,6 @@ def training_state(seed: int) -> dict:
             "extra": {"epoch": seed, "blob": bytes([seed, 1]), "seen": {seed, 2}}}
 
 
-def same(want: object, got: object) -> bool:
-    if isinstance(want, torch.Tensor):
-        return (isinstance(got, torch.Tensor) and want.dtype == got.dtype
-                and torch.equal(want, got))
-    if isinstance(want, dict):
-        return isinstance(got, dict) and set(want) == set(got) and all(
-            same(want[k], got[k]) for k in want)
-    if isinstance(want, (list, tuple)):
-        return type(want) is type(got) and len(want) == len(got) and all(
-            same(a, b) for a, b in zip(want, got))
-    return want == got
-
-
 @pytest.fixture(autouse=True)
 def no_loads_recorded() -> Iterator[None]:
     dcp_timeline.forget()
@@ -62,14 +50,8 @@ def no_loads_recorded() -> Iterator[None]:
 
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[tuple[InProcessWriter, asyncckpt.Client]]:
-    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
-    c = asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=1 << 16,
-                          ring_size=1 << 20)
-    try:
-        yield w, c
-    finally:
-        c.close(timeout=30)
-        w.stop()
+    with one_writer(tmp_path) as made:
+        yield made
 
 
 @pytest.mark.parametrize("how", ["save", "async_save"])

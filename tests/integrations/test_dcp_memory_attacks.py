@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_memory_job import one_writer, same
 from inprocess import InProcessWriter
 
 import asyncckpt
@@ -51,16 +52,6 @@ def state(seed: int, width: int = 16) -> dict[str, Any]:
             "extra": {"epoch": seed}}
 
 
-def same(want: object, got: object) -> bool:
-    if isinstance(want, torch.Tensor):
-        return (isinstance(got, torch.Tensor) and want.dtype == got.dtype
-                and want.shape == got.shape and torch.equal(want, got))
-    if isinstance(want, dict):
-        return isinstance(got, dict) and set(want) == set(got) and all(
-            same(want[k], got[k]) for k in want)
-    return want == got
-
-
 @pytest.fixture(autouse=True)
 def no_loads_recorded() -> Iterator[None]:
     dcp_timeline.forget()
@@ -71,14 +62,8 @@ def no_loads_recorded() -> Iterator[None]:
 
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[tuple[InProcessWriter, asyncckpt.Client]]:
-    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
-    c = asyncckpt.connect(w.address, rank=0, world_size=1, slot_size=1 << 16,
-                          ring_size=1 << 20)
-    try:
-        yield w, c
-    finally:
-        c.close(timeout=30)
-        w.stop()
+    with one_writer(tmp_path) as made:
+        yield made
 
 
 def save(w: InProcessWriter, client: asyncckpt.Client, step: int, sd: dict[str, Any],

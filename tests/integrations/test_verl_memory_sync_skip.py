@@ -17,14 +17,13 @@ model and SGD; a second writer makes the replica of 6.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from inprocess import InProcessWriter
+from verl_memory_job import linear_model, one_rank_job
 
 from asyncckpt.integrations.verl import FSDPCheckpointManager
 from asyncckpt.integrations.verl_paths import root_of
@@ -39,37 +38,11 @@ CONFIG = {"durable_interval": 10, "async_save": False,
           "save_contents": ["model", "optimizer", "extra"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path,
                                                                            InProcessWriter]]:
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    base = tmp_path / "ckpts"
-    root = root_of(base / "global_step_1" / "actor")
-    root.mkdir(parents=True)
-    w = InProcessWriter(root, codec="raw", export=False)
-    monkeypatch.setenv("ASYNCCKPT_ADDRESS", w.address)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
-    try:
-        yield base, w
-    finally:
-        dist.destroy_process_group()
-        w.stop()
-
-
-def _model(fill: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Linear(8, 4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(fill)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    with one_rank_job(tmp_path, monkeypatch) as made:
+        yield made
 
 
 def _replica_of_6_arriving(tmp_path: Path, w: InProcessWriter) -> tuple[ReplicaIn, list]:
@@ -94,7 +67,7 @@ def test_a_sync_memory_save_the_node_skipped_is_saved_durably(
         tmp_path: Path, job: tuple[Path, InProcessWriter]) -> None:
     base, w = job
     root = root_of(base / "global_step_1" / "actor")
-    model, optim = _model(5.0)
+    model, optim = linear_model(5.0)
     run = FSDPCheckpointManager(model=model, optimizer=optim, checkpoint_config=CONFIG)
     run.save_checkpoint(str(base / "global_step_5" / "actor"), global_step=5)
     sink, ranks = _replica_of_6_arriving(tmp_path, w)
@@ -113,7 +86,7 @@ def test_a_sync_memory_save_the_node_skipped_is_saved_durably(
     assert 7 in PosixStorage(root).committed_steps(), (
         "the node skipped memory step 7 and it was not saved durably: verl's tracker "
         f"names a step no tier holds (root: {PosixStorage(root).committed_steps()})")
-    model, optim = _model(0.0)  # the restart at the tracker's step
+    model, optim = linear_model(0.0)  # the restart at the tracker's step
     again = FSDPCheckpointManager(model=model, optimizer=optim, checkpoint_config=CONFIG)
     try:
         again.load_checkpoint(str(base / "global_step_7" / "actor"))

@@ -16,14 +16,13 @@ model and SGD.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from inprocess import InProcessWriter
+from verl_memory_job import linear_model, one_rank_job
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.integrations.verl import FSDPCheckpointManager
@@ -31,37 +30,11 @@ from asyncckpt.integrations.verl_paths import root_of
 from asyncckpt.read import memory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path,
                                                                            InProcessWriter]]:
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    base = tmp_path / "ckpts"
-    root = root_of(base / "global_step_1" / "actor")
-    root.mkdir(parents=True)
-    w = InProcessWriter(root, codec="raw", export=False)
-    monkeypatch.setenv("ASYNCCKPT_ADDRESS", w.address)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
-    try:
-        yield base, w
-    finally:
-        dist.destroy_process_group()
-        w.stop()
-
-
-def _model(fill: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Linear(8, 4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(fill)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    with one_rank_job(tmp_path, monkeypatch) as made:
+        yield made
 
 
 def test_a_resumed_runs_memory_step_wins_over_the_abandoned_runs_durable_one(
@@ -69,7 +42,7 @@ def test_a_resumed_runs_memory_step_wins_over_the_abandoned_runs_durable_one(
     base, w = job
     root = root_of(base / "global_step_1" / "actor")
     for step, fill in ((4, 4.0), (5, 5.0)):  # run A: steps 4 and 5 committed
-        model, optim = _model(fill)
+        model, optim = linear_model(fill)
         ckpt = Checkpointer(root, model=model, optimizer=optim, address=w.address,
                             fence=False, options=CheckpointerOptions(save_interval=1))
         handle = ckpt.save(step, force=True)
@@ -78,7 +51,7 @@ def test_a_resumed_runs_memory_step_wins_over_the_abandoned_runs_durable_one(
         ckpt.close()
     config = {"durable_interval": 2, "async_save": False,
               "save_contents": ["model", "optimizer", "extra"]}
-    model, optim = _model(0.0)  # run B: resumes from 4, trains, saves 5 (memory)
+    model, optim = linear_model(0.0)  # run B: resumes from 4, trains, saves 5 (memory)
     b = FSDPCheckpointManager(model=model, optimizer=optim, checkpoint_config=config)
     b.load_checkpoint(str(base / "global_step_4" / "actor"))
     assert b.restored_tier == "durable" and float(model.weight[0, 0]) == 4.0
@@ -87,7 +60,7 @@ def test_a_resumed_runs_memory_step_wins_over_the_abandoned_runs_durable_one(
     b.save_checkpoint(str(base / "global_step_5" / "actor"), global_step=5)
     b.close()
     assert [g["step"] for g in memory.generations(w.address)] == [5]  # B's 5, held
-    model, optim = _model(0.0)  # run B restarts at its tracker's step, 5
+    model, optim = linear_model(0.0)  # run B restarts at its tracker's step, 5
     again = FSDPCheckpointManager(model=model, optimizer=optim, checkpoint_config=config)
     try:
         again.load_checkpoint(str(base / "global_step_5" / "actor"))
