@@ -16,10 +16,21 @@ from asyncckpt.format.layout import MAX_WORLD
 from asyncckpt.ipc.fields import MAX_ROOT, ProtocolError, int_field, show
 from asyncckpt.ipc.message import Message
 
-__all__ = ["MemoryFetch", "MemoryFlush", "MemoryFlushed", "MemoryGeneration", "MemoryIndex",
-           "MemoryList", "MemoryOpen"]
+__all__ = ["MemoryCommit", "MemoryCommitState", "MemoryFetch", "MemoryFlush", "MemoryFlushed",
+           "MemoryGeneration", "MemoryIndex", "MemoryList", "MemoryOpen"]
 
 MAX_SOURCE = 300  # characters of a replica server's "host:port"
+MAX_SESSION = 100  # characters of a job-wide commit session's tag
+MAX_COMMIT_WAIT_S = 600.0  # seconds a `memory_commit` may wait for its step to settle
+MAX_TWO = 64  # steps a `memory_commit_state` may list as held in two places
+
+
+def _step_or_none(m: dict[str, Any], key: str) -> int:
+    """Optional step `key` of `m`: a step, or -1 (none; the default)."""
+    value = m.get(key, -1)
+    if type(value) is not int or value < -1:
+        raise ProtocolError(f"{key} {show(value)} is not a step or -1")
+    return value
 
 
 # rank -> writer
@@ -93,6 +104,39 @@ class MemoryFlush(Message):
     SENDER: ClassVar[str] = "rank"
 
 
+@dataclass(frozen=True)
+class MemoryCommit(Message):
+    """As `memory_list`, from a node's lead rank (rank/memory_commit.py): the job-wide
+    commit of memory generations. `session` tags the job's commit session (a writer
+    told it keeps its generations until a newer one is committed job-wide, instead of
+    the node-local rule; another tag starts afresh); `committed` the newest step held in
+    two places on every node (-1: none known), `settled` the newest step whose outcome
+    is final on every node (-1: none). With `step`, the writer first waits up to `wait`
+    seconds for this node's outcome of `step` to be final (its partner acked the
+    replica, or it failed, was superseded or skipped). Answered by `memory_commit_state`
+    (writer/memory_commit.py)."""
+
+    OP: ClassVar[str] = "memory_commit"
+    SENDER: ClassVar[str] = "rank"
+    session: str
+    step: int = -1
+    wait: float = 0.0
+    committed: int = -1
+    settled: int = -1
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryCommit:
+        session, wait = m.get("session"), m.get("wait", 0.0)
+        if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION:
+            raise ProtocolError(f"session {show(session)} is not a tag of 1..{MAX_SESSION} "
+                                "characters")
+        if (type(wait) not in (int, float) or not 0 <= wait <= MAX_COMMIT_WAIT_S
+                or wait != wait):
+            raise ProtocolError(f"wait {show(wait)} is not 0..{MAX_COMMIT_WAIT_S:g} seconds")
+        return cls(session, _step_or_none(m, "step"), float(wait),
+                   _step_or_none(m, "committed"), _step_or_none(m, "settled"))
+
+
 # writer -> rank
 
 
@@ -143,6 +187,31 @@ class MemoryGeneration(Message):
             raise ProtocolError(f"parts {show(parts)} is not a list of objects")
         return cls(int_field(m, "step"), int_field(m, "world_size"), tuple(parts),
                    error if isinstance(error, str) else str(error))
+
+
+@dataclass(frozen=True)
+class MemoryCommitState(Message):
+    """The answer to `memory_commit`: `outcome` of the step asked ("two": held here and
+    acked by the partner; "not": it never will be; "pending": not final within the wait;
+    "" when none was asked), `two` this node's steps held in two places now (newest
+    last), `settled` the newest step of this node whose outcome and every older one's
+    are final (-1: none)."""
+
+    OP: ClassVar[str] = "memory_commit_state"
+    SENDER: ClassVar[str] = "writer"
+    two: tuple[int, ...]
+    settled: int
+    outcome: str = ""
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> MemoryCommitState:
+        two, outcome = m.get("two"), m.get("outcome", "")
+        if (not isinstance(two, list) or len(two) > MAX_TWO
+                or not all(type(s) is int and s >= 0 for s in two)):
+            raise ProtocolError(f"two {show(two)} is not a list of steps")
+        if outcome not in ("", "two", "not", "pending"):
+            raise ProtocolError(f"outcome {show(outcome)} is not two, not or pending")
+        return cls(tuple(two), _step_or_none(m, "settled"), outcome)
 
 
 @dataclass(frozen=True)

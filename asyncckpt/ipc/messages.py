@@ -37,6 +37,7 @@ this copy differs; each class's docstring says what its message means):
         memory_open(step; optional ranks)
         memory_flush()
         memory_fetch(step, node, source)
+        memory_commit(session; optional step, wait, committed, settled)
     writer -> rank:
         welcome(pid, version, root, root_id; optional chunks)
         refused(reason; optional root)
@@ -48,6 +49,7 @@ this copy differs; each class's docstring says what its message means):
         memory_index(generations; optional replica, fetch, root)
         memory_generation(step, world_size, parts; optional error)
         memory_flushed(step; optional error, message)
+        memory_commit_state(two, settled; optional outcome)
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ from asyncckpt.ipc.fields import (
     unchanged_request,
 )
 from asyncckpt.ipc.memory_messages import (
+    MemoryCommit,
+    MemoryCommitState,
     MemoryFetch,
     MemoryFlush,
     MemoryFlushed,
@@ -101,8 +105,9 @@ from asyncckpt.ipc.replies import (
     Welcome,
 )
 
-__all__ = ["MAX_SLOTS", "MESSAGES", "Committed", "Durable", "Failed", "Free", "MemoryFlush",
-           "MemoryFlushed", "MemoryGeneration", "MemoryIndex", "MemoryList", "MemoryOpen",
+__all__ = ["MAX_SLOTS", "MESSAGES", "Committed", "Durable", "Failed", "Free", "MemoryCommit",
+           "MemoryCommitState", "MemoryFlush", "MemoryFlushed", "MemoryGeneration",
+           "MemoryIndex", "MemoryList", "MemoryOpen",
            "Message", "NodePart", "NodeRanks", "ProtocolError", "Refused", "SaveOptions",
            "TensorEntry", "Unchanged", "Welcome", "decode", "dumps", "message_list", "parse",
            "wire_fields"]
@@ -362,8 +367,9 @@ class Outcome(Message):
 
 MESSAGES: dict[str, type[Message]] = {cls.OP: cls for cls in (
     Hello, Begin, Chunk, Chunks, End, Abort, NeedSlot, NewRing, Commit, Outcome, MemoryList,
-    MemoryOpen, MemoryFlush, MemoryFetch, Welcome, Refused, Free, Unchanged, Durable,
-    Committed, Failed, MemoryIndex, MemoryGeneration, MemoryFlushed)}
+    MemoryOpen, MemoryFlush, MemoryFetch, MemoryCommit, Welcome, Refused, Free, Unchanged,
+    Durable, Committed, Failed, MemoryIndex, MemoryGeneration, MemoryFlushed,
+    MemoryCommitState)}
 
 
 def parse(data: bytes | bytearray | dict[str, Any]) -> Message:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncckpt.writer.memory_commit import JobCommit
 from asyncckpt.writer.memory_image import RankImage
 
 
@@ -34,6 +35,7 @@ class Generation:
     replicas: set[int] = field(default_factory=set)  # nodes held as a partner's replica
     started: float = field(default_factory=time.monotonic)  # when its first rank began
     out: int = 0  # its images being sent (to the partner, or served to a replacement)
+    received: bool = False  # holds a partner's replica received whole (memory_commit.py)
 
     @property
     def busy(self) -> bool:
@@ -69,7 +71,8 @@ class Generation:
 
 
 
-def room(gens: dict[int, Generation], first: int, step: int) -> tuple[str | None, int | None]:
+def room(gens: dict[int, Generation], first: int, step: int,
+         job: JobCommit | None = None) -> tuple[str | None, int | None]:
     """Whether node `first`'s images of `step` may be held beside `gens` (this node's
     ranks beginning it, or a partner's replica arriving): (None, None) yes; (None, s)
     once generation `s` is dropped (then ask again); (cause, None) no.
@@ -80,15 +83,29 @@ def room(gens: dict[int, Generation], first: int, step: int) -> tuple[str | None
     the place of the newer one when that one is idle (whole, its partner's part never
     came: it can never be held for every node before the third is); while it is busy
     (still arriving, or being sent) the third is not taken. The older one is never
-    dropped here: only a newer whole generation holding every node it holds drops it."""
+    dropped here: only a newer whole generation holding every node it holds drops it.
+
+    With the job-wide commit on (`job`, memory_commit.py) the older one is the newest
+    committed across the job, or one that can never be (`doomed`: dropped first, when
+    idle); the newer one gives way only while it is not promised -- reported held in
+    two places, or holding a partner's replica, while it can still be committed: then
+    the third is not taken until the job commits it or some node settles it as not."""
     held = sorted(s for s, g in gens.items() if s != step and first in g.nodes)
     if len(held) < 2:
         return None, None
     older, newer = held[-2], gens[held[-1]]
     if newer.step > step:
         return f"node {first} is held at steps {older} and {newer.step}, past {step}", None
+    if job is not None and job.on:
+        old = gens[older]
+        if not old.busy and job.doomed(older):
+            return None, older
     if newer.busy:
         return (f"node {first} is held at steps {older} and {newer.step}, and {newer.step} "
                 "is still arriving or being sent (the host memory bound: two generations "
                 "of each node)"), None
+    if job is not None and job.on and job.promised(newer.step, newer.received):
+        return (f"node {first} is held at steps {older} and {newer.step}, and {newer.step} "
+                "is held in two places but not yet committed across the job (the host "
+                "memory bound: two generations of each node)"), None
     return None, newer.step

@@ -150,10 +150,13 @@ class Replicator:
         return steps
 
     def _whole(self, step: int) -> None:
+        passed = None  # a step waiting its turn, superseded: it will not be sent
         with self._cond:
             if self._due is None or step > self._due:
-                self._due = step
+                passed, self._due = self._due, step
                 self._cond.notify()
+        if passed is not None:
+            self._tier.replica_outcome(passed, False)
 
     def _send_loop(self) -> None:
         assert self._partner is not None
@@ -178,12 +181,16 @@ class Replicator:
             try:
                 took = self._transport.put(self._partner, partner_replica(self._tier, step))
             except KeyError:
+                self._tier.replica_outcome(step, False)
                 continue  # dropped here meanwhile: a newer one is due
             except CheckpointError as e:
                 self.failed += 1
+                self._tier.replica_outcome(step, False)
                 log.warning("memory generation %d not replicated to %s:%d: %s", step,
                             *self._partner, e)
                 continue
+            # acked whole: held in two places (a step sent again keeps its first outcome)
+            self._tier.replica_outcome(step, bool(took))
             if took:
                 self.sent = step
                 log.info("memory generation %d replicated to %s:%d", step, *self._partner)

@@ -18,14 +18,15 @@ from multiprocessing.connection import Connection
 
 from asyncckpt.errors import CheckpointError
 from asyncckpt.ipc import messages, protocol
-from asyncckpt.ipc.memory_messages import MemoryFetch
+from asyncckpt.ipc.memory_messages import MemoryCommit, MemoryCommitState, MemoryFetch
 from asyncckpt.writer.memory_tier import MemoryTier
 
 log = logging.getLogger("asyncckpt.writer")
 
 MEMORY_QUERIES = (messages.MemoryList, messages.MemoryOpen, messages.MemoryFlush,
-                  MemoryFetch)
-Query = messages.MemoryList | messages.MemoryOpen | messages.MemoryFlush | MemoryFetch
+                  MemoryFetch, MemoryCommit)
+Query = (messages.MemoryList | messages.MemoryOpen | messages.MemoryFlush | MemoryFetch
+         | MemoryCommit)
 
 
 def serve_query(memory: MemoryTier, conn: Connection, query: Query,
@@ -42,6 +43,11 @@ def serve_query(memory: MemoryTier, conn: Connection, query: Query,
             protocol.send_message(conn, messages.MemoryFlushed(-1, type(e).__name__, str(e)))
             return
         protocol.send_message(conn, messages.MemoryFlushed(-1 if step is None else step))
+        return
+    if isinstance(query, MemoryCommit):  # a node lead: the job-wide commit (memory_commit.py)
+        outcome, two, settled = memory.commit_state(query.session, query.step, query.wait,
+                                                    query.committed, query.settled)
+        protocol.send_message(conn, MemoryCommitState(tuple(two), settled, outcome))
         return
     if isinstance(query, messages.MemoryList):
         protocol.send_message(conn, messages.MemoryIndex(

@@ -32,6 +32,7 @@ with MemoryTierFullError naming the figures.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ from asyncckpt.errors import MemoryTierFullError, SaveFailedError
 from asyncckpt.format.layout import layout
 from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodeRanks, TensorEntry
+from asyncckpt.writer.memory_commit import Committing, JobCommit
 from asyncckpt.writer.memory_generation import Generation, physical_memory, room
 from asyncckpt.writer.memory_held import Held, Opened, complete
 from asyncckpt.writer.memory_image import RankImage, SkippedImage
@@ -54,7 +56,7 @@ DROPPED_KEPT = 8  # generations whose reason for being dropped is remembered
 Notify = Callable[..., None]
 
 
-class MemoryTier(Held):
+class MemoryTier(Committing, Held):
     """The generations this writer holds (thread-safe: the sessions call it): how
     they come (ranks' saves, partners' replicas) and go; how they are read, Held."""
 
@@ -78,6 +80,8 @@ class MemoryTier(Held):
         self._order = BeginOrder()
         self._durable = DurableSaves()  # which ranks are staging a durable save here
         self.peak_bytes = 0
+        self.job = JobCommit()  # the job-wide commit, once a lead tells (memory_commit.py)
+        self._settling = threading.Condition(self._lock)  # an outcome became final
 
     def begin(self, step: int, rank: int, world_size: int, node: NodeRanks | None,
               table: list[TensorEntry], tree: Any, timeline: Any,
@@ -110,6 +114,7 @@ class MemoryTier(Held):
             skipped = self._order.skipped(step, rank)
             self._order.began(rank, step, skipped is not None)
             if skipped is not None:  # the node's step is skipped
+                self._final(step, False)
                 return SkippedImage(step, rank, table, tree, skipped)
             gen = self._gens.get(step)
             if gen is not None and rank in gen.images:  # saved again: start it over
@@ -122,6 +127,7 @@ class MemoryTier(Held):
                 if cause is not None:
                     self._order.skip(step, rank, cause)
                     self._order.began(rank, step, True)
+                    self._final(step, False)
                     log.info("memory step %d skipped on this node: %s", step, cause)
                     return SkippedImage(step, rank, table, tree, cause)
             if gen is None:
@@ -139,6 +145,7 @@ class MemoryTier(Held):
             gen.nodes[first] = count
             gen.images[rank] = image
             self._gens[step] = gen
+            self.job.began(step)
             self.peak_bytes = max(self.peak_bytes, self._held())
             return image
 
@@ -212,6 +219,8 @@ class MemoryTier(Held):
                     node_whole |= any(r in gen.waiting for r in ranks)
                     tell += [(gen.waiting.pop(r), figures) for r in ranks if r in gen.waiting]
             self._settle(gen)
+            if node_whole and self.on_node_whole is None:  # no partner: never in two places
+                self._final(image.step, False)
         for tell_one, figures in tell:
             tell_one(None, self.root, figures)
         if node_whole and self.on_node_whole is not None:
@@ -219,9 +228,13 @@ class MemoryTier(Held):
 
     def _settle(self, gen: Generation) -> None:
         """Once `gen` is whole (every node's ranks, replicas too), the older ones it
-        covers go (`_supersede`)."""
+        covers go (`_supersede`; with the job-wide commit on, those older than the
+        newest committed step, `_prune`)."""
         if gen.whole:
-            self._supersede(gen)
+            if self.job.on:
+                self._prune()
+            else:
+                self._supersede(gen)
             log.info("memory generation %d whole: %d ranks, %.1f MiB; %.1f MiB held",
                      gen.step, len(gen.images), gen.bytes / 2**20, self._held() / 2**20)
 
@@ -275,6 +288,7 @@ class MemoryTier(Held):
             if not complete(gen, images):
                 return False
             assert gen is not None  # complete() says so
+            gen.received = True
             self._settle(gen)
             return True
 
@@ -371,6 +385,7 @@ class MemoryTier(Held):
                  sorted(s for s in self._gens if s >= step))
         self._order.rerun_from(step)
         self._durable.rerun_from(step)
+        self.job.rerun(step)
         for s in [s for s in self._gens if s >= step]:
             self._drop(s, SaveFailedError(f"memory generation of an abandoned run (rank "
                                           f"{rank} went back to step {step} after {newer})",
@@ -393,15 +408,28 @@ class MemoryTier(Held):
         """Room for node `first`'s images of `step` (`room`: an idle newer generation
         of the node dropped to make it), or why not. Under the lock."""
         while True:
-            cause, drop = room(self._gens, first, step)
+            cause, drop = room(self._gens, first, step, self.job)
             if drop is None:
                 return cause
             self._drop(drop, SaveFailedError(
                 f"memory generation {drop} gave way to step {step} (it was not held for "
-                "every node: the partner's part never came)", step=drop))
+                "every node: the partner's part never came, or it can never be committed "
+                "across the job)", step=drop))
 
     def _prune(self) -> None:
-        """Drop every generation that a newer whole one covers (`_supersede`)."""
+        """Drop every generation that a newer whole one covers (`_supersede`); with the
+        job-wide commit on, every one older than the newest step committed across the
+        job, once that one is held whole here (a word about a step not held -- a rerun,
+        a generation this writer never had -- drops nothing)."""
+        if self.job.on:
+            committed = self.job.committed
+            gen = None if committed is None else self._gens.get(committed)
+            if gen is not None and gen.whole:
+                for older in [s for s in self._gens if s < gen.step]:
+                    self._drop(older, SaveFailedError(
+                        f"memory generation superseded by step {gen.step}, committed "
+                        "across the job", step=older))
+            return
         for step in sorted(self._gens, reverse=True):
             gen = self._gens.get(step)
             if gen is not None and gen.whole:
@@ -423,6 +451,8 @@ class MemoryTier(Held):
         """Forget generation `step`: its waiting ranks hear `error`; its whole images
         not handed out are kept to be refilled (bytes still counted), the rest freed."""
         gen = self._gens.pop(step)
+        if self.job.dropped(step):
+            self._settling.notify_all()
         self._dropped[step] = error
         while len(self._dropped) > DROPPED_KEPT:
             del self._dropped[min(self._dropped)]

@@ -1,0 +1,201 @@
+"""The memory generations committed across the whole job: what a writer knows of it.
+
+With two nodes, a writer that holds a newer whole generation of both nodes may drop the
+older one: it holds the whole job. With three or more in a ring it may not: its own node
+and the partner whose replicas it keeps are held at N+1, but another node's replica of
+N+1 may still be on its way, and that node lost leaves no step that every rank can
+restore from memory. So a generation is *committed* once every node of the job holds it
+in two places -- its own writer's images, acked by its partner -- and a writer drops a
+generation only once a newer one is committed (docs/MEMORY_TIER.md "Committed across
+the job").
+
+The writer cannot see the other nodes (it never talks to the job's store): each node's
+lead rank asks it, after each memory save, how its node's generation of that step ended
+(`JobCommit.report`), records that in the store, and tells the writer what the job
+agreed (`told`): `committed`, the newest step every node holds in two places, and
+`settled`, the newest step whose outcome is final on every node (rank/memory_commit.py).
+A writer never told keeps the node-local rule (old ranks, one node, two nodes).
+
+Per step of its own node the writer keeps one outcome: "pending" from the node's first
+begin, then once and for all "two" (the partner acked the replica) or "not" (skipped,
+failed, dropped, superseded before it was sent, no partner, the send failed). A final
+outcome never changes, so what a lead reported stays true: a step reported "two" is
+*promised* -- held here until a newer step is committed, never given up to make room --
+and so is a generation holding a partner's replica received whole (its sender may have
+reported it). A step that some node settled as "not" can never be committed: once
+`settled` reaches it, it is no longer promised (else every node could wait for ever on a
+step one of them skipped). This module holds that state; memory_tier.py applies it,
+under the tier's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncckpt.writer.memory_generation import Generation
+
+log = logging.getLogger("asyncckpt.writer")
+PENDING, TWO, NOT = "pending", "two", "not"
+OUTCOMES_KEPT = 32  # final outcomes remembered (pending ones are always kept)
+STALE_KEPT = 8      # sessions left behind by a rerun, whose word is ignored
+
+
+class JobCommit:
+    """One writer's view of the job-wide commit (no lock: the tier's is held)."""
+
+    def __init__(self) -> None:
+        self.session: str | None = None  # None: never told; the node-local rule holds
+        self.committed: int | None = None
+        self.settled = -1
+        self.outcomes: dict[int, str] = {}  # this node's step -> outcome
+        self._stale: list[str] = []  # sessions of runs abandoned by a rerun
+
+    @property
+    def on(self) -> bool:
+        return self.session is not None
+
+    def began(self, step: int) -> None:
+        """This node's ranks began `step` (an image made): pending until final."""
+        self.outcomes.setdefault(step, PENDING)
+        self._trim()
+
+    def final(self, step: int, two: bool) -> bool:
+        """This node's `step` ended held in two places (`two`) or not; a final outcome
+        never changes. Whether it changed now."""
+        if self.outcomes.get(step, PENDING) != PENDING:
+            return False
+        self.outcomes[step] = TWO if two else NOT
+        self._trim()
+        return True
+
+    def dropped(self, step: int) -> bool:
+        """Generation `step` was dropped here: a pending own outcome is "not"."""
+        return self.outcomes.get(step) == PENDING and self.final(step, False)
+
+    def outcome(self, step: int) -> str:
+        return self.outcomes.get(step, NOT)
+
+    def told(self, session: str, committed: int, settled: int) -> bool:
+        """A lead's word (-1: none known). Another session starts afresh: a restarted
+        job's committed step is not this one's, and neither are the outcomes (the
+        partner that acked them may have been lost and replaced since: its replicas
+        went with it). The word of a session a rerun left behind is ignored. Whether
+        it was taken."""
+        if session in self._stale:
+            return False
+        if session != self.session:
+            self.session, self.committed, self.settled = session, None, -1
+            self.outcomes.clear()
+        # both only move on: a word read late (two rounds published at once) must not
+        # pair an older committed step with a newer settled one (`doomed` would then
+        # give up a step that is committed)
+        if committed > (-1 if self.committed is None else self.committed):
+            self.committed = committed
+        self.settled = max(self.settled, settled)
+        return True
+
+    def rerun(self, step: int) -> None:
+        """The job went back to `step`: what was known of `step` and newer belongs to
+        the abandoned run, and so does the session's word (the leads tag the rerun's
+        with a new session)."""
+        for s in [s for s in self.outcomes if s >= step]:
+            del self.outcomes[s]
+        if self.session is not None:
+            self._stale = [*self._stale, self.session][-STALE_KEPT:]
+            self.session = "rerun"  # on, until the leads' next word
+        self.committed, self.settled = None, -1
+
+    def promised(self, step: int, replica_received: bool) -> bool:
+        """Whether generation `step` may have been reported held in two places (this
+        node's acked, or a partner's replica received whole) and can still commit."""
+        return (self.outcomes.get(step) == TWO or replica_received) and not self.doomed(step)
+
+    def doomed(self, step: int) -> bool:
+        """`step` can never be committed: every node's outcome of it is final and it is
+        newer than the committed step, so some node's was "not"."""
+        return self.settled >= step and (self.committed is None or step > self.committed)
+
+    def report(self, held_whole: set[int]) -> tuple[list[int], int]:
+        """(This node's steps held in two places and still held whole here, the newest
+        step whose outcome and every older one's are final, -1: none), for the lead."""
+        two = sorted(s for s, o in self.outcomes.items() if o == TWO and s in held_whole)
+        pending = [s for s, o in self.outcomes.items() if o == PENDING]
+        settled = min(pending) - 1 if pending else max(self.outcomes, default=-1)
+        return two[-8:], settled
+
+    def _trim(self) -> None:
+        done = sorted(s for s, o in self.outcomes.items() if o != PENDING)
+        for s in done[:-OUTCOMES_KEPT]:
+            del self.outcomes[s]
+
+
+class Committing:
+    """The memory tier's side of the job-wide commit (a base of memory_tier.MemoryTier,
+    which owns these attributes and `_prune`)."""
+
+    _lock: threading.Lock
+    _gens: dict[int, Generation]
+    job: JobCommit
+    _settling: threading.Condition
+
+    _closing = False  # the tier is closing: a waiting `commit_state` answers now
+
+    def _prune(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._settling.notify_all()
+        super().close()  # type: ignore[misc]  # Held.close, next in MemoryTier's order
+
+    def replica_outcome(self, step: int, acked: bool) -> None:
+        """The sender's last word on this node's generation `step` (memory_replicator.py):
+        the partner acked it whole, or it was not sent (failed, refused, superseded by a
+        newer one before its turn, dropped here meanwhile)."""
+        with self._lock:
+            self._final(step, acked)
+
+    def commit_state(self, session: str, step: int, wait: float, committed: int,
+                     settled: int) -> tuple[str, list[int], int]:
+        """A node lead's `memory_commit` (memory_commit.py): take the job's word, then
+        wait up to `wait` s for this node's outcome of `step` (-1: none) to be final.
+        Returns (that outcome, "" for none; the node's steps held in two places; the
+        newest step settled here)."""
+        deadline = time.monotonic() + wait
+        with self._lock:
+            if self.job.told(session, committed, settled):
+                self._prune()
+            outcome = ""
+            if step >= 0:
+                if step not in self.job.outcomes:  # never begun here (a writer restarted)
+                    self.job.final(step, False)
+                while (outcome := self.job.outcome(step)) == "pending":
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closing:
+                        break
+                    self._settling.wait(left)
+            held = {s for s, g in self._gens.items() if g.whole}
+            two, here = self.job.report(held)
+            return outcome, two, here
+
+    def generations(self) -> list[dict[str, Any]]:
+        """Every generation held, oldest first (`Generation.describe`), with `committed`:
+        whether it is the newest step committed across the job (False while no lead
+        told this writer: the node-local rule)."""
+        with self._lock:
+            committed = self.job.committed if self.job.on else None
+            return [{**self._gens[s].describe(), "committed": s == committed}
+                    for s in sorted(self._gens)]
+
+    def _final(self, step: int, two: bool) -> None:
+        """This node's outcome of `step` is final (memory_commit.py). Under the lock."""
+        if self.job.final(step, two):
+            self._settling.notify_all()
+            if two and self.job.on:
+                log.info("memory generation %d held in two places (the partner acked it)",
+                         step)
