@@ -44,6 +44,7 @@ from asyncckpt.rank.agreement import Agreement
 from asyncckpt.rank.connection import WriterConnection, hello_for
 from asyncckpt.rank.coordination import StoreCoordinator, job_store
 from asyncckpt.rank.handle import SaveHandle, raise_untaken
+from asyncckpt.rank.memory_commit import MIN_NODES, MemoryCommitter
 from asyncckpt.rank.pending import Basis, PendingSave, Route
 from asyncckpt.rank.slots import Cancelled, Slots, stage_save
 from asyncckpt.rank.stager import DeviceCopies
@@ -112,6 +113,7 @@ class Client:
         welcome = self._conn.welcome
         self.root = root_path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
+        self._memory_commit = self._memory_commit_for()
         self._node = NodeRanks(*node_of(self.rank, self.world_size))  # memory saves' node
         self._device = DeviceCopies(self._ring)
         self._slots = Slots(self._ring.slots, self._cond, self._conn.send, welcome.chunks)
@@ -158,6 +160,17 @@ class Client:
                                        node_of(self.rank, self.world_size))
         return Agreement(coordinator, self._conn.send, welcome.root, welcome.root_id,
                          lambda: self._broken is not None, self._forget)
+
+    def _memory_commit_for(self) -> MemoryCommitter | None:
+        """A node lead's job-wide commit of memory generations (rank/memory_commit.py),
+        on a store-coordinated job of MIN_NODES nodes or more; else None (the writers
+        keep their node-local rule, which covers one or two nodes whole)."""
+        if self._agreement is None or not self._agreement.coordinator.is_lead:
+            return None
+        nodes = MemoryCommitter.nodes_of(self._agreement.coordinator)
+        if nodes < MIN_NODES:
+            return None
+        return MemoryCommitter(self._agreement.coordinator, self.address, nodes)
 
     def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
              keep_every: int = 0, keep_from: int | None = None,
@@ -241,6 +254,8 @@ class Client:
             self._pending[pending.id] = pending
             self._handles.append(handle)
         self._queue.put(pending)
+        if tier == "memory" and self._memory_commit is not None:
+            self._memory_commit.saved(step, handle)
         handle.stats.blocked_seconds = time.perf_counter() - started
         return handle
 
@@ -274,6 +289,8 @@ class Client:
         if not wait_results:  # results not awaited: their handles end failed ("closed")
             with self._cond:  # below, and nobody asked to hear of it
                 self._handles = [h for h in self._handles if h.done()]
+        if self._memory_commit is not None:
+            self._memory_commit.close(timeout)
         if self._agreement is not None:  # its last messages (commit, outcome) go out first
             self._agreement.close(timeout)
         self._conn.stop_sending(timeout if wait_results else None)

@@ -309,8 +309,10 @@ def load(ckpt: Checkpoint, rank: int | None, into: Any, keys: set[str] | None = 
 def ls_rows(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, Any]]:
     """The memory generations held by the writer at `address`, as `asyncckpt ls` rows
     (step, state "memory" when whole -- every rank of each node it holds ended -- else
-    "memory-partial", path naming the writer, the ranks held and the partners' nodes held
-    as replicas, world_size, stored_bytes: the bytes held), oldest first.
+    "memory-partial", path naming the writer, the ranks held, the partners' nodes held
+    as replicas and whether it is the step committed across the job -- held in two
+    places on every node, writer/memory_commit.py -- world_size, stored_bytes: the bytes
+    held, committed), oldest first.
 
     Raises:
         WriterUnavailableError, ProtocolError, EOFError, OSError: as `generations`.
@@ -322,6 +324,8 @@ def ls_rows(address: str, timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, An
         replicas = g.get("replicas") or []
         if replicas:
             held += ", replica of " + ", ".join(f"ranks {f}-{f + c - 1}" for f, c in replicas)
+        if g.get("committed") is True:  # held in two places on every node (0.4.5)
+            held += ", committed across the job"
         rows.append({"step": g.get("step"), "state": "memory" if g.get("whole")
                      else "memory-partial", "path": f"memory of {address} ({held})",
                      "world_size": g.get("world_size"), "stored_bytes": g.get("bytes", 0),

@@ -1,0 +1,272 @@
+"""A memory generation committed across the job: each node's lead rank, in the background.
+
+A writer sees its own node and the partner whose replicas it keeps, never the whole job;
+at three nodes or more that is not enough to know when an older generation may go
+(writer/memory_commit.py). So after each memory save, the node's lead rank -- on a
+thread of its own, nothing on the training path waits for it -- asks its writer how its
+node's generation of that step ended (held in two places once the partner acked it, or
+not), records that in the job's store, and tells its writer what the job agreed: the
+newest step every node holds in two places (*committed*) and the newest step whose
+outcome is final on every node (*settled*).
+
+Keys, under the coordination session (coordination.py: a nonce the leader drew for this
+run, so a restarted job never reads an old run's word) and a rerun count (each lead
+counts the times its saves went back, as all leads see the same steps):
+
+    asyncckpt/<session>/memory/<run>/node/<k>    node k's report, set by its lead:
+                                                 {"two": [steps], "settled": s}
+    asyncckpt/<session>/memory/<run>/count       reports made (each lead adds 1)
+    asyncckpt/<session>/memory/<run>/job         the job's word: {"committed", "settled",
+                                                 "round"}
+    asyncckpt/<session>/memory/<run>/round/<r>   set with round r's word (wakes the
+                                                 leads waiting for it); deleted at r + 2
+
+A bounded set (nodes + 4 keys a run), never one a step. Each report costs its lead a
+set, an add, a wait for the round's word and a read of it (O(1) requests a node a save);
+the lead whose add completes a round (a multiple of the node count) reads every node's
+report in one `multi_get` and publishes the word: committed = the newest step in every
+node's `two`, settled = the oldest node's `settled` -- O(nodes) once a round, as the
+durable commit's leader does. Each lead then tells its writer, which drops generations
+older than the committed one and gives up those that can never be committed.
+
+Crash points: a lead killed between its report and telling its writer leaves that
+writer holding more, never less (it drops nothing it was not told); a lead killed while
+publishing leaves the previous word (one `set`); a word computed from reports read at
+different moments is still sound, because a step in every node's `two` stays held in
+two places until a newer one is committed, and a step settled "not" on some node never
+becomes "two" (writer/memory_commit.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import queue
+import threading
+from typing import Any
+
+from asyncckpt.errors import CheckpointError
+from asyncckpt.ipc import memory_messages, protocol
+from asyncckpt.ipc.fields import ProtocolError
+from asyncckpt.rank import handle as handles
+from asyncckpt.rank.coordination import _ABSENT, _clone
+
+log = logging.getLogger("asyncckpt.rank")
+MIN_NODES = 3        # below, the writer's node-local rule already covers the whole job
+SETTLE_WAIT_S = 120.0  # a report waits this long for its step's outcome to be final
+QUERY_TIMEOUT_S = 10.0
+CLOSE_S = 2.0  # a closing client waits this long for the round under way
+
+
+class JobKeys:
+    """One node lead's side of the job-wide commit's keys (see the module docstring).
+
+    Args:
+        store: a store client of its own (a round's wait blocks it).
+        prefix: "asyncckpt/<session>/memory".
+        node, nodes: this node's index and the job's node count.
+        wait_s: how long a lead waits for a round's word before reading the last one.
+    """
+
+    def __init__(self, store: Any, prefix: str, node: int, nodes: int, wait_s: float) -> None:
+        self.store, self.prefix, self.node, self.nodes = store, prefix, node, nodes
+        self.wait_s = wait_s
+
+    def round(self, run: int, report: dict[str, Any]) -> dict[str, Any] | None:
+        """Record this node's `report` for rerun `run`, and return the job's word once
+        this round's is out (or the newest there is after `wait_s`; None: none yet)."""
+        base = f"{self.prefix}/{run}"
+        self.store.set(f"{base}/node/{self.node}", json.dumps(report))
+        count = self.store.add(f"{base}/count", 1)
+        r = -(-count // self.nodes)
+        if count % self.nodes == 0:
+            self.publish(base, r)
+        else:
+            try:
+                self.store.wait([f"{base}/round/{r}"], datetime.timedelta(seconds=self.wait_s))
+            except Exception:  # the store's timeout (a node slow or gone): the last word
+                pass
+        return self.word(base)
+
+    def publish(self, base: str, r: int) -> dict[str, Any] | None:
+        """Round `r`'s word from every node's report (one multi_get), published; None
+        while some node has not reported in this run."""
+        keys = [f"{base}/node/{k}" for k in range(self.nodes)]
+        if not self.store.check(keys):
+            return None
+        reports = [_parsed(v) for v in self.store.multi_get(keys)]
+        word = job_word(reports)
+        word["round"] = r
+        self.store.set(f"{base}/job", json.dumps(word))
+        self.store.set(f"{base}/round/{r}", "1")
+        if r > 2:
+            self.store.delete_key(f"{base}/round/{r - 2}")
+        return word
+
+    def leave(self, run: int) -> None:
+        """At close: this node's report goes; node 0 takes the round's keys with it (a
+        lead still in a round then finds no word to wait for: it keeps the last)."""
+        base = f"{self.prefix}/{run}"
+        self.store.delete_key(f"{base}/node/{self.node}")
+        if self.node == 0:
+            r = -(-self.store.add(f"{base}/count", 0) // self.nodes)
+            for name in ("job", "count", f"round/{r}", f"round/{r - 1}"):
+                self.store.delete_key(f"{base}/{name}")
+
+    def word(self, base: str) -> dict[str, Any] | None:
+        """The job's last word, without waiting (None: none yet)."""
+        value = self.store.compare_set(f"{base}/job", _ABSENT, _ABSENT)
+        if value == _ABSENT.encode():
+            return None
+        word = _parsed(value)
+        return word if word else None
+
+
+def job_word(reports: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """{"committed": the newest step every report holds in two places (-1: none),
+    "settled": the oldest report's settled step (-1 where one is missing)}."""
+    twos = [set(r["two"]) if r is not None else set() for r in reports]
+    common = set.intersection(*twos) if twos else set()
+    settled = min((r["settled"] if r is not None else -1 for r in reports), default=-1)
+    return {"committed": max(common, default=-1), "settled": settled}
+
+
+def _parsed(value: bytes) -> dict[str, Any] | None:
+    """A report or word as a lead wrote it, or None (any rank can set any key)."""
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    two, settled, committed = doc.get("two", []), doc.get("settled"), doc.get("committed", -1)
+    if (not isinstance(two, list) or not all(type(s) is int for s in two)
+            or type(settled) is not int or type(committed) is not int):
+        return None
+    return {**doc, "two": two}
+
+
+def ask_writer(address: str, query: memory_messages.MemoryCommit,
+               timeout: float) -> memory_messages.MemoryCommitState:
+    """`query` to the writer at `address`, its answer (within `timeout` s).
+
+    Raises:
+        WriterUnavailableError, ProtocolError, EOFError, OSError: as read/memory.py's.
+    """
+    conn = protocol.dial(address, protocol.read_authkey(address), QUERY_TIMEOUT_S)
+    try:
+        protocol.send_message(conn, query)
+        if not conn.poll(timeout):
+            raise TimeoutError(f"the writer at {address} did not answer memory_commit "
+                               f"within {timeout:g} s")
+        answer = protocol.receive(conn)
+    finally:
+        conn.close()
+    if not isinstance(answer, memory_messages.MemoryCommitState):
+        raise ProtocolError(f"expected memory_commit_state, got {answer.OP}")
+    return answer
+
+
+class MemoryCommitter:
+    """A node lead's thread: one round of the job-wide commit per memory save.
+
+    Args:
+        coordinator: the lead's StoreCoordinator (its session; a store connection is
+            cloned for this thread).
+        address: its writer's.
+        nodes: the job's node count (at least MIN_NODES).
+    """
+
+    def __init__(self, coordinator: Any, address: str, nodes: int) -> None:
+        self._coordinator, self._address, self._nodes = coordinator, address, nodes
+        self._store = _clone(coordinator.store)
+        self._node = coordinator.node.first // coordinator.node.size
+        self._keys: JobKeys | None = None
+        self._session = ""
+        self._run, self._last = 0, -1
+        self._word: dict[str, Any] = {"committed": -1, "settled": -1}
+        self._queue: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"asyncckpt-memcommit-{coordinator.rank}")
+        self._thread.start()
+
+    @staticmethod
+    def nodes_of(coordinator: Any) -> int:
+        """The job's node count when every node has as many ranks as this one (else 0:
+        the commit is not run, the writers keep the node-local rule)."""
+        size = coordinator.node.size
+        return coordinator.world_size // size if coordinator.world_size % size == 0 else 0
+
+    def saved(self, step: int, handle: Any) -> None:
+        """The lead's memory save of `step` (its `handle`): a round once it settles."""
+        if not self._closed:
+            self._queue.put((step, handle))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after the round under way, if it ends within `timeout` (at most
+        CLOSE_S): a round left undone leaves the writers holding more, never less."""
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(CLOSE_S if timeout is None else min(timeout, CLOSE_S))
+
+    def _loop(self) -> None:
+        try:  # the writer keeps its generations by the job's commit from now on
+            self._start()
+        except (ProtocolError, EOFError) as e:  # a writer before 0.4.5: no such query
+            log.info("asyncckpt: the node's writer does not take the job-wide commit of "
+                     "memory generations (%s): it keeps its node-local rule", e)
+            self._closed = True  # no more rounds queued
+            return
+        except Exception as e:  # a store or writer gone: the first round tries again
+            log.warning("asyncckpt: the job-wide commit of memory generations: %s: %s",
+                        type(e).__name__, e)
+        while (item := self._queue.get()) is not None:
+            step, handle = item
+            while not handles.wait_settled(handle, 1.0) and not self._closed:
+                pass
+            if self._closed:
+                break
+            try:
+                self._round(step)
+            except Exception as e:  # a store or writer gone: the next save tries again
+                log.warning("asyncckpt: the job-wide commit of memory step %d: %s: %s",
+                            step, type(e).__name__, e)
+        try:
+            if self._keys is not None:
+                self._keys.leave(self._run)
+        except Exception:  # noqa: BLE001 - the store gone at exit: nothing to clean
+            pass
+
+    def _start(self) -> None:
+        """Meet the session and tell the writer, before its first generation."""
+        self._session = self._coordinator.join()
+        self._keys = JobKeys(self._store, f"asyncckpt/{self._session}/memory", self._node,
+                             self._nodes, 2 * self._coordinator.timeout)
+        ask_writer(self._address, memory_messages.MemoryCommit(
+            f"{self._session}/{self._run}"), QUERY_TIMEOUT_S)
+
+    def _round(self, step: int) -> None:
+        if step <= self._last:  # the job went back: a rerun's keys, tag and word
+            self._run += 1
+            self._word = {"committed": -1, "settled": -1}
+        self._last = step
+        if self._keys is None:
+            self._start()
+        assert self._keys is not None
+        tag = f"{self._session}/{self._run}"
+        state = ask_writer(self._address, memory_messages.MemoryCommit(
+            tag, step, SETTLE_WAIT_S, self._word["committed"], self._word["settled"]),
+            SETTLE_WAIT_S + QUERY_TIMEOUT_S)
+        word = self._keys.round(self._run, {"two": list(state.two), "settled": state.settled,
+                                            "step": step})
+        if word is None:
+            return
+        self._word = {"committed": max(-1, word["committed"]), "settled": word["settled"]}
+        try:
+            ask_writer(self._address, memory_messages.MemoryCommit(
+                tag, -1, 0.0, self._word["committed"], self._word["settled"]), QUERY_TIMEOUT_S)
+        except (CheckpointError, OSError, EOFError) as e:
+            log.info("asyncckpt: memory step %d: the job's word not told to the writer: %s",
+                     step, e)
