@@ -9,10 +9,14 @@ in RssAnon.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 
 SAMPLE_INTERVAL = 0.02  # seconds between a PeakSampler's readings of RssAnon
+IDLE_INTERVAL = 1.0  # ... and between a gated one's readings while nothing holds it busy
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def read_status(pid: int | str = "self") -> dict[str, int]:
@@ -64,26 +68,121 @@ def ring_mappings(pid: int | str = "self") -> int:
         return 0
 
 
-class PeakSampler:
-    """Samples a process's RssAnon every `interval` seconds in a daemon thread."""
+def read_rss_anon(pid: int | str = "self") -> int:
+    """RssAnon of process `pid` in bytes, from /proc/PID/statm (resident less shared
+    pages: the kernel's anonymous-page counter, the one /proc/PID/status prints as
+    RssAnon), a fraction of the cost of formatting and parsing /proc/PID/status."""
+    with open(f"/proc/{pid}/statm", "rb") as f:
+        return _anon_of(f.read())
 
-    def __init__(self, pid: int | str = "self", interval: float = SAMPLE_INTERVAL) -> None:
+
+def _anon_of(statm: bytes) -> int:
+    fields = statm.split()
+    return (int(fields[1]) - int(fields[2])) * _PAGE
+
+
+class PeakSampler:
+    """The peak RssAnon of a process, sampled every `interval` seconds in a daemon thread
+    (from /proc/PID/statm, read through one descriptor kept open).
+
+    `gated`: sample every `interval` only while something holds the sampler busy
+    (`enter`/`leave`, or `with busy():`; the writer holds it for each save from its
+    `begin` to its `end` and for each commit), once as each busy period begins and once
+    as it ends, and every `idle_interval` seconds otherwise. The writer's private memory
+    above its idle level is what its saves in flight hold (frame copies, encoded frames,
+    a manifest being built), so its peak lies inside a busy period, which is sampled as
+    densely as before; an idle writer reads /proc once a second instead of 50 times.
+    Not gated (the default), it samples every `interval` from its start to `stop()`.
+    """
+
+    def __init__(self, pid: int | str = "self", interval: float = SAMPLE_INTERVAL, *,
+                 gated: bool = False, idle_interval: float = IDLE_INTERVAL) -> None:
         self.pid = pid
         self.interval = interval
+        self.idle_interval = idle_interval
         self.peak_rss_anon = 0
-        self._stop = threading.Event()
+        self.samples = 0  # readings taken so far
+        self._gated = gated
+        self._busy = 0
+        self._stopped = False
+        try:
+            self._fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # gone already: a peak of 0, as a reading that failed
+            self._fd = -1
+        self._lock = threading.Lock()  # the descriptor, the peak, the count of samples
+        self._wake = threading.Condition(threading.Lock())  # the busy count, stopping
+        self.sample()
         self._thread = threading.Thread(target=self._run, name="asyncckpt-rss", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def sample(self) -> int:
+        """Read RssAnon now and fold it into the peak; return it (0 once the process
+        is gone or the sampler stopped)."""
+        with self._lock:
+            if self._fd < 0:
+                return 0
             try:
-                self.peak_rss_anon = max(self.peak_rss_anon, read_status(self.pid)["RssAnon"])
-            except (OSError, KeyError):
+                anon = _anon_of(os.pread(self._fd, 256, 0))
+            except (OSError, ValueError, IndexError):  # the process is gone
+                os.close(self._fd)
+                self._fd = -1
+                return 0
+            self.samples += 1
+            self.peak_rss_anon = max(self.peak_rss_anon, anon)
+            return anon
+
+    def enter(self) -> None:
+        """Something that may grow the process's memory begins: sample now, and every
+        `interval` until as many `leave` calls as `enter` ones."""
+        with self._wake:
+            self._busy += 1
+            first = self._busy == 1
+            if first:
+                self._wake.notify()
+        if first:
+            self.sample()
+
+    def leave(self) -> None:
+        """What `enter` announced is over; the last one out samples once more."""
+        with self._wake:
+            self._busy -= 1
+            last = self._busy == 0
+        if last:
+            self.sample()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """`enter` ... `leave` around a block."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if self._stopped:
+                    return
+                idle = self._gated and self._busy == 0
+                self._wake.wait(self.idle_interval if idle else self.interval)
+                if self._stopped:
+                    return
+            if self._fd < 0:
                 return
-            self._stop.wait(self.interval)
+            self.sample()
 
     def stop(self) -> int:
-        self._stop.set()
+        """Stop sampling (one last reading first) and return the peak. Idempotent."""
+        with self._wake:
+            if self._stopped:
+                return self.peak_rss_anon
+            self.sample()
+            self._stopped = True
+            self._wake.notify()
         self._thread.join()
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
         return self.peak_rss_anon

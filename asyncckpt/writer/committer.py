@@ -19,6 +19,7 @@ dead writers left: housekeeping happens once, on the leader.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -45,6 +46,8 @@ log = logging.getLogger("asyncckpt.writer")
 
 # check(manifest bytes, manifest): raises CheckpointError if a reader would refuse it
 Check = Callable[[bytes, Manifest], None]
+# busy(): held around each commit (the writer's memory sampler: runtime/procstat.py)
+Busy = Callable[[], "contextlib.AbstractContextManager[object]"]
 
 
 def abandon(storage: Storage, current: Step, error: CheckpointError, tell: Iterable[Notify],
@@ -86,7 +89,9 @@ class Committer:
                  check: Check | None = None,
                  on_commit: Callable[[Manifest, Step], None] | None = None,
                  max_frame_bytes: int = MAX_FRAME_BYTES,
-                 index: DedupIndex | None = None) -> None:
+                 index: DedupIndex | None = None,
+                 busy: Busy = contextlib.nullcontext
+                 ) -> None:
         self.storage = storage
         self.root = storage.root
         self.retention = retention  # (keep_last, keep_every) unless a save names its own
@@ -95,6 +100,7 @@ class Committer:
         self._on_commit = on_commit
         self._max_frame_bytes = max_frame_bytes
         self._index = index
+        self._busy = busy  # held around each commit
         self._ready: queue.SimpleQueue[Step | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="asyncckpt-commit")
         self._thread.start()
@@ -111,7 +117,8 @@ class Committer:
     def _loop(self) -> None:
         while (current := self._ready.get()) is not None:
             try:
-                self._commit(current)
+                with self._busy():
+                    self._commit(current)
             except Exception:  # the thread must outlive any bug, or every later step hangs
                 log.exception("committer: step %d", current.number)
             finally:

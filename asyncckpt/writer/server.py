@@ -100,7 +100,7 @@ class WriterServer:
         self._sock, self.address, self._authkey = protocol.create_endpoint(address)
         undo.callback(protocol.remove_endpoint, self.address)
         undo.callback(self._sock.close)
-        self.rss = PeakSampler()
+        self.rss = PeakSampler(gated=True)  # sampling while saves and commits are open
         undo.callback(self.rss.stop)
         self.pool = FramePool(self.knobs.encode_threads, self.knobs.frames_in_flight)
         undo.callback(self.pool.close)
@@ -114,7 +114,8 @@ class WriterServer:
         self.steps = Steps(self.root, (self.knobs.keep_last, self.knobs.keep_every),
                            choose_codec=self._choose_codec, check=self._check_manifest,
                            on_commit=self._on_commit, max_frame_bytes=self.knobs.max_frame_bytes,
-                           index=self.index, owner=self.owner, storage=self.storage)
+                           index=self.index, owner=self.owner, storage=self.storage,
+                           busy=self.rss.busy)
         undo.callback(self.steps.close, 0.0)
         self.memory = MemoryTier(self.knobs.memory_max_bytes, str(self.root))
         undo.callback(self.memory.close)

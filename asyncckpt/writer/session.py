@@ -196,6 +196,7 @@ class Session:
             raise ProtocolError(f"{len(self._saves)} saves begun and not ended")
         save = RankSave(step, None, m.tree)
         self._saves[save_id] = save
+        self.writer.rss.enter()  # sampled while a save is open (runtime/procstat.py)
         notify = self.notifier(save, save_id)
         knobs = self.writer.knobs
         if m.options.tier == "memory":
@@ -320,6 +321,12 @@ class Session:
         self._intake.copy_out_held()
         save = self.save_of(m.save)
         del self._saves[m.save]
+        try:
+            self._end(m, save)
+        finally:
+            self.writer.rss.leave()
+
+    def _end(self, m: messages.End, save: RankSave) -> None:
         self._durable_over(m.save)
         if save.memory is not None:
             self._end_memory(m.save, save)
@@ -357,6 +364,12 @@ class Session:
         self._intake.copy_out_held()
         save = self.save_of(m.save)
         del self._saves[m.save]
+        try:
+            self._abort(m, save)
+        finally:
+            self.writer.rss.leave()
+
+    def _abort(self, m: messages.Abort, save: RankSave) -> None:
         self._durable_over(m.save)
         if save.memory is not None:
             error = SaveFailedError(f"aborted by the rank: {m.reason[:500]}", step=save.step,
@@ -426,6 +439,7 @@ class Session:
         self.writer.steps.fail(save.step, error)
 
     def _cleanup(self) -> None:
+        open_saves = len(self._saves)
         try:
             for save in self._saves.values():
                 if save.file:
@@ -443,6 +457,8 @@ class Session:
                 if self.writer.memory is not None:
                     self.writer.memory.rank_gone(self.rank)
         finally:
+            for _ in range(open_saves):
+                self.writer.rss.leave()
             if self.ring is not None:
                 self.ring.close()
             self._outbox.put(None)

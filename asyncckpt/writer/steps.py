@@ -23,6 +23,7 @@ Nothing here iterates over a world size: a rank may claim any world up to
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import threading
@@ -53,7 +54,7 @@ from asyncckpt.storage.base import Storage
 from asyncckpt.storage.paths import Location
 from asyncckpt.storage.timeline import abandoned_steps, write_current
 from asyncckpt.writer import commit
-from asyncckpt.writer.committer import Check, Committer, abandon
+from asyncckpt.writer.committer import Busy, Check, Committer, abandon
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.nodes import NodeJoin, OneNode, SeveralNodes
 from asyncckpt.writer.owners import OwnerMark
@@ -85,6 +86,7 @@ class Steps:
         choose_codec: () -> (codec, what the chooser saw) for a new step.
         check, on_commit, max_frame_bytes, index: the committer's (committer.py).
         owner: this writer's owner mark (names its tmp directories).
+        busy: held around each commit (the writer's memory sampler: runtime/procstat.py).
     """
 
     def __init__(self, root: Location, retention: tuple[int, int] = (0, 0), *, storage: Storage,
@@ -92,7 +94,8 @@ class Steps:
                  check: Check | None = None,
                  on_commit: Callable[[Manifest, Step], None] | None = None,
                  max_frame_bytes: int = MAX_FRAME_BYTES, index: DedupIndex | None = None,
-                 owner: OwnerMark | None = None) -> None:
+                 owner: OwnerMark | None = None,
+                 busy: Busy = contextlib.nullcontext) -> None:
         self.root = root
         self.storage = storage
         self.index = index
@@ -109,7 +112,7 @@ class Steps:
         self._closing = False
         self.committer = Committer(self.storage, retention, done=self._committed, check=check,
                                    on_commit=on_commit, max_frame_bytes=max_frame_bytes,
-                                   index=index)
+                                   index=index, busy=busy)
         self._one = OneNode(self)
         self.nodes = SeveralNodes(self)
         self._no_targets(None)

@@ -6,6 +6,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,54 @@ def test_no_other_module_names_a_proc_file():
                     and node.value.startswith("/proc/") and id(node) not in docstrings):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not found, found
+
+
+def test_statm_reads_the_rss_anon_that_status_prints():
+    """read_rss_anon (statm: resident less shared pages) is the kernel's RssAnon."""
+    for _ in range(3):
+        status = procstat.read_status()["RssAnon"]
+        statm = procstat.read_rss_anon()
+        if abs(statm - status) <= 256 << 10:
+            break
+    assert abs(statm - status) <= 256 << 10, (statm, status)
+
+
+def test_a_gated_sampler_reads_nothing_while_idle():
+    """Gated and idle, a sampler reads /proc once (at its start) until its idle interval
+    passes: an idle writer does not read /proc 50 times a second."""
+    sampler = procstat.PeakSampler(interval=0.001, gated=True, idle_interval=60)
+    try:
+        time.sleep(0.3)
+        assert sampler.samples == 1
+        assert sampler.peak_rss_anon > 0
+    finally:
+        sampler.stop()
+
+
+def test_a_gated_sampler_sees_the_memory_of_a_busy_period():
+    """What a busy period allocates counts in the peak even if it ends before the thread's
+    next reading: its end is read (the interval is an hour here)."""
+    sampler = procstat.PeakSampler(interval=3600, gated=True, idle_interval=3600)
+    try:
+        base = sampler.sample()
+        with sampler.busy():
+            block = bytearray(b"\x01") * (64 << 20)  # written: resident, private
+        del block
+        assert sampler.peak_rss_anon >= base + (60 << 20), (sampler.peak_rss_anon, base)
+        assert sampler.stop() == sampler.peak_rss_anon
+    finally:
+        sampler.stop()
+
+
+@pytest.mark.process  # a child process, to sample one that goes
+def test_a_sampler_of_a_process_that_is_gone_stops_reading():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        sampler = procstat.PeakSampler(child.pid, interval=0.01)
+        assert sampler.peak_rss_anon > 0
+    finally:
+        child.kill()
+        child.wait()
+    time.sleep(0.1)
+    peak = sampler.peak_rss_anon
+    assert sampler.stop() == peak
