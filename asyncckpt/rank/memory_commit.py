@@ -43,6 +43,7 @@ import datetime
 import json
 import logging
 import queue
+import secrets
 import threading
 from typing import Any
 
@@ -188,6 +189,7 @@ class MemoryCommitter:
         self._word: dict[str, Any] = {"committed": -1, "settled": -1}
         self._queue: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self._closed = False
+        self._greet()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"asyncckpt-memcommit-{coordinator.rank}")
         self._thread.start()
@@ -211,14 +213,27 @@ class MemoryCommitter:
         self._queue.put(None)
         self._thread.join(CLOSE_S if timeout is None else min(timeout, CLOSE_S))
 
-    def _loop(self) -> None:
-        try:  # the writer keeps its generations by the job's commit from now on
-            self._start()
+    def _greet(self) -> None:
+        """Before this client's first save (on the caller's thread: one local query), the
+        writer keeps its generations by the job's commit from now on -- under a tag of
+        this client's own until the session is met (`_start`, which waits for the
+        leader): otherwise the node-local rule could drop a generation in between."""
+        try:
+            ask_writer(self._address, memory_messages.MemoryCommit(
+                f"start/{secrets.token_hex(8)}"), QUERY_TIMEOUT_S)
         except (ProtocolError, EOFError) as e:  # a writer before 0.4.5: no such query
             log.info("asyncckpt: the node's writer does not take the job-wide commit of "
                      "memory generations (%s): it keeps its node-local rule", e)
-            self._closed = True  # no more rounds queued
+            self._closed = True  # no rounds
+        except Exception as e:  # the writer gone: the rounds say so
+            log.warning("asyncckpt: the job-wide commit of memory generations: %s: %s",
+                        type(e).__name__, e)
+
+    def _loop(self) -> None:
+        if self._closed:
             return
+        try:
+            self._start()
         except Exception as e:  # a store or writer gone: the first round tries again
             log.warning("asyncckpt: the job-wide commit of memory generations: %s: %s",
                         type(e).__name__, e)

@@ -81,15 +81,16 @@ class JobCommit:
 
     def told(self, session: str, committed: int, settled: int) -> bool:
         """A lead's word (-1: none known). Another session starts afresh: a restarted
-        job's committed step is not this one's, and neither are the outcomes (the
-        partner that acked them may have been lost and replaced since: its replicas
-        went with it). The word of a session a rerun left behind is ignored. Whether
-        it was taken."""
+        job's committed step is not this one's. The outcomes stay: they are facts of
+        this node's generations, and the new run's first saves may end before its lead
+        first speaks (a node whose partner was replaced since holds them in one place
+        until the sender's repair; but the replacement's fresh writer reports none of
+        them, so no old step is committed by them). The word of a session a rerun left
+        behind is ignored. Whether it was taken."""
         if session in self._stale:
             return False
         if session != self.session:
             self.session, self.committed, self.settled = session, None, -1
-            self.outcomes.clear()
         # both only move on: a word read late (two rounds published at once) must not
         # pair an older committed step with a newer settled one (`doomed` would then
         # give up a step that is committed)

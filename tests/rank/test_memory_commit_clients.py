@@ -1,0 +1,91 @@
+"""The job-wide commit of memory generations end to end, in process: three rank clients
+(one per simulated node, each its node's lead) coordinated through a real TCPStore, and
+their three writers replicating round the ring over the real transport. After the
+saves, every writer has been told the same committed step by its lead's background
+rounds (rank/memory_commit.py), holds it with its predecessor's replica, and holds
+nothing older."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from inprocess import InProcessWriter
+from torch.distributed import TCPStore
+
+from asyncckpt.rank import coordination
+from asyncckpt.rank.client import Client
+from asyncckpt.read import memory
+
+NODES, STEPS = 3, 5
+WAIT_S = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.randn(300, 17, generator=g)}
+
+
+@pytest.fixture
+def ring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+         ) -> Iterator[tuple[list[InProcessWriter], list[Client]]]:
+    monkeypatch.setenv("ASYNCCKPT_JOB_SECRET", "5a" * 32)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    coordination._ordinals.clear()
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=30))
+    ports = [_free_port() for _ in range(NODES)]
+    writers = [InProcessWriter(tmp_path / f"ckpt-{n}", codec="raw", export=False,
+                               replica_listen=f"127.0.0.1:{ports[n]}",
+                               replica_partner=f"127.0.0.1:{ports[(n + 1) % NODES]}")
+               for n in range(NODES)]
+    clients: list[Client] = []
+    try:
+        for n in range(NODES):
+            clients.append(Client(writers[n].address, rank=n, world_size=NODES,
+                                  store=TCPStore("127.0.0.1", store.port, is_master=False,
+                                                 timeout=datetime.timedelta(seconds=30)),
+                                  slot_size=1 << 16, ring_size=1 << 18))
+        yield writers, clients
+    finally:
+        for c in clients:
+            c.close()
+        for w in writers:
+            w.stop()
+        coordination._ordinals.clear()
+
+
+def test_every_writer_is_told_one_committed_step_and_keeps_it(ring) -> None:
+    writers, clients = ring
+    tiers = []
+    for step in range(1, STEPS + 1):
+        handles = [c.save(step, _state(r, step), tier="memory") for r, c in enumerate(clients)]
+        tiers.append([h.wait(WAIT_S) and h.stats.tier for h in handles])
+    assert tiers[0] == ["memory"] * NODES
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        listed = [memory.generations(w.address) for w in writers]
+        committed = [[g["step"] for g in gens if g["committed"]] for gens in listed]
+        if all(len(c) == 1 for c in committed) and len({c[0] for c in committed}) == 1:
+            break
+        time.sleep(0.1)
+    assert all(len(c) == 1 for c in committed) and len({c[0] for c in committed}) == 1, (
+        listed, tiers)
+    step = committed[0][0]
+    for n, gens in enumerate(listed):
+        held = {g["step"]: g["ranks"] for g in gens}
+        assert held[step] == sorted({n, (n - 1) % NODES}), (n, gens)  # in two places
+        assert min(held) == step, (n, gens)  # nothing older
