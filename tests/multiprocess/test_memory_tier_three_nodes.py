@@ -17,7 +17,9 @@ whole (its writer SIGKILLed: its memory gone).
   one that holds it).
 In both, memory is taken when that step is newer than the root's newest step (without
 reading the root), else the root, said at WARNING. Which of the two depends on the saves
-the bound skipped: both are checked against the writers' own listings, not assumed.
+the bound skipped: both are checked against the writers' own listings, not assumed. The
+step committed across the job (docs/MEMORY_TIER.md "Committed across the job") is never
+newer than the one every rank's image is held at after the loss.
 """
 
 from __future__ import annotations
@@ -102,6 +104,12 @@ def _trained(tmp_path: Path) -> tuple[Job, int, dict[int, set[int]]]:
         # restore reads it from whichever holds it; a replacement holds node 1's from 2)
         at = {r: {g["step"] for n in (0, 2) for g in held[n] if r in g["ranks"]}
               for r in range(NODES)}
+        # the step committed across the job (held in two places on every node) is kept
+        # by every writer until a newer one is: node 1 lost, every rank's image of the
+        # newest one any writer was told of is still held by writer 0 or 2
+        committed = max((g["step"] for gens in held.values() for g in gens
+                         if g.get("committed")), default=0)
+        assert committed == 0 or committed in at[0] & at[1] & at[2], (committed, held)
         job.kill_node(1)
     except BaseException:
         job.close()
