@@ -174,12 +174,13 @@ def test_a_step_is_kept_until_a_newer_one_is_committed_across_the_job(
     job.save(2)
     job.replicate(2, 0)
     job.replicate(2, 2)
-    job.commit_round(2)
-    assert job.word == {"committed": 1, "settled": 1}  # B's 2 is still pending
     # A holds its own 2 and C's replica of 2 (every node it holds), and still its 1:
     # before, it dropped 1 here
     assert job.held() == [{1: [0, 2], 2: [0, 2]}, {1: [0, 1], 2: [0, 1]},
                           {1: [1, 2], 2: [2]}]
+    job.commit_round(2)
+    assert job.word == {"committed": 1, "settled": 1}  # B's 2 is still pending
+    assert job.held()[0] == {1: [0, 2], 2: [0, 2]}
     listed = memory.generations(job.writers[0].address)
     assert [(g["step"], g["committed"]) for g in listed] == [(1, True), (2, False)]
     assert memory.ls_rows(job.writers[0].address)[0]["path"].endswith(
