@@ -5,6 +5,13 @@ DCP's PROCESS async mode pickles the StorageWriter into a helper process, which 
 waits for the commit of the step this process staged; the outcome crosses as a small
 JSON file (never a pickle): the path, or the error's type name, message and fields, and
 only asyncckpt's own error classes are rebuilt by name.
+
+A memory save cannot go there unstaged: without its step, `stage()` copies the state
+and the save itself would run in the helper, which knows neither this process's node
+writer (one it started holds nothing this process's `load_memory` finds, and flushes to
+the root when it stops) nor the loads this process recorded (the save would not carry
+their timeline). So pickling such a writer fails (`unstaged`): the async_save's
+future raises before anything is saved.
 """
 
 from __future__ import annotations
@@ -100,3 +107,13 @@ def _rebuilt(outcome: dict[str, Any]) -> CheckpointError:
             continue
         setattr(error, name, value)
     return error
+
+
+def unstaged() -> SaveFailedError:
+    """The error of a memory save sent to DCP's PROCESS-mode helper unstaged (see the
+    module docstring)."""
+    return SaveFailedError(
+        "a memory-tier dcp.async_save in PROCESS mode needs its step when it is staged: "
+        "give StorageWriter(root, step, tier=\"memory\") (staged through the ring in this "
+        "process), or use AsyncCheckpointerType.THREAD; without a step DCP's helper process "
+        "would run the save, apart from this process's node writer and its recorded loads")

@@ -53,7 +53,7 @@ from asyncckpt.integrations.dcp_ids import (
     checkpoint_target,
     parse_checkpoint_id,
 )
-from asyncckpt.integrations.dcp_outcome import for_dcp, publish_outcome, relay_outcome
+from asyncckpt.integrations.dcp_outcome import for_dcp, publish_outcome, relay_outcome, unstaged
 from asyncckpt.integrations.dcp_plan import CachingPlanner, Catalogue, layout
 from asyncckpt.integrations.dcp_timeline import generation, start_for
 from asyncckpt.ipc.options import SaveOptions, check_step
@@ -139,12 +139,17 @@ class StorageWriter(dcp.StorageWriter):
         self._handle: SaveHandle | None = None      # this save's, or the staged one's
         self._staged: SaveHandle | None = None      # staged by stage(), awaiting its commit
         self._outcome: str | None = None            # PROCESS mode: where the outcome appears
+        self._unstaged = False                      # a step-less memory save copied by stage()
 
     # -- pickling (PROCESS mode) ---------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         """The copy waits for the staged step's outcome (published to a file), and this
-        object forgets it: the copy runs the background save, not this one."""
+        object forgets it: the copy runs the background save, not this one. A memory
+        save `stage()` copied without its step raises SaveFailedError (`unstaged`)."""
+        if self._unstaged:
+            self._unstaged = False
+            raise unstaged()
         state = dict(self.__dict__)
         outcome = (None if self._staged is None
                    else publish_outcome(self._staged, self._target[0]))
@@ -205,6 +210,7 @@ class StorageWriter(dcp.StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._staging and (self._staged is not None or self._outcome is not None):
             return self._await_staged(plan)
+        self._unstaged = False
         root, step = self._target
         if step is None:
             raise ValueError("StorageWriter has no step: give StorageWriter(root, step) or a "
@@ -279,6 +285,7 @@ class StorageWriter(dcp.StorageWriter):
         """
         if self.step is None:
             copied = _private_copy(state_dict)
+            self._unstaged = self.options.tier == "memory"
             if not self.staging_future:
                 return copied
             done: ConcurrentFuture[dict] = ConcurrentFuture()

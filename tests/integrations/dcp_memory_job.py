@@ -1,5 +1,6 @@
 """The in-process DCP memory-tier tests' shared setup: one writer and a world-of-one
-client on its root, and the comparison of a state dict with the one loaded back."""
+client on its root (`one_writer`; the `job` fixture of conftest.py), and the comparison
+of a state dict with the one loaded back."""
 
 from __future__ import annotations
 

@@ -6,21 +6,16 @@ DCP's planner; to `dcp.load` of the root the step does not exist."""
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_memory_job import one_writer, same
+from dcp_memory_job import same
 from inprocess import InProcessWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from world_job import run_world
 
-import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter, load_memory
 from asyncckpt.integrations import dcp_timeline
 from asyncckpt.read import memory
@@ -39,19 +34,6 @@ def training_state(seed: int) -> dict:
     optim.step()
     return {"model": model.state_dict(), "optim": optim.state_dict(),
             "extra": {"epoch": seed, "blob": bytes([seed, 1]), "seen": {seed, 2}}}
-
-
-@pytest.fixture(autouse=True)
-def no_loads_recorded() -> Iterator[None]:
-    dcp_timeline.forget()
-    yield
-    dcp_timeline.forget()
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[tuple[InProcessWriter, asyncckpt.Client]]:
-    with one_writer(tmp_path) as made:
-        yield made
 
 
 @pytest.mark.parametrize("how", ["save", "async_save"])
@@ -119,24 +101,31 @@ def test_a_forked_runs_memory_step_goes_on_in_its_timeline(job):
     assert same(six, target)
 
 
+def _two_ranks(tmp_path: Path, *args: str) -> None:
+    """dcp_memory_worker.py on 2 ranks of one node, their writer in this process; each
+    must print OK, and nothing reaches the root."""
+    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
+    try:
+        ranks = run_world(WORKER, *args, ASYNCCKPT_ADDRESS=w.address, CKPT_ROOT=str(w.root))
+        for r, (code, text) in enumerate(ranks):
+            assert code == 0 and f"OK rank {r}" in text, f"rank {r}:\n{text[-3000:]}"
+        assert PosixStorage(w.root).committed_steps() == []
+    finally:
+        w.stop()
+
+
 def test_two_ranks_restore_a_sharded_memory_step_bit_exact_and_resharded(tmp_path):
     """dcp_memory_worker.py: 2 ranks of one node, a DTensor sharded over both, saved to
     memory through `dcp.save`; `load_memory` fills the same sharding and a replicated
     target (each rank reading both ranks' images) bit for bit."""
-    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-           "ASYNCCKPT_ADDRESS": w.address, "CKPT_ROOT": str(w.root)}
-    try:
-        procs = [subprocess.Popen([sys.executable, WORKER], env={
-            **env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True) for r in range(2)]
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-        for r, (p, text) in enumerate(zip(procs, outputs)):
-            assert p.returncode == 0 and f"OK rank {r}" in text, f"rank {r}:\n{text[-3000:]}"
-        assert PosixStorage(w.root).committed_steps() == []
-    finally:
-        w.stop()
+    _two_ranks(tmp_path)
+
+
+def test_process_mode_async_save_holds_a_staged_step_and_refuses_a_stepless_one(tmp_path):
+    """DCP's PROCESS mode (dcp_memory_worker.py `process`): a memory step given to
+    StorageWriter is staged through the ring in the rank's process and held by its
+    node's writer (the helper process only relays the outcome), restored bit for bit
+    by load_memory; a memory save without its step, which the helper would run apart
+    from the node's writer and the process's recorded loads, fails with SaveFailedError
+    from the future, nothing held; THREAD mode saves it."""
+    _two_ranks(tmp_path, "process")

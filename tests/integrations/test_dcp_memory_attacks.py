@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_memory_job import one_writer, same
+from dcp_memory_job import same
 from inprocess import InProcessWriter
+from world_job import run_world
 
 import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter, load_memory
@@ -53,17 +52,8 @@ def state(seed: int, width: int = 16) -> dict[str, Any]:
 
 
 @pytest.fixture(autouse=True)
-def no_loads_recorded() -> Iterator[None]:
-    dcp_timeline.forget()
+def nothing_ran() -> None:
     RAN.clear()
-    yield
-    dcp_timeline.forget()
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[tuple[InProcessWriter, asyncckpt.Client]]:
-    with one_writer(tmp_path) as made:
-        yield made
 
 
 def save(w: InProcessWriter, client: asyncckpt.Client, step: int, sd: dict[str, Any],
@@ -238,37 +228,34 @@ def test_a_generation_of_a_run_another_run_overtook_is_not_taken(job):
 
 # -- pickles ----------------------------------------------------------------------------
 
-def test_an_untrusted_pickle_in_a_memory_step_is_refused_not_run(job):
-    """An object only pickle can carry, in a memory step: without trust_pickles its code
-    never runs and the load is refused (None); with it the object is built."""
-    w, client = job
+def trapped(w: InProcessWriter, client: asyncckpt.Client) -> tuple[dict[str, Any],
+                                                                     dict[str, Any]]:
+    """Memory step 4 saved holding an object only pickle can carry (extra.trap: its
+    unpickling runs code): (what was saved, a target for it whose trap is None)."""
     sd = state(4)
     sd["extra"]["trap"] = Trap()
     save(w, client, 4, sd, tier="memory")
     assert RAN == []  # saving pickles it, nothing runs
     target = state(9)
     target["extra"]["trap"] = None
-    try:
-        load_memory(target, w.root, address=w.address)
-    except BaseException as e:  # noqa: BLE001 - finding 2: DCP's CheckpointException
-        assert "UntrustedPickleError" in str(e) and "extra.trap" in str(e), e
-    assert RAN == [], "a pickle in a memory step ran code without trust_pickles"
-    assert target["extra"]["trap"] is None
-    target = state(9)
-    target["extra"]["trap"] = None
+    return sd, target
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["untrusted", "trust_pickles"])
+def test_an_untrusted_pickle_in_a_memory_step_is_refused_not_run(job, trusted):
+    """An object only pickle can carry, in a memory step: without trust_pickles its code
+    never runs and the load is refused (None: the caller loads the root's); with it the
+    object is built and the step loads bit for bit."""
+    w, client = job
+    saved, target = trapped(w, client)
+    if not trusted:
+        assert load_memory(target, w.root, address=w.address) is None
+        assert RAN == [], "a pickle in a memory step ran code without trust_pickles"
+        assert target["extra"]["trap"] is None
+        return
     assert load_memory(target, w.root, address=w.address, trust_pickles=True) == 4
     assert RAN == ["unpickled"] and target["extra"]["trap"] == "unpickled"
-
-
-def test_an_untrusted_pickle_in_a_memory_step_is_none(job):
-    w, client = job
-    sd = state(4)
-    sd["extra"]["trap"] = Trap()
-    save(w, client, 4, sd, tier="memory")
-    target = state(9)
-    target["extra"]["trap"] = None
-    assert load_memory(target, w.root, address=w.address) is None
-    assert RAN == []
+    assert same(saved["model"], target["model"])
 
 
 def test_a_refused_memory_load_leaves_nothing_of_it_in_the_target(job):
@@ -276,11 +263,7 @@ def test_a_refused_memory_load_leaves_nothing_of_it_in_the_target(job):
     trains on its target as it is. That target must be untouched, not a mix of the
     saved step's values and its own."""
     w, client = job
-    sd = state(4)
-    sd["extra"]["trap"] = Trap()
-    save(w, client, 4, sd, tier="memory")
-    target = state(9)
-    target["extra"]["trap"] = None
+    target = trapped(w, client)[1]
     before = copy.deepcopy(target)
     try:
         load_memory(target, w.root, address=w.address)
@@ -339,31 +322,12 @@ dist.destroy_process_group()
 
 
 def test_a_load_that_fails_on_one_rank_is_none_on_both(tmp_path):
-    import os
-    import socket
-    import subprocess
-    import sys
-
     w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-           "ASYNCCKPT_ADDRESS": w.address, "CKPT_ROOT": str(w.root)}
     try:
-        procs = [subprocess.Popen([sys.executable, str(script)], env={
-            **env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True) for r in range(2)]
-        outputs = []
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=180)[0])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                outputs.append(p.communicate()[0] + "\n(killed: still waiting after 180 s)")
+        outputs = [text for _, text in run_world(script, timeout=180, ASYNCCKPT_ADDRESS=w.address,
+                                                 CKPT_ROOT=str(w.root))]
         for r, text in enumerate(outputs):
             assert f"rank {r} FOUND None" in text, "\n".join(outputs)[-3000:]
     finally:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_memory_job import one_writer
 from inprocess import InProcessWriter
 
 import asyncckpt
@@ -29,19 +31,12 @@ def full(value: float) -> dict:
     return {"w": torch.full((6,), float(value)), "step": int(value)}
 
 
-@pytest.fixture(autouse=True)
-def no_loads_recorded() -> Iterator[None]:
-    dcp_timeline.forget()
-    yield
-    dcp_timeline.forget()
-
-
 class Job:
-    def __init__(self, root: Path) -> None:
-        self.w = InProcessWriter(root, codec="raw", export=False)
-        self.root = self.w.root
-        self.client = asyncckpt.connect(self.w.address, rank=0, world_size=1,
-                                        slot_size=1 << 16, ring_size=1 << 20)
+    """A writer and rank 0 of 1 on its root (dcp_memory_job.py `one_writer`), saving and
+    loading `full` states through DCP."""
+
+    def __init__(self, w: InProcessWriter, client: asyncckpt.Client) -> None:
+        self.w, self.root, self.client = w, w.root, client
 
     def save(self, step: int, value: float, tier: str = "durable") -> None:
         dcp.save(full(value), storage_writer=StorageWriter(self.root, step, client=self.client,
@@ -56,18 +51,18 @@ class Job:
         storage = PosixStorage(self.root)
         return live_steps(storage, storage.step_dirs(), read_current(storage))
 
-    def close(self) -> None:
-        self.client.close(timeout=30)
-        self.w.stop()
+
+@contextmanager
+def running(base: Path) -> Iterator[Job]:
+    """A `Job` on `base/ckpt`, closed afterwards."""
+    with one_writer(base) as (w, client):
+        yield Job(w, client)
 
 
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[Job]:
-    j = Job(tmp_path / "ckpt")
-    try:
+    with running(tmp_path) as j:
         yield j
-    finally:
-        j.close()
 
 
 def forked_memory_run(job: Job) -> TimelineStart:
@@ -136,8 +131,7 @@ def test_two_roots_of_one_process_keep_their_own_timelines(tmp_path):
     """Root one restores B's forked 5 from memory (a carry); root two, in the same
     process, saves on in its own timeline: nothing carried for one reaches two, and
     forgetting one leaves the other's carry."""
-    one, two = Job(tmp_path / "one"), Job(tmp_path / "two")
-    try:
+    with running(tmp_path / "one") as one, running(tmp_path / "two") as two:
         for step in (4, 5, 6):
             two.save(step, 100 + step)
         b = forked_memory_run(one)
@@ -154,9 +148,6 @@ def test_two_roots_of_one_process_keep_their_own_timelines(tmp_path):
         one.save(7, 7)
         assert one.live() == [4, 7] and read_current(PosixStorage(one.root)).id == b.id
         assert two.live() == [4, 5, 6, 7]
-    finally:
-        one.close()
-        two.close()
 
 
 def test_one_root_named_by_two_paths_is_one_root(tmp_path, monkeypatch):
