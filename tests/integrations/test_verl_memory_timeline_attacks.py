@@ -16,13 +16,11 @@ model and SGD.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from inprocess import InProcessWriter
-from verl_memory_job import linear_model, one_rank_job
+from verl_memory_job import linear_model
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.integrations.verl import FSDPCheckpointManager
@@ -30,16 +28,9 @@ from asyncckpt.integrations.verl_paths import root_of
 from asyncckpt.read import memory
 
 
-@pytest.fixture
-def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path,
-                                                                           InProcessWriter]]:
-    with one_rank_job(tmp_path, monkeypatch) as made:
-        yield made
-
-
 def test_a_resumed_runs_memory_step_wins_over_the_abandoned_runs_durable_one(
-        job: tuple[Path, InProcessWriter]) -> None:
-    base, w = job
+        verl_job: tuple[Path, InProcessWriter]) -> None:
+    base, w = verl_job
     root = root_of(base / "global_step_1" / "actor")
     for step, fill in ((4, 4.0), (5, 5.0)):  # run A: steps 4 and 5 committed
         model, optim = linear_model(fill)
