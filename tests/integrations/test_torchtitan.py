@@ -7,19 +7,12 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-from pathlib import Path
 
 import pytest
 from timeline_jobs import assert_forked_at_2
+from titan_job import assert_ok, needs_titan, run_titan
 
-REPO = Path(__file__).resolve().parents[2]
-TITAN_PYTHON = os.environ.get("ASYNCCKPT_TITAN_PYTHON",
-                              str(REPO / ".venv-titan" / "bin" / "python"))
-WORKER = str(Path(__file__).with_name("titan_worker.py"))
-
-pytestmark = pytest.mark.skipif(not Path(TITAN_PYTHON).exists(),
-                                reason=f"no torchtitan venv at {TITAN_PYTHON}: run `make "
-                                       "titan-setup`")
+pytestmark = needs_titan
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem", "dcp-folder",
@@ -31,11 +24,7 @@ def test_torchtitan_resumes_bit_exact_with_keep_latest_k(tmp_path, mode):
     writer's memory tier (listed whole), the even ones durable; a fresh job resumes at
     the newest (a memory step) bit for bit, one without memory_interval at the newest
     durable one (titan_worker.py `memory_tier`)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}
-    env.pop("ASYNCCKPT_ADDRESS", None)
-    done = subprocess.run([TITAN_PYTHON, WORKER, str(tmp_path / "ckpt"), mode], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_ok(run_titan(tmp_path / "ckpt", mode), mode)
 
 
 POINTS = ("", "timeline_written:1", "frame_written:1", "manifest_written:1", "step_renamed:1",
@@ -60,24 +49,16 @@ def test_torchtitan_resumed_from_an_older_step_never_resumes_into_the_abandoned_
     root = tmp_path / "ckpt"
 
     def run(*args: str, crash: str = "") -> subprocess.CompletedProcess:
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
-               "OMP_NUM_THREADS": "1"}
-        env.pop("ASYNCCKPT_ADDRESS", None)
-        env.pop("ASYNCCKPT_CRASH_AT", None)
-        if crash:
-            env["ASYNCCKPT_CRASH_AT"] = crash
-        return subprocess.run([TITAN_PYTHON, WORKER, str(root), mode, *args], env=env,
-                              capture_output=True, text=True, timeout=300)
+        return run_titan(root, mode, *args, **({"ASYNCCKPT_CRASH_AT": crash} if crash else {}))
 
-    done = run("old")
-    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(run("old"))
     done = run("resume", str(3 if seed == 1 else rng.choice((3, 4))), crash=crash)
     assert "LOADED 2 old" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.returncode != 0  # killed (or its writer was)
     if seed == 1:  # the writer died once the timeline file was written: 3, 4 abandoned
         assert_forked_at_2(root, capsys)
     done = run("newest")
-    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(done)
     line = next(x for x in done.stdout.splitlines() if x.startswith("LOADED"))
     step, history = int(line.split()[1]), line.split()[2]
     assert step == 2 or history == "new", line  # never the abandoned 3 or 4

@@ -11,26 +11,18 @@ B's 5 beside A's 5 as the newest but one.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from inprocess import InProcessWriter
+from titan_job import assert_ok, needs_titan, run_titan
 
 from asyncckpt.cli import main
 from asyncckpt.read import memory
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.storage.timeline import live_steps, newest_live, read_current
 
-REPO = Path(__file__).resolve().parents[2]
-TITAN_PYTHON = os.environ.get("ASYNCCKPT_TITAN_PYTHON",
-                              str(REPO / ".venv-titan" / "bin" / "python"))
-WORKER = str(Path(__file__).with_name("titan_worker.py"))
-
-pytestmark = pytest.mark.skipif(not Path(TITAN_PYTHON).exists(),
-                                reason=f"no torchtitan venv at {TITAN_PYTHON}: run `make "
-                                       "titan-setup`")
+pytestmark = needs_titan
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
@@ -39,14 +31,10 @@ def test_a_memory_step_of_a_forked_run_resumed_by_torchtitan_abandons_the_left_h
     root = tmp_path / "ckpt"
     root.mkdir()
     writer = InProcessWriter(root, export=False)  # outlives the runs, as a launcher's
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
-           "OMP_NUM_THREADS": "1", "ASYNCCKPT_ADDRESS": writer.address}
     try:
         for run in ("a", "b", "c"):
-            done = subprocess.run([TITAN_PYTHON, WORKER, str(root), f"fork-{mode}", run],
-                                  env=env, capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0 and "OK" in done.stdout, (
-                run, done.stdout[-2000:] + done.stderr[-4000:])
+            assert_ok(run_titan(root, f"fork-{mode}", run, ASYNCCKPT_ADDRESS=writer.address),
+                      run)
             if run == "b":
                 held = memory.generations(writer.address)
                 assert [g["step"] for g in held] == [5], held  # b's 5: memory only
