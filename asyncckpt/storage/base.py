@@ -46,6 +46,7 @@ from asyncckpt.format.layout import MANIFEST_NAME, parse_retired_dir, parse_step
 from asyncckpt.storage.handles import (
     CheckpointDir,
     DataFile,
+    HeldSteps,
     InProgress,
     ReadFile,
     RootHold,
@@ -57,8 +58,8 @@ if TYPE_CHECKING:
     from asyncckpt.config import ReadLimits
     from asyncckpt.format.manifest import Manifest
 
-__all__ = ["SMALL_FILE_MAX", "UPLOAD_CHUNK", "CheckpointDir", "DataFile", "InProgress",
-           "ReadFile", "RootHold", "Storage"]
+__all__ = ["SMALL_FILE_MAX", "UPLOAD_CHUNK", "CheckpointDir", "DataFile", "HeldSteps",
+           "InProgress", "ReadFile", "RootHold", "Storage"]
 
 
 SMALL_FILE_MAX = 1 << 16  # bytes a small file beside a root (a marker, a tracker) may hold
@@ -126,6 +127,11 @@ class Storage(ABC):
     @abstractmethod
     def retired_steps(self) -> list[int]:
         """Retired steps (data only, still referenced), oldest first."""
+
+    def held_steps(self) -> HeldSteps:
+        """`committed_steps` and `retired_steps` together, by one listing of the root
+        where the backend can (a commit's `latest` and its retention share it)."""
+        return HeldSteps(self.committed_steps(), self.retired_steps())
 
     @abstractmethod
     def has_step(self, step: int, *, retired: bool = False) -> bool:

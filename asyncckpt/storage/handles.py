@@ -270,3 +270,10 @@ class InProgress(NamedTuple):
     stored_bytes: int  # what it holds so far
     modified: float  # seconds since the epoch of its newest write
 
+
+
+class HeldSteps(NamedTuple):
+    """The steps a root holds, by one listing (`Storage.held_steps`), oldest first."""
+
+    committed: list[int]  # with a manifest (not validated)
+    retired: list[int]

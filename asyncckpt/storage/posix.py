@@ -48,7 +48,7 @@ from asyncckpt.format.layout import (
     step_dir_name,
 )
 from asyncckpt.runtime import faults
-from asyncckpt.storage.base import DataFile, Storage
+from asyncckpt.storage.base import DataFile, HeldSteps, Storage
 from asyncckpt.storage.durable import fsync_path, write_atomic
 from asyncckpt.storage.paths import Location, local_path
 from asyncckpt.storage.posix_files import PosixFiles, as_local, read_small_file
@@ -133,6 +133,18 @@ class PosixStorage(PosixFiles, Storage):
 
     def retired_steps(self) -> list[int]:
         return step_dirs(self.root, parse_retired_dir)
+
+    def held_steps(self) -> HeldSteps:
+        """One listing of the root for both forms, by the same rules as the two."""
+        committed, retired = [], []
+        root = str(self.root)
+        for name, step in _dirs(self.root, _parse_held):
+            if step >= 0:  # Path.is_file's test, without building Paths: a commit's hot path
+                if os.path.isfile(os.path.join(root, name, MANIFEST_NAME)):
+                    committed.append(step)
+            else:
+                retired.append(-1 - step)
+        return HeldSteps(sorted(committed), sorted(retired))
 
     def has_step(self, step: int, *, retired: bool = False) -> bool:
         return is_step_dir(self.root, _dir_name(step, retired))
@@ -454,10 +466,33 @@ def step_dirs(root: Path, parse: Callable[[str], int | None] = parse_step_dir) -
     or without a manifest), oldest first: step directories by the one rule
     (is_step_dir), so a `step-N` linked in from elsewhere is none of the root's steps --
     not listed, loaded, retained or deleted."""
+    return sorted(step for _, step in _dirs(root, parse))
+
+
+def _dirs(root: Path, parse: Callable[[str], int | None]) -> list[tuple[str, int]]:
+    """(name, parse(name)) of the directories under `root` (not symlinks: is_step_dir's
+    rule, from the listing's entry types where the filesystem gives them, else lstat)
+    whose names `parse` recognises."""
     try:
-        names = os.listdir(root)
+        with os.scandir(root) as listing:
+            return [(entry.name, step) for entry in listing
+                    if (step := parse(entry.name)) is not None and _is_dir(entry)]
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(step for name in names
-                  if (step := parse(name)) is not None and is_step_dir(root, name))
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _parse_held(name: str) -> int | None:
+    """A committed-form step N as N, a retired one as -1 - N (held_steps' one pass)."""
+    step = parse_step_dir(name)
+    if step is not None:
+        return step
+    retired = parse_retired_dir(name)
+    return None if retired is None else -1 - retired
 

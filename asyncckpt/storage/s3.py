@@ -78,7 +78,7 @@ from asyncckpt.format.layout import (
 from asyncckpt.format.manifest import parse_manifest
 from asyncckpt.runtime import faults
 from asyncckpt.storage import s3keys
-from asyncckpt.storage.base import CheckpointDir, Storage
+from asyncckpt.storage.base import CheckpointDir, HeldSteps, Storage
 from asyncckpt.storage.lease import Lease
 from asyncckpt.storage.paths import Location, ObjectPath
 from asyncckpt.storage.s3client import ObjectStoreError, S3DataFile, client_key
@@ -137,6 +137,11 @@ class S3Storage(S3View, Storage):
 
     def retired_steps(self) -> list[int]:
         return sorted(self._names()[1])
+
+    def held_steps(self) -> HeldSteps:
+        """One LIST for both."""
+        committed, retired = self._names()
+        return HeldSteps(sorted(committed), sorted(retired))
 
     def has_step(self, step: int, *, retired: bool = False) -> bool:
         marker = self._head(self._key(retired_dir_name(step))) is not None

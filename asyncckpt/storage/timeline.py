@@ -48,8 +48,9 @@ def read_current(storage: Storage) -> Timeline:
     path = storage.root / TIMELINE_NAME
     local = storage.local_dir()
     if local is not None:
-        data = read_small_file(local / TIMELINE_NAME, MAX_TIMELINE_BYTES)
-        there = data is not None or os.path.lexists(local / TIMELINE_NAME)
+        where = local / TIMELINE_NAME
+        data = read_small_file(where, MAX_TIMELINE_BYTES)
+        there = data is not None or os.path.lexists(where)
     else:
         data = storage.read_bytes(path, MAX_TIMELINE_BYTES)
         there = data is not None or storage.exists(path)

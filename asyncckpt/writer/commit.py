@@ -40,9 +40,10 @@ from asyncckpt.format.layout import (
 )
 from asyncckpt.format.parts import PartEntry, node_part, parse_rank_part
 from asyncckpt.format.records import RankPart
+from asyncckpt.format.timeline import Timeline
 from asyncckpt.ipc.messages import NodePart
 from asyncckpt.runtime import faults
-from asyncckpt.storage.base import Storage
+from asyncckpt.storage.base import HeldSteps, Storage
 from asyncckpt.storage.paths import Location
 from asyncckpt.storage.timeline import is_live, read_current
 from asyncckpt.writer import shared
@@ -59,12 +60,23 @@ def make_tmp_dir(storage: Storage, step: int, owner: OwnerMark | None = None) ->
 def publish(storage: Storage, tmp_dir: Location, step: int, manifest: bytes, *,
             replace: bool = False) -> Location:
     """Make `tmp_dir`, with `manifest`, the committed step `step`; then point `latest`
-    at the newest committed step.
+    at the newest committed step (`publish_listed`, which says more)."""
+    return publish_listed(storage, tmp_dir, step, manifest, replace=replace)[0]
+
+
+def publish_listed(storage: Storage, tmp_dir: Location, step: int, manifest: bytes, *,
+                   replace: bool = False, current: Timeline | None = None
+                   ) -> tuple[Location, HeldSteps | None]:
+    """Make `tmp_dir`, with `manifest`, the committed step `step`; then point `latest`
+    at the newest committed step. Returns the step's location and the root's steps as
+    `latest` was decided from (one listing, after the publish: the committer's
+    retention works from it), or None where `latest` was not updated.
 
     Every data file in `tmp_dir` must already be durable. With `replace`, a committed
     step of this number is swapped out in the same atomic step (the caller has made sure
     nothing references it) and then deleted: a crash leaves the old step or the new one,
-    never neither.
+    never neither. `current`: the root's timeline as the commit settled it (None: read
+    it).
 
     Raises:
         SaveFailedError: the step is already committed (and not `replace`), or an I/O
@@ -76,11 +88,12 @@ def publish(storage: Storage, tmp_dir: Location, step: int, manifest: bytes, *,
     except OSError as e:
         raise io_error(e, step=step, file=str(e.filename or storage.root / step_dir_name(step))
                        ) from e
-    try:
-        update_latest(storage, trusted=step)  # its manifest was checked before it was written
+    held = None
+    try:  # its manifest was checked before it was written
+        held = update_latest(storage, trusted=step, current=current)
     except OSError as e:  # the step is committed; `latest` is redone at the next commit or start
         log.warning("step %d committed but %s not updated: %s", step, LATEST_NAME, e)
-    return final
+    return final, held
 
 
 def write_node_part(storage: Storage, tmp_dir: Location, step: int,
@@ -266,24 +279,27 @@ def _check_node_folder(entry: PartEntry, names: set[str], step: int,
             step=step, rank=rank, file=str(tmp_dir / entry.dir))
 
 
-def update_latest(storage: Storage, trusted: int | None = None) -> None:
+def update_latest(storage: Storage, trusted: int | None = None, *,
+                  current: Timeline | None = None) -> HeldSteps | None:
     """Point `latest` at the newest committed live step on disk whose manifest parses (a
     planted or damaged newer directory, or a step of an abandoned timeline, is passed
     over), or remove it if there is none. Step `trusted` (one just committed) is taken
-    without parsing its manifest again.
+    without parsing its manifest again; `current`, the root's timeline, without reading
+    it again. Returns the root's steps as listed for it (one listing).
 
     A damaged root timeline file leaves `latest` as it is (a hint: readers decide from
-    the disk, and report the file), with a warning.
+    the disk, and report the file), with a warning, and returns None.
 
     Raises:
         OSError: `latest` could not be replaced.
     """
     try:
-        current = read_current(storage)
+        current = read_current(storage) if current is None else current
     except CorruptCheckpointError as e:
         log.warning("%s not updated: %s", LATEST_NAME, e)
-        return
-    steps = storage.committed_steps()
+        return None
+    held = storage.held_steps()
+    steps = list(held.committed)
     while steps and steps[-1] != trusted and (not _manifest_parses(
             storage, storage.root / step_dir_name(steps[-1]))
             or is_live(storage, steps[-1], current) is False):
@@ -292,6 +308,7 @@ def update_latest(storage: Storage, trusted: int | None = None) -> None:
         storage.write_latest(None)
     elif storage.read_latest() != steps[-1]:
         storage.write_latest(steps[-1])
+    return held
 
 
 def _manifest_parses(storage: Storage, directory: Location) -> bool:

@@ -3,7 +3,8 @@
 The commit (manifest, rename, `latest`, retention) runs on one committer thread, not on
 the session thread of whichever rank ended last: that rank's connection keeps serving
 (its next save's chunks, its slot credits) while the step is made visible and old steps
-are deleted, and commits happen one at a time in the order steps completed. Before
+are deleted, and commits happen one at a time in the order steps completed. `latest`
+and retention work from one listing of the root, taken right after the publish. Before
 anything is published the manifest is parsed back with the reader's own rules, so the
 writer never commits a checkpoint that `load` or `verify` would reject, and retention
 never deletes a good step on the strength of a bad one. Any exception in that sequence
@@ -31,7 +32,7 @@ from asyncckpt.config import MAX_FRAME_BYTES
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.runtime import faults
-from asyncckpt.storage.base import Storage
+from asyncckpt.storage.base import HeldSteps, Storage
 from asyncckpt.storage.timeline import write_current
 from asyncckpt.writer import commit, owners, shared
 from asyncckpt.writer.dedup import DedupIndex
@@ -127,7 +128,7 @@ class Committer:
     def _commit(self, current: Step) -> None:
         tell = [current.requester] if current.requester else list(current.waiting.values())
         try:
-            manifest, path = self._publish(current)
+            manifest, path, held = self._publish(current)
         except Exception as e:  # whatever it is, every rank of the step must hear of it
             error = e if isinstance(e, CheckpointError) else SaveFailedError(
                 f"commit failed: {type(e).__name__}: {e}", step=current.number)
@@ -140,7 +141,7 @@ class Committer:
         if self._index is not None and manifest.parts is None:  # a root's: read at refresh
             self._index.add(manifest)
         release(current.number, self._index)
-        self._prune(current)
+        self._prune(current, held)
         if self._on_commit:
             try:
                 self._on_commit(manifest, current)
@@ -150,7 +151,7 @@ class Committer:
         if current.nodes is not None:  # what writers that are gone left: after the word,
             sweep_dead(self.storage)   # which waits on no file-system work a node
 
-    def _publish(self, current: Step) -> tuple[Manifest, Location]:
+    def _publish(self, current: Step) -> tuple[Manifest, Location, HeldSteps | None]:
         """Gather the parts, settle the step's timeline (writer/timelines.py), check the
         manifest as a reader would, write the root's timeline file if the step begins a
         timeline, and publish the step."""
@@ -182,11 +183,11 @@ class Committer:
                      settled.record.describe(),
                      settled.record.lineage[-1][1] if settled.record.lineage else "-")
             faults.point("timeline_written")
-        path = commit.publish(self.storage, source, current.number, data,
-                              replace=settled.replace)
+        path, held = commit.publish_listed(self.storage, source, current.number, data,
+                                           replace=settled.replace, current=settled.record)
         # the nodes' emptied tmp directories: each node's writer removes its own once it
         # hears the outcome (nodes.py), so the leader's commit does no work a node
-        return manifest, path
+        return manifest, path, held
 
     @staticmethod
     def _tell_committed(current: Step, manifest: Manifest, path: Location) -> None:
@@ -200,11 +201,13 @@ class Committer:
         for rank, notify in current.waiting.items():
             notify(None, path, {**stats, **current.stats.get(rank, {})})
 
-    def _prune(self, current: Step) -> None:
+    def _prune(self, current: Step, held: HeldSteps | None) -> None:
+        """Retention after `current`'s commit (`held`: the root's steps as listed for
+        `latest`, or None to list them)."""
         keep_last, keep_every = current.retention or self.retention
         try:
             done = prune(self.storage, keep_last, keep_every, newest=current.number,
-                                   keep_from=current.keep_from, index=self._index)
+                         keep_from=current.keep_from, index=self._index, held=held)
         except Exception as e:  # retention is best effort; the new step is already durable
             log.warning("retention failed: %s: %s", type(e).__name__, e)
             return

@@ -312,9 +312,9 @@ def _target(step: int, file: str, frame: Frame) -> Target:
 def _steps_on_disk(storage: Storage) -> dict[int, Location]:
     """Committed and retired steps of the root (step directories by the reader's rule:
     storage/posix.py), the committed form first."""
-    root = storage.root
-    found = {s: root / retired_dir_name(s) for s in storage.retired_steps()}
-    found.update({s: root / step_dir_name(s) for s in storage.committed_steps()})
+    root, held = storage.root, storage.held_steps()  # one listing
+    found = {s: root / retired_dir_name(s) for s in held.retired}
+    found.update({s: root / step_dir_name(s) for s in held.committed})
     return found
 
 

@@ -32,7 +32,7 @@ from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.format.layout import step_dir_name
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.runtime import faults
-from asyncckpt.storage.base import Storage
+from asyncckpt.storage.base import HeldSteps, Storage
 from asyncckpt.storage.timeline import live_steps
 
 log = logging.getLogger("asyncckpt.writer")
@@ -54,7 +54,8 @@ def is_retired(storage: Storage, step: int) -> bool:
 
 
 def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int | None = None,
-          keep_from: int | None = None, index: Any = None) -> Pruned:
+          keep_from: int | None = None, index: Any = None,
+          held: HeldSteps | None = None) -> Pruned:
     """Apply retention: delete committed steps beyond the newest `keep_last` live ones
     (except multiples of `keep_every`) and the steps of abandoned timelines
     (format/timeline.py), retiring instead those a kept step or a save in flight
@@ -71,6 +72,9 @@ def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int 
             ones neither.
         index: the writer's DedupIndex (its pins, its cached references, and its lock,
             so no lookup can return a step being deleted); None for `asyncckpt gc`.
+        held: the root's steps as listed since the last change to them (the commit's
+            listing for `latest`: only the committer retires and deletes), or None to
+            list them now.
     Returns:
         What was deleted, retired and reclaimed.
     Raises:
@@ -78,7 +82,8 @@ def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int 
         CorruptCheckpointError: the root's timeline file is damaged (nothing deleted).
     """
     with index.lock if index is not None else contextlib.nullcontext():
-        steps = storage.committed_steps()
+        held = storage.held_steps() if held is None else held
+        steps = list(held.committed)
         live = live_steps(storage, steps) if keep_last > KEEP_ALL else steps
         counted = [s for s in live if newest is None or s <= newest]
         doomed = [s for s in (counted[:-keep_last] if keep_last > KEEP_ALL else [])
@@ -88,7 +93,7 @@ def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int 
                                   and (keep_from is None or s < keep_from)])
         kept = [s for s in steps if s not in set(doomed)]
         needed = _needed(storage, kept, index)
-        retired_now = storage.retired_steps()
+        retired_now = held.retired
         result = Pruned(
             deleted=[s for s in doomed if needed is not None and s not in needed],
             retired=[s for s in doomed if needed is None or s in needed],

@@ -153,6 +153,22 @@ def test_a_retired_step_keeps_its_files_until_it_is_taken_out(storage):
     assert storage.committed_steps() == [] and storage.open_step_file(2, DATA) is None
 
 
+def test_one_listing_holds_the_committed_and_the_retired_steps(storage):
+    """`held_steps` (a commit's one listing for `latest` and retention) answers what
+    `committed_steps` and `retired_steps` answer; a step under way is in neither."""
+    assert storage.held_steps() == ([], [])
+    for step in (1, 2, 3):
+        write_step(storage, step)
+    storage.retire(1)
+    tmp = write_tmp(storage, 4)
+    held = storage.held_steps()
+    assert held.committed == storage.committed_steps() == [2, 3]
+    assert held.retired == storage.retired_steps() == [1]
+    storage.discard(storage.unpublish(3))
+    assert storage.held_steps() == ([2], [1])
+    storage.discard(tmp)
+
+
 def test_small_files_beside_the_root(storage):
     marker = storage.root / "run" / "marker.json"
     assert storage.read_bytes(marker) is None and not storage.exists(marker)

@@ -237,7 +237,7 @@ class _Recording(PosixStorage):
 
 _OPERATIONS = {name for name, member in inspect.getmembers(Storage)
                if getattr(member, "__isabstractmethod__", False)
-               or name in ("step_file_size", "read_latest")}
+               or name in ("step_file_size", "read_latest", "held_steps")}
 
 
 def test_the_commit_and_retention_go_through_the_storage(tmp_path):
@@ -253,9 +253,9 @@ def test_the_commit_and_retention_go_through_the_storage(tmp_path):
     storage = _Recording(tmp_path)
     for step in (1, 2, 3):
         commit.publish(storage, commit.make_tmp_dir(storage, step), step, manifest(step))
-    assert storage.calls == ["make_tmp", "publish", "committed_steps", "read_latest",
+    assert storage.calls == ["make_tmp", "publish", "held_steps", "read_latest",
                              "write_latest"] * 3
     storage.calls.clear()
     assert lifetimes.prune(storage, keep_last=1).deleted == [1, 2]
-    assert storage.calls == ["committed_steps", "retired_steps"] + ["unpublish", "discard"] * 2
+    assert storage.calls == ["held_steps"] + ["unpublish", "discard"] * 2
     assert sorted(os.listdir(tmp_path)) == [LATEST_NAME, "step-00000003"]
