@@ -1,6 +1,11 @@
-"""The in-process DCP memory-tier tests' shared setup: one writer and a world-of-one
-client on its root (`one_writer`; the `job` fixture of conftest.py), and the comparison
-of a state dict with the one loaded back."""
+"""The in-process DCP memory-tier and timeline tests' shared setup: one writer and a
+world-of-one client on its root (`one_writer`, and as the fixture `job`), no DCP load
+recorded by an earlier test (the fixture `no_loads_recorded`, autouse), and the
+comparison of a state dict with the one loaded back.
+
+The fixtures reach a test module by import (`from dcp_memory_job import job_fixture,
+no_loads_fixture  # noqa: F401`): a conftest.py here would shadow tests/conftest.py,
+which test modules import by name."""
 
 from __future__ import annotations
 
@@ -8,10 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from inprocess import InProcessWriter
 
 import asyncckpt
+from asyncckpt.integrations import dcp_timeline
 
 
 @contextmanager
@@ -25,6 +32,21 @@ def one_writer(tmp_path: Path) -> Iterator[tuple[InProcessWriter, asyncckpt.Clie
     finally:
         c.close(timeout=30)
         w.stop()
+
+
+@pytest.fixture(name="job")
+def job_fixture(tmp_path: Path) -> Iterator[tuple[InProcessWriter, asyncckpt.Client]]:
+    with one_writer(tmp_path) as made:
+        yield made
+
+
+@pytest.fixture(name="no_loads_recorded", autouse=True)
+def no_loads_fixture() -> Iterator[None]:
+    """The DCP loads and carries this process recorded forgotten before and after the
+    test: to them each test is a fresh process."""
+    dcp_timeline.forget()
+    yield
+    dcp_timeline.forget()
 
 
 def same(want: object, got: object) -> bool:

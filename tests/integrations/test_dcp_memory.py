@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_memory_job import same
+from dcp_memory_job import job_fixture, no_loads_fixture, same  # noqa: F401 (fixtures)
 from inprocess import InProcessWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from world_job import run_world

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_memory_job import same
+from dcp_memory_job import job_fixture, no_loads_fixture, same  # noqa: F401 (fixtures)
 from inprocess import InProcessWriter
 from world_job import run_world
 

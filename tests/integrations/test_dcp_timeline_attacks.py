@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_memory_job import one_writer
+from dcp_memory_job import no_loads_fixture, one_writer  # noqa: F401 (a fixture)
 from inprocess import InProcessWriter
 
 import asyncckpt

@@ -28,7 +28,11 @@ from pathlib import Path
 
 import torch
 from inprocess import InProcessWriter
-from verl_memory_job import linear_model, replica_arriving
+from verl_memory_job import (  # noqa: F401 (a fixture)
+    linear_model,
+    replica_arriving,
+    verl_job_fixture,
+)
 from world_job import run_world
 
 from asyncckpt.integrations.verl import FSDPCheckpointManager

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from inprocess import InProcessWriter
-from verl_memory_job import linear_model
+from verl_memory_job import linear_model, verl_job_fixture  # noqa: F401 (a fixture)
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.integrations.verl import FSDPCheckpointManager

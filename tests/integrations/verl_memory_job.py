@@ -50,6 +50,14 @@ def one_rank_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         w.stop()
 
 
+@pytest.fixture(name="verl_job")
+def verl_job_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                     ) -> Iterator[tuple[Path, InProcessWriter]]:
+    """`one_rank_job` for a test (a module imports it: `verl_job_fixture  # noqa: F401`)."""
+    with one_rank_job(tmp_path, monkeypatch) as made:
+        yield made
+
+
 def linear_model(fill: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A Linear(8, 4) with every parameter `fill`, and its SGD."""
     model = torch.nn.Linear(8, 4)
