@@ -37,10 +37,9 @@ from asyncckpt.writer import commit
 from asyncckpt.writer.autocodec import CodecChooser
 from asyncckpt.writer.context import Buffers, WriterContext
 from asyncckpt.writer.dedup import DedupIndex
-from asyncckpt.writer.memory_flush import flush_newest
 from asyncckpt.writer.memory_tier import MemoryTier
 from asyncckpt.writer.owners import OwnerMark, sweep_dead
-from asyncckpt.writer.session import Session
+from asyncckpt.writer.session import Session, flush_sampled
 from asyncckpt.writer.step import Step
 from asyncckpt.writer.steps import Steps
 
@@ -211,7 +210,7 @@ class WriterServer:
         generation durable, within shutdown_timeout (writer/memory_flush.py)."""
         started = time.monotonic()
         try:
-            step = flush_newest(self.context, self.knobs.shutdown_timeout)
+            step = flush_sampled(self.context, self.knobs.shutdown_timeout)
         except CheckpointError as e:
             log.warning("stopping: the flush of the memory tier failed: %s", e)
             return

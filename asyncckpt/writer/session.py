@@ -53,6 +53,13 @@ _MAX_OPEN_FILES = 4    # ... of which hold a data file and an appender thread
 SENDER_JOIN_S = 5.0  # for the reply thread to drain once a connection ends
 
 
+def flush_sampled(writer: WriterContext, timeout: float) -> int | None:
+    """`flush_newest` (memory_flush.py) with the writer's memory sampler held busy: a
+    flush copies and encodes every rank's image of a generation, work a save does."""
+    with writer.rss.busy():
+        return flush_newest(writer, timeout)
+
+
 class _OtherRoot(ProtocolError):
     """A rank's hello names another root than this writer's: it is refused (`root`:
     this writer's, sent back so the rank raises WriterRootMismatchError)."""
@@ -137,7 +144,7 @@ class Session:
             m = protocol.receive(self.conn)
             if isinstance(m, MEMORY_QUERIES) and self.writer.memory is not None:
                 serve_query(self.writer.memory, self.conn, m, functools.partial(
-                    flush_newest, self.writer, self.writer.knobs.shutdown_timeout))
+                    flush_sampled, self.writer, self.writer.knobs.shutdown_timeout))
                 raise EOFError
             if not isinstance(m, messages.Hello):
                 raise ProtocolError("expected hello")

@@ -39,14 +39,11 @@ def writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InProces
         w.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding R8: a memory flush (asyncckpt flush, a SIGTERM's emergency flush) feeds "
-    "and encodes every rank's image of the generation outside any busy period of the "
-    "gated sampler (only a rank's begin..end and a commit hold it), so its frame "
-    "buffers are sampled once a second at most and writer_peak_rss_anon / the stop "
-    "line can miss the flush's peak"))
 def test_a_memory_flush_is_sampled_as_densely_as_a_save(
         writer: InProcessWriter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding R8 (fixed): a memory flush (`asyncckpt flush`, a SIGTERM's emergency flush)
+    feeds and encodes every rank's image of a generation; it holds the gated sampler busy,
+    as a save does, so its frame buffers are in the peak it reports."""
     client = Client(writer.address, rank=0, world_size=1, coordination="local",
                     slot_size=1 << 16, ring_size=1 << 18)
     try:
