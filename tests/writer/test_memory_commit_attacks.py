@@ -269,3 +269,34 @@ def test_a_restart_with_a_replaced_node_keeps_the_restored_step(node: Node) -> N
     tiers = [tier3, node.save(4), node.save(5)]  # 4 and 5 not yet acked by the partner
     held = node.held()
     assert 2 in held, (held, tiers, mine, word)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "finding R9: a restarted job (new session, same writers) that resumes below a step "
+    "the old job's ranks began freezes its node: the writer's rerun() marks the session "
+    "it was told last -- the NEW job's, already met by the lead -- as stale, and the "
+    "lead, whose first round sees no step going back, keeps that tag for the whole "
+    "job: told() ignores every word, the writer never prunes, its acked newer "
+    "generation stays promised and every later memory save of the node is skipped"))
+def test_a_restart_below_the_old_jobs_steps_keeps_taking_the_new_jobs_word(
+        node: Node) -> None:
+    word = {"committed": -1, "settled": -1}
+    for step in (1, 2, 3):  # the old job: 3 committed across the job, then it dies
+        assert node.save(step) == "memory"
+        node.acked(step)
+        _, word = node.round(RUN0, step, word)
+    assert word["committed"] == 3 and node.held() == [3]
+    # the new job: its lead greets the writer, meets the new session, and the ranks
+    # (restored from the durable step 1, say) save 2 again
+    new = "fedcba9876543210/0"
+    node.ask("start/0011223344556677")
+    node.ask(new)
+    word = {"committed": -1, "settled": -1}
+    for step in (2, 3, 4, 5):  # the lead's rounds: steps only go up in this process
+        tier = node.save(step)
+        if tier == "memory":
+            node.acked(step)
+        _, word = node.round(new, step, word)
+    tiers = [node.save(s) for s in (6, 7)]
+    assert "memory" in tiers and len(node.held()) <= 2, (
+        tiers, node.held(), word, node.tier.job.session)
