@@ -96,6 +96,13 @@ _ABSENT = "\0absent"  # the answer of `_read`'s compare_set where the key is abs
 _SAVE_KEYS = ("nodes", "ranks", "wake", "outcome", "final", "read")
 
 
+def store_gone(error: BaseException) -> bool:
+    """Whether a store request's `error` says the store is unreachable (torch's
+    DistNetworkError: its host gone, the connection broken), not that a wait timed out:
+    such a client fails every request at once, so a loop that waits again spins."""
+    return any(c.__name__ == "DistNetworkError" for c in type(error).__mro__)
+
+
 def _clone(store: Any) -> Any:
     """A second connection to `store` (torch >= 2.5), else `store` itself."""
     try:
@@ -413,11 +420,18 @@ class StoreCoordinator:
     def _wait_key(self, key: str, seconds: float, look: bool = True) -> bool:
         """Whether `key` is set within `seconds` (the store wakes us as it is set);
         without `look`, a wait that timed out is not followed by a second look (a caller
-        that waits again anyway)."""
+        that waits again anyway).
+
+        Raises:
+            the store's network error: the store is gone (its host died, its connection
+                broke: a TCPStore client never reconnects), which no wait can outlast.
+        """
         try:
             self.store.wait([key], datetime.timedelta(seconds=seconds))
             return True
-        except Exception:  # the store's timeout error; its class varies across versions
+        except Exception as e:  # the store's timeout error; its class varies across versions
+            if store_gone(e):
+                raise
             return look and self.store.check([key])
 
     # -- cleanup ----------------------------------------------------------------------
