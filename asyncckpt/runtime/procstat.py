@@ -87,8 +87,9 @@ class PeakSampler:
 
     `gated`: sample every `interval` only while something holds the sampler busy
     (`enter`/`leave`, or `with busy():`; the writer holds it for each save from its
-    `begin` to its `end` and for each commit), once as each busy period begins and once
-    as it ends, and every `idle_interval` seconds otherwise. The writer's private memory
+    `begin` to its `end`, for each commit and each memory flush), once more as each busy
+    period ends (so a period shorter than `interval` is read too), and every
+    `idle_interval` seconds otherwise. The writer's private memory
     above its idle level is what its saves in flight hold (frame copies, encoded frames,
     a manifest being built), so its peak lies inside a busy period, which is sampled as
     densely as before; an idle writer reads /proc once a second instead of 50 times.
@@ -132,15 +133,13 @@ class PeakSampler:
             return anon
 
     def enter(self) -> None:
-        """Something that may grow the process's memory begins: sample now, and every
-        `interval` until as many `leave` calls as `enter` ones."""
+        """Something that may grow the process's memory begins: sample every `interval`
+        from now until as many `leave` calls as `enter` ones. (Not at once: until it
+        allocates, the process holds what the last reading saw.)"""
         with self._wake:
             self._busy += 1
-            first = self._busy == 1
-            if first:
+            if self._busy == 1:
                 self._wake.notify()
-        if first:
-            self.sample()
 
     def leave(self) -> None:
         """What `enter` announced is over; the last one out samples once more."""
@@ -165,9 +164,11 @@ class PeakSampler:
                 if self._stopped:
                     return
                 idle = self._gated and self._busy == 0
-                self._wake.wait(self.idle_interval if idle else self.interval)
+                woken = self._wake.wait(self.idle_interval if idle else self.interval)
                 if self._stopped:
                     return
+                if woken and idle:  # a busy period began: its first reading is in
+                    continue        # `interval`, its last at its `leave`
             if self._fd < 0:
                 return
             self.sample()
