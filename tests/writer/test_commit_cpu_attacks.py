@@ -112,3 +112,24 @@ def test_one_listing_for_latest_and_retention_is_the_two_it_replaces(tmp_path: P
     assert (list(held.committed), list(held.retired)) == (
         storage.committed_steps(), storage.retired_steps())
     assert list(held.committed) == [1, 2, 5], held
+
+
+def test_a_stop_right_after_the_reply_still_applies_the_retention_it_owes(
+        tmp_path: Path) -> None:
+    """Retention runs after the ranks hear `committed`; a writer stopped as soon as the
+    last save's reply arrived (a job's end) still deletes what that commit's retention
+    owes before it stops: the step stays counted as committing until its prune ends."""
+    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False, keep_last=1)
+    try:
+        client = Client(w.address, rank=0, world_size=1, coordination="local",
+                        slot_size=1 << 16, ring_size=1 << 18)
+        try:
+            for step in (1, 2, 3):
+                client.save(step, {"w": torch.full((64,), float(step))}).wait(WAIT_S)
+        finally:
+            client.close()
+    finally:
+        w.stop()
+    storage = PosixStorage(tmp_path / "ckpt")
+    assert storage.committed_steps() == [3]
+    assert storage.read_latest() == 3
