@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from asyncckpt.format.layout import MAX_WORLD
+from asyncckpt.format.layout import MAX_STEP, MAX_WORLD
 from asyncckpt.ipc.fields import MAX_ROOT, ProtocolError, int_field, show
 from asyncckpt.ipc.message import Message
 
@@ -26,9 +26,9 @@ MAX_TWO = 64  # steps a `memory_commit_state` may list as held in two places
 
 
 def _step_or_none(m: dict[str, Any], key: str) -> int:
-    """Optional step `key` of `m`: a step, or -1 (none; the default)."""
+    """Optional step `key` of `m`: a step (0..MAX_STEP), or -1 (none; the default)."""
     value = m.get(key, -1)
-    if type(value) is not int or value < -1:
+    if type(value) is not int or not -1 <= value <= MAX_STEP:
         raise ProtocolError(f"{key} {show(value)} is not a step or -1")
     return value
 
@@ -207,7 +207,7 @@ class MemoryCommitState(Message):
     def from_wire(cls, m: dict[str, Any]) -> MemoryCommitState:
         two, outcome = m.get("two"), m.get("outcome", "")
         if (not isinstance(two, list) or len(two) > MAX_TWO
-                or not all(type(s) is int and s >= 0 for s in two)):
+                or not all(type(s) is int and 0 <= s <= MAX_STEP for s in two)):
             raise ProtocolError(f"two {show(two)} is not a list of steps")
         if outcome not in ("", "two", "not", "pending"):
             raise ProtocolError(f"outcome {show(outcome)} is not two, not or pending")

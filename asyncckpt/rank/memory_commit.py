@@ -48,6 +48,7 @@ import threading
 from typing import Any
 
 from asyncckpt.errors import CheckpointError
+from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import memory_messages, protocol
 from asyncckpt.ipc.fields import ProtocolError
 from asyncckpt.rank import handle as handles
@@ -73,10 +74,14 @@ class JobKeys:
     def __init__(self, store: Any, prefix: str, node: int, nodes: int, wait_s: float) -> None:
         self.store, self.prefix, self.node, self.nodes = store, prefix, node, nodes
         self.wait_s = wait_s
+        self._run = 0  # the run of this lead's last round
 
     def round(self, run: int, report: dict[str, Any]) -> dict[str, Any] | None:
         """Record this node's `report` for rerun `run`, and return the job's word once
         this round's is out (or the newest there is after `wait_s`; None: none yet)."""
+        if run > self._run:  # a rerun: the abandoned run's keys go (its word is no use)
+            self.leave(self._run)
+            self._run = run
         base = f"{self.prefix}/{run}"
         self.store.set(f"{base}/node/{self.node}", json.dumps(report))
         count = self.store.add(f"{base}/count", 1)
@@ -106,13 +111,15 @@ class JobKeys:
         return word
 
     def leave(self, run: int) -> None:
-        """At close: this node's report goes; node 0 takes the round's keys with it (a
-        lead still in a round then finds no word to wait for: it keeps the last)."""
+        """At close, or once a rerun abandoned `run`: this node's report goes; node 0
+        takes every node's and the round's keys with it (a lead still in a round then
+        finds no word to wait for: it keeps the last)."""
         base = f"{self.prefix}/{run}"
         self.store.delete_key(f"{base}/node/{self.node}")
         if self.node == 0:
             r = -(-self.store.add(f"{base}/count", 0) // self.nodes)
-            for name in ("job", "count", f"round/{r}", f"round/{r - 1}"):
+            names = [f"node/{k}" for k in range(1, self.nodes)]
+            for name in [*names, "job", "count", f"round/{r}", f"round/{r - 1}"]:
                 self.store.delete_key(f"{base}/{name}")
 
     def word(self, base: str) -> dict[str, Any] | None:
@@ -142,8 +149,9 @@ def _parsed(value: bytes) -> dict[str, Any] | None:
     if not isinstance(doc, dict):
         return None
     two, settled, committed = doc.get("two", []), doc.get("settled"), doc.get("committed", -1)
-    if (not isinstance(two, list) or not all(type(s) is int for s in two)
-            or type(settled) is not int or type(committed) is not int):
+    if (not isinstance(two, list) or len(two) > 64
+            or not all(type(s) is int and 0 <= s <= MAX_STEP for s in two)
+            or not all(type(v) is int and -1 <= v <= MAX_STEP for v in (settled, committed))):
         return None
     return {**doc, "two": two}
 
@@ -189,6 +197,7 @@ class MemoryCommitter:
         self._word: dict[str, Any] = {"committed": -1, "settled": -1}
         self._queue: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self._closed = False
+        self._plain = False  # a writer without the job-wide commit: report, never ask
         self._greet()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"asyncckpt-memcommit-{coordinator.rank}")
@@ -221,17 +230,16 @@ class MemoryCommitter:
         try:
             ask_writer(self._address, memory_messages.MemoryCommit(
                 f"start/{secrets.token_hex(8)}"), QUERY_TIMEOUT_S)
-        except (ProtocolError, EOFError) as e:  # a writer before 0.4.5: no such query
+        except ProtocolError as e:  # a writer before 0.4.5 refuses the query
             log.info("asyncckpt: the node's writer does not take the job-wide commit of "
-                     "memory generations (%s): it keeps its node-local rule", e)
-            self._closed = True  # no rounds
+                     "memory generations (%s): it keeps its node-local rule, and this "
+                     "node reports no step held in two places", e)
+            self._plain = True
         except Exception as e:  # the writer gone: the rounds say so
             log.warning("asyncckpt: the job-wide commit of memory generations: %s: %s",
                         type(e).__name__, e)
 
     def _loop(self) -> None:
-        if self._closed:
-            return
         try:
             self._start()
         except Exception as e:  # a store or writer gone: the first round tries again
@@ -255,12 +263,13 @@ class MemoryCommitter:
             pass
 
     def _start(self) -> None:
-        """Meet the session and tell the writer, before its first generation."""
+        """Meet the session and tell the writer."""
         self._session = self._coordinator.join()
         self._keys = JobKeys(self._store, f"asyncckpt/{self._session}/memory", self._node,
                              self._nodes, 2 * self._coordinator.timeout)
-        ask_writer(self._address, memory_messages.MemoryCommit(
-            f"{self._session}/{self._run}"), QUERY_TIMEOUT_S)
+        if not self._plain:
+            ask_writer(self._address, memory_messages.MemoryCommit(
+                f"{self._session}/{self._run}"), QUERY_TIMEOUT_S)
 
     def _round(self, step: int) -> None:
         if step <= self._last:  # the job went back: a rerun's keys, tag and word
@@ -271,6 +280,10 @@ class MemoryCommitter:
             self._start()
         assert self._keys is not None
         tag = f"{self._session}/{self._run}"
+        if self._plain:  # its steps never count as held in two places, all settled:
+            # the other writers give them up instead of waiting for them for ever
+            self._keys.round(self._run, {"two": [], "settled": step, "step": step})
+            return
         state = ask_writer(self._address, memory_messages.MemoryCommit(
             tag, step, SETTLE_WAIT_S, self._word["committed"], self._word["settled"]),
             SETTLE_WAIT_S + QUERY_TIMEOUT_S)
@@ -278,7 +291,8 @@ class MemoryCommitter:
                                             "step": step})
         if word is None:
             return
-        self._word = {"committed": max(-1, word["committed"]), "settled": word["settled"]}
+        self._word = {"committed": max(-1, word["committed"]),
+                      "settled": max(-1, word["settled"])}
         try:
             ask_writer(self._address, memory_messages.MemoryCommit(
                 tag, -1, 0.0, self._word["committed"], self._word["settled"]), QUERY_TIMEOUT_S)

@@ -53,6 +53,7 @@ class JobCommit:
         self.settled = -1
         self.outcomes: dict[int, str] = {}  # this node's step -> outcome
         self._stale: list[str] = []  # sessions of runs abandoned by a rerun
+        self._newest = -1  # the newest step this node began while the session was told
 
     @property
     def on(self) -> bool:
@@ -61,6 +62,7 @@ class JobCommit:
     def began(self, step: int) -> None:
         """This node's ranks began `step` (an image made): pending until final."""
         self.outcomes.setdefault(step, PENDING)
+        self._newest = max(self._newest, step)
         self._trim()
 
     def final(self, step: int, two: bool) -> bool:
@@ -69,6 +71,7 @@ class JobCommit:
         if self.outcomes.get(step, PENDING) != PENDING:
             return False
         self.outcomes[step] = TWO if two else NOT
+        self._newest = max(self._newest, step)
         self._trim()
         return True
 
@@ -79,36 +82,49 @@ class JobCommit:
     def outcome(self, step: int) -> str:
         return self.outcomes.get(step, NOT)
 
-    def told(self, session: str, committed: int, settled: int) -> bool:
-        """A lead's word (-1: none known). Another session starts afresh: a restarted
-        job's committed step is not this one's. The outcomes stay: they are facts of
-        this node's generations, and the new run's first saves may end before its lead
-        first speaks (a node whose partner was replaced since holds them in one place
-        until the sender's repair; but the replacement's fresh writer reports none of
-        them, so no old step is committed by them). The word of a session a rerun left
-        behind is ignored. Whether it was taken."""
+    def told(self, session: str, committed: int, settled: int,
+             held_whole: set[int]) -> bool:
+        """A lead's word (-1: none known), checked against what this node knows: a
+        committed step is taken only if it is one this node holds whole and reported
+        held in two places (every node did, or it is no word of the job's: a hostile
+        or corrupt one, from the future, would stall the writer), a settled step only
+        up to this node's own (the job's is the oldest node's).
+
+        Another session starts its word afresh, but the committed step stays kept
+        until a newer one is committed (a restart: the step the job committed last
+        is the one to fall back on, and the new session's first word cannot speak of
+        it: a replaced node's fresh writer reports nothing). The outcomes stay too:
+        they are facts of this node's generations, and the new run's first saves may
+        end before its lead first speaks. The word of a session a rerun left behind is
+        ignored. Whether it was taken."""
         if session in self._stale:
             return False
         if session != self.session:
-            self.session, self.committed, self.settled = session, None, -1
+            self.session, self.settled, self._newest = session, -1, -1
         # both only move on: a word read late (two rounds published at once) must not
         # pair an older committed step with a newer settled one (`doomed` would then
         # give up a step that is committed)
-        if committed > (-1 if self.committed is None else self.committed):
+        if (committed > (-1 if self.committed is None else self.committed)
+                and self.outcomes.get(committed) == TWO and committed in held_whole):
             self.committed = committed
-        self.settled = max(self.settled, settled)
+        self.settled = max(self.settled, min(settled, self.report(held_whole)[1]))
         return True
 
     def rerun(self, step: int) -> None:
         """The job went back to `step`: what was known of `step` and newer belongs to
-        the abandoned run, and so does the session's word (the leads tag the rerun's
-        with a new session)."""
+        the abandoned run, and so does the session's word when the abandoned steps were
+        saved under it (its leads, seeing their steps go back, tag the rerun's anew). A
+        new job that resumes below the old one's steps went back too, but under its own
+        session, already told: that one stays (its leads see no step go back)."""
         for s in [s for s in self.outcomes if s >= step]:
             del self.outcomes[s]
-        if self.session is not None:
+        if self.session is not None and self._newest >= step:
             self._stale = [*self._stale, self.session][-STALE_KEPT:]
             self.session = "rerun"  # on, until the leads' next word
-        self.committed, self.settled = None, -1
+        self._newest = min(self._newest, step - 1)
+        if self.committed is not None and self.committed >= step:
+            self.committed = None  # a step committed below it is the rerun's too
+        self.settled = -1
 
     def promised(self, step: int, replica_received: bool) -> bool:
         """Whether generation `step` may have been reported held in two places (this
@@ -169,7 +185,8 @@ class Committing:
         newest step settled here)."""
         deadline = time.monotonic() + wait
         with self._lock:
-            if self.job.told(session, committed, settled):
+            if self.job.told(session, committed, settled,
+                             {s for s, g in self._gens.items() if g.whole}):
                 self._prune()
             outcome = ""
             if step >= 0:

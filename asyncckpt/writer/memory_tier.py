@@ -118,6 +118,7 @@ class MemoryTier(Committing, Held):
                 return SkippedImage(step, rank, table, tree, skipped)
             gen = self._gens.get(step)
             if gen is not None and rank in gen.images:  # saved again: start it over
+                self.job.rerun(step)  # what was known of its first save is not this one's
                 self._drop(step, SaveFailedError("the step is being saved again", step=step))
                 gen = None
             self._prune()

@@ -165,12 +165,6 @@ def test_a_garbage_report_in_the_store_commits_nothing_and_the_lead_goes_on(
     assert until(lambda: lead.held() == [2], WAIT_S), lead.held()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding R6: a job word in the store with settled < -1 (any rank can set the key; "
-    "_parsed checks the type, not the range) is kept by the lead as its word and sent "
-    "back to the writer in every later memory_commit, which the writer refuses "
-    "(settled -5 is not a step or -1): the lead never reports again, its writer is "
-    "never told again and keeps every generation"))
 def test_a_hostile_word_in_the_store_does_not_silence_the_lead(lead: Lead) -> None:
     lead.start()
     assert lead.save(1) == "memory"
@@ -207,10 +201,6 @@ def test_close_during_a_rounds_wait_returns_within_its_bound_and_saved_never_blo
     assert lead.probe.add(f"{BASE}/count", 0) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding R7 (low): the keys of a run a rerun abandoned are never deleted: leave() "
-    "at close removes only the current run's, so every rerun leaves nodes + 3 keys "
-    "(node reports, count, job, round keys) in the job's store for its lifetime"))
 def test_a_rerun_leaves_no_keys_of_the_abandoned_run() -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=30))

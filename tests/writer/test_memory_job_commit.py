@@ -231,9 +231,10 @@ def test_a_step_a_node_skipped_is_given_up_not_waited_for(job: Job) -> None:
 
 
 def test_a_restarted_jobs_session_does_not_take_the_old_word(job: Job) -> None:
-    """A writer told step 1 was committed in one session drops nothing on a newer
-    session's word about a step it holds no generation of, and lists no step as
-    committed until that session commits one."""
+    """A writer told step 1 was committed in one session takes nothing from a newer
+    session's word about a step it holds no generation of: it drops nothing, and keeps
+    1 as its committed step (the one to fall back on) until the new session commits
+    a newer one."""
     job.save(1)
     for n in range(NODES):
         job.replicate(1, n)
@@ -243,4 +244,4 @@ def test_a_restarted_jobs_session_does_not_take_the_old_word(job: Job) -> None:
     assert state.two == (1,)  # its node's own facts: held here, acked by the partner
     assert job.held()[0] == {1: [0, 2]}
     listed = memory.generations(job.writers[0].address)
-    assert [(g["step"], g["committed"]) for g in listed] == [(1, False)]
+    assert [(g["step"], g["committed"]) for g in listed] == [(1, True)]
