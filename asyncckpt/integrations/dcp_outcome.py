@@ -75,7 +75,21 @@ def publish_outcome(handle: SaveHandle, root: object = None) -> str:
 
 
 def relay_outcome(path: str, future: Future[list[WriteResult]]) -> None:
+    """Complete `future` (DCP's helper process) with the outcome `publish_outcome`
+    writes to `path`: its error rebuilt, or done. While it waits, it looks every
+    second whether the process that publishes (its pid is in the file's name) still
+    runs: once that process is gone (SIGKILLed before it knew the outcome), the future
+    fails, rather than the helper polling for ever."""
+    publisher = _publisher(path)
+    look = time.monotonic() + _PUBLISHER_LOOK
     while not os.path.exists(path):
+        if time.monotonic() >= look:
+            look = time.monotonic() + _PUBLISHER_LOOK
+            if not _alive(publisher) and not os.path.exists(path):
+                future.set_exception(SaveFailedError(  # type: ignore[arg-type]
+                    f"the process that staged this save (pid {publisher}) is gone before "
+                    "its outcome was known: nothing is known to be committed"))
+                return
         time.sleep(_OUTCOME_POLL)
     with open(path) as f:
         outcome = json.load(f)
@@ -88,6 +102,26 @@ def relay_outcome(path: str, future: Future[list[WriteResult]]) -> None:
 
 
 _ERROR_FIELDS = ("cause", "step", "rank", "file")
+_PUBLISHER_LOOK = 1.0  # s between the relay's looks at its publisher
+
+
+def _publisher(path: str) -> int | None:
+    """The pid `publish_outcome` put in `path`'s name (None: a name not its own)."""
+    parts = os.path.basename(path).split("-")
+    return int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
+
+
+def _alive(pid: int | None) -> bool:
+    """Whether process `pid` runs (a pid reused since reads as alive: the old wait)."""
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process by that pid
+        return True
+    return True
 
 
 def _rebuilt(outcome: dict[str, Any]) -> CheckpointError:

@@ -30,13 +30,11 @@ def _dead_pid() -> int:
     return child.pid
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding R10: relay_outcome polls for the outcome file with no bound and no look "
-    "at its publisher: a rank process SIGKILLed before its publish thread wrote it "
-    "leaves DCP's helper (a daemon process, not killed with a SIGKILLed parent) "
-    "polling every 20 ms for ever, its future never done; the file's name carries the "
-    "publisher's pid, which the relay could check"))
 def test_the_relay_ends_when_the_publisher_is_gone() -> None:
+    """Finding R10: a rank process SIGKILLed before its publish thread wrote the outcome
+    left DCP's helper (a daemon process, not killed with a SIGKILLed parent) polling
+    every 20 ms for ever, its future never done. The relay looks at the publisher's pid
+    (in the file's name) and fails the future once it is gone."""
     path = os.path.join(tempfile.gettempdir(),
                         f"asyncckpt-dcp-{_dead_pid()}-{uuid.uuid4().hex}.json")
     future: Future = Future()
