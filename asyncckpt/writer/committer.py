@@ -1,13 +1,10 @@
 """Making a completed step visible, on one thread, one step at a time.
 
-The commit (manifest, rename, `latest`, the ranks' word, then retention) runs on one
-committer thread, not on the session thread of whichever rank ended last: that rank's
-connection keeps serving (its next save's chunks, its slot credits) while the step is
-made visible and old steps are deleted, and commits happen one at a time in the order
-steps completed. Retention runs after the ranks are told: deleting old steps (a rename,
-the root's fsync, the files' removal) is no part of making the new one durable, and its
-failure is logged, not the save's. `latest` and retention work from one listing of the
-root, taken right after the publish. Before
+The commit (manifest, rename, `latest`, retention) runs on one committer thread, not on
+the session thread of whichever rank ended last: that rank's connection keeps serving
+(its next save's chunks, its slot credits) while the step is made visible and old steps
+are deleted, and commits happen one at a time in the order steps completed. `latest`
+and retention work from one listing of the root, taken right after the publish. Before
 anything is published the manifest is parsed back with the reader's own rules, so the
 writer never commits a checkpoint that `load` or `verify` would reject, and retention
 never deletes a good step on the strength of a bad one. Any exception in that sequence
@@ -144,13 +141,13 @@ class Committer:
         if self._index is not None and manifest.parts is None:  # a root's: read at refresh
             self._index.add(manifest)
         release(current.number, self._index)
+        self._prune(current, held)
         if self._on_commit:
             try:
                 self._on_commit(manifest, current)
             except Exception:
                 log.exception("commit hook failed")
         self._tell_committed(current, manifest, path)
-        self._prune(current, held)  # after the word: the step is durable, whatever this does
         if current.nodes is not None:  # what writers that are gone left: after the word,
             sweep_dead(self.storage)   # which waits on no file-system work a node
 
@@ -205,19 +202,14 @@ class Committer:
             notify(None, path, {**stats, **current.stats.get(rank, {})})
 
     def _prune(self, current: Step, held: HeldSteps | None) -> None:
-        """Retention after `current`'s commit, once its ranks have been told: deleting
-        steps is no part of making the step durable. Its failure is logged (WARNING,
-        naming the step and the root) and retried by the next commit's retention; a
-        crash before or during it leaves every old step whole, retired or a tmp name
-        swept at the next start (retention.py), and never touches the new one."""
+        """Retention after `current`'s commit (`held`: the root's steps as listed for
+        `latest`, or None to list them)."""
         keep_last, keep_every = current.retention or self.retention
         try:
             done = prune(self.storage, keep_last, keep_every, newest=current.number,
                          keep_from=current.keep_from, index=self._index, held=held)
         except Exception as e:  # retention is best effort; the new step is already durable
-            log.warning("step %d committed in %s, but the retention after it failed "
-                        "(the next commit's retries it): %s: %s", current.number, self.root,
-                        type(e).__name__, e)
+            log.warning("retention failed: %s: %s", type(e).__name__, e)
             return
         if done.deleted or done.retired or done.reclaimed:
             log.info("retention (keep_last=%d, keep_every=%d) deleted steps %s, retired %s "

@@ -1,26 +1,19 @@
-"""What a commit costs beyond its step, and what its ranks wait for (writer/committer.py).
+"""What a commit costs beyond its step (writer/committer.py).
 
-A tiny save is dominated by its commit's fixed work: the ranks hear "committed" once the
-step is durable and `latest` names it, and retention (deleting old steps) follows the
-word; `latest` and retention share one listing of the root, and the root's timeline
-file is read once to settle the step and once by retention (which must see a timeline
-begun meanwhile), not once per question.
+A tiny save is dominated by its commit's fixed work: `latest` and retention share one
+listing of the root, and the root's timeline file is read once to settle the step and
+once by retention (which must see a timeline begun meanwhile), not once per question.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from pathlib import Path
 
-import pytest
-
 from asyncckpt.format.records import RankPart
 from asyncckpt.storage import timeline as timeline_module
 from asyncckpt.storage.posix import PosixStorage
-from asyncckpt.writer import committer as committer_module
-from asyncckpt.writer.retention import prune
 from asyncckpt.writer.steps import Steps
 
 STEP_NAMES = [f"step-{s:08d}" for s in range(1, 7)]
@@ -98,59 +91,3 @@ def test_a_commit_lists_the_root_once_and_reads_the_timeline_twice(tmp_path: Pat
     assert len(timeline_reads) == 12, timeline_reads
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) \
         == STEP_NAMES[4:]
-
-
-def test_the_ranks_hear_committed_before_retention_runs(tmp_path: Path, monkeypatch):
-    """Retention that has not finished (here: held until the test lets it go) does not
-    hold up the word of the commit before it; it runs after, and its deletions happen."""
-    running, go = threading.Event(), threading.Event()
-
-    def held_prune(*args, **kwargs):
-        running.set()
-        assert go.wait(30)
-        return prune(*args, **kwargs)
-
-    monkeypatch.setattr(committer_module, "prune", held_prune)
-    steps = Steps(tmp_path, (1, 0), storage=PosixStorage(tmp_path))
-    told = Told()
-    try:
-        steps.rank_joined(0)
-        save(steps, 1, told)
-        assert Path(str(told.wait(1))).name == STEP_NAMES[0]  # told while retention waits
-        assert running.wait(10)
-        go.set()
-        save(steps, 2, told)
-        assert Path(str(told.wait(2))).name == STEP_NAMES[1]
-    finally:
-        go.set()
-        steps.close(timeout=10)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", STEP_NAMES[1]]
-
-
-def test_a_failed_retention_is_logged_naming_the_step_and_the_root(
-        tmp_path: Path, monkeypatch, caplog: pytest.LogCaptureFixture):
-    """The save it follows is committed, and the warning says which step's retention
-    failed, in which root, and why; the next commit's retention deletes what it missed."""
-    calls: list[int] = []
-
-    def failing_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError(5, "Input/output error (injected)")
-        return prune(*args, **kwargs)
-
-    monkeypatch.setattr(committer_module, "prune", failing_once)
-    caplog.set_level(logging.WARNING, logger="asyncckpt.writer")
-    steps = Steps(tmp_path, (1, 0), storage=PosixStorage(tmp_path))
-    told = Told()
-    try:
-        steps.rank_joined(0)
-        for step in (1, 2, 3):
-            save(steps, step, told)
-            assert Path(str(told.wait(step))).name == STEP_NAMES[step - 1]
-    finally:
-        steps.close(timeout=10)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("step 2 committed in" in w and str(tmp_path) in w and "Input/output" in w
-               for w in warnings), warnings
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", STEP_NAMES[2]]
