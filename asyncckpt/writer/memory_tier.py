@@ -18,9 +18,11 @@ before anyone but the writer sees it, so a rank it is handed to cannot change it
 Held (the bound, docs/MEMORY_TIER.md "Bounds"): at most two generations of each node,
 its own or a partner's replica -- the newest held for every node (the one a lost node's
 replacement resumes at) and one newer being made. An older generation is dropped only
-once a newer whole one holds every node it holds; a third generation of a node takes the
-newer one's place when that one is idle (whole, its partner's part never came), and is
-not taken while it is busy (still arriving, or being sent): a rank's save of it is then
+once a newer whole one holds every node it holds (once a lead told it the job's word,
+memory_commit.py: only once a newer one is committed across the job); a third
+generation of a node takes the newer one's place when that one is idle (whole, its
+partner's part never came; with the job's word: and not promised), and is not taken
+while it is busy (still arriving, or being sent): a rank's save of it is then
 skipped (`stats.tier` "skipped", nothing held: `_admit`), a replica refused. Dropped
 images are kept to be refilled by the next image of their size, and freed before any
 other is made, so they never add to the peak. With a partner of the same size, host
