@@ -26,6 +26,17 @@ reported it). A step that some node settled as "not" can never be committed: onc
 `settled` reaches it, it is no longer promised (else every node could wait for ever on a
 step one of them skipped). This module holds that state; memory_tier.py applies it,
 under the tier's lock.
+
+A word that never comes (a node's lead that never reports: its node gone while the job
+goes on, its rank or writer of an older version, its thread stopped) would hold a
+promised generation for ever and skip every later save of this node. So once this node's
+saves have been held back by a promise alone for SILENT_S with the job's word not moving,
+the writer falls back to the node-local rule for that session (`fall_back`, logged at
+WARNING): it keeps no promise, takes no word of the session, and answers its lead as a
+writer without the job-wide commit does -- nothing held in two places, every step
+settled -- so that the other nodes give its steps up instead of waiting for them. What
+is lost then: a step committed across the job may be dropped here before a newer one is
+(docs/MEMORY_TIER.md "Committed across the job").
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from asyncckpt.ipc.memory_messages import MAX_COMMIT_WAIT_S
+
 if TYPE_CHECKING:
     from asyncckpt.writer.memory_generation import Generation
 
@@ -42,6 +55,12 @@ log = logging.getLogger("asyncckpt.writer")
 PENDING, TWO, NOT = "pending", "two", "not"
 OUTCOMES_KEPT = 32  # final outcomes remembered (pending ones are always kept)
 STALE_KEPT = 8      # sessions left behind by a rerun, whose word is ignored
+# how long saves may be held back by a promise while the job's word does not move, before
+# the writer falls back to the node-local rule: the longest a lead's report may wait for
+# its step to settle, so several of its rounds at the defaults (each at most its 120 s
+# wait plus 2 x node_timeout for the word)
+SILENT_S = MAX_COMMIT_WAIT_S
+LOCAL = "local"  # the session a lead tells when the job runs no commit: the node-local rule
 
 
 class JobCommit:
@@ -54,6 +73,8 @@ class JobCommit:
         self.outcomes: dict[int, str] = {}  # this node's step -> outcome
         self._stale: list[str] = []  # sessions of runs abandoned by a rerun
         self._newest = -1  # the newest step this node began while the session was told
+        self._held_back: float | None = None  # when a promise first held a save back
+        self._fell: list[str] = []  # sessions this writer fell back from (`fall_back`)
 
     @property
     def on(self) -> bool:
@@ -97,10 +118,15 @@ class JobCommit:
         they are facts of this node's generations, and the new run's first saves may
         end before its lead first speaks. The word of a session a rerun left behind is
         ignored. Whether it was taken."""
-        if session in self._stale:
+        if session in self._stale or session in self._fell:
             return False
+        if session == LOCAL:  # the leads run no commit (rank/memory_commit.py): as never told
+            self.session, self.settled, self._held_back = None, -1, None
+            return True
         if session != self.session:
             self.session, self.settled, self._newest = session, -1, -1
+            self._held_back = None
+        moved = (self.committed, self.settled)
         # both only move on: a word read late (two rounds published at once) must not
         # pair an older committed step with a newer settled one (`doomed` would then
         # give up a step that is committed)
@@ -108,7 +134,28 @@ class JobCommit:
                 and self.outcomes.get(committed) == TWO and committed in held_whole):
             self.committed = committed
         self.settled = max(self.settled, min(settled, self.report(held_whole)[1]))
+        if (self.committed, self.settled) != moved:
+            self._held_back = None
         return True
+
+    def fell(self, session: str) -> bool:
+        """Whether this writer fell back from `session`'s job-wide commit (`fall_back`)."""
+        return session in self._fell
+
+    def held_back(self, now: float) -> float:
+        """A save was held back by a promise alone (memory_tier.py `_admit`): for how long
+        saves have been, with the job's word not moving since."""
+        if self._held_back is None:
+            self._held_back = now
+        return now - self._held_back
+
+    def fall_back(self) -> str:
+        """Give up the session's job-wide commit: the node-local rule from now on, until
+        another session's word (a restarted job, a rerun's run). Returns the session."""
+        session = self.session or ""
+        self._fell = [*self._fell, session][-STALE_KEPT:]
+        self.session, self.settled, self._held_back = None, -1, None
+        return session
 
     def rerun(self, step: int) -> None:
         """The job went back to `step`: what was known of `step` and newer belongs to
@@ -122,6 +169,7 @@ class JobCommit:
             self._stale = [*self._stale, self.session][-STALE_KEPT:]
             self.session = "rerun"  # on, until the leads' next word
         self._newest = min(self._newest, step - 1)
+        self._held_back = None
         if self.committed is not None and self.committed >= step:
             self.committed = None  # a step committed below it is the rerun's too
         self.settled = -1
@@ -185,6 +233,8 @@ class Committing:
         newest step settled here)."""
         deadline = time.monotonic() + wait
         with self._lock:
+            if self.job.fell(session):  # as a writer without it: nothing two, all settled
+                return (NOT if step >= 0 else ""), [], max([step, *self.job.outcomes])
             if self.job.told(session, committed, settled,
                              {s for s, g in self._gens.items() if g.whole}):
                 self._prune()
@@ -200,6 +250,22 @@ class Committing:
             held = {s for s, g in self._gens.items() if g.whole}
             two, here = self.job.report(held)
             return outcome, two, here
+
+    def _fall_back(self, first: int, step: int, cause: str) -> bool:
+        """Node `first`'s `step` is held back by a promise alone (the node-local rule would
+        take it): once that has lasted SILENT_S with the job's word not moving, fall back
+        to the node-local rule (module docstring) and say so. Under the lock."""
+        silent = self.job.held_back(time.monotonic())
+        if silent < SILENT_S:
+            return False
+        session = self.job.fall_back()
+        log.warning("memory step %d of node %d: the job-wide commit of session %s gave no "
+                    "word for %.0f s while %s; this writer falls back to the node-local "
+                    "rule for that session (a step committed across the job may be dropped "
+                    "here before a newer one is; its memory saves are held again)",
+                    step, first, session, silent, cause)
+        self._prune()
+        return True
 
     def generations(self) -> list[dict[str, Any]]:
         """Every generation held, oldest first (`Generation.describe`), with `committed`:

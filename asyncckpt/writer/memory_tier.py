@@ -412,6 +412,9 @@ class MemoryTier(Committing, Held):
         of the node dropped to make it), or why not. Under the lock."""
         while True:
             cause, drop = room(self._gens, first, step, self.job)
+            if (cause is not None and self.job.on and room(self._gens, first, step)[0] is None
+                    and self._fall_back(first, step, cause)):
+                continue  # held back by a promise alone, too long: the node-local rule
             if drop is None:
                 return cause
             self._drop(drop, SaveFailedError(

@@ -12,6 +12,8 @@ job's word is `job_word` of three copies of this writer's answer.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from asyncckpt.ipc.memory_messages import MemoryCommit, MemoryCommitState
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.memory_commit import ask_writer, job_word
 from asyncckpt.read import memory
+from asyncckpt.writer import memory_commit as writer_commit
 
 WAIT_S = 30.0
 NODES = 3
@@ -141,20 +144,52 @@ def test_a_word_from_the_future_does_not_stall_the_writer(node: Node) -> None:
     assert "memory" in tiers, (tiers, node.held())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding R3: a writer told the session but never a word (one node's lead gone "
-    "quiet: its writer predates memory_commit, or its thread stopped on an EOFError "
-    "in _start, or its node died) skips every memory save once it holds a newer "
-    "promised generation: no timeout hands it back the node-local rule"))
-def test_a_job_whose_word_never_comes_still_holds_new_steps(node: Node) -> None:
+def test_a_job_whose_word_never_comes_still_holds_new_steps(
+        node: Node, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Finding R3: a writer told the session but never a word (a node's lead gone quiet:
+    its node died, its writer predates memory_commit, its thread stopped) held its
+    promised generation for ever and skipped every later memory save. Once saves have
+    been held back by a promise for SILENT_S with no word moving, it falls back to the
+    node-local rule for that session (a WARNING naming the step), holds new steps again,
+    and answers its lead as a writer without the job-wide commit: nothing held in two
+    places, every step settled (so the other nodes give its steps up)."""
+    monkeypatch.setattr(writer_commit, "SILENT_S", 1.0)
     assert node.save(1) == "memory"
     node.acked(1)
     node.ask(RUN0, 1)  # reported; the round's word never comes (a node never reports)
     assert node.save(2) == "memory"
     node.acked(2)
     node.ask(RUN0, 2)
-    tiers = [node.save(s) for s in range(3, 9)]
-    assert "memory" in tiers, (tiers, node.held())
+    assert node.save(3) == "skipped"  # 2 is promised: held back, within the bound
+    assert node.held() == [1, 2]
+    time.sleep(1.2)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.writer"):
+        tiers = [node.save(s) for s in range(4, 9)]
+    assert tiers == ["memory"] * 5, (tiers, node.held())
+    assert node.held() == [8] and not node.tier.job.on
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("memory step 4" in m and "falls back to the node-local rule" in m
+               and RUN0 in m for m in warned), warned
+    state = node.ask(RUN0, 8, 2, 2)  # the session's word is no longer taken
+    assert (state.outcome, state.two, state.settled) == ("not", (), 8), state
+    assert node.held() == [8] and not node.tier.job.on
+    node.ask(RUN1)  # a rerun's run (or a restarted job): the job-wide rule again
+    assert node.tier.job.on
+
+
+def test_a_lead_that_runs_no_commit_hands_back_the_node_local_rule(node: Node) -> None:
+    """A lead whose job runs no commit (its nodes do not cover the world equally,
+    rank/memory_commit.py `agree_nodes`) tells "local": the node-local rule again at
+    once, the older generation dropped once a newer whole one holds its nodes."""
+    for step in (1, 2):
+        assert node.save(step) == "memory"
+        node.acked(step)
+        node.ask(RUN0, step)
+    assert node.held() == [1, 2]
+    node.ask("local")
+    assert not node.tier.job.on and node.held() == [2]
+    assert [node.save(s) for s in (3, 4)] == ["memory", "memory"]
+    assert node.held() == [4]
 
 
 HOSTILE = [
