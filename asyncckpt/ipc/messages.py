@@ -24,7 +24,7 @@ this copy differs; each class's docstring says what its message means):
     rank -> writer:
         hello(rank, slot_size, slots; optional world_size, pid, need_slot, root)
         begin(save, step, world_size, tensors, tree; optional retention, replace,
-              keep_from, timeline, tier, coordinated, since, unchanged, node)
+              keep_from, timeline, tier, coordinated, since, unchanged, node, launch)
         chunk(save, slot, length)
         chunks(save, slots, lengths)
         end(save)
@@ -55,6 +55,7 @@ this copy differs; each class's docstring says what its message means):
 from __future__ import annotations
 
 import dataclasses
+import re
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -113,6 +114,7 @@ __all__ = ["MAX_SLOTS", "MESSAGES", "Committed", "Durable", "Failed", "Free", "M
            "wire_fields"]
 
 MAX_CHUNKS = 1024    # slots announced by one chunks message
+_LAUNCH = re.compile("[0-9a-f]{1,64}")  # a begin's launch: hex digits
 
 
 # rank -> writer
@@ -163,7 +165,10 @@ class Begin(Message):
     `durable`, then waits for `commit`); `since` + `unchanged`: the tensors
     (indices into `tensors`) the rank claims are unchanged since its step `since`;
     `node` [first rank, count]: the ranks of this rank's node (coordinated saves: the
-    writer makes their parts durable as one).
+    writer makes their parts durable as one); `launch`: up to 64 hex digits that every
+    rank of this launch of the job sends alike and a relaunch does not (coordinated saves:
+    they go into the name of the save's shared tmp directory, writer/shared.py; absent
+    from an older rank, whose directory is named without them).
 
     `refused` is not sent: parse() sets it when the table or tree breaks the reader's
     rules, which fails the step for every rank (the connection itself is sound)."""
@@ -181,6 +186,7 @@ class Begin(Message):
     unchanged: tuple[int, ...] | None = None
     node: NodeRanks | None = None
     refused: str | None = field(default=None, metadata={"wire": False})
+    launch: str | None = None
 
     def to_wire(self, lists: bool = True) -> dict[str, Any]:
         out = {**super().to_wire(lists), **options_to_wire(self.options)}
@@ -204,12 +210,15 @@ class Begin(Message):
         if tier != options.tier:
             options = dataclasses.replace(options, tier=tier)
         coordinated, node = m.get("coordinated") is True, node_ranks(m.get("node"))
+        launch = m.get("launch")
+        if launch is not None and not (isinstance(launch, str) and _LAUNCH.fullmatch(launch)):
+            raise ProtocolError(f"launch {show(launch)} is not 1 to 64 hex digits")
         tree_json = m.get("tree")
         try:
             table = tensor_table(m.get("tensors"))
         except Refusal as e:
             return cls(save, step, world_size, (), tree_json, options, coordinated,
-                       node=node, refused=str(e))
+                       node=node, refused=str(e), launch=launch)
         since, unchanged = unchanged_request(m, len(table))
         refused = None
         try:
@@ -217,7 +226,7 @@ class Begin(Message):
         except CheckpointError as e:
             refused = e.cause
         return cls(save, step, world_size, table, tree_json, options, coordinated, since,
-                   unchanged, node, refused)
+                   unchanged, node, refused, launch)
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from asyncckpt.config import ClientKnobs
@@ -113,6 +115,7 @@ class Client:
         welcome = self._conn.welcome
         self.root = root_path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
+        self._launch = launch_of(os.environ)  # its coordinated begins name it (shared dirs)
         self._memory_commit = self._memory_commit_for()
         self._node = NodeRanks(*node_of(self.rank, self.world_size))  # memory saves' node
         self._device = DeviceCopies(self._ring)
@@ -263,7 +266,8 @@ class Client:
         """Who takes part in this client's next save of `step`."""
         if self._agreement is None:
             return Route(self.world_size)
-        return Route(self.world_size, self._agreement.key(step), self._agreement.coordinator.node)
+        return Route(self.world_size, self._agreement.key(step), self._agreement.coordinator.node,
+                     self._launch)
 
     def close(self, timeout: float | None = None, *, wait_results: bool = True) -> None:
         """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring.
@@ -448,3 +452,20 @@ def shared_client(address: str | None = None, *, root: Location | None = None,
 def default_client() -> Client:
     """The process-wide client built from the environment (ASYNCCKPT_ADDRESS, RANK, ...)."""
     return shared_client()
+
+
+# set alike on every rank of one launch, anew by a relaunch (torchrun: run id, restart
+# count; Slurm: job, step, requeue count)
+LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
+                    "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
+
+
+def launch_of(environ: Mapping[str, str]) -> str | None:
+    """This launch of the job, as the launcher marks it (LAUNCH_VARIABLES), in 16 hex
+    digits: the same on every rank of one launch, another after a relaunch, so that a
+    relaunch's coordinated save never names the shared tmp directory of the killed
+    launch's save of the same step (writer/shared.py). None where no variable is set."""
+    values = [f"{k}={environ[k]}" for k in LAUNCH_VARIABLES if k in environ]
+    if not values:
+        return None
+    return hashlib.blake2b("\n".join(values).encode(), digest_size=8).hexdigest()

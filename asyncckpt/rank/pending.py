@@ -64,11 +64,13 @@ class Route:
         key: a coordinated save's name (coordination.py); None: the node's writer sees
             every rank and commits alone.
         node: coordinated: this rank's node.
+        launch: coordinated: this launch of the job (the begin's `launch`).
     """
 
     world_size: int
     key: str | None = None
     node: NodeRanks | None = None
+    launch: str | None = None
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ class PendingSave:
                 tuple((e.name, e.dtype_name, tuple(e.tensor.shape)) for e in self.entries), tree,
                 options, coordinated=route.key is not None, since=since,
                 unchanged=None if since is None else tuple(self.unchanged),
-                node=route.node).encode()
+                node=route.node, launch=route.launch).encode()
         except (ValueError, RecursionError) as e:
             raise UnsupportedStateError(f"state cannot be encoded as JSON: {e}",
                                         step=step) from None

@@ -220,7 +220,8 @@ class Session:
             join = None if not m.coordinated else NodeJoin(
                 m.node or NodeRanks(self.rank, 1),
                 functools.partial(self._durable, save_id, step),
-                shared_name(step, save_id, m.world_size))  # the nodes' tmp dir: shared.py
+                # the nodes' tmp dir (shared.py): the node's lead's begin names it
+                shared_name(step, save_id, m.world_size, m.launch))
             current = self.writer.steps.begin(step, self.rank, m.world_size, notify, m.options,
                                               join)
             unchanged = self._unchanged(m, table, specs)

@@ -9,11 +9,18 @@ of the save itself, in parallel, and the leader renames that directory once.
 The name. Every node computes it alone, before any byte is written:
 `step-N.tmp-<24 hex>`, a hash of the step, the save's id on its ranks (their client's
 save counter, which is the same on every rank: the ranks of a job make the same saves,
-a failed save included) and the world size (`shared_name`). A retry, or a timeline's
-rerun of the same step, is a new save: a new id, a new name, never an abandoned
-attempt's directory. Nothing depends on the nodes agreeing: a node whose name differs
-from the leader's node's (its ranks counted their saves differently) is moved in by the
-leader as before (`commit.gather_nodes`), one rename for that node.
+a failed save included), the world size and the launch (`shared_name`). A retry, or a
+timeline's rerun of the same step, is a new save: a new id, a new name, never an
+abandoned attempt's directory. The counter restarts with the job, so a relaunch that
+redoes a step would count to the killed launch's id again, and find its slot taken by
+the folder a still-live writer of that launch put there: the begin's `launch` tells the
+launches apart (the ranks' client hashes what the launcher sets alike on every rank of
+one attempt and anew for the next: torchrun's run id and restart count, Slurm's job,
+step and restart count: rank/client.py `launch_of`). A begin without it (an older
+rank's, or no launcher's variable set) names the directory as before. Nothing depends
+on the nodes agreeing: a node whose name differs from the leader's node's (its ranks
+counted their saves differently, or an older client) is moved in by the leader as
+before (`commit.gather_nodes`), one rename for that node.
 
 The node's side (`place`). Its ranks' data files and part files are written into its
 own tmp directory as before (`step-N.tmp-<owner id><random>/node-F/`, so a writer
@@ -22,10 +29,10 @@ all durable, the node `mkdir`s the shared directory (a node that finds it made g
 every node races to make it), renames its folder into it in one rename, and only then
 is its lead told (crash point `part_written` is after the rename). A folder already in
 the slot (an abandoned attempt's, whose name could only be the same by a collision of
-the three numbers) makes the rename fail (a directory is never renamed over a non-empty
-one): that node's save fails, and the retry has a new name. The node's own tmp
-directory stays, empty, until it hears the outcome: it is the mark that a live writer
-still has step N under way (below).
+the hash, or a relaunch that no launcher's variable tells apart) makes the rename fail
+(a directory is never renamed over a non-empty one): that node's save fails, and the
+retry has a new name. The node's own tmp directory stays, empty, until it hears the
+outcome: it is the mark that a live writer still has step N under way (below).
 
 The leader's side (`commit.gather_nodes`). It commits from the directory its own node
 announced (its writer checks that it is where its node's folder went). It lists that
@@ -78,10 +85,11 @@ SHARED_HEX = 24  # hex digits after `.tmp-`: a writer's own tmp dirs have 16, ot
 _SHARED = re.compile(r"step-[0-9]+\.tmp-[0-9a-f]{" + str(SHARED_HEX) + "}")
 
 
-def shared_name(step: int, save: int, world_size: int) -> str:
-    """The shared tmp directory's name for save `save` (its ranks' save id) of `step`."""
-    digest = hashlib.blake2b(f"asyncckpt {step} {save} {world_size}".encode(),
-                             digest_size=SHARED_HEX // 2).hexdigest()
+def shared_name(step: int, save: int, world_size: int, launch: str | None = None) -> str:
+    """The shared tmp directory's name for save `save` (its ranks' save id) of `step` by
+    launch `launch` of the job (the begin's; None: an older rank's begin, without it)."""
+    text = f"asyncckpt {step} {save} {world_size}" + (f" {launch}" if launch else "")
+    digest = hashlib.blake2b(text.encode(), digest_size=SHARED_HEX // 2).hexdigest()
     return f"{step_dir_name(step)}.tmp-{digest}"
 
 

@@ -20,6 +20,7 @@ from test_coordination import (
 from torch.distributed import TCPStore
 
 import asyncckpt
+from asyncckpt.rank.client import launch_of
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import shared
 
@@ -37,7 +38,7 @@ def test_the_nodes_folders_meet_in_one_shared_directory_the_leader_renames(tmp_p
     with nodes(tmp_path, leader_env={"ASYNCCKPT_SLOW_AT": "parts_gathered:3"}) as writers, \
             ranks(writers, store) as clients:
         handles = [c.save(1, state(c.rank, 1)) for c in clients]
-        names = [shared.shared_name(1, s, WORLD) for s in range(1, 4)]
+        names = [shared.shared_name(1, s, WORLD, launch_of(os.environ)) for s in range(1, 4)]
         assert wait_until(lambda: any((root / n).is_dir() for n in names), 30)
         found = [n for n in names if (root / n).is_dir()]
         assert len(found) == 1  # every node computed the same name
