@@ -23,6 +23,7 @@ MAX_SOURCE = 300  # characters of a replica server's "host:port"
 MAX_SESSION = 100  # characters of a job-wide commit session's tag
 MAX_COMMIT_WAIT_S = 600.0  # seconds a `memory_commit` may wait for its step to settle
 MAX_TWO = 64  # steps a `memory_commit_state` may list as held in two places
+LOCAL = "local"  # the `memory_commit` session of a job that runs no commit: node-local rule
 
 
 def _step_or_none(m: dict[str, Any], key: str) -> int:
@@ -109,7 +110,8 @@ class MemoryCommit(Message):
     """As `memory_list`, from a node's lead rank (rank/memory_commit.py): the job-wide
     commit of memory generations. `session` tags the job's commit session (a writer
     told it keeps its generations until a newer one is committed job-wide, instead of
-    the node-local rule; another tag starts afresh); `committed` the newest step held in
+    the node-local rule; another tag starts afresh; LOCAL: the node-local rule again, the
+job runs no commit); `committed` the newest step held in
     two places on every node (-1: none known), `settled` the newest step whose outcome
     is final on every node (-1: none). With `step`, the writer first waits up to `wait`
     seconds for this node's outcome of `step` to be final (its partner acked the

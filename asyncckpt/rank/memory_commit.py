@@ -9,10 +9,22 @@ not), records that in the job's store, and tells its writer what the job agreed:
 newest step every node holds in two places (*committed*) and the newest step whose
 outcome is final on every node (*settled*).
 
+Which leads run it: every lead must decide alike, or the leads that run it wait for
+rounds that never complete. A lead runs it when its node's size divides the world into
+MIN_NODES nodes or more (`MemoryCommitter.nodes_of`, at once), and then only once every
+node's lead has registered its node ("first:size") under the session and the nodes
+cover the world exactly, all of one size (`agree_nodes`: one decision, set once in the
+store, that every lead reads). Nodes of unequal sizes (2 + 2 + 4), a lead that never
+registers (an older rank, a node that never comes) or one past the wait: the job runs
+no commit, and each lead that greeted its writer tells it "local" (the node-local rule).
+
 Keys, under the coordination session (coordination.py: a nonce the leader drew for this
 run, so a restarted job never reads an old run's word) and a rerun count (each lead
 counts the times its saves went back, as all leads see the same steps):
 
+    asyncckpt/<session>/memory/nodes             "first:size " of each lead (appended)
+    asyncckpt/<session>/memory/ranks             the ranks those nodes hold (each adds)
+    asyncckpt/<session>/memory/agreed            "on", or "off: why" (set once)
     asyncckpt/<session>/memory/<run>/node/<k>    node k's report, set by its lead:
                                                  {"two": [steps], "settled": s}
     asyncckpt/<session>/memory/<run>/count       reports made (each lead adds 1)
@@ -21,7 +33,7 @@ counts the times its saves went back, as all leads see the same steps):
     asyncckpt/<session>/memory/<run>/round/<r>   set with round r's word (wakes the
                                                  leads waiting for it); deleted at r + 2
 
-A bounded set (nodes + 4 keys a run), never one a step. Each report costs its lead a
+A bounded set (3 keys a session, nodes + 4 a run), never one a step. Each report costs its lead a
 set, an add, a wait for the round's word and a read of it (O(1) requests a node a save);
 the lead whose add completes a round (a multiple of the node count) reads every node's
 report in one `multi_get` and publishes the word: committed = the newest step in every
@@ -39,6 +51,7 @@ becomes "two" (writer/memory_commit.py).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import logging
@@ -51,6 +64,8 @@ from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.ipc import memory_messages, protocol
 from asyncckpt.ipc.fields import ProtocolError
+from asyncckpt.ipc.memory_messages import LOCAL
+from asyncckpt.ipc.messages import NodeRanks
 from asyncckpt.rank import handle as handles
 from asyncckpt.rank.coordination import _ABSENT, _clone
 
@@ -59,6 +74,7 @@ MIN_NODES = 3        # below, the writer's node-local rule already covers the wh
 SETTLE_WAIT_S = 120.0  # a report waits this long for its step's outcome to be final
 QUERY_TIMEOUT_S = 10.0
 CLOSE_S = 2.0  # a closing client waits this long for the round under way
+AGREE_WAIT_S = SETTLE_WAIT_S  # a lead waits this long for every other lead to register
 
 
 class JobKeys:
@@ -131,6 +147,51 @@ class JobKeys:
         return word if word else None
 
 
+def agree_nodes(store: Any, prefix: str, node: NodeRanks, world_size: int,
+                wait_s: float) -> tuple[int, str]:
+    """Register `node` under `prefix` ("asyncckpt/<session>/memory") and return the job's
+    decision, the same for every lead: (the node count, "") when the registered nodes
+    cover the world exactly, all of `node`'s size; else (0, why). The lead whose add
+    completes the world decides; one that waits `wait_s` without a decision decides
+    "off" (a lead never registered). The first decision set stands (compare_set)."""
+    agreed = f"{prefix}/agreed"
+    store.append(f"{prefix}/nodes", f"{node.first}:{node.size} ")
+    ranks = store.add(f"{prefix}/ranks", node.size)
+    if ranks >= world_size:
+        decision = _cover(store.get(f"{prefix}/nodes").decode(errors="replace"), world_size)
+    else:
+        try:
+            store.wait([agreed], datetime.timedelta(seconds=wait_s))
+        except Exception:  # the store's timeout: some lead never registered
+            pass
+        decision = (f"off: nodes of {ranks} of the {world_size} ranks registered within "
+                    f"{wait_s:g} s (a lead of an older version, or a node that never came)")
+    value = store.compare_set(agreed, "", decision).decode(errors="replace")
+    if value == "on":
+        return world_size // node.size, ""
+    return 0, value.removeprefix("off: ")
+
+
+def _cover(registered: str, world_size: int) -> str:
+    """"on" when the "first:size" entries of `registered` cover 0..world_size-1 exactly,
+    all of one size, at least MIN_NODES of them; else "off: why"."""
+    try:
+        nodes = sorted(tuple(map(int, e.split(":"))) for e in registered.split())
+    except ValueError:
+        return f"off: a node registered as no first:size ({registered[:200]!r})"
+    sizes = {size for _, size in nodes}
+    firsts = [first for first, _ in nodes]
+    if len(sizes) != 1:
+        return f"off: nodes of unequal sizes {sorted(sizes)} (the node-local rule)"
+    size = sizes.pop()
+    if firsts != list(range(0, world_size, size)) or size * len(nodes) != world_size:
+        return (f"off: the nodes registered, {nodes[:16]}, do not cover the world of "
+                f"{world_size} ranks exactly")
+    if len(nodes) < MIN_NODES:
+        return f"off: {len(nodes)} nodes (the node-local rule covers them whole)"
+    return "on"
+
+
 def job_word(reports: list[dict[str, Any] | None]) -> dict[str, Any]:
     """{"committed": the newest step every report holds in two places (-1: none),
     "settled": the oldest report's settled step (-1 where one is missing)}."""
@@ -198,6 +259,7 @@ class MemoryCommitter:
         self._queue: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self._closed = False
         self._plain = False  # a writer without the job-wide commit: report, never ask
+        self._off = False  # the leads agreed the job runs no commit (`agree_nodes`)
         self._greet()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"asyncckpt-memcommit-{coordinator.rank}")
@@ -205,8 +267,10 @@ class MemoryCommitter:
 
     @staticmethod
     def nodes_of(coordinator: Any) -> int:
-        """The job's node count when every node has as many ranks as this one (else 0:
-        the commit is not run, the writers keep the node-local rule)."""
+        """The job's node count if every node has as many ranks as this one (else 0:
+        the commit is not run, the writers keep the node-local rule). Only what this
+        lead can tell alone: its thread then checks it with every lead's (`agree_nodes`:
+        a 2 + 2 + 4 job passes here on its size-2 leads, not there)."""
         size = coordinator.node.size
         return coordinator.world_size // size if coordinator.world_size % size == 0 else 0
 
@@ -259,14 +323,35 @@ class MemoryCommitter:
         try:
             if self._keys is not None:
                 self._keys.leave(self._run)
+            if self._node == 0 and self._session:  # the agreement's keys too
+                for name in ("nodes", "ranks", "agreed"):
+                    self._store.delete_key(f"asyncckpt/{self._session}/memory/{name}")
         except Exception:  # noqa: BLE001 - the store gone at exit: nothing to clean
             pass
 
     def _start(self) -> None:
-        """Meet the session and tell the writer."""
-        self._session = self._coordinator.join()
-        self._keys = JobKeys(self._store, f"asyncckpt/{self._session}/memory", self._node,
-                             self._nodes, 2 * self._coordinator.timeout)
+        """Meet the session (on this thread's own store connection: a `wait` on the
+        coordinator's would hold up the agreement's requests on it), agree with the
+        other leads whether the job runs the commit (`agree_nodes`), and tell the
+        writer: the session, or LOCAL (the node-local rule) when it does not."""
+        joining = copy.copy(self._coordinator)
+        joining.store = self._store
+        self._session = joining.join()
+        prefix = f"asyncckpt/{self._session}/memory"
+        try:
+            nodes, why = agree_nodes(self._store, prefix, self._coordinator.node,
+                                     self._coordinator.world_size, AGREE_WAIT_S)
+        except Exception as e:  # the store gone: a decision this lead cannot read
+            nodes, why = 0, f"{type(e).__name__}: {e}"
+        if nodes != self._nodes:
+            self._off = True
+            log.warning("asyncckpt: the job-wide commit of memory generations is not run "
+                        "(%s): the writers keep their node-local rule", why)
+            if not self._plain:
+                ask_writer(self._address, memory_messages.MemoryCommit(LOCAL), QUERY_TIMEOUT_S)
+            return
+        self._keys = JobKeys(self._store, prefix, self._node, self._nodes,
+                             2 * self._coordinator.timeout)
         if not self._plain:
             ask_writer(self._address, memory_messages.MemoryCommit(
                 f"{self._session}/{self._run}"), QUERY_TIMEOUT_S)
@@ -276,9 +361,10 @@ class MemoryCommitter:
             self._run += 1
             self._word = {"committed": -1, "settled": -1}
         self._last = step
-        if self._keys is None:
+        if self._keys is None and not self._off:
             self._start()
-        assert self._keys is not None
+        if self._keys is None:  # the job runs no commit
+            return
         tag = f"{self._session}/{self._run}"
         if self._plain:  # its steps never count as held in two places, all settled:
             # the other writers give them up instead of waiting for them for ever

@@ -46,7 +46,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from asyncckpt.ipc.memory_messages import MAX_COMMIT_WAIT_S
+from asyncckpt.ipc.memory_messages import LOCAL, MAX_COMMIT_WAIT_S
 
 if TYPE_CHECKING:
     from asyncckpt.writer.memory_generation import Generation
@@ -60,7 +60,6 @@ STALE_KEPT = 8      # sessions left behind by a rerun, whose word is ignored
 # its step to settle, so several of its rounds at the defaults (each at most its 120 s
 # wait plus 2 x node_timeout for the word)
 SILENT_S = MAX_COMMIT_WAIT_S
-LOCAL = "local"  # the session a lead tells when the job runs no commit: the node-local rule
 
 
 class JobCommit:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,30 @@ def _state(rank: int, step: int) -> dict[str, Any]:
     return {"w": torch.randn(300, 17, generator=g)}
 
 
+class Recording:
+    """A store client that records which threads make requests on it (its clones are
+    connections of their own, unrecorded)."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self._store, self.threads = store, set[str]()
+
+    def clone(self) -> Any:
+        return self._store.clone()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+        if not callable(method):
+            return method
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.threads.add(threading.current_thread().name)
+            return method(*args, **kwargs)
+        return recorded
+
+
+STORES: list[Recording] = []  # the ring's clients' main store connections
+
+
 @pytest.fixture
 def ring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
          ) -> Iterator[tuple[list[InProcessWriter], list[Client]]]:
@@ -55,10 +80,10 @@ def ring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     clients: list[Client] = []
     try:
         for n in range(NODES):
+            STORES.append(Recording(TCPStore("127.0.0.1", store.port, is_master=False,
+                                             timeout=datetime.timedelta(seconds=30))))
             clients.append(Client(writers[n].address, rank=n, world_size=NODES,
-                                  store=TCPStore("127.0.0.1", store.port, is_master=False,
-                                                 timeout=datetime.timedelta(seconds=30)),
-                                  slot_size=1 << 16, ring_size=1 << 18))
+                                  store=STORES[-1], slot_size=1 << 16, ring_size=1 << 18))
         yield writers, clients
     finally:
         for c in clients:
@@ -66,6 +91,7 @@ def ring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         for w in writers:
             w.stop()
         coordination._ordinals.clear()
+        STORES.clear()
 
 
 def test_every_writer_is_told_one_committed_step_and_keeps_it(ring) -> None:
@@ -89,3 +115,21 @@ def test_every_writer_is_told_one_committed_step_and_keeps_it(ring) -> None:
         held = {g["step"]: g["ranks"] for g in gens}
         assert held[step] == sorted({n, (n - 1) % NODES}), (n, gens)  # in two places
         assert min(held) == step, (n, gens)  # nothing older
+
+
+def test_the_commit_thread_makes_no_request_on_the_coordinators_connection(ring) -> None:
+    """The commit thread meets the session, agrees and runs its rounds on a store
+    connection of its own: on a TCPStore client one thread's `wait` holds up the other
+    threads' requests (torch 2.13: a `set` took 2.7 s), so a join or round on the
+    coordinator's connection could delay the agreement thread by 2 x node_timeout."""
+    writers, clients = ring
+    for step in (1, 2):
+        handles = [c.save(step, _state(r, step), tier="memory") for r, c in enumerate(clients)]
+        assert all(h.wait(WAIT_S) for h in handles)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and not all(
+            w.server.memory.job.committed is not None for w in writers):
+        time.sleep(0.05)
+    assert all(w.server.memory.job.committed is not None for w in writers)
+    used = sorted(t for s in STORES for t in s.threads if t.startswith("asyncckpt-memcommit"))
+    assert not used, used

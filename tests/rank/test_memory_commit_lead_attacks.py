@@ -85,7 +85,10 @@ class Lead:
                         timeout=datetime.timedelta(seconds=30))
 
     def start(self, timeout: float = 0.25) -> MemoryCommitter:
-        """The lead's committer (a round waits 2 x `timeout` for its word)."""
+        """The lead's committer (a round waits 2 x `timeout` for its word), nodes 1 and
+        2 registered already (`agree_nodes`: node 0's registration completes the job)."""
+        self.probe.append(f"asyncckpt/{SESSION}/memory/nodes", "1:1 2:1 ")
+        self.probe.add(f"asyncckpt/{SESSION}/memory/ranks", 2)
         self.committer = MemoryCommitter(Coordinator(self._client(), timeout),
                                          self.writer.address, NODES)
         return self.committer
