@@ -21,7 +21,8 @@ replacement resumes at) and one newer being made. An older generation is dropped
 once a newer whole one holds every node it holds (once a lead told it the job's word,
 memory_commit.py: only once a newer one is committed across the job); a third
 generation of a node takes the newer one's place when that one is idle (whole, its
-partner's part never came; with the job's word: and not promised), and is not taken
+partner's part never came; with the job's word: and not promised -- a promise holds
+saves back for at most SILENT_S of silence, memory_commit.py), and is not taken
 while it is busy (still arriving, or being sent): a rank's save of it is then
 skipped (`stats.tier` "skipped", nothing held: `_admit`), a replica refused. Dropped
 images are kept to be refilled by the next image of their size, and freed before any
