@@ -14,7 +14,7 @@ nor an IntEnum, a key 1 is not "1"); the key is that pickle's length and its
 BLAKE2b-256 digest. Anything else (another type, a cycle, nesting too deep to pickle)
 has no key and is checked every time. Only passes are remembered, as immutable values,
 never the input object: an object changed after its check has another key. Each memo
-holds a few entries, the most recently used, and a bounded number of items in all.
+holds a few entries, the most recently used.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from typing import Any, Generic, TypeVar
 
 Key = tuple[int, bytes]
 V = TypeVar("V")
-SIZE = 16       # entries a memo keeps: a node's ranks' structures (8 GPUs, their own trees)
-BUDGET = 1 << 16  # items (tensor names, table entries) a memo keeps in all
 
 
 class _PlainPickler(pickle.Pickler):
@@ -54,44 +52,34 @@ def exact_key(value: Any) -> Key | None:
 
 
 class Memo(Generic[V]):
-    """The last `size` passes of one check, by exact key, holding at most `budget` items
-    in all (a value's weight: its length; one heavier is not kept, lighter ones are
-    dropped least recently used first): a few entries of small values, never a model's
-    worth of them. Safe across threads."""
+    """The last `size` passes of one check, by exact key; safe across threads."""
 
-    def __init__(self, size: int = SIZE, budget: int = BUDGET) -> None:
+    def __init__(self, size: int = 8) -> None:
         self._size = size
-        self._budget = budget
-        self._weight = 0
-        self._entries: collections.OrderedDict[Key, tuple[V, int]] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[Key, V] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key: Key | None) -> V | None:
         if key is None:
             return None
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-            return entry[0]
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
 
-    def put(self, key: Key | None, value: V, weight: int = 1) -> None:
-        if key is None or weight > self._budget:
+    def put(self, key: Key | None, value: V) -> None:
+        if key is None:
             return
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._weight -= old[1]
-            self._entries[key] = (value, weight)
-            self._weight += weight
-            while len(self._entries) > self._size or self._weight > self._budget:
-                self._weight -= self._entries.popitem(last=False)[1][1]
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._weight = 0
 
     def __len__(self) -> int:
         return len(self._entries)

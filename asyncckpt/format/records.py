@@ -223,7 +223,7 @@ def rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step: 
     table = _TABLES.get(key)
     if table is None:
         table = _tensor_table(doc["tensors"], rank, raw_size)
-        _TABLES.put(key, table, len(table))
+        _TABLES.put(key, table)
     tensors = list(table)
     return RankPart(rank, file, codec, raw_size, stored_size, tensors, frames, doc["tree"])
 

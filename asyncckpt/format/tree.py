@@ -214,7 +214,7 @@ def check_tree(tensors: list[tuple[str, str, tuple[int, ...]]], tree: JSON) -> d
                 f"view at {list(path)!r:.80} ({body.dtype} from element {body.offset}, shape "
                 f"{body.shape}, stride {body.stride}) does not fit in {body.of!r:.80} "
                 f"({dtype} {tuple(shape)})")
-    _CHECKED.put(key, tuple(paths.items()), len(paths))
+    _CHECKED.put(key, tuple(paths.items()))
     return paths
 
 
