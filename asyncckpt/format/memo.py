@@ -8,13 +8,13 @@ content, so a repeat costs a serialisation and a hash instead of the check.
 
 The key is exact: the input is pickled (fast mode: no memo of shared objects, so only
 structure, types and values matter) by a pickler that refuses anything but None, bools
-and exact int, float, str, bytes, bytearray, list, tuple, dict, set and frozenset,
-whose pickle says type and value in full (a tuple is not a list, 1 is not 1.0 nor True
-nor an IntEnum, a key 1 is not "1"); the key is that pickle's length and its
-BLAKE2b-256 digest. Anything else (another type, a cycle, nesting too deep to pickle)
-has no key and is checked every time. Only passes are remembered, as immutable values,
-never the input object: an object changed after its check has another key. Each memo
-holds a few entries, the most recently used.
+and exact int, float, str, bytes, list, tuple and dict, whose pickle says type and value
+in full (a tuple is not a list, 1 is not 1.0 nor True nor an IntEnum, a key 1 is not
+"1"); the key is that pickle's length and its BLAKE2b-256 digest. Anything else
+(another type, a cycle, nesting too deep to pickle) has no key and is checked every
+time. Only passes are remembered, as immutable values, never the input object: an
+object changed after its check has another key. Each memo holds a few entries, the
+most recently used.
 """
 
 from __future__ import annotations
