@@ -33,14 +33,10 @@ from asyncckpt.format.layout import (
     element_size,
     is_data_file_name,
 )
-from asyncckpt.format.memo import Memo, exact_key
 
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _MAX_INT = 1 << 62
-# tensor tables that passed, with their stream's size, by exact key (memo.py): the
-# tables of a job's saves repeat, their frames' checksums do not
-_TABLES: Memo[tuple[TensorSpec, ...]] = Memo()
 
 
 def admitted_codecs(codec: str) -> frozenset[str]:
@@ -219,21 +215,9 @@ def rank_from_json(doc: dict[str, Any], index: int, max_frame_bytes: int, step: 
           f"rank {rank}: frames cover {raw_pos}/{stored_pos} bytes, sizes say "
           f"{raw_size}/{stored_size}")
 
-    key = exact_key((doc["tensors"], raw_size))
-    table = _TABLES.get(key)
-    if table is None:
-        table = _tensor_table(doc["tensors"], rank, raw_size)
-        _TABLES.put(key, table)
-    tensors = list(table)
-    return RankPart(rank, file, codec, raw_size, stored_size, tensors, frames, doc["tree"])
-
-
-def _tensor_table(table: Any, rank: int, raw_size: int) -> tuple[TensorSpec, ...]:
-    """Rank `rank`'s tensor table, checked: unique names, known dtypes, contiguous ranges
-    that hold their shapes and end at the stream's end `raw_size`."""
     tensors: list[TensorSpec] = []
     names: set[str] = set()
-    for t in table:
+    for t in doc["tensors"]:
         name, dtype, shape = t["name"], t["dtype"], t["shape"]
         check(isinstance(name, str) and name not in names,
               f"rank {rank}: bad or repeated tensor name")
@@ -252,7 +236,7 @@ def _tensor_table(table: Any, rank: int, raw_size: int) -> tuple[TensorSpec, ...
         tensors.append(TensorSpec(name, dtype, tuple(shape), begin, end))
     check(not tensors or tensors[-1].end == raw_size,
           f"rank {rank}: tensors end at {tensors[-1].end if tensors else 0}, stream at {raw_size}")
-    return tuple(tensors)
+    return RankPart(rank, file, codec, raw_size, stored_size, tensors, frames, doc["tree"])
 
 
 def _ref_from_json(doc: Any, where: str, step: int, allowed: bool) -> Ref | None:

@@ -25,14 +25,10 @@ from typing import Any
 from asyncckpt.errors import CorruptCheckpointError
 from asyncckpt.format.layout import DTYPE_SIZES, TensorSpec
 from asyncckpt.format.manifest import Manifest
-from asyncckpt.format.memo import Memo, exact_key
 from asyncckpt.format.records import RankPart
 from asyncckpt.format.tree import box_names, walk
 
 Path = tuple[Any, ...]
-
-# trees that walk() accepted and that hold no dtensor node, by exact key (memo.py)
-_NO_GLOBALS: Memo[bool] = Memo()
 
 
 @dataclass(frozen=True)
@@ -92,16 +88,9 @@ def rank_globals(part: RankPart, step: int) -> dict[str, GlobalTensor]:
     Raises:
         CorruptCheckpointError: a dtensor node or a box of this rank breaks a rule.
     """
-    key = exact_key(part.tree)
-    if _NO_GLOBALS.get(key):  # a tree that passed recently, with no global tensor
-        return {}
-    leaves = walk(part.tree)
-    if not any(kind == "dtensor" for _, kind, _ in leaves):
-        _NO_GLOBALS.put(key, True)
-        return {}
     out: dict[str, GlobalTensor] = {}
     specs = {s.name: s for s in part.tensors}
-    for path, kind, body in leaves:
+    for path, kind, body in walk(part.tree):
         if kind != "dtensor":
             continue
         name = body["name"]

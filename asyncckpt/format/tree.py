@@ -45,7 +45,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncckpt.errors import CorruptCheckpointError
-from asyncckpt.format.memo import Memo, exact_key
 
 if TYPE_CHECKING:
     import torch
@@ -170,36 +169,26 @@ def unflatten(tree: JSON, resolve: Callable[[str], Any],
         raise CorruptCheckpointError("tree nested too deeply") from None
 
 
-# check_tree's passes: each table and tree's paths, by exact key (memo.py)
-_CHECKED: Memo[tuple[tuple[str, tuple[str | int, ...]], ...]] = Memo()
-
-
 def check_tree(tensors: list[tuple[str, str, tuple[int, ...]]], tree: JSON) -> dict[str, Any]:
     """Check a rank's tree against its tensor table (name, dtype, shape in stream order),
     with the rules every reader applies.
 
     The tree must be well formed (no dict node repeating a key), reference each listed
     tensor exactly once, and every view must lie inside a plain tensor of the rank of its
-    own dtype. A table and tree that passed recently (the same exact content: memo.py)
-    pass again without the walk; only passes are remembered.
+    own dtype.
 
     Returns:
         Each tensor name's path in the tree.
     Raises:
         CorruptCheckpointError: it breaks one of those rules.
     """
-    key = exact_key((tensors, tree))
-    known = _CHECKED.get(key)
-    if known is not None:
-        return dict(known)
-    leaves = walk(tree)
-    paths = tensor_paths(tree, leaves)
+    paths = tensor_paths(tree)
     if set(paths) != {name for name, _, _ in tensors}:
         raise CorruptCheckpointError("object tree and tensor table disagree")
     unflatten(tree, lambda name: None, lambda path, view: None, lambda name, kind: None)
-    plain = {body for _, kind, body in leaves if kind == "tensor"}
+    plain = {body for _, kind, body in walk(tree) if kind == "tensor"}
     specs = {name: (dtype, shape) for name, dtype, shape in tensors}
-    for path, kind, body in leaves:
+    for path, kind, body in walk(tree):
         if kind in BYTES_KINDS and (specs[body][0] != "U8" or len(specs[body][1]) != 1):
             raise CorruptCheckpointError(f"bytes at {list(path)!r:.80} is stored as "
                                          f"{specs[body][0]} {tuple(specs[body][1])}, not 1-D U8")
@@ -214,21 +203,18 @@ def check_tree(tensors: list[tuple[str, str, tuple[int, ...]]], tree: JSON) -> d
                 f"view at {list(path)!r:.80} ({body.dtype} from element {body.offset}, shape "
                 f"{body.shape}, stride {body.stride}) does not fit in {body.of!r:.80} "
                 f"({dtype} {tuple(shape)})")
-    _CHECKED.put(key, tuple(paths.items()))
     return paths
 
 
-def tensor_paths(tree: JSON, leaves: list[tuple[tuple[str | int, ...], str, Any]] | None = None
-                 ) -> dict[str, tuple[str | int, ...]]:
+def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
     """Map each name in the rank's tensor table (plain tensors, and DTensor boxes this
-    rank wrote) to its path of keys and indices (`leaves`: `walk(tree)`, if the caller
-    has it).
+    rank wrote) to its path of keys and indices.
 
     Raises:
         CorruptCheckpointError: a tensor is referenced twice.
     """
     out: dict[str, tuple[str | int, ...]] = {}
-    for path, kind, body in walk(tree) if leaves is None else leaves:
+    for path, kind, body in walk(tree):
         if kind == "view":
             continue
         if kind == "tensor" or kind in BYTES_KINDS:
