@@ -182,13 +182,14 @@ def check_tree(tensors: list[tuple[str, str, tuple[int, ...]]], tree: JSON) -> d
     Raises:
         CorruptCheckpointError: it breaks one of those rules.
     """
-    paths = tensor_paths(tree)
+    leaves = walk(tree)
+    paths = tensor_paths(tree, leaves)
     if set(paths) != {name for name, _, _ in tensors}:
         raise CorruptCheckpointError("object tree and tensor table disagree")
     unflatten(tree, lambda name: None, lambda path, view: None, lambda name, kind: None)
-    plain = {body for _, kind, body in walk(tree) if kind == "tensor"}
+    plain = {body for _, kind, body in leaves if kind == "tensor"}
     specs = {name: (dtype, shape) for name, dtype, shape in tensors}
-    for path, kind, body in walk(tree):
+    for path, kind, body in leaves:
         if kind in BYTES_KINDS and (specs[body][0] != "U8" or len(specs[body][1]) != 1):
             raise CorruptCheckpointError(f"bytes at {list(path)!r:.80} is stored as "
                                          f"{specs[body][0]} {tuple(specs[body][1])}, not 1-D U8")
@@ -206,15 +207,17 @@ def check_tree(tensors: list[tuple[str, str, tuple[int, ...]]], tree: JSON) -> d
     return paths
 
 
-def tensor_paths(tree: JSON) -> dict[str, tuple[str | int, ...]]:
+def tensor_paths(tree: JSON, leaves: list[tuple[tuple[str | int, ...], str, Any]] | None = None
+                 ) -> dict[str, tuple[str | int, ...]]:
     """Map each name in the rank's tensor table (plain tensors, and DTensor boxes this
-    rank wrote) to its path of keys and indices.
+    rank wrote) to its path of keys and indices (`leaves`: `walk(tree)`, if the caller
+    has it).
 
     Raises:
         CorruptCheckpointError: a tensor is referenced twice.
     """
     out: dict[str, tuple[str | int, ...]] = {}
-    for path, kind, body in walk(tree):
+    for path, kind, body in walk(tree) if leaves is None else leaves:
         if kind == "view":
             continue
         if kind == "tensor" or kind in BYTES_KINDS:
