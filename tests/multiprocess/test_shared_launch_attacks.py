@@ -1,0 +1,75 @@
+"""Attacks on the launch in a shared tmp directory's name (writer/shared.py, rank/client.py
+`launch_of`): a relaunch must never name the killed launch's directory.
+
+torchelastic counts a restart only on the agent whose worker group failed: the other
+agents restart their workers as a membership change ("membership changes do not count
+as retries", torch/distributed/elastic/agent/server/api.py `_invoke_run`), so their
+TORCHELASTIC_RESTART_COUNT, and TORCHELASTIC_RUN_ID, are the same in the relaunch as in
+the killed launch. Such a node names the killed launch's directory again."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+from test_coordination import PER_NODE, WORLD, _env, nodes, outcomes, state, wait_until
+from torch.distributed import TCPStore
+
+import asyncckpt
+from asyncckpt.format.layout import tmp_step_of
+from asyncckpt.writer import shared
+
+pytestmark = pytest.mark.process
+
+
+@contextlib.contextmanager
+def _ranks(writers, store, counts: list[str], node_timeout: float):
+    """WORLD clients as test_coordination.ranks, node n's with torchrun's variables of
+    restart count counts[n] (one run id)."""
+    clients = []
+    for r in range(WORLD):
+        with _env({"LOCAL_RANK": str(r % PER_NODE), "LOCAL_WORLD_SIZE": str(PER_NODE),
+                   "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT":
+                   counts[r // PER_NODE]}):
+            clients.append(asyncckpt.connect(
+                writers[r // PER_NODE].address, rank=r, world_size=WORLD,
+                store=TCPStore("127.0.0.1", store.port, is_master=False),
+                node_timeout=node_timeout, slot_size=4096, ring_size=16384))
+    try:
+        yield clients
+    finally:
+        for c in clients:
+            c.close(timeout=30)
+
+
+@pytest.mark.xfail(strict=True, reason="R2-S1: torchelastic restarts a healthy node's "
+                   "workers without counting a restart: that node's launch is the killed "
+                   "launch's, its shared dir name too, its slot is taken and the save fails")
+def test_a_relaunch_that_only_the_failed_node_counts_still_commits(tmp_path):
+    root = tmp_path / "ckpt"
+    with nodes(tmp_path) as writers:
+        # killed launch (both agents at restart 0): node 1 alone saves step 1 and its
+        # writer puts its folder into the shared directory
+        killed_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        killed = _ranks(writers, killed_store, ["0", "0"], 60)
+        clients = killed.__enter__()
+        for c in clients[PER_NODE:]:
+            c.save(1, state(c.rank, 1))
+        assert wait_until(lambda: [p for p in root.iterdir() if shared.is_shared(p.name, 1)
+                                   and os.listdir(p) == [f"node-{PER_NODE:05d}"]], 30)
+        for c in clients:
+            c.close(timeout=2, wait_results=False)
+        assert [p for p in root.iterdir() if tmp_step_of(p.name) == 1
+                and not shared.is_shared(p.name)]
+        # node 0's worker failed: its agent counts restart 1; node 1's agent restarts its
+        # workers as a membership change: still restart 0
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        relaunch = _ranks(writers, store, ["1", "0"], 20)
+        clients = relaunch.__enter__()
+        try:
+            done = outcomes([c.save(1, state(c.rank, 1)) for c in clients])
+        finally:
+            relaunch.__exit__(None, None, None)
+        del killed_store
+        assert done == [root / "step-00000001"] * WORLD, done
