@@ -1,0 +1,86 @@
+"""Attacks on the memory commit's fallback and the leads' "local" word (writer/memory_commit.py
+`fall_back`, `told` with ipc/memory_messages.LOCAL), through the real `memory_commit` query
+on one in-process writer that stands for one node of a 3 x 1 job (the harness of
+test_memory_commit_attacks.py: its lead played by hand)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_memory_commit_attacks import RUN0, Node
+
+from asyncckpt.ipc.memory_messages import LOCAL
+from asyncckpt.rank.memory_commit import job_word
+from asyncckpt.writer import memory_commit as writer_commit
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
+    n = Node(tmp_path, monkeypatch)
+    try:
+        n.ask(RUN0)
+        yield n
+    finally:
+        n.close()
+
+
+def _committed_1_pending_2(node: Node) -> None:
+    """Step 1 committed across the job; step 2 whole and acked here, not yet committed
+    (another node's report of it is still to come)."""
+    assert node.save(1) == "memory"
+    node.acked(1)
+    _, word = node.round(RUN0, 1, {"committed": -1, "settled": -1})
+    assert word["committed"] == 1
+    assert node.save(2) == "memory"
+    node.acked(2)
+    node.ask(RUN0, 2, 1, 1)  # reported; the round's word not yet published
+    assert node.held() == [1, 2] and node.tier.job.committed == 1
+
+
+@pytest.mark.xfail(strict=True, reason="R2-M1: a bare 'local' (no session in it) from any "
+                   "client -- a late lead of a killed launch whose agree_nodes waited "
+                   "AGREE_WAIT_S -- turns off the session the writer runs now and drops the "
+                   "step committed across the job at once")
+def test_a_late_local_of_no_session_keeps_the_step_committed_across_the_job(
+        node: Node) -> None:
+    _committed_1_pending_2(node)
+    node.ask(LOCAL)  # not from this session's lead: its lead told RUN0 and runs the commit
+    assert node.tier.job.on and node.held() == [1, 2], node.held()
+
+
+def test_the_sessions_lead_word_after_a_local_takes_the_commit_back(node: Node) -> None:
+    """Defence: once 'local' came, the session's lead's next word turns the job-wide rule
+    on again (what is dropped meanwhile is R2-M1's)."""
+    _committed_1_pending_2(node)
+    node.ask(LOCAL)
+    assert not node.tier.job.on
+    node.ask(RUN0, -1, 1, 1)
+    assert node.tier.job.on and node.tier.job.session == RUN0
+
+
+@pytest.mark.xfail(strict=True, reason="R2-M2: once a writer fell back after SILENT_S, its "
+                   "session's word is ignored for good: a lead that was only slow comes back "
+                   "and the node answers 'nothing two' for the rest of the run, so the step "
+                   "committed across the whole job never moves again")
+def test_a_word_that_resumes_after_the_fallback_commits_new_steps_again(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer_commit, "SILENT_S", 0.5)
+    assert node.save(1) == "memory"
+    node.acked(1)
+    node.ask(RUN0, 1)
+    assert node.save(2) == "memory"
+    node.acked(2)
+    node.ask(RUN0, 2)  # the round's word does not come (a slow lead elsewhere)
+    assert node.save(3) == "skipped"
+    time.sleep(0.7)
+    assert node.save(4) == "memory"  # fell back
+    assert not node.tier.job.on
+    # the slow lead is back: the session's rounds go on, every other node reports 4 "two"
+    node.acked(4)
+    state = node.ask(RUN0, 4, -1, 2)
+    others = {"two": [4], "settled": 4}
+    word = job_word([{"two": list(state.two), "settled": state.settled}, others, others])
+    assert word["committed"] == 4, (state, word)
