@@ -166,9 +166,9 @@ class Begin(Message):
     (indices into `tensors`) the rank claims are unchanged since its step `since`;
     `node` [first rank, count]: the ranks of this rank's node (coordinated saves: the
     writer makes their parts durable as one); `launch`: up to 64 hex digits that every
-    rank of this launch of the job sends alike and a relaunch does not (coordinated saves:
-    they go into the name of the save's shared tmp directory, writer/shared.py; absent
-    from an older rank, whose directory is named without them).
+    node's lead of this launch of the job sends alike and a relaunch does not (coordinated
+    saves: they go into the name of the save's shared tmp directory, writer/shared.py;
+    absent from an older rank, whose directory is named without them).
 
     `refused` is not sent: parse() sets it when the table or tree breaks the reader's
     rules, which fails the step for every rank (the connection itself is sound)."""

@@ -32,7 +32,6 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from asyncckpt.config import ClientKnobs
@@ -54,6 +53,7 @@ from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.ranks import node_of, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
+LAUNCH_POLL = 0.01  # s: a lead's first coordinated save waiting for its session
 
 
 class Client:
@@ -115,7 +115,6 @@ class Client:
         welcome = self._conn.welcome
         self.root = root_path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
-        self._launch = launch_of(os.environ)  # its coordinated begins name it (shared dirs)
         self._memory_commit = self._memory_commit_for()
         self._node = NodeRanks(*node_of(self.rank, self.world_size))  # memory saves' node
         self._device = DeviceCopies(self._ring)
@@ -267,7 +266,21 @@ class Client:
         if self._agreement is None:
             return Route(self.world_size)
         return Route(self.world_size, self._agreement.key(step), self._agreement.coordinator.node,
-                     self._launch)
+                     self._launch())
+
+    def _launch(self) -> str | None:
+        """A node's lead: its coordinated begin's `launch`, from the session its agreement
+        joins at start (waited for up to the join's own bound; not joined by then: None,
+        and this node's folder is moved in by the leader: writer/shared.py). Other
+        ranks: None (their node's lead's begin names the shared directory)."""
+        assert self._agreement is not None
+        c = self._agreement.coordinator
+        if not c.is_lead:
+            return None
+        deadline = time.monotonic() + 2 * c.timeout
+        while c.session is None and time.monotonic() < deadline and not self._closed:
+            time.sleep(LAUNCH_POLL)
+        return None if c.session is None else launch_of(c.session)
 
     def close(self, timeout: float | None = None, *, wait_results: bool = True) -> None:
         """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring.
@@ -454,18 +467,10 @@ def default_client() -> Client:
     return shared_client()
 
 
-# set alike on every rank of one launch, anew by a relaunch (torchrun: run id, restart
-# count; Slurm: job, step, requeue count)
-LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
-                    "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
 
-
-def launch_of(environ: Mapping[str, str]) -> str | None:
-    """This launch of the job, as the launcher marks it (LAUNCH_VARIABLES), in 16 hex
-    digits: the same on every rank of one launch, another after a relaunch, so that a
+def launch_of(session: str) -> str:
+    """The begin's `launch` of coordination session `session` (the leader's nonce, that
+    every node's lead of one launch joins and no other launch draws), in 16 hex digits: a
     relaunch's coordinated save never names the shared tmp directory of the killed
-    launch's save of the same step (writer/shared.py). None where no variable is set."""
-    values = [f"{k}={environ[k]}" for k in LAUNCH_VARIABLES if k in environ]
-    if not values:
-        return None
-    return hashlib.blake2b("\n".join(values).encode(), digest_size=8).hexdigest()
+    launch's save of the same step and save id (writer/shared.py)."""
+    return hashlib.blake2b(f"asyncckpt launch {session}".encode(), digest_size=8).hexdigest()

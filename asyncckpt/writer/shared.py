@@ -14,13 +14,15 @@ timeline's rerun of the same step, is a new save: a new id, a new name, never an
 abandoned attempt's directory. The counter restarts with the job, so a relaunch that
 redoes a step would count to the killed launch's id again, and find its slot taken by
 the folder a still-live writer of that launch put there: the begin's `launch` tells the
-launches apart (the ranks' client hashes what the launcher sets alike on every rank of
-one attempt and anew for the next: torchrun's run id and restart count, Slurm's job,
-step and restart count: rank/client.py `launch_of`). A begin without it (an older
-rank's, or no launcher's variable set) names the directory as before. Nothing depends
-on the nodes agreeing: a node whose name differs from the leader's node's (its ranks
-counted their saves differently, or an older client) is moved in by the leader as
-before (`commit.gather_nodes`), one rename for that node.
+launches apart. A node's lead sends a hash of its coordination session (the nonce the
+leader draws at its start and every node's lead joins, rank/coordination.py; its first
+save waits for the join its client began at start: rank/client.py `launch_of`), and the
+node's writer names the directory from its lead's begin. Not the launcher's restart
+count: torchelastic counts a restart only on the agent whose workers failed. A begin
+without it (an older rank's, or a lead that could not join in time) names the directory
+as before. Nothing depends on the nodes agreeing: a node whose name differs from the
+leader's node's (its ranks counted their saves differently, or an older client) is
+moved in by the leader as before (`commit.gather_nodes`), one rename for that node.
 
 The node's side (`place`). Its ranks' data files and part files are written into its
 own tmp directory as before (`step-N.tmp-<owner id><random>/node-F/`, so a writer
@@ -29,9 +31,9 @@ all durable, the node `mkdir`s the shared directory (a node that finds it made g
 every node races to make it), renames its folder into it in one rename, and only then
 is its lead told (crash point `part_written` is after the rename). A folder already in
 the slot (an abandoned attempt's, whose name could only be the same by a collision of
-the hash, or a relaunch that no launcher's variable tells apart) makes the rename fail
-(a directory is never renamed over a non-empty one): that node's save fails, and the
-retry has a new name. The node's own tmp directory stays, empty, until it hears the
+the hash, or a relaunch whose lead could not join its session in time) makes the rename
+fail (a directory is never renamed over a non-empty one): that node's save fails, and
+the retry has a new name. The node's own tmp directory stays, empty, until it hears the
 outcome: it is the mark that a live writer still has step N under way (below).
 
 The leader's side (`commit.gather_nodes`). It commits from the directory its own node

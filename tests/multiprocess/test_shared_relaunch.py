@@ -50,8 +50,9 @@ def test_a_relaunch_redoing_a_step_under_way_commits_it_beside_the_killed_launch
         own = [p for p in root.iterdir() if tmp_step_of(p.name) == 1
                and not shared.is_shared(p.name)]
         assert own, "node 1's writer no longer marks the save under way"
-        # the relaunch (torchrun's next attempt) redoes step 1: the same save id on its ranks
-        with _env({"TORCHELASTIC_RESTART_COUNT": "1"}):
+        # the relaunch redoes step 1: the same save id on its ranks, and the same restart
+        # count (torchelastic counts none on an agent whose workers did not fail)
+        with _env({"TORCHELASTIC_RESTART_COUNT": "0"}):
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             relaunch = ranks(writers, store, node_timeout=20)
             clients = relaunch.__enter__()

@@ -20,7 +20,6 @@ from test_coordination import (
 from torch.distributed import TCPStore
 
 import asyncckpt
-from asyncckpt.rank.client import launch_of
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import shared
 
@@ -38,12 +37,11 @@ def test_the_nodes_folders_meet_in_one_shared_directory_the_leader_renames(tmp_p
     with nodes(tmp_path, leader_env={"ASYNCCKPT_SLOW_AT": "parts_gathered:3"}) as writers, \
             ranks(writers, store) as clients:
         handles = [c.save(1, state(c.rank, 1)) for c in clients]
-        names = [shared.shared_name(1, s, WORLD, launch_of(os.environ)) for s in range(1, 4)]
-        assert wait_until(lambda: any((root / n).is_dir() for n in names), 30)
-        found = [n for n in names if (root / n).is_dir()]
+        folders = [f"node-{n * PER_NODE:05d}" for n in range(WORLD // PER_NODE)]
+        assert wait_until(lambda: any(shared.is_shared(p.name, 1) and sorted(os.listdir(p))
+                                      == folders for p in root.iterdir()), 30)
+        found = [p.name for p in root.iterdir() if shared.is_shared(p.name, 1)]
         assert len(found) == 1  # every node computed the same name
-        folders = sorted(os.listdir(root / found[0]))
-        assert folders == [f"node-{n * PER_NODE:05d}" for n in range(WORLD // PER_NODE)]
         # each node's own tmp directory is empty: its folder went into the shared one
         own = [p for p in root.iterdir() if ".tmp-" in p.name and p.name != found[0]]
         assert len(own) == 2 and all(not os.listdir(p) for p in own), own
