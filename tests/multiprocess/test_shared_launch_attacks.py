@@ -86,3 +86,31 @@ def test_nodes_whose_agents_counted_restarts_apart_still_commit(tmp_path):
         with _ranks(writers, store, ["1", "0"], 5) as clients:
             done = outcomes([c.save(1, state(c.rank, 1)) for c in clients])
         assert done == [root / "step-00000001"] * WORLD, done
+
+
+@pytest.mark.xfail(strict=True, reason="R2-S3: since 1089b0b a node's lead's save() waits on "
+                   "the training thread (Client._route -> _launch) for its coordination "
+                   "session, up to 2 x node_timeout, on every save while the leader has not "
+                   "answered: an async save blocks the trainer")
+def test_a_leads_save_returns_at_once_while_the_leader_is_not_there(tmp_path):
+    import time
+
+    with nodes(tmp_path) as writers:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        clients = []
+        try:
+            for r in range(PER_NODE, WORLD):  # node 1 only: rank 0 (the leader) is late
+                with _env({"LOCAL_RANK": str(r % PER_NODE),
+                           "LOCAL_WORLD_SIZE": str(PER_NODE)}):
+                    clients.append(asyncckpt.connect(
+                        writers[1].address, rank=r, world_size=WORLD,
+                        store=TCPStore("127.0.0.1", store.port, is_master=False),
+                        node_timeout=3, slot_size=4096, ring_size=16384))
+            began = time.monotonic()
+            handle = clients[0].save(1, state(clients[0].rank, 1))
+            blocked = time.monotonic() - began
+            outcomes([handle, *[c.save(1, state(c.rank, 1)) for c in clients[1:]]])
+        finally:
+            for c in clients:
+                c.close(timeout=10, wait_results=False)
+        assert blocked < 2.0, f"save() of the node's lead blocked {blocked:.1f} s"
