@@ -74,6 +74,8 @@ class JobCommit:
         self._newest = -1  # the newest step this node began while the session was told
         self._held_back: float | None = None  # when a promise first held a save back
         self._fell: list[str] = []  # sessions this writer fell back from (`fall_back`)
+        self._word = (-1, -1)  # the session's last word as told: (committed, settled)
+        self._fell_word: dict[str, tuple[int, int]] = {}  # that word when it fell back
 
     @property
     def on(self) -> bool:
@@ -117,14 +119,25 @@ class JobCommit:
         they are facts of this node's generations, and the new run's first saves may
         end before its lead first speaks. The word of a session a rerun left behind is
         ignored. Whether it was taken."""
-        if session in self._stale or session in self._fell:
+        if session in self._stale:
             return False
+        if session in self._fell:  # its word moving on again: its leads came back
+            before = self._fell_word.get(session, (-1, -1))
+            if committed <= before[0] and settled <= before[1]:
+                return False
+            self._fell = [s for s in self._fell if s != session]
+            self._fell_word.pop(session, None)
+            self.session, self._word = session, before
+            log.warning("asyncckpt: memory tier: the job's word on its memory commit moves "
+                        "again (committed %d, settled %d): the job-wide rule holds again",
+                        committed, settled)
         if session == LOCAL:  # the leads run no commit (rank/memory_commit.py): as never told
             self.session, self.settled, self._held_back = None, -1, None
             return True
         if session != self.session:
             self.session, self.settled, self._newest = session, -1, -1
-            self._held_back = None
+            self._held_back, self._word = None, (-1, -1)
+        self._word = (max(self._word[0], committed), max(self._word[1], settled))
         moved = (self.committed, self.settled)
         # both only move on: a word read late (two rounds published at once) must not
         # pair an older committed step with a newer settled one (`doomed` would then
@@ -150,9 +163,13 @@ class JobCommit:
 
     def fall_back(self) -> str:
         """Give up the session's job-wide commit: the node-local rule from now on, until
-        another session's word (a restarted job, a rerun's run). Returns the session."""
+        another session's word (a restarted job, a rerun's run) or a word of this one
+        that moves past the last it gave (its leads were slow, not gone). Returns the
+        session."""
         session = self.session or ""
         self._fell = [*self._fell, session][-STALE_KEPT:]
+        self._fell_word = {s: w for s, w in self._fell_word.items() if s in self._fell}
+        self._fell_word[session] = self._word
         self.session, self.settled, self._held_back = None, -1, None
         return session
 
@@ -232,10 +249,11 @@ class Committing:
         newest step settled here)."""
         deadline = time.monotonic() + wait
         with self._lock:
+            taken = self.job.told(session, committed, settled,
+                                  {s for s, g in self._gens.items() if g.whole})
             if self.job.fell(session):  # as a writer without it: nothing two, all settled
                 return (NOT if step >= 0 else ""), [], max([step, *self.job.outcomes])
-            if self.job.told(session, committed, settled,
-                             {s for s, g in self._gens.items() if g.whole}):
+            if taken:
                 self._prune()
             outcome = ""
             if step >= 0:

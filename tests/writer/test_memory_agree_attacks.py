@@ -61,12 +61,12 @@ def test_the_sessions_lead_word_after_a_local_takes_the_commit_back(node: Node) 
     assert node.tier.job.on and node.tier.job.session == RUN0
 
 
-@pytest.mark.xfail(strict=True, reason="R2-M2: once a writer fell back after SILENT_S, its "
-                   "session's word is ignored for good: a lead that was only slow comes back "
-                   "and the node answers 'nothing two' for the rest of the run, so the step "
-                   "committed across the whole job never moves again")
 def test_a_word_that_resumes_after_the_fallback_commits_new_steps_again(
         node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding R2-M2 (fixed): once a writer fell back after SILENT_S, its session's word
+    was ignored for good: a lead that was only slow came back and the node answered
+    "nothing two" for the rest of the run, so the step committed across the whole job
+    never moved again. A word that moves past the last one told takes the rule back."""
     monkeypatch.setattr(writer_commit, "SILENT_S", 0.5)
     assert node.save(1) == "memory"
     node.acked(1)

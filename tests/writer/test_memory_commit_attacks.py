@@ -170,7 +170,7 @@ def test_a_job_whose_word_never_comes_still_holds_new_steps(
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("memory step 4" in m and "falls back to the node-local rule" in m
                and RUN0 in m for m in warned), warned
-    state = node.ask(RUN0, 8, 2, 2)  # the session's word is no longer taken
+    state = node.ask(RUN0, 8)  # the session's word, not moving, is no longer taken
     assert (state.outcome, state.two, state.settled) == ("not", (), 8), state
     assert node.held() == [8] and not node.tier.job.on
     node.ask(RUN1)  # a rerun's run (or a restarted job): the job-wide rule again
