@@ -35,6 +35,7 @@ from tiers import (  # noqa: F401 (the tier hooks: pytest finds them in this mod
 
 import asyncckpt
 from asyncckpt.ipc.protocol import ADDRESS_ENV
+from asyncckpt.rank import coordination
 from asyncckpt.rank.launch import WriterProcess
 from benchmarks.s3server import SeaweedServer, weed_binary
 
@@ -70,6 +71,15 @@ def no_leaked_shared_memory() -> Iterator[None]:
     while len(shm_segments()) > before and time.monotonic() < deadline:
         time.sleep(RING_RELEASE_POLL_S)
     assert len(shm_segments()) <= before, "a test left an asyncckpt ring mapped"
+
+
+@pytest.fixture(autouse=True)
+def fresh_coordination_ordinals() -> Iterator[None]:
+    """Coordinated clients meet their peers by the order this process made them (rank k's
+    n-th client: `c<n>`): a test that made clients of some ranks only must not shift the
+    next test's ranks apart (they would never meet)."""
+    yield
+    coordination._ordinals.clear()
 
 
 @contextlib.contextmanager

@@ -53,7 +53,7 @@ from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.ranks import node_of, resolve_rank
 
 log = logging.getLogger("asyncckpt.rank")
-LAUNCH_POLL = 0.01  # s: a lead's first coordinated save waiting for its session
+SESSION_POLL = 0.01  # s: a node's lead, at its start, waiting for its coordination session
 
 
 class Client:
@@ -115,6 +115,7 @@ class Client:
         welcome = self._conn.welcome
         self.root = root_path(welcome.root)  # the writer's checkpoint root
         self._agreement = self._agreement_for(store, welcome)
+        self._await_session()
         self._memory_commit = self._memory_commit_for()
         self._node = NodeRanks(*node_of(self.rank, self.world_size))  # memory saves' node
         self._device = DeviceCopies(self._ring)
@@ -268,19 +269,29 @@ class Client:
         return Route(self.world_size, self._agreement.key(step), self._agreement.coordinator.node,
                      self._launch())
 
+    def _await_session(self) -> None:
+        """A node's lead: wait here, once, for the session its agreement joins at start
+        (up to the join's own bound, 2 x node_timeout, while the leader is not there), so
+        that its coordinated begins name this launch (`_launch`) without a save ever
+        waiting for the store. The leader draws the session itself."""
+        if self._agreement is None or not self._agreement.coordinator.is_lead:
+            return
+        c = self._agreement.coordinator
+        deadline = time.monotonic() + 2 * c.timeout
+        while c.session is None and time.monotonic() < deadline:
+            time.sleep(SESSION_POLL)
+
     def _launch(self) -> str | None:
         """A node's lead: its coordinated begin's `launch`, from the session its agreement
-        joins at start (waited for up to the join's own bound; not joined by then: None,
-        and this node's folder is moved in by the leader: writer/shared.py). Other
-        ranks: None (their node's lead's begin names the shared directory)."""
+        joins at start, if joined by now (never waited for: the training thread does not
+        wait on the store; not joined yet: None, and this node's folder is moved in by the
+        leader: writer/shared.py). Other ranks: None (their node's lead's begin names the
+        shared directory)."""
         assert self._agreement is not None
         c = self._agreement.coordinator
-        if not c.is_lead:
+        if not c.is_lead or c.session is None:
             return None
-        deadline = time.monotonic() + 2 * c.timeout
-        while c.session is None and time.monotonic() < deadline and not self._closed:
-            time.sleep(LAUNCH_POLL)
-        return None if c.session is None else launch_of(c.session)
+        return launch_of(c.session)
 
     def close(self, timeout: float | None = None, *, wait_results: bool = True) -> None:
         """Wait for pending saves (up to `timeout` s each), then disconnect and free the ring.

@@ -22,16 +22,20 @@ other root's clients can have used. A rank learns it by a handshake whose answer
 under a key only it can name; clients meet their peers by the order this process made
 its coordinated clients in (the `c<k>` below, as process groups are matched by creation
 order), not by root id, so that a node whose writer took another directory still joins
-the leader's session and is named with both roots instead of never being heard from:
+the leader's session and is named with both roots instead of never being heard from.
+These keys are not named by torchrun's restart count: torchelastic counts a restart only
+on the agent whose workers failed, so the nodes of one relaunch would not meet; a
+relaunch's leader answers the hellos left by the killed launch too (their tokens are
+never read again), and its session is new:
 
-    asyncckpt/<restart>/c<k>/hellos           "<rank>:<token>" lines, appended by joiners
-    asyncckpt/<restart>/c<k>/hello_count      bumped after each hello; read by the leader
-                                              every HELLO_PERIOD, which then answers
-    asyncckpt/<restart>/c<k>/welcome/<token>  the session, set by the leader for that token
-    asyncckpt/<restart>/c<k>/beats            "<first>:<count> " appended by each node's lead
-                                              every beat period; the leader takes it
-                                              (liveness.py: emptied, no beat lost)
-    asyncckpt/<restart>/c<k>/leader           bumped by the leader every beat period
+    asyncckpt/c<k>/hellos           "<rank>:<token>" lines, appended by joiners
+    asyncckpt/c<k>/hello_count      bumped after each hello; read by the leader
+                                    every HELLO_PERIOD, which then answers
+    asyncckpt/c<k>/welcome/<token>  the session, set by the leader for that token
+    asyncckpt/c<k>/beats            "<first>:<count> " appended by each node's lead
+                                    every beat period; the leader takes it
+                                    (liveness.py: emptied, no beat lost)
+    asyncckpt/c<k>/leader           bumped by the leader every beat period
 
 Keys of one save of `step` (its `attempt`-th by this client) under
 `asyncckpt/<session>/<step>.<attempt>/`:
@@ -173,8 +177,10 @@ class StoreCoordinator:
         self.beat_period = timeout / 4
         self.node_name = os.environ.get("GROUP_RANK", "?")
         self.host = socket.gethostname()
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.base = f"asyncckpt/{restart}/c{_next_ordinal(rank)}"
+        # not keyed by TORCHELASTIC_RESTART_COUNT: torchelastic counts a restart only on
+        # the agent whose workers failed (the others restart theirs as a membership
+        # change), so the nodes of one relaunch would not meet; the session tells runs apart
+        self.base = f"asyncckpt/c{_next_ordinal(rank)}"
         self.session: str | None = secrets.token_hex(8) if rank == 0 else None
         self._hellos_seen = 0        # leader: the hello counter when last read
         self._hellos_read = 0        # leader: bytes of the hellos key answered

@@ -43,10 +43,10 @@ def _ranks(writers, store, counts: list[str], node_timeout: float):
             c.close(timeout=30)
 
 
-@pytest.mark.xfail(strict=True, reason="R2-S1: torchelastic restarts a healthy node's "
-                   "workers without counting a restart: that node's launch is the killed "
-                   "launch's, its shared dir name too, its slot is taken and the save fails")
 def test_a_relaunch_that_only_the_failed_node_counts_still_commits(tmp_path):
+    """Finding R2-S1: torchelastic restarts a healthy node's workers without counting a
+    restart: that node's launch is the killed launch's, its shared dir name too, its
+    slot is taken and the save fails -- fixed."""
     root = tmp_path / "ckpt"
     with nodes(tmp_path) as writers:
         # killed launch (both agents at restart 0): node 1 alone saves step 1 and its
@@ -75,11 +75,11 @@ def test_a_relaunch_that_only_the_failed_node_counts_still_commits(tmp_path):
         assert done == [root / "step-00000001"] * WORLD, done
 
 
-@pytest.mark.xfail(strict=True, reason="R2-S2: rank/coordination.py keys its handshake under "
-                   "TORCHELASTIC_RESTART_COUNT, which torchelastic counts per agent: after a "
-                   "restart only the failed node counted, its nodes never meet (the leader "
-                   "does not answer the other node's hello) and every several-node save fails")
 def test_nodes_whose_agents_counted_restarts_apart_still_commit(tmp_path):
+    """Finding R2-S2: rank/coordination.py keys its handshake under
+    TORCHELASTIC_RESTART_COUNT, which torchelastic counts per agent: after a restart
+    only the failed node counted, its nodes never meet (the leader does not answer the
+    other node's hello) and every several-node save fails -- fixed."""
     root = tmp_path / "ckpt"
     with nodes(tmp_path) as writers:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -88,11 +88,11 @@ def test_nodes_whose_agents_counted_restarts_apart_still_commit(tmp_path):
         assert done == [root / "step-00000001"] * WORLD, done
 
 
-@pytest.mark.xfail(strict=True, reason="R2-S3: since 1089b0b a node's lead's save() waits on "
-                   "the training thread (Client._route -> _launch) for its coordination "
-                   "session, up to 2 x node_timeout, on every save while the leader has not "
-                   "answered: an async save blocks the trainer")
 def test_a_leads_save_returns_at_once_while_the_leader_is_not_there(tmp_path):
+    """Finding R2-S3: since 1089b0b a node's lead's save() waits on the training thread
+    (Client._route -> _launch) for its coordination session, up to 2 x node_timeout, on
+    every save while the leader has not answered: an async save blocks the trainer --
+    fixed."""
     import time
 
     with nodes(tmp_path) as writers:
