@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from inprocess import InProcessWriter
+from memory_threads import restore_in_threads
 
 from asyncckpt.net.replica import Replica
 from asyncckpt.rank.client import Client
@@ -79,38 +79,9 @@ class Job:
                 for w in self.writers]
 
     def restore(self) -> list[Any]:
-        """`restore_memory` on every rank at once (a thread each), its all-gathers
-        between the threads: each rank's (step, state) or None."""
-        barrier, slots, local = threading.Barrier(NODES), [None] * NODES, threading.local()
-
-        def gather(value: Any) -> list[Any]:
-            barrier.wait(WAIT_S)
-            slots[local.rank] = value
-            barrier.wait(WAIT_S)
-            out = list(slots)
-            barrier.wait(WAIT_S)
-            return out
-        results: list[Any] = [None] * NODES
-        errors: list[BaseException] = []
-
-        def run(rank: int) -> None:
-            local.rank = rank
-            try:
-                results[rank] = memory_restore.restore_memory(
-                    self.roots[rank], self.writers[rank].address, rank, None, lambda: None,
-                    {"w", "obj"}, expected=True)
-            except BaseException as e:
-                errors.append(e)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(memory_restore, "gather", gather)
-            mp.setattr(memory_restore, "worst", lambda mine: max(gather(mine)))
-            threads = [threading.Thread(target=run, args=(r,)) for r in range(NODES)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(4 * WAIT_S)
-        assert not errors, errors
-        return results
+        """Every rank's (step, state) or None, all at once (memory_threads.py)."""
+        return restore_in_threads(self.roots, [w.address for w in self.writers],
+                                  {"w", "obj"}, WAIT_S)
 
     def close(self) -> None:
         for c in self.clients:

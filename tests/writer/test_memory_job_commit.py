@@ -18,7 +18,6 @@ bit-exact.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,11 +25,12 @@ from typing import Any
 import pytest
 import torch
 from inprocess import InProcessWriter
+from memory_threads import restore_in_threads
 
 from asyncckpt.ipc.memory_messages import MemoryCommit, MemoryCommitState
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.memory_commit import ask_writer, job_word
-from asyncckpt.read import memory, memory_restore
+from asyncckpt.read import memory
 from asyncckpt.storage.location import root_path
 from asyncckpt.writer.memory_replica import ReplicaIn, offer, send_all
 
@@ -112,38 +112,9 @@ class Job:
         self.roots[1] = root_path(self.writers[1].root)
 
     def restore(self) -> list[Any]:
-        """`restore_memory` on every rank at once (a thread each), its all-gathers
-        between the threads: each rank's (step, state, _) or None."""
-        barrier, slots, local = threading.Barrier(NODES), [None] * NODES, threading.local()
-
-        def gather(value: Any) -> list[Any]:
-            barrier.wait(WAIT_S)
-            slots[local.rank] = value
-            barrier.wait(WAIT_S)
-            out = list(slots)
-            barrier.wait(WAIT_S)
-            return out
-        results: list[Any] = [None] * NODES
-        errors: list[BaseException] = []
-
-        def run(rank: int) -> None:
-            local.rank = rank
-            try:
-                results[rank] = memory_restore.restore_memory(
-                    self.roots[rank], self.writers[rank].address, rank, None, lambda: None,
-                    {"w", "obj"}, expected=True)
-            except BaseException as e:
-                errors.append(e)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(memory_restore, "gather", gather)
-            mp.setattr(memory_restore, "worst", lambda mine: max(gather(mine)))
-            threads = [threading.Thread(target=run, args=(r,)) for r in range(NODES)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(4 * WAIT_S)
-        assert not errors, errors
-        return results
+        """Every rank's (step, state, _) or None, all at once (memory_threads.py)."""
+        return restore_in_threads(self.roots, [w.address for w in self.writers],
+                                  {"w", "obj"}, WAIT_S)
 
     def close(self) -> None:
         for c in self.clients:
