@@ -76,8 +76,12 @@ def test_a_gated_sampler_sees_the_memory_of_a_busy_period():
         base = sampler.sample()
         with sampler.busy():
             block = bytearray(b"\x01") * (64 << 20)  # written: resident, private
+            during = procstat.read_rss_anon()
         del block
-        assert sampler.peak_rss_anon >= base + (60 << 20), (sampler.peak_rss_anon, base)
+        # The rest of a long test process may free memory meanwhile (CI saw 4 MiB less than
+        # the block), so the peak is held to what was resident just before the busy end.
+        assert during >= base + (32 << 20), (during, base)
+        assert sampler.peak_rss_anon >= during - (1 << 20), (sampler.peak_rss_anon, during)
         assert sampler.stop() == sampler.peak_rss_anon
     finally:
         sampler.stop()
