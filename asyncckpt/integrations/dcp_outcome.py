@@ -7,11 +7,11 @@ JSON file (never a pickle): the path, or the error's type name, message and fiel
 only asyncckpt's own error classes are rebuilt by name.
 
 A memory save cannot go there unstaged: without its step, `stage()` copies the state
-and the save itself would run in the helper, which knows neither this process's node
+and the save itself would run in the helper, which does not know this process's node
 writer (one it started holds nothing this process's `load_memory` finds, and flushes to
-the root when it stops) nor the loads this process recorded (the save would not carry
-their timeline). So pickling such a writer fails (`unstaged`): the async_save's
-future raises before anything is saved.
+the root when it stops). So pickling such a writer fails (`unstaged`): the async_save's
+future raises before anything is saved. (A durable one goes: the helper plans it with
+this process's recorded loads, dcp_timeline.py.)
 """
 
 from __future__ import annotations
@@ -150,4 +150,4 @@ def unstaged() -> SaveFailedError:
         "a memory-tier dcp.async_save in PROCESS mode needs its step when it is staged: "
         "give StorageWriter(root, step, tier=\"memory\") (staged through the ring in this "
         "process), or use AsyncCheckpointerType.THREAD; without a step DCP's helper process "
-        "would run the save, apart from this process's node writer and its recorded loads")
+        "would run the save, apart from this process's node writer")

@@ -9,7 +9,9 @@ save of an abandoned step number replaces it without `overwrite`). The start's i
 drawn once per recorded load, by the coordinator while it makes the global plan, and
 sent to every rank inside its plan, so every rank of the step carries the same one;
 every later save on R carries it too (once current, a start is an ordinary save) until
-another load of R is recorded.
+another load of R is recorded. DCP's PROCESS async mode plans a save staged without its
+step in a helper process, which loaded nothing: the writer it receives brings this
+process's loads along (`handed_over`, `adopt`), their starts drawn before they go.
 
 A restore from the memory tier (torchtitan's `load()`) is a load too, of a generation that
 may carry the timeline of the run that saved it (read/memory_restore.py): `carry` records
@@ -102,6 +104,27 @@ def start_for(root: Location | None) -> TimelineStart | None:
             assert load.step is not None and load.gen is not None  # a recorded load's
             load.start = TimelineStart(new_timeline_id(), load.step, load.gen)
         return load.start
+
+
+def handed_over() -> dict[str, _Load]:
+    """Every load this process recorded, each with its start drawn: what a helper
+    process that plans this process's saves must know (DCP's PROCESS async mode plans a
+    save staged without its step there: `adopt`). Drawn here, once per load, so that
+    this process's own later saves carry the same start as the helper's."""
+    with _lock:
+        for load in _loads.values():
+            if load.start is None and not load.given:
+                assert load.step is not None and load.gen is not None  # a recorded load's
+                load.start = TimelineStart(new_timeline_id(), load.step, load.gen)
+        return {key: dataclasses.replace(load) for key, load in _loads.items()}
+
+
+def adopt(loads: dict[str, _Load]) -> None:
+    """In a helper process: the loads of the process it saves for (`handed_over`), in
+    place of its own (it records none)."""
+    with _lock:
+        _loads.clear()
+        _loads.update(loads)
 
 
 def forget(root: Location | None = None) -> None:

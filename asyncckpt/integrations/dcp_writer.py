@@ -55,7 +55,7 @@ from asyncckpt.integrations.dcp_ids import (
 )
 from asyncckpt.integrations.dcp_outcome import for_dcp, publish_outcome, relay_outcome, unstaged
 from asyncckpt.integrations.dcp_plan import CachingPlanner, Catalogue, layout
-from asyncckpt.integrations.dcp_timeline import generation, start_for
+from asyncckpt.integrations.dcp_timeline import adopt, generation, handed_over, start_for
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.ipc.protocol import same_root
 from asyncckpt.rank.client import Client, shared_client
@@ -145,17 +145,26 @@ class StorageWriter(dcp.StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         """The copy waits for the staged step's outcome (published to a file), and this
-        object forgets it: the copy runs the background save, not this one. A memory
-        save `stage()` copied without its step raises SaveFailedError (`unstaged`)."""
+        object forgets it: the copy runs the background save, not this one. A save
+        `stage()` copied without its step is planned by the copy, which brings this
+        process's recorded loads (dcp_timeline.py); a memory one raises SaveFailedError
+        (`unstaged`)."""
         if self._unstaged:
             self._unstaged = False
             raise unstaged()
         state = dict(self.__dict__)
         outcome = (None if self._staged is None
                    else publish_outcome(self._staged, self._target[0]))
-        state.update(_client=None, _given=None, _handle=None, _staged=None, _outcome=outcome)
+        state.update(_client=None, _given=None, _handle=None, _staged=None, _outcome=outcome,
+                     _loads=handed_over())  # the copy may plan: it carries their timeline
         self._staged = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        loads = state.pop("_loads", None)
+        self.__dict__.update(state)
+        if loads is not None:
+            adopt(loads)
 
     # -- DCP's StorageWriter -------------------------------------------------------------
 

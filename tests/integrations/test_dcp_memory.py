@@ -126,6 +126,6 @@ def test_process_mode_async_save_holds_a_staged_step_and_refuses_a_stepless_one(
     StorageWriter is staged through the ring in the rank's process and held by its
     node's writer (the helper process only relays the outcome), restored bit for bit
     by load_memory; a memory save without its step, which the helper would run apart
-    from the node's writer and the process's recorded loads, fails with SaveFailedError
+    from the node's writer, fails with SaveFailedError
     from the future, nothing held; THREAD mode saves it."""
     _two_ranks(tmp_path, "process")

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from inprocess import InProcessWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from world_job import run_world
 
 import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter, dcp_to_torch_save
@@ -72,6 +75,22 @@ def test_a_load_of_an_older_step_then_saves_resume_from_it(writer, client, async
     with pytest.raises(CheckpointException) as caught:
         save(root, 10, 0.0, client)
     assert isinstance(caught.value.failures[0][0], StepAlreadyCommittedError)
+
+
+@pytest.mark.process  # DCP's PROCESS mode: its helper processes plan the saves
+def test_saves_planned_in_dcps_helper_process_resume_from_the_step_loaded(tmp_path):
+    """dcp_timeline_process_worker.py, 2 ranks: after a `dcp.load` of step 8 (10 and 12
+    committed), PROCESS-mode async_saves without a step (planned in DCP's helper, which
+    loaded nothing) fork at 8: 9 is newest, 10 is saved over without overwrite, a save
+    staged with its step goes on in the same timeline, and 12 is abandoned."""
+    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
+    try:
+        ranks = run_world(Path(__file__).with_name("dcp_timeline_process_worker.py"),
+                          ASYNCCKPT_ADDRESS=w.address, CKPT_ROOT=str(w.root))
+        for r, (code, text) in enumerate(ranks):
+            assert code == 0 and f"OK rank {r}" in text, f"rank {r}:\n{text[-3000:]}"
+    finally:
+        w.stop()
 
 
 def test_loading_the_newest_step_abandons_nothing(writer, client):
