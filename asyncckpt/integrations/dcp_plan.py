@@ -227,3 +227,27 @@ def key_path_of(fqn: str, path: Any) -> bool:
     return (isinstance(path, tuple) and 0 < len(path) <= MAX_DEPTH
             and all(type(k) is str or (type(k) is int and k >= 0) for k in path)
             and ".".join(map(str, path)) == fqn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Holds:
+    """A rank's local plan note: the objects (bytes items) it holds."""
+
+    objects: tuple[str, ...]
+
+
+def objects_to_lowest_holder(plans: list[SavePlan]) -> list[list[Any]]:
+    """Each plan's items, every object moved to the lowest rank that holds it, so that
+    rank 0's part has the objects every rank has (DCP spreads them for balance)."""
+    holders: dict[str, int] = {}
+    for rank, plan in enumerate(plans):
+        if isinstance(plan.storage_data, Holds):
+            for fqn in plan.storage_data.objects:
+                holders.setdefault(fqn, rank)
+    items: list[list[Any]] = [[] for _ in plans]
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            byte_io = item.type == WriteItemType.BYTE_IO
+            owner = holders.get(item.index.fqn, rank) if byte_io else rank
+            items[owner].append(item)
+    return items

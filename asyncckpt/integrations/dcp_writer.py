@@ -54,7 +54,13 @@ from asyncckpt.integrations.dcp_ids import (
     parse_checkpoint_id,
 )
 from asyncckpt.integrations.dcp_outcome import for_dcp, publish_outcome, relay_outcome, unstaged
-from asyncckpt.integrations.dcp_plan import CachingPlanner, Catalogue, layout
+from asyncckpt.integrations.dcp_plan import (
+    CachingPlanner,
+    Catalogue,
+    Holds,
+    layout,
+    objects_to_lowest_holder,
+)
 from asyncckpt.integrations.dcp_timeline import adopt, generation, handed_over, start_for
 from asyncckpt.ipc.options import SaveOptions, check_step
 from asyncckpt.ipc.protocol import same_root
@@ -70,13 +76,6 @@ from asyncckpt.storage.location import Location
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _started: dict[str, str] = {}  # root -> address of the node writer started for it here
 _writers: list[WriterProcess] = []
-
-
-@dataclasses.dataclass(frozen=True)
-class _Holds:
-    """A rank's local plan note: the objects (bytes items) it holds."""
-
-    objects: tuple[str, ...]
 
 
 class StorageWriter(dcp.StorageWriter):
@@ -197,7 +196,7 @@ class StorageWriter(dcp.StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         held = tuple(i.index.fqn for i in plan.items if i.type == WriteItemType.BYTE_IO)
-        return dataclasses.replace(plan, storage_data=_Holds(held))
+        return dataclasses.replace(plan, storage_data=Holds(held))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -214,7 +213,7 @@ class StorageWriter(dcp.StorageWriter):
         # the coordinator draws the timeline start after a recorded load (dcp_timeline.py)
         catalogue = Catalogue(tensors, start_for(self._target[0]), paths)
         return [dataclasses.replace(p, items=items, storage_data=catalogue)
-                for p, items in zip(plans, _objects_to_lowest_holder(plans))]
+                for p, items in zip(plans, objects_to_lowest_holder(plans))]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._staging and (self._staged is not None or self._outcome is not None):
@@ -433,23 +432,6 @@ def _object(planner: SavePlanner, item: Any) -> Any:
                 return obj
     data = planner.resolve_data(item)
     return Pickled(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
-
-
-def _objects_to_lowest_holder(plans: list[SavePlan]) -> list[list[Any]]:
-    """Each plan's items, every object moved to the lowest rank that holds it, so that
-    rank 0's part has the objects every rank has (DCP spreads them for balance)."""
-    holders: dict[str, int] = {}
-    for rank, plan in enumerate(plans):
-        if isinstance(plan.storage_data, _Holds):
-            for fqn in plan.storage_data.objects:
-                holders.setdefault(fqn, rank)
-    items: list[list[Any]] = [[] for _ in plans]
-    for rank, plan in enumerate(plans):
-        for item in plan.items:
-            byte_io = item.type == WriteItemType.BYTE_IO
-            owner = holders.get(item.index.fqn, rank) if byte_io else rank
-            items[owner].append(item)
-    return items
 
 
 def _when(handle: SaveHandle, *, staged: bool, then: Any, root: Location | None = None) -> None:
