@@ -72,7 +72,8 @@ class Generation:
 
 
 def room(gens: dict[int, Generation], first: int, step: int,
-         job: JobCommit | None = None) -> tuple[str | None, int | None]:
+         job: JobCommit | None = None, leaving: list[Generation] | None = None
+         ) -> tuple[str | None, int | None]:
     """Whether node `first`'s images of `step` may be held beside `gens` (this node's
     ranks beginning it, or a partner's replica arriving): (None, None) yes; (None, s)
     once generation `s` is dropped (then ask again); (cause, None) no.
@@ -89,8 +90,20 @@ def room(gens: dict[int, Generation], first: int, step: int,
     committed across the job, or one that can never be (`doomed`: dropped first, when
     idle); the newer one gives way only while it is not promised -- reported held in
     two places, or holding a partner's replica, while it can still be committed: then
-    the third is not taken until the job commits it or some node settles it as not."""
+    the third is not taken until the job commits it or some node settles it as not.
+
+    `leaving`: generations dropped while being sent, whose images stay held until the
+    send ends (memory_tier.py `_drop`): one that still holds node `first`'s images
+    counts as one of its two, and cannot be dropped to make room -- without it, a
+    generation superseded mid-send would leave its bytes alive in the sender's
+    descriptors beside two newer ones of the node, 5 x the shard on a 2-node ring."""
     held = sorted(s for s, g in gens.items() if s != step and first in g.nodes)
+    going = sorted(g.step for g in leaving or () if any(
+        r in g.images for r in range(first, first + g.nodes.get(first, 0))))
+    if going and len(held) + len(going) >= 2:
+        return (f"node {first} is held at steps {held} and its step {going[0]} was dropped "
+                "while being sent: its images stay held until the send ends (the host "
+                "memory bound: two generations of each node)"), None
     if len(held) < 2:
         return None, None
     older, newer = held[-2], gens[held[-1]]

@@ -3,7 +3,9 @@ listed (`memory_list`, a partner's LIST), opened for a restore or a flush, sent 
 partner or served to a replacement, and their memory counted. Beside them, the images
 fetched from other writers for a restore (memory_fetch.py): held apart from the
 generations (never listed, sent, flushed, nor counted as a node's generation by the
-bound of two), counted against `memory_max_bytes`, and let go at the next save.
+bound of two), counted against `memory_max_bytes`, and let go at the next save. And
+the generations dropped while being sent (`_leaving`): never listed, their sealed
+images held and counted until the send ends.
 
 The base of `MemoryTier` (memory_tier.py), which decides how generations come (ranks'
 saves, partners' replicas) and go, under the same lock; kept apart so that each module
@@ -34,6 +36,9 @@ class Held:
         self._gens: dict[int, Generation] = {}
         self._spare: list[RankImage] = []  # whole images of dropped generations, to refill
         self._fetched: dict[int, Generation] = {}  # fetched for a restore, by step
+        # generations dropped while being sent (`out`): their sealed images, whose memory
+        # the sender's descriptors keep alive, held and counted until the send ends
+        self._leaving: list[Generation] = []
 
     @property
     def held_bytes(self) -> int:
@@ -42,7 +47,8 @@ class Held:
 
     def _held(self) -> int:
         return (sum(g.bytes for g in self._gens.values()) + sum(i.size for i in self._spare)
-                + sum(g.bytes for g in self._fetched.values()))
+                + sum(g.bytes for g in self._fetched.values())
+                + sum(g.bytes for g in self._leaving))
 
     def _image(self, step: int, rank: int, table: list[TensorEntry], tree: Any,
                max_frame: int) -> RankImage:
@@ -98,16 +104,21 @@ class Held:
             return out
 
     def released(self, gen: Generation) -> None:
-        """An `outgoing(hold=True)` of `gen` is sent (or failed): its descriptors closed."""
+        """An `outgoing(hold=True)` of `gen` is sent (or failed): its descriptors closed.
+        A generation dropped meanwhile (`_leaving`) frees its images once no send of it
+        is left."""
         with self._lock:
             gen.out -= 1
+            if gen.out <= 0 and any(g is gen for g in self._leaving):
+                self._leaving = [g for g in self._leaving if g is not gen]
+                gen.close()
 
     def allocated_bytes(self) -> int:
         """The memory the tier's images hold now, by their memfds' pages (what the
         kernel allocated; `held_bytes` is their sizes), spares included."""
         with self._lock:
-            images = [i for g in [*self._gens.values(), *self._fetched.values()]
-                      for i in g.images.values()]
+            images = [i for g in [*self._gens.values(), *self._fetched.values(),
+                                  *self._leaving] for i in g.images.values()]
             fds = [i.fd for i in images + self._spare if i.fd >= 0]
             return sum(os.fstat(fd).st_blocks * 512 for fd in fds)
 
@@ -213,10 +224,11 @@ class Held:
 
     def close(self) -> None:
         with self._lock:
-            for gen in [*self._gens.values(), *self._fetched.values()]:
+            for gen in [*self._gens.values(), *self._fetched.values(), *self._leaving]:
                 gen.close()
             self._gens.clear()
             self._fetched.clear()
+            self._leaving.clear()
             for image in self._spare:
                 image.close()
             self._spare.clear()

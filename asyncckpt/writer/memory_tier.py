@@ -26,10 +26,14 @@ saves back for at most SILENT_S of silence, memory_commit.py), and is not taken
 while it is busy (still arriving, or being sent): a rank's save of it is then
 skipped (`stats.tier` "skipped", nothing held: `_admit`), a replica refused. Dropped
 images are kept to be refilled by the next image of their size, and freed before any
-other is made, so they never add to the peak. With a partner of the same size, host
-memory is at most 4 x the node's shard at any instant (2 x own, 2 x the partner's);
-every byte is also counted against `memory_max_bytes` (knob): a begin past it is refused
-with MemoryTierFullError naming the figures.
+other is made, so they never add to the peak; a generation dropped while it is being
+sent keeps its sealed images, held and counted, until the send ends (the sender's
+descriptors keep their memory anyway), as one of its node's two. With a partner of the
+same size, host memory is at most 4 x the node's shard at any instant (2 x own, 2 x the
+partner's), and 4 x less a chunk is the least that keeps the crash guarantee
+(docs/MEMORY_TIER.md "Why not 3 x"); every byte is also counted against
+`memory_max_bytes` (knob): a begin past it is refused with MemoryTierFullError naming
+the figures.
 """
 
 from __future__ import annotations
@@ -412,8 +416,9 @@ class MemoryTier(Committing, Held):
         """Room for node `first`'s images of `step` (`room`: an idle newer generation
         of the node dropped to make it), or why not. Under the lock."""
         while True:
-            cause, drop = room(self._gens, first, step, self.job)
-            if (cause is not None and self.job.on and room(self._gens, first, step)[0] is None
+            cause, drop = room(self._gens, first, step, self.job, self._leaving)
+            if (cause is not None and self.job.on
+                    and room(self._gens, first, step, None, self._leaving)[0] is None
                     and self._fall_back(first, step, cause)):
                 continue  # held back by a promise alone, too long: the node-local rule
             if drop is None:
@@ -456,7 +461,11 @@ class MemoryTier(Committing, Held):
 
     def _drop(self, step: int, error: SaveFailedError) -> None:
         """Forget generation `step`: its waiting ranks hear `error`; its whole images
-        not handed out are kept to be refilled (bytes still counted), the rest freed."""
+        not handed out are kept to be refilled (bytes still counted), the rest freed --
+        but while it is being sent (`out`: to the partner, or served to a replacement)
+        its sealed images stay held and counted (`_leaving`) until the send ends, since
+        the sender's descriptors keep their memory alive anyway (memory_held.py
+        `released`); `room` counts them as a generation of their node."""
         gen = self._gens.pop(step)
         if self.job.dropped(step):
             self._settling.notify_all()
@@ -465,12 +474,18 @@ class MemoryTier(Committing, Held):
             del self._dropped[min(self._dropped)]
         for notify in gen.waiting.values():
             notify(error, None, {})
-        for image in gen.images.values():
+        sending: dict[int, RankImage] = {}  # sealed, while it is being sent: kept till sent
+        for rank, image in gen.images.items():
             image.dropped_because = error.cause
-            if image.whole and not image.sealed and image.fd >= 0:
+            if gen.out and image.sealed and image.fd >= 0:
+                sending[rank] = image
+            elif image.whole and not image.sealed and image.fd >= 0:
                 self._spare.append(image)
             else:
                 image.close()
+        if sending:  # their memory lives on in the sender's descriptors: counted, and
+            gen.images = sending  # its node's next generation waits (`room`)
+            self._leaving.append(gen)
 
 
 
