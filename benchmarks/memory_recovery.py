@@ -2,14 +2,17 @@
 and a projection to a 70B job on 64 nodes.
 
     python -m benchmarks.memory_recovery [--steps 60] [--batch 32] [--hidden 768]
-        [--kill-at 12] [--durable 10] [--replica-mbps 903] [--nic-gbps 400]
+        [--kill-at 12] [--durable 10] [--replica-mbps 903] [--nic-gbps 400] [--pin]
 
 Simulated nodes (benchmarks/memory_nodes.py: a writer per node, each replicating its
 generations to the other; ranks of one gloo job; a node lost = its ranks and writer
 SIGKILLed together). The demo MLP (examples/demo.py's shape) with AdamW under DDP.
 
 1. Step time, the variants interleaved in blocks of 10 steps: no checkpointing, a memory
-   save every step, a durable save every step; the overhead over none in %.
+   save every step, a durable save every step; the overhead over none in %. The 4 ranks
+   and 2 writers share every CPU, so each writer cycle is taken from training; with
+   --pin, measured again with the ranks and the writers on disjoint CPUs (os.sched_
+   setaffinity), as on a node whose writer has cores of its own (both are reported).
 2. Host memory per node against the node's shard (the tensor bytes of its ranks): the
    peak of the pages of the writer's image memfds (own generations and the partner's
    replicas, sealed ones too), sampled every few ms while the job saves, and at rest
@@ -35,6 +38,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,9 @@ from benchmarks.memory_tier import SAMPLE_S, PeakImages, image_bytes, status
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9
+# a node's images beyond 3 x its shard that are not a fourth shard: their headers and
+# page rounding (8 images of a few KiB each), well under a replica chunk (1 MiB)
+SLACK_3X = 1 << 20
 STATE_70B = 70.6e9 * 14  # bytes: bf16 weights, fp32 master, two fp32 Adam moments
 NODES_70B, RANKS_PER_NODE_70B = 64, 8
 
@@ -59,12 +66,67 @@ def _wait_files(paths: list[Path], job: Job) -> bool:
     return False
 
 
-def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Part 1 and 2 (see the module)."""
+def split_cpus() -> tuple[list[int], list[int]]:
+    """(the ranks' CPUs, the writers' CPUs) of `--pin`: this process's CPUs cut in two,
+    the ranks the first half (on 2 CPUs: one each)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs two CPUs or more")
+    half = (len(cpus) + 1) // 2
+    return cpus[:half], cpus[half:]
+
+
+class Pinner:
+    """Keeps every thread of some processes on given CPUs (`os.sched_setaffinity` per
+    task, again every PIN_S: a thread started between two passes inherits its
+    creator's CPUs, and one started before the first pass is caught by the next)."""
+
+    PIN_S = 0.2
+
+    def __init__(self, cpus_by_pid: dict[int, list[int]]) -> None:
+        self.cpus_by_pid = cpus_by_pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def pin(self) -> None:
+        for pid, cpus in list(self.cpus_by_pid.items()):
+            try:
+                tasks = os.listdir(f"/proc/{pid}/task")
+            except OSError:  # gone
+                continue
+            for tid in tasks:
+                try:
+                    os.sched_setaffinity(int(tid), cpus)
+                except OSError:  # ended meanwhile
+                    continue
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PIN_S):
+            self.pin()
+
+    def start(self) -> Pinner:
+        self.pin()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def step_times(base: Path, env: dict[str, str], pin: bool = False) -> dict[str, Any]:
+    """Part 1 and 2 (see the module). With `pin`, the ranks and the writers run on
+    disjoint CPUs (`split_cpus`), as on a node whose writer has cores of its own."""
     job = Job(base, env={**env, "MN_MODE": "bench", "MN_HOLD": "1"})
+    pinner = None
     try:
         sampler = PeakImages([w.pid for w in job.writers if w is not None]).start()
         job.launch("s")
+        if pin:
+            ranks_cpus, writers_cpus = split_cpus()
+            pinner = Pinner({**{r.pid: ranks_cpus for r in job.ranks},
+                             **{w.pid: writers_cpus for w in job.writers if w is not None}})
+            pinner.start()
         ranks = range(job.nodes * job.per_node)
         if not _wait_files([job.out / f"held-s-rank{r}" for r in ranks], job):
             raise RuntimeError(f"the bench ranks failed:\n{job.logs('s')}")
@@ -77,7 +139,9 @@ def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
             shard = sum(p["shard_bytes"] for p in mine)
             tier = status(w.pid)["RssShmem"] - sum(p["rings_bytes"] for p in mine)
             rest = image_bytes(w.pid)
+            above, sampled = sampler.seconds_above(w.pid, 3 * shard + SLACK_3X)
             nodes.append({"node": node, "shard_bytes": shard, "tier_bytes": tier,
+                          "above_3x_s": round(above, 2), "sampled_s": round(sampled, 2),
                           "x_shard": round(tier / shard, 2), "images_bytes": rest,
                           "images_x_shard": round(rest / shard, 2),
                           "peak_images_bytes": peaks[w.pid],
@@ -85,6 +149,8 @@ def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
         (job.out / "release-s").write_text("")
         job.wait_ranks()
     finally:
+        if pinner is not None:
+            pinner.stop()
         job.close()
     step = {k: statistics.median(p["median_step_s"][k] for p in per)
             for k in ("none", "memory", "durable")}
@@ -95,7 +161,9 @@ def step_times(base: Path, env: dict[str, str]) -> dict[str, Any]:
                             for k in ("memory", "durable")},
             "shard_bytes_per_rank": per[0]["shard_bytes"],
             "memory_tiers": per[0].get("memory_tiers", {}),
-            "steps_per_variant": per[0]["steps_per_variant"], "nodes": nodes}
+            "steps_per_variant": per[0]["steps_per_variant"], "nodes": nodes,
+            "cpus": ({"ranks": split_cpus()[0], "writers": split_cpus()[1]} if pin
+                     else {"shared": sorted(os.sched_getaffinity(0))})}
 
 
 def recovery(base: Path, kind: str, env: dict[str, str], kill_at: int,
@@ -192,6 +260,23 @@ def markdown(r: dict[str, Any]) -> str:
     for k in ("none", "memory", "durable"):
         lines.append(f"| {k} | {1e3 * s['median_step_s'][k]:.1f} | "
                      f"{s['overhead_pct'][k]:+.1f} % |")
+    if s.get("cpus"):
+        lines += ["", f"CPUs shared by the 4 ranks and the 2 writers: {s['cpus']}."]
+    pinned = r.get("steps_pinned")
+    if pinned:
+        lines += ["", "Pinned (`--pin`), run after the table above: the ranks on CPUs "
+                  f"{pinned['cpus']['ranks']}, the writers on {pinned['cpus']['writers']} "
+                  "(os.sched_setaffinity, every thread), as on a node whose writer has "
+                  "cores of its own; the baseline runs on the ranks' CPUs too.", "",
+                  "| step time (median), pinned | ms | overhead |", "|---|---|---|"]
+        for k in ("none", "memory", "durable"):
+            lines.append(f"| {k} | {1e3 * pinned['median_step_s'][k]:.1f} | "
+                         f"{pinned['overhead_pct'][k]:+.1f} % |")
+        lines += ["", f"Pinned save call (median): memory "
+                  f"{1e3 * pinned['save_call_s']['memory']:.2f} ms, durable "
+                  f"{1e3 * pinned['save_call_s']['durable']:.2f} ms; memory saves by tier "
+                  f"(rank 0): {pinned.get('memory_tiers', {})}; peak images "
+                  f"{max(n['peak_x_shard'] for n in pinned['nodes'])} x the node's shard."]
     lines += ["", f"Save call (median): memory {1e3 * s['save_call_s']['memory']:.2f} ms, "
               f"durable {1e3 * s['save_call_s']['durable']:.2f} ms; "
               f"{s['steps_per_variant']} steps per variant; rank 0's memory saves by "
@@ -208,6 +293,14 @@ def markdown(r: dict[str, Any]) -> str:
               f"(/proc/PID/fd, st_blocks), sampled every {1e3 * SAMPLE_S:.0f} ms while the "
               "ranks save; RssShmem counts only mapped pages (a sealed image, once sent or "
               "read, is unmapped)."]
+    memory_s = s["steps_per_variant"] * s["median_step_s"]["memory"]
+    lines += ["", "Time above 3 x the shard (+1 MiB of headers and page rounding) -- the "
+              "time a writer capped at 3 x would have held no step of both nodes "
+              "(docs/MEMORY_TIER.md, Bounds: \"Why not 3 x\"): "
+              + "; ".join(f"node {n['node']} {n['above_3x_s']:.1f} s of {n['sampled_s']:.1f}"
+                          " s sampled" for n in s["nodes"] if "above_3x_s" in n)
+              + f" (the memory blocks: about {memory_s:.1f} s of it, {s['steps_per_variant']}"
+              " steps x the median memory step)."]
     lines += ["", "| node 1 lost | last trained | restored (tier) | steps lost | "
               "kill to resumed | restore() |", "|---|---|---|---|---|---|"]
     for c in cases.values():
@@ -239,6 +332,9 @@ def main() -> int:
     parser.add_argument("--replica-mbps", type=float, default=903.0,
                         help="one replica connection's rate (benchmarks.replica_transport)")
     parser.add_argument("--nic-gbps", type=float, default=400.0)
+    parser.add_argument("--pin", action="store_true",
+                        help="also measure the step times with the ranks and the writers "
+                        "on disjoint CPUs (as on a node whose writer has cores of its own)")
     parser.add_argument("--out", type=Path, default=RESULTS / "memory_tier")
     args = parser.parse_args()
     env = {"MN_STEPS": str(args.steps), "MN_BATCH": str(args.batch),
@@ -247,6 +343,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="memrecovery-") as d:
         steps = step_times(Path(d) / "steps", env)
         print(json.dumps(steps), flush=True)
+        pinned = step_times(Path(d) / "pinned", env, pin=True) if args.pin else None
+        if pinned is not None:
+            print(json.dumps(pinned), flush=True)
         # recovery: a short step (batch 32), so that the kill comes soon on a busy machine
         train_env = {**env, "MN_STEPS": "1000000", "MN_BATCH": "32"}
         cases = {}
@@ -257,7 +356,7 @@ def main() -> int:
     result = {"command": "python -m benchmarks.memory_recovery " + " ".join(sys.argv[1:]),
               "load_before": load_before, "load_after": os.getloadavg()[0],
               "nic_gbps": args.nic_gbps, "replica_mbps": args.replica_mbps,
-              "steps": steps, "recovery": cases,
+              "steps": steps, "steps_pinned": pinned, "recovery": cases,
               "projection": projection(steps, cases, args.replica_mbps, args.nic_gbps)}
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))

@@ -56,10 +56,12 @@ def image_bytes(pid: int) -> int:
 class PeakImages:
     """The peak of `image_bytes` of some processes, sampled every SAMPLE_S by a thread
     from `start()` to `stop()` (a peak shorter than a sample can be missed: the tier's
-    own count, `MemoryTier.peak_bytes`, is exact)."""
+    own count, `MemoryTier.peak_bytes`, is exact). `series` keeps every sample, (time,
+    bytes) per process, for `seconds_above`."""
 
     def __init__(self, pids: list[int]) -> None:
         self.pids, self.peak = pids, dict.fromkeys(pids, 0)
+        self.series: dict[int, list[tuple[float, int]]] = {pid: [] for pid in pids}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -67,9 +69,19 @@ class PeakImages:
         while not self._stop.wait(SAMPLE_S):
             for pid in self.pids:
                 try:
-                    self.peak[pid] = max(self.peak[pid], image_bytes(pid))
+                    held = image_bytes(pid)
                 except OSError:
                     continue
+                self.peak[pid] = max(self.peak[pid], held)
+                self.series[pid].append((time.monotonic(), held))
+
+    def seconds_above(self, pid: int, limit: int) -> tuple[float, float]:
+        """(Seconds process `pid` held more than `limit` bytes of images, seconds
+        sampled): each sample stands for the time up to the next one."""
+        samples = self.series[pid]
+        above = sum(t1 - t0 for (t0, held), (t1, _) in zip(samples, samples[1:])
+                    if held > limit)
+        return above, (samples[-1][0] - samples[0][0]) if len(samples) > 1 else 0.0
 
     def start(self) -> PeakImages:
         self._thread.start()
