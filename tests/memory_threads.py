@@ -13,9 +13,10 @@ from asyncckpt.read import memory_restore
 
 
 def restore_in_threads(roots: list[Any], addresses: list[str], keys: set[str],
-                       wait_s: float) -> list[Any]:
+                       wait_s: float, intos: list[Any] | None = None) -> list[Any]:
     """Each rank's `restore_memory(roots[rank], addresses[rank], ...)` result (its
-    (step, state, ...) or None), every rank at once; fails the test on any error."""
+    (step, state, ...) or None), every rank at once, loaded into `intos[rank]` when
+    given (the targets `into()` makes); fails the test on any error."""
     ranks = len(roots)
     barrier, slots, local = threading.Barrier(ranks), [None] * ranks, threading.local()
 
@@ -32,13 +33,13 @@ def restore_in_threads(roots: list[Any], addresses: list[str], keys: set[str],
     def run(rank: int) -> None:
         local.rank = rank
         try:
+            into = None if intos is None else intos[rank]
             results[rank] = memory_restore.restore_memory(
-                roots[rank], addresses[rank], rank, None, lambda: None, keys, expected=True)
+                roots[rank], addresses[rank], rank, None, lambda: into, keys, expected=True)
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             errors.append(e)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(memory_restore, "gather", gather)
-        mp.setattr(memory_restore, "worst", lambda mine: max(gather(mine)))
         threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
         for t in threads:
             t.start()

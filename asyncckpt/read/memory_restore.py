@@ -11,8 +11,11 @@ checked). Each rank opens its writer's images, the ranks exchange their manifest
 entries so that every rank builds the whole world's manifest, and each loads, every
 frame verified; an image its writer lacks is fetched when the load first opens it. Any
 failure on any rank -- no writer, nothing held, a fetch refused, a frame that fails its
-checksum -- makes every rank answer None together, and the caller falls back to the
-durable tier: the ranks never resume from different tiers or steps. A generation older
+checksum -- makes every rank answer None together, each naming the step, the ranks that
+failed and why, and the caller falls back to the durable tier: the ranks never resume
+from different tiers or steps. Nor is any caller's state left half-made: each rank
+loads into staging tensors (read/staging.py) and copies them into its targets only once
+every rank said its load, every frame verified, succeeded. A generation older
 than the newest durable step is not taken either, nor one of a writer whose listing
 names another root (an address meant for another job's root, or a second root's).
 
@@ -39,10 +42,10 @@ from typing import Any, NamedTuple
 from asyncckpt.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.format.timeline import Timeline, TimelineStart
 from asyncckpt.ipc.protocol import same_root
-from asyncckpt.read import memory
+from asyncckpt.read import memory, staging
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.storage.paths import Location
-from asyncckpt.torchutil.agree import gather, outcome, worst
+from asyncckpt.torchutil.agree import gather, outcome
 from asyncckpt.torchutil.ranks import resolve_rank
 
 __all__ = ["FromMemory", "restore_memory"]
@@ -177,7 +180,9 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         rank: this rank (None: from torch.distributed or the environment).
         newest: the newest durable step (None: none); an older generation is not taken.
         into: makes the targets the load fills in place (as `load(into=)`); called only
-            when a generation is loaded. Hazard: making a sharded optimizer's state dict
+            when a generation is loaded. They are written only after every rank loaded
+            (into staging) and verified its part: a failure anywhere leaves them as
+            they were. Hazard: making a sharded optimizer's state dict
             initialises its state (DCP's `get_optimizer_state_dict`), which changes the
             next steps of a fresh optimizer: never make it when nothing is loaded.
         keys: the top-level keys of the state to load.
@@ -191,12 +196,19 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
             copy of the step otherwise: `only` is committed there too).
         read: loads this rank's state from the opened generation instead of `load(into=)`
             of `into()` and `keys` (DCP's planner: integrations/dcp_memory.py); it must
-            run no collective (the ranks agree on its outcome afterwards).
+            run no collective (the ranks agree on its outcome afterwards). What it
+            writes in place is its own affair: to leave the caller's state untouched on
+            a failure, load through `staging.stage` and return the `Staged`, which is
+            committed once the ranks agree.
     Returns:
         The step, the loaded state and the timeline to carry on, the same on every
         rank; None on every rank when no
         usable generation is held everywhere or its load failed on any rank (said at
-        WARNING with the cause; the caller falls back to the durable tier).
+        WARNING, on every rank, with the step, the ranks that failed and their errors;
+        the caller falls back to the durable tier), the targets then untouched.
+    Raises:
+        CheckpointError: copying the verified state into the targets failed (the
+            device failed), after every rank had agreed.
     """
     view = None
     if address is not None:
@@ -236,8 +248,17 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         parts = images.parts
     except Exception as e:  # every rank must reach the gather below, whatever failed
         parts, error = {}, e
+    # the ranks exchange their entries and whether their images opened: one that did
+    # not (its writer gone, the generation dropped) fails the restore before any load
+    exchanged = gather((parts, outcome(error), _cause(error)))
+    failed = _failures([(verdict, cause) for _, verdict, cause in exchanged])
+    if failed:
+        if images is not None:
+            images.close()
+        _fall_back(plan.step, failed, newest)
+        return None
     merged: dict[int, dict[str, Any]] = {}
-    for theirs in gather(parts):
+    for theirs, _, _ in exchanged:
         merged.update(theirs)
 
     def fetch(wanted: int) -> dict[int, int]:
@@ -257,8 +278,10 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
     try:
         if error is None and images is not None:
             with memory.open_checkpoint(root, images, merged, fetch=fetch) as ckpt:
-                state = (read(ckpt) if read is not None
-                         else memory.load(ckpt, rank, into(), keys))
+                # into staging: the caller's targets are written only once every rank
+                # has loaded and verified its part (staging.py)
+                state = (read(ckpt) if read is not None else staging.stage(
+                    into(), lambda targets: memory.load(ckpt, rank, targets, keys)))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -267,13 +290,32 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         for held in [images, *fetched]:
             if held is not None:
                 held.close()
-    if worst(outcome(error)):
-        log.warning("asyncckpt: restore from memory generation %d failed%s: restoring "
-                    "from the durable tier (newest step %s)", plan.step,
-                    f": {error}" if error else " on another rank", newest)
+    failed = _failures(gather((outcome(error), _cause(error))))
+    if failed:
+        _fall_back(plan.step, failed, newest)
         return None
+    if isinstance(state, staging.Staged):
+        state = state.commit(plan.step, rank)
     log.info("asyncckpt: restored step %d from the memory tier", plan.step)
     return FromMemory(plan.step, state, _start(plan.timeline))
+
+
+def _fall_back(step: int, failed: str, newest: int | None) -> None:
+    """Say that the restore of generation `step` failed (on every rank alike)."""
+    log.warning("asyncckpt: restore from memory generation %d failed on %s: restoring "
+                "from the durable tier (newest step %s)", step, failed, newest)
+
+
+def _cause(error: BaseException | None) -> str:
+    """What a rank tells the others of its load's failure ("": none)."""
+    return "" if error is None else f"{type(error).__name__}: {error}"[:500]
+
+
+def _failures(reports: list[tuple[int, str]]) -> str:
+    """The ranks whose load failed and why, from every rank's (outcome, cause) in rank
+    order ("": none failed); the same text on every rank."""
+    return "; ".join(f"rank {r} ({cause or 'failed'})"
+                     for r, (verdict, cause) in enumerate(reports) if verdict)
 
 
 def _start(timeline: Any) -> TimelineStart | None:

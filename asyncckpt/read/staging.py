@@ -1,0 +1,121 @@
+"""A load held apart from its targets until the ranks agree: all of it, or none of it.
+
+`load(into=)` fills the target tensors as it reads, so a load that fails part way (a
+frame whose checksum fails, an image that cannot be fetched) leaves some targets filled
+and the rest as they were. A restore that must either take a step whole or change
+nothing (read/memory_restore.py: its ranks agree on every rank's outcome, and any
+failure sends every rank to the durable tier) loads into *staging* tensors instead --
+one per distinct target, the same shape and dtype -- and copies them into the targets
+only once every rank said its load succeeded (`Staged.commit`). The copy is the last
+step: nothing is read or verified after it starts, and it cannot fail short of the
+device failing.
+
+What it costs: the rank's targets once more until the commit. A plain target's staging
+is in host memory (contiguous: the reader fills it directly, and the commit copies it
+to the target's device); a global target's (DTensor, ShardedTensor) is where the
+target's local shard lives (a DTensor's `torch.empty_like`, a ShardedTensor's deep
+copy: its placements are what the loader reads its box from), so a restore of sharded
+state holds this rank's shards twice on their device until it commits.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncckpt.errors import CheckpointError
+from asyncckpt.torchutil import dtensor
+
+__all__ = ["Staged", "stage"]
+
+
+@dataclass
+class Staged:
+    """A loaded state whose tensors are staging copies of the targets, not yet copied.
+
+    state: the state as loaded, each target's staging tensor where the target goes.
+    pairs: (target, its staging tensor), one per distinct target tensor.
+    """
+
+    state: Any
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def commit(self, step: int | None = None, rank: int | None = None) -> Any:
+        """Copy every staging tensor into its target; return the state with the targets
+        in place of their staging tensors (as `load(into=)` returns it).
+
+        Raises:
+            CheckpointError: a copy failed (the device failed): the targets copied so
+                far hold the new values (named with `step` and `rank`).
+        """
+        real = {id(s): t for t, s in self.pairs}
+        try:
+            with torch.no_grad():
+                for target, staged in self.pairs:
+                    for mine, new in zip(dtensor.local_tensors(target),
+                                         dtensor.local_tensors(staged), strict=True):
+                        mine.copy_(new)
+        except (RuntimeError, ValueError) as e:
+            raise CheckpointError(f"copying the verified state into the targets failed: {e}",
+                                  step=step, rank=rank) from None
+        self.pairs = []
+        return _swap(self.state, real)
+
+
+def stage(into: Any, load: Callable[[Any], Any]) -> Staged:
+    """`load(targets)` where `targets` is `into` (dicts, lists, tuples of tensors and
+    other values) with each tensor replaced by a fresh staging tensor of its shape and
+    dtype: `into` itself is not written. Raises what `load` raises."""
+    memo: dict[int, torch.Tensor] = {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def shadow(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            if id(node) not in memo:
+                memo[id(node)] = _staging(node)
+                pairs.append((node, memo[id(node)]))
+            return memo[id(node)]
+        if isinstance(node, dict):
+            return {k: shadow(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [shadow(v) for v in node]
+        if isinstance(node, tuple):
+            return tuple(shadow(v) for v in node)
+        return node
+    targets = shadow(into)
+    return Staged(load(targets), pairs)
+
+
+def _staging(t: torch.Tensor) -> torch.Tensor:
+    """A tensor the loader fills as it would `t`: a global tensor's twin (its placements
+    or shard metadata, its device), else a contiguous host tensor of `t`'s shape and
+    dtype."""
+    if dtensor.is_sharded_tensor(t):
+        return copy.deepcopy(t)  # its local shard and metadata, its process group kept
+    if dtensor.is_global(t):
+        return torch.empty_like(t)
+    return torch.empty(tuple(t.shape), dtype=t.dtype)
+
+
+def _swap(node: Any, real: dict[int, torch.Tensor]) -> Any:
+    """`node` with every staging tensor replaced by its target (dicts and lists in place,
+    a tuple rebuilt when it held one)."""
+    if isinstance(node, torch.Tensor):
+        return real.get(id(node), node)
+    if isinstance(node, dict):
+        for k, v in node.items():
+            node[k] = _swap(v, real)
+        return node
+    if isinstance(node, list):
+        node[:] = [_swap(v, real) for v in node]
+        return node
+    if isinstance(node, tuple):
+        items = [_swap(v, real) for v in node]
+        if all(a is b for a, b in zip(items, node)):
+            return node
+        return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    return node
