@@ -27,19 +27,31 @@ counts the times its saves went back, as all leads see the same steps):
     asyncckpt/<session>/memory/agreed            "on", or "off: why" (set once)
     asyncckpt/<session>/memory/<run>/node/<k>    node k's report, set by its lead:
                                                  {"two": [steps], "settled": s}
-    asyncckpt/<session>/memory/<run>/count       reports made (each lead adds 1)
+    asyncckpt/<session>/memory/<run>/count       reports made (each lead adds 1), plus
+                                                 LEFT for each lead that left the run
     asyncckpt/<session>/memory/<run>/job         the job's word: {"committed", "settled",
                                                  "round"}
     asyncckpt/<session>/memory/<run>/round/<r>   set with round r's word (wakes the
                                                  leads waiting for it); deleted at r + 2
 
 A bounded set (3 keys a session, nodes + 4 a run), never one a step. Each report costs its lead a
-set, an add, a wait for the round's word and a read of it (O(1) requests a node a save);
+set, an add, a wait for the round's word and a read of it (O(1) requests a node a round,
+at most one round a save);
 the lead whose add completes a round (a multiple of the node count) reads every node's
 report in one `multi_get` and publishes the word: committed = the newest step in every
 node's `two`, settled = the oldest node's `settled` -- O(nodes) once a round, as the
 durable commit's leader does. Each lead then tells its writer, which drops generations
 older than the committed one and gives up those that can never be committed.
+
+A round runs for the newest memory save only (the saves made while the last one ran
+are folded into it, so the lag stays one round); leads whose saves fell into rounds
+differently still meet, because a round is counted by reports, not steps: each lead
+adds once a round and waits for it before its next, so its k-th report of a run is in
+round k, and the word is read from every node's newest report, whatever its step (sound
+for the reason below). A run's last rounds may then hold more reports of one lead than
+of another: a lead that leaves the run (a rerun, or close) adds LEFT to its count,
+which wakes the round under way and tells every later report there to wait for none;
+the last lead to leave deletes the run's keys.
 
 Crash points: a lead killed between its report and telling its writer leaves that
 writer holding more, never less (it drops nothing it was not told); a lead killed while
@@ -55,7 +67,6 @@ import copy
 import datetime
 import json
 import logging
-import queue
 import secrets
 import threading
 from typing import Any
@@ -75,6 +86,8 @@ SETTLE_WAIT_S = 120.0  # a report waits this long for its step's outcome to be f
 QUERY_TIMEOUT_S = 10.0
 CLOSE_S = 2.0  # a closing client waits this long for the round under way
 AGREE_WAIT_S = SETTLE_WAIT_S  # a lead waits this long for every other lead to register
+LEFT = 1 << 40  # added to a run's count by each lead that leaves it (JobKeys.leave)
+RUNS_LEFT = 8  # the runs a lead leaves at once when its saves went back several times
 
 
 class JobKeys:
@@ -94,13 +107,21 @@ class JobKeys:
 
     def round(self, run: int, report: dict[str, Any]) -> dict[str, Any] | None:
         """Record this node's `report` for rerun `run`, and return the job's word once
-        this round's is out (or the newest there is after `wait_s`; None: none yet)."""
-        if run > self._run:  # a rerun: the abandoned run's keys go (its word is no use)
-            self.leave(self._run)
-            self._run = run
+        this round's is out (or the newest there is after `wait_s`; None: none yet).
+
+        A round is the next `nodes` reports of the run, whatever steps they are of: a
+        lead adds once a round and waits for it before its next, so the k-th report of
+        every lead meets in round k, each lead reporting its newest step (it runs no
+        round for the older saves queued meanwhile, MemoryCommitter); the word is read
+        from every node's newest report. A run some lead left (`leave`) holds no more
+        rounds: a report there waits for none."""
+        self.moved(run)
         base = f"{self.prefix}/{run}"
         self.store.set(f"{base}/node/{self.node}", json.dumps(report))
         count = self.store.add(f"{base}/count", 1)
+        if count >= LEFT:  # a lead left this run for a rerun, or closed: no round to wait
+            self.store.add(f"{base}/count", -1)  # (its rounds stay where they were left)
+            return self.word(base)
         r = -(-count // self.nodes)
         if count % self.nodes == 0:
             self.publish(base, r)
@@ -111,31 +132,46 @@ class JobKeys:
                 pass
         return self.word(base)
 
+    def moved(self, run: int) -> None:
+        """This lead's saves are in rerun `run` now: it leaves every run before it that
+        it was in or skipped (the last RUNS_LEFT of them)."""
+        if run > self._run:
+            for old in range(max(self._run, run - RUNS_LEFT), run):
+                self.leave(old)
+            self._run = run
+
     def publish(self, base: str, r: int) -> dict[str, Any] | None:
         """Round `r`'s word from every node's report (one multi_get), published; None
-        while some node has not reported in this run."""
+        while some node has no report in this run (it left it): then round `r`'s key
+        alone, waking its leads, who keep the last word."""
         keys = [f"{base}/node/{k}" for k in range(self.nodes)]
-        if not self.store.check(keys):
-            return None
-        reports = [_parsed(v) for v in self.store.multi_get(keys)]
-        word = job_word(reports)
-        word["round"] = r
-        self.store.set(f"{base}/job", json.dumps(word))
+        word = None
+        if self.store.check(keys):
+            word = job_word([_parsed(v) for v in self.store.multi_get(keys)])
+            word["round"] = r
+            self.store.set(f"{base}/job", json.dumps(word))
         self.store.set(f"{base}/round/{r}", "1")
         if r > 2:
             self.store.delete_key(f"{base}/round/{r - 2}")
         return word
 
     def leave(self, run: int) -> None:
-        """At close, or once a rerun abandoned `run`: this node's report goes; node 0
-        takes every node's and the round's keys with it (a lead still in a round then
-        finds no word to wait for: it keeps the last)."""
+        """At close, or once a rerun abandoned `run`: this node's report goes, and the
+        run's count is marked left (`LEFT` added), so a lead still in it waits for no
+        round that this one will not complete; its round under way is woken. The last
+        lead to leave takes every key of the run with it."""
         base = f"{self.prefix}/{run}"
         self.store.delete_key(f"{base}/node/{self.node}")
-        if self.node == 0:
-            r = -(-self.store.add(f"{base}/count", 0) // self.nodes)
-            names = [f"node/{k}" for k in range(1, self.nodes)]
-            for name in [*names, "job", "count", f"round/{r}", f"round/{r - 1}"]:
+        marked = self.store.add(f"{base}/count", LEFT)
+        count, left = marked % LEFT, marked // LEFT
+        r = -(-count // self.nodes)
+        if count % self.nodes and left == 1:  # the first to leave: wake the round's leads
+            self.store.set(f"{base}/round/{r}", "1")
+        if left >= self.nodes:  # round keys: the last two published, and the one woken
+            rounds = sorted({count // self.nodes, count // self.nodes - 1, r} - {-1, 0})
+            names = [*(f"node/{k}" for k in range(self.nodes)), "job", "count",
+                     *(f"round/{k}" for k in rounds)]
+            for name in names:
                 self.store.delete_key(f"{base}/{name}")
 
     def word(self, base: str) -> dict[str, Any] | None:
@@ -239,7 +275,15 @@ def ask_writer(address: str, query: memory_messages.MemoryCommit,
 
 
 class MemoryCommitter:
-    """A node lead's thread: one round of the job-wide commit per memory save.
+    """A node lead's thread: a round of the job-wide commit for its newest memory save.
+
+    Rounds may be slower than saves (a memory save every step, a slow store or
+    partner): the saves made while a round runs are not queued, one round each (the
+    queue and the commit's lag would grow without bound); the next round is run for
+    the newest of them alone (`saved` keeps it, O(1)). What every lead must still count
+    alike is the reruns: `saved` counts each step that is not newer than the one saved
+    before it, in order, so a rerun inside the saves a round skips names the same run
+    (store keys, writer's tag) on every lead, however each one's saves fell into rounds.
 
     Args:
         coordinator: the lead's StoreCoordinator (its session; a store connection is
@@ -254,9 +298,12 @@ class MemoryCommitter:
         self._node = coordinator.node.first // coordinator.node.size
         self._keys: JobKeys | None = None
         self._session = ""
-        self._run, self._last = 0, -1
+        self._run = 0
         self._word: dict[str, Any] = {"committed": -1, "settled": -1}
-        self._queue: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._next: tuple[int, Any] | None = None  # the newest save no round has taken
+        self._reruns = 0  # the times the saves went back since a round last took one
+        self._seen = -1  # the step of the last save (`saved`, in order)
         self._closed = False
         self._plain = False  # a writer without the job-wide commit: report, never ask
         self._off = False  # the leads agreed the job runs no commit (`agree_nodes`)
@@ -275,16 +322,36 @@ class MemoryCommitter:
         return coordinator.world_size // size if coordinator.world_size % size == 0 else 0
 
     def saved(self, step: int, handle: Any) -> None:
-        """The lead's memory save of `step` (its `handle`): a round once it settles."""
-        if not self._closed:
-            self._queue.put((step, handle))
+        """The lead's memory save of `step` (its `handle`): the next round's, once it
+        settles, unless a newer save comes first (a rerun counted all the same)."""
+        with self._cond:
+            if self._closed:
+                return
+            if step <= self._seen:  # the job went back: a rerun's keys, tag and word
+                self._reruns += 1
+            self._seen = step
+            self._next = (step, handle)
+            self._cond.notify()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop after the round under way, if it ends within `timeout` (at most
         CLOSE_S): a round left undone leaves the writers holding more, never less."""
-        self._closed = True
-        self._queue.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
         self._thread.join(CLOSE_S if timeout is None else min(timeout, CLOSE_S))
+
+    def _take(self) -> tuple[int, Any, int] | None:
+        """The newest save no round has taken (its step, handle, and the reruns counted
+        since the last one taken), once there is one; None once closed."""
+        with self._cond:
+            while self._next is None and not self._closed:
+                self._cond.wait()
+            if self._closed or self._next is None:
+                return None
+            (step, handle), reruns = self._next, self._reruns
+            self._next, self._reruns = None, 0
+            return step, handle, reruns
 
     def _greet(self) -> None:
         """Before this client's first save (on the caller's thread: one local query), the
@@ -309,8 +376,11 @@ class MemoryCommitter:
         except Exception as e:  # a store or writer gone: the first round tries again
             log.warning("asyncckpt: the job-wide commit of memory generations: %s: %s",
                         type(e).__name__, e)
-        while (item := self._queue.get()) is not None:
-            step, handle = item
+        while (item := self._take()) is not None:
+            step, handle, reruns = item
+            if reruns:  # the job went back: a rerun's keys, tag and word
+                self._run += reruns
+                self._word = {"committed": -1, "settled": -1}
             while not handles.wait_settled(handle, 1.0) and not self._closed:
                 pass
             if self._closed:
@@ -322,6 +392,7 @@ class MemoryCommitter:
                             step, type(e).__name__, e)
         try:
             if self._keys is not None:
+                self._keys.moved(self._run)
                 self._keys.leave(self._run)
             if self._node == 0 and self._session:  # the agreement's keys too
                 for name in ("nodes", "ranks", "agreed"):
@@ -357,10 +428,6 @@ class MemoryCommitter:
                 f"{self._session}/{self._run}"), QUERY_TIMEOUT_S)
 
     def _round(self, step: int) -> None:
-        if step <= self._last:  # the job went back: a rerun's keys, tag and word
-            self._run += 1
-            self._word = {"committed": -1, "settled": -1}
-        self._last = step
         if self._keys is None and not self._off:
             self._start()
         if self._keys is None:  # the job runs no commit

@@ -139,3 +139,76 @@ def test_a_restarted_jobs_session_does_not_read_the_old_runs_word(store):
     assert new[0].word("asyncckpt/new/memory/1") is None
     raw = client(store).get("asyncckpt/old/memory/0/job")
     assert json.loads(raw)["committed"] == 9
+
+
+def _leads_report(keys: list[JobKeys], plans: list[list[tuple[int, int]]],
+                  leave: bool = True) -> list[list[dict[str, Any] | None]]:
+    """Each lead (a thread) reports the (run, step) of its plan in order, each step s
+    with the 8 steps up to it held in two places, then leaves its run: the words each
+    one got back."""
+    words: list[list[Any]] = [[] for _ in keys]
+    errors: list[BaseException] = []
+
+    def lead(n: int) -> None:
+        try:
+            for run, step in plans[n]:
+                two = list(range(max(1, step - 7), step + 1))
+                words[n].append(keys[n].round(run, {"two": two, "settled": step,
+                                                    "step": step}))
+            if leave:
+                keys[n].leave(plans[n][-1][0])
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=lead, args=(n,)) for n in range(len(keys))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return words
+
+
+def test_leads_that_report_different_steps_still_meet_and_none_waits_out(store):
+    """A lead's rounds run for its newest save only (rank/memory_commit.py), so the leads
+    report different steps: A 5, 9, 10; B 5, 7, 9, 10; C 5, 7, 10. A round is every
+    lead's k-th report (each adds once a round and waits for it), its word read from
+    the newest reports: round 2 (A 9, B 7, C 7) commits 7, round 3 (A 10, B 9, C 10) 9.
+    B's fourth has no round to meet (the others are done): once a lead leaves the run,
+    it waits for none (before: B waited out its 2 x node_timeout, 20 s here)."""
+    keys = leads(store)
+    began = time.monotonic()
+    words = _leads_report(keys, [[(0, 5), (0, 9), (0, 10)],
+                                 [(0, 5), (0, 7), (0, 9), (0, 10)],
+                                 [(0, 5), (0, 7), (0, 10)]])
+    assert time.monotonic() - began < 10.0
+    committed = [[(w or {}).get("committed") for w in ws] for ws in words]
+    assert committed == [[5, 7, 9], [5, 7, 9, 9], [5, 7, 9]], committed
+    probe = client(store)  # the last lead out took every key of the run with it
+    left = [k for k in ("node/0", "node/1", "node/2", "count", "job", "round/1", "round/2",
+                        "round/3", "round/4") if probe.check([f"asyncckpt/s1/memory/0/{k}"])]
+    assert not left, left
+
+
+def test_a_lead_that_skips_the_rest_of_a_run_holds_up_no_other(store):
+    """A rerun among the saves a lead's round skipped: node 0's lead goes on to run 1
+    at once, B still reports 7 and 8 in run 0, C 7. B and C wait for no round of run 0
+    that A will not complete (before: A's leaving reset run 0's count, and B waited out
+    its 2 x node_timeout); all three meet in run 1, and once every lead left run 0 its
+    keys are gone."""
+    keys = leads(store)
+    _leads_report(keys, [[(0, s) for s in range(1, 7)]] * NODES, leave=False)
+    began = time.monotonic()
+    words = _leads_report(keys, [[(1, 3), (1, 4)],
+                                 [(0, 7), (0, 8), (1, 3), (1, 4)],
+                                 [(0, 7), (1, 3), (1, 4)]], leave=False)
+    assert time.monotonic() - began < 10.0
+    assert [ws[-1]["committed"] for ws in words] == [4, 4, 4], words  # type: ignore[index]
+    probe = client(store)
+    left = [k for k in ("node/0", "node/1", "node/2", "count", "job", "round/1", "round/5",
+                        "round/6", "round/7", "round/8")
+            if probe.check([f"asyncckpt/s1/memory/0/{k}"])]
+    assert not left, left
+    for k in keys:
+        k.leave(1)
+    assert not any(probe.check([f"asyncckpt/s1/memory/1/{k}"]) for k in
+                   ("node/0", "node/1", "node/2", "count", "job", "round/1", "round/2"))

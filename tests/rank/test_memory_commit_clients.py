@@ -7,6 +7,7 @@ nothing older."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import socket
 import threading
@@ -20,7 +21,7 @@ import torch
 from inprocess import InProcessWriter
 from torch.distributed import TCPStore
 
-from asyncckpt.rank import coordination
+from asyncckpt.rank import coordination, memory_commit
 from asyncckpt.rank.client import Client
 from asyncckpt.read import memory
 
@@ -133,3 +134,38 @@ def test_the_commit_thread_makes_no_request_on_the_coordinators_connection(ring)
     assert all(w.server.memory.job.committed is not None for w in writers)
     used = sorted(t for s in STORES for t in s.threads if t.startswith("asyncckpt-memcommit"))
     assert not used, used
+
+
+def test_rounds_slower_than_the_saves_catch_up_with_the_newest(
+        ring, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memory save every step while each lead's writer answers its round 0.3 s late (a
+    slow partner): before, every save queued a round of its own, run one after another,
+    the job's word ever further behind. Now each lead's next round is for its newest
+    save: far fewer rounds than saves, the last one for the newest step, and the steps
+    going back (the job reran from 4, in process) count alike on every lead -- each
+    writer ends under the rerun's tag."""
+    writers, clients = ring
+    asked: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+    ask = memory_commit.ask_writer
+
+    def slow(address: str, query: Any, timeout: float) -> Any:
+        if query.step >= 0:
+            asked[address].append((query.session, query.step))
+            time.sleep(0.3)
+        return ask(address, query, timeout)
+    monkeypatch.setattr(memory_commit, "ask_writer", slow)
+    steps = [*range(1, 9), *range(4, 13)]  # the job went back to 4 after 8
+    for step in steps:
+        handles = [c.save(step, _state(r, step), tier="memory") for r, c in enumerate(clients)]
+        assert all(h.wait(WAIT_S) for h in handles)
+    session = clients[0]._memory_commit._session  # type: ignore[union-attr]
+    newest = (f"{session}/1", 12)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and not all(
+            asked[w.address][-1:] == [newest]
+            and w.server.memory.job.session == newest[0] for w in writers):
+        time.sleep(0.05)
+    rounds = {n: asked[w.address] for n, w in enumerate(writers)}
+    assert all(r[-1:] == [newest] for r in rounds.values()), rounds
+    assert all(len(r) <= 12 for r in rounds.values()), rounds  # 17 saves each
+    assert all(w.server.memory.job.session == newest[0] for w in writers), rounds
