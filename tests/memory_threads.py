@@ -1,15 +1,63 @@
 """`restore_memory` on every rank of an in-process job at once, one thread a rank, its
 all-gathers met between the threads (the three-writer memory tests of tests/read and
-tests/writer)."""
+tests/writer), and the job they restore: in-process writers (nodes) of one rank each
+(`OneRankNodes`)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from inprocess import InProcessWriter
 
-from asyncckpt.read import memory_restore
+from asyncckpt.rank.client import Client
+from asyncckpt.read import memory, memory_restore
+from asyncckpt.storage.location import root_path
+
+
+class OneRankNodes:
+    """`count` in-process writers standing for the nodes of a `count` x 1 job, node n's
+    rank n connected to writer n (small rings: 64 KiB slots); `knobs` go to every writer.
+    Each writer has a root of its own (one process holds a root once): a rank restores
+    with its own writer's root, as every node's would name their shared root."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int,
+                 wait_s: float, **knobs: Any) -> None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(count))
+        self.count, self.wait_s = count, wait_s
+        self.roots = [root_path(tmp_path / f"ckpt-{n}") for n in range(count)]
+        self.writers = [InProcessWriter(tmp_path / f"ckpt-{n}", codec="raw", export=False,
+                                        **knobs) for n in range(count)]
+        self.clients = [Client(w.address, rank=n, world_size=count, coordination="local",
+                               slot_size=1 << 16, ring_size=1 << 18)
+                        for n, w in enumerate(self.writers)]
+
+    def save(self, step: int, ranks: list[int], state: Callable[[int, int], Any]) -> None:
+        """`ranks` save `step` (`state(rank, step)`) to memory, all at once, waited for."""
+        for h in [self.clients[r].save(step, state(r, step), tier="memory") for r in ranks]:
+            h.wait(self.wait_s)
+
+    def held(self) -> list[dict[int, list[int]]]:
+        """Per writer, its generations' steps and the ranks it holds whole of each."""
+        return [{g["step"]: g["ranks"] for g in memory.generations(w.address)}
+                for w in self.writers]
+
+    def restore(self, keys: set[str], intos: list[Any] | None = None) -> list[Any]:
+        """Every rank's (step, state, _) or None, all at once (`restore_in_threads`)."""
+        return restore_in_threads(self.roots, [w.address for w in self.writers], keys,
+                                  self.wait_s, intos)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for w in self.writers:
+            w.stop()
+
 
 
 def restore_in_threads(roots: list[Any], addresses: list[str], keys: set[str],

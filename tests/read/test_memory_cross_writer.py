@@ -19,6 +19,7 @@ restored, on any rank, and the fetching writer keeps nothing of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -27,19 +28,17 @@ from typing import Any
 
 import pytest
 import torch
-from inprocess import InProcessWriter
-from memory_threads import restore_in_threads
+from memory_threads import OneRankNodes
 
 from asyncckpt.net.replica import Replica
-from asyncckpt.rank.client import Client
 from asyncckpt.read import memory, memory_restore
-from asyncckpt.storage.location import root_path
 from asyncckpt.writer.memory_replica import ReplicaIn, offer, send_all
 from asyncckpt.writer.memory_store import TierStore
 
 WAIT_S = 30.0
 NODES = 3
 MAX_FRAME = 1 << 20
+KEYS = {"w", "obj"}
 
 
 def _state(rank: int, step: int) -> dict[str, Any]:
@@ -47,26 +46,12 @@ def _state(rank: int, step: int) -> dict[str, Any]:
     return {"w": torch.randn(300, 17, generator=g), "obj": {"rank": rank, "step": step}}
 
 
-class Job:
+class Job(OneRankNodes):
     """Three writers (one rank each), every one serving replicas."""
 
     def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("ASYNCCKPT_JOB_SECRET", "ab" * 32)
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-        monkeypatch.setenv("LOCAL_RANK", "0")
-        monkeypatch.setenv("WORLD_SIZE", str(NODES))
-        # one root per writer (one process holds each root once); a rank restores with
-        # its own writer's root, as every node's would name their shared root
-        self.roots = [root_path(tmp_path / f"ckpt-{n}") for n in range(NODES)]
-        self.writers = [InProcessWriter(tmp_path / f"ckpt-{n}", codec="raw", export=False,
-                                        replica_listen="127.0.0.1:0") for n in range(NODES)]
-        self.clients = [Client(w.address, rank=n, world_size=NODES, coordination="local",
-                               slot_size=1 << 16, ring_size=1 << 18)
-                        for n, w in enumerate(self.writers)]
-
-    def save(self, step: int, ranks: list[int]) -> None:
-        for h in [self.clients[r].save(step, _state(r, step), tier="memory") for r in ranks]:
-            h.wait(WAIT_S)
+        super().__init__(tmp_path, monkeypatch, NODES, WAIT_S, replica_listen="127.0.0.1:0")
 
     def replicate(self, step: int, node: int, to: int) -> None:
         """Node `node`'s generation `step` to writer `to`, whole."""
@@ -74,38 +59,20 @@ class Job:
         send_all(doc_fds, 4096, ReplicaIn(self.writers[to].server.memory, doc_fds[0],
                                           MAX_FRAME, expect_step=step))
 
-    def held(self) -> list[dict[int, list[int]]]:
-        return [{g["step"]: g["ranks"] for g in memory.generations(w.address)}
-                for w in self.writers]
-
-    def restore(self) -> list[Any]:
-        """Every rank's (step, state) or None, all at once (memory_threads.py)."""
-        return restore_in_threads(self.roots, [w.address for w in self.writers],
-                                  {"w", "obj"}, WAIT_S)
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-        for w in self.writers:
-            w.stop()
-
 
 @pytest.fixture
 def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
-    j = Job(tmp_path, monkeypatch)
-    try:
+    with contextlib.closing(Job(tmp_path, monkeypatch)) as j:
         # step 5: every node saves it; node 2's replica reaches writer 0, node 0's writer 1
-        j.save(5, [0, 1, 2])
+        j.save(5, [0, 1, 2], _state)
         j.replicate(5, node=2, to=0)
         j.replicate(5, node=0, to=1)
         # step 6: node 0's save skipped; node 1's replica reaches writer 2, which then
         # holds both nodes of 6 and drops its own 5
-        j.save(6, [1, 2])
+        j.save(6, [1, 2], _state)
         j.replicate(6, node=1, to=2)
         assert j.held() == [{5: [0, 2]}, {5: [0, 1], 6: [1]}, {6: [1, 2]}]
         yield j
-    finally:
-        j.close()
 
 
 def test_a_rank_restores_its_image_from_another_nodes_writer(
@@ -115,7 +82,7 @@ def test_a_rank_restores_its_image_from_another_nodes_writer(
     tier = job.writers[2].server.memory
     before = tier.held_bytes
     with caplog.at_level(logging.INFO):
-        results = job.restore()
+        results = job.restore(KEYS)
     assert all(r is not None for r in results), caplog.text
     for rank, (step, state, _) in enumerate(results):
         want = _state(rank, 5)
@@ -127,7 +94,7 @@ def test_a_rank_restores_its_image_from_another_nodes_writer(
     image = memory.generations(job.writers[0].address)[0]["bytes"] // 2
     assert tier.held_bytes - before == image
     assert [g["step"] for g in memory.generations(job.writers[2].address)] == [6]
-    job.save(7, [0, 1, 2])
+    job.save(7, [0, 1, 2], _state)
     assert tier._fetched == {}
 
 
@@ -156,7 +123,7 @@ def test_a_holder_sending_a_flipped_byte_restores_nothing(
     before = tier.held_bytes
     monkeypatch.setattr(TierStore, "get_generation", _flipping(TierStore.get_generation))
     with caplog.at_level(logging.INFO):
-        assert job.restore() == [None] * NODES
+        assert job.restore(KEYS) == [None] * NODES
     assert "does not match its xxh3" in caplog.text
     assert "restoring from the durable tier" in caplog.text
     assert tier.held_bytes == before  # nothing of the refused fetch kept

@@ -14,6 +14,7 @@ failure reached them, leaving a state of two steps beside the durable step loade
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -22,19 +23,17 @@ from typing import Any
 
 import pytest
 import torch
-from inprocess import InProcessWriter
-from memory_threads import restore_in_threads
+from memory_threads import OneRankNodes
 
 from asyncckpt.config import ReadLimits
 from asyncckpt.errors import CheckpointNotFoundError
 from asyncckpt.format.records import rank_from_json
-from asyncckpt.rank.client import Client
 from asyncckpt.read import memory, staging
-from asyncckpt.storage.location import root_path
 
 WAIT_S = 30.0
 NODES = 3
 STEP = 5
+KEYS = {"a", "b", "obj"}
 
 
 def saved(rank: int) -> dict[str, Any]:
@@ -51,40 +50,12 @@ def targets(rank: int, unlike: bool = False) -> dict[str, torch.Tensor]:
             "b": torch.randn(400, 63 if unlike else 64, generator=g)}
 
 
-class Job:
-    """Three writers, one rank each, every rank's step 5 held by its own writer."""
-
-    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-        monkeypatch.setenv("LOCAL_RANK", "0")
-        monkeypatch.setenv("WORLD_SIZE", str(NODES))
-        self.roots = [root_path(tmp_path / f"ckpt-{n}") for n in range(NODES)]
-        self.writers = [InProcessWriter(tmp_path / f"ckpt-{n}", codec="raw", export=False)
-                        for n in range(NODES)]
-        self.clients = [Client(w.address, rank=n, world_size=NODES, coordination="local",
-                               slot_size=1 << 16, ring_size=1 << 18)
-                        for n, w in enumerate(self.writers)]
-        for h in [c.save(STEP, saved(r), tier="memory") for r, c in enumerate(self.clients)]:
-            h.wait(WAIT_S)
-
-    def restore(self, intos: list[Any]) -> list[Any]:
-        return restore_in_threads(self.roots, [w.address for w in self.writers],
-                                  {"a", "b", "obj"}, WAIT_S, intos)
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-        for w in self.writers:
-            w.stop()
-
-
 @pytest.fixture
-def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
-    j = Job(tmp_path, monkeypatch)
-    try:
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[OneRankNodes]:
+    """Three writers, one rank each, every rank's step 5 held by its own writer."""
+    with contextlib.closing(OneRankNodes(tmp_path, monkeypatch, NODES, WAIT_S)) as j:
+        j.save(STEP, list(range(NODES)), lambda rank, _: saved(rank))
         yield j
-    finally:
-        j.close()
 
 
 def _corrupt_last_frame(images: memory.Images, rank: int) -> None:
@@ -104,7 +75,7 @@ def _corrupt_last_frame(images: memory.Images, rank: int) -> None:
     images.fds[rank] = copy
 
 
-def _fault(job: Job, case: str) -> Callable[..., memory.Images]:
+def _fault(job: OneRankNodes, case: str) -> Callable[..., memory.Images]:
     """`memory.open_images` as rank 1's side fails it (`case`); the others' as is."""
     opened = memory.open_images
 
@@ -131,7 +102,7 @@ CAUSES = {"images gone": "CheckpointNotFoundError", "writer gone": "WriterUnavai
 
 @pytest.mark.parametrize("case", sorted(CAUSES))
 def test_one_ranks_failure_leaves_every_ranks_targets_as_they_were(
-        job: Job, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        job: OneRankNodes, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         case: str) -> None:
     """Before: with a corrupt frame or a mismatched target on rank 1, ranks 0 and 2 had
     filled theirs with step 5 (and rank 1 its "a", whose frame verified), while every
@@ -140,7 +111,7 @@ def test_one_ranks_failure_leaves_every_ranks_targets_as_they_were(
     unlike = case == "its targets unlike the saved"
     intos = [targets(r, unlike and r == 1) for r in range(NODES)]
     with caplog.at_level(logging.WARNING, logger="asyncckpt.checkpointer"):
-        assert job.restore(intos) == [None] * NODES
+        assert job.restore(KEYS, intos) == [None] * NODES
     changed = [(rank, key) for rank, into in enumerate(intos)
                for key, want in targets(rank, unlike and rank == 1).items()
                if not torch.equal(into[key], want)]
@@ -154,9 +125,9 @@ def test_one_ranks_failure_leaves_every_ranks_targets_as_they_were(
     assert "restoring from the durable tier" in said[0]
 
 
-def test_a_restore_fills_the_targets_themselves_once_every_rank_loaded(job: Job) -> None:
+def test_a_restore_fills_the_targets_themselves_once_every_rank_loaded(job: OneRankNodes) -> None:
     intos = [targets(r) for r in range(NODES)]
-    results = job.restore(intos)
+    results = job.restore(KEYS, intos)
     for rank, (step, state, _) in enumerate(results):
         want = saved(rank)
         assert step == STEP
