@@ -115,8 +115,9 @@ job runs no commit); `committed` the newest step held in
     two places on every node (-1: none known), `settled` the newest step whose outcome
     is final on every node (-1: none). With `step`, the writer first waits up to `wait`
     seconds for this node's outcome of `step` to be final (its partner acked the
-    replica, or it failed, was superseded or skipped). Answered by `memory_commit_state`
-    (writer/memory_commit.py)."""
+    replica, or it failed, was superseded or skipped). `scope`, with LOCAL: the tag its
+    lead greeted the writer under, which it must still run to take it (absent: a lead
+    of 0.4.5). Answered by `memory_commit_state` (writer/memory_commit.py)."""
 
     OP: ClassVar[str] = "memory_commit"
     SENDER: ClassVar[str] = "rank"
@@ -125,18 +126,22 @@ job runs no commit); `committed` the newest step held in
     wait: float = 0.0
     committed: int = -1
     settled: int = -1
+    scope: str = ""
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> MemoryCommit:
-        session, wait = m.get("session"), m.get("wait", 0.0)
+        session, wait, scope = m.get("session"), m.get("wait", 0.0), m.get("scope", "")
         if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION:
             raise ProtocolError(f"session {show(session)} is not a tag of 1..{MAX_SESSION} "
                                 "characters")
         if (type(wait) not in (int, float) or not 0 <= wait <= MAX_COMMIT_WAIT_S
                 or wait != wait):
             raise ProtocolError(f"wait {show(wait)} is not 0..{MAX_COMMIT_WAIT_S:g} seconds")
+        if not isinstance(scope, str) or len(scope) > MAX_SESSION:
+            raise ProtocolError(f"scope {show(scope)} is not a tag of 0..{MAX_SESSION} "
+                                "characters")
         return cls(session, _step_or_none(m, "step"), float(wait),
-                   _step_or_none(m, "committed"), _step_or_none(m, "settled"))
+                   _step_or_none(m, "committed"), _step_or_none(m, "settled"), scope)
 
 
 # writer -> rank

@@ -37,7 +37,7 @@ this copy differs; each class's docstring says what its message means):
         memory_open(step; optional ranks)
         memory_flush()
         memory_fetch(step, node, source)
-        memory_commit(session; optional step, wait, committed, settled)
+        memory_commit(session; optional step, wait, committed, settled, scope)
     writer -> rank:
         welcome(pid, version, root, root_id; optional chunks)
         refused(reason; optional root)

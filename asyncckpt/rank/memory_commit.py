@@ -16,7 +16,9 @@ node's lead has registered its node ("first:size") under the session and the nod
 cover the world exactly, all of one size (`agree_nodes`: one decision, set once in the
 store, that every lead reads). Nodes of unequal sizes (2 + 2 + 4), a lead that never
 registers (an older rank, a node that never comes) or one past the wait: the job runs
-no commit, and each lead that greeted its writer tells it "local" (the node-local rule).
+no commit, and each lead that greeted its writer tells it "local" (the node-local rule),
+scoped to the tag it greeted it under: a writer that runs another lead's tag since (a
+stale lead's "local", its launch killed while it waited) keeps its commit.
 
 Keys, under the coordination session (coordination.py: a nonce the leader drew for this
 run, so a restarted job never reads an old run's word) and a rerun count (each lead
@@ -306,6 +308,7 @@ class MemoryCommitter:
         self._seen = -1  # the step of the last save (`saved`, in order)
         self._closed = False
         self._plain = False  # a writer without the job-wide commit: report, never ask
+        self._greeting = f"greet/{secrets.token_hex(8)}"  # the tag it greets its writer under
         self._off = False  # the leads agreed the job runs no commit (`agree_nodes`)
         self._greet()
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -359,8 +362,8 @@ class MemoryCommitter:
         this client's own until the session is met (`_start`, which waits for the
         leader): otherwise the node-local rule could drop a generation in between."""
         try:
-            ask_writer(self._address, memory_messages.MemoryCommit(
-                f"start/{secrets.token_hex(8)}"), QUERY_TIMEOUT_S)
+            ask_writer(self._address, memory_messages.MemoryCommit(self._greeting),
+                       QUERY_TIMEOUT_S)
         except ProtocolError as e:  # a writer before 0.4.5 refuses the query
             log.info("asyncckpt: the node's writer does not take the job-wide commit of "
                      "memory generations (%s): it keeps its node-local rule, and this "
@@ -418,8 +421,9 @@ class MemoryCommitter:
             self._off = True
             log.warning("asyncckpt: the job-wide commit of memory generations is not run "
                         "(%s): the writers keep their node-local rule", why)
-            if not self._plain:
-                ask_writer(self._address, memory_messages.MemoryCommit(LOCAL), QUERY_TIMEOUT_S)
+            if not self._plain:  # scoped to its greeting: a stale lead's turns nothing off
+                ask_writer(self._address, memory_messages.MemoryCommit(
+                    LOCAL, scope=self._greeting), QUERY_TIMEOUT_S)
             return
         self._keys = JobKeys(self._store, prefix, self._node, self._nodes,
                              2 * self._coordinator.timeout)

@@ -14,7 +14,9 @@ lead rank asks it, after each memory save, how its node's generation of that ste
 (`JobCommit.report`), records that in the store, and tells the writer what the job
 agreed (`told`): `committed`, the newest step every node holds in two places, and
 `settled`, the newest step whose outcome is final on every node (rank/memory_commit.py).
-A writer never told keeps the node-local rule (old ranks, one node, two nodes).
+A writer never told keeps the node-local rule (old ranks, one node, two nodes), and so
+does one whose lead tells it LOCAL (the job runs no commit) -- taken only from the lead
+whose tag it runs (`JobCommit.local_for`), so a stale lead cannot turn a session off.
 
 Per step of its own node the writer keeps one outcome: "pending" from the node's first
 begin, then once and for all "two" (the partner acked the replica) or "not" (skipped,
@@ -60,6 +62,8 @@ STALE_KEPT = 8      # sessions left behind by a rerun, whose word is ignored
 # its step to settle, so several of its rounds at the defaults (each at most its 120 s
 # wait plus 2 x node_timeout for the word)
 SILENT_S = MAX_COMMIT_WAIT_S
+OLD_GREET = "start/"  # the tag a lead of 0.4.5 greets its writer under (its LOCAL has no scope)
+RERUN = "rerun"  # the session while the leads have not yet tagged a rerun's run
 
 
 class JobCommit:
@@ -105,7 +109,7 @@ class JobCommit:
         return self.outcomes.get(step, NOT)
 
     def told(self, session: str, committed: int, settled: int,
-             held_whole: set[int]) -> bool:
+             held_whole: set[int], scope: str = "") -> bool:
         """A lead's word (-1: none known), checked against what this node knows: a
         committed step is taken only if it is one this node holds whole and reported
         held in two places (every node did, or it is no word of the job's: a hostile
@@ -118,7 +122,8 @@ class JobCommit:
         it: a replaced node's fresh writer reports nothing). The outcomes stay too:
         they are facts of this node's generations, and the new run's first saves may
         end before its lead first speaks. The word of a session a rerun left behind is
-        ignored. Whether it was taken."""
+        ignored. LOCAL is taken only from the lead that runs this writer's commit now
+        (`local_for`, with `scope`). Whether it was taken."""
         if session in self._stale:
             return False
         if session in self._fell:  # its word moving on again: its leads came back
@@ -132,6 +137,10 @@ class JobCommit:
                         "again (committed %d, settled %d): the job-wide rule holds again",
                         committed, settled)
         if session == LOCAL:  # the leads run no commit (rank/memory_commit.py): as never told
+            if not self.local_for(scope):
+                log.info("asyncckpt: memory tier: a 'local' memory_commit for %r ignored: "
+                         "this writer runs the job-wide commit of %r", scope, self.session)
+                return False
             self.session, self.settled, self._held_back = None, -1, None
             return True
         if session != self.session:
@@ -149,6 +158,23 @@ class JobCommit:
         if (self.committed, self.settled) != moved:
             self._held_back = None
         return True
+
+    def local_for(self, scope: str) -> bool:
+        """Whether a LOCAL of `scope` (the tag its lead greeted this writer under; "":
+        a lead of 0.4.5, which names none) hands back the node-local rule: only while
+        this writer runs that tag still (its lead has met no session since, or a rerun
+        came before it did), or no tag at all. A stale lead -- of a launch killed while
+        its agreement waited -- then cannot turn off the session that runs now, which
+        would drop the step committed across the job. A 0.4.5 lead tells LOCAL right
+        after its own greeting, so a LOCAL of no scope is taken while the writer runs a
+        0.4.5 greeting (OLD_GREET): under a session's tag, or a newer lead's greeting,
+        it is a stale client's."""
+        current = self.session
+        if current == RERUN and self._stale:
+            current = self._stale[-1]
+        if current is None:
+            return True
+        return current == scope if scope else current.startswith(OLD_GREET)
 
     def fell(self, session: str) -> bool:
         """Whether this writer fell back from `session`'s job-wide commit (`fall_back`)."""
@@ -183,7 +209,7 @@ class JobCommit:
             del self.outcomes[s]
         if self.session is not None and self._newest >= step:
             self._stale = [*self._stale, self.session][-STALE_KEPT:]
-            self.session = "rerun"  # on, until the leads' next word
+            self.session = RERUN  # on, until the leads' next word
         self._newest = min(self._newest, step - 1)
         self._held_back = None
         if self.committed is not None and self.committed >= step:
@@ -242,15 +268,15 @@ class Committing:
             self._final(step, acked)
 
     def commit_state(self, session: str, step: int, wait: float, committed: int,
-                     settled: int) -> tuple[str, list[int], int]:
+                     settled: int, scope: str = "") -> tuple[str, list[int], int]:
         """A node lead's `memory_commit` (memory_commit.py): take the job's word, then
         wait up to `wait` s for this node's outcome of `step` (-1: none) to be final.
-        Returns (that outcome, "" for none; the node's steps held in two places; the
-        newest step settled here)."""
+        `scope`: a LOCAL's (`JobCommit.local_for`). Returns (that outcome, "" for none;
+        the node's steps held in two places; the newest step settled here)."""
         deadline = time.monotonic() + wait
         with self._lock:
             taken = self.job.told(session, committed, settled,
-                                  {s for s, g in self._gens.items() if g.whole})
+                                  {s for s, g in self._gens.items() if g.whole}, scope)
             if self.job.fell(session):  # as a writer without it: nothing two, all settled
                 return (NOT if step >= 0 else ""), [], max([step, *self.job.outcomes])
             if taken:

@@ -46,7 +46,8 @@ def serve_query(memory: MemoryTier, conn: Connection, query: Query,
         return
     if isinstance(query, MemoryCommit):  # a node lead: the job-wide commit (memory_commit.py)
         outcome, two, settled = memory.commit_state(query.session, query.step, query.wait,
-                                                    query.committed, query.settled)
+                                                    query.committed, query.settled,
+                                                    query.scope)
         protocol.send_message(conn, MemoryCommitState(tuple(two), settled, outcome))
         return
     if isinstance(query, messages.MemoryList):

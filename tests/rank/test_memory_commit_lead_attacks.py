@@ -224,3 +224,44 @@ def test_a_rerun_leaves_no_keys_of_the_abandoned_run() -> None:
     left = [k for k in ("node/0", "node/1", "node/2", "count", "job", "round/1")
             if store.check([f"asyncckpt/{SESSION}/memory/0/{k}"])]
     assert store.num_keys() == empty and not left, left
+
+
+def test_a_stale_leads_local_leaves_the_running_session_on(
+        lead: Lead, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding R2-M1 end to end: a lead of a killed launch greeted the writer, then its
+    agreement waited; the new launch's lead greets, meets its session and commits step
+    1 across the job; then the stale lead's agreement ends "off" and it tells the writer
+    "local". Before, that turned the running session's commit off and dropped step 1
+    (2, newer, was whole here but not yet committed). Its "local" names the greeting it
+    was sent under, which the writer no longer runs: nothing turned off or dropped."""
+    told: list[Any] = []
+    ask = memory_commit.ask_writer
+
+    def recording(address: str, query: Any, timeout: float) -> Any:
+        answer = ask(address, query, timeout)
+        told.append(query)
+        return answer
+    monkeypatch.setattr(memory_commit, "ask_writer", recording)
+    stale_session, release = "ffeeddccbbaa9988", threading.Event()
+
+    class Stale(Coordinator):
+        def join(self) -> str:
+            assert release.wait(WAIT_S)
+            return stale_session
+    store = lead._client()
+    store.set(f"asyncckpt/{stale_session}/memory/agreed", "off: its launch was killed")
+    stale = MemoryCommitter(Stale(store, 0.25), lead.writer.address, NODES)
+    try:
+        lead.start()
+        assert lead.save(1) == "memory"
+        lead.others({"two": [1], "settled": 1})
+        lead.round(1)
+        assert until(lambda: lead.tier.job.committed == 1, WAIT_S)
+        assert lead.save(2) == "memory"
+        assert lead.held() == [1, 2]
+        release.set()
+        assert until(lambda: any(q.session == "local" for q in told), WAIT_S), told
+        assert lead.tier.job.on and lead.tier.job.session == f"{SESSION}/0"
+        assert lead.held() == [1, 2] and lead.tier.job.committed == 1, lead.held()
+    finally:
+        stale.close()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_memory_commit_attacks import RUN0, Node
+from test_memory_commit_attacks import GREET, RUN0, Node
 
 from asyncckpt.ipc.memory_messages import LOCAL
 from asyncckpt.rank.memory_commit import job_word
@@ -40,21 +40,47 @@ def _committed_1_pending_2(node: Node) -> None:
     assert node.held() == [1, 2] and node.tier.job.committed == 1
 
 
-@pytest.mark.xfail(strict=True, reason="R2-M1: a bare 'local' (no session in it) from any "
-                   "client -- a late lead of a killed launch whose agree_nodes waited "
-                   "AGREE_WAIT_S -- turns off the session the writer runs now and drops the "
-                   "step committed across the job at once")
 def test_a_late_local_of_no_session_keeps_the_step_committed_across_the_job(
         node: Node) -> None:
+    """Finding R2-M1 (fixed): a bare 'local' (no scope in it) from any client -- a late
+    lead of a killed launch whose agree_nodes waited AGREE_WAIT_S -- turned off the
+    session the writer runs now and dropped the step committed across the job at once.
+    A 'local' of no scope is a 0.4.5 lead's, taken only while its greeting is what the
+    writer runs."""
     _committed_1_pending_2(node)
     node.ask(LOCAL)  # not from this session's lead: its lead told RUN0 and runs the commit
     assert node.tier.job.on and node.held() == [1, 2], node.held()
+    assert node.tier.job.session == RUN0 and node.tier.job.committed == 1
 
 
-def test_the_sessions_lead_word_after_a_local_takes_the_commit_back(node: Node) -> None:
-    """Defence: once 'local' came, the session's lead's next word turns the job-wide rule
-    on again (what is dropped meanwhile is R2-M1's)."""
+def test_a_stale_leads_scoped_local_keeps_the_step_committed_across_the_job(
+        node: Node) -> None:
+    """The same late lead, of this version: its 'local' names the tag it greeted the
+    writer under, not the one the writer runs now (RUN0): nothing turned off, nothing
+    dropped; nor while another lead's greeting is what the writer runs."""
     _committed_1_pending_2(node)
+    node.ask(LOCAL, scope="greet/ffffffffffffffff")
+    assert node.tier.job.on and node.held() == [1, 2], node.held()
+    node.ask(GREET)  # a restarted job's lead greets, then a stale lead says 'local'
+    for scope in ("greet/ffffffffffffffff", ""):
+        node.ask(LOCAL, scope=scope)
+        assert node.tier.job.on and node.held() == [1, 2], (scope, node.held())
+
+
+def test_the_greeting_leads_local_hands_back_the_node_local_rule(node: Node) -> None:
+    """The lead whose job runs no commit tells 'local' scoped to its greeting, which the
+    writer still runs (its lead met no session since): taken, also after a rerun came
+    before it; and a 0.4.5 lead's bare 'local' right after its own greeting ("start/",
+    its tag) still is (what a 0.4.5 lead sends). The session's lead's next word (a
+    restarted job's) turns the job-wide rule on again."""
+    node.ask(GREET)
+    node.ask(LOCAL, scope=GREET)
+    assert not node.tier.job.on
+    node.ask(GREET)
+    assert node.save(5) == "memory" and node.save(3) == "memory"  # a rerun: from 3
+    node.ask(LOCAL, scope=GREET)
+    assert not node.tier.job.on
+    node.ask("start/0011223344556677")  # a 0.4.5 lead's greeting, then its 'local'
     node.ask(LOCAL)
     assert not node.tier.job.on
     node.ask(RUN0, -1, 1, 1)

@@ -34,6 +34,7 @@ from asyncckpt.writer import memory_commit as writer_commit
 WAIT_S = 30.0
 NODES = 3
 RUN0, RUN1 = "0123456789abcdef/0", "0123456789abcdef/1"
+GREET = "greet/00112233aabbccdd"  # a lead's greeting (rank/memory_commit.py `_greet`)
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -63,9 +64,9 @@ class Node:
         self.tier.replica_outcome(step, True)
 
     def ask(self, tag: str, step: int = -1, committed: int = -1,
-            settled: int = -1) -> MemoryCommitState:
+            settled: int = -1, scope: str = "") -> MemoryCommitState:
         return ask_writer(self.writer.address,
-                          MemoryCommit(tag, step, 0.0, committed, settled), WAIT_S)
+                          MemoryCommit(tag, step, 0.0, committed, settled, scope), WAIT_S)
 
     def round(self, tag: str, step: int, word: dict[str, int]) -> tuple[MemoryCommitState,
                                                                         dict[str, int]]:
@@ -179,14 +180,15 @@ def test_a_job_whose_word_never_comes_still_holds_new_steps(
 
 def test_a_lead_that_runs_no_commit_hands_back_the_node_local_rule(node: Node) -> None:
     """A lead whose job runs no commit (its nodes do not cover the world equally,
-    rank/memory_commit.py `agree_nodes`) tells "local": the node-local rule again at
-    once, the older generation dropped once a newer whole one holds its nodes."""
+    rank/memory_commit.py `agree_nodes`) tells "local", scoped to the tag it greeted its
+    writer under: the node-local rule again at once, the older generation dropped once
+    a newer whole one holds its nodes."""
+    node.ask(GREET)  # the lead's greeting, before its first save
     for step in (1, 2):
         assert node.save(step) == "memory"
         node.acked(step)
-        node.ask(RUN0, step)
     assert node.held() == [1, 2]
-    node.ask("local")
+    node.ask("local", scope=GREET)
     assert not node.tier.job.on and node.held() == [2]
     assert [node.save(s) for s in (3, 4)] == ["memory", "memory"]
     assert node.held() == [4]
@@ -200,6 +202,8 @@ HOSTILE = [
     {"session": RUN0, "wait": -1}, {"session": RUN0, "wait": 601},
     {"session": RUN0, "wait": float("nan")}, {"session": RUN0, "wait": float("inf")},
     {"session": RUN0, "wait": True}, {"session": RUN0, "wait": "5"},
+    {"session": "local", "scope": 7}, {"session": "local", "scope": "x" * 101},
+    {"session": "local", "scope": None},
 ]
 
 
