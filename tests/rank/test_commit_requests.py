@@ -3,53 +3,13 @@ once the world is announced, its gather reads the nodes in three requests."""
 
 from __future__ import annotations
 
-import collections
-import datetime
 import time
-from collections.abc import Iterator
-from typing import Any
 
-import pytest
+from stores import Counting, client, fresh_ordinals_fixture, store_fixture  # noqa: F401 (fixtures)
 from torch.distributed import TCPStore
 
 from asyncckpt.rank import coordination
 from asyncckpt.rank.coordination import StoreCoordinator
-
-
-@pytest.fixture(autouse=True)
-def fresh_ordinals() -> Iterator[None]:
-    """Leave no client ordinal behind: a later test's in-process ranks would not meet."""
-    yield
-    coordination._ordinals.clear()
-
-
-@pytest.fixture
-def store() -> Iterator[TCPStore]:
-    yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                   timeout=datetime.timedelta(seconds=30))
-
-
-def client(store: TCPStore) -> TCPStore:
-    return TCPStore("127.0.0.1", store.port, is_master=False,
-                    timeout=datetime.timedelta(seconds=30))
-
-
-class Counting:
-    """A store client that counts its requests by kind (its clone counts nothing)."""
-
-    def __init__(self, store: TCPStore) -> None:
-        self._store, self.requests = store, collections.Counter[str]()
-
-    def clone(self) -> TCPStore:
-        return self._store.clone()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-
-        def counted(*args: Any) -> Any:
-            self.requests[name] += 1
-            return method(*args)
-        return counted
 
 
 def two_nodes(store: TCPStore) -> tuple[StoreCoordinator, StoreCoordinator, Counting]:

@@ -3,37 +3,16 @@ the nodes' leads do not beat in step, and an idle agreement thread does not wake
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
+from stores import client, fresh_ordinals_fixture, store_fixture  # noqa: F401 (fixtures)
 from torch.distributed import TCPStore
 
 from asyncckpt.rank import coordination
 from asyncckpt.rank.agreement import Agreement
 from asyncckpt.rank.coordination import StoreCoordinator
-
-
-@pytest.fixture(autouse=True)
-def fresh_ordinals() -> Iterator[None]:
-    """Leave no client ordinal behind: a later test's in-process ranks would not meet."""
-    yield
-    coordination._ordinals.clear()
-
-
-@pytest.fixture
-def store() -> Iterator[TCPStore]:
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                      timeout=datetime.timedelta(seconds=30))
-    yield server
-
-
-def client(store: TCPStore) -> TCPStore:
-    return TCPStore("127.0.0.1", store.port, is_master=False,
-                    timeout=datetime.timedelta(seconds=30))
 
 
 class BeatInTheGap:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from stores import store_fixture  # noqa: F401 (a fixture)
 from tiers import process_fixture
 from torch.distributed import TCPStore
 
@@ -65,14 +66,12 @@ def test_a_lead_waiting_for_the_outcome_fails_once_the_store_is_gone(store_host)
     assert len(raised) == 1 and store_gone(raised[0]), raised
 
 
-def test_a_wait_that_times_out_is_not_taken_for_the_store_gone():
+def test_a_wait_that_times_out_is_not_taken_for_the_store_gone(store):
     """The store's timeout error is not its network error: a live store's slow key is
     waited for again, as before."""
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                      timeout=datetime.timedelta(seconds=30))
     with pytest.raises(Exception) as timed_out:
-        server.wait(["never"], datetime.timedelta(seconds=0.2))
+        store.wait(["never"], datetime.timedelta(seconds=0.2))
     assert not store_gone(timed_out.value)
     coordination._ordinals.clear()
-    lead = StoreCoordinator(server, 8, 16, 0.5, (8, 8))
+    lead = StoreCoordinator(store, 8, 16, 0.5, (8, 8))
     assert lead._wait_key("never", 0.2) is False
