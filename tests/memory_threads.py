@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from inprocess import InProcessWriter
+from one_rank_node import one_rank_env
 
 from asyncckpt.rank.client import Client
 from asyncckpt.read import memory, memory_restore
@@ -26,9 +27,7 @@ class OneRankNodes:
 
     def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int,
                  wait_s: float, **knobs: Any) -> None:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-        monkeypatch.setenv("LOCAL_RANK", "0")
-        monkeypatch.setenv("WORLD_SIZE", str(count))
+        one_rank_env(monkeypatch, count)
         self.count, self.wait_s = count, wait_s
         self.roots = [root_path(tmp_path / f"ckpt-{n}") for n in range(count)]
         self.writers = [InProcessWriter(tmp_path / f"ckpt-{n}", codec="raw", export=False,

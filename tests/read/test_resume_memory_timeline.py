@@ -13,29 +13,15 @@ In process: one writer, world 1, a linear model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 import torch
 from inprocess import InProcessWriter
+from one_rank_node import one_rank_writer  # noqa: F401 (the fixture writer)
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.storage.location import storage_for
 from asyncckpt.storage.timeline import live_steps, read_current
 
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InProcessWriter]:
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
-    try:
-        yield w
-    finally:
-        w.stop()
 
 
 def _model(fill: float) -> torch.nn.Linear:

@@ -11,13 +11,13 @@ crashed party left there.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from inprocess import InProcessWriter
+from one_rank_node import one_rank_writer  # noqa: F401 (the fixture writer)
 
 from asyncckpt.format.layout import MANIFEST_NAME, retired_dir_name, step_dir_name
 from asyncckpt.rank.client import Client
@@ -26,17 +26,6 @@ from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import memory_flush
 
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InProcessWriter]:
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    w = InProcessWriter(tmp_path / "ckpt", codec="raw", export=False)
-    try:
-        yield w
-    finally:
-        w.stop()
 
 
 def test_a_memory_flush_is_sampled_as_densely_as_a_save(
