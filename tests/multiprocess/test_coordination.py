@@ -66,20 +66,23 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@pytest.fixture
-def store() -> Iterator[TCPStore]:
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield master
+@pytest.fixture(name="store")
+def store_fixture() -> Iterator[TCPStore]:
+    """The job's store, served by the test process as rank 0 serves it (other test
+    modules take it by import: `from test_coordination import store_fixture`)."""
+    yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 @contextlib.contextmanager
-def ranks(writers, store, node_timeout: float = 20, stores: dict | None = None
-          ) -> Iterator[list[asyncckpt.Client]]:
+def ranks(writers, store, node_timeout: float = 20, stores: dict | None = None,
+          env: list[dict[str, str]] | None = None) -> Iterator[list[asyncckpt.Client]]:
     """WORLD clients, PER_NODE on each writer, each with its own store client (or the
-    one `stores` gives for its rank)."""
+    one `stores` gives for its rank), node n's made under `env[n]` too if given (the
+    variables torchrun's agent of that node sets)."""
     clients = []
     for r in range(WORLD):
-        with _env({"LOCAL_RANK": str(r % PER_NODE), "LOCAL_WORLD_SIZE": str(PER_NODE)}):
+        with _env({"LOCAL_RANK": str(r % PER_NODE), "LOCAL_WORLD_SIZE": str(PER_NODE),
+                   **(env[r // PER_NODE] if env else {})}):
             clients.append(asyncckpt.connect(
                 writers[r // PER_NODE].address, rank=r, world_size=WORLD,
                 store=(stores or {}).get(r) or TCPStore("127.0.0.1", store.port, is_master=False),

@@ -9,38 +9,14 @@ the killed launch. Such a node names the killed launch's directory again."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
-from test_coordination import PER_NODE, WORLD, _env, nodes, outcomes, state, wait_until
+from shared_launch import agents, killed_launch, redo
+from test_coordination import PER_NODE, WORLD, _env, nodes, outcomes, state
 from torch.distributed import TCPStore
 
 import asyncckpt
-from asyncckpt.format.layout import tmp_step_of
-from asyncckpt.writer import shared
 
 pytestmark = pytest.mark.process
-
-
-@contextlib.contextmanager
-def _ranks(writers, store, counts: list[str], node_timeout: float):
-    """WORLD clients as test_coordination.ranks, node n's with torchrun's variables of
-    restart count counts[n] (one run id)."""
-    clients = []
-    for r in range(WORLD):
-        with _env({"LOCAL_RANK": str(r % PER_NODE), "LOCAL_WORLD_SIZE": str(PER_NODE),
-                   "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT":
-                   counts[r // PER_NODE]}):
-            clients.append(asyncckpt.connect(
-                writers[r // PER_NODE].address, rank=r, world_size=WORLD,
-                store=TCPStore("127.0.0.1", store.port, is_master=False),
-                node_timeout=node_timeout, slot_size=4096, ring_size=16384))
-    try:
-        yield clients
-    finally:
-        for c in clients:
-            c.close(timeout=30)
 
 
 def test_a_relaunch_that_only_the_failed_node_counts_still_commits(tmp_path):
@@ -51,27 +27,11 @@ def test_a_relaunch_that_only_the_failed_node_counts_still_commits(tmp_path):
     with nodes(tmp_path) as writers:
         # killed launch (both agents at restart 0): node 1 alone saves step 1 and its
         # writer puts its folder into the shared directory
-        killed_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        killed = _ranks(writers, killed_store, ["0", "0"], 60)
-        clients = killed.__enter__()
-        for c in clients[PER_NODE:]:
-            c.save(1, state(c.rank, 1))
-        assert wait_until(lambda: [p for p in root.iterdir() if shared.is_shared(p.name, 1)
-                                   and os.listdir(p) == [f"node-{PER_NODE:05d}"]], 30)
-        for c in clients:
-            c.close(timeout=2, wait_results=False)
-        assert [p for p in root.iterdir() if tmp_step_of(p.name) == 1
-                and not shared.is_shared(p.name)]
+        killed = killed_launch(writers, root, agents(["0", "0"]))
         # node 0's worker failed: its agent counts restart 1; node 1's agent restarts its
         # workers as a membership change: still restart 0
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        relaunch = _ranks(writers, store, ["1", "0"], 20)
-        clients = relaunch.__enter__()
-        try:
-            done = outcomes([c.save(1, state(c.rank, 1)) for c in clients])
-        finally:
-            relaunch.__exit__(None, None, None)
-        del killed_store
+        done = redo(writers, agents(["1", "0"]))
+        del killed
         assert done == [root / "step-00000001"] * WORLD, done
 
 
@@ -82,9 +42,7 @@ def test_nodes_whose_agents_counted_restarts_apart_still_commit(tmp_path):
     other node's hello) and every several-node save fails -- fixed."""
     root = tmp_path / "ckpt"
     with nodes(tmp_path) as writers:
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        with _ranks(writers, store, ["1", "0"], 5) as clients:
-            done = outcomes([c.save(1, state(c.rank, 1)) for c in clients])
+        done = redo(writers, agents(["1", "0"]), node_timeout=5)
         assert done == [root / "step-00000001"] * WORLD, done
 
 

@@ -8,27 +8,22 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_coordination import (
+from test_coordination import (  # noqa: F401 (store_fixture: the fixture store)
     PER_NODE,
     WORLD,
     nodes,
     outcomes,
     ranks,
     state,
+    store_fixture,
     wait_until,
 )
-from torch.distributed import TCPStore
 
 import asyncckpt
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer import shared
 
 pytestmark = pytest.mark.process
-
-
-@pytest.fixture
-def store() -> TCPStore:
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def test_the_nodes_folders_meet_in_one_shared_directory_the_leader_renames(tmp_path, store):
