@@ -134,7 +134,9 @@ def cases_for(framework: str, args: argparse.Namespace, work: Path) -> list[dict
             out.append({"framework": framework, "name": name, "state": state, "method": method,
                         "world": world, "width": width, "layers": layers, "port": free_port(),
                         "plan": plan, "work": str(work / name),
-                        "out": str(work / f"result-{name}")})
+                        "out": str(work / f"result-{name}"),
+                        "profile": (str(Path(args.profile).resolve() / name)
+                                    if getattr(args, "profile", None) else None)})
     return out
 
 
@@ -211,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=RUN_TIMEOUT,
                     help="seconds for one venv's cases (those unfinished are reported missing)")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a tmp dir in .)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="run the save calls (but each case's first) under cProfile; its "
+                    "stats go to DIR/<case>-r<rank>.prof (python -m pstats reads them)")
     ap.add_argument("--render", metavar="JSON", help="only write --out's report from the figures "
                     "of an earlier run (its .json)")
     args = ap.parse_args(argv)
@@ -220,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gib is None:
         args.gib = 0.25 if args.quick else 1.0
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     from benchmarks import frameworks_drivers as drivers
     result: dict[str, Any] = {

@@ -67,6 +67,14 @@ BATCH = 8
 LR = 1e-4
 
 
+STATS = ("blocked_seconds", "staging_seconds", "seconds", "encode_seconds", "write_seconds")
+
+
+def stats_of(handle: Any) -> Any:
+    """A reader of an asyncckpt handle's figures (SaveStats) for the bench's record."""
+    return lambda: {k: getattr(handle.stats, k) for k in STATS}
+
+
 def preload(framework: str) -> None:
     for name in MODULES[framework]:
         importlib.import_module(name)
@@ -129,7 +137,8 @@ def _hf(method: str, width: int, layers: int, work: Path, bench: Bench) -> None:
         finally:
             trainer.state.global_step = real
         if method == "asyncckpt":
-            return Saved(wait=trainer.asyncckpt_last_handle.wait)
+            handle = trainer.asyncckpt_last_handle
+            return Saved(wait=handle.wait, stats=stats_of(handle))
         return Saved(fsync=work / "out" / f"checkpoint-{n}")
 
     bench.save = save
@@ -201,7 +210,8 @@ def _lightning(method: str, width: int, layers: int, work: Path, bench: Bench) -
             return Saved(wait=done.result, fsync=path)
         if method == "asyncckpt":
             handles = [p.handle for p in list(io._pending) if p.path == path.absolute()]
-            return Saved(wait=handles[-1].wait) if handles else Saved()
+            return (Saved(wait=handles[-1].wait, stats=stats_of(handles[-1])) if handles
+                    else Saved())
         return Saved(fsync=path)
 
     bench.save = save
@@ -240,7 +250,7 @@ def _accelerate(method: str, width: int, layers: int, work: Path, bench: Bench) 
     def save(n: int) -> Saved:
         out = acc.save_state()
         if method == "asyncckpt":
-            return Saved(wait=out.wait)
+            return Saved(wait=out.wait, stats=stats_of(out))
         return Saved(fsync=Path(out))
 
     bench.save = save
@@ -287,7 +297,8 @@ def _torchtune(method: str, width: int, layers: int, work: Path, bench: Bench) -
         ckpt.save_checkpoint(state, epoch=n, save_async=method != "default")
         path = output / f"dist_epoch_{n}"
         if method == "asyncckpt":
-            return Saved(wait=ckpt._checkpoint_future.result)
+            future = ckpt._checkpoint_future
+            return Saved(wait=future.result, stats=stats_of(future.handle))
         if method == "async":
             return Saved(wait=ckpt._checkpoint_future.result, fsync=path)
         return Saved(fsync=path)
@@ -302,5 +313,6 @@ def _torchtune(method: str, width: int, layers: int, work: Path, bench: Bench) -
     finally:
         if method == "asyncckpt":
             ckpt.wait_until_finished()
+            bench.extra["fence_blocked_seconds"] = ckpt.fence_blocked_seconds
         dist.barrier()
         dist.destroy_process_group()

@@ -73,10 +73,12 @@ class Plan:
 class Saved:
     """What a method's save left to wait for: `wait` blocks until its bytes are written
     (None: written when the call returned); `fsync`, files the bench must fsync to make
-    them durable (None: the method made them durable itself)."""
+    them durable (None: the method made them durable itself); `stats`, the method's own
+    figures for the save, read once it is durable (asyncckpt's handle stats)."""
 
     wait: Callable[[], Any] | None = None
     fsync: Path | None = None
+    stats: Callable[[], dict[str, Any]] | None = None
 
 
 def fsync_tree(path: Path) -> None:
@@ -113,6 +115,7 @@ class Record:
     next_step: float | None = None
     durable: float | None = None
     error: str | None = None
+    stats: dict[str, Any] | None = None
 
 
 @dataclass
@@ -128,6 +131,8 @@ class Bench:
     step_times: list[tuple[int, float]] = field(default_factory=list)
     probe: measure.MemoryProbe | None = None
     memory: dict[str, int] = field(default_factory=dict)
+    profile: Any = None  # a cProfile.Profile run around every save call but the first
+    extra: dict[str, Any] = field(default_factory=dict)  # the driver's figures for the run
     _watchers: list[threading.Thread] = field(default_factory=list)
     _pending_next: Record | None = None
     _actions: dict[int, list[str]] = field(default_factory=dict)
@@ -153,8 +158,15 @@ class Bench:
 
     def _save(self, kind: str) -> None:
         n = len(self.saves) + 1
+        profile = self.profile if kind != "first" else None
         started = time.perf_counter()
-        saved = self.save(n)
+        if profile is not None:
+            profile.enable()
+        try:
+            saved = self.save(n)
+        finally:
+            if profile is not None:
+                profile.disable()
         call = time.perf_counter() - started
         record = Record(kind, call, started)
         self.saves.append(record)
@@ -178,6 +190,8 @@ class Bench:
             if saved.fsync is not None:
                 fsync_tree(saved.fsync)
             record.durable = time.perf_counter() - record.started
+            if saved.stats is not None:
+                record.stats = saved.stats()
         except BaseException as e:  # noqa: BLE001 - reported in the result, never hidden
             record.error = f"{type(e).__name__}: {e}"
 
@@ -194,7 +208,8 @@ class Bench:
                 if self.plan.warm < i <= self.plan.warm + self.plan.baseline]
         return {"base_step": statistics.median(base) if base else None,
                 "saves": [vars(r) for r in self.saves],
-                "steps": len(self.step_times), "memory": self.memory}
+                "steps": len(self.step_times), "memory": self.memory, "extra": self.extra,
+                "step_times": [s for _, s in self.step_times]}
 
 
 def blocked(record: dict[str, Any], base_step: float | None) -> float:

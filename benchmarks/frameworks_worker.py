@@ -6,7 +6,9 @@ processes or allocator pools. The parent runs no torch code before it forks.
     python -m benchmarks.frameworks_worker SPEC.json RANK
 
 SPEC: {"cases": [{"framework", "name", "method", "world", "width", "layers", "port",
-"plan": {...}, "work", "out"}]}: the frameworks of one venv, imported first. A case with
+"plan": {...}, "work", "out", "profile"?}]}: the frameworks of one venv, imported first.
+With "profile" (a path prefix), the save calls but the first are run under cProfile and
+its stats written to "profile" + "-r<RANK>.prof". A case with
 world 1 runs on rank 0 only. Each child writes its result (or its error and traceback)
 to the case's "out" + "-r<RANK>.json".
 """
@@ -39,8 +41,13 @@ def run_case(framework: str, case: dict[str, Any], rank: int) -> dict[str, Any]:
     work = Path(case["work"])  # shared by the ranks, as a job's output directory is
     work.mkdir(parents=True, exist_ok=True)
     bench = Bench(Plan(**case["plan"]), save=lambda n: drivers.Saved())
+    if case.get("profile"):  # the save calls on the loop's thread (--profile)
+        import cProfile
+        bench.profile = cProfile.Profile()
     started = time.perf_counter()
     drivers.run(framework, case["method"], case["width"], case["layers"], work, bench)
+    if bench.profile is not None:
+        bench.profile.dump_stats(f"{case['profile']}-r{rank}.prof")
     return {**bench.result(), "rank": rank, "wall": time.perf_counter() - started,
             "loadavg": list(os.getloadavg())}
 

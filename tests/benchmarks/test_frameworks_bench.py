@@ -158,3 +158,35 @@ def test_back_to_back_in_all_counts_the_wait_a_queued_save_leaves_to_the_next_st
     found = report.misses(case)
     assert any("blocked in all, back to back" in m and "(async)" in m for m in found)
     assert not any("blocked per save, back to back" in m for m in found)
+
+
+def test_profile_covers_the_save_calls_but_the_first_and_stats_are_read_once_durable() -> None:
+    """--profile: the save calls after the first run under the profiler (the first pays
+    one-time costs); a method's own figures (asyncckpt's handle stats) are recorded
+    with the save once it is durable, and the driver's run figures with the result."""
+    import cProfile
+    import pstats
+
+    plan = Plan(warm=1, baseline=1, gap=1, spaced=2, back=1)
+    calls: list[int] = []
+
+    def marked_save_call(n: int) -> None:
+        calls.append(n)
+
+    def save(n: int) -> Saved:
+        marked_save_call(n)
+        return Saved(wait=lambda: None, stats=lambda: {"staging_seconds": 0.5 * n})
+
+    bench = Bench(plan, save=save, profile=cProfile.Profile())
+    bench.extra["fence_blocked_seconds"] = 1.5
+    for _ in range(plan.steps()):
+        bench.on_step(0.1)
+    result = bench.result()
+    assert calls == [1, 2, 3, 4]
+    assert [s["stats"] for s in result["saves"]] == [{"staging_seconds": 0.5 * n}
+                                                     for n in (1, 2, 3, 4)]
+    assert result["extra"] == {"fence_blocked_seconds": 1.5}
+    assert result["step_times"] == [0.1] * plan.steps()
+    profiled = {name: counts[0] for (_, _, name), counts in
+                pstats.Stats(bench.profile).stats.items()}  # type: ignore[attr-defined]
+    assert profiled["marked_save_call"] == 3  # saves 2, 3, 4
