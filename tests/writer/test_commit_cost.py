@@ -8,10 +8,11 @@ once by retention (which must see a timeline begun meanwhile), not once per ques
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
-from asyncckpt.format.records import RankPart
+from test_nodes import Told  # the same party stand-in
+from test_steps import part
+
 from asyncckpt.storage import timeline as timeline_module
 from asyncckpt.storage.posix import PosixStorage
 from asyncckpt.writer.steps import Steps
@@ -19,34 +20,12 @@ from asyncckpt.writer.steps import Steps
 STEP_NAMES = [f"step-{s:08d}" for s in range(1, 7)]
 
 
-def part(rank: int = 0) -> RankPart:
-    return RankPart(rank, f"rank-{rank:05d}.safetensors", "raw", 0, 0, [], [], {"list": []})
-
-
-class Told:
-    """What the rank was told, per step; `wait(step)` blocks until it was."""
-
-    def __init__(self) -> None:
-        self.got: dict[int, object] = {}
-        self._cond = threading.Condition()
-
-    def notify(self, step: int):
-        def tell(error, path, stats):
-            with self._cond:
-                self.got[step] = error or path
-                self._cond.notify_all()
-        return tell
-
-    def wait(self, step: int, timeout: float = 10) -> object:
-        with self._cond:
-            assert self._cond.wait_for(lambda: step in self.got, timeout), \
-                f"step {step} not told in {timeout} s"
-        return self.got[step]
-
-
-def save(steps: Steps, step: int, told: Told) -> None:
-    steps.begin(step, 0, 1, told.notify(step))
-    steps.end(step, part(), {})
+def save(steps: Steps, step: int) -> Told:
+    """Rank 0 of 1 saves `step`: what it is told."""
+    told = Told()
+    steps.begin(step, 0, 1, told)
+    steps.end(step, part(0), {})
+    return told
 
 
 def test_a_commit_lists_the_root_once_and_reads_the_timeline_twice(tmp_path: Path,
@@ -77,14 +56,11 @@ def test_a_commit_lists_the_root_once_and_reads_the_timeline_twice(tmp_path: Pat
     monkeypatch.setattr(os, "listdir", listdir)
     monkeypatch.setattr(timeline_module, "read_small_file", read_small_file)
     steps = Steps(tmp_path, (2, 0), storage=PosixStorage(tmp_path))
-    told = Told()
     try:
         steps.rank_joined(0)
-        save(steps, 1, told)
-        told.wait(1)
+        save(steps, 1).wait()
         for step in range(2, 7):  # the committer is serial: one step's retention is
-            save(steps, step, told)  # done before the next step's commit starts
-            told.wait(step)
+            save(steps, step).wait()  # done before the next step's commit starts
     finally:
         steps.close(timeout=10)
     assert len(listings) == 6, listings
