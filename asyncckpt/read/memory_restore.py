@@ -222,7 +222,7 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         except (CheckpointError, OSError, EOFError, ValueError) as e:
             log.warning("asyncckpt: restore cannot ask the writer at %s for memory "
                         "generations: %s", address, e)
-    _, world = resolve_rank(rank)
+    me, world = resolve_rank(rank)
     plan = _plan(gather(view), world, only)
     step = plan.step if plan is not None else None
     floor, overtaken, forked = (_floor(plan, newest, current) if plan is not None
@@ -295,7 +295,7 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         _fall_back(plan.step, failed, newest)
         return None
     if isinstance(state, staging.Staged):
-        state = state.commit(plan.step, rank)
+        state = state.commit(plan.step, me)
     log.info("asyncckpt: restored step %d from the memory tier", plan.step)
     return FromMemory(plan.step, state, _start(plan.timeline))
 
