@@ -202,15 +202,14 @@ torture: setup titan-setup
 torture-s3: setup
 	$(BIN)/python scripts/faults/torture.py --s3 --kills 100 --ranks 3
 
-# The memory tier, as far as it is built: step time with no checkpointing, a memory save
-# every step and a durable save every step (demo MLP, 1 rank, at a 16 ms and a 162 ms step),
-# the writer's memory against the shard, then the replica transport's loopback throughput.
-# The 2 x 2 node-loss recovery times are not measured yet (tests/multiprocess/
-# test_memory_tier_nodes.py checks the recovery itself; ASYNCCKPT_MEMORY_LONG=1 runs the
-# replacement-node case).
+# The memory tier: step time with no checkpointing, a memory save every step and a durable
+# save every step (demo MLP, 1 rank, at a 16 ms and a 162 ms step); at 2 nodes x 2 ranks the
+# same on shared CPUs and pinned (ranks and writers on CPUs of their own), the writers'
+# memory against the node's shard, and the node-loss recovery times; then the replica
+# transport's loopback throughput and the replacement-node test at its long size.
 bench-memory-tier: setup
 	$(BIN)/python -m benchmarks.memory_tier --steps 60 --batch 32
-	$(BIN)/python -m benchmarks.memory_recovery --steps 40 --batch 256
+	$(BIN)/python -m benchmarks.memory_recovery --steps 40 --batch 256 --pin
 	$(BIN)/python -m benchmarks.memory_tier --steps 60 --batch 2048
 	$(BIN)/python -m benchmarks.replica_transport --mib 256 --chunk-mib 1
 	ASYNCCKPT_MEMORY_LONG=1 $(BIN)/python -m pytest -q tests/multiprocess/test_memory_tier_nodes.py
