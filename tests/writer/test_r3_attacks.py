@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 from test_memory_commit_attacks import RUN0, Node
+from test_memory_crash_points import Job
 
+from asyncckpt.errors import MemoryTierFullError
 from asyncckpt.ipc.memory_messages import LOCAL
+from asyncckpt.read import memory
+from asyncckpt.writer.memory_store import partner_replica
 
 
 @pytest.fixture
@@ -43,3 +47,46 @@ def test_a_stale_leads_late_greeting_then_its_local_keeps_the_committed_step(
     node.ask(stale)  # the stale lead's MemoryCommitter greets (its __init__)
     node.ask(LOCAL, scope=stale)  # its agreement ended "off" (the old launch's keys)
     assert node.tier.job.on and node.held() == [1, 2], (node.tier.job.session, node.held())
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
+    j = Job(tmp_path, monkeypatch)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+@pytest.mark.xfail(strict=True, reason="R3-6: a generation superseded while this node's own "
+                   "images of it are being sent to the partner keeps every sealed image "
+                   "(_drop: gen.out is a count, not which images are out), the partner's "
+                   "replica images too, which no descriptor holds: they stay counted as one "
+                   "of the partner node's two generations until the send ends, and the "
+                   "partner's next replica is refused meanwhile (its step never held in two "
+                   "places) though taking it stays within 4 x")
+def test_a_send_of_the_own_node_holds_no_partner_replica_of_a_superseded_step(
+        job: Job) -> None:
+    """Node 1's replica of 5 held here was read once (a restore opened it: its images
+    sealed). Node 0's own 5 on its way to its partner (slow link); node 1's replica of 6
+    makes 6 whole there: 5 superseded. The sender holds node 0's images of 5 (ranks 0, 1), not
+    node 1's replica of 5 (ranks 2, 3): those can go, and node 1's replica of 7 -- 5
+    (sending, node 0's), 6 (both nodes), 7 (node 1's): 2 x each node -- is taken."""
+    tier = job.a.server.memory
+    job.save(5)
+    job.replicate_b(5)
+    memory.open_images(job.a.address, 5, [2, 3]).close()  # read once (a restore's open)
+    replica = partner_replica(tier, 5)  # node 0's own images of 5 (ranks 0, 1) out
+    try:
+        job.save(6)
+        job.replicate_b(6)  # 6 whole for both nodes here: 5 superseded mid-send
+        kept = sorted(r for g in tier._leaving for r in g.images)
+        job.save(7, ranks=range(2, 4))  # node 1's 7 (node 0's ranks do not save it yet)
+        try:
+            job.replicate_b(7)
+            taken = None
+        except MemoryTierFullError as e:
+            taken = str(e)
+        assert kept == [0, 1] and taken is None, (kept, taken)
+    finally:
+        replica.release()
