@@ -46,10 +46,11 @@ class OneRankNodes:
         return [{g["step"]: g["ranks"] for g in memory.generations(w.address)}
                 for w in self.writers]
 
-    def restore(self, keys: set[str], intos: list[Any] | None = None) -> list[Any]:
+    def restore(self, keys: set[str], intos: list[Any] | None = None,
+                newest: int | None = None, raised: bool = False) -> list[Any]:
         """Every rank's (step, state, _) or None, all at once (`restore_in_threads`)."""
         return restore_in_threads(self.roots, [w.address for w in self.writers], keys,
-                                  self.wait_s, intos)
+                                  self.wait_s, intos, newest, raised)
 
     def close(self) -> None:
         for c in self.clients:
@@ -60,10 +61,12 @@ class OneRankNodes:
 
 
 def restore_in_threads(roots: list[Any], addresses: list[str], keys: set[str],
-                       wait_s: float, intos: list[Any] | None = None) -> list[Any]:
+                       wait_s: float, intos: list[Any] | None = None,
+                       newest: int | None = None, raised: bool = False) -> list[Any]:
     """Each rank's `restore_memory(roots[rank], addresses[rank], ...)` result (its
     (step, state, ...) or None), every rank at once, loaded into `intos[rank]` when
-    given (the targets `into()` makes); fails the test on any error."""
+    given (the targets `into()` makes), `newest` the durable step; fails the test on
+    any error (`raised`: the error is that rank's result instead)."""
     ranks = len(roots)
     barrier, slots, local = threading.Barrier(ranks), [None] * ranks, threading.local()
 
@@ -82,9 +85,12 @@ def restore_in_threads(roots: list[Any], addresses: list[str], keys: set[str],
         try:
             into = None if intos is None else intos[rank]
             results[rank] = memory_restore.restore_memory(
-                roots[rank], addresses[rank], rank, None, lambda: into, keys, expected=True)
+                roots[rank], addresses[rank], rank, newest, lambda: into, keys, expected=True)
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
-            errors.append(e)
+            if raised:
+                results[rank] = e
+            else:
+                errors.append(e)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(memory_restore, "gather", gather)
         threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]

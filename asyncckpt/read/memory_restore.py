@@ -205,10 +205,14 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         rank; None on every rank when no
         usable generation is held everywhere or its load failed on any rank (said at
         WARNING, on every rank, with the step, the ranks that failed and their errors;
-        the caller falls back to the durable tier), the targets then untouched.
+        the caller falls back to the durable tier), the targets then untouched --
+        except those loaded in place (global tensors on an accelerator, staging.py),
+        which the durable tier's load then writes whole.
     Raises:
         CheckpointError: copying the verified state into the targets failed (the
-            device failed), after every rank had agreed.
+            device failed), after every rank had agreed; or a load that failed may have
+            written targets loaded in place and there is no durable step (`newest`
+            None) to write them whole: on every rank alike.
     """
     view = None
     if address is not None:
@@ -275,13 +279,20 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         log.info("asyncckpt: rank %d's image of memory generation %d fetched from %s",
                  wanted, plan.step, source)
         return dict(got.fds)
+    touched = False  # a staged load of global tensors on an accelerator writes them in
+    # place (staging.py): its failure cannot go unsaid (a `read`'s is its caller's affair)
     try:
         if error is None and images is not None:
             with memory.open_checkpoint(root, images, merged, fetch=fetch) as ckpt:
                 # into staging: the caller's targets are written only once every rank
                 # has loaded and verified its part (staging.py)
-                state = (read(ckpt) if read is not None else staging.stage(
-                    into(), lambda targets: memory.load(ckpt, rank, targets, keys)))
+                if read is not None:
+                    state = read(ckpt)
+                else:
+                    targets = into()
+                    touched = staging.in_place(targets)
+                    state = staging.stage(
+                        targets, lambda staged: memory.load(ckpt, rank, staged, keys))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -290,8 +301,15 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         for held in [images, *fetched]:
             if held is not None:
                 held.close()
-    failed = _failures(gather((outcome(error), _cause(error))))
+    reports = gather((outcome(error), _cause(error), touched))
+    failed = _failures([(verdict, cause) for verdict, cause, _ in reports])
     if failed:
+        if newest is None and any(t for _, _, t in reports):
+            raise CheckpointError(
+                f"restore from memory generation {plan.step} failed on {failed}, and the "
+                "targets it loads in place (global tensors on an accelerator) may be partly "
+                "written: with no durable step to restore them from, the state is not the "
+                "one it was", step=plan.step, rank=me)
         _fall_back(plan.step, failed, newest)
         return None
     if isinstance(state, staging.Staged):

@@ -10,12 +10,17 @@ only once every rank said its load succeeded (`Staged.commit`). The copy is the 
 step: nothing is read or verified after it starts, and it cannot fail short of the
 device failing.
 
-What it costs: the rank's targets once more until the commit. A plain target's staging
-is in host memory (contiguous: the reader fills it directly, and the commit copies it
-to the target's device); a global target's (DTensor, ShardedTensor) is where the
-target's local shard lives (a DTensor's `torch.empty_like`, a ShardedTensor's deep
-copy: its placements are what the loader reads its box from), so a restore of sharded
-state holds this rank's shards twice on their device until it commits.
+What it costs: the rank's targets once more until the commit, in host memory. A plain
+target's staging is a contiguous host tensor (the reader fills it directly, and the
+commit copies it to the target's device); a global target's (DTensor, ShardedTensor)
+must live where the target's local shard lives (a DTensor's `torch.empty_like`, a
+ShardedTensor's deep copy: its placements are what the loader reads its box from), so it
+is staged only when that is host memory. A global target on an accelerator is loaded in
+place, as `load(into=)` does: doubling a sharded model and its optimizer state on the
+GPU at restore, where they already fill it, would trade a rare partial fill for an
+out-of-memory error on every restore. For those targets a failure part way leaves
+them partly filled, and the caller is told the restore failed (every rank then goes to
+the durable tier, whose load writes them whole).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from asyncckpt.errors import CheckpointError
 from asyncckpt.torchutil import dtensor
 
-__all__ = ["Staged", "stage"]
+__all__ = ["Staged", "in_place", "stage"]
 
 
 @dataclass
@@ -75,6 +80,8 @@ def stage(into: Any, load: Callable[[Any], Any]) -> Staged:
 
     def shadow(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
+            if not _stageable(node):
+                return node  # loaded in place (see the module docstring)
             if id(node) not in memo:
                 memo[id(node)] = _staging(node)
                 pairs.append((node, memo[id(node)]))
@@ -88,6 +95,25 @@ def stage(into: Any, load: Callable[[Any], Any]) -> Staged:
         return node
     targets = shadow(into)
     return Staged(load(targets), pairs)
+
+
+def in_place(into: Any) -> bool:
+    """Whether `stage` would load some tensor of `into` in place (a global tensor on an
+    accelerator): a failed load may then have written part of it."""
+    if isinstance(into, torch.Tensor):
+        return not _stageable(into)
+    if isinstance(into, dict):
+        return any(in_place(v) for v in into.values())
+    if isinstance(into, (list, tuple)):
+        return any(in_place(v) for v in into)
+    return False
+
+
+def _stageable(t: torch.Tensor) -> bool:
+    """Whether `t`'s staging is host memory: a plain tensor's always; a global tensor's
+    only when its local shards are on the host."""
+    return not dtensor.is_global(t) or all(
+        part.device.type == "cpu" for part in dtensor.local_tensors(t))
 
 
 def _staging(t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from memory_threads import OneRankNodes
 
 from asyncckpt.config import ReadLimits
-from asyncckpt.errors import CheckpointNotFoundError
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError
 from asyncckpt.format.records import rank_from_json
 from asyncckpt.read import memory, staging
 
@@ -123,6 +123,38 @@ def test_one_ranks_failure_leaves_every_ranks_targets_as_they_were(
             in said[0]), said[0]
     assert "rank 0" not in said[0] and "rank 2" not in said[0]
     assert "restoring from the durable tier" in said[0]
+
+
+@pytest.mark.parametrize("newest", [None, 3], ids=["no durable step", "durable step 3"])
+def test_targets_loaded_in_place_are_never_left_half_written_unsaid(
+        job: OneRankNodes, monkeypatch: pytest.MonkeyPatch, newest: int | None) -> None:
+    """Global tensors on an accelerator are loaded in place, never staged (a second copy
+    of the rank's shards on its device would not fit where the state fills it): played
+    here by every target counting as one. A corrupt frame on rank 1 then leaves targets
+    partly written: with a durable step every rank answers None (its load writes them
+    whole); with none, every rank raises, naming the step and the failed rank."""
+    monkeypatch.setattr(staging, "_stageable", lambda t: False)
+    monkeypatch.setattr(memory, "open_images", _fault(job, "a corrupt frame"))
+    intos = [targets(r) for r in range(NODES)]
+    results = job.restore(KEYS, intos, newest=newest, raised=True)
+    if newest is not None:
+        assert results == [None] * NODES, results
+        return
+    assert all(isinstance(e, CheckpointError) for e in results), results
+    assert all(e.step == STEP and "failed on rank 1 (CorruptCheckpointError" in str(e)
+               and "partly" in str(e) for e in results), results
+
+
+def test_stageable_targets_are_host_ones_only() -> None:
+    """A plain tensor is staged (in host memory, wherever it lives); a global one only
+    when its local shard is on the host: `in_place` says whether a state has one not."""
+    assert not staging.in_place({"a": torch.zeros(2), "b": [torch.zeros(1), 3]})
+    meta = torch.empty(2, device="meta")  # the device stands for an accelerator's
+    assert staging._stageable(meta)  # plain: staged on the host
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(staging.dtensor, "is_global", lambda t: True)
+        assert staging._stageable(torch.zeros(2)) and not staging._stageable(meta)
+        assert staging.in_place({"m": (meta,)}) and not staging.in_place({"c": torch.zeros(2)})
 
 
 def test_a_restore_fills_the_targets_themselves_once_every_rank_loaded(job: OneRankNodes) -> None:
