@@ -30,6 +30,7 @@ plan (with its timeline start) is made anew.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from pathlib import Path
 
@@ -42,13 +43,14 @@ from asyncckpt.storage.location import Location
 class _Load:
     step: int | None
     gen: int | None
-    count: int                          # loads of this root recorded in this process
+    count: int                          # the load's number in this process (never reused)
     start: TimelineStart | None = None  # drawn by the coordinator's first save after it
     given: bool = False                 # `start` carried as it is (None: no start)
 
 
 _loads: dict[str, _Load] = {}
 _lock = threading.Lock()
+_numbers = itertools.count(1)  # every recorded load's number: a plan cache key never reused
 
 
 def _key(root: Location) -> str:
@@ -63,8 +65,7 @@ def record_load(root: Location, step: int) -> None:
     """
     gen = current_timeline(root).gen
     with _lock:
-        before = _loads.get(_key(root))
-        _loads[_key(root)] = _Load(step, gen, 1 + (before.count if before else 0))
+        _loads[_key(root)] = _Load(step, gen, next(_numbers))
 
 
 def carry(root: Location, start: TimelineStart | None) -> None:
@@ -73,15 +74,16 @@ def carry(root: Location, start: TimelineStart | None) -> None:
     has not committed since), or, None, no start (the root's current timeline). Every
     rank must pass the same; a later load of `root` replaces it."""
     with _lock:
-        before = _loads.get(_key(root))
         _loads[_key(root)] = _Load(None if start is None else start.at,
                                    None if start is None else start.based_on,
-                                   1 + (before.count if before else 0), start, given=True)
+                                   next(_numbers), start, given=True)
 
 
 def generation(root: Location | None) -> int:
-    """How many loads of `root` this process recorded (0: none): part of the plan cache
-    key, so a load makes the next save's plan anew."""
+    """The number of the last load of `root` this process recorded (0: none, or
+    forgotten): part of the plan cache key, so a load makes the next save's plan anew.
+    Numbers are never reused (a count per root would go back after `forget`, and the
+    plan cached after an earlier load, with its timeline start, would be taken again)."""
     if root is None:
         return 0
     with _lock:

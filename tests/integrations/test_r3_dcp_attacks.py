@@ -48,13 +48,11 @@ def newest(root) -> tuple[int, float]:
     return loaded["step"], float(loaded["w"][0])
 
 
-@pytest.mark.xfail(strict=True, reason="R3-5: forget() drops a root's load count, so the "
-                   "next load counts 1 again: the plan cache key (root|1) of the saves "
-                   "planned after the first load is reused with the timeline start that load "
-                   "drew; the saves after the second load carry the old start (the current "
-                   "timeline's) instead of forking at the step loaded -- step 10, live in "
-                   "the current timeline, is refused (StepAlreadyCommittedError)")
 def test_a_load_after_forget_forks_at_the_step_it_loaded(writer, client) -> None:
+    """R3-5 (fixed): forget() dropped the root's load count, so the next load counted 1
+    again and its saves took the plan cached after the first load, with that load's
+    timeline start: step 10, live in the current timeline, was refused. Loads are
+    numbered process-wide now, never reused."""
     root = writer.root
     for step in (8, 10, 12):
         dcp.save(full(step), storage_writer=StorageWriter(root, step, client=client))
