@@ -35,6 +35,7 @@ class Generation:
     replicas: set[int] = field(default_factory=set)  # nodes held as a partner's replica
     started: float = field(default_factory=time.monotonic)  # when its first rank began
     out: int = 0  # its images being sent (to the partner, or served to a replacement)
+    sending: dict[int, int] = field(default_factory=dict)  # rank: its image's sends under way
     received: bool = False  # holds a partner's replica received whole (memory_commit.py)
 
     @property

@@ -100,16 +100,27 @@ class Held:
                 raise KeyError(step)
             images = [gen.images[r] for r in ranks(gen)]
             out = gen, [i.part() for i in images], [i.read_only() for i in images]
-            gen.out += hold
+            if hold:
+                gen.out += 1
+                for r in ranks(gen):
+                    gen.sending[r] = gen.sending.get(r, 0) + 1
             return out
 
-    def released(self, gen: Generation) -> None:
-        """An `outgoing(hold=True)` of `gen` is sent (or failed): its descriptors closed.
-        A generation dropped meanwhile (`_leaving`) frees its images once no send of it
-        is left."""
+    def released(self, gen: Generation, ranks: list[int]) -> None:
+        """An `outgoing(hold=True)` of `ranks`' images of `gen` is sent (or failed): its
+        descriptors closed. A generation dropped meanwhile (`_leaving`) frees each image
+        once no send of it is left, and leaves once none is."""
         with self._lock:
             gen.out -= 1
-            if gen.out <= 0 and any(g is gen for g in self._leaving):
+            for r in ranks:
+                gen.sending[r] = gen.sending.get(r, 0) - 1
+                if gen.sending[r] <= 0:
+                    del gen.sending[r]
+            if not any(g is gen for g in self._leaving):
+                return
+            for r in [r for r in gen.images if r not in gen.sending]:
+                gen.images.pop(r).close()
+            if gen.out <= 0:
                 self._leaving = [g for g in self._leaving if g is not gen]
                 gen.close()
 

@@ -83,5 +83,5 @@ def _replica(tier: MemoryTier, node: int, gen: Any, parts: list[Any],
             for fd in fds:
                 os.close(fd)
         finally:
-            tier.released(gen)
+            tier.released(gen, [p.rank for p in parts])
     return Replica(offer, list(fds), release)

@@ -463,7 +463,7 @@ class MemoryTier(Committing, Held):
         """Forget generation `step`: its waiting ranks hear `error`; its whole images
         not handed out are kept to be refilled (bytes still counted), the rest freed --
         but while it is being sent (`out`: to the partner, or served to a replacement)
-        its sealed images stay held and counted (`_leaving`) until the send ends, since
+        the sealed images being sent stay held and counted (`_leaving`) until it ends, since
         the sender's descriptors keep their memory alive anyway (memory_held.py
         `released`); `room` counts them as a generation of their node."""
         gen = self._gens.pop(step)
@@ -477,7 +477,7 @@ class MemoryTier(Committing, Held):
         sending: dict[int, RankImage] = {}  # sealed, while it is being sent: kept till sent
         for rank, image in gen.images.items():
             image.dropped_because = error.cause
-            if gen.out and image.sealed and image.fd >= 0:
+            if gen.sending.get(rank) and image.sealed and image.fd >= 0:
                 sending[rank] = image
             elif image.whole and not image.sealed and image.fd >= 0:
                 self._spare.append(image)
