@@ -135,10 +135,13 @@ class JobKeys:
         return self.word(base)
 
     def moved(self, run: int) -> None:
-        """This lead's saves are in rerun `run` now: it leaves every run before it that
-        it was in or skipped (the last RUNS_LEFT of them)."""
+        """This lead's saves are in rerun `run` now: it leaves the run it was in, always,
+        then the runs it skipped, the newest RUNS_LEFT - 1 of them (a job whose every
+        save goes back -- a step that never moves -- makes a run a save: leaving them
+        all could cost thousands of requests at once; an older skipped run keeps its
+        keys, and a lead still rounding there waits out its word)."""
         if run > self._run:
-            for old in range(max(self._run, run - RUNS_LEFT), run):
+            for old in [self._run, *range(max(self._run + 1, run - RUNS_LEFT + 1), run)]:
                 self.leave(old)
             self._run = run
 

@@ -50,12 +50,13 @@ def _keys_of(store: TCPStore, run: int) -> list[str]:
     return [n for n in names if store.check([f"{PREFIX}/{run}/{n}"])]
 
 
-@pytest.mark.xfail(strict=True, reason="R3-2: a lead whose saves went back more than "
-                   "RUNS_LEFT times between two of its rounds leaves runs run-8..run-1 but "
-                   "not the run it was in: that run never counts it left (a lead still in "
-                   "it waits 2 x node_timeout a round for it) and its keys are never deleted")
 def test_a_lead_jumping_past_runs_left_still_leaves_the_run_it_was_in(
         store: TCPStore) -> None:
+    """R3-2 (fixed): a lead whose saves went back more than RUNS_LEFT times between two
+    of its rounds left runs run-8..run-1 but not the run it was in: that run never
+    counted it left (a lead still in it waited 2 x node_timeout a round for it) and its
+    keys were never deleted. It now leaves its own run always, then the newest skipped
+    ones (the bound kept)."""
     keys = _leads(store)
     _first_round(keys)
     jump = RUNS_LEFT + 1  # its next round took a batch of saves holding 9 reruns
