@@ -4,6 +4,8 @@
     python -m benchmarks.frameworks --quick --out /tmp/fw.md       (a few minutes)
     python -m benchmarks.frameworks --frameworks torchtune --states mid --out /tmp/fw.md
                                                        (some cases: --methods too)
+    python -m benchmarks.frameworks --frameworks hf --states tiny --profile /tmp/prof
+                 (the save calls under cProfile: python -m pstats /tmp/prof/<case>-r0.prof)
 
 For the Hugging Face Trainer, Lightning, Accelerate and torchtune, the framework's
 default checkpoint path, its async mode where it has one (Lightning's AsyncCheckpointIO,
@@ -23,7 +25,10 @@ benchmarks/frameworks_drivers.py's. Each framework runs in its locked venv
 rank that imports it once and forks a child per case (benchmarks/frameworks_worker.py).
 The limits of the machine for the mid-size state (memcpy of its bytes, a sequential
 write + fsync of them) are measured here in the same run (benchmarks/limits.py).
-Results: benchmarks/results/frameworks.md and .json; misses are listed as misses.
+Results: benchmarks/results/frameworks.md and .json; misses are listed as misses. The
+.json's raw results also hold, per asyncckpt save, its handle's stats (staging, writer,
+encode and write seconds), every step's time, and torchtune's fence wait: what a
+`blocked` figure is made of.
 """
 
 from __future__ import annotations
