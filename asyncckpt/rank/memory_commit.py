@@ -139,11 +139,15 @@ class JobKeys:
         then the runs it skipped, the newest RUNS_LEFT - 1 of them (a job whose every
         save goes back -- a step that never moves -- makes a run a save: leaving them
         all could cost thousands of requests at once; an older skipped run keeps its
-        keys, and a lead still rounding there waits out its word)."""
-        if run > self._run:
-            for old in [self._run, *range(max(self._run + 1, run - RUNS_LEFT + 1), run)]:
-                self.leave(old)
-            self._run = run
+        keys, and a lead still rounding there waits out its word). `_run` moves past
+        each run as soon as its mark is added, so a store error halfway leaves no run
+        left twice when the next round tries again (a lead counted gone twice would
+        let the last lead out delete keys another lead still uses)."""
+        while self._run < run:
+            old = self._run
+            marked = self._mark(old)
+            self._run = max(old + 1, run - RUNS_LEFT + 1)
+            self._tidy(old, marked)
 
     def publish(self, base: str, r: int) -> dict[str, Any] | None:
         """Round `r`'s word from every node's report (one multi_get), published; None
@@ -165,9 +169,19 @@ class JobKeys:
         run's count is marked left (`LEFT` added), so a lead still in it waits for no
         round that this one will not complete; its round under way is woken. The last
         lead to leave takes every key of the run with it."""
+        self._tidy(run, self._mark(run))
+
+    def _mark(self, run: int) -> int:
+        """`leave`'s first half: this node's report goes, LEFT is added (one `add`, the
+        only request not to repeat). The run's count after it."""
         base = f"{self.prefix}/{run}"
         self.store.delete_key(f"{base}/node/{self.node}")
-        marked = self.store.add(f"{base}/count", LEFT)
+        return int(self.store.add(f"{base}/count", LEFT))
+
+    def _tidy(self, run: int, marked: int) -> None:
+        """`leave`'s second half, once `run`'s count reads `marked`: the first lead to
+        leave wakes the round under way, the last deletes the run's keys."""
+        base = f"{self.prefix}/{run}"
         count, left = marked % LEFT, marked // LEFT
         r = -(-count // self.nodes)
         if count % self.nodes and left == 1:  # the first to leave: wake the round's leads
