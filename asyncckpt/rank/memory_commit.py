@@ -410,6 +410,9 @@ class MemoryCommitter:
             except Exception as e:  # a store or writer gone: the next save tries again
                 log.warning("asyncckpt: the job-wide commit of memory step %d: %s: %s",
                             step, type(e).__name__, e)
+        with self._cond:  # reruns counted by `saved` that no round took: the other leads
+            self._run += self._reruns  # entered those runs, so this one leaves them too
+            self._reruns = 0
         try:
             if self._keys is not None:
                 self._keys.moved(self._run)
