@@ -110,7 +110,8 @@ class MemoryCommit(Message):
     """As `memory_list`, from a node's lead rank (rank/memory_commit.py): the job-wide
     commit of memory generations. `session` tags the job's commit session (a writer
     told it keeps its generations until a newer one is committed job-wide, instead of
-    the node-local rule; another tag starts afresh; LOCAL: the node-local rule again, the
+    the node-local rule; another tag starts afresh, but a lead's greeting ("greet/...")
+    never replaces a session's; LOCAL: the node-local rule again, the
 job runs no commit); `committed` the newest step held in
     two places on every node (-1: none known), `settled` the newest step whose outcome
     is final on every node (-1: none). With `step`, the writer first waits up to `wait`

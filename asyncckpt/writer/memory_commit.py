@@ -16,7 +16,8 @@ agreed (`told`): `committed`, the newest step every node holds in two places, an
 `settled`, the newest step whose outcome is final on every node (rank/memory_commit.py).
 A writer never told keeps the node-local rule (old ranks, one node, two nodes), and so
 does one whose lead tells it LOCAL (the job runs no commit) -- taken only from the lead
-whose tag it runs (`JobCommit.local_for`), so a stale lead cannot turn a session off.
+whose tag it runs (`JobCommit.local_for`), and a lead's greeting never replaces a
+session's tag, so a stale lead cannot turn a session off.
 
 Per step of its own node the writer keeps one outcome: "pending" from the node's first
 begin, then once and for all "two" (the partner acked the replica) or "not" (skipped,
@@ -62,6 +63,7 @@ STALE_KEPT = 8      # sessions left behind by a rerun, whose word is ignored
 # its step to settle, so several of its rounds at the defaults (each at most its 120 s
 # wait plus 2 x node_timeout for the word)
 SILENT_S = MAX_COMMIT_WAIT_S
+GREET = "greet/"  # the tag a lead greets its writer under (rank/memory_commit.py `_greet`)
 OLD_GREET = "start/"  # the tag a lead of 0.4.5 greets its writer under (its LOCAL has no scope)
 RERUN = "rerun"  # the session while the leads have not yet tagged a rerun's run
 
@@ -123,7 +125,12 @@ class JobCommit:
         they are facts of this node's generations, and the new run's first saves may
         end before its lead first speaks. The word of a session a rerun left behind is
         ignored. LOCAL is taken only from the lead that runs this writer's commit now
-        (`local_for`, with `scope`). Whether it was taken."""
+        (`local_for`, with `scope`). A lead's greeting replaces no session's tag, only
+        none or another greeting: a stale lead's (of a killed launch, or paused before
+        it greeted) comes after the session's and would then make its LOCAL match; the
+        cost is a restarted job whose leads agree to run no commit, on a writer that
+        ran a session: its LOCAL is not taken either, and the writer keeps that
+        session's rule until it falls back (`fall_back`). Whether it was taken."""
         if session in self._stale:
             return False
         if session in self._fell:  # its word moving on again: its leads came back
@@ -143,6 +150,11 @@ class JobCommit:
                 return False
             self.session, self.settled, self._held_back = None, -1, None
             return True
+        if session != self.session and _greeting(session) and not _greeting(self.running()):
+            log.info("asyncckpt: memory tier: a lead's greeting %r ignored: this writer runs "
+                     "the job-wide commit of %r (its committed step kept until that session, "
+                     "or another, commits a newer one)", session, self.session)
+            return False
         if session != self.session:
             self.session, self.settled, self._newest = session, -1, -1
             self._held_back, self._word = None, (-1, -1)
@@ -165,16 +177,22 @@ class JobCommit:
         this writer runs that tag still (its lead has met no session since, or a rerun
         came before it did), or no tag at all. A stale lead -- of a launch killed while
         its agreement waited -- then cannot turn off the session that runs now, which
-        would drop the step committed across the job. A 0.4.5 lead tells LOCAL right
-        after its own greeting, so a LOCAL of no scope is taken while the writer runs a
-        0.4.5 greeting (OLD_GREET): under a session's tag, or a newer lead's greeting,
-        it is a stale client's."""
-        current = self.session
-        if current == RERUN and self._stale:
-            current = self._stale[-1]
+        would drop the step committed across the job; nor by greeting first, as a
+        greeting never replaces a session's tag (`told`). A 0.4.5 lead tells LOCAL
+        right after its own greeting, so a LOCAL of no scope is taken while the writer
+        runs a 0.4.5 greeting (OLD_GREET): under a session's tag, or a newer lead's
+        greeting, it is a stale client's."""
+        current = self.running()
         if current is None:
             return True
         return current == scope if scope else current.startswith(OLD_GREET)
+
+    def running(self) -> str | None:
+        """The tag this writer runs (None: none, the node-local rule): a rerun's, before
+        its leads tag it, is the one the rerun left."""
+        if self.session == RERUN and self._stale:
+            return self._stale[-1]
+        return self.session
 
     def fell(self, session: str) -> bool:
         """Whether this writer fell back from `session`'s job-wide commit (`fall_back`)."""
@@ -238,6 +256,12 @@ class JobCommit:
         done = sorted(s for s, o in self.outcomes.items() if o != PENDING)
         for s in done[:-OUTCOMES_KEPT]:
             del self.outcomes[s]
+
+
+def _greeting(tag: str | None) -> bool:
+    """Whether `tag` is a lead's greeting, this version's or 0.4.5's, or none at all: a
+    tag of no session, which a greeting may replace (`JobCommit.told`)."""
+    return tag is None or tag.startswith((GREET, OLD_GREET))
 
 
 class Committing:

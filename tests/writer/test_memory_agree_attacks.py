@@ -61,18 +61,28 @@ def test_a_stale_leads_scoped_local_keeps_the_step_committed_across_the_job(
     _committed_1_pending_2(node)
     node.ask(LOCAL, scope="greet/ffffffffffffffff")
     assert node.tier.job.on and node.held() == [1, 2], node.held()
-    node.ask(GREET)  # a restarted job's lead greets, then a stale lead says 'local'
+    node.ask(GREET)  # a restarted job's lead greets (RUN0 kept), then a stale lead's 'local'
     for scope in ("greet/ffffffffffffffff", ""):
         node.ask(LOCAL, scope=scope)
         assert node.tier.job.on and node.held() == [1, 2], (scope, node.held())
 
 
-def test_the_greeting_leads_local_hands_back_the_node_local_rule(node: Node) -> None:
+def test_the_greeting_leads_local_hands_back_the_node_local_rule(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The lead whose job runs no commit tells 'local' scoped to its greeting, which the
     writer still runs (its lead met no session since): taken, also after a rerun came
     before it; and a 0.4.5 lead's bare 'local' right after its own greeting ("start/",
     its tag) still is (what a 0.4.5 lead sends). The session's lead's next word (a
-    restarted job's) turns the job-wide rule on again."""
+    restarted job's) turns the job-wide rule on again. (A writer that runs a session's
+    tag takes no greeting, R3-1: this one has run none, or only fell back to none.)"""
+    node = Node(tmp_path, monkeypatch)
+    try:
+        _greeting_leads_local(node)
+    finally:
+        node.close()
+
+
+def _greeting_leads_local(node: Node) -> None:
     node.ask(GREET)
     node.ask(LOCAL, scope=GREET)
     assert not node.tier.job.on
@@ -110,3 +120,21 @@ def test_a_word_that_resumes_after_the_fallback_commits_new_steps_again(
     others = {"two": [4], "settled": 4}
     word = job_word([{"two": list(state.two), "settled": state.settled}, others, others])
     assert word["committed"] == 4, (state, word)
+
+
+def test_a_restarted_jobs_local_on_a_sessions_writer_waits_for_the_fallback(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R3-1's cost, bounded: a restarted job whose leads agree to run no commit, on a
+    writer that ran a session (1 committed, 2 promised): the writer cannot tell its
+    lead's greeting and 'local' from a stale lead's, so it keeps the session's rule --
+    the new job's next save held back by the promise -- until it falls back to the
+    node-local rule (SILENT_S with the job's word not moving), and saves again."""
+    monkeypatch.setattr(writer_commit, "SILENT_S", 0.5)
+    _committed_1_pending_2(node)
+    node.ask(GREET)  # the restarted job's lead greets: the writer keeps RUN0
+    node.ask(LOCAL, scope=GREET)  # its leads agreed "off"
+    assert node.tier.job.session == RUN0 and node.held() == [1, 2]
+    assert node.save(3) == "skipped"  # 2 promised, not committed: the bound
+    time.sleep(0.7)
+    assert node.save(4) == "memory" and not node.tier.job.on  # fell back
+    assert node.held() == [4], node.held()  # the node-local rule: 4 whole covers 1 and 2

@@ -178,11 +178,21 @@ def test_a_job_whose_word_never_comes_still_holds_new_steps(
     assert node.tier.job.on
 
 
-def test_a_lead_that_runs_no_commit_hands_back_the_node_local_rule(node: Node) -> None:
+def test_a_lead_that_runs_no_commit_hands_back_the_node_local_rule(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lead whose job runs no commit (its nodes do not cover the world equally,
     rank/memory_commit.py `agree_nodes`) tells "local", scoped to the tag it greeted its
     writer under: the node-local rule again at once, the older generation dropped once
-    a newer whole one holds its nodes."""
+    a newer whole one holds its nodes. (Its writer runs no session's tag: one that does
+    takes no greeting, R3-1: test_memory_agree_attacks.py)."""
+    node = Node(tmp_path, monkeypatch)
+    try:
+        _no_commit_hands_back(node)
+    finally:
+        node.close()
+
+
+def _no_commit_hands_back(node: Node) -> None:
     node.ask(GREET)  # the lead's greeting, before its first save
     for step in (1, 2):
         assert node.save(step) == "memory"

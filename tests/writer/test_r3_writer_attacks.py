@@ -28,13 +28,13 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
         n.close()
 
 
-@pytest.mark.xfail(strict=True, reason="R3-1: a stale lead (of a killed launch, or paused "
-                   "before its MemoryCommitter was made) whose greeting reaches the writer "
-                   "after the running session's tag takes the writer over with that "
-                   "greeting, and its scoped 'local' is then taken: the session's commit "
-                   "is off and the step committed across the job dropped (R2-M1 again)")
 def test_a_stale_leads_late_greeting_then_its_local_keeps_the_committed_step(
         node: Node) -> None:
+    """R3-1 (fixed): a stale lead (of a killed launch, or paused before its
+    MemoryCommitter was made) whose greeting reached the writer after the running
+    session's tag took the writer over with that greeting, and its scoped 'local' was
+    then taken: the session's commit off and the step committed across the job dropped
+    (R2-M1 again). A greeting now replaces no session's tag."""
     assert node.save(1) == "memory"
     node.acked(1)
     _, word = node.round(RUN0, 1, {"committed": -1, "settled": -1})
@@ -47,6 +47,8 @@ def test_a_stale_leads_late_greeting_then_its_local_keeps_the_committed_step(
     node.ask(stale)  # the stale lead's MemoryCommitter greets (its __init__)
     node.ask(LOCAL, scope=stale)  # its agreement ended "off" (the old launch's keys)
     assert node.tier.job.on and node.held() == [1, 2], (node.tier.job.session, node.held())
+    node.ask(RUN0, -1, 2, 2)  # the session's word moves on: taken, 1 goes
+    assert node.tier.job.session == RUN0 and node.held() == [2], node.held()
 
 
 @pytest.fixture
