@@ -60,20 +60,15 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
         j.close()
 
 
-@pytest.mark.xfail(strict=True, reason="R3-6: a generation superseded while this node's own "
-                   "images of it are being sent to the partner keeps every sealed image "
-                   "(_drop: gen.out is a count, not which images are out), the partner's "
-                   "replica images too, which no descriptor holds: they stay counted as one "
-                   "of the partner node's two generations until the send ends, and the "
-                   "partner's next replica is refused meanwhile (its step never held in two "
-                   "places) though taking it stays within 4 x")
 def test_a_send_of_the_own_node_holds_no_partner_replica_of_a_superseded_step(
         job: Job) -> None:
-    """Node 1's replica of 5 held here was read once (a restore opened it: its images
-    sealed). Node 0's own 5 on its way to its partner (slow link); node 1's replica of 6
-    makes 6 whole there: 5 superseded. The sender holds node 0's images of 5 (ranks 0, 1), not
-    node 1's replica of 5 (ranks 2, 3): those can go, and node 1's replica of 7 -- 5
-    (sending, node 0's), 6 (both nodes), 7 (node 1's): 2 x each node -- is taken."""
+    """R3-6 (fixed, b50e04f): a generation superseded mid-send kept every sealed image, the
+    partner's replica images too. Node 1's replica of 5 held here was read once (a restore
+    opened it: its images sealed). Node 0's own 5 on its way to its partner (slow link);
+    node 1's replica of 6 makes 6 whole there: 5 superseded. The sender holds node 0's
+    images of 5 (ranks 0, 1), not node 1's replica of 5 (ranks 2, 3): those can go, and node
+    1's replica of 7 -- 5 (sending, node 0's), 6 (both nodes), 7 (node 1's): 2 x each node
+    -- is taken."""
     tier = job.a.server.memory
     job.save(5)
     job.replicate_b(5)
