@@ -5,46 +5,17 @@ whatever order they report in, for O(1) requests per lead and round."""
 
 from __future__ import annotations
 
-import collections
-import datetime
 import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
+from stores import Counting, client, fresh_ordinals_fixture, store_fixture  # noqa: F401
 from torch.distributed import TCPStore
 
 from asyncckpt.rank.memory_commit import JobKeys, job_word
 
 NODES = 3
-
-
-@pytest.fixture
-def store() -> Iterator[TCPStore]:
-    yield TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                   timeout=datetime.timedelta(seconds=30))
-
-
-def client(store: TCPStore) -> TCPStore:
-    return TCPStore("127.0.0.1", store.port, is_master=False,
-                    timeout=datetime.timedelta(seconds=30))
-
-
-class Counting:
-    """A store client that counts its requests by kind."""
-
-    def __init__(self, store: TCPStore) -> None:
-        self._store, self.requests = store, collections.Counter[str]()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-
-        def counted(*args: Any) -> Any:
-            self.requests[name] += 1
-            return method(*args)
-        return counted
 
 
 def leads(store: TCPStore, session: str = "s1", wait_s: float = 20.0) -> list[JobKeys]:
