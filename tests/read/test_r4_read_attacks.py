@@ -60,3 +60,28 @@ def test_a_memory_restore_returns_views_of_the_targets(job: OneRankNodes) -> Non
     target.fill_(-1)  # the caller trains on: a view of its target sees it
     aliases = state["v"].untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
     assert aliases, f"v = {state['v'].tolist()} is a view of the staging copy"
+
+
+@pytest.fixture
+def pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[OneRankNodes]:
+    """Two writers, one rank each (a 2 x 1 job), every rank's step 5 held by its own."""
+    with contextlib.closing(OneRankNodes(tmp_path, monkeypatch, 2, WAIT_S)) as j:
+        j.save(STEP, [0, 1], saved)
+        yield j
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "R4-4: a Staged.commit that fails on one rank (after the agreement) raises there "
+    "while every other rank returns the restored step: the ranks part ways (the others "
+    "train on, the failed one's caller raises; they meet again in a collective that "
+    "never completes)"))
+def test_a_commit_failing_on_one_rank_fails_the_restore_on_every_rank(
+        pair: OneRankNodes) -> None:
+    """Rank 1's target "a" is an expanded tensor (its elements share memory: the shape
+    and dtype match, so the load into staging succeeds and the ranks agree); the copy
+    into it fails on rank 1 only. restore_memory promises the same answer on every
+    rank: here rank 0 has step 5 and rank 1 a CheckpointError."""
+    intos = [{"a": torch.zeros(10)}, {"a": torch.zeros(1).expand(10)}]
+    results = pair.restore({"a", "v", "step"}, intos, raised=True)
+    kinds = [type(r).__name__ for r in results]
+    assert len(set(kinds)) == 1, kinds
