@@ -139,6 +139,7 @@ class StorageWriter(dcp.StorageWriter):
         self._staged: SaveHandle | None = None      # staged by stage(), awaiting its commit
         self._outcome: str | None = None            # PROCESS mode: where the outcome appears
         self._unstaged = False                      # a step-less memory save copied by stage()
+        self._loads_staged: dict[str, Any] | None = None  # the recorded loads then
 
     # -- pickling (PROCESS mode) ---------------------------------------------------------
 
@@ -146,23 +147,27 @@ class StorageWriter(dcp.StorageWriter):
         """The copy waits for the staged step's outcome (published to a file), and this
         object forgets it: the copy runs the background save, not this one. A save
         `stage()` copied without its step is planned by the copy, which brings this
-        process's recorded loads (dcp_timeline.py); a memory one raises SaveFailedError
-        (`unstaged`)."""
+        process's recorded loads as they were when `stage()` copied the state (a load
+        made after it is not this save's: DCP pickles later, on its executor's thread;
+        dcp_timeline.py); a memory one raises SaveFailedError (`unstaged`)."""
         if self._unstaged:
             self._unstaged = False
             raise unstaged()
         state = dict(self.__dict__)
         outcome = (None if self._staged is None
                    else publish_outcome(self._staged, self._target[0]))
+        loads = self._loads_staged if self._loads_staged is not None else handed_over()
         state.update(_client=None, _given=None, _handle=None, _staged=None, _outcome=outcome,
-                     _loads=handed_over())  # the copy may plan: it carries their timeline
-        self._staged = None
+                     _loads_staged=None, _loads=(os.getpid(), loads))
+        self._staged, self._loads_staged = None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        loads = state.pop("_loads", None)
+        """In another process (DCP's helper), adopt the loads the copy carries; in the
+        one that pickled it (a user's copy), keep its own, which may be newer."""
+        pid, loads = state.pop("_loads", (os.getpid(), None))
         self.__dict__.update(state)
-        if loads is not None:
+        if loads is not None and pid != os.getpid():
             adopt(loads)
 
     # -- DCP's StorageWriter -------------------------------------------------------------
@@ -294,6 +299,7 @@ class StorageWriter(dcp.StorageWriter):
         if self.step is None:
             copied = _private_copy(state_dict)
             self._unstaged = self.options.tier == "memory"
+            self._loads_staged = handed_over()  # the timeline this save was staged in
             if not self.staging_future:
                 return copied
             done: ConcurrentFuture[dict] = ConcurrentFuture()

@@ -8,6 +8,7 @@ the helper's `dcp.save` does)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -50,12 +51,9 @@ def live(root) -> list[int]:
     return sorted(live_steps(storage, storage.step_dirs(), read_current(storage)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "R4-1: the loads a pickled StorageWriter carries are read when it is pickled "
-    "(DCP's executor thread, after async_save returned), not when its save was staged: "
-    "a dcp.load recorded in between forks a save issued before it"))
-def test_a_load_after_an_unstaged_async_save_does_not_fork_that_save(writer, client):
-    """async_save(step 13) in PROCESS mode returns once the state is copied (stage());
+def test_a_load_after_an_unstaged_async_save_does_not_fork_that_save(writer, client,
+                                                                    monkeypatch):
+    """R4-1 (fixed): async_save(step 13) in PROCESS mode returns once the state is copied (stage());
     the writer is pickled later on DCP's executor thread (the first save waits there for
     the helper process to start, seconds). An evaluation's dcp.load of step 8 meanwhile
     is recorded before the pickle, so step 13 -- a save issued before the load -- is
@@ -69,7 +67,9 @@ def test_a_load_after_an_unstaged_async_save_does_not_fork_that_save(writer, cli
     load(root, 8)                           # the caller's dcp.load, later
     blob = pickle.dumps(w)                  # DCP's executor thread sends the writer
     dcp_timeline.forget()                   # the helper process: it recorded nothing
-    helper = pickle.loads(blob)
+    with monkeypatch.context() as elsewhere:  # ... and has a pid of its own
+        elsewhere.setattr(os, "getpid", lambda: -1)
+        helper = pickle.loads(blob)
     try:
         dcp.save(copied, checkpoint_id=str(root / "step-13"), storage_writer=helper,
                  no_dist=True)
@@ -80,13 +80,9 @@ def test_a_load_after_an_unstaged_async_save_does_not_fork_that_save(writer, cli
     assert live(root) == [8, 10, 12, 13]  # 13 went on in the timeline it was issued in
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "R4-2: unpickling a StorageWriter in the process that pickled it replaces that "
-    "process's recorded loads with the pickled snapshot (adopt): a load recorded since "
-    "is forgotten and the saves after it continue the abandoned timeline"))
 def test_unpickling_a_writer_in_its_own_process_keeps_the_loads_recorded_since(
         writer, client, tmp_path):
-    """A writer pickled (a user's copy, a config saved with it), then a dcp.load of an
+    """R4-2 (fixed): a writer pickled (a user's copy, a config saved with it), then a dcp.load of an
     older step of root B, then the writer unpickled in the same process: `adopt` clears
     the process's loads and installs the snapshot, which has no load of B. The next
     save to B continues B's timeline instead of forking at the step loaded."""
