@@ -209,8 +209,8 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
         except those loaded in place (global tensors on an accelerator, staging.py),
         which the durable tier's load then writes whole.
     Raises:
-        CheckpointError: copying the verified state into the targets failed (the
-            device failed), after every rank had agreed; or a load that failed may have
+        CheckpointError: copying the verified state into the targets failed on some
+            rank, after every rank had agreed (on every rank alike); or a load that failed may have
             written targets loaded in place and there is no durable step (`newest`
             None) to write them whole: on every rank alike.
     """
@@ -312,8 +312,18 @@ def restore_memory(root: Location, address: str | None, rank: int | None, newest
                 "one it was", step=plan.step, rank=me)
         _fall_back(plan.step, failed, newest)
         return None
-    if isinstance(state, staging.Staged):
-        state = state.commit(plan.step, me)
+    if isinstance(state, staging.Staged):  # the copy can still fail on one rank (a
+        # target that cannot take it): the ranks hear each other's, and all raise alike
+        try:
+            state, error = state.commit(plan.step, me), None
+        except CheckpointError as e:
+            error = e
+        failed = _failures(gather((outcome(error), _cause(error))))
+        if failed:
+            raise CheckpointError(
+                f"copying memory generation {plan.step} into the targets failed on {failed}: "
+                "the targets of the ranks that copied hold it, a failed rank's may be partly "
+                "written", step=plan.step, rank=me) from error
     log.info("asyncckpt: restored step %d from the memory tier", plan.step)
     return FromMemory(plan.step, state, _start(plan.timeline))
 

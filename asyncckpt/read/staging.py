@@ -57,7 +57,10 @@ class Staged:
             CheckpointError: a copy failed (the device failed): the targets copied so
                 far hold the new values (named with `step` and `rank`).
         """
-        real = {id(s): t for t, s in self.pairs}
+        real: dict[int, torch.Tensor] = {id(s): t for t, s in self.pairs}
+        bases = {s.untyped_storage().data_ptr(): (t, s) for t, s in self.pairs
+                 if not dtensor.is_global(t) and t.is_contiguous() and t.dtype == s.dtype
+                 and s.untyped_storage().data_ptr()}  # (an empty one has no memory)
         try:
             with torch.no_grad():
                 for target, staged in self.pairs:
@@ -68,7 +71,7 @@ class Staged:
             raise CheckpointError(f"copying the verified state into the targets failed: {e}",
                                   step=step, rank=rank) from None
         self.pairs = []
-        return _swap(self.state, real)
+        return _swap(self.state, real, bases)
 
 
 def stage(into: Any, load: Callable[[Any], Any]) -> Staged:
@@ -127,20 +130,30 @@ def _staging(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(tuple(t.shape), dtype=t.dtype)
 
 
-def _swap(node: Any, real: dict[int, torch.Tensor]) -> Any:
+def _swap(node: Any, real: dict[int, torch.Tensor],
+          bases: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """`node` with every staging tensor replaced by its target (dicts and lists in place,
-    a tuple rebuilt when it held one)."""
+    a tuple rebuilt when it held one), and every view of a staging tensor (a saved view
+    whose base is a target) by the same view of the target, as `load(into=)` returns
+    it -- where the target is laid out as its staging (contiguous, the same dtype)."""
     if isinstance(node, torch.Tensor):
-        return real.get(id(node), node)
+        if id(node) in real:
+            return real[id(node)]
+        found = bases.get(node.untyped_storage().data_ptr())
+        if found is None or node.dtype != found[1].dtype:
+            return node
+        target, staged = found
+        return target.as_strided(node.size(), node.stride(), target.storage_offset()
+                                 + node.storage_offset() - staged.storage_offset())
     if isinstance(node, dict):
         for k, v in node.items():
-            node[k] = _swap(v, real)
+            node[k] = _swap(v, real, bases)
         return node
     if isinstance(node, list):
-        node[:] = [_swap(v, real) for v in node]
+        node[:] = [_swap(v, real, bases) for v in node]
         return node
     if isinstance(node, tuple):
-        items = [_swap(v, real) for v in node]
+        items = [_swap(v, real, bases) for v in node]
         if all(a is b for a, b in zip(items, node)):
             return node
         return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
