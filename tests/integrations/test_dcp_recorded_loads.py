@@ -1,10 +1,13 @@
-"""R4's attacks on the recorded loads a pickled StorageWriter carries (7c2227b:
-dcp_timeline.handed_over/adopt, dcp_writer.__getstate__/__setstate__).
+"""The loads a process records (integrations/dcp_timeline.py), attacked: numbered once per
+process, never reused (a `forget` must not bring an old plan and its timeline start
+back), and carried by a pickled StorageWriter to DCP's PROCESS-mode helper as they were
+when the save was staged, to another process only.
 
 DCP's PROCESS async mode is played in process: `stage()` without a step copies the
 state, the writer is pickled (as DCP's executor thread does, later, when it sends the
 request to its helper), and the unpickled copy saves the copy under a checkpoint_id (as
-the helper's `dcp.save` does)."""
+the helper's `dcp.save` does). tests/integrations/test_dcp_timeline.py runs the real
+mode at 2 ranks. (Found by attack reviews R3 and R4: each test failed before its fix.)"""
 
 from __future__ import annotations
 
@@ -14,7 +17,10 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_memory_job import no_loads_fixture  # noqa: F401 (a fixture)
+from test_dcp_timeline import full
 
+import asyncckpt
 from asyncckpt.dcp import StorageReader, StorageWriter
 from asyncckpt.integrations import dcp_timeline
 from asyncckpt.rank import client as client_module
@@ -27,17 +33,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.fixture
 def codec() -> str:
     return "raw"
-
-
-@pytest.fixture(autouse=True)
-def no_loads_recorded():
-    dcp_timeline.forget()
-    yield
-    dcp_timeline.forget()
-
-
-def full(value: float) -> dict:
-    return {"w": torch.full((6,), value), "step": int(value)}
 
 
 def load(root, step) -> None:
@@ -95,3 +90,47 @@ def test_unpickling_a_writer_in_its_own_process_keeps_the_loads_recorded_since(
     pickle.loads(blob)
     dcp.save(full(9), storage_writer=StorageWriter(root, 9, client=client))
     assert live(root) == [8, 9]  # forked at the step loaded: 10 and 12 abandoned
+
+
+def async_save(root, step, value, client) -> None:
+    """dcp.async_save (THREAD mode): StorageWriter.stage plans it with CachingPlanner,
+    keyed by the root and `dcp_timeline.generation(root)`."""
+    dcp.async_save(full(value), storage_writer=StorageWriter(root, step, client=client)
+                   ).result(timeout=60)
+
+
+def newest(root) -> tuple[int, float]:
+    loaded = asyncckpt.load(root)
+    return loaded["step"], float(loaded["w"][0])
+
+
+def test_a_load_after_forget_forks_at_the_step_it_loaded(writer, client) -> None:
+    """R3-5 (fixed): forget() dropped the root's load count, so the next load counted 1
+    again and its saves took the plan cached after the first load, with that load's
+    timeline start: step 10, live in the current timeline, was refused. Loads are
+    numbered process-wide now, never reused."""
+    root = writer.root
+    for step in (8, 10, 12):
+        dcp.save(full(step), storage_writer=StorageWriter(root, step, client=client))
+    load(root, 8)
+    async_save(root, 9, 9.5, client)  # forks at 8: plan cached as root|1, its start
+    async_save(root, 10, 10.5, client)
+    assert newest(root) == (10, 10.5)
+    dcp_timeline.forget(root)  # later saves continue the current timeline ...
+    load(root, 9)  # ... until this load of an older step: a resume from 9
+    async_save(root, 10, 10.75, client)  # an abandoned number once forked at 9
+    assert newest(root) == (10, 10.75)
+
+
+def test_the_same_loads_without_forget_fork_at_the_second_load(writer, client) -> None:
+    """The control of R3-5: without `forget` the second load counts 2, the plan is made
+    anew and the save forks at 9 (so R3-5's failure is the count going back)."""
+    root = writer.root
+    for step in (8, 10, 12):
+        dcp.save(full(step), storage_writer=StorageWriter(root, step, client=client))
+    load(root, 8)
+    async_save(root, 9, 9.5, client)
+    async_save(root, 10, 10.5, client)
+    load(root, 9)
+    async_save(root, 10, 10.75, client)
+    assert newest(root) == (10, 10.75)
