@@ -101,10 +101,6 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             return plain_tensor(node, path)
         if kind is int and node.bit_length() <= MAX_INT_BITS:
             return node
-        if kind is dict or kind is list or kind is tuple:
-            return container(node, path)
-        if kind is float:
-            return node if math.isfinite(node) else {"float": repr(node)}
         if isinstance(node, Boxes):
             written = [c for c in node.chunks if c.local is not None and c.local.numel()]
             body = visit(written[0] if written else node.chunks[0], path)["dtensor"]
@@ -155,10 +151,6 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             raise UnsupportedStateError(
                 f"{show_path(path)}: cannot save {_described(node)}; only tensors, "
                 "dict/list/tuple, str, bytes, int, float, bool and None are saved (never pickle)")
-        return container(node, path)
-
-    def container(node: Any, path: tuple[str | int, ...]) -> JSON:
-        """A dict, list or tuple (or a subclass), its items visited."""
         if id(node) in active:
             raise UnsupportedStateError(f"{show_path(path)}: the state contains a cycle")
         if len(path) >= MAX_DEPTH:
@@ -169,8 +161,15 @@ def flatten(state: Any) -> tuple[JSON, list[TensorEntry]]:
             if isinstance(node, dict):
                 items = []
                 for key, value in node.items():
-                    if type(key) is not str or not key.isascii():  # else an ASCII str: fine
-                        _check_key(key, path)
+                    if isinstance(key, bool) or not isinstance(key, (str, int)):
+                        raise UnsupportedStateError(
+                            f"{show_path(path)}: dict key {key!r} is a {type(key).__name__}; "
+                            "keys must be str or int")
+                    if isinstance(key, str) and not key.isascii() and not _is_utf8(key):
+                        raise UnsupportedStateError(
+                            f"{show_path(path)}: dict key {key!r} is not valid Unicode")
+                    if isinstance(key, int) and key.bit_length() > MAX_INT_BITS:
+                        raise UnsupportedStateError(f"{show_path(path)}: int key is too large")
                     items.append([key, visit(value, path + (key,))])
                 return {"dict": items}
             seq = "list" if isinstance(node, list) else "tuple"
@@ -259,19 +258,6 @@ def _unique_name(path: tuple[str | int, ...], taken: set[str]) -> str:
         name, n = f"{base}~{n}", n + 1
     taken.add(name)
     return name
-
-
-def _check_key(key: Any, path: tuple[str | int, ...]) -> None:
-    """Raise UnsupportedStateError unless dict key `key` is a str (valid Unicode) or
-    an int (not a bool) of at most MAX_INT_BITS bits."""
-    if isinstance(key, bool) or not isinstance(key, (str, int)):
-        raise UnsupportedStateError(
-            f"{show_path(path)}: dict key {key!r} is a {type(key).__name__}; "
-            "keys must be str or int")
-    if isinstance(key, str) and not key.isascii() and not _is_utf8(key):
-        raise UnsupportedStateError(f"{show_path(path)}: dict key {key!r} is not valid Unicode")
-    if isinstance(key, int) and key.bit_length() > MAX_INT_BITS:
-        raise UnsupportedStateError(f"{show_path(path)}: int key is too large")
 
 
 def _is_utf8(text: str) -> bool:
