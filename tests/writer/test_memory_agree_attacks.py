@@ -138,3 +138,19 @@ def test_a_restarted_jobs_local_on_a_sessions_writer_waits_for_the_fallback(
     time.sleep(0.7)
     assert node.save(4) == "memory" and not node.tier.job.on  # fell back
     assert node.held() == [4], node.held()  # the node-local rule: 4 whole covers 1 and 2
+
+
+def test_a_stale_leads_late_greeting_then_its_local_keeps_the_committed_step(
+        node: Node) -> None:
+    """R3-1 (fixed): a stale lead (of a killed launch, or paused before its
+    MemoryCommitter was made) whose greeting reached the writer after the running
+    session's tag took the writer over with that greeting, and its scoped 'local' was
+    then taken: the session's commit off and the step committed across the job dropped
+    (R2-M1 again). A greeting now replaces no session's tag."""
+    _committed_1_pending_2(node)
+    stale = "greet/ffffffffffffffff"
+    node.ask(stale)  # the stale lead's MemoryCommitter greets (its __init__)
+    node.ask(LOCAL, scope=stale)  # its agreement ended "off" (the old launch's keys)
+    assert node.tier.job.on and node.held() == [1, 2], (node.tier.job.session, node.held())
+    node.ask(RUN0, -1, 2, 2)  # the session's word moves on: taken, 1 goes
+    assert node.tier.job.session == RUN0 and node.held() == [2], node.held()

@@ -457,3 +457,32 @@ def test_a_generation_superseded_while_being_sent_still_counts(job: Job) -> None
     job.lose_node_1()
     assert job.restore_step() == 6
     _exact(job, 6)
+
+
+def test_a_send_of_the_own_node_holds_no_partner_replica_of_a_superseded_step(
+        job: Job) -> None:
+    """R3-6 (fixed, b50e04f): a generation superseded mid-send kept every sealed image, the
+    partner's replica images too. Node 1's replica of 5 held here was read once (a restore
+    opened it: its images sealed). Node 0's own 5 on its way to its partner (slow link);
+    node 1's replica of 6 makes 6 whole there: 5 superseded. The sender holds node 0's
+    images of 5 (ranks 0, 1), not node 1's replica of 5 (ranks 2, 3): those can go, and node
+    1's replica of 7 -- 5 (sending, node 0's), 6 (both nodes), 7 (node 1's): 2 x each node
+    -- is taken."""
+    tier = job.a.server.memory
+    job.save(5)
+    job.replicate_b(5)
+    memory.open_images(job.a.address, 5, [2, 3]).close()  # read once (a restore's open)
+    replica = partner_replica(tier, 5)  # node 0's own images of 5 (ranks 0, 1) out
+    try:
+        job.save(6)
+        job.replicate_b(6)  # 6 whole for both nodes here: 5 superseded mid-send
+        kept = sorted(r for g in tier._leaving for r in g.images)
+        job.save(7, ranks=range(2, 4))  # node 1's 7 (node 0's ranks do not save it yet)
+        try:
+            job.replicate_b(7)
+            taken = None
+        except MemoryTierFullError as e:
+            taken = str(e)
+        assert kept == [0, 1] and taken is None, (kept, taken)
+    finally:
+        replica.release()
