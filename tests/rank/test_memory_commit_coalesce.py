@@ -19,35 +19,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from test_memory_commit_lead_attacks import Coordinator, Settled, until
 from torch.distributed import HashStore
 
 from asyncckpt.ipc import memory_messages
-from asyncckpt.ipc.messages import NodeRanks
 from asyncckpt.rank import memory_commit
 from asyncckpt.rank.memory_commit import MemoryCommitter
 
 NODES = 3
 SESSION = "00112233aabbccdd"
 WAIT_S = 30.0
-
-
-class Coordinator:
-    """What MemoryCommitter takes of a StoreCoordinator: node 0's lead, session met."""
-
-    def __init__(self, store: HashStore) -> None:
-        self.store, self.timeout = store, 1.0
-        self.rank, self.world_size, self.node = 0, NODES, NodeRanks(0, 1)
-
-    def join(self) -> str:
-        return SESSION
-
-
-class Settled:
-    """A save handle that has settled (all the committer waits for)."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._done.set()
 
 
 class Lead:
@@ -122,13 +103,6 @@ def make(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         c.close()
 
 
-def until(check: Any, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_rounds_slower_than_saves_run_for_the_newest_save(make: Any) -> None:

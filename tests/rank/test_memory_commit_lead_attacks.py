@@ -39,7 +39,7 @@ BASE = f"asyncckpt/{SESSION}/memory/0"
 class Coordinator:
     """What MemoryCommitter takes of a StoreCoordinator: node 0's lead, session met."""
 
-    def __init__(self, store: TCPStore, timeout: float) -> None:
+    def __init__(self, store: Any, timeout: float = 1.0) -> None:
         self.store, self.timeout = store, timeout
         self.rank, self.world_size, self.node = 0, NODES, NodeRanks(0, 1)
 
@@ -133,16 +133,22 @@ def lead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Lead]:
         lead.close()
 
 
-def test_the_lead_completing_a_round_tells_its_writer_and_it_drops_the_older(
-        lead: Lead) -> None:
-    """The baseline the attacks below break: node 0's add completes each round; the
-    word (committed 2) reaches its writer, which lets 1 go."""
+def committed_1_saved_2(lead: Lead) -> None:
+    """The lead started; step 1 committed across the job (node 0's add completing the
+    round); step 2 saved to memory."""
     lead.start()
     assert lead.save(1) == "memory"
     lead.others({"two": [1], "settled": 1})
     lead.round(1)
     assert until(lambda: lead.tier.job.committed == 1, WAIT_S)
     assert lead.save(2) == "memory"
+
+
+def test_the_lead_completing_a_round_tells_its_writer_and_it_drops_the_older(
+        lead: Lead) -> None:
+    """The baseline the attacks below break: node 0's add completes each round; the
+    word (committed 2) reaches its writer, which lets 1 go."""
+    committed_1_saved_2(lead)
     lead.others({"two": [1, 2], "settled": 2})
     lead.round(2)
     assert until(lambda: lead.held() == [2], WAIT_S), lead.held()
@@ -252,12 +258,7 @@ def test_a_stale_leads_local_leaves_the_running_session_on(
     store.set(f"asyncckpt/{stale_session}/memory/agreed", "off: its launch was killed")
     stale = MemoryCommitter(Stale(store, 0.25), lead.writer.address, NODES)
     try:
-        lead.start()
-        assert lead.save(1) == "memory"
-        lead.others({"two": [1], "settled": 1})
-        lead.round(1)
-        assert until(lambda: lead.tier.job.committed == 1, WAIT_S)
-        assert lead.save(2) == "memory"
+        committed_1_saved_2(lead)
         assert lead.held() == [1, 2]
         release.set()
         assert until(lambda: any(q.session == "local" for q in told), WAIT_S), told
