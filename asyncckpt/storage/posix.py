@@ -210,13 +210,19 @@ class PosixStorage(PosixFiles, Storage):
 
     def wait_for_step(self, step: int) -> bool:
         """While `step-N.replaced-<hex>` is there (`_swap_in` without an exchange, between
-        its two renames), wait for the new `step-N` (`REPLACE_WAIT` s at most)."""
+        its two renames), wait for the new `step-N` (`REPLACE_WAIT` s at most).
+
+        A listing taken during the first rename can show neither name, so the step is
+        called absent only when two listings in a row show no `step-N.replaced-<hex>` and
+        `step-N` is absent after each: the second listing begins after the first rename
+        ended, so it shows the set-aside name unless the replace has finished since."""
         deadline = time.monotonic() + REPLACE_WAIT
         while not self.has_step(step):
-            if step not in self._replacing():
+            if step not in self._replacing() and not self.has_step(step) \
+                    and step not in self._replacing():
                 return self.has_step(step)  # absent, or its replace finished meanwhile
             if time.monotonic() > deadline:
-                return False
+                return self.has_step(step)
             time.sleep(REPLACE_POLL)
         return True
 

@@ -149,13 +149,14 @@ def hold_checkpoint_dir(path: Location) -> tuple[Location, CheckpointDir | None,
 
     Returns:
         (where it lies; the held directory, or None if it cannot be opened; whether,
-        found absent, it is there again now: a replacing save had set it aside).
+        found absent, it is there again now: a replacing save had set it aside, and
+        `came_back` may have stopped waiting a moment before its new one was renamed in).
     """
     where = storage_at(path).real_location(path)
     storage = storage_at(where)
     try:
         return where, storage.open_checkpoint_dir(where), False
     except FileNotFoundError:
-        return where, None, storage.came_back(where)
+        return where, None, storage.came_back(where) or storage.exists(where)
     except OSError:
         return where, None, False

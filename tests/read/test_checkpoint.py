@@ -3,6 +3,7 @@ version of the step whole, never the manifest of one and the files of the other.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -139,6 +140,41 @@ def test_loads_during_a_replace_read_one_version_whole(versions, tmp_path, monke
     assert len(swaps) > 20, "the replacing thread barely ran"
     assert failures == []
     assert seen[1] and seen[2]
+
+
+@pytest.mark.parametrize("newest", [False, True])
+def test_a_step_renamed_back_just_after_the_wait_gave_up_is_read(versions, tmp_path,
+                                                                monkeypatch, newest):
+    """A replace without an exchange whose second rename comes only after the reader
+    stopped waiting for it (a slow fsync of the root between the two renames): the load
+    opens the step again and reads the new version, rather than calling it damaged."""
+    root = tmp_path / "root"
+    root.mkdir()
+    final = root / step_dir_name(STEP)
+    shutil.copytree(versions[1], final)
+    PosixStorage(root).write_latest(STEP)
+    real_open = PosixStorage.open_checkpoint_dir
+    real_came_back = PosixStorage.came_back
+    aside = final.with_name(f"{final.name}.replaced-0badf00d")
+
+    def open_while_set_aside(self, where):  # the first rename lands as the load opens
+        if not aside.exists() and final.exists() and not hasattr(open_while_set_aside, "done"):
+            open_while_set_aside.done = True
+            os.rename(final, aside)
+        return real_open(self, where)
+
+    def gave_up_then_renamed_in(self, directory):
+        monkeypatch.setattr(posix, "REPLACE_WAIT", 0.01)
+        came = real_came_back(self, directory)
+        shutil.copytree(versions[2], final)  # the second rename, just after the wait
+        shutil.rmtree(aside)
+        return came
+
+    monkeypatch.setattr(posix, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(PosixStorage, "open_checkpoint_dir", open_while_set_aside)
+    monkeypatch.setattr(PosixStorage, "came_back", gave_up_then_renamed_in)
+    loaded = asyncckpt.load(root) if newest else asyncckpt.load(root, step=STEP)
+    assert same(loaded, state(2)) and getattr(open_while_set_aside, "done", False)
 
 
 def test_a_checkpoint_reads_the_version_it_opened_after_a_replace(versions, tmp_path):

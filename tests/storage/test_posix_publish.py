@@ -4,6 +4,8 @@ or the two renames through `step-N.replaced-<hex>` where the filesystem has none
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,29 @@ def test_a_failed_root_fsync_takes_a_new_step_back(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="injected"):
         storage.publish(tmp, STEP, b'{"manifest": "new"}')
     assert storage.committed_steps() == [] and tmp.is_dir()
+
+
+def test_a_listing_that_misses_a_step_being_set_aside_does_not_call_it_absent(tmp_path,
+                                                                              monkeypatch):
+    """A directory listing taken while `step-N` is renamed aside may show neither name.
+    A reader that asks for the step then must not take one such listing for "no replace
+    under way": it looks again and waits for the new step (here renamed in 50 ms later)."""
+    storage = committed(tmp_path, monkeypatch, "aside")
+    final = tmp_path / step_dir_name(STEP)
+    aside = final.with_name(f"{final.name}.replaced-0badf00d")
+    os.rename(final, aside)  # the replace's first rename, just done
+    real_listdir, listings = os.listdir, []
+
+    def listdir_missing_the_first(path):
+        names = real_listdir(path)
+        listings.append(names)
+        return [n for n in names if n != aside.name] if len(listings) == 1 else names
+
+    monkeypatch.setattr(posix.os, "listdir", listdir_missing_the_first)
+    renamer = threading.Timer(0.05, lambda: os.rename(aside, final))  # the second rename
+    renamer.start()
+    try:
+        assert storage.wait_for_step(STEP)
+    finally:
+        renamer.join()
+    assert len(listings) >= 2 and final.is_dir()
