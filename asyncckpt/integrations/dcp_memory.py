@@ -24,8 +24,9 @@ memory tier's read: every rank calls it, the ranks agree on the newest generatio
 rank can read that is at least the newest durable step (read/memory_restore.py: the
 same rule as `Checkpointer.restore()`, resharding and fetching across writers as it
 does), and each rank loads it with `dcp.load` through a reader of that generation's
-images -- DCP's own planner filling `sd` in place, every frame verified -- without
-DCP's collectives (the ranks agree on the outcome instead). The saves that follow go on
+images -- DCP's own planner filling staging copies of `sd`'s tensors, every frame
+verified, copied into `sd` once every rank has loaded its part -- without DCP's
+collectives (the ranks agree on the outcome instead). The saves that follow go on
 from it as after a `dcp.load` (a fork at the step when the root holds it too; the
 saving run's timeline when that run resumed from an older step and has not committed
 since).
@@ -47,6 +48,7 @@ from asyncckpt.integrations.dcp_reader import StorageReader, _Index
 from asyncckpt.integrations.dcp_timeline import carry, record_load
 from asyncckpt.integrations.dcp_writer import _started
 from asyncckpt.rank.node_writer import given_address
+from asyncckpt.read import staging
 from asyncckpt.read.checkpoint import Checkpoint
 from asyncckpt.read.memory_restore import FromMemory, restore_memory
 from asyncckpt.storage.location import Location, exists, storage_for
@@ -61,9 +63,12 @@ def load_memory(state_dict: dict[str, Any], root: str | os.PathLike[str], *,
     """Load the newest memory generation of `root` every rank can read into `state_dict`
     (in place, as `dcp.load`), when it is at least the root's newest durable step.
 
-    Every rank must call it (it agrees across ranks). Hazard: a load that failed on
-    another rank may have filled part of `state_dict` on this one; load the durable
-    step then (every rank gets None together).
+    Every rank must call it (it agrees across ranks). DCP loads into staging copies
+    of the tensors, copied into `state_dict` only once every rank loaded and verified
+    its part: a load that failed anywhere leaves `state_dict` as it was (read/staging.py;
+    hazard: except global tensors on an accelerator, loaded in place, which the durable
+    step's load then writes whole). Costs the rank's tensors once more in host memory
+    until the copy.
 
     Args:
         root: the checkpoint root the saves named (a path or URL a backend serves).
@@ -83,19 +88,37 @@ def load_memory(state_dict: dict[str, Any], root: str | os.PathLike[str], *,
     current = read_current(storage) if exists(location) else None
     newest = newest_live(storage, current) if current is not None else None
 
-    def read(ckpt: Checkpoint) -> None:
-        try:
-            dcp.load(state_dict, storage_reader=_Opened(ckpt, trust_pickles), no_dist=True)
-        except CheckpointException as e:  # a BaseException: its first cause, an Exception
-            raise _cause(e) from None
+    def read(ckpt: Checkpoint) -> staging.Staged:
+        def load(targets: dict[str, Any]) -> dict[str, Any]:
+            try:
+                dcp.load(targets, storage_reader=_Opened(ckpt, trust_pickles), no_dist=True)
+            except CheckpointException as e:  # a BaseException: its first cause
+                raise _cause(e) from None
+            return targets
+        return staging.stage(state_dict, load)  # copied in once every rank loaded
 
     found = restore_memory(location, given_address(address) or _started.get(str(location)),
                            None, newest, dict, set(), expected=True, only=step,
                            current=current, read=read)
     if found is None:
         return None
+    _write_back(state_dict, found.state)
     go_on_from(location, found, newest, current)
     return found.step
+
+
+def _write_back(into: Any, loaded: Any) -> None:
+    """Put what DCP set in the staged state (its objects; the targets, which the commit
+    copied into and put back) into the caller's `state_dict`, its dicts and lists
+    written in place, as `dcp.load` leaves them."""
+    pairs = loaded.items() if isinstance(loaded, dict) else enumerate(loaded)
+    for key, value in pairs:
+        mine: Any = into.get(key) if isinstance(into, dict) else into[key]
+        if isinstance(value, dict) and isinstance(mine, dict) or isinstance(
+                value, list) and isinstance(mine, list) and len(mine) == len(value):
+            _write_back(mine, value)
+        elif mine is not value:
+            into[key] = value
 
 
 def _cause(e: CheckpointException) -> Exception:
