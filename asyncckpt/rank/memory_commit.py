@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
 import json
 import logging
 import secrets
@@ -272,6 +273,13 @@ def _parsed(value: bytes) -> dict[str, Any] | None:
     return {**doc, "two": two}
 
 
+def launch_of(session: str) -> str:
+    """The begin's `launch` of coordination session `session` (rank/client.py's, which
+    imports this module: the writer reads it back from a session's tag,
+    writer/memory_commit.py `tag_launch`)."""
+    return hashlib.blake2b(f"asyncckpt launch {session}".encode(), digest_size=8).hexdigest()
+
+
 def ask_writer(address: str, query: memory_messages.MemoryCommit,
                timeout: float) -> memory_messages.MemoryCommitState:
     """`query` to the writer at `address`, its answer (within `timeout` s).
@@ -325,7 +333,10 @@ class MemoryCommitter:
         self._seen = -1  # the step of the last save (`saved`, in order)
         self._closed = False
         self._plain = False  # a writer without the job-wide commit: report, never ask
-        self._greeting = f"greet/{secrets.token_hex(8)}"  # the tag it greets its writer under
+        # the tag it greets its writer under, naming its launch: the writer takes it over
+        # the session it runs once this launch's saves begin (writer/memory_commit.py)
+        self._greeting = f"greet/{secrets.token_hex(8)}" + (
+            f"/{launch_of(coordinator.session)}" if coordinator.session else "")
         self._off = False  # the leads agreed the job runs no commit (`agree_nodes`)
         self._greet()
         self._thread = threading.Thread(target=self._loop, daemon=True,

@@ -92,7 +92,7 @@ class MemoryTier(Committing, Held):
 
     def begin(self, step: int, rank: int, world_size: int, node: NodeRanks | None,
               table: list[TensorEntry], tree: Any, timeline: Any,
-              max_frame: int) -> RankImage:
+              max_frame: int, launch: str | None = None) -> RankImage:
         """Start `rank`'s image of generation `step`.
 
         A rank beginning a step it already holds whole (a step saved again) drops that
@@ -102,7 +102,9 @@ class MemoryTier(Committing, Held):
         the node's first rank to begin it decides for all, however late the others
         come. A rank beginning a step older than one it began before (or than one of
         its images held, as a replacement's taken back from the partner) is a rerun
-        (`_went_back`); a peer's late begin is not (memory_order.py).
+        (`_went_back`); a peer's late begin is not (memory_order.py). `launch`: the
+        node lead's begin's, a new launch's ends the old launch's commit rule
+        (memory_commit.py `JobCommit.launched`).
 
         Raises:
             MemoryTierFullError: the image would take the memory held past the bound.
@@ -112,6 +114,7 @@ class MemoryTier(Committing, Held):
         first, count = node or NodeRanks(rank, 1)
         with self._lock:
             self._drop_fetched()  # a save: the restore they were fetched for is over
+            self.job.launched(launch)  # a new launch saving: its rule (pruned below)
             newer = self._order.went_back(rank, step)
             if newer is None:  # (a replacement's: newer ones taken back from a partner)
                 newer = min((s for s, g in self._gens.items() if s > step and rank in g.images),
@@ -452,10 +455,13 @@ class MemoryTier(Committing, Held):
         An older one holding a node `gen` lacks -- a partner's replica whose newer one
         has not arrived whole (the partner lost mid-replication, or slow) -- stays, with
         this node's own images of that step: it is the newest step at which both nodes
-        are held, the one a replacement of the partner resumes from."""
+        are held, the one a replacement of the partner resumes from. The step committed
+        across the job when a new launch took over stays until that launch's own
+        generation covers it (memory_commit.py `JobCommit.keeps`)."""
         covered = set(gen.nodes.items())
         for older in [s for s, g in self._gens.items()
-                      if s < gen.step and set(g.nodes.items()) <= covered]:
+                      if s < gen.step and set(g.nodes.items()) <= covered
+                      and not self.job.keeps(s, gen.step)]:
             self._drop(older, SaveFailedError(
                 f"memory generation superseded by step {gen.step}", step=older))
 

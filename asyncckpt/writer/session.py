@@ -267,7 +267,7 @@ class Session:
             timeline = m.options.timeline.to_json() if m.options.timeline else None
             save.memory = self.writer.memory.begin(
                 m.step, self.rank, m.world_size, m.node, list(m.tensors), m.tree, timeline,
-                self.ring_slot_size)
+                self.ring_slot_size, m.launch)
         except CheckpointError as error:
             save.failed = True
             notify(error, None, {})

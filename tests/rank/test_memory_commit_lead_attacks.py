@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -27,8 +28,10 @@ from torch.distributed import TCPStore
 from asyncckpt.ipc.messages import NodeRanks
 from asyncckpt.rank import memory_commit
 from asyncckpt.rank.client import Client
+from asyncckpt.rank.client import launch_of as client_launch_of
 from asyncckpt.rank.memory_commit import JobKeys, MemoryCommitter
 from asyncckpt.read import memory
+from asyncckpt.writer import memory_commit as writer_commit
 
 NODES = 3
 WAIT_S = 30.0
@@ -37,7 +40,11 @@ BASE = f"asyncckpt/{SESSION}/memory/0"
 
 
 class Coordinator:
-    """What MemoryCommitter takes of a StoreCoordinator: node 0's lead, session met."""
+    """What MemoryCommitter takes of a StoreCoordinator: node 0's lead, session met
+    (`session`: not yet when its client made the committer, as its join is waited for
+    there only up to a bound: the lead greets without its launch)."""
+
+    session: str | None = None
 
     def __init__(self, store: Any, timeout: float = 1.0) -> None:
         self.store, self.timeout = store, timeout
@@ -266,3 +273,34 @@ def test_a_stale_leads_local_leaves_the_running_session_on(
         assert lead.held() == [1, 2] and lead.tier.job.committed == 1, lead.held()
     finally:
         stale.close()
+
+
+def test_a_lead_greets_its_writer_under_a_tag_naming_its_launch(
+        lead: Lead, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lead that met its session before it greets (its client waited for it) names its
+    launch in its greeting -- the launch its begins name -- so that a writer running a
+    killed launch's session takes it once that launch saves (writer/memory_commit.py
+    `launched`); one that has not met it greets as a lead of 0.4.6 did (no launch)."""
+    told: list[Any] = []
+    ask = memory_commit.ask_writer
+
+    def recording(address: str, query: Any, timeout: float) -> Any:
+        told.append(query)
+        return ask(address, query, timeout)
+    monkeypatch.setattr(memory_commit, "ask_writer", recording)
+    monkeypatch.setattr(Coordinator, "session", SESSION)
+    lead.start()
+    greeting = told[0].session
+    assert re.fullmatch(f"greet/[0-9a-f]{{16}}/{client_launch_of(SESSION)}", greeting), greeting
+    assert writer_commit.tag_launch(greeting) == writer_commit.tag_launch(f"{SESSION}/0")
+    monkeypatch.setattr(Coordinator, "session", None)
+    store = lead._client()
+    store.set("asyncckpt/ffeeddccbbaa9988/memory/agreed", "off: not this test's")
+    before = len(told)
+    late = MemoryCommitter(Coordinator(store, 0.25), lead.writer.address, NODES)
+    try:
+        greeting = next(q.session for q in told[before:] if q.session.startswith("greet/"))
+        assert re.fullmatch("greet/[0-9a-f]{16}", greeting), greeting
+        assert writer_commit.tag_launch(greeting) is None
+    finally:
+        late.close()

@@ -1,10 +1,13 @@
 """Attacks on the memory commit's fallback and the leads' "local" word (writer/memory_commit.py
-`fall_back`, `told` with ipc/memory_messages.LOCAL), through the real `memory_commit` query
-on one in-process writer that stands for one node of a 3 x 1 job (the harness of
-test_memory_commit_attacks.py: its lead played by hand)."""
+`fall_back`, `told` with ipc/memory_messages.LOCAL), and on a new launch of the job taking
+over a writer that ran a session (`launched`), through the real `memory_commit` query
+and real memory saves on one in-process writer that stands for one node of a 3 x 1 job
+(the harness of test_memory_commit_attacks.py: its lead played by hand; the launch its
+node lead's begins name, set by the test)."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +16,22 @@ import pytest
 from test_memory_commit_attacks import GREET, RUN0, Node
 
 from asyncckpt.ipc.memory_messages import LOCAL
-from asyncckpt.rank.memory_commit import job_word
+from asyncckpt.rank import client as client_module
+from asyncckpt.rank.memory_commit import job_word, launch_of
+from asyncckpt.rank.pending import Route
 from asyncckpt.writer import memory_commit as writer_commit
+
+OLD = RUN0.partition("/")[0]  # the coordination session of RUN0's launch
+NEW = "00ff00ff00ff00ff"  # a relaunch's
+NEW_RUN0 = f"{NEW}/0"
+NEW_GREET = f"greet/0011223344556677/{launch_of(NEW)}"  # its lead's greeting (this version)
+
+
+def _saving_under(monkeypatch: pytest.MonkeyPatch, session: str) -> None:
+    """The node's memory begins name the launch of coordination session `session`, as a
+    node lead's do (rank/client.py `launch_of`; this harness's client has no store)."""
+    monkeypatch.setattr(client_module, "Route", functools.partial(
+        Route, launch=launch_of(session)))
 
 
 @pytest.fixture
@@ -124,11 +141,13 @@ def test_a_word_that_resumes_after_the_fallback_commits_new_steps_again(
 
 def test_a_restarted_jobs_local_on_a_sessions_writer_waits_for_the_fallback(
         node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
-    """R3-1's cost, bounded: a restarted job whose leads agree to run no commit, on a
-    writer that ran a session (1 committed, 2 promised): the writer cannot tell its
-    lead's greeting and 'local' from a stale lead's, so it keeps the session's rule --
-    the new job's next save held back by the promise -- until it falls back to the
-    node-local rule (SILENT_S with the job's word not moving), and saves again."""
+    """R3-1's cost with ranks and a lead of 0.4.6 (begins and greeting that name no
+    launch), bounded: a restarted job whose leads agree to run no commit, on a writer
+    that ran a session (1 committed, 2 promised): the writer cannot tell its lead's
+    greeting and 'local' from a stale lead's, so it keeps the session's rule -- the new
+    job's next save held back by the promise -- until it falls back to the node-local
+    rule (SILENT_S with the job's word not moving), and saves again. (This version's
+    leads name their launch: `test_a_relaunch_that_runs_no_commit_...`.)"""
     monkeypatch.setattr(writer_commit, "SILENT_S", 0.5)
     _committed_1_pending_2(node)
     node.ask(GREET)  # the restarted job's lead greets: the writer keeps RUN0
@@ -154,3 +173,88 @@ def test_a_stale_leads_late_greeting_then_its_local_keeps_the_committed_step(
     assert node.tier.job.on and node.held() == [1, 2], (node.tier.job.session, node.held())
     node.ask(RUN0, -1, 2, 2)  # the session's word moves on: taken, 1 goes
     assert node.tier.job.session == RUN0 and node.held() == [2], node.held()
+
+
+def test_a_shrunk_relaunchs_saves_are_held_at_once_and_the_committed_step_outlives_the_old(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 41's shrink (3 nodes -> 2): the relaunch runs no commit (MIN_NODES), so no
+    lead ever tells the writer a session or 'local'. Before, it kept the killed launch's
+    rule and skipped every memory save (held [1, 2]) until the 600 s fallback. A save
+    begun under the new launch ends that rule at once: held under the node-local rule;
+    the old launch's uncommitted 2 gives way first, its committed 1 goes only once the
+    new launch's 3 is whole; the old launch's late word turns nothing back on."""
+    _saving_under(monkeypatch, OLD)
+    _committed_1_pending_2(node)
+    _saving_under(monkeypatch, NEW)
+    assert node.save(3) == "memory", node.held()
+    assert not node.tier.job.on and node.held() == [3], node.held()
+    gone = node.tier._dropped
+    assert "gave way to step 3" in gone[2].cause, gone[2].cause
+    assert "superseded by step 3" in gone[1].cause, gone[1].cause
+    for step in (4, 5, 6):
+        assert node.save(step) == "memory" and node.held() == [step], (step, node.held())
+    node.ask(RUN0, -1, 6, 6)  # the killed launch's lead, late: its word is over
+    node.ask(f"{OLD}/1", -1, 6, 6)  # (any run of it)
+    assert not node.tier.job.on
+    _saving_under(monkeypatch, OLD)  # a stale rank of it saving turns nothing back
+    assert node.save(7) == "memory" and not node.tier.job.on
+
+
+def test_a_relaunch_that_runs_no_commit_takes_the_node_local_rule_at_its_first_save(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R3-1's cost (the 600 s fallback) is gone for this version's leads: the relaunch's
+    lead's greeting and 'local' (its leads agreed "off") came while the writer ran the
+    killed launch's session, and were ignored; its first save shows that launch saving,
+    and the 'local' its lead sent is then taken: held at once."""
+    _saving_under(monkeypatch, OLD)
+    _committed_1_pending_2(node)
+    node.ask(NEW_GREET)
+    node.ask(LOCAL, scope=NEW_GREET)
+    assert node.tier.job.session == RUN0 and node.held() == [1, 2]
+    _saving_under(monkeypatch, NEW)
+    assert node.save(3) == "memory" and not node.tier.job.on, node.held()
+    assert node.held() == [3]
+
+
+def test_a_relaunch_that_runs_the_commit_takes_its_leads_greeting_at_its_first_save(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relaunch of 3 nodes or more: its first save comes before its lead met its
+    session. The writer takes that lead's greeting (the job-wide rule, the committed
+    step kept), not the node-local rule that could drop a step before the new
+    session commits a newer one; the session's tag then replaces the greeting."""
+    _saving_under(monkeypatch, OLD)
+    _committed_1_pending_2(node)
+    node.ask(NEW_GREET)
+    _saving_under(monkeypatch, NEW)
+    node.save(3)  # 2 still promised: held back (the bound), as under any session
+    assert node.tier.job.session == NEW_GREET and node.tier.job.committed == 1
+    assert 1 in node.held(), node.held()
+    node.ask(NEW_RUN0)
+    assert node.tier.job.session == NEW_RUN0 and 1 in node.held(), node.held()
+
+
+def test_a_stale_leads_greeting_and_local_leave_the_session_whose_launch_saves(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R3-1 still holds with launches named: while the running session's own launch
+    saves, a stale lead's greeting (naming its launch) and its 'local' turn nothing
+    off; a begin under the running session's launch keeps its rule (the bound holds)."""
+    _saving_under(monkeypatch, OLD)
+    _committed_1_pending_2(node)
+    stale = f"greet/ffffffffffffffff/{launch_of('ffeeddccbbaa9988')}"
+    node.ask(stale)
+    node.ask(LOCAL, scope=stale)
+    assert node.save(3) == "skipped"  # 2 promised: the session's bound
+    assert node.tier.job.session == RUN0 and node.held() == [1, 2], node.held()
+    node.ask(LOCAL, scope=stale)
+    assert node.tier.job.on and node.held() == [1, 2], node.held()
+
+
+def test_a_session_tag_and_a_greeting_name_the_launch_the_begins_name() -> None:
+    """The writer reads a session's launch from its tag as the rank names it in its
+    begins (rank/client.py, rank/memory_commit.py), and a greeting's from its tail;
+    a greeting of 0.4.6 names none."""
+    assert writer_commit.tag_launch(NEW_RUN0) == client_module.launch_of(NEW) == launch_of(NEW)
+    assert writer_commit.tag_launch(f"{NEW}/7") == launch_of(NEW)
+    assert writer_commit.tag_launch(NEW_GREET) == launch_of(NEW)
+    for tag in (GREET, "start/0011223344556677", LOCAL, "rerun", None):
+        assert writer_commit.tag_launch(tag) is None, tag
