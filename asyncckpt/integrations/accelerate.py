@@ -26,7 +26,10 @@ Where: with `ProjectConfiguration(automatic_checkpoint_naming=True)` the root is
 Accelerate numbers its `checkpoint_N`; `total_limit` is the writer's retention (the
 newest `total_limit` live steps stay, judged from the disk after each commit). Else
 `output_dir` is the root, and the step is `step=` or `save_iteration`.
-`load_state()` restores the newest live step (or `step=`), sets `save_iteration` to
+`load_state()` restores the newest live step (or `step=`, or the step a directory
+names: `ROOT/step-NNNNNNNN`, and with automatic naming Accelerate's
+`project_dir/checkpoints/checkpoint_N`; any other directory is refused there, never
+read as "the newest"), sets `save_iteration` to
 the next one, and begins a timeline there (docs/API.md, "Timelines"): a run resumed
 from an older step saves over the newer steps of the history it abandoned, which are
 never newest again.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import re
 from typing import Any
 
 import accelerate  # type: ignore[import-untyped,import-not-found,unused-ignore]  # no py.typed
@@ -57,6 +61,8 @@ from asyncckpt.storage.location import Location, root_path
 from asyncckpt.torchutil.dtensor import is_sharded_model
 
 __all__ = ["Accelerator", "AcceleratorCheckpointer"]
+# a checkpoint's folder as Accelerate names it, or a step's as asyncckpt does
+_CHECKPOINT_NAME = re.compile(r"checkpoint_([0-9]+)|step-([0-9]{8})")
 # save_state's saves in flight before one waits for the oldest to commit: the loop never
 # waits on a commit's fsyncs while the disk keeps up (a save in flight holds no copy)
 MAX_IN_FLIGHT = 4
@@ -213,17 +219,20 @@ class Accelerator(accelerate.Accelerator):
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    *, step: int | None = None, **load_model_func_kwargs: Any) -> int:
-        """Restore step `step` (default: the newest live one that loads) of the root
-        into every prepared object; `save_iteration` becomes the next step. Every rank
-        calls it.
+        """Restore step `step` (default: the step `input_dir` names, else the newest
+        live one that loads) of the root into every prepared object; `save_iteration`
+        becomes the next step. Every rank calls it.
 
         Returns:
             The restored step.
         Raises:
             CheckpointNotFoundError: the root holds no step (or not `step`).
             CorruptCheckpointError, StateMismatchError: as `Checkpointer.restore`.
-            ValueError: the step holds other objects than the accelerator has.
+            ValueError: the step holds other objects than the accelerator has; with
+                automatic naming, `input_dir` neither the root nor one of its
+                checkpoints, or naming another step than `step`.
         """
+        input_dir, step = self._asyncckpt_named(input_dir, step)
         ckpt = self.asyncckpt(input_dir)
         restored = ckpt.restore(step=step)
         if restored is None:
@@ -231,6 +240,40 @@ class Accelerator(accelerate.Accelerator):
                                           file=str(ckpt.root))
         self.project_configuration.iteration = restored + 1
         return restored
+
+    def _asyncckpt_named(self, directory: str | os.PathLike[str] | None,
+                         step: int | None) -> tuple[str | None, int | None]:
+        """The root and step `load_state(directory, step=step)` restores, as Accelerate's
+        `load_state` loads the folder it is given (automatic naming too): a step's
+        directory (`ROOT/step-NNNNNNNN`) is step N of ROOT; with automatic naming,
+        Accelerate's name of a checkpoint, `project_dir/checkpoints/checkpoint_N`, is
+        step N too (without it, `checkpoint_N` may be a root: `save_state` of a folder
+        per save).
+
+        Raises:
+            ValueError: with automatic naming, a directory that is neither the root nor
+                one of its checkpoints (loading the root's newest instead would resume
+                another step than the one asked for), or `step` naming another step.
+        """
+        if directory is None:
+            return None, step
+        path = os.path.expanduser(os.fspath(directory))
+        match = _CHECKPOINT_NAME.fullmatch(os.path.basename(os.path.normpath(path)))
+        auto = self.project_configuration.automatic_checkpoint_naming
+        root = str(self._asyncckpt_root(None)) if auto else None
+        parent = os.path.dirname(os.path.normpath(path))
+        if match is not None and (_same(parent, root) if root is not None
+                                  else match.group(2) is not None):
+            named = int(match.group(1) or match.group(2))
+            if step is not None and step != named:
+                raise ValueError(f"load_state({directory!r}, step={step}): the directory "
+                                 f"names step {named}")
+            return parent, named
+        if root is not None and not _same(path, root):
+            raise ValueError(f"load_state({directory!r}): with automatic_checkpoint_naming "
+                             f"the checkpoints are the steps of {root}; pass that root, "
+                             f"{os.path.join(root, 'checkpoint_N')} or step=N")
+        return path, step
 
     def wait_for_checkpoints(self) -> None:
         """Block until every save in flight is committed; raises the first failure."""
@@ -247,3 +290,9 @@ class Accelerator(accelerate.Accelerator):
         self._asyncckpt.clear()
         super().end_training()
 
+
+def _same(a: str, b: str) -> bool:
+    """Two local paths (or two URLs) name the same place."""
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
