@@ -102,9 +102,9 @@ class MemoryTier(Committing, Held):
         the node's first rank to begin it decides for all, however late the others
         come. A rank beginning a step older than one it began before (or than one of
         its images held, as a replacement's taken back from the partner) is a rerun
-        (`_went_back`); a peer's late begin is not (memory_order.py). `launch`: the
-        node lead's begin's, a new launch's ends the old launch's commit rule
-        (memory_commit.py `JobCommit.launched`).
+        (`_went_back`); a peer's late begin is not (memory_order.py); a begin of a step
+        held whole for another world is (a relaunch, shrunk or grown, redoes it).
+        `launch`: the node lead's begin's (memory_commit.py `JobCommit.launched`).
 
         Raises:
             MemoryTierFullError: the image would take the memory held past the bound.
@@ -121,6 +121,9 @@ class MemoryTier(Committing, Held):
                             default=None)
             if newer is not None:
                 self._went_back(step, rank, newer)
+            old = self._gens.get(step)
+            if old is not None and old.world_size != world_size and old.whole:
+                self._went_back(step, rank, step, world_size)  # a relaunch in another world
             skipped = self._order.skipped(step, rank)
             self._order.began(rank, step, skipped is not None)
             if skipped is not None:  # the node's step is skipped
@@ -380,7 +383,7 @@ class MemoryTier(Committing, Held):
                         f"; {'; '.join(lasts)}",
                         step=step, rank=absent[0]))
 
-    def _went_back(self, step: int, rank: int, newer: int) -> None:
+    def _went_back(self, step: int, rank: int, newer: int, world: int | None = None) -> None:
         """`rank` began `step`, older than `newer`, which it began before (or of which
         an image of it is held): the job resumed below it. What is held of `step` and
         newer -- this node's images and the partners' replicas -- belongs to the
@@ -390,17 +393,21 @@ class MemoryTier(Committing, Held):
         rerun come as usual. A replacement's writer knows it by the newer generations
         holding its ranks' images it took back from the partner (its ranks never began
         anything here). Only `rank`'s own order says so: a peer's late begin is no
-        rerun (memory_order.py)."""
-        log.info("memory: rank %d began step %d after step %d: the job went back; "
-                 "generations from %d dropped: %s", rank, step, newer, step,
-                 sorted(s for s in self._gens if s >= step))
+        rerun (memory_order.py). `world`: a relaunch in a world of that size (a job
+        shrunk or grown, its ranks numbered anew) began `step`, held whole here for
+        another world: that world's generations from `step` on go, and what the old
+        ranks' order said of them (skips included)."""
+        gone = sorted(s for s, g in self._gens.items()
+                      if s >= step and (world is None or g.world_size != world))
+        how = f"after step {newer}" if world is None else f"in a world of {world} ranks"
+        log.info("memory: rank %d began step %d %s: the job went back; generations from "
+                 "%d dropped: %s", rank, step, how, step, gone)
         self._order.rerun_from(step)
         self._durable.rerun_from(step)
         self.job.rerun(step)
-        for s in [s for s in self._gens if s >= step]:
+        for s in gone:
             self._drop(s, SaveFailedError(f"memory generation of an abandoned run (rank "
-                                          f"{rank} went back to step {step} after {newer})",
-                                          step=s))
+                                          f"{rank} began step {step} {how})", step=s))
 
     def _forget_replicas(self, gen: Generation, first: int | None = None) -> None:
         """Drop the partners' replicas held in `gen` (of the node whose first rank is

@@ -13,12 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_memory_commit_attacks import GREET, RUN0, Node
+from test_memory_commit_attacks import GREET, RUN0, WAIT_S, Node, _state
 
 from asyncckpt.ipc.memory_messages import LOCAL
 from asyncckpt.rank import client as client_module
+from asyncckpt.rank.client import Client
 from asyncckpt.rank.memory_commit import job_word, launch_of
 from asyncckpt.rank.pending import Route
+from asyncckpt.read import memory
 from asyncckpt.writer import memory_commit as writer_commit
 
 OLD = RUN0.partition("/")[0]  # the coordination session of RUN0's launch
@@ -258,3 +260,34 @@ def test_a_session_tag_and_a_greeting_name_the_launch_the_begins_name() -> None:
     assert writer_commit.tag_launch(NEW_GREET) == launch_of(NEW)
     for tag in (GREET, "start/0011223344556677", LOCAL, "rerun", None):
         assert writer_commit.tag_launch(tag) is None, tag
+
+
+def test_a_relaunch_in_another_world_redoes_a_step_the_old_world_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shrunk from 3 nodes to 2, this writer's node is rank 1 of world 2 (it was rank 2
+    of world 3) and the relaunch resumes below the killed launch's steps: its save of
+    step 3, held whole here for world 3 without a rank 1, failed the save ("memory
+    generation of world 3, this rank says 2"), which raised in training. The old
+    world's generations from 3 on belong to the abandoned run: they go."""
+    node = Node(tmp_path, monkeypatch)
+    try:
+        old = Client(node.writer.address, rank=2, world_size=3, coordination="local",
+                     slot_size=1 << 16, ring_size=1 << 18)
+        for step in (2, 3):
+            old.save(step, _state(step), tier="memory").wait(WAIT_S)
+        old.close()
+        assert node.held() == [3]
+        new = Client(node.writer.address, rank=1, world_size=2, coordination="local",
+                     slot_size=1 << 16, ring_size=1 << 18)
+        try:
+            for step in (3, 4):
+                h = new.save(step, _state(step), tier="memory")
+                h.wait(WAIT_S)
+                assert h.stats.tier == "memory", step
+        finally:
+            new.close()
+        gens = {g["step"]: g for g in memory.generations(node.writer.address)}
+        assert sorted(gens) == [4] and gens[4]["ranks"] == [1], gens
+        assert gens[4]["world_size"] == 2
+    finally:
+        node.close()
