@@ -158,6 +158,14 @@ class WriterKnobs(_FromEnv):
             again (dedup.py); retention then retires referenced steps instead of
             deleting them (writer/retention.py). Off: every save writes every byte (its frames
             still never reference anything), and no index is kept.
+        dedup_trust_s: with incremental, a committed frame's stored bytes are read and
+            checked before a new frame references them, unless the writer read and
+            checked them less than this many seconds ago and their file is unchanged
+            since (same inode, size, mtime, ctime): back-to-back saves of an unchanged
+            state read them once, not at every save (about 1.1 s per GiB from disk).
+            Damage that a file's times do not show (the medium, a write below the
+            filesystem) within this window before a save is referenced by it; 0: read
+            at every reference. See writer/dedup.py.
         stage_first: copy a rank's filled slots out of its ring only once it has
             staged the whole save or waits for a free slot, so that its copy into the
             ring (what its training loop waits for) has the memory bandwidth and cores
@@ -188,6 +196,7 @@ class WriterKnobs(_FromEnv):
     keep_every: int = 0
     max_frame_bytes: int = MAX_FRAME_BYTES
     incremental: bool = True
+    dedup_trust_s: float = 60.0
     stage_first: bool = True
     memory_max_bytes: int = 0
     replica_listen: str = ""
@@ -208,6 +217,8 @@ class WriterKnobs(_FromEnv):
         _require(self.keep_every >= 0, "keep_every", "0 (none) or more", self.keep_every)
         _require(4096 <= self.max_frame_bytes <= 1 << 30, "max_frame_bytes",
                  "between 4096 and 1 GiB", self.max_frame_bytes)
+        _require(self.dedup_trust_s >= 0, "dedup_trust_s", "0 (read at every reference) "
+                 "or more seconds", self.dedup_trust_s)
         _require(self.memory_max_bytes >= 0, "memory_max_bytes", "0 (half the host's memory) "
                  "or more", self.memory_max_bytes)
         for name in ("replica_listen", "replica_partner"):

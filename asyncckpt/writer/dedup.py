@@ -25,15 +25,23 @@ small buffer that happens to repeat would keep an otherwise dead step on disk to
 few KiB. (A frozen tensor of at least that size does keep its step: that is the point.)
 
 A reference is a promise that bytes on disk still match a checksum taken when they were
-written, maybe long ago. So a target's stored bytes are read and checked again before a
-new frame references them (`verified`); a target that fails is dropped, and the save
-writes its own copy, so bit rot in an old step never spreads into new ones. The price is
-a read of the referenced bytes at each save instead of a write (cheaper, and often from
-the page cache), chosen over checking only every so often or in the background, which
-would let a save commit on damage younger than the check. What stays: damage after a
-save committed hits every step that shares those bytes at once (the cost of one copy);
-`verify` and the reader's checksums catch it, and the next save stops referencing them.
+written, maybe long ago. So a target's stored bytes are read and checked before a new
+frame references them (`verified`), unless this process did one of two things with those
+very bytes less than `dedup_trust_s` seconds ago (config.py; 60 by default, 0: read at
+every reference) and the file that holds them, opened by the reader's rule, is still the
+same file (device, inode) with the same size, mtime and ctime as then: it read and
+checked them, or it wrote them (checksummed as written, then fsynced) in a step it
+committed, one whose manifest has no parts (so every data file of it is this process's:
+`add`). A target that fails is dropped, and the save writes its own copy, so bit rot in
+an old step never spreads into new ones. What stays: damage after a save committed hits
+every step that shares those bytes at once (the cost of one copy); `verify` and the
+reader's checksums catch it, and the next save that reads them stops referencing them.
 The steps a writer may reference are those the reader would open (storage/posix.py).
+
+Why this bound, what it promises and what it lets through, measured and compared with
+that accepted cost: dedup_trust.py. Each step's log line at its end says how many
+referenced bytes were read, in how long (summed over frame threads), and how many
+trusted.
 
 A rank with `skip_unchanged` sends no bytes for tensors it knows unchanged since a step
 it saved; `unchanged_frames` finds those tensors' frames in that step's manifest (a
@@ -42,26 +50,30 @@ lookup's) and pins their targets like a lookup does.
 
 Memory: one entry per frame of unique content, about 300 bytes each, at most
 `MAX_ENTRIES` (2^18: 1 TiB of 4 MiB frames, under 80 MiB); beyond that new frames are
-simply not targets (they are written in full).
+simply not targets (they are written in full). What it trusts takes about 200 bytes a frame,
+at most `MAX_ENTRIES` frames too (dedup_trust.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
 
 from asyncckpt.codec.registry import PlaneLayout
-from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits
+from asyncckpt.config import MAX_FRAME_BYTES, ReadLimits, WriterKnobs
 from asyncckpt.errors import CheckpointError
 from asyncckpt.format.layout import retired_dir_name, step_dir_name
 from asyncckpt.format.manifest import Manifest
 from asyncckpt.format.records import Frame
-from asyncckpt.storage.base import Storage
+from asyncckpt.storage.base import ReadFile, Storage
 from asyncckpt.storage.location import read_manifest_at
+from asyncckpt.writer.dedup_trust import Seen, Trust, Where, file_identity
 
 if TYPE_CHECKING:
     from asyncckpt.storage.paths import Location
@@ -87,13 +99,34 @@ class Target(NamedTuple):
     xxh3_raw: int
 
 
+@dataclasses.dataclass
+class Verified:
+    """How an open step's targets were verified: bytes read (taking `seconds`, summed
+    over frame threads) and bytes trusted."""
+
+    read: int = 0
+    trusted: int = 0
+    seconds: float = 0.0
+
+
 class DedupIndex:
     """(xxh3_128, raw length) -> Target over the committed steps of one root.
-    Thread-safe."""
+    Thread-safe.
 
-    def __init__(self, storage: Storage, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    `trust_s`: how long a target read and checked, or written, is trusted while its
+    file is unchanged (`WriterKnobs.dedup_trust_s`; None: that knob from the
+    environment).
+    `bytes_read` and `bytes_trusted` count the referenced bytes verified each way."""
+
+    def __init__(self, storage: Storage, max_frame_bytes: int = MAX_FRAME_BYTES,
+                 trust_s: float | None = None) -> None:
         self.storage = storage
         self.lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_trusted = 0
+        self._trust = Trust(
+            WriterKnobs.from_env().dedup_trust_s if trust_s is None else trust_s)
+        self._verified: dict[int, Verified] = {}  # open step -> how its targets were
         self._limits = ReadLimits(max_frame_bytes=max_frame_bytes)
         self._entries: dict[Key, Target] = {}
         self._keys: dict[int, list[Key]] = {}       # step -> keys it added
@@ -111,6 +144,7 @@ class DedupIndex:
         """Step `step` is open: its lookups pin what they find until `release(step)`."""
         with self.lock:
             self._pins.setdefault(step, set())
+            self._verified.setdefault(step, Verified())
 
     def lookup(self, xxh3_128: int, length: int, step: int) -> Target | None:
         """The committed frame holding these raw bytes, its stored bytes verified (see
@@ -122,7 +156,7 @@ class DedupIndex:
             target = self._entries.get(key)
             if target is None or step not in self._pins or target.step >= step:
                 return None
-        if not self.verified(target):
+        if not self.verified(target, step):
             return None
         with self.lock:  # retention may have deleted its step meanwhile: then it is gone
             pins = self._pins.get(step)
@@ -131,15 +165,42 @@ class DedupIndex:
             pins.add(target.step)
             return target
 
-    def verified(self, target: Target) -> bool:
-        """Whether `target`'s stored bytes on disk still match their xxh3 (read again at
-        every lookup: a reference is a promise about bytes on disk, and a new step must
-        not be committed on bytes that no longer keep it). A target that fails is
-        dropped from the index, so the saves that wanted it write their own copy.
-        Reads the disk outside the lock."""
-        if _stored_bytes_match(self.storage, target):
-            return True
+    def verified(self, target: Target, step: int | None = None) -> bool:
+        """Whether `target`'s stored bytes on disk still match their xxh3: read again,
+        unless this process read or wrote them less than `trust_s` ago and their file is
+        the same, unchanged (dedup_trust.py). A target that fails is dropped from the index, so
+        the saves that wanted it write their own copy. The bytes count for open step
+        `step`'s log line. Reads the disk outside the lock."""
+        where: Where = (target.file, target.offset, target.length, target.xxh3_stored)
+        opened = self.storage.open_step_file(target.step, target.file)
+        ok, trusted, began = False, False, time.monotonic()
+        if opened is not None:
+            try:
+                identity, settled = file_identity(opened)
+                with self.lock:
+                    trusted = identity is not None and self._trust.trusts(
+                        target.step, where, identity)
+                ok = trusted or _stored_bytes_match(opened, target)
+                if ok and not trusted and identity is not None and settled:
+                    with self.lock:  # unless retention forgot the step meanwhile
+                        if target.step in self._refs:
+                            self._trust.remember(target.step, where, Seen(identity, began))
+            except OSError:
+                ok = False
+            finally:
+                opened.close()
         with self.lock:
+            if ok:
+                counts = self._verified.get(step, Verified()) if step is not None else Verified()
+                if trusted:
+                    counts.trusted += target.length
+                    self.bytes_trusted += target.length
+                else:
+                    counts.read += target.length
+                    counts.seconds += time.monotonic() - began
+                    self.bytes_read += target.length
+                return True
+            self._trust.drop(target.step, where)
             for key in [k for k, t in self._entries.items() if t == target]:
                 del self._entries[key]
         log.warning("incremental: step %d's %s bytes %d..%d no longer match their checksum; "
@@ -176,7 +237,7 @@ class DedupIndex:
                 continue
             targets = [(f.raw_length, _target(since, part.file, f), f.xxh3_128)
                        for f in frames if f.xxh3_128 is not None]
-            if all(self.verified(t) for _, t, _ in targets):
+            if all(self.verified(t, step) for _, t, _ in targets):
                 found[name] = targets
         with self.lock:
             pins = self._pins.get(step)
@@ -209,9 +270,15 @@ class DedupIndex:
         """Step `step` committed (its manifest now holds its references) or failed."""
         with self.lock:
             self._pins.pop(step, None)
+            counts = self._verified.pop(step, None)
             if step in self._replacing:  # the disk says which one is there now
                 self._replacing.discard(step)
                 self._going.discard(step)
+        if counts is not None and (counts.read or counts.trusted):
+            log.info("incremental: step %d verified %d referenced bytes by reading them "
+                     "(%.3f s) and trusted %d read or written less than %g s ago, their "
+                     "files unchanged since", step, counts.read, counts.seconds,
+                     counts.trusted, self._trust.trust_s)
 
     def replacing(self, step: int) -> None:
         """Open step `step` will replace the committed step of that number: its frames
@@ -238,6 +305,7 @@ class DedupIndex:
         for step in steps:
             self._going.add(step)
             self._refs.pop(step, None)
+            self._trust.forget(step)
             for key in self._keys.pop(step, ()):
                 if (target := self._entries.get(key)) is not None and target.step == step:
                     del self._entries[key]
@@ -245,10 +313,40 @@ class DedupIndex:
     # -- building ----------------------------------------------------------------------
 
     def add(self, manifest: Manifest) -> None:
-        """Add a committed step's own frames (the newest copy of a content wins)."""
+        """Add a step this writer committed: its own frames (the newest copy of a
+        content wins), each trusted as if read now (this process wrote and fsynced every
+        byte of a step whose manifest has no parts, and checksummed what it wrote)."""
         with self.lock:
             self._add(manifest)
         self._last_manifest = manifest  # the basis of the next skip_unchanged saves
+        if self._trust.trust_s > 0:
+            self._written(manifest)
+
+    def _written(self, manifest: Manifest) -> None:
+        """Remember the own frames of committed step `manifest` as read and checked now,
+        with their files as they are now (module docstring: their times need not have
+        settled, the bytes are the ones this process wrote)."""
+        for part in manifest.ranks:
+            began = time.monotonic()
+            opened = self.storage.open_step_file(manifest.step, part.file)
+            if opened is None:
+                continue
+            try:
+                identity, _ = file_identity(opened)
+            except OSError:
+                continue
+            finally:
+                opened.close()
+            if identity is None:
+                continue
+            with self.lock:
+                if manifest.step not in self._refs:
+                    return
+                for f in part.frames:
+                    if f.ref is None and f.xxh3_128 is not None and f.raw_length >= MIN_BYTES:
+                        self._trust.remember(manifest.step, (part.file, f.stored_offset,
+                                                             f.stored_length, f.xxh3_stored),
+                                             Seen(identity, began))
 
     def _add(self, manifest: Manifest) -> None:
         step = manifest.step
@@ -318,31 +416,28 @@ def _steps_on_disk(storage: Storage) -> dict[int, Location]:
     return found
 
 
-def _stored_bytes_match(storage: Storage, target: Target) -> bool:
-    """Read `target`'s stored bytes (by the reader's rule) and compare their xxh3."""
-    opened = storage.open_step_file(target.step, target.file)
-    if opened is None:
+def _stored_bytes_match(opened: ReadFile, target: Target) -> bool:
+    """Read `target`'s stored bytes from `opened` (its file by the reader's rule) and
+    compare their xxh3.
+
+    Raises:
+        OSError: the read failed.
+    """
+    if opened.size < target.offset + target.length:
         return False
-    try:
-        if opened.size < target.offset + target.length:
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = bytearray(_VERIFY_PIECE)
+    digest = xxhash.xxh3_64()
+    position, end = target.offset, target.offset + target.length
+    while position < end:
+        piece = memoryview(buffer)[:min(_VERIFY_PIECE, end - position)]
+        n = opened.read_into(position, [piece])
+        if n <= 0:
             return False
-        buffer = getattr(_scratch, "buffer", None)
-        if buffer is None:
-            buffer = _scratch.buffer = bytearray(_VERIFY_PIECE)
-        digest = xxhash.xxh3_64()
-        position, end = target.offset, target.offset + target.length
-        while position < end:
-            piece = memoryview(buffer)[:min(_VERIFY_PIECE, end - position)]
-            n = opened.read_into(position, [piece])
-            if n <= 0:
-                return False
-            digest.update(memoryview(buffer)[:n])
-            position += n
-        return digest.intdigest() == target.xxh3_stored
-    except OSError:
-        return False
-    finally:
-        opened.close()
+        digest.update(memoryview(buffer)[:n])
+        position += n
+    return digest.intdigest() == target.xxh3_stored
 
 
 _scratch = threading.local()  # one read buffer per frame thread
