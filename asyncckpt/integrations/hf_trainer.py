@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
-from asyncckpt.errors import CheckpointError, SaveFailedError
+from asyncckpt.errors import CheckpointError, SaveFailedError, StateMismatchError
 from asyncckpt.integrations.hf_peft import TrainableParameters, base_reference, check_base
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.handle import SaveHandle
@@ -80,6 +80,7 @@ PENDING = ".asyncckpt-pending"  # checkpoint-N/ directories waiting for their co
 PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
 STATE_NAME = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
 RANK_RNG = "rank_rng"  # in each rank's extra: that rank's RNG states
+TRAINER_STATE = "trainer_state"  # in rank 0's extra: trainer_state.json's bytes (uint8)
 # saves in flight before a save waits for the oldest to commit: the loop never waits on a
 # commit's fsyncs while the disk keeps up (a save in flight holds no copy of the state)
 MAX_IN_FLIGHT = 4
@@ -154,6 +155,8 @@ class AsyncCheckpointMixin(_Base):
                 extra["peft_base"] = base_reference(self.model)
         # the Trainer's state as of this call; written out by the follow-up thread
         state_json = self._asyncckpt_state_json() if self.args.should_save else None
+        if first and state_json is not None:  # the step's own copy: checked at resume
+            extra[TRAINER_STATE] = _encoded(state_json)
         options, rng_only = ckpt.options, self._asyncckpt_rng_only
         if not first and self._asyncckpt_replicated and rng_only is not None:
             ckpt.options = rng_only  # a replicated (DDP) model and optimizer: rank 0's
@@ -269,6 +272,12 @@ class AsyncCheckpointMixin(_Base):
                 raise ValueError(f"AsyncCheckpointTrainer does not support {flag}=True yet")
         if getattr(self, "is_deepspeed_enabled", False):
             raise ValueError("AsyncCheckpointTrainer does not support DeepSpeed")
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if isinstance(resume, bool) and resume:
+            if self.args.should_save:
+                _repair(Path(self.args.output_dir))
+            if self.args.world_size > 1:
+                self.accelerator.wait_for_everyone()  # the directories are as repaired
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -344,6 +353,7 @@ class AsyncCheckpointMixin(_Base):
                 other.restore(step=step, rank=0)
                 extra = other.extra
         extra = extra or {}
+        _check_side_files(checkpoint, step, extra.get(TRAINER_STATE))
         if self._asyncckpt_adapter:
             check_base(extra.get("peft_base"), self.model, step)
         if extra.get("scheduler") is not None and self.lr_scheduler is not None:
@@ -397,6 +407,69 @@ class AsyncCheckpointMixin(_Base):
             return
         if self._asyncckpt_rng is not None:
             set_rng_state(self._asyncckpt_rng)
+
+
+def _encoded(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+
+
+def _decoded(saved: Any) -> str | None:
+    if not isinstance(saved, torch.Tensor):
+        return None  # a step saved before its trainer state was kept in it
+    return bytes(saved.numpy().tobytes()).decode("utf-8")
+
+
+def _check_side_files(checkpoint: str | None, step: int, saved: Any) -> None:
+    """Raise StateMismatchError unless `checkpoint` (a `checkpoint-N/` whose marker
+    names `step`) is step N and holds the `trainer_state.json` saved with that step:
+    else the Trainer would resume the data position and callbacks of one step with
+    the tensors of another."""
+    directory = Path(checkpoint or "")
+    named = _step_of(directory.name)
+    if named is not None and named != step:
+        raise StateMismatchError(f"{directory} is the checkpoint of step {named} but its "
+                                 f"{MARKER} names step {step}", step=step,
+                                 file=str(directory / MARKER))
+    text = _decoded(saved)
+    state_file = directory / STATE_NAME
+    if text is not None and (not state_file.is_file()
+                             or state_file.read_text(encoding="utf-8") != text):
+        raise StateMismatchError(f"{state_file} is not the trainer_state.json saved with "
+                                 f"step {step} of the root: the directory mixes two saves",
+                                 step=step, file=str(state_file))
+
+
+def _repair(run_dir: Path) -> None:
+    """Before `resume_from_checkpoint=True` looks (rank 0): remove the `checkpoint-N/`
+    directories naming a step the root no longer holds live (no resume can read
+    them), and where then none is left, write the newest live step's directory back
+    from the trainer state saved in it (a kill after its commit, before the follow-up
+    moved its directory into place, with the writer's retention deleting the step the
+    older directory named)."""
+    root = run_dir / ROOT_NAME
+    if not root.is_dir():
+        return
+    storage = storage_for(root_path(root))
+    live = sorted(live_steps(storage, storage.step_dirs(), read_current(storage)))
+    _remove_dirs(run_dir, lambda s: s not in live)
+    if not live or any(read_marker(p) is not None for p in run_dir.glob(f"{PREFIX}*")):
+        return
+    step = live[-1]
+    if (run_dir / f"{PREFIX}{step}").exists():
+        return  # the Trainer's own directory of that step (not ours): left as it is
+    text = _decoded(load_parts(root, step, 0, None, {"extra"}).get("extra", {})
+                    .get(TRAINER_STATE))
+    if text is None:
+        return
+    pending = run_dir / PENDING / f"{PREFIX}{step}"
+    if pending.exists():
+        shutil.rmtree(pending)
+    pending.mkdir(parents=True)
+    (pending / STATE_NAME).write_text(text, encoding="utf-8")
+    (pending / MARKER).write_text(json.dumps({"root": ROOT_NAME, "step": step}))
+    pending.rename(run_dir / f"{PREFIX}{step}")
+    log.warning("asyncckpt: %s was missing (a kill after step %d committed): written back "
+                "from the step", run_dir / f"{PREFIX}{step}", step)
 
 
 def _remove_dirs(run_dir: Path, doomed: Any) -> None:

@@ -64,6 +64,13 @@ def launch(cfg: dict, ranks: int) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def launch_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`script` run alone by the frameworks venv's python, with argv: `args[0]`, this
+    folder (where hf_trainer_worker.py is), then the rest of `args`."""
+    return subprocess.run([FRAMEWORKS_PYTHON, "-c", script, args[0], str(HERE), *args[1:]],
+                          env=ENV, text=True, capture_output=True, timeout=LAUNCH_TIMEOUT)
+
+
 def steps(run_dir: Path) -> tuple[list[int], list[int]]:
     """(the checkpoint-N directories, the root's committed steps)."""
     dirs = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*"))

@@ -1,0 +1,108 @@
+"""The Trainer's side files (`checkpoint-N/trainer_state.json`, the marker) against the
+asyncckpt step they stand beside: AsyncCheckpointTrainer with the real transformers
+Trainer, one process (hf_trainer_worker.py's tiny GPT-2), in the frameworks venv.
+
+- R5-2: the process is SIGKILLed after step 4 committed (the writer's `keep_last=1`
+  then deletes step 2) but before `checkpoint-4/` was moved into place. The directory
+  `resume_from_checkpoint=True` finds is `checkpoint-2/`, naming a step the root no
+  longer holds: the relaunch must resume from step 4, not fail.
+- R5-3: a `checkpoint-N/` whose `trainer_state.json` or marker is of another step than
+  the tensors (a damaged or hand-edited directory) must not resume the weights of one
+  step with the data position and callbacks of another: the resume refuses it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from frameworks_venv import needs_frameworks
+from test_hf_trainer import launch_script, steps
+
+pytestmark = [pytest.mark.process, needs_frameworks]
+
+KILLED_BEFORE_ITS_DIRECTORY = r'''
+import json, os, pathlib, signal, sys, time
+sys.path.insert(0, sys.argv[2])
+import hf_trainer_worker as w
+
+out = pathlib.Path(sys.argv[1])
+rename = pathlib.Path.rename
+
+def killing_rename(self, target):  # the move of checkpoint-4/ into place: never done
+    if self.name == "checkpoint-4" and self.parent.name == ".asyncckpt-pending":
+        gone = out / "asyncckpt" / "step-00000002"
+        deadline = time.monotonic() + 60
+        while gone.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(f"KILLED step 2 gone: {not gone.exists()}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rename(self, target)
+
+cfg = {"out": str(out), "save_steps": 2, "limit": 1}
+if sys.argv[3] == "kill":  # step 4 the last: no later save races the kill
+    pathlib.Path.rename = killing_rename
+    w.run({**cfg, "max_steps": 4})
+else:
+    done = []
+    step = w.Trainer.training_step
+
+    def counted(self, *a, **kw):  # the steps this launch trains
+        done.append(1)
+        return step(self, *a, **kw)
+
+    w.Trainer.training_step = counted
+    trainer = w.run({**cfg, "max_steps": 6, "resume": True})
+    print("RESULT " + json.dumps({"trained": len(done), "global": trainer.state.global_step}),
+          flush=True)
+'''
+
+
+def test_a_kill_between_commit_and_its_directory_still_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    killed = launch_script(KILLED_BEFORE_ITS_DIRECTORY, str(out), "kill")
+    assert killed.returncode != 0 and "KILLED step 2 gone: True" in killed.stdout, (
+        killed.stdout[-3000:] + killed.stderr[-3000:])
+    assert steps(out) == ([2], [4])  # the directory names a step the root deleted
+    resumed = launch_script(KILLED_BEFORE_ITS_DIRECTORY, str(out), "resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    result = json.loads(resumed.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result == {"trained": 2, "global": 6}  # from the committed step 4
+    assert steps(out) == ([6], [6])
+
+
+SIDE_FILES_OF_ANOTHER_STEP = r'''
+import json, pathlib, shutil, sys
+sys.path.insert(0, sys.argv[2])
+import hf_trainer_worker as w
+
+out = pathlib.Path(sys.argv[1])
+w.run({"out": str(out), "max_steps": 4, "save_steps": 2})
+result = {}
+for attack in ("trainer_state", "marker"):
+    run = out.parent / attack
+    shutil.copytree(out, run)
+    if attack == "trainer_state":  # step 2's data position beside step 4's tensors
+        shutil.copy(run / "checkpoint-2" / "trainer_state.json",
+                    run / "checkpoint-4" / "trainer_state.json")
+    else:  # checkpoint-4/ naming step 2's tensors
+        marker = run / "checkpoint-4" / "asyncckpt.json"
+        marker.write_text(json.dumps({**json.loads(marker.read_text()), "step": 2}))
+    try:
+        trainer = w.run({"out": str(run), "max_steps": 6, "save_steps": 2,
+                         "resume": str(run / "checkpoint-4")})
+        result[attack] = {"resumed": trainer.state.global_step}
+    except Exception as e:
+        result[attack] = {"error": type(e).__name__, "text": str(e)}
+print("RESULT " + json.dumps(result), flush=True)
+'''
+
+
+def test_side_files_of_another_step_than_the_tensors_are_refused(tmp_path: Path) -> None:
+    done = launch_script(SIDE_FILES_OF_ANOTHER_STEP, str(tmp_path / "run"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    for attack in ("trainer_state", "marker"):
+        assert result[attack].get("error") == "StateMismatchError", result
+    assert "trainer_state.json" in result["trainer_state"]["text"]
+    assert "names step 2" in result["marker"]["text"]
