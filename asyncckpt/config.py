@@ -160,12 +160,12 @@ class WriterKnobs(_FromEnv):
             still never reference anything), and no index is kept.
         dedup_trust_s: with incremental, a committed frame's stored bytes are read and
             checked before a new frame references them, unless the writer read and
-            checked them less than this many seconds ago and their file is unchanged
-            since (same inode, size, mtime, ctime): back-to-back saves of an unchanged
-            state read them once, not at every save (about 1.1 s per GiB from disk).
-            Damage that a file's times do not show (the medium, a write below the
-            filesystem) within this window before a save is referenced by it; 0: read
-            at every reference. See writer/dedup.py.
+            checked them, or wrote them in a step it committed, less than this many
+            seconds ago and their file is unchanged since (same inode, size, mtime,
+            ctime): back-to-back saves of an unchanged state then read nothing, not
+            every referenced byte at every save. Damage that a file's times do not show
+            (the medium, a write below the filesystem) within this window is referenced
+            by the saves in it; 0: read at every reference. See writer/dedup_trust.py.
         stage_first: copy a rank's filled slots out of its ring only once it has
             staged the whole save or waits for a free slot, so that its copy into the
             ring (what its training loop waits for) has the memory bandwidth and cores

@@ -8,11 +8,16 @@ read), and their file is the same file with the same size, mtime and ctime as th
 
 Why a bound, and why this one. The writer's writeback drops what it writes from the page
 cache (storage/writeback.py), so the first read of a step's bytes is a read of the
-device, paid by the first save that references them, and later reads are served from
-the page cache until memory pressure drops them. With the bound an unchanged
-state saved back to back reads nothing while the steps it references are this writer's
-own, else once; the reads take at most (read time) / `dedup_trust_s` of the device
-however often saves come, and saves further apart than that read as before.
+device, paid by the first save that references them, several times what the later
+reads cost while the page cache serves them (figures: docs/design/incremental.md). With
+the bound an unchanged state saved back to back reads nothing while the steps it
+references are this writer's own, else once. A write counts because the writer
+checksummed the very bytes it wrote and fsynced them, and the step that wrote them is
+committed on that same write without reading it back: a reference within the bound
+stands on what that step already stands on. The default, 60 s, covers saves back to back or a few
+steps apart (where the reads cost about as much as the save itself), holds the reads to
+one of each referenced byte a minute however often saves come, and keeps the added
+exposure (below) to a minute; saves further apart than the bound read as before.
 
 What it promises: a change made through the filesystem after the read began or the step
 committed (a write, a truncate, a store through a mapping, a file put in its place, its
