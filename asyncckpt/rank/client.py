@@ -249,8 +249,9 @@ class Client:
             assert pending is not None
             self._remember(pending)
         handle = SaveHandle(step, on_commit=remember if skip and tier == "durable" else None)
-        route = (self._route(step) if tier == "durable" else  # memory: the node's writer alone
-                 Route(self.world_size, None, self._node))
+        route = (self._route(step) if tier == "durable" else  # memory: the node's writer alone,
+                 Route(self.world_size, None, self._node,  # told which launch saves now
+                       self._launch() if self._agreement is not None else None))
         pending = PendingSave(next(self._ids), step, state_dict, handle, options, route,
                               self._basis if skip else None, skip)
         with self._cond:
@@ -282,11 +283,12 @@ class Client:
             time.sleep(SESSION_POLL)
 
     def _launch(self) -> str | None:
-        """A node's lead: its coordinated begin's `launch`, from the session its agreement
-        joins at start, if joined by now (never waited for: the training thread does not
-        wait on the store; not joined yet: None, and this node's folder is moved in by the
-        leader: writer/shared.py). Other ranks: None (their node's lead's begin names the
-        shared directory)."""
+        """A node's lead: its coordinated and memory begins' `launch` (a memory begin's
+        tells its writer which launch saves now: writer/memory_commit.py), from the
+        session its agreement joins at start, if joined by now (never waited for: the
+        training thread does not wait on the store; not joined yet: None, and this node's
+        folder is moved in by the leader: writer/shared.py). Other ranks: None (their
+        node's lead's begin names the shared directory)."""
         assert self._agreement is not None
         c = self._agreement.coordinator
         if not c.is_lead or c.session is None:
