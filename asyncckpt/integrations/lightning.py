@@ -316,7 +316,8 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         another. A failure is raised by the next save."""
         root = self._root_or_fail()
         try:
-            before = read_marker(pending.path) if pending.path.is_file() else None
+            before = (read_marker(pending.path)  # a link's target is another file's step
+                      if pending.path.is_file() and not pending.path.is_symlink() else None)
             _write_marker(pending.path, root, pending.step)
         except OSError as e:
             self._failures.append(f"step {pending.step} is committed but its marker "
@@ -341,8 +342,12 @@ class AsyncckptCheckpointIO(_CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove Lightning's checkpoint `path`: a marker goes at once and its step is
         retired on the follow-up thread (after the saves made before it: a save still
-        in flight once committed); any other file is deleted."""
+        in flight once committed); a symbolic link (`save_last="link"`) goes alone, the
+        checkpoint it points to and its step untouched; any other file is deleted."""
         path = Path(path).absolute()
+        if path.is_symlink():  # `save_last="link"`'s: the file it points to is another
+            path.unlink()      # checkpoint (one of the top k), whose step stays
+            return
         with self._lock:  # the follow-up writes markers under it too
             for pending in self._pending:
                 if pending.path == path:
