@@ -66,6 +66,10 @@ _CHECKPOINT_NAME = re.compile(r"checkpoint_([0-9]+)|step-([0-9]{8})")
 # save_state's saves in flight before one waits for the oldest to commit: the loop never
 # waits on a commit's fsyncs while the disk keeps up (a save in flight holds no copy)
 MAX_IN_FLIGHT = 4
+# roots with a checkpointer open at once (each holds a writer process and a ring as large
+# as the state): `save_state(f"step_{n}")`, a folder per save as Accelerate's examples
+# do, would otherwise start a writer and map a ring per save until `end_training`
+MAX_ROOTS = 2
 
 
 class AcceleratorCheckpointer(Checkpointer):
@@ -176,10 +180,16 @@ class Accelerator(accelerate.Accelerator):
         return root_path(os.path.expanduser(os.fspath(directory)))
 
     def asyncckpt(self, directory: str | os.PathLike[str] | None = None) -> AcceleratorCheckpointer:
-        """The checkpointer of that root (as `save_state` resolves it), made once."""
+        """The checkpointer of that root (as `save_state` resolves it), made at its
+        first use; opening a third root closes the least recently used one (waiting
+        for its saves to commit; every rank calls it in the same order)."""
         root = self._asyncckpt_root(directory)
         key = str(root)
-        if key not in self._asyncckpt:
+        if key in self._asyncckpt:  # the most recently used last
+            self._asyncckpt[key] = self._asyncckpt.pop(key)
+        else:
+            while len(self._asyncckpt) >= MAX_ROOTS:  # the least recently used goes
+                self._asyncckpt.pop(next(iter(self._asyncckpt))).close()
             limit = self.project_configuration.total_limit
             options = CheckpointerOptions(save_interval=1, keep_last=limit or 0,
                                           on_busy="queue", max_in_flight=MAX_IN_FLIGHT)
