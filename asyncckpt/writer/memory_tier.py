@@ -462,13 +462,16 @@ class MemoryTier(Committing, Held):
         An older one holding a node `gen` lacks -- a partner's replica whose newer one
         has not arrived whole (the partner lost mid-replication, or slow) -- stays, with
         this node's own images of that step: it is the newest step at which both nodes
-        are held, the one a replacement of the partner resumes from. The step committed
-        across the job when a new launch took over stays until that launch's own
-        generation covers it (memory_commit.py `JobCommit.keeps`)."""
+        are held, the one a replacement of the partner resumes from. One of another
+        world (a job shrunk or grown: its nodes numbered otherwise, it would take a slot
+        of a new node for ever) goes once `gen` holds this node's own ranks. The step
+        committed when a new launch took over stays until that launch's own generation
+        covers it (memory_commit.py `JobCommit.keeps`)."""
         covered = set(gen.nodes.items())
-        for older in [s for s, g in self._gens.items()
-                      if s < gen.step and set(g.nodes.items()) <= covered
-                      and not self.job.keeps(s, gen.step)]:
+        own = any(f not in gen.replicas for f in gen.nodes)
+        for older in [s for s, g in self._gens.items() if s < gen.step and (
+                set(g.nodes.items()) <= covered or (own and g.world_size != gen.world_size))
+                and not self.job.keeps(s, gen.step)]:
             self._drop(older, SaveFailedError(
                 f"memory generation superseded by step {gen.step}", step=older))
 

@@ -7,7 +7,6 @@ node lead's begins name, set by the test)."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 from test_memory_commit_attacks import GREET, RUN0, WAIT_S, Node, _state
 
 from asyncckpt.ipc.memory_messages import LOCAL
+from asyncckpt.ipc.messages import NodeRanks
 from asyncckpt.rank import client as client_module
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.memory_commit import job_word, launch_of
@@ -32,8 +32,10 @@ NEW_GREET = f"greet/0011223344556677/{launch_of(NEW)}"  # its lead's greeting (t
 def _saving_under(monkeypatch: pytest.MonkeyPatch, session: str) -> None:
     """The node's memory begins name the launch of coordination session `session`, as a
     node lead's do (rank/client.py `launch_of`; this harness's client has no store)."""
-    monkeypatch.setattr(client_module, "Route", functools.partial(
-        Route, launch=launch_of(session)))
+    def route(world_size: int, key: str | None = None, node: NodeRanks | None = None,
+              launch: str | None = None) -> Route:
+        return Route(world_size, key, node, launch_of(session))
+    monkeypatch.setattr(client_module, "Route", route)
 
 
 @pytest.fixture
@@ -289,5 +291,32 @@ def test_a_relaunch_in_another_world_redoes_a_step_the_old_world_held(
         gens = {g["step"]: g for g in memory.generations(node.writer.address)}
         assert sorted(gens) == [4] and gens[4]["ranks"] == [1], gens
         assert gens[4]["world_size"] == 2
+    finally:
+        node.close()
+
+
+def test_the_old_worlds_generation_goes_once_the_new_world_holds_this_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relaunch resumes at the old world's newest step (3) and saves 4 on: the old
+    world's 3, its nodes numbered otherwise, was never covered by a new world's
+    generation and stayed for ever beside them (counted against the bound; where an
+    old node's number is a new node's, as one of that node's two generations, so each
+    new save skipped while the one before was still being sent). It goes once the new
+    world holds this node's ranks whole."""
+    node = Node(tmp_path, monkeypatch)
+    try:
+        old = Client(node.writer.address, rank=2, world_size=3, coordination="local",
+                     slot_size=1 << 16, ring_size=1 << 18)
+        old.save(3, _state(3), tier="memory").wait(WAIT_S)
+        old.close()
+        new = Client(node.writer.address, rank=1, world_size=2, coordination="local",
+                     slot_size=1 << 16, ring_size=1 << 18)
+        try:
+            h = new.save(4, _state(4), tier="memory")
+            h.wait(WAIT_S)
+            assert h.stats.tier == "memory"
+        finally:
+            new.close()
+        assert node.held() == [4], memory.generations(node.writer.address)
     finally:
         node.close()
