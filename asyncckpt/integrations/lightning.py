@@ -30,8 +30,10 @@ flight is retired once committed instead of being named). A path that is not a m
 does, so a run switches to this plugin mid-way.
 
 Timelines: `load_checkpoint` of step N makes the `TimelineStart` that every later save
-carries, so a run resumed from an older checkpoint abandons the root's newer steps at its
-first commit: they are never the root's newest again.
+to that root carries, so a run resumed from an older checkpoint abandons the root's newer
+steps at its first commit: they are never the root's newest again. A run started from
+another run's checkpoint (another directory, another root) reads there and saves into
+its own root, with no timeline: the other run is left as it was.
 
 Asynchrony and its hazard: `save_checkpoint` returns once the state is flattened; the
 tensors are copied into the ring in the background. A global optimizer step pre-hook (the
@@ -113,6 +115,7 @@ def _write_marker(path: Path, root: Path, step: int) -> None:
     body = {"asyncckpt": MARKER_VERSION, "root": os.path.relpath(root, path.parent.resolve()),
             "step": step}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)  # as Lightning's IO makes it
     with open(tmp, "w") as f:
         f.write(json.dumps(body) + "\n")
         f.flush()
@@ -143,7 +146,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
 
     Args:
         root: the asyncckpt root (default: `asyncckpt/` beside the first checkpoint
-            Lightning saves).
+            Lightning saves; never the root of a marker loaded from elsewhere).
         codec: the writer's codec ("auto", "raw", "zstd", "bytegroup"; default its knob).
         rng: save rank 0's RNG state and restore it on every rank at load.
     Attributes:
@@ -421,11 +424,12 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         return loaded if map_location is None else _mapped(loaded, map_location)
 
     def _loaded(self, root: Path, step: int, start: TimelineStart | None) -> None:
-        """Step `step` of `root` was restored: later saves carry `start` (a new
-        timeline) and are numbered above it; its removal waits for their commit."""
+        """Step `step` of `root` was restored: later saves to `root` carry `start` (a
+        new timeline) and are numbered above it; its removal waits for their commit.
+        The saves' root stays theirs (beside the files Lightning saves): a run started
+        from another run's checkpoint reads there and saves here, never into the
+        other run's root."""
         self._timeline, self._restored, self._next = start, (root, step), None
-        if self.root is None:
-            self.root = root
 
     # -- the end of fit (every rank) -------------------------------------------------------
 

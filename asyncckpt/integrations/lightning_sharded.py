@@ -29,8 +29,9 @@ numbers count saves, above anything the root holds; rank 0 draws them and broadc
 Loading (every rank): the marker's step is restored through `Checkpointer.restore`, each
 rank reading the boxes that overlap its own shards (another world size or mesh
 reshards), the ranks agreeing before any state is applied; then each rank's RNG. The
-restore begins a timeline that every later save carries, so a run resumed from an older
-checkpoint abandons the root's newer steps at its first commit. A path that is not a
+restore begins a timeline that every later save to that root carries, so a run resumed
+from an older checkpoint abandons the root's newer steps at its first commit; a run started
+from another run's marker reads there and saves into its own root. A path that is not a
 marker (Lightning's own sharded folder or file) is loaded by Lightning's code, so a run
 switches mid-way.
 
@@ -143,6 +144,12 @@ class _AsyncckptShardedSaves(_LightningStrategy):
         self._ckpt = None
 
     def _checkpointer(self, root: Path) -> _StrategyCheckpointer:
+        """The checkpointer of `root`; one of another root (a marker loaded from another
+        run's directory: read there, save here) is closed first. Every rank calls it
+        alike."""
+        if self._ckpt is not None and Path(self._ckpt.root).resolve() != root.resolve():
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close()
         if self._ckpt is None:
             self._ckpt = _StrategyCheckpointer(root, self)
         return self._ckpt
@@ -201,8 +208,7 @@ class _AsyncckptShardedSaves(_LightningStrategy):
             loaded: dict[str, Any] = super().load_checkpoint(path, weights_only=weights_only)
             return loaded
         root, step = named
-        own = self._ckpt is None or self._ckpt.root.resolve() == root
-        ckpt = self._checkpointer(root) if own else _StrategyCheckpointer(root, self)
+        ckpt = self._checkpointer(root)
         ckpt.restore(step=step)  # every rank; the timeline its later saves carry
         extra = ckpt.extra
         if self.rng:
@@ -242,7 +248,7 @@ class AsyncckptModelParallelStrategy(_AsyncckptShardedSaves, _strategies.ModelPa
 
     Args:
         root: the asyncckpt root (default: `asyncckpt/` beside the first checkpoint
-            Lightning saves, or the root of the first marker loaded).
+            Lightning saves; a marker loaded from another root is read there).
         rng: save each rank's RNG state and restore it at load.
         args, kwargs: `ModelParallelStrategy`'s (`save_distributed_checkpoint` must
             stay True: every rank saves its own shards).
@@ -267,7 +273,7 @@ class AsyncckptFSDPStrategy(_AsyncckptShardedSaves, _strategies.FSDPStrategy):
 
     Args:
         root: the asyncckpt root (default: `asyncckpt/` beside the first checkpoint
-            Lightning saves, or the root of the first marker loaded).
+            Lightning saves; a marker loaded from another root is read there).
         rng: save each rank's RNG state (CUDA's included) and restore it at load.
         args, kwargs: `FSDPStrategy`'s (`state_dict_type` must stay "sharded": every
             rank saves its own shards).
