@@ -16,11 +16,13 @@ and restores it like any model: the restore fills the adapter's tensors in place
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any
 
 import torch
 
 from asyncckpt.errors import StateMismatchError
+from asyncckpt.torchutil.dtensor import is_dtensor
 
 
 class TrainableParameters(torch.nn.Module):
@@ -61,6 +63,53 @@ def base_reference(model: torch.nn.Module) -> dict[str, Any]:
     return {"name_or_path": str(name), "frozen_parameters": len(frozen),
             "frozen_elements": sum(int(torch.Size(s).numel()) for _, s in frozen),
             "frozen_digest": digest}
+
+
+SAMPLES = 16  # values sampled from each frozen tensor (evenly spaced) for its digest
+_values_cache: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, ...], str]] = \
+    weakref.WeakKeyDictionary()
+
+
+def base_values(model: torch.nn.Module) -> str:
+    """A digest of `model`'s frozen parameters' values: `SAMPLES` evenly spaced values of
+    each (sharded ones, whose local values differ by rank, and meta ones left out), so
+    that two bases of one architecture (names and shapes alike: a base and its
+    instruct variant) differ. One transfer from the device; cached per model while
+    the same parameters are frozen (a frozen base does not change)."""
+    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+    names = tuple(name for name, _ in frozen)
+    cached = _values_cache.get(model)
+    if cached is not None and cached[0] == names:
+        return cached[1]
+    samples: list[torch.Tensor] = []
+    with torch.no_grad():
+        for _, p in frozen:
+            if is_dtensor(p) or p.is_meta or p.numel() == 0:
+                continue
+            flat = p.detach().reshape(-1)
+            index = torch.linspace(0, flat.numel() - 1, min(SAMPLES, flat.numel()),
+                                   device=flat.device).long()
+            samples.append(flat[index].to(torch.float64))
+    joined = torch.cat(samples).cpu() if samples else torch.zeros(0, dtype=torch.float64)
+    digest = hashlib.sha256(repr(names).encode() + joined.numpy().tobytes()).hexdigest()
+    _values_cache[model] = (names, digest)
+    return digest
+
+
+def check_base_values(saved: dict[str, Any] | None, model: torch.nn.Module,
+                      step: int) -> None:
+    """Raise StateMismatchError when `saved` (a `base_reference` with `base_values`
+    under "frozen_values") was made on a base whose frozen values differ from
+    `model`'s: the same architecture, other weights. A reference without it (saved
+    before) is not checked."""
+    if not saved or "frozen_values" not in saved:
+        return
+    if saved["frozen_values"] != base_values(model):
+        raise StateMismatchError(
+            f"the adapter-only checkpoint was trained on a frozen base "
+            f"({saved.get('name_or_path')!r}) whose values are not this model's "
+            f"({base_reference(model)['name_or_path']!r}: same names and shapes, other "
+            "weights): load the same base before resuming", step=step)
 
 
 def check_base(saved: dict[str, Any] | None, model: torch.nn.Module, step: int) -> None:

@@ -36,7 +36,8 @@ of the current timeline.
 
 Adapter-only (PEFT): for a model with frozen parameters (default: a `peft.PeftModel`),
 only the trainable parameters and their optimizer state are saved (hf_peft.py), the
-base referenced by its name and a fingerprint checked at restore.
+base referenced by its name and fingerprints (names and shapes; sampled values) checked
+at restore.
 
 A sharded model (FSDP2 through Accelerate, `fsdp="full_shard"` with fsdp_version 2:
 DTensor parameters) saves each rank's shards (the Checkpointer's sharded path), tested
@@ -62,7 +63,13 @@ import torch
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.errors import CheckpointError, SaveFailedError, StateMismatchError
-from asyncckpt.integrations.hf_peft import TrainableParameters, base_reference, check_base
+from asyncckpt.integrations.hf_peft import (
+    TrainableParameters,
+    base_reference,
+    base_values,
+    check_base,
+    check_base_values,
+)
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.read.loader import load_parts
@@ -152,7 +159,8 @@ class AsyncCheckpointMixin(_Base):
                 scaler = getattr(self.accelerator, "scaler", None)
                 extra["scaler"] = scaler.state_dict() if scaler is not None else None
             if self._asyncckpt_adapter:
-                extra["peft_base"] = base_reference(self.model)
+                extra["peft_base"] = {**base_reference(self.model),
+                                      "frozen_values": base_values(self.model)}
         # the Trainer's state as of this call; written out by the follow-up thread
         state_json = self._asyncckpt_state_json() if self.args.should_save else None
         if first and state_json is not None:  # the step's own copy: checked at resume
@@ -356,6 +364,7 @@ class AsyncCheckpointMixin(_Base):
         _check_side_files(checkpoint, step, extra.get(TRAINER_STATE))
         if self._asyncckpt_adapter:
             check_base(extra.get("peft_base"), self.model, step)
+            check_base_values(extra.get("peft_base"), self.model, step)
         if extra.get("scheduler") is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(extra["scheduler"])
         self._asyncckpt_restored = extra
