@@ -86,6 +86,7 @@ class MemoryTier(Committing, Held):
         # each rank's last begin, the node's skipped steps (the ranks' begins interleave)
         self._order = BeginOrder()
         self._durable = DurableSaves()  # which ranks are staging a durable save here
+        self._world: int | None = None  # the world of this node's ranks' last begin
         self.peak_bytes = 0
         self.job = JobCommit()  # the job-wide commit, once a lead tells (memory_commit.py)
         self._settling = threading.Condition(self._lock)  # an outcome became final
@@ -102,8 +103,9 @@ class MemoryTier(Committing, Held):
         the node's first rank to begin it decides for all, however late the others
         come. A rank beginning a step older than one it began before (or than one of
         its images held, as a replacement's taken back from the partner) is a rerun
-        (`_went_back`); a peer's late begin is not (memory_order.py); a begin of a step
-        held whole for another world is (a relaunch, shrunk or grown, redoes it).
+        (`_went_back`); a peer's late begin is not (memory_order.py); a first begin in
+        another world, or of a step held whole for another (a relaunch, shrunk or
+        grown: its ranks numbered anew), is.
         `launch`: the node lead's begin's (memory_commit.py `JobCommit.launched`).
 
         Raises:
@@ -122,8 +124,10 @@ class MemoryTier(Committing, Held):
             if newer is not None:
                 self._went_back(step, rank, newer)
             old = self._gens.get(step)
-            if old is not None and old.world_size != world_size and old.whole:
+            if self._world not in (None, world_size) or (
+                    old is not None and old.world_size != world_size and old.whole):
                 self._went_back(step, rank, step, world_size)  # a relaunch in another world
+            self._world = world_size
             skipped = self._order.skipped(step, rank)
             self._order.began(rank, step, skipped is not None)
             if skipped is not None:  # the node's step is skipped
@@ -394,9 +398,9 @@ class MemoryTier(Committing, Held):
         holding its ranks' images it took back from the partner (its ranks never began
         anything here). Only `rank`'s own order says so: a peer's late begin is no
         rerun (memory_order.py). `world`: a relaunch in a world of that size (a job
-        shrunk or grown, its ranks numbered anew) began `step`, held whole here for
-        another world: that world's generations from `step` on go, and what the old
-        ranks' order said of them (skips included)."""
+        shrunk or grown, its ranks numbered anew) began `step`: the other world's
+        generations from `step` on go, and what its ranks' order said of them (the
+        skips it decided, which a rank numbered anew would take for its node's)."""
         gone = sorted(s for s, g in self._gens.items()
                       if s >= step and (world is None or g.world_size != world))
         how = f"after step {newer}" if world is None else f"in a world of {world} ranks"

@@ -320,3 +320,28 @@ def test_the_old_worlds_generation_goes_once_the_new_world_holds_this_node(
         assert node.held() == [4], memory.generations(node.writer.address)
     finally:
         node.close()
+
+
+def test_a_skip_the_old_world_decided_does_not_skip_the_new_worlds_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The killed launch (world 3, this node rank 2) skipped step 3 here (2 promised);
+    the relaunch in world 2 numbers this node rank 1 and resumes at 2. A skip is the
+    node's, kept for its late ranks: rank 1, not among the ranks that began 3, took
+    the old world's skip for its node's, and its save of 3 was skipped."""
+    node = Node(tmp_path, monkeypatch)
+    try:
+        node.client.close()
+        node.client = Client(node.writer.address, rank=2, world_size=3, coordination="local",
+                             slot_size=1 << 16, ring_size=1 << 18)
+        node.ask(RUN0)
+        _saving_under(monkeypatch, OLD)
+        _committed_1_pending_2(node)
+        assert node.save(3) == "skipped"
+        node.client.close()
+        node.client = Client(node.writer.address, rank=1, world_size=2, coordination="local",
+                             slot_size=1 << 16, ring_size=1 << 18)
+        _saving_under(monkeypatch, NEW)
+        assert node.save(3) == "memory", memory.generations(node.writer.address)
+        assert node.held() == [3]
+    finally:
+        node.close()
