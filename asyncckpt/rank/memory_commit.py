@@ -388,7 +388,9 @@ class MemoryCommitter:
         """Before this client's first save (on the caller's thread: one local query), the
         writer keeps its generations by the job's commit from now on -- under a tag of
         this client's own until the session is met (`_start`, which waits for the
-        leader): otherwise the node-local rule could drop a generation in between."""
+        leader): otherwise the node-local rule could drop a generation in between. A
+        writer running another launch's session ignores it until this launch's memory
+        saves begin (the tag names the launch, writer/memory_commit.py `launched`)."""
         try:
             ask_writer(self._address, memory_messages.MemoryCommit(self._greeting),
                        QUERY_TIMEOUT_S)
