@@ -114,8 +114,8 @@ class JobCommit:
         """This node's ranks began `step` (an image made): pending until final."""
         self.outcomes.setdefault(step, PENDING)
         self._newest = max(self._newest, step)
-        if self.kept is not None:
-            self._fresh.add(step)
+        if self.kept is not None:  # (the newest only: `keeps` asks of generations held)
+            self._fresh = {*sorted(self._fresh)[-OUTCOMES_KEPT:], step}
         self._trim()
 
     def final(self, step: int, two: bool) -> bool:
