@@ -20,6 +20,12 @@ transformers 5.25 by tests/integrations/frameworks/test_hf_trainer.py):
   moves `checkpoint-N/` into place (`trainer_state.json` and `asyncckpt.json`, which
   names the step), so `get_last_checkpoint` and `resume_from_checkpoint=True` never find a
   step that is not durable; a SIGKILL mid-save leaves the previous `checkpoint-N`.
+  Rank 0's part also holds `trainer_state.json`'s bytes: a resume refuses a directory
+  whose name, marker or `trainer_state.json` is of another step than the tensors, and
+  `resume_from_checkpoint=True` first removes the directories naming no live step and,
+  where none is left (a kill after a commit, before its directory moved in, the
+  retention having deleted the older step), writes the newest live step's back
+  (hf_trainer_dirs.py).
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_scaler`,
   `_load_rng_state`: for a `checkpoint-N/` holding `asyncckpt.json`, one
   `Checkpointer.restore(step=N)` loads model, optimizer and the rest (rank 0's part on
@@ -52,7 +58,6 @@ import dataclasses
 import importlib
 import json
 import logging
-import os
 import queue
 import shutil
 import threading
@@ -62,13 +67,26 @@ from typing import Any
 import torch
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
-from asyncckpt.errors import CheckpointError, SaveFailedError, StateMismatchError
+from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.integrations.hf_peft import (
     TrainableParameters,
     base_reference,
     base_values,
     check_base,
     check_base_values,
+)
+from asyncckpt.integrations.hf_trainer_dirs import (
+    MARKER,
+    PENDING,
+    PREFIX,
+    ROOT_NAME,
+    STATE_NAME,
+    TRAINER_STATE,
+    check_side_files,
+    encoded,
+    read_marker,
+    remove_dirs,
+    repair,
 )
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.handle import SaveHandle
@@ -81,37 +99,13 @@ from asyncckpt.torchutil.dtensor import is_sharded_model
 __all__ = ["AsyncCheckpointMixin", "AsyncCheckpointTrainer", "MARKER", "ROOT_NAME"]
 log = logging.getLogger("asyncckpt.hf_trainer")
 
-MARKER = "asyncckpt.json"  # in checkpoint-N/: {"root": ..., "step": N}
-ROOT_NAME = "asyncckpt"  # the root, under the Trainer's output directory
-PENDING = ".asyncckpt-pending"  # checkpoint-N/ directories waiting for their commit
-PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
-STATE_NAME = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
 RANK_RNG = "rank_rng"  # in each rank's extra: that rank's RNG states
-TRAINER_STATE = "trainer_state"  # in rank 0's extra: trainer_state.json's bytes (uint8)
 # saves in flight before a save waits for the oldest to commit: the loop never waits on a
 # commit's fsyncs while the disk keeps up (a save in flight holds no copy of the state)
 MAX_IN_FLIGHT = 4
 
 # The base class the mixin is typed against: the Trainer's attributes are dynamic here
 _Base: Any = object
-
-
-def read_marker(checkpoint: str | os.PathLike[str] | None) -> dict[str, Any] | None:
-    """`checkpoint-N/asyncckpt.json` as {"root": Path, "step": int}; None when the
-    directory is not one this integration wrote (then the Trainer's loaders apply)."""
-    if checkpoint is None:
-        return None
-    path = Path(checkpoint) / MARKER
-    if not path.is_file():
-        return None
-    marker = json.loads(path.read_text())
-    return {"root": (Path(checkpoint).parent / marker["root"]).resolve(),
-            "step": int(marker["step"])}
-
-
-def _step_of(name: str) -> int | None:
-    tail = name[len(PREFIX):] if name.startswith(PREFIX) else ""
-    return int(tail) if tail.isdigit() else None
 
 
 class AsyncCheckpointMixin(_Base):
@@ -148,7 +142,7 @@ class AsyncCheckpointMixin(_Base):
         self._asyncckpt_raise_failed()
         fork = self._asyncckpt_fork_at
         if fork is not None and self.args.should_save:
-            _remove_dirs(run_dir, lambda s: s > fork)  # that run's steps are abandoned now
+            remove_dirs(run_dir, lambda s: s > fork)  # that run's steps are abandoned now
         self._asyncckpt_fork_at = None
         first = self.args.process_index == 0
         extra: dict[str, Any] = {"world_size": self.args.world_size, RANK_RNG: rng_state()}
@@ -164,7 +158,7 @@ class AsyncCheckpointMixin(_Base):
         # the Trainer's state as of this call; written out by the follow-up thread
         state_json = self._asyncckpt_state_json() if self.args.should_save else None
         if first and state_json is not None:  # the step's own copy: checked at resume
-            extra[TRAINER_STATE] = _encoded(state_json)
+            extra[TRAINER_STATE] = encoded(state_json)
         options, rng_only = ckpt.options, self._asyncckpt_rng_only
         if not first and self._asyncckpt_replicated and rng_only is not None:
             ckpt.options = rng_only  # a replicated (DDP) model and optimizer: rank 0's
@@ -233,7 +227,7 @@ class AsyncCheckpointMixin(_Base):
             pending.rename(target)
             storage = storage_for(root_path(run_dir / ROOT_NAME))
             live = set(live_steps(storage, storage.step_dirs(), read_current(storage)))
-            _remove_dirs(run_dir, lambda s: s not in live)
+            remove_dirs(run_dir, lambda s: s not in live)
         except BaseException as e:  # raised by the next save or at the end of train()
             log.error("asyncckpt: the checkpoint of step %d failed: %s", step, e)
             self._asyncckpt_failed = e
@@ -283,7 +277,7 @@ class AsyncCheckpointMixin(_Base):
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         if isinstance(resume, bool) and resume:
             if self.args.should_save:
-                _repair(Path(self.args.output_dir))
+                repair(Path(self.args.output_dir))
             if self.args.world_size > 1:
                 self.accelerator.wait_for_everyone()  # the directories are as repaired
         try:
@@ -361,7 +355,7 @@ class AsyncCheckpointMixin(_Base):
                 other.restore(step=step, rank=0)
                 extra = other.extra
         extra = extra or {}
-        _check_side_files(checkpoint, step, extra.get(TRAINER_STATE))
+        check_side_files(checkpoint, step, extra.get(TRAINER_STATE))
         if self._asyncckpt_adapter:
             check_base(extra.get("peft_base"), self.model, step)
             check_base_values(extra.get("peft_base"), self.model, step)
@@ -416,77 +410,6 @@ class AsyncCheckpointMixin(_Base):
             return
         if self._asyncckpt_rng is not None:
             set_rng_state(self._asyncckpt_rng)
-
-
-def _encoded(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
-
-
-def _decoded(saved: Any) -> str | None:
-    if not isinstance(saved, torch.Tensor):
-        return None  # a step saved before its trainer state was kept in it
-    return bytes(saved.numpy().tobytes()).decode("utf-8")
-
-
-def _check_side_files(checkpoint: str | None, step: int, saved: Any) -> None:
-    """Raise StateMismatchError unless `checkpoint` (a `checkpoint-N/` whose marker
-    names `step`) is step N and holds the `trainer_state.json` saved with that step:
-    else the Trainer would resume the data position and callbacks of one step with
-    the tensors of another."""
-    directory = Path(checkpoint or "")
-    named = _step_of(directory.name)
-    if named is not None and named != step:
-        raise StateMismatchError(f"{directory} is the checkpoint of step {named} but its "
-                                 f"{MARKER} names step {step}", step=step,
-                                 file=str(directory / MARKER))
-    text = _decoded(saved)
-    state_file = directory / STATE_NAME
-    if text is not None and (not state_file.is_file()
-                             or state_file.read_text(encoding="utf-8") != text):
-        raise StateMismatchError(f"{state_file} is not the trainer_state.json saved with "
-                                 f"step {step} of the root: the directory mixes two saves",
-                                 step=step, file=str(state_file))
-
-
-def _repair(run_dir: Path) -> None:
-    """Before `resume_from_checkpoint=True` looks (rank 0): remove the `checkpoint-N/`
-    directories naming a step the root no longer holds live (no resume can read
-    them), and where then none is left, write the newest live step's directory back
-    from the trainer state saved in it (a kill after its commit, before the follow-up
-    moved its directory into place, with the writer's retention deleting the step the
-    older directory named)."""
-    root = run_dir / ROOT_NAME
-    if not root.is_dir():
-        return
-    storage = storage_for(root_path(root))
-    live = sorted(live_steps(storage, storage.step_dirs(), read_current(storage)))
-    _remove_dirs(run_dir, lambda s: s not in live)
-    if not live or any(read_marker(p) is not None for p in run_dir.glob(f"{PREFIX}*")):
-        return
-    step = live[-1]
-    if (run_dir / f"{PREFIX}{step}").exists():
-        return  # the Trainer's own directory of that step (not ours): left as it is
-    text = _decoded(load_parts(root, step, 0, None, {"extra"}).get("extra", {})
-                    .get(TRAINER_STATE))
-    if text is None:
-        return
-    pending = run_dir / PENDING / f"{PREFIX}{step}"
-    if pending.exists():
-        shutil.rmtree(pending)
-    pending.mkdir(parents=True)
-    (pending / STATE_NAME).write_text(text, encoding="utf-8")
-    (pending / MARKER).write_text(json.dumps({"root": ROOT_NAME, "step": step}))
-    pending.rename(run_dir / f"{PREFIX}{step}")
-    log.warning("asyncckpt: %s was missing (a kill after step %d committed): written back "
-                "from the step", run_dir / f"{PREFIX}{step}", step)
-
-
-def _remove_dirs(run_dir: Path, doomed: Any) -> None:
-    """Remove `run_dir/checkpoint-N/` holding asyncckpt's marker where `doomed(N)`."""
-    for entry in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
-        step = _step_of(entry.name)
-        if step is not None and (entry / MARKER).is_file() and doomed(step):
-            shutil.rmtree(entry, ignore_errors=True)
 
 
 _Trainer: Any = importlib.import_module("transformers").Trainer  # optional: not typed here
