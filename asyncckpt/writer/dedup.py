@@ -38,8 +38,8 @@ every step that shares those bytes at once (the cost of one copy); `verify` and 
 reader's checksums catch it, and the next save that reads them stops referencing them.
 The steps a writer may reference are those the reader would open (storage/posix.py).
 
-Why this bound, what it promises and what it lets through, measured and compared with
-that accepted cost: dedup_trust.py. Each step's log line at its end says how many
+Why this bound, what it promises and what it lets through, compared with that accepted
+cost: dedup_trust.py. Each step's log line at its end says how many
 referenced bytes were read, in how long (summed over frame threads), and how many
 trusted.
 
@@ -50,8 +50,8 @@ lookup's) and pins their targets like a lookup does.
 
 Memory: one entry per frame of unique content, about 300 bytes each, at most
 `MAX_ENTRIES` (2^18: 1 TiB of 4 MiB frames, under 80 MiB); beyond that new frames are
-simply not targets (they are written in full). What it trusts takes about 200 bytes a frame,
-at most `MAX_ENTRIES` frames too (dedup_trust.py).
+simply not targets (they are written in full). What it trusts takes about 200 bytes a
+frame, at most `MAX_ENTRIES` frames too (dedup_trust.py).
 """
 
 from __future__ import annotations
@@ -168,9 +168,9 @@ class DedupIndex:
     def verified(self, target: Target, step: int | None = None) -> bool:
         """Whether `target`'s stored bytes on disk still match their xxh3: read again,
         unless this process read or wrote them less than `trust_s` ago and their file is
-        the same, unchanged (dedup_trust.py). A target that fails is dropped from the index, so
-        the saves that wanted it write their own copy. The bytes count for open step
-        `step`'s log line. Reads the disk outside the lock."""
+        the same, unchanged (dedup_trust.py). A target that fails is dropped from the
+        index, so the saves that wanted it write their own copy. The bytes count for
+        open step `step`'s log line. Reads the disk outside the lock."""
         where: Where = (target.file, target.offset, target.length, target.xxh3_stored)
         opened = self.storage.open_step_file(target.step, target.file)
         ok, trusted, began = False, False, time.monotonic()
@@ -324,8 +324,8 @@ class DedupIndex:
 
     def _written(self, manifest: Manifest) -> None:
         """Remember the own frames of committed step `manifest` as read and checked now,
-        with their files as they are now (module docstring: their times need not have
-        settled, the bytes are the ones this process wrote)."""
+        with their files as they are now (their times need not have settled: the bytes
+        are the ones this process wrote; dedup_trust.py)."""
         for part in manifest.ranks:
             began = time.monotonic()
             opened = self.storage.open_step_file(manifest.step, part.file)
