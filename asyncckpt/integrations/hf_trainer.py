@@ -22,10 +22,11 @@ transformers 5.25 by tests/integrations/frameworks/test_hf_trainer.py):
   step that is not durable; a SIGKILL mid-save leaves the previous `checkpoint-N`.
   Rank 0's part also holds `trainer_state.json`'s bytes: a resume refuses a directory
   whose name, marker or `trainer_state.json` is of another step than the tensors, and
-  `resume_from_checkpoint=True` first removes the directories naming no live step and,
-  where none is left (a kill after a commit, before its directory moved in, the
-  retention having deleted the older step), writes the newest live step's back
-  (hf_trainer_dirs.py).
+  `resume_from_checkpoint=True` first removes the directories naming no live step, and
+  writes the one it will take back from its step where it is missing (a kill after a
+  commit, before its directory moved in, the retention having deleted the older step) or
+  damaged (the directory's files are fsynced before it moves in, but a power loss
+  before that sync leaves them torn) (hf_trainer_dirs.py).
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_scaler`,
   `_load_rng_state`: for a `checkpoint-N/` holding `asyncckpt.json`, one
   `Checkpointer.restore(step=N)` loads model, optimizer and the rest (rank 0's part on
@@ -59,7 +60,6 @@ import importlib
 import json
 import logging
 import queue
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -77,16 +77,15 @@ from asyncckpt.integrations.hf_peft import (
 )
 from asyncckpt.integrations.hf_trainer_dirs import (
     MARKER,
-    PENDING,
-    PREFIX,
     ROOT_NAME,
-    STATE_NAME,
     TRAINER_STATE,
     check_side_files,
     encoded,
+    place,
     read_marker,
     remove_dirs,
     repair,
+    write_pending,
 )
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.handle import SaveHandle
@@ -210,21 +209,10 @@ class AsyncCheckpointMixin(_Base):
 
     def _asyncckpt_follow_one(self, handle: SaveHandle, run_dir: Path, step: int,
                               state_json: str) -> None:
-        pending = run_dir / PENDING / f"{PREFIX}{step}"
         try:
-            if pending.exists():
-                shutil.rmtree(pending)
-            pending.mkdir(parents=True)
-            (pending / STATE_NAME).write_text(state_json, encoding="utf-8")
-            (pending / MARKER).write_text(json.dumps({"root": ROOT_NAME, "step": step}))
+            pending = write_pending(run_dir, step, state_json)
             handle.wait()
-            target = run_dir / f"{PREFIX}{step}"
-            if target.exists():  # the step saved again (a rerun, an abandoned one)
-                old = pending.with_name(f"old-{step}")
-                shutil.rmtree(old, ignore_errors=True)
-                target.rename(old)
-                shutil.rmtree(old)
-            pending.rename(target)
+            place(pending, run_dir, step)
             storage = storage_for(root_path(run_dir / ROOT_NAME))
             live = set(live_steps(storage, storage.step_dirs(), read_current(storage)))
             remove_dirs(run_dir, lambda s: s not in live)

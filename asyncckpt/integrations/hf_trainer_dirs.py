@@ -88,37 +88,83 @@ def check_side_files(checkpoint: str | None, step: int, saved: Any) -> None:
                                  step=step, file=str(state_file))
 
 
+def write_pending(run_dir: Path, step: int, state_json: str) -> Path:
+    """`run_dir/PENDING/checkpoint-N/` with the Trainer's state and the marker, synced
+    (the step they stand beside is durable: so are they, once moved into place)."""
+    pending = run_dir / PENDING / f"{PREFIX}{step}"
+    if pending.exists():
+        shutil.rmtree(pending)
+    pending.mkdir(parents=True)
+    for name, text in ((STATE_NAME, state_json),
+                       (MARKER, json.dumps({"root": ROOT_NAME, "step": step}))):
+        with open(pending / name, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    _sync_dir(pending)
+    return pending
+
+
+def place(pending: Path, run_dir: Path, step: int) -> None:
+    """Move `pending` into place as `run_dir/checkpoint-N/`, replacing one there."""
+    target = run_dir / f"{PREFIX}{step}"
+    if target.exists():  # the step saved again (a rerun, an abandoned one), or torn
+        old = pending.with_name(f"old-{step}")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+        shutil.rmtree(old)
+    pending.rename(target)
+    _sync_dir(run_dir)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _whole(directory: Path, step: int, text: str | None) -> bool:
+    """`directory`'s marker names `step` of this root and its `trainer_state.json` is
+    the one saved with it (`text`; a step saved before that: any JSON)."""
+    try:
+        marker = read_marker(directory)
+        state = (directory / STATE_NAME).read_text(encoding="utf-8")
+        json.loads(state)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return (marker is not None and marker["step"] == step
+            and marker["root"] == (directory.parent / ROOT_NAME).resolve()
+            and (text is None or state == text))
+
+
 def repair(run_dir: Path) -> None:
     """Before `resume_from_checkpoint=True` looks (rank 0): remove the `checkpoint-N/`
     directories naming a step the root no longer holds live (no resume can read
-    them), and where then none is left, write the newest live step's directory back
-    from the trainer state saved in it (a kill after its commit, before the follow-up
-    moved its directory into place, with the writer's retention deleting the step the
-    older directory named)."""
+    them); then the directory the resume takes, the newest left (or, none left, the
+    newest live step's: a kill after its commit, before the follow-up moved its
+    directory into place, the retention deleting the older step), must be whole, else
+    it is written back from the trainer state saved in its step (files torn by a
+    power loss, a marker or trainer_state.json of another step)."""
     root = run_dir / ROOT_NAME
     if not root.is_dir():
         return
     storage = storage_for(root_path(root))
     live = sorted(live_steps(storage, storage.step_dirs(), read_current(storage)))
     remove_dirs(run_dir, lambda s: s not in live)
-    if not live or any(read_marker(p) is not None for p in run_dir.glob(f"{PREFIX}*")):
-        return
-    step = live[-1]
-    if (run_dir / f"{PREFIX}{step}").exists():
-        return  # the Trainer's own directory of that step (not ours): left as it is
+    ours = [s for p in run_dir.glob(f"{PREFIX}*")
+            if (s := step_of(p.name)) is not None and (p / MARKER).is_file()]
+    step = max(ours) if ours else (live[-1] if live else None)
+    if step is None or (not ours and (run_dir / f"{PREFIX}{step}").exists()):
+        return  # nothing saved, or the Trainer's own directory of that step: left alone
     text = decoded(load_parts(root, step, 0, None, {"extra"}).get("extra", {})
-                    .get(TRAINER_STATE))
-    if text is None:
+                   .get(TRAINER_STATE))
+    if _whole(run_dir / f"{PREFIX}{step}", step, text) or text is None:
         return
-    pending = run_dir / PENDING / f"{PREFIX}{step}"
-    if pending.exists():
-        shutil.rmtree(pending)
-    pending.mkdir(parents=True)
-    (pending / STATE_NAME).write_text(text, encoding="utf-8")
-    (pending / MARKER).write_text(json.dumps({"root": ROOT_NAME, "step": step}))
-    pending.rename(run_dir / f"{PREFIX}{step}")
-    log.warning("asyncckpt: %s was missing (a kill after step %d committed): written back "
-                "from the step", run_dir / f"{PREFIX}{step}", step)
+    place(write_pending(run_dir, step, text), run_dir, step)
+    log.warning("asyncckpt: %s was missing or damaged: written back from step %d",
+                run_dir / f"{PREFIX}{step}", step)
 
 
 def remove_dirs(run_dir: Path, doomed: Any) -> None:

@@ -106,3 +106,42 @@ def test_side_files_of_another_step_than_the_tensors_are_refused(tmp_path: Path)
         assert result[attack].get("error") == "StateMismatchError", result
     assert "trainer_state.json" in result["trainer_state"]["text"]
     assert "names step 2" in result["marker"]["text"]
+
+
+TORN_NEWEST = r'''
+import json, pathlib, sys
+sys.path.insert(0, sys.argv[2])
+import hf_trainer_worker as w
+
+out = pathlib.Path(sys.argv[1])
+w.run({"out": str(out), "max_steps": 4, "save_steps": 2})
+for name in ("trainer_state.json", "asyncckpt.json"):  # a power loss: written, never synced
+    (out / "checkpoint-4" / name).write_bytes(b"")
+done = []
+step = w.Trainer.training_step
+
+
+def counted(self, *a, **kw):
+    done.append(1)
+    return step(self, *a, **kw)
+
+
+w.Trainer.training_step = counted
+trainer = w.run({"out": str(out), "max_steps": 6, "save_steps": 2, "resume": True})
+print("RESULT " + json.dumps({"trained": len(done), "global": trainer.state.global_step}),
+      flush=True)
+'''
+
+
+def test_a_torn_newest_directory_is_written_back_from_its_step(tmp_path: Path) -> None:
+    """R5-9: `checkpoint-N/`'s two files are written without fsync (the step itself is
+    durable): after a power loss they may be empty, and the resume failed on them
+    (JSONDecodeError). The step holds the Trainer's state: the directory is written
+    back from it, and the run resumes from step 4."""
+    out = tmp_path / "run"
+    done = launch_script(TORN_NEWEST, str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result == {"trained": 2, "global": 6}
+    assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())[
+        "global_step"] == 6
