@@ -111,7 +111,8 @@ def read_marker(path: str | os.PathLike[str]) -> tuple[Path, int] | None:
 
 
 def _write_marker(path: Path, root: Path, step: int) -> None:
-    """`path` names `step` of `root`, replaced whole (tmp file, fsync, rename)."""
+    """`path` names `step` of `root`, replaced whole (tmp file, fsync, rename, fsync of
+    the folder)."""
     body = {"asyncckpt": MARKER_VERSION, "root": os.path.relpath(root, path.parent.resolve()),
             "step": step}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -121,6 +122,11 @@ def _write_marker(path: Path, root: Path, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)  # the rename durable before a retirement
+    try:                                     # of the step the path named before
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class _Pending:

@@ -24,7 +24,8 @@ differs in kind from the others' would then run DCP's collectives alone).
 torchtune's recipes checkpoint no random number generator state (a resumed run re-seeds,
 so dropout draws other masks than the run it continues): each save here adds every
 rank's RNG states (torch, numpy, Python's; one key per rank), and a resume restores this
-rank's where the step holds them (a step saved at another world size: not restored).
+rank's where the step holds them (a step saved at another world size: the ranks it holds
+restore theirs, the others re-seed as torchtune's do).
 
 torchtune's resume builds the optimizer's load template before the recipe makes its LR
 scheduler, so the template's param groups lack the scheduler's `initial_lr`; DCP loads
