@@ -55,6 +55,7 @@ from asyncckpt.integrations.accelerate_state import (
     optimizer_states,
     set_extra_state,
 )
+from asyncckpt.integrations.buffers import buffer_keys, with_buffers_cloned
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.read.loader import load_parts
 from asyncckpt.storage.location import Location, root_path
@@ -136,8 +137,9 @@ class AcceleratorCheckpointer(Checkpointer):
     def _state_dicts(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         models = self.accelerator._models
-        if "model" in self.options.contents:
-            out["model"] = model_states(models)
+        if "model" in self.options.contents:  # buffers cloned: buffers.py
+            out["model"] = {i: with_buffers_cloned(state, buffer_keys(models[int(i)]))
+                            for i, state in model_states(models).items()}
         if "optimizer" in self.options.contents:
             out["optimizer"] = optimizer_states(models, self.accelerator._optimizers)
         return out

@@ -68,6 +68,7 @@ import torch
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.errors import CheckpointError, SaveFailedError
+from asyncckpt.integrations.buffers import buffer_keys, with_buffers_cloned
 from asyncckpt.integrations.hf_peft import (
     TrainableParameters,
     base_reference,
@@ -307,8 +308,8 @@ class AsyncCheckpointMixin(_Base):
             options = CheckpointerOptions(save_interval=1, keep_last=limit or 0,
                                           contents=contents, on_busy="queue",
                                           max_in_flight=MAX_IN_FLIGHT)
-            ckpt = Checkpointer(run_dir / ROOT_NAME, model=model, optimizer=optimizer,
-                                options=options)
+            ckpt = _BufferSafe(run_dir / ROOT_NAME, model=model, optimizer=optimizer,
+                               options=options)
             self._asyncckpt_ckpt = ckpt
             self._asyncckpt_replicated = not is_sharded_model(model)
             self._asyncckpt_rng_only = dataclasses.replace(options, contents=("extra",))
@@ -398,6 +399,17 @@ class AsyncCheckpointMixin(_Base):
             return
         if self._asyncckpt_rng is not None:
             set_rng_state(self._asyncckpt_rng)
+
+
+class _BufferSafe(Checkpointer):
+    """A Checkpointer whose saves clone the model's buffers (buffers.py: the next
+    forward changes a BatchNorm's in place, before the background copy)."""
+
+    def _state_dicts(self) -> dict[str, Any]:
+        state = super()._state_dicts()
+        if "model" in state and self.model is not None:
+            state["model"] = with_buffers_cloned(state["model"], buffer_keys(self.model))
+        return state
 
 
 _Trainer: Any = importlib.import_module("transformers").Trainer  # optional: not typed here
