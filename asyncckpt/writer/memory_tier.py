@@ -34,25 +34,31 @@ partner's), and 4 x less a chunk is the least that keeps the crash guarantee
 (docs/MEMORY_TIER.md "Why not 3 x"); every byte is also counted against
 `memory_max_bytes` (knob): a begin past it is refused with MemoryTierFullError naming
 the figures.
+
+Apart: the job-wide commit (memory_commit.py), a rerun or a relaunch in another world
+(memory_rerun.py), ranks given up on (memory_absent.py), a partner's replicas taken in
+(memory_partner.py), the generations as read and sent (memory_held.py); this module
+holds the generations and applies the bound.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from asyncckpt.errors import MemoryTierFullError, SaveFailedError
 from asyncckpt.format.layout import layout
-from asyncckpt.format.records import RankPart
 from asyncckpt.ipc.messages import NodeRanks, TensorEntry
+from asyncckpt.writer.memory_absent import Absence
 from asyncckpt.writer.memory_commit import Committing, JobCommit
 from asyncckpt.writer.memory_generation import Generation, physical_memory, room
-from asyncckpt.writer.memory_held import Held, Opened, complete
+from asyncckpt.writer.memory_held import Held, Opened
 from asyncckpt.writer.memory_image import RankImage, SkippedImage
 from asyncckpt.writer.memory_order import BeginOrder, DurableSaves
+from asyncckpt.writer.memory_partner import PartnerNodes
+from asyncckpt.writer.memory_rerun import Reruns
 
 log = logging.getLogger("asyncckpt.writer")
 
@@ -63,9 +69,11 @@ DROPPED_KEPT = 8  # generations whose reason for being dropped is remembered
 Notify = Callable[..., None]
 
 
-class MemoryTier(Committing, Held):
+class MemoryTier(Committing, PartnerNodes, Reruns, Absence, Held):
     """The generations this writer holds (thread-safe: the sessions call it): how
-    they come (ranks' saves, partners' replicas) and go; how they are read, Held."""
+    they come (ranks' saves, partners' replicas) and go; how they are read, Held; a
+    job gone back, Reruns; ranks that never come, Absence; a partner's replicas,
+    PartnerNodes."""
 
     def __init__(self, max_bytes: int, root: str) -> None:
         """Args:
@@ -117,17 +125,7 @@ class MemoryTier(Committing, Held):
         with self._lock:
             self._drop_fetched()  # a save: the restore they were fetched for is over
             self.job.launched(launch)  # a new launch saving: its rule (pruned below)
-            newer = self._order.went_back(rank, step)
-            if newer is None:  # (a replacement's: newer ones taken back from a partner)
-                newer = min((s for s, g in self._gens.items() if s > step and rank in g.images),
-                            default=None)
-            if newer is not None:
-                self._went_back(step, rank, newer)
-            old = self._gens.get(step)
-            if self._world not in (None, world_size) or (
-                    old is not None and old.world_size != world_size and old.whole):
-                self._went_back(step, rank, step, world_size)  # a relaunch in another world
-            self._world = world_size
+            self._rerun_if_back(step, rank, world_size)
             skipped = self._order.skipped(step, rank)
             self._order.began(rank, step, skipped is not None)
             if skipped is not None:  # the node's step is skipped
@@ -256,75 +254,6 @@ class MemoryTier(Committing, Held):
             log.info("memory generation %d whole: %d ranks, %.1f MiB; %.1f MiB held",
                      gen.step, len(gen.images), gen.bytes / 2**20, self._held() / 2**20)
 
-    def receive(self, step: int, world_size: int, timeline: Any, node: NodeRanks,
-                parts: list[RankPart], max_frame: int) -> list[RankImage]:
-        """Images for a partner writer's node `node` of generation `step` (a replica,
-        memory_replica.py), in `parts`' order, each holding its header; the caller fills
-        them and calls `received` (or `discard`).
-
-        Raises:
-            MemoryTierFullError: they would take the memory held past the bound.
-            SaveFailedError: the generation disagrees (world, an overlapping node, a
-                node already held here).
-        """
-        first, count = node
-        with self._lock:
-            gen = self._gens.get(step)
-            if gen is not None and first in gen.replicas:  # the partner's newer save of it
-                self._forget_replicas(gen, first)
-            self._prune()
-            skipped = self._order.skip_cause(step)
-            cause = (f"this node's step {step} was skipped: {skipped}" if skipped is not None
-                     else self._admit(first, step))
-            if cause is not None:
-                raise MemoryTierFullError(f"memory tier: replica of node {[first, count]} of "
-                                          f"step {step} not taken: {cause}", step=step,
-                                          rank=first)
-            gen = self._gens.get(step)
-            if gen is None:
-                gen = Generation(step, world_size, timeline)
-            if gen.world_size != world_size:
-                raise SaveFailedError(f"replica of world {world_size}, the generation here "
-                                      f"is of world {gen.world_size}", step=step, rank=first)
-            if any(f < first + count and first < f + c for f, c in gen.nodes.items()):
-                raise SaveFailedError(f"replica of node {[first, count]} overlaps a node held "
-                                      f"here, {sorted(gen.nodes.items())}", step=step,
-                                      rank=first)
-            images = self._images(step, parts, max_frame)
-            gen.nodes[first] = count
-            gen.images.update((i.rank, i) for i in images)
-            gen.replicas.add(first)
-            self._gens[step] = gen
-            self.peak_bytes = max(self.peak_bytes, self._held())
-            return images
-
-    def received(self, step: int, images: list[RankImage]) -> bool:
-        """A replica's images are whole (checked by the caller): they count from now on.
-        False when the generation was dropped meanwhile (they are then freed)."""
-        with self._lock:
-            gen = self._gens.get(step)
-            if not complete(gen, images):
-                return False
-            assert gen is not None  # complete() says so
-            gen.received = True
-            self._settle(gen)
-            return True
-
-    def discard(self, step: int, node: NodeRanks, images: list[RankImage]) -> None:
-        """A replica that failed: its node and images are forgotten, the rest stays."""
-        with self._lock:
-            gen = self._gens.get(step)
-            if gen is not None and gen.nodes.get(node[0]) == node[1]:
-                del gen.nodes[node[0]]
-                gen.replicas.discard(node[0])
-                for image in images:
-                    if gen.images.get(image.rank) is image:
-                        del gen.images[image.rank]
-                if not gen.images:
-                    del self._gens[step]
-            for image in images:
-                image.close()
-
     def abandon(self, image: RankImage, error: SaveFailedError) -> None:
         """`image`'s rank failed or went before ending: its generation cannot become
         whole; the ranks waiting on it hear `error`."""
@@ -332,99 +261,6 @@ class MemoryTier(Committing, Held):
             gen = self._gens.get(image.step)
             if gen is not None and gen.images.get(image.rank) is image:
                 self._drop(image.step, error)
-
-    def rank_gone(self, rank: int) -> None:
-        """`rank` has no connection left: a generation in flight that waits for it can
-        never become whole; its ranks that ended hear so."""
-        with self._lock:
-            for step in [s for s, g in self._gens.items() if not g.whole and any(
-                    f <= rank < f + c for f, c in g.nodes.items())
-                    and not (rank in g.images and g.images[rank].whole)]:
-                self._drop(step, SaveFailedError(f"rank {rank} of the node disconnected before "
-                                                 "ending its memory save", step=step, rank=rank))
-
-    def durable_began(self, rank: int, step: int) -> None:
-        """`rank` began a durable save of `step` on this writer (session.py): until it
-        ends it, its memory begins of newer steps wait behind it in its stager, so it is
-        not absent from them; from `step` and older ones it is (it has moved past them)."""
-        with self._lock:
-            self._durable.began(rank, step)
-
-    def durable_ended(self, rank: int) -> None:
-        """`rank` ended, aborted or dropped a durable save begun on this writer."""
-        with self._lock:
-            self._durable.ended(rank)
-
-    def fail_absent(self, timeout: float) -> None:
-        """Fail each generation begun over `timeout` s ago of which a rank of one of
-        this writer's nodes has not begun its save (connected or not: a rank that skips
-        a memory save would otherwise be waited for without end), as durable steps fail
-        after `absent_rank_timeout`. Its ranks that ended hear a SaveFailedError naming
-        the step, the absent ranks, the ranks that began it and what the first absent
-        ones began last; the older whole generation stays held.
-
-        A rank still staging a durable save to this writer is not absent (its memory
-        begin waits behind that save in its stager, however slow the save); its
-        `timeout` counts from the end of that save."""
-        now = time.monotonic()
-        with self._lock:
-            for step, gen in list(self._gens.items()):
-                if gen.whole or now - gen.started < timeout:
-                    continue
-                own = [r for f, c in gen.nodes.items() if f not in gen.replicas
-                       for r in range(f, f + c)]
-                absent = [r for r in own if r not in gen.images and (
-                    self._durable.past(r, step)
-                    or (not self._durable.busy(r)
-                        and now - self._durable.waited_since(r, gen.started) >= timeout))]
-                if absent:
-                    lasts = [self._order.last(r) + self._durable.describe(r) for r in absent[:2]]
-                    self._drop(step, SaveFailedError(
-                        f"rank{'s' if len(absent) > 1 else ''} {_names(absent)} of the node "
-                        f"never began memory step {step} within absent_rank_timeout="
-                        f"{timeout:g} s (a rank that skips a memory save its node's peers "
-                        f"made); began it: rank {_names([r for r in own if r in gen.images])}"
-                        f"; {'; '.join(lasts)}",
-                        step=step, rank=absent[0]))
-
-    def _went_back(self, step: int, rank: int, newer: int, world: int | None = None) -> None:
-        """`rank` began `step`, older than `newer`, which it began before (or of which
-        an image of it is held): the job resumed below it. What is held of `step` and
-        newer -- this node's images and the partners' replicas -- belongs to the
-        abandoned run (a rerun need not compute the same bytes): held beside the
-        rerun's images of those steps, it would make a generation of two runs, or a
-        newer one that supersedes the rerun's. It goes; the partners' replicas of the
-        rerun come as usual. A replacement's writer knows it by the newer generations
-        holding its ranks' images it took back from the partner (its ranks never began
-        anything here). Only `rank`'s own order says so: a peer's late begin is no
-        rerun (memory_order.py). `world`: a relaunch in a world of that size (a job
-        shrunk or grown, its ranks numbered anew) began `step`: the other world's
-        generations from `step` on go, and what its ranks' order said of them (the
-        skips it decided, which a rank numbered anew would take for its node's)."""
-        gone = sorted(s for s, g in self._gens.items()
-                      if s >= step and (world is None or g.world_size != world))
-        how = f"after step {newer}" if world is None else f"in a world of {world} ranks"
-        log.info("memory: rank %d began step %d %s: the job went back; generations from "
-                 "%d dropped: %s", rank, step, how, step, gone)
-        self._order.rerun_from(step)
-        self._durable.rerun_from(step)
-        self.job.rerun(step)
-        for s in gone:
-            self._drop(s, SaveFailedError(f"memory generation of an abandoned run (rank "
-                                          f"{rank} began step {step} {how})", step=s))
-
-    def _forget_replicas(self, gen: Generation, first: int | None = None) -> None:
-        """Drop the partners' replicas held in `gen` (of the node whose first rank is
-        `first`, default all); the generation goes if nothing of it is left."""
-        for node in [f for f in gen.replicas if first is None or f == first]:
-            for rank in range(node, node + gen.nodes.pop(node)):
-                image = gen.images.pop(rank, None)
-                if image is not None:
-                    image.close()
-            gen.replicas.discard(node)
-        if not gen.images:
-            self._drop(gen.step, SaveFailedError("memory generation of an abandoned run",
-                                                 step=gen.step))
 
     def _admit(self, first: int, step: int) -> str | None:
         """Room for node `first`'s images of `step` (`room`: an idle newer generation
@@ -507,7 +343,3 @@ class MemoryTier(Committing, Held):
             gen.images = sending  # its node's next generation waits (`room`)
             self._leaving.append(gen)
 
-
-
-def _names(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
