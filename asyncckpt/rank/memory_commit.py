@@ -276,7 +276,7 @@ def _parsed(value: bytes) -> dict[str, Any] | None:
 def launch_of(session: str) -> str:
     """The begin's `launch` of coordination session `session` (rank/client.py's, which
     imports this module: the writer reads it back from a session's tag,
-    writer/memory_commit.py `tag_launch`)."""
+    writer/memory_launch.py `tag_launch`)."""
     return hashlib.blake2b(f"asyncckpt launch {session}".encode(), digest_size=8).hexdigest()
 
 
@@ -390,7 +390,7 @@ class MemoryCommitter:
         this client's own until the session is met (`_start`, which waits for the
         leader): otherwise the node-local rule could drop a generation in between. A
         writer running another launch's session ignores it until this launch's memory
-        saves begin (the tag names the launch, writer/memory_commit.py `launched`)."""
+        saves begin (the tag names the launch, writer/memory_launch.py `launched`)."""
         try:
             ask_writer(self._address, memory_messages.MemoryCommit(self._greeting),
                        QUERY_TIMEOUT_S)

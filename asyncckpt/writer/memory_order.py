@@ -96,7 +96,7 @@ class DurableSaves:
     """Which ranks of this writer are inside a durable save (begun, not yet ended or
     aborted) and when each last left one: a rank is not absent from a memory step
     while it is still staging an earlier durable save to this writer, nor before
-    `absent_rank_timeout` has passed since it ended it (memory_tier.py `fail_absent`).
+    `absent_rank_timeout` has passed since it ended it (memory_absent.py `fail_absent`).
     Counted per rank across its connections.
 
     Only an *earlier* durable save excuses a rank: its saves reach this writer in the

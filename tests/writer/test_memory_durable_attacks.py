@@ -1,5 +1,5 @@
 """Attacks on the memory tier's wait for a rank inside a durable save (memory_order.py
-`DurableSaves`, memory_tier.py `fail_absent`).
+`DurableSaves`, memory_absent.py `fail_absent`).
 
 A rank staging a durable save to its writer is not counted absent from a memory step,
 and its `absent_rank_timeout` counts from that save's end. A rank's saves reach its
