@@ -39,7 +39,10 @@ root. The Trainer's `rotate_checkpoints` is not called. A resume from an older
 `checkpoint-N` begins a timeline at N (docs/API.md, "Timelines"): the first save after
 it removes the newer `checkpoint-M/` directories, and the root's steps above N are
 abandoned and saved over; a crash at any point leaves the newest directory naming a step
-of the current timeline.
+of the current timeline. A resume from another run's `checkpoint-N` (read there, saved
+here) into a directory whose root already holds steps forks that root at N alike: at the
+first commit its steps above N, of the history the directory held, are abandoned and
+their directories go.
 
 Adapter-only (PEFT): for a model with frozen parameters (default: a `peft.PeftModel`),
 only the trainable parameters and their optimizer state are saved (hf_peft.py), the
@@ -56,6 +59,7 @@ DeepSpeed. The Trainer's `save_model()` (a Hugging Face model directory) is unch
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 import logging
@@ -91,6 +95,7 @@ from asyncckpt.integrations.hf_trainer_dirs import (
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.read.loader import load_parts
+from asyncckpt.read.resolve import current_timeline, timeline_start
 from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.timeline import live_steps, read_current
 from asyncckpt.torchutil.agree import outcome, worst
@@ -343,6 +348,7 @@ class AsyncCheckpointMixin(_Base):
                               fence=False) as other:
                 other.restore(step=step, rank=0)
                 extra = other.extra
+            self._asyncckpt_branch(run_dir, marker["root"], step)
         extra = extra or {}
         check_side_files(checkpoint, step, extra.get(TRAINER_STATE))
         if self._asyncckpt_adapter:
@@ -352,6 +358,19 @@ class AsyncCheckpointMixin(_Base):
             self.lr_scheduler.load_state_dict(extra["scheduler"])
         self._asyncckpt_restored = extra
         self._asyncckpt_rng = self._asyncckpt_own_rng(marker["root"], step, extra, checkpoint)
+
+    def _asyncckpt_branch(self, run_dir: Path, other: Path, step: int) -> None:
+        """A resume from `other` run's `step` into a directory whose root already holds
+        a history: the saves carry a timeline forked at `step` of this root, so that at
+        their first commit this root's steps above `step` (of the history left) are
+        abandoned, never the newest again, and their directories go. The same on every
+        rank: its id is drawn from what every rank knows."""
+        root = run_dir / ROOT_NAME
+        if not root.is_dir():
+            return  # no history here
+        gen = current_timeline(root).gen
+        ident = hashlib.sha256(f"{other}:{step}:{gen}".encode()).hexdigest()[:16]
+        self._asyncckpt(run_dir).timeline = timeline_start(root, step, ident=ident)
 
     def _asyncckpt_own_rng(self, root: Path, step: int, extra: dict[str, Any],
                            checkpoint: str | None) -> Any:

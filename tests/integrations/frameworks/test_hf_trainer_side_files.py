@@ -145,3 +145,42 @@ def test_a_torn_newest_directory_is_written_back_from_its_step(tmp_path: Path) -
     assert result == {"trained": 2, "global": 6}
     assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())[
         "global_step"] == 6
+
+
+FROM_ANOTHER_RUN = r'''
+import json, pathlib, sys
+sys.path.insert(0, sys.argv[2])
+import hf_trainer_worker as w
+
+out = pathlib.Path(sys.argv[1])
+a, b = out / "a", out / "b"
+w.run({"out": str(a), "max_steps": 8, "save_steps": 2})
+w.run({"out": str(b), "max_steps": 8, "save_steps": 2})  # b's own history, to step 8
+w.run({"out": str(b), "max_steps": 6, "save_steps": 2, "resume": str(a / "checkpoint-4")})
+done = []
+step = w.Trainer.training_step
+
+
+def counted(self, *a, **kw):
+    done.append(1)
+    return step(self, *a, **kw)
+
+
+w.Trainer.training_step = counted
+trainer = w.run({"out": str(b), "max_steps": 8, "save_steps": 2, "resume": True})
+print("RESULT " + json.dumps({"trained": len(done)}), flush=True)
+'''
+
+
+def test_a_branch_from_another_runs_checkpoint_is_the_newest_of_its_directory(
+        tmp_path: Path) -> None:
+    """R5-11: run B, whose directory holds its own steps to 8, is resumed from run A's
+    checkpoint-4 and saves step 6. B's own checkpoint-8 (of the history B left) stayed
+    beside it and stayed live in B's root, so `resume_from_checkpoint=True` took it: the
+    branch was lost, and nothing was trained. The branch's first save must leave the
+    steps above its start, as a resume from an older step of B's own does."""
+    done = launch_script(FROM_ANOTHER_RUN, str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result == {"trained": 2}  # from the branch's step 6, not B's old step 8
+    assert steps(tmp_path / "b")[0][-1] == 8
