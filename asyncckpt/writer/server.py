@@ -106,7 +106,8 @@ class WriterServer:
         self.buffers = Buffers(self.knobs.frames_in_flight + self.knobs.encode_threads)
         self.chooser = CodecChooser(self.knobs.encode_threads)
         self._auto_codec: str | None = None  # the codec "auto" chose last
-        self.index = (DedupIndex(self.storage, self.knobs.max_frame_bytes)
+        self.index = (DedupIndex(self.storage, self.knobs.max_frame_bytes,
+                                 trust_s=self.knobs.dedup_trust_s)
                       if self.knobs.incremental else None)
         if self.index is not None:
             log.info("incremental: %d committed frames indexed", len(self.index))

@@ -229,3 +229,20 @@ def test_the_knob_is_checked():
     with pytest.raises(ValueError, match="dedup_trust_s"):
         WriterKnobs(dedup_trust_s=-1)
     assert WriterKnobs().dedup_trust_s == 60
+
+
+def test_the_writers_knob_reaches_the_index(root, monkeypatch):
+    """`dedup_trust_s` given to the writer (a knob, not the environment) is the index's:
+    0 there reads at every reference even where the environment says otherwise."""
+    monkeypatch.setenv("ASYNCCKPT_DEDUP_TRUST_S", "600")
+    states = {step: state(7, 1) | {"step": step} for step in (1, 2, 3)}
+    with asyncckpt.start_writer(root, codec="raw", log_file=root.parent / "w.log",
+                                dedup_trust_s=0) as writer:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1, **SLOT) as client:
+            referenced = {}
+            for step, s in states.items():
+                handle = client.save(step, s)
+                handle.wait(60)
+                referenced[step] = handle.stats.referenced_bytes
+    assert referenced[2] > 0
+    assert verified(root) == {step: (referenced[step], 0) for step in (2, 3)}
