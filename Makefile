@@ -47,7 +47,7 @@ TORCHTUNE_VENV  ?= $(VENV)-torchtune
 LATEST      ?= .venv-latest
 LATEST_TORCH ?= $(TORCH_SPEC)
 
-.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks bench-frameworks test-dcp-upstream bench-memory-tier torture-memory test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b bench-writer-cpu
+.PHONY: lint setup bench-setup lock test-latest verl-setup titan-setup frameworks-setup torchtune-setup test-frameworks bench-frameworks test-dcp-upstream bench-memory-tier torture-memory test test-fast test-verl bench-verl bench-codecs demo fsdp-demo bench bench-full bench-fence bench-export bench-gpu bench-memory bench-incremental bench-dedup-trust torture corruption soak fuzz-protocol torture-multinode multinode-demo bench-commit bench-scale clean bench-load bench-stage bench-dcp bench-s3 torture-s3 bench-70b bench-writer-cpu
 
 setup: $(UV)
 	$(call sync_venv,$(VENV),$(LOCKS)/test.txt)
@@ -176,6 +176,10 @@ bench-codecs: bench-setup
 bench-incremental: bench-setup
 	$(BIN)/python -m benchmarks.incremental --hidden 1024 --layers 8 --saves 6 \
 	  --out benchmarks/results/incremental.md
+
+# Referenced bytes verified at every save vs trusted for dedup_trust_s (writer/dedup_trust.py).
+bench-dedup-trust: setup
+	$(BIN)/python -m benchmarks.dedup_trust --gib 1 --saves 6 --repeats 3
 
 # On a CUDA machine: the CUDA staging tests, then D2H throughput and blocked time vs DCP.
 bench-gpu: setup
