@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from frameworks_venv import FRAMEWORKS_PYTHON, needs_frameworks
+from frameworks_venv import FRAMEWORKS_PYTHON, full_only, needs_frameworks
 
 REPO = Path(__file__).parents[3]
 pytestmark = [pytest.mark.process, needs_frameworks]
@@ -96,6 +96,7 @@ def run(script: str, out: Path) -> dict:
     return json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 
+@full_only  # past make test's time budget: make test-frameworks runs it
 def test_the_hf_trainer_saves_a_batchnorm_model_every_step(tmp_path: Path) -> None:
     assert run(HF, tmp_path) == {"same": True, "tracked": 12}
 

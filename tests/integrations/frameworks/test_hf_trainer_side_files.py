@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from frameworks_venv import needs_frameworks
+from frameworks_venv import full_only, needs_frameworks
 from test_hf_trainer import launch_script, steps
 
 pytestmark = [pytest.mark.process, needs_frameworks]
@@ -58,6 +58,7 @@ else:
 '''
 
 
+@full_only  # past make test's time budget: make test-frameworks runs it
 def test_a_kill_between_commit_and_its_directory_still_resumes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     killed = launch_script(KILLED_BEFORE_ITS_DIRECTORY, str(out), "kill")
@@ -133,6 +134,7 @@ print("RESULT " + json.dumps({"trained": len(done), "global": trainer.state.glob
 '''
 
 
+@full_only  # past make test's time budget: make test-frameworks runs it
 def test_a_torn_newest_directory_is_written_back_from_its_step(tmp_path: Path) -> None:
     """R5-9: `checkpoint-N/`'s two files are written without fsync (the step itself is
     durable): after a power loss they may be empty, and the resume failed on them
@@ -172,6 +174,7 @@ print("RESULT " + json.dumps({"trained": len(done)}), flush=True)
 '''
 
 
+@full_only  # past make test's time budget: make test-frameworks runs it
 def test_a_branch_from_another_runs_checkpoint_is_the_newest_of_its_directory(
         tmp_path: Path) -> None:
     """R5-11: run B, whose directory holds its own steps to 8, is resumed from run A's
