@@ -24,6 +24,7 @@ import torch
 
 from asyncckpt.errors import StateMismatchError
 from asyncckpt.read.loader import load_parts
+from asyncckpt.storage.durable import fsync_path
 from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.timeline import live_steps, read_current
 
@@ -101,7 +102,7 @@ def write_pending(run_dir: Path, step: int, state_json: str) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-    _sync_dir(pending)
+    fsync_path(pending)
     return pending
 
 
@@ -114,15 +115,7 @@ def place(pending: Path, run_dir: Path, step: int) -> None:
         target.rename(old)
         shutil.rmtree(old)
     pending.rename(target)
-    _sync_dir(run_dir)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(run_dir)
 
 
 def _whole(directory: Path, step: int, text: str | None) -> bool:

@@ -73,6 +73,7 @@ from asyncckpt.rank.launch import WriterProcess, start_writer
 from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read.loader import load
 from asyncckpt.read.resolve import timeline_start
+from asyncckpt.storage.durable import write_atomic
 from asyncckpt.storage.location import storage_for
 from asyncckpt.writer.commit import update_latest
 
@@ -115,18 +116,9 @@ def _write_marker(path: Path, root: Path, step: int) -> None:
     the folder)."""
     body = {"asyncckpt": MARKER_VERSION, "root": os.path.relpath(root, path.parent.resolve()),
             "step": step}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)  # as Lightning's IO makes it
-    with open(tmp, "w") as f:
-        f.write(json.dumps(body) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)  # the rename durable before a retirement
-    try:                                     # of the step the path named before
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    # the rename durable before a retirement of the step the path named before
+    write_atomic(path, (json.dumps(body) + "\n").encode())
 
 
 class _Pending:
