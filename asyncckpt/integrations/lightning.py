@@ -16,10 +16,12 @@ is called on every rank; each reads the step alone (no collective either).
 
 Files: for a checkpoint `DIR/NAME.ckpt` Lightning asks for, the step goes to the root
 `DIR/asyncckpt/` (the root of the first save, for every later one) and `DIR/NAME.ckpt`
-becomes a small JSON marker `{"asyncckpt": 1, "root": <relative>, "step": N}`, written
-(tmp file + rename) once the step is committed. So `ckpt_path="last"` (the newest
-`last*.ckpt` by mtime), `"best"` and explicit paths work as Lightning knows them, and a
-kill mid-save leaves the previous marker naming a whole step. Step numbers count saves
+becomes a small JSON marker `{"asyncckpt": 1, "root": <relative>, "step": N}`: pending
+before `save_checkpoint` returns, final once the step is committed (lightning_marker.py).
+So `ckpt_path="last"` (the newest `last*.ckpt` by mtime, or `save_last="link"`'s link),
+`"best"` and explicit paths work as Lightning knows them, and a kill mid-save leaves a
+marker that loads a whole step: the one it names if committed, else the one before it
+(warned), as Lightning's own IO leaves the checkpoint before. Step numbers count saves
 (1, 2, ... above anything already in the root), not Lightning's global step: `save_last`
 saves the same global step a second time with other callback state.
 
@@ -51,7 +53,6 @@ itself restores none, so a resumed run with dropout would otherwise differ.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import queue
@@ -66,6 +67,15 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from asyncckpt.config import KEEP_ALL
 from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.format.timeline import TimelineStart
+from asyncckpt.integrations.lightning_marker import (
+    MARKER_VERSION,
+    marker_of,
+    pending_steps,
+    read_marker,
+    resolve_marker,
+    write_marker,
+    write_pending,
+)
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.client import Client
 from asyncckpt.rank.handle import SaveHandle
@@ -73,15 +83,12 @@ from asyncckpt.rank.launch import WriterProcess, start_writer
 from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read.loader import load
 from asyncckpt.read.resolve import timeline_start
-from asyncckpt.storage.durable import write_atomic
 from asyncckpt.storage.location import storage_for
 from asyncckpt.writer.commit import update_latest
 
 __all__ = ["AsyncckptCheckpointIO", "MARKER_VERSION", "read_marker"]
 log = logging.getLogger("asyncckpt.lightning")
 
-MARKER_VERSION = 1
-MARKER_MAX_BYTES = 4096  # a marker is one short JSON line; anything longer is not ours
 ROOT_NAME = "asyncckpt"
 # keys of the saved state: the model's weights apart (so `asyncckpt export` finds them)
 MODEL, REST, ORDER, RNG = "model", "lightning", "keys", "rng"
@@ -89,53 +96,22 @@ MODEL, REST, ORDER, RNG = "model", "lightning", "keys", "rng"
 _CheckpointIO: Any = importlib.import_module("lightning.fabric.plugins").CheckpointIO
 
 
-def read_marker(path: str | os.PathLike[str]) -> tuple[Path, int] | None:
-    """The (root, step) a marker file names; None when `path` is no marker of ours (a
-    `torch.save`d checkpoint, say).
-
-    Raises:
-        OSError: `path` cannot be read.
-    """
-    path = Path(path)
-    with open(path, "rb") as f:
-        head = f.read(MARKER_MAX_BYTES + 1)
-    if len(head) > MARKER_MAX_BYTES or not head.lstrip().startswith(b"{"):
-        return None
-    try:
-        doc = json.loads(head)
-    except ValueError:
-        return None
-    if (not isinstance(doc, dict) or doc.get("asyncckpt") != MARKER_VERSION
-            or not isinstance(doc.get("root"), str) or type(doc.get("step")) is not int):
-        return None
-    return (path.parent / doc["root"]).resolve(), doc["step"]
-
-
-def _write_marker(path: Path, root: Path, step: int) -> None:
-    """`path` names `step` of `root`, replaced whole (tmp file, fsync, rename, fsync of
-    the folder)."""
-    body = {"asyncckpt": MARKER_VERSION, "root": os.path.relpath(root, path.parent.resolve()),
-            "step": step}
-    path.parent.mkdir(parents=True, exist_ok=True)  # as Lightning's IO makes it
-    # the rename durable before a retirement of the step the path named before
-    write_atomic(path, (json.dumps(body) + "\n").encode())
-
-
 class _Pending:
-    """A save in flight and the marker it will become."""
+    """A save in flight and the marker it will become; `before`: the steps of this root
+    that `path` named before it (retired once it is committed)."""
 
-    def __init__(self, path: Path, step: int, handle: SaveHandle) -> None:
-        self.path, self.step, self.handle = path, step, handle
+    def __init__(self, path: Path, step: int, handle: SaveHandle, before: set[int]) -> None:
+        self.path, self.step, self.handle, self.before = path, step, handle, before
         self.removed = False  # remove_checkpoint came first: retire it, write no marker
         self.done = threading.Event()
 
 
 class _Retirement:
-    """A step whose marker Lightning removed: retired on the follow-up thread, after
+    """The steps a marker Lightning removed named: retired on the follow-up thread, after
     the saves made before (not on the loop: a listing, a manifest read and fsyncs)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
         self.done = threading.Event()
 
 
@@ -176,7 +152,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any = None) -> None:
         """Hand `checkpoint` to the writer as a new step and return; `path` becomes its
-        marker once it is committed.
+        pending marker at once, its final marker once it is committed.
 
         Raises:
             TypeError: `storage_options` given (as Lightning's own IO).
@@ -189,7 +165,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             raise TypeError("AsyncckptCheckpointIO.save_checkpoint takes no storage_options; "
                             f"got {storage_options!r}")
         path, root, step = self._begin(path)
-        self._track(path, step, self._hand_over(root, step, checkpoint))
+        self._track(path, root, step, self._hand_over(root, step, checkpoint))
         self.blocked_seconds.append(time.perf_counter() - entered)
 
     def _begin(self, path: str | os.PathLike[str]) -> tuple[Path, Path, int]:
@@ -201,7 +177,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         self._raise_failures()
         absolute = Path(path).absolute()
         root = self._root_for(absolute)
-        step = self._step_number(root)
+        step = self._step_number(root, absolute.parent)
         self._next = step + 1
         return absolute, root, step
 
@@ -219,12 +195,33 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         return client.save(step, state, keep_last=KEEP_ALL,  # a load of another root: none
                            timeline=self._timeline if resumed_here else None)
 
-    def _track(self, path: Path, step: int, handle: SaveHandle) -> None:
-        """`path` becomes the marker of `step` once `handle` is committed (follow-up)."""
-        pending = _Pending(path, step, handle)
-        with self._lock:
+    def _track(self, path: Path, root: Path, step: int, handle: SaveHandle) -> None:
+        """`path` becomes the pending marker of `step` of `root` now, its final marker
+        once `handle` is committed (follow-up). A pending marker that cannot be written
+        is warned only: the final one is written at the commit all the same."""
+        with self._lock:  # the follow-up writes markers under it too
+            before = self._named_before(path, root)
+            pending = _Pending(path, step, handle, before)
             self._pending.append(pending)
+            try:
+                write_pending(path, root, step, before)
+            except OSError as e:
+                log.warning("asyncckpt: the pending marker %s of step %d was not written "
+                            "(it is written once the step is committed): %s", path, step, e)
         self._enqueue(pending)
+
+    @staticmethod
+    def _named_before(path: Path, root: Path) -> set[int]:
+        """The steps of `root` that `path` names now: its marker's (a link's target is
+        another file's step) and, where that marker is pending, the steps it records
+        as named before it (a save of this process or of one that ended first)."""
+        try:
+            marker = (marker_of(path) if path.is_file() and not path.is_symlink() else None)
+        except OSError:
+            marker = None
+        if marker is None or marker.root != root:
+            return set()
+        return {marker.step, *(marker.before if marker.pending else ())}
 
     def _enqueue(self, item: _Pending | _Retirement) -> None:
         """Hand `item` to the follow-up thread (started at the first)."""
@@ -259,12 +256,15 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         for handle in handles:
             handle.wait_staged()
 
-    def _step_number(self, root: Path) -> int:
-        """Above every step the root holds (committed, abandoned or retired), the step
-        restored and the last saved: a new step never replaces one."""
+    def _step_number(self, root: Path, folder: Path) -> int:
+        """Above every step the root holds (committed, abandoned or retired), the steps
+        pending markers in `folder` (the checkpoint's) name, the step restored and the
+        last saved: a new step never replaces one, nor becomes what a marker of a save
+        that never completed names."""
         if self._next is None:
             storage = storage_for(root)
-            taken = storage.committed_steps() + storage.retired_steps()
+            taken = (storage.committed_steps() + storage.retired_steps()
+                     + pending_steps(folder, root))
             if self._restored is not None and self._restored[0] == root:
                 taken.append(self._restored[1])
             self._next = max(taken, default=0) + 1
@@ -280,10 +280,11 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                 self._follow(item)
                 continue
             try:
-                self._retire(item.step)
+                for step in sorted(item.steps):
+                    self._retire(step)
             except Exception as e:  # raised by the next save, as a save's failure is
                 with self._lock:
-                    self._failures.append(f"retiring step {item.step} failed: {e}")
+                    self._failures.append(f"retiring steps {sorted(item.steps)} failed: {e}")
             finally:
                 with self._lock:
                     self._retiring.remove(item)
@@ -292,7 +293,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
     def _follow(self, pending: _Pending) -> None:
         """`pending`'s marker once committed (retiring the step the path named before,
         as Lightning overwrites `last.ckpt`), or, removed meanwhile, its retirement."""
-        retire: int | None = None
+        retire: set[int] = set()
         try:
             pending.handle.wait()
         except CheckpointError as e:
@@ -302,31 +303,33 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                       pending.step, e)
         else:
             with self._lock:
-                retire = pending.step if pending.removed else self._name(pending)
+                retire = ({pending.step} | pending.before if pending.removed
+                          else self._name(pending))
                 forked, self._deferred = self._deferred, set()  # the timeline is current
                 self._restored = None
-            for step in ([] if retire is None else [retire]) + sorted(forked):
+            for step in sorted(retire) + sorted(forked):
                 self._retire(step)
         finally:
             with self._lock:
                 self._pending.remove(pending)
             pending.done.set()
 
-    def _name(self, pending: _Pending) -> int | None:
-        """Write `pending`'s marker; the step of this root the path named before, if
-        another. A failure is raised by the next save."""
-        root = self._root_or_fail()
+    def _name(self, pending: _Pending) -> set[int]:
+        """Write `pending`'s final marker; the steps of this root the path named before
+        it (to retire). A later save to the same path still in flight has written its
+        pending marker over it, naming this step among those before: nothing is written
+        and nothing retired (that save does both). A failure is raised by the next
+        save."""
+        if any(p.path == pending.path and p.step > pending.step and not p.removed
+               for p in self._pending):
+            return set()
         try:
-            before = (read_marker(pending.path)  # a link's target is another file's step
-                      if pending.path.is_file() and not pending.path.is_symlink() else None)
-            _write_marker(pending.path, root, pending.step)
+            write_marker(pending.path, self._root_or_fail(), pending.step)
         except OSError as e:
             self._failures.append(f"step {pending.step} is committed but its marker "
                                   f"{pending.path} was not written: {e}")
-            return None
-        if before is not None and before[0] == root and before[1] != pending.step:
-            return before[1]
-        return None
+            return set()
+        return pending.before - {pending.step}
 
     def _root_or_fail(self) -> Path:
         assert self.root is not None  # set by the save that made a pending
@@ -355,10 +358,11 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                     pending.removed = True
             if not path.exists():
                 return
-            named = read_marker(path) if path.is_file() else None
+            named = (self._named_before(path, self.root)
+                     if path.is_file() and self.root is not None else set())
             path.unlink() if path.is_file() else _remove_tree(path)
-        if named is not None and named[0] == self.root:
-            retirement = _Retirement(named[1])
+        if named:  # a pending marker's: also what it named before (of an ended process)
+            retirement = _Retirement(named)
             with self._lock:
                 self._retiring.append(retirement)
             self._enqueue(retirement)
@@ -386,7 +390,8 @@ class AsyncckptCheckpointIO(_CheckpointIO):
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint dict Lightning saved at `path`, every byte verified. A marker's
-        step also begins the timeline later saves carry.
+        step also begins the timeline later saves carry. A pending marker whose save
+        never completed loads the newest committed step before it (warned).
 
         Args:
             map_location: where the tensors go, as `torch.load` takes it, each tensor's
@@ -397,16 +402,17 @@ class AsyncckptCheckpointIO(_CheckpointIO):
 
         Raises:
             FileNotFoundError: no file at `path`.
-            CheckpointNotFoundError: the marker's step is not committed in its root.
+            CheckpointNotFoundError: the marker's step is not committed in its root (a
+                pending marker's: nor any step before it).
             CorruptCheckpointError: the step fails verification.
         """
-        named = read_marker(path)
-        if named is None:
+        marker = marker_of(path)
+        if marker is None:
             torch_io = importlib.import_module("lightning.fabric.plugins").TorchCheckpointIO
             loaded: dict[str, Any] = torch_io().load_checkpoint(path, map_location=map_location,
                                                                weights_only=weights_only)
             return loaded
-        root, step = named
+        root, step = marker.root, resolve_marker(path, marker)
         start = timeline_start(root, step)  # the root's current gen before the read
         try:
             state = load(root, step=step, rank=0)

@@ -19,12 +19,13 @@ shards are copied into the ring (the hazard of the DDP plugin applies: a tensor 
 in place before its copy fails that save loudly, never silently).
 
 Files are the DDP plugin's (lightning.py): `DIR/NAME.ckpt` becomes a small JSON marker
-naming the step of the root `DIR/asyncckpt/`, written by global rank 0 once the step is
-committed, so `ckpt_path="last"`, `"best"` and explicit paths work as Lightning knows
-them, `ModelCheckpoint`'s top-k and `save_last` retire the steps whose markers Lightning
-removes, and a kill mid-save leaves every marker naming a whole step. Lightning's own
-metadata (its `meta.pt`) is inside the step, as JSON and tensors, never pickled. Step
-numbers count saves, above anything the root holds; rank 0 draws them and broadcasts.
+naming the step of the root `DIR/asyncckpt/`, written by global rank 0 (pending at once,
+final once the step is committed), so `ckpt_path="last"`, `"best"` and explicit paths
+work as Lightning knows them, `ModelCheckpoint`'s top-k and `save_last` retire the steps
+whose markers Lightning removes, and a kill mid-save leaves every marker loading a whole
+step. Lightning's own metadata (its `meta.pt`) is inside the step, as JSON and tensors,
+never pickled. Step numbers count saves, above anything the root holds; rank 0 draws
+them and broadcasts.
 
 Loading (every rank): the marker's step is restored through `Checkpointer.restore`, each
 rank reading the boxes that overlap its own shards (another world size or mesh
@@ -55,16 +56,16 @@ import torch
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
 from asyncckpt.config import KEEP_ALL
-from asyncckpt.errors import CheckpointError, SaveFailedError
+from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
 from asyncckpt.integrations.lightning import (
     ORDER,
     REST,
     RNG,
     AsyncckptCheckpointIO,
-    read_marker,
     rng_state,
     set_rng_state,
 )
+from asyncckpt.integrations.lightning_marker import Marker, marker_of, resolve_marker
 from asyncckpt.rank.handle import SaveHandle
 
 __all__ = ["AsyncckptFSDPStrategy", "AsyncckptModelParallelStrategy"]
@@ -157,7 +158,8 @@ class _AsyncckptShardedSaves(_LightningStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any = None) -> None:
         """Hand this rank's part of `checkpoint` to the writer and return; every rank
-        calls it. `filepath` (rank 0's) becomes the step's marker once it is committed.
+        calls it. `filepath` (rank 0's) becomes the step's marker (pending at once, final
+        once it is committed).
 
         Raises:
             TypeError: `storage_options` given (as Lightning's strategy).
@@ -190,7 +192,7 @@ class _AsyncckptShardedSaves(_LightningStrategy):
             step, checkpoint.get("state_dict", {}), list(checkpoint.get("optimizer_states", [])),
             extra)
         if self.is_global_zero:
-            self._book._track(path, step, handle)
+            self._book._track(path, Path(root_name), step, handle)
         self.blocked_seconds.append(time.perf_counter() - entered)
 
     def load_checkpoint(self, checkpoint_path: Any,
@@ -203,11 +205,11 @@ class _AsyncckptShardedSaves(_LightningStrategy):
             CorruptCheckpointError, StateMismatchError: as `Checkpointer.restore`.
         """
         path = Path(self.broadcast(checkpoint_path))
-        named = read_marker(path) if path.is_file() else None
-        if named is None:
+        marker = marker_of(path) if path.is_file() else None
+        if marker is None:
             loaded: dict[str, Any] = super().load_checkpoint(path, weights_only=weights_only)
             return loaded
-        root, step = named
+        root, step = marker.root, self._resolved(path, marker)
         ckpt = self._checkpointer(root)
         ckpt.restore(step=step)  # every rank; the timeline its later saves carry
         extra = ckpt.extra
@@ -217,6 +219,24 @@ class _AsyncckptShardedSaves(_LightningStrategy):
             self._book._loaded(root, step, None)
         rest = extra[REST]
         return {k: rest[k] for k in extra[ORDER] if k in rest}
+
+    def _resolved(self, path: Path, marker: Marker) -> int:
+        """The step every rank loads for `marker` (a pending one resolved by rank 0).
+
+        Raises:
+            CheckpointNotFoundError: as `resolve_marker`, on every rank.
+        """
+        told: int | str = marker.step
+        if marker.pending and self.is_global_zero:
+            try:
+                told = resolve_marker(path, marker)
+            except CheckpointNotFoundError as e:
+                told = str(e)
+        if marker.pending:
+            told = self.broadcast(told)
+        if isinstance(told, str):
+            raise CheckpointNotFoundError(told, step=marker.step, file=str(path))
+        return told
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0: `filepath`'s marker goes and its step is retired (a save in flight:

@@ -7,12 +7,12 @@ the previous link through `strategy.remove_checkpoint`.
 
 - R5-4: removing a link must not retire the step of the file it points to: that file
   is still one of the top k (Lightning's own IO deletes only the link).
-- R5-5 (xfail, Lightning's design): the link is made as soon as `save_checkpoint`
-  returns, while the top-k file is still in flight (its marker is written once the
-  step is committed). A kill in between leaves `last.ckpt` dangling, which
-  `ckpt_path="last"` skips (`fs.exists` is False): the relaunch trains from step 0
-  with a warning, though committed steps are on disk. Lightning's own
-  `AsyncCheckpointIO` leaves the same dangling link."""
+- R5-5: the link is made as soon as `save_checkpoint` returns, while the top-k file is
+  still in flight. With the marker written only once the step was committed, a kill in
+  between left `last.ckpt` dangling, which `ckpt_path="last"` skips (`fs.exists` is
+  False): the relaunch trained from step 0, though committed steps were on disk
+  (Lightning's own `AsyncCheckpointIO` leaves the same dangling link). The pending
+  marker is written before the call returns."""
 
 from __future__ import annotations
 
@@ -21,14 +21,13 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 from frameworks_venv import FRAMEWORKS_PYTHON, full_only, needs_frameworks
 
 REPO = Path(__file__).parents[3]
 pytestmark = needs_frameworks
 
 NET = r'''
-import json, os, signal, sys
+import json, os, signal, sys, threading
 from pathlib import Path
 import lightning.pytorch as pl
 import torch
@@ -97,19 +96,54 @@ DANGLING_LAST = NET + r'''
 out, mode = Path(sys.argv[1]), sys.argv[2]
 callback = ModelCheckpoint(dirpath=out / "ckpts", filename="{step}", save_top_k=-1,
                            every_n_train_steps=2, save_last="link")
-if mode == "kill":
-    write = lio._write_marker
+if mode == "named":  # step=4's save committed, its final marker not yet written
+    write = lio.write_marker
 
-    def killing_write(path, root, step):  # step=4's save committed, not yet named
+    def killing_write(path, root, step):
         if path.name.startswith("step=4"):
             os.kill(os.getpid(), signal.SIGKILL)
         return write(path, root, step)
 
-    lio._write_marker = killing_write
+    lio.write_marker = killing_write
+    fit(out, callback, 6)
+elif mode == "never":  # step=4's save never reaches the writer; killed in the next step
+    class Never:
+        def staged(self):
+            return True
+
+        def wait_staged(self):
+            pass
+
+        def wait(self, timeout=None):
+            threading.Event().wait()
+
+    save = lio.AsyncckptCheckpointIO.save_checkpoint
+
+    def never_saved(self, checkpoint, path, storage_options=None):
+        if Path(path).name.startswith("step=4"):
+            absolute, root, step = self._begin(path)
+            return self._track(absolute, root, step, Never())
+        return save(self, checkpoint, path, storage_options)
+
+    step = Net.training_step
+
+    def killing_step(self, batch, batch_idx):
+        if self.global_step >= 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(self, batch, batch_idx)
+
+    lio.AsyncckptCheckpointIO.save_checkpoint = never_saved
+    Net.training_step = killing_step
     fit(out, callback, 6)
 else:
-    _, net = fit(out, callback, 6, ckpt_path="last")
-    print("RESULT " + json.dumps({"started_at": net.started_at}), flush=True)
+    io, net = fit(out, callback, 6, ckpt_path="last")
+    files = {}
+    for p in sorted((out / "ckpts").glob("*.ckpt")):
+        try:
+            files[p.name] = [lio.read_marker(p)[1], io.load_checkpoint(p)["global_step"]]
+        except Exception as e:
+            files[p.name] = [lio.read_marker(p)[1], type(e).__name__]
+    print("RESULT " + json.dumps({"started_at": net.started_at, "files": files}), flush=True)
 '''
 
 
@@ -131,13 +165,41 @@ def test_removing_a_last_link_keeps_the_step_it_points_to(tmp_path: Path) -> Non
 
 
 @full_only  # past make test's time budget: make test-frameworks runs it
-@pytest.mark.xfail(strict=True, reason="R5-5: save_last='link' links last.ckpt to a save "
-                   "still in flight; a kill before its marker leaves it dangling and "
-                   "ckpt_path='last' starts from step 0 (Lightning's design)")
-def test_a_kill_before_the_linked_marker_still_resumes_from_last(tmp_path: Path) -> None:
-    killed = run(DANGLING_LAST, str(tmp_path), "kill")
+def test_a_kill_before_the_linked_marker_is_final_resumes_from_its_step(tmp_path: Path) -> None:
+    """R5-5: `save_last="link"` links `last.ckpt` as soon as `save_checkpoint` returns. The
+    marker written only at the commit left the link dangling until then, and a kill in
+    between restarted training from step 0. The pending marker is there at once."""
+    killed = run(DANGLING_LAST, str(tmp_path), "named")
     assert killed.returncode != 0
     last = tmp_path / "ckpts" / "last.ckpt"
-    assert last.is_symlink() and not last.exists()  # dangling: step=4's marker never came
-    assert (tmp_path / "ckpts" / "step=2.ckpt").is_file()  # a committed, named step
-    assert result_of(run(DANGLING_LAST, str(tmp_path), "resume"))["started_at"] >= 2
+    assert last.is_symlink() and last.resolve().name == "step=4.ckpt"
+    assert json.loads(last.read_text()).get("pending") is True  # its final one never came
+    resumed = result_of(run(DANGLING_LAST, str(tmp_path), "resume"))
+    assert resumed["started_at"] == 4  # step=4's save had committed
+    assert {name: got for name, (_, got) in resumed["files"].items()} == {
+        "last.ckpt": 6, "step=2.ckpt": 2, "step=4.ckpt": 4, "step=6.ckpt": 6}
+
+
+@full_only  # past make test's time budget: make test-frameworks runs it
+def test_a_kill_before_the_linked_save_committed_resumes_from_the_one_before(
+        tmp_path: Path) -> None:
+    """The save `last.ckpt` links to never committed: the resume loads the step before it
+    (as Lightning's own IO leaves the previous checkpoint), not step 0, and the saves
+    after it never take the number the pending marker names."""
+    killed = run(DANGLING_LAST, str(tmp_path), "never")
+    assert killed.returncode != 0
+    ckpts = tmp_path / "ckpts"
+    pending = json.loads((ckpts / "step=4.ckpt").read_text())
+    assert pending.get("pending") is True and (ckpts / "last.ckpt").resolve().name == "step=4.ckpt"
+    resumed = result_of(run(DANGLING_LAST, str(tmp_path), "resume"))
+    assert resumed["started_at"] == 2
+    files = resumed["files"]
+    # Lightning names its new saves beside files it did not make in this run (`-v1`), as
+    # beside a torn file its own IO leaves; the pending file names nothing, and the link
+    # to it still loads the checkpoint before
+    assert {name: got for name, (_, got) in files.items()} == {
+        "last.ckpt": 2, "step=4.ckpt": "CheckpointNotFoundError", "step=2.ckpt": 2,
+        "step=4-v1.ckpt": 4, "step=6.ckpt": 6, "last-v1.ckpt": 6}
+    assert files["step=4.ckpt"][0] == pending["step"]  # still pending: never taken since
+    assert json.loads((ckpts / "step=4.ckpt").read_text()).get("pending") is True
+    assert files["step=4-v1.ckpt"][0] > pending["step"]

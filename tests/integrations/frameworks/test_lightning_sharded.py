@@ -137,12 +137,13 @@ def test_kill_mid_save_then_resume_last_is_bit_exact(
     ckpts = tmp_path / "ckpts"
     root = ckpts / "asyncckpt"
     killed_step = max(markers(ckpts).values()) + 1  # handed over, never committed
+    assert list(markers(ckpts, pending=True).values()) == [killed_step]  # its file, at once
     assert killed_step not in storage_for(root).committed_steps()
     assert load(root)["extra"]["lightning"]["epoch"] == KILL_EPOCH - 1  # the newest whole save
     runs = finish(launch(tmp_path, "resumed", "--ckpt", "last", *kind), tmp_path, "resumed")
     assert_same_end(tmp_path, "resumed", out, len(runs))
     assert_same_losses(runs, refs, after=KILL_EPOCH * STEPS_PER_EPOCH)
-    assert_rotation(ckpts)
+    assert_rotation(ckpts, never_completed=1)
 
 
 @full_only
