@@ -15,14 +15,7 @@ from inprocess import InProcessWriter
 import asyncckpt
 from asyncckpt.errors import CheckpointNotFoundError
 from asyncckpt.format.timeline import TimelineStart, new_timeline_id
-from asyncckpt.integrations.lightning_marker import (
-    marker_of,
-    pending_steps,
-    read_marker,
-    resolve_marker,
-    write_marker,
-    write_pending,
-)
+from asyncckpt.integrations import lightning_marker as markers
 
 
 def committed_root(tmp_path: Path, steps: list[int]) -> Path:
@@ -37,12 +30,12 @@ def committed_root(tmp_path: Path, steps: list[int]) -> Path:
 def test_a_pending_marker_reads_as_pending_and_its_final_one_replaces_it(tmp_path: Path) -> None:
     root = (tmp_path / "asyncckpt").resolve()
     path = tmp_path / "sub" / "last.ckpt"
-    write_pending(path, root, 3)
-    marker = marker_of(path)
+    markers.write_pending(path, root, 3)
+    marker = markers.marker_of(path)
     assert marker is not None and (marker.root, marker.step, marker.pending) == (root, 3, True)
-    assert read_marker(path) == (root, 3)
-    write_marker(path, root, 3)
-    marker = marker_of(path)
+    assert markers.read_marker(path) == (root, 3)
+    markers.write_marker(path, root, 3)
+    marker = markers.marker_of(path)
     assert marker is not None and not marker.pending
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no tmp left
 
@@ -50,20 +43,20 @@ def test_a_pending_marker_reads_as_pending_and_its_final_one_replaces_it(tmp_pat
 def test_a_pending_marker_over_a_symbolic_link_replaces_the_link(tmp_path: Path) -> None:
     root = (tmp_path / "asyncckpt").resolve()
     target = tmp_path / "step=2.ckpt"
-    write_marker(target, root, 1)
+    markers.write_marker(target, root, 1)
     link = tmp_path / "last.ckpt"
     link.symlink_to(target.name)
-    write_pending(link, root, 2)
-    assert not link.is_symlink() and read_marker(link) == (root, 2)
-    assert read_marker(target) == (root, 1)  # the file it pointed to is untouched
+    markers.write_pending(link, root, 2)
+    assert not link.is_symlink() and markers.read_marker(link) == (root, 2)
+    assert markers.read_marker(target) == (root, 1)  # the file it pointed to is untouched
 
 
 def test_a_pending_marker_whose_step_committed_loads_that_step(tmp_path: Path) -> None:
     root = committed_root(tmp_path, [1, 2])
     path = tmp_path / "ckpts" / "step=4.ckpt"
-    write_pending(path, root, 2)
-    marker = marker_of(path)
-    assert marker is not None and resolve_marker(path, marker) == 2
+    markers.write_pending(path, root, 2)
+    marker = markers.marker_of(path)
+    assert marker is not None and markers.resolve_marker(path, marker) == 2
 
 
 def linked(path: Path) -> Path:
@@ -77,12 +70,12 @@ def test_through_a_link_a_save_that_never_completed_loads_the_step_before(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = committed_root(tmp_path, [1, 2, 5])
     path = tmp_path / "ckpts" / "step=8.ckpt"
-    write_pending(path, root, 4)  # 4 never committed; 5 is a later save's, not before it
+    markers.write_pending(path, root, 4)  # 4 never committed; 5 is a later save's, not before it
     link = linked(path)
-    marker = marker_of(link)
+    marker = markers.marker_of(link)
     assert marker is not None
     with caplog.at_level(logging.WARNING, logger="asyncckpt.lightning"):
-        assert resolve_marker(link, marker) == 2
+        assert markers.resolve_marker(link, marker) == 2
     assert "step 4, whose save never completed" in caplog.text and "loading step 2" in caplog.text
 
 
@@ -90,39 +83,39 @@ def test_a_file_saved_over_by_a_save_that_never_completed_loads_what_it_named(
         tmp_path: Path) -> None:
     root = committed_root(tmp_path, [1, 2, 3])
     path = tmp_path / "ckpts" / "last.ckpt"
-    write_pending(path, root, 4, before=[1, 7])  # named 1, then 7 (never committed either)
-    marker = marker_of(path)
+    markers.write_pending(path, root, 4, before=[1, 7])  # named 1, then 7 (never committed either)
+    marker = markers.marker_of(path)
     assert marker is not None and marker.before == (1, 7)
-    assert resolve_marker(path, marker) == 1  # not 3: another file's step
+    assert markers.resolve_marker(path, marker) == 1  # not 3: another file's step
 
 
 def test_a_new_file_whose_save_never_completed_names_nothing(tmp_path: Path) -> None:
     root = committed_root(tmp_path, [1, 2])
     path = tmp_path / "ckpts" / "step=6.ckpt"
-    write_pending(path, root, 3)
-    marker = marker_of(path)
+    markers.write_pending(path, root, 3)
+    marker = markers.marker_of(path)
     assert marker is not None
     with pytest.raises(CheckpointNotFoundError, match="named no committed step") as e:
-        resolve_marker(path, marker)
+        markers.resolve_marker(path, marker)
     assert e.value.step == 3 and e.value.file == str(path)
 
 
 def test_a_link_with_nothing_committed_before_it_is_refused(tmp_path: Path) -> None:
     root = committed_root(tmp_path, [3])
     link = linked(tmp_path / "ckpts" / "step=2.ckpt")
-    write_pending(tmp_path / "ckpts" / "step=2.ckpt", root, 2)
-    marker = marker_of(link)
+    markers.write_pending(tmp_path / "ckpts" / "step=2.ckpt", root, 2)
+    marker = markers.marker_of(link)
     assert marker is not None
     with pytest.raises(CheckpointNotFoundError, match="no committed step before it"):
-        resolve_marker(link, marker)
+        markers.resolve_marker(link, marker)
 
 
 def test_a_final_marker_names_its_step_as_it_is(tmp_path: Path) -> None:
     root = committed_root(tmp_path, [1])
     path = tmp_path / "ckpts" / "x.ckpt"
-    write_marker(path, root, 7)  # not committed: the load says so, not the resolution
-    marker = marker_of(path)
-    assert marker is not None and resolve_marker(path, marker) == 7
+    markers.write_marker(path, root, 7)  # not committed: the load says so, not the resolution
+    marker = markers.marker_of(path)
+    assert marker is not None and markers.resolve_marker(path, marker) == 7
 
 
 def test_a_pending_marker_falls_back_within_the_roots_timeline(tmp_path: Path) -> None:
@@ -136,36 +129,36 @@ def test_a_pending_marker_falls_back_within_the_roots_timeline(tmp_path: Path) -
         fork = TimelineStart(id=new_timeline_id(), at=1, based_on=0)
         client.save(2, {"w": torch.full((4,), 20.0)}, replace=True, timeline=fork).wait(60)
     path = tmp_path / "ckpts" / "step=8.ckpt"
-    write_pending(path, root.resolve(), 4)
+    markers.write_pending(path, root.resolve(), 4)
     link = linked(path)
-    marker = marker_of(link)
-    assert marker is not None and resolve_marker(link, marker) == 2
+    marker = markers.marker_of(link)
+    assert marker is not None and markers.resolve_marker(link, marker) == 2
     assert asyncckpt.load(root, step=2)["w"][0].item() == 20.0
 
 
 def test_pending_steps_are_the_pending_markers_of_that_root_only(tmp_path: Path) -> None:
     folder = tmp_path / "ckpts"
     root, other = (folder / "asyncckpt").resolve(), (tmp_path / "other").resolve()
-    write_pending(folder / "a.ckpt", root, 4)
-    write_pending(folder / "b.ckpt", root, 6)
-    write_pending(folder / "c.ckpt", other, 9)  # another root's
-    write_marker(folder / "d.ckpt", root, 8)  # final
+    markers.write_pending(folder / "a.ckpt", root, 4)
+    markers.write_pending(folder / "b.ckpt", root, 6)
+    markers.write_pending(folder / "c.ckpt", other, 9)  # another root's
+    markers.write_marker(folder / "d.ckpt", root, 8)  # final
     torch.save({"x": 1}, folder / "e.ckpt")  # Lightning's own
     (folder / "f.ckpt").symlink_to("a.ckpt")
     (folder / "g.ckpt").mkdir()  # a sharded checkpoint's folder
     (folder / "h.txt").write_text('{"asyncckpt": 1, "root": "asyncckpt", "step": 7, '
                                   '"pending": true}')  # not a .ckpt
-    assert sorted(pending_steps(folder, root)) == [4, 6]
-    assert pending_steps(tmp_path / "missing", root) == []
+    assert sorted(markers.pending_steps(folder, root)) == [4, 6]
+    assert markers.pending_steps(tmp_path / "missing", root) == []
 
 
 def test_a_marker_is_not_read_from_a_large_or_foreign_file(tmp_path: Path) -> None:
     big = tmp_path / "big.ckpt"
     big.write_bytes(b'{"asyncckpt": 1, "root": "r", "step": 1}' + b" " * 5000)
-    assert marker_of(big) is None
+    assert markers.marker_of(big) is None
     for text in ('{"asyncckpt": 2, "root": "r", "step": 1}', '{"root": "r", "step": 1}',
                  '{"asyncckpt": 1, "root": "r", "step": 1, "before": [true]}',
                  '{"asyncckpt": 1, "root": "r", "step": true}', "[1]", "{not json"):
         path = tmp_path / "x.ckpt"
         path.write_text(text)
-        assert marker_of(path) is None, text
+        assert markers.marker_of(path) is None, text
