@@ -339,7 +339,13 @@ class AsyncCheckpointMixin(_Base):
         step = marker["step"]
         if marker["root"] == (run_dir / ROOT_NAME).resolve():
             ckpt = self._asyncckpt(run_dir)
-            ckpt.restore(step=step, rank=0)  # begins a timeline at `step`
+            options = ckpt.options  # the optimizer too where the step holds it, whatever
+            ckpt.options = dataclasses.replace(  # save_only_model says (as the Trainer
+                options, contents=("model", "optimizer", "extra"))  # loads optimizer.pt)
+            try:
+                ckpt.restore(step=step, rank=0)  # begins a timeline at `step`
+            finally:
+                ckpt.options = options
             self._asyncckpt_fork_at = step
             extra = ckpt.extra
         else:  # resuming from another run's directory: read there, save here

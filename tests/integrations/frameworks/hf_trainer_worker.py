@@ -86,7 +86,7 @@ def run(cfg: dict) -> Trainer:
         save_steps=cfg["save_steps"], save_total_limit=cfg.get("limit"), logging_steps=1,
         per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="linear",
         warmup_steps=2, use_cpu=True, report_to=[], seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, save_only_model=False, **fsdp)
+        dataloader_num_workers=0, save_only_model=cfg.get("save_only_model", False), **fsdp)
     cls = Trainer if cfg.get("plain") else AsyncCheckpointTrainer
     if cfg.get("fsdp"):
         cls = fsdp_on_cpu(cls)

@@ -8,7 +8,9 @@ Trainer, one process (hf_trainer_worker.py's tiny GPT-2), in the frameworks venv
   longer holds: the relaunch must resume from step 4, not fail.
 - R5-3: a `checkpoint-N/` whose `trainer_state.json` or marker is of another step than
   the tensors (a damaged or hand-edited directory) must not resume the weights of one
-  step with the data position and callbacks of another: the resume refuses it."""
+  step with the data position and callbacks of another: the resume refuses it.
+- A resume under `save_only_model=True` of a step saved whole loads its optimizer state,
+  as the Trainer loads an `optimizer.pt` it finds."""
 
 from __future__ import annotations
 
@@ -187,3 +189,41 @@ def test_a_branch_from_another_runs_checkpoint_is_the_newest_of_its_directory(
     result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert result == {"trained": 2}  # from the branch's step 6, not B's old step 8
     assert steps(tmp_path / "b")[0][-1] == 8
+
+
+SAVE_ONLY_MODEL_CHANGED = r'''
+import json, pathlib, sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import hf_trainer_worker as w
+
+out = pathlib.Path(sys.argv[1])
+first = w.run({"out": str(out), "save_steps": 2, "max_steps": 2})
+saved = first.optimizer.state_dict()["state"]
+load = w.AsyncCheckpointTrainer._load_optimizer_and_scheduler
+resumed = {}
+
+def loaded(self, checkpoint):  # the optimizer's state as the resume leaves it
+    load(self, checkpoint)
+    for k, state in self.optimizer.state_dict()["state"].items():
+        resumed[k] = {name: v.clone() for name, v in state.items()}
+
+w.AsyncCheckpointTrainer._load_optimizer_and_scheduler = loaded
+w.run({"out": str(out), "save_steps": 2, "max_steps": 4, "resume": True,
+       "save_only_model": True})
+same = sorted(saved) == sorted(resumed) and all(
+    torch.equal(saved[k][name], resumed[k][name]) for k in saved for name in saved[k])
+print("RESULT " + json.dumps({"params": len(saved), "same": same}), flush=True)
+'''
+
+
+@full_only  # past make test's time budget: make test-frameworks runs it
+def test_a_resume_with_save_only_model_still_loads_the_saved_optimizer(tmp_path: Path) -> None:
+    """The Trainer loads `optimizer.pt` at a resume wherever the checkpoint has one,
+    whatever `save_only_model` says now; the resume of a step saved whole under
+    `save_only_model=True` restored the weights only, and training went on with fresh
+    optimizer moments."""
+    done = launch_script(SAVE_ONLY_MODEL_CHANGED, str(tmp_path / "run"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["params"] > 0 and result["same"] is True
