@@ -19,9 +19,10 @@ Files: for a checkpoint `DIR/NAME.ckpt` Lightning asks for, the step goes to the
 becomes a small JSON marker `{"asyncckpt": 1, "root": <relative>, "step": N}`: pending
 before `save_checkpoint` returns, final once the step is committed (lightning_marker.py).
 So `ckpt_path="last"` (the newest `last*.ckpt` by mtime, or `save_last="link"`'s link),
-`"best"` and explicit paths work as Lightning knows them, and a kill mid-save leaves a
-marker that loads a whole step: the one it names if committed, else the one before it
-(warned), as Lightning's own IO leaves the checkpoint before. Step numbers count saves
+`"best"` and explicit paths work as Lightning knows them, and a kill mid-save never
+loads a torn step: a marker loads the step it names if committed; else (warned) a link
+or a file saved over loads the checkpoint before, and a new file is refused, as a torn
+file of Lightning's own IO would be. Step numbers count saves
 (1, 2, ... above anything already in the root), not Lightning's global step: `save_last`
 saves the same global step a second time with other callback state.
 
