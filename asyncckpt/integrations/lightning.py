@@ -20,9 +20,10 @@ becomes a small JSON marker `{"asyncckpt": 1, "root": <relative>, "step": N}`: p
 before `save_checkpoint` returns, final once the step is committed (lightning_marker.py).
 So `ckpt_path="last"` (the newest `last*.ckpt` by mtime, or `save_last="link"`'s link),
 `"best"` and explicit paths work as Lightning knows them, and a kill mid-save never
-loads a torn step: a marker loads the step it names if committed; else (warned) a link
-or a file saved over loads the checkpoint before, and a new file is refused, as a torn
-file of Lightning's own IO would be. Step numbers count saves
+loads a torn step: a marker loads the step it names if committed, else (warned) the
+newest committed step before it, as Lightning's own IO leaves the checkpoint before.
+Step numbers are reserved beside the root (`.asyncckpt.lightning-steps`), so a number
+a marker of a save cut short names is never another save's. Step numbers count saves
 (1, 2, ... above anything already in the root), not Lightning's global step: `save_last`
 saves the same global step a second time with other callback state.
 
@@ -57,6 +58,7 @@ import importlib
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -73,7 +75,10 @@ from asyncckpt.integrations.lightning_marker import (
     marker_of,
     pending_steps,
     read_marker,
+    reserve,
+    reserved,
     resolve_marker,
+    steps_named,
     write_marker,
     write_pending,
 )
@@ -91,6 +96,8 @@ __all__ = ["AsyncckptCheckpointIO", "MARKER_VERSION", "read_marker"]
 log = logging.getLogger("asyncckpt.lightning")
 
 ROOT_NAME = "asyncckpt"
+MAX_IN_FLIGHT = 4  # saves handed over and not yet named before a save waits for the oldest
+TRIM_BEFORE = 4  # a longer `before` keeps only steps in flight or committed (not retired)
 # keys of the saved state: the model's weights apart (so `asyncckpt export` finds them)
 MODEL, REST, ORDER, RNG = "model", "lightning", "keys", "rng"
 
@@ -137,6 +144,8 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         self._writer: WriterProcess | None = None
         self._client: Client | None = None
         self._next: int | None = None  # the next step number
+        self._reserved: int | None = None  # numbers reserved up to (-1: cannot reserve)
+        self._committed_any = False  # the root holds a committed step: markers may pend
         self._timeline: TimelineStart | None = None  # made by a load, carried by saves
         self._restored: tuple[Path, int] | None = None
         self._deferred: set[int] = set()  # the fork point, removed before the fork commits
@@ -170,16 +179,30 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         self.blocked_seconds.append(time.perf_counter() - entered)
 
     def _begin(self, path: str | os.PathLike[str]) -> tuple[Path, Path, int]:
-        """A save to `path` begins: its absolute path, its root and its step number.
+        """A save to `path` begins (once fewer than MAX_IN_FLIGHT are in flight): its
+        absolute path, its root and its step number.
 
         Raises:
             SaveFailedError: an earlier save failed (raised once).
         """
         self._raise_failures()
+        while True:  # at most MAX_IN_FLIGHT saves in flight: the oldest is waited for
+            with self._lock:
+                oldest = self._pending[0] if len(self._pending) >= MAX_IN_FLIGHT else None
+            if oldest is None:
+                break
+            oldest.done.wait()
         absolute = Path(path).absolute()
         root = self._root_for(absolute)
         step = self._step_number(root, absolute.parent)
         self._next = step + 1
+        if self._reserved is None or 0 <= self._reserved < step:
+            try:
+                self._reserved = reserve(root, step)
+            except OSError as e:  # then markers are written at the commit only
+                log.warning("asyncckpt: step numbers of %s cannot be reserved (%s): no "
+                            "pending markers", root, e)
+                self._reserved = -1
         return absolute, root, step
 
     def _hand_over(self, root: Path, step: int, checkpoint: dict[str, Any]) -> SaveHandle:
@@ -197,32 +220,27 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                            timeline=self._timeline if resumed_here else None)
 
     def _track(self, path: Path, root: Path, step: int, handle: SaveHandle) -> None:
-        """`path` becomes the pending marker of `step` of `root` now, its final marker
-        once `handle` is committed (follow-up). A pending marker that cannot be written
-        is warned only: the final one is written at the commit all the same."""
+        """`path` becomes the pending marker of `step` of `root` now (once the root
+        holds a committed step and the number is reserved), its final marker once
+        `handle` is committed (follow-up). A pending marker that cannot be written is
+        warned only: the final one is written at the commit all the same."""
         with self._lock:  # the follow-up writes markers under it too
-            before = self._named_before(path, root)
+            before = steps_named(path, root)  # and the saves to it still in flight here
+            for earlier in (p for p in self._pending if p.path == path):
+                before |= {earlier.step, *earlier.before}
+            if len(before) > TRIM_BEFORE:  # what is neither in flight nor committed goes
+                kept = set(storage_for(root).committed_steps()) | {p.step for p in self._pending}
+                before &= kept
             pending = _Pending(path, step, handle, before)
             self._pending.append(pending)
             try:
-                write_pending(path, root, step, before)
+                if self._committed_any and self._reserved is not None \
+                        and step <= self._reserved:
+                    write_pending(path, root, step, before)
             except OSError as e:
                 log.warning("asyncckpt: the pending marker %s of step %d was not written "
                             "(it is written once the step is committed): %s", path, step, e)
         self._enqueue(pending)
-
-    @staticmethod
-    def _named_before(path: Path, root: Path) -> set[int]:
-        """The steps of `root` that `path` names now: its marker's (a link's target is
-        another file's step) and, where that marker is pending, the steps it records
-        as named before it (a save of this process or of one that ended first)."""
-        try:
-            marker = (marker_of(path) if path.is_file() and not path.is_symlink() else None)
-        except OSError:
-            marker = None
-        if marker is None or marker.root != root:
-            return set()
-        return {marker.step, *(marker.before if marker.pending else ())}
 
     def _enqueue(self, item: _Pending | _Retirement) -> None:
         """Hand `item` to the follow-up thread (started at the first)."""
@@ -264,8 +282,10 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         that never completed names."""
         if self._next is None:
             storage = storage_for(root)
-            taken = (storage.committed_steps() + storage.retired_steps()
-                     + pending_steps(folder, root))
+            committed = storage.committed_steps()
+            self._committed_any = self._committed_any or bool(committed)
+            taken = (committed + storage.retired_steps() + pending_steps(folder, root)
+                     + [reserved(root)])
             if self._restored is not None and self._restored[0] == root:
                 taken.append(self._restored[1])
             self._next = max(taken, default=0) + 1
@@ -304,6 +324,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                       pending.step, e)
         else:
             with self._lock:
+                self._committed_any = True
                 retire = ({pending.step} | pending.before if pending.removed
                           else self._name(pending))
                 forked, self._deferred = self._deferred, set()  # the timeline is current
@@ -319,11 +340,11 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         """Write `pending`'s final marker; the steps of this root the path named before
         it (to retire). A later save to the same path still in flight has written its
         pending marker over it, naming this step among those before: nothing is written
-        and nothing retired (that save does both). A failure is raised by the next
-        save."""
+        (that save names the path), and the steps before this one go. A failure is
+        raised by the next save."""
         if any(p.path == pending.path and p.step > pending.step and not p.removed
                for p in self._pending):
-            return set()
+            return pending.before - {pending.step}
         try:
             write_marker(pending.path, self._root_or_fail(), pending.step)
         except OSError as e:
@@ -359,9 +380,9 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                     pending.removed = True
             if not path.exists():
                 return
-            named = (self._named_before(path, self.root)
+            named = (steps_named(path, self.root)
                      if path.is_file() and self.root is not None else set())
-            path.unlink() if path.is_file() else _remove_tree(path)
+            path.unlink() if path.is_file() else shutil.rmtree(path)  # another IO's folder
         if named:  # a pending marker's: also what it named before (of an ended process)
             retirement = _Retirement(named)
             with self._lock:
@@ -489,8 +510,3 @@ def _mapped(value: Any, map_location: Any) -> Any:
         return type(value)(_mapped(v, map_location) for v in value)
     return value
 
-
-def _remove_tree(path: Path) -> None:
-    """A directory Lightning named as a checkpoint (another IO's), as its IO removes it."""
-    import shutil
-    shutil.rmtree(path)

@@ -10,15 +10,21 @@ naming a step of an asyncckpt root. A save writes it twice:
   kill then restarted training from step 0 though committed steps were on disk.
 - once the step is committed, final (fsynced, renamed into place).
 
-A pending marker loads its step if that step has committed since (the process died
-before renaming the final marker). Otherwise, with a warning, it loads what Lightning's
-own synchronous IO leaves to a kill mid-save: through a symbolic link (`last.ckpt`), the
-newest committed step of the root before it, the checkpoint the link named before; a
-file saved over (`save_last=True`'s `last.ckpt`), the step it named before (the marker
-records it). A new file whose save never completed names nothing: its load is refused,
-as a torn file of Lightning's would be, and the file stays, which Lightning's own IO
-leaves too. A save never reuses a step number a pending marker in its folder names, so
-a pending marker never comes to name another save's step.
+A pending marker loads its step if that step has committed (the process died before
+renaming the final marker; the loader first waits for a writer still running on the
+root, which may yet commit it). Otherwise, with a warning, it loads the newest committed
+step of the root's timeline before it: what Lightning's own IO leaves to a kill
+mid-save, whose link and files move only once a save is whole. No pending marker is
+written while the root holds no committed step: a kill in the first save leaves no file
+(and a link Lightning skips), as Lightning's IO does, never one that names nothing.
+
+Step numbers: a pending marker names a number that no commit may ever show, so a later
+process must never hand that number to another save (the marker would then load that
+save's state, and the steps it named before would be retired with it). The numbers
+handed out are reserved in a file beside the root (`.ROOTNAME.lightning-steps`, the
+highest number any process took, written ahead in blocks), and a save also skips the
+numbers pending markers in its folder name. `before` (the steps a file saved over named
+until then) is what retires those steps once a later save to the file commits.
 
 This module imports nothing of Lightning: its rules are tested without it.
 """
@@ -28,21 +34,28 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from asyncckpt.errors import CheckpointNotFoundError
+from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.storage.durable import write_atomic
 from asyncckpt.storage.location import storage_for
 from asyncckpt.storage.timeline import live_steps
+from asyncckpt.writer.owners import writer_running
 
 __all__ = ["MARKER_VERSION", "Marker", "marker_of", "pending_steps", "read_marker",
-           "resolve_marker", "write_marker", "write_pending"]
+           "reserve", "reserved", "resolve_marker", "steps_named", "write_marker",
+           "write_pending"]
 log = logging.getLogger("asyncckpt.lightning")
 
 MARKER_VERSION = 1
 MARKER_MAX_BYTES = 4096  # a marker is one short JSON line; anything longer is not ours
+RESERVE_BLOCK = 64  # step numbers reserved ahead per write of the reservation file
+WRITER_WAIT = 120.0  # seconds a load waits for a writer still running on the root
+WRITER_POLL = 0.1
 
 
 @dataclass(frozen=True)
@@ -74,13 +87,17 @@ def marker_of(path: str | os.PathLike[str]) -> Marker | None:
     except ValueError:
         return None
     if (not isinstance(doc, dict) or doc.get("asyncckpt") != MARKER_VERSION
-            or not isinstance(doc.get("root"), str) or type(doc.get("step")) is not int):
+            or not isinstance(doc.get("root"), str) or not _is_step(doc.get("step"))):
         return None
     before = doc.get("before", [])
-    if not isinstance(before, list) or any(type(s) is not int for s in before):
+    if not isinstance(before, list) or not all(_is_step(s) for s in before):
         return None
     return Marker((path.parent / doc["root"]).resolve(), doc["step"],
                   doc.get("pending") is True, tuple(before))
+
+
+def _is_step(value: object) -> bool:
+    return type(value) is int and 0 <= value <= MAX_STEP
 
 
 def read_marker(path: str | os.PathLike[str]) -> tuple[Path, int] | None:
@@ -136,37 +153,53 @@ def write_pending(path: Path, root: Path, step: int, before: Iterable[int] = ())
         raise
 
 
-def resolve_marker(path: str | os.PathLike[str], marker: Marker) -> int:
-    """The step to load for `marker`, read at `path` (a symbolic link or the file): a
-    final marker's step; a pending marker's if it committed since, else (warned) through
-    a link the newest committed step of the root's timeline before it, and for the file
-    itself the newest committed step it named before.
+def resolve_marker(path: str | os.PathLike[str], marker: Marker,
+                   wait: float = WRITER_WAIT) -> int:
+    """The step to load for `marker`, read at `path`: a final marker's step; a pending
+    marker's if it committed, else (warned) the newest committed step of the root's
+    timeline before it. While the pending step is not committed and a writer still runs
+    on the root (the process that saved it was killed, its writer finishing), it waits
+    up to `wait` seconds for that writer to end, so that every rank of a job resolves
+    the marker alike.
 
     Raises:
-        CheckpointNotFoundError: a pending marker's step never committed and there is no
-            step to load instead (a new file; a link with no committed step before).
+        CheckpointNotFoundError: a pending marker's step never committed and the root
+            holds no committed step before it.
     """
     if not marker.pending:
         return marker.step  # the load says if it is not committed (deleted since)
     storage = storage_for(marker.root)
+    deadline = time.monotonic() + wait
     committed = storage.committed_steps()
+    while (marker.step not in committed and writer_running(marker.root)
+           and time.monotonic() < deadline):
+        time.sleep(WRITER_POLL)
+        committed = storage.committed_steps()
     if marker.step in committed:
         return marker.step
-    if Path(path).is_symlink():
-        instead = [s for s in live_steps(storage, committed) if s < marker.step]
-    else:
-        instead = sorted(set(marker.before) & set(committed))
+    instead = [s for s in live_steps(storage, committed) if s < marker.step]
     if not instead:
         raise CheckpointNotFoundError(
             f"{path} names step {marker.step} of {marker.root}, whose save never completed "
-            "(the process ended first), and "
-            + ("the root holds no committed step before it" if Path(path).is_symlink()
-               else "it named no committed step before"), step=marker.step, file=str(path))
+            "(the process ended first), and the root holds no committed step before it",
+            step=marker.step, file=str(path))
     log.warning("asyncckpt: %s names step %d, whose save never completed (the process "
-                "ended first); loading step %d, %s", path, marker.step, instead[-1],
-                "the newest committed step before it" if Path(path).is_symlink()
-                else "the step it named before")
+                "ended first); loading step %d, the newest committed step before it",
+                path, marker.step, instead[-1])
     return instead[-1]
+
+
+def steps_named(path: Path, root: Path) -> set[int]:
+    """The steps of `root` that the file at `path` names now: its marker's and, where
+    that marker is pending, the steps it records as named before it (a symbolic link,
+    another file's step, and an unreadable file name none)."""
+    try:
+        marker = marker_of(path) if path.is_file() and not path.is_symlink() else None
+    except OSError:
+        marker = None
+    if marker is None or marker.root != root:
+        return set()
+    return {marker.step, *(marker.before if marker.pending else ())}
 
 
 def pending_steps(folder: Path, root: Path) -> list[int]:
@@ -183,3 +216,31 @@ def pending_steps(folder: Path, root: Path) -> list[int]:
         if marker is not None and marker.pending and marker.root == root:
             steps.append(marker.step)
     return steps
+
+
+def _reservation(root: Path) -> Path:
+    return root.parent / f".{root.name}.lightning-steps"
+
+
+def reserved(root: Path) -> int:
+    """The highest step number of `root` any process handed to a save (0: none known;
+    a missing or unreadable file counts as none)."""
+    try:
+        text = _reservation(root).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeError):
+        return 0
+    return int(text) if text.isdigit() and int(text) <= MAX_STEP else 0
+
+
+def reserve(root: Path, step: int) -> int:
+    """Reserve the step numbers of `root` up to `step` and a block beyond, durably
+    (tmp file, fsync, rename) before any marker names them. Returns the highest number
+    reserved.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    upto = min(max(step, reserved(root)) + RESERVE_BLOCK, MAX_STEP)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(_reservation(root), f"{upto}\n".encode())
+    return upto

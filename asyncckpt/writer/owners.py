@@ -91,6 +91,15 @@ def sweep_dead(root: Path) -> list[str]:
     return removed
 
 
+def writer_running(root: Path) -> bool:
+    """A writer runs on `root` now (one of its lock files is held)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return False
+    return any(_alive(root / name) for name in names if name.startswith(OWNER_PREFIX))
+
+
 def _alive(path: Path) -> bool:
     """Someone holds the flock on lock file `path` (a path that is not a regular file
     we can open counts as alive: it is left alone)."""

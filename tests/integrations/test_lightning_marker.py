@@ -6,6 +6,8 @@ in tests/integrations/frameworks/)."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -79,25 +81,72 @@ def test_through_a_link_a_save_that_never_completed_loads_the_step_before(
     assert "step 4, whose save never completed" in caplog.text and "loading step 2" in caplog.text
 
 
-def test_a_file_saved_over_by_a_save_that_never_completed_loads_what_it_named(
+def test_a_file_whose_save_never_completed_loads_the_newest_committed_step_before(
         tmp_path: Path) -> None:
     root = committed_root(tmp_path, [1, 2, 3])
-    path = tmp_path / "ckpts" / "last.ckpt"
-    markers.write_pending(path, root, 4, before=[1, 7])  # named 1, then 7 (never committed either)
-    marker = markers.marker_of(path)
+    over = tmp_path / "ckpts" / "last.ckpt"  # saved over: it named 1, then 7 (never saved)
+    markers.write_pending(over, root, 4, before=[1, 7])
+    marker = markers.marker_of(over)
     assert marker is not None and marker.before == (1, 7)
-    assert markers.resolve_marker(path, marker) == 1  # not 3: another file's step
+    assert markers.resolve_marker(over, marker) == 3  # as Lightning's IO leaves: the last
+    new = tmp_path / "ckpts" / "step=9.ckpt"
+    markers.write_pending(new, root, 3)  # committed since: its own
+    marker = markers.marker_of(new)
+    assert marker is not None and markers.resolve_marker(new, marker) == 3
 
 
-def test_a_new_file_whose_save_never_completed_names_nothing(tmp_path: Path) -> None:
-    root = committed_root(tmp_path, [1, 2])
-    path = tmp_path / "ckpts" / "step=6.ckpt"
-    markers.write_pending(path, root, 3)
-    marker = markers.marker_of(path)
-    assert marker is not None
-    with pytest.raises(CheckpointNotFoundError, match="named no committed step") as e:
-        markers.resolve_marker(path, marker)
-    assert e.value.step == 3 and e.value.file == str(path)
+def test_a_pending_marker_waits_for_a_writer_still_running_on_the_root(tmp_path: Path) -> None:
+    """The process that saved it was killed and its writer is still committing: every
+    rank must resolve the marker alike, so the load waits for that writer to end."""
+    root = tmp_path / "ckpts" / "asyncckpt"
+    path = tmp_path / "ckpts" / "last.ckpt"
+    with InProcessWriter(root, codec="raw") as writer:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+            client.save(1, {"w": torch.zeros(4)}).wait(60)
+        markers.write_pending(path, root.resolve(), 2)
+
+        def commit_then_stop() -> None:
+            time.sleep(0.5)
+            with asyncckpt.connect(writer.address, rank=0, world_size=1) as late:
+                late.save(2, {"w": torch.ones(4)}).wait(60)
+            writer.stop()
+
+        late = threading.Thread(target=commit_then_stop)
+        late.start()
+        marker = markers.marker_of(path)
+        assert marker is not None
+        try:
+            assert markers.resolve_marker(path, marker, wait=30) == 2
+        finally:
+            late.join()
+    assert markers.resolve_marker(path, marker, wait=0) == 2
+
+
+def test_step_numbers_are_reserved_beside_the_root_ahead_of_the_saves(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts" / "asyncckpt"
+    assert markers.reserved(root) == 0  # none yet
+    upto = markers.reserve(root, 5)
+    assert upto == 5 + markers.RESERVE_BLOCK == markers.reserved(root)
+    assert markers.reserve(root, 3) == upto + markers.RESERVE_BLOCK  # never goes down
+    reservation = tmp_path / "ckpts" / ".asyncckpt.lightning-steps"
+    assert reservation.read_text() == f"{upto + markers.RESERVE_BLOCK}\n"
+    for junk in ("", "-3", "x", str(1 << 70)):
+        reservation.write_text(junk)
+        assert markers.reserved(root) == 0, junk
+
+
+def test_the_steps_a_file_names(tmp_path: Path) -> None:
+    root = (tmp_path / "asyncckpt").resolve()
+    path = tmp_path / "last.ckpt"
+    assert markers.steps_named(path, root) == set()  # no file
+    markers.write_marker(path, root, 3)
+    assert markers.steps_named(path, root) == {3}
+    markers.write_pending(path, root, 5, before=[3, 4])
+    assert markers.steps_named(path, root) == {3, 4, 5}
+    assert markers.steps_named(path, (tmp_path / "other").resolve()) == set()
+    link = tmp_path / "link.ckpt"
+    link.symlink_to(path.name)
+    assert markers.steps_named(link, root) == set()  # the file it points to names them
 
 
 def test_a_link_with_nothing_committed_before_it_is_refused(tmp_path: Path) -> None:
@@ -158,6 +207,9 @@ def test_a_marker_is_not_read_from_a_large_or_foreign_file(tmp_path: Path) -> No
     assert markers.marker_of(big) is None
     for text in ('{"asyncckpt": 2, "root": "r", "step": 1}', '{"root": "r", "step": 1}',
                  '{"asyncckpt": 1, "root": "r", "step": 1, "before": [true]}',
+                 '{"asyncckpt": 1, "root": "r", "step": -1}',
+                 '{"asyncckpt": 1, "root": "r", "step": ' + str(1 << 62) + "}",
+                 '{"asyncckpt": 1, "root": "r", "step": 1, "before": [' + str(1 << 62) + "]}",
                  '{"asyncckpt": 1, "root": "r", "step": true}', "[1]", "{not json"):
         path = tmp_path / "x.ckpt"
         path.write_text(text)

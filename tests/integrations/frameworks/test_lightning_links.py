@@ -194,12 +194,51 @@ def test_a_kill_before_the_linked_save_committed_resumes_from_the_one_before(
     resumed = result_of(run(DANGLING_LAST, str(tmp_path), "resume"))
     assert resumed["started_at"] == 2
     files = resumed["files"]
-    # Lightning names its new saves beside files it did not make in this run (`-v1`), as
-    # beside a torn file its own IO leaves; the pending file names nothing, and the link
-    # to it still loads the checkpoint before
+    # Lightning names its new saves beside files it did not make in this run (`-v1`);
+    # the pending file, and the link to it, still load the checkpoint before
     assert {name: got for name, (_, got) in files.items()} == {
-        "last.ckpt": 2, "step=4.ckpt": "CheckpointNotFoundError", "step=2.ckpt": 2,
-        "step=4-v1.ckpt": 4, "step=6.ckpt": 6, "last-v1.ckpt": 6}
+        "last.ckpt": 2, "step=4.ckpt": 2, "step=2.ckpt": 2, "step=4-v1.ckpt": 4,
+        "step=6.ckpt": 6, "last-v1.ckpt": 6}
     assert files["step=4.ckpt"][0] == pending["step"]  # still pending: never taken since
     assert json.loads((ckpts / "step=4.ckpt").read_text()).get("pending") is True
     assert files["step=4-v1.ckpt"][0] > pending["step"]
+
+
+OVERLAPPING_SAVES = r'''
+import json, sys
+from pathlib import Path
+import torch
+import asyncckpt.integrations.lightning as lio
+from asyncckpt.integrations.lightning_marker import marker_of
+from asyncckpt.storage.location import storage_for
+
+out = Path(sys.argv[1])
+io = lio.AsyncckptCheckpointIO(codec="raw", rng=False)
+last = out / "last.ckpt"
+sizes, befores = [], []
+for i in range(1, 201):  # as save_last=True saving every step, faster than commits
+    io.save_checkpoint({"state_dict": {"w": torch.full((4,), float(i))}, "global_step": i},
+                       last)
+    if last.exists():
+        marker = marker_of(last)
+        sizes.append(last.stat().st_size if marker is not None else -1)
+        befores.append(len(marker.before) if marker is not None else -1)
+io.teardown()
+marker = marker_of(last)
+print("RESULT " + json.dumps({
+    "largest": max(sizes), "longest": max(befores), "pending": marker.pending,
+    "loads": io.load_checkpoint(last)["global_step"], "names": marker.step,
+    "committed": storage_for(out / "asyncckpt").committed_steps()}), flush=True)
+'''
+
+
+def test_saves_over_one_file_faster_than_commits_keep_its_marker_small(tmp_path: Path) -> None:
+    """Each save to `last.ckpt` commits while the next is in flight, and the pending
+    marker records the steps the file named before: unbounded, that list grew past a
+    marker's 4096 bytes (the file then loaded as a torch pickle and failed) and every
+    superseded step stayed committed, named by no file. At most MAX_IN_FLIGHT saves are
+    in flight now, and a superseded save's commit retires the steps before it."""
+    got = result_of(run(OVERLAPPING_SAVES, str(tmp_path)))
+    assert got["largest"] < 200 and 0 <= got["longest"] <= 8
+    assert got["pending"] is False and got["loads"] == 200
+    assert got["committed"] == [got["names"]]  # nothing else kept: no step leaked
