@@ -272,7 +272,7 @@ def committed_steps(root: Path) -> list[int]:
     """What `asyncckpt ls` reports as committed."""
     out = subprocess.run([sys.executable, "-m", "asyncckpt", "ls", "--json", str(root)],
                          capture_output=True, text=True, check=True).stdout
-    return sorted(r["step"] for r in json.loads(out) if r["state"] == "committed")
+    return sorted(r["step"] for r in json.loads(out)["steps"] if r["state"] == "committed")
 
 
 def in_progress(root: Path) -> list[str]:
