@@ -16,14 +16,11 @@ is called on every rank; each reads the step alone (no collective either).
 
 Files: for a checkpoint `DIR/NAME.ckpt` Lightning asks for, the step goes to the root
 `DIR/asyncckpt/` (the root of the first save, for every later one) and `DIR/NAME.ckpt`
-becomes a small JSON marker `{"asyncckpt": 1, "root": <relative>, "step": N}`: pending
-before `save_checkpoint` returns, final once the step is committed (lightning_marker.py).
-So `ckpt_path="last"` (the newest `last*.ckpt` by mtime, or `save_last="link"`'s link),
-`"best"` and explicit paths work as Lightning knows them, and a kill mid-save never
-loads a torn step: a marker loads the step it names if committed, else (warned) the
-newest committed step before it, as Lightning's own IO leaves the checkpoint before.
-Step numbers are reserved beside the root (`.asyncckpt.lightning-steps`), so a number
-a marker of a save cut short names is never another save's. Step numbers count saves
+becomes a small JSON marker naming the step, pending before `save_checkpoint` returns
+and final once the step is committed (lightning_marker.py: what a marker of a save cut
+short loads, and the step numbers reserved beside the root). So `ckpt_path="last"` (the
+newest `last*.ckpt` by mtime, or `save_last="link"`'s link), `"best"` and explicit paths
+work as Lightning knows them and never load a torn step. Step numbers count saves
 (1, 2, ... above anything already in the root), not Lightning's global step: `save_last`
 saves the same global step a second time with other callback state.
 
@@ -64,7 +61,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.config import KEEP_ALL
@@ -72,10 +68,12 @@ from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFaile
 from asyncckpt.format.timeline import TimelineStart
 from asyncckpt.integrations.lightning_marker import (
     MARKER_VERSION,
+    WRITER_WAIT,
+    Marker,
+    claim,
     marker_of,
     pending_steps,
     read_marker,
-    reserve,
     reserved,
     resolve_marker,
     steps_named,
@@ -90,6 +88,7 @@ from asyncckpt.rank.ringsize import ring_for, state_bytes
 from asyncckpt.read.loader import load
 from asyncckpt.read.resolve import timeline_start
 from asyncckpt.storage.location import storage_for
+from asyncckpt.torchutil.map_location import mapped
 from asyncckpt.writer.commit import update_latest
 
 __all__ = ["AsyncckptCheckpointIO", "MARKER_VERSION", "read_marker"]
@@ -111,6 +110,7 @@ class _Pending:
     def __init__(self, path: Path, step: int, handle: SaveHandle, before: set[int]) -> None:
         self.path, self.step, self.handle, self.before = path, step, handle, before
         self.removed = False  # remove_checkpoint came first: retire it, write no marker
+        self.written = False  # its pending marker is on disk
         self.done = threading.Event()
 
 
@@ -195,14 +195,14 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         absolute = Path(path).absolute()
         root = self._root_for(absolute)
         step = self._step_number(root, absolute.parent)
-        self._next = step + 1
-        if self._reserved is None or 0 <= self._reserved < step:
+        if self._reserved != -1:
             try:
-                self._reserved = reserve(root, step)
+                step, self._reserved = claim(root, step, self._reserved)
             except OSError as e:  # then markers are written at the commit only
                 log.warning("asyncckpt: step numbers of %s cannot be reserved (%s): no "
                             "pending markers", root, e)
                 self._reserved = -1
+        self._next = step + 1
         return absolute, root, step
 
     def _hand_over(self, root: Path, step: int, checkpoint: dict[str, Any]) -> SaveHandle:
@@ -237,6 +237,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                 if self._committed_any and self._reserved is not None \
                         and step <= self._reserved:
                     write_pending(path, root, step, before)
+                    pending.written = True
             except OSError as e:
                 log.warning("asyncckpt: the pending marker %s of step %d was not written "
                             "(it is written once the step is committed): %s", path, step, e)
@@ -323,14 +324,18 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             log.error("asyncckpt: the save of %s (step %d) failed: %s", pending.path,
                       pending.step, e)
         else:
-            with self._lock:
-                self._committed_any = True
-                retire = ({pending.step} | pending.before if pending.removed
-                          else self._name(pending))
-                forked, self._deferred = self._deferred, set()  # the timeline is current
-                self._restored = None
-            for step in sorted(retire) + sorted(forked):
-                self._retire(step)
+            try:
+                with self._lock:
+                    self._committed_any = True
+                    retire = ({pending.step} | pending.before if pending.removed
+                              else self._name(pending))
+                    forked, self._deferred = self._deferred, set()  # the timeline is current
+                    self._restored = None
+                for step in sorted(retire) + sorted(forked):
+                    self._retire(step)
+            except Exception as e:  # the thread outlives it: raised by the next save
+                with self._lock:
+                    self._failures.append(f"step {pending.step} for {pending.path}: {e}")
         finally:
             with self._lock:
                 self._pending.remove(pending)
@@ -338,12 +343,12 @@ class AsyncckptCheckpointIO(_CheckpointIO):
 
     def _name(self, pending: _Pending) -> set[int]:
         """Write `pending`'s final marker; the steps of this root the path named before
-        it (to retire). A later save to the same path still in flight has written its
-        pending marker over it, naming this step among those before: nothing is written
-        (that save names the path), and the steps before this one go. A failure is
-        raised by the next save."""
-        if any(p.path == pending.path and p.step > pending.step and not p.removed
-               for p in self._pending):
+        it (to retire). A later save to the same path still in flight that has written
+        its pending marker over it (naming this step among those before): nothing is
+        written (that save names the path), and the steps before this one go. A failure
+        is raised by the next save."""
+        if any(p.path == pending.path and p.step > pending.step and p.written
+               and not p.removed for p in self._pending):
             return pending.before - {pending.step}
         try:
             write_marker(pending.path, self._root_or_fail(), pending.step)
@@ -396,15 +401,15 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             if self._restored == (self.root, step):  # a save's timeline forks there: not
                 self._deferred.add(step)             # before that save has committed
                 return
-        storage = storage_for(self._root_or_fail())
-        if step not in storage.committed_steps():
-            return
-        try:
+        try:  # best effort, on the follow-up thread: it must outlive any failure
+            storage = storage_for(self._root_or_fail())
+            if step not in storage.committed_steps():
+                return
             named = storage.read_latest()
             storage.retire(step)
             if named == step or named is None:  # an older step's retirement leaves the
                 update_latest(storage)          # newest, and `latest`, as they were
-        except OSError as e:
+        except Exception as e:
             log.warning("asyncckpt: could not retire step %d: %s", step, e)
 
     # -- loading (every rank) ------------------------------------------------------------
@@ -429,12 +434,16 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             CorruptCheckpointError: the step fails verification.
         """
         marker = marker_of(path)
+        wait = WRITER_WAIT
+        if marker is not None and marker.pending:
+            wait = self._own_wait(marker)
+            marker = marker_of(path)  # final now, if it was this process's save
         if marker is None:
             torch_io = importlib.import_module("lightning.fabric.plugins").TorchCheckpointIO
             loaded: dict[str, Any] = torch_io().load_checkpoint(path, map_location=map_location,
                                                                weights_only=weights_only)
             return loaded
-        root, step = marker.root, resolve_marker(path, marker)
+        root, step = marker.root, resolve_marker(path, marker, wait)
         start = timeline_start(root, step)  # the root's current gen before the read
         try:
             state = load(root, step=step, rank=0)
@@ -447,7 +456,18 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         self._loaded(root, step, start)
         rest = state[REST]
         loaded = {k: state[MODEL] if k == "state_dict" else rest[k] for k in state[ORDER]}
-        return loaded if map_location is None else _mapped(loaded, map_location)
+        return loaded if map_location is None else mapped(loaded, map_location)
+
+    def _own_wait(self, marker: Marker) -> float:
+        """Before a load of pending `marker`: this process's save of its step, if in
+        flight, is waited for. Returns how long the load may wait for a writer on the
+        root: none while this process's writer runs (it holds the root: no other
+        writer commits there), else WRITER_WAIT."""
+        with self._lock:
+            ours = [p for p in self._pending if p.step == marker.step and marker.root == self.root]
+        for pending in ours:
+            pending.done.wait()
+        return 0.0 if self._writer is not None else WRITER_WAIT
 
     def _loaded(self, root: Path, step: int, start: TimelineStart | None) -> None:
         """Step `step` of `root` was restored: later saves to `root` carry `start` (a
@@ -491,22 +511,3 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             if self._writer is not None:
                 writer, self._writer = self._writer, None
                 writer.stop()
-
-
-def _mapped(value: Any, map_location: Any) -> Any:
-    """`value` with every tensor moved where `map_location` says (`load_checkpoint`)."""
-    if isinstance(value, torch.Tensor):
-        if callable(map_location):
-            storage = map_location(value.untyped_storage(), "cpu")
-            device = value.device if storage is None else storage.device
-        elif isinstance(map_location, dict):
-            device = torch.device(map_location.get("cpu", "cpu"))
-        else:
-            device = torch.device(map_location)
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _mapped(v, map_location) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_mapped(v, map_location) for v in value)
-    return value
-

@@ -11,10 +11,11 @@ naming a step of an asyncckpt root. A save writes it twice:
 - once the step is committed, final (fsynced, renamed into place).
 
 A pending marker loads its step if that step has committed (the process died before
-renaming the final marker; the loader first waits for a writer still running on the
-root, which may yet commit it). Otherwise, with a warning, it loads the newest committed
-step of the root's timeline before it: what Lightning's own IO leaves to a kill
-mid-save, whose link and files move only once a save is whole. No pending marker is
+renaming the final marker; while no later step is committed, the loader first waits
+for a writer of another process still running on the root, which may yet commit it).
+Otherwise, with a warning, it loads the newest committed step of the root's timeline
+before it: what Lightning's own IO leaves to a kill mid-save, whose link and files move
+only once a save is whole. No pending marker is
 written while the root holds no committed step: a kill in the first save leaves no file
 (and a link Lightning skips), as Lightning's IO does, never one that names nothing.
 
@@ -46,7 +47,7 @@ from asyncckpt.storage.location import storage_for
 from asyncckpt.storage.timeline import live_steps
 from asyncckpt.writer.owners import writer_running
 
-__all__ = ["MARKER_VERSION", "Marker", "marker_of", "pending_steps", "read_marker",
+__all__ = ["MARKER_VERSION", "Marker", "claim", "marker_of", "pending_steps", "read_marker",
            "reserve", "reserved", "resolve_marker", "steps_named", "write_marker",
            "write_pending"]
 log = logging.getLogger("asyncckpt.lightning")
@@ -157,10 +158,10 @@ def resolve_marker(path: str | os.PathLike[str], marker: Marker,
                    wait: float = WRITER_WAIT) -> int:
     """The step to load for `marker`, read at `path`: a final marker's step; a pending
     marker's if it committed, else (warned) the newest committed step of the root's
-    timeline before it. While the pending step is not committed and a writer still runs
-    on the root (the process that saved it was killed, its writer finishing), it waits
-    up to `wait` seconds for that writer to end, so that every rank of a job resolves
-    the marker alike.
+    timeline before it. While the pending step is not committed, no later step is, and a
+    writer still runs on the root (the process that saved it was killed, its writer
+    finishing), it waits up to `wait` seconds for that writer to end, so that every rank
+    of a job resolves the marker alike.
 
     Raises:
         CheckpointNotFoundError: a pending marker's step never committed and the root
@@ -171,8 +172,8 @@ def resolve_marker(path: str | os.PathLike[str], marker: Marker,
     storage = storage_for(marker.root)
     deadline = time.monotonic() + wait
     committed = storage.committed_steps()
-    while (marker.step not in committed and writer_running(marker.root)
-           and time.monotonic() < deadline):
+    while (marker.step not in committed and not any(s > marker.step for s in committed)
+           and writer_running(marker.root) and time.monotonic() < deadline):
         time.sleep(WRITER_POLL)
         committed = storage.committed_steps()
     if marker.step in committed:
@@ -227,9 +228,32 @@ def reserved(root: Path) -> int:
     a missing or unreadable file counts as none)."""
     try:
         text = _reservation(root).read_text(encoding="ascii").strip()
-    except (OSError, UnicodeError):
+    except FileNotFoundError:
         return 0
-    return int(text) if text.isdigit() and int(text) <= MAX_STEP else 0
+    except (OSError, UnicodeError) as e:
+        log.warning("asyncckpt: the step reservation of %s is unreadable (%s)", root, e)
+        return 0
+    if text.isdigit() and int(text) <= MAX_STEP:
+        return int(text)
+    log.warning("asyncckpt: the step reservation of %s is damaged (%r): numbers of saves "
+                "that never completed may be taken again", root, text[:40])
+    return 0
+
+
+def claim(root: Path, step: int, upto: int | None) -> tuple[int, int]:
+    """The number to hand a save, at or above `step`, and the reservation this process
+    then holds, given the one it held (`upto`, None at first): within it, `step` itself;
+    past it, above another process's reservation made since, reserved anew.
+
+    Raises:
+        OSError: the reservation file cannot be written.
+    """
+    if upto is not None and step <= upto:
+        return step, upto
+    taken = reserved(root)
+    if upto is not None and taken > upto:  # another process reserved since ours
+        step = max(step, taken + 1)
+    return step, reserve(root, step)
 
 
 def reserve(root: Path, step: int) -> int:

@@ -228,8 +228,10 @@ class _AsyncckptShardedSaves(_LightningStrategy):
         """
         told: int | str = marker.step
         if marker.pending and self.is_global_zero:
+            wait = self._book._own_wait(marker)  # then none while this job's writers run
             try:
-                told = resolve_marker(path, marker)
+                told = resolve_marker(path, marker_of(path) or marker,
+                                      0.0 if self._ckpt is not None else wait)
             except CheckpointNotFoundError as e:
                 told = str(e)
         if marker.pending:

@@ -92,12 +92,29 @@ def sweep_dead(root: Path) -> list[str]:
 
 
 def writer_running(root: Path) -> bool:
-    """A writer runs on `root` now (one of its lock files is held)."""
+    """A writer runs on `root` now: one of its lock files is held (probed with a shared
+    lock on a read-only open, so that a reader of a read-only mount can tell too)."""
     try:
         names = os.listdir(root)
     except OSError:
         return False
-    return any(_alive(root / name) for name in names if name.startswith(OWNER_PREFIX))
+    return any(_held(root / name) for name in names if name.startswith(OWNER_PREFIX))
+
+
+def _held(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone, or no lock file we can open: no writer we can wait for
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _alive(path: Path) -> bool:

@@ -214,3 +214,45 @@ def test_a_marker_is_not_read_from_a_large_or_foreign_file(tmp_path: Path) -> No
         path = tmp_path / "x.ckpt"
         path.write_text(text)
         assert markers.marker_of(path) is None, text
+
+
+def test_a_number_past_the_reservation_goes_above_another_processs(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts" / "asyncckpt"
+    step, upto = markers.claim(root, 1, None)
+    assert (step, upto) == (1, 1 + markers.RESERVE_BLOCK)
+    assert markers.claim(root, 5, upto) == (5, upto)  # within ours: no write
+    markers.reserve(root, 200)  # another process (of the same job) reserved since
+    step, again = markers.claim(root, upto + 1, upto)
+    assert step == 200 + markers.RESERVE_BLOCK + 1 and again == step + markers.RESERVE_BLOCK
+
+
+def test_a_stale_pending_marker_does_not_wait_for_a_later_writer(tmp_path: Path) -> None:
+    """A killed run's pending step 2 never committed; the relaunch's writer runs and has
+    committed step 3: nothing can commit 2 any more, so a load does not wait."""
+    root = tmp_path / "ckpts" / "asyncckpt"
+    path = tmp_path / "ckpts" / "step=4.ckpt"
+    with InProcessWriter(root, codec="raw") as writer:
+        with asyncckpt.connect(writer.address, rank=0, world_size=1) as client:
+            for step in (1, 3):
+                client.save(step, {"w": torch.full((4,), float(step))}).wait(60)
+        markers.write_pending(path, root.resolve(), 2)
+        marker = markers.marker_of(path)
+        assert marker is not None
+        started = time.monotonic()
+        assert markers.resolve_marker(path, marker, wait=30) == 1
+        assert time.monotonic() - started < 5
+
+
+def test_a_writers_lock_file_tells_whether_it_runs(tmp_path: Path) -> None:
+    import fcntl
+
+    from asyncckpt.writer.owners import OWNER_PREFIX, writer_running
+    assert not writer_running(tmp_path / "missing")
+    stale = tmp_path / f"{OWNER_PREFIX}0badc0de"
+    stale.write_bytes(b"")  # a killed writer's, its lock released by the kernel
+    assert not writer_running(tmp_path)
+    live = tmp_path / f"{OWNER_PREFIX}12345678"
+    with open(live, "wb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert writer_running(tmp_path)
+    assert not writer_running(tmp_path)

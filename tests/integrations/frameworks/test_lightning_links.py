@@ -26,6 +26,18 @@ from frameworks_venv import FRAMEWORKS_PYTHON, full_only, needs_frameworks
 REPO = Path(__file__).parents[3]
 pytestmark = needs_frameworks
 
+NEVER = r'''
+class Never:  # a save that never reaches the writer
+    def staged(self):
+        return True
+
+    def wait_staged(self):
+        pass
+
+    def wait(self, timeout=None):
+        threading.Event().wait()
+'''
+
 NET = r'''
 import json, os, signal, sys, threading
 from pathlib import Path
@@ -72,7 +84,7 @@ def fit(out, callback, max_steps, ckpt_path=None):
                          enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(net, data, ckpt_path=ckpt_path)
     return io, net
-'''
+''' + NEVER
 
 REMOVED_LINK = NET + r'''
 out = Path(sys.argv[1])
@@ -107,16 +119,6 @@ if mode == "named":  # step=4's save committed, its final marker not yet written
     lio.write_marker = killing_write
     fit(out, callback, 6)
 elif mode == "never":  # step=4's save never reaches the writer; killed in the next step
-    class Never:
-        def staged(self):
-            return True
-
-        def wait_staged(self):
-            pass
-
-        def wait(self, timeout=None):
-            threading.Event().wait()
-
     save = lio.AsyncckptCheckpointIO.save_checkpoint
 
     def never_saved(self, checkpoint, path, storage_options=None):
@@ -242,3 +244,66 @@ def test_saves_over_one_file_faster_than_commits_keep_its_marker_small(tmp_path:
     assert got["largest"] < 200 and 0 <= got["longest"] <= 8
     assert got["pending"] is False and got["loads"] == 200
     assert got["committed"] == [got["names"]]  # nothing else kept: no step leaked
+
+
+NO_PENDING_OR_FAILED_RETIRE = r'''
+import json, sys, threading
+from pathlib import Path
+import torch
+import asyncckpt.integrations.lightning as lio
+from asyncckpt.integrations.lightning_marker import marker_of
+from asyncckpt.storage.posix import PosixStorage
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+out.mkdir(parents=True)
+last = out / "last.ckpt"
+io = lio.AsyncckptCheckpointIO(codec="raw", rng=False)
+
+
+def ck(i):
+    return {"state_dict": {"w": torch.full((4,), float(i))}, "global_step": i}
+
+''' + NEVER + r'''
+if mode == "no-pending":  # the reservation beside the root cannot be written
+    (out / ".asyncckpt.lightning-steps").mkdir()
+    io.save_checkpoint(ck(1), last)
+    io.wait_until_finished()
+    io.save_checkpoint(ck(2), last)
+    absolute, root, step = io._begin(last)  # a third save, never committed
+    io._track(absolute, root, step, Never())
+    io._pending[0].done.wait()  # save 2's follow-up
+else:  # one retirement fails on the follow-up thread
+    io.save_checkpoint(ck(1), last)
+    io.wait_until_finished()
+    listing = PosixStorage.committed_steps
+    failed = []
+
+    def failing(self):
+        if not failed:
+            failed.append(1)
+            raise OSError(5, "injected")
+        return listing(self)
+
+    PosixStorage.committed_steps = failing
+    io.save_checkpoint(ck(2), last)  # its commit retires step 1: the listing fails
+    io.save_checkpoint(ck(3), last)
+    io.teardown()  # returned: the follow-up thread outlived the failure
+print("RESULT " + json.dumps({"loads": io.load_checkpoint(last)["global_step"],
+                              "pending": marker_of(last).pending}), flush=True)
+'''
+
+
+def test_without_pending_markers_a_save_over_a_file_keeps_the_step_it_names(
+        tmp_path: Path) -> None:
+    """The reservation cannot be written, so no marker pends: save 2 commits while save 3
+    (to the same file) is in flight. It must name the file itself; it left the file
+    naming step 1, which it retired (every load then failed)."""
+    got = result_of(run(NO_PENDING_OR_FAILED_RETIRE, str(tmp_path / "run"), "no-pending"))
+    assert got == {"loads": 2, "pending": False}
+
+
+def test_a_failed_retirement_leaves_the_saves_after_it_named(tmp_path: Path) -> None:
+    """One listing failure while retiring a step killed the follow-up thread: later
+    markers stayed pending and `teardown` (the end of `fit`) waited for ever."""
+    got = result_of(run(NO_PENDING_OR_FAILED_RETIRE, str(tmp_path / "run"), "retire"))
+    assert got == {"loads": 3, "pending": False}
