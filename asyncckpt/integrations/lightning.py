@@ -64,8 +64,9 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.config import KEEP_ALL
-from asyncckpt.errors import CheckpointError, CheckpointNotFoundError, SaveFailedError
+from asyncckpt.errors import CheckpointNotFoundError
 from asyncckpt.format.timeline import TimelineStart
+from asyncckpt.integrations.lightning_followup import FollowUp, PendingSave, Retirement
 from asyncckpt.integrations.lightning_marker import (
     MARKER_VERSION,
     WRITER_WAIT,
@@ -77,7 +78,6 @@ from asyncckpt.integrations.lightning_marker import (
     reserved,
     resolve_marker,
     steps_named,
-    write_marker,
     write_pending,
 )
 from asyncckpt.integrations.rng import rng_state, set_rng_state
@@ -89,7 +89,6 @@ from asyncckpt.read.loader import load
 from asyncckpt.read.resolve import timeline_start
 from asyncckpt.storage.location import storage_for
 from asyncckpt.torchutil.map_location import mapped
-from asyncckpt.writer.commit import update_latest
 
 __all__ = ["AsyncckptCheckpointIO", "MARKER_VERSION", "read_marker"]
 log = logging.getLogger("asyncckpt.lightning")
@@ -103,27 +102,7 @@ MODEL, REST, ORDER, RNG = "model", "lightning", "keys", "rng"
 _CheckpointIO: Any = importlib.import_module("lightning.fabric.plugins").CheckpointIO
 
 
-class _Pending:
-    """A save in flight and the marker it will become; `before`: the steps of this root
-    that `path` named before it (retired once it is committed)."""
-
-    def __init__(self, path: Path, step: int, handle: SaveHandle, before: set[int]) -> None:
-        self.path, self.step, self.handle, self.before = path, step, handle, before
-        self.removed = False  # remove_checkpoint came first: retire it, write no marker
-        self.written = False  # its pending marker is on disk
-        self.done = threading.Event()
-
-
-class _Retirement:
-    """The steps a marker Lightning removed named: retired on the follow-up thread, after
-    the saves made before (not on the loop: a listing, a manifest read and fsyncs)."""
-
-    def __init__(self, steps: set[int]) -> None:
-        self.steps = steps
-        self.done = threading.Event()
-
-
-class AsyncckptCheckpointIO(_CheckpointIO):
+class AsyncckptCheckpointIO(FollowUp, _CheckpointIO):
     """Lightning's `CheckpointIO`, saving through asyncckpt (see the module docstring).
 
     Args:
@@ -150,11 +129,11 @@ class AsyncckptCheckpointIO(_CheckpointIO):
         self._restored: tuple[Path, int] | None = None
         self._deferred: set[int] = set()  # the fork point, removed before the fork commits
         self._lock = threading.Lock()
-        self._pending: list[_Pending] = []
+        self._pending: list[PendingSave] = []
         self._failures: list[str] = []
         self._hook: Any = None
-        self._retiring: list[_Retirement] = []  # queued, not yet retired
-        self._queue: queue.Queue[_Pending | _Retirement] = queue.Queue()  # in call order
+        self._retiring: list[Retirement] = []  # queued, not yet retired
+        self._queue: queue.Queue[PendingSave | Retirement] = queue.Queue()  # in call order
         self._thread: threading.Thread | None = None
 
     # -- saving (global rank 0) --------------------------------------------------------
@@ -231,7 +210,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             if len(before) > TRIM_BEFORE:  # what is neither in flight nor committed goes
                 kept = set(storage_for(root).committed_steps()) | {p.step for p in self._pending}
                 before &= kept
-            pending = _Pending(path, step, handle, before)
+            pending = PendingSave(path, step, handle, before)
             self._pending.append(pending)
             try:
                 if self._committed_any and self._reserved is not None \
@@ -242,15 +221,6 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                 log.warning("asyncckpt: the pending marker %s of step %d was not written "
                             "(it is written once the step is committed): %s", path, step, e)
         self._enqueue(pending)
-
-    def _enqueue(self, item: _Pending | _Retirement) -> None:
-        """Hand `item` to the follow-up thread (started at the first)."""
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._follow_all, daemon=True,
-                                                name="asyncckpt-lightning")
-                self._thread.start()
-        self._queue.put(item)
 
     def _root_for(self, path: Path) -> Path:
         if self.root is None:
@@ -292,82 +262,6 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             self._next = max(taken, default=0) + 1
         return self._next
 
-    def _follow_all(self) -> None:
-        """The saves in the order they were made (a path saved twice ends naming the
-        later step), each once committed: its marker, or its retirement; and the steps
-        whose markers Lightning removed, in turn."""
-        while True:
-            item = self._queue.get()
-            if isinstance(item, _Pending):
-                self._follow(item)
-                continue
-            try:
-                for step in sorted(item.steps):
-                    self._retire(step)
-            except Exception as e:  # raised by the next save, as a save's failure is
-                with self._lock:
-                    self._failures.append(f"retiring steps {sorted(item.steps)} failed: {e}")
-            finally:
-                with self._lock:
-                    self._retiring.remove(item)
-                item.done.set()
-
-    def _follow(self, pending: _Pending) -> None:
-        """`pending`'s marker once committed (retiring the step the path named before,
-        as Lightning overwrites `last.ckpt`), or, removed meanwhile, its retirement."""
-        retire: set[int] = set()
-        try:
-            pending.handle.wait()
-        except CheckpointError as e:
-            with self._lock:
-                self._failures.append(f"step {pending.step} for {pending.path}: {e}")
-            log.error("asyncckpt: the save of %s (step %d) failed: %s", pending.path,
-                      pending.step, e)
-        else:
-            try:
-                with self._lock:
-                    self._committed_any = True
-                    retire = ({pending.step} | pending.before if pending.removed
-                              else self._name(pending))
-                    forked, self._deferred = self._deferred, set()  # the timeline is current
-                    self._restored = None
-                for step in sorted(retire) + sorted(forked):
-                    self._retire(step)
-            except Exception as e:  # the thread outlives it: raised by the next save
-                with self._lock:
-                    self._failures.append(f"step {pending.step} for {pending.path}: {e}")
-        finally:
-            with self._lock:
-                self._pending.remove(pending)
-            pending.done.set()
-
-    def _name(self, pending: _Pending) -> set[int]:
-        """Write `pending`'s final marker; the steps of this root the path named before
-        it (to retire). A later save to the same path still in flight that has written
-        its pending marker over it (naming this step among those before): nothing is
-        written (that save names the path), and the steps before this one go. A failure
-        is raised by the next save."""
-        if any(p.path == pending.path and p.step > pending.step and p.written
-               and not p.removed for p in self._pending):
-            return pending.before - {pending.step}
-        try:
-            write_marker(pending.path, self._root_or_fail(), pending.step)
-        except OSError as e:
-            self._failures.append(f"step {pending.step} is committed but its marker "
-                                  f"{pending.path} was not written: {e}")
-            return set()
-        return pending.before - {pending.step}
-
-    def _root_or_fail(self) -> Path:
-        assert self.root is not None  # set by the save that made a pending
-        return self.root
-
-    def _raise_failures(self) -> None:
-        with self._lock:
-            failures, self._failures = self._failures, []
-        if failures:
-            raise SaveFailedError("; ".join(failures))
-
     # -- rotation (global rank 0) --------------------------------------------------------
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -389,28 +283,10 @@ class AsyncckptCheckpointIO(_CheckpointIO):
                      if path.is_file() and self.root is not None else set())
             path.unlink() if path.is_file() else shutil.rmtree(path)  # another IO's folder
         if named:  # a pending marker's: also what it named before (of an ended process)
-            retirement = _Retirement(named)
+            retirement = Retirement(named)
             with self._lock:
                 self._retiring.append(retirement)
             self._enqueue(retirement)
-
-    def _retire(self, step: int) -> None:
-        """Retire committed `step` (its bytes stay while a kept step references them;
-        the writer deletes them at a later commit) and point `latest` anew."""
-        with self._lock:
-            if self._restored == (self.root, step):  # a save's timeline forks there: not
-                self._deferred.add(step)             # before that save has committed
-                return
-        try:  # best effort, on the follow-up thread: it must outlive any failure
-            storage = storage_for(self._root_or_fail())
-            if step not in storage.committed_steps():
-                return
-            named = storage.read_latest()
-            storage.retire(step)
-            if named == step or named is None:  # an older step's retirement leaves the
-                update_latest(storage)          # newest, and `latest`, as they were
-        except Exception as e:
-            log.warning("asyncckpt: could not retire step %d: %s", step, e)
 
     # -- loading (every rank) ------------------------------------------------------------
 
@@ -487,7 +363,7 @@ class AsyncckptCheckpointIO(_CheckpointIO):
             SaveFailedError: a save failed and has not been raised yet.
         """
         with self._lock:
-            pending: list[_Pending | _Retirement] = [*self._pending, *self._retiring]
+            pending: list[PendingSave | Retirement] = [*self._pending, *self._retiring]
         for p in pending:
             p.done.wait()
         self._raise_failures()

@@ -23,6 +23,19 @@ from test_hf_trainer import launch_script, steps
 
 pytestmark = [pytest.mark.process, needs_frameworks]
 
+COUNTED = r'''
+done = []  # the steps this launch trains
+step = w.Trainer.training_step
+
+
+def counted(self, *a, **kw):
+    done.append(1)
+    return step(self, *a, **kw)
+
+
+w.Trainer.training_step = counted
+'''
+
 KILLED_BEFORE_ITS_DIRECTORY = r'''
 import json, os, pathlib, signal, sys, time
 sys.path.insert(0, sys.argv[2])
@@ -120,16 +133,7 @@ out = pathlib.Path(sys.argv[1])
 w.run({"out": str(out), "max_steps": 4, "save_steps": 2})
 for name in ("trainer_state.json", "asyncckpt.json"):  # a power loss: written, never synced
     (out / "checkpoint-4" / name).write_bytes(b"")
-done = []
-step = w.Trainer.training_step
-
-
-def counted(self, *a, **kw):
-    done.append(1)
-    return step(self, *a, **kw)
-
-
-w.Trainer.training_step = counted
+''' + COUNTED + r'''
 trainer = w.run({"out": str(out), "max_steps": 6, "save_steps": 2, "resume": True})
 print("RESULT " + json.dumps({"trained": len(done), "global": trainer.state.global_step}),
       flush=True)
@@ -161,16 +165,7 @@ a, b = out / "a", out / "b"
 w.run({"out": str(a), "max_steps": 8, "save_steps": 2})
 w.run({"out": str(b), "max_steps": 8, "save_steps": 2})  # b's own history, to step 8
 w.run({"out": str(b), "max_steps": 6, "save_steps": 2, "resume": str(a / "checkpoint-4")})
-done = []
-step = w.Trainer.training_step
-
-
-def counted(self, *a, **kw):
-    done.append(1)
-    return step(self, *a, **kw)
-
-
-w.Trainer.training_step = counted
+''' + COUNTED + r'''
 trainer = w.run({"out": str(b), "max_steps": 8, "save_steps": 2, "resume": True})
 print("RESULT " + json.dumps({"trained": len(done)}), flush=True)
 '''

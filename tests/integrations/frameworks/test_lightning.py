@@ -167,7 +167,7 @@ SLOW_DISK = r'''
 import sys, threading, time
 from pathlib import Path
 import torch
-from asyncckpt.integrations import lightning as io_module
+from asyncckpt.integrations import lightning_followup as io_module
 from asyncckpt.integrations.lightning import AsyncckptCheckpointIO
 from asyncckpt.storage.location import storage_for
 
@@ -211,7 +211,7 @@ RETIRE_OLDER = r'''
 import sys
 from pathlib import Path
 import torch
-from asyncckpt.integrations import lightning as io_module
+from asyncckpt.integrations import lightning_followup as io_module
 from asyncckpt.integrations.lightning import AsyncckptCheckpointIO
 from asyncckpt.storage.location import storage_for
 

@@ -109,14 +109,15 @@ out, mode = Path(sys.argv[1]), sys.argv[2]
 callback = ModelCheckpoint(dirpath=out / "ckpts", filename="{step}", save_top_k=-1,
                            every_n_train_steps=2, save_last="link")
 if mode == "named":  # step=4's save committed, its final marker not yet written
-    write = lio.write_marker
+    import asyncckpt.integrations.lightning_followup as follow
+    write = follow.write_marker
 
     def killing_write(path, root, step):
         if path.name.startswith("step=4"):
             os.kill(os.getpid(), signal.SIGKILL)
         return write(path, root, step)
 
-    lio.write_marker = killing_write
+    follow.write_marker = killing_write
     fit(out, callback, 6)
 elif mode == "never":  # step=4's save never reaches the writer; killed in the next step
     save = lio.AsyncckptCheckpointIO.save_checkpoint
