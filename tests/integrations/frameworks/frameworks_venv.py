@@ -12,7 +12,9 @@ which other test files import by name.)
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,17 @@ needs_frameworks = pytest.mark.skipif(
 full_only = pytest.mark.skipif(
     not FULL, reason="past make test's time budget: ASYNCCKPT_FRAMEWORKS_FULL=1 "
                      "(make test-frameworks)")
+
+
+def script_result(script: str, *args: str, timeout: float = 180) -> dict:
+    """Run `script` with the frameworks venv's python (argv: `args`; this checkout on
+    its path) and return the JSON it printed after `RESULT `; fail with its output if
+    it failed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([FRAMEWORKS_PYTHON, "-c", script, *args], env=env, text=True,
+                         capture_output=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    result: dict = json.loads(line[len("RESULT "):])
+    return result

@@ -9,12 +9,9 @@ asked for: a silent wrong resume (R5-1)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
-from frameworks_venv import FRAMEWORKS_PYTHON, needs_frameworks
+from frameworks_venv import needs_frameworks, script_result
 
 REPO = Path(__file__).parents[3]
 pytestmark = needs_frameworks
@@ -53,13 +50,7 @@ print("RESULT " + json.dumps(result), flush=True)
 
 
 def test_load_state_of_a_named_checkpoint_restores_that_step(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([FRAMEWORKS_PYTHON, "-c", SAVE_THREE, str(tmp_path)], env=env,
-                         text=True, capture_output=True, timeout=180)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    result = script_result(SAVE_THREE, str(tmp_path))
     assert result["accelerate_name"] == [1, 1.0, 2]  # checkpoint_1: step 1, not the newest
     assert result["step_dir"] == [0, 0.0, 1]
     assert result["root"] == [2, 2.0, 3]  # the root itself: its newest step

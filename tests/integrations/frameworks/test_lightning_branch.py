@@ -10,12 +10,9 @@ markers named steps that live in A's directory. Read there, save here."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
-from frameworks_venv import FRAMEWORKS_PYTHON, needs_frameworks
+from frameworks_venv import needs_frameworks, script_result
 
 REPO = Path(__file__).parents[3]
 pytestmark = needs_frameworks
@@ -75,12 +72,7 @@ print("RESULT " + json.dumps({"before": before, "after": after, "b_roots": roots
 
 
 def test_a_branch_from_another_runs_checkpoint_leaves_that_run_alone(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([FRAMEWORKS_PYTHON, "-c", BRANCH, str(tmp_path)], env=env,
-                         text=True, capture_output=True, timeout=180)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(run.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    result = script_result(BRANCH, str(tmp_path))
     assert result["after"] == result["before"]  # A: same files, same steps, same timeline
     assert result["b_roots"] == ["b/ckpts/asyncckpt"]  # B's steps in B's directory
     assert result["b"]["last.ckpt"] == 12  # B resumed at A's step 8, trained epoch 2
