@@ -197,7 +197,8 @@ class Checkpointer:
         return bool(interval) and step % interval == 0
 
     def save(self, step: int, *, extra: Any = None, force: bool = False, replace: bool = False,
-             keep_from: int | None = None) -> SaveHandle | None:
+             keep_from: int | None = None,
+             keep_steps: tuple[int, ...] = ()) -> SaveHandle | None:
         """Save `step` (if `should_save(step)` or `force`) and return its handle at once.
 
         Returns None when the step is not due (said once at INFO on logger
@@ -212,6 +213,9 @@ class Checkpointer:
             keep_from: retention after this save deletes no step from this one on (a
                 step that something outside the root, e.g. a framework's tracker file,
                 still names). As `Client.save`.
+            keep_steps: retention after this save deletes none of these steps, and
+                does not count them in `keep_last` (a framework's "best" checkpoint; at
+                most 64). As `Client.save`.
         Raises:
             UnsupportedStateError, WriterUnavailableError: as `Client.save`.
             WriterRootMismatchError: the writer reached (the address given,
@@ -252,7 +256,8 @@ class Checkpointer:
         # keep_last None sends no retention: the writer's own keep_last knob applies
         handle = self._client.save(step, state, keep_last=self.options.keep_last,
                                    keep_every=self.options.keep_every, keep_from=keep_from,
-                                   replace=replace, timeline=self.timeline, tier=tier)
+                                   replace=replace, timeline=self.timeline, tier=tier,
+                                   keep_steps=keep_steps)
         handle.stats.blocked_seconds = time.perf_counter() - entered  # what the loop waited
         self._in_flight.add(handle, tier)
         self._saves += 1

@@ -93,7 +93,8 @@ class AcceleratorCheckpointer(Checkpointer):
         self.accelerator = accelerator
 
     def save(self, step: int, *, extra: Any = None, force: bool = False, replace: bool = False,
-             keep_from: int | None = None) -> SaveHandle | None:
+             keep_from: int | None = None,
+             keep_steps: tuple[int, ...] = ()) -> SaveHandle | None:
         """`Checkpointer.save` of the accelerator's state (`extra`, if given, is stored
         under `extra["user"]`). Every rank calls it."""
         self._fence_new_optimizers()
@@ -105,7 +106,7 @@ class AcceleratorCheckpointer(Checkpointer):
             self.options = dataclasses.replace(options, contents=("extra",))
         try:
             return super().save(step, extra=state, force=force, replace=replace,
-                                keep_from=keep_from)
+                                keep_from=keep_from, keep_steps=keep_steps)
         finally:
             self.options = options
 

@@ -86,8 +86,9 @@ def node_ranks(value: Any) -> NodeRanks | None:
 
 
 def save_options(m: dict[str, Any]) -> SaveOptions:
-    """A begin's options: `retention` [keep_last, keep_every], `keep_from`, `replace`
-    (read as `is True`), `timeline` [id, at, based_on], with SaveOptions' own checks.
+    """A begin's options: `retention` [keep_last, keep_every], `keep_from`, `keep_steps`
+    [step, ...], `replace` (read as `is True`), `timeline` [id, at, based_on], with
+    SaveOptions' own checks.
 
     Raises:
         ProtocolError: a field of the wrong type or out of range.
@@ -102,10 +103,13 @@ def save_options(m: dict[str, Any]) -> SaveOptions:
         raise ProtocolError(f"retention {show(retention)} is not [keep_last, keep_every]: "
                             f"{e}") from None
     keep_from = None if m.get("keep_from") is None else int_field(m, "keep_from")
+    keep_steps = m.get("keep_steps", [])
+    if not isinstance(keep_steps, list):
+        raise ProtocolError(f"keep_steps {show(keep_steps)} is not a list of steps")
     try:
         start = None if m.get("timeline") is None else TimelineStart.from_json(m["timeline"])
         return dataclasses.replace(kept, keep_from=keep_from, replace=m.get("replace") is True,
-                                   timeline=start)
+                                   timeline=start, keep_steps=tuple(keep_steps))
     except ValueError as e:
         raise ProtocolError(str(e)) from None
 
@@ -119,12 +123,15 @@ def options_to_wire(options: SaveOptions) -> dict[str, Any]:
         out["replace"] = True
     if options.keep_from is not None:
         out["keep_from"] = options.keep_from
+    if options.keep_steps:
+        out["keep_steps"] = list(options.keep_steps)
     if options.timeline is not None:
         out["timeline"] = options.timeline.to_json()
     return out
 
 
-OPTION_KEYS = ("retention", "replace", "keep_from", "timeline")  # options_to_wire's keys, in order
+# options_to_wire's keys, in order
+OPTION_KEYS = ("retention", "replace", "keep_from", "keep_steps", "timeline")
 
 
 def unchanged_request(m: dict[str, Any], count: int

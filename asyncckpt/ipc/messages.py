@@ -24,7 +24,8 @@ this copy differs; each class's docstring says what its message means):
     rank -> writer:
         hello(rank, slot_size, slots; optional world_size, pid, need_slot, root)
         begin(save, step, world_size, tensors, tree; optional retention, replace,
-              keep_from, timeline, tier, coordinated, since, unchanged, node, launch)
+              keep_from, keep_steps, timeline, tier, coordinated, since, unchanged,
+              node, launch)
         chunk(save, slot, length)
         chunks(save, slots, lengths)
         end(save)
@@ -160,7 +161,8 @@ class Begin(Message):
     tree (tree.py), checked with the reader's rules before any file is opened.
     `options` (SaveOptions) travel as `retention` [keep_last, keep_every] after the
     commit, `replace` a committed step, `keep_from`: retention deletes no step from
-    this one on, and `timeline` [id, at, based_on]: the timeline the save begins.
+    this one on, `keep_steps`: nor these, and `timeline` [id, at, based_on]: the
+    timeline the save begins.
     `coordinated`: the nodes agree on the commit through a store (the writer says
     `durable`, then waits for `commit`); `since` + `unchanged`: the tensors
     (indices into `tensors`) the rank claims are unchanged since its step `since`;

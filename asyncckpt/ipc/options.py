@@ -20,6 +20,7 @@ from typing import Any
 from asyncckpt.format.layout import MAX_STEP
 from asyncckpt.format.timeline import TimelineStart
 
+MAX_KEEP_STEPS = 64  # keep_steps: a few pointers at steps, not a listing of the root
 TIERS = ("durable", "memory")  # where a save goes: the root, or the writers' memory tier
 
 
@@ -50,15 +51,19 @@ class SaveOptions:
         keep_every: with `keep_last`: steps that are multiples of it are kept (0: none);
             without `keep_last` it is ignored (read as 0).
         keep_from: retention after this commit deletes no step from this one on.
+        keep_steps: retention after this commit deletes none of these steps, whatever
+            their age (a framework's "best" checkpoint), abandoned ones neither; they
+            are not counted in `keep_last`. At most MAX_KEEP_STEPS.
         replace: a committed step of this number is replaced by this save (a committed
             step of an abandoned timeline is replaced without it: format/timeline.py).
         timeline: this save begins the timeline a restore started, if that is not the
             root's current one yet (None: the save continues the root's current one).
         tier: "durable" (a committed step in the root) or "memory" (a generation held
             in the node writer's memory tier, writer/memory_tier.py; retention, replace
-            and keep_from do not apply to it).
+            and the keeps do not apply to it).
     Raises:
-        ValueError: a count or step that is not an int in 0..MAX_STEP, a `replace`
+        ValueError: a count or step that is not an int in 0..MAX_STEP, more than
+            MAX_KEEP_STEPS `keep_steps`, a `replace`
             that is not a bool, a `timeline` that is not a TimelineStart, or a `tier`
             not in TIERS (made from a caller's values: checked once, here).
     """
@@ -69,6 +74,7 @@ class SaveOptions:
     replace: bool = False
     timeline: TimelineStart | None = None
     tier: str = "durable"
+    keep_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -76,6 +82,11 @@ class SaveOptions:
         check_step(self.keep_every, "keep_every")
         if self.keep_from is not None:
             check_step(self.keep_from, "keep_from")
+        if not isinstance(self.keep_steps, tuple) or len(self.keep_steps) > MAX_KEEP_STEPS:
+            raise ValueError(f"keep_steps must be a tuple of at most {MAX_KEEP_STEPS} steps; "
+                             f"got {self.keep_steps!r:.80}")
+        for kept in self.keep_steps:
+            check_step(kept, "keep_steps")
         if type(self.replace) is not bool:
             raise ValueError(f"replace must be a bool; got {self.replace!r}")
         if self.timeline is not None and not isinstance(self.timeline, TimelineStart):

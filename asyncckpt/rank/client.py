@@ -178,7 +178,7 @@ class Client:
     def save(self, step: int, state_dict: Any, *, keep_last: int | None = None,
              keep_every: int = 0, keep_from: int | None = None,
              replace: bool = False, timeline: TimelineStart | None = None,
-             tier: str = "durable") -> SaveHandle:
+             tier: str = "durable", keep_steps: tuple[int, ...] = ()) -> SaveHandle:
         """Queue `state_dict` as this rank's part of `step` and return at once.
 
         The tensors must not be modified until `handle.staged()` is true (wait with
@@ -191,7 +191,8 @@ class Client:
         steps (except multiples of `keep_every`; 0 keeps all), judged from the disk;
         None leaves it to the writer's own `keep_last` knob; `keep_from`
         protects every step from that one on from that deletion (a step something
-        outside the root still points at).
+        outside the root still points at), `keep_steps` each of its steps (at most 64;
+        not counted in `keep_last`).
         With `replace`, a committed step `step` is replaced by this save: it stays
         loadable until the new one is durable, then it goes (a crash leaves one of the
         two whole). The save fails instead if other steps reference the old step's bytes
@@ -208,16 +209,17 @@ class Client:
         caller's cost is the staging copy), held by the writer as the node's newest
         memory generation; done once every rank of this rank's node has ended it
         (`handle.stats.tier` "memory", `handle.path` the root: nothing is on disk).
-        Retention, `replace` and `keep_from` do not apply to it.
+        Retention, `replace` and the keeps do not apply to it.
 
         Returns:
             A SaveHandle; `handle.wait()` returns the checkpoint path or raises.
         Raises:
             UnsupportedStateError: a value that cannot be saved (named by its key path).
             WriterUnavailableError: the writer is gone.
-            ValueError: a step, keep_last, keep_every or keep_from that is not an int in
-                0..MAX_STEP, a replace that is not a bool, a timeline that is not a
-                TimelineStart, or a tier other than "durable" and "memory" (SaveOptions).
+            ValueError: a step, keep_last, keep_every, keep_from or one of keep_steps
+                that is not an int in 0..MAX_STEP, more than 64 keep_steps, a replace
+                that is not a bool, a timeline that is not a TimelineStart, or a tier
+                other than "durable" and "memory" (SaveOptions).
             SaveFailedError (or its subclass: StepAlreadyCommittedError,
                 DiskFullError, ...), WriterUnavailableError: an earlier save of this
                 client failed and its error has not reached the caller (no `wait()`,
@@ -226,7 +228,8 @@ class Client:
         """
         started = time.perf_counter()
         check_step(step)
-        options = SaveOptions(keep_last, keep_every, keep_from, bool(replace), timeline, tier)
+        options = SaveOptions(keep_last, keep_every, keep_from, bool(replace), timeline, tier,
+                              tuple(keep_steps))
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         self._raise_untaken()

@@ -207,7 +207,8 @@ class Committer:
         keep_last, keep_every = current.retention or self.retention
         try:
             done = prune(self.storage, keep_last, keep_every, newest=current.number,
-                         keep_from=current.keep_from, index=self._index, held=held)
+                         keep_from=current.keep_from, keep_steps=current.keep_steps,
+                         index=self._index, held=held)
         except Exception as e:  # retention is best effort; the new step is already durable
             log.warning("retention failed: %s: %s", type(e).__name__, e)
             return

@@ -54,7 +54,7 @@ def is_retired(storage: Storage, step: int) -> bool:
 
 
 def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int | None = None,
-          keep_from: int | None = None, index: Any = None,
+          keep_from: int | None = None, keep_steps: tuple[int, ...] = (), index: Any = None,
           held: HeldSteps | None = None) -> Pruned:
     """Apply retention: delete committed steps beyond the newest `keep_last` live ones
     (except multiples of `keep_every`) and the steps of abandoned timelines
@@ -70,6 +70,8 @@ def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int 
         keep_from: no step from this one on is deleted (a caller's own pointer at a
             step, such as verl's tracker file, or a step it is still exporting), abandoned
             ones neither.
+        keep_steps: none of these is deleted (a framework's pointer at its "best"
+            step), abandoned ones neither; they are not counted in `keep_last`.
         index: the writer's DedupIndex (its pins, its cached references, and its lock,
             so no lookup can return a step being deleted); None for `asyncckpt gc`.
         held: the root's steps as listed since the last change to them (the commit's
@@ -85,11 +87,13 @@ def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int 
         held = storage.held_steps() if held is None else held
         steps = list(held.committed)
         live = live_steps(storage, steps) if keep_last > KEEP_ALL else steps
-        counted = [s for s in live if newest is None or s <= newest]
+        spared = set(keep_steps)
+        counted = [s for s in live if (newest is None or s <= newest) and s not in spared]
         doomed = [s for s in (counted[:-keep_last] if keep_last > KEEP_ALL else [])
                   if not (keep_every > 0 and s % keep_every == 0)
                   and (keep_from is None or s < keep_from)]
         doomed = sorted(doomed + [s for s in steps if s not in set(live)  # abandoned
+                                  and s not in spared
                                   and (keep_from is None or s < keep_from)])
         kept = [s for s in steps if s not in set(doomed)]
         needed = _needed(storage, kept, index)

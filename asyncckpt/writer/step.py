@@ -41,6 +41,7 @@ class Step:
     stats: dict[int, dict] = field(default_factory=dict)
     retention: tuple[int, int] | None = None
     keep_from: int | None = None              # retention deletes no step from this one on
+    keep_steps: tuple[int, ...] = ()          # nor these
     replace: bool = False                     # the save asked to replace a committed step
     timeline: TimelineStart | None = None     # the timeline the save begins (timelines.py)
     coordinated: bool = False
@@ -55,12 +56,14 @@ class Step:
     requester: Notify | None = None           # leader: the save that asked for the commit
 
     def take_options(self, options: SaveOptions) -> None:
-        """A rank's SaveOptions: a retention or keep_from it names is the step's (the
-        last rank to name one wins; ranks normally agree)."""
+        """A rank's SaveOptions: a retention, keep_from or keep_steps it names is the
+        step's (the last rank to name one wins; ranks normally agree)."""
         if options.retention is not None:
             self.retention = options.retention
         if options.keep_from is not None:
             self.keep_from = options.keep_from
+        if options.keep_steps:
+            self.keep_steps = options.keep_steps
 
     def folder(self, rank: int) -> str:
         """Where in the tmp directory `rank`'s files go: its node's folder ("" for a

@@ -127,10 +127,11 @@ class Steps:
 
         `options` (SaveOptions): its retention, if given, replaces the writer's own
         policy for the deletions that follow this step's commit; `keep_from`: that
-        retention deletes no step from that one on; `replace`: a committed step of this
-        number is replaced once the new one is durable (every rank must say so; a step
-        of an abandoned timeline is replaced without it); `timeline`: the timeline the
-        save begins (every rank must carry the same). With
+        retention deletes no step from that one on, nor any of `keep_steps`;
+        `replace`: a committed step of this number is replaced once the new one is
+        durable (every rank must say so; a step of an abandoned timeline is replaced
+        without it); `timeline`: the timeline the save begins (every rank must carry
+        the same). With
         `join`, the step is coordinated across nodes, `join.node` naming the ranks of
         this rank's node: once all their parts are durable, the lead's (the first's)
         `join.durable(tmp dir name, part entry)` is called instead of waiting here for

@@ -74,7 +74,8 @@ def begins(draw: Any) -> Begin:
         :draw(st.integers(0, len(names)))])
     retention = draw(st.none() | st.tuples(step, step))
     options = SaveOptions(*(retention or (None, 0)), keep_from=draw(st.none() | step),
-                          replace=draw(st.booleans()))
+                          replace=draw(st.booleans()),
+                          keep_steps=tuple(draw(st.lists(step, max_size=4))))
     return Begin(draw(any_int), draw(any_int), draw(any_int), table, tree, options,
                  coordinated=draw(st.booleans()), since=since, unchanged=unchanged,
                  node=draw(st.none() | st.tuples(st.integers(0, MAX_WORLD - 1),

@@ -168,6 +168,20 @@ def test_keep_all_keeps_abandoned_steps_and_keep_from_protects_them(root: Path) 
     assert committed(root) == [8, 9, 11, 12]  # 10 abandoned, deleted; 12 protected
 
 
+def test_keep_steps_spares_old_and_abandoned_steps_outside_the_count(root: Path) -> None:
+    """keep_steps (a framework's "best" step): kept whatever their age, abandoned or
+    not, and not counted in keep_last; a step no longer named goes at the next commit."""
+    save(root, [2, 4, 6, 8])
+    save(root, [10], keep_last=2, keep_steps=(2,))
+    assert committed(root) == [2, 8, 10]  # 2 kept beside the newest two
+    start = timeline_start(root, 8)
+    save(root, [9], timeline=start, keep_last=1, keep_steps=(2, 10))
+    assert committed(root) == [2, 9, 10]  # 10 abandoned but named; 8 beyond the newest one
+    save(root, [11], timeline=start, keep_last=1, keep_steps=(9,))
+    assert committed(root) == [9, 11]  # 2 and 10 no longer named
+    assert_same(state(11), asyncckpt.load(root))
+
+
 def test_saves_of_the_live_history_never_reference_abandoned_steps(root: Path) -> None:
     """Incremental saves: abandoned 10 holds the bytes of tensor B; after the fork at 8,
     13 (holding B again) references no frame of 10, from the fork on and after a writer
