@@ -114,6 +114,28 @@ def prune(storage: Storage, keep_last: int, keep_every: int = 0, *, newest: int 
     return result
 
 
+def reclaim(storage: Storage, step: int, index: Any = None) -> bool:
+    """Delete retired `step` now if no committed step and no save in flight references
+    its bytes (what the next commit's retention would do): a new save of its number
+    may then begin (an integration retired the step, or retention did while a step
+    since deleted referenced it).
+
+    Returns:
+        True when it was deleted; False when something still needs it, or a committed
+        step's manifest cannot be read to tell.
+    Raises:
+        OSError: the rename out of the root failed (nothing changed).
+    """
+    with index.lock if index is not None else contextlib.nullcontext():
+        needed = _needed(storage, storage.committed_steps(), index)
+        if needed is None or step in needed:
+            return False
+        if index is not None:
+            index.forget([step])
+    _delete(storage, step, True, "retired_deleting")
+    return True
+
+
 def _delete(storage: Storage, step: int, retired: bool, point: str) -> None:
     victim = storage.unpublish(step, retired=retired)
     faults.point(point)

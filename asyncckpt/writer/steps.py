@@ -58,7 +58,7 @@ from asyncckpt.writer.committer import Busy, Check, Committer, abandon
 from asyncckpt.writer.dedup import DedupIndex
 from asyncckpt.writer.nodes import NodeJoin, OneNode, SeveralNodes
 from asyncckpt.writer.owners import OwnerMark
-from asyncckpt.writer.retention import is_retired
+from asyncckpt.writer.retention import is_retired, reclaim
 from asyncckpt.writer.step import FailedSteps, Notify, Step
 from asyncckpt.writer.timelines import ALREADY_COMMITTED, Settled, settle
 
@@ -188,9 +188,12 @@ class Steps:
                    options: SaveOptions, lead: bool = True) -> Step:
         """A new open step (its codec chosen, its tmp directory made); under the lock.
         A committed step of its number is refused, or replaced, by the commit's rule
-        (timelines.py), asked now so a refused save writes nothing. A step that begins a
-        timeline writes the root's timeline file now on the writer of the leader's node
-        (`lead`: the node of rank 0, or the only node), before any byte of the step."""
+        (timelines.py), asked now so a refused save writes nothing; a retired step of
+        its number is deleted first when nothing references it (retention.reclaim; a
+        coordinated step leaves that to the leader's retention), else refused. A step
+        that begins a timeline writes the root's timeline file now on the writer of the
+        leader's node (`lead`: the node of rank 0, or the only node), before any byte of
+        the step."""
         replace = options.replace
         if step in self.committing:
             raise StepAlreadyCommittedError(ALREADY_COMMITTED, step=step, rank=rank)
@@ -207,7 +210,8 @@ class Steps:
             raise SaveFailedError("this step is committed, and an object-store root cannot "
                                   "replace a step atomically: save under another step number "
                                   "or into another prefix", step=step, rank=rank)
-        if is_retired(self.storage, step):
+        if is_retired(self.storage, step) and (coordinated  # only the leader deletes
+                                               or not reclaim(self.storage, step, self.index)):
             raise StepAlreadyCommittedError(
                 "this step was deleted by retention but its data is still referenced "
                 f"({retired_dir_name(step)}): save under another step number",

@@ -388,6 +388,19 @@ def test_a_retired_step_number_is_never_saved_again(root):
     assert_same(state(7, 3), asyncckpt.load(root))
 
 
+def test_a_retired_step_nothing_references_is_deleted_for_its_new_save(root):
+    """A retired step whose referencing steps have all gone (an integration's own
+    retirement, or a fork that abandoned them) blocks no new save of its number: the
+    save deletes it first, as the next commit's retention would have."""
+    save_all(root, {1: state(7, 1), 2: state(7, 2), 3: state(7, 3)}, keep_last=1)
+    assert (root / "step-00000001.retired").is_dir()  # step 3 references its base
+    shutil.rmtree(root / "step-00000003")  # nothing references step 1 any more
+    save_all(root, {1: state(8, 1)})
+    assert not (root / "step-00000001.retired").exists()
+    assert_same(state(8, 1), asyncckpt.load(root, step=1))
+    assert verify(root).ok
+
+
 def test_the_index_skips_damaged_or_misnamed_steps(root):
     from asyncckpt.writer.dedup import DedupIndex
     save_all(root, {1: state(7, 1), 2: state(8, 2)})
