@@ -52,8 +52,12 @@ at restore.
 A sharded model (FSDP2 through Accelerate, `fsdp="full_shard"` with fsdp_version 2:
 DTensor parameters) saves each rank's shards (the Checkpointer's sharded path), tested
 with the Trainer in tests/integrations/frameworks/test_hf_trainer_fsdp.py.
-Not supported (ValueError at `train()`): `load_best_model_at_end`, `push_to_hub`,
-DeepSpeed. The Trainer's `save_model()` (a Hugging Face model directory) is unchanged.
+The best checkpoint (`metric_for_best_model`, `load_best_model_at_end`) is kept as the
+Trainer keeps it: each save's retention spares its step (`keep_steps`), the end of
+`train()` loads its weights from the step, and with `save_total_limit=1` the steps whose
+directories the Trainer then deletes are retired (hf_trainer_best.py).
+Not supported (ValueError at `train()`): `push_to_hub`, DeepSpeed. The Trainer's
+`save_model()` (a Hugging Face model directory) is unchanged.
 """
 
 from __future__ import annotations
@@ -79,6 +83,13 @@ from asyncckpt.integrations.hf_peft import (
     base_values,
     check_base,
     check_base_values,
+)
+from asyncckpt.integrations.hf_trainer_best import (
+    best_step,
+    load_best,
+    name_best,
+    retention,
+    retire_deleted,
 )
 from asyncckpt.integrations.hf_trainer_dirs import (
     MARKER,
@@ -134,6 +145,7 @@ class AsyncCheckpointMixin(_Base):
     _asyncckpt_rng: Any = None  # this rank's RNG states in the restored step
     _asyncckpt_replicated = False  # the model is not sharded: rank 0 saves it alone
     _asyncckpt_rng_only: CheckpointerOptions | None = None  # the other ranks' options
+    _asyncckpt_run_dir: Path | None = None  # where this train() saved
 
     # -- saving ---------------------------------------------------------------------
 
@@ -142,7 +154,8 @@ class AsyncCheckpointMixin(_Base):
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         step = int(self.state.global_step)
-        run_dir = Path(self._get_output_dir(trial=trial))
+        name_best(self.state, self._get_output_dir(trial=trial), step)
+        run_dir = self._asyncckpt_run_dir = Path(self._get_output_dir(trial=trial))
         ckpt = self._asyncckpt(run_dir)
         self._asyncckpt_raise_failed()
         fork = self._asyncckpt_fork_at
@@ -164,11 +177,16 @@ class AsyncCheckpointMixin(_Base):
         state_json = self._asyncckpt_state_json() if self.args.should_save else None
         if first and state_json is not None:  # the step's own copy: checked at resume
             extra[TRAINER_STATE] = encoded(state_json)
-        options, rng_only = ckpt.options, self._asyncckpt_rng_only
-        if not first and self._asyncckpt_replicated and rng_only is not None:
-            ckpt.options = rng_only  # a replicated (DDP) model and optimizer: rank 0's
+        keep_last, keep_steps = retention(  # the Trainer's rotation, the best step kept
+            self.args.save_total_limit, step,
+            best_step(self.state.best_model_checkpoint, run_dir))
+        options, mine = ckpt.options, ckpt.options
+        if not first and self._asyncckpt_replicated and self._asyncckpt_rng_only is not None:
+            mine = self._asyncckpt_rng_only  # a replicated (DDP) model and optimizer: rank 0's
+        ckpt.options = dataclasses.replace(mine, keep_last=keep_last)
         try:
-            handle = ckpt.save(step, extra=extra, force=True, replace=True)
+            handle = ckpt.save(step, extra=extra, force=True, replace=True,
+                               keep_steps=keep_steps)
         finally:
             ckpt.options = options
         assert handle is not None  # force=True always saves (on_busy is "queue")
@@ -260,12 +278,11 @@ class AsyncCheckpointMixin(_Base):
         """The Trainer's `train()`; returns once every save is committed (the writer
         this started is stopped).
         Raises:
-            ValueError: `load_best_model_at_end`, `push_to_hub` or DeepSpeed are set
-                (not supported by this integration yet).
+            ValueError: `push_to_hub` or DeepSpeed are set (not supported by this
+                integration yet).
         """
-        for flag in ("load_best_model_at_end", "push_to_hub"):
-            if getattr(self.args, flag, False):
-                raise ValueError(f"AsyncCheckpointTrainer does not support {flag}=True yet")
+        if getattr(self.args, "push_to_hub", False):
+            raise ValueError("AsyncCheckpointTrainer does not support push_to_hub=True yet")
         if getattr(self, "is_deepspeed_enabled", False):
             raise ValueError("AsyncCheckpointTrainer does not support DeepSpeed")
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
@@ -274,8 +291,9 @@ class AsyncCheckpointMixin(_Base):
                 repair(Path(self.args.output_dir))
             if self.args.world_size > 1:
                 self.accelerator.wait_for_everyone()  # the directories are as repaired
+        self._asyncckpt_run_dir = None
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
         finally:
             ckpt = self._asyncckpt_ckpt
             self._asyncckpt_ckpt = None
@@ -285,6 +303,25 @@ class AsyncCheckpointMixin(_Base):
             finally:
                 self._asyncckpt_followed(stop=True)
             self._asyncckpt_raise_failed()
+        run_dir = self._asyncckpt_run_dir
+        best = best_step(self.state.best_model_checkpoint, run_dir) if run_dir else None
+        if (run_dir is not None and best is not None and self.args.should_save
+                and self.args.save_total_limit == 1):  # the Trainer kept the best's alone
+            retire_deleted(run_dir, best)
+        return result
+
+    def _load_best_model(self) -> None:
+        """The end of `train()` with `load_best_model_at_end`: the weights of the step
+        `state.best_model_checkpoint` names, once every save is committed (every rank);
+        a directory of the Trainer's own goes to its loader."""
+        self.asyncckpt_wait()
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()  # rank 0 moved the directories in
+        marker = read_marker(self.state.best_model_checkpoint)
+        if marker is None:
+            super()._load_best_model()
+            return
+        load_best(marker["root"], marker["step"], self._asyncckpt_targets()[0])
 
     # -- the Checkpointer --------------------------------------------------------------
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from asyncckpt.errors import CheckpointError, SaveFailedError
 from asyncckpt.integrations.lightning_marker import write_marker
+from asyncckpt.integrations.retire import retire_committed
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.storage.location import storage_for
-from asyncckpt.writer.commit import update_latest
 
 __all__ = ["FollowUp", "PendingSave", "Retirement"]
 log = logging.getLogger("asyncckpt.lightning")
@@ -153,12 +153,6 @@ class FollowUp:
                 self._deferred.add(step)             # before that save has committed
                 return
         try:  # best effort, on the follow-up thread: it must outlive any failure
-            storage = storage_for(self._root_or_fail())
-            if step not in storage.committed_steps():
-                return
-            named = storage.read_latest()
-            storage.retire(step)
-            if named == step or named is None:  # an older step's retirement leaves the
-                update_latest(storage)          # newest, and `latest`, as they were
+            retire_committed(storage_for(self._root_or_fail()), step)
         except Exception as e:
             log.warning("asyncckpt: could not retire step %d: %s", step, e)

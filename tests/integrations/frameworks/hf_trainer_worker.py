@@ -4,8 +4,10 @@ frameworks venv's python, under torchrun (2 gloo ranks) or alone.
 
 argv[1]: JSON {"out", "max_steps", "save_steps", "limit", "resume", "kill_step",
 "dump", "peft", "plain",
-"then_resume", "fsdp"}. At the end each rank writes `dump`-RANK.pt: the weights, the
-optimizer and scheduler states, its RNG state and the logged losses by step. With
+"then_resume", "fsdp", "best"}. With "best" ("track" or "load"), the Trainer evaluates
+at each save and tracks its best by the evaluation loss; "load": load_best_model_at_end.
+At the end each rank writes `dump`-RANK.pt: the weights, the optimizer and scheduler
+states, its RNG state and the logged losses by step. With
 "kill_step", rank 1 SIGKILLs itself in the save of that step, after rank 0 handed its
 part over (the step is mid-save: it never commits). With "then_resume", the same
 process then trains a fresh model resumed from that checkpoint directory and dumps it
@@ -60,6 +62,14 @@ def model(peft: bool) -> torch.nn.Module:
     return net
 
 
+def best_args(best: str | None, every: int) -> dict:
+    """TrainingArguments that evaluate at each save and track the best (see argv)."""
+    if not best:
+        return {}
+    return {"eval_strategy": "steps", "eval_steps": every, "metric_for_best_model": "loss",
+            "greater_is_better": False, "load_best_model_at_end": best == "load"}
+
+
 def fsdp_on_cpu(cls: type[Trainer]) -> type[Trainer]:
     """`cls` whose `create_accelerator_and_postprocess` then sets the FSDP plugin where
     Accelerate 1.16 on CPU leaves none (see the module docstring)."""
@@ -86,11 +96,13 @@ def run(cfg: dict) -> Trainer:
         save_steps=cfg["save_steps"], save_total_limit=cfg.get("limit"), logging_steps=1,
         per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="linear",
         warmup_steps=2, use_cpu=True, report_to=[], seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, save_only_model=cfg.get("save_only_model", False), **fsdp)
+        dataloader_num_workers=0, save_only_model=cfg.get("save_only_model", False),
+        **fsdp, **best_args(cfg.get("best"), cfg["save_steps"]))
     cls = Trainer if cfg.get("plain") else AsyncCheckpointTrainer
     if cfg.get("fsdp"):
         cls = fsdp_on_cpu(cls)
-    trainer = cls(model=model(cfg.get("peft", False)), args=args, train_dataset=Tokens())
+    trainer = cls(model=model(cfg.get("peft", False)), args=args, train_dataset=Tokens(),
+                  eval_dataset=Tokens(8) if cfg.get("best") else None)
     kill = cfg.get("kill_step")
     if kill is not None and args.process_index == 1:
         real = Checkpointer.save
@@ -132,6 +144,7 @@ def dump(trainer: Trainer, path: str) -> None:
     torch.save({"params": params,
                 "optimizer": optimizer, "scheduler": trainer.lr_scheduler.state_dict(),
                 "rng": torch.get_rng_state(), "losses": losses,
+                "best": trainer.state.best_model_checkpoint,
                 "blocked": trainer.blocked_per_save},
                f"{path}-{trainer.args.process_index}.pt")
 
