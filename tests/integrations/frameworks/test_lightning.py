@@ -211,7 +211,7 @@ RETIRE_OLDER = r'''
 import sys
 from pathlib import Path
 import torch
-from asyncckpt.integrations import lightning_followup as io_module
+from asyncckpt.integrations import retire as io_module
 from asyncckpt.integrations.lightning import AsyncckptCheckpointIO
 from asyncckpt.storage.location import storage_for
 
