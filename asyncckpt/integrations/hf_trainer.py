@@ -310,6 +310,16 @@ class AsyncCheckpointMixin(_Base):
             retire_deleted(run_dir, best)
         return result
 
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The end of the Trainer's loop (private in transformers 5.25): every save
+        committed and its `checkpoint-N/` in place first (every rank), as the Trainer's
+        end expects its directories on disk (the best one's loaded, with
+        `save_total_limit=1` the others deleted)."""
+        self.asyncckpt_wait()
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()
+        return super()._finalize_training(*args, **kwargs)
+
     def _load_best_model(self) -> None:
         """The end of `train()` with `load_best_model_at_end`: the weights of the step
         `state.best_model_checkpoint` names, once every save is committed (every rank);

@@ -21,10 +21,13 @@ from typing import Any
 import torch
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
+from asyncckpt.config import KEEP_ALL
 from asyncckpt.integrations.hf_trainer_dirs import PREFIX, ROOT_NAME, remove_dirs, step_of
 from asyncckpt.integrations.retire import retire_committed
 from asyncckpt.storage.location import root_path, storage_for
 from asyncckpt.storage.timeline import live_steps, read_current
+from asyncckpt.writer.owners import writer_running
+from asyncckpt.writer.retention import prune
 
 log = logging.getLogger("asyncckpt.hf_trainer")
 
@@ -77,7 +80,9 @@ def load_best(root: Path, step: int, model: torch.nn.Module) -> None:
 def retire_deleted(run_dir: Path, best: int) -> list[int]:
     """After `train()` with `save_total_limit=1` (rank 0, every save committed): the
     Trainer deleted every `checkpoint-N/` but the best's; retire their steps, so that
-    the root holds what the directories name. Returns the steps retired."""
+    the root holds what the directories name, and, while no writer runs on the root,
+    delete those nothing references (else that writer's next commit does). Returns the
+    steps retired."""
     root = run_dir / ROOT_NAME
     if not root.is_dir():
         return []
@@ -85,4 +90,6 @@ def retire_deleted(run_dir: Path, best: int) -> list[int]:
     live = live_steps(storage, storage.step_dirs(), read_current(storage))
     retired = [s for s in live if s != best and retire_committed(storage, s)]
     remove_dirs(run_dir, lambda s: s != best)
+    if retired and not writer_running(root):
+        prune(storage, KEEP_ALL)  # keeps every committed step; reclaims retired ones
     return retired

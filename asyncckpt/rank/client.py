@@ -229,7 +229,7 @@ class Client:
         started = time.perf_counter()
         check_step(step)
         options = SaveOptions(keep_last, keep_every, keep_from, bool(replace), timeline, tier,
-                              tuple(keep_steps))
+                              tuple(keep_steps) if isinstance(keep_steps, list) else keep_steps)
         if self._closed:
             raise WriterUnavailableError("this client is closed", step=step, rank=self.rank)
         self._raise_untaken()

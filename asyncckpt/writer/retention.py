@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,9 +121,15 @@ def reclaim(storage: Storage, step: int, index: Any = None) -> bool:
     may then begin (an integration retired the step, or retention did while a step
     since deleted referenced it).
 
+    Only its rename out of the root is done here (the caller may hold the writer's
+    lock); its files are removed on a thread of their own (swept at the next start if
+    the writer dies first). Without an index (incremental off) every committed step's
+    manifest is read to tell.
+
     Returns:
-        True when it was deleted; False when something still needs it, or a committed
-        step's manifest cannot be read to tell.
+        True when it was deleted (or the committer's retention took it meanwhile);
+        False when something still needs it, or a committed step's manifest cannot be
+        read to tell.
     Raises:
         OSError: the rename out of the root failed (nothing changed).
     """
@@ -132,12 +139,21 @@ def reclaim(storage: Storage, step: int, index: Any = None) -> bool:
             return False
         if index is not None:
             index.forget([step])
-    _delete(storage, step, True, "retired_deleting")
+    try:
+        victim = storage.unpublish(step, retired=True)
+    except FileNotFoundError:
+        return True  # the committer's retention reclaimed it meanwhile
+    faults.point("retired_deleting")
+    threading.Thread(target=storage.discard, args=(victim,), name="asyncckpt-reclaim",
+                     daemon=True).start()
     return True
 
 
 def _delete(storage: Storage, step: int, retired: bool, point: str) -> None:
-    victim = storage.unpublish(step, retired=retired)
+    try:
+        victim = storage.unpublish(step, retired=retired)
+    except FileNotFoundError:
+        return  # gone meanwhile: a save's begin reclaimed it (reclaim)
     faults.point(point)
     storage.discard(victim)
 

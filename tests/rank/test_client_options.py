@@ -31,6 +31,11 @@ def state(seed: int) -> dict:
     ({"keep_last": 2, "keep_every": -1}, "keep_every must be an int in 0.."),
     ({"keep_last": 2.5}, "keep_last must be an int"),
     ({"keep_from": -3}, "keep_from must be an int in 0.."),
+    ({"keep_steps": None}, "keep_steps must be a tuple of at most 64 steps; got None"),
+    ({"keep_steps": 5}, "keep_steps must be a tuple"),
+    ({"keep_steps": "12"}, "keep_steps must be a tuple of at most 64 steps; got '12'"),
+    ({"keep_steps": {3: 1}}, "keep_steps must be a tuple"),
+    ({"keep_steps": [1, 2.0]}, "keep_steps must be an int in 0.."),
 ])
 def test_a_bad_option_fails_in_save_and_the_client_keeps_serving(writer, options, match):
     """A negative keep_last used to reach the writer, which dropped the rank for a

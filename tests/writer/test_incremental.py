@@ -401,6 +401,19 @@ def test_a_retired_step_nothing_references_is_deleted_for_its_new_save(root):
     assert verify(root).ok
 
 
+def test_a_retired_step_another_deletion_took_meanwhile_fails_nothing(root, tmp_path):
+    """A save's begin (reclaim) and the committer's retention may both decide to delete
+    one retired step: whichever renames it second finds it gone, which is no failure
+    (retention would log one and skip the rest of its pass; the save would fail)."""
+    save_all(root, {1: state(7, 1), 2: state(7, 2), 3: state(7, 3)}, keep_last=1)
+    shutil.rmtree(root / "step-00000003")  # nothing references step 1 any more
+    storage = PosixStorage(root)
+    held = storage.held_steps()  # retention's listing: step 1 retired
+    os.rename(root / "step-00000001.retired", tmp_path / "taken")  # the other deletion
+    assert retention.prune(storage, 0, held=held).reclaimed == [1]
+    assert retention.reclaim(storage, 1) is True
+
+
 def test_the_index_skips_damaged_or_misnamed_steps(root):
     from asyncckpt.writer.dedup import DedupIndex
     save_all(root, {1: state(7, 1), 2: state(8, 2)})

@@ -8,7 +8,9 @@ evaluation loss: step 10's (three newer checkpoints rotate past it):
   while training, its weights loaded at the end, and every other checkpoint gone then
   (the Trainer deletes their directories; the steps must go with them); then
   `resume_from_checkpoint=True` resumes from the best, as the plain Trainer does;
-- tracked without loading, `save_total_limit=2`: the best and the newest kept.
+- tracked without loading, `save_total_limit=2`: the best and the newest kept;
+- tracked, `save_total_limit=1`, 12 steps: the best is the last save (step 12), still
+  being committed when the loop ends (the Trainer's end then looks for its directory).
 The weights, optimizer, scheduler, RNG and losses at the end, the best the state names
 and the directories left must be the plain Trainer's, and the root must hold exactly
 the steps the directories name."""
@@ -36,11 +38,12 @@ import hf_trainer_worker as w
 
 base = pathlib.Path(sys.argv[1])
 result = {}
-for name, best, limit, resume in [("load1", "load", 1, None), ("load1", "load", 1, True),
-                                  ("track2", "track", 2, None)]:
+for name, best, limit, resume, steps in [
+        ("load1", "load", 1, None, 16), ("load1", "load", 1, True, 16),
+        ("track2", "track", 2, None, 16), ("track1", "track", 1, None, 12)]:
     for kind in ("plain", "ours"):
         out = base / f"{kind}-{name}"
-        trainer = w.run({"out": str(out), "max_steps": 16, "save_steps": 2, "limit": limit,
+        trainer = w.run({"out": str(out), "max_steps": steps, "save_steps": 2, "limit": limit,
                          "best": best, "plain": kind == "plain", "resume": resume})
         label = f"{kind}-{name}" + ("-resumed" if resume else "")
         w.dump(trainer, str(base / label))
@@ -66,21 +69,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return base, json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("label", ["load1", "load1-resumed", "track2"])
+@pytest.mark.parametrize("label", ["load1", "load1-resumed", "track2", "track1"])
 def test_the_best_checkpoint_is_kept_named_and_loaded_as_the_plain_trainer_does(
         runs: tuple[Path, dict], label: str) -> None:
     base, result = runs
     plain, ours = result[f"plain-{label}"], result[f"ours-{label}"]
-    assert plain["best"] == "plain-" + label.split("-")[0] + "/checkpoint-10", plain
+    last, best = (12, 12) if label == "track1" else (16, 10)
+    assert plain["best"] == "plain-" + label.split("-")[0] + f"/checkpoint-{best}", plain
     assert ours["best"] == plain["best"].replace("plain-", "ours-")
     assert ours["dirs"] == plain["dirs"], (ours, plain)
-    assert ours["dirs"] == (["checkpoint-10"] if label.startswith("load1")
-                            else ["checkpoint-10", "checkpoint-16"])
-    assert plain["trained"] == ours["trained"] == 16
+    assert ours["dirs"] == ([f"checkpoint-{best}", "checkpoint-16"] if label == "track2"
+                            else [f"checkpoint-{best}"])
+    assert plain["trained"] == ours["trained"] == last
     same(torch.load(base / f"plain-{label}-0.pt", weights_only=False),
          torch.load(base / f"ours-{label}-0.pt", weights_only=False), 0)
     root = base / ("ours-" + label.split("-")[0]) / "asyncckpt"
     assert live(root) == [int(d.split("-")[1]) for d in ours["dirs"]]
+    assert not list(root.glob("*.retired"))  # nothing left of the steps the Trainer deleted
     assert asyncckpt.verify(root).ok
 
 
