@@ -22,6 +22,7 @@ from test_hf_trainer import launch, same, steps  # type: ignore[import-not-found
 
 from asyncckpt import verify
 from asyncckpt.read.checkpoint import Checkpoint
+from asyncckpt.read.loader import load
 from asyncckpt.read.resolve import current_timeline
 
 pytestmark = [pytest.mark.process, needs_frameworks, full_only]
@@ -78,6 +79,25 @@ def test_rotation_and_an_older_resume_saving_over_the_newer(runs: Path) -> None:
     manifest = json.loads((root / "step-00000008" / "manifest.json").read_text())
     assert timeline.id in json.dumps(manifest)
     assert verify(root).ok
+
+
+def test_load_best_model_at_end_loads_the_best_steps_shards(tmp_path: Path) -> None:
+    """`load_best_model_at_end` under FSDP2: every rank loads its shards of the best
+    step (a collective restore of DTensors), and only that step is left
+    (`save_total_limit=1`)."""
+    out = tmp_path / "best"
+    done = launch({"out": str(out), "max_steps": 16, "save_steps": 2, "limit": 1,
+                   "fsdp": True, "best": "load", "dump": str(out)}, 2)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    dumps = [torch.load(f"{out}-{rank}.pt", weights_only=False) for rank in (0, 1)]
+    assert dumps[0]["best"] == dumps[1]["best"]
+    best = int(Path(dumps[0]["best"]).name.split("-")[1])
+    assert best < 16  # older than the newest: the rotation spared it
+    saved = load(out / "asyncckpt", step=best)["model"]  # DTensors come back whole
+    for dump in dumps:  # the whole weights (full_tensor), on both ranks
+        assert dump["params"].keys() == saved.keys()
+        assert all(torch.equal(dump["params"][k], saved[k]) for k in saved)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{best}"]
 
 
 if __name__ == "__main__":
