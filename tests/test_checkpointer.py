@@ -349,8 +349,9 @@ def test_restore_reads_only_the_contents_asked_for(shared, monkeypatch):
 
 @pytest.mark.parametrize("codec", ["zstd"], indirect=True)
 def test_replace_and_keep_from_reach_the_writer(writer, root):
-    """save(replace=True) replaces a committed step (a rerun into an old root) and
-    keep_from protects steps from retention (a step a tracker file still names)."""
+    """save(replace=True) replaces a committed step (a rerun into an old root); keep_from
+    protects steps from retention (a step a tracker file still names), keep_steps the
+    steps it names (a framework's best)."""
     model, opt = make_model()
     options = CheckpointerOptions(save_interval=1, keep_last=1)
     with Checkpointer(root, model=model, optimizer=opt, options=options,
@@ -367,6 +368,9 @@ def test_replace_and_keep_from_reach_the_writer(writer, root):
         assert ckpt.all_steps() == [1, 2]  # keep_last=1, but step 1 is protected
         ckpt.save(3, keep_from=2).wait(60)
         assert ckpt.all_steps() == [2, 3]
+        ckpt.save(4, keep_steps=(2,)).wait(60)
+        ckpt.save(5, keep_steps=(2,)).wait(60)
+        assert ckpt.all_steps() == [2, 5]  # 2 kept outside keep_last's count
         ckpt.client.close()
 
 
