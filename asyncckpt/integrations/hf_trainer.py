@@ -67,15 +67,13 @@ import hashlib
 import importlib
 import json
 import logging
-import queue
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncckpt.checkpointer import Checkpointer, CheckpointerOptions
-from asyncckpt.errors import CheckpointError, SaveFailedError
+from asyncckpt.errors import CheckpointError
 from asyncckpt.integrations.buffers import buffer_keys, with_buffers_cloned
 from asyncckpt.integrations.hf_peft import (
     TrainableParameters,
@@ -97,18 +95,15 @@ from asyncckpt.integrations.hf_trainer_dirs import (
     TRAINER_STATE,
     check_side_files,
     encoded,
-    place,
     read_marker,
     remove_dirs,
     repair,
-    write_pending,
 )
+from asyncckpt.integrations.hf_trainer_followup import DirectoriesFollowUp
 from asyncckpt.integrations.rng import rng_state, set_rng_state
 from asyncckpt.rank.handle import SaveHandle
 from asyncckpt.read.loader import load_parts
 from asyncckpt.read.resolve import current_timeline, timeline_start
-from asyncckpt.storage.location import root_path, storage_for
-from asyncckpt.storage.timeline import live_steps, read_current
 from asyncckpt.torchutil.agree import outcome, worst
 from asyncckpt.torchutil.dtensor import is_sharded_model
 
@@ -124,7 +119,7 @@ MAX_IN_FLIGHT = 4
 _Base: Any = object
 
 
-class AsyncCheckpointMixin(_Base):
+class AsyncCheckpointMixin(DirectoriesFollowUp, _Base):
     """Put before `Trainer` (or a subclass of it) in the bases:
     `class MyTrainer(AsyncCheckpointMixin, Trainer)`. See the module docstring.
 
@@ -137,9 +132,6 @@ class AsyncCheckpointMixin(_Base):
     asyncckpt_adapter_only: bool | None = None
     asyncckpt_last_handle: SaveHandle | None = None
     _asyncckpt_ckpt: Checkpointer | None = None  # this train()'s, made at its first use
-    _asyncckpt_thread: threading.Thread | None = None  # rank 0: the follow-up thread
-    _asyncckpt_jobs: queue.Queue[Any] | None = None  # its saves, in order; None: stop
-    _asyncckpt_failed: BaseException | None = None  # a follow-up's failure, not yet raised
     _asyncckpt_fork_at: int | None = None  # restored from this step; no save since
     _asyncckpt_restored: dict[str, Any] | None = None  # the restored step's extra
     _asyncckpt_rng: Any = None  # this rank's RNG states in the restored step
@@ -206,64 +198,6 @@ class AsyncCheckpointMixin(_Base):
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
         return json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
-
-    def _asyncckpt_follow(self, handle: SaveHandle, run_dir: Path, step: int,
-                          state_json: str) -> None:
-        """Rank 0: write `checkpoint-N/` aside (the Trainer's state `state_json`, the
-        marker), and once `step` commits move it into place and drop the directories
-        of steps the root no longer holds live: on one follow-up thread for every
-        save, in order (started at the first: a save starts no thread, writes no
-        file)."""
-        jobs = self._asyncckpt_jobs
-        if jobs is None or self._asyncckpt_thread is None:
-            jobs = self._asyncckpt_jobs = queue.Queue()
-            self._asyncckpt_thread = threading.Thread(target=self._asyncckpt_follow_all,
-                                                      args=(jobs,), name="asyncckpt-hf",
-                                                      daemon=True)
-            self._asyncckpt_thread.start()
-        jobs.put((handle, run_dir, step, state_json))
-
-    def _asyncckpt_follow_all(self, jobs: queue.Queue[Any]) -> None:
-        while (job := jobs.get()) is not None:
-            try:
-                self._asyncckpt_follow_one(*job)
-            finally:
-                jobs.task_done()
-        jobs.task_done()
-
-    def _asyncckpt_follow_one(self, handle: SaveHandle, run_dir: Path, step: int,
-                              state_json: str) -> None:
-        try:
-            pending = write_pending(run_dir, step, state_json)
-            handle.wait()
-            place(pending, run_dir, step)
-            storage = storage_for(root_path(run_dir / ROOT_NAME))
-            live = set(live_steps(storage, storage.step_dirs(), read_current(storage)))
-            remove_dirs(run_dir, lambda s: s not in live)
-        except BaseException as e:  # raised by the next save or at the end of train()
-            log.error("asyncckpt: the checkpoint of step %d failed: %s", step, e)
-            self._asyncckpt_failed = e
-
-    def _asyncckpt_followed(self, stop: bool = False) -> None:
-        """Block until the follow-up thread has done every save handed to it; with
-        `stop`, end the thread too (a later save starts another)."""
-        jobs, thread = self._asyncckpt_jobs, self._asyncckpt_thread
-        if jobs is None or thread is None:
-            return
-        if not stop:
-            jobs.join()
-            return
-        jobs.put(None)
-        thread.join()
-        self._asyncckpt_jobs = self._asyncckpt_thread = None
-
-    def _asyncckpt_raise_failed(self) -> None:
-        failed = self._asyncckpt_failed
-        if failed is not None:
-            self._asyncckpt_failed = None
-            if isinstance(failed, CheckpointError):
-                raise failed
-            raise SaveFailedError(f"the follow-up of a save failed: {failed}") from failed
 
     def asyncckpt_wait(self) -> None:
         """Block until every save in flight is committed and its `checkpoint-N/` is in
