@@ -54,8 +54,9 @@ DTensor parameters) saves each rank's shards (the Checkpointer's sharded path), 
 with the Trainer in tests/integrations/frameworks/test_hf_trainer_fsdp.py.
 The best checkpoint (`metric_for_best_model`, `load_best_model_at_end`) is kept as the
 Trainer keeps it: each save's retention spares its step (`keep_steps`), the end of
-`train()` loads its weights from the step, and with `save_total_limit=1` the steps whose
-directories the Trainer then deletes are retired (hf_trainer_best.py).
+`train()` (once every save is committed) loads its weights from the step, and with
+`save_total_limit=1` the steps whose directories the Trainer then deletes are deleted too
+(hf_trainer_best.py).
 Not supported (ValueError at `train()`): `push_to_hub`, DeepSpeed. The Trainer's
 `save_model()` (a Hugging Face model directory) is unchanged.
 """
