@@ -99,6 +99,24 @@ def test_retention_and_incremental_references_work_on_the_bucket(s3_root, s3_wri
     assert cli("verify", s3_root).returncode == 0
 
 
+def test_a_retired_step_nothing_references_is_saved_over_on_the_bucket(s3_root, s3_writer):
+    """Step 1 retired by retention (step 3 references its frames); once 2 and 3 are
+    retired too (an integration's own deletion), nothing kept references step 1, and a
+    new save of step 1 deletes the retired one first and commits."""
+    base = state(1)
+    storage = storage_for(s3_root)
+    with asyncckpt.connect(s3_writer.address, rank=0, world_size=1) as c:
+        for step in (1, 2, 3):
+            c.save(step, dict(base, step=step), keep_last=2).wait(timeout=120)
+        assert storage.retired_steps() == [1]
+        for step in (2, 3):
+            storage.retire(step)
+        c.save(1, state(7), keep_last=2).wait(timeout=120)
+    assert storage.committed_steps() == [1]
+    assert same(asyncckpt.load(s3_root, step=1), state(7))
+    assert cli("verify", s3_root).returncode == 0
+
+
 def test_the_checkpointer_saves_and_restores_through_the_bucket(s3_root, s3_writer):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
