@@ -5,7 +5,8 @@ frameworks venv's python, under torchrun (2 gloo ranks) or alone.
 argv[1]: JSON {"out", "max_steps", "save_steps", "limit", "resume", "kill_step",
 "dump", "peft", "plain",
 "then_resume", "fsdp", "best"}. With "best" ("track" or "load"), the Trainer evaluates
-at each save and tracks its best by the evaluation loss; "load": load_best_model_at_end.
+at each save and tracks its best by the evaluation loss; "load": load_best_model_at_end;
+"save": save_strategy="best" (a save at each new best only).
 At the end each rank writes `dump`-RANK.pt: the weights, the optimizer and scheduler
 states, its RNG state and the logged losses by step. With
 "kill_step", rank 1 SIGKILLs itself in the save of that step, after rank 0 handed its
@@ -92,7 +93,8 @@ def run(cfg: dict) -> Trainer:
         "fsdp_version": 2, "reshard_after_forward": True,
         "transformer_layer_cls_to_wrap": ["GPT2Block"]}} if cfg.get("fsdp") else {}
     args = TrainingArguments(
-        output_dir=cfg["out"], max_steps=cfg["max_steps"], save_strategy="steps",
+        output_dir=cfg["out"], max_steps=cfg["max_steps"],
+        save_strategy="best" if cfg.get("best") == "save" else "steps",
         save_steps=cfg["save_steps"], save_total_limit=cfg.get("limit"), logging_steps=1,
         per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="linear",
         warmup_steps=2, use_cpu=True, report_to=[], seed=0, disable_tqdm=True,

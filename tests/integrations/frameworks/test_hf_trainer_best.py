@@ -10,7 +10,8 @@ evaluation loss: step 10's (three newer checkpoints rotate past it):
   `resume_from_checkpoint=True` resumes from the best, as the plain Trainer does;
 - tracked without loading, `save_total_limit=2`: the best and the newest kept;
 - tracked, `save_total_limit=1`, 12 steps: the best is the last save (step 12), still
-  being committed when the loop ends (the Trainer's end then looks for its directory).
+  being committed when the loop ends (the Trainer's end then looks for its directory);
+- `save_strategy="best"`, `save_total_limit=1`: a save at each new best only.
 The weights, optimizer, scheduler, RNG and losses at the end, the best the state names
 and the directories left must be the plain Trainer's, and the root must hold exactly
 the steps the directories name."""
@@ -40,7 +41,8 @@ base = pathlib.Path(sys.argv[1])
 result = {}
 for name, best, limit, resume, steps in [
         ("load1", "load", 1, None, 16), ("load1", "load", 1, True, 16),
-        ("track2", "track", 2, None, 16), ("track1", "track", 1, None, 12)]:
+        ("track2", "track", 2, None, 16), ("track1", "track", 1, None, 12),
+        ("saved1", "save", 1, None, 16)]:
     for kind in ("plain", "ours"):
         out = base / f"{kind}-{name}"
         trainer = w.run({"out": str(out), "max_steps": steps, "save_steps": 2, "limit": limit,
@@ -69,7 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return base, json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("label", ["load1", "load1-resumed", "track2", "track1"])
+@pytest.mark.parametrize("label", ["load1", "load1-resumed", "track2", "track1", "saved1"])
 def test_the_best_checkpoint_is_kept_named_and_loaded_as_the_plain_trainer_does(
         runs: tuple[Path, dict], label: str) -> None:
     base, result = runs
