@@ -147,8 +147,9 @@ class AsyncCheckpointMixin(DirectoriesFollowUp, _Base):
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         step = int(self.state.global_step)
-        name_best(self.state, self._get_output_dir(trial=trial), step)
-        run_dir = self._asyncckpt_run_dir = Path(self._get_output_dir(trial=trial))
+        output_dir = self._get_output_dir(trial=trial)
+        name_best(self.state, output_dir, step)
+        run_dir = self._asyncckpt_run_dir = Path(output_dir)
         ckpt = self._asyncckpt(run_dir)
         self._asyncckpt_raise_failed()
         fork = self._asyncckpt_fork_at
@@ -173,9 +174,10 @@ class AsyncCheckpointMixin(DirectoriesFollowUp, _Base):
         keep_last, keep_steps = retention(  # the Trainer's rotation, the best step kept
             self.args.save_total_limit, step,
             best_step(self.state.best_model_checkpoint, run_dir))
-        options, mine = ckpt.options, ckpt.options
-        if not first and self._asyncckpt_replicated and self._asyncckpt_rng_only is not None:
-            mine = self._asyncckpt_rng_only  # a replicated (DDP) model and optimizer: rank 0's
+        options, rng_only = ckpt.options, self._asyncckpt_rng_only
+        mine = options
+        if not first and self._asyncckpt_replicated and rng_only is not None:
+            mine = rng_only  # a replicated (DDP) model and optimizer: rank 0's
         ckpt.options = dataclasses.replace(mine, keep_last=keep_last)
         try:
             handle = ckpt.save(step, extra=extra, force=True, replace=True,
