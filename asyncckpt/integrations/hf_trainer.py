@@ -258,12 +258,10 @@ class AsyncCheckpointMixin(DirectoriesFollowUp, _Base):
         return super()._finalize_training(*args, **kwargs)
 
     def _load_best_model(self) -> None:
-        """The end of `train()` with `load_best_model_at_end`: the weights of the step
-        `state.best_model_checkpoint` names, once every save is committed (every rank);
-        a directory of the Trainer's own goes to its loader."""
-        self.asyncckpt_wait()
-        if self.args.world_size > 1:
-            self.accelerator.wait_for_everyone()  # rank 0 moved the directories in
+        """The end of `train()` with `load_best_model_at_end` (called by
+        `_finalize_training`, after its wait for every save): the weights of the step
+        `state.best_model_checkpoint` names (every rank); a directory of the Trainer's
+        own goes to its loader."""
         marker = read_marker(self.state.best_model_checkpoint)
         if marker is None:
             super()._load_best_model()

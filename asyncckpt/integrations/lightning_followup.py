@@ -80,10 +80,7 @@ class FollowUp:
                 continue
             try:
                 for step in sorted(item.steps):
-                    self._retire(step)
-            except Exception as e:  # raised by the next save, as a save's failure is
-                with self._lock:
-                    self._failures.append(f"retiring steps {sorted(item.steps)} failed: {e}")
+                    self._retire(step)  # best effort: warns, never raises
             finally:
                 with self._lock:
                     self._retiring.remove(item)
